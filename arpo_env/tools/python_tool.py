@@ -1,0 +1,448 @@
+"""A sandboxed Python interpreter tool (replaces the reference's unsandboxed ``subprocess.run``, spec §5.1, §10.9-10).
+
+Every call runs in a fresh interpreter started with ``-I`` (isolated mode: no ``PYTHON*`` variables, no user site,
+script directory not on ``sys.path``) and a fixed, minimal environment, so no host variable (API keys included)
+reaches the code. A small bootstrap inside the child applies the limits and then runs the code.
+
+What the ``subprocess`` backend protects against:
+
+* Runaway time: a wall-clock timeout kills the whole process group and every process of the call's sandbox uid;
+  ``RLIMIT_CPU`` stops CPU burners. Messages are in English.
+* Memory bombs (``RLIMIT_AS``), single huge files (``RLIMIT_FSIZE``; Python then raises ``OSError: File too large``),
+  output floods (stdout/stderr are read incrementally, capped with a visible marker, and a process that writes
+  more than ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped), core dumps (``RLIMIT_CORE=0``).
+* Network: when the kernel allows it, the child enters a new network namespace (``unshare(CLONE_NEWNET)``; as a
+  non-root user together with ``CLONE_NEWUSER``), so it has only a loopback device that is down; even connections
+  to 127.0.0.1 fail. ``sandbox_capabilities()`` and ``ToolResult.meta["network_isolated"]`` say whether it holds.
+* When the host runs as root (containers, CI): the code runs under a per-call unprivileged uid drawn from a pool
+  (``uid_base`` ...), with ``no_new_privs``. So it cannot signal host processes (killing the parent fails with
+  EPERM), cannot write root-owned files (only world-writable places such as ``/tmp`` and its scratch directory),
+  and ``RLIMIT_NPROC`` is enforced (the kernel never enforces it for uid 0), which stops fork bombs. It keeps
+  ``CAP_DAC_READ_SEARCH`` only, so it can still *read* files that root can read: needed because the interpreter
+  often lives under ``/root`` (0700).
+* A fresh scratch directory is the working directory and is removed afterwards.
+
+What it does NOT protect against: reading host files (no filesystem isolation; use ``backend="bwrap"`` or
+``"docker"``), filling the disk with many files (only the size of each file is capped), kernel exploits, and -- when
+the host does not run as root -- signalling other processes of the same user (killing the parent) and fork bombs
+(``RLIMIT_NPROC`` then counts all processes of that user). Concurrent sandboxes draw distinct uids, so they cannot
+signal each other either. The ``bwrap`` backend adds a read-only root filesystem, private ``/tmp``, and PID,
+network and IPC namespaces; the ``docker`` backend (docker SDK, imported lazily) runs in a container with no
+network, a memory and a PID limit.
+
+Deliberate differences from the reference (spec §10.9, §10.10, §10.24): empty stdout returns ``"(no output)"`` once
+instead of re-running the code; output is capped; the timeout message is in English.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import queue
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from arpo_env.errors import ConfigError
+from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
+
+# Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin.
+# Exit code 121 means the sandbox could not be set up as requested (never a silent fallback).
+_BOOTSTRAP = r"""
+import ast, ctypes, json, os, resource, sys, traceback
+cfg = json.loads(sys.argv[1]); sys.argv = ["-c"]
+if cfg["code_file"]:
+    with open(cfg["code_file"], encoding="utf-8") as f: src = f.read()
+else:
+    src = sys.stdin.buffer.read().decode("utf-8", "replace")
+fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)
+sys.stdout.reconfigure(line_buffering=True)
+libc = ctypes.CDLL(None, use_errno=True)
+def fail(msg):
+    sys.stderr.write("sandbox setup failed: " + msg + "\n"); sys.stderr.flush(); os._exit(121)
+if cfg["net"]:
+    flags = 0x40000000 | (0 if os.geteuid() == 0 else 0x10000000)
+    if libc.unshare(flags) != 0: fail("unshare(CLONE_NEWNET) errno %d" % ctypes.get_errno())
+if cfg["uid"] is not None:
+    libc.prctl(8, 1, 0, 0, 0)
+    os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)(4, 4, 4, 0, 0, 0)
+    if libc.capset(hdr, data) != 0: fail("capset errno %d" % ctypes.get_errno())
+    libc.prctl(47, 2, 2, 0, 0)
+    if libc.prctl(38, 1, 0, 0, 0) != 0: fail("no_new_privs")
+for name, value in cfg["limits"].items():
+    lim = getattr(resource, name)
+    hard = resource.getrlimit(lim)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(lim, (value, value))
+if cfg["probe"]:
+    print(json.dumps({"uid": os.getuid(), "net": cfg["net"]})); sys.exit(0)
+def _main(src, echo):
+    try:
+        tree = ast.parse(src, "<string>")
+        last = tree.body[-1] if tree.body else None
+        if echo and isinstance(last, ast.Expr) and not (isinstance(last.value, ast.Call)
+                and isinstance(last.value.func, ast.Name) and last.value.func.id == "print"):
+            call = ast.Call(ast.Name("print", ast.Load()), [last.value], [])
+            tree.body[-1] = ast.copy_location(ast.Expr(call), last)
+            ast.fix_missing_locations(tree)
+        code = compile(tree, "<string>", "exec")
+    except SyntaxError as exc:
+        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc))); sys.exit(1)
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next); sys.exit(1)
+_main(src, cfg["echo"])
+"""
+
+_BACKENDS = ("auto", "subprocess", "bwrap", "docker")
+_MAX_SANDBOXES = threading.BoundedSemaphore(max(4, 2 * (os.cpu_count() or 1)))
+_UID_POOL: queue.Queue[int] | None = None
+_CAPS: dict[str, dict] = {}
+_CAPS_LOCK = threading.Lock()
+
+
+def set_max_concurrency(n: int) -> None:
+    """Bound how many sandboxes run at once in this process, across all ``PythonTool`` instances and threads."""
+    global _MAX_SANDBOXES
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"max concurrency must be a positive integer, got {n!r}")
+    _MAX_SANDBOXES = threading.BoundedSemaphore(n)
+
+
+def _uid_pool(uid_base: int, size: int = 64) -> queue.Queue[int]:
+    global _UID_POOL
+    if _UID_POOL is None:
+        pool: queue.Queue[int] = queue.Queue()
+        for uid in range(uid_base, uid_base + size):
+            pool.put(uid)
+        _UID_POOL = pool
+    return _UID_POOL
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (catches daemons and children that left the process group)."""
+    for _ in range(20):
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                # /proc/<pid>/status, not the directory owner: a process that changed uid is non-dumpable and its
+                # /proc directory is owned by root.
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if line[:4] in ("Stat", "Uid:"))
+                if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
+                    found = True
+                    os.kill(int(entry), signal.SIGKILL)
+            except (OSError, KeyError, ValueError):
+                continue
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def sandbox_capabilities(backend: str = "auto") -> dict:
+    """Probe (once per backend) what isolation this machine provides.
+
+    Args:
+        backend: ``"auto"``, ``"subprocess"``, ``"bwrap"`` or ``"docker"``.
+
+    Returns:
+        ``{"backend": resolved backend, "network_isolation": bool, "uid_drop": bool, "detail": str}``.
+    """
+    if backend not in _BACKENDS:
+        raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
+    with _CAPS_LOCK:
+        if backend not in _CAPS:
+            _CAPS[backend] = _probe(backend)
+        return dict(_CAPS[backend])
+
+
+def _probe(backend: str) -> dict:
+    if backend == "auto":
+        backend = "bwrap" if shutil.which("bwrap") and _probe("bwrap")["available"] else "subprocess"
+    if backend == "docker":
+        return {"backend": "docker", "available": True, "network_isolation": True, "uid_drop": False,
+                "detail": "docker container with network disabled (engine checked at first call)"}
+    cmd_prefix = _bwrap_prefix(tempfile.gettempdir()) if backend == "bwrap" else []
+    if backend == "bwrap" and not shutil.which("bwrap"):
+        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
+                "detail": "bwrap is not installed"}
+    results = {}
+    combos = [(False, None)] if backend == "bwrap" else [(True, None), (False, _probe_uid())]
+    for net, uid in combos:
+        cfg = {"code_file": None, "net": net, "uid": uid, "limits": {}, "probe": True, "echo": False}
+        proc = subprocess.run([*cmd_prefix, sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)],
+                              input=b"", capture_output=True, timeout=30, env=_child_env("/"), cwd="/")
+        results[(net, uid)] = proc.returncode == 0
+    if backend == "bwrap" and not results[(False, None)]:
+        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
+                "detail": "bwrap is installed but cannot create namespaces here"}
+    net_ok = backend == "bwrap" or results.get((True, None), False)
+    uid_ok = any(ok for (_, uid), ok in results.items() if uid is not None)
+    detail = (f"{backend}: network namespace {'available' if net_ok else 'NOT available'}; "
+              f"per-call uid drop {'active' if uid_ok else 'inactive (host is not root)' if os.geteuid() else 'FAILED'}")
+    return {"backend": backend, "available": True, "network_isolation": net_ok, "uid_drop": uid_ok, "detail": detail}
+
+
+def _probe_uid() -> int | None:
+    return 64_999 if os.geteuid() == 0 else None
+
+
+def _bwrap_prefix(scratch: str) -> list[str]:
+    return ["bwrap", "--die-with-parent", "--unshare-all", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp", "--bind", scratch, scratch, "--chdir", scratch, "--"]
+
+
+def _child_env(scratch: str) -> dict[str, str]:
+    # Nothing is inherited from the host; thread counts are pinned so numeric libraries fit the memory limit.
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class PythonTool:
+    """Runs Python code in a fresh sandboxed interpreter and returns what it printed."""
+
+    name = "python"
+
+    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: float | None = None,
+                 max_output_chars: int = 10_000, max_procs: int = 32, max_file_mb: int = 64,
+                 max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
+                 require_network_isolation: bool = False, python_executable: str | None = None,
+                 no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
+                 docker_image: str = "python:3.11-slim") -> None:
+        """Configure the sandbox.
+
+        Args:
+            timeout_s: Wall-clock limit per call (the reference uses 120 s).
+            memory_mb: Address-space limit (``RLIMIT_AS``).
+            cpu_s: CPU-time limit; defaults to ``timeout_s``.
+            max_output_chars: Cap on the returned text; longer output is cut with a visible marker.
+            max_procs: Process limit (``RLIMIT_NPROC``; enforced for the per-call uid when the host is root).
+            max_file_mb: Largest file the code may write (``RLIMIT_FSIZE``).
+            max_code_chars: Longer code is rejected without running.
+            backend: ``"auto"`` (bwrap when installed, else subprocess), ``"subprocess"``, ``"bwrap"``, ``"docker"``.
+            echo_last_expr: Print a final bare expression as a REPL would (reference behaviour).
+            require_network_isolation: Raise ``ConfigError`` now if network isolation is unavailable.
+            python_executable: Interpreter for the code (default: the current one; reference: a conda env).
+            no_site: Also pass ``-S`` (no site-packages: stdlib only).
+            uid_base: First uid of the per-call uid pool (root hosts only).
+            scratch_root: Where scratch directories are created (default: the system temp dir).
+            docker_image: Image for ``backend="docker"``.
+        """
+        for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
+                           ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s)
+        self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
+        self.max_file_mb, self.max_code_chars = int(max_file_mb), int(max_code_chars)
+        self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base
+        self.python_executable = python_executable or sys.executable
+        self.scratch_root, self.docker_image = scratch_root, docker_image
+        self.capabilities = sandbox_capabilities(backend)
+        self.backend = self.capabilities["backend"]
+        if not self.capabilities["available"]:
+            raise ConfigError(f"python sandbox backend {backend!r} is unavailable: {self.capabilities['detail']}")
+        if require_network_isolation and not self.capabilities["network_isolation"]:
+            raise ConfigError("require_network_isolation=True but " + self.capabilities["detail"])
+
+    def schema(self) -> dict:
+        """OpenAI/Hermes function schema for the JSON tool-call protocol."""
+        return function_schema(self.name, self.__call__)
+
+    @tolerant_call
+    def __call__(self, code: str) -> ToolResult:
+        """Execute Python code in a fresh sandboxed interpreter; the printed output (or the traceback) is returned.
+
+        Args:
+            code: Python source. A final bare expression is printed, as in a REPL.
+        """
+        start = time.monotonic()
+        problem = check_text_arg(code, "code", self.max_code_chars)
+        if problem:
+            return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
+        with _MAX_SANDBOXES:
+            try:
+                if self.backend == "docker":
+                    result = self._run_docker(code)
+                else:
+                    result = self._run_process(code)
+            except Exception as exc:  # sandbox infrastructure failure: reported, never raised into the rollout
+                result = ToolResult(text=f"Python sandbox failure: {type(exc).__name__}: {exc}", error=True)
+        result.latency_s = time.monotonic() - start
+        result.meta.setdefault("network_isolated", self.capabilities["network_isolation"])
+        result.meta["backend"] = self.backend
+        return result
+
+    def run_many(self, codes: list[str], max_workers: int = 8) -> list[ToolResult]:
+        """Run several snippets concurrently (bounded by ``max_workers`` and the module-wide sandbox limit)."""
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            return list(pool.map(lambda c: self(c), codes))
+
+    # -- backends -------------------------------------------------------------------------------------------
+
+    def _config(self, uid: int | None, code_file: str | None) -> dict[str, Any]:
+        limits = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": max(1, int(self.cpu_s + 0.999)),
+                  "RLIMIT_FSIZE": self.max_file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
+        net = self.capabilities["network_isolation"] and self.backend == "subprocess"
+        # RLIMIT_NPROC counts all processes of a (user namespace, uid): only meaningful for the per-call uid, or
+        # for a non-root host inside its own user namespace (kernel >= 5.14). The kernel never enforces it for root.
+        if uid is not None or (net and os.geteuid() != 0):
+            limits["RLIMIT_NPROC"] = self.max_procs
+        return {"code_file": code_file, "net": net, "uid": uid, "limits": limits, "probe": False,
+                "echo": self.echo_last_expr}
+
+    def _run_process(self, code: str) -> ToolResult:
+        uid = _uid_pool(self.uid_base).get() if self.capabilities["uid_drop"] else None
+        scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
+        proc, collected = None, False
+        try:
+            if uid is not None:
+                os.chown(scratch, uid, uid)
+            prefix = _bwrap_prefix(scratch) if self.backend == "bwrap" else []
+            flags = ["-I", "-S"] if self.no_site else ["-I"]
+            cmd = [*prefix, self.python_executable, *flags, "-c", _BOOTSTRAP, json.dumps(self._config(uid, None))]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=scratch, env=_child_env(scratch), start_new_session=True)
+            try:
+                proc.stdin.write(code.encode("utf-8", "replace"))
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            out, err, status = self._collect(proc, uid)  # kills stragglers itself on every normal path
+            collected = True
+            return self._result(out, err, proc.returncode, status)
+        finally:
+            if proc is not None:
+                if not collected:
+                    self._kill(proc, uid)
+                proc.wait()
+                for stream in (proc.stdout, proc.stderr):
+                    stream.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+            if uid is not None:
+                _uid_pool(self.uid_base).put(uid)
+
+    def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if uid is not None:
+            _kill_uid(uid)
+
+    def _collect(self, proc: subprocess.Popen, uid: int | None) -> tuple[bytes, bytes, str]:
+        """Read stdout/stderr incrementally until both close, the deadline passes or the output limit is hit."""
+        keep = 4 * self.max_output_chars + 1024
+        flood = max(1 << 20, 16 * self.max_output_chars)
+        bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+        total, status = 0, "ok"
+        deadline = time.monotonic() + self.timeout_s
+        exited_at = None
+        with selectors.DefaultSelector() as sel:
+            for stream in bufs:
+                sel.register(stream, selectors.EVENT_READ)
+            while sel.get_map():
+                now = time.monotonic()
+                if now > deadline:
+                    status = "timeout"
+                    break
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now  # stragglers holding the pipes must not stretch the call
+                    self._kill(proc, uid)
+                if exited_at is not None and now - exited_at > 1.0:
+                    break
+                for key, _ in sel.select(timeout=min(0.1, max(0.0, deadline - now))):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    total += len(chunk)
+                    buf = bufs[key.fileobj]
+                    if len(buf) < keep:
+                        buf.extend(chunk[: keep - len(buf)])
+                if total > flood:
+                    status = "flood"
+                    break
+        if status == "ok":
+            try:  # both pipes closed; the process may still be running (it closed them itself)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                status = "timeout"
+        self._kill(proc, uid)
+        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), status
+
+    def _result(self, out: bytes, err: bytes, returncode: int | None, status: str) -> ToolResult:
+        stdout = out.decode("utf-8", "replace").strip()
+        stderr = err.decode("utf-8", "replace").strip()
+        meta: dict[str, Any] = {"returncode": returncode, "timed_out": status == "timeout"}
+        note = ""  # appended after truncation so a limit message is never cut off
+        if status == "timeout":
+            body, note = stdout, f"Execution timed out after {self.timeout_s:g} seconds; the process was killed."
+        elif status == "flood":
+            body, note = stdout, "[output limit exceeded: the process was stopped]"
+        elif returncode == 0:
+            body = stdout or "(no output)"
+        elif returncode is not None and returncode < 0:
+            body, note = stderr, self._signal_message(-returncode)
+        elif returncode == 121 and stderr.startswith("sandbox setup failed"):
+            body = stderr
+        else:
+            body = stderr or f"Process exited with code {returncode} and no error output."
+            meta["stdout"] = truncate_text(stdout, self.max_output_chars)[0]
+        error = not (returncode == 0 and status == "ok")
+        text, truncated = truncate_text(body, self.max_output_chars)
+        if note:
+            text = f"{text}\n{note}" if text else note
+        meta["truncated"] = truncated
+        return ToolResult(text=text, error=error, meta=meta)
+
+    def _signal_message(self, signum: int) -> str:
+        if signum == signal.SIGXCPU:
+            return f"CPU time limit exceeded ({self.cpu_s:g} s); the process was killed."
+        if signum == signal.SIGKILL:
+            return "The process was killed (SIGKILL), e.g. for exceeding a resource limit."
+        return f"The process was terminated by signal {signal.Signals(signum).name}."
+
+    def _run_docker(self, code: str) -> ToolResult:
+        import docker  # optional dependency: pip install 'arpo[docker]'
+
+        client = docker.from_env()
+        scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
+        try:
+            with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            os.chmod(scratch, 0o777)
+            cfg = self._config(None, "/scratch/main.py")
+            container = client.containers.run(
+                self.docker_image, ["python", "-I", "-c", _BOOTSTRAP, json.dumps(cfg)], detach=True,
+                network_disabled=True, mem_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
+                read_only=True, user=f"{pwd.getpwnam('nobody').pw_uid}", working_dir="/scratch",
+                volumes={scratch: {"bind": "/scratch", "mode": "rw"}}, environment=_child_env("/scratch"))
+            status = "ok"
+            try:
+                returncode = container.wait(timeout=self.timeout_s)["StatusCode"]
+            except Exception:  # requests' ReadTimeout: the container ran past the limit
+                container.kill()
+                returncode, status = None, "timeout"
+            out = container.logs(stdout=True, stderr=False)
+            err = container.logs(stdout=False, stderr=True)
+            container.remove(force=True)
+            return self._result(out, err, returncode, status)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,215 @@
+"""The sandboxed Python tool against real hostile code: every call returns within its limit, the host survives."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+from arpo_env.errors import ConfigError
+from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities
+
+CAPS = sandbox_capabilities("subprocess")
+TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def tool(tmp_path_factory) -> PythonTool:
+    return PythonTool(timeout_s=TIMEOUT, memory_mb=256, max_output_chars=2000, max_procs=16, max_file_mb=8,
+                      backend="subprocess", scratch_root=str(tmp_path_factory.mktemp("scratch")))
+
+
+def _bounded(tool: PythonTool, code: str, slack: float = 3.0):
+    start = time.monotonic()
+    result = tool(code)
+    assert time.monotonic() - start < tool.timeout_s + slack, result
+    return result
+
+
+def test_basic_output_repl_echo_and_no_output(tool):
+    assert tool("print('hi')").text == "hi"
+    echoed = tool("x = [1, 2]\nx + [3]")
+    assert (echoed.text, echoed.error) == ("[1, 2, 3]", False)
+    assert tool("print(1)\nprint(2)").text == "1\n2"  # a final print() is not wrapped again
+    empty = tool("x = 1")
+    assert (empty.text, empty.error) == ("(no output)", False)  # once, no re-run (spec §10.9)
+    assert tool("import math\nmath.factorial(20)").text == str(2432902008176640000)
+
+
+def test_errors_return_traceback(tool):
+    result = tool("def f():\n    return 1 / 0\nf()")
+    assert result.error and "ZeroDivisionError" in result.text and 'File "<string>", line 2' in result.text
+    syntax = tool("def f(:\n  pass")
+    assert syntax.error and "SyntaxError" in syntax.text
+    exited = tool("import sys; sys.exit(3)")
+    assert exited.error and "code 3" in exited.text
+
+
+@pytest.mark.parametrize("bad", ["", "   \n", 42, None, ["print(1)"], "x" * 200_001])
+def test_bad_input_never_raises(tool, bad):
+    result = tool(bad)
+    assert result.error and result.text.startswith("Invalid argument 'code'")
+
+
+def test_bad_keyword_arguments_never_raise(tool):
+    assert tool().error
+    assert tool(code="1", extra=2).error and "Invalid arguments" in tool(cod="1").text
+
+
+def test_infinite_loop_times_out_with_english_message(tool):
+    result = _bounded(tool, "print('started')\nwhile True:\n    pass")
+    assert result.error and result.meta["timed_out"]
+    assert "timed out after 3 seconds" in result.text and result.text.startswith("started")
+
+
+def test_output_flood_is_capped_and_stopped(tool):
+    result = _bounded(tool, "while True:\n    print('x' * 1000)")
+    assert result.error and len(result.text) < 2300 and "output truncated" in result.text
+    assert "output limit exceeded" in result.text
+    big = tool("print('y' * 5000)")
+    assert not big.error and big.meta["truncated"] and "3000 more characters" in big.text
+
+
+def test_memory_bomb(tool):
+    result = _bounded(tool, "x = bytearray(2 * 1024 ** 3)\nprint('allocated')")
+    assert result.error and "MemoryError" in result.text
+
+
+def test_disk_fill_single_file_is_capped(tool):
+    result = _bounded(tool, "with open('big.bin', 'wb') as f:\n    f.write(b'0' * (64 << 20))")
+    assert result.error and "File too large" in result.text
+
+
+def test_fork_bomb_is_contained(tool):
+    if not CAPS["uid_drop"]:
+        pytest.skip("RLIMIT_NPROC per call needs the per-call uid (host not root); only the timeout applies here")
+    result = _bounded(tool, "import os\nwhile True:\n    os.fork()")
+    assert result.error and "Resource temporarily unavailable" in result.text
+    assert tool("print('still fine')").text == "still fine"
+
+
+def test_cannot_kill_parent(tool):
+    if not CAPS["uid_drop"]:
+        pytest.skip("signal isolation needs the per-call uid (host not root): see the module docstring")
+    result = _bounded(tool, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+    assert result.error and "PermissionError" in result.text
+    assert os.getpid() > 0  # we are alive to assert anything at all
+
+
+def test_escaped_background_processes_are_killed(tool, tmp_path):
+    if not CAPS["uid_drop"]:
+        pytest.skip("per-uid reaping needs the per-call uid (host not root)")
+    # A daemon that leaves the process group must not outlive the call (the scratch dir is gone afterwards).
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n    os._exit(0)\n"
+            "print(os.getcwd())")
+    result = _bounded(tool, code)
+    assert not result.error
+    assert _live_sandbox_processes() == []
+
+
+def _live_sandbox_processes() -> list[str]:
+    """Running (not zombie: those are dead, awaiting init's reaping) processes of the sandbox uid pool."""
+    live = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line[:4] in ("Stat", "Uid:"))
+        except OSError:
+            continue
+        if int(fields["Uid"].split()[0]) in range(62_000, 62_064) and fields["State"].split()[0] not in "ZX":
+            live.append(pid)
+    return live
+
+
+def test_network_is_isolated_or_reported(tool):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        result = _bounded(tool, f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                                "print('connected')")
+    finally:
+        server.close()
+    assert result.meta["network_isolated"] is CAPS["network_isolation"]
+    if not CAPS["network_isolation"]:
+        pytest.skip("no network namespace on this host; the tool reports network_isolated=False")
+    assert result.error and "connected" not in result.text and "unreachable" in result.text
+
+
+def test_environment_cwd_and_scratch_cleanup(tool, monkeypatch):
+    monkeypatch.setenv("ARPO_SECRET_TEST_KEY", "do-not-leak")
+    result = tool("import os\nprint(os.getcwd())\nprint(sorted(os.environ))")
+    cwd, env = result.text.splitlines()
+    assert "ARPO_SECRET_TEST_KEY" not in env and "arpo-py-" in cwd
+    assert not os.path.exists(cwd)  # scratch directory removed after the call
+
+
+def test_writes_outside_scratch(tool, tmp_path):
+    # The subprocess backend has no filesystem isolation. As root it runs under an unprivileged uid, so a
+    # directory owned by root (pytest's tmp_path, mode 0700) is not writable; world-writable places would be.
+    target = tmp_path / "owned_by_host.txt"
+    result = tool(f"open({str(target)!r}, 'w').write('pwned')")
+    if CAPS["uid_drop"]:
+        assert result.error and "PermissionError" in result.text and not target.exists()
+    else:
+        pytest.skip("host is not root: the code runs as the host user and can write wherever that user can")
+
+
+def test_concurrency_eight_calls(tool):
+    codes = [f"import time\ntime.sleep(0.5)\n{i} * {i}" for i in range(8)]
+    start = time.monotonic()
+    results = tool.run_many(codes, max_workers=8)
+    assert [r.text for r in results] == [str(i * i) for i in range(8)]
+    # Parallel, not sequential: 8 x 0.5 s of sleeping would take 4 s in a row.
+    assert time.monotonic() - start < 3.5
+    threads = [threading.Thread(target=lambda: tool("1")) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_schema_from_signature(tool):
+    fn = tool.schema()["function"]
+    assert fn["name"] == "python" and fn["parameters"]["required"] == ["code"]
+    assert fn["parameters"]["properties"]["code"]["type"] == "string" and fn["description"]
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="timeout_s"):
+        PythonTool(timeout_s=0)
+    with pytest.raises(ConfigError, match="backend"):
+        PythonTool(backend="chroot")
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed on this machine")
+def test_bwrap_backend(tmp_path):
+    tool = PythonTool(timeout_s=TIMEOUT, backend="bwrap")
+    assert tool("print(6 * 7)").text == "42"
+    assert tool(f"open({str(tmp_path / 'x')!r}, 'w')").error  # read-only root filesystem
+
+
+def _docker_reason() -> str | None:
+    if importlib.util.find_spec("docker") is None:
+        return "the docker python package is not installed (pip install 'arpo[docker]')"
+    import docker
+
+    try:
+        docker.from_env().ping()
+    except Exception as exc:
+        return f"no reachable Docker engine: {type(exc).__name__}"
+    return None
+
+
+def test_docker_backend():
+    reason = _docker_reason()
+    if reason:
+        pytest.skip(reason)
+    tool = PythonTool(timeout_s=30, backend="docker")
+    assert tool("print(6 * 7)").text == "42"
