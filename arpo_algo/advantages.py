@@ -1,0 +1,175 @@
+"""Advantage estimators: GRPO (soft attribution), hard attribution over a token trie, and AEPO's entropy-aware term.
+
+* **Soft attribution** (the paper's default and what the reference trains, spec §3.2): plain GRPO over every
+  trajectory of the group. A token on a prefix shared by d trajectories is trained once per trajectory, each copy
+  with its own trajectory's advantage (so its weight grows with d; spec §10.7).
+* **Hard attribution** (spec §3.1, an option): a token shared by d trained trajectories is counted **once** with
+  the mean of their advantages. Sharing is found from the token ids (prompt + response) with a token trie.
+* **Entropy-aware advantage** (AEPO, spec §4.4): ``A·(1 + coef·z)`` with ``z`` the z-score of the current policy's
+  token entropy. It is *working* here (the reference silently skips it, §10.16). Normalisation scope: **per group**
+  (mean/std over the group's trained tokens, counted with the same multiplicity as in the loss), not the reference's
+  micro-batch, so the value does not depend on how the batch happens to be split. An optional minimum multiplier
+  (``entropy_advantage_clip``, e.g. 0.0) stops the sign of ``A`` from flipping when ``z < -1/coef``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GRPO_EPS = 1e-6
+
+
+def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: float = GRPO_EPS) -> list[float]:
+    """GRPO outcome advantages ``(r - mean) / (std + eps)`` of one group.
+
+    ``std`` is the unbiased standard deviation (as ``torch.std``). A group of size 1 uses mean 0 and std 1, as the
+    reference does, so its advantage is the raw reward.
+
+    Args:
+        rewards: The scalar rewards of the group's trajectories.
+        norm_by_std: Divide by ``std + eps`` (reference ``norm_adv_by_std_in_grpo=True``); False gives ``r - mean``.
+        eps: Added to the std.
+
+    Returns:
+        One advantage per reward, in the same order.
+    """
+    n = len(rewards)
+    if n == 0:
+        return []
+    if n == 1:
+        mean, std = 0.0, 1.0
+    else:
+        mean = sum(rewards) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+    if not norm_by_std:
+        return [r - mean for r in rewards]
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@dataclass
+class TokenTrie:
+    """Token sequences merged on identical prefixes.
+
+    Nodes are numbered in insertion order (sequence by sequence), so a parent always precedes its children and the
+    nodes a sequence adds form one contiguous id range at the end of its path (the packed layout relies on that).
+
+    Attributes:
+        parent: Parent node per node (-1 for a first token).
+        token: Token id per node.
+        depth: Position of the node in its sequences (0 for a first token).
+        paths: Per sequence, the node id of each of its positions.
+        first_new: Per sequence, the index in its path of the first node it created (== len(path) if none).
+    """
+
+    parent: list[int] = field(default_factory=list)
+    token: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    paths: list[list[int]] = field(default_factory=list)
+    first_new: list[int] = field(default_factory=list)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token)
+
+
+def build_token_trie(sequences: list[list[int]]) -> TokenTrie:
+    """Merge token sequences into a :class:`TokenTrie` (identical prefixes become one path)."""
+    trie = TokenTrie()
+    children: list[dict[int, int]] = []
+    roots: dict[int, int] = {}
+    for seq in sequences:
+        cur, path, first_new = -1, [], None
+        for pos, tok in enumerate(seq):
+            table = roots if cur < 0 else children[cur]
+            nid = table.get(tok)
+            if nid is None:
+                nid = trie.num_nodes
+                table[tok] = nid
+                trie.parent.append(cur)
+                trie.token.append(tok)
+                trie.depth.append(pos)
+                children.append({})
+                if first_new is None:
+                    first_new = pos
+            path.append(nid)
+            cur = nid
+        trie.paths.append(path)
+        trie.first_new.append(len(seq) if first_new is None else first_new)
+    return trie
+
+
+def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_masks: list[list[int]],
+                     advantages: list[float]) -> tuple[list[list[float]], list[list[int]]]:
+    """Hard advantage attribution over the token trie of one group.
+
+    A trained token that d trajectories share (same prompt + response prefix, trained in each of them) gets the mean
+    of those d advantages, and must be counted once in the loss: the caller either trains one copy (deduplicated
+    path) or every copy with weight ``1/d`` (duplicated path). Both give the same objective.
+
+    Args:
+        prompt_ids: The group's prompt tokens.
+        responses: Response tokens per trajectory.
+        trained_masks: Trained mask per trajectory (same lengths as ``responses``).
+        advantages: Trajectory-level advantage per trajectory (e.g. :func:`grpo_advantages`).
+
+    Returns:
+        ``(token_adv, multiplicity)``: per trajectory and response token, the attributed advantage and d (0 for
+        untrained tokens, whose advantage is 0.0).
+    """
+    trie = build_token_trie([list(prompt_ids) + list(r) for r in responses])
+    p = len(prompt_ids)
+    total: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for j, mask in enumerate(trained_masks):
+        path = trie.paths[j]
+        for t, m in enumerate(mask):
+            if m:
+                node = path[p + t]
+                total[node] = total.get(node, 0.0) + advantages[j]
+                count[node] = count.get(node, 0) + 1
+    token_adv, mult = [], []
+    for j, mask in enumerate(trained_masks):
+        path = trie.paths[j]
+        nodes = [path[p + t] for t in range(len(mask))]
+        token_adv.append([total[n] / count[n] if m else 0.0 for n, m in zip(nodes, mask)])
+        mult.append([count[n] if m else 0 for n, m in zip(nodes, mask)])
+    return token_adv, mult
+
+
+def entropy_aware_advantages(adv, entropy, weight, group, num_groups: int, *, coef: float = 0.2,
+                             min_multiplier: float | None = None):
+    """AEPO's entropy-aware advantage ``A·(1 + coef·z)`` with ``z`` the per-group z-score of the token entropy.
+
+    ``z = (H - mean) / std`` over the group's trained tokens, each token weighted by ``weight`` (1 per trajectory
+    copy for soft attribution; the hard-attribution count weights, so the duplicated and the deduplicated
+    computations agree). ``std`` is unbiased (``Σw(H-mean)² / (Σw - 1)``); a zero std, or fewer than two tokens,
+    uses 1 (the reference replaces a zero std by 1). ``z`` is detached: the multiplier carries no gradient.
+
+    Args:
+        adv: Advantage per token, float tensor [P].
+        entropy: Current policy entropy per token [P] (detached inside).
+        weight: Count weight per token [P].
+        group: Group index per token [P] (long, < num_groups).
+        num_groups: Number of groups.
+        coef: The entropy weight a (0.2 in AEPO, hard-coded there).
+        min_multiplier: Lower bound of ``1 + coef·z`` (None: unclipped, as the reference; 0.0 keeps the sign).
+
+    Returns:
+        ``(new_adv, z)``.
+    """
+    import torch
+
+    h = entropy.detach().double()
+    w = weight.double()
+    tot_w = torch.zeros(num_groups, dtype=torch.float64, device=h.device).index_add_(0, group, w)
+    mean = torch.zeros_like(tot_w).index_add_(0, group, w * h) / tot_w.clamp_min(1e-12)
+    dev = h - mean[group]
+    var = torch.zeros_like(tot_w).index_add_(0, group, w * dev * dev) / (tot_w - 1).clamp_min(1e-12)
+    std = var.sqrt()
+    std = torch.where((tot_w > 1) & (std > 0), std, torch.ones_like(std))
+    z = (dev / std[group]).to(adv.dtype)
+    mult = 1.0 + coef * z
+    if min_multiplier is not None:
+        mult = mult.clamp_min(min_multiplier)
+    return adv * mult, z
