@@ -1,0 +1,98 @@
+"""Token entropies: exact from full logits, and the ARPO reference estimator from top-k logprobs.
+
+Two estimators exist because the engines see different things (ARPO_SPEC §2.2, §10.2):
+
+* ``full``: the exact entropy ``H = -sum_v p(v) log p(v)`` (nats) of the full next-token distribution, computed from
+  the raw logits (temperature applied, before any top-k/top-p truncation). Never compute it from HF ``generate``'s
+  processed ``scores``: those hold ``-inf`` after truncation and give NaN (RAY_NOTES §1.4.5).
+* ``topk_sum_lnV``: what the reference code computes from vLLM's top-10 logprobs: flatten the top-k entries (plus
+  the sampled token when it is not among them) of the first ``k=20`` generated tokens into one list, take
+  ``H = -sum exp(l) * l`` over it (a *sum* over positions, not a mean) and divide by ``ln |V|``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from arpo_env.errors import ConfigError
+
+ENTROPY_METHODS = ("full", "topk_sum_lnV")
+
+# One token's top-k entries: a mapping token_id -> logprob, a sequence of (token_id, logprob) pairs, or plain floats.
+TopLogprobs = Mapping[int, float] | Sequence[tuple[int, float]] | Sequence[float]
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact entropy (nats) of ``softmax(logits / temperature)`` over the last dimension.
+
+    Args:
+        logits: Raw logits ``[..., V]`` (any float dtype; computed in float32 for accuracy).
+        temperature: Divides the logits first; 0 (greedy) is treated as 1, the distribution the model defines.
+
+    Returns:
+        Entropies of shape ``logits.shape[:-1]``, float32.
+    """
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    # exp(-inf) * -inf would be NaN for masked entries; xlogy-style guard keeps exact zeros there.
+    p = logp.exp()
+    return -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1)
+
+
+def _entries(top: TopLogprobs) -> list[float]:
+    if isinstance(top, Mapping):
+        return [float(getattr(v, "logprob", v)) for v in top.values()]
+    out = []
+    for item in top:
+        out.append(float(item[1]) if isinstance(item, (tuple, list)) else float(item))
+    return out
+
+
+def topk_token_term(top: TopLogprobs) -> float:
+    """One position's contribution ``-sum exp(l) * l`` over its top-k entries (nats, truncated entropy)."""
+    return -sum(math.exp(lp) * lp for lp in _entries(top) if lp > -math.inf)
+
+
+def topk_sum_lnV(top_logprobs_per_token: Sequence[TopLogprobs], vocab_size: int, k: int = 20) -> float:  # noqa: N802
+    """The ARPO reference entropy of one generated segment (ARPO_SPEC §2.2).
+
+    Args:
+        top_logprobs_per_token: Per generated token, its top-k logprobs *including the sampled token* when it was not
+            among the top k (as vLLM returns them and as :attr:`Generation.top_logprobs` holds them).
+        vocab_size: ``|V|``; the reference uses ``len(tokenizer.get_vocab())``.
+        k: Only the first ``k`` tokens of the segment count (reference: 20).
+
+    Returns:
+        ``(-sum over the first k tokens and their entries of exp(l) * l) / ln(vocab_size)``; 0.0 for an empty segment.
+    """
+    if vocab_size < 2:
+        raise ConfigError(f"vocab_size must be >= 2 for topk_sum_lnV, got {vocab_size}")
+    if k < 1:
+        raise ConfigError(f"entropy k (entropy_tokens) must be >= 1, got {k}")
+    total = sum(topk_token_term(top) for top in list(top_logprobs_per_token)[:k])
+    return total / math.log(vocab_size)
+
+
+def segment_entropy(generation: Any, method: str, *, vocab_size: int, k: int = 20) -> float:
+    """The entropy of a generated segment used for branching decisions, by named method.
+
+    Args:
+        generation: A :class:`arpo_algo.engines.base.Generation`.
+        method: ``"full"``: mean exact per-token entropy (nats) over the first ``k`` tokens;
+            ``"topk_sum_lnV"``: the reference estimator (needs ``generation.top_logprobs``).
+        vocab_size: ``|V|`` for the reference normalisation.
+        k: Number of leading tokens that count.
+    """
+    if method == "full":
+        ents = list(generation.entropies)[:k]
+        return float(sum(ents) / len(ents)) if ents else 0.0
+    if method == "topk_sum_lnV":
+        if generation.top_logprobs is None:
+            raise ConfigError("entropy_method='topk_sum_lnV' needs top logprobs: set SamplingParams.logprobs_topk "
+                              "(reference: 10)")
+        return topk_sum_lnV(generation.top_logprobs, vocab_size, k)
+    raise ConfigError(f"unknown entropy_method {method!r}; choose one of {', '.join(ENTROPY_METHODS)}")
