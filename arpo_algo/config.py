@@ -1,0 +1,441 @@
+"""ARPOConfig: the one, strict source of configuration for ARPO, AEPO and GRPO.
+
+RLlib and Tune require an :class:`~ray.rllib.algorithms.algorithm_config.AlgorithmConfig`, so that is where every
+setting lives. The knobs come in four groups, each with its own setter:
+
+* ``.training(...)``: the model and the learner. Every field of :class:`arpo_algo.learner.LearnerConfig` (``lr`` and
+  ``grad_clip`` reuse RLlib's fields of the same name) plus ``model_path`` and ``prompts_per_step``.
+* ``.tree(...)``: branching. Every field of :class:`arpo_algo.tree.TreeConfig` except ``mode``, which is the
+  algorithm (ARPO, AEPO or GRPO: pick the config class).
+* ``.llm_rollouts(...)``: sampling, engine and resources (:data:`ROLLOUT_OPTIONS`).
+* ``.evaluation(...)``: RLlib's ``evaluation_interval`` plus the held-out protocol (:data:`EVAL_OPTIONS`).
+
+The environment is RLlib's standard ``.environment(env="arpo/ToolMath-v0", env_config={...})``.
+
+The tree and learner fields are *derived* from the TreeConfig/LearnerConfig dataclasses (names, defaults, types and
+documentation live there, once). Strictness: unknown keys are rejected in every setter and in
+:meth:`ARPOConfig.update_from_dict` (the path Tune uses, which RLlib leaves permissive), naming the key and the
+closest valid name; wrong types are rejected; :meth:`ARPOConfig.validate` explains illegal combinations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any, Literal, Union, get_args, get_origin
+
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
+
+from arpo_algo.learner import LearnerConfig
+from arpo_algo.tree import TreeConfig
+from arpo_env.errors import ConfigError
+
+#: Keys RLlib's update_from_dict sends through .training() (see there).
+_RLLIB_TRAINING_DICT_KEYS = ("model", "optimizer", "replay_buffer_config")
+#: Learner fields stored in RLlib's own AlgorithmConfig attributes of the same name.
+SHARED_WITH_RLLIB = ("lr", "grad_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One ARPOConfig field that is not a TreeConfig/LearnerConfig field: name, default, type and meaning."""
+
+    name: str
+    default: Any
+    hint: Any
+    doc: str
+
+
+TRAINING_OPTIONS: tuple[Option, ...] = (
+    Option("model_path", None, str | None,
+           "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required."),
+    Option("prompts_per_step", 4, int,
+           "Prompts per training iteration; each yields one group of `budget` trajectories (reference: 128)."),
+)
+
+ROLLOUT_OPTIONS: tuple[Option, ...] = (
+    Option("num_rollout_actors", 0, int,
+           "0: generate in-process with an HFEngine that shares the learner's module (no Ray cluster). "
+           ">0: that many Ray actors, each with its own engine copy; weights are broadcast after every update."),
+    Option("num_cpus_per_rollout_actor", 1.0, float, "CPUs reserved per rollout actor (counts in the Tune trial)."),
+    Option("device", "cpu", Literal["cpu", "cuda"], "Where the learner and the in-process engine run."),
+    Option("dtype", "float32", Literal["float32", "bfloat16"], "Engine compute dtype."),
+    Option("max_batch_size", 16, int, "Most sequences the engine decodes at once."),
+    Option("temperature", 1.0, float, "Sampling temperature for training rollouts (reference: 1.0)."),
+    Option("top_p", 1.0, float, "Nucleus mass for training rollouts (1.0 = off; reference: 1.0)."),
+    Option("top_k", -1, int, "Top-k for training rollouts (-1 = off; reference: -1)."),
+    Option("max_response_tokens", 512, int,
+           "Response budget per trajectory (generated plus tool-result tokens), enforced per request "
+           "(ARPO_SPEC §10.21; the reference shares one max_tokens per generation round)."),
+    Option("tool_workers", 8, int, "Threads that run tool calls concurrently during rollouts."),
+    Option("prompt_overflow", "error", Literal["error", "left_truncate"],
+           "A context longer than the model allows: raise (default) or drop the oldest tokens."),
+    Option("mask_tool_limit_eos", True, bool,
+           "ARPO_SPEC §10.8: the loss-mask value of the EOS appended when the tool-call limit ends an episode "
+           "(it was never sampled). True (default, reference): mask 1, it is trained. False: mask 0, no gradient."),
+    Option("dump_trees", False, bool, "Append every sampled group as a JSON line to <logdir>/trees.jsonl."),
+)
+
+EVAL_OPTIONS: tuple[Option, ...] = (
+    Option("eval_split", "test", str, "Environment split scored by evaluate()."),
+    Option("eval_num_prompts", None, int | None, "Score the first N tasks of the split (None = all)."),
+    Option("eval_samples", 1, int,
+           "Samples per task. pass@1 = mean correctness over all samples; pass@k = any sample correct "
+           "(ARPO_SPEC §10.23)."),
+    Option("eval_temperature", 0.0, float, "0 = greedy (reference validation default); >0 samples."),
+    Option("eval_max_response_tokens", None, int | None, "Response budget in evaluation (None = training's)."),
+)
+
+OWN_OPTIONS: dict[str, Option] = {o.name: o for o in TRAINING_OPTIONS + ROLLOUT_OPTIONS + EVAL_OPTIONS}
+
+
+def _dataclass_options(cls: type, skip: Iterable[str]) -> dict[str, Option]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} needs a default to be an ARPOConfig field")
+        out[f.name] = Option(f.name, default, hints[f.name], f"see {cls.__module__}.{cls.__name__}.{f.name}")
+    return out
+
+
+TREE_OPTIONS: dict[str, Option] = _dataclass_options(TreeConfig, skip=("mode",))
+LEARNER_OPTIONS: dict[str, Option] = _dataclass_options(LearnerConfig, skip=())
+
+_GROUPS: dict[str, dict[str, Option]] = {
+    "training": {**LEARNER_OPTIONS, **{o.name: o for o in TRAINING_OPTIONS}},
+    "tree": TREE_OPTIONS,
+    "llm_rollouts": {o.name: o for o in ROLLOUT_OPTIONS},
+    "evaluation": {o.name: o for o in EVAL_OPTIONS},
+}
+ALL_OPTIONS: dict[str, Option] = {k: v for group in _GROUPS.values() for k, v in group.items()}
+
+
+def _check_no_collisions() -> None:
+    """A field that shadows an RLlib attribute would silently change RLlib behaviour (RAY_NOTES §1.4.1)."""
+    base = AlgorithmConfig()
+    taken = set(vars(base)) | set(dir(AlgorithmConfig))
+    clash = sorted((set(ALL_OPTIONS) - set(SHARED_WITH_RLLIB)) & taken)
+    if clash:
+        raise RuntimeError(f"ARPOConfig fields collide with RLlib AlgorithmConfig names: {clash}")
+    sizes = sum(len(g) for g in _GROUPS.values())
+    if sizes != len(ALL_OPTIONS):
+        raise RuntimeError("an ARPOConfig field name appears in two setter groups")
+
+
+_check_no_collisions()
+
+
+# --------------------------------------------------------------------------------------------------- type checks
+
+
+def _is_search_space(value: Any) -> bool:
+    """Tune search-space objects may sit in a config until Tune resolves them (RAY_NOTES §2)."""
+    from ray.tune.search.sample import Domain
+
+    return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
+
+
+def _type_name(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _conforms(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Whether ``value`` fits ``hint``; returns the (possibly coerced: int -> float, list -> tuple) value."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return True, value
+    if hint is type(None):
+        return value is None, value
+    if origin is Literal:
+        # `True in (1, 2)` is True in Python, so compare types as well as values.
+        return any(value == a and type(value) is type(a) for a in get_args(hint)), value
+    if origin in (Union, types.UnionType):
+        for arg in get_args(hint):
+            ok, v = _conforms(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, bool):
+            return False, value
+        return isinstance(value, (int, float)), float(value) if isinstance(value, (int, float)) else value
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is tuple or hint is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False, value
+        args = get_args(hint)
+        if args and args[-1] is not Ellipsis and len(args) != len(value):
+            return False, value
+        elem_hints = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args) or [Any] * len(value)
+        out = []
+        for v, h in zip(value, elem_hints):
+            ok, v2 = _conforms(v, h)
+            if not ok:
+                return False, value
+            out.append(v2)
+        return True, tuple(out)
+    if origin in (list, dict) or hint in (list, dict):
+        return isinstance(value, origin or hint), value
+    if isinstance(hint, type):
+        return isinstance(value, hint), value
+    raise TypeError(f"unsupported type annotation {hint!r}")
+
+
+def check_value(name: str, value: Any, where: str = "ARPOConfig") -> Any:
+    """Type-check one field value and return it (coerced); ConfigError naming the field otherwise."""
+    opt = ALL_OPTIONS[name]
+    if _is_search_space(value):
+        return value
+    ok, coerced = _conforms(value, opt.hint)
+    if not ok:
+        raise ConfigError(
+            f"{where}: {name} must be {_type_name(opt.hint)}, got {value!r} ({type(value).__name__})",
+            hint=opt.doc,
+        )
+    return coerced
+
+
+def unknown_key_error(key: str, valid: Iterable[str], where: str) -> ConfigError:
+    """A ConfigError naming an unknown key and the closest valid one."""
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
+    return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
+
+
+# ---------------------------------------------------------------------------------------------------- the config
+
+
+class ARPOConfig(AlgorithmConfig):
+    """Configuration of :class:`arpo_algo.algorithm.ARPO` (and, through subclasses, AEPO and GRPO).
+
+    Example:
+        >>> config = (ARPOConfig()
+        ...     .environment("arpo/ToolMath-v0", env_config={"max_tool_calls": 3})
+        ...     .training(model_path="smollm2-135m-instruct", lr=1e-5, prompts_per_step=4)
+        ...     .tree(budget=8, initial=4)
+        ...     .llm_rollouts(max_response_tokens=256)
+        ...     .evaluation(evaluation_interval=5, eval_num_prompts=50))   # doctest: +SKIP
+    """
+
+    #: The tree sampler mode (TreeConfig.mode); set by the class, not by the user.
+    variant: str = "arpo"
+    #: Defaults that differ from the TreeConfig/LearnerConfig/own defaults for this variant.
+    variant_defaults: dict[str, Any] = {}
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        if algo_class is None:
+            from arpo_algo.algorithm import ARPO
+
+            algo_class = ARPO
+        super().__init__(algo_class=algo_class)
+        for name, opt in ALL_OPTIONS.items():
+            setattr(self, name, opt.default)
+        for name, value in self.variant_defaults.items():
+            setattr(self, name, value)
+        # No EnvRunnerGroup: our own rollout component plays the env (RAY_NOTES §1.1, the MARWIL switch).
+        self._is_online = False
+        self.seed = 0
+
+    # ------------------------------------------------------------------------------------------------ setters
+
+    def _set_group(self, group: str, kwargs: dict[str, Any]) -> None:
+        options = _GROUPS[group]
+        for key, value in kwargs.items():
+            if key not in options:
+                raise unknown_key_error(key, options, f"ARPOConfig.{group}()")
+            setattr(self, key, check_value(key, value, f"ARPOConfig.{group}()"))
+
+    def training(self, **kwargs: Any) -> ARPOConfig:  # type: ignore[override]
+        """Model and learner settings: ``model_path``, ``prompts_per_step`` and every LearnerConfig field.
+
+        RLlib's other training() arguments (gamma, train_batch_size, ...) have no effect on ARPO and are rejected.
+        """
+        self._set_group("training", kwargs)
+        return self
+
+    def tree(self, **kwargs: Any) -> ARPOConfig:
+        """Branching settings: every :class:`arpo_algo.tree.TreeConfig` field except ``mode``."""
+        self._set_group("tree", kwargs)
+        return self
+
+    def llm_rollouts(self, **kwargs: Any) -> ARPOConfig:
+        """Sampling, engine and resource settings (:data:`ROLLOUT_OPTIONS`)."""
+        self._set_group("llm_rollouts", kwargs)
+        return self
+
+    def evaluation(self, **kwargs: Any) -> ARPOConfig:  # type: ignore[override]
+        """Held-out evaluation: RLlib's ``evaluation_interval`` (and other evaluation_* arguments) plus
+        :data:`EVAL_OPTIONS`."""
+        ours = {k: v for k, v in kwargs.items() if k in _GROUPS["evaluation"]}
+        rest = {k: v for k, v in kwargs.items() if k not in ours}
+        valid = set(_GROUPS["evaluation"]) | {"evaluation_interval"}
+        for key in rest:
+            if key != "evaluation_interval" and not key.startswith("evaluation_"):
+                raise unknown_key_error(key, valid, "ARPOConfig.evaluation()")
+        self._set_group("evaluation", ours)
+        super().evaluation(**rest)
+        return self
+
+    # ------------------------------------------------------------------------------------------ dict path (Tune)
+
+    @classmethod
+    @functools.cache
+    def _known_keys(cls) -> frozenset[str]:
+        # Tune adds its own bookkeeping keys to every trial's config dict.
+        tune_keys = {TRIAL_INFO, STDOUT_FILE, STDERR_FILE}
+        return frozenset(vars(cls())) | tune_keys | {"multiagent", "_enable_new_api_stack"}
+
+    def update_from_dict(self, config_dict: dict[str, Any]) -> ARPOConfig:  # type: ignore[override]
+        """RLlib's update_from_dict, but unknown keys raise ConfigError (RLlib sets them silently, RAY_NOTES §1.4.7)."""
+        known = type(self)._known_keys()
+        for key in config_dict:
+            translated = self._translate_special_keys(key, warn_deprecated=False)
+            if translated not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else (
+                    f"ARPO settings: {', '.join(sorted(ALL_OPTIONS))} (plus RLlib's AlgorithmConfig fields)")
+                raise ConfigError(f"{type(self).__name__} dict: unknown key {key!r}", hint=hint)
+        rest = {}
+        for key, value in config_dict.items():
+            if key in ALL_OPTIONS:
+                check_value(key, value, f"{type(self).__name__} dict")
+            if key in _RLLIB_TRAINING_DICT_KEYS:
+                # RLlib routes these through .training(), which ARPO keeps for its own settings; they have no effect
+                # on ARPO, so they are stored as plain attributes (as RLlib's own training() would).
+                setattr(self, key, value)
+            else:
+                rest[key] = value
+        super().update_from_dict(rest)
+        return self
+
+    # ------------------------------------------------------------------------------------------------ views
+
+    def tree_config(self) -> TreeConfig:
+        """The TreeConfig these settings describe (``mode`` = this config's variant)."""
+        return TreeConfig(mode=self.variant, **{k: getattr(self, k) for k in TREE_OPTIONS})
+
+    def learner_config(self) -> LearnerConfig:
+        """The LearnerConfig these settings describe."""
+        return LearnerConfig(**{k: getattr(self, k) for k in LEARNER_OPTIONS})
+
+    def arpo_settings(self) -> dict[str, Any]:
+        """Every ARPO-specific setting by group (what experiment files and config.json show)."""
+        return {g: {k: getattr(self, k) for k in opts} for g, opts in _GROUPS.items()}
+
+    # ------------------------------------------------------------------------------------------------ validate
+
+    def validate(self) -> None:
+        """RLlib's checks first, then types of every ARPO field, then the combinations, each explained."""
+        super().validate()
+        for name in ALL_OPTIONS:
+            value = getattr(self, name)
+            if _is_search_space(value):
+                raise ConfigError(f"{name} is still a Tune search space ({value!r})",
+                                  hint="pass the config to tune.Tuner(param_space=...) instead of building it")
+            coerced = check_value(name, value)
+            if type(coerced) is not type(value) and not self._is_frozen:
+                setattr(self, name, coerced)  # e.g. an int learning rate from a dict becomes a float
+        self._validate_combinations()
+        self.tree_config().validate()
+        self.learner_config().validate()
+
+    def _validate_combinations(self) -> None:
+        if self.model_path is None:
+            raise ConfigError("model_path is not set",
+                              hint="config.training(model_path=<HF folder or registered name>)")
+        if self.env is None:
+            raise ConfigError("no environment set", hint='config.environment("arpo/ToolMath-v0", env_config={...})')
+        positive = ("prompts_per_step", "max_batch_size", "max_response_tokens", "tool_workers", "eval_samples")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_rollout_actors < 0:
+            raise ConfigError(f"num_rollout_actors must be >= 0, got {self.num_rollout_actors}")
+        if self.num_cpus_per_rollout_actor <= 0:
+            raise ConfigError("num_cpus_per_rollout_actor must be > 0")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 for training rollouts, got {self.temperature}",
+                              hint="policy-gradient needs sampled trajectories; greedy decoding is for evaluation")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.eval_temperature < 0:
+            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+        if self.eval_temperature == 0 and self.eval_samples > 1:
+            raise ConfigError(f"eval_samples={self.eval_samples} with greedy decoding (eval_temperature=0) "
+                              "scores the same answer several times",
+                              hint="set eval_temperature > 0 or eval_samples = 1")
+        if self.eval_num_prompts is not None and self.eval_num_prompts < 1:
+            raise ConfigError("eval_num_prompts must be >= 1 or None (all)")
+        if self.dtype != "float32" and self.num_rollout_actors == 0:
+            raise ConfigError(f"dtype={self.dtype!r} with in-process rollouts: the in-process engine shares the "
+                              "learner's float32 module, so it cannot run in another dtype",
+                              hint="keep dtype='float32' (use training(bf16=True) for bf16 compute in the learner), "
+                                   "or use rollout actors (num_rollout_actors > 0), which hold their own copy")
+        if self.num_learners > 0:
+            raise ConfigError("num_learners > 0 is not supported: ARPO owns its learner in the main process",
+                              hint="leave num_learners at 0; use device='cuda' for a GPU learner")
+
+
+class AEPOConfig(ARPOConfig):
+    """AEPO (arXiv 2510.14545): ARPO's pipeline with the entropy-balanced rollout and stop-gradient clipping.
+
+    Defaults follow the released AEPO scripts (ARPO_SPEC §4.5): consecutive-branch penalty on (the AEPO tree mode),
+    entropy-balanced clipping on, pre-monitoring off (``ENABLE_DYNAMIC_ROLLOUTS=False`` in the scripts), entropy-aware
+    advantage on (it is inert in the reference code, §4.4/§10.16; here it is live: set it False for parity).
+    """
+
+    variant = "aepo"
+    variant_defaults = {"aepo_penalty": 0.05, "entropy_balanced_clip": True, "entropy_advantage": True}
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        if algo_class is None:
+            from arpo_algo.algorithm import AEPO
+
+            algo_class = AEPO
+        super().__init__(algo_class=algo_class)
+
+
+class GRPOConfig(ARPOConfig):
+    """GRPO baseline: the tree sampler off, ``budget`` independent samples per prompt, same learner.
+
+    The tree must then say so explicitly: ``initial == budget`` and ``branch_factor == 0`` (the defaults here; change
+    both ``budget`` and ``initial`` together).
+    """
+
+    variant = "grpo"
+    variant_defaults: dict[str, Any] = {"initial": TREE_OPTIONS["budget"].default, "branch_factor": 0}
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        if algo_class is None:
+            from arpo_algo.algorithm import GRPO
+
+            algo_class = GRPO
+        super().__init__(algo_class=algo_class)
+
+
+CONFIG_CLASSES: dict[str, type[ARPOConfig]] = {"arpo": ARPOConfig, "aepo": AEPOConfig, "grpo": GRPOConfig}
