@@ -86,6 +86,27 @@ class Generation:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int) -> str | None:
+    """Why an engine cannot serve ``req`` (None when it can): the same checks and messages in every engine.
+
+    Args:
+        req: The request.
+        max_context: Longest context the engine accepts, in tokens (None = unbounded).
+        vocab_size: Token ids must lie in ``[0, vocab_size)``.
+    """
+    n = len(req.token_ids)
+    if n == 0:
+        return "empty context (token_ids is empty)"
+    if max_context is not None and n > max_context:
+        return f"context of {n} tokens exceeds the model's maximum of {max_context} tokens"
+    if min(req.token_ids) < 0 or max(req.token_ids) >= vocab_size:
+        return f"token id out of range [0, {vocab_size})"
+    p = req.params
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
+        return f"invalid sampling params {p}"
+    return None
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the tree sampler needs from an engine."""

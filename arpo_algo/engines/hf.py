@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from arpo_algo.engines.base import Generation, GenRequest
+from arpo_algo.engines.base import Generation, GenRequest, request_problem
 from arpo_algo.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_env.errors import ConfigError
 
@@ -64,6 +64,41 @@ class _Row:
         self.fed = 0  # tokens whose KV is in the cache (= position id of the next token to feed)
         self.finish: str | None = None
         self.stop_string: str | None = None
+
+
+def _grow_layer_class() -> type:
+    """A transformers ``DynamicLayer`` that appends into spare capacity instead of re-concatenating every step.
+
+    ``DynamicLayer.update`` does ``torch.cat`` of the whole cache per generated token, an O(T) copy per layer and step.
+    This layer keeps a buffer with room to grow (doubling) and returns views of its filled part, so one decoding step
+    writes only the new column. Any other tensor put in ``keys`` (a merge, a row removal) is adopted on the next update.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowLayer(DynamicLayer):
+        kbuf: torch.Tensor | None = None
+        vbuf: torch.Tensor | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, t = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
+            buf = self.kbuf
+            owned = buf is not None and self.keys.numel() and self.keys.data_ptr() == buf.data_ptr() \
+                and buf.shape[0] == key_states.shape[0]
+            if not owned or n + t > buf.shape[-2]:
+                shape = list(key_states.shape)
+                shape[-2] = max(2 * (n + t), n + t + 64)
+                self.kbuf, self.vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+                if n:
+                    self.kbuf[..., :n, :] = self.keys
+                    self.vbuf[..., :n, :] = self.values
+            self.kbuf[..., n:n + t, :] = key_states
+            self.vbuf[..., n:n + t, :] = value_states
+            self.keys, self.values = self.kbuf[..., :n + t, :], self.vbuf[..., :n + t, :]
+            return self.keys, self.values
+
+    return GrowLayer
 
 
 def _left_pad(t: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
@@ -119,6 +154,8 @@ class HFEngine:
         self._stored_tokens = 0
         self._weights_version = self._param_version()
         self._stats: collections.Counter[str] = collections.Counter()
+        self._layer_cls = _grow_layer_class()
+        self._decode_layers: list[Any] = []
 
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
@@ -199,6 +236,7 @@ class HFEngine:
             with torch.inference_mode():
                 self._decode_all(requests, pending, results)
         finally:
+            self._decode_layers = []  # drop the batch buffers between calls
             self.model.train(was_training)
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
@@ -213,17 +251,7 @@ class HFEngine:
         self._weights_version = self._param_version()
 
     def _validate(self, req: GenRequest) -> str | None:
-        n = len(req.token_ids)
-        if n == 0:
-            return "empty context (token_ids is empty)"
-        if self.max_positions is not None and n > self.max_positions:
-            return f"context of {n} tokens exceeds the model's maximum of {self.max_positions} positions"
-        if min(req.token_ids) < 0 or max(req.token_ids) >= self.vocab_rows:
-            return f"token id out of range [0, {self.vocab_rows})"
-        p = req.params
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
-            return f"invalid sampling params {p}"
-        return None
+        return request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows)
 
     def _new_row(self, idx: int, req: GenRequest) -> _Row:
         p = req.params
@@ -278,13 +306,18 @@ class HFEngine:
                         values = [v[:, :, first:] for v in values]
                         mask = mask[:, first:]
 
-    def _cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> Any:
+    def _cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], reuse: list[Any] | None = None) -> Any:
+        """A DynamicCache over these tensors. Layers of ``reuse`` whose ``keys`` are exactly these tensors (the views
+        a previous step returned) are kept, so their spare capacity carries over to this step."""
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache()
-        for k, v in zip(keys, values):
-            layer = DynamicLayer()
+        for i, (k, v) in enumerate(zip(keys, values)):
+            old = reuse[i] if reuse is not None and i < len(reuse) else None
+            if old is not None and old.keys is k and old.values is v:
+                cache.layers.append(old)
+                continue
+            layer = self._layer_cls()
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v  # hand over without the copy DynamicCache(ddp_cache_data=...) makes
             cache.layers.append(layer)
@@ -342,7 +375,8 @@ class HFEngine:
         ids = torch.tensor([[r.new[-1]] for r in rows], dtype=torch.long, device=self.device)
         pos = torch.tensor([[r.fed] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        cache = self._cache(keys, values)
+        cache = self._cache(keys, values, reuse=self._decode_layers)
+        self._decode_layers = cache.layers
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         self._stats["forward_calls"] += 1
         for r in rows:

@@ -27,7 +27,7 @@ import random
 import time
 from typing import Any
 
-from arpo_algo.engines.base import Generation, GenRequest
+from arpo_algo.engines.base import Generation, GenRequest, request_problem
 from arpo_algo.entropy import topk_token_term
 from arpo_env.errors import ArpoError, ConfigError
 
@@ -105,17 +105,8 @@ class VLLMEngine:
         self._stats: collections.Counter[str] = collections.Counter()
 
     def _validate(self, req: GenRequest) -> str | None:
-        n = len(req.token_ids)
-        if n == 0:
-            return "empty context (token_ids is empty)"
-        if n >= self.max_model_len:
-            return f"context of {n} tokens exceeds the model's maximum of {self.max_model_len - 1} prompt tokens"
-        if min(req.token_ids) < 0 or max(req.token_ids) >= self.vocab_size:
-            return f"token id out of range [0, {self.vocab_size})"
-        p = req.params
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
-            return f"invalid sampling params {p}"
-        return None
+        # vLLM needs room for at least one generated token inside max_model_len.
+        return request_problem(req, max_context=self.max_model_len - 1, vocab_size=self.vocab_size)
 
     def _params(self, req: GenRequest) -> Any:
         p = req.params
