@@ -161,13 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for modname in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name == modname:  # a contributing module that this build does not have yet
-                continue
-            raise
-        reg: Callable[[argparse._SubParsersAction], None] = mod.register
+        reg: Callable[[argparse._SubParsersAction], None] = importlib.import_module(modname).register
         reg(sub)
     return parser
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 MODEL = "smollm2-135m-instruct"
-#: Cold-start SFT settings: enough for SmolLM2-135M to follow the tool format on levels 1-2.
-SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 256, "levels": [1, 2], "epochs": 1,
-                                "lr": 1e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5}
+#: Cold-start SFT settings: SmolLM2-135M learns the tool format and levels 1-2 (one tool call) well, and the
+#: two-call level 3 only partly; ARPO then trains on level 3, where branching after tool results matters.
+SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 192, "levels": [1, 2, 3], "epochs": 1,
+                                "lr": 2e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5}
 
 
 def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
