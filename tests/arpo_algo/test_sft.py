@@ -166,11 +166,8 @@ def test_cli_config_layers(tmp_path):
         config_from_args(bad)
 
 
-def test_missing_model_names_pull_command(tmp_path):
-    from arpo_algo.models import is_pulled
-
-    if is_pulled("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct is pulled in this ARPO_HOME, so it cannot be missing")
+def test_missing_model_names_pull_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARPO_HOME", str(tmp_path / "empty-home"))  # a cache where nothing is pulled
     f = write(tmp_path / "d.json", [{"instruction": "q", "output": "a"}])
     with pytest.raises(ArpoError, match="arpo model pull smollm2-135m-instruct"):
         run_sft({"model": "smollm2-135m-instruct", "data": str(f), "output_dir": str(tmp_path / "o")})
