@@ -107,6 +107,11 @@ def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int
     return None
 
 
+def error_generation(req: GenRequest, problem: str) -> Generation:
+    """The result for a request the engine cannot serve: ``finish_reason="error"``, naming the request id."""
+    return Generation(req.request_id, [], [], [], "error", error=f"request {req.request_id!r}: {problem}")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the tree sampler needs from an engine."""

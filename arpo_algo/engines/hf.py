@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from arpo_algo.engines.base import Generation, GenRequest, request_problem
+from arpo_algo.engines.base import Generation, GenRequest, error_generation, request_problem
 from arpo_algo.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_env.errors import ConfigError
 
@@ -226,8 +226,7 @@ class HFEngine:
             problem = self._validate(req)
             if problem:
                 self._stats["errors"] += 1
-                results[i] = Generation(req.request_id, [], [], [], "error",
-                                        error=f"request {req.request_id!r}: {problem}")
+                results[i] = error_generation(req, problem)
             else:
                 pending.append(i)
         was_training = self.model.training

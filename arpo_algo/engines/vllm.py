@@ -27,7 +27,7 @@ import random
 import time
 from typing import Any
 
-from arpo_algo.engines.base import Generation, GenRequest, request_problem
+from arpo_algo.engines.base import Generation, GenRequest, error_generation, request_problem
 from arpo_algo.entropy import topk_token_term
 from arpo_env.errors import ArpoError, ConfigError
 
@@ -128,8 +128,7 @@ class VLLMEngine:
             problem = self._validate(req)
             if problem:
                 self._stats["errors"] += 1
-                results[i] = Generation(req.request_id, [], [], [], "error",
-                                        error=f"request {req.request_id!r}: {problem}")
+                results[i] = error_generation(req, problem)
             elif req.params.max_new_tokens <= 0:
                 results[i] = Generation(req.request_id, [], [], [], "length")
             else:
