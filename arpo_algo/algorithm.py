@@ -264,7 +264,7 @@ class ARPO(Algorithm):
         dump_path = os.path.join(self.logdir, "trees.jsonl") if dump and getattr(self, "logdir", None) else None
         return TreeSampler(self.engine, creator, tree, sampling, max_response_tokens=max_response_tokens,
                            tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
-                           mask_tool_limit_eos=cfg.mask_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)
+                           train_tool_limit_eos=cfg.train_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)
 
     # --------------------------------------------------------------------------------------------- one iteration
 

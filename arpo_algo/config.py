@@ -75,7 +75,7 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
     Option("tool_workers", 8, int, "Threads that run tool calls concurrently during rollouts."),
     Option("prompt_overflow", "error", Literal["error", "left_truncate"],
            "A context longer than the model allows: raise (default) or drop the oldest tokens."),
-    Option("mask_tool_limit_eos", True, bool,
+    Option("train_tool_limit_eos", True, bool,
            "ARPO_SPEC §10.8: the loss-mask value of the EOS appended when the tool-call limit ends an episode "
            "(it was never sampled). True (default, reference): mask 1, it is trained. False: mask 0, no gradient."),
     Option("dump_trees", False, bool, "Append every sampled group as a JSON line to <logdir>/trees.jsonl."),

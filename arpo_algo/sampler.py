@@ -170,7 +170,7 @@ class TreeSampler:
             ``max_prompt_tokens`` tokens) for prompts longer than ``max_prompt_tokens``.
         max_prompt_tokens: Prompt limit; ``None`` = the engine's ``max_positions`` minus ``max_response_tokens``
             (no limit when the engine has no ``max_positions``).
-        mask_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
+        train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             §10.8); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
         dump_path: Append one JSON line per group (the tree) to this file.
@@ -179,7 +179,7 @@ class TreeSampler:
     def __init__(self, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
                  sampling: SamplingParams, max_response_tokens: int, tool_workers: int = 8,
                  prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
-                 mask_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
+                 train_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
         tree.validate()
         if prompt_overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"prompt_overflow={prompt_overflow!r} is not one of {OVERFLOW_POLICIES}")
@@ -192,7 +192,7 @@ class TreeSampler:
         if max_prompt_tokens is None and getattr(engine, "max_positions", None):
             max_prompt_tokens = engine.max_positions - max_response_tokens
         self.max_prompt_tokens = max_prompt_tokens
-        self.mask_tool_limit_eos = mask_tool_limit_eos
+        self.train_tool_limit_eos = train_tool_limit_eos
         self.seed, self.dump_path = seed, dump_path
         self.vocab_size = len(self.tok.get_vocab())
         self.eos_id = self.tok.eos_token_id
@@ -419,7 +419,7 @@ class TreeSampler:
                                  "error": info.get("tool_error", False)})
         if terminated or truncated:
             if info.get("append_eos"):
-                p.add([self.eos_id], [1 if self.mask_tool_limit_eos else 0], [0.0], [0.0])
+                p.add([self.eos_id], [1 if self.train_tool_limit_eos else 0], [0.0], [0.0])
             p.finish(_finish_reason(info, truncated, p), float(reward), dict(info.get("reward_info", {})))
             return False
         if p.engine_error or p.last_finish == "eos" or len(p.response) >= self.max_response_tokens:

@@ -192,12 +192,12 @@ def test_reference_rule_branches_at_half_probability_with_constant_entropy(env_c
 
 
 def test_tool_limit_eos_mask_option(env_creator):
-    for masked in (True, False):
+    for trained in (True, False):
         eng = ScriptedEngine(calls=(9, 9))  # more calls than the env's limit of 4
-        groups, _ = _sampler(eng, env_creator, TreeConfig.grpo(2), mask_tool_limit_eos=masked).sample([0], step=0)
+        groups, _ = _sampler(eng, env_creator, TreeConfig.grpo(2), train_tool_limit_eos=trained).sample([0], step=0)
         for t in groups[0].trajectories:
             assert t.finish_reason == "tool_limit" and len(t.tool_calls) == 4
-            assert t.response_ids[-1] == eng.tokenizer.eos_token_id and t.trained_mask[-1] == int(masked)
+            assert t.response_ids[-1] == eng.tokenizer.eos_token_id and t.trained_mask[-1] == int(trained)
 
 
 def test_length_budget_and_engine_error(env_creator):
