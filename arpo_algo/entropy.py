@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from arpo_env.errors import ConfigError
 
+if TYPE_CHECKING:  # torch is imported where it is used, so the pure estimators stay importable without it
+    import torch
+
+#: Per-token entropy an engine reports: exact ("full") or the reference's top-k summand ("topk_sum_lnV").
 ENTROPY_METHODS = ("full", "topk_sum_lnV")
 
 # One token's top-k entries: a mapping token_id -> logprob, a sequence of (token_id, logprob) pairs, or plain floats.
@@ -36,6 +38,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     Returns:
         Entropies of shape ``logits.shape[:-1]``, float32.
     """
+    import torch
+
     t = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits.float() / t, dim=-1)
     # exp(-inf) * -inf would be NaN for masked entries; xlogy-style guard keeps exact zeros there.
@@ -75,24 +79,3 @@ def topk_sum_lnV(top_logprobs_per_token: Sequence[TopLogprobs], vocab_size: int,
         raise ConfigError(f"entropy k (entropy_tokens) must be >= 1, got {k}")
     total = sum(topk_token_term(top) for top in list(top_logprobs_per_token)[:k])
     return total / math.log(vocab_size)
-
-
-def segment_entropy(generation: Any, method: str, *, vocab_size: int, k: int = 20) -> float:
-    """The entropy of a generated segment used for branching decisions, by named method.
-
-    Args:
-        generation: A :class:`arpo_algo.engines.base.Generation`.
-        method: ``"full"``: mean exact per-token entropy (nats) over the first ``k`` tokens;
-            ``"topk_sum_lnV"``: the reference estimator (needs ``generation.top_logprobs``).
-        vocab_size: ``|V|`` for the reference normalisation.
-        k: Number of leading tokens that count.
-    """
-    if method == "full":
-        ents = list(generation.entropies)[:k]
-        return float(sum(ents) / len(ents)) if ents else 0.0
-    if method == "topk_sum_lnV":
-        if generation.top_logprobs is None:
-            raise ConfigError("entropy_method='topk_sum_lnV' needs top logprobs: set SamplingParams.logprobs_topk "
-                              "(reference: 10)")
-        return topk_sum_lnV(generation.top_logprobs, vocab_size, k)
-    raise ConfigError(f"unknown entropy_method {method!r}; choose one of {', '.join(ENTROPY_METHODS)}")

@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 
 from arpo_env.errors import ConfigError
 
+from .entropy import topk_sum_lnV
 from .rollout_types import TreeNode
 
 MODES = ("arpo", "aepo", "grpo")
@@ -214,8 +215,7 @@ def segment_entropy(entropies: Sequence[float], top_logprobs: Sequence[Sequence[
     if method == "topk_sum_lnV":
         if top_logprobs is None:
             raise ConfigError("entropy_method='topk_sum_lnV' needs top_logprobs from the engine (logprobs_topk > 0)")
-        flat = [lp for tok in top_logprobs[:k] for _, lp in tok]
-        return -sum(math.exp(lp) * lp for lp in flat) / math.log(vocab_size)
+        return topk_sum_lnV(top_logprobs, vocab_size, k)
     raise ConfigError(f"unknown entropy_method {method!r}", hint=f"one of {ENTROPY_METHODS}")
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from arpo_algo.engines.base import Generation
-from arpo_algo.entropy import segment_entropy, token_entropy, topk_sum_lnV, topk_token_term
+from arpo_algo.entropy import token_entropy, topk_sum_lnV, topk_token_term
+from arpo_algo.tree import segment_entropy
 from arpo_env.errors import ConfigError
 
 
@@ -47,12 +48,13 @@ def test_topk_sum_lnv_hand_computed():
 
 
 def test_segment_entropy_methods():
+    """The branch rule's segment entropy (arpo_algo.tree) over engine outputs, both estimator families."""
     gen = Generation("r", [1, 2, 3], [-0.1, -0.2, -0.3], [1.0, 2.0, 6.0], "length",
                      top_logprobs=[[(1, math.log(0.5)), (2, math.log(0.5))]] * 3)
-    assert segment_entropy(gen, "full", vocab_size=10, k=2) == pytest.approx(1.5)
-    assert segment_entropy(gen, "topk_sum_lnV", vocab_size=10, k=2) == pytest.approx(2 * math.log(2) / math.log(10))
+    assert segment_entropy(gen.entropies, gen.top_logprobs, "full_mean", 2, 10) == pytest.approx(1.5)
+    assert segment_entropy(gen.entropies, gen.top_logprobs, "topk_sum_lnV", 2, 10) == pytest.approx(
+        2 * math.log(2) / math.log(10))
     with pytest.raises(ConfigError, match="entropy_method"):
-        segment_entropy(gen, "paper", vocab_size=10)
-    gen.top_logprobs = None
+        segment_entropy(gen.entropies, gen.top_logprobs, "paper", 20, 10)
     with pytest.raises(ConfigError, match="logprobs_topk"):
-        segment_entropy(gen, "topk_sum_lnV", vocab_size=10)
+        segment_entropy(gen.entropies, None, "topk_sum_lnV", 20, 10)
