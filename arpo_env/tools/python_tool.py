@@ -83,7 +83,10 @@ for name, value in cfg["limits"].items():
     lim = getattr(resource, name)
     hard = resource.getrlimit(lim)[1]
     value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(lim, (value, value))
+    # RLIMIT_CPU: the soft limit sends SIGXCPU (a clear message), the hard one a second later SIGKILL.
+    room = hard == resource.RLIM_INFINITY or value + 1 <= hard
+    soft_hard = (value, value + 1) if name == "RLIMIT_CPU" and room else (value, value)
+    resource.setrlimit(lim, soft_hard)
 if cfg["probe"]:
     print(json.dumps({"uid": os.getuid(), "net": cfg["net"]})); sys.exit(0)
 def _main(src, echo):
@@ -229,7 +232,8 @@ class PythonTool:
         Args:
             timeout_s: Wall-clock limit per call (the reference uses 120 s).
             memory_mb: Address-space limit (``RLIMIT_AS``).
-            cpu_s: CPU-time limit; defaults to ``timeout_s``.
+            cpu_s: CPU-time limit; defaults to ``timeout_s + 1`` so that the wall-clock timeout (and its message)
+                wins for single-threaded code, while multi-threaded CPU burners are still stopped.
             max_output_chars: Cap on the returned text; longer output is cut with a visible marker.
             max_procs: Process limit (``RLIMIT_NPROC``; enforced for the per-call uid when the host is root).
             max_file_mb: Largest file the code may write (``RLIMIT_FSIZE``).
@@ -248,7 +252,7 @@ class PythonTool:
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
-        self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s)
+        self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
         self.max_file_mb, self.max_code_chars = int(max_file_mb), int(max_code_chars)
         self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base

@@ -67,6 +67,14 @@ def test_infinite_loop_times_out_with_english_message(tool):
     assert "timed out after 3 seconds" in result.text and result.text.startswith("started")
 
 
+def test_cpu_limit_stops_a_burner_with_its_own_message(tmp_path):
+    """A CPU limit below the wall-clock limit ends the call by SIGXCPU with a message naming the CPU limit."""
+    burner = PythonTool(timeout_s=20, cpu_s=1, backend="subprocess", scratch_root=str(tmp_path))
+    result = _bounded(burner, "while True:\n    pass", slack=-15.0)
+    assert result.error and not result.meta["timed_out"]
+    assert "CPU time limit exceeded (1 s)" in result.text
+
+
 def test_output_flood_is_capped_and_stopped(tool):
     result = _bounded(tool, "while True:\n    print('x' * 1000)")
     assert result.error and len(result.text) < 2300 and "output truncated" in result.text
