@@ -240,7 +240,8 @@ class ARPO(Algorithm):
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
         if cfg.num_rollout_actors == 0:
             return HFEngine(model=self.learner.model, tokenizer=self.learner.tokenizer, dtype=cfg.dtype,
-                            max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed)
+                            max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
+                            linear_layout=cfg.linear_layout)
         import ray
 
         from arpo_algo.engines.actors import RolloutActorPool
@@ -248,7 +249,8 @@ class ARPO(Algorithm):
         if not ray.is_initialized():
             ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
         factory = functools.partial(HFEngine, str(model_path), device=cfg.device, dtype=cfg.dtype,
-                                    max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed)
+                                    max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
+                            linear_layout=cfg.linear_layout)
         return RolloutActorPool(factory, num_actors=cfg.num_rollout_actors,
                                 num_cpus_per_actor=cfg.num_cpus_per_rollout_actor)
 

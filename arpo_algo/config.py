@@ -66,6 +66,10 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
     Option("device", "cpu", Literal["cpu", "cuda"], "Where the learner and the in-process engine run."),
     Option("dtype", "float32", Literal["float32", "bfloat16"], "Engine compute dtype."),
     Option("max_batch_size", 16, int, "Most sequences the engine decodes at once."),
+    Option("linear_layout", "auto", Literal["auto", "native", "transposed"],
+           "Engine weight layout for nn.Linear: 'transposed' decodes through (in, out) copies of the weights, "
+           "1.3-1.5x faster per decoding step on CPU for one more copy of them; 'auto' = transposed on CPU, native "
+           "on GPU."),
     Option("temperature", 1.0, float, "Sampling temperature for training rollouts (reference: 1.0)."),
     Option("top_p", 1.0, float, "Nucleus mass for training rollouts (1.0 = off; reference: 1.0)."),
     Option("top_k", -1, int, "Top-k for training rollouts (-1 = off; reference: -1)."),

@@ -10,6 +10,9 @@ request's tokens up to its own EOS, stop string or ``max_new_tokens``, because t
    The engine reuses the cached KV of the first segment (``prefix_key``) and prefills only the tool tokens;
    ``generate`` re-prefills the whole context. Only the continuation is timed.
 
+The engine runs twice on the same module, with ``linear_layout="transposed"`` (the CPU default) and ``"native"``,
+so the table separates what the weight layout buys from what refill and prefix reuse buy.
+
 Usage::
 
     python -m experiments.bench_engine --model smollm2-135m-instruct --out results.json
@@ -79,6 +82,27 @@ def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float, list
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0, gens
 
 
+def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int], stops: tuple[str, ...],
+                      seed: int) -> dict:
+    """Both scenarios on one engine: (tokens, seconds) each, plus the continuation contexts for ``generate``."""
+    reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=stops, seed=seed + i))
+            for i, (p, m) in enumerate(zip(prompts, max_new))]
+    refill_tok, refill_s, _ = _engine_run(eng, reqs)
+    # continuation after a tool result: first segment (untimed), 20 tool tokens, continue from the cached prefix
+    first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
+                          for i, p in enumerate(prompts)])
+    tok = eng.tokenizer
+    tool = tok.encode(" <result>\n" + "x = 42, y = 17, total = 59 " * 4, add_special_tokens=False)[:18]
+    tool += tok.encode("\n</result>", add_special_tokens=False)[:2]
+    contexts = [p + g.token_ids + tool for p, g in zip(prompts, first)]
+    eng.stats()
+    cont = [GenRequest(i, c, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
+            for i, (c, g) in enumerate(zip(contexts, first))]
+    cont_tok, cont_s, _ = _engine_run(eng, cont)
+    return {"refill": (refill_tok, refill_s), "tool_continuation": (cont_tok, cont_s), "contexts": contexts,
+            "stats": eng.stats()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -92,51 +116,43 @@ def main(argv: list[str] | None = None) -> dict:
     from arpo_algo.models import REGISTRY, pull
 
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
-    eng = HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20)
-    model, tok = eng.model, eng.tokenizer
+    engines = {"transposed": HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20,
+                                      linear_layout="transposed")}
+    model, tok = engines["transposed"].model, engines["transposed"].tokenizer
+    engines["native"] = HFEngine(model=model, tokenizer=tok, max_batch_size=args.batch,
+                                 kv_cache_capacity_tokens=1 << 20, linear_layout="native")
     rng = random.Random(args.seed)
     prompts = _prompts(tok, args.requests, rng)
     stops = ("\n\n",)
     max_new = [rng.choice([16, 32, 64, 96]) for _ in prompts]
-    eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])  # warm-up, both share
-    rows = []
-
-    # 1. refill: varied prompts, per-request max_new_tokens, stop string
-    reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=stops, seed=args.seed + i))
-            for i, (p, m) in enumerate(zip(prompts, max_new))]
-    e_tok, e_s, _ = _engine_run(eng, reqs)
-    g_tok, g_s = _hf_generate(model, tok, prompts, max_new, args.batch, stops, eng.eos_ids, args.seed)
-    rows.append(("refill", e_tok, e_s, g_tok, g_s))
-
-    # 2. continuation after a tool result: first segment (untimed), 20 tool tokens, continue
-    first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
-                          for i, p in enumerate(prompts)])
-    tool = tok.encode(" <result>\n" + "x = 42, y = 17, total = 59 " * 4, add_special_tokens=False)[:18]
-    tool += tok.encode("\n</result>", add_special_tokens=False)[:2]
-    contexts = [p + g.token_ids + tool for p, g in zip(prompts, first)]
-    eng.stats()
-    cont = [GenRequest(i, c, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
-            for i, (c, g) in enumerate(zip(contexts, first))]
-    e_tok2, e_s2, _ = _engine_run(eng, cont)
-    st = eng.stats()
-    g_tok2, g_s2 = _hf_generate(model, tok, contexts, [32] * len(contexts), args.batch, (), eng.eos_ids, args.seed)
-    rows.append(("tool_continuation", e_tok2, e_s2, g_tok2, g_s2))
-
+    for eng in engines.values():  # warm-up
+        eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])
+    runs = {name: _engine_scenarios(eng, prompts, max_new, stops, args.seed) for name, eng in engines.items()}
+    eos = engines["transposed"].eos_ids
+    baseline = {"refill": _hf_generate(model, tok, prompts, max_new, args.batch, stops, eos, args.seed),
+                "tool_continuation": _hf_generate(model, tok, runs["transposed"]["contexts"],
+                                                  [32] * len(prompts), args.batch, (), eos, args.seed)}
+    st = runs["transposed"]["stats"]
+    contexts = runs["transposed"]["contexts"]
     result = {"model": args.model, "requests": args.requests, "batch": args.batch, "threads": args.threads,
               "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
               "mean_continuation_context": sum(map(len, contexts)) / len(contexts),
               "continuation_reused_tokens": st.get("reused_tokens", 0.0),
               "continuation_prefilled_tokens": st.get("prefill_tokens", 0.0), "scenarios": {}}
-    print(f"\nHFEngine vs model.generate on {args.model}, CPU, {args.threads} threads, batch {args.batch}, "
-          f"{args.requests} requests (useful tokens only)\n")
-    print("| scenario | engine tok | engine s | engine tok/s | generate tok | generate s | generate tok/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, et, es, gt, gs in rows:
-        ratio = (et / es) / (gt / gs)
-        result["scenarios"][name] = {"engine_tokens": et, "engine_s": es, "engine_tok_s": et / es,
-                                     "generate_tokens": gt, "generate_s": gs, "generate_tok_s": gt / gs,
-                                     "ratio": ratio}
-        print(f"| {name} | {et} | {es:.2f} | {et / es:.1f} | {gt} | {gs:.2f} | {gt / gs:.1f} | {ratio:.2f}x |")
+    print(f"\nHFEngine (transposed and native linear layout) vs model.generate on {args.model}, CPU, "
+          f"{args.threads} threads, batch {args.batch}, {args.requests} requests (useful tokens only)\n")
+    print("| scenario | engine tok/s | engine (native layout) tok/s | generate tok/s | engine / generate | "
+          "native-layout engine / generate |")
+    print("|---|---|---|---|---|---|")
+    for name, (gt, gs) in baseline.items():
+        (et, es), (nt, ns) = runs["transposed"][name], runs["native"][name]
+        e_rate, n_rate, g_rate = et / es, nt / ns, gt / gs
+        result["scenarios"][name] = {"engine_tokens": et, "engine_s": es, "engine_tok_s": e_rate,
+                                     "native_layout_tokens": nt, "native_layout_s": ns, "native_layout_tok_s": n_rate,
+                                     "generate_tokens": gt, "generate_s": gs, "generate_tok_s": g_rate,
+                                     "ratio": e_rate / g_rate, "native_layout_ratio": n_rate / g_rate}
+        print(f"| {name} | {e_rate:.1f} | {n_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | "
+              f"{n_rate / g_rate:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

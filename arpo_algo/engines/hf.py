@@ -26,6 +26,7 @@ context give the same tokens whatever else is in the batch (up to floating-point
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import time
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from arpo_algo.engines.base import Generation, GenRequest, error_generation, request_problem
+from arpo_algo.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_env.errors import ConfigError
 
@@ -122,17 +124,22 @@ class HFEngine:
         entropy_method: "full" (exact per-token entropy) or "topk_sum_lnV" (reference per-token summands).
         kv_cache_capacity_tokens: Total tokens of finished-sequence KV kept for prefix reuse (LRU); 0 disables it.
         seed: Seeds the random seeds of requests whose ``SamplingParams.seed`` is None.
+        linear_layout: "auto" (transposed on CPU, native elsewhere), "native" or "transposed": decode through
+            ``(in, out)`` copies of the linear weights, much faster for small batches on CPU at the cost of one
+            more copy of those weights (see :mod:`arpo_algo.engines.linear_layout`).
     """
 
     def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
                  dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
-                 kv_cache_capacity_tokens: int = 65536, seed: int = 0) -> None:
+                 kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto") -> None:
         if (model_or_path is None) == (model is None):
             raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
         if dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
         if entropy_method not in ENTROPY_METHODS:
             raise ConfigError(f"unknown entropy_method {entropy_method!r}; choose one of {', '.join(ENTROPY_METHODS)}")
+        if linear_layout not in LINEAR_LAYOUTS:
+            raise ConfigError(f"unknown linear_layout {linear_layout!r}; choose one of {', '.join(LINEAR_LAYOUTS)}")
         if max_batch_size < 1 or kv_cache_capacity_tokens < 0:
             raise ConfigError("max_batch_size must be >= 1 and kv_cache_capacity_tokens >= 0")
         self.model, self.tokenizer = self._load(model if model is not None else model_or_path, tokenizer, device,
@@ -156,6 +163,8 @@ class HFEngine:
         self._stats: collections.Counter[str] = collections.Counter()
         self._layer_cls = _grow_layer_class()
         self._decode_layers: list[Any] = []
+        self.linear_layout = resolve_layout(linear_layout, self.device)
+        self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
 
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
@@ -218,7 +227,8 @@ class HFEngine:
     def generate(self, requests: list[GenRequest]) -> list[Generation]:
         """Continue every request (results in request order); a bad request gets ``finish_reason="error"``."""
         t0 = time.perf_counter()
-        if self._param_version() != self._weights_version:
+        version = self._param_version()
+        if version != self._weights_version:
             self._invalidate()
         results: list[Generation | None] = [None] * len(requests)
         pending: collections.deque[int] = collections.deque()
@@ -232,7 +242,8 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            layout = self._transposed.active(version) if self._transposed else contextlib.nullcontext()
+            with torch.inference_mode(), layout:
                 self._decode_all(requests, pending, results)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls

@@ -221,7 +221,27 @@ def test_bf16_logprob_error_bound(tiny_model_dir):
     assert all(math.isfinite(x) for x in gen.logprobs)
 
 
+def test_transposed_linear_layout_matches_native_and_follows_weight_updates(tiny_model_dir):
+    fast = HFEngine(tiny_model_dir, linear_layout="transposed")
+    native = HFEngine(model=fast.model, tokenizer=fast.tokenizer, linear_layout="native")
+    assert HFEngine(tiny_model_dir).linear_layout == "transposed"  # "auto" on CPU
+    req = GenRequest("l", fast.tokenizer.encode("layout check"), SamplingParams(max_new_tokens=12, seed=2))
+    a, b = fast.generate([req])[0], native.generate([req])[0]
+    assert a.token_ids == b.token_ids and _maxdiff(a.logprobs, b.logprobs) < 1e-5
+    linears = [m for m in fast.model.modules() if type(m) is torch.nn.Linear]
+    assert linears and all("forward" not in vars(m) for m in linears)  # the shared module is left as it was
+    # an optimizer-style in-place update of a linear weight: the transposed copies are rebuilt, never stale
+    with torch.no_grad():
+        fast.model.model.layers[0].mlp.down_proj.weight.mul_(-2.0)
+    gen = fast.generate([req])[0]
+    lps, _, _ = _teacher_forced(fast.model, req.token_ids, gen.token_ids)
+    assert _maxdiff(lps, gen.logprobs) < 1e-4
+    assert _maxdiff(lps[:3], a.logprobs[:3]) > 1e-3  # the update really changed the policy
+
+
 def test_config_errors(tiny_model_dir):
+    with pytest.raises(ConfigError, match="linear_layout"):
+        HFEngine(tiny_model_dir, linear_layout="column")
     with pytest.raises(ConfigError, match="dtype"):
         HFEngine(tiny_model_dir, dtype="float8")
     with pytest.raises(ConfigError, match="entropy_method"):
