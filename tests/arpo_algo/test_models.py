@@ -42,7 +42,7 @@ def test_second_pull_is_instant(smollm2_dir: Path):
 
     t0 = time.perf_counter()
     assert models.pull("smollm2-135m-instruct", progress=False) == smollm2_dir
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # no download, no conversion (a real pull takes ~30 s)
 
 
 def test_resolve_local_folder_and_registered_name(smollm2_dir: Path, tiny_model_dir: Path):

@@ -60,7 +60,7 @@ def test_infeasible_trial_fails_fast(ray_local, tiny_model_dir, tmp_path):
                    tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
                    run_config=tune.RunConfig(name="inf", storage_path=str(tmp_path), verbose=0,
                                              stop={"training_iteration": 1})).fit()
-    assert time.time() - t0 < 30
+    assert time.time() - t0 < 60  # fails at once, not a trial left pending forever
 
 
 def test_rollout_actor_pool_path(ray_local, tiny_model_dir):
