@@ -10,12 +10,19 @@ request's tokens up to its own EOS, stop string or ``max_new_tokens``, because t
    The engine reuses the cached KV of the first segment (``prefix_key``) and prefills only the tool tokens;
    ``generate`` re-prefills the whole context. Only the continuation is timed.
 
+3. ``rollout`` (with ``--rollout-model``): a real ARPO sampling step on ToolMath (``TreeSampler``, budget 8, 4 initial
+   samples, level-3 tasks, real Python tool). The baseline is :class:`GenerateEngine`, the same ``RolloutEngine``
+   interface on ``model.generate`` (fixed batches, batch-wide ``max_new_tokens``, stop strings, raw logits for
+   logprobs and entropies, the whole context prefilled on every call). The trees differ (different random draws),
+   so the figure is tokens the sampler received per second of engine time.
+
 The engine runs twice on the same module, with ``linear_layout="transposed"`` (the CPU default) and ``"native"``,
 so the table separates what the weight layout buys from what refill and prefix reuse buy.
 
 Usage::
 
     python -m experiments.bench_engine --model smollm2-135m-instruct --out results.json
+    python -m experiments.bench_engine --rollout-model runs/quickstart/sft   # + the rollout scenario
 """
 
 from __future__ import annotations
@@ -76,6 +83,86 @@ def _hf_generate(model, tok, contexts: list[list[int]], max_new: list[int], batc
     return useful, time.perf_counter() - t0
 
 
+class GenerateEngine:
+    """The rollout-engine interface on ``model.generate``: the baseline of the ``rollout`` scenario.
+
+    Requests are decoded in fixed batches of ``batch`` in request order; each batch runs until its last row ends,
+    with the batch's largest ``max_new_tokens`` and the union of its stop strings, and every row is then cut at its
+    own EOS, stop string or budget. Logprobs and entropies come from the raw logits (``output_logits=True``), so
+    the sampler gets what it gets from :class:`HFEngine`. No KV is kept between calls.
+    """
+
+    def __init__(self, model, tokenizer, batch: int, eos: set[int]) -> None:  # noqa: ANN001
+        self.model, self.tokenizer, self.batch, self.eos = model, tokenizer, batch, eos
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
+        self._stats: dict[str, float] = {}
+
+    def _count(self, key: str, value: float) -> None:
+        self._stats[key] = self._stats.get(key, 0.0) + value
+
+    def generate(self, requests: list[GenRequest]) -> list:
+        from arpo_algo.engines.base import Generation
+
+        t0, out = time.perf_counter(), []
+        for b in range(0, len(requests), self.batch):
+            chunk = requests[b:b + self.batch]
+            p = chunk[0].params
+            stops = sorted({s for r in chunk for s in r.params.stop})
+            width = max(len(r.token_ids) for r in chunk)
+            ids = torch.tensor([[self.pad] * (width - len(r.token_ids)) + list(r.token_ids) for r in chunk])
+            att = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
+            torch.manual_seed(p.seed if p.seed is not None else b)
+            kw = {"stop_strings": stops, "tokenizer": self.tokenizer} if stops else {}
+            sampling = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p,
+                        "top_k": p.top_k if p.top_k > 0 else 0} if p.temperature > 0 else {"do_sample": False}
+            with torch.inference_mode():
+                res = self.model.generate(input_ids=ids, attention_mask=att, pad_token_id=self.pad,
+                                          max_new_tokens=max(r.params.max_new_tokens for r in chunk),
+                                          output_logits=True, return_dict_in_generate=True, **sampling, **kw)
+            logits = torch.stack(res.logits, 1).float()  # (rows, steps, vocab), raw
+            logp = torch.log_softmax(logits / (p.temperature or 1.0), -1)
+            ent = -(logp.exp() * logp).nan_to_num(0.0).sum(-1)
+            for j, r in enumerate(chunk):
+                new = res.sequences[j, width:].tolist()
+                n = _useful(self.tokenizer, new, r.params.max_new_tokens, r.params.stop, self.eos)
+                new = new[:n]
+                hit = next((s for s in r.params.stop if s in self.tokenizer.decode(new)), None)
+                finish = "eos" if new and new[-1] in self.eos else "stop" if hit else "length"
+                lps = logp[j, torch.arange(n), torch.tensor(new, dtype=torch.long)].tolist()
+                out.append(Generation(r.request_id, new, lps, ent[j, :n].tolist(), finish, stop_string=hit))
+                self._count("generated_tokens", n)
+                self._count("prefill_tokens", len(r.token_ids))
+        self._count("seconds", time.perf_counter() - t0)
+        return out
+
+    def release(self, cache_keys: list) -> None:
+        """Nothing is cached."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def stats(self) -> dict[str, float]:
+        out, self._stats = self._stats, {}
+        return out
+
+
+def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa: ANN001
+    """One ARPO sampling step on ToolMath level 3: (tokens the sampler received, seconds inside the engine)."""
+    from arpo_algo.sampler import TreeSampler
+    from arpo_algo.tree import TreeConfig
+    from arpo_env.core import ToolTextEnv
+
+    sampler = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=(3,)),
+                          TreeConfig(budget=8, initial=4, branch_factor=1), SamplingParams(temperature=1.0),
+                          max_response_tokens=192, seed=seed)
+    try:
+        _, m = sampler.sample(tasks, step=0)
+    finally:
+        sampler.close()
+    return int(m["rollout/tokens_generated"]), float(m["rollout/time_generate_s"])
+
+
 def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float, list]:
     t0 = time.perf_counter()
     gens = eng.generate(reqs)
@@ -103,6 +190,19 @@ def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int
             "stats": eng.stats()}
 
 
+def _rollout_scenario(args: argparse.Namespace, runs: dict, baseline: dict) -> None:
+    from arpo_algo.models import resolve_model_path
+
+    path = resolve_model_path(args.rollout_model)
+    fast = HFEngine(path, max_batch_size=args.batch, linear_layout="transposed")
+    native = HFEngine(model=fast.model, tokenizer=fast.tokenizer, max_batch_size=args.batch, linear_layout="native")
+    gen = GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids)
+    tasks = list(range(args.rollout_prompts))
+    runs["transposed"]["rollout"] = _rollout(fast, tasks, args.seed)
+    runs["native"]["rollout"] = _rollout(native, tasks, args.seed)
+    baseline["rollout"] = _rollout(gen, tasks, args.seed)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -111,6 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rollout-model", default=None,
+                    help="also run the rollout scenario with this model (one that calls tools, e.g. the quickstart's "
+                         "runs/quickstart/sft)")
+    ap.add_argument("--rollout-prompts", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from arpo_algo.models import REGISTRY, pull
@@ -132,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = {"refill": _hf_generate(model, tok, prompts, max_new, args.batch, stops, eos, args.seed),
                 "tool_continuation": _hf_generate(model, tok, runs["transposed"]["contexts"],
                                                   [32] * len(prompts), args.batch, (), eos, args.seed)}
+    if args.rollout_model:
+        _rollout_scenario(args, runs, baseline)
     st = runs["transposed"]["stats"]
     contexts = runs["transposed"]["contexts"]
     result = {"model": args.model, "requests": args.requests, "batch": args.batch, "threads": args.threads,

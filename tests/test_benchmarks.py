@@ -1,0 +1,43 @@
+"""The benchmark scripts run end to end, and the engine benchmark's model.generate baseline is a fair one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arpo_algo.engines.base import GenRequest, SamplingParams
+from arpo_algo.engines.hf import HFEngine
+from experiments import bench_engine
+
+
+def test_generate_baseline_returns_what_the_engine_returns(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir)
+    base = bench_engine.GenerateEngine(eng.model, eng.tokenizer, batch=2, eos=eng.eos_ids)
+    reqs = [GenRequest(i, eng.tokenizer.encode("q" * (3 + i)), SamplingParams(max_new_tokens=6 + 4 * i, seed=i,
+                                                                               stop=("zz",)))
+            for i in range(3)]
+    gens = base.generate(reqs)
+    assert [g.request_id for g in gens] == [0, 1, 2]
+    for req, gen in zip(reqs, gens):
+        assert 0 < len(gen.token_ids) <= req.params.max_new_tokens  # cut to its own budget, not the batch's
+        assert gen.finish_reason in ("eos", "stop", "length")
+        with torch.no_grad():  # logprobs and entropies from raw logits, as the engine computes them
+            logits = eng.model(torch.tensor([req.token_ids + gen.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits[len(req.token_ids) - 1:-1], -1)
+        expect = logp[torch.arange(len(gen.token_ids)), torch.tensor(gen.token_ids)]
+        assert torch.allclose(expect, torch.tensor(gen.logprobs), atol=1e-4)
+        assert torch.allclose(-(logp.exp() * logp).sum(-1), torch.tensor(gen.entropies), atol=1e-4)
+    stats = base.stats()
+    assert stats["generated_tokens"] == sum(len(g.token_ids) for g in gens) and stats["seconds"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_runs_all_scenarios(tiny_model_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    result = bench_engine.main(["--model", str(tiny_model_dir), "--requests", "4", "--batch", "2",
+                                "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
+                                "--rollout-model", str(tiny_model_dir), "--rollout-prompts", "1", "--out", str(out)])
+    assert set(result["scenarios"]) == {"refill", "tool_continuation", "rollout"}
+    for row in result["scenarios"].values():
+        assert row["engine_tokens"] > 0 and row["generate_tokens"] > 0 and row["ratio"] > 0
+    assert out.is_file()
