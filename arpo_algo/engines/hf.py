@@ -17,7 +17,8 @@ alone (batch 1, no padding), then merged into the batch; a finished row leaves a
 takes its place, so one long sequence never stalls the others. When a request finishes, its KV (context + new
 tokens except the last, unfed one) is stored under ``Generation.cache_key`` in an LRU store bounded by
 ``kv_cache_capacity_tokens``; a later request with ``prefix_key`` set to that key only prefills its new suffix after
-the engine has verified the tokens really match.
+the engine has verified the tokens really match. Requests of one call with identical contexts (the initial samples of
+a prompt, sibling branches) are prefilled once and share that KV and those next-token logits.
 
 Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
 context give the same tokens whatever else is in the batch (up to floating-point ties).
@@ -278,13 +279,17 @@ class HFEngine:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        # Identical contexts in one call (the N initial samples of a prompt, fill-ups) are prefilled once: the KV
+        # and the next-token logits depend only on the context, and each row still samples with its own generator.
+        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
+        prefilled: dict[tuple[int, ...], tuple] = {}
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
                 if row.max_new <= 0:
                     results[row.idx] = self._result(row, "length", None)
                     continue
-                k1, v1, logits = self._prefill(row)
+                k1, v1, logits = self._prefill_shared(row, twins, prefilled)
                 self._sample([row], logits)
                 if row.finish:
                     results[row.idx] = self._result(row, row.finish, (k1, v1))
@@ -349,6 +354,21 @@ class HFEngine:
         self._store.move_to_end(req.prefix_key)
         self._stats["prefix_hits"] += 1
         return min(m, len(ctx) - 1), entry  # at least one token must be fed to get the next-token logits
+
+    def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict) -> tuple:
+        """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
+        ctx = tuple(row.req.token_ids)
+        twins[ctx] -= 1
+        if ctx in prefilled:
+            out = prefilled.pop(ctx) if twins[ctx] == 0 else prefilled[ctx]
+            row.fed = len(ctx)
+            self._stats["reused_tokens"] += len(ctx)
+            self._stats["shared_prefills"] += 1
+            return out  # read only: a merge copies, and a new cache layer adopts a tensor it does not own by copying
+        out = self._prefill(row)
+        if twins[ctx] > 0:
+            prefilled[ctx] = out
+        return out
 
     def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         ctx = row.req.token_ids

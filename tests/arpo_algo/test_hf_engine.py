@@ -73,8 +73,10 @@ def test_kv_prefix_reuse_is_exact(engine):
                 for s in range(3)]
     gens = engine.generate(branches)
     st = engine.stats()
-    assert st["prefix_hits"] == 3 and st["reused_tokens"] == 3 * (len(base.token_ids) + len(first.token_ids) - 1)
-    assert st["prefill_tokens"] == 3 * (len(tool) + 1)
+    # the first branch prefills only the tool tokens on top of the stored prefix; its identical twins share that
+    assert st["prefix_hits"] == 1 and st["shared_prefills"] == 2
+    assert st["reused_tokens"] == len(base.token_ids) + len(first.token_ids) - 1 + 2 * len(ctx)
+    assert st["prefill_tokens"] == len(tool) + 1
     scratch = engine.generate([GenRequest(f"s{s}", ctx, SamplingParams(max_new_tokens=8, seed=s)) for s in range(3)])
     for gen, ref in zip(gens, scratch):
         assert gen.token_ids == ref.token_ids
@@ -82,6 +84,7 @@ def test_kv_prefix_reuse_is_exact(engine):
         assert _maxdiff(lps, gen.logprobs) < 1e-4 and _maxdiff(ents, gen.entropies) < 1e-4
     # a branch whose context is a prefix of the stored sequence (branching mid-segment) also reuses it
     mid = base.token_ids + first.token_ids[:4]
+    engine.stats()
     g = engine.generate([GenRequest("m", mid, SamplingParams(max_new_tokens=5, seed=9), prefix_key=first.cache_key)])
     assert engine.stats()["reused_tokens"] == len(mid) - 1
     lps, _, _ = _teacher_forced(engine.model, mid, g[0].token_ids)
@@ -93,8 +96,8 @@ def test_prefix_mismatch_and_miss_fall_back(engine):
     key = engine.generate([base])[0].cache_key
     engine.stats()
     other = _prompt(engine, "xyzdef ghi")
-    gens = engine.generate([GenRequest("x", other, SamplingParams(max_new_tokens=4, seed=2), prefix_key=key),
-                            GenRequest("y", other, SamplingParams(max_new_tokens=4, seed=2), prefix_key="nope")])
+    gens = [engine.generate([GenRequest(rid, other, SamplingParams(max_new_tokens=4, seed=2), prefix_key=hint)])[0]
+            for rid, hint in (("x", key), ("y", "nope"))]
     st = engine.stats()
     assert st["prefix_mismatches"] == 1 and st["prefix_misses"] == 1 and st["reused_tokens"] == 0
     assert gens[0].token_ids == gens[1].token_ids
@@ -219,6 +222,21 @@ def test_bf16_logprob_error_bound(tiny_model_dir):
     lps, ents, _ = _teacher_forced(ref.model, req.token_ids, gen.token_ids)
     assert _maxdiff(lps, gen.logprobs) < 0.1 and _maxdiff(ents, gen.entropies) < 0.1
     assert all(math.isfinite(x) for x in gen.logprobs)
+
+
+def test_identical_contexts_are_prefilled_once(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir, max_batch_size=2)
+    prompt = eng.tokenizer.encode("the same prompt for every initial sample")
+    reqs = [GenRequest(i, list(prompt) if i != 2 else prompt[:-3], SamplingParams(max_new_tokens=5 + i, seed=i))
+            for i in range(5)]
+    gens = eng.generate(reqs)
+    st = eng.stats()
+    assert st["shared_prefills"] == 3 and st["prefill_tokens"] == len(prompt) + len(prompt) - 3
+    assert st["reused_tokens"] == 3 * len(prompt)
+    for req, gen in zip(reqs, gens):  # the same tokens and logprobs as a request decoded alone
+        alone = eng.generate([req])[0]
+        assert gen.token_ids == alone.token_ids and _maxdiff(gen.logprobs, alone.logprobs) < 1e-5
+    assert len({tuple(g.token_ids) for g in gens}) > 1  # each row still samples with its own seed
 
 
 def test_transposed_linear_layout_matches_native_and_follows_weight_updates(tiny_model_dir):
