@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -190,17 +191,29 @@ def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int
             "stats": eng.stats()}
 
 
-def _rollout_scenario(args: argparse.Namespace, runs: dict, baseline: dict) -> None:
+def _one_repeat(args: argparse.Namespace, engines: dict, prompts: list[list[int]], max_new: list[int],
+                stops: tuple[str, ...], rollout: dict | None) -> dict:
+    """Every scenario once on every side: {scenario: {side: (tokens, seconds)}}."""
+    runs = {name: _engine_scenarios(eng, prompts, max_new, stops, args.seed) for name, eng in engines.items()}
+    model, tok, eos = engines["engine"].model, engines["engine"].tokenizer, engines["engine"].eos_ids
+    contexts = runs["engine"]["contexts"]
+    rows = {name: {side: runs[side][name] for side in engines} for name in ("refill", "tool_continuation")}
+    rows["refill"]["generate"] = _hf_generate(model, tok, prompts, max_new, args.batch, stops, eos, args.seed)
+    rows["tool_continuation"]["generate"] = _hf_generate(model, tok, contexts, [32] * len(prompts), args.batch, (),
+                                                         eos, args.seed)
+    if rollout:
+        tasks = list(range(args.rollout_prompts))
+        rows["rollout"] = {side: _rollout(eng, tasks, args.seed) for side, eng in rollout.items()}
+    return rows
+
+
+def _rollout_engines(args: argparse.Namespace) -> dict:
     from arpo_algo.models import resolve_model_path
 
-    path = resolve_model_path(args.rollout_model)
-    fast = HFEngine(path, max_batch_size=args.batch, linear_layout="transposed")
+    fast = HFEngine(resolve_model_path(args.rollout_model), max_batch_size=args.batch, linear_layout="transposed")
     native = HFEngine(model=fast.model, tokenizer=fast.tokenizer, max_batch_size=args.batch, linear_layout="native")
-    gen = GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids)
-    tasks = list(range(args.rollout_prompts))
-    runs["transposed"]["rollout"] = _rollout(fast, tasks, args.seed)
-    runs["native"]["rollout"] = _rollout(native, tasks, args.seed)
-    baseline["rollout"] = _rollout(gen, tasks, args.seed)
+    return {"engine": fast, "native": native,
+            "generate": GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -211,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every scenario on every side this many times, interleaved; report medians")
     ap.add_argument("--rollout-model", default=None,
                     help="also run the rollout scenario with this model (one that calls tools, e.g. the quickstart's "
                          "runs/quickstart/sft)")
@@ -220,10 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
     from arpo_algo.models import REGISTRY, pull
 
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
-    engines = {"transposed": HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20,
-                                      linear_layout="transposed")}
-    model, tok = engines["transposed"].model, engines["transposed"].tokenizer
-    engines["native"] = HFEngine(model=model, tokenizer=tok, max_batch_size=args.batch,
+    engines = {"engine": HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20,
+                                  linear_layout="transposed")}
+    tok = engines["engine"].tokenizer
+    engines["native"] = HFEngine(model=engines["engine"].model, tokenizer=tok, max_batch_size=args.batch,
                                  kv_cache_capacity_tokens=1 << 20, linear_layout="native")
     rng = random.Random(args.seed)
     prompts = _prompts(tok, args.requests, rng)
@@ -231,34 +246,30 @@ def main(argv: list[str] | None = None) -> dict:
     max_new = [rng.choice([16, 32, 64, 96]) for _ in prompts]
     for eng in engines.values():  # warm-up
         eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])
-    runs = {name: _engine_scenarios(eng, prompts, max_new, stops, args.seed) for name, eng in engines.items()}
-    eos = engines["transposed"].eos_ids
-    baseline = {"refill": _hf_generate(model, tok, prompts, max_new, args.batch, stops, eos, args.seed),
-                "tool_continuation": _hf_generate(model, tok, runs["transposed"]["contexts"],
-                                                  [32] * len(prompts), args.batch, (), eos, args.seed)}
-    if args.rollout_model:
-        _rollout_scenario(args, runs, baseline)
-    st = runs["transposed"]["stats"]
-    contexts = runs["transposed"]["contexts"]
-    result = {"model": args.model, "requests": args.requests, "batch": args.batch, "threads": args.threads,
-              "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
-              "mean_continuation_context": sum(map(len, contexts)) / len(contexts),
-              "continuation_reused_tokens": st.get("reused_tokens", 0.0),
-              "continuation_prefilled_tokens": st.get("prefill_tokens", 0.0), "scenarios": {}}
+    rollout = _rollout_engines(args) if args.rollout_model else None
+    repeats = [_one_repeat(args, engines, prompts, max_new, stops, rollout) for _ in range(args.repeats)]
+    result = {"model": args.model, "rollout_model": args.rollout_model, "requests": args.requests,
+              "batch": args.batch, "threads": args.threads, "repeats": repeats, "scenarios": {}}
     print(f"\nHFEngine (transposed and native linear layout) vs model.generate on {args.model}, CPU, "
-          f"{args.threads} threads, batch {args.batch}, {args.requests} requests (useful tokens only)\n")
-    print("| scenario | engine tok/s | engine (native layout) tok/s | generate tok/s | engine / generate | "
-          "native-layout engine / generate |")
+          f"{args.threads} threads, batch {args.batch}, {args.requests} requests (useful tokens only), "
+          f"median of {args.repeats} interleaved repeat(s)\n")
+    print("| scenario | engine tok/s | engine (native layout) tok/s | generate tok/s | engine / generate "
+          "(min-max) | native-layout engine / generate |")
     print("|---|---|---|---|---|---|")
-    for name, (gt, gs) in baseline.items():
-        (et, es), (nt, ns) = runs["transposed"][name], runs["native"][name]
-        e_rate, n_rate, g_rate = et / es, nt / ns, gt / gs
-        result["scenarios"][name] = {"engine_tokens": et, "engine_s": es, "engine_tok_s": e_rate,
-                                     "native_layout_tokens": nt, "native_layout_s": ns, "native_layout_tok_s": n_rate,
-                                     "generate_tokens": gt, "generate_s": gs, "generate_tok_s": g_rate,
-                                     "ratio": e_rate / g_rate, "native_layout_ratio": n_rate / g_rate}
-        print(f"| {name} | {e_rate:.1f} | {n_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | "
-              f"{n_rate / g_rate:.2f}x |")
+    for name in repeats[0]:
+        rate = {side: [r[name][side][0] / r[name][side][1] for r in repeats] for side in ("engine", "native",
+                                                                                          "generate")}
+        ratio = [e / g for e, g in zip(rate["engine"], rate["generate"])]
+        native = [n / g for n, g in zip(rate["native"], rate["generate"])]
+        row = {"engine_tok_s": statistics.median(rate["engine"]), "native_layout_tok_s":
+               statistics.median(rate["native"]), "generate_tok_s": statistics.median(rate["generate"]),
+               "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
+               "native_layout_ratio": statistics.median(native),
+               "engine_tokens": repeats[0][name]["engine"][0], "generate_tokens": repeats[0][name]["generate"][0]}
+        result["scenarios"][name] = row
+        print(f"| {name} | {row['engine_tok_s']:.1f} | {row['native_layout_tok_s']:.1f} | "
+              f"{row['generate_tok_s']:.1f} | {row['ratio']:.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) | "
+              f"{row['native_layout_ratio']:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result
