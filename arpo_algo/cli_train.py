@@ -153,6 +153,8 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     _write_config(exp, out)
     iterations = exp.run.iterations
     algo = exp.config.build_algo()
+    if algo.sampler.dump_path:  # outside Tune the Algorithm's logdir is a temp folder; dumps belong to the run
+        algo.sampler.dump_path = str(out / "trees.jsonl")
     history: list[dict[str, float]] = []
     metrics_file = out / "metrics.jsonl"
     if existing:

@@ -30,6 +30,14 @@ signal each other either. The ``bwrap`` backend adds a read-only root filesystem
 network and IPC namespaces; the ``docker`` backend (docker SDK, imported lazily) runs in a container with no
 network, a memory and a PID limit.
 
+Reproducible output (``reproducible_output=True``, the default): the same code prints the same text in every run,
+so a training run is reproducible from its seed. The child gets a fixed hash seed (``PYTHONHASHSEED=0``: set and
+dict-of-str order) and, where ``setarch`` exists, no address-space randomization (object reprs such as
+``<generator object at 0x...>``, which a model does print, otherwise differ per run and change the next sampled
+tokens). It then runs with ``-s -P`` and a clean environment instead of ``-I`` (which would ignore the hash seed);
+the isolation is the same. ASLR guards a process against memory-corruption exploits, which code that already runs
+arbitrary Python does not need. Applies to the subprocess and bwrap backends.
+
 Deliberate differences from the reference (spec §10.9, §10.10, §10.24): empty stdout returns ``"(no output)"`` once
 instead of re-running the code; output is capped; the timeout message is in English.
 """
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import pwd
 import queue
 import selectors
@@ -226,7 +235,7 @@ class PythonTool:
                  max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
                  require_network_isolation: bool = False, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
-                 docker_image: str = "python:3.11-slim") -> None:
+                 docker_image: str = "python:3.11-slim", reproducible_output: bool = True) -> None:
         """Configure the sandbox.
 
         Args:
@@ -246,6 +255,8 @@ class PythonTool:
             uid_base: First uid of the per-call uid pool (root hosts only).
             scratch_root: Where scratch directories are created (default: the system temp dir).
             docker_image: Image for ``backend="docker"``.
+            reproducible_output: Fixed hash seed and no address randomization in the child, so the same code prints
+                the same text in every run (see the module docstring). False: ``python -I`` with randomization.
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars)):
@@ -258,6 +269,12 @@ class PythonTool:
         self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base
         self.python_executable = python_executable or sys.executable
         self.scratch_root, self.docker_image = scratch_root, docker_image
+        if not isinstance(reproducible_output, bool):
+            raise ConfigError(f"python tool setting 'reproducible_output' must be true or false, got "
+                              f"{reproducible_output!r}")
+        self.reproducible_output = reproducible_output
+        setarch = shutil.which("setarch") if reproducible_output else None
+        self._no_aslr = [setarch, platform.machine(), "-R"] if setarch else []
         self.capabilities = sandbox_capabilities(backend)
         self.backend = self.capabilities["backend"]
         if not self.capabilities["available"]:
@@ -319,10 +336,16 @@ class PythonTool:
             if uid is not None:
                 os.chown(scratch, uid, uid)
             prefix = _bwrap_prefix(scratch) if self.backend == "bwrap" else []
-            flags = ["-I", "-S"] if self.no_site else ["-I"]
-            cmd = [*prefix, self.python_executable, *flags, "-c", _BOOTSTRAP, json.dumps(self._config(uid, None))]
+            env = _child_env(scratch)
+            if self.reproducible_output:  # -I would ignore PYTHONHASHSEED; the environment is clean anyway
+                flags, env["PYTHONHASHSEED"] = ["-s", "-P"], "0"
+            else:
+                flags = ["-I"]
+            flags += ["-S"] if self.no_site else []
+            cmd = [*prefix, *self._no_aslr, self.python_executable, *flags, "-c", _BOOTSTRAP,
+                   json.dumps(self._config(uid, None))]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=scratch, env=_child_env(scratch), start_new_session=True)
+                                    cwd=scratch, env=env, start_new_session=True)
             try:
                 proc.stdin.write(code.encode("utf-8", "replace"))
                 proc.stdin.close()

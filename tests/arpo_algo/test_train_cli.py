@@ -72,8 +72,11 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     # a second plain run into the same folder refuses; --resume continues the iteration count
     assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3", "--no-progress"]) == 0
+    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3",
+                 "--set", "rollouts.dump_trees=true", "--no-progress"]) == 0
     assert (out / "checkpoints" / "iter_000003").is_dir()
+    trees = (out / "trees.jsonl").read_text().splitlines()  # the run folder is the Algorithm's logdir
+    assert len(trees) == 1 and json.loads(trees[0])["trajectories"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
 

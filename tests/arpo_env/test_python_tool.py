@@ -75,6 +75,22 @@ def test_cpu_limit_stops_a_burner_with_its_own_message(tmp_path):
     assert "CPU time limit exceeded (1 s)" in result.text
 
 
+def test_output_is_reproducible_across_calls(tool, tmp_path):
+    """Set order and (where setarch exists) object addresses are the same in every call, as training replay needs."""
+    code = "print({'alpha', 'beta', 'gamma', 'delta', 'eps'})\nprint(object())"
+    outputs = {tool(code).text for _ in range(3)}
+    if shutil.which("setarch"):
+        assert len(outputs) == 1, outputs
+    else:  # the hash seed is still fixed
+        assert len({o.splitlines()[0] for o in outputs}) == 1, outputs
+    assert tool("import sys\nprint(sys.flags.no_user_site, sys.flags.safe_path, sys.flags.hash_randomization)").text \
+        == "1 True 0"  # -s -P with a clean environment: the same isolation as -I, hash seed fixed
+    randomized = PythonTool(backend="subprocess", reproducible_output=False, scratch_root=str(tmp_path))
+    assert len({randomized(code).text for _ in range(3)}) > 1
+    with pytest.raises(ConfigError, match="reproducible_output"):
+        PythonTool(reproducible_output="yes")
+
+
 def test_output_flood_is_capped_and_stopped(tool):
     result = _bounded(tool, "while True:\n    print('x' * 1000)")
     assert result.error and len(result.text) < 2300 and "output truncated" in result.text
