@@ -65,15 +65,25 @@ def _useful(tok, new: list[int], max_new: int, stops: tuple[str, ...], eos: set[
     return min(len(new), max_new)
 
 
+def _pad_id(tok, eos: set[int]) -> int:  # noqa: ANN001
+    return tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos))
+
+
+def _left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A left-padded batch as ``generate`` takes it: input ids, attention mask, width."""
+    width = max(len(c) for c in contexts)
+    ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in contexts])
+    att = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+    return ids, att, width
+
+
 def _hf_generate(model, tok, contexts: list[list[int]], max_new: list[int], batch: int, stops: tuple[str, ...],
                  eos: set[int], seed: int) -> tuple[int, float]:
-    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos))
+    pad = _pad_id(tok, eos)
     useful, t0 = 0, time.perf_counter()
     for b in range(0, len(contexts), batch):
         ctxs, mns = contexts[b:b + batch], max_new[b:b + batch]
-        width = max(len(c) for c in ctxs)
-        ids = torch.tensor([[pad] * (width - len(c)) + c for c in ctxs])
-        att = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in ctxs])
+        ids, att, width = _left_padded(ctxs, pad)
         torch.manual_seed(seed + b)
         kw = {"stop_strings": list(stops), "tokenizer": tok} if stops else {}
         with torch.inference_mode():
@@ -96,7 +106,7 @@ class GenerateEngine:
     def __init__(self, model, tokenizer, batch: int, eos: set[int]) -> None:  # noqa: ANN001
         self.model, self.tokenizer, self.batch, self.eos = model, tokenizer, batch, eos
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
+        self.pad = _pad_id(tokenizer, eos)
         self._stats: dict[str, float] = {}
 
     def _count(self, key: str, value: float) -> None:
@@ -110,9 +120,7 @@ class GenerateEngine:
             chunk = requests[b:b + self.batch]
             p = chunk[0].params
             stops = sorted({s for r in chunk for s in r.params.stop})
-            width = max(len(r.token_ids) for r in chunk)
-            ids = torch.tensor([[self.pad] * (width - len(r.token_ids)) + list(r.token_ids) for r in chunk])
-            att = torch.tensor([[0] * (width - len(r.token_ids)) + [1] * len(r.token_ids) for r in chunk])
+            ids, att, width = _left_padded([r.token_ids for r in chunk], self.pad)
             torch.manual_seed(p.seed if p.seed is not None else b)
             kw = {"stop_strings": stops, "tokenizer": self.tokenizer} if stops else {}
             sampling = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p,
@@ -164,10 +172,10 @@ def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa:
     return int(m["rollout/tokens_generated"]), float(m["rollout/time_generate_s"])
 
 
-def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float, list]:
+def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float]:
     t0 = time.perf_counter()
     gens = eng.generate(reqs)
-    return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0, gens
+    return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
 
 
 def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int], stops: tuple[str, ...],
@@ -175,7 +183,7 @@ def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int
     """Both scenarios on one engine: (tokens, seconds) each, plus the continuation contexts for ``generate``."""
     reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=stops, seed=seed + i))
             for i, (p, m) in enumerate(zip(prompts, max_new))]
-    refill_tok, refill_s, _ = _engine_run(eng, reqs)
+    refill = _engine_run(eng, reqs)
     # continuation after a tool result: first segment (untimed), 20 tool tokens, continue from the cached prefix
     first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
                           for i, p in enumerate(prompts)])
@@ -183,12 +191,9 @@ def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int
     tool = tok.encode(" <result>\n" + "x = 42, y = 17, total = 59 " * 4, add_special_tokens=False)[:18]
     tool += tok.encode("\n</result>", add_special_tokens=False)[:2]
     contexts = [p + g.token_ids + tool for p, g in zip(prompts, first)]
-    eng.stats()
     cont = [GenRequest(i, c, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
             for i, (c, g) in enumerate(zip(contexts, first))]
-    cont_tok, cont_s, _ = _engine_run(eng, cont)
-    return {"refill": (refill_tok, refill_s), "tool_continuation": (cont_tok, cont_s), "contexts": contexts,
-            "stats": eng.stats()}
+    return {"refill": refill, "tool_continuation": _engine_run(eng, cont), "contexts": contexts}
 
 
 def _one_repeat(args: argparse.Namespace, engines: dict, prompts: list[list[int]], max_new: list[int],

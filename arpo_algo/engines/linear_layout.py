@@ -46,13 +46,9 @@ class TransposedLinears:
         self._layers: list[tuple[torch.nn.Linear, torch.Tensor]] = []
 
     def _rebuild(self) -> None:
-        self._layers = []
+        self._layers = []  # free the stale copies first: never two sets of them in memory at once
         self._layers = [(mod, mod.weight.detach().t().contiguous()) for mod in self.model.modules()
                         if type(mod) is torch.nn.Linear]  # subclasses (LoRA, quantized) keep their own forward
-
-    def release(self) -> None:
-        """Drop the copies (they are rebuilt on the next use)."""
-        self._layers, self._version = [], None
 
     @contextlib.contextmanager
     def active(self, version: Any) -> Iterator[None]:
