@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from arpo_algo.learner import Learner, LearnerConfig
-from arpo_algo.losses import dual_clip_policy_loss
-from arpo_algo.rollout_types import Group, Trajectory
-from arpo_algo.tree_forward import forward_token_stats
+from arpo_algo.core.losses import dual_clip_policy_loss
+from arpo_algo.rollout.types import Group, Trajectory
+from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.tree_forward import forward_token_stats
 
 
 def make_group(rng: random.Random, vocab: int, index: int, *, prompt_len: int = 120, prefix_len: int = 80,

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from arpo_algo.engines.base import GenRequest, SamplingParams
-from arpo_algo.engines.hf import HFEngine
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.hf import HFEngine
 
 SYSTEM = ("You are a helpful assistant that solves problems step by step. You may call tools: write python code "
           "inside <python></python> to run it, or a query inside <search></search> to search the web. Results come "
@@ -113,7 +113,7 @@ class GenerateEngine:
         self._stats[key] = self._stats.get(key, 0.0) + value
 
     def generate(self, requests: list[GenRequest]) -> list:
-        from arpo_algo.engines.base import Generation
+        from arpo_algo.rollout.engines.base import Generation
 
         t0, out = time.perf_counter(), []
         for b in range(0, len(requests), self.batch):
@@ -158,8 +158,8 @@ class GenerateEngine:
 
 def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa: ANN001
     """One ARPO sampling step on ToolMath level 3: (tokens the sampler received, seconds inside the engine)."""
-    from arpo_algo.sampler import TreeSampler
-    from arpo_algo.tree import TreeConfig
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.sampler import TreeSampler
     from arpo_env.core import ToolTextEnv
 
     sampler = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=(3,)),

@@ -16,10 +16,10 @@ import json
 import time
 from pathlib import Path
 
-from arpo_algo.engines.base import SamplingParams
-from arpo_algo.engines.hf import HFEngine
-from arpo_algo.sampler import TreeSampler
-from arpo_algo.tree import TreeConfig
+from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout.engines.base import SamplingParams
+from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 
 

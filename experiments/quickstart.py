@@ -50,7 +50,7 @@ def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]]) -> dict[st
 
 
 def stage_sft(out: Path, model: str, seed: int, progress: bool) -> dict[str, Any]:
-    from arpo_algo.sft import SFTConfig, run_sft
+    from arpo_algo.train.sft import SFTConfig, run_sft
 
     cfg = SFTConfig(model=model, output_dir=str(out / "sft"), seed=seed, progress=progress, **SFT_SETTINGS)
     m = run_sft(cfg)
@@ -58,13 +58,13 @@ def stage_sft(out: Path, model: str, seed: int, progress: bool) -> dict[str, Any
 
 
 def load_rl_experiment(sft_dir: str, seed: int, extra: list[str]) -> Any:
-    from arpo_algo.experiment import load_experiment
+    from arpo_algo.run.experiment import load_experiment
 
     return load_experiment("quickstart", [f"model.path={json.dumps(sft_dir)}", f"experiment.seed={seed}", *extra])
 
 
 def stage_arpo(out: Path, exp: Any, progress: bool) -> dict[str, Any]:
-    from arpo_algo.cli_train import list_checkpoints, train_experiment
+    from arpo_algo.run.driver import list_checkpoints, train_experiment
 
     run_dir = out / "arpo"
     resume = run_dir if list_checkpoints(run_dir / "checkpoints") else None
@@ -74,7 +74,7 @@ def stage_arpo(out: Path, exp: Any, progress: bool) -> dict[str, Any]:
 
 def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: int) -> None:
     """Add the before/after held-out accuracies to the run's learning curve."""
-    from arpo_algo.cli_train import plot_learning_curve
+    from arpo_algo.run.driver import plot_learning_curve
 
     metrics = Path(rl["learning_curve"]).with_name("metrics.jsonl")
     history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
@@ -85,9 +85,9 @@ def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: i
 
 def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     """Both checkpoints from disk, each in its own engine, under the experiment's evaluation settings."""
-    from arpo_algo.algorithm import env_creator
-    from arpo_algo.engines.hf import HFEngine
-    from arpo_algo.evaluation import evaluate_engine
+    from arpo_algo.algorithms.components import env_creator
+    from arpo_algo.eval.evaluation import evaluate_engine
+    from arpo_algo.rollout.engines.hf import HFEngine
 
     cfg = exp.config
     settings = {"num_prompts": cfg.eval_num_prompts, "samples": cfg.eval_samples, "temperature": cfg.eval_temperature,

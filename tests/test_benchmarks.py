@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arpo_algo.engines.base import GenRequest, SamplingParams
-from arpo_algo.engines.hf import HFEngine
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.hf import HFEngine
 from experiments import bench_engine
 
 

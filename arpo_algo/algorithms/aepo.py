@@ -1,0 +1,28 @@
+"""AEPO (Agentic Entropy-Balanced Policy Optimization, arXiv 2510.14545): its config and its Algorithm."""
+
+from __future__ import annotations
+
+from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
+
+
+class AEPOConfig(ARPOConfig):
+    """AEPO (arXiv 2510.14545): ARPO's pipeline with the entropy-balanced rollout and stop-gradient clipping.
+
+    Defaults follow the released AEPO scripts (ARPO_SPEC §4.5): consecutive-branch penalty on (the AEPO tree mode),
+    entropy-balanced clipping on, pre-monitoring off (``ENABLE_DYNAMIC_ROLLOUTS=False`` in the scripts), entropy-aware
+    advantage on (it is inert in the reference code, §4.4/§10.16; here it is live: set it False for parity).
+    """
+
+    variant = "aepo"
+    variant_defaults = {"aepo_penalty": 0.05, "entropy_balanced_clip": True, "entropy_advantage": True}
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        super().__init__(algo_class=algo_class or AEPO)
+
+
+class AEPO(ARPO):
+    """AEPO: ARPO's pipeline with AEPO's defaults (:class:`AEPOConfig`)."""
+
+    @classmethod
+    def get_default_config(cls) -> AEPOConfig:
+        return AEPOConfig(algo_class=cls)

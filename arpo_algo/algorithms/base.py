@@ -1,0 +1,222 @@
+"""ARPO, AEPO and GRPO as thin RLlib Algorithms (RAY_NOTES §1.2, "Pattern A").
+
+The algorithm owns its policy (:class:`arpo_algo.train.learner.Learner`: HF model, optimizer, schedule, RNG) and its
+rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process :class:`arpo_algo.rollout.engines.hf.HFEngine`
+that shares the learner's module, or over a :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the
+config, the metrics logger, Tune integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
+
+One iteration (:meth:`ARPO.training_step`): sync weights -> sample one group per prompt (rewards come from the
+environment's final step) -> advantages and update (inside the learner) -> log.
+
+Checkpoints (``save_to_path`` / ``restore_from_path`` / ``from_checkpoint`` / Tune's save and restore)::
+
+    ckpt/ rllib_checkpoint.json  class_and_ctor_args.pkl  algorithm_state.pkl   (iteration, data position, metrics)
+          policy/  model.safetensors config.json tokenizer* chat_template.jinja generation_config.json   (plain HF)
+                   trainer_state.pt   (optimizer, scheduler, RNG, learner step)
+
+``policy/`` loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM directly. ``rllib_checkpoint.json``
+records the arpo version and :data:`CHECKPOINT_FORMAT`; a different format is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import time
+from typing import Any
+
+from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+from ray.rllib.utils.checkpoints import Checkpointable
+from ray.tune.execution.placement_groups import PlacementGroupFactory
+
+from arpo_algo import __version__
+from arpo_algo.algorithms.components import (
+    CHECKPOINT_FORMAT,
+    POLICY_DIR,
+    PolicyComponent,
+    PromptIterator,
+    _as_list,
+    _check_format,
+    check_checkpoint,
+    check_resources_feasible,
+    env_creator,
+    resource_bundles,
+)
+from arpo_algo.algorithms.config import AgenticRLConfig
+from arpo_algo.rollout.metrics import summarize_groups
+
+
+class AgenticRLAlgorithm(Algorithm):
+    """What ARPO, AEPO and GRPO share: a thin RLlib Algorithm (see the module docstring)."""
+
+    @classmethod
+    def default_resource_request(cls, config: AlgorithmConfig | dict) -> PlacementGroupFactory:
+        """What Tune reserves per trial: the learner process plus every rollout actor; infeasible -> ConfigError."""
+        cfg = config if isinstance(config, AgenticRLConfig) else cls.get_default_config().update_from_dict(dict(config))
+        bundles = resource_bundles(cfg)
+        check_resources_feasible(bundles)
+        return PlacementGroupFactory(bundles, strategy=cfg.placement_strategy)
+
+    # ---------------------------------------------------------------------------------------------------- setup
+
+    def setup(self, config: AgenticRLConfig) -> None:
+        """Build learner, engine and sampler; no ``super().setup()`` (no EnvRunners or LearnerGroup)."""
+        from arpo_algo.models import resolve_model_path
+        from arpo_algo.train.learner import Learner
+
+        self.callbacks = [c() for c in _as_list(self.config.callbacks_class)]
+        self.env_runner_group = self.eval_env_runner_group = None
+        self.offline_data = self.learner_group = self._aggregator_actor_manager = None
+        self.offline_eval_runner_group = None
+        self.evaluation_config = self.config.get_evaluation_config_object()
+        self._set_up_metrics()  # step() and save() time themselves with these (RAY_NOTES §1.4.2)
+        cfg = self.config
+        check_resources_feasible(resource_bundles(cfg))
+        model_path = resolve_model_path(cfg.model_path)
+        self.learner = Learner(model_path, cfg.learner_config(), device=cfg.device, seed=cfg.seed)
+        self.policy = PolicyComponent(self.learner)
+        self.tree_config = cfg.tree_config()
+        self._train_env = env_creator(cfg)
+        self._eval_env = env_creator(cfg, split=cfg.eval_split)
+        self.prompts = PromptIterator(self._train_env().num_tasks, cfg.seed)
+        self.engine = self._build_engine(model_path)
+        self.sampler = self._build_sampler(self._train_env, self.tree_config, cfg.temperature, cfg.top_p, cfg.top_k,
+                                           cfg.max_response_tokens, dump=cfg.dump_trees)
+        self._last_eval: dict[str, float] = {}
+
+    def _build_engine(self, model_path: pathlib.Path) -> Any:
+        from arpo_algo.rollout.engines.hf import HFEngine
+
+        cfg = self.config
+        entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
+        if cfg.num_rollout_actors == 0:
+            return HFEngine(model=self.learner.model, tokenizer=self.learner.tokenizer, dtype=cfg.dtype,
+                            max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
+                            linear_layout=cfg.linear_layout)
+        import ray
+
+        from arpo_algo.rollout.engines.actors import RolloutActorPool
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
+        factory = functools.partial(HFEngine, str(model_path), device=cfg.device, dtype=cfg.dtype,
+                                    max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
+                            linear_layout=cfg.linear_layout)
+        return RolloutActorPool(factory, num_actors=cfg.num_rollout_actors,
+                                num_cpus_per_actor=cfg.num_cpus_per_rollout_actor)
+
+    def _build_sampler(self, creator: Any, tree: Any, temperature: float, top_p: float, top_k: int,
+                       max_response_tokens: int, dump: bool = False) -> Any:
+        from arpo_algo.rollout.engines.base import SamplingParams
+        from arpo_algo.rollout.sampler import TreeSampler
+
+        cfg = self.config
+        env = creator()
+        sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, stop=tuple(env.stop_sequences))
+        dump_path = os.path.join(self.logdir, "trees.jsonl") if dump and getattr(self, "logdir", None) else None
+        return TreeSampler(self.engine, creator, tree, sampling, max_response_tokens=max_response_tokens,
+                           tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
+                           train_tool_limit_eos=cfg.train_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)
+
+    # --------------------------------------------------------------------------------------------- one iteration
+
+    def training_step(self) -> None:
+        """sync weights -> sample groups (rewards from the env) -> advantages + update -> metrics. Returns None."""
+        step = self.iteration
+        with self.metrics.log_time(("timers", "sync_time")):
+            self._sync_weights()
+        indices = self.prompts.next(self.config.prompts_per_step)
+        t0 = time.perf_counter()
+        with self.metrics.log_time(("timers", "rollout_time")):
+            groups, rollout = self.sampler.sample(indices, step=step)
+        t1 = time.perf_counter()
+        with self.metrics.log_time(("timers", "update_time")):
+            learn = self.learner.update(groups)
+        t2 = time.perf_counter()
+        if learn.get("skipped_nan"):
+            self.metrics.log_value("nan_updates_skipped", float(learn["skipped_nan"]), reduce="sum")
+        summary = summarize_groups(groups)
+        generated = float(rollout.get("tokens_generated", summary["tokens_sampled"]))
+        summary["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
+        summary["update_tokens_per_s"] = summary["tokens_sampled"] / max(t2 - t1, 1e-9)
+        for key, value in summary.items():
+            self.metrics.log_value(key, value, reduce="mean", window=1)
+        # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces.
+        for key, value in rollout.items():
+            self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
+        for key, value in learn.items():
+            self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
+        self.metrics.log_value("num_trajectories_lifetime", float(summary["num_trajectories"]),
+                               reduce="lifetime_sum")
+        self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
+        return None
+
+    def _sync_weights(self) -> None:
+        """In-process the engine shares the learner's module (nothing to copy); actors get a broadcast."""
+        if self.config.num_rollout_actors > 0:
+            self.engine.broadcast({k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()})
+
+    # ---------------------------------------------------------------------------------------------- evaluation
+
+    def evaluate(self, parallel_train_future: Any = None) -> dict[str, float]:
+        """Score the held-out split (flat dict; RLlib nests it under ``result["evaluation"]``)."""
+        from arpo_algo.eval.evaluation import evaluate_policy
+
+        self._sync_weights()
+        self._last_eval = evaluate_policy(self, self._eval_env)
+        return dict(self._last_eval)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self._check_component(POLICY_DIR, components, not_components):
+            state[POLICY_DIR] = self.policy.get_state()
+        state["metrics_logger"] = self.metrics.get_state()
+        state["training_iteration"] = self.training_iteration
+        state["prompts"] = self.prompts.get_state()
+        state["arpo_checkpoint_format"] = CHECKPOINT_FORMAT
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        _check_format(state.get("arpo_checkpoint_format"), "algorithm state")
+        if POLICY_DIR in state:
+            self.policy.set_state(state[POLICY_DIR])
+        if "metrics_logger" in state:
+            self.metrics.set_state(state["metrics_logger"])
+        if "training_iteration" in state:
+            self._iteration = state["training_iteration"]
+        if "prompts" in state:
+            self.prompts.set_state(state["prompts"])
+
+    def get_checkpointable_components(self) -> list[tuple[str, Checkpointable]]:
+        return [(POLICY_DIR, self.policy)]
+
+    def get_metadata(self) -> dict[str, Any]:
+        meta = super().get_metadata()
+        meta.update(arpo_version=__version__, arpo_checkpoint_format=CHECKPOINT_FORMAT,
+                    arpo_algorithm=type(self).__name__)
+        return meta
+
+    def restore_from_path(self, path, *args, **kwargs) -> None:
+        """Checkpointable's restore (the base one syncs EnvRunners we do not have), after a version check."""
+        check_checkpoint(path)
+        Checkpointable.restore_from_path(self, path, *args, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, path, filesystem=None, **kwargs) -> AgenticRLAlgorithm:  # type: ignore[override]
+        check_checkpoint(path)
+        return super().from_checkpoint(path, filesystem=filesystem, **kwargs)
+
+    def restore_env_runners(self, env_runner_group: Any) -> list[int]:
+        return []
+
+    def cleanup(self) -> None:
+        """Stop rollout actors (the in-process engine needs nothing)."""
+        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
+        if self.config.num_rollout_actors > 0 and shutdown is not None:
+            shutdown()
+        super().cleanup()

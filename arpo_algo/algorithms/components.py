@@ -1,0 +1,194 @@
+"""The parts of an ARPO/AEPO/GRPO Algorithm: data order, environment factory, resources, the policy checkpoint
+component and the checkpoint-format check."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import random
+from typing import Any
+
+from ray.rllib.utils.checkpoints import Checkpointable
+
+from arpo_algo import __version__
+from arpo_env.errors import ArpoError, ConfigError
+
+#: Bumped whenever the checkpoint layout or state keys change incompatibly.
+CHECKPOINT_FORMAT = 1
+POLICY_DIR = "policy"
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+
+# ------------------------------------------------------------------------------------------------------ data order
+
+
+class PromptIterator:
+    """Which prompts come next: a seeded permutation per epoch, position kept in checkpoints.
+
+    Resuming a run restores (epoch, position), so a killed run continues with exactly the prompts it would have seen.
+    """
+
+    def __init__(self, num_tasks: int, seed: int) -> None:
+        if num_tasks < 1:
+            raise ConfigError("the training split has no tasks")
+        self.num_tasks, self.seed, self.epoch, self.position = num_tasks, seed, 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_tasks))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next(self, k: int) -> list[int]:
+        """The next ``k`` task indices (crossing epoch borders; each epoch is a fresh permutation)."""
+        out: list[int] = []
+        while len(out) < k:
+            order = self._order(self.epoch)
+            take = order[self.position:self.position + k - len(out)]
+            out += take
+            self.position += len(take)
+            if self.position >= self.num_tasks:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def get_state(self) -> dict[str, int]:
+        return {"num_tasks": self.num_tasks, "seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        if state["num_tasks"] != self.num_tasks:
+            raise ArpoError(f"the checkpoint was trained on {state['num_tasks']} tasks, this run has "
+                            f"{self.num_tasks}", hint="resume with the same env config (split, data)")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+
+
+# ---------------------------------------------------------------------------------------------------- environments
+
+
+def make_env(env_id: str, env_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> Any:
+    """One unwrapped ToolTextEnv (gymnasium wrappers would hide ``clone()``); module level so actors can pickle it."""
+    import gymnasium as gym
+
+    import arpo_env  # registers the arpo/* ids
+
+    try:
+        env = gym.make(env_id, config={**env_config, **(overrides or {})}, disable_env_checker=True)
+    except gym.error.Error as e:
+        raise ConfigError(f"environment {env_id!r} cannot be made: {e}",
+                          hint=f"registered arpo environments: {', '.join(arpo_env.ENV_IDS)}") from e
+    return env.unwrapped
+
+
+def env_creator(config: Any, **overrides: Any) -> functools.partial:
+    """A picklable zero-argument env factory for the sampler (and rollout actors)."""
+    if not isinstance(config.env, str):
+        raise ConfigError(f"env must be a registered id such as 'arpo/ToolMath-v0', got {config.env!r}")
+    return functools.partial(make_env, config.env, dict(config.env_config), overrides)
+
+
+# ------------------------------------------------------------------------------------------------------- resources
+
+
+def resource_bundles(config: Any) -> list[dict[str, float]]:
+    """One bundle for the learner process plus one per rollout actor."""
+    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": 1.0 if config.device == "cuda" else 0.0}
+    return [main] + [{"CPU": float(config.num_cpus_per_rollout_actor)}] * config.num_rollout_actors
+
+
+def check_resources_feasible(bundles: list[dict[str, float]]) -> None:
+    """Fail fast instead of leaving a Tune trial PENDING forever (RAY_NOTES §2: infeasible requests hang silently).
+
+    Compares against ``ray.cluster_resources()`` when Ray is initialised, else against this machine.
+    """
+    import ray
+
+    need_cpu = sum(b.get("CPU", 0.0) for b in bundles)
+    need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
+    if ray.is_initialized():
+        have = ray.cluster_resources()
+        have_cpu, have_gpu, where = have.get("CPU", 0.0), have.get("GPU", 0.0), "the Ray cluster"
+    else:
+        import torch
+
+        have_cpu, where = float(os.cpu_count() or 1), "this machine"
+        have_gpu = float(torch.cuda.device_count())
+    if need_cpu > have_cpu:
+        actors = len(bundles) - 1
+        raise ConfigError(
+            f"this ARPO config needs {need_cpu:g} CPUs ({bundles[0]['CPU']:g} for the learner + {actors} rollout "
+            f"actor(s) x {bundles[-1]['CPU'] if actors else 0:g}) but {where} has {have_cpu:g}",
+            hint="lower llm_rollouts(num_rollout_actors=..., num_cpus_per_rollout_actor=...) or give Ray more CPUs")
+    if need_gpu > have_gpu:
+        raise ConfigError(f"this ARPO config needs {need_gpu:g} GPU(s) (device='cuda') but {where} has {have_gpu:g}",
+                          hint="use llm_rollouts(device='cpu') on this machine")
+
+
+# ---------------------------------------------------------------------------------------------- policy component
+
+
+class PolicyComponent(Checkpointable):
+    """The learner as a checkpoint component: a plain HF folder plus ``trainer_state.pt`` (optimizer, RNG, step)."""
+
+    def __init__(self, learner: Any) -> None:
+        self.learner = learner
+
+    def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
+        return {"trainer": self.learner.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.learner.set_state(state["trainer"])
+
+    def get_ctor_args_and_kwargs(self) -> tuple[tuple, dict[str, Any]]:
+        return (), {}
+
+    def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:  # noqa: D401
+        """Write the HF folder (weights as they are now) and the trainer state."""
+        import torch
+
+        path = pathlib.Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.learner.save_pretrained(path)
+        torch.save((state or self.get_state())["trainer"], path / TRAINER_STATE_FILE)
+        return str(path)
+
+    def restore_from_path(self, path, *, component=None, filesystem=None, **kwargs) -> None:
+        """Load weights in place (the in-process engine shares the module) and the trainer state."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path = pathlib.Path(path)
+        model = self.learner.model
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
+        with torch.no_grad():
+            model.load_state_dict(saved.state_dict())
+        del saved
+        trainer = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
+        self.learner.set_state(trainer)
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _check_format(fmt: Any, what: str) -> None:
+    if fmt != CHECKPOINT_FORMAT:
+        raise ArpoError(f"incompatible checkpoint: {what} has format {fmt!r}, this arpo "
+                        f"({__version__}) reads format {CHECKPOINT_FORMAT}",
+                        hint="resume with the arpo version that wrote it, or start a new run from its policy/ folder")
+
+
+def check_checkpoint(path: str | os.PathLike | Any) -> None:
+    """Refuse a folder that is not an arpo checkpoint of this format, with a clear message."""
+    path = pathlib.Path(getattr(path, "path", path))
+    meta_file = path / "rllib_checkpoint.json"
+    if not meta_file.is_file():
+        raise ArpoError(f"{path} is not an arpo checkpoint (no rllib_checkpoint.json)",
+                        hint="pass a folder like <run>/checkpoints/iter_000010")
+    meta = json.loads(meta_file.read_text())
+    if "arpo_checkpoint_format" not in meta:
+        raise ArpoError(f"{path} is an RLlib checkpoint but not an arpo one (no arpo_checkpoint_format)")
+    _check_format(meta["arpo_checkpoint_format"], f"checkpoint {path} (arpo {meta.get('arpo_version')})")
+
+

@@ -1,0 +1,30 @@
+"""The GRPO baseline: the same code path with the tree sampler off; its config and its Algorithm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
+from arpo_algo.algorithms.options import TREE_OPTIONS
+
+
+class GRPOConfig(ARPOConfig):
+    """GRPO baseline: the tree sampler off, ``budget`` independent samples per prompt, same learner.
+
+    The tree must then say so explicitly: ``initial == budget`` and ``branch_factor == 0`` (the defaults here; change
+    both ``budget`` and ``initial`` together).
+    """
+
+    variant = "grpo"
+    variant_defaults: dict[str, Any] = {"initial": TREE_OPTIONS["budget"].default, "branch_factor": 0}
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        super().__init__(algo_class=algo_class or GRPO)
+
+
+class GRPO(ARPO):
+    """The GRPO baseline: same code path, tree sampler off (:class:`GRPOConfig`)."""
+
+    @classmethod
+    def get_default_config(cls) -> GRPOConfig:
+        return GRPOConfig(algo_class=cls)

@@ -1,0 +1,91 @@
+"""``arpo doctor``: versions, CPU/GPU, the Python tool's sandbox isolation and the model cache."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import platform
+
+from arpo_algo import __version__
+
+
+def _pkg_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> dict:
+    """What this machine offers arpo, read truthfully from the installed packages and the OS."""
+    from arpo_env.paths import arpo_home
+
+    report: dict = {
+        "arpo": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "packages": {p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "deepspeed")},
+    }
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        report["gpu"] = {
+            "cuda_available": cuda,
+            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            "torch_cuda_build": torch.version.cuda,
+        }
+    except ImportError:
+        report["gpu"] = {"cuda_available": False, "devices": [], "torch_cuda_build": None, "note": "torch missing"}
+    try:
+        from arpo_env.tools.python_tool import sandbox_capabilities
+
+        report["python_tool_sandbox"] = sandbox_capabilities()
+    except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
+        report["python_tool_sandbox"] = {"error": str(e)}
+    from arpo_algo.models import list_models
+
+    report["arpo_home"] = str(arpo_home())
+    report["models"] = list_models()
+    return report
+
+
+def _print_doctor(r: dict) -> None:
+    print(f"arpo {r['arpo']}  python {r['python']}  ({r['platform']}, {r['cpus']} CPUs)")
+    for name, ver in r["packages"].items():
+        print(f"  {name:<13} {ver or 'not installed'}")
+    gpu = r["gpu"]
+    if gpu["cuda_available"]:
+        print(f"  GPU          {', '.join(gpu['devices'])} (CUDA {gpu['torch_cuda_build']})")
+    else:
+        build = "CPU-only torch build" if not gpu.get("torch_cuda_build") else f"CUDA {gpu['torch_cuda_build']} build"
+        print(f"  GPU          none ({build}); training and rollouts run on the CPU")
+    sb = r["python_tool_sandbox"]
+    if "error" in sb:
+        print(f"  python tool  unavailable: {sb['error']}")
+    else:
+        net = "isolated" if sb.get("network_isolation") else "NOT isolated"
+        print(f"  python tool  backend {sb.get('backend')}, network {net}: {sb.get('detail', '')}")
+    print(f"  model cache  {r['arpo_home']}/models")
+    for m in r["models"]:
+        state = f"pulled, {m['size_mb']} MB" if m["pulled"] else "not pulled"
+        print(f"    {m['name']:<24} {state}  {m['path'] if m['pulled'] else ''}")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    r = doctor_report()
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        _print_doctor(r)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``arpo doctor``."""
+    p = sub.add_parser("doctor", help="report versions, CPU/GPU, sandbox isolation and the model cache")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_doctor)

@@ -1,0 +1,336 @@
+"""Tree-sampling decisions for ARPO, AEPO and GRPO: pure functions, no I/O, no engine, no environment.
+
+:class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every question
+that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many fresh
+samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
+hand-written entropy sequences (ARPO_SPEC §2, §4.1, §4.2, §10).
+
+Deliberate choices (ARPO_SPEC §10), each a named option of :class:`TreeConfig`:
+
+* ``decision_rule="paper"``: after a tool result the trajectory generates ``entropy_tokens`` (k) look-ahead tokens,
+  which become the start of its continuation; it branches ``branch_factor`` (Z) times when
+  ``(alpha + beta * dH) * penalty > tau``, deterministic. ``"reference"``: the code's rule (§2.3): right after the
+  result, with the entropy of the segment that *ended* with the tool call (one-step lag), each of the Z clones is made
+  with probability ``clip(alpha + beta * dH, 0, 1)`` (ARPO) or when ``clip((u + beta * dH) * penalty, 0, 1) >= alpha``
+  (AEPO code), ``u`` from a seeded RNG. ``tau`` is not used by the reference rule (the code merges it with alpha).
+* Baseline ``H_init``: reset every ``sample()`` call (§10.1). The paper rule uses the trajectory's first segment and
+  branches inherit their parent's baseline; the reference rule gives a branch its own first segment after the branch
+  point (as the code's per-index dict does). ``legacy_stale_baseline`` keeps a sampler-lifetime dict keyed by the
+  trajectory's index in the batch, reproducing the reference bug.
+* Length-truncated trajectories are never branch candidates: requests carry the per-trajectory remaining budget
+  (§10.21), so a length finish means the budget is spent and a clone could not generate a single token. The
+  reference's candidates come from its shared ``max_tokens`` per round, which we do not reproduce.
+* ``max_depth`` bounds nesting (a branch of a branch has depth 2); ``None`` is the reference's unbounded tree.
+* ``fillup``: ``"batch"`` adds all remaining fresh samples at once when every path of a prompt has ended (paper);
+  ``"trickle"`` adds one per round (code, §10.5).
+* AEPO pre-monitoring (§4.1): ``m = int(n * sigmoid(0.5 * (H_root - H_tool))) + 1`` clamped to [1, n]. With
+  ``aepo_premonitor_keep`` the reference's extra discarded trajectory is run to estimate ``H_tool``; without it the
+  first initial sample is the probe (see :mod:`arpo_algo.rollout.sampler`), so nothing is thrown away.
+* AEPO consecutive-branch penalty (§4.2): factor ``max(0, 1 - aepo_penalty * l)``; ``l`` counts consecutive branching
+  steps of the path (``"path"``, paper) or consecutive rounds in which the prompt gained a trajectory, fill-ups
+  included (``"prompt"``, code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from arpo_algo.core.entropy import topk_sum_lnV
+from arpo_env.errors import ConfigError
+
+MODES = ("arpo", "aepo", "grpo")
+DECISION_RULES = ("paper", "reference")
+FILLUPS = ("batch", "trickle")
+ENTROPY_METHODS = ("full_mean", "full_sum_lnV", "topk_sum_lnV")
+PENALTY_SCOPES = ("path", "prompt")
+
+
+@dataclass
+class TreeNode:
+    """A node of the sampling tree: a run of response tokens [start, end) shared by every trajectory below it."""
+
+    node_id: int
+    parent: int | None
+    start: int
+    end: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How one prompt's sampling tree grows.
+
+    Attributes:
+        mode: "arpo" (entropy branching), "aepo" (ARPO + pre-monitoring/penalty) or "grpo" (independent samples).
+        budget: M, trajectories per prompt (exactly this many come out).
+        initial: N, initial samples per prompt (AEPO pre-monitoring replaces it with m per prompt).
+        branch_factor: Z, clones per branch decision (reference ``beam_size - 1``).
+        alpha: Base branch probability (reference ``branch_probability``).
+        beta: Entropy weight (reference ``entropy_weight``).
+        tau: Threshold of the paper rule.
+        entropy_tokens: k, tokens per segment that enter the entropy measure (and the paper rule's look-ahead).
+        entropy_method: "full_mean" (mean full entropy of the first k tokens, nats), "full_sum_lnV" (sum of full
+            entropies / ln|V|) or "topk_sum_lnV" (reference: entropy over the flattened top-k logprobs of the first
+            k tokens / ln|V|, §2.2).
+        topk_logprobs: Logprobs per token requested for "topk_sum_lnV" (reference 10).
+        decision_rule: "paper" or "reference" (module docstring).
+        fillup: "batch" (paper) or "trickle" (reference).
+        max_depth: Maximum branch nesting, ``None`` = unbounded (reference).
+        aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
+            setting it takes effect in mode "aepo" only (see :attr:`premonitor_on`, :attr:`penalty`).
+        aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
+            (setting it outside mode "aepo" is an error).
+        aepo_premonitor_tokens: Tokens of the reference's ``H_root`` probe (reference 50).
+        aepo_penalty: Consecutive-branch penalty coefficient (reference 0.05, hard-coded there); 0 disables it.
+        aepo_penalty_scope: "path" (paper) or "prompt" (code).
+        legacy_stale_baseline: Reproduce the reference's never-reset entropy baseline (§10.1).
+    """
+
+    mode: str = "arpo"
+    budget: int = 8
+    initial: int = 4
+    branch_factor: int = 1
+    alpha: float = 0.5
+    beta: float = 0.2
+    tau: float = 0.5
+    entropy_tokens: int = 20
+    entropy_method: str = "full_mean"
+    topk_logprobs: int = 10
+    decision_rule: str = "paper"
+    fillup: str = "batch"
+    max_depth: int | None = None
+    aepo_premonitor: bool = True
+    aepo_premonitor_keep: bool = False
+    aepo_premonitor_tokens: int = 50
+    aepo_penalty: float = 0.05
+    aepo_penalty_scope: str = "path"
+    legacy_stale_baseline: bool = False
+
+    @property
+    def premonitor_on(self) -> bool:
+        """AEPO pre-monitoring is active (mode "aepo" and ``aepo_premonitor``)."""
+        return self.mode == "aepo" and self.aepo_premonitor
+
+    @property
+    def penalty(self) -> float:
+        """The consecutive-branch penalty coefficient in effect (0 outside mode "aepo")."""
+        return self.aepo_penalty if self.mode == "aepo" else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TreeConfig:
+        """Build from a plain dict; unknown keys raise :class:`ConfigError` naming the key."""
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ConfigError(f"unknown tree setting {key!r}", hint=f"known settings: {', '.join(sorted(known))}")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def grpo(cls, budget: int) -> TreeConfig:
+        """GRPO: ``budget`` independent trajectories, no branching."""
+        return cls(mode="grpo", budget=budget, initial=budget, branch_factor=0)
+
+    @classmethod
+    def aepo(cls, budget: int, initial: int, **kw) -> TreeConfig:
+        """AEPO with both rollout parts on (pre-monitoring, penalty 0.05: the defaults)."""
+        return cls(mode="aepo", budget=budget, initial=initial, **kw)
+
+    def validate(self) -> TreeConfig:
+        """Reject impossible or meaningless combinations with a message that explains; returns self."""
+
+        def bad(msg: str, hint: str | None = None) -> None:
+            raise ConfigError(f"tree config: {msg}", hint=hint)
+
+        for name, allowed in (("mode", MODES), ("decision_rule", DECISION_RULES), ("fillup", FILLUPS),
+                              ("entropy_method", ENTROPY_METHODS), ("aepo_penalty_scope", PENALTY_SCOPES)):
+            if getattr(self, name) not in allowed:
+                bad(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.budget < 1:
+            bad(f"budget (M) must be >= 1, got {self.budget}")
+        if not 1 <= self.initial <= self.budget:
+            bad(f"initial (N={self.initial}) must be between 1 and budget (M={self.budget})",
+                hint="N initial samples are taken from the budget of M trajectories per prompt")
+        if self.branch_factor < 0:
+            bad(f"branch_factor (Z) must be >= 0, got {self.branch_factor}")
+        if self.mode == "grpo" and (self.branch_factor != 0 or self.initial != self.budget):
+            bad(f"mode='grpo' samples M independent trajectories: needs branch_factor=0 and initial=budget "
+                f"(got Z={self.branch_factor}, N={self.initial}, M={self.budget})", hint="use TreeConfig.grpo(M)")
+        for name in ("alpha", "tau"):
+            v = getattr(self, name)
+            if not (0.0 <= v <= 1.0):
+                bad(f"{name} must be in [0, 1] (it is a probability / probability threshold), got {v}")
+        if not (math.isfinite(self.beta) and self.beta >= 0.0):
+            bad(f"beta must be a finite number >= 0 (entropy weight), got {self.beta}")
+        if self.entropy_tokens < 1:
+            bad(f"entropy_tokens (k) must be >= 1, got {self.entropy_tokens}")
+        if self.entropy_method == "topk_sum_lnV" and self.topk_logprobs < 1:
+            bad(f"entropy_method='topk_sum_lnV' needs topk_logprobs >= 1, got {self.topk_logprobs}")
+        if self.max_depth is not None and self.max_depth < 1:
+            bad(f"max_depth must be None (unbounded) or >= 1, got {self.max_depth}",
+                hint="to disable branching set branch_factor=0")
+        if not 0.0 <= self.aepo_penalty <= 1.0:
+            bad(f"aepo_penalty must be in [0, 1], got {self.aepo_penalty}")
+        if self.aepo_premonitor_tokens < 1:
+            bad(f"aepo_premonitor_tokens must be >= 1, got {self.aepo_premonitor_tokens}")
+        if self.mode != "aepo" and self.aepo_premonitor_keep:
+            bad(f"aepo_premonitor_keep is an AEPO setting but mode={self.mode!r}", hint="set mode='aepo'")
+        if self.aepo_premonitor_keep and not self.aepo_premonitor:
+            bad("aepo_premonitor_keep=True needs aepo_premonitor=True")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------- seeds
+def derive_seed(*parts: int | str) -> int:
+    """A stable 63-bit seed from (seed, step, prompt, trajectory, ...): the same parts always give the same seed."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(str(p).encode() if isinstance(p, str) else struct.pack("<q", int(p)))
+        h.update(b"|")
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def branch_rng(seed: int, step: int, prompt_index: int) -> random.Random:
+    """The RNG of one prompt's reference-rule branch draws (independent of other prompts and of batching)."""
+    return random.Random(derive_seed(seed, step, prompt_index, "branch"))
+
+
+# --------------------------------------------------------------------------------------------------------- entropy
+def segment_entropy(entropies: Sequence[float], top_logprobs: Sequence[Sequence[tuple[int, float]]] | None,
+                    method: str, k: int, vocab_size: int) -> float:
+    """The entropy value the branch rule sees for one generated segment (its first ``k`` tokens).
+
+    Args:
+        entropies: Per-token full entropies (nats) of the segment.
+        top_logprobs: Per-token top-k (token_id, logprob) pairs (needed by "topk_sum_lnV").
+        method: See :attr:`TreeConfig.entropy_method`.
+        k: Tokens taken from the start of the segment.
+        vocab_size: |V| for the ln|V| normalisation.
+
+    Returns:
+        0.0 for an empty segment (as the reference's empty sum).
+    """
+    if method == "full_mean":
+        head = list(entropies[:k])
+        return sum(head) / len(head) if head else 0.0
+    if method == "full_sum_lnV":
+        return sum(entropies[:k]) / math.log(vocab_size)
+    if method == "topk_sum_lnV":
+        if top_logprobs is None:
+            raise ConfigError("entropy_method='topk_sum_lnV' needs top_logprobs from the engine (logprobs_topk > 0)")
+        return topk_sum_lnV(top_logprobs, vocab_size, k)
+    raise ConfigError(f"unknown entropy_method {method!r}", hint=f"one of {ENTROPY_METHODS}")
+
+
+# ------------------------------------------------------------------------------------------------------------ AEPO
+def aepo_initial_samples(n: int, h_root: float, h_tool: float) -> int:
+    """AEPO pre-monitoring: ``m = int(n * sigmoid(0.5 * (h_root - h_tool))) + 1`` clamped to [1, n] (§4.1)."""
+    x = 0.5 * (h_root - h_tool)
+    sig = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    return max(1, min(n, int(n * sig) + 1))
+
+
+def penalty_factor(coef: float, consecutive: int) -> float:
+    """AEPO consecutive-branch penalty factor ``max(0, 1 - coef * l)``."""
+    return max(0.0, 1.0 - coef * consecutive)
+
+
+def next_prompt_consecutive(consecutive: int, gained: bool) -> int:
+    """Per-prompt penalty counter after a round (code scope): +1 if the prompt gained a trajectory, else 0."""
+    return consecutive + 1 if gained else 0
+
+
+# -------------------------------------------------------------------------------------------------------- branching
+def paper_decision(cfg: TreeConfig, delta_h: float, consecutive: int) -> bool:
+    """Paper rule: branch iff ``(alpha + beta * dH) * penalty > tau`` (deterministic)."""
+    return (cfg.alpha + cfg.beta * delta_h) * penalty_factor(cfg.penalty, consecutive) > cfg.tau
+
+
+def reference_decision(cfg: TreeConfig, delta_h: float, consecutive: int, u: float) -> bool:
+    """Reference rule for one clone, with ``u ~ U[0, 1)``.
+
+    ARPO code (§2.3): clone iff ``clip(u - beta * dH, 0, 1) <= alpha``, i.e. with probability
+    ``clip(alpha + beta * dH, 0, 1)``. AEPO code (§4.2): clone iff ``clip((u + beta * dH) * pf, 0, 1) >= alpha``.
+    """
+    if cfg.mode == "aepo":
+        p = min(1.0, max(0.0, (u + cfg.beta * delta_h) * penalty_factor(cfg.penalty, consecutive)))
+        return p >= cfg.alpha
+    return min(1.0, max(0.0, u - cfg.beta * delta_h)) <= cfg.alpha
+
+
+def num_branches(cfg: TreeConfig, delta_h: float, depth: int, consecutive: int, free: int,
+                 rng: random.Random | None) -> int:
+    """How many clones one candidate makes at one tool result.
+
+    Args:
+        cfg: The tree config.
+        delta_h: ``H_now - H_init`` of the candidate.
+        depth: The candidate's branch depth (0 for initial samples and fill-ups).
+        consecutive: The AEPO penalty counter ``l`` that applies (path or prompt scope).
+        free: Budget still free for this prompt.
+        rng: The prompt's branch RNG (reference rule only; one draw per potential clone, as the code).
+
+    Returns:
+        A number in ``[0, min(Z, free)]``; 0 when the depth limit is reached.
+    """
+    cap = min(cfg.branch_factor, free)
+    if cap <= 0 or cfg.mode == "grpo" or (cfg.max_depth is not None and depth + 1 > cfg.max_depth):
+        return 0
+    if cfg.decision_rule == "paper":
+        return cap if paper_decision(cfg, delta_h, consecutive) else 0
+    if rng is None:
+        raise ValueError("the reference decision rule needs the prompt's branch RNG")
+    return sum(reference_decision(cfg, delta_h, consecutive, rng.random()) for _ in range(cap))
+
+
+def fillup_count(cfg: TreeConfig, count: int, has_active: bool) -> int:
+    """Fresh samples to add for a prompt after a round: none while any path is alive; otherwise all (batch) or one
+    (trickle) of the remaining budget."""
+    free = cfg.budget - count
+    if has_active or free <= 0:
+        return 0
+    return free if cfg.fillup == "batch" else 1
+
+
+# ------------------------------------------------------------------------------------------------------------- tree
+def build_tree(parents: Sequence[int | None], branch_points: Sequence[int | None],
+               lengths: Sequence[int]) -> tuple[list[TreeNode], list[list[int]]]:
+    """The sampling tree of one group from each trajectory's parent, branch point and response length.
+
+    Node 0 is the root (the prompt, an empty token run). Each trajectory's own tokens ``[branch_point, length)`` are
+    split at the branch points of its children, so every node is a token run shared by all trajectories below it.
+
+    Returns:
+        ``(nodes, node_ids)``: the nodes, and per trajectory its node ids root first.
+    """
+    n = len(parents)
+    cuts: list[set[int]] = [set() for _ in range(n)]
+    for t in range(n):
+        if parents[t] is not None:
+            p = parents[t]
+            if not (p < t and (branch_points[p] or 0) <= branch_points[t] <= lengths[p]):
+                raise ValueError(f"trajectory {t}: parent {p} must precede it and own its branch point")
+            cuts[parents[t]].add(branch_points[t])
+    nodes = [TreeNode(node_id=0, parent=None, start=0, end=0, depth=0)]
+    paths: list[list[int]] = []
+    for t in range(n):
+        if parents[t] is None:
+            path, start = [0], 0
+        else:
+            p, bp = parents[t], branch_points[t]
+            # the parent's node that ends exactly at the branch point (the root when bp == 0)
+            path = [nid for nid in paths[p] if nodes[nid].end <= bp]
+            start = bp
+        for end in sorted(c for c in cuts[t] if start < c < lengths[t]) + [lengths[t]]:
+            node = TreeNode(node_id=len(nodes), parent=path[-1], start=start, end=end, depth=len(path))
+            nodes.append(node)
+            path = path + [node.node_id]
+            start = end
+        paths.append(path)
+    return nodes, paths

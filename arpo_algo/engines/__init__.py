@@ -1,1 +1,0 @@
-"""Rollout engines: token ids in, token ids with logprobs and entropies out (see :mod:`arpo_algo.engines.base`)."""

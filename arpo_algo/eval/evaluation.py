@@ -1,0 +1,98 @@
+"""Held-out evaluation: the protocol ARPO_SPEC §10.23 leaves open, written down.
+
+* Tasks: the first ``eval_num_prompts`` tasks of the environment's ``eval_split`` (all when None), in index order,
+  so every evaluation of a run (and of two runs with the same settings) sees the same tasks.
+* Samples: ``eval_samples`` (n) independent trajectories per task (the GRPO tree: no branching), decoded greedily
+  when ``eval_temperature == 0``, else sampled with that temperature; seeds are fixed (step 0), so evaluations differ
+  only by the weights.
+* Correct: the reward's answer-quality score reaches 1. For rewards that report a token-F1 (``arpo_reference``,
+  ``f1``) that is ``f1 == 1`` (the reference's +0.1 multi-tool bonus does not make a wrong answer right); for the
+  others (``math_equiv``, ``exact_match``) it is ``score >= 1``.
+* Metrics: ``pass_at_1`` = mean correctness over all samples (= ``accuracy``); ``pass_at_k`` = fraction of tasks
+  with at least one correct sample (k = n); ``reward_mean``; ``tool_calls_mean`` per trajectory; ``format_ok``;
+  ``response_len``; ``num_tasks``; ``time_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from arpo_algo.rollout.metrics import is_correct
+from arpo_algo.rollout.types import Group
+
+__all__ = ["evaluate_engine", "evaluate_policy", "is_correct", "score_groups"]
+
+#: Tasks sampled together in one sampler call (bounds the number of live environments and KV caches).
+EVAL_CHUNK = 32
+
+
+def score_groups(groups: list[Group]) -> dict[str, float]:
+    """Evaluation metrics of groups that each hold the n samples of one task."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {"num_tasks": 0.0}
+    correct = [is_correct(t) for t in trajs]
+    return {
+        "accuracy": sum(correct) / len(trajs),
+        "pass_at_1": sum(correct) / len(trajs),
+        "pass_at_k": sum(any(is_correct(t) for t in g.trajectories) for g in groups) / len(groups),
+        "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+        "tool_calls_mean": sum(len(t.tool_calls) for t in trajs) / len(trajs),
+        "format_ok": sum(bool(t.reward_info.get("format_ok", False)) for t in trajs) / len(trajs),
+        "response_len": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        "num_tasks": float(len(groups)),
+        "samples_per_task": float(len(groups[0].trajectories)),
+    }
+
+
+def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts: int | None, samples: int,
+                    temperature: float, max_response_tokens: int, top_p: float = 1.0, tool_workers: int = 8,
+                    prompt_overflow: str = "error", seed: int = 0) -> dict[str, float]:
+    """Run the held-out protocol with any rollout engine and return flat metrics.
+
+    Args:
+        engine: A RolloutEngine (the algorithm's, or an HFEngine over any checkpoint folder).
+        env_creator: Zero-argument factory of the evaluation environment (the held-out split).
+        num_prompts: First N tasks of the split; None = all.
+        samples: n samples per task.
+        temperature: 0 = greedy.
+        max_response_tokens: Response budget per trajectory.
+        top_p: Nucleus mass when sampling.
+        tool_workers: Threads for tool calls.
+        prompt_overflow: "error" or "left_truncate".
+        seed: Base seed of the sampling requests.
+    """
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.sampler import TreeSampler
+
+    t0 = time.perf_counter()
+    env = env_creator()
+    total = env.num_tasks if num_prompts is None else min(num_prompts, env.num_tasks)
+    sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
+                              stop=tuple(env.stop_sequences))
+    sampler = TreeSampler(engine, env_creator, TreeConfig.grpo(samples), sampling,
+                          max_response_tokens=max_response_tokens, tool_workers=tool_workers,
+                          prompt_overflow=prompt_overflow, seed=seed)
+    groups: list[Group] = []
+    try:
+        for start in range(0, total, EVAL_CHUNK):
+            chunk, _ = sampler.sample(list(range(start, min(start + EVAL_CHUNK, total))), step=0)
+            groups += chunk
+    finally:
+        sampler.close()
+    out = score_groups(groups)
+    out["time_s"] = time.perf_counter() - t0
+    return out
+
+
+def evaluate_policy(algo: Any, env_creator: Callable[[], Any]) -> dict[str, float]:
+    """The algorithm's evaluate(): its engine (current weights) under its config's evaluation settings."""
+    cfg = algo.config
+    return evaluate_engine(
+        algo.engine, env_creator, num_prompts=cfg.eval_num_prompts, samples=cfg.eval_samples,
+        temperature=cfg.eval_temperature, top_p=cfg.top_p,
+        max_response_tokens=cfg.eval_max_response_tokens or cfg.max_response_tokens,
+        tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow, seed=cfg.seed)

@@ -1,0 +1,136 @@
+"""The rollout-engine interface: token ids in, token ids (with logprobs and entropies) out.
+
+An engine continues a batch of token sequences. It never sees text except the stop strings, so the caller owns
+tokenization: a tool result is tokenized once as its own segment and appended, and nothing earlier is ever
+re-tokenized (ARPO_SPEC §10.11). Engines: :class:`arpo_algo.rollout.engines.hf.HFEngine` (transformers, CPU or GPU) and,
+in the GPU image, a vLLM engine with the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "eos", "length", "error"]
+EntropyMethod = Literal["full", "topk_sum_lnV"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Attributes:
+        max_new_tokens: Generate at most this many tokens for this request (per request, not per batch: §10.21).
+        temperature: Softmax temperature; 0 means greedy.
+        top_p: Nucleus sampling mass (1.0 = off).
+        top_k: Keep the k most likely tokens (-1 = off).
+        stop: Stop strings. Generation ends right after the token that completes one; that token is kept.
+        seed: Seed of this request's private random generator; the same seed and context give the same tokens.
+        logprobs_topk: Also return this many top logprobs per token (needed by the reference entropy estimator).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs_topk: int = 0
+
+
+@dataclass
+class GenRequest:
+    """One sequence to continue.
+
+    Attributes:
+        request_id: Caller's id, echoed in the result and in error messages.
+        token_ids: The whole context so far (prompt + everything appended), as token ids.
+        params: Sampling settings.
+        prefix_key: Optional hint: the ``cache_key`` of an earlier :class:`Generation` whose context is a prefix of
+            ``token_ids``. The engine may reuse that sequence's KV cache and only prefill the new suffix. The result
+            must be identical with or without the hint (the engine verifies the tokens).
+    """
+
+    request_id: Any
+    token_ids: list[int]
+    params: SamplingParams
+    prefix_key: Any = None
+
+
+@dataclass
+class Generation:
+    """The engine's answer for one request.
+
+    Attributes:
+        request_id: The request's id.
+        token_ids: The newly generated tokens only (stop-string tokens included, EOS included when hit).
+        logprobs: log pi(token) under the sampling distribution's base model (raw logits, temperature applied),
+            one per new token.
+        entropies: Per-token entropy (nats) of the full distribution the token was drawn from, one per new token.
+        finish_reason: "stop" (a stop string), "eos", "length" (max_new_tokens) or "error".
+        stop_string: The stop string that ended generation, if any.
+        top_logprobs: Per token, the top-k (token_id, logprob) pairs, when ``logprobs_topk`` > 0.
+        cache_key: A handle the caller may pass back as ``prefix_key`` to reuse this sequence's KV cache.
+        error: Error text when finish_reason == "error".
+    """
+
+    request_id: Any
+    token_ids: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    finish_reason: FinishReason
+    stop_string: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cache_key: Any = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int) -> str | None:
+    """Why an engine cannot serve ``req`` (None when it can): the same checks and messages in every engine.
+
+    Args:
+        req: The request.
+        max_context: Longest context the engine accepts, in tokens (None = unbounded).
+        vocab_size: Token ids must lie in ``[0, vocab_size)``.
+    """
+    n = len(req.token_ids)
+    if n == 0:
+        return "empty context (token_ids is empty)"
+    if max_context is not None and n > max_context:
+        return f"context of {n} tokens exceeds the model's maximum of {max_context} tokens"
+    if min(req.token_ids) < 0 or max(req.token_ids) >= vocab_size:
+        return f"token id out of range [0, {vocab_size})"
+    p = req.params
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
+        return f"invalid sampling params {p}"
+    return None
+
+
+def error_generation(req: GenRequest, problem: str) -> Generation:
+    """The result for a request the engine cannot serve: ``finish_reason="error"``, naming the request id."""
+    return Generation(req.request_id, [], [], [], "error", error=f"request {req.request_id!r}: {problem}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the tree sampler needs from an engine."""
+
+    tokenizer: Any
+
+    def generate(self, requests: list[GenRequest]) -> list[Generation]:
+        """Continue every request; results in request order. Never raises for one bad request: that request gets
+        ``finish_reason="error"`` and an ``error`` naming its ``request_id``."""
+        ...
+
+    def release(self, cache_keys: list[Any]) -> None:
+        """Drop cached KV states the caller will not reuse."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Replace the policy weights (after a learner update)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call: generated tokens, prefilled tokens, reused (cached) tokens, seconds."""
+        ...

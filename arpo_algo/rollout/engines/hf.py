@@ -1,0 +1,488 @@
+"""HFEngine: batched incremental decoding with transformers, a self-managed KV cache and prefix reuse (CPU or GPU).
+
+Definitions (the same in every engine of this package, see :mod:`arpo_algo.core.entropy`):
+
+* ``logprobs``: ``log_softmax(raw_logits / T)[token]`` with ``T = temperature`` (``T = 1`` when greedy), taken over
+  the *full* vocabulary **before** top-k/top-p truncation. Truncation only decides which token is drawn; the
+  logprob is the policy's, so the learner can recompute it from the same logits without knowing top-k/top-p.
+* ``entropies`` (``entropy_method="full"``): exact entropy (nats) of that same distribution, from the full logits
+  (never from processed scores, RAY_NOTES §1.4.5). With ``entropy_method="topk_sum_lnV"`` each value is instead the
+  truncated per-token term ``-sum exp(l) l`` over the top-k entries plus the sampled token (the reference
+  estimator's summand; ``k = logprobs_topk`` or 10), and ``top_logprobs`` is always returned.
+
+How decoding works: up to ``max_batch_size`` sequences decode together, one token per forward. The batch KV cache is
+kept *left padded* (each row's tokens sit contiguously at the right end; padding columns are masked out through an
+explicit 2-D ``attention_mask``, and RoPE positions come from explicit ``position_ids``). A request is prefilled
+alone (batch 1, no padding), then merged into the batch; a finished row leaves at once and the next pending request
+takes its place, so one long sequence never stalls the others. When a request finishes, its KV (context + new
+tokens except the last, unfed one) is stored under ``Generation.cache_key`` in an LRU store bounded by
+``kv_cache_capacity_tokens``; a later request with ``prefix_key`` set to that key only prefills its new suffix after
+the engine has verified the tokens really match. Requests of one call with identical contexts (the initial samples of
+a prompt, sibling branches) are prefilled once and share that KV and those next-token logits.
+
+Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
+context give the same tokens whatever else is in the batch (up to floating-point ties).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
+from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generation, request_problem
+from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
+from arpo_env.errors import ConfigError
+
+REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (ARPO_SPEC §2.2)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Entry:
+    """A stored KV prefix: the tokens it covers and, per layer, keys/values of shape [1, kv_heads, n, head_dim]."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class _Row:
+    """A request being decoded: its sampling state and outputs so far."""
+
+    def __init__(self, idx: int, req: GenRequest, max_new: int, gen: torch.Generator, topk: int) -> None:
+        self.idx, self.req, self.max_new, self.gen, self.topk = idx, req, max_new, gen, topk
+        self.new: list[int] = []
+        self.logprobs: list[float] = []
+        self.entropies: list[float] = []
+        self.top: list[list[tuple[int, float]]] | None = [] if topk > 0 else None
+        self.fed = 0  # tokens whose KV is in the cache (= position id of the next token to feed)
+        self.finish: str | None = None
+        self.stop_string: str | None = None
+
+
+def _grow_layer_class() -> type:
+    """A transformers ``DynamicLayer`` that appends into spare capacity instead of re-concatenating every step.
+
+    ``DynamicLayer.update`` does ``torch.cat`` of the whole cache per generated token, an O(T) copy per layer and step.
+    This layer keeps a buffer with room to grow (doubling) and returns views of its filled part, so one decoding step
+    writes only the new column. Any other tensor put in ``keys`` (a merge, a row removal) is adopted on the next update.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowLayer(DynamicLayer):
+        kbuf: torch.Tensor | None = None
+        vbuf: torch.Tensor | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, t = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
+            buf = self.kbuf
+            owned = buf is not None and self.keys.numel() and self.keys.data_ptr() == buf.data_ptr() \
+                and buf.shape[0] == key_states.shape[0]
+            if not owned or n + t > buf.shape[-2]:
+                shape = list(key_states.shape)
+                shape[-2] = max(2 * (n + t), n + t + 64)
+                self.kbuf, self.vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+                if n:
+                    self.kbuf[..., :n, :] = self.keys
+                    self.vbuf[..., :n, :] = self.values
+            self.kbuf[..., n:n + t, :] = key_states
+            self.vbuf[..., n:n + t, :] = value_states
+            self.keys, self.values = self.kbuf[..., :n + t, :], self.vbuf[..., :n + t, :]
+            return self.keys, self.values
+
+    return GrowLayer
+
+
+def _left_pad(t: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
+    if amount <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = amount
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class HFEngine:
+    """A :class:`~arpo_algo.rollout.engines.base.RolloutEngine` on a transformers causal LM (see the module docstring).
+
+    Args:
+        model_or_path: A registered model name, a local HF folder, or an ``nn.Module`` (shared, not copied).
+        tokenizer: The tokenizer; loaded from the folder when omitted (required with a module).
+        model: Keyword alias for passing a shared module (``HFEngine(model=learner.model, tokenizer=...)``).
+        device: Torch device of a model loaded here ("cpu", "cuda", "cuda:1"). A shared module stays where it is.
+        dtype: "float32", "bfloat16" or "float16" for a model loaded here; a shared module must already have it.
+        max_batch_size: Sequences decoded together.
+        entropy_method: "full" (exact per-token entropy) or "topk_sum_lnV" (reference per-token summands).
+        kv_cache_capacity_tokens: Total tokens of finished-sequence KV kept for prefix reuse (LRU); 0 disables it.
+        seed: Seeds the random seeds of requests whose ``SamplingParams.seed`` is None.
+        linear_layout: "auto" (transposed on CPU, native elsewhere), "native" or "transposed": decode through
+            ``(in, out)`` copies of the linear weights, much faster for small batches on CPU at the cost of one
+            more copy of those weights (see :mod:`arpo_algo.rollout.engines.linear_layout`).
+    """
+
+    def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
+                 dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
+                 kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto") -> None:
+        if (model_or_path is None) == (model is None):
+            raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+        if entropy_method not in ENTROPY_METHODS:
+            raise ConfigError(f"unknown entropy_method {entropy_method!r}; choose one of {', '.join(ENTROPY_METHODS)}")
+        if linear_layout not in LINEAR_LAYOUTS:
+            raise ConfigError(f"unknown linear_layout {linear_layout!r}; choose one of {', '.join(LINEAR_LAYOUTS)}")
+        if max_batch_size < 1 or kv_cache_capacity_tokens < 0:
+            raise ConfigError("max_batch_size must be >= 1 and kv_cache_capacity_tokens >= 0")
+        self.model, self.tokenizer = self._load(model if model is not None else model_or_path, tokenizer, device,
+                                                _DTYPES[dtype])
+        self.device = next(self.model.parameters()).device
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.entropy_method = entropy_method
+        self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
+        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
+        self.vocab_rows = self.model.get_input_embeddings().weight.shape[0]
+        self.eos_ids = self._eos_ids()
+        self._rng = random.Random(seed)
+        self._uid = uuid.uuid4().hex[:8]
+        self._next_key = 0
+        self._store: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._stored_tokens = 0
+        self._weights_version = self._param_version()
+        self._stats: collections.Counter[str] = collections.Counter()
+        self._layer_cls = _grow_layer_class()
+        self._decode_layers: list[Any] = []
+        self.linear_layout = resolve_layout(linear_layout, self.device)
+        self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
+
+    # ----------------------------------------------------------------------------------------------- setup helpers
+    @staticmethod
+    def _load(src: Any, tokenizer: Any, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(src, torch.nn.Module):
+            if tokenizer is None:
+                raise ConfigError("HFEngine(model=<module>) needs tokenizer= as well")
+            have = next(src.parameters()).dtype
+            if have != dtype:
+                raise ConfigError(f"the shared module is {have} but the engine dtype is {dtype}; a shared module is "
+                                  "used as is, so pass the matching dtype (or give the engine its own copy)")
+            return src, tokenizer
+        from arpo_algo.models import resolve_model_path
+
+        path = resolve_model_path(os.fspath(src))
+        mdl = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        return mdl, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen_cfg = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen_cfg, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src is not None:
+                ids.update(int(i) for i in src)
+        return ids
+
+    def _param_version(self) -> int:
+        # Every in-place update of a parameter (optimizer.step, load_state_dict, copy_) bumps its version counter, so
+        # a change of the sum means the weights changed under us (a shared learner module) and cached KV is stale.
+        return sum(p._version for p in self.model.parameters())
+
+    # ----------------------------------------------------------------------------------------------- public API
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if [k for k in missing if k not in tied] or unexpected:
+            raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
+                              f"unexpected={list(unexpected)[:5]}")
+        self._invalidate()
+
+    def release(self, cache_keys: list[Any]) -> None:
+        """Forget the stored KV of these keys (unknown or already evicted keys are ignored)."""
+        for key in cache_keys:
+            entry = self._store.pop(key, None)
+            if entry is not None:
+                self._stored_tokens -= len(entry.tokens)
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call (tokens generated/prefilled/reused, prefix hits/misses, seconds...)."""
+        out = {k: float(v) for k, v in self._stats.items()}
+        out["kv_cached_tokens"] = float(self._stored_tokens)
+        self._stats.clear()
+        return out
+
+    def generate(self, requests: list[GenRequest]) -> list[Generation]:
+        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``."""
+        t0 = time.perf_counter()
+        version = self._param_version()
+        if version != self._weights_version:
+            self._invalidate()
+        results: list[Generation | None] = [None] * len(requests)
+        pending: collections.deque[int] = collections.deque()
+        for i, req in enumerate(requests):
+            problem = self._validate(req)
+            if problem:
+                self._stats["errors"] += 1
+                results[i] = error_generation(req, problem)
+            else:
+                pending.append(i)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            layout = self._transposed.active(version) if self._transposed else contextlib.nullcontext()
+            with torch.inference_mode(), layout:
+                self._decode_all(requests, pending, results)
+        finally:
+            self._decode_layers = []  # drop the batch buffers between calls
+            self.model.train(was_training)
+        self._stats["requests"] += len(requests)
+        self._stats["seconds"] += time.perf_counter() - t0
+        return results  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------------------------------- internals
+    def _invalidate(self) -> None:
+        if self._store:
+            self._stats["kv_invalidations"] += 1
+        self._store.clear()
+        self._stored_tokens = 0
+        self._weights_version = self._param_version()
+
+    def _validate(self, req: GenRequest) -> str | None:
+        return request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows)
+
+    def _new_row(self, idx: int, req: GenRequest) -> _Row:
+        p = req.params
+        room = p.max_new_tokens if self.max_positions is None else min(p.max_new_tokens,
+                                                                        self.max_positions - len(req.token_ids) + 1)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
+        topk = p.logprobs_topk or (REFERENCE_TOPK if self.entropy_method == "topk_sum_lnV" else 0)
+        return _Row(idx, req, room, gen, topk)
+
+    def _decode_all(self, requests: list[GenRequest], pending: collections.deque[int],
+                    results: list[Generation | None]) -> None:
+        rows: list[_Row] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        # Identical contexts in one call (the N initial samples of a prompt, fill-ups) are prefilled once: the KV
+        # and the next-token logits depend only on the context, and each row still samples with its own generator.
+        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
+        prefilled: dict[tuple[int, ...], tuple] = {}
+        while rows or pending:
+            while pending and len(rows) < self.max_batch_size:  # refill free slots
+                row = self._new_row(pending[0], requests[pending.popleft()])
+                if row.max_new <= 0:
+                    results[row.idx] = self._result(row, "length", None)
+                    continue
+                k1, v1, logits = self._prefill_shared(row, twins, prefilled)
+                self._sample([row], logits)
+                if row.finish:
+                    results[row.idx] = self._result(row, row.finish, (k1, v1))
+                    continue
+                keys, values, mask = self._merge(keys, values, mask, k1, v1)
+                rows.append(row)
+            if not rows:
+                break
+            logits, keys, values, mask = self._step(rows, keys, values, mask)
+            self._sample(rows, logits)
+            done = [j for j, r in enumerate(rows) if r.finish]
+            if done:
+                t = mask.shape[1]
+                for j in done:
+                    r = rows[j]
+                    kv = ([k[j:j + 1, :, t - r.fed:] for k in keys], [v[j:j + 1, :, t - r.fed:] for v in values])
+                    results[r.idx] = self._result(r, r.finish, kv)
+                keep = [j for j, r in enumerate(rows) if not r.finish]
+                rows = [rows[j] for j in keep]
+                idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+                keys = [k.index_select(0, idx) for k in keys]
+                values = [v.index_select(0, idx) for v in values]
+                mask = mask.index_select(0, idx)
+                # Drop the leading columns that are padding in every remaining row (the finished long row's history).
+                if rows:
+                    first = int(mask.any(0).nonzero()[0])
+                    if first:
+                        keys = [k[:, :, first:] for k in keys]
+                        values = [v[:, :, first:] for v in values]
+                        mask = mask[:, first:]
+
+    def _cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], reuse: list[Any] | None = None) -> Any:
+        """A DynamicCache over these tensors. Layers of ``reuse`` whose ``keys`` are exactly these tensors (the views
+        a previous step returned) are kept, so their spare capacity carries over to this step."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(zip(keys, values)):
+            old = reuse[i] if reuse is not None and i < len(reuse) else None
+            if old is not None and old.keys is k and old.values is v:
+                cache.layers.append(old)
+                continue
+            layer = self._layer_cls()
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v  # hand over without the copy DynamicCache(ddp_cache_data=...) makes
+            cache.layers.append(layer)
+        return cache
+
+    def _lookup(self, req: GenRequest) -> tuple[int, _Entry | None]:
+        """How many leading tokens of ``req`` can come from the stored prefix ``req.prefix_key`` (verified)."""
+        if req.prefix_key is None:
+            return 0, None
+        entry = self._store.get(req.prefix_key)
+        if entry is None:
+            self._stats["prefix_misses"] += 1
+            return 0, None
+        ctx, n = req.token_ids, len(entry.tokens)
+        m = min(n, len(ctx))
+        if list(ctx[:m]) != entry.tokens[:m]:
+            self._stats["prefix_mismatches"] += 1  # not a prefix: recompute everything rather than trust the hint
+            return 0, None
+        self._store.move_to_end(req.prefix_key)
+        self._stats["prefix_hits"] += 1
+        return min(m, len(ctx) - 1), entry  # at least one token must be fed to get the next-token logits
+
+    def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict) -> tuple:
+        """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
+        ctx = tuple(row.req.token_ids)
+        twins[ctx] -= 1
+        if ctx in prefilled:
+            out = prefilled.pop(ctx) if twins[ctx] == 0 else prefilled[ctx]
+            row.fed = len(ctx)
+            self._stats["reused_tokens"] += len(ctx)
+            self._stats["shared_prefills"] += 1
+            return out  # read only: a merge copies, and a new cache layer adopts a tensor it does not own by copying
+        out = self._prefill(row)
+        if twins[ctx] > 0:
+            prefilled[ctx] = out
+        return out
+
+    def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        ctx = row.req.token_ids
+        m, entry = self._lookup(row.req)
+        if entry is not None and m > 0:
+            cache = self._cache([k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
+        else:
+            m, cache = 0, self._cache([], [])
+        ids = torch.tensor([ctx[m:]], dtype=torch.long, device=self.device)
+        pos = torch.arange(m, len(ctx), device=self.device).unsqueeze(0)
+        att = torch.ones(1, len(ctx), dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        self._stats["prefill_tokens"] += len(ctx) - m
+        self._stats["reused_tokens"] += m
+        self._stats["forward_calls"] += 1
+        row.fed = len(ctx)
+        return ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1])
+
+    def _merge(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+               k1: list[torch.Tensor], v1: list[torch.Tensor]) -> tuple[list, list, torch.Tensor]:
+        n = k1[0].shape[2]
+        m1 = torch.ones(1, n, dtype=torch.long, device=self.device)
+        if not keys:
+            return k1, v1, m1
+        t = mask.shape[1]
+        keys = [torch.cat([_left_pad(k, n - t, 2), _left_pad(a, t - n, 2)]) for k, a in zip(keys, k1)]
+        values = [torch.cat([_left_pad(v, n - t, 2), _left_pad(a, t - n, 2)]) for v, a in zip(values, v1)]
+        mask = torch.cat([_left_pad(mask, n - t, 1), _left_pad(m1, t - n, 1)])
+        return keys, values, mask
+
+    def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],
+              mask: torch.Tensor) -> tuple[torch.Tensor, list, list, torch.Tensor]:
+        ids = torch.tensor([[r.new[-1]] for r in rows], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[r.fed] for r in rows], dtype=torch.long, device=self.device)
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        cache = self._cache(keys, values, reuse=self._decode_layers)
+        self._decode_layers = cache.layers
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        self._stats["forward_calls"] += 1
+        for r in rows:
+            r.fed += 1
+        return out.logits[:, -1], [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], mask
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Pick one token per row from its own generator and record logprob, entropy and the finish state."""
+        logits = logits.float()
+        temps = torch.tensor([[r.req.params.temperature or 1.0] for r in rows], device=logits.device)
+        logp = torch.log_softmax(logits / temps, dim=-1)
+        probs = logp.exp()
+        ents = (-(probs * logp).nan_to_num(0.0).sum(-1)).tolist()
+        for j, r in enumerate(rows):
+            tok = self._choose(logits[j], logp[j], probs[j], r)
+            lp = float(logp[j, tok])
+            top = None
+            if r.topk:
+                vals, ids = torch.topk(logp[j], min(r.topk, logp.shape[-1]))
+                top = list(zip(ids.tolist(), vals.tolist()))
+                if tok not in ids.tolist():  # like vLLM: the sampled token is added when it is not in the top k
+                    top.append((tok, lp))
+                r.top.append(top)
+            r.new.append(tok)
+            r.logprobs.append(lp)
+            r.entropies.append(ents[j] if self.entropy_method == "full" else topk_token_term(top))
+            self._stats["generated_tokens"] += 1
+            self._check_finish(r, tok)
+
+    def _choose(self, logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, r: _Row) -> int:
+        p = r.req.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        if 0 < p.top_k < logp.shape[-1]:
+            kth = torch.topk(logp, p.top_k).values[-1]
+            probs = torch.where(logp >= kth, probs, torch.zeros_like(probs))
+        if p.top_p < 1.0:
+            sp, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sp, 0) - sp  # mass strictly before each token; keep until top_p is reached
+            sp = torch.where(before < p.top_p * sp.sum(), sp, torch.zeros_like(sp))
+            probs = torch.zeros_like(probs).scatter(0, order, sp)
+        # Inverse-CDF draw with the row's own generator: batch composition cannot change which uniform it gets.
+        cdf = torch.cumsum(probs.double(), 0)
+        u = torch.rand((), generator=r.gen, dtype=torch.float64).to(cdf.device) * cdf[-1]
+        return int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(max=cdf.shape[0] - 1))
+
+    def _check_finish(self, r: _Row, tok: int) -> None:
+        if tok in self.eos_ids:
+            r.finish = "eos"
+            return
+        stops = r.req.params.stop
+        if stops:
+            # Only the tail can complete a stop string; each token is >= 1 byte, so this window always covers it.
+            width = max(len(s.encode()) for s in stops) + 1
+            text = self.tokenizer.decode(r.new[-width:], skip_special_tokens=False)
+            for s in stops:
+                if s in text:
+                    r.finish, r.stop_string = "stop", s
+                    return
+        if len(r.new) >= r.max_new:
+            r.finish = "length"
+
+    def _result(self, r: _Row, finish: str, kv: tuple[list, list] | None) -> Generation:
+        key = None
+        if kv is not None and self.kv_cache_capacity_tokens > 0:
+            tokens = list(r.req.token_ids) + r.new[:-1]
+            if 0 < len(tokens) <= self.kv_cache_capacity_tokens:
+                key = f"{self._uid}:{self._next_key}"
+                self._next_key += 1
+                # clone: a slice would keep the whole batch tensor alive
+                self._store[key] = _Entry(tokens, [k.clone() for k in kv[0]], [v.clone() for v in kv[1]])
+                self._stored_tokens += len(tokens)
+                while self._stored_tokens > self.kv_cache_capacity_tokens:
+                    _, old = self._store.popitem(last=False)
+                    self._stored_tokens -= len(old.tokens)
+                    self._stats["kv_evictions"] += 1
+        return Generation(r.req.request_id, r.new, r.logprobs, r.entropies, finish,  # type: ignore[arg-type]
+                          stop_string=r.stop_string, top_logprobs=r.top, cache_key=key,
+                          metrics={"new_tokens": float(len(r.new))})

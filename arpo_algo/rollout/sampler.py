@@ -1,0 +1,470 @@
+"""TreeSampler: grows ARPO/AEPO sampling trees (or GRPO groups) by driving a rollout engine and tool environments.
+
+One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
+``env.clone()`` at branch points); one engine call per decoding round for every live trajectory; the tool calls of a
+round run concurrently. Every question that shapes the tree is answered by the pure functions of
+:mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices (ARPO_SPEC §10).
+
+Tokenization (§10.11): the prompt is the chat template of ``info["messages"]`` with the generation prompt; each
+tool observation is tokenized once, on its own, with ``add_special_tokens=False, split_special_tokens=True`` and
+appended with ``trained_mask`` 0. Nothing is ever re-tokenized, so branch prefixes are token-identical.
+
+AEPO pre-monitoring without the reference's discarded trajectory (``aepo_premonitor_keep=False``): the first initial
+sample of each prompt is the probe. It starts alone; ``H_root`` is the entropy of its first segment and ``H_tool`` the
+entropy of its first segment after a tool result (``H_root`` when it ends without one). Then the other ``m - 1``
+initial samples start. Nothing is thrown away; the price is latency for that prompt, not compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from arpo_algo.core import tree as T
+from arpo_algo.rollout import metrics as MK
+from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
+from arpo_algo.rollout.types import Group, Trajectory
+from arpo_env.errors import ArpoError, ConfigError
+
+log = logging.getLogger(__name__)
+OVERFLOW_POLICIES = ("error", "left_truncate")
+
+
+@dataclasses.dataclass(eq=False)
+class Path:
+    """One trajectory while it grows (mutable; becomes a :class:`Trajectory` at the end)."""
+
+    tid: int
+    batch_index: int  # index over the whole sample() call: the reference's entropy-dict key
+    env: Any
+    kind: str
+    response: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    entropies: list[float] = dataclasses.field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    parent: int | None = None
+    branch_point: int | None = None
+    depth: int = 0
+    consecutive: int = 0  # AEPO path-scope penalty counter
+    inherited_calls: int = 0  # tool calls copied from the parent (made once, on the shared prefix)
+    h_init: float | None = None
+    turn_h: float | None = None  # entropy of the latest turn's first segment (what the rule sees)
+    h_root: float | None = None
+    h_after_tool: float | None = None
+    segment_entropy: list[float] = dataclasses.field(default_factory=list)
+    turn_start: int = 0  # response index where the current turn's action text starts
+    lookahead: bool = False  # paper rule: the next request is the k-token look-ahead
+    n_requests: int = 0
+    generated: int = 0  # tokens this path sampled itself (after its branch point)
+    cache_key: Any = None
+    prev_key: Any = None
+    last_finish: str = ""
+    engine_error: str | None = None
+    done: bool = False
+    finish_reason: str = ""
+    reward: float = 0.0
+    reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ent_before: list[float] = dataclasses.field(default_factory=list)
+    ent_after: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, ids: list[int], mask: list[int], logprobs: list[float], entropies: list[float]) -> None:
+        self.response += ids
+        self.mask += mask
+        self.logprobs += [float(x) for x in logprobs]
+        self.entropies += [float(x) for x in entropies]
+
+    def truncate(self, n: int) -> None:
+        for name in ("response", "mask", "logprobs", "entropies"):
+            setattr(self, name, getattr(self, name)[:n])
+
+    def finish(self, reason: str, reward: float, info: dict[str, Any]) -> None:
+        self.done, self.finish_reason, self.reward, self.reward_info = True, reason, reward, info
+        if self.engine_error:
+            self.reward_info["engine_error"] = self.engine_error
+
+    def record_turn_entropy(self, h: float, cfg: T.TreeConfig, stale: dict[int, float], k_ents: list[float]) -> None:
+        self.turn_h = h
+        self.segment_entropy.append(h)
+        if self.turn_start == 0 and self.parent is None:
+            self.h_root = h
+        elif self.turn_start > 0:
+            self.h_after_tool = h if self.h_after_tool is None else self.h_after_tool
+            self.ent_after.append(MK.mean(k_ents))
+        if self.h_init is None:
+            self.h_init = stale.setdefault(self.batch_index, h) if cfg.legacy_stale_baseline else h
+
+    def copy_prefix(self, bp: int, tid: int, batch_index: int, env: Any, key: Any) -> Path:
+        return Path(tid=tid, batch_index=batch_index, env=env, kind="branch", response=self.response[:bp],
+                    mask=self.mask[:bp], logprobs=self.logprobs[:bp], entropies=self.entropies[:bp],
+                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls), parent=self.tid, branch_point=bp,
+                    depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
+                    cache_key=key)
+
+    def to_trajectory(self) -> Trajectory:
+        return Trajectory(traj_id=self.tid, response_ids=self.response, trained_mask=self.mask,
+                          old_logprobs=self.logprobs, entropies=self.entropies, reward=self.reward,
+                          reward_info=self.reward_info, tool_calls=self.tool_calls, parent=self.parent,
+                          branch_point=self.branch_point, kind=self.kind, finish_reason=self.finish_reason,
+                          segment_entropy=self.segment_entropy)
+
+
+@dataclasses.dataclass(eq=False)
+class PromptState:
+    """One prompt's tree while it grows."""
+
+    task_index: int
+    prompt_ids: list[int]
+    template: Any  # the reset environment every initial sample and fill-up clones
+    task: dict[str, Any]
+    step: int
+    rng: Any
+    paths: list[Path] = dataclasses.field(default_factory=list)
+    count: int = 0
+    consecutive: int = 0  # AEPO prompt-scope penalty counter
+    m: int | None = None
+    pending_m: bool = False
+    branches_by_depth: Counter = dataclasses.field(default_factory=Counter)
+    premonitor_tool_calls: int = 0
+    premonitor_tokens: int = 0
+
+
+def assemble_group(ps: PromptState, step: int) -> Group:
+    """The finished tree of one prompt as a :class:`Group` (nodes built by :func:`arpo_algo.core.tree.build_tree`)."""
+    trajs = [p.to_trajectory() for p in ps.paths]
+    nodes, node_ids = T.build_tree([t.parent for t in trajs], [t.branch_point for t in trajs],
+                                   [len(t.response_ids) for t in trajs])
+    for t, ids in zip(trajs, node_ids):
+        t.node_ids = ids
+    # Tool calls made on a shared prefix happened once; count each path's calls after its branch point only.
+    own_calls = sum(len(p.tool_calls) - p.inherited_calls for p in ps.paths)
+    metrics = {"step": float(step), "tokens_generated": float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
+               "tool_calls": float(own_calls + ps.premonitor_tool_calls),
+               "initial_samples": float(sum(p.kind == "initial" for p in ps.paths)),
+               "fillups": float(sum(p.kind == "fillup" for p in ps.paths)),
+               "branches": float(sum(ps.branches_by_depth.values())),
+               "max_depth": float(max(p.depth for p in ps.paths)),
+               **{f"branches_depth_{d}": float(n) for d, n in sorted(ps.branches_by_depth.items())}}
+    return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
+                 nodes=nodes, metrics=metrics)
+
+
+class TreeSampler:
+    """Samples one :class:`~arpo_algo.rollout.types.Group` of exactly ``tree.budget`` trajectories per prompt.
+
+    Args:
+        engine: A :class:`~arpo_algo.rollout.engines.base.RolloutEngine` (its ``tokenizer`` is used for all text).
+        env_creator: Returns a fresh tool environment with ``clone()`` and ``stop_sequences`` (an
+            ``arpo_env.ToolTextEnv``, or ``gym.make(id).unwrapped``: Gymnasium wrappers do not forward ``clone``).
+        tree: The tree settings (validated here).
+        sampling: Temperature/top-p/top-k; ``max_new_tokens``, ``stop``, ``seed`` are set per request.
+        max_response_tokens: Budget per trajectory of every token after the prompt (tool results included).
+        tool_workers: Threads that run the environment steps (tool calls) of one round concurrently.
+        prompt_overflow: "error" (raise :class:`ArpoError` naming the task) or "left_truncate" (keep the last
+            ``max_prompt_tokens`` tokens) for prompts longer than ``max_prompt_tokens``.
+        max_prompt_tokens: Prompt limit; ``None`` = the engine's ``max_positions`` minus ``max_response_tokens``
+            (no limit when the engine has no ``max_positions``).
+        train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
+            §10.8); False masks it.
+        seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
+        dump_path: Append one JSON line per group (the tree) to this file.
+    """
+
+    def __init__(self, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
+                 sampling: SamplingParams, max_response_tokens: int, tool_workers: int = 8,
+                 prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
+                 train_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
+        tree.validate()
+        if prompt_overflow not in OVERFLOW_POLICIES:
+            raise ConfigError(f"prompt_overflow={prompt_overflow!r} is not one of {OVERFLOW_POLICIES}")
+        if max_response_tokens < 1 or tool_workers < 1:
+            raise ConfigError("max_response_tokens and tool_workers must be >= 1")
+        self.engine, self.env_creator, self.cfg, self.sampling = engine, env_creator, tree, sampling
+        self.tok = engine.tokenizer
+        self.max_response_tokens = max_response_tokens
+        self.prompt_overflow = prompt_overflow
+        if max_prompt_tokens is None and getattr(engine, "max_positions", None):
+            max_prompt_tokens = engine.max_positions - max_response_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.train_tool_limit_eos = train_tool_limit_eos
+        self.seed, self.dump_path = seed, dump_path
+        self.vocab_size = len(self.tok.get_vocab())
+        self.eos_id = self.tok.eos_token_id
+        self._pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-tools")
+        self._stale: dict[int, float] = {}  # legacy_stale_baseline: sampler-lifetime baseline by batch index
+        self._timers: Counter[str] = Counter()
+        self._keys: set[Any] = set()
+        self._batch_index = 0
+
+    def close(self) -> None:
+        """Stop the tool thread pool."""
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------------------------------ public API
+    def sample(self, task_indices: list[int], step: int) -> tuple[list[Group], dict[str, float]]:
+        """Grow one tree per task; returns the groups (in ``task_indices`` order) and the step's rollout metrics."""
+        t0 = time.perf_counter()
+        self._timers, self._batch_index, self._keys = Counter(), 0, set()
+        self.engine.stats()  # reset the engine counters so the step's numbers are this step's only
+        prompts = [self._new_prompt(ti, step) for ti in task_indices]
+        cfg = self.cfg
+        lazy = cfg.premonitor_on and not cfg.aepo_premonitor_keep
+        if cfg.premonitor_on and cfg.aepo_premonitor_keep:
+            self._premonitor_reference(prompts, step)
+        for ps in prompts:
+            ps.pending_m = lazy
+            n_first = 1 if lazy else (ps.m if ps.m is not None else cfg.initial)
+            for _ in range(n_first):
+                self._spawn(ps, "initial")
+        self._run(prompts, cfg)
+        self.engine.release(sorted(self._keys, key=str))
+        groups = [assemble_group(ps, step) for ps in prompts]
+        self._timers["total"] = time.perf_counter() - t0
+        metrics = MK.step_metrics(groups, [p for ps in prompts for p in ps.paths], self.engine.stats(),
+                                  self._timers)
+        if self.dump_path:
+            with open(self.dump_path, "a", encoding="utf-8") as f:
+                for g in groups:
+                    f.write(g.to_json() + "\n")
+        return groups, metrics
+
+    # -------------------------------------------------------------------------------------------------- set-up
+    def _new_prompt(self, task_index: int, step: int) -> PromptState:
+        env = self.env_creator()
+        if not callable(getattr(env, "clone", None)):
+            raise ConfigError(f"env_creator returned {type(env).__name__}, which has no clone()",
+                              hint="return arpo_env.ToolTextEnv(...) or gym.make(id).unwrapped")
+        _, info = env.reset(options={"task_index": task_index})
+        ids = list(self.tok.apply_chat_template(info["messages"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        limit = self.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            if self.prompt_overflow == "error":
+                raise ArpoError(f"prompt of task {task_index} has {len(ids)} tokens, more than the {limit} allowed "
+                                f"(context minus max_response_tokens={self.max_response_tokens})",
+                                hint="shorten the prompt, lower max_response_tokens, or set "
+                                     "prompt_overflow='left_truncate'")
+            ids = ids[-limit:]
+        return PromptState(task_index=task_index, prompt_ids=ids, template=env, task=dict(info["task"]),
+                           step=step, rng=T.branch_rng(self.seed, step, task_index))
+
+    def _spawn(self, ps: PromptState, kind: str) -> Path:
+        p = Path(tid=len(ps.paths), batch_index=self._batch_index, env=ps.template.clone(), kind=kind)
+        self._batch_index += 1
+        ps.paths.append(p)
+        ps.count += 1
+        return p
+
+    # ------------------------------------------------------------------------------------------------ main loop
+    def _run(self, prompts: list[PromptState], cfg: T.TreeConfig) -> None:
+        """Decoding rounds until every path of every prompt has ended and every budget is spent."""
+        while True:
+            live = [(ps, p) for ps in prompts for p in ps.paths if not p.done]
+            if not live:
+                return
+            reqs = [self._request(ps, p, cfg) for ps, p in live]
+            t = time.perf_counter()
+            gens = self.engine.generate(reqs)
+            self._timers["generate"] += time.perf_counter() - t
+            to_step: list[tuple[PromptState, Path]] = []
+            lookaheads: list[tuple[PromptState, Path, int]] = []
+            for (ps, p), gen in zip(live, gens):
+                self._absorb(ps, p, gen, cfg, to_step, lookaheads)
+            gained = {id(ps): False for ps in prompts}
+            for ps, p, bp in lookaheads:  # paper rule: decide before the source's env moves on (clones copy it)
+                gained[id(ps)] |= self._decide(ps, p, bp, cfg)
+            for ps, p in self._step_envs(to_step, cfg):  # reference rule: right after the tool result
+                if cfg.decision_rule == "reference":
+                    gained[id(ps)] |= self._decide(ps, p, len(p.response), cfg)
+            for ps in prompts:
+                if ps.pending_m:
+                    self._resolve_premonitor(ps)
+                alive = any(not p.done for p in ps.paths)
+                n_new = 0 if ps.pending_m else T.fillup_count(cfg, ps.count, alive)
+                for _ in range(n_new):
+                    self._spawn(ps, "fillup")
+                ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
+            self._release_unused(prompts)
+
+    def _request(self, ps: PromptState, p: Path, cfg: T.TreeConfig) -> GenRequest:
+        room = self.max_response_tokens - len(p.response)
+        params = dataclasses.replace(
+            self.sampling, max_new_tokens=min(room, cfg.entropy_tokens) if p.lookahead else room,
+            stop=tuple(p.env.stop_sequences),
+            seed=T.derive_seed(self.seed, ps.step, ps.task_index, p.tid, p.n_requests),
+            logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else self.sampling.logprobs_topk)
+        p.n_requests += 1
+        return GenRequest(request_id=(ps.task_index, p.tid, p.n_requests), token_ids=ps.prompt_ids + p.response,
+                          params=params, prefix_key=p.cache_key)
+
+    def _absorb(self, ps: PromptState, p: Path, gen: Generation, cfg: T.TreeConfig,
+                to_step: list, lookaheads: list) -> None:
+        """Append one generation to its path and sort the path: continue, look-ahead decision, or env step."""
+        start = len(p.response)
+        p.add(gen.token_ids, [1] * len(gen.token_ids), gen.logprobs, gen.entropies)
+        p.generated += len(gen.token_ids)
+        p.prev_key, p.cache_key = p.cache_key, gen.cache_key
+        if gen.cache_key is not None:
+            self._keys.add(gen.cache_key)
+        p.last_finish = gen.finish_reason
+        was_lookahead, p.lookahead = p.lookahead, False
+        if gen.finish_reason == "error":
+            log.warning("engine error for task %s trajectory %s: %s", ps.task_index, p.tid, gen.error)
+            p.engine_error = gen.error or "engine error (no message)"
+            to_step.append((ps, p))
+            return
+        if p.turn_start == start:  # a turn's first generation is the segment the entropy rule measures
+            h = T.segment_entropy(gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens,
+                                  self.vocab_size)
+            p.record_turn_entropy(h, cfg, self._stale, list(gen.entropies[: cfg.entropy_tokens]))
+        if was_lookahead:
+            lookaheads.append((ps, p, start))
+            if gen.finish_reason == "length" and len(p.response) < self.max_response_tokens:
+                return  # the look-ahead only paused the turn; it continues next round
+        to_step.append((ps, p))
+
+    # ----------------------------------------------------------------------------------------------- decisions
+    def _decide(self, ps: PromptState, p: Path, bp: int, cfg: T.TreeConfig) -> bool:
+        """One branch decision for candidate ``p`` at branch point ``bp``; returns whether clones were made."""
+        if ps.pending_m or p.h_init is None or p.turn_h is None or p.engine_error or p.done:
+            return False
+        scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
+        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, cfg.budget - ps.count, ps.rng)
+        p.consecutive = p.consecutive + 1 if n else 0
+        key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
+        for _ in range(n):
+            c = p.copy_prefix(bp, tid=len(ps.paths), batch_index=self._batch_index, env=p.env.clone(), key=key)
+            if cfg.decision_rule == "reference" or cfg.legacy_stale_baseline:
+                c.h_init = None  # the branch's baseline is its own first segment after the branch point
+            self._batch_index += 1
+            ps.paths.append(c)
+            ps.count += 1
+            ps.branches_by_depth[c.depth] += 1
+        return n > 0
+
+    def _resolve_premonitor(self, ps: PromptState) -> None:
+        """Lazy AEPO pre-monitoring: once the probe (path 0) has its post-tool entropy or ended, start m - 1 more."""
+        probe = ps.paths[0]
+        if not probe.done and (probe.h_root is None or probe.h_after_tool is None):
+            return
+        h_root = probe.h_root if probe.h_root is not None else 0.0
+        h_tool = probe.h_after_tool if probe.h_after_tool is not None else h_root
+        ps.m = T.aepo_initial_samples(self.cfg.budget, h_root, h_tool)
+        ps.pending_m = False
+        for _ in range(ps.m - 1):
+            self._spawn(ps, "initial")
+
+    def _premonitor_reference(self, prompts: list[PromptState], step: int) -> None:
+        """AEPO reference pre-monitoring: an ``H_root`` probe, then one extra, discarded full trajectory per prompt
+        whose mean segment entropy is ``H_tool``. Its tokens and tool calls count in the step's metrics."""
+        cfg = self.cfg
+        reqs = [GenRequest(("premonitor", ps.task_index), ps.prompt_ids, dataclasses.replace(
+            self.sampling, max_new_tokens=cfg.aepo_premonitor_tokens, stop=tuple(ps.template.stop_sequences),
+            seed=T.derive_seed(self.seed, step, ps.task_index, "root"),
+            logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else 0)) for ps in prompts]
+        t = time.perf_counter()
+        gens = self.engine.generate(reqs)
+        self._timers["generate"] += time.perf_counter() - t
+        probe_cfg = dataclasses.replace(cfg, mode="grpo", budget=1, initial=1, branch_factor=0,
+                                        aepo_premonitor_keep=False, decision_rule="reference")
+        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(),
+                                       task_index=ps.task_index) for ps in prompts]
+        for sh in shadows:
+            self._spawn(sh, "premonitor")
+        self._run(shadows, probe_cfg)
+        for ps, sh, gen in zip(prompts, shadows, gens):
+            h_root = T.segment_entropy(gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens,
+                                       self.vocab_size)
+            segs = sh.paths[0].segment_entropy
+            ps.m = T.aepo_initial_samples(cfg.budget, h_root, sum(segs) / len(segs) if segs else h_root)
+            ps.premonitor_tool_calls = len(sh.paths[0].tool_calls)
+            ps.premonitor_tokens = sh.paths[0].generated + len(gen.token_ids)
+            if gen.cache_key is not None:
+                self._keys.add(gen.cache_key)
+
+    # ---------------------------------------------------------------------------------------------- environment
+    def _step_envs(self, items: list[tuple[PromptState, Path]], cfg: T.TreeConfig) -> list[tuple[PromptState, Path]]:
+        """Step every finished turn's environment concurrently (tools run in the pool; tokenization stays on this
+        thread: a shared fast tokenizer is not safe to call from several threads); returns the paths that got a
+        tool result."""
+        if not items:
+            return []
+        t = time.perf_counter()
+        actions = []
+        for _, p in items:
+            ids = p.response[p.turn_start:]
+            actions.append(self.tok.decode(ids[:-1] if ids and ids[-1] == self.eos_id else ids,
+                                           skip_special_tokens=False))
+        futures = [self._pool.submit(_safe_step, p.env, a) for (_, p), a in zip(items, actions)]
+        results = [f.result() for f in futures]
+        self._timers["tools"] += time.perf_counter() - t
+        return [item for item, res in zip(items, results) if self._apply_step(*item, res, cfg)]
+
+    def _apply_step(self, ps: PromptState, p: Path, res: tuple | BaseException, cfg: T.TreeConfig) -> bool:
+        """Append the env's observation or end the path. True = a tool result was appended."""
+        if isinstance(res, BaseException):  # the env contract says never; if it happens, end this path only
+            log.error("environment step failed for task %s trajectory %s: %r", ps.task_index, p.tid, res)
+            p.finish("error", 0.0, {"env_error": repr(res)})
+            return False
+        obs, reward, terminated, truncated, info = res
+        if info.get("tool_calls", 0) > len(p.tool_calls):  # the env's counter moved: a tool really ran
+            p.tool_calls.append({"tool": info["tool"], "args": info.get("args", {}),
+                                 "latency_s": info.get("latency_s", 0.0), "cache_hit": info.get("cache_hit", False),
+                                 "error": info.get("tool_error", False)})
+        if terminated or truncated:
+            if info.get("append_eos"):
+                p.add([self.eos_id], [1 if self.train_tool_limit_eos else 0], [0.0], [0.0])
+            p.finish(_finish_reason(info, truncated, p), float(reward), dict(info.get("reward_info", {})))
+            return False
+        if p.engine_error or p.last_finish == "eos" or len(p.response) >= self.max_response_tokens:
+            return self._end_episode(p, "error" if p.engine_error else p.last_finish)
+        obs_ids = self.tok(obs, add_special_tokens=False, split_special_tokens=True)["input_ids"] if obs else []
+        p.ent_before.append(MK.mean(p.entropies[max(p.turn_start, len(p.entropies) - cfg.entropy_tokens):]))
+        p.add(obs_ids, [0] * len(obs_ids), [0.0] * len(obs_ids), [0.0] * len(obs_ids))
+        p.turn_start = len(p.response)
+        if len(p.response) >= self.max_response_tokens:
+            p.truncate(self.max_response_tokens)
+            return self._end_episode(p, "length")
+        p.lookahead = cfg.decision_rule == "paper" and cfg.branch_factor > 0
+        return True
+
+    def _end_episode(self, p: Path, reason: str) -> bool:
+        """End a path whose env still runs (budget spent, EOS after an invalid call, engine error): an empty action
+        is plain text to the env, which then scores the whole response through its own reward path."""
+        _, reward, terminated, truncated, info = p.env.step("")
+        if not (terminated or truncated):
+            raise ArpoError(f"the environment did not end its episode on an empty action ({type(p.env).__name__})")
+        p.finish({"stop": "length"}.get(reason, reason), float(reward), dict(info.get("reward_info", {})))
+        return False
+
+    def _release_unused(self, prompts: list[PromptState]) -> None:
+        """Give the engine back every cached prefix no live path can extend."""
+        held = {p.cache_key for ps in prompts for p in ps.paths if not p.done}
+        dead = [k for k in self._keys if k not in held]
+        if dead:
+            self.engine.release(dead)
+            self._keys -= set(dead)
+
+
+def _safe_step(env: Any, action: str) -> tuple | BaseException:
+    try:
+        return env.step(action)
+    except Exception as e:  # noqa: BLE001 - returned to the main thread, which ends that path with "error"
+        return e
+
+
+def _finish_reason(info: dict[str, Any], truncated: bool, p: Path) -> str:
+    if info.get("append_eos"):
+        return "tool_limit"
+    if truncated:
+        return "turn_limit"
+    if p.engine_error:
+        return "error"
+    if info.get("kind") == "answer":
+        return "answer"
+    return "length" if p.last_finish == "length" else "eos"

@@ -1,0 +1,242 @@
+"""Experiment files: one strict TOML format that maps every key to exactly one setting.
+
+An experiment file (``experiments/<name>.toml``) has these sections, all optional except ``[model]`` and ``[env]``::
+
+    [experiment]   name, algorithm ("arpo" | "aepo" | "grpo"), seed, iterations, output, checkpoint_every,
+                   keep_checkpoints, description                                      -> :class:`RunSettings`
+    [model]        path                                                               -> ARPOConfig.model_path
+    [env]          id (a registered env id); every other key goes to env_config       -> .environment(...)
+    [tree]         TreeConfig fields except mode                                      -> .tree(...)
+    [training]     LearnerConfig fields, prompts_per_step                             -> .training(...)
+    [rollouts]     sampling/engine/resources (arpo_algo.algorithms.config.ROLLOUT_OPTIONS)       -> .llm_rollouts(...)
+    [evaluation]   every (-> evaluation_interval), split, num_prompts, samples, temperature,
+                   max_response_tokens (-> eval_*)                                    -> .evaluation(...)
+
+Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
+naming the key. ``env_config`` keys are checked by the environment itself when the algorithm builds it.
+Overrides (``--set section.key=value``) use the same names and are parsed as TOML values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo_algo.algorithms import CONFIG_CLASSES, ARPOConfig
+from arpo_algo.algorithms.options import _GROUPS, check_value, unknown_key_error
+from arpo_env.errors import ArpoError, ConfigError
+
+#: Where bare experiment names are looked up (the repository's experiments/ folder).
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+
+SECTIONS = ("experiment", "model", "env", "tree", "training", "rollouts", "evaluation")
+_EVAL_KEYS = {"every": "evaluation_interval", **{k[len("eval_"):]: k for k in _GROUPS["evaluation"]}}
+
+
+@dataclass
+class RunSettings:
+    """The ``[experiment]`` section: how ``arpo train`` drives the algorithm (not part of ARPOConfig).
+
+    Attributes:
+        name: Run name (default: the file's stem); also the default output folder ``runs/<name>``.
+        algorithm: "arpo", "aepo" or "grpo": picks ARPOConfig, AEPOConfig or GRPOConfig.
+        seed: Seed of everything (data order, sampling, branch draws, learner RNG).
+        iterations: Training iterations (one iteration = prompts_per_step prompts sampled and one update).
+        output: Run folder: config.json, metrics.jsonl, tb/, checkpoints/, learning_curve.png.
+        checkpoint_every: Save a checkpoint every N iterations (the last iteration is always saved).
+        keep_checkpoints: Keep only the newest N checkpoints in ``<output>/checkpoints``.
+        description: Free text, shown in config.json.
+    """
+
+    name: str = "experiment"
+    algorithm: str = "arpo"
+    seed: int = 0
+    iterations: int = 10
+    output: str | None = None
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    description: str = ""
+
+    def validate(self, where: str) -> None:
+        """Range checks with the file name in the message."""
+        if self.algorithm not in CONFIG_CLASSES:
+            raise ConfigError(f"{where}: [experiment] algorithm={self.algorithm!r} is not one of "
+                              f"{', '.join(CONFIG_CLASSES)}")
+        for name in ("iterations", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}: [experiment] {name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"{where}: [experiment] checkpoint_every must be >= 0 (0 = only at the end)")
+
+
+_RUN_TYPES = {"name": str, "algorithm": str, "seed": int, "iterations": int, "output": (str, type(None)),
+              "checkpoint_every": int, "keep_checkpoints": int, "description": str}
+
+
+@dataclass
+class Experiment:
+    """A loaded experiment: run settings, the algorithm config, and the sections it came from (after overrides)."""
+
+    run: RunSettings
+    config: ARPOConfig
+    sections: dict[str, dict[str, Any]]
+    source: Path | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output or f"runs/{self.run.name}").expanduser()
+
+
+def resolve_experiment_path(name_or_path: str | Path) -> Path:
+    """A path to an existing file, or a bare name looked up as ``experiments/<name>.toml``."""
+    p = Path(name_or_path).expanduser()
+    if p.is_file():
+        return p
+    for cand in (EXPERIMENTS_DIR / f"{name_or_path}.toml", EXPERIMENTS_DIR / str(name_or_path)):
+        if cand.is_file():
+            return cand
+    known = sorted(f.stem for f in EXPERIMENTS_DIR.glob("*.toml")) if EXPERIMENTS_DIR.is_dir() else []
+    raise ArpoError(f"experiment {str(name_or_path)!r} not found (neither a file nor experiments/<name>.toml)",
+                    hint=f"known experiments: {', '.join(known)}" if known else None)
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is read as a TOML literal, else a bare string."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    dotted, raw = (s.strip() for s in item.split("=", 1))
+    if dotted.count(".") != 1:
+        raise ConfigError(f"--set {item!r}: the key must be section.key (e.g. tree.budget=8)")
+    section, key = dotted.split(".")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load_experiment(name_or_path: str | Path | None = None, overrides: list[str] | None = None, *,
+                    sections: dict[str, dict[str, Any]] | None = None) -> Experiment:
+    """Read an experiment file (or take ``sections`` directly), apply ``--set`` overrides, build the config.
+
+    Raises:
+        ConfigError: an unknown section or key (naming the file and the closest valid key), or a wrong type.
+    """
+    source = None
+    if sections is None:
+        if name_or_path is None:
+            raise ArpoError("load_experiment needs a file, a name or sections")
+        source = resolve_experiment_path(name_or_path)
+        try:
+            sections = tomllib.loads(source.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: invalid TOML: {e}") from e
+    where = str(source) if source else "experiment"
+    sections = {k: dict(v) if isinstance(v, dict) else v for k, v in sections.items()}
+    for item in overrides or []:
+        section, key, value = parse_override(item)
+        if section not in SECTIONS:
+            raise unknown_key_error(section, SECTIONS, f"--set {item!r}: section")
+        sections.setdefault(section, {})[key] = value
+    for section, body in sections.items():
+        if section not in SECTIONS:
+            raise unknown_key_error(section, SECTIONS, f"{where}: section [{section}]")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: {section!r} must be a [section], got a plain key")
+    run = _run_settings(sections.get("experiment", {}), source, where)
+    config = build_config(sections, run, where)
+    return Experiment(run=run, config=config, sections=sections, source=source, overrides=list(overrides or []))
+
+
+def _run_settings(body: dict[str, Any], source: Path | None, where: str) -> RunSettings:
+    known = {f.name for f in dataclasses.fields(RunSettings)}
+    for key, value in body.items():
+        if key not in known:
+            raise unknown_key_error(key, known, f"{where}: [experiment]")
+        expected = _RUN_TYPES[key]
+        if isinstance(value, bool) and expected is int or not isinstance(value, expected):
+            raise ConfigError(f"{where}: [experiment] {key} has the wrong type ({type(value).__name__}: {value!r})")
+    values = {"name": source.stem if source else "experiment", **body}
+    run = RunSettings(**values)
+    run.validate(where)
+    return run
+
+
+def build_config(sections: dict[str, dict[str, Any]], run: RunSettings, where: str) -> ARPOConfig:
+    """Map the sections onto the algorithm's config class (every key to exactly one field)."""
+    config = CONFIG_CLASSES[run.algorithm]()
+    config.debugging(seed=run.seed)
+    model = sections.get("model", {})
+    for key in model:
+        if key != "path":
+            raise unknown_key_error(key, ["path"], f"{where}: [model]")
+    if "path" not in model:
+        raise ConfigError(f"{where}: [model] path is missing", hint='[model]\npath = "smollm2-135m-instruct"')
+    env = dict(sections.get("env", {}))
+    if "id" not in env:
+        raise ConfigError(f"{where}: [env] id is missing", hint='[env]\nid = "arpo/ToolMath-v0"')
+    env_id = env.pop("id")
+    if not isinstance(env_id, str):
+        raise ConfigError(f"{where}: [env] id must be a string, got {env_id!r}")
+    _check_env_config(env_id, env, where)
+    config.environment(env=env_id, env_config=env)
+    mapping = {"tree": ("tree", config.tree), "training": ("training", config.training),
+               "rollouts": ("llm_rollouts", config.llm_rollouts)}
+    try:
+        config.training(model_path=check_value("model_path", model["path"], f"{where}: [model] path"))
+        for section, (group, setter) in mapping.items():
+            body = sections.get(section, {})
+            allowed = set(_GROUPS[group]) - {"model_path"}
+            for key in body:
+                if key not in allowed:
+                    raise unknown_key_error(key, allowed, f"{where}: [{section}]")
+            setter(**body)
+        evaluation = sections.get("evaluation", {})
+        for key in evaluation:
+            if key not in _EVAL_KEYS:
+                raise unknown_key_error(key, _EVAL_KEYS, f"{where}: [evaluation]")
+        if "every" in evaluation and (isinstance(evaluation["every"], bool)
+                                      or not isinstance(evaluation["every"], int) or evaluation["every"] < 0):
+            raise ConfigError(f"{where}: [evaluation] every must be an int >= 0, got {evaluation['every']!r}")
+        config.evaluation(**{_EVAL_KEYS[k]: v for k, v in evaluation.items()})
+    except ConfigError as e:
+        if e.message.startswith(where):
+            raise
+        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from e
+    return config
+
+
+def _check_env_config(env_id: str, env_config: dict[str, Any], where: str) -> None:
+    """Unknown or invalid [env] keys fail at load time, naming the file (the env would reject them at build)."""
+    import gymnasium as gym
+
+    import arpo_env
+    from arpo_env.core import resolve_config
+
+    if env_id not in gym.registry:
+        raise unknown_key_error(env_id, arpo_env.ENV_IDS, f"{where}: [env] id")
+    try:
+        resolve_config(env_config, **gym.spec(env_id).kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: [env] {e.message}", hint=e.hint) from e
+
+
+def experiment_record(exp: Experiment) -> dict[str, Any]:
+    """What config.json holds: the sections as resolved, the run settings and every ARPO setting by group."""
+    cfg = exp.config
+    return {
+        "source": str(exp.source) if exp.source else None,
+        "overrides": exp.overrides,
+        "experiment": dataclasses.asdict(exp.run),
+        "sections": exp.sections,
+        "algorithm": type(cfg).__name__,
+        "env": cfg.env if isinstance(cfg.env, str) else repr(cfg.env),
+        "env_config": dict(cfg.env_config),
+        "evaluation_interval": cfg.evaluation_interval,
+        "seed": cfg.seed,
+        "settings": cfg.arpo_settings(),
+    }

@@ -1,0 +1,381 @@
+"""The learner: owns the policy model, the optimiser and schedule, and turns groups of trajectories into updates.
+
+One :meth:`Learner.update` call = ``ppo_epochs`` optimizer steps over all the groups passed (the caller passes one
+mini-batch). Within a step, the groups are split into micro-batches by token count (a group is never split: the
+tree pack needs all of it, and the entropy-aware z-score is per group) and gradients are accumulated.
+
+**Loss aggregation (spec §10.22).** Every micro-batch's loss is divided by the normaliser of the WHOLE update, not
+of the micro-batch, so the accumulated gradient is exactly the global objective whatever the split:
+
+* ``token_mean``: ``Σ_traj Σ_t w·ℓ / Σ_traj Σ_t w`` over all trained tokens of the update (``w`` = count weight:
+  1 per trajectory copy for soft attribution; hard attribution counts a shared token once). The reference instead
+  averages per micro-batch token means weighted by micro-batch size, which is not a global token mean.
+* ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
+
+Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
+``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
+in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from arpo_algo.core.advantages import build_token_trie, entropy_aware_advantages, grpo_advantages, hard_attribution
+from arpo_algo.core.losses import SCHEDULES, build_optimizer, dual_clip_policy_loss, k3_kl
+from arpo_algo.rollout.types import Group
+from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
+from arpo_env.errors import ArpoError, ConfigError
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
+
+    ``advantage``: "grpo" (soft attribution) or "hard". ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
+    ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
+    ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
+    "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float = 3.0
+    loss_agg: str = "token_mean"
+    advantage: str = "grpo"
+    norm_adv_by_std: bool = True
+    entropy_advantage: bool = False
+    entropy_advantage_coef: float = 0.2
+    entropy_advantage_clip: float | None = None
+    entropy_balanced_clip: bool = False
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192
+    dedup_prefix: bool = True
+    old_logprobs: str = "recompute"
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    max_nan_updates: int = 3
+    attn_implementation: str = "sdpa"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
+        """Build from a dict; an unknown key raises :class:`ConfigError` naming it."""
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ConfigError(f"learner: unknown key {key!r}", hint=f"known keys: {', '.join(sorted(known))}")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid setting."""
+        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"), "advantage": ("grpo", "hard"),
+                   "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"learner.{key}={getattr(self, key)!r} is not one of {allowed}")
+        positive = {"lr": self.lr, "total_steps": self.total_steps, "ppo_epochs": self.ppo_epochs,
+                    "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
+        for key, val in positive.items():
+            if not val > 0:
+                raise ConfigError(f"learner.{key} must be > 0, got {val!r}")
+        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
+        if self.clip_low >= 1:
+            raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
+        if self.clip_c <= 1:
+            raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
+        if self.advantage == "hard" and self.loss_agg == "seq_mean":
+            raise ConfigError("learner.loss_agg='seq_mean' is undefined with advantage='hard'",
+                              hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Learner:
+    """Policy model + AdamW + schedule (+ frozen reference model when ``kl_coef > 0``).
+
+    Args:
+        model_path: A registered model name or a local Hugging Face folder.
+        config: The learner settings.
+        device: Torch device string.
+        seed: Seeds torch, python and numpy RNGs.
+    """
+
+    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from arpo_algo.models import resolve_model_path
+
+        config.validate()
+        self.config = config
+        self.device = torch.device(device)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        path = resolve_model_path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        load = {"dtype": torch.float32, "attn_implementation": config.attn_implementation}
+        self.model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device)
+        if config.gradient_checkpointing:
+            # Non-reentrant checkpointing passes the 4D tree mask through like any other tensor argument (the tests
+            # check the gradients against the unchecked model). transformers 5 renamed gradient_ -> activation_.
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        self.ref_model = None
+        if config.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
+            warmup_steps=config.warmup_steps, total_steps=config.total_steps)
+        self.step = 0
+        self.nan_streak = 0
+        self.skipped_total = 0
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+
+    # ------------------------------------------------------------------ batch preparation
+    def _specs(self, groups: list[Group]) -> list[list[SeqSpec]]:
+        """Per group, the trajectories with their per-token advantages and count weights."""
+        cfg, out, seq = self.config, [], 0
+        for gi, g in enumerate(groups):
+            if not g.trajectories:
+                raise ArpoError(f"group {gi} (prompt {g.prompt_index}) has no trajectories")
+            adv = grpo_advantages(g.rewards, norm_by_std=cfg.norm_adv_by_std)
+            responses = [t.response_ids for t in g.trajectories]
+            masks = [t.trained_mask for t in g.trajectories]
+            for ids in [g.prompt_ids, *responses]:
+                if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                    raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
+                                    hint="the rollout used a different tokenizer than the learner's model")
+            if cfg.advantage == "hard":
+                tok_adv, mult = hard_attribution(g.prompt_ids, responses, masks, adv)
+            specs = []
+            for j, t in enumerate(g.trajectories):
+                n = len(t.response_ids)
+                if cfg.advantage == "hard":
+                    a, w = tok_adv[j], [1.0 / d if d else 0.0 for d in mult[j]]
+                else:
+                    a, w = [adv[j]] * n, [1.0] * n
+                specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask), a, w,
+                                     list(t.old_logprobs)))
+                seq += 1
+            out.append(specs)
+        return out
+
+    def _micro_batches(self, per_group: list[list[SeqSpec]]) -> list[TokenBatch]:
+        """Greedy packing of whole groups up to ``micro_batch_tokens`` (a larger group goes alone)."""
+        cfg, batches, cur, cur_cost = self.config, [], [], 0
+
+        def flush() -> None:
+            if cur:
+                if cfg.dedup_prefix:
+                    batches.append(build_dedup_batch(cur, merge_shared=cfg.advantage == "hard"))
+                else:
+                    batches.append(build_padded_batch(cur, self.pad_id))
+
+        for specs in per_group:
+            seqs = [s.prompt + s.response for s in specs]
+            cost = build_token_trie(seqs).num_nodes if cfg.dedup_prefix else len(seqs) * max(map(len, seqs))
+            if cur and cur_cost + cost > cfg.micro_batch_tokens:
+                flush()
+                cur, cur_cost = [], 0
+            cur.extend(specs)
+            cur_cost += cost
+        flush()
+        return [b.to(self.device) for b in batches]
+
+    def _autocast(self):
+        if not self.config.bf16:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+        with self._autocast():
+            lp, _ = forward_token_stats(model, batch, with_entropy=False)
+        return lp[batch.pair_node].detach()
+
+    def _pair_norm(self, batches: list[TokenBatch]) -> list[torch.Tensor]:
+        """Per pair, the factor that turns a summed per-token term into the global aggregate (§10.22)."""
+        if self.config.loss_agg == "token_mean":
+            total = sum(float(b.pair_weight.sum()) for b in batches)
+            return [b.pair_weight / max(total, 1e-12) for b in batches]
+        per_seq: dict[int, float] = {}
+        for b in batches:
+            for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
+                per_seq[s] = per_seq.get(s, 0.0) + w
+        n_seq = len(per_seq)
+        return [b.pair_weight / torch.tensor([per_seq[s] * n_seq for s in b.pair_seq.tolist()],
+                                             dtype=torch.float32, device=b.pair_weight.device) for b in batches]
+
+    # ------------------------------------------------------------------ the update
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        """``ppo_epochs`` optimizer steps on ``groups``; returns metrics (see module docstring for the loss).
+
+        Raises:
+            ArpoError: after ``max_nan_updates`` consecutive updates with a non-finite loss or gradient norm.
+        """
+        if not groups:
+            raise ArpoError("update() got no groups")
+        cfg = self.config
+        per_group = self._specs(groups)
+        batches = self._micro_batches(per_group)
+        norms = self._pair_norm(batches)
+        self.model.train()
+        try:
+            if cfg.old_logprobs == "recompute":
+                old = [self._logprobs(self.model, b) for b in batches]
+            else:
+                old = [b.pair_old_logp for b in batches]
+            ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
+            totals: dict[str, float] = {}
+            skipped = 0
+            for _ in range(cfg.ppo_epochs):
+                m = self._epoch(batches, norms, old, ref, len(groups))
+                if m is None:
+                    skipped = 1
+                    break
+                for k, v in m.items():
+                    totals[k] = totals.get(k, 0.0) + v / cfg.ppo_epochs
+        finally:
+            self.model.eval()
+        if skipped:
+            self.nan_streak += 1
+            self.skipped_total += 1
+            if self.nan_streak >= cfg.max_nan_updates:
+                raise ArpoError(f"{self.nan_streak} consecutive updates had a non-finite (NaN/inf) loss or gradient "
+                                f"norm; stopping instead of training on garbage",
+                                hint="check the rewards for NaN, lower the learning rate, or disable bf16")
+        else:
+            self.nan_streak = 0
+        seqs = [s for specs in per_group for s in specs]
+        if "lr" not in totals:  # skipped: report the rate the step would have used
+            totals["lr"] = self.optimizer.param_groups[0]["lr"]
+        totals.update({"skipped_nan": float(skipped),
+                       "tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
+                       "unique_tokens": float(sum(b.num_tokens for b in batches)),
+                       "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
+                       "micro_batches": float(len(batches)), "step": float(self.step)})
+        return totals
+
+    def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
+               ref: list[torch.Tensor] | None, num_groups: int) -> dict[str, float] | None:
+        """One accumulated optimizer step; None (and no step) when the loss or gradient is not finite."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
+                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean"), 0.0)
+        for i, b in enumerate(batches):
+            with self._autocast():
+                lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
+                                                  entropy_grad=cfg.entropy_coef > 0)
+            lp = lp_u[b.pair_node]
+            ent = ent_u[b.pair_node]
+            adv = b.pair_adv
+            if cfg.entropy_advantage:
+                adv, _ = entropy_aware_advantages(adv, ent, b.pair_weight, b.pair_group, num_groups,
+                                                  coef=cfg.entropy_advantage_coef,
+                                                  min_multiplier=cfg.entropy_advantage_clip)
+            out = dual_clip_policy_loss(lp, old[i], adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                        clip_c=cfg.clip_c, entropy_balanced=cfg.entropy_balanced_clip)
+            w = norms[i]
+            policy = (w * out.loss).sum()
+            loss = policy
+            if ref is not None:
+                kl = (w * k3_kl(lp, ref[i])).sum()
+                loss = loss + cfg.kl_coef * kl
+                acc["loss/kl"] += float(kl.detach())
+            ent_term = (w * ent).sum()
+            if cfg.entropy_coef > 0:
+                loss = loss - cfg.entropy_coef * ent_term
+            if not torch.isfinite(loss.detach()):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            wd = w.detach()
+            acc["loss/policy"] += float(policy.detach())
+            acc["loss/total"] += float(loss.detach())
+            acc["loss/entropy_bonus"] += float(-cfg.entropy_coef * ent_term.detach())
+            acc["entropy"] += float(ent_term.detach())
+            acc["clip_frac"] += float((wd * out.clipped).sum())
+            acc["clip_frac_grad"] += float((wd * out.clipped_grad).sum())
+            acc["clip_frac_dual"] += float((wd * out.dual_clipped).sum())
+            acc["ratio_mean"] += float((wd * out.ratio).sum())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        acc["grad_norm"] = grad_norm
+        acc["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return acc
+
+    # ------------------------------------------------------------------ state
+    def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
+        """Optimizer, scheduler, step counters and RNG states (weights: :meth:`save_pretrained`, or include_model)."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "step": self.step, "nan_streak": self.nan_streak, "skipped_total": self.skipped_total,
+                 "rng": _rng_state(), "config": asdict(self.config)}
+        if include_model:
+            state["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned (a missing key raises ArpoError naming it)."""
+        for key in ("optimizer", "scheduler", "step", "nan_streak", "skipped_total", "rng"):
+            if key not in state:
+                raise ArpoError(f"learner state lacks {key!r}", hint="pass a dict produced by Learner.get_state()")
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.nan_streak = int(state["nan_streak"])
+        self.skipped_total = int(state["skipped_total"])
+        _set_rng_state(state["rng"])
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out

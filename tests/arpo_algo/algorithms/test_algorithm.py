@@ -1,0 +1,117 @@
+"""ARPO/AEPO/GRPO as RLlib Algorithms on a tiny real model: iterations, metrics, evaluation, resources."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from arpo_algo.algorithms import ARPO, ARPOConfig, GRPOConfig
+from arpo_algo.algorithms.components import PromptIterator, check_resources_feasible, resource_bundles
+from arpo_algo.eval.evaluation import score_groups
+from arpo_algo.rollout.metrics import summarize_groups
+from arpo_algo.rollout.types import Group, Trajectory
+from arpo_env.errors import ConfigError
+
+
+def tiny_config(model_dir, cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
+    cfg = (cls().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+           .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
+           .llm_rollouts(max_response_tokens=16, max_batch_size=4))
+    return cfg.tree(budget=2, initial=2) if cls is GRPOConfig else cfg.tree(budget=2, initial=1)
+
+
+def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
+    import ray
+
+    cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=2, eval_num_prompts=2)
+    algo = cfg.build_algo()
+    try:
+        before = {k: v.detach().clone() for k, v in algo.learner.model.named_parameters()}
+        r1 = algo.train()
+        r2 = algo.train()
+    finally:
+        algo.stop()
+    assert not ray.is_initialized()  # in-process: no Ray cluster
+    assert (r1["training_iteration"], r2["training_iteration"]) == (1, 2)
+    for key in ("reward_mean", "accuracy", "tool_calls_per_traj", "branches", "tokens_per_s"):
+        assert key in r2
+    assert r2["num_trajectories"] == 2.0
+    assert {"grad_norm", "clip_frac", "kl"} <= set(r2["learner"]["loss"]) | set(r2["learner"])
+    assert "entropy_after_tool" in r2["rollout"]
+    assert {"sync_time", "rollout_time", "update_time"} <= set(r2["timers"])
+    assert "evaluation" not in r1 and r2["evaluation"]["num_tasks"] == 2.0
+    assert 0.0 <= r2["evaluation"]["pass_at_1"] <= 1.0
+    # the engine shares the learner's module, so the update is what the next rollout samples from
+    assert algo.engine.model is algo.learner.model
+    changed = any(not (before[k] == p).all() for k, p in algo.learner.model.named_parameters())
+    assert changed or r1["learner"]["grad_norm"] == 0.0
+
+
+def test_grpo_is_the_same_path_without_branches(tiny_model_dir):
+    algo = tiny_config(tiny_model_dir, GRPOConfig).build_algo()
+    try:
+        assert type(algo).__name__ == "GRPO"
+        groups, _ = algo.sampler.sample([0], step=0)
+        result = algo.train()
+    finally:
+        algo.stop()
+    assert len(groups[0].trajectories) == 2
+    assert all(t.kind == "initial" for t in groups[0].trajectories)
+    assert result["branches"] == 0.0
+
+
+def test_infeasible_resources_fail_fast_with_a_message():
+    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").llm_rollouts(
+        num_rollout_actors=(os.cpu_count() or 1) + 1)
+    with pytest.raises(ConfigError, match="CPUs") as err:
+        ARPO.default_resource_request(cfg)
+    assert "num_rollout_actors" in err.value.hint
+    with pytest.raises(ConfigError, match="GPU"):
+        check_resources_feasible(resource_bundles(ARPOConfig().llm_rollouts(device="cuda"))
+                                 if not _has_gpu() else [{"CPU": 1, "GPU": 99}])
+
+
+def test_resource_request_counts_rollout_actors():
+    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").llm_rollouts(
+        num_rollout_actors=1, num_cpus_per_rollout_actor=0.5)
+    pgf = ARPO.default_resource_request(cfg)
+    assert pgf.bundles == [{"CPU": 1.0}, {"CPU": 0.5}]
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_prompt_iterator_is_a_seeded_permutation_with_resumable_state():
+    it = PromptIterator(5, seed=3)
+    first_epoch = it.next(5)
+    assert sorted(first_epoch) == [0, 1, 2, 3, 4]
+    it.next(2)
+    state = it.get_state()
+    expected = it.next(7)
+    other = PromptIterator(5, seed=3)
+    other.set_state(state)
+    assert other.next(7) == expected
+    assert PromptIterator(5, seed=4).next(5) != first_epoch or PromptIterator(5, seed=5).next(5) != first_epoch
+
+
+def _traj(i: int, reward: float, info: dict, calls: int = 0, kind: str = "initial") -> Trajectory:
+    return Trajectory(traj_id=i, response_ids=[1, 2], trained_mask=[1, 0], old_logprobs=[0.0, 0.0],
+                      entropies=[0.0, 0.0], reward=reward, reward_info=info, tool_calls=[{}] * calls, kind=kind)
+
+
+def test_scores_follow_the_written_protocol():
+    right = {"score": 1.0, "format_ok": True}
+    wrong = {"score": 0.0, "format_ok": True}
+    bonus_but_wrong = {"score": 0.6, "f1": 0.5, "tool_bonus": 0.1, "format_ok": True}
+    groups = [Group(0, [0], [_traj(0, 1.0, right, 2), _traj(1, 0.0, wrong)]),
+              Group(1, [0], [_traj(0, 0.6, bonus_but_wrong), _traj(1, 0.0, wrong, kind="branch")])]
+    s = score_groups(groups)
+    assert s["pass_at_1"] == s["accuracy"] == 0.25
+    assert s["pass_at_k"] == 0.5
+    assert s["tool_calls_mean"] == 0.5
+    t = summarize_groups(groups)
+    assert t["branches"] == 1.0 and t["accuracy"] == 0.25 and t["reward_mean"] == pytest.approx(0.4)

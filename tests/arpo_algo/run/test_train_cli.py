@@ -1,0 +1,96 @@
+"""`arpo train`: a tiny experiment file end to end (logs, checkpoints, curve), resume, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from arpo_algo.cli.main import main
+
+
+def write_experiment(tmp_path, model_dir, iterations: int = 2):
+    p = tmp_path / "tiny.toml"
+    p.write_text(f"""
+[experiment]
+name = "tiny"
+iterations = {iterations}
+checkpoint_every = 1
+keep_checkpoints = 1
+
+[model]
+path = "{model_dir}"
+
+[env]
+id = "arpo/ToolMath-v0"
+levels = [1]
+max_tool_calls = 1
+
+[tree]
+budget = 2
+initial = 1
+
+[training]
+prompts_per_step = 1
+lr = 1e-4
+
+[rollouts]
+max_response_tokens = 12
+max_batch_size = 4
+
+[evaluation]
+every = 2
+num_prompts = 2
+""")
+    return p
+
+
+def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    exp = write_experiment(tmp_path, tiny_model_dir)
+    out = tmp_path / "run"
+    assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 0
+    assert not ray.is_initialized()
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == str(out / "checkpoints" / "iter_000002" / "policy")
+    config = json.loads((out / "config.json").read_text())
+    assert config["settings"]["tree"]["budget"] == 2 and config["env"] == "arpo/ToolMath-v0"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0 = evaluation before training
+    assert "evaluation/accuracy" in rows[0] and "evaluation/accuracy" in rows[2]
+    for key in ("train/reward_mean", "train/tool_calls_per_traj", "rollout/branches", "learner/clip_frac",
+                "learner/loss/kl", "learner/grad_norm", "train/tokens_per_s", "timers/rollout_time",
+                "rollout/entropy_after_tool"):
+        assert key in rows[1], key
+    assert any((out / "tb").iterdir())
+    assert (out / "learning_curve.png").stat().st_size > 1000
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["iter_000002"]  # rotation kept the newest
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "iter_000002" / "policy")
+    result = json.loads((out / "result.json").read_text())
+    assert result["accuracy_before"] is not None and result["accuracy_after"] is not None
+
+    # a second plain run into the same folder refuses; --resume continues the iteration count
+    assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3",
+                 "--set", "rollouts.dump_trees=true", "--no-progress"]) == 0
+    assert (out / "checkpoints" / "iter_000003").is_dir()
+    trees = (out / "trees.jsonl").read_text().splitlines()  # the run folder is the Algorithm's logdir
+    assert len(trees) == 1 and json.loads(trees[0])["trajectories"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_bad_input_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
+    exp = write_experiment(tmp_path, tiny_model_dir)
+    assert main(["train", str(exp), "--set", "tree.bugdet=4", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'bugdet'" in err and "did you mean 'budget'" in err and "Traceback" not in err
+    assert main(["train", str(exp), "--set", "model.path='/no/such/model'", "--no-progress",
+                 "--output", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "/no/such/model" in err and "Traceback" not in err
+    assert main(["train", "no_such_experiment"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["train", str(exp), "--resume", str(tmp_path / "empty")]) == 2
+    assert "nothing to resume" in capsys.readouterr().err

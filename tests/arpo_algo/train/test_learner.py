@@ -1,0 +1,188 @@
+"""Learner: real updates on the tiny Llama with hand-built trees (no sampler)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from arpo_algo.core.advantages import grpo_advantages
+from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_env.errors import ArpoError, ConfigError
+from tests.arpo_algo.train.test_tree_forward import make_groups
+
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)
+
+
+def _grads(learner: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+
+
+def _params(learner: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir):
+    return make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_update_changes_params_and_masked_tokens_get_no_gradient(tiny_model_dir, groups):
+    learner = Learner(tiny_model_dir, replace(BASE, dedup_prefix=False), seed=0)
+    captured = []
+
+    def hook(module, inputs, out):
+        if out.requires_grad:  # skip the no-grad pass that recomputes the old log-probs
+            out.retain_grad()
+            captured.append(out)
+
+    learner.model.lm_head.register_forward_hook(hook)
+    before = _params(learner)
+    metrics = learner.update(groups[:1])
+    assert any(not torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+    assert metrics["skipped_nan"] == 0 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    (logits,) = captured
+    assert logits.grad is not None
+    row_norm = logits.grad.abs().sum(-1)  # [B, K]; all prompts equal, so row t predicts response token t
+    g = groups[0]
+    for b, traj in enumerate(g.trajectories):
+        for t, m in enumerate(traj.trained_mask):
+            assert (float(row_norm[b, t]) > 0) == bool(m), (b, t, m)
+
+
+def test_policy_loss_equals_hand_computation(tiny_model_dir, groups):
+    """Ratios from the model's own log-probs, old log-probs and advantages by hand, dual clip in plain Python."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = groups[0]
+    deltas = [-0.5, -0.1, 0.0, 0.1, 0.4, 1.5]  # old = lp + delta: ratios e^-delta spanning every clip region
+    trajs, hand_terms = [], []
+    adv = grpo_advantages(g.rewards)
+    for j, traj in enumerate(g.trajectories):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([g.prompt_ids + traj.response_ids])).logits[0], -1)
+        p = len(g.prompt_ids)
+        old = []
+        for t, m in enumerate(traj.trained_mask):
+            lp = float(logp[p + t - 1, traj.response_ids[t]])
+            o = lp + deltas[t % len(deltas)] if m else 0.0
+            old.append(o)
+            if m:
+                r = math.exp(lp - o)
+                a = adv[j]
+                loss = max(-a * r, -a * min(max(r, 0.8), 1.2))
+                if a < 0:
+                    loss = min(loss, -a * 3.0)
+                hand_terms.append(loss)
+        trajs.append(replace(traj, old_logprobs=old))
+    hand = sum(hand_terms) / len(hand_terms)
+    group = replace(g, trajectories=trajs)
+    for dedup in (False, True):
+        learner = Learner(tiny_model_dir, replace(BASE, old_logprobs="rollout", dedup_prefix=dedup))
+        m = learner.update([group])
+        assert m["loss/policy"] == pytest.approx(hand, abs=1e-5)
+        assert 0 < m["clip_frac"] < 1
+
+
+CASES = [
+    dict(),
+    dict(advantage="hard"),
+    dict(loss_agg="seq_mean"),
+    dict(old_logprobs="rollout", entropy_balanced_clip=True, entropy_advantage=True, entropy_advantage_clip=0.0),
+    dict(advantage="hard", old_logprobs="rollout", entropy_advantage=True, kl_coef=0.1, entropy_coef=0.01),
+]
+
+
+@pytest.mark.parametrize("extra", CASES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_dedup_gradients_equal_duplicated(tiny_model_dir, groups, extra):
+    # Duplicated in one micro-batch vs deduplicated with one micro-batch per group (10 tokens < any group), so
+    # the global-token-mean accumulation is checked at the same time.
+    results = []
+    for dedup, mbt in ((False, 100_000), (True, 10)):
+        learner = Learner(tiny_model_dir, replace(BASE, dedup_prefix=dedup, micro_batch_tokens=mbt, **extra))
+        m = learner.update(groups)
+        results.append((m, _grads(learner)))
+    (m_dup, g_dup), (m_ded, g_ded) = results
+    assert m_ded["unique_tokens"] < m_dup["unique_tokens"] == m_dup["tokens"]
+    assert m_ded["micro_batches"] == 2 and m_dup["micro_batches"] == 1
+    for key in ("loss/policy", "loss/kl", "entropy", "clip_frac"):
+        assert m_ded[key] == pytest.approx(m_dup[key], abs=1e-5)
+    for name, g in g_dup.items():
+        torch.testing.assert_close(g_ded[name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_nan_loss_skips_then_raises(tiny_model_dir, groups):
+    learner = Learner(tiny_model_dir, replace(BASE, max_nan_updates=2))
+    bad = replace(groups[0], trajectories=[replace(t, reward=float("nan")) for t in groups[0].trajectories])
+    before = _params(learner)
+    m = learner.update([bad])
+    assert m["skipped_nan"] == 1 and learner.step == 0
+    assert all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+    assert learner.update(groups)["skipped_nan"] == 0  # a good update resets the streak
+    learner.update([bad])
+    with pytest.raises(ArpoError, match="2 consecutive updates"):
+        learner.update([bad])
+
+
+def test_state_round_trip_is_bit_equal(tiny_model_dir, groups, tmp_path):
+    cfg = replace(BASE, lr_schedule="cosine", warmup_steps=1, total_steps=5, grad_clip=1.0, ppo_epochs=2)
+    a = Learner(tiny_model_dir, cfg, seed=3)
+    a.update(groups[:1])
+    folder = a.save_pretrained(tmp_path / "ckpt")
+    torch.save(a.get_state(), tmp_path / "state.pt")
+    b = Learner(folder, cfg, seed=99)
+    b.set_state(torch.load(tmp_path / "state.pt", weights_only=False))
+    ma, mb = a.update(groups), b.update(groups)
+    assert ma == mb
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(pa, pb), n
+    state = a.get_state()
+    torch.rand(3)  # advance the RNG, then restoring must bring it back
+    b.set_state(state)
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+
+
+def test_save_pretrained_is_a_plain_hf_folder(tiny_model_dir, tmp_path):
+    learner = Learner(tiny_model_dir, BASE)
+    out = learner.save_pretrained(tmp_path / "out")
+    assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                           tokenize=False)
+    for (n, p), q in zip(learner.model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_bf16_and_gradient_checkpointing(tiny_model_dir, groups):
+    ref = Learner(tiny_model_dir, BASE)
+    ref.update(groups)
+    ckpt = Learner(tiny_model_dir, replace(BASE, gradient_checkpointing=True))
+    ckpt.update(groups)
+    for name, g in _grads(ref).items():
+        torch.testing.assert_close(_grads(ckpt)[name], g, atol=1e-6, rtol=1e-5)
+    m = Learner(tiny_model_dir, replace(BASE, bf16=True)).update(groups)
+    assert m["skipped_nan"] == 0 and math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0
+
+
+def test_kl_to_reference_is_zero_at_start_and_lr_schedule(tiny_model_dir, groups):
+    cfg = replace(BASE, kl_coef=0.5, lr_schedule="linear", warmup_steps=2, total_steps=4)
+    learner = Learner(tiny_model_dir, cfg)
+    m1 = learner.update(groups)
+    assert m1["loss/kl"] == pytest.approx(0.0, abs=1e-7) and m1["lr"] == pytest.approx(0.5e-3)
+    m2 = learner.update(groups)
+    assert m2["loss/kl"] > 0 and m2["lr"] == pytest.approx(1e-3)
+    assert learner.update(groups)["lr"] == pytest.approx(1e-3)  # step 2 = start of decay: factor 1 - 0/2
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="cliprange"):
+        LearnerConfig.from_dict({"cliprange": 0.2})
+    with pytest.raises(ConfigError, match="seq_mean"):
+        LearnerConfig(advantage="hard", loss_agg="seq_mean").validate()
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        LearnerConfig(lr_schedule="step").validate()
+    assert LearnerConfig.from_dict({"kl_coef": 0.1}).kl_coef == 0.1

@@ -1,0 +1,139 @@
+"""The layout's rules, checked over every import statement (module level and inside functions alike).
+
+Rooms, in dependency order: each may import only from itself and the rooms before it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Dependency order. A module belongs to the longest room prefix that matches its dotted name.
+ROOMS = (
+    "arpo_env",
+    "arpo_algo.core",
+    "arpo_algo.models",
+    "arpo_algo.rollout",
+    "arpo_algo.train",
+    "arpo_algo.eval",
+    "arpo_algo.algorithms",
+    "arpo_algo.run",
+    "serve",
+    "arpo_algo.cli",
+    "experiments",
+)
+#: Package-level modules every room may use (version string, package docstring).
+SHARED = {"arpo_algo"}
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("arpo_env", "arpo_algo", "serve", "experiments"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _room(module: str) -> int | None:
+    best = None
+    for i, room in enumerate(ROOMS):
+        if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(ROOMS[best])):
+            best = i
+    return best
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """Every imported module name (absolute) with its line, function-level imports included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((name, node.lineno))
+            # "from pkg import submodule" imports the submodule too
+            found += [(f"{name}.{a.name}", node.lineno) for a in node.names]
+    return found
+
+
+def _internal_edges() -> dict[str, set[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for name, _ in _imports(path, mod):
+            if name in mods and name != mod:
+                edges[mod].add(name)
+    return edges
+
+
+def test_imports_follow_the_room_order():
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        if mod in SHARED:
+            continue
+        mine = _room(mod)
+        if mine is None:
+            bad.append(f"{mod}: belongs to no room")
+            continue
+        for name, line in _imports(path, mod):
+            if name in SHARED or not name.startswith(("arpo_env", "arpo_algo", "serve", "experiments")):
+                continue
+            theirs = _room(name)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {name} ({ROOMS[theirs]} comes after {ROOMS[mine]})")
+    assert not bad, "imports against the room order:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges = _internal_edges()
+    # A package's __init__ re-exporting its own submodules is not a cycle worth reporting: drop parent->child edges.
+    for mod in edges:
+        edges[mod] = {d for d in edges[mod] if not d.startswith(mod + ".") and not mod.startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_over_the_line_limit():
+    long = [f"{p.relative_to(REPO)}: {n} lines" for p in _modules().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_checker_catches_a_backward_import(tmp_path):
+    """The rule itself: a core module importing the rollout room is reported (guards against a vacuous check)."""
+    assert _room("arpo_algo.core.tree") < _room("arpo_algo.rollout.sampler")
+    src = tmp_path / "x.py"
+    src.write_text("def f():\n    from arpo_algo.rollout.types import Group\n")
+    names = [n for n, _ in _imports(src, "arpo_algo.core.x")]
+    assert "arpo_algo.rollout.types" in names
