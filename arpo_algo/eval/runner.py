@@ -1,0 +1,135 @@
+"""Run K agent runs per item for one model and append one JSON line per run to ``samples.jsonl`` (resumable).
+
+The runs go through the training rollout code itself: a GRPO-mode :class:`~arpo_algo.rollout.sampler.TreeSampler`
+(no branching) over the training environment (same protocol, stop strings, result template, tool limits, reward).
+Run r of item i is trajectory r of that item's group, seeded by ``(seed, step 0, item index, r, request)`` exactly as
+in training, so two models see the same seeds and a rerun gives the same tokens.
+
+Resume: an item is done for a model when its K runs are in ``samples.jsonl``; done items are not run again. The runs of
+``items_per_call`` items are sampled together and written as soon as that call returns, so a crash loses at most
+those items (1 by default).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from arpo_algo.eval.evaluation import EvalSettings
+from arpo_algo.rollout.metrics import is_correct
+from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normalize_answer
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """Rows of ``samples.jsonl``; a torn last line (crash mid-write) is dropped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def done_items(rows: Iterable[dict[str, Any]], model: str, k: int) -> set[str]:
+    """Item ids with all K runs recorded for ``model``."""
+    runs: dict[str, set[int]] = {}
+    for r in rows:
+        if r.get("model") == model:
+            runs.setdefault(r["item_id"], set()).add(int(r["run"]))
+    return {i for i, rs in runs.items() if rs >= set(range(k))}
+
+
+def rule_scores(text: str, ground_truth: Any, reward_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Exact match, token F1 and math equivalence of a response's extracted answer (arpo_env's scorers)."""
+    answer = extract_answer(text)
+    return {"answer": answer, "answer_norm": normalize_answer(answer) if answer is not None else None,
+            "exact_match": float(exact_match(text, ground_truth)[0] >= 1.0),
+            "f1": max(0.0, float(f1(text, ground_truth)[0])),
+            "math_equiv": float(math_equiv(text, ground_truth, **reward_kwargs)[0] >= 1.0)}
+
+
+def make_record(model: str, item: dict[str, Any], index: int, run: int, *, text: str, reward: float,
+                reward_info: dict[str, Any], correct: bool, finish_reason: str, tool_calls: list[dict[str, Any]],
+                generated_tokens: int, response_tokens: int, wall_s: float, **extra: Any) -> dict[str, Any]:
+    """One line of ``samples.jsonl``: trajectory, tool calls, scores and costs of one run."""
+    scores = rule_scores(text, item["ground_truth"], item.get("reward_kwargs") or {})
+    return {"model": model, "item_id": item["id"], "index": index, "run": run, "source": item.get("source", ""),
+            "question": item["question"], "ground_truth": item["ground_truth"], "response": text,
+            "finish_reason": finish_reason, "reward": float(reward), "reward_info": reward_info,
+            "correct_rule": bool(correct), "correct": bool(correct), **scores,
+            "tool_calls": [{k: c.get(k) for k in ("tool", "args", "output", "error", "latency_s", "cache_hit")}
+                           for c in tool_calls],
+            "num_tool_calls": len(tool_calls), "generated_tokens": int(generated_tokens),
+            "response_tokens": int(response_tokens), "wall_s": round(wall_s, 4), **extra}
+
+
+def _chunks(seq: list[int], n: int) -> Iterable[list[int]]:
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]
+
+
+def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str, Any]], settings: EvalSettings,
+               *, model: str, out_file: Path, skip: set[str], items_per_call: int = 1,
+               score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+               on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
+    """Sample ``settings.samples`` runs of every item not in ``skip`` and append their records; returns items run.
+
+    Args:
+        engine: A RolloutEngine over the model.
+        env_creator: Zero-argument factory of the evaluation environment whose tasks are ``items``.
+        items: The items (their index in this list seeds their runs).
+        settings: Protocol settings (samples = K, temperature, top_p, response budget, tool workers, overflow, seed).
+        model: The model's label in the records.
+        out_file: ``samples.jsonl`` (appended, flushed per call).
+        skip: Item ids already done.
+        items_per_call: Items sampled together (batched) per sampler call; a crash loses at most these.
+        score: Optional post-scoring of a record (the LLM judge); returns the updated record.
+        on_item: Called with each item's records (progress).
+    """
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.sampler import TreeSampler
+
+    todo = [i for i, it in enumerate(items) if it["id"] not in skip]
+    if not todo:
+        return 0
+    env = env_creator()
+    sampling = SamplingParams(max_new_tokens=settings.max_response_tokens, temperature=settings.temperature,
+                              top_p=settings.top_p, stop=tuple(env.stop_sequences))
+    sampler = TreeSampler(engine, env_creator, TreeConfig.grpo(settings.samples), sampling,
+                          max_response_tokens=settings.max_response_tokens, tool_workers=settings.tool_workers,
+                          prompt_overflow=settings.prompt_overflow, seed=settings.seed)
+    tok = engine.tokenizer
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for chunk in _chunks(todo, max(1, items_per_call)):
+            t0 = time.perf_counter()
+            groups, _ = sampler.sample(chunk, step=0)
+            wall = (time.perf_counter() - t0) / len(chunk)
+            for idx, group in zip(chunk, groups):
+                records = []
+                for run, traj in enumerate(group.trajectories):
+                    text = tok.decode(traj.response_ids, skip_special_tokens=True)
+                    rec = make_record(model, items[idx], idx, run, text=text, reward=traj.reward,
+                                      reward_info=traj.reward_info, correct=is_correct(traj),
+                                      finish_reason=traj.finish_reason, tool_calls=traj.tool_calls,
+                                      generated_tokens=sum(traj.trained_mask),
+                                      response_tokens=len(traj.response_ids), wall_s=wall,
+                                      prompt_tokens=len(group.prompt_ids))
+                    records.append(score(rec) if score else rec)
+                with out_file.open("a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+                    f.flush()
+                if on_item:
+                    on_item(records)
+    finally:
+        sampler.close()
+    return len(todo)
