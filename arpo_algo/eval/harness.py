@@ -19,7 +19,7 @@ from typing import Any
 from arpo_algo.eval.data import EvalData, make_eval_env
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.report import summarize_rows, write_reports
-from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, run_engine
+from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, repair_tail, run_engine
 from arpo_env.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
@@ -134,6 +134,7 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         + (f" ({data.skipped} skipped: no ground truth)" if data.skipped else ""))
     creator = functools.partial(make_eval_env, data.env_id, data.env_config, data.items)
     samples = out / SAMPLES_FILE
+    repair_tail(samples)
     score = judge.score if judge is not None else None
     times: dict[str, float] = {}
     for label, path in specs:

@@ -38,6 +38,15 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def repair_tail(path: Path) -> None:
+    """Cut a torn last line (a crash mid-write) so the next append starts on a fresh line."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
+
+
 def done_items(rows: Iterable[dict[str, Any]], model: str, k: int) -> set[str]:
     """Item ids with all K runs recorded for ``model``."""
     runs: dict[str, set[int]] = {}
