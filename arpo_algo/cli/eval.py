@@ -72,6 +72,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from arpo_algo.eval.data import ENV_ALIASES, REFERENCE_SETS, load_eval_data
     from arpo_algo.eval.harness import run_eval
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     settings, exp_env, exp_env_id = resolve_settings(args)
     overrides = _env_overrides(args.env_set or [])
     data_env = ENV_ALIASES.get(args.data, args.data if args.data.startswith("arpo/") else None) \
@@ -121,6 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="output folder (default runs/eval/<data>-k<K>); a rerun resumes it")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="rollout engine (default hf)")
     p.add_argument("--device", default="cpu", help="device of the HF engine")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 is faster on a busy machine)")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded at once")
     p.add_argument("--items-per-call", type=int, default=1,
                    help="items sampled together (faster; a crash loses at most these)")

@@ -2,7 +2,8 @@
 
 Per model, overall and per ``source``: items, runs per item (K), pass@1 with its 95% interval, pass@k and maj@k for
 every k <= K, exact match, token F1, math equivalence, mean reward, tool calls / generated tokens / wall time per run,
-and the cost per correct answer (total tool calls and total generated tokens divided by the number of correct runs).
+and the cost per correct answer (total tool calls and total generated tokens divided by the number of correct runs);
+search calls that failed (offline replay: the query is not in the cache, answered by the tool's error fallback).
 With two or more models: the paired difference of every model against the first one on the items both ran
 (bootstrap 95% interval over items). Statistics are defined in :mod:`arpo_algo.eval.metrics`.
 """
@@ -56,11 +57,16 @@ def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "correct_runs": n_correct, "tool_calls_per_run": tool_calls / len(runs),
         "tokens_per_run": tokens / len(runs),
         "wall_s_per_item": _mean([rs[0]["wall_s"] for rs in items.values()]),
+        "wall_s_total": sum(rs[0]["wall_s"] for rs in items.values()),
         "tool_calls_total": tool_calls, "tokens_total": tokens,
         "tool_calls_per_correct": tool_calls / n_correct if n_correct else None,
         "tokens_per_correct": tokens / n_correct if n_correct else None,
         "finish_reasons": dict(Counter(r["finish_reason"] for r in runs)),
     }
+    search = [c for r in runs for c in r["tool_calls"] if c.get("tool") == "search"]
+    if search:  # offline replay: a query the cache lacks gets the tool's error fallback, counted here
+        out["search_calls"] = len(search)
+        out["search_failed"] = sum(bool(c.get("error")) for c in search)
     judged = [r for r in runs if "judge" in r]
     if judged:
         out["judge"] = dict(Counter(r["judge"] for r in judged))
