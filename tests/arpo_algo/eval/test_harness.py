@@ -9,6 +9,7 @@ import json
 import pytest
 
 from arpo_algo.cli.main import main
+from arpo_algo.rollout.metrics import is_correct
 
 FAST = ["--k", "2", "--max-response-tokens", "12", "--no-progress", "--no-charts"]
 
@@ -99,3 +100,35 @@ def test_one_mapping_from_config_to_eval_settings():
     assert set(s) == params
     assert (s["top_p"], s["tool_workers"], s["prompt_overflow"], s["max_response_tokens"]) == (0.7, 3, "left_truncate", 99)
     assert "eval_settings(cfg)" in inspect.getsource(qs.stage_evaluate)
+
+
+def test_eval_runs_are_training_trajectories(tmp_path):
+    """run_engine (eval) and a GRPO TreeSampler step (training) with the same seed: the same responses, tool calls,
+    finish reasons and rewards per run (a scripted engine writes real python calls; the ToolMath reward scores)."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.eval.data import load_eval_data, make_eval_env
+    from arpo_algo.eval.evaluation import EvalSettings
+    from arpo_algo.eval.runner import run_engine
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.sampler import TreeSampler
+    from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
+
+    data = load_eval_data("toolmath", limit=3)
+    creator = lambda: make_eval_env(data.env_id, data.env_config, data.items)  # noqa: E731
+    settings = EvalSettings(num_prompts=None, samples=3, temperature=1.0, max_response_tokens=400, seed=5)
+    out = tmp_path / "samples.jsonl"
+    run_engine(ScriptedEngine(), creator, data.items, settings, model="m", out_file=out, skip=set(), items_per_call=2)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    engine = ScriptedEngine()
+    sampler = TreeSampler(engine, creator, TreeConfig.grpo(3), SamplingParams(temperature=1.0),
+                          max_response_tokens=400, seed=5)
+    groups, _ = sampler.sample([0, 1, 2], step=0)
+    sampler.close()
+    trajs = [(g.prompt_index, i, t) for g in groups for i, t in enumerate(g.trajectories)]
+    assert [(r["index"], r["run"]) for r in rows] == [(i, r) for i, r, _ in trajs]
+    for r, (_, _, t) in zip(rows, trajs):
+        assert r["response"] == engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)
+        assert r["generated_tokens"] == sum(t.trained_mask) and r["finish_reason"] == t.finish_reason
+        assert r["reward"] == t.reward and r["correct"] == is_correct(t)
+        assert [c["tool"] for c in r["tool_calls"]] == [c["tool"] for c in t.tool_calls]
+    assert sum(r["num_tool_calls"] for r in rows) > 0 and {r["finish_reason"] for r in rows} >= {"answer"}
