@@ -196,12 +196,18 @@ class Agent:
             with lock:
                 streams[i].token(token_id)
 
+        last_tool: dict[int, str] = {}
+
         def on_event(i: int, ev: dict[str, Any]) -> None:
             kind = ev.get("type")
             if kind in ("tool_call", "tool_result"):
                 with lock:
                     streams[i].end_segment()
-                emit(kind, i, _jsonable({k: v for k, v in ev.items() if k != "type"}))
+                payload = {k: v for k, v in ev.items() if k != "type"}
+                if kind == "tool_call":
+                    last_tool[i] = str(payload.get("tool"))
+                payload.setdefault("tool", last_tool.get(i))
+                emit(kind, i, _jsonable(payload))
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
         traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
