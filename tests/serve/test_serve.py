@@ -1,0 +1,309 @@
+"""``arpo serve`` end to end: real Ray Serve on 127.0.0.1, the official ``openai`` client, a tiny model fine-tuned here.
+
+One Serve application for the whole module, with two agents: ``toolmath`` (a tiny Llama SFT-ed for a few seconds on
+ToolMath demonstrations, so it reliably writes a ``<python>`` call on a training question) and ``base`` (the same
+architecture, untrained, no tools). The python tool is the real sandboxed one.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve")
+
+MAX_ONGOING, MAX_QUEUED = 3, 1
+N_DEMOS = 4
+SYSTEM = "Use python."  # a short system prompt keeps the demonstrations short (and the SFT fast)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def demos():
+    from arpo_env.tasks.toolmath import toolmath_demonstrations
+
+    return toolmath_demonstrations(N_DEMOS, seed=0, split="train", levels=[1])
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory, demos):
+    """A tiny Llama SFT-ed for ~10 s on a few ToolMath demonstrations: greedy decoding writes their tool call."""
+    import torch
+
+    from arpo_algo.models import build_tiny_model
+    from arpo_algo.train.sft import run_sft
+
+    root = tmp_path_factory.mktemp("serve")
+    data = root / "demos.json"
+    data.write_text(json.dumps([{"conversations": [
+        {"from": "system", "value": SYSTEM}, {"from": "human", "value": d["messages"][1]["content"]},
+        {"from": "gpt", "value": "".join(text for text, _ in d["segments"])}]} for d in demos]))
+    base = build_tiny_model(root / "base", num_layers=2, hidden_size=128, seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is several times faster than two on a busy machine
+    try:
+        run_sft({"model": str(base), "data": str(data), "epochs": 80, "batch_size": N_DEMOS, "lr": 5e-3,
+                 "lr_schedule": "constant", "warmup_ratio": 0.0, "output_dir": str(root / "sft"),
+                 "progress": False, "tensorboard": False})
+    finally:
+        torch.set_num_threads(threads)
+    return root / "sft", base
+
+
+@pytest.fixture(scope="module")
+def server(sft_model, demos):
+    import ray
+    from ray import serve
+
+    from serve.agents import build_specs
+    from serve.app import build_app
+
+    sft, base = sft_model
+    specs = build_specs([f"toolmath={sft}"], tools="python", max_tool_calls=2, system_prompt=SYSTEM,
+                        max_tokens=256) + build_specs([f"base={base}"], tools="python", max_tool_calls=0,
+                                                      max_tokens=64)
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(specs, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED, retry_after_s=2),
+              name="arpo", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    from arpo_algo.cli.serve import wait_ready
+
+    wait_ready(url, 300)
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def post(url: str, body: bytes | dict, timeout: float = 300) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            body_out = json.loads(raw)
+        except json.JSONDecodeError:
+            body_out = {"raw": raw.decode(errors="replace")}
+        return e.code, dict(e.headers), body_out
+
+
+def question(demos, i: int = 0) -> list[dict]:
+    return [demos[i]["messages"][1]]
+
+
+def test_models_and_health(server, client):
+    assert sorted(m.id for m in client.models.list().data) == ["base", "toolmath"]
+    with urllib.request.urlopen(f"{server}/health") as r:
+        assert json.loads(r.read()) == {"status": "ok", "models": ["base", "toolmath"]}
+
+
+def test_agent_runs_the_tool_and_answers(client, demos):
+    r = client.chat.completions.create(model="toolmath", messages=question(demos), temperature=0, max_tokens=256)
+    msg = r.choices[0].message
+    ext = msg.model_extra["arpo"]
+    assert ext["tool_calls"], msg.content
+    call = ext["tool_calls"][0]
+    assert call["tool"] == "python" and "print(" in call["args"]["code"]
+    # The tool really ran in the sandbox (the code prints an integer) and its result is in the trajectory.
+    assert not call["error"] and call["output"].strip().lstrip("-").isdigit(), call
+    assert "<python>" in msg.content and f"<result>\n{call['output'].strip()}\n</result>" in ext["trajectory"]
+    assert r.usage.completion_tokens == len(ext["response_ids"]) and r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason in ("stop", "length") and r.model == "toolmath"
+
+
+def test_streaming_sends_deltas_and_tool_events(client, demos):
+    full = client.chat.completions.create(model="toolmath", messages=question(demos, 1), temperature=0,
+                                          max_tokens=256)
+    stream = client.chat.completions.create(model="toolmath", messages=question(demos, 1), temperature=0,
+                                            max_tokens=256, stream=True, stream_options={"include_usage": True})
+    text, events, finish, usage = "", [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+                events.append("delta")
+            ext = (c.delta.model_extra or {}).get("arpo")
+            if ext:
+                events.append(ext["type"])
+            finish = c.finish_reason or finish
+    assert text == full.choices[0].message.content
+    assert "tool_call" in events and "tool_result" in events and events[-1] == "done"
+    first_call = events.index("tool_call")
+    assert events.index("tool_result") == first_call + 1 and "delta" in events[:first_call]
+    assert "delta" in events[first_call:], "the answer after the tool result is streamed too"
+    assert finish == full.choices[0].finish_reason and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_two_agents_are_routed_by_name(client, demos):
+    a = client.chat.completions.create(model="toolmath", messages=question(demos), temperature=0, max_tokens=256)
+    b = client.chat.completions.create(model="base", messages=question(demos), temperature=0, max_tokens=32)
+    assert a.model == "toolmath" and b.model == "base"
+    assert a.choices[0].message.model_extra["arpo"]["tool_calls"]
+    assert not b.choices[0].message.model_extra["arpo"]["tool_calls"]
+    assert b.usage.completion_tokens <= 32 and b.choices[0].finish_reason == "length"
+    assert a.choices[0].message.content != b.choices[0].message.content
+
+
+def test_bad_inputs_are_400_or_404_and_the_replica_survives(server, client, demos):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=question(demos))
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="toolmath", messages=question(demos), n=99)
+    assert e.value.body["param"] == "n"
+    cases = [(b"{oops", None), ({"model": "toolmath"}, "messages"),
+             ({"model": "toolmath", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+             ({"model": "toolmath", "messages": question(demos), "temperature": 9}, "temperature"),
+             ({"model": "toolmath", "messages": question(demos), "top_p": "a"}, "top_p"),
+             ({"model": "toolmath", "messages": question(demos), "max_tokens": -1}, "max_tokens"),
+             ({"model": "toolmath", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+             ({"model": "toolmath", "messages": question(demos), "max_tokens": 100000}, "max_tokens")]
+    for body, param in cases:
+        status, _, out = post(server, body)
+        assert status == 400, (body, out)
+        assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error", out
+    ok = client.chat.completions.create(model="base", messages=question(demos), max_tokens=4)
+    assert ok.choices[0].message.content is not None
+
+
+def test_client_side_tools_return_tool_calls_and_accept_results(client, demos):
+    tools = [{"type": "function", "function": {"name": "python", "description": "run Python",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"code": {"type": "string"}}}}}]
+    msgs = question(demos, 2)
+    r = client.chat.completions.create(model="toolmath", messages=msgs, temperature=0, max_tokens=256, tools=tools)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "python"
+    code = json.loads(c.message.tool_calls[0].function.arguments)["code"]
+    assert not c.message.model_extra["arpo"]["tool_calls"], "client mode must not run the tool itself"
+    answer = "4242"
+    follow = [*msgs, c.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": answer}]
+    r2 = client.chat.completions.create(model="toolmath", messages=follow, temperature=0, max_tokens=200,
+                                        tools=tools)
+    assert "print(" in code and r2.usage.prompt_tokens > r.usage.prompt_tokens
+    # The continuation saw the tool result: the server appended it exactly as training does.
+    ext2 = r2.choices[0].message.model_extra["arpo"]
+    assert r2.choices[0].message.content != c.message.content and ext2["response_ids"]
+
+
+def test_train_serve_parity(server, client, sft_model, demos):
+    """Same prompt, seed and checkpoint: the served choices are the GRPO-mode TreeSampler's trajectories."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_env.core import ToolTextEnv
+
+    seed, n = 1234, 2
+    env_cfg = {"task": "toolmath", "levels": [1], "max_tool_calls": 2, "tools": {"python": {}},
+               "system_prompt": SYSTEM}
+    engine = HFEngine(str(sft_model[0]))
+    sampler = TreeSampler(engine, lambda: ToolTextEnv(env_cfg), TreeConfig(mode="grpo", budget=n, initial=n),
+                          SamplingParams(temperature=1.0), max_response_tokens=160, seed=seed)
+    groups, _ = sampler.sample([0], step=0)
+    sampler.close()
+    env = ToolTextEnv(env_cfg)
+    _, info = env.reset(options={"task_index": 0})
+    r = client.chat.completions.create(model="toolmath", messages=info["messages"], temperature=1.0, n=n,
+                                       seed=seed, max_tokens=160)
+    assert r.usage.prompt_tokens == n * len(groups[0].prompt_ids)
+    for traj, choice in zip(groups[0].trajectories, sorted(r.choices, key=lambda c: c.index)):
+        ext = choice.message.model_extra["arpo"]
+        assert ext["response_ids"] == traj.response_ids
+        assert ext["trained_mask"] == traj.trained_mask
+        assert [(c["tool"], c["args"]) for c in ext["tool_calls"]] == [(c["tool"], c["args"]) for c in traj.tool_calls]
+
+
+def test_overload_gives_503_with_retry_after_and_recovers(server, demos):
+    body = {"model": "base", "messages": question(demos), "max_tokens": 64, "temperature": 1.0}
+    results: list[tuple[int, dict]] = []
+
+    def one() -> None:
+        status, headers, _ = post(server, body)
+        results.append((status, headers))
+
+    threads = [threading.Thread(target=one) for _ in range(3 * (MAX_ONGOING + MAX_QUEUED))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    codes = sorted(s for s, _ in results)
+    assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+    assert all(h.get("Retry-After") == "2" or h.get("retry-after") == "2" for s, h in results if s == 503)
+    assert post(server, body)[0] == 200  # not wedged
+
+
+def test_client_disconnect_frees_its_slot(server, demos):
+    """Fill every slot with streams, drop them after the first event: new requests are admitted, not refused."""
+    import http.client
+
+    port = int(server.rsplit(":", 1)[1])
+    body = json.dumps({"model": "base", "messages": question(demos), "max_tokens": 64, "stream": True})
+    conns = []
+    for _ in range(MAX_ONGOING):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.readline()  # the first event arrived: the request holds a slot
+        conns.append(conn)
+    for conn in conns:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    time.sleep(1.0)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(post(server, json.loads(body) | {"stream": False})[0]))
+               for _ in range(MAX_ONGOING)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results == [200] * MAX_ONGOING
+
+
+def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path):
+    """The page at / in a real browser: pick the agent, ask, and the tool call and its result appear in the chat."""
+    import os
+    import shutil
+    import subprocess
+    import urllib.parse
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install chromium chromium-driver)")
+    url = f"{server}/?" + urllib.parse.urlencode({"agent": "toolmath", "q": demos[0]["messages"][1]["content"]})
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--window-size=1100,900", "--virtual-time-budget=120000", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
+    assert 'class="msg user"' in dom and demos[0]["messages"][1]["content"] in dom
+    assert 'class="tool call"' in dom and "tool call: python" in dom, dom[-3000:]
+    assert 'class="tool result"' in dom and "result of python" in dom
+    assert "finish: " in dom
+    shot = os.environ.get("ARPO_PAGE_SCREENSHOT")  # look at the page: ARPO_PAGE_SCREENSHOT=/tmp/page.png pytest ...
+    if shot:
+        subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=300)
