@@ -11,8 +11,8 @@ limits, reward) as a local run; only the text comes from the server's ``POST /v1
 * **OpenAI ``tool_calls``**: each call runs through the environment's tool object of that name (same sandbox and
   cache) and its output goes back as a ``role: tool`` message; the call limit is the environment's.
 * **Server-side tools** (``arpo serve``): when the reply message carries the agent's tool trace in an extension field
-  (a list of dicts with a ``tool`` key, e.g. ``tool_calls_trace``), the content is the whole response and is scored as
-  is.
+  (``arpo.tool_calls``: dicts with a ``tool`` key), the server ran the whole conversation; its ``arpo.trajectory``
+  (else the content) is the response and is scored by the environment's reward.
 
 The reply's ``usage.completion_tokens`` are the run's generated tokens. An unreachable server is a clear error
 (:func:`check_endpoint`) before any item runs. Seeds are sent per request: ``seed + 1000003 * item + 7919 * run + turn``.
@@ -116,7 +116,7 @@ class EndpointAgent:
         stops = tuple(env.stop_sequences)
         response, tool_msgs, calls = "", [], []
         tokens, finish, reward, reward_info, done = 0, "length", 0.0, {}, False
-        turn = 0
+        turn, server_side = 0, False
         while not done and tokens < s.max_response_tokens and turn < 64:
             seed = s.seed + 1000003 * index + 7919 * run + turn
             cont = bool(response) and not tool_msgs
@@ -128,8 +128,10 @@ class EndpointAgent:
             tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
             text = msg.get("content") or ""
             trace = _server_trace(msg)
-            if trace is not None:  # arpo serve ran the tools itself: the content is the whole response
-                response += text
+            if trace is not None:  # arpo serve ran the tools itself: its trajectory is the whole response
+                ext = msg.get("arpo") if isinstance(msg.get("arpo"), dict) else {}
+                response += ext.get("trajectory") or text
+                server_side = True
                 calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
                            "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
                           for c in trace]
@@ -164,7 +166,8 @@ class EndpointAgent:
             finish = "answer" if "</answer>" in response else finish
         return {"text": response, "reward": float(reward), "reward_info": reward_info,
                 "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)), "finish_reason": finish,
-                "tool_calls": calls, "generated_tokens": tokens, "response_tokens": tokens}
+                "tool_calls": calls, "generated_tokens": tokens, "response_tokens": tokens,
+                "server_side_tools": server_side}
 
     def _run_tool(self, env: Any, call: dict[str, Any], calls: list[dict[str, Any]]) -> str:
         fn = call.get("function") or {}
