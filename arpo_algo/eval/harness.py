@@ -148,7 +148,7 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
                 agent = EndpointAgent(endpoint, endpoint_model or labels[0].rsplit("@", 1)[0], settings)
                 run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip, score=score,
                              on_item=bar)
-            else:
+            elif len(skip) < len(data.items):
                 eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
                 try:
                     run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
