@@ -1,7 +1,8 @@
 """The quickstart's SFT checkpoint against its ARPO checkpoint with ``arpo eval`` (the README's evaluation table).
 
     python -m experiments.eval_quickstart --quickstart runs/quickstart --output runs/eval_quickstart [--k 4]
-        [--toolmath-limit 32] [--valid-limit 50] [--models sft,arpo] [--threads 1] [--items-per-call 4]
+        [--toolmath-limit 32] [--valid-limit 50] [--models sft,arpo] [--arpo LABEL=PATH] [--threads 1]
+        [--items-per-call 4] [--data toolmath,valid] [--table-only]
 
 Runs two ``arpo eval`` commands (printed first, so they can be rerun by hand; a rerun resumes):
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     q = Path(args.quickstart)
-    specs = {"sft": f"sft={q / 'sft'}", "arpo": f"arpo={q / 'arpo'}"}
+    specs = {"sft": f"sft={q / 'sft'}", "arpo": args.arpo or f"arpo={q / 'arpo'}"}
     models = [specs[m] for m in args.models.split(",")]
     common = ["--experiment", "quickstart", "--set", f"model.path={json.dumps(str(q / 'sft'))}", "--k", str(args.k),
               "--temperature", "0.6", "--top-p", "0.95", "--items-per-call", str(args.items_per_call),
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--toolmath-limit", type=int, default=32)
     parser.add_argument("--valid-limit", type=int, default=50)
     parser.add_argument("--models", default="sft,arpo", help="comma list of sft, arpo")
+    parser.add_argument("--arpo", help="LABEL=PATH of the ARPO checkpoint (default arpo=<quickstart>/arpo, its newest)")
     parser.add_argument("--data", default="toolmath,valid", help="comma list of toolmath, valid")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--items-per-call", type=int, default=4)
