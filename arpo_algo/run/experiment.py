@@ -13,8 +13,13 @@ An experiment file (``experiments/<name>.toml``) has these sections, all optiona
                    max_response_tokens (-> eval_*)                                    -> .evaluation(...)
 
 Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
-naming the key. ``env_config`` keys are checked by the environment itself when the algorithm builds it.
-Overrides (``--set section.key=value``) use the same names and are parsed as TOML values.
+naming the key (all through :mod:`arpo_env.options`). ``env_config`` keys are checked by the environment's own config.
+Overrides (``--set section.key=value``) use the same names and are parsed as TOML values
+(:func:`arpo_env.options.parse_override`, the parser every command uses).
+
+``[training] total_steps`` (the length of a decaying learning-rate schedule) defaults to ``iterations * ppo_epochs``,
+the number of optimizer steps of the run. Bare experiment names are looked up in :func:`experiment_dirs`:
+``$ARPO_EXPERIMENTS``, ``./experiments``, then the source checkout's ``experiments/``.
 """
 
 from __future__ import annotations
@@ -34,13 +39,12 @@ from arpo_env.options import (
     check_choice,
     check_keys,
     dataclass_from_dict,
-    parse_override,
     unknown_key_error,
 )
 from arpo_env.paths import source_checkout
 
 __all__ = ["SECTIONS", "Experiment", "RunSettings", "build_config", "experiment_dirs", "experiment_record",
-           "load_experiment", "parse_override", "resolve_experiment_path"]
+           "load_experiment", "resolve_experiment_path"]
 
 #: The source checkout's experiments/ folder (None in a wheel install, which has no checkout).
 _CHECKOUT = source_checkout(Path(__file__).resolve().parents[1])

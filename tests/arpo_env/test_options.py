@@ -99,3 +99,23 @@ def test_options_import_without_torch_or_ray():
     code = "import sys, arpo_env.options; print(any(m in sys.modules for m in ('torch', 'ray')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_checkout_paths_only_in_a_checkout(tmp_path, monkeypatch):
+    """Bug: the shared-data and experiments paths were derived from the package location even in a wheel install
+    (site-packages/../shared/...). They now count only when the package sits in an arpo source checkout."""
+    from pathlib import Path
+
+    import arpo_env.data as data
+    from arpo_env.paths import source_checkout
+
+    repo = Path(__file__).resolve().parents[2]
+    assert source_checkout() == repo
+    wheel = tmp_path / "site-packages" / "arpo_env"
+    wheel.mkdir(parents=True)
+    assert source_checkout(wheel) is None
+    (tmp_path / "site-packages" / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert source_checkout(wheel) is None
+    monkeypatch.delenv("ARPO_DATA", raising=False)
+    monkeypatch.setattr(data, "source_checkout", lambda: None)
+    assert data._candidates() == [data.data_dir()]
