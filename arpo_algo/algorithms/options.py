@@ -81,8 +81,11 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
     Option("train_tool_limit_eos", True, bool,
            "ARPO_SPEC §10.8: the loss-mask value of the EOS appended when the tool-call limit ends an episode "
            "(it was never sampled). True (default, reference): mask 1, it is trained. False: mask 0, no gradient."),
-    Option("dump_trees", False, bool, ("Append every sampled group as a JSON line to trees.jsonl in the run folder (`arpo train`) or the "
-           "trial folder (Tune).")),
+    Option("dump_trees", False, bool,
+           "Append every sampled group (its tree) as a JSON line to `dump_path`."),
+    Option("dump_path", None, str | None,
+           "The file dump_trees writes; None = trees.jsonl in the Algorithm's log folder (the Tune trial folder). "
+           "`arpo train` sets it to trees.jsonl in the run folder."),
 )
 
 EVAL_OPTIONS: tuple[Option, ...] = (
