@@ -124,5 +124,5 @@ def test_checkpoint_records_the_package_version(trained):
     assert meta["arpo_version"] == arpo_algo.__version__ == importlib.metadata.version("arpo")
     repo = Path(__file__).resolve().parents[3]
     hard_coded = [p for p in (repo / "arpo_algo").rglob("*.py")
-                  if re.search(r"__version__\s*=\s*['\"]\d", p.read_text(encoding="utf-8"))]
+                  if re.search(r"__version__\s*=\s*['\"]\d+\.\d+", p.read_text(encoding="utf-8"))]
     assert hard_coded == []
