@@ -44,7 +44,7 @@ from arpo_algo.algorithms.components import (
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
-from arpo_algo.rollout.metrics import summarize_groups
+from arpo_algo.rollout import metrics as MK
 
 
 class AgenticRLAlgorithm(Algorithm):
@@ -144,19 +144,16 @@ class AgenticRLAlgorithm(Algorithm):
         t2 = time.perf_counter()
         if learn.get("skipped_nan"):
             self.metrics.log_value("nan_updates_skipped", float(learn["skipped_nan"]), reduce="sum")
-        summary = summarize_groups(groups)
-        generated = float(rollout.get("tokens_generated", summary["tokens_sampled"]))
-        summary["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
-        summary["update_tokens_per_s"] = summary["tokens_sampled"] / max(t2 - t1, 1e-9)
-        for key, value in summary.items():
-            self.metrics.log_value(key, value, reduce="mean", window=1)
-        # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces.
+        generated = rollout.get(MK.TOKENS_GENERATED, rollout[MK.TOKENS_SAMPLED])
+        rollout["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
+        rollout["update_tokens_per_s"] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
+        # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces;
+        # the trajectory-quality names (reward_mean, accuracy, ...) stay at the top level.
         for key, value in rollout.items():
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         for key, value in learn.items():
             self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
-        self.metrics.log_value("num_trajectories_lifetime", float(summary["num_trajectories"]),
-                               reduce="lifetime_sum")
+        self.metrics.log_value("num_trajectories_lifetime", rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
         self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
         return None
 
