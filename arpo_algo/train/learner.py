@@ -201,6 +201,11 @@ class Learner:
             out.append(specs)
         return out
 
+    def prepare_batches(self, groups: list[Group]) -> tuple[list[TokenBatch], list[torch.Tensor]]:
+        """The micro-batches :meth:`update` trains on for ``groups``, with each one's loss normaliser (benchmarks)."""
+        batches = self._micro_batches(self._specs(groups))
+        return batches, self._pair_norm(batches)
+
     def _micro_batches(self, per_group: list[list[SeqSpec]]) -> list[TokenBatch]:
         """Greedy packing of whole groups up to ``micro_batch_tokens`` (a larger group goes alone)."""
         cfg, batches, cur, cur_cost = self.config, [], [], 0

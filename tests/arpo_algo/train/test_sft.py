@@ -222,7 +222,7 @@ def test_smollm2_learns_python_tool_on_toolmath(tmp_path, smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arpo_env.tasks.toolmath import toolmath_demonstrations
+    from arpo_env.demonstrations import toolmath_demonstrations
 
     t0 = time.time()
     # The quickstart setting: 96 demos, one epoch = 12 optimizer steps (~4 min on 2 idle CPU cores).
