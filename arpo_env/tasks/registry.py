@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,7 @@ def register_task(name: str, spec: TaskSpec) -> None:
     TASKS[name] = spec
 
 
-def task_spec(name: str) -> TaskSpec:
-    """The spec of task ``name``; ConfigError naming the known ones otherwise."""
-    if name not in TASKS:
-        raise ConfigError(f"config key 'task' must be one of {sorted(TASKS)}, got {name!r}")
+def task_spec(name: str, where: str = "env config") -> TaskSpec:
+    """The spec of task ``name``; ConfigError naming the known ones (and the closest) otherwise."""
+    check_choice("task", name, tuple(sorted(TASKS)), where)
     return TASKS[name]
