@@ -28,7 +28,14 @@ import time
 from typing import Any
 
 from arpo_algo.core.entropy import topk_token_term
-from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generation, request_problem
+from arpo_algo.rollout.engines.base import (
+    Generation,
+    GenRequest,
+    TokenCallback,
+    error_generation,
+    replay_tokens,
+    request_problem,
+)
 from arpo_env.errors import ArpoError, ConfigError
 
 REFERENCE_TOPK = 10
@@ -117,8 +124,9 @@ class VLLMEngine:
             stop=list(p.stop) or None, include_stop_str_in_output=True, skip_special_tokens=False,
             logprobs=p.logprobs_topk or REFERENCE_TOPK)
 
-    def generate(self, requests: list[GenRequest]) -> list[Generation]:
-        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``."""
+    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
+        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``.
+        ``on_token`` is called for each token after the batch returns (this offline engine does not stream)."""
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
@@ -140,6 +148,7 @@ class VLLMEngine:
                 results[i] = self._convert(requests[i], out)
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
+        replay_tokens(on_token, results)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
 
     def _convert(self, req: GenRequest, out: Any) -> Generation:
@@ -175,6 +184,15 @@ class VLLMEngine:
         return Generation(req.request_id, tokens, logprobs, entropies, finish, stop_string=stop_string,  # type: ignore
                           top_logprobs=tops, cache_key=f"vllm:{self._next_key}",
                           metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)})
+
+    @property
+    def max_context(self) -> int:
+        """The engine interface's context limit: vLLM's ``max_model_len``."""
+        return self.max_model_len
+
+    def close(self) -> None:
+        """Drop the vLLM engine (its worker processes and GPU memory go with it). Idempotent."""
+        self.__dict__.pop("llm", None)
 
     def release(self, cache_keys: list[Any]) -> None:
         """No-op: vLLM's prefix cache manages its own blocks."""

@@ -13,7 +13,7 @@ import pytest
 
 from arpo_algo.core.tree import TreeConfig, aepo_initial_samples
 from arpo_algo.models import byte_tokenizer
-from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams
+from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams, replay_tokens
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 from arpo_env.errors import ArpoError
@@ -35,12 +35,13 @@ class ScriptedEngine:
         self.calls, self.entropy, self.fail = calls, entropy, fail or (lambda req: False)
         self.requests: list[GenRequest] = []
         self.generated = 0
+        self.max_context = None  # unbounded (RolloutEngine interface)
 
     def _turn(self, n_results: int, variant: int, limit: int) -> str:
         tmpl = CALL if n_results < limit else ANSWER
         return tmpl.format(c="abcdefgh"[variant], n=variant)
 
-    def generate(self, requests):
+    def generate(self, requests, *, on_token=None):
         out = []
         for req in requests:
             self.requests.append(req)
@@ -68,9 +69,13 @@ class ScriptedEngine:
             ent = self.entropy(n_results, variant)
             out.append(Generation(req.request_id, ids, [-0.5] * len(ids), [ent] * len(ids), finish, stop_string=stop,
                                   top_logprobs=[[(0, -0.1), (1, -2.5)]] * len(ids) if req.params.logprobs_topk else None))
+        replay_tokens(on_token, out)
         return out
 
     def release(self, cache_keys):
+        pass
+
+    def close(self):
         pass
 
     def load_state_dict(self, state_dict):
@@ -140,7 +145,7 @@ def test_budget_depth_masks_over_seeds(cfg, env_creator):
         for g in groups:
             _check_group(g, cfg, eng.tokenizer, 300)
             branched += sum(t.kind == "branch" for t in g.trajectories)
-        assert metrics["rollout/trajectories"] == 2 * cfg.budget
+        assert metrics["num_trajectories"] == 2 * cfg.budget
         s.close()
     if cfg.mode == "grpo":
         assert branched == 0
@@ -255,4 +260,4 @@ def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
         assert g.prompt_ids == list(eng.tokenizer.apply_chat_template(
             ToolTextEnv(task="toolmath").reset(options={"task_index": g.prompt_index})[1]["messages"],
             add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert m["rollout/trajectories"] == 8 and m["rollout/tokens_generated"] > 0
+    assert m["num_trajectories"] == 8 and m["rollout/tokens_generated"] > 0
