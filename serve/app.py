@@ -183,6 +183,7 @@ class AgentServer:
         finally:
             if not finished:  # client disconnect (generator cancelled or closed): free the engine rows
                 cancel.set()
+                self.metrics.request(meta["model"], "499", time.perf_counter() - t0)
 
 
 def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,

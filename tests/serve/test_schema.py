@@ -62,6 +62,9 @@ def test_valid_request_defaults_and_fields():
     ({**OK, "stream": "yes"}, "stream"),
     ({**OK, "temprature": 1}, "temprature"),
     ({**OK, "tool_choice": "required"}, "tool_choice"),
+    ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
+    ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
+    ({**OK, "arpo": {"colour": 1}}, "arpo"),
 ])
 def test_bad_inputs_name_the_field(body, param):
     e = err(body)
