@@ -80,6 +80,7 @@ def server(sft_model, demos):
     port = _free_port()
     # Ray's memory monitor kills workers once the *machine* is 95% full, whoever uses it; on a shared test box
     # that is other people's jobs. The test's own footprint is small (two tiny models).
+    saved = os.environ.get("RAY_memory_monitor_refresh_ms")
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -92,6 +93,8 @@ def server(sft_model, demos):
     yield url
     serve.shutdown()
     ray.shutdown()
+    if saved is None:  # leave the environment as other test modules expect it
+        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
 
 
 @pytest.fixture(scope="module")
