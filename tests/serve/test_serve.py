@@ -24,6 +24,7 @@ pytest.importorskip("ray.serve")
 
 MAX_ONGOING, MAX_QUEUED = 3, 1
 N_DEMOS = 4
+METRICS_PORT = 0  # Ray's Prometheus export port (set by the server fixture)
 SYSTEM = "Use python."  # a short system prompt keeps the demonstrations short (and the SFT fast)
 
 
@@ -80,9 +81,12 @@ def server(sft_model, demos):
     port = _free_port()
     # Ray's memory monitor kills workers once the *machine* is 95% full, whoever uses it; on a shared test box
     # that is other people's jobs. The test's own footprint is small (two tiny models).
-    saved = os.environ.get("RAY_memory_monitor_refresh_ms")
+    saved = {k: os.environ.get(k) for k in ("RAY_memory_monitor_refresh_ms", "RAY_metrics_report_interval_ms")}
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # export metrics every second (default 10 s)
+    global METRICS_PORT
+    METRICS_PORT = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(specs, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED, retry_after_s=2),
               name="arpo", route_prefix="/", blocking=False)
@@ -93,8 +97,9 @@ def server(sft_model, demos):
     yield url
     serve.shutdown()
     ray.shutdown()
-    if saved is None:  # leave the environment as other test modules expect it
-        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+    for key, value in saved.items():  # leave the environment as other test modules expect it
+        if value is None:
+            os.environ.pop(key, None)
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +251,25 @@ def test_train_serve_parity(server, client, sft_model, demos):
         assert ext["response_ids"] == traj.response_ids
         assert ext["trained_mask"] == traj.trained_mask
         assert [(c["tool"], c["args"]) for c in ext["tool_calls"]] == [(c["tool"], c["args"]) for c in traj.tool_calls]
+
+
+def test_prometheus_metrics_through_ray(client, demos):
+    """Requests, tokens, tool calls and latency reach Ray's Prometheus export, tagged by model."""
+    client.chat.completions.create(model="toolmath", messages=question(demos), temperature=0, max_tokens=256)
+    wanted = ("arpo_serve_requests_total", "arpo_serve_tokens_total", "arpo_serve_tool_calls_total",
+              "arpo_serve_request_latency_s")
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if all(w in text for w in wanted):
+            break
+        time.sleep(1)
+    lines = [ln for ln in text.splitlines() if "arpo_serve_" in ln and not ln.startswith("#")]
+    assert all(w in text for w in wanted), lines
+    assert any("arpo_serve_requests_total" in ln and 'model="toolmath"' in ln and 'status="200"' in ln
+               for ln in lines), lines
+    assert any("arpo_serve_tool_calls_total" in ln and 'tool="python"' in ln for ln in lines), lines
 
 
 def test_overload_gives_503_with_retry_after_and_recovers(server, demos):
