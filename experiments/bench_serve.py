@@ -1,0 +1,165 @@
+"""Serving benchmark: requests/s and p50/p99 latency of ``arpo serve`` at 1, 8 and 32 concurrent clients, and the
+served throughput against in-process generation of the same requests.
+
+    python -m experiments.bench_serve                      # SmolLM2-135M-Instruct on CPU (arpo model pull first)
+    python -m experiments.bench_serve --clients 1,8 --requests-per-client 2 --max-tokens 16   # shorter
+
+Every request is a seeded chat completion (``temperature`` 1, ``seed`` = request index), so the served run and the
+in-process run generate exactly the same tokens: the comparison is the same work. Clients are closed loops (each
+sends its next request when the previous one returns) through HTTP on 127.0.0.1 with the official ``openai``
+client. The in-process baseline runs the same agent loop (``run_agents``) on an in-process engine, ``C``
+conversations at a time for ``C`` clients (what perfect batching of ``C`` concurrent requests could reach), with no
+HTTP and no Serve. Both sides use ``--threads`` torch threads (the replica gets that many Ray CPUs, so Ray sets its
+``OMP_NUM_THREADS``); on a busy machine one thread is far faster than an oversubscribed two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+PROMPTS = ["Write a short poem about the sea.", "Explain what a prime number is.", "List three uses of Python.",
+           "Describe a cat in two sentences.", "What is the capital of France? Explain briefly.",
+           "Give advice for learning to cook.", "Summarise the water cycle.", "Why is the sky blue?"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def requests_for(level: int, per_client: int) -> list[dict[str, Any]]:
+    return [{"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "seed": i}
+            for i in range(level * per_client)]
+
+
+def pct(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def served(url: str, model: str, reqs: list[dict], clients: int, max_tokens: int) -> dict[str, float]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    todo = list(enumerate(reqs))
+    lock = threading.Lock()
+    lat: list[float] = []
+    tokens = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                _, r = todo.pop(0)
+            t = time.perf_counter()
+            out = client.chat.completions.create(model=model, messages=r["messages"], seed=r["seed"],
+                                                 temperature=1.0, max_tokens=max_tokens)
+            with lock:
+                lat.append(time.perf_counter() - t)
+                tokens[0] += out.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall, "tokens": tokens[0],
+            "p50_s": statistics.median(lat), "p99_s": pct(lat, 0.99)}
+
+
+def in_process(agent: Any, reqs: list[dict], clients: int, max_tokens: int) -> dict[str, float]:
+    """The same requests through the same agent loop on the same engine, in this process: ``clients``
+    conversations per ``run_agents`` call (lockstep rounds: perfect batching of ``clients`` concurrent requests)."""
+    import functools
+
+    from arpo_algo.rollout.agent_loop import run_agents
+    from serve.runtime import choice_seed
+    from serve.schema import parse_chat_request
+
+    t0 = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(reqs), clients):
+        jobs = [agent.prepare(parse_chat_request({"model": "m", "messages": r["messages"], "seed": r["seed"],
+                                                  "temperature": 1.0, "max_tokens": max_tokens}))
+                for r in reqs[i:i + clients]]
+        sessions = [s for job in jobs for s in agent._sessions(job)]
+        seeds = [functools.partial(choice_seed, job.seed, 0) for job in jobs]
+        traces = run_agents(agent.front.engine, sessions, [job.prompt for job in jobs], jobs[0].sampling,
+                            max_response_tokens=jobs[0].max_response_tokens, seeds=seeds)
+        tokens += sum(len(t.response_ids) for t in traces)
+    wall = time.perf_counter() - t0
+    return {"requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall, "tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--clients", default="1,8,32")
+    p.add_argument("--requests-per-client", type=int, default=2, dest="per_client")
+    p.add_argument("--max-tokens", type=int, default=32, dest="max_tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the replica and of the in-process run")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.clients.split(",")]
+
+    import ray
+    import torch
+    from ray import serve
+
+    from arpo_algo.cli.serve import wait_ready
+    from serve.agents import build_specs
+    from serve.app import build_app
+    from serve.runtime import Agent
+
+    cpus = max(os.cpu_count() or 2, args.threads)
+    torch.set_num_threads(args.threads)
+    specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens,
+                        engine_settings={"max_batch_size": 32})
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(specs, max_ongoing_requests=32, max_queued_requests=64, num_cpus=args.threads), name="bench",
+              route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, 600)
+    out: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
+                           "cpus": os.cpu_count(), "levels": {}}
+    served(url, "bench", requests_for(1, 1), 1, args.max_tokens)  # warm-up
+    for c in levels:
+        out["levels"][c] = {"served": served(url, "bench", requests_for(c, args.per_client), c, args.max_tokens)}
+        print(json.dumps({c: out["levels"][c]}), flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    agent = Agent(specs[0])  # the in-process baseline: same loop, same engine settings, no HTTP, no Serve
+    in_process(agent, requests_for(1, 1), 1, args.max_tokens)  # warm-up
+    for c in levels:
+        base = in_process(agent, requests_for(c, args.per_client), c, args.max_tokens)
+        lvl = out["levels"][c]
+        lvl["in_process"] = base
+        lvl["served_over_in_process"] = lvl["served"]["req_per_s"] / base["req_per_s"]
+        print(json.dumps({c: lvl}), flush=True)
+    agent.front.close()
+    print(f"{'clients':>7} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'in-proc req/s':>13} {'ratio':>6}")
+    for c, lvl in out["levels"].items():
+        s = lvl["served"]
+        print(f"{c:>7} {s['req_per_s']:7.2f} {s['p50_s']:7.2f} {s['p99_s']:7.2f} "
+              f"{lvl['in_process']['req_per_s']:13.2f} {lvl['served_over_in_process']:6.2f}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""What is served: agent specs (which policy, which tools), where a policy folder is found, and the command-line /
+``serve run`` arguments that describe them.
+
+A source is a model folder (``config.json``), a training checkpoint (a folder with ``policy/``), a run folder (its
+newest checkpoint under ``checkpoints/``), or a registered model name (``arpo model pull``). ``NAME=SOURCE`` sets the
+name clients put in ``model``; otherwise the name is the folder's (``run/checkpoints/iter_000004`` -> ``run``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo_env.errors import ConfigError
+
+ENGINE_KINDS = ("hf", "vllm")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+
+
+@dataclass
+class AgentSpec:
+    """One served agent (plain data: it travels to the replicas as a dict).
+
+    Attributes:
+        name: The ``model`` name clients use.
+        model_path: The HF policy folder.
+        source: What the user gave (for ``/v1/models`` and logs).
+        engine: ``"hf"`` or ``"vllm"`` (:func:`arpo_algo.rollout.engines.build_engine`).
+        engine_settings: Extra engine keyword arguments (``max_batch_size``, ``dtype``, ...).
+        session: The ``ToolSession`` config: ``tools``, ``max_tool_calls``, ``protocol``, ``system_prompt``, ...
+        max_tokens: Default ``max_tokens`` when a request gives none (the whole response, tool results included).
+    """
+
+    name: str
+    model_path: str
+    source: str = ""
+    engine: str = "hf"
+    engine_settings: dict[str, Any] = field(default_factory=dict)
+    session: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int = 512
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _newest_checkpoint(run: Path) -> Path | None:
+    from arpo_algo.run.driver import list_checkpoints
+
+    found = list_checkpoints(run / "checkpoints")
+    return found[-1] if found else None
+
+
+def resolve_source(source: str) -> tuple[str, Path]:
+    """``[NAME=]SOURCE`` -> (name, HF policy folder); raises :class:`ConfigError` naming the source."""
+    name, _, path_text = source.rpartition("=") if "=" in source else ("", "", source)
+    path = Path(path_text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            folder, default = path, path.name
+        elif (path / "policy" / "config.json").is_file():
+            folder = path / "policy"
+            default = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+        elif (path / "checkpoints").is_dir():
+            ckpt = _newest_checkpoint(path)
+            if ckpt is None:
+                raise ConfigError(f"{path}: the run folder holds no finished checkpoint under checkpoints/",
+                                  hint="train longer (checkpoint_every) or pass a model folder")
+            folder, default = ckpt / "policy", path.name
+        else:
+            raise ConfigError(f"{path}: neither a model folder (config.json), a checkpoint (policy/) nor a run "
+                              "folder (checkpoints/)", hint="pass the folder `arpo sft` or `arpo train` wrote")
+    else:
+        from arpo_algo.models import resolve_model_path
+
+        folder, default = resolve_model_path(path_text), path_text  # raises naming the model
+    name = name or default
+    if not _NAME.match(name):
+        raise ConfigError(f"agent name {name!r} is not usable as a model name (letters, digits, . _ : - only)",
+                          hint="give one explicitly: NAME=PATH")
+    return name, Path(folder)
+
+
+def parse_tools(text: str | None) -> dict[str, Any] | None:
+    """``--tools``: ``python,search`` (default settings) or a JSON tool spec (``{"python": {"timeout_s": 5}}``)."""
+    if text is None or text == "":
+        return None
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--tools: invalid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ConfigError("--tools: the JSON must be an object {tool: settings}")
+        return spec
+    return {name.strip(): {} for name in text.split(",") if name.strip()}
+
+
+def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool_calls: int | None = None,
+                engine: str = "hf", system_prompt: str | None = None, protocol: str | None = None,
+                max_tokens: int = 512, engine_settings: dict[str, Any] | None = None) -> list[AgentSpec]:
+    """Specs for every source (the same tools and limits for each); names must be unique."""
+    if not sources:
+        raise ConfigError("nothing to serve: give at least one model folder, checkpoint or run folder")
+    if engine not in ENGINE_KINDS:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_KINDS)}")
+    if max_tool_calls is not None and max_tool_calls < 0:
+        raise ConfigError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
+    if max_tokens < 1:
+        raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+    session: dict[str, Any] = {}
+    tool_spec = parse_tools(tools) if isinstance(tools, str) or tools is None else dict(tools)
+    for key, value in (("tools", tool_spec), ("max_tool_calls", max_tool_calls), ("system_prompt", system_prompt),
+                       ("protocol", protocol)):
+        if value is not None:
+            session[key] = value
+    _check_session(session)
+    specs, seen = [], set()
+    for src in sources:
+        name, folder = resolve_source(src)
+        if name in seen:
+            raise ConfigError(f"two agents are named {name!r}", hint="name them: NAME=PATH")
+        seen.add(name)
+        specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
+                               engine_settings=dict(engine_settings or {}), session=dict(session),
+                               max_tokens=max_tokens))
+    return specs
+
+
+def _check_session(session: dict[str, Any]) -> None:
+    """Build the session once here so a bad tool spec fails on the command line, not in a replica."""
+    from arpo_env.session import ToolSession
+
+    ToolSession(session)
+
+
+def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
+    """Specs from ``serve run serve.app:build key=value`` arguments (all strings) or a config file's ``args``.
+
+    Keys: ``models`` (comma-separated ``[NAME=]SOURCE``; a list in YAML), ``tools``, ``max_tool_calls``, ``engine``,
+    ``system_prompt``, ``protocol``, ``max_tokens``, ``max_batch_size``.
+    """
+    models = args.get("models")
+    if isinstance(models, str):
+        models = [m.strip() for m in models.split(",") if m.strip()]
+    engine_settings = {}
+    if args.get("max_batch_size") is not None:
+        engine_settings["max_batch_size"] = int(args["max_batch_size"])
+    mtc = args.get("max_tool_calls")
+    return build_specs(list(models or []), tools=args.get("tools"), engine=str(args.get("engine", "hf")),
+                       max_tool_calls=int(mtc) if mtc not in (None, "") else None,
+                       system_prompt=args.get("system_prompt"), protocol=args.get("protocol"),
+                       max_tokens=int(args.get("max_tokens", 512)), engine_settings=engine_settings)

@@ -1,0 +1,228 @@
+"""The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
+
+Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
+every agent is loaded, 503 before), ``GET /`` (the page). All agents of one application live in every replica and
+are routed by the request's ``model``. Overload: Serve admits ``max_ongoing_requests`` per replica and queues at
+most ``max_queued_requests`` more at the proxy; beyond that the proxy answers 503 with ``Retry-After``.
+
+Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=runs/arpo``), a Serve config file
+(``experiments/serve_config.yaml``, ``serve deploy``) or ``arpo serve``.
+"""
+
+# No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures, and FastAPI must see
+# `request: Request` as the class itself, not as a string (else the request becomes a required query parameter: 422).
+import asyncio
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.config import BackpressureConfig
+
+from serve.agents import AgentSpec, specs_from_args
+from serve.schema import APIError, parse_chat_request
+
+PAGE = Path(__file__).with_name("static") / "index.html"
+#: Defaults of the deployment (``arpo serve`` and ``build`` arguments override them).
+DEFAULTS = {"num_replicas": 1, "max_ongoing_requests": 16, "max_queued_requests": 32, "retry_after_s": 1.0,
+            "num_cpus": 1.0}
+#: The documented autoscaling config (used with ``autoscale=true`` / ``--autoscale``): one replica per 8 ongoing
+#: requests, between 1 and 4 replicas, scale up after 5 s of load and down after 60 s idle.
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "upscale_delay_s": 5.0,
+               "downscale_delay_s": 60.0, "metrics_interval_s": 2.0, "look_back_period_s": 10.0}
+
+api = FastAPI(title="arpo serve", docs_url=None, redoc_url=None)
+
+
+def _error(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@serve.deployment(name="arpo_agents")
+@serve.ingress(api)
+class AgentServer:
+    """One replica: every agent's engine behind its batching front, and the HTTP routes."""
+
+    def __init__(self, specs: list[dict[str, Any]], max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"]):
+        from serve.metrics import ServeMetrics
+
+        self.specs = [AgentSpec(**s) for s in specs]
+        self.agents: dict[str, Any] = {}
+        self.load_error: str | None = None
+        self.loaded = threading.Event()
+        # One thread per admitted request (its agent loop blocks on the batching front), plus some slack.
+        self.pool = ThreadPoolExecutor(max_workers=max_ongoing_requests + 4, thread_name_prefix="arpo-serve-req")
+        self.metrics = ServeMetrics()
+        threading.Thread(target=self._load, name="arpo-serve-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from serve.runtime import Agent
+
+        try:
+            for spec in self.specs:
+                self.agents[spec.name] = Agent(spec)
+        except Exception as e:  # noqa: BLE001 - reported by /health and check_health
+            self.load_error = f"{type(e).__name__}: {e}"
+        finally:
+            self.loaded.set()
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a replica whose models failed to load is restarted."""
+        if self.load_error:
+            raise RuntimeError(self.load_error)
+
+    def _agent(self, name: str) -> Any:
+        if not self.loaded.is_set():
+            raise APIError("the agents are still loading; retry shortly", status=503, type="server_error",
+                           code="loading")
+        if name not in self.agents:
+            known = ", ".join(sorted(self.agents)) or "none"
+            raise APIError(f"The model '{name}' does not exist (served: {known})", param="model", status=404,
+                           code="model_not_found")
+        return self.agents[name]
+
+    # ------------------------------------------------------------------------------------------------- routes
+    @api.get("/health")
+    def health(self) -> JSONResponse:
+        if self.load_error:
+            return JSONResponse({"status": "error", "error": self.load_error}, status_code=503)
+        if not self.loaded.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok", "models": sorted(self.agents)})
+
+    @api.get("/v1/models")
+    def models(self) -> JSONResponse:
+        data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
+                 "arpo": {"source": s.source, "path": s.model_path, "engine": s.engine,
+                          "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
+                          "loaded": s.name in self.agents}} for s in self.specs]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/")
+    def page(self) -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Any:
+        t0 = time.perf_counter()
+        model = "?"
+        try:
+            req = parse_chat_request(await request.body())
+            model = req.model
+            agent = self._agent(req.model)
+            job = agent.prepare(req)
+        except APIError as e:
+            self.metrics.request(model, str(e.status), time.perf_counter() - t0)
+            return _error(e)
+        cancel = threading.Event()
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
+        if req.stream:
+            return StreamingResponse(self._stream(agent, job, cancel, meta, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self.pool, agent.run, job, cancel, None)
+        except asyncio.CancelledError:  # the client went away: end the conversation at the next round
+            cancel.set()
+            self.metrics.request(model, "499", time.perf_counter() - t0)
+            raise
+        self.metrics.finished(model, result, time.perf_counter() - t0)
+        return JSONResponse({**meta, "object": "chat.completion", "system_fingerprint": None,
+                             "choices": result["choices"], "usage": result["usage"]})
+
+    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, index: int, payload: Any) -> None:  # called from the agent and engine threads
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, index, payload))
+
+        future = loop.run_in_executor(self.pool, agent.run, job, cancel, emit)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("end", -1, None)))
+        base = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None}
+
+        def chunk(choices: list, **extra: Any) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+        finished = False
+        try:
+            for i in range(job.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            while True:
+                kind, i, payload = await queue.get()
+                if kind == "end":
+                    break
+                if kind == "delta":
+                    yield chunk([{"index": i, "delta": {"content": payload}, "finish_reason": None}])
+                elif kind in ("tool_call", "tool_result"):
+                    yield chunk([{"index": i, "delta": {"arpo": {"type": kind, **payload}}, "finish_reason": None}])
+                elif kind == "done":
+                    delta: dict[str, Any] = {"arpo": {"type": "done", **payload["message"].get("arpo", {})}}
+                    if payload["message"].get("tool_calls"):
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in
+                                               enumerate(payload["message"]["tool_calls"])]
+                    yield chunk([{"index": i, "delta": delta, "finish_reason": payload["finish_reason"]}])
+            result = future.result()
+            if job.include_usage:
+                yield chunk([], usage=result["usage"])
+            yield "data: [DONE]\n\n"
+            finished = True
+            self.metrics.finished(meta["model"], result, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, OpenAI style
+            err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
+                             "code": None}}
+            yield f"data: {json.dumps(err)}\n\n"
+            self.metrics.request(meta["model"], "500", time.perf_counter() - t0)
+        finally:
+            if not finished:  # client disconnect (generator cancelled or closed): free the engine rows
+                cancel.set()
+                self.metrics.request(meta["model"], "499", time.perf_counter() - t0)
+
+
+def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,
+                       max_queued_requests: int | None = None, retry_after_s: float | None = None,
+                       autoscale: bool = False, num_cpus: float | None = None) -> dict[str, Any]:
+    """Serve deployment options (``.options(**...)``): concurrency, queue bound, 503 + Retry-After, autoscaling."""
+    opts: dict[str, Any] = {
+        "max_ongoing_requests": max_ongoing_requests or DEFAULTS["max_ongoing_requests"],
+        "max_queued_requests": max_queued_requests if max_queued_requests is not None
+        else DEFAULTS["max_queued_requests"],
+        "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=retry_after_s
+                                                  if retry_after_s is not None else DEFAULTS["retry_after_s"]),
+        "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None else DEFAULTS["num_cpus"]},
+        "health_check_period_s": 10.0,
+    }
+    if autoscale:
+        opts["autoscaling_config"] = dict(AUTOSCALING, max_replicas=max(AUTOSCALING["max_replicas"], replicas or 1))
+    else:
+        opts["num_replicas"] = replicas or DEFAULTS["num_replicas"]
+    return opts
+
+
+def build_app(specs: list[AgentSpec], **options: Any) -> Any:
+    """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``)."""
+    opts = deployment_options(**options)
+    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], opts["max_ongoing_requests"])
+
+
+def build(args: dict[str, Any]) -> Any:
+    """Application builder for Ray's CLI: ``serve run serve.app:build models=A,B tools=python replicas=2``.
+
+    Keys: those of :func:`serve.agents.specs_from_args` plus ``replicas``, ``max_ongoing_requests``,
+    ``max_queued_requests``, ``retry_after_s``, ``autoscale`` (true/false), ``num_cpus``.
+    """
+    def num(key: str, cast: Any) -> Any:
+        return cast(args[key]) if args.get(key) not in (None, "") else None
+
+    autoscale = str(args.get("autoscale", "false")).lower() in ("1", "true", "yes")
+    return build_app(specs_from_args(args), replicas=num("replicas", int),
+                     max_ongoing_requests=num("max_ongoing_requests", int),
+                     max_queued_requests=num("max_queued_requests", int),
+                     retry_after_s=num("retry_after_s", float), autoscale=autoscale, num_cpus=num("num_cpus", float))

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the agent endpoint, through Ray's own metrics API (``ray.serve.metrics``).
+
+Ray exports them with its other metrics (the ``/metrics`` endpoint of each node's metrics agent, port
+``--metrics-export-port``), tagged with the deployment and replica automatically:
+
+* ``arpo_serve_requests_total{model, status}``: finished requests by HTTP status (200, 400, 404, 499 = client gone).
+* ``arpo_serve_tokens_total{model, kind}``: ``prompt`` and ``completion`` tokens (tool-result tokens count as
+  completion tokens: they are part of the response).
+* ``arpo_serve_tool_calls_total{model, tool, outcome}``: tool calls run by the server loop (``ok`` / ``error``) or
+  handed to the client (``client``).
+* ``arpo_serve_request_latency_s{model}``: request latency (histogram, seconds; streams: until the last event).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import metrics
+
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+
+
+class ServeMetrics:
+    """The four metrics above; one instance per replica."""
+
+    def __init__(self) -> None:
+        self.requests = metrics.Counter("arpo_serve_requests_total", description="finished chat requests",
+                                        tag_keys=("model", "status"))
+        self.tokens = metrics.Counter("arpo_serve_tokens_total", description="prompt and completion tokens",
+                                      tag_keys=("model", "kind"))
+        self.tool_calls = metrics.Counter("arpo_serve_tool_calls_total", description="tool calls",
+                                          tag_keys=("model", "tool", "outcome"))
+        self.latency = metrics.Histogram("arpo_serve_request_latency_s", description="request latency (s)",
+                                         boundaries=LATENCY_BOUNDARIES, tag_keys=("model",))
+
+    def request(self, model: str, status: str, seconds: float) -> None:
+        self.requests.inc(1, tags={"model": model, "status": status})
+        self.latency.observe(seconds, tags={"model": model})
+
+    def finished(self, model: str, result: dict[str, Any], seconds: float) -> None:
+        self.request(model, "200", seconds)
+        usage = result["usage"]
+        self.tokens.inc(usage["prompt_tokens"], tags={"model": model, "kind": "prompt"})
+        self.tokens.inc(usage["completion_tokens"], tags={"model": model, "kind": "completion"})
+        for choice in result["choices"]:
+            msg = choice["message"]
+            for call in msg.get("arpo", {}).get("tool_calls", []):
+                outcome = "error" if call.get("error") else "ok"
+                self.tool_calls.inc(1, tags={"model": model, "tool": str(call.get("tool")), "outcome": outcome})
+            for call in msg.get("tool_calls") or []:
+                self.tool_calls.inc(1, tags={"model": model, "tool": call["function"]["name"], "outcome": "client"})

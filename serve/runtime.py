@@ -1,0 +1,265 @@
+"""One served agent inside a replica: its engine (behind the batching front), its tools, and one request's run.
+
+A request becomes token ids by THE layout rule of training (:mod:`arpo_algo.rollout.layout`): the chat template of
+the messages (the agent's system prompt added when the request has none) with the generation prompt. Its ``n``
+choices are ``n`` conversations of :func:`arpo_algo.rollout.agent_loop.run_agents`, the loop training uses, over
+``arpo_env.session.ToolSession`` (the same tools, sandbox and result format as training); the tool results are
+appended token for token as in training.
+
+Seeds: a request with ``seed = s`` samples request ``k`` of choice ``j`` with ``derive_seed(s, 0, 0, j, k)``: exactly
+the seeds the GRPO-mode ``TreeSampler(seed=s)`` gives trajectory ``j`` of task index 0 at step 0, so the same
+prompt, seed and checkpoint give the training trajectory (tests/serve/test_serve.py checks it).
+
+Client-side tools (``tools`` in the request, or ``arpo.tool_mode = "client"``): a turn that ends in a tool call is
+returned as OpenAI ``tool_calls`` (finish_reason ``tool_calls``) instead of being run. The client sends the
+assistant message back as it got it (its ``content`` is the model's text, call included) followed by
+``role: tool`` messages; those are appended as the model's text and the formatted tool result (the assistant text
+is re-tokenized here: a stateless API has nothing else to go on).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from arpo_algo.core.tree import derive_seed
+from arpo_algo.rollout.engines.base import SamplingParams
+from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
+from arpo_env.session import SessionStep, ToolSession
+from serve.agents import AgentSpec
+from serve.batching import BatchingEngine
+from serve.schema import APIError, ChatRequest
+
+#: Agent finish reasons -> OpenAI ones.
+FINISH = {"length": "length", "client_tool": "tool_calls"}
+
+
+def choice_seed(seed: int, choice: int, k: int) -> int:
+    """The seed of request ``k`` of choice ``choice`` (= TreeSampler's for trajectory ``choice``, task 0, step 0)."""
+    return derive_seed(seed, 0, 0, choice, k)
+
+
+@dataclass
+class Job:
+    """A validated request turned into token ids and loop settings."""
+
+    prompt: list[int]
+    n: int
+    max_response_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: list[str]
+    client_tools: bool
+    prior_tool_calls: int
+    include_usage: bool
+    max_tool_calls: int | None = None
+
+
+class ServeSession:
+    """A ``ToolSession`` plus what a request adds: the client's ``stop`` strings and client-side tool calls."""
+
+    def __init__(self, inner: ToolSession, stop: list[str], client_tools: bool) -> None:
+        self.inner, self.user_stop, self.client_tools = inner, list(stop), client_tools
+        self.client_call: tuple[str, dict] | None = None
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        return tuple(self.inner.stop_sequences) + tuple(s for s in self.user_stop
+                                                        if s not in self.inner.stop_sequences)
+
+    def step(self, action: str) -> SessionStep:
+        if any(s in action for s in self.user_stop):
+            return SessionStep("", True, "stop", "text")
+        if self.client_tools:
+            parsed = self.inner.protocol.parse(action)
+            if parsed.kind == "tool_call" and self.inner.counts["tool_calls"] < self.inner.config["max_tool_calls"]:
+                self.client_call = (parsed.tool, dict(parsed.args))
+                return SessionStep("", True, "client_tool", "tool", tool=parsed.tool, args=dict(parsed.args))
+        return self.inner.step(action)
+
+
+class TextStream:
+    """Token ids of one choice -> text deltas, holding back what could still become a client stop string.
+
+    ``token`` feeds one sampled token; ``end_segment`` flushes at a tool result (the next turn decodes afresh).
+    Deltas go to ``out``; after a stop string nothing more is emitted. The non-streaming content is built with the
+    same class, so a stream's deltas always add up to the non-streaming ``content``.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str], out: Any) -> None:
+        self.tok, self.stop, self.out = tokenizer, stop, out
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def token(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        self._push(final=False)
+
+    def end_segment(self) -> None:
+        self._push(final=True)
+        self.ids, self.sent = [], 0
+
+    def _push(self, final: bool) -> None:
+        if self.stopped:
+            return
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 character: wait for its next byte
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        elif final:
+            end = len(text)
+        else:  # hold back a tail that is a prefix of a stop string
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            end = len(text) - hold
+        if end > self.sent:
+            self.out(text[self.sent:end])
+            self.sent = end
+
+
+class Agent:
+    """One agent's engine, batching front and tool session template (built in the replica)."""
+
+    def __init__(self, spec: AgentSpec) -> None:
+        from arpo_algo.rollout.engines import build_engine
+
+        self.spec = spec
+        self.session = ToolSession(spec.session)
+        engine = build_engine(spec.engine, model_or_path=spec.model_path, **spec.engine_settings)
+        self.front = BatchingEngine(engine)
+        self.tok = engine.tokenizer
+        self.max_context = self.front.max_context
+
+    # --------------------------------------------------------------------------------------------- request -> job
+    def prepare(self, req: ChatRequest) -> Job:
+        """Token ids and settings for ``req``; client mistakes raise :class:`APIError` (400)."""
+        msgs = req.messages
+        if msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": self.session.system_prompt()}, *msgs]
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if not users:
+            raise APIError("'messages' must contain a user message", param="messages")
+        head, tail = msgs[: users[-1] + 1], msgs[users[-1] + 1:]
+        ids = prompt_ids(self.tok, [{"role": m["role"], "content": m["content"]} for m in head])
+        prior = 0
+        for m in tail:  # a client-side tool round: the model's text, then the tool result, as in training
+            if m["role"] == "assistant":
+                ids += text_ids(self.tok, m["content"])
+            elif m["role"] == "tool":
+                ids += observation_ids(self.tok, self.session.protocol.format_result(m["content"]))
+                prior += 1
+            else:
+                raise APIError(f"a {m['role']} message cannot follow the last user message", param="messages")
+        ctx = self.max_context
+        if ctx is not None and len(ids) >= ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens; the messages take {len(ids)} "
+                           "tokens", param="messages", code="context_length_exceeded")
+        if req.max_tokens is not None and ctx is not None and len(ids) + req.max_tokens > ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens; you requested "
+                           f"{len(ids) + req.max_tokens} ({len(ids)} in the messages, {req.max_tokens} in the "
+                           "completion)", param="max_tokens", code="context_length_exceeded")
+        budget = req.max_tokens or self.spec.max_tokens
+        if ctx is not None:
+            budget = min(budget, ctx - len(ids))
+        return Job(prompt=ids, n=req.n, max_response_tokens=budget,
+                   sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p), seed=req.seed,
+                   stop=req.stop, client_tools=req.tool_mode == "client", prior_tool_calls=prior,
+                   include_usage=req.include_usage, max_tool_calls=req.max_tool_calls)
+
+    # -------------------------------------------------------------------------------------------------- running
+    def _sessions(self, job: Job) -> list[ServeSession]:
+        out = []
+        for _ in range(job.n):
+            s = self.session.clone()
+            s.reset()
+            if job.max_tool_calls is not None:  # a request may lower the agent's limit, never raise it
+                s.config["max_tool_calls"] = min(s.config["max_tool_calls"], job.max_tool_calls)
+            s.counts["tool_calls"] = job.prior_tool_calls
+            out.append(ServeSession(s, job.stop, job.client_tools))
+        return out
+
+    def run(self, job: Job, cancel: threading.Event, emit: Any = None) -> dict[str, Any]:
+        """Run the ``n`` conversations; ``emit(kind, index, payload)`` streams deltas and tool events."""
+        from arpo_algo.rollout.agent_loop import run_agents
+
+        sessions = self._sessions(job)
+        streams = [TextStream(self.tok, job.stop, functools.partial(emit, "delta", j) if emit else _drop)
+                   for j in range(job.n)]
+        lock = threading.Lock()
+
+        def on_token(i: int, token_id: int) -> None:
+            with lock:
+                streams[i].token(token_id)
+
+        last_tool: dict[int, str] = {}
+
+        def on_event(i: int, ev: dict[str, Any]) -> None:
+            kind = ev.get("type")
+            if kind in ("tool_call", "tool_result"):
+                with lock:
+                    streams[i].end_segment()
+                payload = {k: v for k, v in ev.items() if k != "type"}
+                if kind == "tool_call":
+                    last_tool[i] = str(payload.get("tool"))
+                payload.setdefault("tool", last_tool.get(i))
+                emit(kind, i, _jsonable(payload))
+
+        seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
+        traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
+                            max_response_tokens=job.max_response_tokens, seeds=seeds,
+                            on_event=on_event if emit else None, on_token=on_token if emit else None)
+        choices = []
+        for j, (trace, sess) in enumerate(zip(traces, sessions)):
+            if emit:
+                with lock:
+                    streams[j].end_segment()
+            choice = self._choice(j, trace, sess, job)
+            if emit:
+                emit("done", j, choice)
+            choices.append(choice)
+        completion = sum(len(t.response_ids) for t in traces)
+        return {"choices": choices, "usage": {"prompt_tokens": len(job.prompt) * job.n,
+                                              "completion_tokens": completion,
+                                              "total_tokens": len(job.prompt) * job.n + completion}}
+
+    def _content(self, trace: Any, job: Job) -> str:
+        """The model's own text (tool results left out), cut at a client stop string: what the stream sent."""
+        parts: list[str] = []
+        ts = TextStream(self.tok, job.stop, parts.append)
+        prev = 1
+        for tid, m in zip(trace.response_ids, trace.trained_mask):
+            if m == 0 and prev == 1:
+                ts.end_segment()
+            if m == 1:
+                ts.token(tid)
+            prev = m
+        ts.end_segment()
+        return "".join(parts)
+
+    def _choice(self, j: int, trace: Any, sess: ServeSession, job: Job) -> dict[str, Any]:
+        calls = [_jsonable(c) for c in trace.tool_calls]
+        finish = "client_tool" if sess.client_call else trace.finish_reason
+        ext: dict[str, Any] = {"finish_reason": finish, "tool_calls": calls,
+                               "trajectory": self.tok.decode(trace.response_ids, skip_special_tokens=True),
+                               "response_ids": list(trace.response_ids), "trained_mask": list(trace.trained_mask)}
+        message: dict[str, Any] = {"role": "assistant", "content": self._content(trace, job), "arpo": ext}
+        if sess.client_call:
+            tool, args = sess.client_call
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:20]}", "type": "function",
+                                      "function": {"name": tool, "arguments": json.dumps(args)}}]
+        return {"index": j, "message": message, "finish_reason": FINISH.get(finish, "stop"), "logprobs": None}
+
+
+def _drop(_text: str) -> None:
+    """Delta sink of a non-streaming request."""
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(d, default=str))

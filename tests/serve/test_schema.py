@@ -1,0 +1,128 @@
+"""Request validation: every client mistake is a 400 (404 for the model) naming the field, OpenAI style."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arpo_env.errors import ArpoError
+from serve.agents import build_specs, parse_tools, resolve_source
+from serve.schema import APIError, parse_chat_request
+
+OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def err(body) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body if isinstance(body, (bytes, str)) else json.dumps(body))
+    assert e.value.status == 400
+    return e.value
+
+
+def test_valid_request_defaults_and_fields():
+    r = parse_chat_request(json.dumps({**OK, "temperature": 0, "top_p": 0.5, "max_tokens": 7, "n": 3,
+                                       "stop": "x", "seed": 5, "stream": True,
+                                       "stream_options": {"include_usage": True}, "user": "ignored"}))
+    assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.seed, r.stream, r.include_usage) == \
+        (0.0, 0.5, 7, 3, ["x"], 5, True, True)
+    r = parse_chat_request(OK)
+    assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.tool_mode) == (1.0, 1.0, None, 1, [], "server")
+    assert parse_chat_request({**OK, "tools": [{"type": "function"}]}).tool_mode == "client"
+    parts = {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                             {"type": "text", "text": "b"}]}]}
+    assert parse_chat_request(parts).messages[0]["content"] == "ab"
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    ([1, 2], None),
+    ({"messages": OK["messages"]}, "model"),
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": ["hi"]}, "messages[0]"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+     "messages[1].role"),
+    ({**OK, "temperature": "hot"}, "temperature"),
+    ({**OK, "temperature": 2.5}, "temperature"),
+    ({**OK, "temperature": True}, "temperature"),
+    ({**OK, "top_p": 0}, "top_p"),
+    ({**OK, "top_p": 1.5}, "top_p"),
+    ({**OK, "max_tokens": 0}, "max_tokens"),
+    ({**OK, "max_tokens": 1.5}, "max_tokens"),
+    ({**OK, "n": 0}, "n"),
+    ({**OK, "n": 1000}, "n"),
+    ({**OK, "stop": ["a", ""]}, "stop"),
+    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({**OK, "seed": "x"}, "seed"),
+    ({**OK, "stream": "yes"}, "stream"),
+    ({**OK, "temprature": 1}, "temprature"),
+    ({**OK, "tool_choice": "required"}, "tool_choice"),
+    ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
+    ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
+    ({**OK, "arpo": {"colour": 1}}, "arpo"),
+])
+def test_bad_inputs_name_the_field(body, param):
+    e = err(body)
+    assert e.param == param
+    b = e.body()["error"]
+    assert b["type"] == "invalid_request_error" and b["param"] == param and b["message"]
+
+
+def test_typo_suggests_the_closest_name():
+    assert "did you mean 'temperature'" in err({**OK, "temprature": 1}).message
+
+
+def test_sources_model_checkpoint_and_run_folder(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert resolve_source(str(model)) == ("m", model)
+    assert resolve_source(f"sft={model}") == ("sft", model)
+    run = tmp_path / "run"
+    for it in (1, 2):
+        ck = run / "checkpoints" / f"iter_{it:06d}"
+        (ck / "policy").mkdir(parents=True)
+        (ck / "policy" / "config.json").write_text("{}")
+        (ck / "rllib_checkpoint.json").write_text("{}")
+    assert resolve_source(str(run)) == ("run", run / "checkpoints" / "iter_000002" / "policy")
+    assert resolve_source(str(run / "checkpoints" / "iter_000001")) == \
+        ("run", run / "checkpoints" / "iter_000001" / "policy")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ArpoError, match="neither a model folder"):
+        resolve_source(str(empty))
+    with pytest.raises(ArpoError, match="two agents are named"):
+        build_specs([str(model), f"m={model}"])
+    with pytest.raises(ArpoError, match="unknown engine"):
+        build_specs([str(model)], engine="tgi")
+    with pytest.raises(ArpoError, match="unknown session config key|tool"):
+        build_specs([str(model)], tools='{"pyhton": {}}')
+    assert parse_tools("python, search") == {"python": {}, "search": {}}
+    assert parse_tools('{"python": {"timeout_s": 3}}') == {"python": {"timeout_s": 3}}
+
+
+def test_application_builder_takes_serve_run_arguments(tmp_path):
+    """``serve run serve.app:build key=value ...`` passes strings; the builder turns them into the deployment."""
+    from ray.serve import Application
+
+    from serve.app import AUTOSCALING, build, deployment_options
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    app = build({"models": f"a={model},b={model}", "tools": "python", "max_tool_calls": "3", "replicas": "2",
+                 "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2"})
+    assert isinstance(app, Application)
+    opts = deployment_options(replicas=2, max_ongoing_requests=4, max_queued_requests=8, retry_after_s=2)
+    assert opts["num_replicas"] == 2 and opts["max_queued_requests"] == 8
+    assert opts["backpressure_config"].status_code == 503 and opts["backpressure_config"].retry_after_s == 2
+    auto = deployment_options(autoscale=True)
+    assert auto["autoscaling_config"]["target_ongoing_requests"] == AUTOSCALING["target_ongoing_requests"]
+    assert "num_replicas" not in auto
+    with pytest.raises(ArpoError, match="nothing to serve"):
+        build({})
