@@ -22,6 +22,9 @@ from typing import Any
 from arpo_algo.run.sweep import Sweep, field_path
 from arpo_env.errors import ArpoError
 
+#: Per algorithm folder: the ids of trials that completed or failed (one per line).
+FINISHED_LEDGER = "finished_trials.txt"
+
 
 def start_ray() -> None:
     """Join ``RAY_ADDRESS`` if set, else start a local Ray with this machine's CPUs (quiet workers)."""
@@ -93,11 +96,17 @@ class SweepMonitor:
         self.callback, self.stopper = _Callback(), _Stopper()
         self.done = 0
         self.reported: set[str] = set()
+        self.ended: set[str] = set()
         self.errors: list[str] = []
         self.fail_fast: str | None = None
 
     def finished(self, trial: Any, error: str | None) -> None:
         self.done += 1
+        self.ended.add(trial.trial_id)
+        ledger = self.sweep.output_dir / self.algorithm / FINISHED_LEDGER
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        with ledger.open("a") as f:  # survives Ctrl-C and --resume: which trials really ended
+            f.write(trial.trial_id + "\n")
         s = self.sweep.settings
         last = trial.last_result or {}
         iters = int(last.get("training_iteration", 0))
@@ -218,10 +227,15 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
                             hint=f"the base experiment fails on its own: try `arpo train {sweep.base_path}` "
                                  f"(tracebacks: {root / algorithm}/*/error.txt)")
         trials += collect_trials(sweep, algorithm, results)
-        unfinished = [t for t in trials if t["status"] not in ("TERMINATED", "ERROR")]
+        # Ctrl-C: Tune saves its state and returns (stopping running trials); a trial that never ended (per our
+        # ledger, over every run of this sweep) or one the searcher had not created yet means it is not done.
+        ledger = root / algorithm / FINISHED_LEDGER
+        ended = set(ledger.read_text().split()) if ledger.is_file() else set()
+        unfinished = len({t["trial_id"] for t in trials if t["algorithm"] == algorithm} - ended)
+        unfinished += max(0, total - len(results))
         if unfinished:
-            print(f"[tune] interrupted with {len(unfinished)} unfinished trial(s); continue with --resume",
-                  flush=True)
+            print(f"[tune] interrupted with {unfinished} unfinished trial(s); continue with: arpo tune "
+                  f"{sweep.source} --output {root} --resume", flush=True)
             return {"interrupted": True, "output": str(root)}
     summary = write_reports(sweep, trials, wall_s=time.time() - t0)
     return summary
