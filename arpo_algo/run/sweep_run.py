@@ -66,6 +66,10 @@ def knob_values(sweep: Sweep, algorithm: str, config: dict[str, Any]) -> dict[st
     return out
 
 
+class FailFast(Exception):
+    """Raised inside Tune's loop when the first trials all failed with the same error before any result."""
+
+
 class SweepMonitor:
     """A Tune Callback and Stopper in one: console line per finished trial; stop when all first trials fail alike."""
 
@@ -84,6 +88,8 @@ class SweepMonitor:
 
             def on_trial_error(self, iteration, trials, trial, **info):
                 monitor.finished(trial, error_text(trial))
+                if monitor.fail_fast is not None:  # no result will come to consult the stopper: end the run here
+                    raise FailFast(monitor.fail_fast)
 
         class _Stopper(Stopper):
             def __call__(self, trial_id, result):
@@ -122,8 +128,8 @@ class SweepMonitor:
         print(f"[tune] {self.algorithm} trial {self.done}/{self.total} {trial.trial_id}: {shown} -> {state} "
               f"({last.get('time_total_s', 0):.0f} s)", flush=True)
         first = min(2, self.total)
-        if (error is not None and len(self.errors) >= first and len(set(self.errors)) == 1
-                and not self.reported):
+        signatures = {e.splitlines()[-1] if e else "" for e in self.errors}  # the exception line, no actor ids
+        if error is not None and len(self.errors) >= first and len(signatures) == 1 and not self.reported:
             self.fail_fast = error
 
 
@@ -211,6 +217,7 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
         raise ArpoError(f"{root} already holds this sweep", hint="continue it with --resume (same --output), or "
                                                                   "pass another --output")
     root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's console table and per-trial banners off (verbose=0)
     for logger in ("ray.tune", "ray.rllib", "ray.train"):
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     start_ray()
@@ -220,7 +227,13 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
         total = sweep.num_trials(algorithm)
         monitor = SweepMonitor(sweep, algorithm, total)
         tuner = build_tuner(sweep, algorithm, monitor, resume)
-        results = tuner.fit()
+        try:
+            results = tuner.fit()
+        except Exception as e:  # noqa: BLE001 - FailFast (possibly wrapped by Tune), or Tune itself gave up
+            if monitor.fail_fast is None:
+                raise ArpoError(f"Ray Tune stopped the {algorithm} sweep: {str(e).splitlines()[0][:300]}",
+                                hint=f"finished trials are kept: continue with arpo tune {sweep.source} "
+                                     f"--output {root} --resume") from e
         if monitor.fail_fast is not None:
             raise ArpoError(f"every trial of the {algorithm} sweep failed the same way before reporting a "
                             f"result; stopped.\n{monitor.fail_fast}",
