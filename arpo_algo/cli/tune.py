@@ -29,7 +29,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(info, indent=2, default=str))
         return 0
-    from arpo_algo.run.sweep_run import run_sweep
+    from arpo_algo.run.sweep_run import report_sweep, run_sweep
+
+    if args.report:
+        summary = report_sweep(sweep)
+        print(f"[tune] reports of {summary['trials']} finished trial(s) written to {sweep.output_dir}")
+        return 0
 
     print(f"[tune] {info['total_trials']} trial(s) ({', '.join(f'{a}: {n}' for a, n in info['trials'].items())}) "
           f"x up to {sweep.settings.iterations} iterations -> {sweep.output_dir}", flush=True)
@@ -58,5 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a sweep setting (sweep.num_samples=2) or a base experiment setting "
                         "(rollouts.max_response_tokens=64); repeatable; values are TOML literals")
+    p.add_argument("--report", action="store_true", help="only write the reports of the sweep folder as it stands "
+                                                         "(finished trials; e.g. after Ctrl-C)")
     p.add_argument("--dry-run", action="store_true", help="validate, print the resolved space and trial count, exit")
     p.set_defaults(func=cmd_tune)

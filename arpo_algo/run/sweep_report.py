@@ -190,21 +190,24 @@ def _plots(sweep: Sweep, rows: list[dict[str, Any]], trials: list[dict[str, Any]
             ax.set_xlabel(key)
             ax.set_ylabel(s.metric)
             ax.grid(alpha=0.3)
-        axes[0][0].legend(loc="best")
+        if len({r["algorithm"] for r in ok}) > 1:
+            axes[0][0].legend(loc="best")
         fig.tight_layout()
         fig.savefig(root / "metric_vs_knobs.png", dpi=90)
         plt.close(fig)
         out.append("metric_vs_knobs.png")
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = 0
     for t in trials:
         pts = [(h.get("training_iteration"), h.get(s.metric)) for h in t["history"]
                if isinstance(h.get(s.metric), (int, float)) and not math.isnan(h.get(s.metric))]
         if pts:
             ax.plot(*zip(*pts), "o-", label=Path(t["path"]).name, alpha=0.8)
+            plotted += 1
     ax.set_xlabel("training iteration")
     ax.set_ylabel(s.metric)
     ax.grid(alpha=0.3)
-    if len(trials) <= 12:
+    if 0 < plotted <= 12:
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(root / "metric_vs_iteration.png", dpi=90)

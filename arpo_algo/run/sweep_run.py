@@ -254,6 +254,30 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+def report_sweep(sweep: Sweep) -> dict[str, Any]:
+    """Write the reports of a sweep folder as it stands (finished trials only; no trial runs): after Ctrl-C, or to
+    redo tables and plots."""
+    from ray import tune
+
+    from arpo_algo.algorithms import ALGORITHMS
+    from arpo_algo.run.sweep_report import write_reports
+
+    root = sweep.output_dir
+    trials: list[dict[str, Any]] = []
+    for algorithm in sweep.algorithms:
+        path = root / algorithm
+        if not tune.Tuner.can_restore(str(path.resolve())):
+            continue
+        ledger = path / FINISHED_LEDGER
+        ended = set(ledger.read_text().split()) if ledger.is_file() else set()
+        results = tune.Tuner.restore(str(path.resolve()), trainable=ALGORITHMS[algorithm]).get_results()
+        trials += [t for t in collect_trials(sweep, algorithm, results) if t["trial_id"] in ended]
+    if not trials:
+        raise ArpoError(f"{root} holds no finished trial of this sweep")
+    wall = max((float(t["last"].get("time_total_s", 0) or 0) for t in trials), default=0.0)
+    return write_reports(sweep, trials, wall_s=wall)
+
+
 def collect_trials(sweep: Sweep, algorithm: str, results: Any) -> list[dict[str, Any]]:
     """One record per trial: knobs, status, iterations, last metrics, the history per iteration, paths."""
     records = []

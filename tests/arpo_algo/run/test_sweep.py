@@ -149,3 +149,14 @@ def test_pareto_front():
     pts = [(0.5, 2.0), (0.5, 1.0), (0.8, 3.0), (0.2, 0.5), (0.4, 3.0)]
     assert pareto_front(pts, "max") == [3, 1, 2]
     assert pareto_front(pts, "min") == [3]
+
+
+def test_multi_objective_settings(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir,
+                       'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_mean" = "min"}',
+                       '"tree.tau" = {uniform = [0.1, 1.0]}')
+    sweep = load_sweep(path)
+    assert sweep.objectives == {"evaluation/accuracy": "max", "evaluation/tool_calls_mean": "min"}
+    assert (sweep.settings.metric, sweep.settings.mode) == ("evaluation/accuracy", "max")  # ASHA, tables, best
+    with pytest.raises(ConfigError, match="multi-objective"):
+        load_sweep(path, ['sweep.search="random"'])

@@ -94,12 +94,17 @@ def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
     lines.append(rest)
     text = "".join(lines)
     assert "[tune] arpo trial 1/2" in text, text[-3000:]
-    assert "trial 2/2" not in text and not (out / "results.csv").exists(), text[-3000:]
+    assert "trial 2/2" not in text and "interrupted with 1 unfinished" in text, text[-3000:]
+    assert not (out / "results.csv").exists()
     finished = [d for d in (out / "arpo").iterdir() if d.is_dir() and len(_trial_results(d) if
                                                                              (d / "result.json").exists() else []) == 2]
     assert len(finished) == 1
     before = (finished[0] / "result.json").read_bytes()
     t_before = (finished[0] / "result.json").stat().st_mtime
+    report = subprocess.run([*cmd, "--report"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    rows = list(csv.DictReader((out / "results.csv").open()))  # the finished trial only
+    assert [r["trial"] for r in rows] == [finished[0].name]
     time.sleep(1)
     resumed = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
