@@ -25,6 +25,7 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from arpo_env.errors import ArpoError, ConfigError
+from arpo_env.options import check_choice, check_keys
 from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol, build_protocol
 from arpo_env.rewards import REWARDS
 
@@ -76,23 +77,18 @@ def resolve_config(config: Mapping[str, Any] | None = None, **kwargs: Any) -> di
     merged = dict(config or {})
     for key, value in kwargs.items():
         if key in merged and merged[key] != value:
-            raise ConfigError(f"config key {key!r} given twice with different values ({merged[key]!r}, {value!r})")
+            raise ConfigError(f"env config: {key} given twice with different values ({merged[key]!r}, {value!r})")
         merged[key] = value
     task = merged.get("task", COMMON_DEFAULTS["task"])
-    if task not in TASK_DEFAULTS:
-        raise ConfigError(f"config key 'task' must be one of {sorted(TASK_DEFAULTS)}, got {task!r}")
+    check_choice("task", task, tuple(TASK_DEFAULTS), "env config")
     allowed = {**COMMON_DEFAULTS, **TASK_KEYS[task]}
-    for key in merged:
-        if key not in allowed:
-            raise ConfigError(f"unknown env config key {key!r} for task {task!r}; known: {', '.join(sorted(allowed))}")
+    check_keys(merged, allowed, f"env config (task {task!r})")
     cfg = {**allowed, **merged}
     for key, options in CHOICES.items():
-        if cfg[key] not in options:
-            raise ConfigError(f"config key {key!r} must be one of {options}, got {cfg[key]!r}")
+        check_choice(key, cfg[key], options, "env config")
     if cfg["reward"] is None:
         cfg["reward"] = TASK_DEFAULTS[task]["reward"]
-    if cfg["reward"] not in REWARDS:
-        raise ConfigError(f"config key 'reward' must be one of {sorted(REWARDS)}, got {cfg['reward']!r}")
+    check_choice("reward", cfg["reward"], tuple(sorted(REWARDS)), "env config")
     if cfg["max_tool_calls"] is None:
         cfg["max_tool_calls"] = TASK_DEFAULTS[task]["max_tool_calls"]
     for key in ("max_tool_calls", "max_turns", "max_action_chars", "max_arg_chars", "max_result_chars"):
@@ -100,9 +96,9 @@ def resolve_config(config: Mapping[str, Any] | None = None, **kwargs: Any) -> di
         if value is None and key == "max_result_chars":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "max_tool_calls" else 1):
-            raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}")
+            raise ConfigError(f"env config: {key} must be a positive integer, got {value!r}")
     if not isinstance(cfg["reward_kwargs"], Mapping):
-        raise ConfigError(f"config key 'reward_kwargs' must be a dict, got {cfg['reward_kwargs']!r}")
+        raise ConfigError(f"env config: reward_kwargs must be a dict, got {cfg['reward_kwargs']!r}")
     return cfg
 
 

@@ -62,16 +62,20 @@ class AgenticRLAlgorithm(Algorithm):
     # ---------------------------------------------------------------------------------------------------- setup
 
     def setup(self, config: AgenticRLConfig) -> None:
-        """Build learner, engine and sampler; no ``super().setup()`` (no EnvRunners or LearnerGroup)."""
+        """Build learner, engine and sampler.
+
+        Not ``super().setup()``: with ``_is_online=False`` and no RLModule spec, RLlib 2.60's setup still builds a
+        LearnerGroup from the env's spaces and fails (``observation_space not provided``, RAY_NOTES §1.1); our
+        learner, engine and sampler replace the EnvRunners and the LearnerGroup. So only what ``step()``/``save()``
+        read is set up here: the callbacks, ``env_runner_group`` (``None``: nothing to sync or restore) and the
+        metrics timers (RAY_NOTES §1.4.2).
+        """
         from arpo_algo.models import resolve_model_path
         from arpo_algo.train.learner import Learner
 
         self.callbacks = [c() for c in _as_list(self.config.callbacks_class)]
-        self.env_runner_group = self.eval_env_runner_group = None
-        self.offline_data = self.learner_group = self._aggregator_actor_manager = None
-        self.offline_eval_runner_group = None
-        self.evaluation_config = self.config.get_evaluation_config_object()
-        self._set_up_metrics()  # step() and save() time themselves with these (RAY_NOTES §1.4.2)
+        self.env_runner_group = None
+        self._set_up_metrics()
         cfg = self.config
         check_resources_feasible(resource_bundles(cfg))
         model_path = resolve_model_path(cfg.model_path)
@@ -116,7 +120,10 @@ class AgenticRLAlgorithm(Algorithm):
         env = creator()
         sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop=tuple(env.stop_sequences))
-        dump_path = os.path.join(self.logdir, "trees.jsonl") if dump and getattr(self, "logdir", None) else None
+        dump_path = None
+        if dump:
+            dump_path = cfg.dump_path or (os.path.join(self.logdir, "trees.jsonl") if getattr(self, "logdir", None)
+                                         else None)
         return TreeSampler(self.engine, creator, tree, sampling, max_response_tokens=max_response_tokens,
                            tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
                            train_tool_limit_eos=cfg.train_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)

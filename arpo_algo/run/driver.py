@@ -149,11 +149,12 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     if resume is not None and not existing:
         raise ArpoError(f"nothing to resume: {ckpt_root} holds no checkpoint")
     out.mkdir(parents=True, exist_ok=True)
+    if exp.config.dump_trees and exp.config.dump_path is None:
+        # Outside Tune the Algorithm's logdir is a temp folder; tree dumps belong to the run folder.
+        exp.config.llm_rollouts(dump_path=str(out / "trees.jsonl"))
     _write_config(exp, out)
     iterations = exp.run.iterations
     algo = exp.config.build_algo()
-    if algo.sampler.dump_path:  # outside Tune the Algorithm's logdir is a temp folder; dumps belong to the run
-        algo.sampler.dump_path = str(out / "trees.jsonl")
     history: list[dict[str, float]] = []
     metrics_file = out / "metrics.jsonl"
     if existing:

@@ -23,6 +23,9 @@ turn of a record is trained; earlier turns (sharegpt history, alpaca ``history``
 ShareGPT ``observation`` turns are tool outputs: masked, and wrapped in the RL result format unless they already
 carry ``<result>`` tags.
 
+Data loading, parsing and tokenization live in :mod:`arpo_algo.train.sft_data`; the optimizer and schedule are
+:mod:`arpo_algo.train.optim`'s, shared with RL.
+
 Sequences longer than ``max_seq_len`` are dropped (``truncation="drop"``, the default: a cut demonstration never
 shows its answer and EOS) or cut at ``max_seq_len`` (``"truncate"``, LLaMA-Factory's ``cutoff_len`` behaviour); the
 counts are in ``sft_metrics.json``.
@@ -34,17 +37,16 @@ import dataclasses
 import json
 import math
 import random
-import re
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError, ConfigError
-
-RESULT_TEMPLATE = " <result>\n{result}\n</result>"  # the RL environment's insertion format (ARPO_SPEC §1)
-_RESULT_SPAN = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
-Segment = tuple[str, bool]
+from arpo_algo.train.optim import SCHEDULES, build_optimizer
+from arpo_algo.train.sft_data import build_dataset, load_examples
+from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice, check_type, dataclass_from_dict
 
 
 @dataclass
@@ -68,8 +70,10 @@ class SFTConfig:
     """Peak learning rate. The reference uses 7e-6 for 7B models; a 135M model on CPU needs far more to learn in
     minutes (2e-4 with batch 8: SmolLM2-135M follows the ToolMath tool format after ~6-12 steps)."""
     lr_schedule: str = "cosine"
-    """``"cosine"`` (reference), ``"linear"`` or ``"constant"``, after a linear warm-up."""
+    """``"cosine"`` (reference), ``"linear"`` or ``"constant"``, after a linear warm-up (:mod:`arpo_algo.train.optim`:
+    the same optimizer and schedule as RL)."""
     warmup_ratio: float = 0.1
+    """Warm-up steps as a fraction of the run's optimizer steps (``int(warmup_ratio * steps)``)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     batch_size: int = 8
@@ -96,13 +100,13 @@ class SFTConfig:
 
     def validate(self) -> None:
         """Check types and ranges; raise :class:`ConfigError` naming the bad key."""
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-        choices = {"data_format": ("auto", "sharegpt", "alpaca"), "lr_schedule": ("cosine", "linear", "constant"),
+            check_type(f.name, getattr(self, f.name), hints[f.name], "sft config")
+        choices = {"data_format": ("auto", "sharegpt", "alpaca"), "lr_schedule": SCHEDULES,
                    "truncation": ("drop", "truncate"), "device": ("auto", "cpu", "cuda")}
         for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"sft config: {key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+            check_choice(key, getattr(self, key), allowed, "sft config")
         positive = ("epochs", "lr", "batch_size", "grad_accum", "max_seq_len", "log_every", "num_examples",
                     "max_steps")
         for key in positive:
@@ -117,227 +121,10 @@ class SFTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
-        """Build from a dict (TOML top level), rejecting unknown keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"sft config: unknown key {key!r}", hint=f"known keys: {', '.join(sorted(known))}")
-        cfg = cls(**d)
+        """Build from a dict (TOML top level), rejecting unknown keys (closest valid name) and wrong types."""
+        cfg = dataclass_from_dict(cls, d, "sft config")
         cfg.validate()
         return cfg
-
-
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,)}
-
-
-def _check_type(key: str, value: Any, annotation: str) -> None:
-    optional = annotation.endswith("| None")
-    base = annotation.replace("| None", "").strip()
-    if value is None:
-        if not optional:
-            raise ConfigError(f"sft config: {key} must not be empty (None)")
-        return
-    ok = isinstance(value, _TYPES[base]) and (base in ("bool",) or not isinstance(value, bool))
-    if base == "list[int]" and ok:
-        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    if not ok:
-        raise ConfigError(f"sft config: {key} must be {base}, got {value!r} ({type(value).__name__})")
-
-
-# --------------------------------------------------------------------------------------------------- data
-
-
-@dataclass
-class SFTExample:
-    """One demonstration: prompt chat messages (masked) and the assistant reply as ``(text, trained)`` segments."""
-
-    messages: list[dict[str, str]]
-    segments: list[Segment]
-    source: str = ""
-
-
-def split_inline_results(text: str) -> list[Segment]:
-    """Split assistant text into trained text and masked ``<result>…</result>`` spans (with leading whitespace)."""
-    segments: list[Segment] = []
-    pos = 0
-    for m in _RESULT_SPAN.finditer(text):
-        if m.start() > pos:
-            segments.append((text[pos:m.start()], True))
-        segments.append((m.group(0), False))
-        pos = m.end()
-    rest = text[pos:]
-    if "<result>" in rest:
-        raise ValueError("an assistant reply has <result> without a closing </result>")
-    if rest:
-        segments.append((rest, True))
-    return segments
-
-
-def _role(turn: dict, i: int) -> tuple[str, str]:
-    if "from" in turn and "value" in turn:
-        role, value = turn["from"], turn["value"]
-    elif "role" in turn and "content" in turn:
-        role, value = turn["role"], turn["content"]
-    else:
-        raise ValueError(f"turn {i} has neither from/value nor role/content keys (keys: {sorted(turn)})")
-    mapped = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-              "observation": "observation", "tool": "observation", "function_call": "function_call"}
-    if role not in mapped or not isinstance(value, str):
-        raise ValueError(f"turn {i}: unknown role {role!r} or non-string value")
-    return mapped[role], value
-
-
-def parse_sharegpt(record: dict) -> tuple[list[dict[str, str]], list[Segment]]:
-    """One sharegpt record -> (prompt messages, segments of the last assistant turn)."""
-    turns = record.get("conversations", record.get("messages"))
-    if not isinstance(turns, list) or not turns:
-        raise ValueError("sharegpt record needs a non-empty 'conversations' list")
-    parsed = [_role(t, i) if isinstance(t, dict) else (None, None) for i, t in enumerate(turns)]
-    if any(r is None for r, _ in parsed):
-        raise ValueError("every conversation turn must be an object")
-    messages: list[dict[str, str]] = []
-    if isinstance(record.get("system"), str) and record["system"]:
-        messages.append({"role": "system", "content": record["system"]})
-    last_user = max((i for i, (r, _) in enumerate(parsed) if r == "user"), default=None)
-    if last_user is None:
-        raise ValueError("sharegpt record has no human turn")
-    for role, value in parsed[:last_user + 1]:  # history: plain chat messages, all masked
-        messages.append({"role": "assistant" if role in ("function_call", "observation") else role, "content": value})
-    reply = parsed[last_user + 1:]
-    if not reply or reply[-1][0] != "assistant":
-        raise ValueError("sharegpt record must end with a gpt turn after its last human turn")
-    segments: list[Segment] = []
-    for role, value in reply:
-        if role == "observation":
-            text = value if "<result>" in value else RESULT_TEMPLATE.format(result=value)
-            segments.append((text, False))
-        elif role in ("assistant", "function_call"):
-            segments.extend(split_inline_results(value))
-        else:
-            raise ValueError(f"unexpected {role!r} turn inside the assistant reply")
-    return messages, segments
-
-
-def parse_alpaca(record: dict) -> tuple[list[dict[str, str]], list[Segment]]:
-    """One alpaca record -> (prompt messages, segments of ``output``)."""
-    for key in ("instruction", "output"):
-        if not isinstance(record.get(key), str):
-            raise ValueError(f"alpaca record needs a string {key!r}")
-    messages: list[dict[str, str]] = []
-    if isinstance(record.get("system"), str) and record["system"]:
-        messages.append({"role": "system", "content": record["system"]})
-    for pair in record.get("history") or []:
-        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError("alpaca 'history' must be a list of [query, response] string pairs")
-        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    extra = record.get("input") or ""
-    # LLaMA-Factory joins instruction and input with a newline.
-    messages.append({"role": "user", "content": record["instruction"] + ("\n" + extra if extra else "")})
-    return messages, split_inline_results(record["output"])
-
-
-def detect_format(record: Any) -> str | None:
-    """``"sharegpt"``, ``"alpaca"`` or None for one record."""
-    if isinstance(record, dict) and isinstance(record.get("conversations", record.get("messages")), list):
-        return "sharegpt"
-    if isinstance(record, dict) and "instruction" in record and "output" in record:
-        return "alpaca"
-    return None
-
-
-def load_file_examples(path: str | Path, data_format: str = "auto", limit: int | None = None) -> list[SFTExample]:
-    """Read a sharegpt/alpaca JSON (list) or JSONL file; errors name the file and the first bad record."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ArpoError(f"SFT data file not found: {path}", hint='use data="toolmath" or a sharegpt/alpaca JSON file')
-    text = path.read_text(encoding="utf-8")
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is neither a JSON list nor JSON lines: {e}") from e
-    if not isinstance(records, list) or not records:
-        raise ConfigError(f"{path}: expected a non-empty JSON list of records (sharegpt or alpaca)")
-    records = records[:limit] if limit else records
-    fmt = detect_format(records[0]) if data_format == "auto" else data_format
-    if fmt is None:
-        raise ConfigError(f"{path}: record 0 is in no known SFT format: {json.dumps(records[0])[:200]}",
-                          hint="sharegpt records have a 'conversations' list; alpaca records have "
-                               "'instruction' and 'output'")
-    parse = parse_sharegpt if fmt == "sharegpt" else parse_alpaca
-    out = []
-    for i, rec in enumerate(records):
-        try:
-            if not isinstance(rec, dict):
-                raise ValueError("record is not a JSON object")
-            messages, segments = parse(rec)
-        except ValueError as e:
-            raise ConfigError(f"{path}: record {i} is not valid {fmt}: {e}",
-                              hint=f"record {i}: {json.dumps(rec)[:200]}") from e
-        out.append(SFTExample(messages, segments, source=f"{path.name}[{i}]"))
-    return out
-
-
-def load_examples(cfg: SFTConfig) -> list[SFTExample]:
-    """The configured demonstrations (ToolMath or a file)."""
-    if cfg.data != "toolmath":
-        return load_file_examples(cfg.data, cfg.data_format, cfg.num_examples)
-    from arpo_env.tasks.toolmath import toolmath_demonstrations
-
-    kwargs: dict[str, Any] = {"seed": cfg.seed, "split": "train"}
-    if cfg.levels is not None:
-        kwargs["levels"] = cfg.levels
-    demos = toolmath_demonstrations(cfg.num_examples or 256, **kwargs)
-    return [SFTExample(list(d["messages"]), [(t, bool(m)) for t, m in d["segments"]], source=f"toolmath[{i}]")
-            for i, d in enumerate(demos)]
-
-
-# ---------------------------------------------------------------------------------------------- tokenize
-
-
-def tokenize_example(tokenizer: Any, ex: SFTExample) -> tuple[list[int], list[int]]:
-    """Token ids and labels (-100 = masked) in the RL sampler's layout: prompt, segments, eos."""
-    prompt = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
-    ids, labels = list(prompt), [-100] * len(prompt)
-    for text, trained in ex.segments:
-        if trained:
-            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:  # tool output: never let it produce special tokens
-            seg = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        ids += seg
-        labels += seg if trained else [-100] * len(seg)
-    if tokenizer.eos_token_id is None:
-        raise ArpoError("the tokenizer has no eos_token, so SFT cannot teach the model to stop",
-                        hint="set eos_token in the model folder's tokenizer_config.json")
-    ids.append(tokenizer.eos_token_id)
-    labels.append(tokenizer.eos_token_id)
-    return ids, labels
-
-
-def build_dataset(tokenizer: Any, examples: list[SFTExample], max_seq_len: int,
-                  truncation: str) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
-    """Tokenize all examples and apply the length policy; returns (rows, counts)."""
-    rows, counts = [], {"examples": len(examples), "dropped_too_long": 0, "truncated": 0, "dropped_no_target": 0}
-    for ex in examples:
-        ids, labels = tokenize_example(tokenizer, ex)
-        if len(ids) > max_seq_len:
-            if truncation == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-            counts["truncated"] += 1
-        if all(lab == -100 for lab in labels[1:]):  # nothing left to learn (e.g. the prompt fills max_seq_len)
-            counts["dropped_no_target"] += 1
-            continue
-        rows.append((ids, labels))
-    if not rows:
-        raise ConfigError(f"no SFT example fits max_seq_len={max_seq_len} ({counts})",
-                          hint="raise max_seq_len or use truncation=\"truncate\"")
-    counts["kept"] = len(rows)
-    return rows, counts
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -368,20 +155,6 @@ def _collate(batch: list, pad_id: int, device: Any) -> tuple[Any, Any, Any]:
         labels[r, :len(y)] = torch.tensor(y)
         mask[r, :len(x)] = 1
     return ids.to(device), labels.to(device), mask.to(device)
-
-
-def _lr_lambda(cfg: SFTConfig, total_steps: int):
-    warmup = int(cfg.warmup_ratio * total_steps)
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        frac = (step - warmup) / max(1, total_steps - warmup)
-        if cfg.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0 - frac if cfg.lr_schedule == "linear" else 1.0
-
-    return fn
 
 
 def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
@@ -440,11 +213,8 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     per_step = cfg.batch_size * cfg.grad_accum
     total_steps = cfg.epochs * math.ceil(len(rows) / per_step)
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, total_steps))
+    opt, sched = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=cfg.lr_schedule,
+                                 warmup_steps=int(cfg.warmup_ratio * total_steps), total_steps=total_steps)
     out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     writer = None

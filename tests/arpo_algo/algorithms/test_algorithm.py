@@ -48,8 +48,9 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     assert changed or r1["learner"]["grad_norm"] == 0.0
 
 
-def test_grpo_is_the_same_path_without_branches(tiny_model_dir):
-    algo = tiny_config(tiny_model_dir, GRPOConfig).build_algo()
+def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
+    dump = tmp_path / "trees.jsonl"  # the dump file is a setting (it was patched into the sampler after the build)
+    algo = tiny_config(tiny_model_dir, GRPOConfig).llm_rollouts(dump_trees=True, dump_path=str(dump)).build_algo()
     try:
         assert type(algo).__name__ == "GRPO"
         groups, _ = algo.sampler.sample([0], step=0)
@@ -59,6 +60,7 @@ def test_grpo_is_the_same_path_without_branches(tiny_model_dir):
     assert len(groups[0].trajectories) == 2
     assert all(t.kind == "initial" for t in groups[0].trajectories)
     assert result["branches"] == 0.0
+    assert len(dump.read_text().splitlines()) == 2  # one group sampled by hand, one by train()
 
 
 def test_infeasible_resources_fail_fast_with_a_message():
