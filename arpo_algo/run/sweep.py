@@ -32,18 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.algorithms.options import _GROUPS, unknown_key_error
+from arpo_algo.algorithms.options import _GROUPS
 from arpo_algo.run.experiment import (
     _EVAL_KEYS,
     SECTIONS,
     Experiment,
     load_experiment,
-    parse_override,
     resolve_experiment_path,
 )
 from arpo_algo.run.sweep_checks import check_metrics, check_points
 from arpo_algo.run.tomlw import toml_literal
 from arpo_env.errors import ConfigError
+from arpo_env.options import parse_override, unknown_key_error
 
 DISTRIBUTIONS = ("uniform", "loguniform", "quniform", "randint", "choice", "grid")
 SEARCHES = ("optuna", "grid", "random")
@@ -180,7 +180,7 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
     body = dict(raw.get("sweep", {}))
     base_over = [f"{k}={toml_literal(v)}" for k, v in raw.get("base", {}).items()]
     for item in overrides or []:
-        section, key, value = parse_override(item)
+        section, key, value = parse_override(item, ("sweep", "space", *SECTIONS))
         if section == "sweep":
             body[key] = value
         elif section == "space":
@@ -266,7 +266,7 @@ def _apply_resources(s: SweepSettings, sections: dict[str, dict[str, Any]], wher
 
 
 def _beam_override(item: str, notes: list[str]) -> str:
-    section, key, value = parse_override(item)
+    section, key, value = parse_override(item, SECTIONS)
     if (section, key) != ("tree", "beam_size"):
         return item
     notes.append(f"tree.beam_size={value} is the reference code's name: using tree.branch_factor={value - 1} "
