@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-ENV_IDS: dict[str, dict[str, str]] = {
-    "arpo/ToolMath-v0": {"task": "toolmath"},
-    "arpo/Reasoning-v0": {"task": "reasoning"},
-    "arpo/DeepSearch-v0": {"task": "deepsearch"},
-}
+from arpo_env.tasks.registry import TASKS
+
+# Gymnasium id -> the env kwargs that select its task (from the task registry).
+ENV_IDS: dict[str, dict[str, str]] = {spec.env_id: {"task": name} for name, spec in TASKS.items()}
 ENTRY_POINT = "arpo_env.core:ToolTextEnv"
 # Ids whose tasks come from the reference data files (check/CLI report them as skipped when the data is missing).
-DATA_BACKED = ("arpo/Reasoning-v0", "arpo/DeepSearch-v0")
+DATA_BACKED = tuple(spec.env_id for spec in TASKS.values() if spec.data_backed)
 
 
 def register_envs() -> None:
-    """Register every arpo environment with Gymnasium (safe to call repeatedly, e.g. inside Ray workers)."""
+    """Register every arpo environment with Gymnasium (safe to call repeatedly, e.g. inside Ray workers); tasks
+    registered later (:func:`arpo_env.tasks.registry.register_task`) are added here too."""
+    for name, spec in TASKS.items():
+        ENV_IDS.setdefault(spec.env_id, {"task": name})
+    global DATA_BACKED
+    DATA_BACKED = tuple(spec.env_id for spec in TASKS.values() if spec.data_backed)
     for env_id, kwargs in ENV_IDS.items():
         if env_id not in gym.registry:
             gym.register(id=env_id, entry_point=ENTRY_POINT, kwargs=dict(kwargs), disable_env_checker=False)

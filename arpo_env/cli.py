@@ -11,15 +11,15 @@ from arpo_env.errors import ArpoError
 
 def cmd_env_list(args: argparse.Namespace) -> int:
     import arpo_env
-    from arpo_env.core import TASK_DEFAULTS
     from arpo_env.data import shared_data_dir
+    from arpo_env.tasks.registry import TASKS
 
     data = shared_data_dir()
     for env_id, kwargs in arpo_env.ENV_IDS.items():
-        d = TASK_DEFAULTS[kwargs["task"]]
+        spec = TASKS[kwargs["task"]]
         needs = "needs data" if env_id in arpo_env.DATA_BACKED else "no data needed"
         have = "" if env_id not in arpo_env.DATA_BACKED else (f" (found at {data})" if data else " (missing: arpo data pull)")
-        print(f"{env_id:<22} tools={','.join(d['tools'])} reward={d['reward']} max_tool_calls={d['max_tool_calls']} "
+        print(f"{env_id:<22} tools={','.join(spec.tools)} reward={spec.reward} max_tool_calls={spec.max_tool_calls} "
               f"{needs}{have}")
     return 0
 

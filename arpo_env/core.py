@@ -24,50 +24,30 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol
+from arpo_env.options import check_choice, check_keys
+from arpo_env.protocol import ToolProtocol
 from arpo_env.rewards import REWARDS
-from arpo_env.session import SESSION_DEFAULTS, TEXT_MAX_CHARS, SessionStep, ToolSession, build_tools_from_spec
+from arpo_env.session import (
+    SESSION_CHOICES,
+    SESSION_DEFAULTS,
+    TEXT_MAX_CHARS,
+    SessionStep,
+    ToolSession,
+    build_tools_from_spec,
+    check_session_config,
+)
+from arpo_env.tasks.registry import task_spec
 
 # Text spaces: every Unicode code point of the Basic Multilingual Plane except the surrogates (U+D800-U+DFFF),
 # i.e. all printable ASCII, whitespace, Latin, Greek, math symbols, CJK, typographic quotes. Characters outside the BMP
 # (emoji) can still appear in real tool output; gymnasium only checks observations passively.
 TEXT_CHARSET: frozenset[str] = frozenset(chr(c) for c in range(0x10000) if not 0xD800 <= c <= 0xDFFF)
 
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    # task: default tools (order = stop-string order), reward, max_tool_calls
-    "toolmath": {"tools": ("python",), "reward": "math_equiv", "max_tool_calls": 4},
-    "reasoning": {"tools": ("python", "search"), "reward": "arpo_reference", "max_tool_calls": 3},
-    "deepsearch": {"tools": ("python", "search"), "reward": "arpo_reference", "max_tool_calls": 6},
-}
-COMMON_DEFAULTS: dict[str, Any] = {
-    "task": "toolmath",
-    "split": "train",
-    "protocol": "arpo",
-    "result_format": "train",
-    "tools": None,
-    "reward": None,
-    "reward_kwargs": {},
-    "max_tool_calls": None,
-    "max_turns": 16,
-    "max_result_chars": None,
-    "max_action_chars": DEFAULT_MAX_ACTION_CHARS,
-    "max_arg_chars": DEFAULT_MAX_ARG_CHARS,
-    "on_tool_limit": "end_with_eos",
-    "on_invalid_call": "error_observation",
-    "system_prompt": None,
-}
-TASK_KEYS: dict[str, dict[str, Any]] = {
-    "toolmath": {"levels": (1, 2, 3), "num_tasks": None},
-    "reasoning": {"data_dir": None, "data_files": None, "keep_boxed_bug": False},
-    "deepsearch": {"data_dir": None, "data_files": None, "keep_boxed_bug": False},
-}
-CHOICES = {
-    "protocol": ("arpo", "json"),
-    "result_format": ("train", "eval"),
-    "on_tool_limit": ("end_with_eos", "error_observation"),
-    "on_invalid_call": ("error_observation", "end"),
-    "split": ("train", "test"),
-}
+#: Every task's config keys: the task, its split and reward, plus the session keys (:data:`SESSION_DEFAULTS`; the
+#: tool-call limit and tools default per task).
+COMMON_DEFAULTS: dict[str, Any] = {"task": "toolmath", "split": "train", "reward": None, "reward_kwargs": {},
+                                   **SESSION_DEFAULTS, "max_tool_calls": None}
+CHOICES = {**SESSION_CHOICES, "split": ("train", "test")}
 
 
 def resolve_config(config: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -75,33 +55,23 @@ def resolve_config(config: Mapping[str, Any] | None = None, **kwargs: Any) -> di
     merged = dict(config or {})
     for key, value in kwargs.items():
         if key in merged and merged[key] != value:
-            raise ConfigError(f"config key {key!r} given twice with different values ({merged[key]!r}, {value!r})")
+            raise ConfigError(f"env config: {key} given twice with different values ({merged[key]!r}, {value!r})")
         merged[key] = value
     task = merged.get("task", COMMON_DEFAULTS["task"])
-    if task not in TASK_DEFAULTS:
-        raise ConfigError(f"config key 'task' must be one of {sorted(TASK_DEFAULTS)}, got {task!r}")
-    allowed = {**COMMON_DEFAULTS, **TASK_KEYS[task]}
-    for key in merged:
-        if key not in allowed:
-            raise ConfigError(f"unknown env config key {key!r} for task {task!r}; known: {', '.join(sorted(allowed))}")
+    spec = task_spec(task)
+    allowed = {**COMMON_DEFAULTS, **spec.keys}
+    check_keys(merged, allowed, f"env config (task {task!r})")
     cfg = {**allowed, **merged}
     for key, options in CHOICES.items():
-        if cfg[key] not in options:
-            raise ConfigError(f"config key {key!r} must be one of {options}, got {cfg[key]!r}")
+        check_choice(key, cfg[key], options, "env config")
     if cfg["reward"] is None:
-        cfg["reward"] = TASK_DEFAULTS[task]["reward"]
-    if cfg["reward"] not in REWARDS:
-        raise ConfigError(f"config key 'reward' must be one of {sorted(REWARDS)}, got {cfg['reward']!r}")
+        cfg["reward"] = spec.reward
+    check_choice("reward", cfg["reward"], tuple(sorted(REWARDS)), "env config")
     if cfg["max_tool_calls"] is None:
-        cfg["max_tool_calls"] = TASK_DEFAULTS[task]["max_tool_calls"]
-    for key in ("max_tool_calls", "max_turns", "max_action_chars", "max_arg_chars", "max_result_chars"):
-        value = cfg[key]
-        if value is None and key == "max_result_chars":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "max_tool_calls" else 1):
-            raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}")
+        cfg["max_tool_calls"] = spec.max_tool_calls
+    check_session_config(cfg, "env config")
     if not isinstance(cfg["reward_kwargs"], Mapping):
-        raise ConfigError(f"config key 'reward_kwargs' must be a dict, got {cfg['reward_kwargs']!r}")
+        raise ConfigError(f"env config: reward_kwargs must be a dict, got {cfg['reward_kwargs']!r}")
     return cfg
 
 
@@ -113,7 +83,7 @@ def _text_space() -> spaces.Text:
 
 def _default_tool_spec(cfg: dict[str, Any]) -> dict[str, Any]:
     spec: dict[str, Any] = {}
-    for name in TASK_DEFAULTS[cfg["task"]]["tools"]:
+    for name in task_spec(cfg["task"]).tools:
         if name == "search":
             from arpo_env.data import find_data_file
 
@@ -131,21 +101,12 @@ def build_env_tools(cfg: dict[str, Any]) -> dict[str, Any]:
     return build_tools_from_spec(tools, _default_tool_spec(cfg) if tools is None else None)
 
 
-def _make_tasks(cfg: dict[str, Any]) -> Any:
-    if cfg["task"] == "toolmath":
-        from arpo_env.tasks.toolmath import ToolMathTasks
-
-        return ToolMathTasks(cfg["split"], cfg["levels"], cfg["num_tasks"])
-    from arpo_env.tasks.reference import ReferenceTasks
-
-    return ReferenceTasks(cfg["task"], cfg["split"], cfg["data_dir"], cfg["data_files"], cfg["keep_boxed_bug"])
-
-
 class ToolTextEnv(gym.Env):
     """A multi-turn tool-use text environment (one action = one macro action). See the module docstring.
 
     Args:
-        config: a config dict (Ray Tune passes one dict); see :data:`COMMON_DEFAULTS` and :data:`TASK_KEYS`.
+        config: a config dict (Ray Tune passes one dict); see :data:`COMMON_DEFAULTS` and each task's ``keys`` in
+            :data:`arpo_env.tasks.registry.TASKS`.
         render_mode: None or "ansi" (``render()`` returns the transcript).
         **kwargs: config keys as keyword arguments (``gym.make(id, **cfg)`` and RLlib pass these).
     """
@@ -157,7 +118,7 @@ class ToolTextEnv(gym.Env):
             raise ConfigError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
         self.config = resolve_config(config, **kwargs)
-        self.tasks = _make_tasks(self.config)
+        self.tasks = task_spec(self.config["task"]).build(self.config)
         self.tools = build_env_tools(self.config)
         self.session = ToolSession({k: self.config[k] for k in SESSION_DEFAULTS if k != "tools"}, tools=self.tools)
         self.protocol: ToolProtocol = self.session.protocol

@@ -1,7 +1,8 @@
 """The ARPO reference datasets: where they are, how to read them, how to fetch them.
 
-Location order (:func:`shared_data_dir`): ``$ARPO_DATA``, then ``<repo>/../shared/data/arpo``, then
-``$ARPO_HOME/data/arpo`` (where ``arpo data pull`` writes). Files are read with pyarrow, never copied into the repo.
+Location order (:func:`shared_data_dir`): ``$ARPO_DATA``, then ``<repo>/../shared/data/arpo`` (only when running
+from a source checkout, see :func:`arpo_env.paths.source_checkout`), then ``$ARPO_HOME/data/arpo`` (where
+``arpo data pull`` writes). Files are read with pyarrow, never copied into the repo.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_env.errors import ArpoError, MissingDataError
-from arpo_env.paths import data_dir
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from arpo_env.paths import data_dir, source_checkout
 
 # file -> download URL. The parquet files are published on the Hugging Face hub; the search cache lives in the
 # reference GitHub repository (ARPO/search_cache/).
@@ -42,7 +41,9 @@ def _candidates() -> list[Path]:
     out = []
     if os.environ.get("ARPO_DATA"):
         out.append(Path(os.environ["ARPO_DATA"]).expanduser())
-    out.append(REPO_ROOT.parent / "shared" / "data" / "arpo")
+    checkout = source_checkout()
+    if checkout is not None:
+        out.append(checkout.parent / "shared" / "data" / "arpo")
     out.append(data_dir())
     return out
 

@@ -23,3 +23,20 @@ def data_dir() -> Path:
 def cache_dir() -> Path:
     """Default location of the on-disk tool-result caches."""
     return arpo_home() / "tool_cache"
+
+
+def source_checkout(package_dir: Path | None = None) -> Path | None:
+    """The repository root when arpo runs from a source checkout (editable install or ``PYTHONPATH``), else None.
+
+    A wheel install puts the packages in ``site-packages``, where there is no ``experiments/`` folder and no
+    ``../shared`` beside them: paths derived from the package location are only meaningful in a checkout, which is
+    recognised by the ``pyproject.toml`` of project ``arpo`` next to the package.
+    """
+    root = (package_dir or Path(__file__).resolve().parent).parent
+    pyproject = root / "pyproject.toml"
+    try:
+        if pyproject.is_file() and 'name = "arpo"' in pyproject.read_text(encoding="utf-8"):
+            return root
+    except OSError:
+        pass
+    return None

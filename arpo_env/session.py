@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arpo_env.errors import ArpoError, ConfigError
+from arpo_env.options import check_choice, check_keys
 from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol, build_protocol
 
 TEXT_MAX_CHARS = 131_072  # a hard cap on one observation (results are cut to fit, with a visible marker)
@@ -67,17 +68,16 @@ def build_tools_from_spec(tools: Any, default: Mapping[str, Any] | None = None) 
     return _TOOL_SETS[key]
 
 
-def check_session_config(cfg: Mapping[str, Any]) -> None:
+def check_session_config(cfg: Mapping[str, Any], where: str = "session config") -> None:
     """Raise ConfigError for an invalid value of a session key (choices and integer limits)."""
     for key, options in SESSION_CHOICES.items():
-        if cfg[key] not in options:
-            raise ConfigError(f"config key {key!r} must be one of {options}, got {cfg[key]!r}")
+        check_choice(key, cfg[key], options, where)
     for key in ("max_tool_calls", "max_turns", "max_action_chars", "max_arg_chars", "max_result_chars"):
         value = cfg[key]
         if value is None and key == "max_result_chars":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "max_tool_calls" else 1):
-            raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -127,13 +127,7 @@ class ToolSession:
 
     def __init__(self, config: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         merged = {**dict(config or {}), **kwargs}
-        unknown = [k for k in merged if k not in SESSION_DEFAULTS]
-        if unknown:
-            import difflib
-
-            close = difflib.get_close_matches(unknown[0], list(SESSION_DEFAULTS), n=1)
-            raise ConfigError(f"unknown session config key {unknown[0]!r}; known: {', '.join(SESSION_DEFAULTS)}",
-                              hint=f"did you mean {close[0]!r}?" if close else None)
+        check_keys(merged, SESSION_DEFAULTS, "session config")
         self.config = {**SESSION_DEFAULTS, **merged}
         if self.config["max_tool_calls"] is None:
             self.config["max_tool_calls"] = SESSION_DEFAULTS["max_tool_calls"]

@@ -52,8 +52,7 @@ def fwd_bwd(learner: Learner, groups: list[Group]) -> tuple[float, dict[str, flo
     """Forward + backward of the training loss (no optimizer step); returns (seconds, sizes)."""
     learner.model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    batches = learner._micro_batches(learner._specs(groups))
-    norms = learner._pair_norm(batches)
+    batches, norms = learner.prepare_batches(groups)
     for b, w in zip(batches, norms):
         lp_u, _ = forward_token_stats(learner.model, b, with_entropy=True, entropy_grad=False)
         lp = lp_u[b.pair_node]

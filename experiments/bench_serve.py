@@ -9,7 +9,8 @@ in-process run generate exactly the same tokens: the comparison is the same work
 sends its next request when the previous one returns) through HTTP on 127.0.0.1 with the official ``openai``
 client. The in-process baseline runs the same agent loop (``run_agents``) on an in-process engine, ``C``
 conversations at a time for ``C`` clients (what perfect batching of ``C`` concurrent requests could reach), with no
-HTTP and no Serve. The replica gets every CPU of the machine, like the in-process run.
+HTTP and no Serve. Both sides use ``--threads`` torch threads (the replica gets that many Ray CPUs, so Ray sets its
+``OMP_NUM_THREADS``); on a busy machine one thread is far faster than an oversubscribed two.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def in_process(agent: Any, reqs: list[dict], clients: int, max_tokens: int) -> d
     import functools
 
     from arpo_algo.rollout.agent_loop import run_agents
-
     from serve.runtime import choice_seed
     from serve.schema import parse_chat_request
 
@@ -108,11 +108,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--clients", default="1,8,32")
     p.add_argument("--requests-per-client", type=int, default=2, dest="per_client")
     p.add_argument("--max-tokens", type=int, default=32, dest="max_tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the replica and of the in-process run")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
 
     import ray
+    import torch
     from ray import serve
 
     from arpo_algo.cli.serve import wait_ready
@@ -120,17 +122,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from serve.app import build_app
     from serve.runtime import Agent
 
-    cpus = os.cpu_count() or 2
+    cpus = max(os.cpu_count() or 2, args.threads)
+    torch.set_num_threads(args.threads)
     specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens,
                         engine_settings={"max_batch_size": 32})
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(specs, max_ongoing_requests=32, max_queued_requests=64, num_cpus=cpus), name="bench",
+    serve.run(build_app(specs, max_ongoing_requests=32, max_queued_requests=64, num_cpus=args.threads), name="bench",
               route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 600)
-    out: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "cpus": cpus, "levels": {}}
+    out: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
+                           "cpus": os.cpu_count(), "levels": {}}
     served(url, "bench", requests_for(1, 1), 1, args.max_tokens)  # warm-up
     for c in levels:
         out["levels"][c] = {"served": served(url, "bench", requests_for(c, args.per_client), c, args.max_tokens)}

@@ -42,7 +42,7 @@ def run_one(engine: HFEngine, cfg: TreeConfig, tasks: list[int], args: argparse.
         "branches_per_group": m["rollout/branches"] / n,
         "fillups_per_group": m["rollout/fillups"] / n,
         "trajectories_with_tool_call": sum(bool(t.tool_calls) for t in trajs) / len(trajs),
-        "reward_mean": m["rollout/reward_mean"],
+        "reward_mean": m["reward_mean"],
         "wall_s": wall,
         "time_generate_s": m["rollout/time_generate_s"],
         "time_tools_s": m["rollout/time_tools_s"],

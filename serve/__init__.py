@@ -1,5 +1,7 @@
-"""serve: the Ray Serve application that hosts a trained arpo agent behind an OpenAI-compatible API.
+"""serve: the Ray Serve application that hosts trained arpo agents behind an OpenAI-compatible API (``arpo serve``).
 
-It loads the policy folder of an arpo checkpoint (a plain Hugging Face folder) and runs the same tools and the same
-protocol as training (``arpo_env``).
+Modules: :mod:`serve.schema` (request validation, OpenAI-style errors), :mod:`serve.agents` (what is served: model,
+checkpoint or run folder; tools), :mod:`serve.batching` (the batching front shared by a replica's requests),
+:mod:`serve.runtime` (one agent: training's agent loop, tools and token layout), :mod:`serve.metrics` (Prometheus
+metrics through Ray), :mod:`serve.app` (the deployment, its routes, the chat page, the ``serve run`` builder).
 """

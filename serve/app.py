@@ -9,8 +9,8 @@ Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=ru
 (``experiments/serve_config.yaml``, ``serve deploy``) or ``arpo serve``.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures, and FastAPI must see
+# `request: Request` as the class itself, not as a string (else the request becomes a required query parameter: 422).
 import asyncio
 import json
 import threading
@@ -183,6 +183,7 @@ class AgentServer:
         finally:
             if not finished:  # client disconnect (generator cancelled or closed): free the engine rows
                 cancel.set()
+                self.metrics.request(meta["model"], "499", time.perf_counter() - t0)
 
 
 def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,

@@ -14,14 +14,18 @@ engine and, whenever it is free, takes *every* call waiting at that moment and r
 * Prefix reuse across the turns of one request comes from the engine's KV store (``prefix_key``), which every
   round shares; identical contexts in a round (``n > 1``) are prefilled once.
 
-A cancelled request (client gone) is answered at once with error generations at the next round boundary, so its
-conversation ends there; rows already decoding finish the current round (bounded by ``max_tokens``).
+A cancelled request (client gone) stops at once, mid-round too: its next streamed token aborts the round (an
+exception out of ``on_token``), its calls are answered with error generations (its conversation ends), and the
+other calls of that round are run again at once. The replay gives them the same tokens, because every request
+carries an explicit seed (one is drawn here for unseeded ones) and the engine samples each request from its own
+seeded generator; tokens already streamed are not streamed twice. The price is the aborted round's compute.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import threading
 import time
 from typing import Any
@@ -29,6 +33,10 @@ from typing import Any
 from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generation
 
 CANCELLED = "cancelled: the client disconnected"
+
+
+class _Abort(Exception):
+    """Raised out of ``on_token`` to stop a round that holds a cancelled request."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,33 +124,59 @@ class BatchingEngine:
             calls, releases = taken
             if releases:
                 self.engine.release(releases)
-            live = []
-            for call in calls:
-                if call.cancel is not None and call.cancel.is_set():
-                    call.results = [error_generation(r, CANCELLED) for r in call.requests]
-                    call.done.set()
-                else:
-                    live.append(call)
+            live = self._drop_cancelled(calls)
             if live:
                 self._round(live)
 
+    @staticmethod
+    def _drop_cancelled(calls: list[_Call]) -> list[_Call]:
+        live = []
+        for call in calls:
+            if call.cancel is not None and call.cancel.is_set():
+                call.results = [error_generation(r, CANCELLED) for r in call.requests]
+                call.done.set()
+            else:
+                live.append(call)
+        return live
+
     def _round(self, live: list[_Call]) -> None:
-        flat = [dataclasses.replace(r, request_id=(ci, j)) for ci, c in enumerate(live)
-                for j, r in enumerate(c.requests)]
-
-        def on_token(rid: Any, token: int) -> None:
-            c = live[rid[0]]
-            if c.on_token is not None:
-                c.on_token(c.requests[rid[1]].request_id, token)
-
+        for c in live:  # explicit seeds: a replayed round must sample the same tokens
+            c.requests = [r if r.params.seed is not None else dataclasses.replace(
+                r, params=dataclasses.replace(r.params, seed=random.getrandbits(63))) for r in c.requests]
+        streamed: dict[tuple[int, int], int] = {}  # (call, request) -> tokens already handed to its on_token
         t0 = time.perf_counter()
-        try:
-            gens = self.engine.generate(flat, on_token=on_token)
-        except BaseException as e:  # noqa: BLE001 - handed to every waiting caller; the loop keeps serving
-            for c in live:
-                c.error = e
-                c.done.set()
+        while live:
+            flat = [dataclasses.replace(r, request_id=(ci, j)) for ci, c in enumerate(live)
+                    for j, r in enumerate(c.requests)]
+            seen: dict[tuple[int, int], int] = {}
+
+            def on_token(rid: Any, token: int, live: list[_Call] = live, seen: dict = seen) -> None:
+                c = live[rid[0]]
+                if c.cancel is not None and c.cancel.is_set():
+                    raise _Abort
+                key = (id(c), rid[1])
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] > streamed.get(key, 0):
+                    streamed[key] = seen[key]
+                    if c.on_token is not None:
+                        c.on_token(c.requests[rid[1]].request_id, token)
+
+            try:
+                gens = self.engine.generate(flat, on_token=on_token)
+            except _Abort:
+                with self._cv:
+                    self._stats["aborted_rounds"] += 1
+                live = self._drop_cancelled(live)
+                continue
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller; the loop keeps serving
+                for c in live:
+                    c.error = e
+                    c.done.set()
+                return
+            self._deliver(live, gens, len(flat), time.perf_counter() - t0)
             return
+
+    def _deliver(self, live: list[_Call], gens: list[Generation], n: int, seconds: float) -> None:
         for c in live:
             c.results = [None] * len(c.requests)  # type: ignore[list-item]
         for g in gens:
@@ -151,9 +185,9 @@ class BatchingEngine:
             live[ci].results[j] = g  # type: ignore[index]
         with self._cv:
             self._stats["rounds"] += 1
-            self._stats["requests"] += len(flat)
+            self._stats["requests"] += n
             self._stats["calls"] += len(live)
-            self._stats["engine_seconds"] += time.perf_counter() - t0
+            self._stats["engine_seconds"] += seconds
         for c in live:
             c.done.set()
 

@@ -26,11 +26,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
-from arpo_env.session import SessionStep, ToolSession
-
 from arpo_algo.core.tree import derive_seed
 from arpo_algo.rollout.engines.base import SamplingParams
+from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
+from arpo_env.session import SessionStep, ToolSession
 from serve.agents import AgentSpec
 from serve.batching import BatchingEngine
 from serve.schema import APIError, ChatRequest
@@ -57,6 +56,7 @@ class Job:
     client_tools: bool
     prior_tool_calls: int
     include_usage: bool
+    max_tool_calls: int | None = None
 
 
 class ServeSession:
@@ -171,7 +171,7 @@ class Agent:
         return Job(prompt=ids, n=req.n, max_response_tokens=budget,
                    sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p), seed=req.seed,
                    stop=req.stop, client_tools=req.tool_mode == "client", prior_tool_calls=prior,
-                   include_usage=req.include_usage)
+                   include_usage=req.include_usage, max_tool_calls=req.max_tool_calls)
 
     # -------------------------------------------------------------------------------------------------- running
     def _sessions(self, job: Job) -> list[ServeSession]:
@@ -179,6 +179,8 @@ class Agent:
         for _ in range(job.n):
             s = self.session.clone()
             s.reset()
+            if job.max_tool_calls is not None:  # a request may lower the agent's limit, never raise it
+                s.config["max_tool_calls"] = min(s.config["max_tool_calls"], job.max_tool_calls)
             s.counts["tool_calls"] = job.prior_tool_calls
             out.append(ServeSession(s, job.stop, job.client_tools))
         return out

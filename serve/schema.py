@@ -133,6 +133,13 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
+def _ext_int(ext: dict, key: str, lo: int, hi: int) -> int | None:
+    try:
+        return _int(ext, key, lo, hi)
+    except APIError as e:
+        raise APIError(e.message.replace(f"'{key}'", f"'arpo.{key}'"), param=f"arpo.{key}") from None
+
+
 def _stop(body: dict) -> list[str]:
     s = body.get("stop")
     if s is None:
@@ -161,9 +168,9 @@ def _tool_mode(body: dict, ext: dict) -> str:
     if mode not in TOOL_MODES:
         raise APIError(f"'arpo.tool_mode' must be one of {', '.join(TOOL_MODES)}, got {json.dumps(mode)}",
                        param="arpo.tool_mode")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise APIError("'tool_choice' supports only \"auto\" and \"none\": the agent decides when to call its "
-                       "tools", param="tool_choice")
+    if body.get("tool_choice") not in (None, "auto"):
+        raise APIError("'tool_choice' supports only \"auto\": a trained agent decides itself when to call its tools",
+                       param="tool_choice")
     return mode
 
 
@@ -202,4 +209,4 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
         max_tokens=max_tokens, n=_int(body, "n", 1, max_n) or 1, stop=_stop(body),
         seed=_int(body, "seed", -(2 ** 63), 2 ** 63 - 1), stream=stream,
         include_usage=bool(opts.get("include_usage", False)), tool_mode=_tool_mode(body, ext),
-        max_tool_calls=_int(ext, "max_tool_calls", 0, 64) if "max_tool_calls" in ext else None)
+        max_tool_calls=_ext_int(ext, "max_tool_calls", 0, 64))

@@ -50,8 +50,34 @@ def shared_data() -> Path:
     return path
 
 
+#: Test tiers (``./scripts/test -m unit`` / ``-m integration`` / ``-m "gpu or vllm"``), assigned by one rule:
+#: a test is ``integration`` when it loads a real model (it requests one of MODEL_FIXTURES, directly or through
+#: another fixture: real generation or training) or lives in one of INTEGRATION_MODULES (a Ray cluster, Tune, or
+#: the CLI run as a subprocess); ``gpu``/``vllm`` tests (marked in their modules) are their own tier; every other
+#: test is ``unit`` (pure logic, real tools and environments, seconds each).
+MODEL_FIXTURES = ("tiny_model_dir", "smollm2_dir")
+INTEGRATION_MODULES = (
+    "tests/arpo_algo/algorithms/test_tune.py",     # Ray Tune trials
+    "tests/arpo_algo/rollout/test_actors.py",      # Ray rollout actors
+    "tests/arpo_algo/cli/test_cli.py",             # the arpo CLI in a subprocess
+    "tests/arpo_algo/run/test_train_cli.py",       # arpo train end to end
+    "tests/test_benchmarks.py",                    # the benchmark scripts end to end
+)
+
+
+def tier(item) -> str:
+    """The tier of one collected test (see MODEL_FIXTURES / INTEGRATION_MODULES)."""
+    if "gpu" in item.keywords or "vllm" in item.keywords:
+        return "gpu"
+    module = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+    if module in INTEGRATION_MODULES or any(f in item.fixturenames for f in MODEL_FIXTURES):
+        return "integration"
+    return "unit"
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU and vLLM tests run only where the hardware or package exists; elsewhere they skip with the reason."""
+    """Tiers (unit/integration), and GPU and vLLM tests run only where the hardware or package exists; elsewhere
+    they skip with the reason."""
     import importlib.util
 
     try:
@@ -62,6 +88,9 @@ def pytest_collection_modifyitems(config, items):
         has_gpu = False
     has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
+        t = tier(item)
+        if t != "gpu":
+            item.add_marker(getattr(pytest.mark, t))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"))
         if "vllm" in item.keywords and not has_vllm:

@@ -41,3 +41,12 @@ def test_bench_engine_runs_all_scenarios(tiny_model_dir, tmp_path):
     for row in result["scenarios"].values():
         assert row["engine_tokens"] > 0 and row["generate_tokens"] > 0 and row["ratio"] > 0
     assert out.is_file()
+
+
+def test_bench_dedup_runs_through_the_public_learner_api(tiny_model_dir, tmp_path):
+    """bench_dedup times the learner's own micro-batches (Learner.prepare_batches, no private members)."""
+    from experiments import bench_dedup
+
+    result = bench_dedup.main(["--model", str(tiny_model_dir), "--groups", "1", "--repeats", "1",
+                               "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "d.json")])
+    assert (tmp_path / "d.json").exists() and result

@@ -44,7 +44,7 @@ from arpo_algo.algorithms.components import (
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
-from arpo_algo.rollout.metrics import summarize_groups
+from arpo_algo.rollout import metrics as MK
 
 
 class AgenticRLAlgorithm(Algorithm):
@@ -61,16 +61,20 @@ class AgenticRLAlgorithm(Algorithm):
     # ---------------------------------------------------------------------------------------------------- setup
 
     def setup(self, config: AgenticRLConfig) -> None:
-        """Build learner, engine and sampler; no ``super().setup()`` (no EnvRunners or LearnerGroup)."""
+        """Build learner, engine and sampler.
+
+        Not ``super().setup()``: with ``_is_online=False`` and no RLModule spec, RLlib 2.60's setup still builds a
+        LearnerGroup from the env's spaces and fails (``observation_space not provided``, RAY_NOTES §1.1); our
+        learner, engine and sampler replace the EnvRunners and the LearnerGroup. So only what ``step()``/``save()``
+        read is set up here: the callbacks, ``env_runner_group`` (``None``: nothing to sync or restore) and the
+        metrics timers (RAY_NOTES §1.4.2).
+        """
         from arpo_algo.models import resolve_model_path
         from arpo_algo.train.learner import Learner
 
         self.callbacks = [c() for c in _as_list(self.config.callbacks_class)]
-        self.env_runner_group = self.eval_env_runner_group = None
-        self.offline_data = self.learner_group = self._aggregator_actor_manager = None
-        self.offline_eval_runner_group = None
-        self.evaluation_config = self.config.get_evaluation_config_object()
-        self._set_up_metrics()  # step() and save() time themselves with these (RAY_NOTES §1.4.2)
+        self.env_runner_group = None
+        self._set_up_metrics()
         cfg = self.config
         check_resources_feasible(resource_bundles(cfg))
         model_path = resolve_model_path(cfg.model_path)
@@ -122,7 +126,10 @@ class AgenticRLAlgorithm(Algorithm):
         env = creator()
         sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop=tuple(env.stop_sequences))
-        dump_path = os.path.join(self.logdir, "trees.jsonl") if dump and getattr(self, "logdir", None) else None
+        dump_path = None
+        if dump:
+            dump_path = cfg.dump_path or (os.path.join(self.logdir, "trees.jsonl") if getattr(self, "logdir", None)
+                                         else None)
         return TreeSampler(self.engine, creator, tree, sampling, max_response_tokens=max_response_tokens,
                            tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
                            train_tool_limit_eos=cfg.train_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)
@@ -144,19 +151,16 @@ class AgenticRLAlgorithm(Algorithm):
         t2 = time.perf_counter()
         if learn.get("skipped_nan"):
             self.metrics.log_value("nan_updates_skipped", float(learn["skipped_nan"]), reduce="sum")
-        summary = summarize_groups(groups)
-        generated = float(rollout.get("tokens_generated", summary["tokens_sampled"]))
-        summary["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
-        summary["update_tokens_per_s"] = summary["tokens_sampled"] / max(t2 - t1, 1e-9)
-        for key, value in summary.items():
-            self.metrics.log_value(key, value, reduce="mean", window=1)
-        # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces.
+        generated = rollout.get(MK.TOKENS_GENERATED, rollout[MK.TOKENS_SAMPLED])
+        rollout["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
+        rollout["update_tokens_per_s"] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
+        # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces;
+        # the trajectory-quality names (reward_mean, accuracy, ...) stay at the top level.
         for key, value in rollout.items():
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         for key, value in learn.items():
             self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
-        self.metrics.log_value("num_trajectories_lifetime", float(summary["num_trajectories"]),
-                               reduce="lifetime_sum")
+        self.metrics.log_value("num_trajectories_lifetime", rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
         self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
         return None
 

@@ -21,7 +21,6 @@ together, as RLlib does, so neither imports the other lazily.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from typing import Any
 
@@ -41,6 +40,7 @@ from arpo_algo.algorithms.options import (
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.train.learner import LearnerConfig
 from arpo_env.errors import ConfigError
+from arpo_env.options import closest
 
 
 class AgenticRLConfig(AlgorithmConfig):
@@ -118,8 +118,8 @@ class AgenticRLConfig(AlgorithmConfig):
         for key in config_dict:
             translated = self._translate_special_keys(key, warn_deprecated=False)
             if translated not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else (
+                near = closest(key, known)
+                hint = f"did you mean {near!r}?" if near else (
                     f"ARPO settings: {', '.join(sorted(ALL_OPTIONS))} (plus RLlib's AlgorithmConfig fields)")
                 raise ConfigError(f"{type(self).__name__} dict: unknown key {key!r}", hint=hint)
         rest = {}

@@ -21,17 +21,18 @@ closest valid name; wrong types are rejected; :meth:`ARPOConfig.validate` explai
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from collections.abc import Iterable
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.train.learner import LearnerConfig
-from arpo_env.errors import ConfigError
+from arpo_env.options import check_type, unknown_key_error
+
+__all__ = ["ALL_OPTIONS", "EVAL_OPTIONS", "LEARNER_OPTIONS", "OWN_OPTIONS", "ROLLOUT_OPTIONS", "TRAINING_OPTIONS",
+           "TREE_OPTIONS", "Option", "check_value", "unknown_key_error"]
 
 #: Keys RLlib's update_from_dict sends through .training() (see there).
 _RLLIB_TRAINING_DICT_KEYS = ("model", "optimizer", "replay_buffer_config")
@@ -83,8 +84,11 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
     Option("train_tool_limit_eos", True, bool,
            "ARPO_SPEC §10.8: the loss-mask value of the EOS appended when the tool-call limit ends an episode "
            "(it was never sampled). True (default, reference): mask 1, it is trained. False: mask 0, no gradient."),
-    Option("dump_trees", False, bool, ("Append every sampled group as a JSON line to trees.jsonl in the run folder (`arpo train`) or the "
-           "trial folder (Tune).")),
+    Option("dump_trees", False, bool,
+           "Append every sampled group (its tree) as a JSON line to `dump_path`."),
+    Option("dump_path", None, str | None,
+           "The file dump_trees writes; None = trees.jsonl in the Algorithm's log folder (the Tune trial folder). "
+           "`arpo train` sets it to trees.jsonl in the run folder."),
 )
 
 EVAL_OPTIONS: tuple[Option, ...] = (
@@ -153,81 +157,9 @@ def _is_search_space(value: Any) -> bool:
     return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
 
 
-def _type_name(hint: Any) -> str:
-    origin = get_origin(hint)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in get_args(hint))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(hint))
-    if hint is type(None):
-        return "None"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _conforms(value: Any, hint: Any) -> tuple[bool, Any]:
-    """Whether ``value`` fits ``hint``; returns the (possibly coerced: int -> float, list -> tuple) value."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return True, value
-    if hint is type(None):
-        return value is None, value
-    if origin is Literal:
-        # `True in (1, 2)` is True in Python, so compare types as well as values.
-        return any(value == a and type(value) is type(a) for a in get_args(hint)), value
-    if origin in (Union, types.UnionType):
-        for arg in get_args(hint):
-            ok, v = _conforms(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        if isinstance(value, bool):
-            return False, value
-        return isinstance(value, (int, float)), float(value) if isinstance(value, (int, float)) else value
-    if hint is str:
-        return isinstance(value, str), value
-    if origin is tuple or hint is tuple:
-        if not isinstance(value, (tuple, list)):
-            return False, value
-        args = get_args(hint)
-        if args and args[-1] is not Ellipsis and len(args) != len(value):
-            return False, value
-        elem_hints = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args) or [Any] * len(value)
-        out = []
-        for v, h in zip(value, elem_hints):
-            ok, v2 = _conforms(v, h)
-            if not ok:
-                return False, value
-            out.append(v2)
-        return True, tuple(out)
-    if origin in (list, dict) or hint in (list, dict):
-        return isinstance(value, origin or hint), value
-    if isinstance(hint, type):
-        return isinstance(value, hint), value
-    raise TypeError(f"unsupported type annotation {hint!r}")
-
-
 def check_value(name: str, value: Any, where: str = "ARPOConfig") -> Any:
     """Type-check one field value and return it (coerced); ConfigError naming the field otherwise."""
-    opt = ALL_OPTIONS[name]
     if _is_search_space(value):
         return value
-    ok, coerced = _conforms(value, opt.hint)
-    if not ok:
-        raise ConfigError(
-            f"{where}: {name} must be {_type_name(opt.hint)}, got {value!r} ({type(value).__name__})",
-            hint=opt.doc,
-        )
-    return coerced
-
-
-def unknown_key_error(key: str, valid: Iterable[str], where: str) -> ConfigError:
-    """A ConfigError naming an unknown key and the closest valid one."""
-    valid = sorted(set(valid))
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
-    return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
+    opt = ALL_OPTIONS[name]
+    return check_type(name, value, opt.hint, where, doc=opt.doc)

@@ -9,18 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_env.errors import ArpoError, ConfigError
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``key=value`` with the value read as a TOML literal (int, float, bool, list, quoted str), else a bare str."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
-    key, raw = (s.strip() for s in item.split("=", 1))
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
+from arpo_env.options import apply_overrides
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -34,7 +23,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
             values = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
-    values.update(parse_override(s) for s in args.set or [])
+    values = apply_overrides(values, args.set or [])  # SFTConfig has no sections: --set key=value
     flags = {"model": args.model, "data": args.data, "output_dir": args.output, "epochs": args.epochs,
              "num_examples": args.num_examples, "max_steps": args.max_steps}
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -60,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Supervised fine-tuning on ToolMath demonstrations or a sharegpt/alpaca file; "
                                    "writes a plain HF folder that `arpo train` can start from.")
     p.add_argument("--config", help="TOML file whose top-level keys are SFTConfig fields")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set lr=1e-5 (no section: SFTConfig is flat; the value is "
+                        "TOML, a bare word is a string; repeatable)")
     p.add_argument("--model", help="registered model name or local HF folder")
     p.add_argument("--data", help='"toolmath" or a sharegpt/alpaca JSON/JSONL file')
     p.add_argument("--output", help="output folder (the HF checkpoint)")

@@ -29,10 +29,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``arpo train``."""
     p = sub.add_parser("train", help="train with ARPO/AEPO/GRPO from an experiment file",
-                       description="Run an experiment file (a path, or a name in experiments/) in-process.")
-    p.add_argument("experiment", help="experiment TOML file or its name in experiments/ (e.g. quickstart)")
+                       description="Run an experiment file (a path, or a name looked up in $ARPO_EXPERIMENTS, "
+                                   "./experiments, then the source checkout's experiments/) in-process.")
+    p.add_argument("experiment", help="experiment TOML file or its name (e.g. quickstart)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override one setting, e.g. --set tree.budget=8 (repeatable; values are TOML literals)")
+                   help="override one setting, e.g. --set tree.budget=8 (repeatable; values are TOML literals, "
+                        "bare words are strings)")
     p.add_argument("--output", help="run folder (default: [experiment] output, else runs/<name>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")

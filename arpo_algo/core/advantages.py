@@ -15,9 +15,38 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from arpo_algo.core.registry import Registry
+
 GRPO_EPS = 1e-6
+
+#: Advantage estimators by name (``learner.advantage``). Each is
+#: ``fn(prompt_ids, responses, trained_masks, rewards, *, norm_by_std) -> TokenAdvantages``: an advantage and a count
+#: weight for every response token of every trajectory of one group. Metadata ``merge_shared=True`` tells the learner
+#: that tokens shared by several trajectories are counted once (the deduplicated batch then merges them).
+ADVANTAGES = Registry("advantage estimator", "learner.advantage")
+register_advantage = ADVANTAGES.register
+#: Per-token advantage shaping applied at loss time, when the current policy's entropies are known, by name. Each is
+#: ``fn(adv, entropy, weight, group, num_groups, *, coef, min_multiplier) -> (new_adv, z)`` on flat tensors.
+#: ``"entropy_aware"`` (AEPO §4.4) is switched on by ``learner.entropy_advantage``; it composes with any estimator.
+ADVANTAGE_SHAPERS = Registry("advantage shaping", "learner.entropy_advantage")
+register_advantage_shaper = ADVANTAGE_SHAPERS.register
+
+
+@dataclass
+class TokenAdvantages:
+    """One group's per-token advantages.
+
+    Attributes:
+        advantages: Per trajectory, one advantage per response token.
+        weights: Per trajectory, one count weight per response token (1.0 per trajectory copy for soft attribution;
+            ``1/d`` for a token shared by d trajectories under hard attribution; 0.0 for untrained tokens there).
+    """
+
+    advantages: list[list[float]]
+    weights: list[list[float]]
 
 
 def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: float = GRPO_EPS) -> list[float]:
@@ -137,6 +166,27 @@ def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_
     return token_adv, mult
 
 
+@register_advantage("grpo")
+def soft_attribution(prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                     trained_masks: Sequence[Sequence[int]], rewards: Sequence[float], *,
+                     norm_by_std: bool = True) -> TokenAdvantages:
+    """GRPO over the whole tree (soft attribution): every token gets its trajectory's advantage, weight 1."""
+    adv = grpo_advantages(list(rewards), norm_by_std=norm_by_std)
+    return TokenAdvantages([[a] * len(r) for a, r in zip(adv, responses)], [[1.0] * len(r) for r in responses])
+
+
+@register_advantage("hard", merge_shared=True)
+def hard_attribution_advantages(prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                                trained_masks: Sequence[Sequence[int]], rewards: Sequence[float], *,
+                                norm_by_std: bool = True) -> TokenAdvantages:
+    """Hard attribution (:func:`hard_attribution` over GRPO advantages): a shared token counts once."""
+    adv = grpo_advantages(list(rewards), norm_by_std=norm_by_std)
+    tok_adv, mult = hard_attribution(list(prompt_ids), [list(r) for r in responses],
+                                     [list(m) for m in trained_masks], adv)
+    return TokenAdvantages(tok_adv, [[1.0 / d if d else 0.0 for d in m] for m in mult])
+
+
+@register_advantage_shaper("entropy_aware")
 def entropy_aware_advantages(adv, entropy, weight, group, num_groups: int, *, coef: float = 0.2,
                              min_multiplier: float | None = None):
     """AEPO's entropy-aware advantage ``A·(1 + coef·z)`` with ``z`` the per-group z-score of the token entropy.

@@ -14,37 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
+from arpo_algo.core.registry import Registry
 from arpo_env.errors import ConfigError
-
-if TYPE_CHECKING:  # torch is imported where it is used, so the pure estimators stay importable without it
-    import torch
 
 #: Per-token entropy an engine reports: exact ("full") or the reference's top-k summand ("topk_sum_lnV").
 ENTROPY_METHODS = ("full", "topk_sum_lnV")
 
 # One token's top-k entries: a mapping token_id -> logprob, a sequence of (token_id, logprob) pairs, or plain floats.
 TopLogprobs = Mapping[int, float] | Sequence[tuple[int, float]] | Sequence[float]
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Exact entropy (nats) of ``softmax(logits / temperature)`` over the last dimension.
-
-    Args:
-        logits: Raw logits ``[..., V]`` (any float dtype; computed in float32 for accuracy).
-        temperature: Divides the logits first; 0 (greedy) is treated as 1, the distribution the model defines.
-
-    Returns:
-        Entropies of shape ``logits.shape[:-1]``, float32.
-    """
-    import torch
-
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    # exp(-inf) * -inf would be NaN for masked entries; xlogy-style guard keeps exact zeros there.
-    p = logp.exp()
-    return -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1)
 
 
 def _entries(top: TopLogprobs) -> list[float]:
@@ -79,3 +57,32 @@ def topk_sum_lnV(top_logprobs_per_token: Sequence[TopLogprobs], vocab_size: int,
         raise ConfigError(f"entropy k (entropy_tokens) must be >= 1, got {k}")
     total = sum(topk_token_term(top) for top in list(top_logprobs_per_token)[:k])
     return total / math.log(vocab_size)
+
+
+# ------------------------------------------------------------------------------------------ segment estimators
+#: The entropy value the branch rule sees for one generated segment, by ``TreeConfig.entropy_method``. Each entry is
+#: ``fn(entropies, top_logprobs, k, vocab_size) -> float`` over the segment's first ``k`` tokens (0.0 when empty).
+SEGMENT_ENTROPIES = Registry("entropy estimator", "tree.entropy_method")
+register_entropy = SEGMENT_ENTROPIES.register
+
+
+@register_entropy("full_mean")
+def full_mean(entropies: Sequence[float], top_logprobs: object, k: int, vocab_size: int) -> float:
+    """Mean full entropy (nats) of the first ``k`` tokens."""
+    head = list(entropies[:k])
+    return sum(head) / len(head) if head else 0.0
+
+
+@register_entropy("full_sum_lnV")
+def full_sum_lnV(entropies: Sequence[float], top_logprobs: object, k: int, vocab_size: int) -> float:  # noqa: N802
+    """Sum of the full entropies of the first ``k`` tokens divided by ``ln |V|``."""
+    return sum(entropies[:k]) / math.log(vocab_size)
+
+
+@register_entropy("topk_sum_lnV")
+def topk_segment(entropies: Sequence[float], top_logprobs: Sequence[TopLogprobs] | None, k: int,
+                 vocab_size: int) -> float:
+    """The reference estimator (:func:`topk_sum_lnV`); needs the engine's top-k logprobs."""
+    if top_logprobs is None:
+        raise ConfigError("entropy_method='topk_sum_lnV' needs top_logprobs from the engine (logprobs_topk > 0)")
+    return topk_sum_lnV(top_logprobs, vocab_size, k)

@@ -1,4 +1,4 @@
-"""Per-token policy losses (dual-clip PPO, AEPO entropy-balanced clipping), KL, and the optimiser/schedule.
+"""Per-token policy losses (dual-clip PPO, AEPO entropy-balanced clipping) and the KL estimate.
 
 Every function here works on flat per-token tensors; how tokens are weighted and aggregated (global token mean or
 per-sequence mean) is decided by the learner through per-token weights, so the same code serves the duplicated and
@@ -7,12 +7,12 @@ the prefix-deduplicated computation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from arpo_env.errors import ConfigError
+from arpo_algo.core.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # as the reference: exp() of a huge log-ratio would overflow to inf
 KL_CLAMP = 10.0
@@ -78,46 +78,21 @@ def dual_clip_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
                          dual_clipped=dual)
 
 
+#: Policy losses by name (``learner.policy_loss``). Each is ``fn(logp, old_logp, adv, settings) -> PolicyLossOut``
+#: on flat per-token tensors; ``settings`` is the learner config (read the attributes you need: clip_low, ...).
+POLICY_LOSSES = Registry("policy loss", "learner.policy_loss")
+register_policy_loss = POLICY_LOSSES.register
+
+
+@register_policy_loss("dual_clip")
+def dual_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, settings: Any) -> PolicyLossOut:
+    """:func:`dual_clip_policy_loss` with the settings' ``clip_low``, ``clip_high``, ``clip_c`` and
+    ``entropy_balanced_clip`` (AEPO's stop-gradient upper bound)."""
+    return dual_clip_policy_loss(logp, old_logp, adv, clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                 clip_c=settings.clip_c, entropy_balanced=settings.entropy_balanced_clip)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Low-variance KL estimate ``exp(ref - logp) - (ref - logp) - 1`` per token, clamped to ±10 (reference)."""
     d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
-
-
-def token_entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary entropy ``-Σ p log p`` over the last dimension of a log-softmax tensor."""
-    return -(torch.exp(logprobs) * logprobs).sum(-1)
-
-
-SCHEDULES = ("constant", "linear", "cosine")
-
-
-def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Learning-rate factor for optimizer step ``step`` (0-based: the factor used by the (step+1)-th update).
-
-    Linear warm-up ``(step+1)/warmup_steps`` over the first ``warmup_steps`` steps, then constant, linear decay to 0
-    or cosine decay to 0 at ``total_steps``.
-    """
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ConfigError(f"lr_schedule: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-
-
-def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: str, warmup_steps: int,
-                    total_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable parameters plus a LambdaLR implementing :func:`lr_multiplier`."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"lr_schedule: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_multiplier(s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps))
-    return opt, sched

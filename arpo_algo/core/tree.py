@@ -38,15 +38,15 @@ import math
 import random
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from arpo_algo.core.entropy import topk_sum_lnV
+from arpo_algo.core.entropy import SEGMENT_ENTROPIES
 from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice, dataclass_from_dict
 
 MODES = ("arpo", "aepo", "grpo")
 DECISION_RULES = ("paper", "reference")
 FILLUPS = ("batch", "trickle")
-ENTROPY_METHODS = ("full_mean", "full_sum_lnV", "topk_sum_lnV")
 PENALTY_SCOPES = ("path", "prompt")
 
 
@@ -123,14 +123,8 @@ class TreeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TreeConfig:
-        """Build from a plain dict; unknown keys raise :class:`ConfigError` naming the key."""
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"unknown tree setting {key!r}", hint=f"known settings: {', '.join(sorted(known))}")
-        cfg = cls(**d)
-        cfg.validate()
-        return cfg
+        """Build from a plain dict; unknown keys (with the closest valid name) and wrong types raise ConfigError."""
+        return dataclass_from_dict(cls, d, "tree config").validate()
 
     @classmethod
     def grpo(cls, budget: int) -> TreeConfig:
@@ -149,9 +143,8 @@ class TreeConfig:
             raise ConfigError(f"tree config: {msg}", hint=hint)
 
         for name, allowed in (("mode", MODES), ("decision_rule", DECISION_RULES), ("fillup", FILLUPS),
-                              ("entropy_method", ENTROPY_METHODS), ("aepo_penalty_scope", PENALTY_SCOPES)):
-            if getattr(self, name) not in allowed:
-                bad(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+                              ("entropy_method", tuple(SEGMENT_ENTROPIES)), ("aepo_penalty_scope", PENALTY_SCOPES)):
+            check_choice(name, getattr(self, name), allowed, "tree config")
         if self.budget < 1:
             bad(f"budget (M) must be >= 1, got {self.budget}")
         if not 1 <= self.initial <= self.budget:
@@ -209,23 +202,14 @@ def segment_entropy(entropies: Sequence[float], top_logprobs: Sequence[Sequence[
     Args:
         entropies: Per-token full entropies (nats) of the segment.
         top_logprobs: Per-token top-k (token_id, logprob) pairs (needed by "topk_sum_lnV").
-        method: See :attr:`TreeConfig.entropy_method`.
+        method: A name in :data:`arpo_algo.core.entropy.SEGMENT_ENTROPIES` (:attr:`TreeConfig.entropy_method`).
         k: Tokens taken from the start of the segment.
         vocab_size: |V| for the ln|V| normalisation.
 
     Returns:
         0.0 for an empty segment (as the reference's empty sum).
     """
-    if method == "full_mean":
-        head = list(entropies[:k])
-        return sum(head) / len(head) if head else 0.0
-    if method == "full_sum_lnV":
-        return sum(entropies[:k]) / math.log(vocab_size)
-    if method == "topk_sum_lnV":
-        if top_logprobs is None:
-            raise ConfigError("entropy_method='topk_sum_lnV' needs top_logprobs from the engine (logprobs_topk > 0)")
-        return topk_sum_lnV(top_logprobs, vocab_size, k)
-    raise ConfigError(f"unknown entropy_method {method!r}", hint=f"one of {ENTROPY_METHODS}")
+    return SEGMENT_ENTROPIES.lookup(method)(entropies, top_logprobs, k, vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------------------ AEPO

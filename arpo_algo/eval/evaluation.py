@@ -8,9 +8,9 @@
 * Correct: the reward's answer-quality score reaches 1. For rewards that report a token-F1 (``arpo_reference``,
   ``f1``) that is ``f1 == 1`` (the reference's +0.1 multi-tool bonus does not make a wrong answer right); for the
   others (``math_equiv``, ``exact_match``) it is ``score >= 1``.
-* Metrics: ``pass_at_1`` = mean correctness over all samples (= ``accuracy``); ``pass_at_k`` = fraction of tasks
-  with at least one correct sample (k = n); ``reward_mean``; ``tool_calls_mean`` per trajectory; ``format_ok``;
-  ``response_len``; ``num_tasks``; ``time_s``.
+* Metrics (:func:`arpo_algo.rollout.metrics.summarize`, the names training uses): ``accuracy`` = mean correctness
+  over all samples (pass@1); ``pass_at_k`` = fraction of tasks with at least one correct sample (k = n);
+  ``reward_mean``; ``tool_calls_per_traj``; ``format_ok``; ``response_len``; ``num_tasks``; ``time_s``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from arpo_algo.rollout.metrics import is_correct
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.types import Group
 
-__all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy", "is_correct", "score_groups"]
+__all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy"]
 
 #: Tasks sampled together in one sampler call (bounds the number of live environments and KV caches).
 EVAL_CHUNK = 32
@@ -53,25 +53,6 @@ def eval_settings(cfg: Any) -> EvalSettings:
                         max_response_tokens=cfg.eval_max_response_tokens or cfg.max_response_tokens,
                         top_p=cfg.top_p, tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
                         seed=cfg.seed)
-
-
-def score_groups(groups: list[Group]) -> dict[str, float]:
-    """Evaluation metrics of groups that each hold the n samples of one task."""
-    trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return {"num_tasks": 0.0}
-    correct = [is_correct(t) for t in trajs]
-    return {
-        "accuracy": sum(correct) / len(trajs),
-        "pass_at_1": sum(correct) / len(trajs),
-        "pass_at_k": sum(any(is_correct(t) for t in g.trajectories) for g in groups) / len(groups),
-        "reward_mean": sum(t.reward for t in trajs) / len(trajs),
-        "tool_calls_mean": sum(len(t.tool_calls) for t in trajs) / len(trajs),
-        "format_ok": sum(bool(t.reward_info.get("format_ok", False)) for t in trajs) / len(trajs),
-        "response_len": sum(len(t.response_ids) for t in trajs) / len(trajs),
-        "num_tasks": float(len(groups)),
-        "samples_per_task": float(len(groups[0].trajectories)),
-    }
 
 
 def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts: int | None, samples: int,
@@ -110,7 +91,7 @@ def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts:
             groups += chunk
     finally:
         sampler.close()
-    out = score_groups(groups)
+    out = MK.quality(MK.summarize(groups))
     out["time_s"] = time.perf_counter() - t0
     return out
 

@@ -1,4 +1,12 @@
-"""Metric keys shared by the sampler, the learner and the algorithm, so dashboards and tests use one spelling."""
+"""The one rollout summarizer (:func:`summarize`) and its metric names, used by the sampler, the algorithm and eval.
+
+Quality of the sampled trajectories (plain names; training logs them at the top level, eval under ``evaluation/``):
+``reward_mean``, ``reward_max``, ``accuracy`` (fraction correct, :func:`is_correct`; eval's pass@1), ``pass_at_k``
+(fraction of groups with a correct trajectory), ``tool_calls_per_traj``, ``format_ok``, ``response_len`` (mean tokens
+per trajectory), ``tokens_sampled`` (trained tokens), ``num_trajectories``, ``num_tasks``, ``samples_per_task``.
+How they were sampled (``rollout/...``): the tree's shape, tokens and KV reuse, tool calls, entropies around tool
+results, finish reasons, engine counters and timers (the sampler passes its paths, engine stats and timers).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,18 @@ from typing import Any
 
 ROLLOUT = "rollout/"
 
+REWARD_MEAN = "reward_mean"
+REWARD_MAX = "reward_max"
+ACCURACY = "accuracy"
+PASS_AT_K = "pass_at_k"
+TOOL_CALLS_PER_TRAJ = "tool_calls_per_traj"
+FORMAT_OK = "format_ok"
+RESPONSE_LEN = "response_len"
+TOKENS_SAMPLED = "tokens_sampled"
+TRAJECTORIES = "num_trajectories"
+NUM_TASKS = "num_tasks"
+SAMPLES_PER_TASK = "samples_per_task"
+
 TOKENS_GENERATED = "rollout/tokens_generated"  # sampled tokens (engine), premonitor probes included
 TOKENS_PREFILLED = "rollout/tokens_prefilled"  # context tokens the engine had to compute
 TOKENS_REUSED = "rollout/tokens_reused"  # context tokens served from shared-prefix KV
@@ -14,7 +34,6 @@ KV_REUSE_RATE = "rollout/kv_reuse_rate"  # reused / (reused + prefilled)
 RESPONSE_TOKENS = "rollout/response_tokens"  # tokens in the output trajectories (inserted + sampled, shared counted per path)
 TOOL_CALLS = "rollout/tool_calls"  # tool executions (each shared prefix's calls counted once)
 TOOL_CACHE_HIT_RATE = "rollout/tool_cache_hit_rate"
-TRAJECTORIES = "rollout/trajectories"
 BRANCHES = "rollout/branches"
 BRANCHES_AT_DEPTH = "rollout/branches_depth_{}"  # format with the depth of the new branch (1 = branch of an initial)
 FILLUPS = "rollout/fillups"
@@ -22,7 +41,6 @@ INITIAL_SAMPLES = "rollout/initial_samples"  # mean per prompt (AEPO's m)
 MAX_DEPTH = "rollout/max_depth"
 ENTROPY_BEFORE_TOOL = "rollout/entropy_before_tool"  # mean token entropy of the k sampled tokens before a result
 ENTROPY_AFTER_TOOL = "rollout/entropy_after_tool"  # ... of the k sampled tokens right after a result
-REWARD_MEAN = "rollout/reward_mean"
 ENGINE_ERRORS = "rollout/engine_errors"
 ENV_ERRORS = "rollout/env_errors"
 FINISH = "rollout/finish_{}"  # fraction of trajectories per finish reason
@@ -38,57 +56,6 @@ def mean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def step_metrics(groups: list, paths: list, engine_stats: dict[str, float], timers: dict[str, float]) -> dict[str, float]:
-    """One sampler step's rollout metrics from its groups, its paths and the engine's counters.
-
-    Args:
-        groups: The step's :class:`~arpo_algo.rollout.types.Group` list (their ``metrics`` are summed).
-        paths: Every sampler path of the step (for entropies around tool results).
-        engine_stats: ``engine.stats()`` since the step began (HFEngine keys; others pass through as
-            ``rollout/engine/<key>``).
-        timers: Seconds spent in "generate", "tools" and "total".
-    """
-    trajs = [t for g in groups for t in g.trajectories]
-    out: dict[str, float] = {
-        TRAJECTORIES: float(len(trajs)),
-        TOOL_CALLS: sum(g.metrics.get("tool_calls", 0.0) for g in groups),
-        BRANCHES: sum(g.metrics.get("branches", 0.0) for g in groups),
-        FILLUPS: sum(g.metrics.get("fillups", 0.0) for g in groups),
-        INITIAL_SAMPLES: mean(g.metrics.get("initial_samples", 0.0) for g in groups),
-        MAX_DEPTH: max((g.metrics.get("max_depth", 0.0) for g in groups), default=0.0),
-        RESPONSE_TOKENS: float(sum(len(t.response_ids) for t in trajs)),
-        REWARD_MEAN: mean(t.reward for t in trajs),
-        ENTROPY_BEFORE_TOOL: mean(x for p in paths for x in p.ent_before),
-        ENTROPY_AFTER_TOOL: mean(x for p in paths for x in p.ent_after),
-        ENGINE_ERRORS: float(sum(t.finish_reason == "error" and "engine_error" in t.reward_info for t in trajs)),
-        ENV_ERRORS: float(sum("env_error" in t.reward_info for t in trajs)),
-    }
-    for g in groups:
-        for k, v in g.metrics.items():
-            if k.startswith("branches_depth_"):
-                key = ROLLOUT + k
-                out[key] = out.get(key, 0.0) + v
-    calls = [c for t in trajs for c in t.tool_calls]
-    out[TOOL_CACHE_HIT_RATE] = mean(float(c.get("cache_hit", False)) for c in calls)
-    reasons: dict[str, int] = {}
-    for t in trajs:
-        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
-    for r, n in reasons.items():
-        out[FINISH.format(r or "unknown")] = n / len(trajs)
-    gen = engine_stats.get("generated_tokens")
-    out[TOKENS_GENERATED] = float(gen) if gen is not None else sum(g.metrics.get("tokens_generated", 0.0)
-                                                                    for g in groups)
-    prefilled, reused = engine_stats.get("prefill_tokens", 0.0), engine_stats.get("reused_tokens", 0.0)
-    out[TOKENS_PREFILLED], out[TOKENS_REUSED] = prefilled, reused
-    out[KV_REUSE_RATE] = reused / (reused + prefilled) if reused + prefilled else 0.0
-    for k, v in engine_stats.items():
-        out[f"{ROLLOUT}engine/{k}"] = float(v)
-    total = timers.get("total", 0.0)
-    out[TIME_GENERATE], out[TIME_TOOLS], out[TIME_TOTAL] = timers.get("generate", 0.0), timers.get("tools", 0.0), total
-    out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
-    return out
-
-
 def is_correct(traj: Any) -> bool:
     """Whether a finished trajectory's answer is right (F1 of 1.0 for QA rewards, else a score of at least 1.0)."""
     info = traj.reward_info
@@ -99,19 +66,79 @@ def is_correct(traj: Any) -> bool:
     return False
 
 
-def summarize_groups(groups: list[Any]) -> dict[str, float]:
-    """Per-iteration training metrics computed from the sampled groups themselves."""
+def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str, float] | None = None,
+              timers: dict[str, float] | None = None) -> dict[str, float]:
+    """All metrics of a list of :class:`~arpo_algo.rollout.types.Group` (see the module docstring for the names).
+
+    Args:
+        groups: The groups (their ``metrics`` hold the tree counters the sampler recorded).
+        paths: The sampler's paths (entropies around tool results); empty = those two metrics are 0.
+        engine_stats: ``engine.stats()`` of the step (HFEngine keys; every key also passes through as
+            ``rollout/engine/<key>``); None = no engine metrics.
+        timers: Seconds spent in "generate", "tools" and "total"; None = no timing metrics.
+    """
     trajs = [t for g in groups for t in g.trajectories]
-    n = max(len(trajs), 1)
-    rewards = [t.reward for t in trajs]
-    sampled = sum(sum(t.trained_mask) for t in trajs)
+    n = len(trajs)
+    out = _quality(groups, trajs)
+    out.update({
+        TOOL_CALLS: sum(g.metrics.get("tool_calls", 0.0) for g in groups),
+        BRANCHES: sum(g.metrics.get("branches", 0.0) for g in groups),
+        FILLUPS: sum(g.metrics.get("fillups", 0.0) for g in groups),
+        INITIAL_SAMPLES: mean(g.metrics.get("initial_samples", 0.0) for g in groups),
+        MAX_DEPTH: max((g.metrics.get("max_depth", 0.0) for g in groups), default=0.0),
+        RESPONSE_TOKENS: float(sum(len(t.response_ids) for t in trajs)),
+        ENTROPY_BEFORE_TOOL: mean(x for p in paths for x in p.ent_before),
+        ENTROPY_AFTER_TOOL: mean(x for p in paths for x in p.ent_after),
+        ENGINE_ERRORS: float(sum(t.finish_reason == "error" and "engine_error" in t.reward_info for t in trajs)),
+        ENV_ERRORS: float(sum("env_error" in t.reward_info for t in trajs)),
+        TOOL_CACHE_HIT_RATE: mean(float(c.get("cache_hit", False)) for t in trajs for c in t.tool_calls),
+    })
+    for g in groups:
+        for k, v in g.metrics.items():
+            if k.startswith("branches_depth_"):
+                out[ROLLOUT + k] = out.get(ROLLOUT + k, 0.0) + v
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+    for r, k in reasons.items():
+        out[FINISH.format(r or "unknown")] = k / n
+    if engine_stats is not None:
+        gen = engine_stats.get("generated_tokens")
+        out[TOKENS_GENERATED] = float(gen) if gen is not None else sum(g.metrics.get("tokens_generated", 0.0)
+                                                                        for g in groups)
+        prefilled, reused = engine_stats.get("prefill_tokens", 0.0), engine_stats.get("reused_tokens", 0.0)
+        out[TOKENS_PREFILLED], out[TOKENS_REUSED] = prefilled, reused
+        out[KV_REUSE_RATE] = reused / (reused + prefilled) if reused + prefilled else 0.0
+        for k, v in engine_stats.items():
+            out[f"{ROLLOUT}engine/{k}"] = float(v)
+    if timers is not None:
+        total = timers.get("total", 0.0)
+        out[TIME_GENERATE], out[TIME_TOOLS] = timers.get("generate", 0.0), timers.get("tools", 0.0)
+        out[TIME_TOTAL] = total
+        out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
+    return out
+
+
+def quality(metrics: dict[str, float]) -> dict[str, float]:
+    """Only the trajectory-quality metrics of a :func:`summarize` result (what eval reports)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(ROLLOUT)}
+
+
+def _quality(groups: list, trajs: list) -> dict[str, float]:
+    n = len(trajs)
+    if not n:
+        return {TRAJECTORIES: 0.0, NUM_TASKS: float(len(groups))}
+    correct = [is_correct(t) for t in trajs]
     return {
-        "reward_mean": sum(rewards) / n,
-        "reward_max": max(rewards) if rewards else 0.0,
-        "accuracy": sum(1.0 for t in trajs if is_correct(t)) / n,
-        "tool_calls_per_traj": sum(len(t.tool_calls) for t in trajs) / n,
-        "branches": float(sum(1 for t in trajs if t.kind == "branch")),
-        "response_len": sum(len(t.response_ids) for t in trajs) / n,
-        "tokens_sampled": float(sampled),
-        "num_trajectories": float(len(trajs)),
+        REWARD_MEAN: mean(t.reward for t in trajs),
+        REWARD_MAX: max(t.reward for t in trajs),
+        ACCURACY: sum(correct) / n,
+        PASS_AT_K: mean(float(any(is_correct(t) for t in g.trajectories)) for g in groups),
+        TOOL_CALLS_PER_TRAJ: sum(len(t.tool_calls) for t in trajs) / n,
+        FORMAT_OK: sum(bool(t.reward_info.get("format_ok", False)) for t in trajs) / n,
+        RESPONSE_LEN: sum(len(t.response_ids) for t in trajs) / n,
+        TOKENS_SAMPLED: float(sum(sum(t.trained_mask) for t in trajs)),
+        TRAJECTORIES: float(n),
+        NUM_TASKS: float(len(groups)),
+        SAMPLES_PER_TASK: n / len(groups),
     }

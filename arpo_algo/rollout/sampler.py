@@ -29,109 +29,14 @@ from typing import Any
 from arpo_algo.core import tree as T
 from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
-from arpo_algo.rollout.agent_loop import Conversation, absorb, action_text, apply_turn, safe_call, turn_from_env
+from arpo_algo.rollout.agent_loop import absorb, action_text, apply_turn, safe_call, turn_from_env
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
-from arpo_algo.rollout.types import Group, Trajectory
+from arpo_algo.rollout.tree_state import Path, PromptState, assemble_group
+from arpo_algo.rollout.types import Group
 from arpo_env.errors import ArpoError, ConfigError
 
 log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")
-
-
-@dataclasses.dataclass(eq=False, kw_only=True)
-class Path(Conversation):
-    """One trajectory while it grows: a :class:`~arpo_algo.rollout.agent_loop.Conversation` with its place in the
-    tree and what the branch rule needs (becomes a :class:`Trajectory` at the end)."""
-
-    tid: int
-    batch_index: int  # index over the whole sample() call: the reference's entropy-dict key
-    env: Any
-    kind: str
-    parent: int | None = None
-    branch_point: int | None = None
-    depth: int = 0
-    consecutive: int = 0  # AEPO path-scope penalty counter
-    inherited_calls: int = 0  # tool calls copied from the parent (made once, on the shared prefix)
-    h_init: float | None = None
-    turn_h: float | None = None  # entropy of the latest turn's first segment (what the rule sees)
-    h_root: float | None = None
-    h_after_tool: float | None = None
-    segment_entropy: list[float] = dataclasses.field(default_factory=list)
-    lookahead: bool = False  # paper rule: the next request is the k-token look-ahead
-    reward: float = 0.0
-    reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    ent_before: list[float] = dataclasses.field(default_factory=list)
-    ent_after: list[float] = dataclasses.field(default_factory=list)
-
-    def finish(self, reason: str, reward: float, info: dict[str, Any]) -> None:
-        self.done, self.finish_reason, self.reward, self.reward_info = True, reason, reward, info
-        if self.engine_error:
-            self.reward_info["engine_error"] = self.engine_error
-
-    def record_turn_entropy(self, h: float, cfg: T.TreeConfig, stale: dict[int, float], k_ents: list[float]) -> None:
-        self.turn_h = h
-        self.segment_entropy.append(h)
-        if self.turn_start == 0 and self.parent is None:
-            self.h_root = h
-        elif self.turn_start > 0:
-            self.h_after_tool = h if self.h_after_tool is None else self.h_after_tool
-            self.ent_after.append(MK.mean(k_ents))
-        if self.h_init is None:
-            self.h_init = stale.setdefault(self.batch_index, h) if cfg.legacy_stale_baseline else h
-
-    def copy_prefix(self, bp: int, tid: int, batch_index: int, env: Any, key: Any) -> Path:
-        return Path(tid=tid, batch_index=batch_index, env=env, kind="branch", response=self.response[:bp],
-                    mask=self.mask[:bp], logprobs=self.logprobs[:bp], entropies=self.entropies[:bp],
-                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls), parent=self.tid, branch_point=bp,
-                    depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
-                    cache_key=key)
-
-    def to_trajectory(self) -> Trajectory:
-        return Trajectory(traj_id=self.tid, response_ids=self.response, trained_mask=self.mask,
-                          old_logprobs=self.logprobs, entropies=self.entropies, reward=self.reward,
-                          reward_info=self.reward_info, tool_calls=self.tool_calls, parent=self.parent,
-                          branch_point=self.branch_point, kind=self.kind, finish_reason=self.finish_reason,
-                          segment_entropy=self.segment_entropy)
-
-
-@dataclasses.dataclass(eq=False)
-class PromptState:
-    """One prompt's tree while it grows."""
-
-    task_index: int
-    prompt_ids: list[int]
-    template: Any  # the reset environment every initial sample and fill-up clones
-    task: dict[str, Any]
-    step: int
-    rng: Any
-    paths: list[Path] = dataclasses.field(default_factory=list)
-    count: int = 0
-    consecutive: int = 0  # AEPO prompt-scope penalty counter
-    m: int | None = None
-    pending_m: bool = False
-    branches_by_depth: Counter = dataclasses.field(default_factory=Counter)
-    premonitor_tool_calls: int = 0
-    premonitor_tokens: int = 0
-
-
-def assemble_group(ps: PromptState, step: int) -> Group:
-    """The finished tree of one prompt as a :class:`Group` (nodes built by :func:`arpo_algo.core.tree.build_tree`)."""
-    trajs = [p.to_trajectory() for p in ps.paths]
-    nodes, node_ids = T.build_tree([t.parent for t in trajs], [t.branch_point for t in trajs],
-                                   [len(t.response_ids) for t in trajs])
-    for t, ids in zip(trajs, node_ids):
-        t.node_ids = ids
-    # Tool calls made on a shared prefix happened once; count each path's calls after its branch point only.
-    own_calls = sum(len(p.tool_calls) - p.inherited_calls for p in ps.paths)
-    metrics = {"step": float(step), "tokens_generated": float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
-               "tool_calls": float(own_calls + ps.premonitor_tool_calls),
-               "initial_samples": float(sum(p.kind == "initial" for p in ps.paths)),
-               "fillups": float(sum(p.kind == "fillup" for p in ps.paths)),
-               "branches": float(sum(ps.branches_by_depth.values())),
-               "max_depth": float(max(p.depth for p in ps.paths)),
-               **{f"branches_depth_{d}": float(n) for d, n in sorted(ps.branches_by_depth.items())}}
-    return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
-                 nodes=nodes, metrics=metrics)
 
 
 class TreeSampler:
@@ -205,8 +110,8 @@ class TreeSampler:
         self.engine.release(sorted(self._keys, key=str))
         groups = [assemble_group(ps, step) for ps in prompts]
         self._timers["total"] = time.perf_counter() - t0
-        metrics = MK.step_metrics(groups, [p for ps in prompts for p in ps.paths], self.engine.stats(),
-                                  self._timers)
+        metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
+                               engine_stats=self.engine.stats(), timers=self._timers)
         if self.dump_path:
             with open(self.dump_path, "a", encoding="utf-8") as f:
                 for g in groups:

@@ -31,7 +31,7 @@ from arpo_env.errors import ArpoError
 CHECKPOINT_PREFIX = "iter_"
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
 LOGGED_SECTIONS = ("rollout", "learner", "timers", "evaluation", "data")
-SUMMARY_KEYS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "branches", "response_len",
+SUMMARY_KEYS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "response_len",
                 "tokens_sampled", "tokens_per_s", "update_tokens_per_s", "nan_updates_skipped")
 
 
@@ -149,11 +149,12 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     if resume is not None and not existing:
         raise ArpoError(f"nothing to resume: {ckpt_root} holds no checkpoint")
     out.mkdir(parents=True, exist_ok=True)
+    if exp.config.dump_trees and exp.config.dump_path is None:
+        # Outside Tune the Algorithm's logdir is a temp folder; tree dumps belong to the run folder.
+        exp.config.llm_rollouts(dump_path=str(out / "trees.jsonl"))
     _write_config(exp, out)
     iterations = exp.run.iterations
     algo = exp.config.build_algo()
-    if algo.sampler.dump_path:  # outside Tune the Algorithm's logdir is a temp folder; dumps belong to the run
-        algo.sampler.dump_path = str(out / "trees.jsonl")
     history: list[dict[str, float]] = []
     metrics_file = out / "metrics.jsonl"
     if existing:

@@ -13,24 +13,44 @@ An experiment file (``experiments/<name>.toml``) has these sections, all optiona
                    max_response_tokens (-> eval_*)                                    -> .evaluation(...)
 
 Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
-naming the key. ``env_config`` keys are checked by the environment itself when the algorithm builds it.
-Overrides (``--set section.key=value``) use the same names and are parsed as TOML values.
+naming the key (all through :mod:`arpo_env.options`). ``env_config`` keys are checked by the environment's own config.
+Overrides (``--set section.key=value``) use the same names and are parsed as TOML values
+(:func:`arpo_env.options.parse_override`, the parser every command uses).
+
+``[training] total_steps`` (the length of a decaying learning-rate schedule) defaults to ``iterations * ppo_epochs``,
+the number of optimizer steps of the run. Bare experiment names are looked up in :func:`experiment_dirs`:
+``$ARPO_EXPERIMENTS``, ``./experiments``, then the source checkout's ``experiments/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from arpo_algo.algorithms import CONFIG_CLASSES, ARPOConfig
-from arpo_algo.algorithms.options import _GROUPS, check_value, unknown_key_error
+from arpo_algo.algorithms.options import _GROUPS, check_value
 from arpo_env.errors import ArpoError, ConfigError
+from arpo_env.options import (
+    apply_overrides,
+    check_choice,
+    check_keys,
+    dataclass_from_dict,
+    unknown_key_error,
+)
+from arpo_env.paths import source_checkout
 
-#: Where bare experiment names are looked up (the repository's experiments/ folder).
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+__all__ = ["SECTIONS", "Experiment", "RunSettings", "build_config", "experiment_dirs", "experiment_record",
+           "load_experiment", "resolve_experiment_path"]
+
+#: The source checkout's experiments/ folder (None in a wheel install, which has no checkout).
+_CHECKOUT = source_checkout(Path(__file__).resolve().parents[1])
+EXPERIMENTS_DIR: Path | None = _CHECKOUT / "experiments" if _CHECKOUT else None
+#: Environment variable with extra folders (os.pathsep-separated) searched for experiment names first.
+EXPERIMENTS_ENV = "ARPO_EXPERIMENTS"
 
 SECTIONS = ("experiment", "model", "env", "tree", "training", "rollouts", "evaluation")
 _EVAL_KEYS = {"every": "evaluation_interval", **{k[len("eval_"):]: k for k in _GROUPS["evaluation"]}}
@@ -62,18 +82,12 @@ class RunSettings:
 
     def validate(self, where: str) -> None:
         """Range checks with the file name in the message."""
-        if self.algorithm not in CONFIG_CLASSES:
-            raise ConfigError(f"{where}: [experiment] algorithm={self.algorithm!r} is not one of "
-                              f"{', '.join(CONFIG_CLASSES)}")
+        check_choice("algorithm", self.algorithm, tuple(CONFIG_CLASSES), f"{where}: [experiment]")
         for name in ("iterations", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: [experiment] {name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"{where}: [experiment] checkpoint_every must be >= 0 (0 = only at the end)")
-
-
-_RUN_TYPES = {"name": str, "algorithm": str, "seed": int, "iterations": int, "output": (str, type(None)),
-              "checkpoint_every": int, "keep_checkpoints": int, "description": str}
 
 
 @dataclass
@@ -91,32 +105,36 @@ class Experiment:
         return Path(self.run.output or f"runs/{self.run.name}").expanduser()
 
 
+def experiment_dirs() -> list[Path]:
+    """Where bare experiment names are looked up, in order: the folders in ``$ARPO_EXPERIMENTS``, ``./experiments``
+    (the working directory's), and the source checkout's ``experiments/`` (when arpo runs from a checkout)."""
+    dirs = [Path(d).expanduser() for d in os.environ.get(EXPERIMENTS_ENV, "").split(os.pathsep) if d]
+    dirs.append(Path.cwd() / "experiments")
+    if EXPERIMENTS_DIR is not None:
+        dirs.append(EXPERIMENTS_DIR)
+    unique: dict[Path, Path] = {}
+    for d in dirs:
+        unique.setdefault(d.resolve(), d)
+    return list(unique.values())
+
+
 def resolve_experiment_path(name_or_path: str | Path) -> Path:
-    """A path to an existing file, or a bare name looked up as ``experiments/<name>.toml``."""
+    """A path to an existing file, or a bare name looked up as ``<dir>/<name>.toml`` in :func:`experiment_dirs`."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
-    for cand in (EXPERIMENTS_DIR / f"{name_or_path}.toml", EXPERIMENTS_DIR / str(name_or_path)):
-        if cand.is_file():
-            return cand
-    known = sorted(f.stem for f in EXPERIMENTS_DIR.glob("*.toml")) if EXPERIMENTS_DIR.is_dir() else []
-    raise ArpoError(f"experiment {str(name_or_path)!r} not found (neither a file nor experiments/<name>.toml)",
-                    hint=f"known experiments: {', '.join(known)}" if known else None)
-
-
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value is read as a TOML literal, else a bare string."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
-    dotted, raw = (s.strip() for s in item.split("=", 1))
-    if dotted.count(".") != 1:
-        raise ConfigError(f"--set {item!r}: the key must be section.key (e.g. tree.budget=8)")
-    section, key = dotted.split(".")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return section, key, value
+    dirs = experiment_dirs()
+    for d in dirs:
+        for cand in (d / f"{name_or_path}.toml", d / str(name_or_path)):
+            if cand.is_file():
+                return cand
+    known = sorted({f.stem for d in dirs if d.is_dir() for f in d.glob("*.toml")})
+    searched = ", ".join(str(d) for d in dirs)
+    hint = f"known experiments: {', '.join(known)}" if known else (
+        f"no experiment files found; pass a path to a .toml file, or set {EXPERIMENTS_ENV} to a folder holding them "
+        "(the repository's experiments/ folder has examples)")
+    raise ArpoError(f"experiment {str(name_or_path)!r} not found: neither a file nor <name>.toml in {searched}",
+                    hint=hint)
 
 
 def load_experiment(name_or_path: str | Path | None = None, overrides: list[str] | None = None, *,
@@ -137,11 +155,7 @@ def load_experiment(name_or_path: str | Path | None = None, overrides: list[str]
             raise ConfigError(f"{source}: invalid TOML: {e}") from e
     where = str(source) if source else "experiment"
     sections = {k: dict(v) if isinstance(v, dict) else v for k, v in sections.items()}
-    for item in overrides or []:
-        section, key, value = parse_override(item)
-        if section not in SECTIONS:
-            raise unknown_key_error(section, SECTIONS, f"--set {item!r}: section")
-        sections.setdefault(section, {})[key] = value
+    sections = apply_overrides(sections, overrides or [], SECTIONS)
     for section, body in sections.items():
         if section not in SECTIONS:
             raise unknown_key_error(section, SECTIONS, f"{where}: section [{section}]")
@@ -153,15 +167,8 @@ def load_experiment(name_or_path: str | Path | None = None, overrides: list[str]
 
 
 def _run_settings(body: dict[str, Any], source: Path | None, where: str) -> RunSettings:
-    known = {f.name for f in dataclasses.fields(RunSettings)}
-    for key, value in body.items():
-        if key not in known:
-            raise unknown_key_error(key, known, f"{where}: [experiment]")
-        expected = _RUN_TYPES[key]
-        if isinstance(value, bool) and expected is int or not isinstance(value, expected):
-            raise ConfigError(f"{where}: [experiment] {key} has the wrong type ({type(value).__name__}: {value!r})")
     values = {"name": source.stem if source else "experiment", **body}
-    run = RunSettings(**values)
+    run = dataclass_from_dict(RunSettings, values, f"{where}: [experiment]")
     run.validate(where)
     return run
 
@@ -171,9 +178,7 @@ def build_config(sections: dict[str, dict[str, Any]], run: RunSettings, where: s
     config = CONFIG_CLASSES[run.algorithm]()
     config.debugging(seed=run.seed)
     model = sections.get("model", {})
-    for key in model:
-        if key != "path":
-            raise unknown_key_error(key, ["path"], f"{where}: [model]")
+    check_keys(model, ["path"], f"{where}: [model]")
     if "path" not in model:
         raise ConfigError(f"{where}: [model] path is missing", hint='[model]\npath = "smollm2-135m-instruct"')
     env = dict(sections.get("env", {}))
@@ -190,15 +195,14 @@ def build_config(sections: dict[str, dict[str, Any]], run: RunSettings, where: s
         config.training(model_path=check_value("model_path", model["path"], f"{where}: [model] path"))
         for section, (group, setter) in mapping.items():
             body = sections.get(section, {})
-            allowed = set(_GROUPS[group]) - {"model_path"}
-            for key in body:
-                if key not in allowed:
-                    raise unknown_key_error(key, allowed, f"{where}: [{section}]")
+            check_keys(body, set(_GROUPS[group]) - {"model_path"}, f"{where}: [{section}]")
             setter(**body)
+        if "total_steps" not in sections.get("training", {}):
+            # One iteration = one learner update = ppo_epochs optimizer steps, so a decaying schedule ends at the
+            # run's last update (the LearnerConfig default None would refuse it).
+            config.training(total_steps=run.iterations * config.ppo_epochs)
         evaluation = sections.get("evaluation", {})
-        for key in evaluation:
-            if key not in _EVAL_KEYS:
-                raise unknown_key_error(key, _EVAL_KEYS, f"{where}: [evaluation]")
+        check_keys(evaluation, _EVAL_KEYS, f"{where}: [evaluation]")
         if "every" in evaluation and (isinstance(evaluation["every"], bool)
                                       or not isinstance(evaluation["every"], int) or evaluation["every"] < 0):
             raise ConfigError(f"{where}: [evaluation] every must be an int >= 0, got {evaluation['every']!r}")

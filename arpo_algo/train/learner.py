@@ -22,26 +22,32 @@ from __future__ import annotations
 import math
 import random
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from arpo_algo.core.advantages import build_token_trie, entropy_aware_advantages, grpo_advantages, hard_attribution
-from arpo_algo.core.losses import SCHEDULES, build_optimizer, dual_clip_policy_loss, k3_kl
+from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
+from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
 from arpo_algo.rollout.types import Group
+from arpo_algo.train.optim import SCHEDULES, build_optimizer, check_schedule
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_env.errors import ArpoError, ConfigError
+from arpo_env.options import check_choice, dataclass_from_dict
 
 
 @dataclass(frozen=True)
 class LearnerConfig:
     """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
 
-    ``advantage``: "grpo" (soft attribution) or "hard". ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
+    ``advantage``: a registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
+    attribution, "hard"). ``policy_loss``: a registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`:
+    "dual_clip"). ``entropy_advantage*``: AEPO §4.4 (the "entropy_aware" shaping, per-group z-score;
     ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
+    ``lr_schedule``/``warmup_steps``/``total_steps``: :mod:`arpo_algo.train.optim` (``total_steps`` None = not known;
+    a decaying schedule needs it, and ``arpo train`` sets it from the experiment's iterations).
     ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
     "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
     """
@@ -50,13 +56,14 @@ class LearnerConfig:
     weight_decay: float = 0.01
     lr_schedule: str = "constant"
     warmup_steps: int = 0
-    total_steps: int = 1
+    total_steps: int | None = None
     grad_clip: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0
     loss_agg: str = "token_mean"
     advantage: str = "grpo"
+    policy_loss: str = "dual_clip"
     norm_adv_by_std: bool = True
     entropy_advantage: bool = False
     entropy_advantage_coef: float = 0.2
@@ -75,23 +82,20 @@ class LearnerConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
-        """Build from a dict; an unknown key raises :class:`ConfigError` naming it."""
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"learner: unknown key {key!r}", hint=f"known keys: {', '.join(sorted(known))}")
-        cfg = cls(**d)
+        """Build from a dict; unknown keys (with the closest valid name) and wrong types raise ConfigError."""
+        cfg = dataclass_from_dict(cls, d, "learner")
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid setting."""
-        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"), "advantage": ("grpo", "hard"),
+        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"),
                    "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
         for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"learner.{key}={getattr(self, key)!r} is not one of {allowed}")
-        positive = {"lr": self.lr, "total_steps": self.total_steps, "ppo_epochs": self.ppo_epochs,
+            check_choice(key, getattr(self, key), allowed, "learner")
+        ADVANTAGES.check(self.advantage, "learner")
+        POLICY_LOSSES.check(self.policy_loss, "learner")
+        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
         for key, val in positive.items():
             if not val > 0:
@@ -99,13 +103,20 @@ class LearnerConfig:
         for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
+        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "learner")
         if self.clip_low >= 1:
             raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
         if self.clip_c <= 1:
             raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
-        if self.advantage == "hard" and self.loss_agg == "seq_mean":
-            raise ConfigError("learner.loss_agg='seq_mean' is undefined with advantage='hard'",
+        if self.merge_shared and self.loss_agg == "seq_mean":
+            raise ConfigError(f"learner.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
                               hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
+
+
+    @property
+    def merge_shared(self) -> bool:
+        """The advantage estimator counts a token shared by several trajectories once (e.g. "hard")."""
+        return bool(ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared", False))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -171,30 +182,29 @@ class Learner:
     def _specs(self, groups: list[Group]) -> list[list[SeqSpec]]:
         """Per group, the trajectories with their per-token advantages and count weights."""
         cfg, out, seq = self.config, [], 0
+        estimator = ADVANTAGES.lookup(cfg.advantage)
         for gi, g in enumerate(groups):
             if not g.trajectories:
                 raise ArpoError(f"group {gi} (prompt {g.prompt_index}) has no trajectories")
-            adv = grpo_advantages(g.rewards, norm_by_std=cfg.norm_adv_by_std)
             responses = [t.response_ids for t in g.trajectories]
             masks = [t.trained_mask for t in g.trajectories]
             for ids in [g.prompt_ids, *responses]:
                 if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                     raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
                                     hint="the rollout used a different tokenizer than the learner's model")
-            if cfg.advantage == "hard":
-                tok_adv, mult = hard_attribution(g.prompt_ids, responses, masks, adv)
+            tok = estimator(g.prompt_ids, responses, masks, g.rewards, norm_by_std=cfg.norm_adv_by_std)
             specs = []
             for j, t in enumerate(g.trajectories):
-                n = len(t.response_ids)
-                if cfg.advantage == "hard":
-                    a, w = tok_adv[j], [1.0 / d if d else 0.0 for d in mult[j]]
-                else:
-                    a, w = [adv[j]] * n, [1.0] * n
-                specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask), a, w,
-                                     list(t.old_logprobs)))
+                specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask),
+                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs)))
                 seq += 1
             out.append(specs)
         return out
+
+    def prepare_batches(self, groups: list[Group]) -> tuple[list[TokenBatch], list[torch.Tensor]]:
+        """The micro-batches :meth:`update` trains on for ``groups``, with each one's loss normaliser (benchmarks)."""
+        batches = self._micro_batches(self._specs(groups))
+        return batches, self._pair_norm(batches)
 
     def _micro_batches(self, per_group: list[list[SeqSpec]]) -> list[TokenBatch]:
         """Greedy packing of whole groups up to ``micro_batch_tokens`` (a larger group goes alone)."""
@@ -203,7 +213,7 @@ class Learner:
         def flush() -> None:
             if cur:
                 if cfg.dedup_prefix:
-                    batches.append(build_dedup_batch(cur, merge_shared=cfg.advantage == "hard"))
+                    batches.append(build_dedup_batch(cur, merge_shared=cfg.merge_shared))
                 else:
                     batches.append(build_padded_batch(cur, self.pad_id))
 
@@ -307,11 +317,10 @@ class Learner:
             ent = ent_u[b.pair_node]
             adv = b.pair_adv
             if cfg.entropy_advantage:
-                adv, _ = entropy_aware_advantages(adv, ent, b.pair_weight, b.pair_group, num_groups,
-                                                  coef=cfg.entropy_advantage_coef,
-                                                  min_multiplier=cfg.entropy_advantage_clip)
-            out = dual_clip_policy_loss(lp, old[i], adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                        clip_c=cfg.clip_c, entropy_balanced=cfg.entropy_balanced_clip)
+                adv, _ = ADVANTAGE_SHAPERS.lookup("entropy_aware")(
+                    adv, ent, b.pair_weight, b.pair_group, num_groups, coef=cfg.entropy_advantage_coef,
+                    min_multiplier=cfg.entropy_advantage_clip)
+            out = POLICY_LOSSES.lookup(cfg.policy_loss)(lp, old[i], adv, cfg)
             w = norms[i]
             policy = (w * out.loss).sum()
             loss = policy

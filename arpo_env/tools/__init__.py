@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice, check_keys
 from arpo_env.tools.base import Tool, ToolResult, function_schema
 from arpo_env.tools.cache import CachedTool, ToolCache, cache_key
 from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities, set_max_concurrency
@@ -41,12 +42,8 @@ _SEARCH_TOOL_KEYS = ("max_results", "result_length", "max_query_chars")
 
 def _check_keys(section: str, given: dict, target: Callable[..., Any], extra: tuple[str, ...] = ()) -> None:
     """Raise ConfigError naming the first key that ``target`` (a class or function) does not accept."""
-    if not isinstance(given, dict):
-        raise ConfigError(f"tools.{section} must be a dict, got {type(given).__name__}")
     allowed = set(inspect.signature(target).parameters) - {"self"} | set(extra)
-    for key in given:
-        if key not in allowed:
-            raise ConfigError(f"unknown key 'tools.{section}.{key}'; allowed: {sorted(allowed)}")
+    check_keys(given, allowed, f"tools.{section}")
 
 
 def _build_search(spec: dict) -> SearchTool:
@@ -54,9 +51,7 @@ def _build_search(spec: dict) -> SearchTool:
     if "backend" not in spec:
         raise ConfigError("tools.search needs a 'backend' key: one of " + ", ".join(_SEARCH_BACKENDS))
     name = spec.pop("backend")
-    if name not in _SEARCH_BACKENDS:
-        raise ConfigError(f"unknown search backend {name!r} in tools.search.backend; choose one of "
-                          + ", ".join(_SEARCH_BACKENDS))
+    check_choice("backend", name, tuple(_SEARCH_BACKENDS), "tools.search")
     backend_cls = _SEARCH_BACKENDS[name]
     _check_keys("search", spec, backend_cls, _SEARCH_TOOL_KEYS)
     tool_kwargs = {k: spec.pop(k) for k in _SEARCH_TOOL_KEYS if k in spec}
@@ -79,9 +74,7 @@ def build_tools(spec: dict) -> dict[str, Tool]:
     """
     if not isinstance(spec, dict):
         raise ConfigError(f"tools spec must be a dict, got {type(spec).__name__}")
-    for section in spec:
-        if section not in ("python", "search", "cache"):
-            raise ConfigError(f"unknown key 'tools.{section}'; allowed: cache, python, search")
+    check_keys(spec, ("python", "search", "cache"), "tools")
     tools: dict[str, Tool] = {}
     if "python" in spec:
         _check_keys("python", spec["python"], PythonTool)

@@ -4,31 +4,9 @@ Every call runs in a fresh interpreter started with ``-I`` (isolated mode: no ``
 script directory not on ``sys.path``) and a fixed, minimal environment, so no host variable (API keys included)
 reaches the code. A small bootstrap inside the child applies the limits and then runs the code.
 
-What the ``subprocess`` backend protects against:
-
-* Runaway time: a wall-clock timeout kills the whole process group and every process of the call's sandbox uid;
-  ``RLIMIT_CPU`` stops CPU burners. Messages are in English.
-* Memory bombs (``RLIMIT_AS``), single huge files (``RLIMIT_FSIZE``; Python then raises ``OSError: File too large``),
-  output floods (stdout/stderr are read incrementally, capped with a visible marker, and a process that writes
-  more than ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped), core dumps (``RLIMIT_CORE=0``).
-* Network: when the kernel allows it, the child enters a new network namespace (``unshare(CLONE_NEWNET)``; as a
-  non-root user together with ``CLONE_NEWUSER``), so it has only a loopback device that is down; even connections
-  to 127.0.0.1 fail. ``sandbox_capabilities()`` and ``ToolResult.meta["network_isolated"]`` say whether it holds.
-* When the host runs as root (containers, CI): the code runs under a per-call unprivileged uid drawn from a pool
-  (``uid_base`` ...), with ``no_new_privs``. So it cannot signal host processes (killing the parent fails with
-  EPERM), cannot write root-owned files (only world-writable places such as ``/tmp`` and its scratch directory),
-  and ``RLIMIT_NPROC`` is enforced (the kernel never enforces it for uid 0), which stops fork bombs. It keeps
-  ``CAP_DAC_READ_SEARCH`` only, so it can still *read* files that root can read: needed because the interpreter
-  often lives under ``/root`` (0700).
-* A fresh scratch directory is the working directory and is removed afterwards.
-
-What it does NOT protect against: reading host files (no filesystem isolation; use ``backend="bwrap"`` or
-``"docker"``), filling the disk with many files (only the size of each file is capped), kernel exploits, and -- when
-the host does not run as root -- signalling other processes of the same user (killing the parent) and fork bombs
-(``RLIMIT_NPROC`` then counts all processes of that user). Concurrent sandboxes draw distinct uids, so they cannot
-signal each other either. The ``bwrap`` backend adds a read-only root filesystem, private ``/tmp``, and PID,
-network and IPC namespaces; the ``docker`` backend (docker SDK, imported lazily) runs in a container with no
-network, a memory and a PID limit.
+The sandbox itself (the child-side bootstrap script, the limits, the uid pool, network namespaces, the backends'
+capability probe) lives in :mod:`arpo_env.tools.sandbox`, whose docstring lists what it protects against and what it
+does not; this module is the tool: settings, running a call, collecting and formatting its output.
 
 Reproducible output (``reproducible_output=True``, the default): the same code prints the same text in every run,
 so a training run is reproducible from its seed. The child gets a fixed hash seed (``PYTHONHASHSEED=0``: set and
@@ -48,181 +26,30 @@ import json
 import os
 import platform
 import pwd
-import queue
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_env.errors import ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
+from arpo_env.tools.sandbox import (
+    BOOTSTRAP,
+    bwrap_prefix,
+    child_env,
+    kill_uid,
+    sandbox_capabilities,
+    sandbox_slot,
+    set_max_concurrency,
+    uid_pool,
+)
 
-# Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin.
-# Exit code 121 means the sandbox could not be set up as requested (never a silent fallback).
-_BOOTSTRAP = r"""
-import ast, ctypes, json, os, resource, sys, traceback
-cfg = json.loads(sys.argv[1]); sys.argv = ["-c"]
-if cfg["code_file"]:
-    with open(cfg["code_file"], encoding="utf-8") as f: src = f.read()
-else:
-    src = sys.stdin.buffer.read().decode("utf-8", "replace")
-fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)
-sys.stdout.reconfigure(line_buffering=True)
-libc = ctypes.CDLL(None, use_errno=True)
-def fail(msg):
-    sys.stderr.write("sandbox setup failed: " + msg + "\n"); sys.stderr.flush(); os._exit(121)
-if cfg["net"]:
-    flags = 0x40000000 | (0 if os.geteuid() == 0 else 0x10000000)
-    if libc.unshare(flags) != 0: fail("unshare(CLONE_NEWNET) errno %d" % ctypes.get_errno())
-if cfg["uid"] is not None:
-    libc.prctl(8, 1, 0, 0, 0)
-    os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
-    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    data = (ctypes.c_uint32 * 6)(4, 4, 4, 0, 0, 0)
-    if libc.capset(hdr, data) != 0: fail("capset errno %d" % ctypes.get_errno())
-    libc.prctl(47, 2, 2, 0, 0)
-    if libc.prctl(38, 1, 0, 0, 0) != 0: fail("no_new_privs")
-for name, value in cfg["limits"].items():
-    lim = getattr(resource, name)
-    hard = resource.getrlimit(lim)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    # RLIMIT_CPU: the soft limit sends SIGXCPU (a clear message), the hard one a second later SIGKILL.
-    room = hard == resource.RLIM_INFINITY or value + 1 <= hard
-    soft_hard = (value, value + 1) if name == "RLIMIT_CPU" and room else (value, value)
-    resource.setrlimit(lim, soft_hard)
-if cfg["probe"]:
-    print(json.dumps({"uid": os.getuid(), "net": cfg["net"]})); sys.exit(0)
-def _main(src, echo):
-    try:
-        tree = ast.parse(src, "<string>")
-        last = tree.body[-1] if tree.body else None
-        if echo and isinstance(last, ast.Expr) and not (isinstance(last.value, ast.Call)
-                and isinstance(last.value.func, ast.Name) and last.value.func.id == "print"):
-            call = ast.Call(ast.Name("print", ast.Load()), [last.value], [])
-            tree.body[-1] = ast.copy_location(ast.Expr(call), last)
-            ast.fix_missing_locations(tree)
-        code = compile(tree, "<string>", "exec")
-    except SyntaxError as exc:
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc))); sys.exit(1)
-    try:
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next); sys.exit(1)
-_main(src, cfg["echo"])
-"""
-
-_BACKENDS = ("auto", "subprocess", "bwrap", "docker")
-_MAX_SANDBOXES = threading.BoundedSemaphore(max(4, 2 * (os.cpu_count() or 1)))
-_UID_POOL: queue.Queue[int] | None = None
-_CAPS: dict[str, dict] = {}
-_CAPS_LOCK = threading.Lock()
-
-
-def set_max_concurrency(n: int) -> None:
-    """Bound how many sandboxes run at once in this process, across all ``PythonTool`` instances and threads."""
-    global _MAX_SANDBOXES
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"max concurrency must be a positive integer, got {n!r}")
-    _MAX_SANDBOXES = threading.BoundedSemaphore(n)
-
-
-def _uid_pool(uid_base: int, size: int = 64) -> queue.Queue[int]:
-    global _UID_POOL
-    if _UID_POOL is None:
-        pool: queue.Queue[int] = queue.Queue()
-        for uid in range(uid_base, uid_base + size):
-            pool.put(uid)
-        _UID_POOL = pool
-    return _UID_POOL
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (catches daemons and children that left the process group)."""
-    for _ in range(20):
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                # /proc/<pid>/status, not the directory owner: a process that changed uid is non-dumpable and its
-                # /proc directory is owned by root.
-                with open(f"/proc/{entry}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if line[:4] in ("Stat", "Uid:"))
-                if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
-                    found = True
-                    os.kill(int(entry), signal.SIGKILL)
-            except (OSError, KeyError, ValueError):
-                continue
-        if not found:
-            return
-        time.sleep(0.01)
-
-
-def sandbox_capabilities(backend: str = "auto") -> dict:
-    """Probe (once per backend) what isolation this machine provides.
-
-    Args:
-        backend: ``"auto"``, ``"subprocess"``, ``"bwrap"`` or ``"docker"``.
-
-    Returns:
-        ``{"backend": resolved backend, "network_isolation": bool, "uid_drop": bool, "detail": str}``.
-    """
-    if backend not in _BACKENDS:
-        raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
-    with _CAPS_LOCK:
-        if backend not in _CAPS:
-            _CAPS[backend] = _probe(backend)
-        return dict(_CAPS[backend])
-
-
-def _probe(backend: str) -> dict:
-    if backend == "auto":
-        backend = "bwrap" if shutil.which("bwrap") and _probe("bwrap")["available"] else "subprocess"
-    if backend == "docker":
-        return {"backend": "docker", "available": True, "network_isolation": True, "uid_drop": False,
-                "detail": "docker container with network disabled (engine checked at first call)"}
-    cmd_prefix = _bwrap_prefix(tempfile.gettempdir()) if backend == "bwrap" else []
-    if backend == "bwrap" and not shutil.which("bwrap"):
-        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
-                "detail": "bwrap is not installed"}
-    results = {}
-    combos = [(False, None)] if backend == "bwrap" else [(True, None), (False, _probe_uid())]
-    for net, uid in combos:
-        cfg = {"code_file": None, "net": net, "uid": uid, "limits": {}, "probe": True, "echo": False}
-        proc = subprocess.run([*cmd_prefix, sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)],
-                              input=b"", capture_output=True, timeout=30, env=_child_env("/"), cwd="/")
-        results[(net, uid)] = proc.returncode == 0
-    if backend == "bwrap" and not results[(False, None)]:
-        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
-                "detail": "bwrap is installed but cannot create namespaces here"}
-    net_ok = backend == "bwrap" or results.get((True, None), False)
-    uid_ok = any(ok for (_, uid), ok in results.items() if uid is not None)
-    detail = (f"{backend}: network namespace {'available' if net_ok else 'NOT available'}; "
-              f"per-call uid drop {'active' if uid_ok else 'inactive (host is not root)' if os.geteuid() else 'FAILED'}")
-    return {"backend": backend, "available": True, "network_isolation": net_ok, "uid_drop": uid_ok, "detail": detail}
-
-
-def _probe_uid() -> int | None:
-    return 64_999 if os.geteuid() == 0 else None
-
-
-def _bwrap_prefix(scratch: str) -> list[str]:
-    return ["bwrap", "--die-with-parent", "--unshare-all", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc", "--tmpfs", "/tmp", "--bind", scratch, scratch, "--chdir", scratch, "--"]
-
-
-def _child_env(scratch: str) -> dict[str, str]:
-    # Nothing is inherited from the host; thread counts are pinned so numeric libraries fit the memory limit.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+__all__ = ["PythonTool", "sandbox_capabilities", "set_max_concurrency"]
 
 
 class PythonTool:
@@ -297,7 +124,7 @@ class PythonTool:
         problem = check_text_arg(code, "code", self.max_code_chars)
         if problem:
             return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
-        with _MAX_SANDBOXES:
+        with sandbox_slot():
             try:
                 if self.backend == "docker":
                     result = self._run_docker(code)
@@ -329,20 +156,20 @@ class PythonTool:
                 "echo": self.echo_last_expr}
 
     def _run_process(self, code: str) -> ToolResult:
-        uid = _uid_pool(self.uid_base).get() if self.capabilities["uid_drop"] else None
+        uid = uid_pool(self.uid_base).get() if self.capabilities["uid_drop"] else None
         scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
         proc, collected = None, False
         try:
             if uid is not None:
                 os.chown(scratch, uid, uid)
-            prefix = _bwrap_prefix(scratch) if self.backend == "bwrap" else []
-            env = _child_env(scratch)
+            prefix = bwrap_prefix(scratch) if self.backend == "bwrap" else []
+            env = child_env(scratch)
             if self.reproducible_output:  # -I would ignore PYTHONHASHSEED; the environment is clean anyway
                 flags, env["PYTHONHASHSEED"] = ["-s", "-P"], "0"
             else:
                 flags = ["-I"]
             flags += ["-S"] if self.no_site else []
-            cmd = [*prefix, *self._no_aslr, self.python_executable, *flags, "-c", _BOOTSTRAP,
+            cmd = [*prefix, *self._no_aslr, self.python_executable, *flags, "-c", BOOTSTRAP,
                    json.dumps(self._config(uid, None))]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=scratch, env=env, start_new_session=True)
@@ -363,7 +190,7 @@ class PythonTool:
                     stream.close()
             shutil.rmtree(scratch, ignore_errors=True)
             if uid is not None:
-                _uid_pool(self.uid_base).put(uid)
+                uid_pool(self.uid_base).put(uid)
 
     def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
         try:
@@ -371,7 +198,7 @@ class PythonTool:
         except (ProcessLookupError, PermissionError):
             pass
         if uid is not None:
-            _kill_uid(uid)
+            kill_uid(uid)
 
     def _collect(self, proc: subprocess.Popen, uid: int | None) -> tuple[bytes, bytes, str]:
         """Read stdout/stderr incrementally until both close, the deadline passes or the output limit is hit."""
@@ -457,10 +284,10 @@ class PythonTool:
             os.chmod(scratch, 0o777)
             cfg = self._config(None, "/scratch/main.py")
             container = client.containers.run(
-                self.docker_image, ["python", "-I", "-c", _BOOTSTRAP, json.dumps(cfg)], detach=True,
+                self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], detach=True,
                 network_disabled=True, mem_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
                 read_only=True, user=f"{pwd.getpwnam('nobody').pw_uid}", working_dir="/scratch",
-                volumes={scratch: {"bind": "/scratch", "mode": "rw"}}, environment=_child_env("/scratch"))
+                volumes={scratch: {"bind": "/scratch", "mode": "rw"}}, environment=child_env("/scratch"))
             status = "ok"
             try:
                 returncode = container.wait(timeout=self.timeout_s)["StatusCode"]

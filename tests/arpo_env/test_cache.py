@@ -91,5 +91,5 @@ def test_build_tools_with_cache(tmp_path, shared_data):
                          "cache": {"path": str(tmp_path / "t.sqlite"), "mode": "read_write"}})
     query = next(iter(json.loads((shared_data / "search_cache.json").read_text())))
     assert not tools["search"](query=query).cache_hit and tools["search"](query=query).cache_hit
-    with pytest.raises(ConfigError, match="tools.cache.size"):
+    with pytest.raises(ConfigError, match="tools.cache: unknown key 'size'"):
         build_tools({"cache": {"path": str(tmp_path / "t.sqlite"), "size": 3}})

@@ -22,18 +22,22 @@ def test_dict_and_kwargs_config_and_errors():
     a = ToolTextEnv({"task": "toolmath", "max_tool_calls": 2})
     b = ToolTextEnv(task="toolmath", max_tool_calls=2)
     assert a.config == b.config and a.config["max_tool_calls"] == 2
-    with pytest.raises(ConfigError, match="'max_tool_cals'"):
+    with pytest.raises(ConfigError, match="'max_tool_cals'") as err:
         ToolTextEnv(task="toolmath", max_tool_cals=2)
-    with pytest.raises(ConfigError, match="'keep_boxed_bug'"):
+    assert err.value.hint == "did you mean 'max_tool_calls'?"  # the closest valid name, as every config says it
+    with pytest.raises(ConfigError, match="task 'toolmath'.*'keep_boxed_bug'"):
         ToolTextEnv(task="toolmath", keep_boxed_bug=True)  # a reference-data key on a generated task
-    with pytest.raises(ConfigError, match="'on_tool_limit'"):
+    with pytest.raises(ConfigError, match="on_tool_limit='explode' is not one of 'end_with_eos'"):
         ToolTextEnv(task="toolmath", on_tool_limit="explode")
-    with pytest.raises(ConfigError, match="'reward'"):
+    with pytest.raises(ConfigError, match="reward='gsm8k'"):
         ToolTextEnv(task="toolmath", reward="gsm8k")
-    with pytest.raises(ConfigError, match="'max_turns'"):
+    with pytest.raises(ConfigError, match="max_turns must be a positive integer"):
         ToolTextEnv(task="toolmath", max_turns=0)
-    with pytest.raises(ConfigError, match="'task'"):
+    with pytest.raises(ConfigError, match="task given twice"):
         ToolTextEnv({"task": "toolmath"}, task="reasoning")
+    with pytest.raises(ConfigError, match="task='toolmat'") as err:
+        ToolTextEnv(task="toolmat")
+    assert err.value.hint == "did you mean 'toolmath'?"
 
 
 def test_observation_is_exactly_the_appended_text(env):

@@ -162,9 +162,11 @@ def test_build_tools_search_strict(tmp_path):
     tools = build_tools({"search": {"backend": "bm25", "documents": DOCS, "max_results": 1}})
     assert tools["search"](query="Paris").text.count("Page ") == 1
     assert tools["search"].schema()["function"]["parameters"]["required"] == ["query"]
-    with pytest.raises(ConfigError, match="tools.search.corpus"):
+    with pytest.raises(ConfigError, match="tools.search: unknown key 'corpus'") as err:
         build_tools({"search": {"backend": "bm25", "corpus": "x"}})
-    with pytest.raises(ConfigError, match="backend"):
+    assert err.value.hint == "did you mean 'corpus_path'?"
+    with pytest.raises(ConfigError, match="backend='google' is not one of 'bm25'"):
         build_tools({"search": {"backend": "google"}})
-    with pytest.raises(ConfigError, match="tools.serch"):
+    with pytest.raises(ConfigError, match="tools: unknown key 'serch'") as err:
         build_tools({"serch": {}})
+    assert err.value.hint == "did you mean 'search'?"

@@ -62,6 +62,9 @@ def test_valid_request_defaults_and_fields():
     ({**OK, "stream": "yes"}, "stream"),
     ({**OK, "temprature": 1}, "temprature"),
     ({**OK, "tool_choice": "required"}, "tool_choice"),
+    ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
+    ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
+    ({**OK, "arpo": {"colour": 1}}, "arpo"),
 ])
 def test_bad_inputs_name_the_field(body, param):
     e = err(body)
@@ -101,3 +104,25 @@ def test_sources_model_checkpoint_and_run_folder(tmp_path):
         build_specs([str(model)], tools='{"pyhton": {}}')
     assert parse_tools("python, search") == {"python": {}, "search": {}}
     assert parse_tools('{"python": {"timeout_s": 3}}') == {"python": {"timeout_s": 3}}
+
+
+def test_application_builder_takes_serve_run_arguments(tmp_path):
+    """``serve run serve.app:build key=value ...`` passes strings; the builder turns them into the deployment."""
+    from ray.serve import Application
+
+    from serve.app import AUTOSCALING, build, deployment_options
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    app = build({"models": f"a={model},b={model}", "tools": "python", "max_tool_calls": "3", "replicas": "2",
+                 "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2"})
+    assert isinstance(app, Application)
+    opts = deployment_options(replicas=2, max_ongoing_requests=4, max_queued_requests=8, retry_after_s=2)
+    assert opts["num_replicas"] == 2 and opts["max_queued_requests"] == 8
+    assert opts["backpressure_config"].status_code == 503 and opts["backpressure_config"].retry_after_s == 2
+    auto = deployment_options(autoscale=True)
+    assert auto["autoscaling_config"]["target_ongoing_requests"] == AUTOSCALING["target_ongoing_requests"]
+    assert "num_replicas" not in auto
+    with pytest.raises(ArpoError, match="nothing to serve"):
+        build({})

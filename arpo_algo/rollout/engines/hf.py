@@ -32,27 +32,18 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
+from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_env.errors import ConfigError
 
 REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (ARPO_SPEC §2.2)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _Entry:
-    """A stored KV prefix: the tokens it covers and, per layer, keys/values of shape [1, kv_heads, n, head_dim]."""
-
-    tokens: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
 
 
 class _Row:
@@ -67,49 +58,6 @@ class _Row:
         self.fed = 0  # tokens whose KV is in the cache (= position id of the next token to feed)
         self.finish: str | None = None
         self.stop_string: str | None = None
-
-
-def _grow_layer_class() -> type:
-    """A transformers ``DynamicLayer`` that appends into spare capacity instead of re-concatenating every step.
-
-    ``DynamicLayer.update`` does ``torch.cat`` of the whole cache per generated token, an O(T) copy per layer and step.
-    This layer keeps a buffer with room to grow (doubling) and returns views of its filled part, so one decoding step
-    writes only the new column. Any other tensor put in ``keys`` (a merge, a row removal) is adopted on the next update.
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowLayer(DynamicLayer):
-        kbuf: torch.Tensor | None = None
-        vbuf: torch.Tensor | None = None
-
-        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, t = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
-            buf = self.kbuf
-            owned = buf is not None and self.keys.numel() and self.keys.data_ptr() == buf.data_ptr() \
-                and buf.shape[0] == key_states.shape[0]
-            if not owned or n + t > buf.shape[-2]:
-                shape = list(key_states.shape)
-                shape[-2] = max(2 * (n + t), n + t + 64)
-                self.kbuf, self.vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
-                if n:
-                    self.kbuf[..., :n, :] = self.keys
-                    self.vbuf[..., :n, :] = self.values
-            self.kbuf[..., n:n + t, :] = key_states
-            self.vbuf[..., n:n + t, :] = value_states
-            self.keys, self.values = self.kbuf[..., :n + t, :], self.vbuf[..., :n + t, :]
-            return self.keys, self.values
-
-    return GrowLayer
-
-
-def _left_pad(t: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
-    if amount <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = amount
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class HFEngine:
@@ -158,12 +106,11 @@ class HFEngine:
         self._rng = random.Random(seed)
         self._uid = uuid.uuid4().hex[:8]
         self._next_key = 0
-        self._store: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        self._stored_tokens = 0
         self._weights_version = self._param_version()
         self._stats: collections.Counter[str] = collections.Counter()
+        self._store = KVStore(kv_cache_capacity_tokens, self._stats)
         self._on_token: TokenCallback | None = None
-        self._layer_cls = _grow_layer_class()
+        self._layer_cls = grow_layer_class()
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
@@ -211,7 +158,6 @@ class HFEngine:
     def close(self) -> None:
         """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
         self._store.clear()
-        self._stored_tokens = 0
         self._decode_layers = []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -225,15 +171,12 @@ class HFEngine:
 
     def release(self, cache_keys: list[Any]) -> None:
         """Forget the stored KV of these keys (unknown or already evicted keys are ignored)."""
-        for key in cache_keys:
-            entry = self._store.pop(key, None)
-            if entry is not None:
-                self._stored_tokens -= len(entry.tokens)
+        self._store.release(cache_keys)
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call (tokens generated/prefilled/reused, prefix hits/misses, seconds...)."""
         out = {k: float(v) for k, v in self._stats.items()}
-        out["kv_cached_tokens"] = float(self._stored_tokens)
+        out["kv_cached_tokens"] = float(self._store.stored_tokens)
         self._stats.clear()
         return out
 
@@ -273,7 +216,6 @@ class HFEngine:
         if self._store:
             self._stats["kv_invalidations"] += 1
         self._store.clear()
-        self._stored_tokens = 0
         self._weights_version = self._param_version()
 
     def _validate(self, req: GenRequest) -> str | None:
@@ -309,7 +251,7 @@ class HFEngine:
                 if row.finish:
                     results[row.idx] = self._result(row, row.finish, (k1, v1))
                     continue
-                keys, values, mask = self._merge(keys, values, mask, k1, v1)
+                keys, values, mask = merge_rows(keys, values, mask, k1, v1)
                 rows.append(row)
             if not rows:
                 break
@@ -336,40 +278,6 @@ class HFEngine:
                         values = [v[:, :, first:] for v in values]
                         mask = mask[:, first:]
 
-    def _cache(self, keys: list[torch.Tensor], values: list[torch.Tensor], reuse: list[Any] | None = None) -> Any:
-        """A DynamicCache over these tensors. Layers of ``reuse`` whose ``keys`` are exactly these tensors (the views
-        a previous step returned) are kept, so their spare capacity carries over to this step."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        for i, (k, v) in enumerate(zip(keys, values)):
-            old = reuse[i] if reuse is not None and i < len(reuse) else None
-            if old is not None and old.keys is k and old.values is v:
-                cache.layers.append(old)
-                continue
-            layer = self._layer_cls()
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v  # hand over without the copy DynamicCache(ddp_cache_data=...) makes
-            cache.layers.append(layer)
-        return cache
-
-    def _lookup(self, req: GenRequest) -> tuple[int, _Entry | None]:
-        """How many leading tokens of ``req`` can come from the stored prefix ``req.prefix_key`` (verified)."""
-        if req.prefix_key is None:
-            return 0, None
-        entry = self._store.get(req.prefix_key)
-        if entry is None:
-            self._stats["prefix_misses"] += 1
-            return 0, None
-        ctx, n = req.token_ids, len(entry.tokens)
-        m = min(n, len(ctx))
-        if list(ctx[:m]) != entry.tokens[:m]:
-            self._stats["prefix_mismatches"] += 1  # not a prefix: recompute everything rather than trust the hint
-            return 0, None
-        self._store.move_to_end(req.prefix_key)
-        self._stats["prefix_hits"] += 1
-        return min(m, len(ctx) - 1), entry  # at least one token must be fed to get the next-token logits
-
     def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict) -> tuple:
         """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
         ctx = tuple(row.req.token_ids)
@@ -387,11 +295,11 @@ class HFEngine:
 
     def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         ctx = row.req.token_ids
-        m, entry = self._lookup(row.req)
+        m, entry = self._store.lookup(row.req.prefix_key, row.req.token_ids)
         if entry is not None and m > 0:
-            cache = self._cache([k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
+            cache = build_cache(self._layer_cls, [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
         else:
-            m, cache = 0, self._cache([], [])
+            m, cache = 0, build_cache(self._layer_cls, [], [])
         ids = torch.tensor([ctx[m:]], dtype=torch.long, device=self.device)
         pos = torch.arange(m, len(ctx), device=self.device).unsqueeze(0)
         att = torch.ones(1, len(ctx), dtype=torch.long, device=self.device)
@@ -403,24 +311,12 @@ class HFEngine:
         row.fed = len(ctx)
         return ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1])
 
-    def _merge(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
-               k1: list[torch.Tensor], v1: list[torch.Tensor]) -> tuple[list, list, torch.Tensor]:
-        n = k1[0].shape[2]
-        m1 = torch.ones(1, n, dtype=torch.long, device=self.device)
-        if not keys:
-            return k1, v1, m1
-        t = mask.shape[1]
-        keys = [torch.cat([_left_pad(k, n - t, 2), _left_pad(a, t - n, 2)]) for k, a in zip(keys, k1)]
-        values = [torch.cat([_left_pad(v, n - t, 2), _left_pad(a, t - n, 2)]) for v, a in zip(values, v1)]
-        mask = torch.cat([_left_pad(mask, n - t, 1), _left_pad(m1, t - n, 1)])
-        return keys, values, mask
-
     def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],
               mask: torch.Tensor) -> tuple[torch.Tensor, list, list, torch.Tensor]:
         ids = torch.tensor([[r.new[-1]] for r in rows], dtype=torch.long, device=self.device)
         pos = torch.tensor([[r.fed] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        cache = self._cache(keys, values, reuse=self._decode_layers)
+        cache = build_cache(self._layer_cls, keys, values, reuse=self._decode_layers)
         self._decode_layers = cache.layers
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         self._stats["forward_calls"] += 1
@@ -488,18 +384,9 @@ class HFEngine:
 
     def _result(self, r: _Row, finish: str, kv: tuple[list, list] | None) -> Generation:
         key = None
-        if kv is not None and self.kv_cache_capacity_tokens > 0:
-            tokens = list(r.req.token_ids) + r.new[:-1]
-            if 0 < len(tokens) <= self.kv_cache_capacity_tokens:
-                key = f"{self._uid}:{self._next_key}"
-                self._next_key += 1
-                # clone: a slice would keep the whole batch tensor alive
-                self._store[key] = _Entry(tokens, [k.clone() for k in kv[0]], [v.clone() for v in kv[1]])
-                self._stored_tokens += len(tokens)
-                while self._stored_tokens > self.kv_cache_capacity_tokens:
-                    _, old = self._store.popitem(last=False)
-                    self._stored_tokens -= len(old.tokens)
-                    self._stats["kv_evictions"] += 1
+        if kv is not None:
+            key = self._store.put(f"{self._uid}:{self._next_key}", list(r.req.token_ids) + r.new[:-1], *kv)
+            self._next_key += key is not None
         return Generation(r.req.request_id, r.new, r.logprobs, r.entropies, finish,  # type: ignore[arg-type]
                           stop_string=r.stop_string, top_logprobs=r.top, cache_key=key,
                           metrics={"new_tokens": float(len(r.new))})

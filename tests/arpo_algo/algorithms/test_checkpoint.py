@@ -109,3 +109,20 @@ def test_rotation_keeps_the_newest(trained, tmp_path):
         algo._iteration -= 1
     assert list_checkpoints(root) == [second] and not first.exists()
     assert not any(p.name.startswith(".") for p in root.iterdir())
+
+
+def test_checkpoint_records_the_package_version(trained):
+    """One version source: the package metadata (pyproject.toml), written into every checkpoint."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import arpo_algo
+
+    _, path = trained
+    meta = json.loads((path / "rllib_checkpoint.json").read_text())
+    assert meta["arpo_version"] == arpo_algo.__version__ == importlib.metadata.version("arpo")
+    repo = Path(__file__).resolve().parents[3]
+    hard_coded = [p for p in (repo / "arpo_algo").rglob("*.py")
+                  if re.search(r"__version__\s*=\s*['\"]\d+\.\d+", p.read_text(encoding="utf-8"))]
+    assert hard_coded == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from arpo_algo.algorithms import AEPOConfig, ARPOConfig, GRPOConfig
-from arpo_algo.run.experiment import EXPERIMENTS_DIR, load_experiment, parse_override
+from arpo_algo.run.experiment import EXPERIMENTS_DIR, load_experiment, resolve_experiment_path
 from arpo_env.errors import ConfigError
 
 
@@ -192,12 +192,48 @@ num_prompts = 5
     assert c.env == "arpo/ToolMath-v0" and c.env_config == {"max_tool_calls": 2}
 
 
-def test_parse_override_reads_toml_literals():
-    assert parse_override("tree.budget=8") == ("tree", "budget", 8)
-    assert parse_override("env.levels=[1, 2]") == ("env", "levels", [1, 2])
-    assert parse_override("model.path=/a/b") == ("model", "path", "/a/b")
-    with pytest.raises(ConfigError):
-        parse_override("budget=8")
+def test_overrides_read_toml_literals_and_name_the_closest_section(tmp_path):
+    exp = load_experiment(write(tmp_path, BASE), ["tree.budget=6", "env.levels=[1, 2]", "model.path=/a/b"])
+    assert exp.config.budget == 6 and exp.config.env_config["levels"] == [1, 2] and exp.config.model_path == "/a/b"
+    with pytest.raises(ConfigError, match="the key must be section.key"):
+        load_experiment(write(tmp_path, BASE), ["budget=8"])
+    with pytest.raises(ConfigError, match="unknown section 'rollout'") as err:
+        load_experiment(write(tmp_path, BASE), ["rollout.temperature=0.5"])
+    assert err.value.hint == "did you mean 'rollouts'?"
+
+
+def test_total_steps_is_derived_from_the_iterations(tmp_path):
+    """Bug: total_steps stayed 1 whatever the run's length, so a decaying schedule hit lr 0 after one update."""
+    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\n'
+                                "ppo_epochs = 2\n"))
+    assert exp.config.total_steps == 14 and exp.config.learner_config().total_steps == 14
+    exp.config.validate()
+    exp = load_experiment(write(tmp_path, BASE + "[training]\ntotal_steps = 100\n"))  # an explicit value wins
+    assert exp.config.total_steps == 100
+    with pytest.raises(ConfigError, match="decays to 0 at total_steps, which is not set"):
+        valid_config(ARPOConfig).training(lr_schedule="cosine").validate()  # no run length known: refuse
+
+
+def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
+    """A wheel install has no checkout: names are looked up in $ARPO_EXPERIMENTS and ./experiments too."""
+    import arpo_algo.run.experiment as experiment
+    from arpo_env.errors import ArpoError
+
+    monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", None)  # as in a wheel install
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArpoError, match="not found: neither a file nor <name>.toml in") as err:
+        resolve_experiment_path("mine")
+    assert "ARPO_EXPERIMENTS" in err.value.hint
+    (tmp_path / "elsewhere").mkdir()
+    write(tmp_path / "elsewhere", BASE).rename(tmp_path / "elsewhere" / "mine.toml")
+    monkeypatch.setenv("ARPO_EXPERIMENTS", str(tmp_path / "elsewhere"))
+    assert resolve_experiment_path("mine") == tmp_path / "elsewhere" / "mine.toml"
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "local.toml").write_text(BASE)
+    assert load_experiment("local").run.name == "local"
+    with pytest.raises(ArpoError) as err:
+        resolve_experiment_path("nope")
+    assert err.value.hint == "known experiments: local, mine"
 
 
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS_DIR.glob("*.toml")), ids=lambda p: p.stem)

@@ -69,3 +69,21 @@ def test_entropy_weights_make_copies_equal_to_counts():
     _, za = entropy_aware_advantages(torch.ones(4), ent_a, w_a, torch.zeros(4, dtype=torch.long), 1)
     _, zb = entropy_aware_advantages(torch.ones(3), ent_b, w_b, torch.zeros(3, dtype=torch.long), 1)
     assert za[1:].tolist() == pytest.approx(zb.tolist())
+
+
+def test_estimators_are_registered_by_name():
+    from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES
+    from arpo_env.errors import ConfigError
+
+    prompt, responses, masks = [1, 2], [[3, 4, 5], [3, 4, 6]], [[1, 1, 1], [1, 1, 1]]
+    soft = ADVANTAGES.lookup("grpo")(prompt, responses, masks, [1.0, 0.0])
+    a = grpo_advantages([1.0, 0.0])
+    assert soft.advantages == [[a[0]] * 3, [a[1]] * 3] and soft.weights == [[1.0] * 3, [1.0] * 3]
+    hard = ADVANTAGES.lookup("hard")(prompt, responses, masks, [1.0, 0.0])
+    tok, mult = hard_attribution(prompt, responses, masks, a)
+    assert hard.advantages == tok and hard.weights == [[1 / d for d in m] for m in mult]
+    assert hard.weights[0][:2] == [0.5, 0.5] and ADVANTAGES.meta["hard"] == {"merge_shared": True}
+    assert ADVANTAGE_SHAPERS.lookup("entropy_aware") is entropy_aware_advantages
+    with pytest.raises(ConfigError, match="learner.advantage: unknown advantage estimator 'hrad'") as err:
+        ADVANTAGES.lookup("hrad")
+    assert err.value.hint == "did you mean 'hard'? registered: grpo, hard"

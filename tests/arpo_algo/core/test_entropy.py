@@ -5,30 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from arpo_algo.core.entropy import token_entropy, topk_sum_lnV, topk_token_term
+from arpo_algo.core.entropy import SEGMENT_ENTROPIES, register_entropy, topk_sum_lnV, topk_token_term
 from arpo_algo.core.tree import segment_entropy
 from arpo_algo.rollout.engines.base import Generation
 from arpo_env.errors import ConfigError
-
-
-def test_uniform_is_ln_v_and_one_hot_is_zero():
-    for v in (2, 7, 259, 151_665):
-        assert token_entropy(torch.zeros(v)).item() == pytest.approx(math.log(v), rel=1e-5)
-    assert token_entropy(torch.tensor([0.0, -math.inf, -math.inf])).item() == 0.0  # masked logits: 0, not NaN
-    assert token_entropy(torch.tensor([1000.0, 0.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
-
-
-def test_batched_and_temperature():
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0.0, -1.0]])
-    h = token_entropy(logits)
-    p = torch.softmax(logits[1], -1)
-    assert h.shape == (2,) and h[0].item() == pytest.approx(math.log(4))
-    assert h[1].item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-6)
-    # higher temperature flattens the distribution: entropy goes up; temperature 0 means the raw distribution
-    assert token_entropy(logits[1], 2.0) > h[1] and token_entropy(logits[1], 0.0) == pytest.approx(h[1])
-    assert token_entropy(logits.to(torch.bfloat16)).dtype == torch.float32
 
 
 def test_topk_sum_lnv_hand_computed():
@@ -54,7 +35,26 @@ def test_segment_entropy_methods():
     assert segment_entropy(gen.entropies, gen.top_logprobs, "full_mean", 2, 10) == pytest.approx(1.5)
     assert segment_entropy(gen.entropies, gen.top_logprobs, "topk_sum_lnV", 2, 10) == pytest.approx(
         2 * math.log(2) / math.log(10))
-    with pytest.raises(ConfigError, match="entropy_method"):
+    with pytest.raises(ConfigError, match="entropy_method: unknown entropy estimator 'paper'") as err:
         segment_entropy(gen.entropies, gen.top_logprobs, "paper", 20, 10)
+    assert "full_mean, full_sum_lnV, topk_sum_lnV" in err.value.hint
     with pytest.raises(ConfigError, match="logprobs_topk"):
         segment_entropy(gen.entropies, None, "topk_sum_lnV", 20, 10)
+
+
+def test_a_new_entropy_estimator_is_one_function_and_one_name():
+    from arpo_algo.core.tree import TreeConfig
+
+    @register_entropy("test_max")
+    def seg_max(entropies, top_logprobs, k, vocab_size):
+        return max(entropies[:k], default=0.0)
+
+    try:
+        assert segment_entropy([1.0, 5.0, 9.0], None, "test_max", 2, 10) == 5.0
+        assert TreeConfig(entropy_method="test_max").validate().entropy_method == "test_max"
+        with pytest.raises(ValueError, match="already registered"):
+            register_entropy("test_max")(seg_max)
+    finally:
+        SEGMENT_ENTROPIES.pop("test_max")
+    with pytest.raises(ConfigError, match="entropy_method='test_max' is not one of"):
+        TreeConfig(entropy_method="test_max").validate()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from arpo_algo.core.losses import dual_clip_policy_loss, k3_kl, lr_multiplier
+from arpo_algo.core.losses import dual_clip_policy_loss, k3_kl
 
 RATIOS = [0.5, 0.79, 1.0, 1.1, 1.25, 2.0, 3.5, 5.0]
 
@@ -65,11 +65,3 @@ def test_k3_kl():
     d = (ref - logp)[:3]
     assert kl[:3].tolist() == pytest.approx((torch.exp(d) - d - 1).tolist())
     assert kl[0] == 0.0 and (kl >= 0).all() and float(kl[3]) == 10.0  # clamped
-
-
-def test_lr_schedule():
-    f = lambda s, sched: lr_multiplier(s, schedule=sched, warmup_steps=2, total_steps=6)  # noqa: E731
-    assert [f(s, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
-    assert [f(s, "linear") for s in range(2, 7)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
-    assert f(2, "cosine") == pytest.approx(1.0) and f(4, "cosine") == pytest.approx(0.5)
-    assert f(6, "cosine") == pytest.approx(0.0) and f(10, "cosine") == pytest.approx(0.0)

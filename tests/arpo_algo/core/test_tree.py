@@ -58,8 +58,14 @@ def test_valid_presets_and_from_dict():
     assert a.premonitor_on and a.penalty == 0.05
     assert not TreeConfig().premonitor_on and TreeConfig().penalty == 0.0  # AEPO parts act in mode "aepo" only
     assert TreeConfig.from_dict({"budget": 16, "initial": 8}).budget == 16
-    with pytest.raises(ConfigError, match="unknown tree setting 'beam_size'"):
+    with pytest.raises(ConfigError, match="tree config: unknown key 'beam_size'"):
         TreeConfig.from_dict({"beam_size": 2})
+    with pytest.raises(ConfigError, match="tree config: unknown key 'budgte'") as err:
+        TreeConfig.from_dict({"budgte": 2})
+    assert err.value.hint == "did you mean 'budget'?"
+    with pytest.raises(ConfigError, match="tree config: budget must be int, got '8'"):  # types were not checked
+        TreeConfig.from_dict({"budget": "8"})
+    assert TreeConfig.from_dict({"alpha": 1}).alpha == 1.0 and type(TreeConfig.from_dict({"alpha": 1}).alpha) is float
 
 
 # ---------------------------------------------------------------------------------------------------------- rules

@@ -145,7 +145,7 @@ def test_budget_depth_masks_over_seeds(cfg, env_creator):
         for g in groups:
             _check_group(g, cfg, eng.tokenizer, 300)
             branched += sum(t.kind == "branch" for t in g.trajectories)
-        assert metrics["rollout/trajectories"] == 2 * cfg.budget
+        assert metrics["num_trajectories"] == 2 * cfg.budget
         s.close()
     if cfg.mode == "grpo":
         assert branched == 0
@@ -260,4 +260,4 @@ def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
         assert g.prompt_ids == list(eng.tokenizer.apply_chat_template(
             ToolTextEnv(task="toolmath").reset(options={"task_index": g.prompt_index})[1]["messages"],
             add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert m["rollout/trajectories"] == 8 and m["rollout/tokens_generated"] > 0
+    assert m["num_trajectories"] == 8 and m["rollout/tokens_generated"] > 0

@@ -179,10 +179,53 @@ def test_kl_to_reference_is_zero_at_start_and_lr_schedule(tiny_model_dir, groups
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="cliprange"):
+    with pytest.raises(ConfigError, match="learner: unknown key 'cliprange'"):
         LearnerConfig.from_dict({"cliprange": 0.2})
+    with pytest.raises(ConfigError, match="learner: unknown key 'clip_hihg'") as err:
+        LearnerConfig.from_dict({"clip_hihg": 0.2})
+    assert err.value.hint == "did you mean 'clip_high'?"
+    with pytest.raises(ConfigError, match="learner: ppo_epochs must be int, got 1.5"):  # types were not checked
+        LearnerConfig.from_dict({"ppo_epochs": 1.5})
     with pytest.raises(ConfigError, match="seq_mean"):
         LearnerConfig(advantage="hard", loss_agg="seq_mean").validate()
     with pytest.raises(ConfigError, match="lr_schedule"):
         LearnerConfig(lr_schedule="step").validate()
     assert LearnerConfig.from_dict({"kl_coef": 0.1}).kl_coef == 0.1
+
+
+def test_decaying_schedule_needs_total_steps():
+    """Bug: total_steps defaulted to 1, so a cosine/linear schedule reached lr 0 after the first update, silently."""
+    with pytest.raises(ConfigError, match="decays to 0 at total_steps, which is not set"):
+        LearnerConfig(lr_schedule="cosine").validate()
+    with pytest.raises(ConfigError, match="total_steps=2 <= warmup_steps=2"):
+        LearnerConfig(lr_schedule="linear", warmup_steps=2, total_steps=2).validate()
+    LearnerConfig(lr_schedule="cosine", total_steps=10).validate()
+    LearnerConfig().validate()  # constant needs no total_steps
+
+
+def test_learner_looks_up_estimator_and_loss_by_name(tiny_model_dir, groups):
+    """A new advantage estimator or policy loss is one function and one name; the config selects it."""
+    from arpo_algo.core.advantages import ADVANTAGES, TokenAdvantages, register_advantage
+    from arpo_algo.core.losses import POLICY_LOSSES, dual_clip, register_policy_loss
+
+    calls = []
+
+    @register_advantage("test_ones")
+    def ones(prompt_ids, responses, trained_masks, rewards, *, norm_by_std=True):
+        return TokenAdvantages([[1.0] * len(r) for r in responses], [[1.0] * len(r) for r in responses])
+
+    @register_policy_loss("test_spy")
+    def spy(logp, old_logp, adv, settings):
+        calls.append(settings.clip_c)
+        return dual_clip(logp, old_logp, adv, settings)
+
+    try:
+        learner = Learner(tiny_model_dir, replace(BASE, advantage="test_ones", policy_loss="test_spy", lr=1e-9))
+        m = learner.update(groups)
+        # ratio 1 (recomputed old log-probs), advantage 1 everywhere: the token-mean policy loss is exactly -1
+        assert m["loss/policy"] == pytest.approx(-1.0, abs=1e-5) and calls == [3.0] * int(m["micro_batches"])
+    finally:
+        ADVANTAGES.pop("test_ones")
+        POLICY_LOSSES.pop("test_spy")
+    with pytest.raises(ConfigError, match="advantage='test_ones' is not a registered advantage estimator"):
+        replace(BASE, advantage="test_ones").validate()

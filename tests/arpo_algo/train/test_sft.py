@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from arpo_algo.cli.sft import config_from_args, parse_override
+from arpo_algo.cli.sft import config_from_args
 from arpo_algo.cli.sft import register as register_sft
-from arpo_algo.train.sft import (
-    SFTConfig,
+from arpo_algo.train.sft import SFTConfig, run_sft
+from arpo_algo.train.sft_data import (
     SFTExample,
     build_dataset,
     load_file_examples,
-    run_sft,
     split_inline_results,
     tokenize_example,
 )
@@ -140,7 +139,7 @@ def test_config_strict_and_validated():
         SFTConfig.from_dict({"learning_rate": 1e-4})
     with pytest.raises(ConfigError, match="lr must be float"):
         SFTConfig.from_dict({"lr": "fast"})
-    with pytest.raises(ConfigError, match="truncation='cut'"):
+    with pytest.raises(ConfigError, match="truncation='cut' is not one of 'drop', 'truncate'"):
         SFTConfig.from_dict({"truncation": "cut"})
     with pytest.raises(ConfigError, match="batch_size must be > 0"):
         SFTConfig.from_dict({"batch_size": 0})
@@ -159,10 +158,13 @@ def test_cli_config_layers(tmp_path):
     cfg = config_from_args(args)
     assert (cfg.model, cfg.lr, cfg.levels, cfg.data, cfg.epochs) == ("m", 2e-4, [1, 2], "toolmath", 7)
     assert cfg.output_dir == str(tmp_path / "o")
-    assert parse_override("bf16=true") == ("bf16", True)
     bad = parser.parse_args(["sft", "--config", str(toml), "--set", "epoch=3"])
-    with pytest.raises(ConfigError, match="unknown key 'epoch'"):
+    with pytest.raises(ConfigError, match="unknown key 'epoch'") as err:
         config_from_args(bad)
+    assert err.value.hint == "did you mean 'epochs'?"  # the same hint as every other config (was: all keys)
+    dotted = parser.parse_args(["sft", "--set", "sft.lr=1e-5"])  # SFTConfig has no sections
+    with pytest.raises(ConfigError, match="no sections, so the form is key=value"):
+        config_from_args(dotted)
 
 
 def test_missing_model_names_pull_command(tmp_path, monkeypatch):
@@ -220,7 +222,7 @@ def test_smollm2_learns_python_tool_on_toolmath(tmp_path, smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arpo_env.tasks.toolmath import toolmath_demonstrations
+    from arpo_env.demonstrations import toolmath_demonstrations
 
     t0 = time.time()
     # The quickstart setting: 96 demos, one epoch = 12 optimizer steps (~4 min on 2 idle CPU cores).

@@ -1,0 +1,85 @@
+"""The sweep checks that need whole experiments: every corner point, per-trial resources, reported metrics.
+
+Split from :mod:`arpo_algo.run.sweep` (which calls them from ``load_sweep``); ``sweep`` is a
+:class:`arpo_algo.run.sweep.Sweep`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from arpo_algo.algorithms.options import unknown_key_error
+from arpo_env.errors import ArpoError, ConfigError
+
+#: Training metrics every iteration reports (top level of the result; ``rollout/*`` and ``learner/*`` too).
+TRAIN_METRICS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "branches", "response_len",
+                 "tokens_sampled", "num_trajectories", "tokens_per_s", "update_tokens_per_s",
+                 "num_trajectories_lifetime", "timers/sync_time", "timers/rollout_time", "timers/update_time")
+#: Held-out metrics (``result["evaluation"]``), reported in iterations where ``[evaluation] every`` divides.
+EVAL_METRICS = ("accuracy", "pass_at_1", "pass_at_k", "reward_mean", "tool_calls_mean", "format_ok", "response_len",
+                "num_tasks", "samples_per_task", "time_s")
+#: Most corner points built and validated per algorithm.
+MAX_CORNERS = 256
+
+
+def check_points(sweep: Any, where: str) -> None:
+    """Build and validate the base, then every corner of the space, per algorithm; check resources."""
+    from arpo_algo.algorithms.components import check_resources_feasible, resource_bundles
+    from arpo_algo.models import resolve_model_path
+
+    models_seen: set[str] = set()
+
+    for algorithm in sweep.algorithms:
+        knobs = sweep.knobs_for(algorithm)
+        dropped = sorted({k.key for k in sweep.knobs if k.key != "experiment.algorithm"} - {k.key for k in knobs})
+        if dropped:
+            sweep.notes.append(f"{algorithm}: {', '.join(dropped)} dropped (GRPO does not branch: initial = budget, "
+                               "branch_factor = 0)")
+        try:
+            base = sweep.experiment(algorithm)
+            base.config.validate()
+        except ConfigError as e:
+            raise ConfigError(f"{where}: the base experiment {sweep.base_path} is invalid for {algorithm}: "
+                              f"{e.message}", hint=e.hint) from e
+        corners = itertools.islice(itertools.product(*[k.corners for k in knobs]), MAX_CORNERS)
+        for values in corners:
+            point = {k.key: v for k, v in zip(knobs, values)}
+            try:
+                exp = sweep.experiment(algorithm, point)
+                exp.config.validate()
+            except ConfigError as e:
+                shown = ", ".join(f"{k}={v!r}" for k, v in point.items())
+                raise ConfigError(f"{where}: the point {shown} ({algorithm}) is not a valid experiment: {e.message}",
+                                  hint="narrow the [space] so that every point is valid (the sweep checks every "
+                                       "corner of the space before Ray starts, and skips none)") from e
+            cfg = exp.config
+            if cfg.model_path not in models_seen:
+                models_seen.add(cfg.model_path)
+                try:
+                    resolve_model_path(cfg.model_path)
+                except ArpoError as e:
+                    raise ConfigError(f"{where}: model {cfg.model_path!r}: {e.message}", hint=e.hint) from e
+            cfg.num_cpus_for_main_process = sweep.settings.resources_per_trial["cpu"]
+            try:
+                check_resources_feasible(resource_bundles(cfg))
+            except ConfigError as e:
+                raise ConfigError(f"{where}: [sweep] resources_per_trial: one trial {e.message[len('this ARPO config '):]}"
+                                  if e.message.startswith("this ARPO config ") else f"{where}: {e.message}",
+                                  hint=e.hint) from e
+
+
+def check_metrics(sweep: Any, where: str) -> None:
+    every = sweep.base_sections.get("evaluation", {}).get("every", 0)
+    swept_every = any(k.key == "evaluation.every" for k in sweep.knobs)
+    known = list(TRAIN_METRICS) + [f"evaluation/{m}" for m in EVAL_METRICS]
+    for metric in sweep.objectives:
+        if metric.startswith(("rollout/", "learner/")) and metric.count("/") == 1:
+            continue
+        if metric not in known:
+            raise unknown_key_error(metric, known, f"{where}: [sweep] metric (never reported by the algorithm)")
+        if metric.startswith("evaluation/") and (swept_every or every != 1):
+            raise ConfigError(f"{where}: [sweep] metric {metric!r} is reported only in iterations that evaluate, "
+                              f"and the base has [evaluation] every = {every}; the search and the scheduler need it "
+                              "in every iteration",
+                              hint='[base]\n"evaluation.every" = 1')

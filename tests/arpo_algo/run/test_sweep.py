@@ -1,0 +1,162 @@
+"""`arpo tune` without Ray: sweep validation (before Ray starts), beam_size, dry run, seed statistics, Pareto front."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from arpo_algo.cli.main import main
+from arpo_algo.run.sweep import load_sweep
+from arpo_algo.run.sweep_report import config_summary, pareto_front, seed_stats
+from arpo_env.errors import ConfigError
+
+BASE = """
+[experiment]
+iterations = 2
+[model]
+path = "{model}"
+[env]
+id = "arpo/ToolMath-v0"
+levels = [1]
+max_tool_calls = 1
+[tree]
+budget = 2
+initial = 1
+[training]
+prompts_per_step = 1
+lr = 1e-4
+[rollouts]
+max_response_tokens = 12
+max_batch_size = 4
+[evaluation]
+every = 1
+num_prompts = 2
+"""
+
+
+def write_sweep(tmp_path, model_dir, sweep: str, space: str, base_extra: str = "") -> str:
+    (tmp_path / "base.toml").write_text(BASE.format(model=model_dir) + base_extra)
+    p = tmp_path / "sweep.toml"
+    p.write_text(f'[sweep]\nexperiment = "{tmp_path / "base.toml"}"\n{sweep}\n[space]\n{space}\n')
+    return str(p)
+
+
+def test_beam_size_is_branch_factor_plus_one(tmp_path, tiny_model_dir, capsys):
+    path = write_sweep(tmp_path, tiny_model_dir, "num_samples = 3",
+                       '"tree.beam_size" = {choice = [1, 2]}\n"tree.tau" = {uniform = [0.1, 0.9]}')
+    sweep = load_sweep(path)
+    knob = next(k for k in sweep.knobs if k.key == "tree.branch_factor")
+    assert knob.dist == "choice" and knob.args == [0, 1]
+    assert any("beam_size" in n and "branch_factor" in n for n in sweep.notes)
+    assert main(["tune", path, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "note: tree.beam_size" in out
+    info = json.loads(out[out.index("{"):])
+    assert info["total_trials"] == 3
+    assert "tree.branch_factor ~ choice[0, 1]" in info["space"]["arpo"]
+
+
+def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"\nscheduler = "none"',
+                       '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1, 2]}\n'
+                       '"tree.tau" = {choice = [0.3, 0.6]}')
+    sweep = load_sweep(path)
+    assert sweep.algorithms == ["arpo", "grpo"]
+    assert sweep.num_trials("arpo") == 6 and sweep.num_trials("grpo") == 3  # tau means nothing to GRPO
+    grpo = sweep.experiment("grpo", {"experiment.seed": 1})
+    assert grpo.config.initial == grpo.config.budget == 2 and grpo.config.branch_factor == 0
+
+
+@pytest.mark.parametrize(("sweep", "space", "match", "hint"), [
+    ("", '"tree.tua" = {uniform = [0.1, 1.0]}', "unknown key 'tua'", "did you mean 'tau'"),
+    ("", '"tre.tau" = {uniform = [0.1, 1.0]}', "unknown key 'tre'", "did you mean 'tree'"),
+    ("", '"tree.tau" = {uniform = [1.0, 0.1]}', "inverted range", "write [0.1, 1.0]"),
+    ("", '"tree.tau" = {uniform = [0.5, 0.5]}', "empty range", None),
+    ("", '"tree.tau" = {choice = []}', "non-empty list", None),
+    ("", '"tree.tau" = {uniformm = [0.1, 1.0]}', "unknown key 'uniformm'", "did you mean 'uniform'"),
+    ("", '"tree.initial" = {choice = [1, 3]}', r"tree.initial=3 \(arpo\) is not a valid experiment", "narrow"),
+    ("", '"tree.tau" = {grid = [0.1, 0.2]}', "which Optuna cannot search", None),
+    ("resources_per_trial = {cpu = 4096}", '"tree.tau" = {uniform = [0.1, 1.0]}', "needs 4096 CPUs", None),
+    ('metric = "reward_meen"', '"tree.tau" = {uniform = [0.1, 1.0]}', "never reported", "reward_mean"),
+    ("num_smaples = 2", '"tree.tau" = {uniform = [0.1, 1.0]}', "unknown key 'num_smaples'", "num_samples"),
+])
+def test_bad_sweeps_fail_before_ray(tmp_path, tiny_model_dir, sweep, space, match, hint):
+    import ray
+
+    path = write_sweep(tmp_path, tiny_model_dir, sweep, space)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_sweep(path)
+    assert str(tmp_path / "sweep.toml") in info.value.message
+    if hint:
+        assert hint in (info.value.hint or "")
+    assert not ray.is_initialized()
+
+
+def test_infeasible_rollout_actors_and_eval_metric(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir, "", '"rollouts.num_rollout_actors" = {choice = [0, 64]}')
+    with pytest.raises(ConfigError, match="CPUs"):
+        load_sweep(path)
+    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"', '"tree.tau" = {uniform = [0.1, 1]}',
+                       base_extra="")
+    assert load_sweep(path).settings.metric == "evaluation/accuracy"
+    with pytest.raises(ConfigError, match="every = 0") as info:  # a held-out metric the base never evaluates
+        load_sweep(path, ["evaluation.every=0"])
+    assert "evaluation.every" in info.value.hint
+
+
+def test_cli_bad_sweep_exit_2_no_traceback(tmp_path, tiny_model_dir, capsys):
+    path = write_sweep(tmp_path, tiny_model_dir, "", '"tree.tua" = {uniform = [0.1, 1.0]}')
+    assert main(["tune", path, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'tua'" in err and "did you mean 'tau'" in err and "Traceback" not in err
+    path = write_sweep(tmp_path, tiny_model_dir, "", '"tree.tau" = {uniform = [0.1, 1.0]}')
+    assert main(["tune", path, "--set", "model.path=/nonexistent/model", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/model" in err and "Traceback" not in err
+
+
+def test_seed_stats_known_numbers():
+    s = seed_stats([0.5, 0.7, 0.9])
+    t975_2 = 4.302652729911275  # Student t, 2 degrees of freedom, 97.5% quantile
+    assert s["n"] == 3 and s["mean"] == pytest.approx(0.7) and s["sd"] == pytest.approx(0.2)
+    half = t975_2 * 0.2 / math.sqrt(3)
+    assert s["ci_low"] == pytest.approx(0.7 - half) and s["ci_high"] == pytest.approx(0.7 + half)
+    one = seed_stats([0.4])
+    assert one["mean"] == 0.4 and one["sd"] is None and one["ci_low"] is None
+
+
+def test_seed_grid_summary_groups_over_seeds(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"\nscheduler = "none"',
+                       '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1]}')
+    sweep = load_sweep(path)
+    m = sweep.settings.metric
+    rows = [{"algorithm": a, "experiment.seed": seed, m: v, "tool_calls": c, "status": "done"}
+            for a, seed, v, c in [("arpo", 0, 0.6, 1.0), ("arpo", 1, 0.8, 2.0), ("grpo", 0, 0.2, 1.0),
+                                  ("grpo", 1, 0.4, 3.0)]]
+    rows.append({"algorithm": "grpo", "experiment.seed": 2, m: None, "tool_calls": None, "status": "error"})
+    summary = config_summary(sweep, rows)
+    assert [r["algorithm"] for r in summary] == ["arpo", "grpo"]
+    arpo, grpo = summary
+    half = 12.706204736174698 * math.sqrt(0.02) / math.sqrt(2)  # t(0.975, 1) * sd / sqrt(n)
+    assert arpo["seeds"] == 2 and arpo["mean"] == pytest.approx(0.7) and arpo["sd"] == pytest.approx(math.sqrt(0.02))
+    assert arpo["ci95_low"] == pytest.approx(0.7 - half) and arpo["ci95_high"] == pytest.approx(0.7 + half)
+    assert grpo["mean"] == pytest.approx(0.3) and grpo["tool_calls_mean"] == pytest.approx(2.0)
+
+
+def test_pareto_front():
+    pts = [(0.5, 2.0), (0.5, 1.0), (0.8, 3.0), (0.2, 0.5), (0.4, 3.0)]
+    assert pareto_front(pts, "max") == [3, 1, 2]
+    assert pareto_front(pts, "min") == [3]
+
+
+def test_multi_objective_settings(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir,
+                       'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_mean" = "min"}',
+                       '"tree.tau" = {uniform = [0.1, 1.0]}')
+    sweep = load_sweep(path)
+    assert sweep.objectives == {"evaluation/accuracy": "max", "evaluation/tool_calls_mean": "min"}
+    assert (sweep.settings.metric, sweep.settings.mode) == ("evaluation/accuracy", "max")  # ASHA, tables, best
+    with pytest.raises(ConfigError, match="multi-objective"):
+        load_sweep(path, ['sweep.search="random"'])
