@@ -75,5 +75,5 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(ConfigError, match="not a readable parquet"):
         load_eval_data(str(tmp_path / "broken.parquet"))
-    with pytest.raises(ConfigError, match="unknown env config key 'levles'"):
+    with pytest.raises(ConfigError, match="unknown key 'levles'"):
         load_eval_data("toolmath", env_config={"levles": [3]})
