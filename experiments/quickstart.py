@@ -86,12 +86,11 @@ def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: i
 def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     """Both checkpoints from disk, each in its own engine, under the experiment's evaluation settings."""
     from arpo_algo.algorithms.components import env_creator
-    from arpo_algo.eval.evaluation import evaluate_engine
+    from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
     from arpo_algo.rollout.engines.hf import HFEngine
 
     cfg = exp.config
-    settings = {"num_prompts": cfg.eval_num_prompts, "samples": cfg.eval_samples, "temperature": cfg.eval_temperature,
-                "max_response_tokens": cfg.eval_max_response_tokens or cfg.max_response_tokens, "seed": cfg.seed}
+    settings = eval_settings(cfg).as_kwargs()  # the same mapping training's evaluate() uses (nothing dropped)
     creator = env_creator(cfg, split=cfg.eval_split)
     out: dict[str, Any] = {"settings": {**settings, "split": cfg.eval_split}}
     for name, path in (("before", sft_dir), ("after", policy_dir)):

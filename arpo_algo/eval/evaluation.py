@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,10 +23,36 @@ from typing import Any
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.types import Group
 
-__all__ = ["evaluate_engine", "evaluate_policy"]
+__all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy"]
 
 #: Tasks sampled together in one sampler call (bounds the number of live environments and KV caches).
 EVAL_CHUNK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """The evaluation protocol's knobs, as :func:`evaluate_engine` takes them (see its arguments)."""
+
+    num_prompts: int | None
+    samples: int
+    temperature: float
+    max_response_tokens: int
+    top_p: float = 1.0
+    tool_workers: int = 8
+    prompt_overflow: str = "error"
+    seed: int = 0
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def eval_settings(cfg: Any) -> EvalSettings:
+    """THE mapping from an ARPOConfig to evaluation settings; training's evaluate(), the quickstart and ``arpo eval
+    --experiment`` all use it, so no caller can drop a setting (top_p, tool_workers and prompt_overflow once were)."""
+    return EvalSettings(num_prompts=cfg.eval_num_prompts, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
+                        max_response_tokens=cfg.eval_max_response_tokens or cfg.max_response_tokens,
+                        top_p=cfg.top_p, tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
+                        seed=cfg.seed)
 
 
 def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts: int | None, samples: int,
@@ -71,9 +98,4 @@ def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts:
 
 def evaluate_policy(algo: Any, env_creator: Callable[[], Any]) -> dict[str, float]:
     """The algorithm's evaluate(): its engine (current weights) under its config's evaluation settings."""
-    cfg = algo.config
-    return evaluate_engine(
-        algo.engine, env_creator, num_prompts=cfg.eval_num_prompts, samples=cfg.eval_samples,
-        temperature=cfg.eval_temperature, top_p=cfg.top_p,
-        max_response_tokens=cfg.eval_max_response_tokens or cfg.max_response_tokens,
-        tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow, seed=cfg.seed)
+    return evaluate_engine(algo.engine, env_creator, **eval_settings(algo.config).as_kwargs())

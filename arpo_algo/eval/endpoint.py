@@ -1,0 +1,206 @@
+"""``arpo eval --endpoint URL``: evaluate an OpenAI-compatible server instead of a local model.
+
+Each run drives the same evaluation environment (``arpo_env``: protocol, stop strings, result template, tool code,
+limits, reward) as a local run; only the text comes from the server's ``POST /v1/chat/completions``:
+
+* **Text with tool tags** (any chat server): the request carries the environment's stop strings; a reply that stopped
+  on one gets its closing tag back (OpenAI servers drop the stop string) and goes to ``env.step``, which runs the tool
+  and returns the exact result text. The conversation continues as one assistant message holding everything so far,
+  sent with ``continue_final_message: true, add_generation_prompt: false`` (vLLM's and arpo serve's extension), so
+  the model sees the same token layout as in training.
+* **OpenAI ``tool_calls``**: each call runs through the environment's tool object of that name (same sandbox and
+  cache) and its output goes back as a ``role: tool`` message; the call limit is the environment's.
+* **Server-side tools** (``arpo serve``): when the reply message carries the agent's tool trace in an extension field
+  (``arpo.tool_calls``: dicts with a ``tool`` key), the server ran the whole conversation; its ``arpo.trajectory``
+  (else the content) is the response and is scored by the environment's reward.
+
+The reply's ``usage.completion_tokens`` are the run's generated tokens. An unreachable server is a clear error
+(:func:`check_endpoint`) before any item runs. Seeds are sent per request: ``seed + 1000003 * item + 7919 * run + turn``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from arpo_algo.eval.evaluation import EvalSettings
+from arpo_algo.eval.runner import make_record
+from arpo_algo.rollout.metrics import is_correct
+from arpo_env.errors import ArpoError
+
+STANDARD_MESSAGE_KEYS = {"role", "content", "tool_calls", "refusal", "annotations", "audio", "function_call",
+                         "reasoning_content", "reasoning"}
+
+
+def _base(url: str) -> str:
+    base = url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def _request(url: str, body: dict[str, Any] | None, timeout: float, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def check_endpoint(url: str, *, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
+    """The served model names (``GET /v1/models``); raises ArpoError when the server cannot be reached."""
+    try:
+        data = _request(_base(url) + "/models", None, timeout, api_key)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ArpoError(f"endpoint {url} is unreachable ({reason})",
+                        hint="start the server first (e.g. `arpo serve MODEL`) and pass its base URL, "
+                             "like http://127.0.0.1:8000") from None
+    return [m.get("id", "") for m in data.get("data") or []]
+
+
+def _close_stop(text: str, stops: tuple[str, ...]) -> str:
+    """Give a reply that stopped on a closing tag its tag back (the server removed it)."""
+    for s in stops:
+        opening = s.replace("</", "<", 1)
+        if opening != s and text.rfind(opening) > text.rfind(s):
+            return text + s
+    return text
+
+
+def _server_trace(message: dict[str, Any]) -> list[dict[str, Any]] | None:
+    for key, value in message.items():
+        if key in STANDARD_MESSAGE_KEYS:
+            continue
+        if isinstance(value, dict):
+            value = value.get("tool_calls")
+        if isinstance(value, list) and all(isinstance(v, dict) and "tool" in v for v in value):
+            return value
+    return None
+
+
+class EndpointAgent:
+    """Runs one conversation of an environment against an OpenAI-compatible server (see the module docstring)."""
+
+    def __init__(self, url: str, model: str, settings: EvalSettings, *, timeout_s: float = 300.0,
+                 api_key: str | None = None) -> None:
+        self.url, self.model, self.settings = _base(url) + "/chat/completions", model, settings
+        self.timeout_s, self.api_key = timeout_s, api_key
+
+    def _call(self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int,
+              cont: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.settings.temperature,
+                                "top_p": self.settings.top_p, "max_tokens": max_tokens, "stop": list(stops),
+                                "seed": seed}
+        if cont:
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        try:
+            return _request(self.url, body, self.timeout_s, self.api_key)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise ArpoError(f"endpoint answered HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ArpoError(f"endpoint request failed ({getattr(e, 'reason', e)})") from None
+
+    def run(self, env: Any, index: int, run: int) -> dict[str, Any]:
+        """One run of task ``index``; returns make_record's keyword arguments."""
+        s = self.settings
+        _, info = env.reset(options={"task_index": index})
+        base_messages = list(info["messages"])
+        stops = tuple(env.stop_sequences)
+        response, tool_msgs, calls = "", [], []
+        tokens, finish, reward, reward_info, done = 0, "length", 0.0, {}, False
+        turn, server_side = 0, False
+        while not done and tokens < s.max_response_tokens and turn < 64:
+            seed = s.seed + 1000003 * index + 7919 * run + turn
+            cont = bool(response) and not tool_msgs
+            messages = base_messages + ([{"role": "assistant", "content": response}] if cont else []) + tool_msgs
+            reply = self._call(messages, stops, s.max_response_tokens - tokens, seed, cont)
+            turn += 1
+            choice = reply["choices"][0]
+            msg = choice.get("message") or {}
+            tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
+            text = msg.get("content") or ""
+            trace = _server_trace(msg)
+            if trace is not None:  # arpo serve ran the tools itself: its trajectory is the whole response
+                ext = msg.get("arpo") if isinstance(msg.get("arpo"), dict) else {}
+                response += ext.get("trajectory") or text
+                server_side = True
+                calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
+                           "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
+                          for c in trace]
+                break
+            if msg.get("tool_calls"):
+                response += text
+                tool_msgs += [{"role": "assistant", "content": text, "tool_calls": msg["tool_calls"]}]
+                for call in msg["tool_calls"]:
+                    out = self._run_tool(env, call, calls)
+                    tool_msgs.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": out})
+                continue
+            if tool_msgs:  # an OpenAI tool-call conversation ends with a plain message
+                response += text
+                break
+            action = _close_stop(text, stops) if choice.get("finish_reason") == "stop" else text
+            obs, reward, term, trunc, step_info = env.step(action)
+            if step_info.get("tool_calls", 0) > len(calls):
+                calls.append({"tool": step_info["tool"], "args": step_info.get("args"),
+                              "output": step_info.get("tool_output"), "error": step_info.get("tool_error", False),
+                              "latency_s": step_info.get("latency_s", 0.0),
+                              "cache_hit": step_info.get("cache_hit", False)})
+            response += action + obs
+            if term or trunc:
+                done, reward_info = True, step_info.get("reward_info", {})
+                finish = "answer" if step_info.get("kind") == "answer" else (
+                    "tool_limit" if step_info.get("append_eos") else "turn_limit" if trunc else "eos")
+        if not done:  # scored as a whole by the environment's reward (server-side tools, tool_calls, budget)
+            task = env.tasks[index]
+            kwargs = {**(task.get("reward_kwargs") or {}), **env.config["reward_kwargs"]}
+            reward, breakdown = env.reward_fn(response, task["ground_truth"], **kwargs)
+            reward_info = {"reward_name": env.config["reward"], "score": float(reward), **breakdown}
+            finish = "answer" if "</answer>" in response else finish
+        return {"text": response, "reward": float(reward), "reward_info": reward_info,
+                "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)), "finish_reason": finish,
+                "tool_calls": calls, "generated_tokens": tokens, "response_tokens": tokens,
+                "server_side_tools": server_side}
+
+    def _run_tool(self, env: Any, call: dict[str, Any], calls: list[dict[str, Any]]) -> str:
+        fn = call.get("function") or {}
+        name = fn.get("name", "")
+        if len(calls) >= env.config["max_tool_calls"]:
+            return f"Error: the tool call limit ({env.config['max_tool_calls']}) is reached; give the final answer."
+        if name not in env.tools:
+            return f"Error: unknown tool {name!r}; available: {', '.join(env.tools)}"
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+            result = env.tools[name](**args)
+            text, error = result.text, result.error
+        except Exception as e:  # noqa: BLE001  (bad arguments from the model are reported to it, never raised)
+            text, error, args = f"Error: {e}", True, fn.get("arguments")
+        calls.append({"tool": name, "args": args, "output": text, "error": error})
+        return text
+
+
+def run_endpoint(agent: EndpointAgent, env_creator: Callable[[], Any], items: list[dict[str, Any]], *,
+                 model: str, out_file: Path, skip: set[str],
+                 score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
+    """K runs of every item not in ``skip`` through the server; appends records per item; returns items run."""
+    todo = [i for i, it in enumerate(items) if it["id"] not in skip]
+    env = env_creator() if todo else None
+    for idx in todo:
+        t0 = time.perf_counter()
+        results = [agent.run(env, idx, r) for r in range(agent.settings.samples)]
+        wall = time.perf_counter() - t0
+        records = [make_record(model, items[idx], idx, r, wall_s=wall, **res) for r, res in enumerate(results)]
+        records = [score(rec) if score else rec for rec in records]
+        with out_file.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+        if on_item:
+            on_item(records)
+    return len(todo)

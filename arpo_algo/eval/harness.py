@@ -1,0 +1,177 @@
+"""The ``arpo eval`` harness: models (or an endpoint) x items x K runs -> ``samples.jsonl`` -> reports.
+
+:func:`run_eval` is what the command calls. The output folder holds ``eval_config.json`` (the protocol), and
+``samples.jsonl``; a rerun with the same folder and protocol skips the items each model already finished (more items,
+``--limit``, or more models may be added); a different protocol (K, temperature, top-p, seed, budget, data,
+environment, judge rule) is refused, so one folder never mixes protocols.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from arpo_algo.eval.data import EvalData, make_eval_env
+from arpo_algo.eval.evaluation import EvalSettings
+from arpo_algo.eval.report import summarize_rows, write_reports
+from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, repair_tail, run_engine
+from arpo_env.errors import ArpoError, ConfigError
+
+CONFIG_FILE = "eval_config.json"
+PROTOCOL_KEYS = ("data", "env_id", "env_config", "samples", "temperature", "top_p", "seed", "max_response_tokens",
+                 "judge_rule")
+
+
+def resolve_model(spec: str) -> tuple[str, Path]:
+    """``[LABEL=]PATH_OR_NAME`` -> (label, HF folder). A training checkpoint gives its ``policy/``; a run folder its
+    newest checkpoint's ``policy/``; a registered name its pulled folder. The label defaults to the folder's (or the
+    checkpoint's) name as given."""
+    from arpo_algo.models import resolve_model_path
+
+    label, sep, target = spec.partition("=")
+    if not sep or Path(spec).expanduser().exists():
+        label, target = "", spec
+    given = Path(target).expanduser()
+    path = given
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        ckpts = sorted(p for p in (path / "checkpoints").iterdir() if (p / "policy" / "config.json").is_file())
+        if not ckpts:
+            raise ArpoError(f"{path} is a run folder without a finished checkpoint")
+        path = ckpts[-1]
+    if path.is_dir() and (path / "policy" / "config.json").is_file():
+        path = path / "policy"
+    folder = resolve_model_path(str(path) if path.exists() else target)
+    if not label:
+        label = (given.parent.name if given.name == "policy" else given.name) if given.exists() else target
+    return label, Path(folder)
+
+
+def build_engine(kind: str, path: Path, *, max_batch_size: int, device: str, seed: int) -> Any:
+    """The engine of ``--engine``: the contract's ``build_engine`` factory when present, else the engine classes."""
+    try:
+        from arpo_algo.rollout.engines import build_engine as factory  # the shared factory (rollout contract)
+    except ImportError:
+        factory = None
+    if factory is not None:
+        opts = {"max_batch_size": max_batch_size, "device": device, "seed": seed} if kind == "hf" else {"seed": seed}
+        return factory(kind, model_or_path=str(path), **opts)
+    if kind == "hf":
+        from arpo_algo.rollout.engines.hf import HFEngine
+
+        return HFEngine(str(path), max_batch_size=max_batch_size, device=device, seed=seed)
+    if kind == "vllm":
+        from arpo_algo.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(str(path), seed=seed)
+    raise ConfigError(f"--engine must be 'hf' or 'vllm', got {kind!r}")
+
+
+def _check_protocol(out: Path, record: dict[str, Any]) -> None:
+    cfg_file = out / CONFIG_FILE
+    if cfg_file.is_file():
+        old = json.loads(cfg_file.read_text())
+        diff = [k for k in PROTOCOL_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(record.get(k),
+                                                                                                 sort_keys=True)]
+        if diff and (out / SAMPLES_FILE).is_file():
+            raise ArpoError(f"{out} holds an evaluation with a different protocol ({', '.join(diff)} differ)",
+                            hint="use a new --output folder, or the same settings to resume")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file.write_text(json.dumps(record, indent=2, default=str))
+
+
+class Progress:
+    """A progress bar with the running accuracy (tqdm on stderr), or nothing."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.bar = None
+        self.correct = self.runs = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="item", file=sys.stderr)
+
+    def __call__(self, records: list[dict[str, Any]]) -> None:
+        self.correct += sum(bool(r["correct"]) for r in records)
+        self.runs += len(records)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(pass1=f"{self.correct / max(self.runs, 1):.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Path, *, data_name: str,
+             engine: str = "hf", endpoint: str | None = None, endpoint_model: str | None = None,
+             judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16, device: str = "cpu",
+             progress: bool = True, charts: bool = True, log=print) -> dict[str, Any]:
+    """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body."""
+    from arpo_algo.eval.endpoint import EndpointAgent, check_endpoint, run_endpoint
+
+    if endpoint and models:
+        raise ConfigError("give model folders or --endpoint, not both")
+    if not endpoint and not models:
+        raise ConfigError("nothing to evaluate", hint="name at least one model/checkpoint, or --endpoint URL")
+    served = check_endpoint(endpoint) if endpoint else []
+    specs = [resolve_model(m) for m in models]
+    if endpoint:
+        name = endpoint_model or (served[0] if served else "default")
+        specs = [(f"{name}@endpoint", None)]
+    labels = [s[0] for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"two models share the label {labels}", hint="name them: LABEL=PATH")
+    record = {"data": data_name, "data_description": data.description, "env_id": data.env_id,
+              "env_config": data.env_config, **dataclasses.asdict(settings),
+              "judge_rule": getattr(judge, "rule", None), "models": labels, "endpoint": endpoint}
+    _check_protocol(out, record)
+    log(f"[eval] data: {data.description}; {len(data.items)} items"
+        + (f" ({data.skipped} skipped: no ground truth)" if data.skipped else ""))
+    creator = functools.partial(make_eval_env, data.env_id, data.env_config, data.items)
+    samples = out / SAMPLES_FILE
+    repair_tail(samples)
+    score = judge.score if judge is not None else None
+    times: dict[str, float] = {}
+    for label, path in specs:
+        skip = done_items(read_samples(samples), label, settings.samples) & {it["id"] for it in data.items}
+        if skip:
+            log(f"[eval] {label}: {len(skip)} items already done (resume), {len(data.items) - len(skip)} to run")
+        bar = Progress(len(data.items) - len(skip), label, progress)
+        t0 = time.perf_counter()
+        try:
+            if endpoint:
+                agent = EndpointAgent(endpoint, endpoint_model or labels[0].rsplit("@", 1)[0], settings)
+                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip, score=score,
+                             on_item=bar)
+            elif len(skip) < len(data.items):
+                eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
+                try:
+                    run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
+                               items_per_call=items_per_call, score=score, on_item=bar)
+                finally:
+                    close = getattr(eng, "close", None)
+                    if close:
+                        close()
+        finally:
+            bar.close()
+        times[label] = round(time.perf_counter() - t0, 1)
+    ids = {it["id"] for it in data.items}
+    rows = [r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids]
+    header = {**record, "items": len(data.items), "skipped_no_ground_truth": data.skipped,
+              "columns": data.columns, "wall_s_this_run": times}
+    if judge is not None:
+        header["judge"] = judge.stats()
+    body = write_reports(out, rows, labels, header, charts=charts)
+    for label in labels:
+        s = summarize_rows([r for r in rows if r["model"] == label])
+        if s.get("items"):
+            log(f"[eval] {label}: pass@1 {s['pass@1']:.3f} ± {s['pass@1_ci95']:.3f}  "
+                + (f"pass@{s['k']} {s['pass@' + str(s['k'])]:.3f}  " if s["k"] > 1 else "")
+                + f"tool calls/run {s['tool_calls_per_run']:.2f}  tokens/run {s['tokens_per_run']:.0f}")
+    log(f"[eval] reports: {out / 'summary.md'}")
+    return body

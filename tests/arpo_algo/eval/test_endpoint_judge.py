@@ -1,0 +1,177 @@
+"""``arpo eval --endpoint`` and ``--judge`` against small OpenAI-compatible servers on 127.0.0.1 (fake remote models
+that only answer right when the real python tool ran), plus the unreachable cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from arpo_algo.cli.main import main
+from tests.arpo_algo.eval.openai_stub import StubServer, closed_port_url
+
+# The python tool's per-call sandbox uids come from a per-process pool starting at 62000; another process on the same
+# host drawing the same uid can have its sandbox killed by ours (seen on the shared dev machine). A private uid range
+# keeps these tests independent of whatever else runs.
+PRIVATE_TOOLS = ["--env-set", f"tools={{python={{uid_base={100_000 + (os.getpid() % 5000) * 64}}}}}"]
+
+
+def _write_items(tmp_path: Path) -> Path:
+    path = tmp_path / "mult.jsonl"
+    rows = [{"id": "six-seven", "question": "What is 6 times 7?", "answer": "42", "data_source": "mult"},
+            {"id": "five-nine", "question": "What is 5 times 9?", "answer": "46", "data_source": "mult"},  # wrong gold
+            {"id": "no-gold", "question": "What is 2 times 2?", "answer": ""}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _numbers(body) -> list[int]:
+    user = next(m["content"] for m in body["messages"] if m["role"] == "user")
+    return [int(x) for x in re.findall(r"\d+", user)]
+
+
+def text_agent(body):
+    """Writes a python call (the server drops the stop string), then answers with the number in the tool result."""
+    last = body["messages"][-1]
+    if last["role"] == "assistant":
+        assert body.get("continue_final_message") is True and body.get("add_generation_prompt") is False
+        found = re.search(r"<result>\s*(-?\d+)\s*</result>", last["content"])
+        if not found:
+            return {"content": "<answer>\\boxed{none}</answer>"}
+        return {"content": f"<think>done</think>\n<answer>\\boxed{{{found.group(1)}}}</answer>"}
+    a, b = _numbers(body)[:2]
+    assert "</python>" in body["stop"]
+    return {"content": f"<think>multiply</think>\n<python>print({a}*{b})", "finish_reason": "stop"}
+
+
+def tool_calls_agent(body):
+    """OpenAI-style tool calls; answers with the tool message's content."""
+    last = body["messages"][-1]
+    if last["role"] == "tool":
+        return {"content": f"<answer>\\boxed{{{last['content'].strip()}}}</answer>"}
+    a, b = _numbers(body)[:2]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "python", "arguments": json.dumps({"code": f"print({a}*{b})"})}}
+    return {"content": "", "tool_calls": [call], "finish_reason": "tool_calls"}
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("agent", [text_agent, tool_calls_agent], ids=["text_tags", "openai_tool_calls"])
+def test_endpoint_runs_tools_client_side(tmp_path, agent, capsys):
+    data = _write_items(tmp_path)
+    out = tmp_path / "out"
+    with StubServer(agent) as server:
+        rc = main(["eval", "--endpoint", server.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "2",
+                   "--output", str(out), "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+    assert rc == 0, capsys.readouterr().err
+    s = _summary(out)
+    assert s["skipped_no_ground_truth"] == 1 and s["items"] == 2
+    assert s["columns"]["question"] == "question" and s["columns"]["answer"] == "answer"
+    stats = s["models"]["stub-model@endpoint"]["all"]
+    assert stats["pass@1"] == 0.5 and stats["pass@2"] == 0.5   # 6*7 right; 5*9 = 45 is scored against gold 46
+    assert stats["tool_calls_per_run"] == 1.0
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["answer"] for r in rows} == {"42", "45"}
+    assert all(r["tool_calls"][0]["tool"] == "python" and not r["tool_calls"][0]["error"] for r in rows)
+    if agent is text_agent:
+        assert "<python>print(6*7)</python> <result>\n42\n</result>" in rows[0]["response"]  # training's layout
+    seeds = [b["seed"] for b in server.requests]
+    assert len(set(seeds)) > 1
+
+
+def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["eval", "--endpoint", closed_port_url(), "--data", str(_write_items(tmp_path)),
+               "--env", "arpo/ToolMath-v0", "--output", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unreachable" in err and "hint:" in err and "Traceback" not in err
+    assert not (out / "samples.jsonl").exists()
+
+
+def judge_server(body):
+    prompt = body["messages"][0]["content"]
+    pred = prompt.split("Predicted Answer: ")[1].split("\n")[0].strip()
+    return {"content": "Correct" if pred == "45" else "Incorrect"}
+
+
+def test_judge_rules_cache_and_unjudged(tmp_path, capsys):
+    """The judge accepts 45 for the item whose gold is 46: the reference rule (string OR judge) then counts both items
+    correct; a rerun in a new folder with the same cache dir costs no judge call; a dead judge leaves runs unjudged."""
+    data = _write_items(tmp_path)
+    with StubServer(text_agent) as model, StubServer(judge_server, model="judge") as judge:
+        out = tmp_path / "judged"
+        args = ["eval", "--endpoint", model.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "1",
+                "--no-progress", "--no-charts", "--judge", judge.url, *PRIVATE_TOOLS]
+        assert main([*args, "--output", str(out)]) == 0, capsys.readouterr().err
+        s = _summary(out)
+        assert s["models"]["stub-model@endpoint"]["all"]["pass@1"] == 1.0
+        assert s["judge"]["judge_calls"] == 2 and s["judge"]["judge_rule"] == "reference"
+        calls_before = len(judge.requests)
+        (out / "samples.jsonl").unlink()  # rerun everything: the judge answers come from the on-disk cache
+        assert main([*args, "--output", str(out)]) == 0
+        assert len(judge.requests) == calls_before and _summary(out)["judge"]["judge_cache_hits"] == 2
+
+        strict = tmp_path / "strict"
+        assert main([*args, "--output", str(strict), "--judge-rule", "judge"]) == 0
+        rows = [json.loads(x) for x in (strict / "samples.jsonl").read_text().splitlines()]
+        assert {r["item_id"]: r["judge"] for r in rows} == {"six-seven": "incorrect", "five-nine": "correct"}
+        assert _summary(strict)["models"]["stub-model@endpoint"]["all"]["pass@1"] == 0.5
+
+        judge.fail_next = 10 ** 6  # the judge keeps failing: retries with backoff, then unjudged; the run goes on
+        flaky = tmp_path / "flaky"
+        assert main([*args, "--output", str(flaky), "--judge-retries", "1"]) == 0
+        s = _summary(flaky)["models"]["stub-model@endpoint"]["all"]
+        assert s["unjudged"] == 2 and s["pass@1"] == 0.5  # string equivalence alone
+
+
+@pytest.fixture(scope="module")
+def arpo_serve(tmp_path_factory):
+    """A real ``arpo serve`` application (Ray Serve on 127.0.0.1) over a tiny untrained model with the python tool."""
+    pytest.importorskip("ray.serve")
+    import socket
+
+    import ray
+    from ray import serve
+
+    from arpo_algo.cli.serve import wait_ready
+    from arpo_algo.models import build_tiny_model
+    from serve.agents import build_specs
+    from serve.app import build_app
+
+    model = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", num_layers=2, hidden_size=64, seed=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(build_specs([f"tiny={model}"], tools="python", max_tool_calls=3, max_tokens=64)),
+                  name="arpo-eval-test", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 300)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.skip(reason="arpo serve (branch serve, merged here) answers POST /v1/chat/completions with HTTP 422 "
+                         "(FastAPI reads `request: Request` of serve/app.py as a required query field; seen 2026-11-23); "
+                         "remove this mark once serve's route accepts the request")
+def test_endpoint_against_arpo_serve(arpo_serve, tmp_path, capsys):
+    """Tools run server-side: the client scores the served trajectory with the environment's reward."""
+    out = tmp_path / "served"
+    rc = main(["eval", "--endpoint", arpo_serve, "--data", "toolmath", "--limit", "2", "--k", "2",
+               "--max-response-tokens", "24", "--output", str(out), "--no-progress", "--no-charts"])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["model"] for r in rows} == {"tiny@endpoint"}
+    assert all(r["server_side_tools"] and 0 < r["generated_tokens"] <= 24 and r["response"] for r in rows)
+    s = _summary(out)["models"]["tiny@endpoint"]["all"]
+    assert s["items"] == 2 and s["k"] == 2 and s["pass@1"] == 0.0  # an untrained model answers nothing right
