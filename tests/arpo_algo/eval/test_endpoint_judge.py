@@ -161,9 +161,6 @@ def arpo_serve(tmp_path_factory):
         ray.shutdown()
 
 
-@pytest.mark.skip(reason="arpo serve (branch serve, merged here) answers POST /v1/chat/completions with HTTP 422 "
-                         "(FastAPI reads `request: Request` of serve/app.py as a required query field; seen 2026-11-23); "
-                         "remove this mark once serve's route accepts the request")
 def test_endpoint_against_arpo_serve(arpo_serve, tmp_path, capsys):
     """Tools run server-side: the client scores the served trajectory with the environment's reward."""
     out = tmp_path / "served"
