@@ -30,9 +30,9 @@ network, a memory and a PID limit.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 
-from arpo_env.errors import ConfigError
+from arpo_env.errors import ArpoError, ConfigError
 
 # Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin.
 # Exit code 121 means the sandbox could not be set up as requested (never a silent fallback).
@@ -101,7 +101,8 @@ _main(src, cfg["echo"])
 
 _BACKENDS = ("auto", "subprocess", "bwrap", "docker")
 _MAX_SANDBOXES = threading.BoundedSemaphore(max(4, 2 * (os.cpu_count() or 1)))
-_UID_POOL: queue.Queue[int] | None = None
+_UID_POOLS: dict[int, UidLeases] = {}
+_UID_POOLS_LOCK = threading.Lock()
 _CAPS: dict[str, dict] = {}
 _CAPS_LOCK = threading.Lock()
 
@@ -119,14 +120,63 @@ def set_max_concurrency(n: int) -> None:
     _MAX_SANDBOXES = threading.BoundedSemaphore(n)
 
 
-def uid_pool(uid_base: int, size: int = 64) -> queue.Queue[int]:
-    global _UID_POOL
-    if _UID_POOL is None:
-        pool: queue.Queue[int] = queue.Queue()
-        for uid in range(uid_base, uid_base + size):
-            pool.put(uid)
-        _UID_POOL = pool
-    return _UID_POOL
+class UidLeases:
+    """Per-call sandbox uids leased across PROCESSES, not only threads.
+
+    Each lease is an exclusive ``flock`` on ``<tmp>/arpo-sandbox-uids/<uid>.lock``, so two processes on one host (the
+    trainer, Ray rollout actors, a Serve replica, an eval run) never run sandboxes under the same uid at once; that
+    matters because a finished call SIGKILLs every process of its uid. The kernel drops a dead process's locks, so a
+    crash leaks nothing. ``get()`` waits (up to ``timeout_s``) when every uid is leased.
+    """
+
+    def __init__(self, uid_base: int, size: int = 256, timeout_s: float = 60.0) -> None:
+        self.uids = range(uid_base, uid_base + size)
+        self.timeout_s = timeout_s
+        self._held: dict[int, int] = {}  # uid -> lock fd
+        # Round robin from a per-process offset: a uid just released may still count dying processes against its
+        # RLIMIT_NPROC, so the next call takes another one (as a FIFO pool would).
+        self._next = os.getpid() % size
+        self._lock = threading.Lock()
+        self._dir = os.path.join(tempfile.gettempdir(), "arpo-sandbox-uids")
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+
+    def get(self) -> int:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._lock:
+                n = len(self.uids)
+                for i in range(n):
+                    uid = self.uids[(self._next + i) % n]
+                    if uid in self._held:
+                        continue
+                    fd = os.open(os.path.join(self._dir, f"{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        os.close(fd)
+                        continue
+                    self._held[uid] = fd
+                    self._next = (self._next + i + 1) % n
+                    return uid
+            if time.monotonic() > deadline:
+                raise ArpoError(f"no free sandbox uid in {self.uids.start}..{self.uids.stop - 1} after "
+                                f"{self.timeout_s:g} s", hint="fewer concurrent Python tool calls on this host")
+            time.sleep(0.02)
+
+    def put(self, uid: int) -> None:
+        with self._lock:
+            fd = self._held.pop(uid, None)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def uid_pool(uid_base: int) -> UidLeases:
+    """This process's lease book for the uid range starting at ``uid_base`` (one per base)."""
+    with _UID_POOLS_LOCK:
+        if uid_base not in _UID_POOLS:
+            _UID_POOLS[uid_base] = UidLeases(uid_base)
+        return _UID_POOLS[uid_base]
 
 
 def kill_uid(uid: int) -> None:

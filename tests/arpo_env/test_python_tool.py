@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from arpo_env.errors import ConfigError
+from arpo_env.errors import ArpoError, ConfigError
 from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities
 
 CAPS = sandbox_capabilities("subprocess")
@@ -129,25 +129,25 @@ def test_escaped_background_processes_are_killed(tool, tmp_path):
     if not CAPS["uid_drop"]:
         pytest.skip("per-uid reaping needs the per-call uid (host not root)")
     # A daemon that leaves the process group must not outlive the call (the scratch dir is gone afterwards).
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n    os._exit(0)\n"
-            "print(os.getcwd())")
+    # It reports its pid first, so the check looks at exactly that process (other processes on the host may run
+    # sandboxes of their own at the same time).
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    open('pid.tmp', 'w').write(str(os.getpid()))\n"
+            "    os.rename('pid.tmp', 'pid')\n    time.sleep(30)\n    os._exit(0)\n"
+            "while not os.path.exists('pid'):\n    time.sleep(0.01)\nprint(open('pid').read())")
     result = _bounded(tool, code)
     assert not result.error
-    assert _live_sandbox_processes() == []
+    pid = int(result.text.strip().splitlines()[-1])
+    assert not _is_running(pid)
 
 
-def _live_sandbox_processes() -> list[str]:
-    """Running (not zombie: those are dead, awaiting init's reaping) processes of the sandbox uid pool."""
-    live = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if line[:4] in ("Stat", "Uid:"))
-        except OSError:
-            continue
-        if int(fields["Uid"].split()[0]) in range(62_000, 62_064) and fields["State"].split()[0] not in "ZX":
-            live.append(pid)
-    return live
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (zombies are dead, awaiting init's reaping)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(line for line in f if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return state.split()[1] not in ("Z", "X")
 
 
 def test_network_is_isolated_or_reported(tool):
@@ -237,3 +237,28 @@ def test_docker_backend():
         pytest.skip(reason)
     tool = PythonTool(timeout_s=30, backend="docker")
     assert tool("print(6 * 7)").text == "42"
+
+
+def test_sandbox_uids_are_leased_across_processes():
+    """Two processes never hold the same sandbox uid at once (a finished call SIGKILLs every process of its uid, so a
+    shared uid let one process's cleanup kill another process's running tool call)."""
+    import subprocess
+    import sys
+
+    from arpo_env.tools.sandbox import UidLeases
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom arpo_env.tools.sandbox import UidLeases\n"
+         "print(UidLeases(61_000, size=2).get(), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    leases = UidLeases(61_000, size=2, timeout_s=0.5)
+    try:
+        theirs = int(child.stdout.readline())
+        mine = leases.get()
+        assert mine != theirs
+        with pytest.raises(ArpoError, match="no free sandbox uid"):
+            leases.get()  # both uids are leased: one here, one in the other process
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert leases.get() == theirs  # the child's lease died with it
