@@ -110,7 +110,7 @@ def run_vllm_side(args: Any, path: Any, make_prompts, dtype: str = "float32") ->
         rows[f"tool_continuation@{b}"] = {"hf": _continuation(hf, prompts, tool, "hf"),
                                           "arpo_vllm": _continuation(veng, prompts, tool, "arpo"),
                                           "plain_vllm": _continuation(veng, prompts, tool, "plain")}
-        tasks = list(range(max(1, b // 8) * args.rollout_prompts))  # budget 8 per task: about b sequences at once
+        tasks = list(range(max(1, b // 8)))  # budget 8 per task: about b sequences in flight
         rec = _Recorder(veng)
         row = {"hf": _rollout(hf, tasks, args.seed), "arpo_vllm": _rollout(rec, tasks, args.seed)}
         plain = [_plain(veng, call) for call in rec.calls]
