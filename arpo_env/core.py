@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +24,14 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol, build_protocol
+from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol
 from arpo_env.rewards import REWARDS
+from arpo_env.session import SESSION_DEFAULTS, TEXT_MAX_CHARS, SessionStep, ToolSession, build_tools_from_spec
 
 # Text spaces: every Unicode code point of the Basic Multilingual Plane except the surrogates (U+D800-U+DFFF),
 # i.e. all printable ASCII, whitespace, Latin, Greek, math symbols, CJK, typographic quotes. Characters outside the BMP
 # (emoji) can still appear in real tool output; gymnasium only checks observations passively.
 TEXT_CHARSET: frozenset[str] = frozenset(chr(c) for c in range(0x10000) if not 0xD800 <= c <= 0xDFFF)
-TEXT_MAX_CHARS = 131_072  # also a hard cap on one observation (results are cut to fit, with a visible marker)
 
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # task: default tools (order = stop-string order), reward, max_tool_calls
@@ -112,9 +111,6 @@ def _text_space() -> spaces.Text:
     return spaces.Text(max_length=TEXT_MAX_CHARS, min_length=0, charset=TEXT_CHARSET)
 
 
-_TOOL_SETS: dict[str, dict[str, Any]] = {}
-
-
 def _default_tool_spec(cfg: dict[str, Any]) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for name in TASK_DEFAULTS[cfg["task"]]["tools"]:
@@ -129,19 +125,10 @@ def _default_tool_spec(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_env_tools(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The env's tools: built from a spec (shared per identical spec, tools are stateless handles) or given objects."""
+    """The env's tools: built from a spec (shared per identical spec, tools are stateless handles) or given objects;
+    no spec = the task's default tools."""
     tools = cfg["tools"]
-    if tools is not None and not isinstance(tools, Mapping):
-        raise ConfigError(f"config key 'tools' must be a dict, got {type(tools).__name__}")
-    if tools and all(callable(t) and hasattr(t, "schema") for t in tools.values()):
-        return dict(tools)  # already-built tool objects
-    spec = _default_tool_spec(cfg) if tools is None else dict(tools)
-    key = json.dumps(spec, sort_keys=True, default=str)
-    if key not in _TOOL_SETS:
-        from arpo_env.tools import build_tools
-
-        _TOOL_SETS[key] = build_tools(spec)
-    return _TOOL_SETS[key]
+    return build_tools_from_spec(tools, _default_tool_spec(cfg) if tools is None else None)
 
 
 def _make_tasks(cfg: dict[str, Any]) -> Any:
@@ -172,22 +159,12 @@ class ToolTextEnv(gym.Env):
         self.config = resolve_config(config, **kwargs)
         self.tasks = _make_tasks(self.config)
         self.tools = build_env_tools(self.config)
-        self.protocol: ToolProtocol = build_protocol(
-            self.config["protocol"],
-            self.tools,
-            result_format=self.config["result_format"],
-            max_action_chars=self.config["max_action_chars"],
-            max_arg_chars=self.config["max_arg_chars"],
-        )
-        missing = [t for t in self.protocol.tool_names if t not in self.tools]
-        if missing:
-            raise ConfigError(f"config key 'tools' lacks {missing}")
+        self.session = ToolSession({k: self.config[k] for k in SESSION_DEFAULTS if k != "tools"}, tools=self.tools)
+        self.protocol: ToolProtocol = self.session.protocol
         self.reward_fn = REWARDS[self.config["reward"]]
         self.observation_space = _text_space()
         self.action_space = _text_space()
         self._task: dict[str, Any] | None = None
-        self._history: list[str] = []
-        self._counts: dict[str, int] = {}
         self._messages: list[dict[str, str]] = []
         self._done = True
 
@@ -205,14 +182,14 @@ class ToolTextEnv(gym.Env):
     @property
     def response(self) -> str:
         """All actions and observations of the current episode, concatenated."""
-        return "".join(self._history)
+        return self.session.response
 
     def _system_prompt(self, task: dict[str, Any]) -> str:
         if self.config["system_prompt"] is not None:
             return self.config["system_prompt"]
         if self.config["protocol"] == "json":
-            return self.protocol.system_prompt(self.tools)
-        return task.get("system") or getattr(self.tasks, "system_prompt", None) or self.protocol.system_prompt()
+            return self.session.system_prompt()
+        return task.get("system") or getattr(self.tasks, "system_prompt", None) or self.session.system_prompt()
 
     # ------------------------------------------------------------------------------------------ gym API
 
@@ -232,90 +209,25 @@ class ToolTextEnv(gym.Env):
         task = dict(self.tasks[index])
         task["index"] = index
         self._task = task
-        self._history = []
-        self._counts = {"tool_calls": 0, "turns": 0, "invalid_actions": 0, "tool_errors": 0, "limit_hits": 0}
+        self.session.reset()
         self._done = False
         messages = [{"role": "system", "content": self._system_prompt(task)}, {"role": "user", "content": task["question"]}]
         self._messages = messages
         public_task = {k: v for k, v in task.items() if k not in ("system", "reward_kwargs")}
         return task["question"], {"messages": messages, "task": public_task, "stop_sequences": self.stop_sequences}
 
-    def _info(self, parsed: Any) -> dict[str, Any]:
-        return {
-            "kind": parsed.kind,
-            "parse_status": parsed.status,
-            "problem": parsed.problem,
-            "tool": parsed.tool,
-            "args": dict(parsed.args),
-            "latency_s": 0.0,
-            "cache_hit": False,
-            "tool_error": False,
-            "tool_output": None,
-            "tool_meta": {},
-            "append_eos": False,
-            **self._counts,
-        }
-
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Apply one macro action; see the module docstring for the returned observation."""
+        """Apply one macro action (the :class:`ToolSession` does the turn); see the module docstring."""
         if self._task is None or self._done:
             raise ArpoError("step() called without an active episode", hint="call reset() first")
-        parsed = self.protocol.parse(action)
-        self._counts["turns"] += 1
-        # Lone surrogates cannot be encoded; keep the rest of the text (as "?") so rewards still see the response.
-        self._history.append(action.encode("utf-8", "replace").decode("utf-8") if isinstance(action, str) else "")
-        info = self._info(parsed)
-        if parsed.kind in ("answer", "text"):
-            return self._finish(info, terminated=True)
-        if parsed.kind == "invalid":
-            self._counts["invalid_actions"] += 1
-            if self.config["on_invalid_call"] == "end":
-                return self._finish(info, terminated=True)
-            return self._continue(info, self.protocol.format_result(f"Error: {parsed.problem}."))
-        if self._counts["tool_calls"] >= self.config["max_tool_calls"]:
-            self._counts["limit_hits"] += 1
-            if self.config["on_tool_limit"] == "end_with_eos":
-                info["append_eos"] = True
-                return self._finish(info, terminated=True)
-            n = self.config["max_tool_calls"]
-            return self._continue(info, self.protocol.format_result(f"Error: the tool call limit ({n}) is reached; no more tool calls, give the final answer."))
-        if self._counts["turns"] >= self.config["max_turns"]:
-            return self._finish(info, terminated=False)
-        return self._continue(info, self._run_tool(parsed, info))
-
-    def _run_tool(self, parsed: Any, info: dict[str, Any]) -> str:
-        self._counts["tool_calls"] += 1
-        try:
-            result = self.tools[parsed.tool](**parsed.args)
-        except Exception as e:  # tools must not raise; if one does, the policy still gets an observation
-            from arpo_env.tools.base import ToolResult
-
-            result = ToolResult(text=f"Error: Tool({parsed.tool}) execution failed with message: {e}", error=True)
-        text = result.text if result.text != "" else f"Tool({parsed.tool}) returned empty output."
-        if result.error:
-            self._counts["tool_errors"] += 1
-        info.update(latency_s=result.latency_s, cache_hit=result.cache_hit, tool_error=result.error,
-                    tool_output=text, tool_meta=dict(result.meta))
-        return self.protocol.format_result(self._truncate(text))
-
-    def _truncate(self, text: str) -> str:
-        limit = self.config["max_result_chars"]
-        hard = TEXT_MAX_CHARS - 200  # leave room for the template and the marker
-        limit = hard if limit is None else min(limit, hard)
-        if len(text) <= limit:
-            return text
-        return f"{text[:limit]}\n[... truncated {len(text) - limit} characters]"
-
-    def _continue(self, info: dict[str, Any], obs: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        info.update(self._counts)
-        if self._counts["turns"] >= self.config["max_turns"]:
-            return self._finish(info, terminated=False)
-        self._history.append(obs)
-        return obs, 0.0, False, False, info
+        st = self.session.step(action)
+        info = _info(st)
+        if not st.done:
+            return st.observation, 0.0, False, False, info
+        return self._finish(info, terminated=st.kind != "turn_limit")
 
     def _finish(self, info: dict[str, Any], terminated: bool) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._done = True
-        info.update(self._counts)
         task = self._task
         kwargs = {**task.get("reward_kwargs", {}), **self.config["reward_kwargs"]}
         score, breakdown = self.reward_fn(self.response, task["ground_truth"], **kwargs)
@@ -333,7 +245,15 @@ class ToolTextEnv(gym.Env):
         """An independent copy in identical state (history, counters, task, RNG); tools and data are shared."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        for name in ("_history", "_counts", "_task", "_messages", "_np_random"):
+        for name in ("_task", "_messages", "_np_random"):
             if name in self.__dict__:
                 new.__dict__[name] = copy.deepcopy(self.__dict__[name])
+        new.session = self.session.clone()
         return new
+
+
+def _info(st: SessionStep) -> dict[str, Any]:
+    """The gymnasium ``info`` of one step (the session's turn in the env's historical key names)."""
+    return {"kind": st.action_kind, "parse_status": st.parse_status, "problem": st.problem, "tool": st.tool,
+            "args": dict(st.args), "latency_s": st.latency_s, "cache_hit": st.cache_hit, "tool_error": st.tool_error,
+            "tool_output": st.tool_output, "tool_meta": dict(st.tool_meta), "append_eos": st.append_eos, **st.counts}

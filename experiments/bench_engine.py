@@ -106,7 +106,7 @@ class GenerateEngine:
 
     def __init__(self, model, tokenizer, batch: int, eos: set[int]) -> None:  # noqa: ANN001
         self.model, self.tokenizer, self.batch, self.eos = model, tokenizer, batch, eos
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
         self.pad = _pad_id(tokenizer, eos)
         self._stats: dict[str, float] = {}
 

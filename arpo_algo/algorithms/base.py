@@ -20,7 +20,6 @@ records the arpo version and :data:`CHECKPOINT_FORMAT`; a different format is re
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import time
@@ -87,25 +86,32 @@ class AgenticRLAlgorithm(Algorithm):
         self._last_eval: dict[str, float] = {}
 
     def _build_engine(self, model_path: pathlib.Path) -> Any:
-        from arpo_algo.rollout.engines.hf import HFEngine
+        """The configured engine (:func:`arpo_algo.rollout.engines.build_engine`): in-process HF shares the learner's
+        module; vLLM or actors hold their own copy and get weights pushed in :meth:`_sync_weights`."""
+        from arpo_algo.rollout.engines import build_engine
 
         cfg = self.config
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
-        if cfg.num_rollout_actors == 0:
-            return HFEngine(model=self.learner.model, tokenizer=self.learner.tokenizer, dtype=cfg.dtype,
-                            max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
-                            linear_layout=cfg.linear_layout)
-        import ray
+        if cfg.engine == "hf":
+            settings: dict[str, Any] = dict(dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
+                                            entropy_method=entropy, seed=cfg.seed, linear_layout=cfg.linear_layout)
+            if not self._engine_owns_weights():
+                return build_engine("hf", model=self.learner.model, tokenizer=self.learner.tokenizer, **settings)
+            settings["device"] = cfg.device
+        else:
+            settings = dict(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", entropy_method=entropy,
+                            seed=cfg.seed)
+        if cfg.num_rollout_actors > 0:
+            import ray
 
-        from arpo_algo.rollout.engines.actors import RolloutActorPool
+            if not ray.is_initialized():
+                ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
+        return build_engine(cfg.engine, model_or_path=str(model_path), num_actors=cfg.num_rollout_actors,
+                            num_cpus_per_actor=cfg.num_cpus_per_rollout_actor, **settings)
 
-        if not ray.is_initialized():
-            ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
-        factory = functools.partial(HFEngine, str(model_path), device=cfg.device, dtype=cfg.dtype,
-                                    max_batch_size=cfg.max_batch_size, entropy_method=entropy, seed=cfg.seed,
-                            linear_layout=cfg.linear_layout)
-        return RolloutActorPool(factory, num_actors=cfg.num_rollout_actors,
-                                num_cpus_per_actor=cfg.num_cpus_per_rollout_actor)
+    def _engine_owns_weights(self) -> bool:
+        """False only for the in-process HF engine, which shares the learner's module (nothing to push)."""
+        return self.config.engine != "hf" or self.config.num_rollout_actors > 0
 
     def _build_sampler(self, creator: Any, tree: Any, temperature: float, top_p: float, top_k: int,
                        max_response_tokens: int, dump: bool = False) -> Any:
@@ -155,9 +161,9 @@ class AgenticRLAlgorithm(Algorithm):
         return None
 
     def _sync_weights(self) -> None:
-        """In-process the engine shares the learner's module (nothing to copy); actors get a broadcast."""
-        if self.config.num_rollout_actors > 0:
-            self.engine.broadcast({k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()})
+        """The in-process HF engine shares the learner's module (nothing to copy); other engines get the weights."""
+        if self._engine_owns_weights():
+            self.engine.load_state_dict({k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()})
 
     # ---------------------------------------------------------------------------------------------- evaluation
 
@@ -215,8 +221,8 @@ class AgenticRLAlgorithm(Algorithm):
         return []
 
     def cleanup(self) -> None:
-        """Stop rollout actors (the in-process engine needs nothing)."""
-        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
-        if self.config.num_rollout_actors > 0 and shutdown is not None:
-            shutdown()
+        """Close the sampler (its tool threads) and the engine (actors, engine processes)."""
+        for part in ("sampler", "engine"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
         super().cleanup()

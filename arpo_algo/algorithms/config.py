@@ -193,7 +193,11 @@ class AgenticRLConfig(AlgorithmConfig):
                               hint="set eval_temperature > 0 or eval_samples = 1")
         if self.eval_num_prompts is not None and self.eval_num_prompts < 1:
             raise ConfigError("eval_num_prompts must be >= 1 or None (all)")
-        if self.dtype != "float32" and self.num_rollout_actors == 0:
+        if self.engine == "vllm" and self.entropy_method != "topk_sum_lnV":
+            raise ConfigError(f"engine='vllm' with entropy_method={self.entropy_method!r}: vLLM returns only top-k "
+                              "logprobs, so the full entropy is not available",
+                              hint="tree(entropy_method='topk_sum_lnV') (the reference estimator), or engine='hf'")
+        if self.engine == "hf" and self.dtype != "float32" and self.num_rollout_actors == 0:
             raise ConfigError(f"dtype={self.dtype!r} with in-process rollouts: the in-process engine shares the "
                               "learner's float32 module, so it cannot run in another dtype",
                               hint="keep dtype='float32' (use training(bf16=True) for bf16 compute in the learner), "

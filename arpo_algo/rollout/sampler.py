@@ -5,9 +5,10 @@ One environment per trajectory (``env_creator()`` + ``reset(options={"task_index
 round run concurrently. Every question that shapes the tree is answered by the pure functions of
 :mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices (ARPO_SPEC §10).
 
-Tokenization (§10.11): the prompt is the chat template of ``info["messages"]`` with the generation prompt; each
-tool observation is tokenized once, on its own, with ``add_special_tokens=False, split_special_tokens=True`` and
-appended with ``trained_mask`` 0. Nothing is ever re-tokenized, so branch prefixes are token-identical.
+Tokenization (§10.11) is :mod:`arpo_algo.rollout.layout`'s rule and each turn is handled by the agent loop's code
+(:mod:`arpo_algo.rollout.agent_loop`: decode the action, step the env, append the result), so a GRPO trajectory
+equals :func:`~arpo_algo.rollout.agent_loop.run_agents` with the same seeds. Nothing is ever re-tokenized, so branch
+prefixes are token-identical.
 
 AEPO pre-monitoring without the reference's discarded trajectory (``aepo_premonitor_keep=False``): the first initial
 sample of each prompt is the probe. It starts alone; ``H_root`` is the entropy of its first segment and ``H_tool`` the
@@ -26,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_algo.core import tree as T
+from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
+from arpo_algo.rollout.agent_loop import Conversation, absorb, action_text, apply_turn, safe_call, turn_from_env
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
 from arpo_algo.rollout.types import Group, Trajectory
 from arpo_env.errors import ArpoError, ConfigError
@@ -35,19 +38,15 @@ log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")
 
 
-@dataclasses.dataclass(eq=False)
-class Path:
-    """One trajectory while it grows (mutable; becomes a :class:`Trajectory` at the end)."""
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Path(Conversation):
+    """One trajectory while it grows: a :class:`~arpo_algo.rollout.agent_loop.Conversation` with its place in the
+    tree and what the branch rule needs (becomes a :class:`Trajectory` at the end)."""
 
     tid: int
     batch_index: int  # index over the whole sample() call: the reference's entropy-dict key
     env: Any
     kind: str
-    response: list[int] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    entropies: list[float] = dataclasses.field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     parent: int | None = None
     branch_point: int | None = None
     depth: int = 0
@@ -58,30 +57,11 @@ class Path:
     h_root: float | None = None
     h_after_tool: float | None = None
     segment_entropy: list[float] = dataclasses.field(default_factory=list)
-    turn_start: int = 0  # response index where the current turn's action text starts
     lookahead: bool = False  # paper rule: the next request is the k-token look-ahead
-    n_requests: int = 0
-    generated: int = 0  # tokens this path sampled itself (after its branch point)
-    cache_key: Any = None
-    prev_key: Any = None
-    last_finish: str = ""
-    engine_error: str | None = None
-    done: bool = False
-    finish_reason: str = ""
     reward: float = 0.0
     reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     ent_before: list[float] = dataclasses.field(default_factory=list)
     ent_after: list[float] = dataclasses.field(default_factory=list)
-
-    def add(self, ids: list[int], mask: list[int], logprobs: list[float], entropies: list[float]) -> None:
-        self.response += ids
-        self.mask += mask
-        self.logprobs += [float(x) for x in logprobs]
-        self.entropies += [float(x) for x in entropies]
-
-    def truncate(self, n: int) -> None:
-        for name in ("response", "mask", "logprobs", "entropies"):
-            setattr(self, name, getattr(self, name)[:n])
 
     def finish(self, reason: str, reward: float, info: dict[str, Any]) -> None:
         self.done, self.finish_reason, self.reward, self.reward_info = True, reason, reward, info
@@ -167,8 +147,8 @@ class TreeSampler:
         tool_workers: Threads that run the environment steps (tool calls) of one round concurrently.
         prompt_overflow: "error" (raise :class:`ArpoError` naming the task) or "left_truncate" (keep the last
             ``max_prompt_tokens`` tokens) for prompts longer than ``max_prompt_tokens``.
-        max_prompt_tokens: Prompt limit; ``None`` = the engine's ``max_positions`` minus ``max_response_tokens``
-            (no limit when the engine has no ``max_positions``).
+        max_prompt_tokens: Prompt limit; ``None`` = the engine's ``max_context`` minus ``max_response_tokens``
+            (no limit when ``max_context`` is None).
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             §10.8); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
@@ -188,8 +168,8 @@ class TreeSampler:
         self.tok = engine.tokenizer
         self.max_response_tokens = max_response_tokens
         self.prompt_overflow = prompt_overflow
-        if max_prompt_tokens is None and getattr(engine, "max_positions", None):
-            max_prompt_tokens = engine.max_positions - max_response_tokens
+        if max_prompt_tokens is None and engine.max_context is not None:
+            max_prompt_tokens = engine.max_context - max_response_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.train_tool_limit_eos = train_tool_limit_eos
         self.seed, self.dump_path = seed, dump_path
@@ -240,8 +220,7 @@ class TreeSampler:
             raise ConfigError(f"env_creator returned {type(env).__name__}, which has no clone()",
                               hint="return arpo_env.ToolTextEnv(...) or gym.make(id).unwrapped")
         _, info = env.reset(options={"task_index": task_index})
-        ids = list(self.tok.apply_chat_template(info["messages"], add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+        ids = layout.prompt_ids(self.tok, info["messages"])
         limit = self.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             if self.prompt_overflow == "error":
@@ -298,24 +277,17 @@ class TreeSampler:
             stop=tuple(p.env.stop_sequences),
             seed=T.derive_seed(self.seed, ps.step, ps.task_index, p.tid, p.n_requests),
             logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else self.sampling.logprobs_topk)
-        p.n_requests += 1
-        return GenRequest(request_id=(ps.task_index, p.tid, p.n_requests), token_ids=ps.prompt_ids + p.response,
-                          params=params, prefix_key=p.cache_key)
+        return p.request((ps.task_index, p.tid, p.n_requests + 1), ps.prompt_ids, params)
 
     def _absorb(self, ps: PromptState, p: Path, gen: Generation, cfg: T.TreeConfig,
                 to_step: list, lookaheads: list) -> None:
         """Append one generation to its path and sort the path: continue, look-ahead decision, or env step."""
-        start = len(p.response)
-        p.add(gen.token_ids, [1] * len(gen.token_ids), gen.logprobs, gen.entropies)
-        p.generated += len(gen.token_ids)
-        p.prev_key, p.cache_key = p.cache_key, gen.cache_key
+        start = absorb(p, gen)
         if gen.cache_key is not None:
             self._keys.add(gen.cache_key)
-        p.last_finish = gen.finish_reason
         was_lookahead, p.lookahead = p.lookahead, False
         if gen.finish_reason == "error":
             log.warning("engine error for task %s trajectory %s: %s", ps.task_index, p.tid, gen.error)
-            p.engine_error = gen.error or "engine error (no message)"
             to_step.append((ps, p))
             return
         if p.turn_start == start:  # a turn's first generation is the segment the entropy rule measures
@@ -395,41 +367,29 @@ class TreeSampler:
         if not items:
             return []
         t = time.perf_counter()
-        actions = []
-        for _, p in items:
-            ids = p.response[p.turn_start:]
-            actions.append(self.tok.decode(ids[:-1] if ids and ids[-1] == self.eos_id else ids,
-                                           skip_special_tokens=False))
-        futures = [self._pool.submit(_safe_step, p.env, a) for (_, p), a in zip(items, actions)]
+        actions = [action_text(self.tok, p, self.eos_id) for _, p in items]
+        futures = [self._pool.submit(safe_call, p.env.step, a) for (_, p), a in zip(items, actions)]
         results = [f.result() for f in futures]
         self._timers["tools"] += time.perf_counter() - t
         return [item for item, res in zip(items, results) if self._apply_step(*item, res, cfg)]
 
     def _apply_step(self, ps: PromptState, p: Path, res: tuple | BaseException, cfg: T.TreeConfig) -> bool:
-        """Append the env's observation or end the path. True = a tool result was appended."""
+        """Append the env's observation or end the path (:func:`~arpo_algo.rollout.agent_loop.apply_turn`, the
+        agent loop's rule). True = a tool result was appended."""
         if isinstance(res, BaseException):  # the env contract says never; if it happens, end this path only
             log.error("environment step failed for task %s trajectory %s: %r", ps.task_index, p.tid, res)
             p.finish("error", 0.0, {"env_error": repr(res)})
             return False
-        obs, reward, terminated, truncated, info = res
-        if info.get("tool_calls", 0) > len(p.tool_calls):  # the env's counter moved: a tool really ran
-            p.tool_calls.append({"tool": info["tool"], "args": info.get("args", {}),
-                                 "latency_s": info.get("latency_s", 0.0), "cache_hit": info.get("cache_hit", False),
-                                 "error": info.get("tool_error", False)})
-        if terminated or truncated:
-            if info.get("append_eos"):
-                p.add([self.eos_id], [1 if self.train_tool_limit_eos else 0], [0.0], [0.0])
-            p.finish(_finish_reason(info, truncated, p), float(reward), dict(info.get("reward_info", {})))
+        turn = turn_from_env(res, len(p.tool_calls))
+        k = cfg.entropy_tokens
+        status, reason = apply_turn(p, turn, self.tok, self.eos_id, max_response_tokens=self.max_response_tokens,
+                                    train_eos=self.train_tool_limit_eos, before_observation=lambda c: c.ent_before.append(
+                                        MK.mean(c.entropies[max(c.turn_start, len(c.entropies) - k):])))
+        if status == "finished":
+            p.finish(reason, turn.reward, turn.reward_info)
             return False
-        if p.engine_error or p.last_finish == "eos" or len(p.response) >= self.max_response_tokens:
-            return self._end_episode(p, "error" if p.engine_error else p.last_finish)
-        obs_ids = self.tok(obs, add_special_tokens=False, split_special_tokens=True)["input_ids"] if obs else []
-        p.ent_before.append(MK.mean(p.entropies[max(p.turn_start, len(p.entropies) - cfg.entropy_tokens):]))
-        p.add(obs_ids, [0] * len(obs_ids), [0.0] * len(obs_ids), [0.0] * len(obs_ids))
-        p.turn_start = len(p.response)
-        if len(p.response) >= self.max_response_tokens:
-            p.truncate(self.max_response_tokens)
-            return self._end_episode(p, "length")
+        if status == "ended":
+            return self._end_episode(p, reason)
         p.lookahead = cfg.decision_rule == "paper" and cfg.branch_factor > 0
         return True
 
@@ -439,7 +399,7 @@ class TreeSampler:
         _, reward, terminated, truncated, info = p.env.step("")
         if not (terminated or truncated):
             raise ArpoError(f"the environment did not end its episode on an empty action ({type(p.env).__name__})")
-        p.finish({"stop": "length"}.get(reason, reason), float(reward), dict(info.get("reward_info", {})))
+        p.finish(reason, float(reward), dict(info.get("reward_info", {})))
         return False
 
     def _release_unused(self, prompts: list[PromptState]) -> None:
@@ -450,21 +410,3 @@ class TreeSampler:
             self.engine.release(dead)
             self._keys -= set(dead)
 
-
-def _safe_step(env: Any, action: str) -> tuple | BaseException:
-    try:
-        return env.step(action)
-    except Exception as e:  # noqa: BLE001 - returned to the main thread, which ends that path with "error"
-        return e
-
-
-def _finish_reason(info: dict[str, Any], truncated: bool, p: Path) -> str:
-    if info.get("append_eos"):
-        return "tool_limit"
-    if truncated:
-        return "turn_limit"
-    if p.engine_error:
-        return "error"
-    if info.get("kind") == "answer":
-        return "answer"
-    return "length" if p.last_finish == "length" else "eos"

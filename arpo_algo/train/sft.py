@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout import layout
 from arpo_env.errors import ArpoError, ConfigError
 
 RESULT_TEMPLATE = " <result>\n{result}\n</result>"  # the RL environment's insertion format (ARPO_SPEC §1)
@@ -299,14 +300,11 @@ def load_examples(cfg: SFTConfig) -> list[SFTExample]:
 
 def tokenize_example(tokenizer: Any, ex: SFTExample) -> tuple[list[int], list[int]]:
     """Token ids and labels (-100 = masked) in the RL sampler's layout: prompt, segments, eos."""
-    prompt = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
+    prompt = layout.prompt_ids(tokenizer, ex.messages)
     ids, labels = list(prompt), [-100] * len(prompt)
     for text, trained in ex.segments:
-        if trained:
-            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:  # tool output: never let it produce special tokens
-            seg = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        # tool output goes through the RL rule (it can never produce special tokens)
+        seg = layout.text_ids(tokenizer, text) if trained else layout.observation_ids(tokenizer, text)
         ids += seg
         labels += seg if trained else [-100] * len(seg)
     if tokenizer.eos_token_id is None:

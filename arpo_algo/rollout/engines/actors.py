@@ -11,7 +11,8 @@ Example::
     pool = RolloutActorPool(functools.partial(HFEngine, "/path/to/model", max_batch_size=8), num_actors=2,
                             num_cpus_per_actor=1)
     gens = pool.generate(requests)
-    pool.broadcast(learner.model.state_dict())
+    pool.load_state_dict(learner.model.state_dict())
+    pool.close()
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from arpo_algo.rollout.engines.base import Generation, GenRequest
+from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, replay_tokens
 from arpo_env.errors import ArpoError, ConfigError
 
 MAX_TRACKED_KEYS = 200_000  # bound on the sticky map; a dropped entry only costs a full prefill later
@@ -50,6 +51,12 @@ class _EngineActor:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_max_context(self) -> int | None:
+        return self.engine.max_context
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class RolloutActorPool:
@@ -81,6 +88,7 @@ class RolloutActorPool:
         self._actors = [actor_cls.remote(engine_factory, threads) for _ in range(num_actors)]
         self._owner: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._tokenizer: Any = None
+        self._max_context: Any = ...  # fetched once
         self._next = 0
 
     @property
@@ -96,8 +104,18 @@ class RolloutActorPool:
             self._tokenizer = ray.get(self._actors[0].get_tokenizer.remote())
         return self._tokenizer
 
-    def generate(self, requests: list[GenRequest]) -> list[Generation]:
-        """Continue every request on some actor (prefix requests on the actor holding the cache); request order."""
+    @property
+    def max_context(self) -> int | None:
+        """The engines' context limit (fetched once from the first actor)."""
+        if self._max_context is ...:
+            import ray
+
+            self._max_context = ray.get(self._actors[0].get_max_context.remote())
+        return self._max_context
+
+    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
+        """Continue every request on some actor (prefix requests on the actor holding the cache); request order.
+        Actors do not stream: ``on_token`` is called for each token once the call returns."""
         import ray
 
         buckets: list[list[int]] = [[] for _ in self._actors]
@@ -119,6 +137,7 @@ class RolloutActorPool:
                     self._owner[gen.cache_key] = a
         while len(self._owner) > MAX_TRACKED_KEYS:
             self._owner.popitem(last=False)
+        replay_tokens(on_token, results)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
 
     def release(self, cache_keys: list[Any]) -> None:
@@ -152,10 +171,15 @@ class RolloutActorPool:
             total.update(s)
         return dict(total)
 
-    def shutdown(self) -> None:
-        """Kill the actors (the pool cannot be used afterwards)."""
+    def close(self) -> None:
+        """Kill the actors (the pool cannot be used afterwards). Idempotent."""
+        if not self._actors:
+            return
         import ray
 
         for a in self._actors:
             ray.kill(a)
         self._actors = []
+        self._owner.clear()
+
+    shutdown = close  # the name before the engine interface had close()

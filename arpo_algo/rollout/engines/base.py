@@ -3,16 +3,18 @@
 An engine continues a batch of token sequences. It never sees text except the stop strings, so the caller owns
 tokenization: a tool result is tokenized once as its own segment and appended, and nothing earlier is ever
 re-tokenized (ARPO_SPEC §10.11). Engines: :class:`arpo_algo.rollout.engines.hf.HFEngine` (transformers, CPU or GPU) and,
-in the GPU image, a vLLM engine with the same interface.
+in the GPU image, :class:`arpo_algo.rollout.engines.vllm.VLLMEngine`; either one replicated over Ray actors by
+:class:`arpo_algo.rollout.engines.actors.RolloutActorPool`. Build any of them with
+:func:`arpo_algo.rollout.engines.build_engine`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "eos", "length", "error"]
-EntropyMethod = Literal["full", "topk_sum_lnV"]
 
 
 @dataclass(frozen=True)
@@ -112,15 +114,36 @@ def error_generation(req: GenRequest, problem: str) -> Generation:
     return Generation(req.request_id, [], [], [], "error", error=f"request {req.request_id!r}: {problem}")
 
 
+#: ``on_token(request_id, token_id)``: called for each sampled token as it is produced (see RolloutEngine.generate).
+TokenCallback = Callable[[Any, int], None]
+
+
+def replay_tokens(on_token: TokenCallback | None, results: list[Generation]) -> None:
+    """For engines that cannot stream: call ``on_token`` for every token of every finished request, in order."""
+    if on_token is None:
+        return
+    for gen in results:
+        for tok in gen.token_ids:
+            on_token(gen.request_id, tok)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the tree sampler needs from an engine."""
+    """What the tree sampler, the agent loop, eval and serve need from an engine.
+
+    Attributes:
+        tokenizer: The engine's tokenizer (the caller tokenizes; the engine never sees text except stop strings).
+        max_context: Longest prompt plus generation the engine accepts, in tokens (None = unbounded).
+    """
 
     tokenizer: Any
+    max_context: int | None
 
-    def generate(self, requests: list[GenRequest]) -> list[Generation]:
+    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
         """Continue every request; results in request order. Never raises for one bad request: that request gets
-        ``finish_reason="error"`` and an ``error`` naming its ``request_id``."""
+        ``finish_reason="error"`` and an ``error`` naming its ``request_id``. ``on_token(request_id, token_id)``
+        is called for each sampled token as it is produced (engines that cannot stream call it for each token after
+        the request finishes)."""
         ...
 
     def release(self, cache_keys: list[Any]) -> None:
@@ -128,9 +151,13 @@ class RolloutEngine(Protocol):
         ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Replace the policy weights (after a learner update)."""
+        """Replace the policy weights (the weight push after a learner update)."""
         ...
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call: generated tokens, prefilled tokens, reused (cached) tokens, seconds."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (actors, engine processes, caches). Idempotent."""
         ...

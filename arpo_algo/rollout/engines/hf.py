@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
-from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generation, request_problem
+from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_env.errors import ConfigError
 
@@ -162,6 +162,7 @@ class HFEngine:
         self._stored_tokens = 0
         self._weights_version = self._param_version()
         self._stats: collections.Counter[str] = collections.Counter()
+        self._on_token: TokenCallback | None = None
         self._layer_cls = _grow_layer_class()
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
@@ -202,6 +203,17 @@ class HFEngine:
         return sum(p._version for p in self.model.parameters())
 
     # ----------------------------------------------------------------------------------------------- public API
+    @property
+    def max_context(self) -> int | None:
+        """Longest prompt plus generation the model accepts (its ``max_position_embeddings``; None = unbounded)."""
+        return self.max_positions
+
+    def close(self) -> None:
+        """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
+        self._store.clear()
+        self._stored_tokens = 0
+        self._decode_layers = []
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
@@ -225,8 +237,9 @@ class HFEngine:
         self._stats.clear()
         return out
 
-    def generate(self, requests: list[GenRequest]) -> list[Generation]:
-        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``."""
+    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
+        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``.
+        ``on_token(request_id, token_id)`` is called for each token as it is sampled."""
         t0 = time.perf_counter()
         version = self._param_version()
         if version != self._weights_version:
@@ -242,12 +255,14 @@ class HFEngine:
                 pending.append(i)
         was_training = self.model.training
         self.model.eval()
+        self._on_token = on_token
         try:
             layout = self._transposed.active(version) if self._transposed else contextlib.nullcontext()
             with torch.inference_mode(), layout:
                 self._decode_all(requests, pending, results)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls
+            self._on_token = None
             self.model.train(was_training)
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
@@ -434,6 +449,8 @@ class HFEngine:
             r.logprobs.append(lp)
             r.entropies.append(ents[j] if self.entropy_method == "full" else topk_token_term(top))
             self._stats["generated_tokens"] += 1
+            if self._on_token is not None:
+                self._on_token(r.req.request_id, tok)
             self._check_finish(r, tok)
 
     def _choose(self, logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, r: _Row) -> int:

@@ -35,12 +35,18 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from arpo_algo.core.entropy import topk_token_term
-from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generation, request_problem
+from arpo_algo.rollout.engines.base import (
+    Generation,
+    GenRequest,
+    TokenCallback,
+    error_generation,
+    replay_tokens,
+    request_problem,
+)
 from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
     check_architecture,
@@ -152,8 +158,8 @@ class VLLMEngine:
 
     @property
     def max_context(self) -> int:
-        """Longest context this engine continues (one position is kept for the first generated token)."""
-        return self.max_model_len - 1
+        """Longest prompt + generation (vLLM's ``max_model_len``); a context needs room for one new token."""
+        return self.max_model_len
 
     def _validate(self, req: GenRequest) -> str | None:
         # vLLM needs room for at least one generated token inside max_model_len.
@@ -168,9 +174,9 @@ class VLLMEngine:
             stop=list(p.stop) or None, include_stop_str_in_output=True, skip_special_tokens=False,
             logprobs=p.logprobs_topk or REFERENCE_TOPK)
 
-    def generate(self, requests: list[GenRequest], *,
-                 on_token: Callable[[Any, int], None] | None = None) -> list[Generation]:
-        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``."""
+    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
+        """Continue every request (results in request order); a bad request gets ``finish_reason="error"``.
+        ``on_token`` is called for each token after the batch returns (this offline engine does not stream)."""
         from vllm.inputs import TokensPrompt
 
         if self._closed:
@@ -194,11 +200,9 @@ class VLLMEngine:
             outs = self.llm.generate(prompts, [self._params(requests[i]) for i in todo], use_tqdm=False)
             for i, out in zip(todo, outs):
                 results[i] = self._convert(requests[i], out)
-                if on_token is not None:
-                    for tok in results[i].token_ids:  # type: ignore[union-attr]
-                        on_token(requests[i].request_id, tok)
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
+        replay_tokens(on_token, results)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
 
     def _convert(self, req: GenRequest, out: Any) -> Generation:

@@ -62,6 +62,7 @@ def test_update_from_dict_accepts_its_own_to_dict_and_tune_keys():
     ("training", {"lr": "fast"}),
     ("training", {"dedup_prefix": 1}),
     ("llm_rollouts", {"device": "tpu"}),
+    ("llm_rollouts", {"engine": "sglang"}),
     ("evaluation", {"eval_num_prompts": "all"}),
 ])
 def test_wrong_types_are_rejected(setter, kwargs):
@@ -101,6 +102,7 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
     (lambda c: c.llm_rollouts(dtype="bfloat16"), "float32"),            # in-process engine shares the module
     (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
     (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
+    (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
 ])
 def test_illegal_combinations_are_explained(mutate, match):
     cfg = mutate(valid_config())
@@ -110,6 +112,8 @@ def test_illegal_combinations_are_explained(mutate, match):
 
 def test_valid_config_validates():
     valid_config().validate()
+    # vLLM holds its own weights, so it may run in bfloat16 in-process
+    valid_config().llm_rollouts(engine="vllm", dtype="bfloat16").tree(entropy_method="topk_sum_lnV").validate()
 
 
 def test_variants_share_one_path_with_their_defaults():

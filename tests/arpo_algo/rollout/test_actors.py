@@ -82,3 +82,28 @@ def test_broadcast_weights(pool, tiny_model_dir):
     after, here = pool.generate(reqs), local.generate(reqs)
     assert [g.token_ids for g in after] == [g.token_ids for g in here]
     assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
+
+
+def test_pool_has_max_context_so_prompt_overflow_applies(pool, tiny_model_dir):
+    """The sampler reads engine.max_context (before: getattr(max_positions), absent on the pool: no check at all)."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_env.core import ToolTextEnv
+    from arpo_env.errors import ArpoError
+
+    assert pool.max_context == HFEngine(tiny_model_dir).max_context == 4096
+    creator = lambda: ToolTextEnv(task="toolmath")  # noqa: E731
+    s = TreeSampler(pool, creator, TreeConfig.grpo(2), SamplingParams(), max_response_tokens=4096 - 20)
+    with pytest.raises(ArpoError, match="prompt of task 0"):
+        s.sample([0], step=0)
+    s.close()
+
+
+def test_pool_close_is_idempotent(ray_session, tiny_model_dir):
+    from arpo_algo.rollout.engines import build_engine
+
+    p = build_engine("hf", model_or_path=str(tiny_model_dir), num_actors=1, num_cpus_per_actor=0.5)
+    assert p.num_actors == 1 and p.tokenizer is not None
+    p.close()
+    p.close()
+    assert p.num_actors == 0

@@ -13,7 +13,7 @@ import pytest
 
 from arpo_algo.core.tree import TreeConfig, aepo_initial_samples
 from arpo_algo.models import byte_tokenizer
-from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams
+from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams, replay_tokens
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 from arpo_env.errors import ArpoError
@@ -35,12 +35,13 @@ class ScriptedEngine:
         self.calls, self.entropy, self.fail = calls, entropy, fail or (lambda req: False)
         self.requests: list[GenRequest] = []
         self.generated = 0
+        self.max_context = None  # unbounded (RolloutEngine interface)
 
     def _turn(self, n_results: int, variant: int, limit: int) -> str:
         tmpl = CALL if n_results < limit else ANSWER
         return tmpl.format(c="abcdefgh"[variant], n=variant)
 
-    def generate(self, requests):
+    def generate(self, requests, *, on_token=None):
         out = []
         for req in requests:
             self.requests.append(req)
@@ -68,9 +69,13 @@ class ScriptedEngine:
             ent = self.entropy(n_results, variant)
             out.append(Generation(req.request_id, ids, [-0.5] * len(ids), [ent] * len(ids), finish, stop_string=stop,
                                   top_logprobs=[[(0, -0.1), (1, -2.5)]] * len(ids) if req.params.logprobs_topk else None))
+        replay_tokens(on_token, out)
         return out
 
     def release(self, cache_keys):
+        pass
+
+    def close(self):
         pass
 
     def load_state_dict(self, state_dict):
