@@ -266,11 +266,12 @@ class VLLMEngine:
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
 
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
-        """Fallback weight sync: reload every weight from a saved Hugging Face folder (``save_pretrained``)."""
+        """Fallback weight sync: the worker reloads every weight from a saved Hugging Face folder (``save_pretrained``,
+        a checkpoint's ``policy/``) on its own file system; nothing travels through the RPC but the path."""
         folder = Path(folder)
         check_weights(
             {k: _Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True})
+        self.llm.collective_rpc("arpo_reload_folder", kwargs={"folder": str(folder), "tied_head": self._tied})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1
 

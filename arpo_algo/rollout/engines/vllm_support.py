@@ -165,3 +165,16 @@ class ArpoWorkerExtension:
         weights = load_file(path) if path is not None else load(blob)  # type: ignore[arg-type]
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
         return len(weights)
+
+    def arpo_reload_folder(self, folder: str, tied_head: bool) -> int:
+        """Reload every weight from a Hugging Face folder's safetensors files. vLLM's own reload-from-disk skips a
+        tied ``lm_head`` (not in the checkpoint), which leaves the repacked output layer stale, so it is added."""
+        from safetensors.torch import load_file
+
+        weights: dict = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            weights.update(load_file(f))
+        if tied_head and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+        return len(weights)
