@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         if args.rollout_model:
             path = pull(args.rollout_model, progress=False) if args.rollout_model in REGISTRY else args.rollout_model
-        res = run_vllm_side(args, path, _prompts, args.vllm_dtype)
+        res = run_vllm_side(args, path, _prompts, _rollout, args.vllm_dtype)
         res.update(model=str(path), cpu=cpu_features())
         print_vllm_table(res, res["cpu"])
         if args.out:

@@ -67,14 +67,11 @@ def _continuation(eng: Any, prompts: list[list[int]], tool: list[int], side: str
     return _plain(eng, cont) if side == "plain" else _timed(eng.generate, cont)
 
 
-def _rollout(engine: Any, tasks: list[int], seed: int) -> tuple[int, float]:
-    from experiments.bench_engine import _rollout as rollout_step
+def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "float32") -> dict:  # noqa: ANN001
+    """All scenarios at each batch size on HF, arpo-vLLM and plain vLLM; returns the result dict.
 
-    return rollout_step(engine, tasks, seed)
-
-
-def run_vllm_side(args: Any, path: Any, make_prompts, dtype: str = "float32") -> dict:  # noqa: ANN001
-    """All scenarios at each batch size on HF, arpo-vLLM and plain vLLM; returns the result dict."""
+    ``make_prompts(tok, n, rng)`` and ``rollout(engine, tasks, seed) -> (tokens, seconds)`` come from
+    :mod:`experiments.bench_engine` (passed in, so the two modules do not import each other)."""
     import random
 
     from arpo_algo.rollout.engines.hf import HFEngine
@@ -112,7 +109,7 @@ def run_vllm_side(args: Any, path: Any, make_prompts, dtype: str = "float32") ->
                                           "plain_vllm": _continuation(veng, prompts, tool, "plain")}
         tasks = list(range(max(1, b // 8)))  # budget 8 per task: about b sequences in flight
         rec = _Recorder(veng)
-        row = {"hf": _rollout(hf, tasks, args.seed), "arpo_vllm": _rollout(rec, tasks, args.seed)}
+        row = {"hf": rollout(hf, tasks, args.seed), "arpo_vllm": rollout(rec, tasks, args.seed)}
         plain = [_plain(veng, call) for call in rec.calls]
         row["plain_vllm"] = (sum(p[0] for p in plain), sum(p[1] for p in plain))
         rows[f"rollout@{b}"] = row
