@@ -113,6 +113,8 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
         plain = [_plain(veng, call) for call in rec.calls]
         row["plain_vllm"] = (sum(p[0] for p in plain), sum(p[1] for p in plain))
         rows[f"rollout@{b}"] = row
+        for name in (f"refill@{b}", f"tool_continuation@{b}", f"rollout@{b}"):  # progress: the slow part is HF
+            print(name, {k: f"{v[0] / max(v[1], 1e-9):.1f} tok/s" for k, v in rows[name].items()}, flush=True)
     veng.close()
     return {"dtype": dtype, "vllm_start_s": start_s, "hf_start_s": hf_start_s, "weight_push_s": pushes,
             "weight_push_mib": sum(v.numel() * v.element_size() for v in sd.values()) / 2**20,
