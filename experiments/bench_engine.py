@@ -23,6 +23,7 @@ Usage::
 
     python -m experiments.bench_engine --model smollm2-135m-instruct --out results.json
     python -m experiments.bench_engine --rollout-model runs/quickstart/sft   # + the rollout scenario
+    python -m experiments.bench_engine --vllm --vllm-batches 8 32   # HF vs arpo-vLLM vs plain vLLM (bench_engine_vllm)
 """
 
 from __future__ import annotations
@@ -235,11 +236,27 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also run the rollout scenario with this model (one that calls tools, e.g. the quickstart's "
                          "runs/quickstart/sft)")
     ap.add_argument("--rollout-prompts", type=int, default=4)
+    ap.add_argument("--vllm", action="store_true",
+                    help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)")
+    ap.add_argument("--vllm-batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from arpo_algo.models import REGISTRY, pull
 
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
+    if args.vllm:
+        from arpo_algo.rollout.engines.vllm_support import cpu_features
+        from experiments.bench_engine_vllm import print_vllm_table, run_vllm_side
+
+        if args.rollout_model:
+            path = pull(args.rollout_model, progress=False) if args.rollout_model in REGISTRY else args.rollout_model
+        res = run_vllm_side(args, path, _prompts, _rollout, args.vllm_dtype)
+        res.update(model=str(path), cpu=cpu_features())
+        print_vllm_table(res, res["cpu"])
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     engines = {"engine": HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20,
                                   linear_layout="transposed")}
     tok = engines["engine"].tokenizer

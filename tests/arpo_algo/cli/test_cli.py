@@ -32,8 +32,13 @@ def test_doctor_reports_truthfully():
     sandbox = r["python_tool_sandbox"]
     assert set(sandbox) >= {"backend", "network_isolation", "detail"}
     assert any(m["name"] == "smollm2-135m-instruct" for m in r["models"])
+    import importlib.util
+
+    assert r["vllm"]["importable"] == (importlib.util.find_spec("vllm") is not None)
+    flags = open("/proc/cpuinfo").read().split()
+    assert r["vllm"]["cpu"]["avx512f"] == ("avx512f" in flags) and r["vllm"]["cpu"]["amx_bf16"] == ("amx_bf16" in flags)
     human = run_cli("doctor")
-    assert "python tool" in human.stdout and "model cache" in human.stdout
+    assert "python tool" in human.stdout and "model cache" in human.stdout and "vLLM" in human.stdout
 
 
 def test_user_error_is_one_line_and_nonzero(capsys):

