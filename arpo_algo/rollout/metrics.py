@@ -30,6 +30,7 @@ TIME_GENERATE = "rollout/time_generate_s"
 TIME_TOOLS = "rollout/time_tools_s"
 TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
+STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
 
 
 def mean(values: Iterable[float]) -> float:
@@ -86,6 +87,7 @@ def step_metrics(groups: list, paths: list, engine_stats: dict[str, float], time
     total = timers.get("total", 0.0)
     out[TIME_GENERATE], out[TIME_TOOLS], out[TIME_TOTAL] = timers.get("generate", 0.0), timers.get("tools", 0.0), total
     out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
+    out[STOP_BOUNDARY_CUTS] = float(timers.get("stop_boundary_cuts", 0))
     return out
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from arpo_algo.core import tree as T
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
+from arpo_algo.rollout.stops import first_stop_end
 from arpo_algo.rollout.types import Group, Trajectory
 from arpo_env.errors import ArpoError, ConfigError
 
@@ -313,6 +314,12 @@ class TreeSampler:
             self._keys.add(gen.cache_key)
         p.last_finish = gen.finish_reason
         was_lookahead, p.lookahead = p.lookahead, False
+        if start > p.turn_start and gen.finish_reason != "error":  # a continuation: a stop may span the boundary
+            cut = first_stop_end(self.tok, p.response[p.turn_start:], start - p.turn_start, p.env.stop_sequences)
+            if cut is not None and p.turn_start + cut < len(p.response):
+                p.truncate(p.turn_start + cut)  # see arpo_algo.rollout.stops
+                p.cache_key, p.last_finish = p.prev_key, "stop"
+                self._timers["stop_boundary_cuts"] += 1
         if gen.finish_reason == "error":
             log.warning("engine error for task %s trajectory %s: %s", ps.task_index, p.tid, gen.error)
             p.engine_error = gen.error or "engine error (no message)"
