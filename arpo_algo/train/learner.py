@@ -12,6 +12,14 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
   averages per micro-batch token means weighted by micro-batch size, which is not a global token mean.
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
 
+**Updates without signal (issue 10).** When no trained token carries a non-zero advantage (every group's rewards
+are equal) and there is no KL or entropy term, the update is skipped entirely: no forward pass, no optimizer step and
+no scheduler tick, so ``step`` and the learning-rate schedule count real optimizer steps only. Stepping anyway is not
+a no-op: AdamW's moments replay the previous updates and weight decay shrinks the weights, which is how a noisy first
+update got repeated over the following zero-gradient iterations. The metrics say so (``skipped_no_signal``,
+``traj_with_grad_frac``) and every update reports ``param_change_norm`` (L2 norm of the weight change of an optimizer step, mean over
+the ``ppo_epochs`` steps; 0 when skipped).
+
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
 in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
@@ -253,6 +261,14 @@ class Learner:
             raise ArpoError("update() got no groups")
         cfg = self.config
         per_group = self._specs(groups)
+        seqs = [s for specs in per_group for s in specs]
+        with_grad = [any(a != 0.0 and m for a, m in zip(s.adv, s.trained)) for s in seqs]
+        base = {"tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
+                "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
+                "traj_with_grad_frac": sum(with_grad) / max(len(seqs), 1), "skipped_no_signal": 0.0}
+        if not any(with_grad) and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
+            return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
+                    "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
         batches = self._micro_batches(per_group)
         norms = self._pair_norm(batches)
         self.model.train()
@@ -282,14 +298,11 @@ class Learner:
                                 hint="check the rewards for NaN, lower the learning rate, or disable bf16")
         else:
             self.nan_streak = 0
-        seqs = [s for specs in per_group for s in specs]
         if "lr" not in totals:  # skipped: report the rate the step would have used
             totals["lr"] = self.optimizer.param_groups[0]["lr"]
-        totals.update({"skipped_nan": float(skipped),
-                       "tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
-                       "unique_tokens": float(sum(b.num_tokens for b in batches)),
-                       "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
+        totals.update({**base, "skipped_nan": float(skipped), "unique_tokens": float(sum(b.num_tokens for b in batches)),
                        "micro_batches": float(len(batches)), "step": float(self.step)})
+        totals.setdefault("param_change_norm", 0.0)  # mean over the update's optimizer steps
         return totals
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
@@ -343,7 +356,10 @@ class Learner:
             return None
         acc["grad_norm"] = grad_norm
         acc["lr"] = self.optimizer.param_groups[0]["lr"]
+        before = [p.detach().clone() for p in params]
         self.optimizer.step()
+        acc["param_change_norm"] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        del before
         self.scheduler.step()
         self.step += 1
         return acc

@@ -186,3 +186,22 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="lr_schedule"):
         LearnerConfig(lr_schedule="step").validate()
     assert LearnerConfig.from_dict({"kl_coef": 0.1}).kl_coef == 0.1
+
+
+def test_update_without_signal_is_skipped_and_changes_nothing(tiny_model_dir, groups):
+    """Equal rewards in every group: no optimizer or scheduler step, the weights stay bit-equal (issue 10). Before
+    the fix AdamW stepped anyway: its moments replayed the previous update and weight decay shrank the weights."""
+    learner = Learner(tiny_model_dir, replace(BASE, weight_decay=0.01, lr_schedule="linear", total_steps=10), seed=0)
+    learner.update(groups)
+    assert learner.step == 1
+    flat = [replace(g, trajectories=[replace(t, reward=0.5) for t in g.trajectories]) for g in groups]
+    before, lr = _params(learner), learner.optimizer.param_groups[0]["lr"]
+    m2 = learner.update(flat)
+    assert all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+    assert learner.step == 1 and learner.optimizer.param_groups[0]["lr"] == lr  # the schedule did not tick
+    assert m2.get("skipped_no_signal") == 1 and m2["traj_with_grad_frac"] == 0 and m2["param_change_norm"] == 0
+    m3 = learner.update(groups)  # signal again: a real step, and its change norm is the measured one
+    after = _params(learner)
+    delta = math.sqrt(sum(float((after[n] - before[n]).pow(2).sum()) for n in before))
+    assert learner.step == 2 and m3["skipped_no_signal"] == 0 and 0 < m3["traj_with_grad_frac"] <= 1
+    assert m3["param_change_norm"] == pytest.approx(delta, rel=1e-4)
