@@ -37,7 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from arpo_algo.core.advantages import build_token_trie, entropy_aware_advantages, grpo_advantages, hard_attribution
+from arpo_algo.core.advantages import (
+    build_token_trie,
+    entropy_aware_advantages,
+    grpo_advantages,
+    hard_attribution,
+    tree_token_owners,
+)
 from arpo_algo.core.losses import SCHEDULES, build_optimizer, dual_clip_policy_loss, k3_kl
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
@@ -48,7 +54,8 @@ from arpo_env.errors import ArpoError, ConfigError
 class LearnerConfig:
     """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
 
-    ``advantage``: "grpo" (soft attribution) or "hard". ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
+    ``advantage``: "grpo" (soft attribution) or "hard"; ``hard_scope``: "tree" (tokens shared by branching) or
+    "tokens" (any identical prefix in the group; see :mod:`arpo_algo.core.advantages`). ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
     ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
     ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
     "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
@@ -65,6 +72,7 @@ class LearnerConfig:
     clip_c: float = 3.0
     loss_agg: str = "token_mean"
     advantage: str = "grpo"
+    hard_scope: str = "tree"
     norm_adv_by_std: bool = True
     entropy_advantage: bool = False
     entropy_advantage_coef: float = 0.2
@@ -95,6 +103,7 @@ class LearnerConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid setting."""
         choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"), "advantage": ("grpo", "hard"),
+                   "hard_scope": ("tree", "tokens"),
                    "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -190,7 +199,10 @@ class Learner:
                     raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
                                     hint="the rollout used a different tokenizer than the learner's model")
             if cfg.advantage == "hard":
-                tok_adv, mult = hard_attribution(g.prompt_ids, responses, masks, adv)
+                owners = None if cfg.hard_scope == "tokens" else tree_token_owners(
+                    [t.parent for t in g.trajectories], [t.branch_point for t in g.trajectories],
+                    [len(r) for r in responses])
+                tok_adv, mult = hard_attribution(g.prompt_ids, responses, masks, adv, owners)
             specs = []
             for j, t in enumerate(g.trajectories):
                 n = len(t.response_ids)
@@ -211,7 +223,9 @@ class Learner:
         def flush() -> None:
             if cur:
                 if cfg.dedup_prefix:
-                    batches.append(build_dedup_batch(cur, merge_shared=cfg.advantage == "hard"))
+                    # tree scope: copies of a trie node may be different samples; the 1/d weights count them
+                    batches.append(build_dedup_batch(cur, merge_shared=cfg.advantage == "hard"
+                                                     and cfg.hard_scope == "tokens"))
                 else:
                     batches.append(build_padded_batch(cur, self.pad_id))
 
