@@ -31,6 +31,7 @@ TIME_TOOLS = "rollout/time_tools_s"
 TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
 STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
+BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with budget free and depth left
 
 
 def mean(values: Iterable[float]) -> float:
@@ -88,6 +89,7 @@ def step_metrics(groups: list, paths: list, engine_stats: dict[str, float], time
     out[TIME_GENERATE], out[TIME_TOOLS], out[TIME_TOTAL] = timers.get("generate", 0.0), timers.get("tools", 0.0), total
     out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
     out[STOP_BOUNDARY_CUTS] = float(timers.get("stop_boundary_cuts", 0))
+    out[BRANCH_DECISIONS] = float(timers.get("branch_decisions", 0))
     return out
 
 

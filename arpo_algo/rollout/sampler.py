@@ -342,6 +342,8 @@ class TreeSampler:
             return False
         scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
         n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, cfg.budget - ps.count, ps.rng)
+        if ps.count < cfg.budget and (cfg.max_depth is None or p.depth < cfg.max_depth):
+            self._timers["branch_decisions"] += 1  # a decision that could have branched
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):

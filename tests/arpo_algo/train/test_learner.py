@@ -205,3 +205,18 @@ def test_update_without_signal_is_skipped_and_changes_nothing(tiny_model_dir, gr
     delta = math.sqrt(sum(float((after[n] - before[n]).pow(2).sum()) for n in before))
     assert learner.step == 2 and m3["skipped_no_signal"] == 0 and 0 < m3["traj_with_grad_frac"] <= 1
     assert m3["param_change_norm"] == pytest.approx(delta, rel=1e-4)
+
+
+def test_advantages_are_normalised_per_group_not_over_the_batch(tiny_model_dir, groups):
+    """Group 1's rewards are all equal (1.0 in one batch, 0.0 in the other); group 0 has a spread. Per-group GRPO
+    gives group 1 zero advantages in both, so both updates are identical; normalising over the batch would move the
+    batch mean with group 1's level and give every trajectory a non-zero advantage."""
+    g0 = groups[0]
+    out = []
+    for level in (1.0, 0.0):
+        g1 = replace(groups[1], trajectories=[replace(t, reward=level) for t in groups[1].trajectories])
+        learner = Learner(tiny_model_dir, BASE, seed=0)
+        m = learner.update([g0, g1])
+        assert m["traj_with_grad_frac"] == pytest.approx(len(g0.trajectories) / 7)
+        out.append(_params(learner))
+    assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
