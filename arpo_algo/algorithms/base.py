@@ -45,6 +45,7 @@ from arpo_algo.algorithms.components import (
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
+from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.rollout.metrics import summarize_groups
 
 
@@ -149,6 +150,8 @@ class AgenticRLAlgorithm(Algorithm):
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         for key, value in learn.items():
             self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
+        for key, value in group_diagnostics(groups).items():  # issue 10: names in arpo_algo.rollout.diagnostics
+            self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value("num_trajectories_lifetime", float(summary["num_trajectories"]),
                                reduce="lifetime_sum")
         self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)

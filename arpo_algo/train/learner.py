@@ -280,6 +280,8 @@ class Learner:
         base = {"tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
                 "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
                 "traj_with_grad_frac": sum(with_grad) / max(len(seqs), 1), "skipped_no_signal": 0.0}
+        advs = np.array([a for s in seqs for a, m in zip(s.adv, s.trained) if m], dtype=np.float64)
+        base["adv_mean"], base["adv_sd"] = (float(advs.mean()), float(advs.std())) if advs.size else (0.0, 0.0)
         if not any(with_grad) and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
             return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
                     "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
@@ -325,7 +327,7 @@ class Learner:
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
-                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean"), 0.0)
+                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean", "kl_rollout"), 0.0)
         for i, b in enumerate(batches):
             with self._autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -362,6 +364,7 @@ class Learner:
             acc["clip_frac_grad"] += float((wd * out.clipped_grad).sum())
             acc["clip_frac_dual"] += float((wd * out.dual_clipped).sum())
             acc["ratio_mean"] += float((wd * out.ratio).sum())
+            acc["kl_rollout"] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
