@@ -45,6 +45,7 @@ from arpo_algo.algorithms.components import (
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
+from arpo_algo.algorithms.stabilizers import sample_groups
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.rollout.metrics import summarize_groups
 
@@ -132,7 +133,9 @@ class AgenticRLAlgorithm(Algorithm):
         indices = self.prompts.next(self.config.prompts_per_step)
         t0 = time.perf_counter()
         with self.metrics.log_time(("timers", "rollout_time")):
-            groups, rollout = self.sampler.sample(indices, step=step)
+            groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
+                                            dynamic=self.config.dynamic_sampling,
+                                            max_rounds=self.config.dynamic_sampling_max_rounds)
         t1 = time.perf_counter()
         with self.metrics.log_time(("timers", "update_time")):
             learn = self.learner.update(groups)

@@ -341,8 +341,10 @@ class TreeSampler:
         if ps.pending_m or p.h_init is None or p.turn_h is None or p.engine_error or p.done:
             return False
         scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
-        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, cfg.budget - ps.count, ps.rng)
-        if ps.count < cfg.budget and (cfg.max_depth is None or p.depth < cfg.max_depth):
+        roots = sum(q.parent is None for q in ps.paths)
+        free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
+        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free, ps.rng)
+        if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers["branch_decisions"] += 1  # a decision that could have branched
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's

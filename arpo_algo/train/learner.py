@@ -11,6 +11,8 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
   1 per trajectory copy for soft attribution; hard attribution counts a shared token once). The reference instead
   averages per micro-batch token means weighted by micro-batch size, which is not a global token mean.
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
+* ``dr_grpo``: Dr. GRPO's token sum divided by (trajectories x ``dr_grpo_tokens``; 0 = the longest response of the
+  update), no per-sequence length normalisation; pair it with ``norm_adv_by_std=False`` for the full Dr. GRPO.
 
 **Updates without signal (issue 10).** When no trained token carries a non-zero advantage (every group's rewards
 are equal) and there is no KL or entropy term, the update is skipped entirely: no forward pass, no optimizer step and
@@ -71,6 +73,7 @@ class LearnerConfig:
     clip_high: float = 0.2
     clip_c: float = 3.0
     loss_agg: str = "token_mean"
+    dr_grpo_tokens: int = 0
     advantage: str = "grpo"
     hard_scope: str = "tree"
     norm_adv_by_std: bool = True
@@ -102,7 +105,7 @@ class LearnerConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid setting."""
-        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"), "advantage": ("grpo", "hard"),
+        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean", "dr_grpo"), "advantage": ("grpo", "hard"),
                    "hard_scope": ("tree", "tokens"),
                    "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
         for key, allowed in choices.items():
@@ -113,7 +116,8 @@ class LearnerConfig:
         for key, val in positive.items():
             if not val > 0:
                 raise ConfigError(f"learner.{key} must be > 0, got {val!r}")
-        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef"):
+        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef",
+                    "dr_grpo_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
         if self.clip_low >= 1:
@@ -256,6 +260,10 @@ class Learner:
         if self.config.loss_agg == "token_mean":
             total = sum(float(b.pair_weight.sum()) for b in batches)
             return [b.pair_weight / max(total, 1e-12) for b in batches]
+        if self.config.loss_agg == "dr_grpo":  # token sum / (sequences x a constant): no length normalisation
+            n_seq = len({s for b in batches for s in b.pair_seq.tolist()})
+            const = self.config.dr_grpo_tokens or max(self._max_response, 1)
+            return [b.pair_weight / float(max(n_seq, 1) * const) for b in batches]
         per_seq: dict[int, float] = {}
         for b in batches:
             for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
@@ -286,6 +294,7 @@ class Learner:
             return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
                     "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
         batches = self._micro_batches(per_group)
+        self._max_response = max(len(s.response) for s in seqs)
         norms = self._pair_norm(batches)
         self.model.train()
         try:
