@@ -1,0 +1,111 @@
+"""ARPO's claim F1 at small scale: token entropy rises right after tool results (issue 10; the paper's Figure 1 left).
+
+    python -m experiments.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
+        --iterations 1 --window 30 --output runs/f1
+
+Reads rollout tree dumps (``rollouts.dump_trees = true``; the entropies are the rollout policy's, per sampled token)
+and, around every tool result of every trajectory, takes the sampled tokens' entropies at positions -window..-1
+(the tokens before the call's result, i.e. the end of the call) and 0..window-1 (the first tokens after the result).
+Each shared prefix counts once (branches' inherited tokens are skipped). Writes ``f1.json`` (mean, sd, n per offset;
+mean over the first turn as a baseline) and ``f1_entropy_vs_position.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def windows(trajectory: dict, window: int, start: int) -> dict[int, list[float]]:
+    """Entropies by offset from each tool result's end (0 = first sampled token after it), own tokens only."""
+    ent, mask = trajectory["entropies"], trajectory["trained_mask"]
+    out: dict[int, list[float]] = {}
+    n = len(mask)
+    for i in range(1, n):
+        if mask[i] == 1 and mask[i - 1] == 0:  # a result ends at i
+            j = i - 1
+            while j >= 0 and mask[j] == 0:
+                j -= 1
+            before = [k for k in range(j, -1, -1) if mask[k] == 1][:window]  # sampled tokens before the result
+            for d, k in enumerate(before):
+                if k >= start:
+                    out.setdefault(-(d + 1), []).append(ent[k])
+            after = [k for k in range(i, n) if mask[k] == 1][:window]
+            for d, k in enumerate(after):
+                if k >= start:
+                    out.setdefault(d, []).append(ent[k])
+    return out
+
+
+def collect(paths: list[Path], window: int, iterations: set[int] | None) -> tuple[dict[int, list[float]], list[float]]:
+    by_off: dict[int, list[float]] = {}
+    first_turn: list[float] = []
+    for p in paths:
+        for line in p.read_text().splitlines():
+            g = json.loads(line)
+            if iterations is not None and int(g.get("metrics", {}).get("step", -1)) not in iterations:
+                continue
+            for t in g["trajectories"]:
+                start = t["branch_point"] or 0 if t.get("parent") is not None else 0
+                for k, v in windows(t, window, start).items():
+                    by_off.setdefault(k, []).extend(v)
+                if start == 0:
+                    m = t["trained_mask"]
+                    end = m.index(0) if 0 in m else len(m)
+                    first_turn.extend(t["entropies"][:end])
+    return by_off, first_turn
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dumps", nargs="+", type=Path, help="trees.jsonl files")
+    ap.add_argument("--iterations", type=int, nargs="*", default=None, help="only these sampler steps")
+    ap.add_argument("--window", type=int, default=30)
+    ap.add_argument("--output", type=Path, default=Path("runs/f1"))
+    args = ap.parse_args(argv)
+    by_off, first = collect(args.dumps, args.window, set(args.iterations) if args.iterations is not None else None)
+    if not by_off:
+        print("error: no tool results in these dumps", file=sys.stderr)
+        return 2
+    rows = {}
+    for k in sorted(by_off):
+        xs = by_off[k]
+        m = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
+        rows[k] = {"mean": m, "sd": sd, "n": len(xs)}
+    base = sum(first) / len(first) if first else math.nan
+    before = [r["mean"] for k, r in rows.items() if -10 <= k < 0]
+    after = [r["mean"] for k, r in rows.items() if 0 <= k < 10]
+    res = {"offsets": rows, "first_turn_mean": base, "mean_10_before": sum(before) / max(len(before), 1),
+           "mean_10_after": sum(after) / max(len(after), 1), "dumps": [str(p) for p in args.dumps],
+           "iterations": args.iterations}
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "f1.json").write_text(json.dumps(res, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ks = sorted(rows)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(ks, [rows[k]["mean"] for k in ks], marker=".")
+        ax.axvline(-0.5, color="grey", ls="--", label="tool result inserted")
+        ax.axhline(base, color="green", ls=":", label="first turn mean")
+        ax.set_xlabel("sampled-token position relative to the end of a tool result")
+        ax.set_ylabel("token entropy (nats)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.output / "f1_entropy_vs_position.png", dpi=100)
+        plt.close(fig)
+    except ImportError:
+        pass
+    print(json.dumps({k: res[k] for k in ("first_turn_mean", "mean_10_before", "mean_10_after")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
