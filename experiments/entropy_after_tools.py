@@ -2,6 +2,7 @@
 
     python -m experiments.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
         --iterations 1 --window 30 --output runs/f1
+    python -m experiments.entropy_after_tools --sample runs/quickstart/sft --prompts 8 --budget 4 --output runs/f1
 
 Reads rollout tree dumps (``rollouts.dump_trees = true``; the entropies are the rollout policy's, per sampled token)
 and, around every tool result of every trajectory, takes the sampled tokens' entropies at positions -window..-1
@@ -59,13 +60,41 @@ def collect(paths: list[Path], window: int, iterations: set[int] | None) -> tupl
     return by_off, first_turn
 
 
+def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, seed: int) -> Path:
+    """Sample GRPO groups (independent trajectories, temperature 1) on ToolMath level 3 with ``model`` and dump them."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.models import resolve_model_path
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_env.core import ToolTextEnv
+
+    out.mkdir(parents=True, exist_ok=True)
+    dump = out / "trees.jsonl"
+    dump.unlink(missing_ok=True)
+    engine = HFEngine(str(resolve_model_path(model)), seed=seed)
+    s = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=[3], max_tool_calls=3), TreeConfig.grpo(budget),
+                    SamplingParams(temperature=1.0), max_response_tokens=tokens, seed=seed, dump_path=str(dump))
+    s.sample(list(range(prompts)), step=0)
+    s.close()
+    return dump
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("dumps", nargs="+", type=Path, help="trees.jsonl files")
+    ap.add_argument("dumps", nargs="*", type=Path, help="trees.jsonl files")
+    ap.add_argument("--sample", metavar="MODEL", help="first sample fresh GRPO groups with MODEL on ToolMath level 3")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=4)
+    ap.add_argument("--max-response-tokens", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iterations", type=int, nargs="*", default=None, help="only these sampler steps")
     ap.add_argument("--window", type=int, default=30)
     ap.add_argument("--output", type=Path, default=Path("runs/f1"))
     args = ap.parse_args(argv)
+    if args.sample:
+        args.dumps.append(sample_dump(args.sample, args.prompts, args.budget, args.max_response_tokens, args.output,
+                                      args.seed))
     by_off, first = collect(args.dumps, args.window, set(args.iterations) if args.iterations is not None else None)
     if not by_off:
         print("error: no tool results in these dumps", file=sys.stderr)
