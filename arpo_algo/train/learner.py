@@ -11,16 +11,10 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
   1 per trajectory copy for soft attribution; hard attribution counts a shared token once). The reference instead
   averages per micro-batch token means weighted by micro-batch size, which is not a global token mean.
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
-* ``dr_grpo``: Dr. GRPO's token sum divided by (trajectories x ``dr_grpo_tokens``; 0 = the longest response of the
-  update), no per-sequence length normalisation; pair it with ``norm_adv_by_std=False`` for the full Dr. GRPO.
+* ``dr_grpo``: token sum / (trajectories x ``dr_grpo_tokens``, 0 = longest response); see algorithms.stabilizers.
 
-**Updates without signal (issue 10).** When no trained token carries a non-zero advantage (every group's rewards
-are equal) and there is no KL or entropy term, the update is skipped entirely: no forward pass, no optimizer step and
-no scheduler tick, so ``step`` and the learning-rate schedule count real optimizer steps only. Stepping anyway is not
-a no-op: AdamW's moments replay the previous updates and weight decay shrinks the weights, which is how a noisy first
-update got repeated over the following zero-gradient iterations. The metrics say so (``skipped_no_signal``,
-``traj_with_grad_frac``) and every update reports ``param_change_norm`` (L2 norm of the weight change of an optimizer step, mean over
-the ``ppo_epochs`` steps; 0 when skipped).
+**No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
+optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
@@ -39,16 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from arpo_algo.core.advantages import (
-    build_token_trie,
-    entropy_aware_advantages,
-    grpo_advantages,
-    hard_attribution,
-    tree_token_owners,
-)
+from arpo_algo.core.advantages import build_token_trie, entropy_aware_advantages, grpo_advantages, hard_attribution
 from arpo_algo.core.losses import SCHEDULES, build_optimizer, dual_clip_policy_loss, k3_kl
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
+from arpo_algo.train.update_stats import signal_stats, tree_owners
 from arpo_env.errors import ArpoError, ConfigError
 
 
@@ -56,8 +45,7 @@ from arpo_env.errors import ArpoError, ConfigError
 class LearnerConfig:
     """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
 
-    ``advantage``: "grpo" (soft attribution) or "hard"; ``hard_scope``: "tree" (tokens shared by branching) or
-    "tokens" (any identical prefix in the group; see :mod:`arpo_algo.core.advantages`). ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
+    ``advantage``: "grpo" (soft) or "hard" (``hard_scope`` "tree"/"tokens"). ``entropy_advantage*``: AEPO §4.4 (per-group z-score;
     ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
     ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
     "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
@@ -106,8 +94,8 @@ class LearnerConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid setting."""
         choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean", "dr_grpo"), "advantage": ("grpo", "hard"),
-                   "hard_scope": ("tree", "tokens"),
-                   "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
+                   "hard_scope": ("tree", "tokens"), "old_logprobs": ("recompute", "rollout"),
+                   "attn_implementation": ("sdpa", "eager")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"learner.{key}={getattr(self, key)!r} is not one of {allowed}")
@@ -203,9 +191,7 @@ class Learner:
                     raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
                                     hint="the rollout used a different tokenizer than the learner's model")
             if cfg.advantage == "hard":
-                owners = None if cfg.hard_scope == "tokens" else tree_token_owners(
-                    [t.parent for t in g.trajectories], [t.branch_point for t in g.trajectories],
-                    [len(r) for r in responses])
+                owners = None if cfg.hard_scope == "tokens" else tree_owners(g)
                 tok_adv, mult = hard_attribution(g.prompt_ids, responses, masks, adv, owners)
             specs = []
             for j, t in enumerate(g.trajectories):
@@ -227,9 +213,8 @@ class Learner:
         def flush() -> None:
             if cur:
                 if cfg.dedup_prefix:
-                    # tree scope: copies of a trie node may be different samples; the 1/d weights count them
-                    batches.append(build_dedup_batch(cur, merge_shared=cfg.advantage == "hard"
-                                                     and cfg.hard_scope == "tokens"))
+                    merge = cfg.advantage == "hard" and cfg.hard_scope == "tokens"  # tree scope: 1/d weights
+                    batches.append(build_dedup_batch(cur, merge_shared=merge))
                 else:
                     batches.append(build_padded_batch(cur, self.pad_id))
 
@@ -261,9 +246,8 @@ class Learner:
             total = sum(float(b.pair_weight.sum()) for b in batches)
             return [b.pair_weight / max(total, 1e-12) for b in batches]
         if self.config.loss_agg == "dr_grpo":  # token sum / (sequences x a constant): no length normalisation
-            n_seq = len({s for b in batches for s in b.pair_seq.tolist()})
-            const = self.config.dr_grpo_tokens or max(self._max_response, 1)
-            return [b.pair_weight / float(max(n_seq, 1) * const) for b in batches]
+            n = len({s for b in batches for s in b.pair_seq.tolist()}) * (self.config.dr_grpo_tokens or self._max_resp)
+            return [b.pair_weight / float(max(n, 1)) for b in batches]
         per_seq: dict[int, float] = {}
         for b in batches:
             for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
@@ -284,17 +268,12 @@ class Learner:
         cfg = self.config
         per_group = self._specs(groups)
         seqs = [s for specs in per_group for s in specs]
-        with_grad = [any(a != 0.0 and m for a, m in zip(s.adv, s.trained)) for s in seqs]
-        base = {"tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
-                "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
-                "traj_with_grad_frac": sum(with_grad) / max(len(seqs), 1), "skipped_no_signal": 0.0}
-        advs = np.array([a for s in seqs for a, m in zip(s.adv, s.trained) if m], dtype=np.float64)
-        base["adv_mean"], base["adv_sd"] = (float(advs.mean()), float(advs.std())) if advs.size else (0.0, 0.0)
-        if not any(with_grad) and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
+        signal, base = signal_stats(seqs)
+        if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
             return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
                     "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
         batches = self._micro_batches(per_group)
-        self._max_response = max(len(s.response) for s in seqs)
+        self._max_resp = max(len(s.response) for s in seqs)
         norms = self._pair_norm(batches)
         self.model.train()
         try:
@@ -325,9 +304,8 @@ class Learner:
             self.nan_streak = 0
         if "lr" not in totals:  # skipped: report the rate the step would have used
             totals["lr"] = self.optimizer.param_groups[0]["lr"]
-        totals.update({**base, "skipped_nan": float(skipped), "unique_tokens": float(sum(b.num_tokens for b in batches)),
+        totals.update({"param_change_norm": 0.0, **totals, **base, "skipped_nan": float(skipped), "unique_tokens": float(sum(b.num_tokens for b in batches)),
                        "micro_batches": float(len(batches)), "step": float(self.step)})
-        totals.setdefault("param_change_norm", 0.0)  # mean over the update's optimizer steps
         return totals
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
@@ -385,7 +363,6 @@ class Learner:
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
         acc["param_change_norm"] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
-        del before
         self.scheduler.step()
         self.step += 1
         return acc
