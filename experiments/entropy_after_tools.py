@@ -8,7 +8,8 @@ Reads rollout tree dumps (``rollouts.dump_trees = true``; the entropies are the 
 and, around every tool result of every trajectory, takes the sampled tokens' entropies at positions -window..-1
 (the tokens before the call's result, i.e. the end of the call) and 0..window-1 (the first tokens after the result).
 Each shared prefix counts once (branches' inherited tokens are skipped). Writes ``f1.json`` (mean, sd, n per offset;
-mean over the first turn as a baseline) and ``f1_entropy_vs_position.png``.
+mean over the first turn as a baseline; ``paper_rule_rise_rate``: the fraction of tool results after which the
+paper rule (k = 20) sees an entropy rise, i.e. would branch) and ``f1_entropy_vs_position.png``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ def windows(trajectory: dict, window: int, start: int) -> dict[int, list[float]]
             for d, k in enumerate(after):
                 if k >= start:
                     out.setdefault(d, []).append(ent[k])
+    return out
+
+
+def paper_rule_rises(trajectory: dict, k: int = 20) -> list[bool]:
+    """Per tool result of an own (non-branch) trajectory, whether the paper rule sees an entropy rise: the mean
+    entropy of the first k sampled tokens after the result exceeds that of the first k tokens of the first turn."""
+    ent, mask = trajectory["entropies"], trajectory["trained_mask"]
+    sampled = [i for i, m in enumerate(mask) if m]
+    if not sampled:
+        return []
+    first_end = mask.index(0) if 0 in mask else len(mask)
+    init = [ent[i] for i in sampled if i < first_end][:k]
+    h_init = sum(init) / len(init) if init else 0.0
+    out = []
+    for i in range(1, len(mask)):
+        if mask[i] == 1 and mask[i - 1] == 0:
+            seg = [ent[j] for j in range(i, len(mask)) if mask[j]][:k]
+            out.append(sum(seg) / len(seg) > h_init if seg else False)
     return out
 
 
@@ -105,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         m = sum(xs) / len(xs)
         sd = math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
         rows[k] = {"mean": m, "sd": sd, "n": len(xs)}
+    rises = [r for p in args.dumps for line in p.read_text().splitlines() for t in json.loads(line)["trajectories"]
+             if t.get("parent") is None for r in paper_rule_rises(t)]
     base = sum(first) / len(first) if first else math.nan
     before = [r["mean"] for k, r in rows.items() if -10 <= k < 0]
     after = [r["mean"] for k, r in rows.items() if 0 <= k < 10]
     res = {"offsets": rows, "first_turn_mean": base, "mean_10_before": sum(before) / max(len(before), 1),
            "mean_10_after": sum(after) / max(len(after), 1), "dumps": [str(p) for p in args.dumps],
-           "iterations": args.iterations}
+           "iterations": args.iterations, "tool_results": len(rises),
+           "paper_rule_rise_rate": sum(rises) / len(rises) if rises else math.nan}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "f1.json").write_text(json.dumps(res, indent=2))
     try:
@@ -132,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         plt.close(fig)
     except ImportError:
         pass
-    print(json.dumps({k: res[k] for k in ("first_turn_mean", "mean_10_before", "mean_10_after")}))
+    print(json.dumps({k: res[k] for k in ("first_turn_mean", "mean_10_before", "mean_10_after", "tool_results",
+                                          "paper_rule_rise_rate")}))
     return 0
 
 
