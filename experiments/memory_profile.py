@@ -16,6 +16,8 @@ import resource
 import sys
 import time
 
+LEARNER_DEFAULT_MICRO_BATCH = 8192  # LearnerConfig.micro_batch_tokens
+
 
 def peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--prompt-tokens", type=int, default=150)
+    ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
     args = ap.parse_args(argv)
     import random
 
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
-    learner = Learner(args.model, LearnerConfig(lr=5e-5), seed=0)
+    learner = Learner(args.model, LearnerConfig(lr=5e-5, micro_batch_tokens=args.micro_batch_tokens), seed=0)
     rows.append(("learner loaded (fp32 weights + AdamW, no state yet)", peak_gb()))
     engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=16)
     rows.append(("HFEngine on the learner's module (transposed weight copies on CPU)", peak_gb()))
