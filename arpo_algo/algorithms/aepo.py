@@ -11,10 +11,14 @@ class AEPOConfig(ARPOConfig):
     Defaults follow the released AEPO scripts (ARPO_SPEC §4.5): consecutive-branch penalty on (the AEPO tree mode),
     entropy-balanced clipping on, pre-monitoring off (``ENABLE_DYNAMIC_ROLLOUTS=False`` in the scripts), entropy-aware
     advantage on (it is inert in the reference code, §4.4/§10.16; here it is live: set it False for parity).
+    The AEPO paper's pre-monitoring (dynamic number of initial samples) stays reachable by name:
+    ``.tree(aepo_premonitor=True)`` (the YAML default of the reference, §4.4), plus ``aepo_premonitor_keep=True`` for
+    the reference's extra discarded trajectory.
     """
 
     variant = "aepo"
-    variant_defaults = {"aepo_penalty": 0.05, "entropy_balanced_clip": True, "entropy_advantage": True}
+    variant_defaults = {"aepo_penalty": 0.05, "entropy_balanced_clip": True, "entropy_advantage": True,
+                        "aepo_premonitor": False}
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or AEPO)

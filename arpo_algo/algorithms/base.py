@@ -44,7 +44,9 @@ from arpo_algo.algorithms.components import (
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
+from arpo_algo.algorithms.stabilizers import sample_groups
 from arpo_algo.rollout import metrics as MK
+from arpo_algo.rollout.diagnostics import group_diagnostics
 
 
 class AgenticRLAlgorithm(Algorithm):
@@ -144,7 +146,9 @@ class AgenticRLAlgorithm(Algorithm):
         indices = self.prompts.next(self.config.prompts_per_step)
         t0 = time.perf_counter()
         with self.metrics.log_time(("timers", "rollout_time")):
-            groups, rollout = self.sampler.sample(indices, step=step)
+            groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
+                                            dynamic=self.config.dynamic_sampling,
+                                            max_rounds=self.config.dynamic_sampling_max_rounds)
         if hasattr(self.engine, "sleep"):  # vLLM on GPU with sleep_between_rollouts: free its memory for the update
             self.engine.sleep()
         t1 = time.perf_counter()
@@ -162,6 +166,8 @@ class AgenticRLAlgorithm(Algorithm):
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         for key, value in learn.items():
             self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
+        for key, value in group_diagnostics(groups).items():  # issue 10: names in arpo_algo.rollout.diagnostics
+            self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value("num_trajectories_lifetime", rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
         self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
         return None

@@ -55,6 +55,10 @@ TRAINING_OPTIONS: tuple[Option, ...] = (
            "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required."),
     Option("prompts_per_step", 4, int,
            "Prompts per training iteration; each yields one group of `budget` trajectories (reference: 128)."),
+    Option("dynamic_sampling", False, bool,
+           "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch "
+           "is full (arpo_algo.algorithms.stabilizers). Off: the paper's/reference's behaviour."),
+    Option("dynamic_sampling_max_rounds", 3, int, "Cap of sampling rounds per iteration with dynamic_sampling."),
 )
 
 ROLLOUT_OPTIONS: tuple[Option, ...] = (

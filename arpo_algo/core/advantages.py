@@ -5,6 +5,11 @@
   with its own trajectory's advantage (so its weight grows with d; spec §10.7).
 * **Hard attribution** (spec §3.1, an option): a token shared by d trained trajectories is counted **once** with
   the mean of their advantages. Sharing is found from the token ids (prompt + response) with a token trie.
+* **Hard attribution scope** (issue 10): ``"tree"`` (default) shares a token only between trajectories that
+  inherited it by branching (the paper's "segment shared by d trajectories": one sample, counted once);
+  ``"tokens"`` shares every identical prompt+response prefix of the group, so two *independent* samples that happen
+  to start alike are also merged (counted once with their mean advantage). That down-weights popular prefixes
+  among independent draws, which the policy-gradient estimator does not do, so it is kept only by name.
 * **Entropy-aware advantage** (AEPO, spec §4.4): ``A·(1 + coef·z)`` with ``z`` the z-score of the current policy's
   token entropy. It is *working* here (the reference silently skips it, §10.16). Normalisation scope: **per group**
   (mean/std over the group's trained tokens, counted with the same multiplicity as in the loss), not the reference's
@@ -128,8 +133,25 @@ def build_token_trie(sequences: list[list[int]]) -> TokenTrie:
     return trie
 
 
+def tree_token_owners(parents: list[int | None], branch_points: list[int | None],
+                      lengths: list[int]) -> list[list[int]]:
+    """Per trajectory and response position, the trajectory that sampled that token: a branch's tokens before its
+    branch point belong to its parent's (recursively), every other token to the trajectory itself."""
+    owners: list[list[int]] = []
+    for j, n in enumerate(lengths):
+        row = []
+        for t in range(n):
+            k = j
+            while parents[k] is not None and t < (branch_points[k] or 0):
+                k = parents[k]  # type: ignore[assignment]
+            row.append(k)
+        owners.append(row)
+    return owners
+
+
 def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_masks: list[list[int]],
-                     advantages: list[float]) -> tuple[list[list[float]], list[list[int]]]:
+                     advantages: list[float], owners: list[list[int]] | None = None
+                     ) -> tuple[list[list[float]], list[list[int]]]:
     """Hard advantage attribution over the token trie of one group.
 
     A trained token that d trajectories share (same prompt + response prefix, trained in each of them) gets the mean
@@ -141,26 +163,30 @@ def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_
         responses: Response tokens per trajectory.
         trained_masks: Trained mask per trajectory (same lengths as ``responses``).
         advantages: Trajectory-level advantage per trajectory (e.g. :func:`grpo_advantages`).
+        owners: Scope "tree": :func:`tree_token_owners` (a token is shared when it has the same owner and position).
+            None: scope "tokens" (shared = same node of the group's token trie).
 
     Returns:
         ``(token_adv, multiplicity)``: per trajectory and response token, the attributed advantage and d (0 for
         untrained tokens, whose advantage is 0.0).
     """
-    trie = build_token_trie([list(prompt_ids) + list(r) for r in responses])
-    p = len(prompt_ids)
-    total: dict[int, float] = {}
-    count: dict[int, int] = {}
+    if owners is None:
+        trie = build_token_trie([list(prompt_ids) + list(r) for r in responses])
+        p = len(prompt_ids)
+        keys: list[list[object]] = [[trie.paths[j][p + t] for t in range(len(m))] for j, m in enumerate(trained_masks)]
+    else:
+        keys = [[(owners[j][t], t) for t in range(len(m))] for j, m in enumerate(trained_masks)]
+    total: dict[object, float] = {}
+    count: dict[object, int] = {}
     for j, mask in enumerate(trained_masks):
-        path = trie.paths[j]
         for t, m in enumerate(mask):
             if m:
-                node = path[p + t]
+                node = keys[j][t]
                 total[node] = total.get(node, 0.0) + advantages[j]
                 count[node] = count.get(node, 0) + 1
     token_adv, mult = [], []
     for j, mask in enumerate(trained_masks):
-        path = trie.paths[j]
-        nodes = [path[p + t] for t in range(len(mask))]
+        nodes = keys[j]
         token_adv.append([total[n] / count[n] if m else 0.0 for n, m in zip(nodes, mask)])
         mult.append([count[n] if m else 0 for n, m in zip(nodes, mask)])
     return token_adv, mult
@@ -178,11 +204,12 @@ def soft_attribution(prompt_ids: Sequence[int], responses: Sequence[Sequence[int
 @register_advantage("hard", merge_shared=True)
 def hard_attribution_advantages(prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
                                 trained_masks: Sequence[Sequence[int]], rewards: Sequence[float], *,
-                                norm_by_std: bool = True) -> TokenAdvantages:
-    """Hard attribution (:func:`hard_attribution` over GRPO advantages): a shared token counts once."""
+                                norm_by_std: bool = True, owners: list[list[int]] | None = None) -> TokenAdvantages:
+    """Hard attribution (:func:`hard_attribution` over GRPO advantages): a shared token counts once. ``owners``
+    (:func:`tree_token_owners`) restricts sharing to tokens shared by branching (scope "tree")."""
     adv = grpo_advantages(list(rewards), norm_by_std=norm_by_std)
     tok_adv, mult = hard_attribution(list(prompt_ids), [list(r) for r in responses],
-                                     [list(m) for m in trained_masks], adv)
+                                     [list(m) for m in trained_masks], adv, owners)
     return TokenAdvantages(tok_adv, [[1.0 / d if d else 0.0 for d in m] for m in mult])
 
 

@@ -86,6 +86,8 @@ class TreeConfig:
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
             (setting it outside mode "aepo" is an error).
         aepo_premonitor_tokens: Tokens of the reference's ``H_root`` probe (reference 50).
+        min_roots: Keep at least this many independent roots per prompt: branching never takes the budget slots
+            the missing roots need (fill-ups start them). 0 = off (the paper and the reference).
         aepo_penalty: Consecutive-branch penalty coefficient (reference 0.05, hard-coded there); 0 disables it.
         aepo_penalty_scope: "path" (paper) or "prompt" (code).
         legacy_stale_baseline: Reproduce the reference's never-reset entropy baseline (§10.1).
@@ -107,6 +109,7 @@ class TreeConfig:
     aepo_premonitor: bool = True
     aepo_premonitor_keep: bool = False
     aepo_premonitor_tokens: int = 50
+    min_roots: int = 0
     aepo_penalty: float = 0.05
     aepo_penalty_scope: str = "path"
     legacy_stale_baseline: bool = False
@@ -170,6 +173,8 @@ class TreeConfig:
                 hint="to disable branching set branch_factor=0")
         if not 0.0 <= self.aepo_penalty <= 1.0:
             bad(f"aepo_penalty must be in [0, 1], got {self.aepo_penalty}")
+        if not 0 <= self.min_roots <= self.budget:
+            bad(f"min_roots must be between 0 and budget (M={self.budget}), got {self.min_roots}")
         if self.aepo_premonitor_tokens < 1:
             bad(f"aepo_premonitor_tokens must be >= 1, got {self.aepo_premonitor_tokens}")
         if self.mode != "aepo" and self.aepo_premonitor_keep:

@@ -48,6 +48,8 @@ TIME_GENERATE = "rollout/time_generate_s"
 TIME_TOOLS = "rollout/time_tools_s"
 TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
+STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
+BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with budget free and depth left
 
 
 def mean(values: Iterable[float]) -> float:
@@ -116,6 +118,8 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
         out[TIME_GENERATE], out[TIME_TOOLS] = timers.get("generate", 0.0), timers.get("tools", 0.0)
         out[TIME_TOTAL] = total
         out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
+        out[STOP_BOUNDARY_CUTS] = float(timers.get("stop_boundary_cuts", 0))
+        out[BRANCH_DECISIONS] = float(timers.get("branch_decisions", 0))
     return out
 
 

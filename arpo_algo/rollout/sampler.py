@@ -31,6 +31,7 @@ from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.agent_loop import absorb, action_text, apply_turn, safe_call, turn_from_env
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
+from arpo_algo.rollout.stops import first_stop_end
 from arpo_algo.rollout.tree_state import Path, PromptState, assemble_group
 from arpo_algo.rollout.types import Group
 from arpo_env.errors import ArpoError, ConfigError
@@ -191,6 +192,12 @@ class TreeSampler:
         if gen.cache_key is not None:
             self._keys.add(gen.cache_key)
         was_lookahead, p.lookahead = p.lookahead, False
+        if start > p.turn_start and gen.finish_reason != "error":  # a continuation: a stop may span the boundary
+            cut = first_stop_end(self.tok, p.response[p.turn_start:], start - p.turn_start, p.env.stop_sequences)
+            if cut is not None and p.turn_start + cut < len(p.response):
+                p.truncate(p.turn_start + cut)  # see arpo_algo.rollout.stops
+                p.cache_key, p.last_finish = p.prev_key, "stop"
+                self._timers["stop_boundary_cuts"] += 1
         if gen.finish_reason == "error":
             log.warning("engine error for task %s trajectory %s: %s", ps.task_index, p.tid, gen.error)
             to_step.append((ps, p))
@@ -211,7 +218,11 @@ class TreeSampler:
         if ps.pending_m or p.h_init is None or p.turn_h is None or p.engine_error or p.done:
             return False
         scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
-        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, cfg.budget - ps.count, ps.rng)
+        roots = sum(q.parent is None for q in ps.paths)
+        free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
+        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free, ps.rng)
+        if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
+            self._timers["branch_decisions"] += 1  # a decision that could have branched
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):

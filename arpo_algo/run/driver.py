@@ -30,7 +30,7 @@ from arpo_env.errors import ArpoError
 
 CHECKPOINT_PREFIX = "iter_"
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
-LOGGED_SECTIONS = ("rollout", "learner", "timers", "evaluation", "data")
+LOGGED_SECTIONS = ("rollout", "learner", "timers", "evaluation", "data", "diag")
 SUMMARY_KEYS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "response_len",
                 "tokens_sampled", "tokens_per_s", "update_tokens_per_s", "nan_updates_skipped")
 

@@ -11,6 +11,10 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
   1 per trajectory copy for soft attribution; hard attribution counts a shared token once). The reference instead
   averages per micro-batch token means weighted by micro-batch size, which is not a global token mean.
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
+* ``dr_grpo``: token sum / (trajectories x ``dr_grpo_tokens``, 0 = longest response); see algorithms.stabilizers.
+
+**No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
+optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
@@ -22,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,91 +36,13 @@ import torch
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
 from arpo_algo.rollout.types import Group
-from arpo_algo.train.optim import SCHEDULES, build_optimizer, check_schedule
+from arpo_algo.train.learner_config import LearnerConfig
+from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
-from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.options import check_choice, dataclass_from_dict
+from arpo_algo.train.update_stats import signal_stats, tree_owners
+from arpo_env.errors import ArpoError
 
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
-
-    ``advantage``: a registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
-    attribution, "hard"). ``policy_loss``: a registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`:
-    "dual_clip"). ``entropy_advantage*``: AEPO §4.4 (the "entropy_aware" shaping, per-group z-score;
-    ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
-    ``lr_schedule``/``warmup_steps``/``total_steps``: :mod:`arpo_algo.train.optim` (``total_steps`` None = not known;
-    a decaying schedule needs it, and ``arpo train`` sets it from the experiment's iterations).
-    ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
-    "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
-    """
-
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    grad_clip: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float = 3.0
-    loss_agg: str = "token_mean"
-    advantage: str = "grpo"
-    policy_loss: str = "dual_clip"
-    norm_adv_by_std: bool = True
-    entropy_advantage: bool = False
-    entropy_advantage_coef: float = 0.2
-    entropy_advantage_clip: float | None = None
-    entropy_balanced_clip: bool = False
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 1
-    micro_batch_tokens: int = 8192
-    dedup_prefix: bool = True
-    old_logprobs: str = "recompute"
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    max_nan_updates: int = 3
-    attn_implementation: str = "sdpa"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
-        """Build from a dict; unknown keys (with the closest valid name) and wrong types raise ConfigError."""
-        cfg = dataclass_from_dict(cls, d, "learner")
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid setting."""
-        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean"),
-                   "old_logprobs": ("recompute", "rollout"), "attn_implementation": ("sdpa", "eager")}
-        for key, allowed in choices.items():
-            check_choice(key, getattr(self, key), allowed, "learner")
-        ADVANTAGES.check(self.advantage, "learner")
-        POLICY_LOSSES.check(self.policy_loss, "learner")
-        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
-                    "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
-        for key, val in positive.items():
-            if not val > 0:
-                raise ConfigError(f"learner.{key} must be > 0, got {val!r}")
-        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
-        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "learner")
-        if self.clip_low >= 1:
-            raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
-        if self.clip_c <= 1:
-            raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
-        if self.merge_shared and self.loss_agg == "seq_mean":
-            raise ConfigError(f"learner.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
-                              hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
-
-
-    @property
-    def merge_shared(self) -> bool:
-        """The advantage estimator counts a token shared by several trajectories once (e.g. "hard")."""
-        return bool(ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared", False))
+__all__ = ["Learner", "LearnerConfig"]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -192,7 +118,8 @@ class Learner:
                 if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                     raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
                                     hint="the rollout used a different tokenizer than the learner's model")
-            tok = estimator(g.prompt_ids, responses, masks, g.rewards, norm_by_std=cfg.norm_adv_by_std)
+            extra = {"owners": tree_owners(g)} if cfg.advantage == "hard" and cfg.hard_scope == "tree" else {}
+            tok = estimator(g.prompt_ids, responses, masks, g.rewards, norm_by_std=cfg.norm_adv_by_std, **extra)
             specs = []
             for j, t in enumerate(g.trajectories):
                 specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask),
@@ -244,6 +171,9 @@ class Learner:
         if self.config.loss_agg == "token_mean":
             total = sum(float(b.pair_weight.sum()) for b in batches)
             return [b.pair_weight / max(total, 1e-12) for b in batches]
+        if self.config.loss_agg == "dr_grpo":  # token sum / (sequences x a constant): no length normalisation
+            n = len({s for b in batches for s in b.pair_seq.tolist()}) * (self.config.dr_grpo_tokens or self._max_resp)
+            return [b.pair_weight / float(max(n, 1)) for b in batches]
         per_seq: dict[int, float] = {}
         for b in batches:
             for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
@@ -263,7 +193,13 @@ class Learner:
             raise ArpoError("update() got no groups")
         cfg = self.config
         per_group = self._specs(groups)
+        seqs = [s for specs in per_group for s in specs]
+        signal, base = signal_stats(seqs)
+        if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
+            return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
+                    "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
         batches = self._micro_batches(per_group)
+        self._max_resp = max(len(s.response) for s in seqs)
         norms = self._pair_norm(batches)
         self.model.train()
         try:
@@ -292,13 +228,9 @@ class Learner:
                                 hint="check the rewards for NaN, lower the learning rate, or disable bf16")
         else:
             self.nan_streak = 0
-        seqs = [s for specs in per_group for s in specs]
         if "lr" not in totals:  # skipped: report the rate the step would have used
             totals["lr"] = self.optimizer.param_groups[0]["lr"]
-        totals.update({"skipped_nan": float(skipped),
-                       "tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
-                       "unique_tokens": float(sum(b.num_tokens for b in batches)),
-                       "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
+        totals.update({"param_change_norm": 0.0, **totals, **base, "skipped_nan": float(skipped), "unique_tokens": float(sum(b.num_tokens for b in batches)),
                        "micro_batches": float(len(batches)), "step": float(self.step)})
         return totals
 
@@ -308,7 +240,7 @@ class Learner:
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
-                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean"), 0.0)
+                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean", "kl_rollout"), 0.0)
         for i, b in enumerate(batches):
             with self._autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -344,6 +276,7 @@ class Learner:
             acc["clip_frac_grad"] += float((wd * out.clipped_grad).sum())
             acc["clip_frac_dual"] += float((wd * out.dual_clipped).sum())
             acc["ratio_mean"] += float((wd * out.ratio).sum())
+            acc["kl_rollout"] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -352,7 +285,9 @@ class Learner:
             return None
         acc["grad_norm"] = grad_norm
         acc["lr"] = self.optimizer.param_groups[0]["lr"]
+        before = [p.detach().clone() for p in params]
         self.optimizer.step()
+        acc["param_change_norm"] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
         self.scheduler.step()
         self.step += 1
         return acc

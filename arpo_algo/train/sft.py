@@ -182,11 +182,14 @@ def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: b
     total = 0.0
     for batch in micro:
         ids, labels, mask = _collate(batch, pad_id, device)
+        # Causal shift: position t predicts token t+1. Only trained positions go through the LM head: the full
+        # [B, T, V] logits (and their log-softmax and gradient) were most of SFT's peak memory (issue 10).
+        target = labels[:, 1:]
+        keep = target != -100
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        # Causal shift: the logits at position t predict token t+1.
-        loss_sum = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100, reduction="sum")
+            hidden = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=mask).last_hidden_state
+            logits = model.get_output_embeddings()(hidden[:, :-1][keep])
+        loss_sum = F.cross_entropy(logits.float(), target[keep], reduction="sum")
         (loss_sum / n_tokens).backward()
         total += loss_sum.item()
     return total / n_tokens, n_tokens

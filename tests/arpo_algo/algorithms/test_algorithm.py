@@ -23,7 +23,10 @@ def tiny_config(model_dir, cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
 def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     import ray
 
-    cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=2, eval_num_prompts=2)
+    # The random tiny model never scores, so every group's rewards are equal; the entropy bonus is a loss term that
+    # always has a gradient, so every update must really change the weights (issue 10: the old check passed when
+    # nothing was learned).
+    cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=2, eval_num_prompts=2).training(entropy_coef=0.01)
     algo = cfg.build_algo()
     try:
         before = {k: v.detach().clone() for k, v in algo.learner.model.named_parameters()}
@@ -44,8 +47,10 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     assert 0.0 <= r2["evaluation"]["accuracy"] <= 1.0 and "tool_calls_per_traj" in r2["evaluation"]
     # the engine shares the learner's module, so the update is what the next rollout samples from
     assert algo.engine.model is algo.learner.model
-    changed = any(not (before[k] == p).all() for k, p in algo.learner.model.named_parameters())
-    assert changed or r1["learner"]["grad_norm"] == 0.0
+    delta = sum(float((p.detach() - before[k]).pow(2).sum()) for k, p in algo.learner.model.named_parameters())
+    assert delta > 0 and r1["learner"]["grad_norm"] > 0 and r1["learner"]["skipped_no_signal"] == 0
+    assert r1["learner"]["param_change_norm"] > 0 and r2["learner"]["param_change_norm"] > 0
+    assert algo.learner.step == 2
 
 
 def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
@@ -54,9 +59,13 @@ def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
     try:
         assert type(algo).__name__ == "GRPO"
         groups, _ = algo.sampler.sample([0], step=0)
+        before = {k: v.detach().clone() for k, v in algo.learner.model.named_parameters()}
         result = algo.train()
     finally:
         algo.stop()
+    # equal rewards (the random model never scores) and no other loss term: no update at all (issue 10)
+    assert result["reward_mean"] == 0.0 and result["learner"]["skipped_no_signal"] == 1
+    assert all((before[k] == p).all() for k, p in algo.learner.model.named_parameters()) and algo.learner.step == 0
     assert len(groups[0].trajectories) == 2
     assert all(t.kind == "initial" for t in groups[0].trajectories)
     assert result["rollout"]["branches"] == 0.0

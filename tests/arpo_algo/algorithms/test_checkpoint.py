@@ -15,7 +15,7 @@ from arpo_env.errors import ArpoError
 
 def tiny_config(model_dir) -> ARPOConfig:
     return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-            .training(model_path=str(model_dir), prompts_per_step=2, lr=1e-3)
+            .training(model_path=str(model_dir), prompts_per_step=2, lr=1e-3, entropy_coef=0.01)  # a real update (issue 10)
             .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=12, max_batch_size=4))
 
 

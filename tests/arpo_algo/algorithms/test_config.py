@@ -123,6 +123,9 @@ def test_variants_share_one_path_with_their_defaults():
     assert arpo.tree_config().mode == "arpo" and arpo.tree_config().branch_factor >= 1
     assert aepo.tree_config().mode == "aepo" and aepo.aepo_penalty == 0.05
     assert aepo.learner_config().entropy_balanced_clip
+    # the docstring and the released scripts: pre-monitoring off by default, on by name (issue 10)
+    assert not aepo.tree_config().premonitor_on and "pre-monitoring off" in AEPOConfig.__doc__
+    assert valid_config(AEPOConfig).tree(aepo_premonitor=True).tree_config().premonitor_on
     g = grpo.tree_config()
     assert g.mode == "grpo" and g.branch_factor == 0 and g.initial == g.budget
     with pytest.raises(ConfigError, match="grpo"):

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arpo_algo.core.advantages import build_token_trie, entropy_aware_advantages, grpo_advantages, hard_attribution
+from arpo_algo.core.advantages import (
+    build_token_trie,
+    entropy_aware_advantages,
+    grpo_advantages,
+    hard_attribution,
+    tree_token_owners,
+)
 
 
 def test_grpo_matches_torch_std():
@@ -87,3 +93,19 @@ def test_estimators_are_registered_by_name():
     with pytest.raises(ConfigError, match="learner.advantage: unknown advantage estimator 'hrad'") as err:
         ADVANTAGES.lookup("hrad")
     assert err.value.hint == "did you mean 'hard'? registered: grpo, hard"
+
+
+def test_hard_attribution_scopes_tree_and_tokens():
+    """Trajectory 1 branched from 0 after 2 tokens; 2 is an independent sample that starts like 0 by chance."""
+    responses = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 4]]
+    masks = [[1] * 4, [1] * 3, [1] * 4]
+    adv = [1.0, -1.0, 3.0]
+    owners = tree_token_owners([None, 0, None], [None, 2, None], [4, 3, 4])
+    assert owners == [[0, 0, 0, 0], [0, 0, 1], [2, 2, 2, 2]]
+    tree_adv, tree_mult = hard_attribution([1], responses, masks, adv, owners)
+    # tree scope: only the branch's inherited prefix is shared (mean of 0 and 1); sample 2 keeps its own advantage
+    assert tree_adv == [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, -1.0], [3.0] * 4]
+    assert tree_mult == [[2, 2, 1, 1], [2, 2, 1], [1] * 4]
+    tok_adv, tok_mult = hard_attribution([1], responses, masks, adv)
+    # tokens scope: the identical prefixes of independent samples merge too
+    assert tok_adv[2] == [1.0, 1.0, 2.0, 3.0] and tok_mult[2] == [3, 3, 2, 1]

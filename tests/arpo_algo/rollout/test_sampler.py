@@ -186,14 +186,34 @@ def test_paper_rule_lookahead_and_constant_entropy(env_creator):
             assert eng.tokenizer.decode(par.response_ids[: t.branch_point]).endswith("</result>")
 
 
-def test_reference_rule_branches_at_half_probability_with_constant_entropy(env_creator):
+@pytest.mark.parametrize("alpha", [0.2, 0.8])
+def test_reference_rule_branches_with_probability_alpha_at_constant_entropy(env_creator, alpha):
+    """dH = 0 at every decision: each decision branches with probability alpha (binomial, 4 sd tolerance)."""
     eng = ScriptedEngine(calls=(2, 3), entropy=lambda n, v: 1.0)
-    cfg = TreeConfig(budget=8, initial=2, branch_factor=1, decision_rule="reference", fillup="trickle")
-    total = 0
+    cfg = TreeConfig(budget=12, initial=2, branch_factor=1, decision_rule="reference", fillup="trickle", alpha=alpha)
+    branches = decisions = 0
     for seed in range(3):
-        groups, m = _sampler(eng, env_creator, cfg, seed=seed).sample([0, 1], step=0)
-        total += m["rollout/branches"]
-    assert total > 0  # P = alpha = 0.5 at dH = 0 (the one-step lag makes the first decision dH = 0)
+        _, m = _sampler(eng, env_creator, cfg, seed=seed).sample([0, 1, 2, 3], step=0)
+        branches, decisions = branches + m["rollout/branches"], decisions + m["rollout/branch_decisions"]
+    assert decisions >= 60
+    sd = (alpha * (1 - alpha) / decisions) ** 0.5
+    assert abs(branches / decisions - alpha) < 4 * sd, (branches, decisions)
+
+
+def test_aepo_path_scope_counter_in_the_sampler(env_creator):
+    """AEPO paper rule, path scope, dH = 0.5 at every tool result: 0.6 * (1 - 0.1 l) > 0.5 branches for l <= 1 only.
+    The first path decides at its 4 tool results with l = 0, 1, 2, 0: branch, branch, no, branch (the counter
+    counts that path's consecutive branches and resets when it does not branch)."""
+    eng = ScriptedEngine(calls=(4, 4), entropy=lambda n, v: 1.0 if n == 0 else 1.5)
+    cfg = TreeConfig.aepo(64, 1, aepo_penalty=0.1, beta=0.2, tau=0.5, aepo_penalty_scope="path", aepo_premonitor=False)
+    groups, _ = _sampler(eng, env_creator, cfg, max_response_tokens=600).sample([0], step=0)
+    trajs = groups[0].trajectories
+    first = trajs[0]
+    results_at = [i + 1 for i in range(len(first.response_ids) - 1)
+                  if first.trained_mask[i] == 0 and first.trained_mask[i + 1] == 1]
+    assert len(results_at) == 4
+    children = sorted(t.branch_point for t in trajs if t.parent == 0)
+    assert children == [results_at[0], results_at[1], results_at[3]]
 
 
 def test_tool_limit_eos_mask_option(env_creator):

@@ -31,6 +31,7 @@ initial = 1
 [training]
 prompts_per_step = 1
 lr = 1e-4
+entropy_coef = 0.01      # the random model never scores: the bonus keeps a gradient so the updates are real
 
 [rollouts]
 max_response_tokens = 12
@@ -60,7 +61,8 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     assert "evaluation/accuracy" in rows[0] and "evaluation/accuracy" in rows[2]
     for key in ("train/reward_mean", "train/tool_calls_per_traj", "rollout/branches", "learner/clip_frac",
                 "learner/loss/kl", "learner/grad_norm", "train/tokens_per_s", "timers/rollout_time",
-                "rollout/entropy_after_tool"):
+                "rollout/entropy_after_tool", "diag/zero_variance_group_frac", "learner/param_change_norm",
+                "learner/traj_with_grad_frac", "learner/kl_rollout", "diag/rollout_entropy"):
         assert key in rows[1], key
     assert any((out / "tb").iterdir())
     assert (out / "learning_curve.png").stat().st_size > 1000

@@ -229,3 +229,37 @@ def test_learner_looks_up_estimator_and_loss_by_name(tiny_model_dir, groups):
         POLICY_LOSSES.pop("test_spy")
     with pytest.raises(ConfigError, match="advantage='test_ones' is not a registered advantage estimator"):
         replace(BASE, advantage="test_ones").validate()
+
+
+def test_update_without_signal_is_skipped_and_changes_nothing(tiny_model_dir, groups):
+    """Equal rewards in every group: no optimizer or scheduler step, the weights stay bit-equal (issue 10). Before
+    the fix AdamW stepped anyway: its moments replayed the previous update and weight decay shrank the weights."""
+    learner = Learner(tiny_model_dir, replace(BASE, weight_decay=0.01, lr_schedule="linear", total_steps=10), seed=0)
+    learner.update(groups)
+    assert learner.step == 1
+    flat = [replace(g, trajectories=[replace(t, reward=0.5) for t in g.trajectories]) for g in groups]
+    before, lr = _params(learner), learner.optimizer.param_groups[0]["lr"]
+    m2 = learner.update(flat)
+    assert all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+    assert learner.step == 1 and learner.optimizer.param_groups[0]["lr"] == lr  # the schedule did not tick
+    assert m2.get("skipped_no_signal") == 1 and m2["traj_with_grad_frac"] == 0 and m2["param_change_norm"] == 0
+    m3 = learner.update(groups)  # signal again: a real step, and its change norm is the measured one
+    after = _params(learner)
+    delta = math.sqrt(sum(float((after[n] - before[n]).pow(2).sum()) for n in before))
+    assert learner.step == 2 and m3["skipped_no_signal"] == 0 and 0 < m3["traj_with_grad_frac"] <= 1
+    assert m3["param_change_norm"] == pytest.approx(delta, rel=1e-4)
+
+
+def test_advantages_are_normalised_per_group_not_over_the_batch(tiny_model_dir, groups):
+    """Group 1's rewards are all equal (1.0 in one batch, 0.0 in the other); group 0 has a spread. Per-group GRPO
+    gives group 1 zero advantages in both, so both updates are identical; normalising over the batch would move the
+    batch mean with group 1's level and give every trajectory a non-zero advantage."""
+    g0 = groups[0]
+    out = []
+    for level in (1.0, 0.0):
+        g1 = replace(groups[1], trajectories=[replace(t, reward=level) for t in groups[1].trajectories])
+        learner = Learner(tiny_model_dir, BASE, seed=0)
+        m = learner.update([g0, g1])
+        assert m["traj_with_grad_frac"] == pytest.approx(len(g0.trajectories) / 7)
+        out.append(_params(learner))
+    assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])

@@ -256,3 +256,26 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == str(tmp_path / "o") and (tmp_path / "o" / "config.json").exists()
     assert json.loads((tmp_path / "o" / "sft_metrics.json").read_text())["steps"] == 2
+
+
+def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_model_dir):
+    """The trained-positions-only LM head (issue 10, memory) gives the loss and gradients of the full-logits form."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from arpo_algo.train.sft import _collate, _train_step
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = [([5, 6, 7, 8, 9, 10], [-100, -100, 7, 8, -100, 10]), ([11, 12, 13], [-100, 12, 13])]
+    loss, n = _train_step(model, [batch], 0, torch.device("cpu"), False)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ids, labels, mask = _collate(batch, 0, torch.device("cpu"))
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
+                          reduction="sum") / n
+    ref.backward()
+    assert n == 5 and abs(loss - float(ref)) < 1e-5
+    for k, p in model.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-6), k

@@ -1,0 +1,67 @@
+"""Stabilizers for groups without signal, as named options (issue 10). Each is off by default: the defaults stay
+the paper's/reference's behaviour, and a stabilizer is turned on by name.
+
+=============================  ==========================================  =============================================
+option                         what it does                                source
+=============================  ==========================================  =============================================
+``dynamic_sampling``           drop groups whose rewards are all equal      DAPO (Yu et al. 2025, arXiv 2503.14476, §3.2
+(``.training``)                and sample more prompts until the batch     "Dynamic Sampling"); here with a cap of
+                               is full, at most                            ``dynamic_sampling_max_rounds`` sampling
+                               ``dynamic_sampling_max_rounds`` rounds      rounds per iteration
+``clip_high`` (``.training``)  asymmetric PPO clip, e.g. 0.2 / 0.28        DAPO §3.1 "Clip-Higher"
+``loss_agg``                   "token_mean" (DAPO's token-level loss),     DAPO §3.3; Dr. GRPO (Liu et al. 2025, arXiv
+                               "seq_mean" (GRPO's per-sequence mean),      2503.20783): no length normalisation (a
+                               "dr_grpo" (token sum / (sequences x a       constant denominator) and, with
+                               constant)); ``norm_adv_by_std=False``       ``norm_adv_by_std=False``, no std
+                               is the other half of Dr. GRPO               normalisation of the advantage
+``kl_coef`` (``.training``)    k3 KL to the frozen initial policy          GRPO (Shao et al. 2024); 0 in ARPO/DAPO
+``min_roots`` (``.tree``)      branching never takes the budget slots      issue 10: at M = 4, N = 2 a tree has 2
+                               that ``min_roots`` independent roots        independent draws; this keeps at least
+                               need (fill-ups start them)                  ``min_roots``
+``skip_no_signal`` (learner)   always on: an update with no signal is no  issue 10 (a bug fix, not an option)
+                               optimizer step
+=============================  ==========================================  =============================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Rollout metrics that add up over several sampling rounds (everything else describes the first round).
+SUMMED = ("rollout/tokens_generated", "rollout/tokens_prefilled", "rollout/tokens_reused", "rollout/response_tokens",
+          "rollout/tool_calls", "num_trajectories", "rollout/branches", "rollout/fillups",
+          "rollout/engine_errors", "rollout/env_errors", "rollout/time_generate_s", "rollout/time_tools_s",
+          "rollout/time_overhead_s", "rollout/time_total_s", "rollout/stop_boundary_cuts",
+          "rollout/branch_decisions")
+ROUNDS = "rollout/dynamic_sampling_rounds"
+DROPPED = "rollout/dynamic_sampling_dropped"
+
+
+def has_signal(group: Any) -> bool:
+    """Whether the group's rewards differ (a GRPO group with equal rewards has zero advantages)."""
+    rewards = [t.reward for t in group.trajectories]
+    return bool(rewards) and max(rewards) != min(rewards)
+
+
+def sample_groups(sampler: Any, prompts: Any, indices: list[int], step: int, *, dynamic: bool,
+                  max_rounds: int) -> tuple[list[Any], dict[str, float]]:
+    """One iteration's groups: ``sampler.sample(indices)``, and with ``dynamic`` DAPO's dynamic sampling.
+
+    Groups with equal rewards are dropped and ``prompts.next(...)`` draws new prompts for the missing ones, for at
+    most ``max_rounds`` rounds in all. When no group has signal, the first round's groups are kept (the learner then
+    skips the update). Every round's tokens and tool calls count in the rollout metrics (the budget is honest).
+    """
+    groups, metrics = sampler.sample(indices, step=step)
+    if not dynamic:
+        return groups, metrics
+    want, kept, drawn, rounds = len(indices), [g for g in groups if has_signal(g)], len(groups), 1
+    while len(kept) < want and rounds < max_rounds:
+        more, m = sampler.sample(prompts.next(want - len(kept)), step=step)
+        for k in SUMMED:
+            metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
+        kept += [g for g in more if has_signal(g)]
+        drawn += len(more)
+        rounds += 1
+    out = kept[:want] if kept else groups
+    metrics[ROUNDS], metrics[DROPPED] = float(rounds), float(drawn - len(out))
+    return out, metrics

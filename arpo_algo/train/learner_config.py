@@ -1,0 +1,99 @@
+"""LearnerConfig: the learner's settings, validated (see :mod:`arpo_algo.train.learner` for what they do)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from arpo_algo.core.advantages import ADVANTAGES
+from arpo_algo.core.losses import POLICY_LOSSES
+from arpo_algo.train.optim import SCHEDULES, check_schedule
+from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice, dataclass_from_dict
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
+
+    ``advantage``: a registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
+    attribution, "hard"). ``policy_loss``: a registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`:
+    "dual_clip"). ``hard_scope``: which tokens hard attribution counts as shared ("tree", default: tokens shared
+    by branching only; "tokens": any identical prefix in the group, the former behaviour). ``entropy_advantage*``:
+    AEPO §4.4 (the "entropy_aware" shaping, per-group z-score;
+    ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
+    ``lr_schedule``/``warmup_steps``/``total_steps``: :mod:`arpo_algo.train.optim` (``total_steps`` None = not known;
+    a decaying schedule needs it, and ``arpo train`` sets it from the experiment's iterations).
+    ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
+    "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float = 3.0
+    loss_agg: str = "token_mean"
+    dr_grpo_tokens: int = 0
+    advantage: str = "grpo"
+    policy_loss: str = "dual_clip"
+    hard_scope: str = "tree"
+    norm_adv_by_std: bool = True
+    entropy_advantage: bool = False
+    entropy_advantage_coef: float = 0.2
+    entropy_advantage_clip: float | None = None
+    entropy_balanced_clip: bool = False
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192
+    dedup_prefix: bool = True
+    old_logprobs: str = "recompute"
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    max_nan_updates: int = 3
+    attn_implementation: str = "sdpa"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
+        """Build from a dict; unknown keys (with the closest valid name) and wrong types raise ConfigError."""
+        cfg = dataclass_from_dict(cls, d, "learner")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid setting."""
+        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
+                   "hard_scope": ("tree", "tokens"), "old_logprobs": ("recompute", "rollout"),
+                   "attn_implementation": ("sdpa", "eager")}
+        for key, allowed in choices.items():
+            check_choice(key, getattr(self, key), allowed, "learner")
+        ADVANTAGES.check(self.advantage, "learner")
+        POLICY_LOSSES.check(self.policy_loss, "learner")
+        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
+                    "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
+        for key, val in positive.items():
+            if not val > 0:
+                raise ConfigError(f"learner.{key} must be > 0, got {val!r}")
+        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef",
+                    "dr_grpo_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
+        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "learner")
+        if self.clip_low >= 1:
+            raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
+        if self.clip_c <= 1:
+            raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
+        if ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared") and self.loss_agg == "seq_mean":
+            raise ConfigError(f"learner.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
+                              hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
+
+    @property
+    def merge_shared(self) -> bool:
+        """The learner merges identical prefixes of a group into one trained copy: an estimator that counts a shared
+        token once (e.g. "hard") with ``hard_scope="tokens"``; with "tree" the 1/d weights do it per copy."""
+        return bool(ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared", False)) and self.hard_scope == "tokens"

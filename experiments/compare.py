@@ -1,0 +1,198 @@
+"""Compare experiment files over several seeds from ONE shared SFT checkpoint (issue 10).
+
+    python -m experiments.compare experiments/quickstart.toml experiments/quickstart_grpo.toml \
+        --sft runs/quickstart/sft --seeds 0 1 2 --output runs/compare [--equal-budget] [--set section.key=value]
+
+Every (configuration, seed) is one ``arpo train`` run (in this process, one after the other) with
+``model.path = --sft`` and ``experiment.seed = seed``, into ``<output>/<config>/seed_<s>/`` where ``rerun.json``
+holds the exact ``arpo train`` command that reproduces it. Then, per configuration: held-out accuracy before and
+after (mean, sd, 95% CI over seeds, Student t), the seeds that improved, tool calls and generated tokens per
+iteration and in total, wall time; ``report.md``, ``report.json`` and two plots (accuracy against iteration and
+against cumulative tool calls, mean over seeds with a min-max band). Accuracy points between the first and the last
+come from ``evaluation.every`` (``--eval-every``).
+
+``--equal-budget`` refuses configurations that differ in the budget (trajectories per prompt, prompts per step,
+iterations, response tokens, tool calls per trajectory), naming the field. Same seed, same machine: same result on
+CPU (the sampler, the learner and the tools are seeded; tested on a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: (name, how to read it from a loaded experiment) of every setting that sets the compute budget of a run.
+BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("tree.budget", lambda e: e.config.budget),
+    ("training.prompts_per_step", lambda e: e.config.prompts_per_step),
+    ("experiment.iterations", lambda e: e.run.iterations),
+    ("rollouts.max_response_tokens", lambda e: e.config.max_response_tokens),
+    ("env.max_tool_calls", lambda e: (e.config.env_config or {}).get("max_tool_calls")),
+)
+# two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    """Mean, sample sd and the 95% confidence half-width of the mean (t distribution); n = 1 gives sd 0, CI nan."""
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": math.nan, "sd": math.nan, "ci95": math.nan}
+    m = sum(xs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    ci = (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n) if n > 1 else math.nan
+    return {"n": n, "mean": m, "sd": sd, "ci95": ci}
+
+
+def check_equal_budget(exps: dict[str, Any]) -> None:
+    """Raise ConfigError naming the first budget field whose value differs between configurations."""
+    from arpo_env.errors import ConfigError
+
+    for field, get in BUDGET_FIELDS:
+        values = {name: get(e) for name, e in exps.items()}
+        if len(set(map(repr, values.values()))) > 1:
+            shown = ", ".join(f"{n}: {v}" for n, v in values.items())
+            raise ConfigError(f"--equal-budget: the configurations differ in {field} ({shown})",
+                              hint=f"set the same {field} in every file, or drop --equal-budget")
+
+
+def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[str, Any]:
+    """One training run; writes ``rerun.json`` first (the command that reproduces it)."""
+    from arpo_algo.run.driver import train_experiment
+    from arpo_algo.run.experiment import load_experiment
+
+    exp = load_experiment(file, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["arpo", "train", str(file), *sum((["--set", o] for o in overrides), []), "--output", str(out)]
+    (out / "rerun.json").write_text(json.dumps({"command": shlex.join(cmd), "file": str(file),
+                                                "overrides": overrides, "sections": exp.sections}, indent=2,
+                                               default=repr))
+    t0 = time.time()
+    summary = train_experiment(exp, output=out, progress=progress)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if r["iteration"] > 0 and "rollout/tool_calls" in r]
+    calls = [r["rollout/tool_calls"] for r in train]
+    tokens = [r.get("rollout/tokens_generated", 0.0) for r in train]
+    cum, curve = 0.0, []
+    by_iter = {r["iteration"]: r for r in train}
+    for r in rows:
+        cum += by_iter.get(r["iteration"], {}).get("rollout/tool_calls", 0.0) if r["iteration"] > 0 else 0.0
+        if "evaluation/accuracy" in r:
+            curve.append((r["iteration"], cum, r["evaluation/accuracy"]))
+    return {"before": summary["accuracy_before"], "after": summary["accuracy_after"], "time_s": time.time() - t0,
+            "tool_calls": calls, "tokens": tokens, "curve": curve, "output": str(out),
+            "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
+            "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
+
+
+def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    rep: dict[str, Any] = {}
+    for name, seeds in runs.items():
+        rs = list(seeds.values())
+        before, after = [r["before"] for r in rs], [r["after"] for r in rs]
+        calls = [c for r in rs for c in r["tool_calls"]]
+        toks = [t for r in rs for t in r["tokens"]]
+        rep[name] = {
+            "seeds": sorted(seeds), "before": stats(before), "after": stats(after),
+            "delta": stats([a - b for a, b in zip(after, before)]),
+            "improved": sum(a > b for a, b in zip(after, before)), "worse": sum(a < b for a, b in zip(after, before)),
+            "tool_calls_per_step": sum(calls) / max(len(calls), 1), "tool_calls_total": sum(calls) / max(len(rs), 1),
+            "tokens_per_step": sum(toks) / max(len(toks), 1), "tokens_total": sum(toks) / max(len(rs), 1),
+            "time_s": stats([r["time_s"] for r in rs])["mean"],
+            "skipped_updates": sum(r["skipped"] for r in rs) / max(len(rs), 1),
+            "per_seed": {s: {"before": r["before"], "after": r["after"], "output": r["output"]}
+                         for s, r in seeds.items()},
+        }
+    return rep
+
+
+def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path) -> Path:
+    def f(s: dict[str, float]) -> str:
+        return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% CI ± {s['ci95']:.3f})"
+
+    lines = ["| configuration | seeds | before | after | after - before | improved / worse | tool calls per step "
+             "(total) | tokens per step (total) | skipped updates | wall time per run |", "|" + "---|" * 10]
+    for name, r in rep.items():
+        lines.append(f"| {name} | {len(r['seeds'])} | {f(r['before'])} | {f(r['after'])} | {f(r['delta'])} | "
+                     f"{r['improved']} / {r['worse']} | {r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
+                     f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
+                     f"{r['time_s']:.0f} s |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "report.json").write_text(json.dumps({"summary": rep, "runs": runs}, indent=2, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots are optional
+        return out / "report.md"
+    for xi, label, fname in ((0, "iteration", "accuracy_vs_iteration.png"),
+                             (1, "cumulative tool calls", "accuracy_vs_tool_calls.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, seeds in runs.items():
+            curves = [r["curve"] for r in seeds.values() if r["curve"]]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            xs = [sum(c[i][xi] for c in curves) / len(curves) for i in range(n)]
+            ys = [[c[i][2] for c in curves] for i in range(n)]
+            ax.plot(xs, [sum(y) / len(y) for y in ys], marker="o", label=f"{name} (n={len(curves)})")
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+    return out / "report.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from arpo_algo.run.experiment import load_experiment
+    from arpo_env.errors import ArpoError
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("experiments", nargs="+", help="experiment files (or names in experiments/)")
+    ap.add_argument("--sft", required=True, help="the shared starting checkpoint (model.path of every run)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--output", type=Path, default=Path("runs/compare"))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, all runs")
+    ap.add_argument("--eval-every", type=int, default=None, help="evaluation.every of every run")
+    ap.add_argument("--equal-budget", action="store_true", help="refuse configurations that differ in budget")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    common = [f"model.path={json.dumps(str(args.sft))}", *args.set]
+    if args.eval_every is not None:
+        common.append(f"evaluation.every={args.eval_every}")
+    names = {}
+    for file in args.experiments:
+        name = Path(file).stem
+        names[name if name not in names else f"{name}_{len(names)}"] = file
+    try:
+        exps = {n: load_experiment(f, common) for n, f in names.items()}
+        if args.equal_budget:
+            check_equal_budget(exps)
+        runs: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+        for seed in args.seeds:  # seed-major: an interrupted comparison still has every configuration
+            for name, file in names.items():
+                out = args.output / name / f"seed_{seed}"
+                runs[name][seed] = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
+                (args.output / "partial.json").write_text(json.dumps(summarize(runs), indent=2, default=str))
+    except ArpoError as e:
+        print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
+        return 2
+    report = write_report(summarize(runs), runs, args.output)
+    print(report.read_text())
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

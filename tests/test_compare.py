@@ -1,0 +1,50 @@
+"""experiments/compare.py on a tiny model: same seed, same machine, same result; --equal-budget names the field."""
+
+from __future__ import annotations
+
+import json
+
+from experiments.compare import main, stats
+from tests.arpo_algo.run.test_train_cli import write_experiment
+
+TIMING = ("time", "_s", "tokens_per_s", "timers/", "rollout/engine/")
+
+
+def _strip(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+
+
+def test_compare_is_deterministic_and_reports(tiny_model_dir, tmp_path, capsys):
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    outs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert main([str(exp), "--sft", str(tiny_model_dir), "--seeds", "3", "--output", str(out), "--eval-every",
+                     "1", "--set", "rollouts.dump_trees=true", "--no-progress"]) == 0
+        outs.append(out)
+    rows = [[_strip(json.loads(x)) for x in (o / "tiny" / "seed_3" / "metrics.jsonl").read_text().splitlines()]
+            for o in outs]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+    trees = [(o / "tiny" / "seed_3" / "trees.jsonl").read_text() for o in outs]
+    assert trees[0] == trees[1] and trees[0]
+    rerun = json.loads((outs[0] / "tiny" / "seed_3" / "rerun.json").read_text())
+    assert "experiment.seed=3" in rerun["command"] and "model.path=" in rerun["command"]
+    report = json.loads((outs[0] / "report.json").read_text())["summary"]["tiny"]
+    assert report["seeds"] == [3] and report["before"]["n"] == 1 and report["tool_calls_total"] >= 0
+    assert "| tiny | 1 |" in (outs[0] / "report.md").read_text()
+
+
+def test_equal_budget_refusal_names_the_field(tiny_model_dir, tmp_path, capsys):
+    a = write_experiment(tmp_path, tiny_model_dir)
+    b = tmp_path / "other.toml"
+    b.write_text(a.read_text().replace("budget = 2", "budget = 3"))
+    assert main([str(a), str(b), "--sft", str(tiny_model_dir), "--output", str(tmp_path / "o"), "--equal-budget"]) == 2
+    err = capsys.readouterr().err
+    assert "tree.budget" in err and "tiny: 2" in err and "other: 3" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_stats_t_interval():
+    s = stats([0.5, 0.7, 0.9])
+    assert abs(s["mean"] - 0.7) < 1e-12 and abs(s["sd"] - 0.2) < 1e-12
+    assert abs(s["ci95"] - 4.303 * 0.2 / 3 ** 0.5) < 1e-9
