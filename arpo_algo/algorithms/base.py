@@ -110,8 +110,9 @@ class AgenticRLAlgorithm(Algorithm):
         if cfg.num_rollout_actors > 0:
             import ray
 
-            if not ray.is_initialized():
+            if not ray.is_initialized():  # started here, so stopped by cleanup() (a Tune trial finds Ray running)
                 ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
+                self._owns_ray = True
         return build_engine(cfg.engine, model_or_path=str(model_path), num_actors=cfg.num_rollout_actors,
                             num_cpus_per_actor=cfg.num_cpus_per_rollout_actor, **settings)
 
@@ -233,8 +234,13 @@ class AgenticRLAlgorithm(Algorithm):
         return []
 
     def cleanup(self) -> None:
-        """Close the sampler (its tool threads) and the engine (actors, engine processes)."""
+        """Close the sampler (its tool threads) and the engine (actors, engine processes); stop Ray if setup started
+        it."""
         for part in ("sampler", "engine"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
         super().cleanup()
+        if getattr(self, "_owns_ray", False):
+            import ray
+
+            ray.shutdown()

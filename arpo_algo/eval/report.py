@@ -162,11 +162,7 @@ def plot_charts(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Pa
             ks = list(range(1, s["k"] + 1))
             ax.plot(ks, [s["pass@1"] if k == 1 else s[f"pass@{k}"] for k in ks], "o-", label=m)
         ax.set_title(src)
-        ax.set_xlabel("k")
-        ax.set_ylabel("pass@k")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _style(ax, "k", "pass@k")
     fig.tight_layout()
     paths = [out_dir / "pass_at_k.png"]
     fig.savefig(paths[0], dpi=100)
@@ -179,11 +175,7 @@ def plot_charts(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Pa
                 groups[r["num_tool_calls"]].append(bool(r["correct"]))
         xs = sorted(groups)
         ax.plot(xs, [_mean([float(c) for c in groups[x]]) for x in xs], "o-", label=m)
-    ax.set_xlabel("tool calls in the run")
-    ax.set_ylabel("fraction correct")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _style(ax, "tool calls in the run", "fraction correct")
     fig.tight_layout()
     paths.append(out_dir / "accuracy_vs_tools.png")
     fig.savefig(paths[1], dpi=100)
@@ -201,3 +193,12 @@ def write_reports(out_dir: Path, rows: list[dict[str, Any]], models: list[str], 
     if charts and rows:
         plot_charts(rows, summary, out_dir)
     return body
+
+
+def _style(ax, xlabel: str, ylabel: str) -> None:
+    """Axes of a fraction (0..1) against ``xlabel``, with a grid and a small legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)

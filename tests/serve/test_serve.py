@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def demos():
-    from arpo_env.tasks.toolmath import toolmath_demonstrations
+    from arpo_env.demonstrations import toolmath_demonstrations
 
     return toolmath_demonstrations(N_DEMOS, seed=0, split="train", levels=[1])
 
@@ -58,7 +58,7 @@ def sft_model(tmp_path_factory, demos):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is several times faster than two on a busy machine
     try:
-        run_sft({"model": str(base), "data": str(data), "epochs": 80, "batch_size": N_DEMOS, "lr": 5e-3,
+        run_sft({"model": str(base), "data": str(data), "epochs": 150, "batch_size": N_DEMOS, "lr": 5e-3,
                  "lr_schedule": "constant", "warmup_ratio": 0.0, "output_dir": str(root / "sft"),
                  "progress": False, "tensorboard": False})
     finally:

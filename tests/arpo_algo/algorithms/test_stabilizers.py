@@ -32,11 +32,11 @@ def test_dynamic_sampling_draws_more_prompts_up_to_the_cap(env_creator):
     it = PromptIterator(num_tasks=50, seed=0)
     groups, m = sample_groups(s, it, it.next(2), 0, dynamic=True, max_rounds=3)
     assert m[ROUNDS] == 3 and m[DROPPED] == 4 and len(groups) == 2  # no signal anywhere: the first round's groups
-    assert m["rollout/trajectories"] == 12 and m["rollout/tool_calls"] == 12 * 4  # every round counts in the budget
+    assert m["num_trajectories"] == 12 and m["rollout/tool_calls"] == 12 * 4  # every round counts in the budget
     assert it.get_state()["position"] == 6
     it2 = PromptIterator(num_tasks=50, seed=0)
     _, m2 = sample_groups(s, it2, it2.next(2), 0, dynamic=False, max_rounds=3)
-    assert ROUNDS not in m2 and m2["rollout/trajectories"] == 4 and it2.get_state()["position"] == 2
+    assert ROUNDS not in m2 and m2["num_trajectories"] == 4 and it2.get_state()["position"] == 2
 
 
 def test_min_roots_keeps_budget_for_independent_roots(env_creator):

@@ -160,3 +160,9 @@ def test_multi_objective_settings(tmp_path, tiny_model_dir):
     assert (sweep.settings.metric, sweep.settings.mode) == ("evaluation/accuracy", "max")  # ASHA, tables, best
     with pytest.raises(ConfigError, match="multi-objective"):
         load_sweep(path, ['sweep.search="random"'])
+
+
+@pytest.mark.parametrize("name", ["tune_quickstart", "tune_arpo_vs_grpo"])
+def test_shipped_sweeps_validate(name, tiny_model_dir, capsys):
+    """The example sweeps in experiments/ pass the whole-sweep validation (with a model that exists here)."""
+    assert main(["tune", name, "--set", f"model.path={tiny_model_dir}", "--dry-run"]) == 0, capsys.readouterr().err
