@@ -102,7 +102,8 @@ def test_pool_has_max_context_so_prompt_overflow_applies(pool, tiny_model_dir):
 def test_pool_close_is_idempotent(ray_session, tiny_model_dir):
     from arpo_algo.rollout.engines import build_engine
 
-    p = build_engine("hf", model_or_path=str(tiny_model_dir), num_actors=1, num_cpus_per_actor=0.5)
+    # 0 CPUs: the module's pool already holds both CPUs of this Ray session; an actor asking for more would wait
+    p = build_engine("hf", model_or_path=str(tiny_model_dir), num_actors=1, num_cpus_per_actor=0)
     assert p.num_actors == 1 and p.tokenizer is not None
     p.close()
     p.close()
