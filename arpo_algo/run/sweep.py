@@ -3,7 +3,7 @@
 A sweep is a TOML file beside the experiment files (a bare name finds ``experiments/<name>.toml``)::
 
     [sweep]    experiment (the base experiment: a name or a path; required), name, output, metric, mode,
-               objectives (multi-objective Optuna: {"evaluation/accuracy" = "max", "evaluation/tool_calls_mean" =
+               objectives (multi-objective Optuna: {"evaluation/accuracy" = "max", "evaluation/tool_calls_per_traj" =
                "min"}), num_samples, max_concurrent, iterations, seed, search ("optuna" | "grid" | "random"),
                scheduler ("asha" | "none"), grace_period, reduction_factor, resources_per_trial ({cpu = 1, gpu = 0}),
                max_failures, checkpoint_every

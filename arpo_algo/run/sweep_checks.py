@@ -17,8 +17,8 @@ TRAIN_METRICS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj",
                  "tokens_sampled", "num_trajectories", "tokens_per_s", "update_tokens_per_s",
                  "num_trajectories_lifetime", "timers/sync_time", "timers/rollout_time", "timers/update_time")
 #: Held-out metrics (``result["evaluation"]``), reported in iterations where ``[evaluation] every`` divides.
-EVAL_METRICS = ("accuracy", "pass_at_1", "pass_at_k", "reward_mean", "tool_calls_mean", "format_ok", "response_len",
-                "num_tasks", "samples_per_task", "time_s")
+EVAL_METRICS = ("accuracy", "pass_at_k", "reward_mean", "reward_max", "tool_calls_per_traj", "format_ok",
+                "response_len", "tokens_sampled", "num_trajectories", "num_tasks", "samples_per_task", "time_s")
 #: Most corner points built and validated per algorithm.
 MAX_CORNERS = 256
 

@@ -2,7 +2,7 @@
 seeds: mean, sd, 95% CI; the Pareto front of the metric against tool calls), PNG plots, ``best.toml``, ``summary.json``.
 
 Per trial, the metric is its value at the trial's last iteration (what Tune's ``get_best_result`` ranks by); tool
-calls are the held-out ``evaluation/tool_calls_mean`` when the sweep evaluates, else the training
+calls are the held-out ``evaluation/tool_calls_per_traj`` when the sweep evaluates, else the training
 ``tool_calls_per_traj``; tokens are the trajectory tokens sampled over all iterations.
 """
 
@@ -55,7 +55,7 @@ def trial_rows(sweep: Sweep, trials: list[dict[str, Any]]) -> list[dict[str, Any
     for t in trials:
         last, hist = t["last"], t["history"]
         iters = int(last.get("training_iteration", 0) or 0)
-        calls = last.get("evaluation/tool_calls_mean", last.get("tool_calls_per_traj"))
+        calls = last.get("evaluation/tool_calls_per_traj", last.get("tool_calls_per_traj"))
         row = {"trial": Path(t["path"]).name, "algorithm": t["algorithm"],
                **{k: t["knobs"].get(k) for k in _knob_keys(sweep)},
                "status": "error" if t["error"] else ("stopped" if iters < s.iterations else "done"),

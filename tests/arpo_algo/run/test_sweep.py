@@ -153,10 +153,10 @@ def test_pareto_front():
 
 def test_multi_objective_settings(tmp_path, tiny_model_dir):
     path = write_sweep(tmp_path, tiny_model_dir,
-                       'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_mean" = "min"}',
+                       'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_per_traj" = "min"}',
                        '"tree.tau" = {uniform = [0.1, 1.0]}')
     sweep = load_sweep(path)
-    assert sweep.objectives == {"evaluation/accuracy": "max", "evaluation/tool_calls_mean": "min"}
+    assert sweep.objectives == {"evaluation/accuracy": "max", "evaluation/tool_calls_per_traj": "min"}
     assert (sweep.settings.metric, sweep.settings.mode) == ("evaluation/accuracy", "max")  # ASHA, tables, best
     with pytest.raises(ConfigError, match="multi-objective"):
         load_sweep(path, ['sweep.search="random"'])

@@ -52,7 +52,7 @@ def test_two_trial_sweep_reports_and_best_toml(tmp_path, tiny_model_dir, capsys,
         assert len(results) == int(row["iterations"]) == 2 and row["status"] == "done"
         last = results[-1]
         assert float(row["evaluation/accuracy"]) == pytest.approx(last["evaluation"]["accuracy"])
-        assert float(row["tool_calls"]) == pytest.approx(last["evaluation"]["tool_calls_mean"])
+        assert float(row["tool_calls"]) == pytest.approx(last["evaluation"]["tool_calls_per_traj"])
         assert float(row["tokens"]) == pytest.approx(sum(r["tokens_sampled"] for r in results))
         assert float(row["tree.tau"]) == pytest.approx(params["tau"])
         assert float(row["training.lr"]) == pytest.approx(params["lr"])
@@ -94,23 +94,27 @@ def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
     lines.append(rest)
     text = "".join(lines)
     assert "[tune] arpo trial 1/2" in text, text[-3000:]
-    assert "trial 2/2" not in text and "interrupted with 1 unfinished" in text, text[-3000:]
-    assert not (out / "results.csv").exists()
+    # The second trial may finish while the interrupt propagates (a tiny model trains fast); either way a resume
+    # must rerun nothing that finished and complete the rest.
     finished = [d for d in (out / "arpo").iterdir() if d.is_dir() and len(_trial_results(d) if
                                                                              (d / "result.json").exists() else []) == 2]
-    assert len(finished) == 1
-    before = (finished[0] / "result.json").read_bytes()
-    t_before = (finished[0] / "result.json").stat().st_mtime
+    assert 1 <= len(finished) <= 2, text[-3000:]
+    if len(finished) == 1:
+        assert "trial 2/2" not in text and "interrupted with 1 unfinished" in text, text[-3000:]
+        assert not (out / "results.csv").exists()
     report = subprocess.run([*cmd, "--report"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
-    rows = list(csv.DictReader((out / "results.csv").open()))  # the finished trial only
-    assert [r["trial"] for r in rows] == [finished[0].name]
+    rows = list(csv.DictReader((out / "results.csv").open()))  # the trials Tune recorded as finished
+    done = {r["trial"] for r in rows}
+    assert 1 <= len(done) and done <= {d.name for d in finished}
+    finished = [d for d in finished if d.name in done]
+    before = {d.name: ((d / "result.json").read_bytes(), (d / "result.json").stat().st_mtime) for d in finished}
     time.sleep(1)
     resumed = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert resumed.stdout.count("[tune] arpo trial ") == 1  # only the unfinished trial ran
-    assert (finished[0] / "result.json").read_bytes() == before
-    assert (finished[0] / "result.json").stat().st_mtime == t_before
+    assert resumed.stdout.count("[tune] arpo trial ") == 2 - len(finished)  # only unfinished trials ran
+    for d in finished:
+        assert ((d / "result.json").read_bytes(), (d / "result.json").stat().st_mtime) == before[d.name]
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 2 and all(r["iterations"] == "2" and r["status"] == "done" for r in rows)
 
