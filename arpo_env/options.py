@@ -27,6 +27,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from arpo_env.errors import ConfigError
@@ -181,6 +182,14 @@ def dataclass_from_dict(cls: type, values: Mapping[str, Any], where: str) -> Any
 
 
 # --------------------------------------------------------------------------------------------------- overrides
+
+
+def read_toml(path: Any) -> dict[str, Any]:
+    """A TOML file as a dict; invalid TOML is a ConfigError naming the file."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
 
 
 def parse_value(raw: str) -> Any:

@@ -20,20 +20,10 @@ DEFAULTS = {"k": 4, "temperature": 0.6, "top_p": 0.95, "seed": 0, "max_response_
 
 
 def _env_overrides(items: list[str]) -> dict[str, Any]:
-    import tomllib
+    """``--env-set key=value`` items (the shared override syntax, no sections) as an env config dict."""
+    from arpo_env.options import apply_overrides
 
-    from arpo_env.errors import ConfigError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env-set {item!r} is not KEY=VALUE", hint="e.g. --env-set levels=[3]")
-        try:
-            out[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = value
-    return out
+    return apply_overrides({}, items, flag="--env-set")
 
 
 def resolve_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | None]:

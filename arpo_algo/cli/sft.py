@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.options import apply_overrides
+from arpo_env.errors import ArpoError
+from arpo_env.options import apply_overrides, read_toml
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -19,10 +18,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         path = Path(args.config)
         if not path.is_file():
             raise ArpoError(f"SFT config file not found: {path}")
-        try:
-            values = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from e
+        values = read_toml(path)
     values = apply_overrides(values, args.set or [])  # SFTConfig has no sections: --set key=value
     flags = {"model": args.model, "data": args.data, "output_dir": args.output, "epochs": args.epochs,
              "num_examples": args.num_examples, "max_steps": args.max_steps}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from arpo_env.options import (
     check_choice,
     check_keys,
     dataclass_from_dict,
+    read_toml,
     unknown_key_error,
 )
 from arpo_env.paths import source_checkout
@@ -149,10 +149,7 @@ def load_experiment(name_or_path: str | Path | None = None, overrides: list[str]
         if name_or_path is None:
             raise ArpoError("load_experiment needs a file, a name or sections")
         source = resolve_experiment_path(name_or_path)
-        try:
-            sections = tomllib.loads(source.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: invalid TOML: {e}") from e
+        sections = read_toml(source)
     where = str(source) if source else "experiment"
     sections = {k: dict(v) if isinstance(v, dict) else v for k, v in sections.items()}
     sections = apply_overrides(sections, overrides or [], SECTIONS)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from arpo_algo.run.experiment import (
 from arpo_algo.run.sweep_checks import check_metrics, check_points
 from arpo_algo.run.tomlw import toml_literal
 from arpo_env.errors import ConfigError
-from arpo_env.options import parse_override, unknown_key_error
+from arpo_env.options import parse_override, read_toml, unknown_key_error
 
 DISTRIBUTIONS = ("uniform", "loguniform", "quniform", "randint", "choice", "grid")
 SEARCHES = ("optuna", "grid", "random")
@@ -170,10 +169,7 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
     """Read a sweep file, apply ``--set`` overrides (``sweep.*`` to the sweep, others to the base), validate."""
     source = resolve_sweep_path(name_or_path)
     where = str(source)
-    try:
-        raw = tomllib.loads(source.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{where}: invalid TOML: {e}") from e
+    raw = read_toml(source)
     for section in raw:
         if section not in ("sweep", "base", "space"):
             raise unknown_key_error(section, ("sweep", "base", "space"), f"{where}: section [{section}]")
@@ -190,10 +186,7 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
             base_over.append(item)
     settings = _settings(body, source, where)
     base_path = resolve_experiment_path(settings.experiment)
-    try:
-        base_raw = tomllib.loads(base_path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{base_path}: invalid TOML: {e}") from e
+    base_raw = read_toml(base_path)
     notes: list[str] = []
     base_over = [_beam_override(o, notes) for o in base_over]
     base_exp = load_experiment(sections=base_raw, overrides=base_over)  # unknown keys, types
