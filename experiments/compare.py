@@ -35,6 +35,8 @@ BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
     ("rollouts.max_response_tokens", lambda e: e.config.max_response_tokens),
     ("env.max_tool_calls", lambda e: (e.config.env_config or {}).get("max_tool_calls")),
 )
+#: written into a run folder when the run completed; a rerun of the comparison skips such runs (resume).
+RUN_RESULT = "compare_run.json"
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -86,10 +88,18 @@ def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[
         cum += by_iter.get(r["iteration"], {}).get("rollout/tool_calls", 0.0) if r["iteration"] > 0 else 0.0
         if "evaluation/accuracy" in r:
             curve.append((r["iteration"], cum, r["evaluation/accuracy"]))
-    return {"before": summary["accuracy_before"], "after": summary["accuracy_after"], "time_s": time.time() - t0,
-            "tool_calls": calls, "tokens": tokens, "curve": curve, "output": str(out),
-            "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
-            "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
+    result = {"before": summary["accuracy_before"], "after": summary["accuracy_after"], "time_s": time.time() - t0,
+              "tool_calls": calls, "tokens": tokens, "curve": curve, "output": str(out),
+              "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
+              "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
+    (out / RUN_RESULT).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def finished_run(out: Path) -> dict[str, Any] | None:
+    """The result of a run that completed earlier (its ``compare_run.json``), else None."""
+    path = out / RUN_RESULT
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -167,7 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=None, help="evaluation.every of every run")
     ap.add_argument("--equal-budget", action="store_true", help="refuse configurations that differ in budget")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads of this process (1 per process when several run side by side)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: build the report from the finished runs under --output (several "
+                         "comparison processes may share one --output, each with its own --seeds)")
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     common = [f"model.path={json.dumps(str(args.sft))}", *args.set]
     if args.eval_every is not None:
         common.append(f"evaluation.every={args.eval_every}")
@@ -183,8 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:  # seed-major: an interrupted comparison still has every configuration
             for name, file in names.items():
                 out = args.output / name / f"seed_{seed}"
-                runs[name][seed] = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
-                (args.output / "partial.json").write_text(json.dumps(summarize(runs), indent=2, default=str))
+                done = finished_run(out)
+                if done is None and args.report_only:
+                    print(f"[compare] {name} seed {seed}: not finished, left out of the report", file=sys.stderr)
+                    continue
+                if done is None:
+                    done = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
+                runs[name][seed] = done
+                if not args.report_only:
+                    (args.output / f"partial_{'_'.join(map(str, args.seeds))}.json").write_text(
+                        json.dumps(summarize(runs), indent=2, default=str))
+        runs = {n: r for n, r in runs.items() if r}
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
         return 2
