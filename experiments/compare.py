@@ -164,6 +164,23 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
     return out / "report.md"
 
 
+def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
+    """The quickstart's multi-seed reference: per configuration before, after (mean, sd), seeds improved / worse."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = sorted({f for line in cpuinfo.splitlines() if line.startswith("flags")
+                    for f in line.split() if f in ("avx2", "avx512f", "amx_bf16")})
+    seeds = {len(r["seeds"]) for r in rep.values()}
+    ref = {"num_seeds": max(seeds), "sft_seed": 0, "command": "python -m experiments.compare " + shlex.join(argv),
+           "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), "
+                      f"{time.strftime('%Y-%m-%d')}",
+           "configurations": {name: {"before": r["before"]["mean"], "after_mean": r["after"]["mean"],
+                                     "after_sd": r["after"]["sd"], "improved": r["improved"], "worse": r["worse"]}
+                              for name, r in rep.items()}}
+    path.write_text(json.dumps(ref, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     from arpo_algo.run.experiment import load_experiment
     from arpo_env.errors import ArpoError
@@ -179,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads of this process (1 per process when several run side by side)")
+    ap.add_argument("--reference", type=Path, default=None, metavar="JSON",
+                    help="also write the per-configuration distribution over seeds that the quickstart prints beside "
+                         "its own result (experiments/quickstart_reference.json)")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: build the report from the finished runs under --output (several "
                          "comparison processes may share one --output, each with its own --seeds)")
@@ -216,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
         return 2
-    report = write_report(summarize(runs), runs, args.output)
+    rep = summarize(runs)
+    report = write_report(rep, runs, args.output)
+    if args.reference:
+        write_reference(rep, args.reference, argv if argv is not None else sys.argv[1:])
     print(report.read_text())
     print(report)
     return 0

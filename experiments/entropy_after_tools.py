@@ -3,6 +3,7 @@
     python -m experiments.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
         --iterations 1 --window 30 --output runs/f1
     python -m experiments.entropy_after_tools --sample runs/quickstart/sft --prompts 8 --budget 4 --output runs/f1
+    python -m experiments.entropy_after_tools --sample runs/quickstart/sft --data valid --prompts 16 --output runs/f1v
 
 Reads rollout tree dumps (``rollouts.dump_trees = true``; the entropies are the rollout policy's, per sampled token)
 and, around every tool result of every trajectory, takes the sampled tokens' entropies at positions -window..-1
@@ -19,6 +20,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def windows(trajectory: dict, window: int, start: int) -> dict[int, list[float]]:
@@ -79,20 +81,35 @@ def collect(paths: list[Path], window: int, iterations: set[int] | None) -> tupl
     return by_off, first_turn
 
 
-def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, seed: int) -> Path:
-    """Sample GRPO groups (independent trajectories, temperature 1) on ToolMath level 3 with ``model`` and dump them."""
+def env_factory(data: str, prompts: int) -> Any:
+    """ToolMath level 3 (``data = "toolmath"``), or the first ``prompts`` items of an ``arpo eval --data`` set (e.g.
+    the ARPO ``valid`` file) in the environment that set belongs to, with its tools, protocol and reward."""
+    import functools
+
+    from arpo_algo.eval.data import load_eval_data, make_eval_env
+    from arpo_env.core import ToolTextEnv
+
+    if data == "toolmath":
+        return lambda: ToolTextEnv(task="toolmath", levels=[3], max_tool_calls=3)
+    loaded = load_eval_data(data, limit=prompts)
+    return functools.partial(make_eval_env, loaded.env_id, loaded.env_config, loaded.items)
+
+
+def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, seed: int,
+                data: str = "toolmath") -> Path:
+    """Sample GRPO groups (independent trajectories, temperature 1) with ``model`` on ``data`` and dump them."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.models import resolve_model_path
     from arpo_algo.rollout.engines.base import SamplingParams
     from arpo_algo.rollout.engines.hf import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
-    from arpo_env.core import ToolTextEnv
 
+    make_env = env_factory(data, prompts)
     out.mkdir(parents=True, exist_ok=True)
     dump = out / "trees.jsonl"
     dump.unlink(missing_ok=True)
     engine = HFEngine(str(resolve_model_path(model)), seed=seed)
-    s = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=[3], max_tool_calls=3), TreeConfig.grpo(budget),
+    s = TreeSampler(engine, make_env, TreeConfig.grpo(budget),
                     SamplingParams(temperature=1.0), max_response_tokens=tokens, seed=seed, dump_path=str(dump))
     s.sample(list(range(prompts)), step=0)
     s.close()
@@ -103,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dumps", nargs="*", type=Path, help="trees.jsonl files")
     ap.add_argument("--sample", metavar="MODEL", help="first sample fresh GRPO groups with MODEL on ToolMath level 3")
+    ap.add_argument("--data", default="toolmath",
+                    help="with --sample: toolmath (level 3, default) or an `arpo eval --data` set such as valid")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--budget", type=int, default=4)
     ap.add_argument("--max-response-tokens", type=int, default=192)
@@ -113,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.sample:
         args.dumps.append(sample_dump(args.sample, args.prompts, args.budget, args.max_response_tokens, args.output,
-                                      args.seed))
+                                      args.seed, args.data))
     by_off, first = collect(args.dumps, args.window, set(args.iterations) if args.iterations is not None else None)
     if not by_off:
         print("error: no tool results in these dumps", file=sys.stderr)
