@@ -48,3 +48,26 @@ def test_stats_t_interval():
     s = stats([0.5, 0.7, 0.9])
     assert abs(s["mean"] - 0.7) < 1e-12 and abs(s["sd"] - 0.2) < 1e-12
     assert abs(s["ci95"] - 4.303 * 0.2 / 3 ** 0.5) < 1e-9
+
+
+def test_resume_skips_finished_runs_and_report_only_merges_processes(tiny_model_dir, tmp_path, capsys):
+    """Two processes with different --seeds share one --output; a rerun trains nothing that finished; --report-only
+    builds one report over both and the quickstart reference from it."""
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    out = tmp_path / "cmp"
+    common = [str(exp), "--sft", str(tiny_model_dir), "--output", str(out), "--no-progress"]
+    assert main([*common, "--seeds", "0"]) == 0
+    assert main([*common, "--seeds", "1"]) == 0
+    first = (out / "tiny" / "seed_0" / "compare_run.json").read_text()
+    metrics = (out / "tiny" / "seed_0" / "metrics.jsonl").stat().st_mtime_ns
+    ref = tmp_path / "ref.json"
+    assert main([*common, "--seeds", "0", "1", "2", "--report-only", "--reference", str(ref)]) == 0
+    assert "tiny seed 2: not finished" in capsys.readouterr().err
+    assert not (out / "tiny" / "seed_2").exists()  # report-only trains nothing
+    assert (out / "tiny" / "seed_0" / "compare_run.json").read_text() == first
+    assert (out / "tiny" / "seed_0" / "metrics.jsonl").stat().st_mtime_ns == metrics
+    summary = json.loads((out / "report.json").read_text())["summary"]["tiny"]
+    assert summary["seeds"] == [0, 1] and summary["after"]["n"] == 2
+    reference = json.loads(ref.read_text())
+    assert reference["num_seeds"] == 2 and set(reference["configurations"]) == {"tiny"}
+    assert reference["configurations"]["tiny"]["after_mean"] == summary["after"]["mean"]
