@@ -34,7 +34,8 @@ def make_group(rng: random.Random, vocab: int, index: int, *, prompt_len: int = 
     prompt = ids(prompt_len)
     prefix = ids(prefix_len)
     prefix_mask = [1] * prefix_len
-    prefix_mask[30:50] = [0] * 20  # a tool result inside the shared prefix
+    tool = slice(prefix_len * 3 // 8, prefix_len * 5 // 8)  # a tool result inside the shared prefix (30:50 of 80)
+    prefix_mask[tool] = [0] * len(range(prefix_len)[tool])
     trajs = []
     for _ in range(width):
         b1 = ids(rng.randint(*branch))
