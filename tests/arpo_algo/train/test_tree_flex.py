@@ -116,6 +116,27 @@ def test_flex_logprobs_equal_the_dense_mask_on_cpu(tiny_model_dir):
                            forward_token_stats(dense_model, dup, with_entropy=False)[0])
 
 
+def test_rollout_engine_sharing_a_flex_model_decodes_as_with_sdpa(tiny_model_dir):
+    """The in-process engine shares the learner's module: under FLEX_TREE_IMPL its decoding (its own masks, KV
+    cache, prefix reuse) goes through SDPA and samples the same tokens with the same log-probs."""
+    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+    from arpo_algo.rollout.engines.hf import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    outs = []
+    for impl in ("sdpa", FLEX_TREE_IMPL):
+        engine = HFEngine(model=_load(tiny_model_dir, impl), tokenizer=tok, seed=0)
+        reqs = [GenRequest(i, tok.encode(text), SamplingParams(max_new_tokens=12, seed=i))
+                for i, text in enumerate(["<|im_start|>user\nhi", "<|im_start|>user\nsolve 6*7 please"])]
+        first = engine.generate(reqs)
+        ctx = reqs[1].token_ids + first[1].token_ids
+        more = engine.generate([GenRequest(9, ctx, SamplingParams(max_new_tokens=6, seed=9),
+                                           prefix_key=first[1].cache_key)])
+        outs.append([(g.token_ids, g.logprobs) for g in first + more])
+    for (ids_s, lp_s), (ids_f, lp_f) in zip(*outs):
+        assert ids_f == ids_s and lp_f == pytest.approx(lp_s, abs=1e-6)
+
+
 def test_flex_choices_are_validated(tiny_model_dir):
     with pytest.raises(ConfigError, match="tree_attention='flex' with attn_implementation='eager'"):
         LearnerConfig(tree_attention="flex", attn_implementation="eager").validate()
