@@ -16,6 +16,9 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
 **No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
 optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
+**Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in
+``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every forward.
+
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
 in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
