@@ -109,6 +109,10 @@ def test_flex_logprobs_equal_the_dense_mask_on_cpu(tiny_model_dir):
     assert ded.block_mask is not None  # built once, kept on the batch for the next forward
     torch.testing.assert_close(lp_f, lp_d, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent_f, ent_d, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the learner's bf16 autocast, on CPU
+        lp_d16, _ = forward_token_stats(dense_model, ded, with_entropy=False)
+        lp_f16, _ = forward_token_stats(flex_model, ded, with_entropy=False)
+    torch.testing.assert_close(lp_f16, lp_d16, atol=2e-2, rtol=0)  # 2e-3 measured; a wrong mask moves them 0.1+
     # Anything but the packed tree (a padded batch) goes to SDPA unchanged: bit-identical results.
     dup = build_padded_batch(specs[:3], pad_id=0)
     with torch.no_grad():
@@ -164,8 +168,8 @@ def _grads_and_logprobs(learner: Learner, groups) -> tuple[dict[str, torch.Tenso
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-4), ("bf16", 5e-2)])
-def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, tol):
+@pytest.mark.parametrize("precision,lp_tol,grad_tol", [("fp32", 1e-4, 1e-4), ("bf16", 2e-2, 5e-2)])
+def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, lp_tol, grad_tol):
     """The learner's forward + backward on CUDA: flex and dense give the same log-probs and gradients (relative to
     the largest gradient, within fp32 or bf16 rounding)."""
     groups = _groups(tiny_model_dir, 2)
@@ -175,8 +179,8 @@ def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, t
     assert flex.model.config._attn_implementation == FLEX_TREE_IMPL and dense.precision == flex.precision == precision
     g_d, lp_d = _grads_and_logprobs(dense, groups)
     g_f, lp_f = _grads_and_logprobs(flex, groups)
-    torch.testing.assert_close(lp_f, lp_d, atol=tol, rtol=tol)
+    torch.testing.assert_close(lp_f, lp_d, atol=lp_tol, rtol=0)
     scale = max(float(g.abs().max()) for g in g_d.values())
     assert scale > 0
     for name, g in g_d.items():
-        assert float((g_f[name] - g).abs().max()) <= tol * scale, name
+        assert float((g_f[name] - g).abs().max()) <= grad_tol * scale, name
