@@ -50,3 +50,19 @@ def test_bench_dedup_runs_through_the_public_learner_api(tiny_model_dir, tmp_pat
     result = bench_dedup.main(["--model", str(tiny_model_dir), "--groups", "1", "--repeats", "1",
                                "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "d.json")])
     assert (tmp_path / "d.json").exists() and result
+
+
+def test_bench_dedup_reports_mfu_against_a_ceiling_of_the_same_run(tmp_path):
+    """--shape builds a random model (no download); --precision reaches the learner; MFU = model rate / ceiling."""
+    from experiments import bench_dedup
+
+    result = bench_dedup.main(["--shape", "tiny", "--device", "cpu", "--precision", "bf16", "--tree-attention",
+                               "dense", "--groups", "1", "--repeats", "1", "--ceiling-size", "256",
+                               "--threads", str(torch.get_num_threads())])
+    assert result["precision"] == "bf16" and result["tree_attention"] == "dense"
+    assert result["matmul_ceiling"]["dtype"] == "bfloat16" and result["matmul_ceiling"]["tflops"] > 0
+    for path in ("duplicated", "deduplicated"):
+        assert result["mfu"][path] == pytest.approx(result["model_tflops"][path] / result["matmul_ceiling"]["tflops"])
+        expect = 6 * result["parameters"] * result["tokens_per_group"][path] / result["seconds_per_group_median"][path]
+        assert result["model_tflops"][path] == pytest.approx(expect / 1e12)
+    assert result["tokens_per_group"]["deduplicated"] < result["tokens_per_group"]["duplicated"]

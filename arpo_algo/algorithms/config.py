@@ -200,8 +200,8 @@ class AgenticRLConfig(AlgorithmConfig):
         if self.engine == "hf" and self.dtype != "float32" and self.num_rollout_actors == 0:
             raise ConfigError(f"dtype={self.dtype!r} with in-process rollouts: the in-process engine shares the "
                               "learner's float32 module, so it cannot run in another dtype",
-                              hint="keep dtype='float32' (use training(bf16=True) for bf16 compute in the learner), "
-                                   "or use rollout actors (num_rollout_actors > 0), which hold their own copy")
+                              hint="keep dtype='float32' (training(precision=...) sets the learner's compute "
+                                   "precision), or use rollout actors (num_rollout_actors > 0), which hold their own copy")
         if self.num_learners > 0:
             raise ConfigError("num_learners > 0 is not supported: ARPO owns its learner in the main process",
                               hint="leave num_learners at 0; use device='cuda' for a GPU learner")

@@ -16,6 +16,9 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
 **No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
 optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
+**Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in
+``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every forward.
+
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
 in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
@@ -36,8 +39,11 @@ import torch
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
 from arpo_algo.rollout.types import Group
+from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
 from arpo_algo.train.learner_config import LearnerConfig
 from arpo_algo.train.optim import build_optimizer
+from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
+from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_algo.train.update_stats import signal_stats, tree_owners
 from arpo_env.errors import ArpoError
@@ -78,12 +84,24 @@ class Learner:
         config.validate()
         self.config = config
         self.device = torch.device(device)
+        if config.deterministic:  # first: cuBLAS reads its workspace setting when it first runs
+            make_deterministic()
+        #: The resolved device choices: "fp32"/"bf16" and "dense"/"flex" (module device_setup).
+        self.precision = resolve_precision(config.precision, self.device)
+        self.tree_attention = resolve_tree_attention(config.tree_attention, self.device,
+                                                     attn_implementation=config.attn_implementation,
+                                                     deterministic=config.deterministic)
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed)
         path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        load = {"dtype": torch.float32, "attn_implementation": config.attn_implementation}
+        impl = config.attn_implementation
+        if self.tree_attention == "flex":
+            register_flex()
+            impl = FLEX_TREE_IMPL
+        # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision.
+        load = {"dtype": torch.float32, "attn_implementation": impl}
         self.model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device)
         if config.gradient_checkpointing:
             # Non-reentrant checkpointing passes the 4D tree mask through like any other tensor argument (the tests
@@ -155,14 +173,15 @@ class Learner:
         flush()
         return [b.to(self.device) for b in batches]
 
-    def _autocast(self):
-        if not self.config.bf16:
+    def autocast(self) -> Any:
+        """The compute-precision context of this learner's forwards: bf16 autocast, or nothing for fp32."""
+        if self.precision != "bf16":
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-        with self._autocast():
+        with self.autocast():
             lp, _ = forward_token_stats(model, batch, with_entropy=False)
         return lp[batch.pair_node].detach()
 
@@ -225,7 +244,7 @@ class Learner:
             if self.nan_streak >= cfg.max_nan_updates:
                 raise ArpoError(f"{self.nan_streak} consecutive updates had a non-finite (NaN/inf) loss or gradient "
                                 f"norm; stopping instead of training on garbage",
-                                hint="check the rewards for NaN, lower the learning rate, or disable bf16")
+                                hint="check the rewards for NaN, lower the learning rate, or set precision='fp32'")
         else:
             self.nan_streak = 0
         if "lr" not in totals:  # skipped: report the rate the step would have used
@@ -242,7 +261,7 @@ class Learner:
         acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
                              "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean", "kl_rollout"), 0.0)
         for i, b in enumerate(batches):
-            with self._autocast():
+            with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
                                                   entropy_grad=cfg.entropy_coef > 0)
             lp = lp_u[b.pair_node]

@@ -7,6 +7,7 @@ from typing import Any
 
 from arpo_algo.core.advantages import ADVANTAGES
 from arpo_algo.core.losses import POLICY_LOSSES
+from arpo_algo.train.device_setup import PRECISIONS, TREE_ATTENTIONS
 from arpo_algo.train.optim import SCHEDULES, check_schedule
 from arpo_env.errors import ConfigError
 from arpo_env.options import check_choice, dataclass_from_dict
@@ -26,6 +27,16 @@ class LearnerConfig:
     a decaying schedule needs it, and ``arpo train`` sets it from the experiment's iterations).
     ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
     "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
+
+    Device settings (:mod:`arpo_algo.train.device_setup`, README "The learner on a GPU"): ``precision`` "auto" (bf16
+    autocast on a CUDA GPU with native bfloat16, fp32 elsewhere), "fp32" or "bf16" (weights and optimizer state stay
+    fp32 in every case; "bf16" on a GPU without bfloat16 is an error). ``tree_attention``: how the packed tree of
+    ``dedup_prefix`` is attended: "dense" (an [N, N] mask handed to SDPA/eager), "flex" (FlexAttention with a block
+    mask built from the tree; CUDA only, needs ``attn_implementation="sdpa"``) or "auto" (flex on CUDA with sdpa
+    unless ``deterministic``, dense otherwise). ``gradient_checkpointing``: recompute activations in the backward
+    pass (less memory, about one more forward). ``deterministic``: deterministic kernels in this process
+    (``torch.use_deterministic_algorithms``, cuBLAS workspace, cuDNN flags): slower on GPU; CPU kernels are
+    deterministic without it at a fixed thread count.
     """
 
     lr: float = 1e-6
@@ -53,8 +64,10 @@ class LearnerConfig:
     micro_batch_tokens: int = 8192
     dedup_prefix: bool = True
     old_logprobs: str = "recompute"
-    bf16: bool = False
+    precision: str = "auto"
+    tree_attention: str = "auto"
     gradient_checkpointing: bool = False
+    deterministic: bool = False
     max_nan_updates: int = 3
     attn_implementation: str = "sdpa"
 
@@ -69,7 +82,8 @@ class LearnerConfig:
         """Raise :class:`ConfigError` naming the first invalid setting."""
         choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
                    "hard_scope": ("tree", "tokens"), "old_logprobs": ("recompute", "rollout"),
-                   "attn_implementation": ("sdpa", "eager")}
+                   "attn_implementation": ("sdpa", "eager"), "precision": PRECISIONS,
+                   "tree_attention": TREE_ATTENTIONS}
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed, "learner")
         ADVANTAGES.check(self.advantage, "learner")
@@ -88,6 +102,10 @@ class LearnerConfig:
             raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
         if self.clip_c <= 1:
             raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
+        if self.tree_attention == "flex" and self.attn_implementation != "sdpa":
+            raise ConfigError(f"learner.tree_attention='flex' with attn_implementation={self.attn_implementation!r}: "
+                              "the flex model runs every other attention call (padded batches, decoding) through "
+                              "SDPA", hint="set attn_implementation='sdpa', or tree_attention='dense'")
         if ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared") and self.loss_agg == "seq_mean":
             raise ConfigError(f"learner.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
                               hint="a shared token counted once belongs to no single sequence; use 'token_mean'")

@@ -5,7 +5,7 @@
 
 **Deduplicated** (``dedup_prefix=True``): the micro-batch's sequences are merged into a token trie (identical
 prefixes become one path; the shared chat-template system prompt of different prompts merges too), the unique trie
-nodes are packed into ONE row, and one forward runs with a custom 4D attention mask (each token attends to its
+nodes are packed into ONE row, and one forward runs with a tree attention mask (each token attends to its
 ancestors and itself) and ``position_ids`` = depth in the trie. A token's hidden state depends only on its ancestors,
 so every unique token gets exactly the logits it has in each sequence through it (up to float rounding from the
 different matmul shapes, ~1e-6 in fp32). Loss terms are then formed per (trajectory, token) *pair* that points at
@@ -13,17 +13,22 @@ the shared node, so the objective and its gradient equal the duplicated ones.
 
 Both builders produce a :class:`TokenBatch`: model inputs, the "unique predictions" U (which kept logits row
 predicts which token) and the loss pairs P (which prediction, advantage, count weight, old log-prob, sequence and
-group). The attention mask cost is O(N²) booleans per packed row (fine for CPU-scale and moderate GPU lengths; a
-block-sparse/flex-attention mask would be the next step for very long trees).
+group). The packed batch carries the tree as two O(N) tables (preorder number and subtree end,
+:func:`arpo_algo.train.tree_flex.preorder_spans`); :func:`attention_mask_for` turns them, on the device, into the
+form the model's attention takes: an [N, N] mask for SDPA/eager (``tree_attention="dense"``, O(N²) booleans, and SDPA
+falls off its flash kernels), or a FlexAttention block mask that skips the empty tiles (``"flex"``,
+:mod:`arpo_algo.train.tree_flex`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from arpo_algo.core.advantages import build_token_trie
+from arpo_algo.train.tree_flex import FLEX_TREE_IMPL, preorder_spans, tree_block_mask, tree_dense_mask
 from arpo_env.errors import ArpoError, ConfigError
 
 
@@ -57,7 +62,7 @@ class TokenBatch:
     """Model inputs plus the index tables that turn kept logits into per-pair loss inputs."""
 
     input_ids: torch.Tensor           # [B, L]
-    attention_mask: torch.Tensor      # [B, L] (padded) or [1, 1, N, N] bool (packed tree)
+    attention_mask: torch.Tensor | None  # [B, L] (padded); None for the packed tree (see tree_pre/tree_end)
     position_ids: torch.Tensor | None  # [1, N] trie depth for the packed tree
     keep: torch.Tensor                # [K] positions whose logits are needed
     node_b: torch.Tensor              # [U] batch row of each unique prediction
@@ -70,6 +75,9 @@ class TokenBatch:
     pair_seq: torch.Tensor            # [P]
     pair_group: torch.Tensor          # [P]
     num_tokens: int                   # tokens run through the model (no padding)
+    tree_pre: torch.Tensor | None = None  # [N] preorder number of each packed node (packed tree only)
+    tree_end: torch.Tensor | None = None  # [N] preorder end of each node's subtree (packed tree only)
+    block_mask: Any = None            # the FlexAttention BlockMask, built on first use (attention_mask_for)
 
     def to(self, device: torch.device | str) -> TokenBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -135,15 +143,7 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
     _check(specs)
     trie = build_token_trie([s.prompt + s.response for s in specs])
     n = trie.num_nodes
-    mask = torch.zeros((n, n), dtype=torch.bool)
-    for j in range(len(specs)):
-        path, k = trie.paths[j], trie.first_new[j]
-        if k == len(path):
-            continue  # an exact duplicate of an earlier sequence: nothing new to lay out
-        a, b = path[k], path[-1] + 1  # the nodes this sequence created are one contiguous id range
-        if k > 0:
-            mask[a:b, torch.tensor(path[:k])] = True
-        mask[a:b, a:b] = torch.ones((b - a, b - a), dtype=torch.bool).tril()
+    pre, end = preorder_spans(trie.parent)
     # Unique predictions: each trained node is predicted from its parent's logits.
     node_index: dict[int, int] = {}
     pairs: list[tuple[int, float, float, float, int, int]] = []
@@ -168,31 +168,38 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
     row_of = {v: i for i, v in enumerate(parents)}
     keep = torch.tensor(parents if parents else [0], dtype=torch.long)
     return TokenBatch(
-        input_ids=torch.tensor([trie.token], dtype=torch.long), attention_mask=mask[None, None],
+        input_ids=torch.tensor([trie.token], dtype=torch.long), attention_mask=None,
         position_ids=torch.tensor([trie.depth], dtype=torch.long), keep=keep,
         node_b=torch.zeros(len(nodes), dtype=torch.long),
         node_row=torch.tensor([row_of[trie.parent[v]] for v in nodes], dtype=torch.long),
         node_tok=torch.tensor([trie.token[v] for v in nodes], dtype=torch.long), num_tokens=n,
+        tree_pre=torch.tensor(pre, dtype=torch.long), tree_end=torch.tensor(end, dtype=torch.long),
         **_pair_tensors(pairs))
 
 
-def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> Any:
     """The mask in the form the model's attention implementation takes.
 
-    SDPA takes the boolean 4D mask (True = attend); eager adds the mask to the scores, so it gets a float mask with
-    0 / dtype-min. Flash-attention kernels take no arbitrary mask, so the packed tree cannot run on them.
+    A padded batch: its [B, L] mask. The packed tree, by the model's implementation: :data:`FLEX_TREE_IMPL` gets the
+    FlexAttention ``BlockMask`` (built once and kept on the batch); SDPA the [1, 1, N, N] boolean mask (True =
+    attend); eager a float mask with 0 / dtype-min, which it adds to the scores. Flash-attention kernels take no
+    arbitrary mask, so the packed tree cannot run on them.
     """
-    mask = batch.attention_mask
-    if mask.dim() != 4:
-        return mask
+    if batch.tree_pre is None:
+        return batch.attention_mask
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl == FLEX_TREE_IMPL:
+        if batch.block_mask is None:
+            batch.block_mask = tree_block_mask(batch.tree_pre, batch.tree_end)
+        return batch.block_mask
+    if impl not in ("sdpa", "eager"):
+        raise ConfigError(f"attn_implementation={impl!r} cannot take the tree attention mask of dedup_prefix=True",
+                          hint="load the model with attn_implementation='sdpa' or 'eager', or set dedup_prefix=False")
+    mask = tree_dense_mask(batch.tree_pre, batch.tree_end)[None, None]
     if impl == "sdpa":
         return mask
-    if impl == "eager":
-        zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-        return torch.where(mask, zero, torch.finfo(torch.float32).min)
-    raise ConfigError(f"attn_implementation={impl!r} cannot take the tree attention mask of dedup_prefix=True",
-                      hint="load the model with attn_implementation='sdpa' or 'eager', or set dedup_prefix=False")
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    return torch.where(mask, zero, torch.finfo(torch.float32).min)
 
 
 def forward_token_stats(model: torch.nn.Module, batch: TokenBatch, *, with_entropy: bool,

@@ -163,7 +163,7 @@ def test_bf16_and_gradient_checkpointing(tiny_model_dir, groups):
     ckpt.update(groups)
     for name, g in _grads(ref).items():
         torch.testing.assert_close(_grads(ckpt)[name], g, atol=1e-6, rtol=1e-5)
-    m = Learner(tiny_model_dir, replace(BASE, bf16=True)).update(groups)
+    m = Learner(tiny_model_dir, replace(BASE, precision="bf16")).update(groups)
     assert m["skipped_nan"] == 0 and math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0
 
 

@@ -1,0 +1,96 @@
+"""The learner's device-dependent choices: compute precision, tree attention kernel, and the deterministic switch.
+
+The config names what the user wants (``"auto"`` allowed); :class:`~arpo_algo.train.learner.Learner` resolves it here
+against the device it runs on, once, before the model is loaded, so a choice the device cannot honour fails with a
+:class:`ConfigError` before any work starts.
+
+* **Precision.** ``"auto"``: bf16 autocast on a CUDA GPU with native bfloat16 (compute capability 8.0+: A100, H100,
+  ...), fp32 everywhere else, CPU included (fp32 stays the CPU default the tests pin). ``"bf16"`` on a GPU without
+  native bfloat16 is refused (torch would emulate it, slowly); on CPU it is allowed (CPU autocast to bfloat16).
+  In every case the weights, gradients and AdamW state stay fp32: autocast only runs matmuls and attention in bf16.
+* **Tree attention.** ``"auto"``: FlexAttention on CUDA when the model uses SDPA and ``deterministic`` is off, the
+  dense mask otherwise. ``"flex"`` on CPU is refused: torch 2.13's FlexAttention has no backward pass on CPU.
+* **Deterministic.** :func:`make_deterministic` (see there for what it covers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from arpo_env.errors import ConfigError
+
+__all__ = ["PRECISIONS", "TREE_ATTENTIONS", "make_deterministic", "resolve_precision", "resolve_tree_attention"]
+
+#: ``training.precision`` values.
+PRECISIONS = ("auto", "fp32", "bf16")
+#: ``training.tree_attention`` values.
+TREE_ATTENTIONS = ("auto", "dense", "flex")
+#: The cuBLAS workspace settings NVIDIA documents as deterministic.
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+def _native_bf16() -> bool:
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``"fp32"`` or ``"bf16"``: the compute precision the learner uses on ``device``.
+
+    Raises:
+        ConfigError: ``"bf16"`` on a CUDA device without native bfloat16, or an unknown value.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"learner.precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+    on_gpu = device.type == "cuda"
+    if precision == "auto":
+        return "bf16" if on_gpu and _native_bf16() else "fp32"
+    if precision == "bf16" and on_gpu and not _native_bf16():
+        raise ConfigError("learner.precision='bf16' but this GPU has no native bfloat16 "
+                          "(torch.cuda.is_bf16_supported(including_emulation=False) is False; it needs compute "
+                          "capability 8.0 or newer)",
+                          hint="use precision='fp32' (or 'auto', which picks fp32 on this GPU)")
+    return precision
+
+
+def resolve_tree_attention(choice: str, device: torch.device, *, attn_implementation: str,
+                           deterministic: bool) -> str:
+    """``"dense"`` or ``"flex"``: how the packed tree is attended on ``device``.
+
+    Raises:
+        ConfigError: ``"flex"`` on a device other than CUDA, or an unknown value.
+    """
+    if choice not in TREE_ATTENTIONS:
+        raise ConfigError(f"learner.tree_attention={choice!r} is not one of {', '.join(map(repr, TREE_ATTENTIONS))}")
+    if choice == "flex" and device.type != "cuda":
+        raise ConfigError(f"learner.tree_attention='flex' on device {device.type!r}: FlexAttention has no backward "
+                          f"pass there in torch {torch.__version__.split('+')[0]}",
+                          hint="use tree_attention='dense' (or 'auto', which picks dense off CUDA)")
+    if choice == "auto":
+        return "flex" if device.type == "cuda" and attn_implementation == "sdpa" and not deterministic else "dense"
+    return choice
+
+
+def make_deterministic() -> None:
+    """Ask torch for deterministic kernels in this process (process-wide, and not undone).
+
+    Sets ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic kernel then raises instead of
+    running a non-deterministic one), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when it is unset (cuBLAS reads it when its
+    workspace is first created, so set it in the environment yourself if CUDA matmuls ran before the learner was
+    built), and cuDNN's ``deterministic=True, benchmark=False``. Not covered: rollout actors and vLLM (other
+    processes), results across GPU models, drivers or torch versions, and tool calls whose outcome depends on time.
+
+    Raises:
+        ConfigError: ``CUBLAS_WORKSPACE_CONFIG`` is set to a value that does not make cuBLAS deterministic.
+    """
+    current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if current is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_DETERMINISTIC[0]
+    elif current not in _CUBLAS_DETERMINISTIC:
+        raise ConfigError(f"learner.deterministic=True but CUBLAS_WORKSPACE_CONFIG={current!r}, which leaves cuBLAS "
+                          "non-deterministic",
+                          hint=f"unset it or set it to {' or '.join(_CUBLAS_DETERMINISTIC)}")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
