@@ -47,8 +47,15 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
+#: Keys that existed in earlier releases: the hint says what replaced them instead of a near-miss guess.
+REPLACED_KEYS = {"bf16": "'bf16' was replaced by precision = \"bf16\" (or \"auto\": bf16 on a CUDA GPU that supports "
+                         "it, fp32 elsewhere; \"fp32\")"}
+
+
 def _did_you_mean(name: str, valid: Iterable[str], label: str) -> str:
     valid = sorted(set(map(str, valid)))
+    if str(name) in REPLACED_KEYS and str(name) not in valid:
+        return REPLACED_KEYS[str(name)]
     near = closest(name, valid)
     return f"did you mean {near!r}?" if near else f"{label}: {', '.join(valid)}"
 

@@ -37,6 +37,13 @@ BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 #: written into a run folder when the run completed; a rerun of the comparison skips such runs (resume).
 RUN_RESULT = "compare_run.json"
+#: Per-iteration metrics averaged over a run's iterations (then over seeds) for the report's diagnostics table:
+#: what differs between configurations besides the outcome.
+DIAGNOSTICS = {"groups without reward variance": "diag/zero_variance_group_frac",
+               "branches per group": "diag/branches_per_group", "fill-ups per group": "diag/fillups_per_group",
+               "distinct trajectories per group": "diag/distinct_trajectories_per_group",
+               "trajectories with gradient": "learner/traj_with_grad_frac", "training reward": "train/reward_mean",
+               "iteration time (s)": "timers/training_iteration"}
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -78,6 +85,13 @@ def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[
                                                default=repr))
     t0 = time.time()
     summary = train_experiment(exp, output=out, progress=progress)
+    result = collect(out, summary["accuracy_before"], summary["accuracy_after"], time.time() - t0)
+    (out / RUN_RESULT).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def collect(out: Path, before: float, after: float, time_s: float) -> dict[str, Any]:
+    """A finished run's figures, read from its ``metrics.jsonl`` (so a report can always be rebuilt from disk)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in rows if r["iteration"] > 0 and "rollout/tool_calls" in r]
     calls = [r["rollout/tool_calls"] for r in train]
@@ -88,18 +102,23 @@ def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[
         cum += by_iter.get(r["iteration"], {}).get("rollout/tool_calls", 0.0) if r["iteration"] > 0 else 0.0
         if "evaluation/accuracy" in r:
             curve.append((r["iteration"], cum, r["evaluation/accuracy"]))
-    result = {"before": summary["accuracy_before"], "after": summary["accuracy_after"], "time_s": time.time() - t0,
-              "tool_calls": calls, "tokens": tokens, "curve": curve, "output": str(out),
-              "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
-              "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
-    (out / RUN_RESULT).write_text(json.dumps(result, indent=2))
-    return result
+    diag = {}
+    for label, key in DIAGNOSTICS.items():
+        xs = [r[key] for r in train if key in r]
+        diag[label] = sum(xs) / len(xs) if xs else 0.0  # absent = never happened (e.g. no branch metric in GRPO)
+    return {"before": before, "after": after, "time_s": time_s, "tool_calls": calls, "tokens": tokens,
+            "curve": curve, "output": str(out), "diag": diag,
+            "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
+            "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
 
 
 def finished_run(out: Path) -> dict[str, Any] | None:
-    """The result of a run that completed earlier (its ``compare_run.json``), else None."""
+    """The result of a run that completed earlier (``compare_run.json`` marks it), re-read from its metrics; else None."""
     path = out / RUN_RESULT
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    done = json.loads(path.read_text())
+    return collect(out, done["before"], done["after"], done["time_s"])
 
 
 def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -117,6 +136,7 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
             "tokens_per_step": sum(toks) / max(len(toks), 1), "tokens_total": sum(toks) / max(len(rs), 1),
             "time_s": stats([r["time_s"] for r in rs])["mean"],
             "skipped_updates": sum(r["skipped"] for r in rs) / max(len(rs), 1),
+            "diag": {k: sum(r["diag"][k] for r in rs) / len(rs) for k in DIAGNOSTICS},
             "per_seed": {s: {"before": r["before"], "after": r["after"], "output": r["output"]}
                          for s, r in seeds.items()},
         }
@@ -134,6 +154,10 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
                      f"{r['improved']} / {r['worse']} | {r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
                      f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
                      f"{r['time_s']:.0f} s |")
+    lines += ["", "Diagnostics, mean over iterations and seeds:", "",
+              "| configuration | " + " | ".join(DIAGNOSTICS) + " |", "|" + "---|" * (len(DIAGNOSTICS) + 1)]
+    for name, r in rep.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['diag'][k]:.2f}" for k in DIAGNOSTICS) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "report.json").write_text(json.dumps({"summary": rep, "runs": runs}, indent=2, default=str))
     try:

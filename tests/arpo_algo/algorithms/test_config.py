@@ -205,6 +205,13 @@ def test_overrides_read_toml_literals_and_name_the_closest_section(tmp_path):
     assert err.value.hint == "did you mean 'rollouts'?"
 
 
+def test_a_replaced_key_names_its_replacement(tmp_path):
+    """training.bf16 became training.precision: the error says so instead of guessing a near name."""
+    with pytest.raises(ConfigError, match="unknown key 'bf16'") as err:
+        load_experiment(write(tmp_path, BASE), ["training.bf16=true"])
+    assert 'precision = "bf16"' in err.value.hint
+
+
 def test_total_steps_is_derived_from_the_iterations(tmp_path):
     """Bug: total_steps stayed 1 whatever the run's length, so a decaying schedule hit lr 0 after one update."""
     exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\n'
