@@ -73,6 +73,13 @@ class BackendConfig:
                 raise ConfigError(f"training.{changed[0]} is set but learner_backend='local' runs one learner in "
                                   "the main process", hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)")
 
+    def check_device(self, device: str) -> None:
+        """The device-dependent checks (DeepSpeed needs GPUs; GPU shares only on GPUs and as the placement allows)."""
+        if self.learner_backend == "deepspeed" and device != "cuda":
+            raise ConfigError("learner_backend='deepspeed' needs llm_rollouts(device='cuda')",
+                              hint="on CPU use learner_backend='ddp' (gloo), which gives the same update")
+        self.gpus_per_worker(device)
+
     def gpus_per_worker(self, device: str) -> float:
         """The GPU share one rank reserves on ``device`` (device-dependent checks included)."""
         g = self.learner_gpus_per_worker
@@ -130,9 +137,7 @@ def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float]
             than data-parallel ranks (each rank needs a device of its own), or DeepSpeed on CPU.
     """
     cfg.validate()
-    if cfg.learner_backend == "deepspeed" and device != "cuda":
-        raise ConfigError("learner_backend='deepspeed' needs llm_rollouts(device='cuda')",
-                          hint="on CPU use learner_backend='ddp' (gloo), which gives the same update")
+    cfg.check_device(device)
     bundles = cfg.worker_bundles(device)
     others = others or {}
     need = {k: sum(b.get(k, 0.0) for b in bundles) + float(others.get(k, 0.0)) for k in ("CPU", "GPU")}

@@ -229,11 +229,11 @@ class DDPBackend(LearnerBackend):
         from arpo_algo.models import resolve_model_path
 
         config.validate()
+        self._check_available(config, backend)
         if not ray.is_initialized():
             raise ConfigError(f"learner_backend={self.kind!r} needs a running Ray cluster",
                               hint="call ray.init() first (ARPO's Algorithm starts Ray itself when needed)")
         check_placement(backend, device)
-        self._check_available(config, backend)
         self.config, self.backend, self.step, self._workers = config, backend, 0, []
         #: Each rank's own metrics of the last update (diagnostics: what each rank did).
         self.last_rank_metrics: list[dict[str, float]] = []
