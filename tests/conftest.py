@@ -59,6 +59,7 @@ MODEL_FIXTURES = ("tiny_model_dir", "smollm2_dir")
 INTEGRATION_MODULES = (
     "tests/arpo_algo/algorithms/test_tune.py",     # Ray Tune trials
     "tests/arpo_algo/rollout/test_actors.py",      # Ray rollout actors
+    "tests/arpo_algo/train/test_ddp.py",           # Ray learner ranks (gloo)
     "tests/arpo_algo/cli/test_cli.py",             # the arpo CLI in a subprocess
     "tests/arpo_algo/run/test_train_cli.py",       # arpo train end to end
     "tests/test_benchmarks.py",                    # the benchmark scripts end to end

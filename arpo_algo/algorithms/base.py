@@ -1,6 +1,7 @@
 """ARPO, AEPO and GRPO as thin RLlib Algorithms (RAY_NOTES §1.2, "Pattern A").
 
-The algorithm owns its policy (:class:`arpo_algo.train.learner.Learner`: HF model, optimizer, schedule, RNG) and its
+The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
+:class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
 rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process :class:`arpo_algo.rollout.engines.hf.HFEngine`
 that shares the learner's module, or over a :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the
 config, the metrics logger, Tune integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
@@ -49,6 +50,11 @@ from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
 
 
+def _learner_ranks(cfg: AgenticRLConfig) -> int:
+    backend = cfg.backend_config()
+    return backend.learner_workers if backend.distributed else 0
+
+
 class AgenticRLAlgorithm(Algorithm):
     """What ARPO, AEPO and GRPO share: a thin RLlib Algorithm (see the module docstring)."""
 
@@ -57,7 +63,7 @@ class AgenticRLAlgorithm(Algorithm):
         """What Tune reserves per trial: the learner process plus every rollout actor; infeasible -> ConfigError."""
         cfg = config if isinstance(config, AgenticRLConfig) else cls.get_default_config().update_from_dict(dict(config))
         bundles = resource_bundles(cfg)
-        check_resources_feasible(bundles)
+        check_resources_feasible(bundles, _learner_ranks(cfg))
         return PlacementGroupFactory(bundles, strategy=cfg.placement_strategy)
 
     # ---------------------------------------------------------------------------------------------------- setup
@@ -72,15 +78,18 @@ class AgenticRLAlgorithm(Algorithm):
         metrics timers (RAY_NOTES §1.4.2).
         """
         from arpo_algo.models import resolve_model_path
-        from arpo_algo.train.learner import Learner
+        from arpo_algo.train.backends import build_backend
 
         self.callbacks = [c() for c in _as_list(self.config.callbacks_class)]
         self.env_runner_group = None
         self._set_up_metrics()
         cfg = self.config
-        check_resources_feasible(resource_bundles(cfg))
+        check_resources_feasible(resource_bundles(cfg), _learner_ranks(cfg))
         model_path = resolve_model_path(cfg.model_path)
-        self.learner = Learner(model_path, cfg.learner_config(), device=cfg.device, seed=cfg.seed)
+        if cfg.backend_config().distributed:
+            self._ensure_ray()
+        self.learner = build_backend(model_path, cfg.learner_config(), cfg.backend_config(), device=cfg.device,
+                                     seed=cfg.seed)
         self.policy = PolicyComponent(self.learner)
         self.tree_config = cfg.tree_config()
         self._train_env = env_creator(cfg)
@@ -102,23 +111,31 @@ class AgenticRLAlgorithm(Algorithm):
             settings: dict[str, Any] = dict(dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
                                             entropy_method=entropy, seed=cfg.seed, linear_layout=cfg.linear_layout)
             if not self._engine_owns_weights():
-                return build_engine("hf", model=self.learner.model, tokenizer=self.learner.tokenizer, **settings)
+                return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
+                                    **settings)
             settings["device"] = cfg.device
         else:
             settings = dict(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", entropy_method=entropy,
                             seed=cfg.seed)
         if cfg.num_rollout_actors > 0:
-            import ray
-
-            if not ray.is_initialized():  # started here, so stopped by cleanup() (a Tune trial finds Ray running)
-                ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(cfg))), include_dashboard=False)
-                self._owns_ray = True
+            self._ensure_ray()
         return build_engine(cfg.engine, model_or_path=str(model_path), num_actors=cfg.num_rollout_actors,
                             num_cpus_per_actor=cfg.num_cpus_per_rollout_actor, **settings)
 
+    def _ensure_ray(self) -> None:
+        """Start Ray sized to this config unless it runs (started here, so stopped by cleanup(); a Tune trial finds
+        Ray running)."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(self.config))), include_dashboard=False)
+            self._owns_ray = True
+
     def _engine_owns_weights(self) -> bool:
-        """False only for the in-process HF engine, which shares the learner's module (nothing to push)."""
-        return self.config.engine != "hf" or self.config.num_rollout_actors > 0
+        """False only for the in-process HF engine over a learner module in this process ("local" backend): it
+        shares that module (nothing to push). With ddp/deepspeed the in-process engine holds its own copy."""
+        cfg = self.config
+        return cfg.engine != "hf" or cfg.num_rollout_actors > 0 or self.learner.shared_module is None
 
     def _build_sampler(self, creator: Any, tree: Any, temperature: float, top_p: float, top_k: int,
                        max_response_tokens: int, dump: bool = False) -> Any:
@@ -174,9 +191,10 @@ class AgenticRLAlgorithm(Algorithm):
         return None
 
     def _sync_weights(self) -> None:
-        """The in-process HF engine shares the learner's module (nothing to copy); other engines get the weights."""
+        """The in-process HF engine shares a local learner's module (nothing to copy); other engines get the weights
+        (rank 0's with ddp/deepspeed)."""
         if self._engine_owns_weights():
-            self.engine.load_state_dict({k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()})
+            self.engine.load_state_dict(self.learner.rollout_weights())
 
     # ---------------------------------------------------------------------------------------------- evaluation
 
@@ -236,7 +254,7 @@ class AgenticRLAlgorithm(Algorithm):
     def cleanup(self) -> None:
         """Close the sampler (its tool threads) and the engine (actors, engine processes); stop Ray if setup started
         it."""
-        for part in ("sampler", "engine"):
+        for part in ("sampler", "engine", "learner"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
         super().cleanup()

@@ -90,37 +90,48 @@ def env_creator(config: Any, **overrides: Any) -> functools.partial:
 
 
 def resource_bundles(config: Any) -> list[dict[str, float]]:
-    """One bundle for the learner process plus one per rollout actor."""
-    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": 1.0 if config.device == "cuda" else 0.0}
-    return [main] + [{"CPU": float(config.num_cpus_per_rollout_actor)}] * config.num_rollout_actors
+    """One bundle for the main process, then one per learner rank (learner_backend 'ddp'/'deepspeed'), then one per
+    rollout actor.
+
+    The main process holds the GPU when ``device='cuda'`` and it runs the learner ("local") or the in-process engine;
+    with a colocated learner it leaves the ranks' share of that GPU to them.
+    """
+    backend = config.backend_config()
+    workers = backend.worker_bundles(config.device)
+    in_process_gpu = config.device == "cuda" and (not backend.distributed or config.num_rollout_actors == 0)
+    gpu = 0.0
+    if in_process_gpu:
+        gpu = 1.0 - workers[0].get("GPU", 0.0) if workers and backend.learner_placement == "colocated" else 1.0
+    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu}
+    return [main] + workers + [{"CPU": float(config.num_cpus_per_rollout_actor)}] * config.num_rollout_actors
 
 
-def check_resources_feasible(bundles: list[dict[str, float]]) -> None:
+def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: int = 0) -> None:
     """Fail fast instead of leaving a Tune trial PENDING forever (RAY_NOTES §2: infeasible requests hang silently).
 
-    Compares against ``ray.cluster_resources()`` when Ray is initialised, else against this machine.
+    ``bundles`` as :func:`resource_bundles` lays them out, with ``learner_workers`` learner-rank bundles after the
+    main one. Compares against ``ray.cluster_resources()`` when Ray is initialised, else against this machine.
     """
-    import ray
+    from arpo_algo.train.backend_config import cluster_resources
 
     need_cpu = sum(b.get("CPU", 0.0) for b in bundles)
     need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
-    if ray.is_initialized():
-        have = ray.cluster_resources()
-        have_cpu, have_gpu, where = have.get("CPU", 0.0), have.get("GPU", 0.0), "the Ray cluster"
-    else:
-        import torch
-
-        have_cpu, where = float(os.cpu_count() or 1), "this machine"
-        have_gpu = float(torch.cuda.device_count())
-    if need_cpu > have_cpu:
-        actors = len(bundles) - 1
-        raise ConfigError(
-            f"this ARPO config needs {need_cpu:g} CPUs ({bundles[0]['CPU']:g} for the learner + {actors} rollout "
-            f"actor(s) x {bundles[-1]['CPU'] if actors else 0:g}) but {where} has {have_cpu:g}",
-            hint="lower llm_rollouts(num_rollout_actors=..., num_cpus_per_rollout_actor=...) or give Ray more CPUs")
-    if need_gpu > have_gpu:
-        raise ConfigError(f"this ARPO config needs {need_gpu:g} GPU(s) (device='cuda') but {where} has {have_gpu:g}",
-                          hint="use llm_rollouts(device='cpu') on this machine")
+    have, where = cluster_resources()
+    ranks, actors = bundles[1:1 + learner_workers], bundles[1 + learner_workers:]
+    parts = [f"{bundles[0]['CPU']:g} for the main process"]
+    if ranks:
+        parts.append(f"{len(ranks)} learner worker(s) x {ranks[0]['CPU']:g}")
+    parts.append(f"{len(actors)} rollout actor(s) x {actors[0]['CPU'] if actors else 0:g}")
+    gpu_parts = f"{bundles[0].get('GPU', 0.0):g} for the main process" + (
+        f" + {len(ranks)} learner worker(s) x {ranks[0].get('GPU', 0.0):g}" if ranks else "")
+    if need_cpu <= have["CPU"] and need_gpu <= have["GPU"] + 1e-9:
+        return
+    hint = ("lower llm_rollouts(num_rollout_actors=..., num_cpus_per_rollout_actor=...) or training(learner_workers="
+            "..., learner_cpus_per_worker=...), or give Ray more CPUs") if need_cpu > have["CPU"] else (
+        "use llm_rollouts(device='cpu') on this machine, or fewer learner_workers")
+    raise ConfigError(f"this ARPO config needs {need_cpu:g} CPUs ({' + '.join(parts)}) and {need_gpu:g} GPU(s) "
+                      f"({gpu_parts}; device={'cuda' if need_gpu else 'cpu'!r}) but {where} has {have['CPU']:g} "
+                      f"CPUs and {have['GPU']:g} GPU(s)", hint=hint)
 
 
 # ---------------------------------------------------------------------------------------------- policy component
@@ -152,16 +163,11 @@ class PolicyComponent(Checkpointable):
         return str(path)
 
     def restore_from_path(self, path, *, component=None, filesystem=None, **kwargs) -> None:
-        """Load weights in place (the in-process engine shares the module) and the trainer state."""
+        """Load weights in place (the in-process engine may share the module) and the trainer state."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         path = pathlib.Path(path)
-        model = self.learner.model
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
-        with torch.no_grad():
-            model.load_state_dict(saved.state_dict())
-        del saved
+        self.learner.load_pretrained(path)
         trainer = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
         self.learner.set_state(trainer)
 

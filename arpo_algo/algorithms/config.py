@@ -31,6 +31,7 @@ from arpo_algo.algorithms.options import (
     _GROUPS,
     _RLLIB_TRAINING_DICT_KEYS,
     ALL_OPTIONS,
+    BACKEND_OPTIONS,
     LEARNER_OPTIONS,
     TREE_OPTIONS,
     _is_search_space,
@@ -38,6 +39,7 @@ from arpo_algo.algorithms.options import (
     unknown_key_error,
 )
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import LearnerConfig
 from arpo_env.errors import ConfigError
 from arpo_env.options import closest
@@ -145,6 +147,10 @@ class AgenticRLConfig(AlgorithmConfig):
         """The LearnerConfig these settings describe."""
         return LearnerConfig(**{k: getattr(self, k) for k in LEARNER_OPTIONS})
 
+    def backend_config(self) -> BackendConfig:
+        """Where the learner runs (``learner_backend``, ``learner_workers``, ...)."""
+        return BackendConfig(**{k: getattr(self, k) for k in BACKEND_OPTIONS})
+
     def arpo_settings(self) -> dict[str, Any]:
         """Every ARPO-specific setting by group (what experiment files and config.json show)."""
         return {g: {k: getattr(self, k) for k in opts} for g, opts in _GROUPS.items()}
@@ -165,6 +171,9 @@ class AgenticRLConfig(AlgorithmConfig):
         self._validate_combinations()
         self.tree_config().validate()
         self.learner_config().validate()
+        backend = self.backend_config()
+        backend.validate()
+        backend.check_device(self.device)
 
     def _validate_combinations(self) -> None:
         if self.model_path is None:

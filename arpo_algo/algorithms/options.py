@@ -4,7 +4,8 @@ RLlib and Tune require an :class:`~ray.rllib.algorithms.algorithm_config.Algorit
 setting lives. The knobs come in four groups, each with its own setter:
 
 * ``.training(...)``: the model and the learner. Every field of :class:`arpo_algo.train.learner.LearnerConfig` (``lr`` and
-  ``grad_clip`` reuse RLlib's fields of the same name) plus ``model_path`` and ``prompts_per_step``.
+  ``grad_clip`` reuse RLlib's fields of the same name), of :class:`arpo_algo.train.backend_config.BackendConfig`
+  (``learner_backend``, ``learner_workers``, ...) plus ``model_path`` and ``prompts_per_step``.
 * ``.tree(...)``: branching. Every field of :class:`arpo_algo.core.tree.TreeConfig` except ``mode``, which is the
   algorithm (ARPO, AEPO or GRPO: pick the config class).
 * ``.llm_rollouts(...)``: sampling, engine and resources (:data:`ROLLOUT_OPTIONS`).
@@ -28,10 +29,11 @@ from typing import Any, Literal
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import LearnerConfig
 from arpo_env.options import check_type, unknown_key_error
 
-__all__ = ["ALL_OPTIONS", "EVAL_OPTIONS", "LEARNER_OPTIONS", "OWN_OPTIONS", "ROLLOUT_OPTIONS", "TRAINING_OPTIONS",
+__all__ = ["ALL_OPTIONS", "BACKEND_OPTIONS", "EVAL_OPTIONS", "LEARNER_OPTIONS", "OWN_OPTIONS", "ROLLOUT_OPTIONS", "TRAINING_OPTIONS",
            "TREE_OPTIONS", "Option", "check_value", "unknown_key_error"]
 
 #: Keys RLlib's update_from_dict sends through .training() (see there).
@@ -126,9 +128,11 @@ def _dataclass_options(cls: type, skip: Iterable[str]) -> dict[str, Option]:
 
 TREE_OPTIONS: dict[str, Option] = _dataclass_options(TreeConfig, skip=("mode",))
 LEARNER_OPTIONS: dict[str, Option] = _dataclass_options(LearnerConfig, skip=())
+#: Where the learner runs (arpo_algo.train.backend_config.BackendConfig), in the same .training() group.
+BACKEND_OPTIONS: dict[str, Option] = _dataclass_options(BackendConfig, skip=())
 
 _GROUPS: dict[str, dict[str, Option]] = {
-    "training": {**LEARNER_OPTIONS, **{o.name: o for o in TRAINING_OPTIONS}},
+    "training": {**LEARNER_OPTIONS, **BACKEND_OPTIONS, **{o.name: o for o in TRAINING_OPTIONS}},
     "tree": TREE_OPTIONS,
     "llm_rollouts": {o.name: o for o in ROLLOUT_OPTIONS},
     "evaluation": {o.name: o for o in EVAL_OPTIONS},

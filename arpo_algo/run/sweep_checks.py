@@ -62,7 +62,8 @@ def check_points(sweep: Any, where: str) -> None:
                     raise ConfigError(f"{where}: model {cfg.model_path!r}: {e.message}", hint=e.hint) from e
             cfg.num_cpus_for_main_process = sweep.settings.resources_per_trial["cpu"]
             try:
-                check_resources_feasible(resource_bundles(cfg))
+                backend = cfg.backend_config()
+                check_resources_feasible(resource_bundles(cfg), backend.learner_workers if backend.distributed else 0)
             except ConfigError as e:
                 raise ConfigError(f"{where}: [sweep] resources_per_trial: one trial {e.message[len('this ARPO config '):]}"
                                   if e.message.startswith("this ARPO config ") else f"{where}: {e.message}",

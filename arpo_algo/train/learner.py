@@ -19,6 +19,11 @@ optimizer step, no scheduler tick: AdamW would replay its moments and decay the 
 **Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in
 ``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every forward.
 
+**Data-parallel hooks.** :meth:`Learner._all_sum`, :meth:`~Learner._all_max`, :meth:`~Learner._backward`,
+:meth:`~Learner._after_backward`, :meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
+identity / plain torch here; the backends of :mod:`arpo_algo.train.ddp` and :mod:`arpo_algo.train.deepspeed_learner`
+override them so that every normaliser and decision above is global over the ranks (see there).
+
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
 in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
@@ -75,6 +80,9 @@ class Learner:
         device: Torch device string.
         seed: Seeds torch, python and numpy RNGs.
     """
+
+    #: A data-parallel rank may get no groups in a step (it still takes part in the collectives).
+    allow_empty_update = False
 
     def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -188,16 +196,17 @@ class Learner:
     def _pair_norm(self, batches: list[TokenBatch]) -> list[torch.Tensor]:
         """Per pair, the factor that turns a summed per-token term into the global aggregate (§10.22)."""
         if self.config.loss_agg == "token_mean":
-            total = sum(float(b.pair_weight.sum()) for b in batches)
+            total = self._all_sum(sum(float(b.pair_weight.sum()) for b in batches))
             return [b.pair_weight / max(total, 1e-12) for b in batches]
         if self.config.loss_agg == "dr_grpo":  # token sum / (sequences x a constant): no length normalisation
-            n = len({s for b in batches for s in b.pair_seq.tolist()}) * (self.config.dr_grpo_tokens or self._max_resp)
+            n = self._all_sum(len({s for b in batches for s in b.pair_seq.tolist()})) * (
+                self.config.dr_grpo_tokens or self._all_max(self._max_resp))
             return [b.pair_weight / float(max(n, 1)) for b in batches]
         per_seq: dict[int, float] = {}
         for b in batches:
             for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
                 per_seq[s] = per_seq.get(s, 0.0) + w
-        n_seq = len(per_seq)
+        n_seq = self._all_sum(len(per_seq))
         return [b.pair_weight / torch.tensor([per_seq[s] * n_seq for s in b.pair_seq.tolist()],
                                              dtype=torch.float32, device=b.pair_weight.device) for b in batches]
 
@@ -208,17 +217,18 @@ class Learner:
         Raises:
             ArpoError: after ``max_nan_updates`` consecutive updates with a non-finite loss or gradient norm.
         """
-        if not groups:
+        if not groups and not self.allow_empty_update:
             raise ArpoError("update() got no groups")
         cfg = self.config
         per_group = self._specs(groups)
         seqs = [s for specs in per_group for s in specs]
         signal, base = signal_stats(seqs)
+        signal = self._all_sum(float(signal)) > 0  # every data-parallel rank skips together
         if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
             return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
                     "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
         batches = self._micro_batches(per_group)
-        self._max_resp = max(len(s.response) for s in seqs)
+        self._max_resp = max((len(s.response) for s in seqs), default=0)
         norms = self._pair_norm(batches)
         self.model.train()
         try:
@@ -260,6 +270,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
                              "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean", "kl_rollout"), 0.0)
+        bad, done = False, 0
         for i, b in enumerate(batches):
             with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -283,9 +294,10 @@ class Learner:
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * ent_term
             if not torch.isfinite(loss.detach()):
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
-            loss.backward()
+                bad = True
+                break
+            self._backward(loss, i, len(batches))
+            done += 1
             wd = w.detach()
             acc["loss/policy"] += float(policy.detach())
             acc["loss/total"] += float(loss.detach())
@@ -296,20 +308,47 @@ class Learner:
             acc["clip_frac_dual"] += float((wd * out.dual_clipped).sum())
             acc["ratio_mean"] += float((wd * out.ratio).sum())
             acc["kl_rollout"] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
+        self._after_backward(done)
+        if self._all_sum(float(bad)) > 0:  # a non-finite loss on any rank: no rank steps
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = self._clip_grads(params, max_norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None
         acc["grad_norm"] = grad_norm
         acc["lr"] = self.optimizer.param_groups[0]["lr"]
         before = [p.detach().clone() for p in params]
-        self.optimizer.step()
+        self._optimizer_step()
         acc["param_change_norm"] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
         self.scheduler.step()
         self.step += 1
         return acc
+
+    # ------------------------------------------------------------------ data-parallel hooks (single process here)
+    def _all_sum(self, x: float) -> float:
+        """``x`` summed over the data-parallel ranks."""
+        return float(x)
+
+    def _all_max(self, x: float) -> float:
+        """The largest ``x`` over the data-parallel ranks."""
+        return float(x)
+
+    def _backward(self, loss: torch.Tensor, index: int, count: int) -> None:
+        """Backward of micro-batch ``index`` of ``count``."""
+        loss.backward()
+
+    def _after_backward(self, done: int) -> None:
+        """After this rank's ``done`` backward passes of a step (a rank may have fewer micro-batches than another)."""
+
+    def _clip_grads(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Clip the step's (global) gradient to ``max_norm``; its norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
 
     # ------------------------------------------------------------------ state
     def get_state(self, *, include_model: bool = False) -> dict[str, Any]:

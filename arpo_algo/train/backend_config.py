@@ -1,0 +1,156 @@
+"""BackendConfig: where and how the learner runs (one process, data parallel over Ray, or DeepSpeed ZeRO), and the
+placement check that runs before any worker starts. The backends themselves: :mod:`arpo_algo.train.backends`.
+
+These settings sit next to :class:`arpo_algo.train.learner_config.LearnerConfig` in ``ARPOConfig.training(...)`` and
+in an experiment's ``[training]`` section (``learner_backend = "ddp"``, ``learner_workers = 2``, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from arpo_env.errors import ConfigError
+from arpo_env.options import check_choice, dataclass_from_dict
+
+BACKENDS = ("local", "ddp", "deepspeed")
+PLACEMENTS = ("colocated", "split")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Learner backend settings.
+
+    ``learner_backend``: "local" (default: the learner in the main process, CPU or GPU, as before), "ddp" (data
+    parallel: ``learner_workers`` Ray actors, each with a full model replica; ``torch.distributed`` with gloo on CPU
+    and NCCL on GPU; the step equals the local step) or "deepspeed" (ZeRO stage ``deepspeed_stage`` over
+    ``learner_workers`` GPU actors; needs the ``deepspeed`` extra and ``device="cuda"``). ``learner_workers``: number
+    of learner ranks (1 with "local"). ``learner_placement`` (ddp/deepspeed on GPU): "split" = every rank has a GPU of
+    its own, apart from the rollout's; "colocated" = ranks share GPUs with the rollout engine, each reserving
+    ``learner_gpus_per_worker`` (< 1) of a device. ``learner_gpus_per_worker``: the GPU share each rank reserves
+    (None = 1 with device="cuda"; must stay None on CPU). ``learner_cpus_per_worker``: CPUs each rank reserves.
+    ``deepspeed_stage``: ZeRO stage, 2 (optimizer state and gradients sharded) or 3 (parameters too).
+    """
+
+    learner_backend: str = "local"
+    learner_workers: int = 1
+    learner_placement: str = "split"
+    learner_gpus_per_worker: float | None = None
+    learner_cpus_per_worker: float = 1.0
+    deepspeed_stage: int = 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BackendConfig:
+        """Build from a dict; unknown keys and wrong types raise ConfigError."""
+        cfg = dataclass_from_dict(cls, d, "training")
+        cfg.validate()
+        return cfg
+
+    @property
+    def distributed(self) -> bool:
+        """True when the learner runs in worker actors rather than in this process."""
+        return self.learner_backend != "local"
+
+    def validate(self) -> None:
+        """Checks that do not depend on the device or the cluster (those: :func:`check_placement`)."""
+        check_choice("learner_backend", self.learner_backend, BACKENDS, "training")
+        check_choice("learner_placement", self.learner_placement, PLACEMENTS, "training")
+        check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "training")
+        if self.learner_workers < 1:
+            raise ConfigError(f"training.learner_workers must be >= 1, got {self.learner_workers}")
+        if self.learner_cpus_per_worker <= 0:
+            raise ConfigError(f"training.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
+        if self.learner_gpus_per_worker is not None and not self.learner_gpus_per_worker > 0:
+            raise ConfigError(f"training.learner_gpus_per_worker must be > 0 or None, got "
+                              f"{self.learner_gpus_per_worker}")
+        if not self.distributed:
+            changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
+                                      ("learner_placement", self.learner_placement != "split"),
+                                      ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
+                                      ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0)) if v]
+            if changed:
+                raise ConfigError(f"training.{changed[0]} is set but learner_backend='local' runs one learner in "
+                                  "the main process", hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)")
+
+    def check_device(self, device: str) -> None:
+        """The device-dependent checks (DeepSpeed needs GPUs; GPU shares only on GPUs and as the placement allows)."""
+        if self.learner_backend == "deepspeed" and device != "cuda":
+            raise ConfigError("learner_backend='deepspeed' needs llm_rollouts(device='cuda')",
+                              hint="on CPU use learner_backend='ddp' (gloo), which gives the same update")
+        self.gpus_per_worker(device)
+
+    def gpus_per_worker(self, device: str) -> float:
+        """The GPU share one rank reserves on ``device`` (device-dependent checks included)."""
+        g = self.learner_gpus_per_worker
+        if device != "cuda":
+            if g is not None:
+                raise ConfigError(f"training.learner_gpus_per_worker={g} with device={device!r}",
+                                  hint="GPU shares need llm_rollouts(device='cuda'); leave it unset on CPU")
+            return 0.0
+        g = 1.0 if g is None else float(g)
+        if self.learner_placement == "split" and g != 1.0:
+            raise ConfigError(f"training.learner_gpus_per_worker={g} with learner_placement='split': a data-parallel "
+                              "rank drives exactly one GPU of its own",
+                              hint="leave it unset (1), or use learner_placement='colocated' with a share < 1")
+        if self.learner_placement == "colocated" and g >= 1.0:
+            raise ConfigError(f"training.learner_gpus_per_worker={g} with learner_placement='colocated' leaves no "
+                              "share of the GPU for the rollout engine",
+                              hint="use a share such as 0.5, or learner_placement='split'")
+        return g
+
+    def worker_bundles(self, device: str) -> list[dict[str, float]]:
+        """One Ray resource bundle per learner rank (none for "local": the learner is the main process)."""
+        if not self.distributed:
+            return []
+        bundle = {"CPU": float(self.learner_cpus_per_worker)}
+        gpu = self.gpus_per_worker(device)
+        if gpu:
+            bundle["GPU"] = gpu
+        return [dict(bundle) for _ in range(self.learner_workers)]
+
+
+def cluster_resources() -> tuple[dict[str, float], str]:
+    """What exists: ``ray.cluster_resources()`` when Ray runs, else this machine; and a name for it."""
+    import ray
+
+    if ray.is_initialized():
+        have = ray.cluster_resources()
+        return {"CPU": float(have.get("CPU", 0.0)), "GPU": float(have.get("GPU", 0.0))}, "the Ray cluster"
+    import torch
+
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}, "this machine"
+
+
+def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float] | None = None,
+                    others_label: str = "the rest") -> None:
+    """Refuse, before any worker starts, a learner that the cluster cannot hold.
+
+    Args:
+        cfg: The backend settings.
+        device: "cpu" or "cuda".
+        others: CPUs/GPUs the rest of the run reserves besides the learner ranks (main process, rollout actors).
+        others_label: How the message names ``others``.
+
+    Raises:
+        ConfigError: Listing what was asked and what exists: more GPUs or CPUs than the cluster has, or fewer GPUs
+            than data-parallel ranks (each rank needs a device of its own), or DeepSpeed on CPU.
+    """
+    cfg.validate()
+    cfg.check_device(device)
+    bundles = cfg.worker_bundles(device)
+    others = others or {}
+    need = {k: sum(b.get(k, 0.0) for b in bundles) + float(others.get(k, 0.0)) for k in ("CPU", "GPU")}
+    have, where = cluster_resources()
+    asked = (f"learner_backend={cfg.learner_backend!r}, learner_placement={cfg.learner_placement!r}, device="
+             f"{device!r}: {len(bundles)} learner worker(s) x {bundles[0] if bundles else {}} + "
+             f"{ {k: float(v) for k, v in others.items() if v} } for {others_label} = {need['GPU']:g} GPU(s), "
+             f"{need['CPU']:g} CPU(s)")
+    exists = f"{where} has {have['GPU']:g} GPU(s), {have['CPU']:g} CPU(s)"
+    hint = ("lower training(learner_workers=..., learner_cpus_per_worker=...), use device='cpu', or start Ray on a "
+            "bigger cluster")
+    if need["GPU"] > have["GPU"] + 1e-9 or need["CPU"] > have["CPU"] + 1e-9:
+        raise ConfigError(f"the learner placement cannot be satisfied: asked {asked}; {exists}", hint=hint)
+    if device == "cuda" and bundles and len(bundles) > have["GPU"]:
+        raise ConfigError(f"{len(bundles)} data-parallel ranks need {len(bundles)} distinct GPUs (NCCL cannot put "
+                          f"two ranks on one device); asked {asked}; {exists}", hint=hint)

@@ -1,0 +1,58 @@
+"""Learner backends behind one interface: the Algorithm builds one with :func:`build_backend` and talks to it only
+through :class:`LearnerBackend`.
+
+* ``local`` (:class:`LocalLearner`): today's :class:`~arpo_algo.train.learner.Learner` in the main process, CPU or
+  GPU. It still exposes ``model``, so the in-process rollout engine can share the module.
+* ``ddp`` (:class:`arpo_algo.train.ddp.DDPBackend`): one Ray actor per rank, each with a full replica; the groups of
+  a step are split across the ranks by tokens and the gradients summed, so the step equals the local one.
+* ``deepspeed`` (:class:`arpo_algo.train.deepspeed_learner.DeepSpeedBackend`): the same actors, with the model
+  wrapped by ``deepspeed.initialize`` (ZeRO-2/3); needs the ``deepspeed`` extra and GPUs.
+
+Every backend keeps the learner state (optimizer, scheduler, step counters, RNG) in the layout of
+:meth:`Learner.get_state`, so a checkpoint written under one backend restores under another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
+from arpo_algo.train.backend_config import BackendConfig
+from arpo_algo.train.learner import Learner, LearnerConfig
+
+__all__ = ["LearnerBackend", "LocalLearner", "build_backend"]
+
+
+class LocalLearner(Learner, LearnerBackend):
+    """The ``local`` backend: the :class:`Learner` itself, in this process."""
+
+    @property
+    def shared_module(self) -> Any:
+        return self.model
+
+    def rollout_weights(self) -> dict[str, Any]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def load_pretrained(self, path: str | Path) -> None:
+        load_pretrained_into(self.model, path)
+
+
+def build_backend(model_path: str | Path, config: LearnerConfig, backend: BackendConfig | None = None, *,
+                  device: str = "cpu", seed: int = 0) -> LearnerBackend:
+    """The learner backend ``backend.learner_backend`` names, placement checked before any worker starts.
+
+    Raises:
+        ConfigError: Bad settings, a placement the cluster cannot hold, or "deepspeed" without the extra.
+    """
+    backend = backend or BackendConfig()
+    backend.validate()
+    if backend.learner_backend == "local":
+        return LocalLearner(model_path, config, device=device, seed=seed)
+    if backend.learner_backend == "ddp":
+        from arpo_algo.train.ddp import DDPBackend
+
+        return DDPBackend(model_path, config, backend, device=device, seed=seed)
+    from arpo_algo.train.deepspeed_learner import DeepSpeedBackend
+
+    return DeepSpeedBackend(model_path, config, backend, device=device, seed=seed)

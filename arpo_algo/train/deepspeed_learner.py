@@ -1,0 +1,201 @@
+"""The ``deepspeed`` learner backend: the ranks of :mod:`arpo_algo.train.ddp`, with the model wrapped by
+``deepspeed.initialize`` (ZeRO stage 2 or 3). Needs ``pip install 'arpo[deepspeed]'`` and GPUs (NCCL).
+
+NOT RUN in this repository's CI or on its CPU machine: written against DeepSpeed's documented engine API
+(``initialize``, ``backward``, ``step``, ``set_gradient_accumulation_boundary``, ``zero.GatheredParameters``).
+
+How the update keeps the single-process objective:
+
+* The loss of every micro-batch is already divided by the whole step's normaliser (global over ranks through the
+  :class:`~arpo_algo.train.ddp.DistributedLearner` hooks). ZeRO AVERAGES gradients over ranks, so each backward is
+  of ``loss x world_size``, which makes the reduced gradient the sum, as in :mod:`arpo_algo.train.ddp`.
+* ZeRO reduces gradients in backward hooks, so every rank must run the same number of backward passes: a rank with
+  fewer micro-batches (or none) runs zero-weighted passes over a one-token batch, and every rank ends the step with
+  one more such pass that is the gradient-accumulation boundary (``gradient_accumulation_steps`` in the generated
+  config is only nominal: the boundary is set by hand).
+* Clipping (``gradient_clipping`` = ``grad_clip``) and the optimizer step run inside ``engine.step()``; the
+  optimizer is arpo's AdamW and its schedule is stepped by the learner, as in one process. ``grad_norm`` is
+  DeepSpeed's global norm, read after the step: a non-finite one raises instead of skipping (DeepSpeed has already
+  stepped). Under ZeRO-3 ``param_change_norm`` is not measured (parameters are sharded) and reads 0.
+* The forward passes go through the engine (``engine(...)``), as DeepSpeed requires: its forward registers the
+  hooks that open and close each backward pass.
+* State: ``get_state`` holds every rank's optimizer shard (``optimizer`` is a list) and the ZeRO stage and world
+  size; it restores only into a DeepSpeed backend with the same stage and rank count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arpo_algo.train.backend_config import BackendConfig
+from arpo_algo.train.ddp import DDPBackend, DistributedLearner
+from arpo_algo.train.learner import LearnerConfig
+from arpo_algo.train.tree_forward import SeqSpec, build_padded_batch, forward_token_stats
+from arpo_env.errors import ArpoError, ConfigError
+
+__all__ = ["DeepSpeedBackend", "DeepSpeedLearner", "deepspeed_config"]
+
+
+class _EngineView:
+    """The learner's ``model``: calls go through the DeepSpeed engine (its forward registers the backward hooks
+    ZeRO needs); attributes (``config``, ``parameters``, ``save_pretrained``, ...) come from the HF module."""
+
+    def __init__(self, engine: Any) -> None:
+        self.__dict__["engine"] = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine.module, name)
+
+
+def deepspeed_config(config: LearnerConfig, stage: int) -> dict[str, Any]:
+    """The DeepSpeed config for one rank: ZeRO ``stage``, bf16 when ``config.bf16`` (else fp32), one packed
+    micro-batch per pass, arpo's clipping. Every key is set explicitly (no DeepSpeed "auto" values)."""
+    if stage not in (2, 3):
+        raise ConfigError(f"deepspeed_stage must be 2 or 3, got {stage}")
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
+                            "reduce_bucket_size": 5e7}
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=1e5)
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # one packed micro-batch (whole groups, <= micro_batch_tokens)
+        "gradient_accumulation_steps": 1,     # nominal: the learner sets the boundary itself
+        "gradient_clipping": float(config.grad_clip),
+        "bf16": {"enabled": bool(config.bf16)},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # arpo's torch AdamW
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedLearner(DistributedLearner):
+    """A rank's learner with the model inside a DeepSpeed engine (see the module docstring)."""
+
+    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cuda", seed: int = 0, *,
+                 stage: int = 2) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        super().__init__(model_path, config, device=device, seed=seed)
+        self.stage, self.world_size = stage, dist.get_world_size()
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.model, optimizer=self.optimizer, config=deepspeed_config(config, stage),
+            dist_init_required=False)
+        self.model = _EngineView(self.engine)
+        pad = self.pad_id
+        self._pad_batch = build_padded_batch([SeqSpec(0, 0, [pad], [pad], [1], [0.0], [1.0], [0.0])], pad).to(
+            self.device)
+
+    def _backward(self, loss: torch.Tensor, index: int, count: int) -> None:
+        self.engine.set_gradient_accumulation_boundary(False)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def _after_backward(self, done: int) -> None:
+        most = int(self._all_max(done))
+        for k in range(most - done + 1):  # fill up to the busiest rank, then the boundary pass
+            self.engine.set_gradient_accumulation_boundary(k == most - done)
+            lp, _ = forward_token_stats(self.model, self._pad_batch, with_entropy=False)
+            self.engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
+
+    def _clip_grads(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        return 0.0  # engine.step() clips; the norm is read after it (see _epoch)
+
+    def _optimizer_step(self) -> None:
+        self.engine.step()
+
+    def _epoch(self, *args: Any, **kwargs: Any) -> dict[str, float] | None:
+        acc = super()._epoch(*args, **kwargs)
+        if acc is not None:
+            norm = self.engine.get_global_grad_norm()
+            acc["grad_norm"] = float(norm) if norm is not None else 0.0
+            if not math.isfinite(acc["grad_norm"]):
+                raise ArpoError("DeepSpeed stepped on a non-finite gradient norm",
+                                hint="check the rewards for NaN, lower the learning rate, or disable bf16")
+            if self.stage == 3:
+                acc["param_change_norm"] = 0.0
+        return acc
+
+    def _gathered(self):
+        import deepspeed
+
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def cpu_state_dict(self) -> dict[str, torch.Tensor]:
+        with self._gathered():
+            return {k: v.detach().float().cpu().clone() for k, v in self.engine.module.state_dict().items()}
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        import torch.distributed as dist
+
+        with self._gathered():
+            if dist.get_rank() == 0:
+                super().save_pretrained(out_dir)
+        return Path(out_dir)
+
+    def load_pretrained(self, path: str) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        params = list(self.engine.module.parameters())
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if self.stage == 3 else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            self.engine.module.load_state_dict(saved)
+        if hasattr(self.optimizer, "refresh_fp32_params"):  # the optimizer's fp32 master copy follows the weights
+            self.optimizer.refresh_fp32_params()
+
+    def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
+        state = super().get_state(include_model=False)
+        state["deepspeed"] = {"stage": self.stage, "world_size": self.world_size}
+        if include_model:
+            state["model"] = self.cpu_state_dict()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        meta = state.get("deepspeed")
+        if meta != {"stage": self.stage, "world_size": self.world_size}:
+            raise ArpoError(f"this learner state was written by {meta or 'a non-DeepSpeed backend'}; this run is "
+                            f"DeepSpeed ZeRO-{self.stage} on {self.world_size} ranks",
+                            hint="resume with the backend, ZeRO stage and learner_workers that wrote the checkpoint")
+        if "model" in state:
+            raise ArpoError("restoring weights through set_state is not supported under DeepSpeed",
+                            hint="weights come back through load_pretrained (the checkpoint's policy/ folder)")
+        super().set_state(state)  # the ZeRO optimizer takes the list of every rank's shard
+
+
+class DeepSpeedBackend(DDPBackend):
+    """``learner_workers`` GPU ranks with DeepSpeed ZeRO (see the module docstring)."""
+
+    kind = "deepspeed"
+
+    def __init__(self, model_path: str | Path, config: LearnerConfig, backend: BackendConfig, *,
+                 device: str = "cuda", seed: int = 0) -> None:
+        self.learner_cls = functools.partial(DeepSpeedLearner, stage=backend.deepspeed_stage)
+        super().__init__(model_path, config, backend, device=device, seed=seed)
+
+    def _check_available(self, config: LearnerConfig, backend: BackendConfig) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError("learner_backend='deepspeed' needs the deepspeed package, which is not installed",
+                              hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'")
+
+    def _rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._on_ranks(method, *args, every=True, **kwargs)[0]  # ZeRO-3 gathers are collective
+
+    def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
+        states = self._on_ranks("get_state", include_model=include_model)
+        state = dict(states[0])
+        state["optimizer"] = [s["optimizer"] for s in states]
+        return state
