@@ -57,8 +57,9 @@ class _EngineView:
         return getattr(self.engine.module, name)
 
 
-def deepspeed_config(config: LearnerConfig, stage: int) -> dict[str, Any]:
-    """The DeepSpeed config for one rank: ZeRO ``stage``, bf16 when ``config.bf16`` (else fp32), one packed
+def deepspeed_config(config: LearnerConfig, stage: int, *, bf16: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config for one rank: ZeRO ``stage``, bf16 when ``bf16`` (the learner's resolved
+    ``training.precision``; else fp32), one packed
     micro-batch per pass, arpo's clipping. Every key is set explicitly (no DeepSpeed "auto" values)."""
     if stage not in (2, 3):
         raise ConfigError(f"deepspeed_stage must be 2 or 3, got {stage}")
@@ -70,7 +71,7 @@ def deepspeed_config(config: LearnerConfig, stage: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 1,  # one packed micro-batch (whole groups, <= micro_batch_tokens)
         "gradient_accumulation_steps": 1,     # nominal: the learner sets the boundary itself
         "gradient_clipping": float(config.grad_clip),
-        "bf16": {"enabled": bool(config.bf16)},
+        "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # arpo's torch AdamW
@@ -90,7 +91,7 @@ class DeepSpeedLearner(DistributedLearner):
         super().__init__(model_path, config, device=device, seed=seed)
         self.stage, self.world_size = stage, dist.get_world_size()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer, config=deepspeed_config(config, stage),
+            model=self.model, optimizer=self.optimizer, config=deepspeed_config(config, stage, bf16=self.precision == "bf16"),
             dist_init_required=False)
         self.model = _EngineView(self.engine)
         pad = self.pad_id

@@ -75,7 +75,7 @@ def test_deepspeed_without_the_extra_is_a_config_error_naming_it():
 
 @pytest.mark.parametrize("stage, bf16", [(2, False), (3, True)])
 def test_generated_deepspeed_config(stage, bf16):
-    ds = deepspeed_config(LearnerConfig(bf16=bf16, grad_clip=0.5), stage)
+    ds = deepspeed_config(LearnerConfig(grad_clip=0.5), stage, bf16=bf16)
     assert ds["zero_optimization"]["stage"] == stage and ds["bf16"] == {"enabled": bf16}
     assert ds["gradient_clipping"] == 0.5 and ds["fp16"] == {"enabled": False}
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 1
