@@ -124,7 +124,8 @@ class HFEngine:
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
         self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout)
-        self._static = None if self.decode == "dynamic" else StaticDecoder.for_engine(self, static_cache_tokens)
+        #: The fixed-shape decoder (None on the dynamic path); ``static_decoder.time_step`` measures one bare step.
+        self.static_decoder = None if self.decode == "dynamic" else StaticDecoder.for_engine(self, static_cache_tokens)
 
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
@@ -170,8 +171,8 @@ class HFEngine:
         """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
         self._store.clear()
         self._decode_layers = []
-        if self._static is not None:
-            self._static.close()
+        if self.static_decoder is not None:
+            self.static_decoder.close()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
@@ -245,8 +246,8 @@ class HFEngine:
 
     def _decode_all(self, requests: list[GenRequest], pending: collections.deque[int],
                     results: list[Generation | None]) -> None:
-        if self._static is not None:
-            self._static.decode_all(requests, pending, results)
+        if self.static_decoder is not None:
+            self.static_decoder.decode_all(requests, pending, results)
             return
         rows: list[_Row] = []
         keys: list[torch.Tensor] = []

@@ -189,6 +189,33 @@ class StaticDecoder:
         self.keys, self.values, self._pool = [], [], None
         self.state = self.uniforms = self.cols = None
 
+    def bucket_columns(self, need: int) -> int:
+        """The column bucket a step that needs ``need`` columns runs with."""
+        return _bucket(need, MIN_COLUMNS, self.context)
+
+    def time_step(self, rows: int, length: int, shape: SampleShape = SampleShape(), repeats: int = 20) -> float:
+        """Seconds of one bare decode step over ``rows`` slots and ``length`` columns (no host work in between):
+        the floor the decode loop can approach. Runs on idle slots after a ``generate`` allocated the buffers."""
+        if self.state is None:
+            raise ConfigError("time_step needs the slot buffers: run one generate() first")
+        rows, length = _bucket(rows, 1, self.slots), _bucket(length, MIN_COLUMNS, self.context)
+        with torch.inference_mode():
+            saved = self.state.clone()
+            self._run(rows, length, shape)  # warm-up (captures the graph when needed)
+            sync = torch.cuda.synchronize if self.state.device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                width = 3 + 2 * shape.logprobs_k
+                if self.graphs:
+                    self._graphs[(rows, length, shape)].replay()
+                else:
+                    self._body(rows, length, shape, self._results[width][:rows])
+            sync()
+            seconds = (time.perf_counter() - t0) / repeats
+            self.state.copy_(saved)
+        return seconds
+
     # ------------------------------------------------------------------------------------------------ the loop
     def decode_all(self, requests: list, pending: collections.deque, results: list) -> None:
         """Decode every pending request into ``results`` (the engine's ``_decode_all`` contract)."""
