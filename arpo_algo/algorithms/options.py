@@ -80,7 +80,7 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
            "How engine='hf' decodes (arpo_algo/rollout/engines/static_decode.py): 'dynamic' (left-padded growing KV "
            "cache), 'static' (fixed-shape steps over a preallocated [max_batch_size, static_cache_tokens] KV cache, "
            "same results), 'cuda_graph' (those steps captured and replayed as CUDA graphs; device='cuda' only); "
-           "'auto' = cuda_graph on CUDA, dynamic on CPU."),
+           "'auto' = cuda_graph on CUDA when the model supports it, else dynamic."),
     Option("static_cache_tokens", None, int | None,
            "Tokens per sequence of the static KV cache (decode='static'/'cuda_graph'); it becomes the engine's "
            "context limit. None = the model's max_position_embeddings."),

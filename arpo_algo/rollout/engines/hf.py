@@ -41,10 +41,11 @@ import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
+from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
-from arpo_algo.rollout.engines.static_decode import StaticDecoder, resolve_decode
+from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_env.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,8 +81,8 @@ class HFEngine:
         linear_layout: "auto" (transposed on CPU, native elsewhere), "native" or "transposed": decode through
             ``(in, out)`` copies of the linear weights, much faster for small batches on CPU at the cost of one
             more copy of those weights (see :mod:`arpo_algo.rollout.engines.linear_layout`).
-        decode: "auto" (cuda_graph on CUDA, else dynamic), "dynamic" (left-padded growing cache), "static" (fixed-shape
-            steps over a per-slot cache) or "cuda_graph" (those steps as CUDA graphs), see ``static_decode``.
+        decode: "auto" (cuda_graph where CUDA and the model allow it, else dynamic), "dynamic" (left-padded growing
+            cache), "static" (fixed-shape steps, per-slot cache) or "cuda_graph" (those steps as CUDA graphs).
         static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
             model's ``max_position_embeddings``).
     """

@@ -36,73 +36,14 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_env.errors import ConfigError
 
-DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
 MIN_COLUMNS = 64  # the smallest column bucket
 # columns of the per-slot state tensor (float64: token ids and positions are exact below 2**53)
 TOK, POS, STEP, ACTIVE, TEMP, GREEDY, TOPK, TOPP = range(8)
 _IDLE = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)  # a free slot: feeds token 0 at position 0, never advances
-
-
-def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout: str) -> str:
-    """The decode mode to use (``"auto"``: cuda_graph on CUDA, dynamic elsewhere), or a ConfigError."""
-    if decode not in DECODE_MODES:
-        raise ConfigError(f"unknown decode {decode!r}; choose one of {', '.join(DECODE_MODES)}")
-    if decode == "auto":
-        decode = "cuda_graph" if device.type == "cuda" else "dynamic"
-    if decode == "dynamic":
-        return decode
-    if decode == "cuda_graph" and device.type != "cuda":
-        raise ConfigError(f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
-                          hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
-    if decode == "cuda_graph" and linear_layout == "transposed":
-        raise ConfigError("decode='cuda_graph' with linear_layout='transposed': the transposed copies are rebuilt "
-                          "after every weight update, which would leave captured graphs reading freed memory",
-                          hint="use linear_layout='native' (or 'auto') with CUDA graphs")
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    impl = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", "eager")
-    if impl not in ("sdpa", "eager"):
-        raise ConfigError(f"decode={decode!r} supports attn_implementation 'sdpa' or 'eager', not {impl!r}",
-                          hint="load the model with attn_implementation='sdpa', or use decode='dynamic'")
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ConfigError(f"decode={decode!r} supports full-attention layers only; this model has {sorted(kinds)}",
-                          hint="use decode='dynamic' for this model")
-    return decode
-
-
-def static_context(max_positions: int | None, requested: int | None) -> int:
-    """Columns per slot: ``requested`` (at most the model's maximum) or the model's maximum."""
-    if requested is not None and requested < 2:
-        raise ConfigError(f"static_cache_tokens must be >= 2, got {requested}")
-    if requested is None and max_positions is None:
-        raise ConfigError("the model declares no max_position_embeddings, so the static KV cache has no size",
-                          hint="pass static_cache_tokens=<tokens per sequence>")
-    return min(x for x in (requested, max_positions) if x is not None)
-
-
-def kv_bytes(model: Any, slots: int, context: int) -> int:
-    """Bytes of the static KV buffers for this model (from its config)."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * slots * kv_heads * context * head_dim * elem
-
-
-def check_memory(model: Any, slots: int, context: int) -> None:
-    """On CUDA, refuse a static cache larger than the free device memory (before any work starts)."""
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        return
-    need, free = kv_bytes(model, slots, context), torch.cuda.mem_get_info(device)[0]
-    if need > free:
-        raise ConfigError(f"the static KV cache needs {need / 2**30:.1f} GiB ({slots} slots x {context} tokens) but "
-                          f"{device} has {free / 2**30:.1f} GiB free",
-                          hint="lower max_batch_size or static_cache_tokens, or use decode='dynamic'")
 
 
 def _bucket(need: int, start: int, cap: int) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from arpo_algo.rollout.engines import build_engine
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.decode_mode import static_problem
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_env.errors import ConfigError
 
@@ -162,6 +163,10 @@ def test_decode_option_errors_and_auto(tiny_model_dir, pair):
         HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="static", static_cache_tokens=1)
     with pytest.raises(ConfigError, match="cuda_graph"):
         build_engine("hf", model_or_path=str(tiny_model_dir), decode="cuda_graph")
+    # what "auto" checks before it picks cuda_graph on a GPU (and what an explicit request is refused for)
+    assert static_problem(dyn.model, "native", graphs=True) is None
+    assert "transposed" in static_problem(dyn.model, "transposed", graphs=True)
+    assert static_problem(dyn.model, "transposed", graphs=False) is None  # eager static steps may use the copies
 
 
 @pytest.mark.gpu
