@@ -19,11 +19,21 @@ request's tokens up to its own EOS, stop string or ``max_new_tokens``, because t
 The engine runs twice on the same module, with ``linear_layout="transposed"`` (the CPU default) and ``"native"``,
 so the table separates what the weight layout buys from what refill and prefix reuse buy.
 
+4. ``--decode MODE [MODE ...]`` (instead of the scenarios above): the engine's decode paths side by side on one
+   module (``HFEngine(decode=...)``: dynamic, static, cuda_graph), a batch of fresh prompts with ``--new-tokens``
+   each, at every ``--decode-batches`` size; tok/s per mode, its ratio to the dynamic path measured in the same run,
+   and for the fixed-shape modes the *floor*: the same steps timed back to back with no host work
+   (``StaticDecoder.time_step`` at each column bucket the run passes through), so "% of floor" says how much of the
+   step time the decode loop keeps.
+
 Usage::
 
     python -m experiments.bench_engine --model smollm2-135m-instruct --out results.json
     python -m experiments.bench_engine --rollout-model runs/quickstart/sft   # + the rollout scenario
     python -m experiments.bench_engine --vllm --vllm-batches 8 32   # HF vs arpo-vLLM vs plain vLLM (bench_engine_vllm)
+    python -m experiments.bench_engine --decode dynamic static --decode-batches 8 --new-tokens 64   # CPU
+    python -m experiments.bench_engine --decode dynamic cuda_graph --device cuda --dtype bfloat16 \
+        --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the issue-15 GPU measurement
 """
 
 from __future__ import annotations
@@ -222,6 +232,62 @@ def _rollout_engines(args: argparse.Namespace) -> dict:
             "generate": GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids)}
 
 
+def _floor_seconds(eng: HFEngine, batch: int, starts: list[int], new_tokens: int) -> float:
+    """Seconds the run's decode steps take back to back with no host work: one bare step per generated position,
+    at the column bucket that position needs (the longest prompt sets the bucket, as in the decode loop)."""
+    dec, width, total, cache = eng.static_decoder, max(starts), 0.0, {}
+    for p in range(width, width + new_tokens - 1):  # the first token comes from the prefill
+        length = dec.bucket_columns(p + 1)
+        if length not in cache:
+            cache[length] = dec.time_step(batch, length)
+        total += cache[length]
+    return total
+
+
+def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
+    """Decode modes side by side on one module (see the module docstring, item 4)."""
+    base = HFEngine(path, device=args.device, dtype=args.dtype, max_batch_size=1, decode="dynamic")
+    rows = []
+    print(f"\nHFEngine decode modes on {args.model}, {base.device}, {args.dtype}, {args.new_tokens} new tokens per "
+          f"request, one request per slot, median of {args.repeats} interleaved repeat(s)\n")
+    print("| batch | decode | tok/s | vs dynamic | floor tok/s | % of floor | graphs captured |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in args.decode_batches:
+        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, max_batch_size=batch, decode=m,
+                               static_cache_tokens=args.static_cache_tokens, seed=args.seed) for m in args.decode}
+        prompts = _prompts(base.tokenizer, batch, random.Random(args.seed))
+        reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed + i))
+                for i, p in enumerate(prompts)]
+        for eng in engines.values():  # warm-up on the same workload: graphs are captured here, not timed
+            errors = [g.error for g in eng.generate(reqs) if g.finish_reason == "error"]
+            if errors:
+                raise SystemExit(f"{errors[0]} (raise --static-cache-tokens?)")
+        captured = {m: eng.stats().get("graph_captures", 0.0) for m, eng in engines.items()}
+        rates: dict[str, list[float]] = {m: [] for m in engines}
+        for _ in range(args.repeats):
+            for m, eng in engines.items():
+                tokens, seconds = _engine_run(eng, reqs)
+                rates[m].append(tokens / seconds)
+        for m, eng in engines.items():
+            rate = statistics.median(rates[m])
+            ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
+            row = {"batch": batch, "decode": m, "tok_s": rate, "vs_dynamic": rate / ref if ref else None,
+                   "graphs_captured": captured[m]}
+            if eng.static_decoder is not None:
+                floor = batch * (args.new_tokens - 1) / _floor_seconds(eng, batch, [len(p) for p in prompts],
+                                                                       args.new_tokens)
+                row.update(floor_tok_s=floor, of_floor=rate / floor)
+            rows.append(row)
+            fmt = (lambda v, f: f.format(v) if v is not None else "-")  # noqa: E731
+            print(f"| {batch} | {m} | {rate:.1f} | {fmt(row['vs_dynamic'], '{:.2f}x')} | "
+                  f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
+                  f"{int(captured[m])} |")
+        for eng in engines.values():
+            eng.close()
+    return {"model": args.model, "device": str(base.device), "dtype": args.dtype, "new_tokens": args.new_tokens,
+            "threads": args.threads, "repeats": args.repeats, "decode": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -240,11 +306,23 @@ def main(argv: list[str] | None = None) -> dict:
                     help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)")
     ap.add_argument("--vllm-batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph"],
+                    help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--static-cache-tokens", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from arpo_algo.models import REGISTRY, pull
 
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
+    if args.decode:
+        res = _decode_bench(args, path)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.vllm:
         from arpo_algo.rollout.engines.vllm_support import cpu_features
         from experiments.bench_engine_vllm import print_vllm_table, run_vllm_side

@@ -109,7 +109,8 @@ class AgenticRLAlgorithm(Algorithm):
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
         if cfg.engine == "hf":
             settings: dict[str, Any] = dict(dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
-                                            entropy_method=entropy, seed=cfg.seed, linear_layout=cfg.linear_layout)
+                                            entropy_method=entropy, seed=cfg.seed, linear_layout=cfg.linear_layout,
+                                            decode=cfg.decode, static_cache_tokens=cfg.static_cache_tokens)
             if not self._engine_owns_weights():
                 return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
                                     **settings)

@@ -175,6 +175,20 @@ class AgenticRLConfig(AlgorithmConfig):
         backend.validate()
         backend.check_device(self.device)
 
+    def _validate_decode(self) -> None:
+        if self.engine != "hf" and (self.decode != "auto" or self.static_cache_tokens is not None):
+            raise ConfigError(f"decode={self.decode!r} / static_cache_tokens={self.static_cache_tokens!r} apply to "
+                              f"engine='hf' only, not engine={self.engine!r}",
+                              hint="leave decode='auto' and static_cache_tokens unset with vLLM")
+        if self.decode == "cuda_graph" and self.device != "cuda":
+            raise ConfigError(f"decode='cuda_graph' needs device='cuda', got device={self.device!r}",
+                              hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
+        if self.decode == "cuda_graph" and self.linear_layout == "transposed":
+            raise ConfigError("decode='cuda_graph' with linear_layout='transposed': graphs would read weight copies "
+                              "that are rebuilt after every update", hint="linear_layout='auto' or 'native'")
+        if self.static_cache_tokens is not None and self.static_cache_tokens < 2:
+            raise ConfigError(f"static_cache_tokens must be >= 2 or None, got {self.static_cache_tokens}")
+
     def _validate_combinations(self) -> None:
         if self.model_path is None:
             raise ConfigError("model_path is not set",
@@ -202,6 +216,7 @@ class AgenticRLConfig(AlgorithmConfig):
                               hint="set eval_temperature > 0 or eval_samples = 1")
         if self.eval_num_prompts is not None and self.eval_num_prompts < 1:
             raise ConfigError("eval_num_prompts must be >= 1 or None (all)")
+        self._validate_decode()
         if self.engine == "vllm" and self.entropy_method != "topk_sum_lnV":
             raise ConfigError(f"engine='vllm' with entropy_method={self.entropy_method!r}: vLLM returns only top-k "
                               "logprobs, so the full entropy is not available",

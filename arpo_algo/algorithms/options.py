@@ -78,6 +78,14 @@ ROLLOUT_OPTIONS: tuple[Option, ...] = (
            "Engine weight layout for nn.Linear: 'transposed' decodes through (in, out) copies of the weights, "
            "1.3-1.5x faster per decoding step on CPU for one more copy of them; 'auto' = transposed on CPU, native "
            "on GPU."),
+    Option("decode", "auto", Literal["auto", "dynamic", "static", "cuda_graph"],
+           "How engine='hf' decodes (arpo_algo/rollout/engines/static_decode.py): 'dynamic' (left-padded growing KV "
+           "cache), 'static' (fixed-shape steps over a preallocated [max_batch_size, static_cache_tokens] KV cache, "
+           "same results), 'cuda_graph' (those steps captured and replayed as CUDA graphs; device='cuda' only); "
+           "'auto' = cuda_graph on CUDA when the model supports it, else dynamic."),
+    Option("static_cache_tokens", None, int | None,
+           "Tokens per sequence of the static KV cache (decode='static'/'cuda_graph'); it becomes the engine's "
+           "context limit. None = the model's max_position_embeddings."),
     Option("temperature", 1.0, float, "Sampling temperature for training rollouts (reference: 1.0)."),
     Option("top_p", 1.0, float, "Nucleus mass for training rollouts (1.0 = off; reference: 1.0)."),
     Option("top_k", -1, int, "Top-k for training rollouts (-1 = off; reference: -1)."),

@@ -22,6 +22,9 @@ a prompt, sibling branches) are prefilled once and share that KV and those next-
 
 Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
 context give the same tokens whatever else is in the batch (up to floating-point ties).
+
+``decode="static"``/``"cuda_graph"`` decode in fixed-shape steps over a preallocated per-slot KV cache, eagerly or
+as CUDA graphs, with the same prefill, reuse, refill and records (:mod:`arpo_algo.rollout.engines.static_decode`).
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
+from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
+from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
+from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_env.errors import ConfigError
 
-REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (ARPO_SPEC §2.2)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,11 +81,16 @@ class HFEngine:
         linear_layout: "auto" (transposed on CPU, native elsewhere), "native" or "transposed": decode through
             ``(in, out)`` copies of the linear weights, much faster for small batches on CPU at the cost of one
             more copy of those weights (see :mod:`arpo_algo.rollout.engines.linear_layout`).
+        decode: "auto" (cuda_graph where CUDA and the model allow it, else dynamic), "dynamic" (left-padded growing
+            cache), "static" (fixed-shape steps, per-slot cache) or "cuda_graph" (those steps as CUDA graphs).
+        static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
+            model's ``max_position_embeddings``).
     """
 
     def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
                  dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
-                 kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto") -> None:
+                 kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto",
+                 decode: str = "auto", static_cache_tokens: int | None = None) -> None:
         if (model_or_path is None) == (model is None):
             raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
         if dtype not in _DTYPES:
@@ -114,6 +124,9 @@ class HFEngine:
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
+        self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout)
+        #: The fixed-shape decoder (None on the dynamic path); ``static_decoder.time_step`` measures one bare step.
+        self.static_decoder = None if self.decode == "dynamic" else StaticDecoder.for_engine(self, static_cache_tokens)
 
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
@@ -159,6 +172,8 @@ class HFEngine:
         """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
         self._store.clear()
         self._decode_layers = []
+        if self.static_decoder is not None:
+            self.static_decoder.close()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
@@ -232,6 +247,9 @@ class HFEngine:
 
     def _decode_all(self, requests: list[GenRequest], pending: collections.deque[int],
                     results: list[Generation | None]) -> None:
+        if self.static_decoder is not None:
+            self.static_decoder.decode_all(requests, pending, results)
+            return
         rows: list[_Row] = []
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -332,7 +350,8 @@ class HFEngine:
         probs = logp.exp()
         ents = (-(probs * logp).nan_to_num(0.0).sum(-1)).tolist()
         for j, r in enumerate(rows):
-            tok = self._choose(logits[j], logp[j], probs[j], r)
+            p = r.req.params
+            tok = choose_token(logits[j], logp[j], probs[j], p.temperature, p.top_k, p.top_p, r.gen)
             lp = float(logp[j, tok])
             top = None
             if r.topk:
@@ -340,31 +359,19 @@ class HFEngine:
                 top = list(zip(ids.tolist(), vals.tolist()))
                 if tok not in ids.tolist():  # like vLLM: the sampled token is added when it is not in the top k
                     top.append((tok, lp))
-                r.top.append(top)
-            r.new.append(tok)
-            r.logprobs.append(lp)
-            r.entropies.append(ents[j] if self.entropy_method == "full" else topk_token_term(top))
-            self._stats["generated_tokens"] += 1
-            if self._on_token is not None:
-                self._on_token(r.req.request_id, tok)
-            self._check_finish(r, tok)
+            self._record(r, tok, lp, ents[j], top)
 
-    def _choose(self, logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, r: _Row) -> int:
-        p = r.req.params
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        if 0 < p.top_k < logp.shape[-1]:
-            kth = torch.topk(logp, p.top_k).values[-1]
-            probs = torch.where(logp >= kth, probs, torch.zeros_like(probs))
-        if p.top_p < 1.0:
-            sp, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sp, 0) - sp  # mass strictly before each token; keep until top_p is reached
-            sp = torch.where(before < p.top_p * sp.sum(), sp, torch.zeros_like(sp))
-            probs = torch.zeros_like(probs).scatter(0, order, sp)
-        # Inverse-CDF draw with the row's own generator: batch composition cannot change which uniform it gets.
-        cdf = torch.cumsum(probs.double(), 0)
-        u = torch.rand((), generator=r.gen, dtype=torch.float64).to(cdf.device) * cdf[-1]
-        return int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(max=cdf.shape[0] - 1))
+    def _record(self, r: _Row, tok: int, lp: float, entropy: float, top: list | None) -> None:
+        """Append one sampled token to its row (every decode path), stream it, and check whether the row is done."""
+        if top is not None:
+            r.top.append(top)
+        r.new.append(tok)
+        r.logprobs.append(lp)
+        r.entropies.append(entropy if self.entropy_method == "full" else topk_token_term(top))
+        self._stats["generated_tokens"] += 1
+        if self._on_token is not None:
+            self._on_token(r.req.request_id, tok)
+        self._check_finish(r, tok)
 
     def _check_finish(self, r: _Row, tok: int) -> None:
         if tok in self.eos_ids:

@@ -63,6 +63,7 @@ def test_update_from_dict_accepts_its_own_to_dict_and_tune_keys():
     ("training", {"dedup_prefix": 1}),
     ("llm_rollouts", {"device": "tpu"}),
     ("llm_rollouts", {"engine": "sglang"}),
+    ("llm_rollouts", {"decode": "graphs"}),
     ("evaluation", {"eval_num_prompts": "all"}),
 ])
 def test_wrong_types_are_rejected(setter, kwargs):
@@ -103,6 +104,10 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
     (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
     (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
     (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
+    (lambda c: c.llm_rollouts(decode="cuda_graph"), "needs device='cuda'"),  # no silent fallback on CPU
+    (lambda c: c.llm_rollouts(decode="cuda_graph", device="cuda", linear_layout="transposed"), "transposed"),
+    (lambda c: c.llm_rollouts(decode="static", engine="vllm").tree(entropy_method="topk_sum_lnV"), "engine='hf'"),
+    (lambda c: c.llm_rollouts(decode="static", static_cache_tokens=1), "static_cache_tokens"),
 ])
 def test_illegal_combinations_are_explained(mutate, match):
     cfg = mutate(valid_config())

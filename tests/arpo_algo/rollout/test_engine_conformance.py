@@ -23,7 +23,8 @@ from arpo_env.errors import ConfigError
 
 LOGP_TOL = 1e-4
 TIE_TOL = 1e-4
-ENGINE_KINDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+#: "hf-static" is HFEngine with decode="static" (the fixed-shape step that decode="cuda_graph" captures on a GPU).
+ENGINE_KINDS = ["hf", "hf-static", pytest.param("vllm", marks=pytest.mark.vllm)]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ISSUE_10 = ("issue 10: engines check stop strings only within the current request's new tokens, so a stop split "
             "across a look-ahead request and its continuation is missed")
@@ -45,10 +46,11 @@ def teacher(model_dir):
 
 
 def _build(kind: str, model_dir):
-    if kind == "hf":
+    if kind in ("hf", "hf-static"):
         from arpo_algo.rollout.engines.hf import HFEngine
 
-        return HFEngine(model_dir, dtype="float32", max_batch_size=8, entropy_method="topk_sum_lnV", seed=0)
+        return HFEngine(model_dir, dtype="float32", max_batch_size=8, entropy_method="topk_sum_lnV", seed=0,
+                        decode="static" if kind == "hf-static" else "dynamic")
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_dir, dtype="float32", kv_cache_gib=0.5, seed=0)

@@ -1,0 +1,340 @@
+"""The HF engine's fixed-shape decode path: a static per-slot KV cache, optionally replayed as CUDA graphs.
+
+``HFEngine(decode="static")`` and ``decode="cuda_graph"`` decode here instead of through the left-padded dynamic cache
+(:mod:`arpo_algo.rollout.engines.kv_cache`). Everything else is the engine's own code: requests are prefilled alone
+(with prefix reuse from the KV store and shared prefill of identical contexts), finished rows leave at once and
+pending requests take their slots, and each token is recorded (logprob, entropy, top logprobs, ``on_token``, stop
+strings, per-request budgets) by the same functions as on the dynamic path.
+
+Layout. Every layer has key and value buffers of shape ``[max_batch_size, kv_heads, context, head_dim]``, allocated
+once; slot ``b`` holds one request with its tokens at columns ``0 .. fed-1`` (``fed`` = tokens whose KV is cached =
+the position id of the next token to feed). A decode step feeds one token per slot at its own position: each layer
+writes the new key/value into column ``pos[b]`` (a scatter), attends over the first ``length`` columns under the mask
+``column <= pos[b]``, and :func:`~arpo_algo.rollout.engines.sampling.sample_rows` picks the next tokens. The per-slot
+state (last token, position, uniform index, active flag, sampling settings) lives in one device tensor that the step
+reads and advances in place, so a step takes no host input: the host only writes a slot when a request enters or
+leaves and reads one packed result tensor per step.
+
+Shapes come from two buckets: rows (a power of two covering the highest busy slot; requests take the lowest free
+slot) and columns (64 doubled until it covers the longest row, at most ``context``). Each (rows, columns, sampling
+shape) is one fixed-shape step: run eagerly with ``decode="static"``, and with ``decode="cuda_graph"`` captured once
+into a ``torch.cuda.CUDAGraph`` (all graphs share one memory pool and write only into the engine's own buffers, so any
+replay order is safe) and replayed. Captured graphs hold the addresses of the weights: in-place updates (a learner
+step, ``load_state_dict``) keep them valid; if the parameters are re-allocated (moved, re-created) the graphs are
+dropped and captured again.
+
+Not covered: models whose layers are not all full attention (sliding windows, linear attention) and attention
+implementations other than "sdpa" and "eager" (the step passes its own 4-D mask); both are a ConfigError.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any
+
+import torch
+
+from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
+from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
+from arpo_env.errors import ConfigError
+
+MIN_COLUMNS = 64  # the smallest column bucket
+# columns of the per-slot state tensor (float64: token ids and positions are exact below 2**53)
+TOK, POS, STEP, ACTIVE, TEMP, GREEDY, TOPK, TOPP = range(8)
+_IDLE = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)  # a free slot: feeds token 0 at position 0, never advances
+
+
+def _bucket(need: int, start: int, cap: int) -> int:
+    size = start
+    while size < need:
+        size *= 2
+    return min(size, cap)
+
+
+@functools.cache
+def _slot_layer_class() -> type:
+    """A transformers cache layer over one slice of the slot buffers (defined once, on first use)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class SlotLayer(CacheLayerMixin):
+        """Writes each row's new key/value at that row's position; returns the first ``length`` columns."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, length: int) -> None:
+            super().__init__()
+            self.kbuf, self.vbuf, self.pos, self.length = keys, values, pos, length
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:  # noqa: ANN001
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            idx = self.pos.expand(-1, key_states.shape[1], key_states.shape[2], key_states.shape[3])
+            self.kbuf.scatter_(2, idx, key_states)
+            self.vbuf.scatter_(2, idx, value_states)
+            return self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.kbuf.shape[2]
+
+    return SlotLayer
+
+
+def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int) -> Any:
+    """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row)."""
+    from transformers.cache_utils import Cache
+
+    layer = _slot_layer_class()
+    idx = pos[:, None, None, None]
+    return Cache(layers=[layer(k, v, idx, length) for k, v in zip(keys, values)])
+
+
+class StaticDecoder:
+    """The fixed-shape decode loop of one :class:`~arpo_algo.rollout.engines.hf.HFEngine` (see the module docstring).
+
+    Args:
+        engine: The engine whose rows, prefill, recording and results this loop uses.
+        context: Columns per slot (the engine's ``max_context``).
+        graphs: Capture and replay CUDA graphs (``decode="cuda_graph"``) instead of running each step eagerly.
+    """
+
+    def __init__(self, engine: Any, context: int, graphs: bool) -> None:
+        self.engine, self.context, self.graphs = engine, context, graphs
+        self.slots = engine.max_batch_size
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.state = self.uniforms = self.cols = None
+        self._results: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self._weights: tuple = ()
+
+    @classmethod
+    def for_engine(cls, engine: Any, static_cache_tokens: int | None) -> StaticDecoder:
+        """Size the engine's static cache (it becomes its ``max_positions``), check it fits, build the decoder."""
+        engine.max_positions = static_context(engine.max_positions, static_cache_tokens)
+        check_memory(engine.model, engine.max_batch_size, engine.max_positions)
+        return cls(engine, engine.max_positions, graphs=engine.decode == "cuda_graph")
+
+    def close(self) -> None:
+        """Free the buffers and the graphs."""
+        self._graphs.clear()
+        self._results.clear()
+        self.keys, self.values, self._pool = [], [], None
+        self.state = self.uniforms = self.cols = None
+
+    def bucket_columns(self, need: int) -> int:
+        """The column bucket a step that needs ``need`` columns runs with."""
+        return _bucket(need, MIN_COLUMNS, self.context)
+
+    def time_step(self, rows: int, length: int, shape: SampleShape = SampleShape(), repeats: int = 20) -> float:
+        """Seconds of one bare decode step over ``rows`` slots and ``length`` columns (no host work in between):
+        the floor the decode loop can approach. Runs on idle slots after a ``generate`` allocated the buffers."""
+        if self.state is None:
+            raise ConfigError("time_step needs the slot buffers: run one generate() first")
+        rows, length = _bucket(rows, 1, self.slots), _bucket(length, MIN_COLUMNS, self.context)
+        with torch.inference_mode():
+            saved = self.state.clone()
+            self._run(rows, length, shape)  # warm-up (captures the graph when needed)
+            sync = torch.cuda.synchronize if self.state.device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                width = 3 + 2 * shape.logprobs_k
+                if self.graphs:
+                    self._graphs[(rows, length, shape)].replay()
+                else:
+                    self._body(rows, length, shape, self._results[width][:rows])
+            sync()
+            seconds = (time.perf_counter() - t0) / repeats
+            self.state.copy_(saved)
+        return seconds
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def decode_all(self, requests: list, pending: collections.deque, results: list) -> None:
+        """Decode every pending request into ``results`` (the engine's ``_decode_all`` contract)."""
+        eng = self.engine
+        self._check_weights()
+        shape = self._call_shape([requests[i] for i in pending])
+        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
+        prefilled: dict[tuple[int, ...], tuple] = {}
+        slots: list[Any] = [None] * self.slots
+        while True:
+            self._refill(requests, pending, results, slots, twins, prefilled, shape)
+            live = [b for b, r in enumerate(slots) if r is not None]
+            if not live:
+                break
+            rows = _bucket(live[-1] + 1, 1, self.slots)
+            length = _bucket(max(slots[b].fed for b in live) + 1, MIN_COLUMNS, self.context)
+            t0 = time.perf_counter()
+            out = self._run(rows, length, shape).tolist()
+            eng._stats["decode_seconds"] += time.perf_counter() - t0
+            done = []
+            for b in live:
+                r = slots[b]
+                r.fed += 1
+                self._record(r, out[b], shape.logprobs_k)
+                if r.finish:
+                    kv = ([k[b:b + 1, :, :r.fed] for k in self.keys], [v[b:b + 1, :, :r.fed] for v in self.values])
+                    results[r.idx] = eng._result(r, r.finish, kv)
+                    slots[b] = None
+                    done.append(b)
+            if done:
+                idle = torch.tensor(_IDLE, dtype=torch.float64, device=self.state.device)
+                self.state[torch.tensor(done, device=self.state.device)] = idle
+
+    def _refill(self, requests: list, pending: collections.deque, results: list, slots: list,
+                twins: collections.Counter, prefilled: dict, shape: SampleShape) -> None:
+        """Put pending requests into free slots (lowest first): prefill, first token, then the slot's state."""
+        eng = self.engine
+        for b in range(self.slots):
+            while slots[b] is None and pending:
+                row = eng._new_row(pending[0], requests[pending.popleft()])
+                if row.max_new <= 0:
+                    results[row.idx] = eng._result(row, "length", None)
+                    continue
+                t0 = time.perf_counter()
+                k1, v1, logits = eng._prefill_shared(row, twins, prefilled)
+                self._ensure_buffers(k1, v1)
+                p = row.req.params
+                uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64) if p.temperature else None
+                first = sample_rows(logits, self._row_params(p, logits.device),
+                                    (uniforms[:1] if uniforms is not None else torch.zeros(1, dtype=torch.float64))
+                                    .to(logits.device), shape)
+                self._record(row, torch.cat([x.double().reshape(1, -1) for x in first], 1)[0].tolist(),
+                             shape.logprobs_k)
+                eng._stats["prefill_seconds"] += time.perf_counter() - t0
+                if row.finish:
+                    results[row.idx] = eng._result(row, row.finish, (k1, v1))
+                    continue
+                n = row.fed
+                for buf, src in zip(self.keys + self.values, k1 + v1):
+                    buf[b, :, :n].copy_(src[0])
+                if uniforms is not None:
+                    self.uniforms[b, :uniforms.shape[0]].copy_(uniforms)
+                self.state[b] = torch.tensor([row.new[-1], n, 1, 1, p.temperature or 1.0, p.temperature == 0,
+                                              self._top_k(p.top_k), p.top_p], dtype=torch.float64)
+                slots[b] = row
+
+    def _record(self, r: Any, out: list[float], k: int) -> None:
+        """Hand one row's packed result ``[token, logprob, entropy, top values (k), top ids (k)]`` to the engine."""
+        tok, lp = int(out[0]), out[1]
+        top = None
+        if r.topk:
+            n = min(r.topk, k)
+            ids = [int(i) for i in out[3 + k:3 + k + n]]
+            top = list(zip(ids, out[3:3 + n]))
+            if tok not in ids:  # like vLLM: the sampled token is added when it is not in the top k
+                top.append((tok, lp))
+        self.engine._record(r, tok, lp, out[2], top)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _top_k(self, top_k: int) -> int:
+        return top_k if 0 < top_k < self.engine.vocab_rows else 0
+
+    def _call_shape(self, reqs: list) -> SampleShape:
+        eng = self.engine
+        tops = [r.params.logprobs_topk or (REFERENCE_TOPK if eng.entropy_method == "topk_sum_lnV" else 0)
+                for r in reqs]
+        return SampleShape(logprobs_k=min(max(tops, default=0), eng.vocab_rows),
+                           top_k_max=max((self._top_k(r.params.top_k) for r in reqs), default=0),
+                           top_p=any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs))
+
+    def _row_params(self, p: Any, device: torch.device) -> RowParams:
+        return RowParams(temperature=torch.tensor([p.temperature or 1.0], dtype=torch.float32, device=device),
+                         greedy=torch.tensor([p.temperature == 0], device=device),
+                         top_k=torch.tensor([self._top_k(p.top_k)], dtype=torch.long, device=device),
+                         top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device))
+
+    def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor]) -> None:
+        """Allocate the slot buffers on first use, shaped like this prefill's KV (layers, heads, head size, dtype)."""
+        ref = k1[0]
+        if self.keys and self.keys[0].dtype == ref.dtype and self.keys[0].device == ref.device:
+            return
+        self.close()
+        dev = ref.device
+        self.keys = [ref.new_zeros(self.slots, k.shape[1], self.context, k.shape[3]) for k in k1]
+        self.values = [ref.new_zeros(self.slots, v.shape[1], self.context, v.shape[3]) for v in v1]
+        self.state = torch.tensor([_IDLE] * self.slots, dtype=torch.float64, device=dev)
+        self.uniforms = torch.zeros(self.slots, self.context, dtype=torch.float64, device=dev)
+        self.cols = torch.arange(self.context, device=dev)
+
+    def _check_weights(self) -> None:
+        """Drop the graphs when the parameters live at other addresses than when they were captured."""
+        ptrs = tuple(p.data_ptr() for p in self.engine.model.parameters())
+        if ptrs != self._weights:
+            self._graphs.clear()
+            self._weights = ptrs
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def _run(self, rows: int, length: int, shape: SampleShape) -> torch.Tensor:
+        """One decode step over slots ``[0, rows)`` and ``length`` columns; the packed results on the CPU."""
+        eng = self.engine
+        eng._stats["forward_calls"] += 1
+        eng._stats["decode_steps"] += 1
+        width = 3 + 2 * shape.logprobs_k
+        if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
+            self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
+        res = self._results[width][:rows]
+        if not self.graphs:
+            self._body(rows, length, shape, res)
+            return res.cpu()
+        key = (rows, length, shape)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(rows, length, shape, res)
+        graph.replay()
+        eng._stats["graph_replays"] += 1
+        return res.cpu()
+
+    def _body(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> None:
+        """The fixed-shape step: forward one token per slot, sample, pack the results into ``res``, advance the
+        slots' state. Tensor ops only (no host synchronisation), so it can be captured."""
+        st = self.state[:rows]
+        pos = st[:, POS].long()
+        valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
+        if self.engine.model.config._attn_implementation == "eager":  # additive mask, as transformers builds it
+            dtype = self.keys[0].dtype
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid,
+                                                                                          torch.finfo(dtype).min)
+        else:
+            mask = valid
+        cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length)
+        out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
+                                attention_mask=mask[:, None, None, :], past_key_values=cache, use_cache=True)
+        params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
+                           top_p=st[:, TOPP].float())
+        step = st[:, STEP].long().clamp(max=self.context - 1)
+        uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
+        tok, lp, ent, top_v, top_i = sample_rows(out.logits[:, -1], params, uniforms, shape)
+        res.copy_(torch.cat([tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(),
+                             top_i.double()], 1))
+        st[:, TOK] = tok.double()
+        st[:, POS] += st[:, ACTIVE]
+        st[:, STEP] += st[:, ACTIVE]
+
+    def _capture(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """Warm the step up on a side stream (putting back the state it advanced), then capture it."""
+        dev = self.state.device
+        saved = self.state.clone()
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # the warm-up writes the KV columns the replay will write (same values), nothing else
+                self._body(rows, length, shape, res)
+                self.state.copy_(saved)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(rows, length, shape, res)
+        self.engine._stats["graph_captures"] += 1
+        return graph

@@ -1,0 +1,188 @@
+"""The static-cache decode path (HFEngine decode="static") against the dynamic path, and the CUDA-graph path on a GPU.
+
+Both engines share one float32 tiny model, so any difference comes from the decode path itself: the tokens must be
+identical (greedy and sampled under the same seeds), logprobs, entropies and top logprobs equal within ``TOL``,
+across refill (more requests than slots, different lengths and budgets), prefix reuse, shared prefill, stop strings
+and per-request max tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arpo_algo.rollout.engines import build_engine
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.decode_mode import AUTO_CUDA_GRAPHS, static_problem
+from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_env.errors import ConfigError
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """(dynamic, static) engines over one module, 3 slots each."""
+    dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic")
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="static",
+                   static_cache_tokens=512)
+    return dyn, sta
+
+
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _assert_same(a, b, tol: float = TOL) -> None:
+    """Two lists of Generations are the same up to floating-point noise in the numbers."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x.request_id, x.token_ids, x.finish_reason, x.stop_string) == \
+            (y.request_id, y.token_ids, y.finish_reason, y.stop_string), (x, y)
+        assert len(x.logprobs) == len(y.logprobs) == len(x.entropies) == len(y.entropies) == len(x.token_ids)
+        assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < tol
+        assert max((abs(u - v) for u, v in zip(x.entropies, y.entropies)), default=0.0) < tol
+        assert (x.top_logprobs is None) == (y.top_logprobs is None)
+        for tx, ty in zip(x.top_logprobs or [], y.top_logprobs or []):
+            assert [i for i, _ in tx] == [i for i, _ in ty]
+            assert max(abs(u - v) for (_, u), (_, v) in zip(tx, ty)) < tol
+
+
+def _mixed_requests(engine, stop: str) -> list[GenRequest]:
+    """More requests than slots: different lengths, budgets (0 and 1 included), sampling settings and stops."""
+    settings = [dict(temperature=0.0), dict(seed=1), dict(temperature=0.7, top_p=0.9, seed=2),
+                dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4), dict(top_k=20, top_p=0.8, seed=4),
+                dict(seed=5, stop=("\x00never", stop)), dict(temperature=0.0, logprobs_topk=2), dict(seed=7),
+                dict(seed=8, top_k=1)]
+    budgets = [12, 40, 7, 25, 1, 40, 0, 33, 9]
+    return [GenRequest(f"r{i}", _ids(engine, f"request {i}: " + "context " * (1 + 3 * i)),
+                       SamplingParams(max_new_tokens=n, **kw)) for i, (n, kw) in enumerate(zip(budgets, settings))]
+
+
+def _a_stop(engine) -> str:
+    """A stop string that request 5 really produces (a character first seen after its 3rd token)."""
+    req = _mixed_requests(engine, "@@")[5]
+    free = engine.generate([GenRequest("f", req.token_ids, SamplingParams(max_new_tokens=40, seed=5))])[0]
+    text = engine.tokenizer.decode(free.token_ids)
+    return next(c for i, c in enumerate(text) if i >= 3 and c.isascii() and c.isalnum() and c not in text[:i])
+
+
+@pytest.mark.parametrize("entropy_method", ["full", "topk_sum_lnV"])
+def test_static_equals_dynamic_across_refill_settings_stops_and_budgets(tiny_model_dir, entropy_method):
+    dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic", entropy_method=entropy_method)
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="static",
+                   static_cache_tokens=512, entropy_method=entropy_method)
+    reqs = _mixed_requests(dyn, _a_stop(dyn))
+    streams: dict[str, list] = {"dynamic": [], "static": []}
+    a = dyn.generate(reqs, on_token=lambda rid, tok: streams["dynamic"].append((rid, tok)))
+    b = sta.generate(reqs, on_token=lambda rid, tok: streams["static"].append((rid, tok)))
+    _assert_same(a, b)
+    assert [len(g.token_ids) for g in b][6] == 0 and len(b[4].token_ids) == 1  # per-request budgets
+    assert b[5].finish_reason == "stop" and any(g.finish_reason == "length" for g in b)
+    for g in b:  # on_token: every token of every request, in order
+        assert [t for rid, t in streams["static"] if rid == g.request_id] == g.token_ids
+    assert len({tuple(g.token_ids) for g in b}) == len(b)  # the rows really differ (no slot mix-up could pass)
+    st = sta.stats()
+    assert st["decode_steps"] > 0 and st["generated_tokens"] == sum(len(g.token_ids) for g in b)
+    assert st["decode_steps"] < sum(len(g.token_ids) for g in b) - len(b)  # rows decode together, not one by one
+
+
+def test_static_prefix_reuse_and_shared_prefill_equal_dynamic(pair):
+    dyn, sta = pair
+    prompt = _ids(dyn, "<|im_start|>user\nsolve it, then call a tool<|im_end|>\n")
+    first = [e.generate([GenRequest("p", prompt, SamplingParams(max_new_tokens=10, seed=1))])[0] for e in pair]
+    _assert_same(first[:1], first[1:])
+    tool = _ids(dyn, " <result>\n42\n</result>")
+    outs, stats = [], []
+    for eng, head in zip(pair, first):
+        eng.stats()
+        ctx = prompt + head.token_ids + tool
+        branches = [GenRequest(f"b{s}", ctx, SamplingParams(max_new_tokens=8 + s, seed=s), prefix_key=head.cache_key)
+                    for s in range(4)]  # four identical contexts: one prefill on top of the stored prefix, shared
+        outs.append(eng.generate(branches))
+        stats.append(eng.stats())
+    _assert_same(*outs)
+    assert stats[1]["prefix_hits"] == 1 and stats[1]["shared_prefills"] == 3
+    assert stats[1]["prefill_tokens"] == stats[0]["prefill_tokens"] == len(tool) + 1
+    assert stats[1]["reused_tokens"] == stats[0]["reused_tokens"]
+    assert len({tuple(g.token_ids) for g in outs[1]}) > 1  # shared KV, own seeds
+
+
+def test_static_rows_cross_column_buckets_and_stop_at_the_context_limit(tiny_model_dir):
+    dyn = HFEngine(tiny_model_dir, max_batch_size=2, decode="dynamic")
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static", static_cache_tokens=150)
+    assert sta.max_context == 150 and dyn.max_context == 4096
+    long = GenRequest("long", [65 + i % 26 for i in range(50)], SamplingParams(max_new_tokens=90, seed=3))
+    short = GenRequest("short", _ids(dyn, "tiny"), SamplingParams(max_new_tokens=5, seed=4))
+    _assert_same(dyn.generate([short, long]), sta.generate([short, long]))  # 50 + 90 crosses 64 and 128 columns
+    edge = GenRequest("edge", [66] * 146, SamplingParams(max_new_tokens=50, seed=0))
+    over = GenRequest("over", [66] * 151, SamplingParams(max_new_tokens=5))
+    res = sta.generate([edge, over])
+    assert res[0].finish_reason == "length" and len(res[0].token_ids) == 5  # 150 - 146 + 1: the last is never fed
+    assert res[1].finish_reason == "error" and "150" in res[1].error
+
+
+def test_static_follows_in_place_weight_updates(pair):
+    dyn, sta = pair
+    req = GenRequest("w", _ids(dyn, "weights move "), SamplingParams(max_new_tokens=16, temperature=0.0))
+    before = sta.generate([req])[0]
+    norm = dyn.model.model.norm.weight
+    saved = norm.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.mul_(torch.linspace(0.2, 3.0, norm.numel()))  # in place, as a shared learner's optimizer step
+        after = [e.generate([req])[0] for e in pair]
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved)
+    _assert_same(after[:1], after[1:])
+    assert after[1].logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the update really reached the step
+
+
+def test_static_with_eager_attention_equals_dynamic(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    dyn = HFEngine(model=model, tokenizer=tok, max_batch_size=3, decode="dynamic")
+    sta = HFEngine(model=model, tokenizer=tok, max_batch_size=3, decode="static", static_cache_tokens=256)
+    reqs = [GenRequest(i, _ids(dyn, "eager " * (i + 1)), SamplingParams(max_new_tokens=6 + 3 * i, seed=i))
+            for i in range(5)]
+    _assert_same(dyn.generate(reqs), sta.generate(reqs))
+
+
+def test_decode_option_errors_and_auto(tiny_model_dir, pair):
+    dyn, _ = pair
+    assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == "dynamic"  # "auto" on CPU
+    with pytest.raises(ConfigError, match="needs a CUDA device") as err:
+        HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="cuda_graph")
+    assert "static" in (err.value.hint or "")
+    with pytest.raises(ConfigError, match="unknown decode"):
+        HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="graphs")
+    with pytest.raises(ConfigError, match="static_cache_tokens"):
+        HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="static", static_cache_tokens=1)
+    with pytest.raises(ConfigError, match="cuda_graph"):
+        build_engine("hf", model_or_path=str(tiny_model_dir), decode="cuda_graph")
+    # what "auto" checks before it picks cuda_graph on a GPU (and what an explicit request is refused for)
+    assert static_problem(dyn.model, "native", graphs=True) is None
+    assert "transposed" in static_problem(dyn.model, "transposed", graphs=True)
+    assert static_problem(dyn.model, "transposed", graphs=False) is None  # eager static steps may use the copies
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_dynamic_on_gpu(tiny_model_dir):
+    dyn = HFEngine(tiny_model_dir, device="cuda", max_batch_size=3, decode="dynamic")
+    graph = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="cuda_graph",
+                     static_cache_tokens=512)
+    expect_auto = "cuda_graph" if AUTO_CUDA_GRAPHS else "dynamic"  # graphs stay opt-in until this test passed
+    assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == expect_auto
+    reqs = _mixed_requests(dyn, _a_stop(dyn))
+    a = dyn.generate(reqs)
+    graph.stats()
+    b = graph.generate(reqs)
+    _assert_same(a, b, tol=1e-4)  # CUDA kernels differ with the key length (dynamic width vs column bucket)
+    st = graph.stats()
+    assert st["graph_captures"] >= 1 and st["graph_replays"] == st["decode_steps"] > st["graph_captures"]
+    again = graph.generate(reqs)  # replays the captured graphs, captures nothing new
+    _assert_same(b, again, tol=1e-12)  # replays are deterministic
+    assert graph.stats().get("graph_captures", 0) == 0
