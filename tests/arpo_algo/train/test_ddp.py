@@ -7,7 +7,6 @@ gradients across ranks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,15 +38,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    if ray.is_initialized():
-        pytest.skip("another Ray session is already running in this process")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +56,14 @@ def _params(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_ddp_needs_ray_running():
+    """First in this module (before any test takes ``ray_session``): a Ray left by another module is stopped."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with pytest.raises(ConfigError, match="needs a running Ray cluster"):
+        DDPBackend("unused", LearnerConfig(), DDP2)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -131,13 +129,6 @@ def test_asking_for_more_gpus_than_the_cluster_has_fails_before_any_actor(ray_se
     assert f"the Ray cluster has {gpus:g} GPU(s), 2 CPU(s)" in msg
     with pytest.raises(ConfigError, match=r"= 0 GPU\(s\), 3 CPU\(s\); the Ray cluster has"):
         DDPBackend("unused", LearnerConfig(), replace(DDP2, learner_workers=3), device="cpu")
-
-
-def test_ddp_needs_ray_running():
-    if ray.is_initialized():
-        pytest.skip("Ray is running in this process")
-    with pytest.raises(ConfigError, match="needs a running Ray cluster"):
-        DDPBackend("unused", LearnerConfig(), DDP2)
 
 
 @pytest.mark.parametrize("kwargs, match", [
