@@ -156,6 +156,12 @@ def reference_line(summary: dict[str, Any]) -> str:
     for name, r in ref["configurations"].items():
         lines.append(f"  {name:>5}: before {r['before']:.3f}, after {r['after_mean']:.3f} ± {r['after_sd']:.3f} "
                      f"(sd), improved on {r['improved']} of {ref['num_seeds']} seeds, worse on {r['worse']}")
+    cfgs = ref["configurations"]
+    if "arpo" in cfgs and "grpo" in cfgs:
+        a, g = cfgs["arpo"], cfgs["grpo"]
+        beats = a["after_mean"] - a["after_sd"] > g["after_mean"] + g["after_sd"]
+        lines.append(f"  ARPO {'beats' if beats else 'does not beat'} GRPO at this size "
+                     f"({a['after_mean']:.3f} ± {a['after_sd']:.3f} against {g['after_mean']:.3f} ± {g['after_sd']:.3f})")
     if ref.get("note"):
         lines.append(f"  {ref['note']}")
     return "\n".join(lines)

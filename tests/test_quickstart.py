@@ -1,0 +1,40 @@
+"""experiments/quickstart.py's summary helpers: per-stage peak memory and the multi-seed reference line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from experiments import quickstart
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM / clear_refs are Linux /proc features")
+def test_peak_rss_is_reset_per_stage():
+    big = bytearray(300 * 2**20)  # 300 MB resident
+    big[:: 4096] = b"x" * len(big[:: 4096])
+    with_big = quickstart.peak_rss_gb()
+    del big
+    assert quickstart.reset_peak_rss()
+    after_reset = quickstart.peak_rss_gb()
+    assert with_big - after_reset > 0.2  # the reset forgot the 300 MB peak
+
+
+def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grpo(tmp_path, monkeypatch):
+    ref = {"num_seeds": 5, "sft_seed": 0, "command": "cmd", "machine": "m",
+           "configurations": {"arpo": {"before": 0.25, "after_mean": 0.30, "after_sd": 0.02, "improved": 4, "worse": 1},
+                              "grpo": {"before": 0.25, "after_mean": 0.31, "after_sd": 0.03, "improved": 5,
+                                       "worse": 0}}}
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps(ref))
+    monkeypatch.setattr(quickstart, "REFERENCE", path)
+    line = quickstart.reference_line({"accuracy_before_sft": 0.25, "accuracy_after_arpo": 0.28125})
+    assert "this seed: 0.250 -> 0.281" in line and "over 5 RL seeds" in line
+    assert "arpo: before 0.250, after 0.300 ± 0.020 (sd), improved on 4 of 5 seeds, worse on 1" in line
+    assert "ARPO does not beat GRPO at this size" in line
+    ref["configurations"]["arpo"]["after_mean"] = 0.50
+    path.write_text(json.dumps(ref))
+    assert "ARPO beats GRPO" in quickstart.reference_line({"accuracy_before_sft": 0.25, "accuracy_after_arpo": 0.5})
+    monkeypatch.setattr(quickstart, "REFERENCE", tmp_path / "missing.json")
+    assert "none recorded" in quickstart.reference_line({"accuracy_before_sft": 0.0, "accuracy_after_arpo": 0.0})
