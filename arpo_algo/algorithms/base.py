@@ -254,12 +254,20 @@ class AgenticRLAlgorithm(Algorithm):
 
     def cleanup(self) -> None:
         """Close the sampler (its tool threads) and the engine (actors, engine processes); stop Ray if setup started
-        it."""
-        for part in ("sampler", "engine", "learner"):
-            if getattr(self, part, None) is not None:
-                getattr(self, part).close()
-        super().cleanup()
-        if getattr(self, "_owns_ray", False):
-            import ray
+        it. Best effort: a part that fails to close (e.g. actors already killed for memory) is logged, and the rest,
+        Ray's shutdown included, still happens, so a failed run never leaves a Ray session behind."""
+        import logging
 
-            ray.shutdown()
+        try:
+            for part in ("sampler", "engine", "learner"):
+                if getattr(self, part, None) is not None:
+                    try:
+                        getattr(self, part).close()
+                    except Exception as e:  # noqa: BLE001 - cleanup goes on; the run's own error was reported already
+                        logging.getLogger(__name__).warning("closing the %s failed: %r", part, e)
+            super().cleanup()
+        finally:
+            if getattr(self, "_owns_ray", False):
+                import ray
+
+                ray.shutdown()

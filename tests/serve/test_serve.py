@@ -86,6 +86,8 @@ def server(sft_model, demos):
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # export metrics every second (default 10 s)
     global METRICS_PORT
     METRICS_PORT = _free_port()
+    if ray.is_initialized():  # left by a test that failed elsewhere: one failure must not cascade
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(specs, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED, retry_after_s=2),

@@ -20,8 +20,8 @@ def test_arpo_trains_with_two_ddp_ranks_and_syncs_rank0_weights(tiny_model_dir, 
     import ray
     from transformers import AutoModelForCausalLM
 
-    if ray.is_initialized():
-        pytest.skip("Ray is already running in this process")
+    if ray.is_initialized():  # the Algorithm must start (and stop) its own Ray here
+        ray.shutdown()
     cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01, learner_backend="ddp", learner_workers=2,
                                                learner_cpus_per_worker=0.5)
     algo = cfg.build_algo()
@@ -55,6 +55,10 @@ def test_backend_options_are_arpo_settings():
 
 
 def test_a_placement_the_machine_cannot_hold_fails_before_setup():
+    import ray
+
+    if ray.is_initialized():  # this checks the machine's own resources, without a Ray cluster
+        ray.shutdown()
     gpus = torch.cuda.device_count()
     cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(
         model_path="x", learner_backend="ddp", learner_workers=gpus + 2).llm_rollouts(device="cuda")

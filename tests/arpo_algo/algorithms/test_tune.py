@@ -14,6 +14,8 @@ from arpo_env.errors import ConfigError
 def ray_local():
     import ray
 
+    if ray.is_initialized():  # left by a test that failed elsewhere: one failure must not cascade
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
