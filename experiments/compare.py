@@ -192,9 +192,9 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
     """The quickstart's multi-seed reference: per configuration before, after (mean, sd), seeds improved / worse."""
     import platform
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = sorted({f for line in cpuinfo.splitlines() if line.startswith("flags")
-                    for f in line.split() if f in ("avx2", "avx512f", "amx_bf16")})
+    from arpo_algo.rollout.engines.vllm_support import cpu_features
+
+    flags = sorted(f for f, present in cpu_features().items() if present)
     seeds = {len(r["seeds"]) for r in rep.values()}
     ref = {"num_seeds": max(seeds), "sft_seed": 0, "command": "python -m experiments.compare " + shlex.join(argv),
            "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), "

@@ -202,15 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     except ArpoError as e:
         print(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return 2
+    stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
         "accuracy_before_sft": ev["before"]["accuracy"], "accuracy_after_arpo": ev["after"]["accuracy"],
         "seed": args.seed, "sft_seed": args.sft_seed, "eval": ev["settings"], "before": ev["before"], "after": ev["after"],
         "paths": {"output": str(out), "sft": sft["path"], "arpo_run": str(out / "arpo"),
                   "checkpoint": rl["checkpoint"], "policy": export["path"], "learning_curve": rl["learning_curve"]},
-        "stage_times_s": {k: v["stage_time_s"] for k, v in
-                          (("pull", pulled), ("sft", sft), ("arpo", rl), ("evaluate", ev), ("export", export))},
-        "peak_rss_gb": {k: v.get("peak_rss_gb") for k, v in
-                        (("pull", pulled), ("sft", sft), ("arpo", rl), ("evaluate", ev), ("export", export))},
+        "stage_times_s": {k: v["stage_time_s"] for k, v in stages.items()},
+        "peak_rss_gb": {k: v.get("peak_rss_gb") for k, v in stages.items()},
         "this_run_s": round(time.time() - t0, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
