@@ -192,10 +192,12 @@ class AgenticRLAlgorithm(Algorithm):
         return None
 
     def _sync_weights(self) -> None:
-        """The in-process HF engine shares a local learner's module (nothing to copy); other engines get the weights
-        (rank 0's with ddp/deepspeed)."""
+        """The in-process HF engine shares a local learner's module (nothing to copy, but it is told the weights
+        changed); other engines get the weights (rank 0's with ddp/deepspeed)."""
         if self._engine_owns_weights():
             self.engine.load_state_dict(self.learner.rollout_weights())
+        else:  # shared module: nothing to copy, but the engine's KV and weight copies predate the last update
+            self.engine.weights_updated()
 
     # ---------------------------------------------------------------------------------------------- evaluation
 

@@ -116,6 +116,7 @@ class HFEngine:
         self._rng = random.Random(seed)
         self._uid = uuid.uuid4().hex[:8]
         self._next_key = 0
+        self._updates = 0  # bumped by weights_updated(): part of the weights' identity
         self._weights_version = self._param_version()
         self._stats: collections.Counter[str] = collections.Counter()
         self._store = KVStore(kv_cache_capacity_tokens, self._stats)
@@ -157,10 +158,11 @@ class HFEngine:
                 ids.update(int(i) for i in src)
         return ids
 
-    def _param_version(self) -> int:
-        # Every in-place update of a parameter (optimizer.step, load_state_dict, copy_) bumps its version counter, so
-        # a change of the sum means the weights changed under us (a shared learner module) and cached KV is stale.
-        return sum(p._version for p in self.model.parameters())
+    def _param_version(self) -> tuple[int, int]:
+        # Most in-place updates of a parameter (load_state_dict, copy_, mul_, the foreach optimizers) bump its
+        # version counter, so a change of the sum means the weights changed under us. Not all: torch's fused AdamW
+        # writes the parameters without bumping it, hence the explicit count of weights_updated() calls.
+        return self._updates, sum(p._version for p in self.model.parameters())
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
@@ -182,6 +184,14 @@ class HFEngine:
         if [k for k in missing if k not in tied] or unexpected:
             raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
                               f"unexpected={list(unexpected)[:5]}")
+        self._invalidate()
+
+    def weights_updated(self) -> None:
+        """Say that the (shared) module's weights changed in place: drop the cached KV and the transposed weight
+        copies. The owner of a shared module must call this after every optimizer step: torch's fused AdamW (what
+        :mod:`arpo_algo.train.optim` uses) leaves autograd's version counters alone, so the engine cannot see such a
+        step by itself and would keep sampling from the old weights."""
+        self._updates += 1
         self._invalidate()
 
     def release(self, cache_keys: list[Any]) -> None:

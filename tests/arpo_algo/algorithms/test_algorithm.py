@@ -53,6 +53,21 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     assert algo.learner.step == 2
 
 
+def test_rollouts_sample_from_the_updated_weights(tiny_model_dir):
+    # Regression: the in-process HF engine shares the learner's module and decoded through transposed copies of its
+    # linear weights, refreshed when autograd's version counters changed; the fused AdamW step does not bump them, so
+    # every rollout after the first update sampled from the starting weights (learner/kl_rollout 0.05-0.39 on the
+    # quickstart). The rollout's log-probs must be those of the weights the learner holds at update time.
+    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01, lr=1e-3)
+    algo = cfg.build_algo()
+    try:
+        results = [algo.train() for _ in range(3)]
+    finally:
+        algo.stop()
+    assert all(r["learner"]["param_change_norm"] > 0 for r in results)
+    assert all(abs(r["learner"]["kl_rollout"]) < 1e-6 for r in results), [r["learner"]["kl_rollout"] for r in results]
+
+
 def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
     dump = tmp_path / "trees.jsonl"  # the dump file is a setting (it was patched into the sampler after the build)
     algo = tiny_config(tiny_model_dir, GRPOConfig).llm_rollouts(dump_trees=True, dump_path=str(dump)).build_algo()

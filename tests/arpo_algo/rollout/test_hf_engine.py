@@ -197,6 +197,27 @@ def test_lru_capacity_release_and_weight_invalidation(tiny_model_dir):
         eng.load_state_dict({"not.a.weight": torch.zeros(1)})
 
 
+def test_weights_updated_after_a_fused_optimizer_step(tiny_model_dir):
+    # torch's fused AdamW changes a shared module's weights without bumping autograd's version counters: the engine
+    # learns of it through weights_updated() (what the Algorithm calls before each rollout) and then decodes with the
+    # new weights, in its transposed-linear layout too.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eng = HFEngine(model=model, tokenizer=tok, linear_layout="transposed")
+    ctx = tok.encode("fused step")
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    eng.generate([GenRequest(0, ctx, greedy)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model(torch.tensor([ctx])).logits.float().pow(2).mean().backward()
+    opt.step()
+    eng.weights_updated()
+    gen = eng.generate([GenRequest(1, ctx, greedy)])[0]
+    lps, _, _ = _teacher_forced(model, ctx, gen.token_ids)
+    assert _maxdiff(lps, gen.logprobs) < 1e-4
+
+
 def test_topk_logprobs_and_reference_entropy_method(tiny_model_dir):
     eng = HFEngine(tiny_model_dir, entropy_method="topk_sum_lnV")
     req = GenRequest("k", eng.tokenizer.encode("top k"), SamplingParams(max_new_tokens=10, seed=4))
