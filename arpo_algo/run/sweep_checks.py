@@ -80,7 +80,27 @@ def check_metrics(sweep: Any, where: str) -> None:
         if metric not in known:
             raise unknown_key_error(metric, known, f"{where}: [sweep] metric (never reported by the algorithm)")
         if metric.startswith("evaluation/") and (swept_every or every != 1):
-            raise ConfigError(f"{where}: [sweep] metric {metric!r} is reported only in iterations that evaluate, "
-                              f"and the base has [evaluation] every = {every}; the search and the scheduler need it "
-                              "in every iteration",
-                              hint='[base]\n"evaluation.every" = 1')
+            _check_sparse_metric(sweep, metric, every, swept_every, where)
+
+
+def ranks_every_iteration(settings: Any) -> bool:
+    """Whether Tune itself reads the metric after each iteration: an Optuna search or ASHA do; a grid or random
+    search without a scheduler only ranks the trials at their end (:mod:`arpo_algo.run.sweep_report`)."""
+    return settings.search == "optuna" or settings.scheduler != "none"
+
+
+def _check_sparse_metric(sweep: Any, metric: str, every: int, swept_every: bool, where: str) -> None:
+    """A held-out metric evaluated every k iterations: fine when nothing ranks trials before their end and the
+    last iteration evaluates; otherwise one error saying which of the two fails."""
+    s = sweep.settings
+    if ranks_every_iteration(s):
+        raise ConfigError(f"{where}: [sweep] metric {metric!r} is reported only in iterations that evaluate, "
+                          f"and the base has [evaluation] every = {every}; the {s.search} search and the "
+                          f"{s.scheduler} scheduler need it in every iteration",
+                          hint='[base]\n"evaluation.every" = 1\n(or search = "grid" with scheduler = "none", '
+                               'which reads the metric only at the end of each trial)')
+    if swept_every or every < 1 or s.iterations % every:
+        raise ConfigError(f"{where}: [sweep] metric {metric!r} is read at the end of each trial, but with "
+                          f"[evaluation] every = {'<swept>' if swept_every else every} and iterations = "
+                          f"{s.iterations} the last iteration does not evaluate",
+                          hint=f'[base]\n"evaluation.every" = {s.iterations}  (or any divisor of the iterations)')

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.run.sweep import Sweep, field_path
+from arpo_algo.run.sweep_checks import ranks_every_iteration
 from arpo_env.errors import ArpoError
 
 #: Per algorithm folder: the ids of trials that completed or failed (one per line).
@@ -168,6 +169,9 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
     from arpo_algo.algorithms import ALGORITHMS
 
     s = sweep.settings
+    # A grid or random search without a scheduler may evaluate only at the end (sweep_checks): then Tune is not
+    # given the metric (it would refuse the iterations without it) and the report ranks the trials' last results.
+    ranked = ranks_every_iteration(s)
     storage = str(sweep.output_dir.resolve())
     trainable = ALGORITHMS[algorithm]
     run_config = tune.RunConfig(
@@ -175,7 +179,7 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
         failure_config=tune.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=tune.CheckpointConfig(
             num_to_keep=1, checkpoint_frequency=s.checkpoint_every, checkpoint_at_end=True,
-            checkpoint_score_attribute=s.metric, checkpoint_score_order=s.mode))
+            checkpoint_score_attribute=s.metric if ranked else None, checkpoint_score_order=s.mode))
     path = Path(storage) / algorithm
     if resume and tune.Tuner.can_restore(str(path)):
         tuner = tune.Tuner.restore(str(path), trainable=trainable, param_space=param_space(sweep, algorithm))
@@ -196,7 +200,8 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
                                mode=s.mode if multi else None)
                  if s.scheduler == "asha" else FIFOScheduler())
     tune_config = tune.TuneConfig(
-        metric=None if multi else s.metric, mode=None if multi else s.mode, search_alg=search, scheduler=scheduler,
+        metric=None if multi or not ranked else s.metric, mode=None if multi or not ranked else s.mode,
+        search_alg=search, scheduler=scheduler,
         num_samples=s.num_samples, max_concurrent_trials=s.max_concurrent,
         trial_name_creator=lambda t: f"{algorithm}_{t.trial_id}",
         trial_dirname_creator=lambda t: f"{algorithm}_{t.trial_id}")

@@ -106,6 +106,21 @@ def test_infeasible_rollout_actors_and_eval_metric(tmp_path, tiny_model_dir):
     assert "evaluation.every" in info.value.hint
 
 
+def test_held_out_metric_evaluated_only_at_the_end(tmp_path, tiny_model_dir):
+    # A grid without a scheduler ranks trials at their end, so evaluating only there is enough (and cheaper); a
+    # search or scheduler that reads the metric after every iteration still needs every = 1.
+    grid = 'metric = "evaluation/accuracy"\nsearch = "grid"\nscheduler = "none"\niterations = 4'
+    path = write_sweep(tmp_path, tiny_model_dir, grid, '"experiment.seed" = {grid = [0, 1]}')
+    assert load_sweep(path, ["evaluation.every=4"]).settings.iterations == 4
+    assert load_sweep(path, ["evaluation.every=2"]).settings.iterations == 4
+    with pytest.raises(ConfigError, match="last iteration does not evaluate") as info:
+        load_sweep(path, ["evaluation.every=3"])
+    assert '"evaluation.every" = 4' in info.value.hint
+    with pytest.raises(ConfigError, match="need it in every iteration") as info:
+        load_sweep(path, ["evaluation.every=4", "sweep.scheduler=asha"])
+    assert 'scheduler = "none"' in info.value.hint
+
+
 def test_cli_bad_sweep_exit_2_no_traceback(tmp_path, tiny_model_dir, capsys):
     path = write_sweep(tmp_path, tiny_model_dir, "", '"tree.tua" = {uniform = [0.1, 1.0]}')
     assert main(["tune", path, "--dry-run"]) == 2
