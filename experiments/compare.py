@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name][seed] = done
                 if not args.report_only:
                     (args.output / f"partial_{'_'.join(map(str, args.seeds))}.json").write_text(
-                        json.dumps(summarize(runs), indent=2, default=str))
+                        json.dumps(summarize({n: r for n, r in runs.items() if r}), indent=2, default=str))
         runs = {n: r for n, r in runs.items() if r}
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)

@@ -71,3 +71,15 @@ def test_resume_skips_finished_runs_and_report_only_merges_processes(tiny_model_
     reference = json.loads(ref.read_text())
     assert reference["num_seeds"] == 2 and set(reference["configurations"]) == {"tiny"}
     assert reference["configurations"]["tiny"]["after_mean"] == summary["after"]["mean"]
+
+
+def test_two_configurations_report_while_the_second_has_not_run(tiny_model_dir, tmp_path):
+    # Regression: the partial report written after the first run divided by the empty second configuration.
+    a = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    b = tmp_path / "other.toml"
+    b.write_text(a.read_text())
+    out = tmp_path / "two"
+    assert main([str(a), str(b), "--sft", str(tiny_model_dir), "--seeds", "0", "--output", str(out),
+                 "--no-progress", "--equal-budget"]) == 0
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    assert set(summary) == {"tiny", "other"} and summary["other"]["after"]["n"] == 1
