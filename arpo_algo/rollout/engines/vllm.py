@@ -90,6 +90,9 @@ class VLLMEngine:
             (the blob inside the RPC) or "auto" (shm where /dev/shm exists).
     """
 
+    #: ``on_token`` is called after ``generate``'s batch has finished (replayed), not as tokens are sampled.
+    streams_tokens = False
+
     def __init__(self, model_or_path: Any, tokenizer: Any = None, *, dtype: str | None = None,
                  entropy_method: str = "topk_sum_lnV", kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, seed: int = 0,
