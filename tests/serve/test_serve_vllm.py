@@ -1,4 +1,4 @@
-"""``arpo serve --engine vllm`` for real: the Serve app on 127.0.0.1 with the vLLM engine in its replica (needs vllm).
+"""``arpo serve --engine vllm`` for real: the command in a subprocess, its Serve app on 127.0.0.1, vLLM in the replica.
 
 One vLLM start for the module: the replica's engine, on the tiny model the other vLLM tests use (2 layers, hidden
 256: vLLM's CPU attention needs 64-dim heads). Each request is also run in this process through the same agent code
@@ -9,15 +9,19 @@ One vLLM start for the module: the replica's engine, on the tiny model the other
 * sampled with a seed: the served tokens differ from the HF engine's (the engines draw with different RNGs), and the
   same seeded request served again, streamed, gives the same tokens: the answer came from vLLM, with its seeds.
 
-The replica's vLLM engine-core process is also looked up (a descendant of this process, so other jobs' vLLM
-processes on a shared machine do not count), and it must be gone once Serve shuts down.
+The command's vLLM engine-core process is also looked up among its descendants (other jobs' vLLM processes on a
+shared machine do not count), and after SIGTERM the command shuts Serve and Ray down: every process it started,
+vLLM's included, must be gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -38,12 +42,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_cores() -> list[int]:
-    """Pids of vLLM engine-core processes started under this test process (its Ray, its Serve replica)."""
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p) -> bool:  # noqa: ANN001
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _engine_cores(procs: list) -> list[int]:
+    """Pids of the vLLM engine-core processes among ``procs`` (vLLM titles it ``VLLM::EngineCore``)."""
     import psutil
 
     found = []
-    for p in psutil.Process(os.getpid()).children(recursive=True):
+    for p in procs:
         try:
             if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
                 found.append(p.pid)
@@ -60,32 +82,36 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    import ray
-    from ray import serve
-
+def server(model_dir, tmp_path_factory):
+    """``arpo serve tiny=<model> --engine vllm`` in a subprocess; yields (url, process)."""
     from arpo_algo.cli.serve import wait_ready
-    from serve.agents import build_specs
-    from serve.app import build_app
 
-    specs = build_specs([f"tiny={model_dir}"], engine="vllm", engine_settings={"kv_cache_gib": 0.25}, **SESSION)
-    saved = os.environ.get("RAY_memory_monitor_refresh_ms")
-    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # see test_serve.py: other jobs' memory is not ours
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = _free_port()
+    log = open(tmp_path_factory.mktemp("vserve_log") / "serve.log", "w+")  # noqa: SIM115 - closed below
+    env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}  # see test_serve.py: other jobs' memory is not ours
+    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model_dir}", "--engine", "vllm",
+                             "--port", str(port), "--tools", SESSION["tools"], "--max-tool-calls",
+                             str(SESSION["max_tool_calls"]), "--system-prompt", SYSTEM, "--max-tokens",
+                             str(SESSION["max_tokens"])], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(specs), name="arpo", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
         wait_ready(url, 600)
-        yield url
+        yield url, proc
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+        if proc.poll() is None:
+            procs = _descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for p in procs:  # whatever a failed test left behind: only this command's processes
+                if _alive(p):
+                    p.kill()
+        log.seek(0)
+        if proc.returncode not in (0, None):
+            print(log.read()[-4000:])
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -136,31 +162,33 @@ def _ids(result: dict) -> list[list[int]]:
 
 
 def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
-    assert len(_engine_cores()) == 1  # the replica started vLLM's engine core (the HF engine has none)
-    with urllib.request.urlopen(f"{server}/v1/models") as r:
+    url, proc = server
+    assert len(_engine_cores(_descendants(proc.pid))) == 1  # the replica started vLLM (the HF engine has none)
+    with urllib.request.urlopen(f"{url}/v1/models") as r:
         assert [m["arpo"]["engine"] for m in json.loads(r.read())["data"]] == ["vllm"]
 
     greedy = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
-    served = _post(server, greedy)
+    served = _post(url, greedy)
     local = _in_process(hf_agent, greedy)
     assert served["usage"] == local["usage"] and served["usage"]["completion_tokens"] == 24
     assert _ids(served) == _ids(local)
 
     sampled = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 24}
-    first = _post(server, sampled)
-    text, streamed = _stream(server, sampled)
+    first = _post(url, sampled)
+    text, streamed = _stream(url, sampled)
     assert streamed == _ids(first) and text == first["choices"][0]["message"]["content"]
     assert _ids(first)[0] != _ids(first)[1]  # per-choice seeds
     hf_ids = _ids(_in_process(hf_agent, sampled))
     assert all(a != b for a, b in zip(_ids(first), hf_ids)), "sampled like the HF engine: vLLM was not used"
 
 
-def test_shutdown_stops_the_engine_processes(server):
-    from ray import serve
-
-    assert _engine_cores()
-    serve.shutdown()
+def test_sigterm_shuts_down_serve_ray_and_vllm(server):
+    url, proc = server
+    procs = _descendants(proc.pid)
+    assert _engine_cores(procs)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
     deadline = time.monotonic() + 60
-    while _engine_cores() and time.monotonic() < deadline:
+    while (left := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _engine_cores() == []
+    assert left == [], [(p.pid, p.name()) for p in left]
