@@ -5,8 +5,9 @@ traceback from another process), each with a :class:`~arpo_env.errors.ConfigErro
 
 Weight push (measured in ``../shared/docs/VLLM_CPU_NOTES.md``): tensors nested in ``LLM.collective_rpc`` arguments do
 not survive vLLM's msgpack hop to the engine process (they arrive as ``[dtype, shape, index]`` lists without data),
-so the state dict travels as one safetensors blob: a file in shared memory (``/dev/shm``, the default: the engine
-process always runs on the caller's machine) or the bytes themselves (``transport="bytes"``). On CPU vLLM repacks
+so the state dict travels in safetensors format: a file in shared memory (``/dev/shm``, the default: the engine
+process always runs on the caller's machine), written and read back one tensor at a time so that neither side holds
+a second copy of the model, or the bytes themselves (``transport="bytes"``: a blob, built whole). On CPU vLLM repacks
 every linear layer for oneDNN after loading, so a bare ``model.load_weights`` cannot refresh them; the worker's
 ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` loads and repacks (the same call on GPU). A tied
 ``lm_head.weight`` shares storage with the embedding: it is sent as its own copy, or the output layer stays stale.
@@ -134,10 +135,9 @@ def check_weights(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...
                                "and size, Hugging Face parameter names)")
 
 
-def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
-    """One safetensors blob in the engine's dtype; tied tensors (lm_head = embeddings) become separate copies."""
+def _engine_tensors(state_dict: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The state dict in the engine's dtype, contiguous; tied tensors (lm_head = embeddings) as separate copies."""
     import torch
-    from safetensors.torch import save
 
     target = getattr(torch, dtype)
     seen: set[int] = set()
@@ -147,7 +147,23 @@ def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
         ptr = t.untyped_storage().data_ptr()
         out[name] = t.clone() if ptr in seen else t.contiguous()
         seen.add(ptr)
-    return save(out)
+    return out
+
+
+def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
+    """One safetensors blob in the engine's dtype (``transport="bytes"``); safetensors' ``save`` holds two copies of
+    the blob while it builds it, so the file transport (:func:`write_state_dict`) is the one for large models."""
+    from safetensors.torch import save
+
+    return save(_engine_tensors(state_dict, dtype))
+
+
+def write_state_dict(state_dict: dict[str, Any], dtype: str, path: str) -> None:
+    """The same safetensors content written to ``path`` tensor by tensor (``save_file`` streams from the tensors'
+    memory: no blob, so a push costs the file plus, for a tied head or a dtype change, those copies)."""
+    from safetensors.torch import save_file
+
+    save_file(_engine_tensors(state_dict, dtype), path)
 
 
 def shm_dir() -> str | None:
@@ -160,11 +176,18 @@ class ArpoWorkerExtension:
 
     def arpo_reload(self, path: str | None = None, blob: bytes | None = None) -> int:
         """Load a safetensors state dict (a file path or its bytes) and re-run vLLM's post-load processing."""
-        from safetensors.torch import load, load_file
+        from safetensors import safe_open
+        from safetensors.torch import load
 
-        weights = load_file(path) if path is not None else load(blob)  # type: ignore[arg-type]
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
-        return len(weights)
+        if path is None:
+            weights = load(blob)  # type: ignore[arg-type]
+            self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+            return len(weights)
+        with safe_open(path, framework="pt") as f:  # one tensor at a time, not a second copy of the model
+            names = list(f.keys())
+            self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in names),  # type: ignore
+                                is_checkpoint_format=True)
+        return len(names)
 
     def arpo_reload_folder(self, folder: str, tied_head: bool) -> int:
         """Reload every weight from a Hugging Face folder's safetensors files. vLLM's own reload-from-disk skips a
