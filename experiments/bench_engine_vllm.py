@@ -168,6 +168,38 @@ def random_model(shape: str, tokenizer_from: Any, dest: Any, dtype: str, seed: i
     return model
 
 
+def mapped_state_dict(folder: Any, tied_head: bool) -> dict:
+    """The state dict of a saved model, memory-mapped from its safetensors files (no private copy: the pages are the
+    file's, in the page cache), ``lm_head.weight`` included as the embedding when tied, as ``state_dict()`` has it."""
+    import json
+    import struct
+    import warnings
+    from pathlib import Path
+
+    import numpy as np
+
+    dtypes = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None)}
+    sd = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            np_dtype, view = dtypes[meta["dtype"]]
+            begin, end = meta["data_offsets"]
+            arr = np.memmap(f, dtype=np_dtype, mode="r", offset=8 + n + begin,
+                            shape=((end - begin) // np.dtype(np_dtype).itemsize,))
+            with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable (never written)
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr).reshape(meta["shape"])
+            sd[name] = t.view(view) if view is not None else t
+    if tied_head and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
 def run_push_only(args: Any, path: Any) -> dict:
     """Engine start and ``--push-repeats`` pushes of the model's own weights; greedy tokens before and after must
     agree (the same weights went back in)."""
@@ -180,13 +212,19 @@ def run_push_only(args: Any, path: Any) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="arpo-push-") as tmp:
         t0 = time.perf_counter()
-        if args.push_shape:
+        if args.push_shape:  # built, saved and dropped: the pushes read it back memory-mapped (a 1.5B model's
+            # bfloat16 weights are 3 GB; this process, the engine and the pushed file each holding them is too much
+            # for a 24 GB machine shared with other jobs)
             model = random_model(args.push_shape, path, Path(tmp) / "model", args.vllm_dtype, args.seed)
+            params = sum(p.numel() for p in model.parameters())
+            del model
             path = Path(tmp) / "model"
+            sd = mapped_state_dict(path, SHAPES[args.push_shape]["tie_word_embeddings"])
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.vllm_dtype))
+            params = sum(p.numel() for p in model.parameters())
+            sd = model.state_dict()
         build_s = time.perf_counter() - t0
-        sd = model.state_dict()
         t0 = time.perf_counter()
         eng = VLLMEngine(path, dtype=args.vllm_dtype, seed=args.seed, kv_cache_gib=args.kv_cache_gib)
         start_s = time.perf_counter() - t0
@@ -205,6 +243,6 @@ def run_push_only(args: Any, path: Any) -> dict:
             eng.close()
     size = getattr(torch, args.vllm_dtype).itemsize
     return {"model": args.push_shape or str(path), "dtype": args.vllm_dtype,
-            "params": sum(p.numel() for p in model.parameters()),
+            "params": params, "state_dict": "memory-mapped" if args.push_shape else "in memory",
             "pushed_mib": sum(v.numel() for v in sd.values()) * size / 2**20, "build_s": build_s,
             "vllm_start_s": start_s, "weight_push_s": pushes, "greedy_unchanged": same}
