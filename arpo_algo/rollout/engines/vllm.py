@@ -51,6 +51,7 @@ from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
     check_architecture,
     check_dtype,
+    check_kv_room,
     check_memory,
     check_weights,
     checkpoint_shapes,
@@ -140,6 +141,8 @@ class VLLMEngine:
             max_model_len = 8192
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if self.on_cpu:
+            check_kv_room(kwargs["kv_cache_memory_bytes"], config, dtype, max_model_len or model_len)
         self._vllm = vllm
         self.dtype = dtype
         self.transport = "bytes" if transport == "bytes" or (transport == "auto" and shm_dir() is None) else "shm"

@@ -104,6 +104,25 @@ def check_memory(kv_cache_bytes: int) -> None:
                           hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory")
 
 
+def check_kv_room(kv_cache_bytes: int, config: dict[str, Any], dtype: str, max_len: int | None) -> None:
+    """A ConfigError when the KV cache cannot hold one request of ``max_len`` tokens (vLLM refuses to start then,
+    from its engine process). Estimated for plain full-attention models (2 x layers x KV heads x head dim x dtype
+    bytes per token); other attention layouts (sliding windows, latent KV) are left to vLLM."""
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if not (layers and heads and max_len) or kinds != {"full_attention"} or config.get("use_sliding_window") \
+            or "kv_lora_rank" in config:
+        return
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * layers * config.get("num_key_value_heads", heads) * head_dim * {"float32": 4}.get(dtype, 2)
+    if per_token * max_len > kv_cache_bytes:
+        fits = kv_cache_bytes // per_token
+        raise ConfigError(f"the vLLM KV cache of {kv_cache_bytes / 2**30:.2f} GiB holds about {fits} tokens of this "
+                          f"model in {dtype}, fewer than one request of max_model_len={max_len} tokens needs",
+                          hint=f"raise kv_cache_gib to at least {per_token * max_len / 2**30:.2f} or set "
+                               f"max_model_len to at most {fits}")
+
+
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, read from the safetensors headers of a model folder (no tensor is loaded)."""
     shapes: dict[str, tuple[int, ...]] = {}
