@@ -31,6 +31,7 @@ Usage::
     python -m experiments.bench_engine --model smollm2-135m-instruct --out results.json
     python -m experiments.bench_engine --rollout-model runs/quickstart/sft   # + the rollout scenario
     python -m experiments.bench_engine --vllm --vllm-batches 8 32   # HF vs arpo-vLLM vs plain vLLM (bench_engine_vllm)
+    python -m experiments.bench_engine --vllm --push-only --push-shape qwen2.5-1.5b --vllm-dtype bfloat16  # push time
     python -m experiments.bench_engine --decode dynamic static --decode-batches 8 --new-tokens 64   # CPU
     python -m experiments.bench_engine --decode dynamic cuda_graph --device cuda --dtype bfloat16 \
         --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the issue-15 GPU measurement
@@ -306,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)")
     ap.add_argument("--vllm-batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--push-only", action="store_true", help="with --vllm: time only the weight push")
+    ap.add_argument("--push-shape", default=None, help="with --push-only: random weights of this shape "
+                    "(qwen2.5-1.5b), --model's tokenizer")
+    ap.add_argument("--push-repeats", type=int, default=3)
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
     ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph"],
                     help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])
@@ -327,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict:
         from arpo_algo.rollout.engines.vllm_support import cpu_features
         from experiments.bench_engine_vllm import print_vllm_table, run_vllm_side
 
+        if args.push_only:
+            from experiments.bench_engine_vllm import run_push_only
+
+            res = run_push_only(args, path)
+            print(json.dumps(res))
+            return res
         if args.rollout_model:
             path = pull(args.rollout_model, progress=False) if args.rollout_model in REGISTRY else args.rollout_model
         res = run_vllm_side(args, path, _prompts, _rollout, args.vllm_dtype)

@@ -13,6 +13,10 @@ size B (default 8 and 32: B requests in flight at once):
 logprobs included, as the sampler needs them), so the arpo/plain ratio is what arpo's wrapper costs (request checks,
 conversion to :class:`Generation`, entropies). Tokens per second count the tokens each side returned. Also measured:
 engine start time and the time of a weight push of the full state dict.
+
+``--push-only`` (:func:`run_push_only`) times only the weight push (``VLLMEngine.load_state_dict`` of the model's own
+state dict, ``--push-repeats`` times), on ``--model`` or, with ``--push-shape``, on a randomly initialised model of a
+published shape (:data:`SHAPES`; written to a temporary folder with ``--model``'s tokenizer, nothing downloaded).
 """
 
 from __future__ import annotations
@@ -133,3 +137,112 @@ def print_vllm_table(res: dict, cpu: dict) -> None:
         rate = {k: v[0] / max(v[1], 1e-9) for k, v in row.items()}
         print(f"| {name} | {rate['hf']:.1f} | {rate['arpo_vllm']:.1f} | {rate['plain_vllm']:.1f} | "
               f"{rate['arpo_vllm'] / rate['plain_vllm']:.2f}x | {rate['arpo_vllm'] / rate['hf']:.2f}x |")
+
+
+#: Published shapes for ``--push-shape``: Hugging Face config fields (random weights; the tokenizer is ``--model``'s,
+#: whose ids all fall inside the larger vocabulary).
+SHAPES = {"qwen2.5-1.5b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536,
+                           "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+                           "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                           "hidden_act": "silu"}}
+
+
+def random_model(shape: str, tokenizer_from: Any, dest: Any, dtype: str, seed: int) -> Any:
+    """A randomly initialised model of ``SHAPES[shape]`` in ``dtype``, saved with ``tokenizer_from``'s tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    fields = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # built in the engine's dtype: no float32 copy of 1.5B weights
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return model
+
+
+def mapped_state_dict(folder: Any, tied_head: bool) -> dict:
+    """The state dict of a saved model, memory-mapped from its safetensors files (no private copy: the pages are the
+    file's, in the page cache), ``lm_head.weight`` included as the embedding when tied, as ``state_dict()`` has it."""
+    import json
+    import struct
+    import warnings
+    from pathlib import Path
+
+    import numpy as np
+
+    dtypes = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None)}
+    sd = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            np_dtype, view = dtypes[meta["dtype"]]
+            begin, end = meta["data_offsets"]
+            arr = np.memmap(f, dtype=np_dtype, mode="r", offset=8 + n + begin,
+                            shape=((end - begin) // np.dtype(np_dtype).itemsize,))
+            with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable (never written)
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr).reshape(meta["shape"])
+            sd[name] = t.view(view) if view is not None else t
+    if tied_head and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+def run_push_only(args: Any, path: Any) -> dict:
+    """Engine start and ``--push-repeats`` pushes of the model's own weights; greedy tokens before and after must
+    agree (the same weights went back in)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from arpo_algo.rollout.engines.vllm import VLLMEngine
+
+    with tempfile.TemporaryDirectory(prefix="arpo-push-") as tmp:
+        t0 = time.perf_counter()
+        if args.push_shape:  # built, saved and dropped: the pushes read it back memory-mapped (a 1.5B model's
+            # bfloat16 weights are 3 GB; this process, the engine and the pushed file each holding them is too much
+            # for a 24 GB machine shared with other jobs)
+            model = random_model(args.push_shape, path, Path(tmp) / "model", args.vllm_dtype, args.seed)
+            params = sum(p.numel() for p in model.parameters())
+            del model
+            path = Path(tmp) / "model"
+            sd = mapped_state_dict(path, SHAPES[args.push_shape]["tie_word_embeddings"])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.vllm_dtype))
+            params = sum(p.numel() for p in model.parameters())
+            sd = model.state_dict()
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eng = VLLMEngine(path, dtype=args.vllm_dtype, seed=args.seed, kv_cache_gib=args.kv_cache_gib)
+        start_s = time.perf_counter() - t0
+        try:
+            ctx = eng.tokenizer.encode("The weights were pushed", add_special_tokens=False)
+            req = [GenRequest("g", ctx, SamplingParams(max_new_tokens=8, temperature=0))]
+            before = eng.generate(req)[0].token_ids
+            pushes = []
+            for i in range(args.push_repeats):
+                t0 = time.perf_counter()
+                eng.load_state_dict(sd)
+                pushes.append(time.perf_counter() - t0)
+                print(f"push {i + 1}: {pushes[-1]:.2f} s", flush=True)
+            same = eng.generate(req)[0].token_ids == before
+        finally:
+            eng.close()
+    size = getattr(torch, args.vllm_dtype).itemsize
+    return {"model": args.push_shape or str(path), "dtype": args.vllm_dtype,
+            "params": params, "state_dict": "memory-mapped" if args.push_shape else "in memory",
+            "pushed_mib": sum(v.numel() for v in sd.values()) * size / 2**20, "build_s": build_s,
+            "vllm_start_s": start_s, "weight_push_s": pushes, "greedy_unchanged": same}

@@ -3,6 +3,8 @@ served throughput against in-process generation of the same requests.
 
     python -m experiments.bench_serve                      # SmolLM2-135M-Instruct on CPU (arpo model pull first)
     python -m experiments.bench_serve --clients 1,8 --requests-per-client 2 --max-tokens 16   # shorter
+    python -m experiments.bench_serve --model runs/quickstart/sft --engine vllm --toolmath-level 3 --clients 1,4 \
+        --max-tokens 192        # an SFT checkpoint on held-out ToolMath questions (it calls the tool), vLLM engine
 
 Every request is a seeded chat completion (``temperature`` 1, ``seed`` = request index), so the served run and the
 in-process run generate exactly the same tokens: the comparison is the same work. Clients are closed loops (each
@@ -16,6 +18,7 @@ HTTP and no Serve. Both sides use ``--threads`` torch threads (the replica gets 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -35,8 +38,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def requests_for(level: int, per_client: int) -> list[dict[str, Any]]:
-    return [{"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "seed": i}
+def requests_for(level: int, per_client: int, toolmath_level: int | None = None) -> list[dict[str, Any]]:
+    """``level * per_client`` seeded requests: the PROMPTS, or held-out ToolMath questions of one level (the env's
+    messages, its system prompt included)."""
+    if toolmath_level is None:
+        return [{"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "seed": i}
+                for i in range(level * per_client)]
+    from arpo_env.core import ToolTextEnv
+
+    env = ToolTextEnv({"task": "toolmath", "levels": [toolmath_level], "split": "test", "tools": {"python": {}}})
+    return [{"messages": env.reset(options={"task_index": i})[1]["messages"], "seed": i}
             for i in range(level * per_client)]
 
 
@@ -109,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--requests-per-client", type=int, default=2, dest="per_client")
     p.add_argument("--max-tokens", type=int, default=32, dest="max_tokens")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica and of the in-process run")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--toolmath-level", type=int, default=None, dest="toolmath_level",
+                   help="send held-out ToolMath questions of this level instead of the generic prompts")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
@@ -124,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cpus = max(os.cpu_count() or 2, args.threads)
     torch.set_num_threads(args.threads)
-    specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens,
-                        engine_settings={"max_batch_size": 32})
+    specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens, engine=args.engine,
+                        engine_settings={"max_batch_size": 32} if args.engine == "hf" else {})
+    reqs = functools.partial(requests_for, toolmath_level=args.toolmath_level)
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -133,18 +148,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 600)
-    out: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
+    out: dict[str, Any] = {"model": args.model, "engine": args.engine, "toolmath_level": args.toolmath_level,
+                           "max_tokens": args.max_tokens, "threads": args.threads,
                            "cpus": os.cpu_count(), "levels": {}}
-    served(url, "bench", requests_for(1, 1), 1, args.max_tokens)  # warm-up
+    served(url, "bench", reqs(1, 1), 1, args.max_tokens)  # warm-up
     for c in levels:
-        out["levels"][c] = {"served": served(url, "bench", requests_for(c, args.per_client), c, args.max_tokens)}
+        out["levels"][c] = {"served": served(url, "bench", reqs(c, args.per_client), c, args.max_tokens)}
         print(json.dumps({c: out["levels"][c]}), flush=True)
     serve.shutdown()
     ray.shutdown()
     agent = Agent(specs[0])  # the in-process baseline: same loop, same engine settings, no HTTP, no Serve
-    in_process(agent, requests_for(1, 1), 1, args.max_tokens)  # warm-up
+    in_process(agent, reqs(1, 1), 1, args.max_tokens)  # warm-up
     for c in levels:
-        base = in_process(agent, requests_for(c, args.per_client), c, args.max_tokens)
+        base = in_process(agent, reqs(c, args.per_client), c, args.max_tokens)
         lvl = out["levels"][c]
         lvl["in_process"] = base
         lvl["served_over_in_process"] = lvl["served"]["req_per_s"] / base["req_per_s"]

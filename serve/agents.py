@@ -107,6 +107,7 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         raise ConfigError("nothing to serve: give at least one model folder, checkpoint or run folder")
     if engine not in ENGINE_KINDS:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_KINDS)}")
+    check_engine(engine, engine_settings or {})
     if max_tool_calls is not None and max_tool_calls < 0:
         raise ConfigError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
     if max_tokens < 1:
@@ -128,6 +129,28 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
                                engine_settings=dict(engine_settings or {}), session=dict(session),
                                max_tokens=max_tokens))
     return specs
+
+
+def check_engine(engine: str, settings: dict[str, Any]) -> None:
+    """Fail on the command line, not in a replica: vLLM must be importable for ``engine="vllm"``, and every engine
+    setting must be one the engine takes (``max_batch_size`` is the HF engine's; vLLM schedules its own batches)."""
+    import importlib.util
+    import inspect
+
+    from arpo_algo.rollout.engines import ENGINES
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from arpo_algo.rollout.engines.vllm_support import INSTALL_HINT
+
+        raise ConfigError("engine 'vllm' needs the vllm package, which is not importable here", hint=INSTALL_HINT)
+    params = inspect.signature(ENGINES[engine]().func).parameters
+    known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k != "model")
+    for key in settings:
+        if key not in known:
+            hint = ("vLLM schedules its own batches; drop max_batch_size with engine='vllm'"
+                    if engine == "vllm" and key == "max_batch_size" else
+                    f"settings of the {engine} engine: {', '.join(known)}")
+            raise ConfigError(f"{key!r} is not a setting of the {engine} engine", hint=hint)
 
 
 def _check_session(session: dict[str, Any]) -> None:

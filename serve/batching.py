@@ -19,6 +19,9 @@ exception out of ``on_token``), its calls are answered with error generations (i
 other calls of that round are run again at once. The replay gives them the same tokens, because every request
 carries an explicit seed (one is drawn here for unseeded ones) and the engine samples each request from its own
 seeded generator; tokens already streamed are not streamed twice. The price is the aborted round's compute.
+An engine that cannot stream (``streams_tokens = False``: the vLLM engine, which hands over each request's tokens
+only once its ``generate`` call has finished) cannot be stopped mid-round: its round runs to the end, the
+cancelled request's tokens are dropped, and nothing is re-run (the round is already paid for).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class BatchingEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_context = getattr(engine, "max_context", None) or getattr(engine, "max_positions", None)
+        self.streams = bool(getattr(engine, "streams_tokens", True))  # False: tokens come after the round
         self._cv = threading.Condition()
         self._calls: collections.deque[_Call] = collections.deque()
         self._releases: list[Any] = []
@@ -153,7 +157,9 @@ class BatchingEngine:
             def on_token(rid: Any, token: int, live: list[_Call] = live, seen: dict = seen) -> None:
                 c = live[rid[0]]
                 if c.cancel is not None and c.cancel.is_set():
-                    raise _Abort
+                    if self.streams:
+                        raise _Abort
+                    return  # the round is over already: aborting it would only re-run the others
                 key = (id(c), rid[1])
                 seen[key] = seen.get(key, 0) + 1
                 if seen[key] > streamed.get(key, 0):

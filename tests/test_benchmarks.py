@@ -77,3 +77,16 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path):
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
     assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
     assert (tmp_path / "d.json").is_file()
+
+
+@pytest.mark.vllm
+def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
+    """--vllm --push-only: engine start and weight pushes of the model's own weights, greedy output unchanged."""
+    from arpo_algo.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
+    result = bench_engine.main(["--model", str(model), "--vllm", "--push-only", "--push-repeats", "2",
+                                "--kv-cache-gib", "0.25", "--threads", str(torch.get_num_threads())])
+    assert result["dtype"] == "float32" and len(result["weight_push_s"]) == 2
+    assert all(s > 0 for s in result["weight_push_s"]) and result["greedy_unchanged"] is True
+    assert result["pushed_mib"] == pytest.approx(result["params"] * 4 / 2**20, rel=0.2)  # + the tied head's copy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -50,18 +51,33 @@ def start(args: argparse.Namespace) -> str:
     return url
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Handler of ``arpo serve``: runs until interrupted, then shuts Serve down."""
+    """Handler of ``arpo serve``: runs until Ctrl-C or SIGTERM (``kill``, ``docker stop``), then shuts Serve down
+    and Ray with it, so the replicas stop their engines (a vLLM engine runs in processes of its own)."""
+    import ray
     from ray import serve
 
-    start(args)
+    def on_signals() -> None:  # SIGINT too: a shell starts background jobs with SIGINT ignored
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupt)
+
+    on_signals()
     try:
+        start(args)
+        on_signals()  # again: ray.init installs its own SIGTERM handler, which exits without shutting Serve down
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("shutting down")
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
         serve.shutdown()
+        ray.shutdown()
     return 0
 
 

@@ -106,6 +106,30 @@ def test_sources_model_checkpoint_and_run_folder(tmp_path):
     assert parse_tools('{"python": {"timeout_s": 3}}') == {"python": {"timeout_s": 3}}
 
 
+def test_engine_settings_are_checked_before_any_replica_starts(tmp_path):
+    """A setting the chosen engine does not take, or engine='vllm' without vllm, fails in build_specs (the command
+    line) with a ConfigError and a hint, not as a TypeError in a replica."""
+    import importlib.util
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ArpoError, match="'kv_cache_gib' is not a setting of the hf engine") as e:
+        build_specs([str(model)], engine="hf", engine_settings={"kv_cache_gib": 1})
+    assert "max_batch_size" in e.value.hint
+    assert build_specs([str(model)], engine="hf", engine_settings={"max_batch_size": 4})[0].engine_settings == \
+        {"max_batch_size": 4}
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ArpoError, match="needs the vllm package") as e:
+            build_specs([str(model)], engine="vllm")
+        assert "install_vllm_cpu" in e.value.hint
+    else:
+        with pytest.raises(ArpoError, match="'max_batch_size' is not a setting of the vllm engine") as e:
+            build_specs([str(model)], engine="vllm", engine_settings={"max_batch_size": 4})
+        assert "schedules its own batches" in e.value.hint
+        assert build_specs([str(model)], engine="vllm", engine_settings={"kv_cache_gib": 0.5})[0].engine == "vllm"
+
+
 def test_application_builder_takes_serve_run_arguments(tmp_path):
     """``serve run serve.app:build key=value ...`` passes strings; the builder turns them into the deployment."""
     from ray.serve import Application

@@ -20,7 +20,7 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
   it equals the HF engine's definition (``raw logits / T``, before top-k/top-p) at temperature 1, the training
   setting. ``"processed_logprobs"`` gives vLLM's post-temperature, post-truncation values instead.
 * Weights: vLLM runs the model in its own process, so it cannot share the learner's module: ``load_state_dict``
-  checks names and shapes against the model folder, sends one safetensors blob (:mod:`.vllm_support` says why) and
+  checks names and shapes against the model folder, sends one safetensors file (:mod:`.vllm_support` says why) and
   has the worker reload it in place, then resets the prefix cache. ``load_checkpoint(folder)`` is the fallback that
   reloads from a saved Hugging Face folder instead.
 * Sleep: ``sleep_between_rollouts=True`` (GPU only) frees vLLM's memory while the learner trains. vLLM's CPU backend
@@ -51,12 +51,14 @@ from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
     check_architecture,
     check_dtype,
+    check_kv_room,
     check_memory,
     check_weights,
     checkpoint_shapes,
     import_vllm,
     pack_state_dict,
     shm_dir,
+    write_state_dict,
 )
 from arpo_env.errors import ArpoError, ConfigError
 
@@ -89,6 +91,9 @@ class VLLMEngine:
         transport: How pushed weights reach the engine process: "shm" (a safetensors file in /dev/shm), "bytes"
             (the blob inside the RPC) or "auto" (shm where /dev/shm exists).
     """
+
+    #: ``on_token`` is called after ``generate``'s batch has finished (replayed), not as tokens are sampled.
+    streams_tokens = False
 
     def __init__(self, model_or_path: Any, tokenizer: Any = None, *, dtype: str | None = None,
                  entropy_method: str = "topk_sum_lnV", kv_cache_gib: float = 1.0,
@@ -136,6 +141,8 @@ class VLLMEngine:
             max_model_len = 8192
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if self.on_cpu:
+            check_kv_room(kwargs["kv_cache_memory_bytes"], config, dtype, max_model_len or model_len)
         self._vllm = vllm
         self.dtype = dtype
         self.transport = "bytes" if transport == "bytes" or (transport == "auto" and shm_dir() is None) else "shm"
@@ -252,15 +259,12 @@ class VLLMEngine:
         t0 = time.perf_counter()
         if self._asleep:
             self.wake_up()
-        blob = pack_state_dict(state_dict, self.dtype)
         if self.transport == "shm":
             with tempfile.NamedTemporaryFile(dir=shm_dir(), prefix="arpo-weights-", suffix=".safetensors") as f:
-                f.write(blob)
-                f.flush()
-                del blob
+                write_state_dict(state_dict, self.dtype, f.name)
                 self.llm.collective_rpc("arpo_reload", kwargs={"path": f.name})
         else:
-            self.llm.collective_rpc("arpo_reload", kwargs={"blob": blob})
+            self.llm.collective_rpc("arpo_reload", kwargs={"blob": pack_state_dict(state_dict, self.dtype)})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1
         self._stats["weight_push_seconds"] += time.perf_counter() - t0

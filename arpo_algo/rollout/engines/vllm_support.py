@@ -5,8 +5,9 @@ traceback from another process), each with a :class:`~arpo_env.errors.ConfigErro
 
 Weight push (measured in ``../shared/docs/VLLM_CPU_NOTES.md``): tensors nested in ``LLM.collective_rpc`` arguments do
 not survive vLLM's msgpack hop to the engine process (they arrive as ``[dtype, shape, index]`` lists without data),
-so the state dict travels as one safetensors blob: a file in shared memory (``/dev/shm``, the default: the engine
-process always runs on the caller's machine) or the bytes themselves (``transport="bytes"``). On CPU vLLM repacks
+so the state dict travels in safetensors format: a file in shared memory (``/dev/shm``, the default: the engine
+process always runs on the caller's machine), written and read back one tensor at a time so that neither side holds
+a second copy of the model, or the bytes themselves (``transport="bytes"``: a blob, built whole). On CPU vLLM repacks
 every linear layer for oneDNN after loading, so a bare ``model.load_weights`` cannot refresh them; the worker's
 ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` loads and repacks (the same call on GPU). A tied
 ``lm_head.weight`` shares storage with the embedding: it is sent as its own copy, or the output layer stays stale.
@@ -103,6 +104,25 @@ def check_memory(kv_cache_bytes: int) -> None:
                           hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory")
 
 
+def check_kv_room(kv_cache_bytes: int, config: dict[str, Any], dtype: str, max_len: int | None) -> None:
+    """A ConfigError when the KV cache cannot hold one request of ``max_len`` tokens (vLLM refuses to start then,
+    from its engine process). Estimated for plain full-attention models (2 x layers x KV heads x head dim x dtype
+    bytes per token); other attention layouts (sliding windows, latent KV) are left to vLLM."""
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if not (layers and heads and max_len) or kinds != {"full_attention"} or config.get("use_sliding_window") \
+            or "kv_lora_rank" in config:
+        return
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * layers * config.get("num_key_value_heads", heads) * head_dim * {"float32": 4}.get(dtype, 2)
+    if per_token * max_len > kv_cache_bytes:
+        fits = kv_cache_bytes // per_token
+        raise ConfigError(f"the vLLM KV cache of {kv_cache_bytes / 2**30:.2f} GiB holds about {fits} tokens of this "
+                          f"model in {dtype}, fewer than one request of max_model_len={max_len} tokens needs",
+                          hint=f"raise kv_cache_gib to at least {per_token * max_len / 2**30:.2f} or set "
+                               f"max_model_len to at most {fits}")
+
+
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, read from the safetensors headers of a model folder (no tensor is loaded)."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -134,10 +154,9 @@ def check_weights(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...
                                "and size, Hugging Face parameter names)")
 
 
-def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
-    """One safetensors blob in the engine's dtype; tied tensors (lm_head = embeddings) become separate copies."""
+def _engine_tensors(state_dict: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The state dict in the engine's dtype, contiguous; tied tensors (lm_head = embeddings) as separate copies."""
     import torch
-    from safetensors.torch import save
 
     target = getattr(torch, dtype)
     seen: set[int] = set()
@@ -147,7 +166,23 @@ def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
         ptr = t.untyped_storage().data_ptr()
         out[name] = t.clone() if ptr in seen else t.contiguous()
         seen.add(ptr)
-    return save(out)
+    return out
+
+
+def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
+    """One safetensors blob in the engine's dtype (``transport="bytes"``); safetensors' ``save`` holds two copies of
+    the blob while it builds it, so the file transport (:func:`write_state_dict`) is the one for large models."""
+    from safetensors.torch import save
+
+    return save(_engine_tensors(state_dict, dtype))
+
+
+def write_state_dict(state_dict: dict[str, Any], dtype: str, path: str) -> None:
+    """The same safetensors content written to ``path`` tensor by tensor (``save_file`` streams from the tensors'
+    memory: no blob, so a push costs the file plus, for a tied head or a dtype change, those copies)."""
+    from safetensors.torch import save_file
+
+    save_file(_engine_tensors(state_dict, dtype), path)
 
 
 def shm_dir() -> str | None:
@@ -160,11 +195,18 @@ class ArpoWorkerExtension:
 
     def arpo_reload(self, path: str | None = None, blob: bytes | None = None) -> int:
         """Load a safetensors state dict (a file path or its bytes) and re-run vLLM's post-load processing."""
-        from safetensors.torch import load, load_file
+        from safetensors import safe_open
+        from safetensors.torch import load
 
-        weights = load_file(path) if path is not None else load(blob)  # type: ignore[arg-type]
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
-        return len(weights)
+        if path is None:
+            weights = load(blob)  # type: ignore[arg-type]
+            self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+            return len(weights)
+        with safe_open(path, framework="pt") as f:  # one tensor at a time, not a second copy of the model
+            names = list(f.keys())
+            self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in names),  # type: ignore
+                                is_checkpoint_format=True)
+        return len(names)
 
     def arpo_reload_folder(self, folder: str, tied_head: bool) -> int:
         """Reload every weight from a Hugging Face folder's safetensors files. vLLM's own reload-from-disk skips a

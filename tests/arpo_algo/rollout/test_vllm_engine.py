@@ -88,6 +88,9 @@ def test_unknown_architecture_memory_and_sleep_rejected_before_start(vllm_model_
     if current_platform.is_cpu():
         with pytest.raises(ConfigError, match="exceeds the free memory"):
             VLLMEngine(vllm_model_dir, kv_cache_gib=1e6)
+        with pytest.raises(ConfigError, match="fewer than one request of max_model_len=4096") as err:
+            VLLMEngine(vllm_model_dir, kv_cache_gib=0.001)  # 2 KiB per token in float32: 8 MiB for 4096 tokens
+        assert "at least 0.01" in err.value.hint and "at most 524" in err.value.hint
         with pytest.raises(ConfigError, match="sleep mode"):
             VLLMEngine(vllm_model_dir, sleep_between_rollouts=True)
     with pytest.raises(ConfigError, match="unknown dtype"):

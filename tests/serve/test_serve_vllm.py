@@ -1,0 +1,197 @@
+"""``arpo serve --engine vllm`` for real: the command in a subprocess, its Serve app on 127.0.0.1, vLLM in the replica.
+
+One vLLM start for the module: the replica's engine, on the tiny model the other vLLM tests use (2 layers, hidden
+256: vLLM's CPU attention needs 64-dim heads). Each request is also run in this process through the same agent code
+(``serve.runtime.Agent``) on the HF engine, which is cheap for this model:
+
+* greedy: the served answer equals it token for token (the engine conformance suite shows both engines' greedy
+  tokens equal a teacher-forced float32 forward, so this is what the VLLMEngine generates directly);
+* sampled with a seed: the served tokens differ from the HF engine's (the engines draw with different RNGs), and the
+  same seeded request served again, streamed, gives the same tokens: the answer came from vLLM, with its seeds.
+
+The command's vLLM engine-core process is also looked up among its descendants (other jobs' vLLM processes on a
+shared machine do not count), and after SIGTERM the command shuts Serve and Ray down: every process it started,
+vLLM's included, must be gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.vllm
+
+SYSTEM = "Use python."
+MESSAGES = [{"role": "user", "content": "What is 17 * 23 + 5?"}]
+SESSION = {"tools": "python", "max_tool_calls": 1, "system_prompt": SYSTEM, "max_tokens": 64}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p) -> bool:  # noqa: ANN001
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _engine_cores(procs: list) -> list[int]:
+    """Pids of the vLLM engine-core processes among ``procs`` (vLLM titles it ``VLLM::EngineCore``)."""
+    import psutil
+
+    found = []
+    for p in procs:
+        try:
+            if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
+                found.append(p.pid)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from arpo_algo.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vserve") / "model", num_layers=2, hidden_size=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """``arpo serve tiny=<model> --engine vllm`` in a subprocess; yields (url, process)."""
+    from arpo_algo.cli.serve import wait_ready
+
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("vserve_log") / "serve.log", "w+")  # noqa: SIM115 - closed below
+    env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}  # see test_serve.py: other jobs' memory is not ours
+    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model_dir}", "--engine", "vllm",
+                             "--port", str(port), "--tools", SESSION["tools"], "--max-tool-calls",
+                             str(SESSION["max_tool_calls"]), "--system-prompt", SYSTEM, "--max-tokens",
+                             str(SESSION["max_tokens"])], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, 600)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            procs = _descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for p in procs:  # whatever a failed test left behind: only this command's processes
+                if _alive(p):
+                    p.kill()
+        log.seek(0)
+        if proc.returncode not in (0, None):
+            print(log.read()[-4000:])
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def hf_agent(model_dir):
+    """The same agent (serve.runtime.Agent: layout, agent loop, batching front) on the HF engine, in this process."""
+    from serve.agents import build_specs
+    from serve.runtime import Agent
+
+    agent = Agent(build_specs([f"tiny={model_dir}"], engine="hf", **SESSION)[0])
+    yield agent
+    agent.front.close()
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def _stream(url: str, body: dict) -> tuple[str, list[list[int]]]:
+    """Content of choice 0 and every choice's response_ids, from a streamed answer."""
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, ids = "", {}
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                delta = ch["delta"]
+                if ch["index"] == 0:
+                    text += delta.get("content") or ""
+                if delta.get("arpo", {}).get("type") == "done":
+                    ids[ch["index"]] = delta["arpo"]["response_ids"]
+    return text, [ids[i] for i in sorted(ids)]
+
+
+def _in_process(agent, body: dict) -> dict:
+    from serve.schema import parse_chat_request
+
+    return agent.run(agent.prepare(parse_chat_request(body)), threading.Event())
+
+
+def _ids(result: dict) -> list[list[int]]:
+    return [c["message"]["arpo"]["response_ids"] for c in result["choices"]]
+
+
+def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
+    url, proc = server
+    assert len(_engine_cores(_descendants(proc.pid))) == 1  # the replica started vLLM (the HF engine has none)
+    with urllib.request.urlopen(f"{url}/v1/models") as r:
+        assert [m["arpo"]["engine"] for m in json.loads(r.read())["data"]] == ["vllm"]
+
+    greedy = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
+    served = _post(url, greedy)
+    local = _in_process(hf_agent, greedy)
+    assert served["usage"] == local["usage"] and served["usage"]["completion_tokens"] == 24
+    assert _ids(served) == _ids(local)
+
+    sampled = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 24}
+    first = _post(url, sampled)
+    text, streamed = _stream(url, sampled)
+    assert streamed == _ids(first) and text == first["choices"][0]["message"]["content"]
+    assert _ids(first)[0] != _ids(first)[1]  # per-choice seeds
+    hf_ids = _ids(_in_process(hf_agent, sampled))
+    assert all(a != b for a, b in zip(_ids(first), hf_ids)), "sampled like the HF engine: vLLM was not used"
+
+
+def test_sigterm_shuts_down_serve_ray_and_vllm(server):
+    url, proc = server
+    procs = _descendants(proc.pid)
+    assert _engine_cores(procs)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    deadline = time.monotonic() + 60
+    while (left := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = [(p.pid, p.name()) for p in left]
+    for p in left:  # do not leave them running on a shared machine when the test fails
+        p.kill()
+    assert code == 0 and names == [], (code, names)
