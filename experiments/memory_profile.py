@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
+    ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
     ap.add_argument("--stage", choices=("rl", "sft"), default="rl")
     ap.add_argument("--batch-size", type=int, default=None, help="sft: sequences per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=None, help="sft: micro-batches per optimizer step")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
     learner = Learner(args.model, LearnerConfig(lr=5e-5, micro_batch_tokens=args.micro_batch_tokens,
-                                                  gradient_checkpointing=args.gradient_checkpointing), seed=0)
+                                                  gradient_checkpointing=args.gradient_checkpointing,
+                                                  head_chunk_tokens=args.head_chunk_tokens), seed=0)
     rows.append(("learner loaded (fp32 weights + AdamW, no state yet)", peak_gb()))
     engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=16)
     rows.append(("HFEngine on the learner's module (transposed weight copies on CPU)", peak_gb()))
