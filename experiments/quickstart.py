@@ -16,8 +16,10 @@ killed ARPO stage resumes from its newest checkpoint):
    ``policy/`` folder (each loaded from disk into its own engine).
 5. ``export``: the trained policy as a plain HF folder ``<out>/policy`` (transformers / vLLM / ``arpo serve``).
 
-Prints a summary (both accuracies, seeds, the peak resident memory of each stage, paths, and the multi-seed
-distribution measured for the README from ``experiments/quickstart_reference.json``) and writes ``<out>/summary.json``.
+Before each stage the memory freed by the previous one is handed back to the OS (:func:`release_memory`), so each
+stage's peak is its own. Prints a summary (both accuracies, seeds, the peak resident memory of each stage, paths,
+and the multi-seed distribution measured for the README from ``experiments/quickstart_reference.json``) and writes
+``<out>/summary.json``.
 """
 
 from __future__ import annotations
