@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
     ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
+    ap.add_argument("--release-before-update", action="store_true",
+                    help="rl: gc + malloc_trim (experiments.quickstart.release_memory) before each update")
     ap.add_argument("--stage", choices=("rl", "sft"), default="rl")
     ap.add_argument("--batch-size", type=int, default=None, help="sft: sequences per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=None, help="sft: micro-batches per optimizer step")
@@ -82,8 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
         groups.append(Group(i, prompts[i], trajs))
     engine._store.clear()  # the sampler releases every key at the end of a step
+    from experiments.quickstart import release_memory
+
+    release = release_memory if args.release_before_update else (lambda: False)
+    release()
     m = learner.update(groups)
     rows.append(("one learner update (forward with entropy, backward, AdamW state created)", peak_gb()))
+    release()
     m2 = learner.update(groups)
     rows.append(("a second update", peak_gb()))
     for name, gb in rows:
