@@ -21,6 +21,32 @@ def test_peak_rss_is_reset_per_stage():
     assert with_big - after_reset > 0.2  # the reset forgot the 300 MB peak
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim and VmRSS are Linux features")
+def test_release_memory_hands_freed_heap_memory_back_to_the_os():
+    """4 KB blocks live on glibc's heap (below its mmap threshold); freed under a block that is still in use at the
+    top of the heap, they stay resident (glibc trims only a free top) until ``malloc_trim``."""
+    import gc
+
+    base = quickstart.rss_gb()
+    blocks = [bytes(4000) + bytes([i % 256]) for i in range(100_000)]  # ~400 MB of malloc'd blocks
+    pin = bytes(4000) + b"x"  # allocated after them: above them on the heap, alive through the test
+    del blocks
+    gc.collect()
+    assert quickstart.rss_gb() - base > 0.3  # freed, but still resident
+    assert quickstart.release_memory() is True
+    assert quickstart.rss_gb() - base < 0.1  # handed back
+    assert pin[-1:] == b"x"
+
+
+def test_quickstart_sft_settings_are_valid_and_only_change_memory():
+    """The quickstart's SFT memory settings are accepted by SFTConfig, and its batches stay those of batch 8."""
+    from arpo_algo.train.sft import SFTConfig
+
+    cfg = SFTConfig(**quickstart.SFT_SETTINGS)
+    cfg.validate()
+    assert (cfg.batch_size, cfg.grad_accum, cfg.rows_per_forward, cfg.gradient_checkpointing) == (8, 1, 4, True)
+
+
 def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grpo(tmp_path, monkeypatch):
     ref = {"num_seeds": 5, "sft_seed": 0, "command": "cmd", "machine": "m",
            "configurations": {"arpo": {"before": 0.25, "after_mean": 0.30, "after_sd": 0.02, "improved": 4, "worse": 1},

@@ -85,6 +85,9 @@ class DeepSpeedLearner(DistributedLearner):
 
     def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cuda", seed: int = 0, *,
                  stage: int = 2) -> None:
+        if config.head_chunk_tokens:  # its chunked head calls the model body directly, past the engine's hooks
+            raise ConfigError("learner.head_chunk_tokens is not supported by the deepspeed backend",
+                              hint="leave training.head_chunk_tokens unset, or use the local or ddp backend")
         import deepspeed
         import torch.distributed as dist
 

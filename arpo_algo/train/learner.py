@@ -190,7 +190,7 @@ class Learner:
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
         with self.autocast():
-            lp, _ = forward_token_stats(model, batch, with_entropy=False)
+            lp, _ = forward_token_stats(model, batch, with_entropy=False, head_chunk=self.config.head_chunk_tokens)
         return lp[batch.pair_node].detach()
 
     def _pair_norm(self, batches: list[TokenBatch]) -> list[torch.Tensor]:
@@ -274,7 +274,7 @@ class Learner:
         for i, b in enumerate(batches):
             with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
-                                                  entropy_grad=cfg.entropy_coef > 0)
+                                                  entropy_grad=cfg.entropy_coef > 0, head_chunk=cfg.head_chunk_tokens)
             lp = lp_u[b.pair_node]
             ent = ent_u[b.pair_node]
             adv = b.pair_adv

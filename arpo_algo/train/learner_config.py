@@ -34,7 +34,10 @@ class LearnerConfig:
     ``dedup_prefix`` is attended: "dense" (an [N, N] mask handed to SDPA/eager), "flex" (FlexAttention with a block
     mask built from the tree; CUDA only, needs ``attn_implementation="sdpa"``) or "auto" (flex on CUDA with sdpa
     unless ``deterministic``, dense otherwise). ``gradient_checkpointing``: recompute activations in the backward
-    pass (less memory, about one more forward). ``deterministic``: deterministic kernels in this process
+    pass (less memory, about one more forward). ``head_chunk_tokens``: run the LM head, log-softmax and entropy
+    over at most this many predicted tokens at a time, each chunk recomputed in the backward pass, so the
+    [tokens, vocabulary] tensors exist one chunk at a time (same update up to float rounding, one more head forward;
+    default: all at once; not with the deepspeed backend). ``deterministic``: deterministic kernels in this process
     (``torch.use_deterministic_algorithms``, cuBLAS workspace, cuDNN flags): slower on GPU; CPU kernels are
     deterministic without it at a fixed thread count.
     """
@@ -67,6 +70,7 @@ class LearnerConfig:
     precision: str = "auto"
     tree_attention: str = "auto"
     gradient_checkpointing: bool = False
+    head_chunk_tokens: int | None = None
     deterministic: bool = False
     max_nan_updates: int = 3
     attn_implementation: str = "sdpa"
@@ -90,6 +94,8 @@ class LearnerConfig:
         POLICY_LOSSES.check(self.policy_loss, "learner")
         positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
+        if self.head_chunk_tokens is not None:
+            positive["head_chunk_tokens"] = self.head_chunk_tokens
         for key, val in positive.items():
             if not val > 0:
                 raise ConfigError(f"learner.{key} must be > 0, got {val!r}")

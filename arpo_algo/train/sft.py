@@ -80,6 +80,14 @@ class SFTConfig:
     """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    rows_per_forward: int | None = None
+    """At most this many sequences per forward/backward pass: each micro-batch is run in chunks of this many rows
+    (default: the whole micro-batch). The batches, the loss and the gradients stay the same (up to float rounding: the
+    loss of a step is the sum over its trained tokens divided by their count, whatever the chunking); only the
+    activation memory, which grows with the rows of one pass, shrinks (issue 10)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (non-reentrant
+    activation checkpointing): same loss and gradients, less activation memory, about one more forward of compute."""
     max_seq_len: int = 1024
     group_by_length: bool = True
     """Batch rows of similar length together (shuffled batches), to spend less compute on padding."""
@@ -108,7 +116,7 @@ class SFTConfig:
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed, "sft config")
         positive = ("epochs", "lr", "batch_size", "grad_accum", "max_seq_len", "log_every", "num_examples",
-                    "max_steps")
+                    "max_steps", "rows_per_forward")
         for key in positive:
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -170,24 +178,31 @@ def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
         raise ConfigError("sft config: device='cuda' but no CUDA GPU is available", hint='use device="auto"')
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if cfg.gradient_checkpointing:  # as the RL learner does (transformers 5 renamed gradient_ -> activation_)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer, device
 
 
-def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: bool) -> tuple[float, int]:
-    """Forward/backward over one optimizer step's micro-batches; loss = mean over all their trained tokens."""
+def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: bool,
+                rows_per_forward: int | None = None) -> tuple[float, int]:
+    """Forward/backward over one optimizer step's micro-batches, each in passes of at most ``rows_per_forward`` rows;
+    loss = mean over all their trained tokens."""
     import torch
     import torch.nn.functional as F
 
     n_tokens = sum(sum(1 for lab in y[1:] if lab != -100) for batch in micro for _, y in batch)
     total = 0.0
-    for batch in micro:
+    passes = [batch[k:k + (rows_per_forward or len(batch))] for batch in micro
+              for k in range(0, len(batch), rows_per_forward or len(batch))]
+    for batch in passes:
         ids, labels, mask = _collate(batch, pad_id, device)
         # Causal shift: position t predicts token t+1. Only trained positions go through the LM head: the full
         # [B, T, V] logits (and their log-softmax and gradient) were most of SFT's peak memory (issue 10).
         target = labels[:, 1:]
         keep = target != -100
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            hidden = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=mask,
+                                                               use_cache=False).last_hidden_state
             logits = model.get_output_embeddings()(hidden[:, :-1][keep])
         loss_sum = F.cross_entropy(logits.float(), target[keep], reduction="sum")
         (loss_sum / n_tokens).backward()
@@ -235,7 +250,8 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
         for k in range(0, len(batches), cfg.grad_accum):
             if step >= total_steps:
                 break
-            loss, n_tok = _train_step(model, batches[k:k + cfg.grad_accum], pad_id, device, cfg.bf16)
+            loss, n_tok = _train_step(model, batches[k:k + cfg.grad_accum], pad_id, device, cfg.bf16,
+                                      cfg.rows_per_forward)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             lr = sched.get_last_lr()[0]
             opt.step()

@@ -203,20 +203,58 @@ def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> Any:
 
 
 def forward_token_stats(model: torch.nn.Module, batch: TokenBatch, *, with_entropy: bool,
-                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        entropy_grad: bool = True, head_chunk: int | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model once and return each unique prediction's log-prob (and full-vocabulary entropy), in fp32.
 
     Only the kept positions go through the LM head (``logits_to_keep`` with an index tensor), which matters with
     large vocabularies. ``entropy_grad=False`` computes the entropy outside the autograd graph (a metric or a
     detached z-score needs no gradient, and the graph would keep a [U, V] tensor alive).
+
+    ``head_chunk`` (``LearnerConfig.head_chunk_tokens``): the model body runs once, then the LM head, log-softmax
+    and entropy run over at most ``head_chunk`` predictions at a time, each chunk recomputed in the backward pass
+    (non-reentrant activation checkpointing), so the [U, V] logits and their log-softmax, entropy terms and
+    gradients exist one chunk at a time (issue 10: they were the RL step's largest tensors). Same values and
+    gradients up to float rounding; one more head forward. Needs a plain HF causal LM whose logits are its output
+    embeddings applied to the last hidden state (no logit scaling or soft-capping).
     """
+    if head_chunk:
+        return _chunked_head_stats(model, batch, with_entropy, entropy_grad, head_chunk)
     out = model(input_ids=batch.input_ids, attention_mask=attention_mask_for(model, batch),
                 position_ids=batch.position_ids, logits_to_keep=batch.keep, use_cache=False)
-    rows = out.logits[batch.node_b, batch.node_row].float()
-    logprobs = torch.log_softmax(rows, dim=-1)
-    lp = logprobs.gather(1, batch.node_tok[:, None]).squeeze(1)
+    return _head_stats(out.logits[batch.node_b, batch.node_row], batch.node_tok, with_entropy, entropy_grad)
+
+
+def _head_stats(logits: torch.Tensor, tok: torch.Tensor, with_entropy: bool,
+                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    lp = logprobs.gather(1, tok[:, None]).squeeze(1)
     if not with_entropy:
         return lp, None
     with torch.enable_grad() if entropy_grad else torch.no_grad():
         ent = -(torch.exp(logprobs) * logprobs).sum(-1)
     return lp, ent
+
+
+def _chunked_head_stats(model: torch.nn.Module, batch: TokenBatch, with_entropy: bool, entropy_grad: bool,
+                        chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from torch.utils.checkpoint import checkpoint
+
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, name, None) is not None:
+            raise ConfigError(f"learner.head_chunk_tokens: the model's logits are not its plain LM head output "
+                              f"(config.{name} is set)", hint="leave head_chunk_tokens unset for this model")
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=batch.input_ids, attention_mask=attention_mask_for(model, batch),
+                  position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    rows = hidden[batch.node_b, batch.keep[batch.node_row]]  # [U, H]: the hidden state under each kept logit row
+    head = model.get_output_embeddings()
+
+    def stats(h: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        lp, ent = _head_stats(head(h), tok, with_entropy, entropy_grad)
+        return (lp,) if ent is None else (lp, ent)
+
+    parts = [checkpoint(stats, h, tok, use_reentrant=False) if torch.is_grad_enabled() else stats(h, tok)
+             for h, tok in zip(rows.split(chunk), batch.node_tok.split(chunk), strict=True)]
+    lp = torch.cat([p[0] for p in parts])
+    return lp, (torch.cat([p[1] for p in parts]) if with_entropy else None)

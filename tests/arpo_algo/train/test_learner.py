@@ -263,3 +263,34 @@ def test_advantages_are_normalised_per_group_not_over_the_batch(tiny_model_dir, 
         assert m["traj_with_grad_frac"] == pytest.approx(len(g0.trajectories) / 7)
         out.append(_params(learner))
     assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
+
+
+@pytest.mark.parametrize("extra", [{}, {"entropy_coef": 0.01, "kl_coef": 0.1}, {"dedup_prefix": False},
+                                   {"gradient_checkpointing": True}],
+                         ids=["default", "entropy_grad+kl", "padded", "checkpointed"])
+def test_head_chunk_tokens_gives_the_same_update(tiny_model_dir, groups, extra):
+    """Memory option (issue 10): the LM head in chunks of 3 predictions (recomputed in backward) leaves the loss,
+    the metrics and every gradient as they were."""
+    results = []
+    for chunk in (None, 3):
+        learner = Learner(tiny_model_dir, replace(BASE, micro_batch_tokens=10, head_chunk_tokens=chunk, **extra))
+        m = learner.update(groups)
+        results.append((m, _grads(learner)))
+    (m_ref, g_ref), (m_chunk, g_chunk) = results
+    for key in ("loss/policy", "loss/kl", "loss/entropy_bonus", "entropy", "clip_frac", "grad_norm"):
+        assert m_chunk[key] == pytest.approx(m_ref[key], abs=1e-6), key
+    assert g_chunk.keys() == g_ref.keys()
+    for name, g in g_ref.items():
+        torch.testing.assert_close(g_chunk[name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_head_chunk_tokens_is_validated_and_refused_where_unsupported():
+    for bad in (0, -4):
+        with pytest.raises(ConfigError, match="head_chunk_tokens must be > 0"):
+            LearnerConfig.from_dict({"head_chunk_tokens": bad})
+    with pytest.raises(ConfigError, match="head_chunk_tokens must be int"):
+        LearnerConfig.from_dict({"head_chunk_tokens": 2.5})
+    from arpo_algo.train.deepspeed_learner import DeepSpeedLearner
+
+    with pytest.raises(ConfigError, match="not supported by the deepspeed backend"):
+        DeepSpeedLearner("unused", LearnerConfig(head_chunk_tokens=64))

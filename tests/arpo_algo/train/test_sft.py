@@ -279,3 +279,64 @@ def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_mo
     assert n == 5 and abs(loss - float(ref)) < 1e-5
     for k, p in model.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-6), k
+
+
+def _loss_and_grads(model, batch, **kw):
+    import torch
+
+    from arpo_algo.train.sft import _train_step
+
+    model.zero_grad(set_to_none=True)
+    loss, n = _train_step(model, batch, 0, torch.device("cpu"), False, **kw)
+    return loss, n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_rows_per_forward_and_gradient_checkpointing_give_the_same_loss_and_gradients(tiny_model_dir):
+    """Memory options (issue 10): passes of fewer rows and activation checkpointing leave the step's loss and
+    gradients as they were (rows of different lengths, so the chunks are padded to different widths)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arpo_algo.train.sft import SFTConfig, _load_model
+
+    rows = [([5, 6, 7, 8, 9, 10, 11], [-100, -100, 7, 8, -100, 10, 11]), ([11, 12, 13], [-100, 12, 13]),
+            ([20, 21, 22, 23, 24], [-100, -100, -100, 23, 24])]
+    micro = [rows[:2], rows[2:]]  # grad_accum 2
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    ref_loss, ref_n, ref = _loss_and_grads(model, micro)
+    for rpf in (1, 2):
+        loss, n, grads = _loss_and_grads(model, micro, rows_per_forward=rpf)
+        assert n == ref_n == 8 and abs(loss - ref_loss) < 1e-6
+        for k in ref:
+            assert torch.allclose(grads[k], ref[k], atol=1e-6), (rpf, k)
+    ckpt, _, _ = _load_model(SFTConfig(model=str(tiny_model_dir), gradient_checkpointing=True, device="cpu"))
+    ckpt.train()
+    assert ckpt.is_gradient_checkpointing
+    for rpf in (None, 1):
+        loss, n, grads = _loss_and_grads(ckpt, micro, rows_per_forward=rpf)
+        assert n == ref_n and abs(loss - ref_loss) < 1e-6
+        for k in ref:
+            assert torch.allclose(grads[k], ref[k], atol=1e-6), (rpf, k)
+
+
+def test_sft_run_with_the_memory_options_trains_like_without(tiny_model_dir, tmp_path):
+    """Through run_sft: same steps, same losses (to float rounding) with rows_per_forward + gradient checkpointing."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"instruction": f"What is {i} + {i}?", "input": "",
+                                       "output": f"The answer is {2 * i}."}) for i in range(6)))
+    base = {"model": str(tiny_model_dir), "data": str(f), "epochs": 1, "batch_size": 3, "grad_accum": 2,
+            "lr": 3e-3, "progress": False, "tensorboard": False, "device": "cpu"}
+    a = run_sft({**base, "output_dir": str(tmp_path / "a")})
+    b = run_sft({**base, "output_dir": str(tmp_path / "b"), "rows_per_forward": 2, "gradient_checkpointing": True})
+    assert a["steps"] == b["steps"] == 1 and a["tokens_trained"] == b["tokens_trained"]
+    assert abs(a["history"][0]["loss"] - b["history"][0]["loss"]) < 1e-6
+    assert abs(a["history"][0]["grad_norm"] - b["history"][0]["grad_norm"]) < 1e-5
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg.get("use_cache", True) is True  # the saved folder generates with its KV cache as before
+
+
+@pytest.mark.parametrize("bad", [{"rows_per_forward": 0}, {"rows_per_forward": -2}, {"rows_per_forward": 1.5},
+                                 {"gradient_checkpointing": "yes"}, {"rows_per_forward_": 2}])
+def test_memory_options_are_validated(bad):
+    with pytest.raises(ConfigError):
+        SFTConfig.from_dict({"model": "m", **bad})

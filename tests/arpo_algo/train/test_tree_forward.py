@@ -123,3 +123,27 @@ def test_merge_shared_counts_a_shared_token_once(tiny_model_dir):
     # Merged: one pair per (group, unique trained node); the weights add up to the copies they replace.
     assert merged.pair_node.numel() == plain.node_tok.numel() < plain.pair_node.numel()
     assert float(merged.pair_weight.sum()) == pytest.approx(float(plain.pair_weight.sum()))
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_chunked_head_equals_the_whole_head(tiny_model_dir, dedup):
+    """forward_token_stats(head_chunk=...) (issue 10): same log-probs, entropies and gradients, chunk by chunk."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    specs = _specs(make_groups(tok))
+    batch = build_dedup_batch(specs) if dedup else build_padded_batch(specs, tok.pad_token_id)
+    results = []
+    for chunk in (None, 4):
+        model.zero_grad(set_to_none=True)
+        lp, ent = forward_token_stats(model, batch, with_entropy=True, head_chunk=chunk)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        with torch.no_grad():
+            lp_ng, _ = forward_token_stats(model, batch, with_entropy=False, head_chunk=chunk)
+        torch.testing.assert_close(lp_ng, lp.detach())
+    (lp1, e1, g1), (lp2, e2, g2) = results
+    assert len(lp1) > 4  # several chunks
+    torch.testing.assert_close(lp2, lp1, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(e2, e1, atol=1e-6, rtol=1e-6)
+    for name, g in g1.items():
+        torch.testing.assert_close(g2[name], g, atol=1e-5, rtol=1e-4)  # float summation order, as above
