@@ -199,9 +199,10 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
     ref = {"num_seeds": max(seeds), "sft_seed": 0, "command": "python -m experiments.compare " + shlex.join(argv),
            "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), "
                       f"{time.strftime('%Y-%m-%d')}",
-           "configurations": {name: {"before": r["before"]["mean"], "after_mean": r["after"]["mean"],
-                                     "after_sd": r["after"]["sd"], "improved": r["improved"], "worse": r["worse"]}
-                              for name, r in rep.items()}}
+           "configurations": {name.removeprefix("compare_"): {
+               "seeds": len(r["seeds"]), "before": r["before"]["mean"], "after_mean": r["after"]["mean"],
+               "after_sd": r["after"]["sd"], "improved": r["improved"], "worse": r["worse"]}
+               for name, r in rep.items()}}
     path.write_text(json.dumps(ref, indent=2) + "\n")
 
 

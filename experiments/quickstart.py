@@ -190,7 +190,8 @@ def reference_line(summary: dict[str, Any]) -> str:
              f"({ref['machine']}; {ref['command']}):"]
     for name, r in ref["configurations"].items():
         lines.append(f"  {name:>5}: before {r['before']:.3f}, after {r['after_mean']:.3f} ± {r['after_sd']:.3f} "
-                     f"(sd), improved on {r['improved']} of {ref['num_seeds']} seeds, worse on {r['worse']}")
+                     f"(sd), improved on {r['improved']} of {r.get('seeds', ref['num_seeds'])} seeds, "
+                     f"worse on {r['worse']}")
     cfgs = ref["configurations"]
     if "arpo" in cfgs and "grpo" in cfgs:
         a, g = cfgs["arpo"], cfgs["grpo"]

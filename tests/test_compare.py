@@ -70,6 +70,7 @@ def test_resume_skips_finished_runs_and_report_only_merges_processes(tiny_model_
     assert summary["seeds"] == [0, 1] and summary["after"]["n"] == 2
     reference = json.loads(ref.read_text())
     assert reference["num_seeds"] == 2 and set(reference["configurations"]) == {"tiny"}
+    assert reference["configurations"]["tiny"]["seeds"] == 2
     assert reference["configurations"]["tiny"]["after_mean"] == summary["after"]["mean"]
 
 
