@@ -124,6 +124,8 @@ def finished_run(out: Path) -> dict[str, Any] | None:
 def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     rep: dict[str, Any] = {}
     for name, seeds in runs.items():
+        if not seeds:  # not run yet (the partial report after the first runs of a comparison)
+            continue
         rs = list(seeds.values())
         before, after = [r["before"] for r in rs], [r["after"] for r in rs]
         calls = [c for r in rs for c in r["tool_calls"]]
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name][seed] = done
                 if not args.report_only:
                     (args.output / f"partial_{'_'.join(map(str, args.seeds))}.json").write_text(
-                        json.dumps(summarize({n: r for n, r in runs.items() if r}), indent=2, default=str))
+                        json.dumps(summarize(runs), indent=2, default=str))
         runs = {n: r for n, r in runs.items() if r}
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)

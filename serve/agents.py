@@ -134,15 +134,14 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
 def check_engine(engine: str, settings: dict[str, Any]) -> None:
     """Fail on the command line, not in a replica: vLLM must be importable for ``engine="vllm"``, and every engine
     setting must be one the engine takes (``max_batch_size`` is the HF engine's; vLLM schedules its own batches)."""
-    import importlib.util
     import inspect
 
     from arpo_algo.rollout.engines import ENGINES
 
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        from arpo_algo.rollout.engines.vllm_support import INSTALL_HINT
+    if engine == "vllm":
+        from arpo_algo.rollout.engines.vllm_support import check_vllm_installed
 
-        raise ConfigError("engine 'vllm' needs the vllm package, which is not importable here", hint=INSTALL_HINT)
+        check_vllm_installed()
     params = inspect.signature(ENGINES[engine]().func).parameters
     known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k != "model")
     for key in settings:

