@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
     ap.add_argument("--release-before-update", action="store_true",
                     help="rl: gc + malloc_trim (experiments.quickstart.release_memory) before each update")
+    ap.add_argument("--keep-engine-caches", action="store_true",
+                    help="rl: keep the engine's transposed weight copies during the update (before engine.sleep())")
     ap.add_argument("--stage", choices=("rl", "sft"), default="rl")
     ap.add_argument("--batch-size", type=int, default=None, help="sft: sequences per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=None, help="sft: micro-batches per optimizer step")
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             n = len(g.token_ids)
             trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
         groups.append(Group(i, prompts[i], trajs))
-    engine._store.clear()  # the sampler releases every key at the end of a step
+    if args.keep_engine_caches:  # before the change: only the stored KV went (the sampler releases its keys)
+        engine._store.clear()
+    else:  # as the Algorithm does before an update: KV store and transposed weight copies
+        engine.sleep()
     from experiments.quickstart import release_memory
 
     release = release_memory if args.release_before_update else (lambda: False)

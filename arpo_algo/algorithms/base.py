@@ -168,8 +168,8 @@ class AgenticRLAlgorithm(Algorithm):
             groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
                                             dynamic=self.config.dynamic_sampling,
                                             max_rounds=self.config.dynamic_sampling_max_rounds)
-        if hasattr(self.engine, "sleep"):  # vLLM on GPU with sleep_between_rollouts: free its memory for the update
-            self.engine.sleep()
+        if hasattr(self.engine, "sleep"):  # free rollout memory for the update (HF: KV store and weight copies;
+            self.engine.sleep()  # vLLM: GPU with sleep_between_rollouts only)
         t1 = time.perf_counter()
         with self.metrics.log_time(("timers", "update_time")):
             learn = self.learner.update(groups)

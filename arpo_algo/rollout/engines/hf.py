@@ -163,10 +163,15 @@ class HFEngine:
 
     def close(self) -> None:
         """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
-        self._store.clear()
-        self._decode_layers = []
+        self.sleep()
         if self.static_decoder is not None:
             self.static_decoder.close()
+
+    def sleep(self) -> None:
+        """Free the stored KV and transposed weight copies (stale after a learner update); the next call rebuilds."""
+        self._store.clear()
+        if self._transposed is not None:
+            self._transposed.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
@@ -204,7 +209,7 @@ class HFEngine:
         results: list[Generation | None] = [None] * len(requests)
         pending: collections.deque[int] = collections.deque()
         for i, req in enumerate(requests):
-            problem = self._validate(req)
+            problem = request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows)
             if problem:
                 self._stats["errors"] += 1
                 results[i] = error_generation(req, problem)
@@ -231,9 +236,6 @@ class HFEngine:
             self._stats["kv_invalidations"] += 1
         self._store.clear()
         self._weights_version = self._param_version()
-
-    def _validate(self, req: GenRequest) -> str | None:
-        return request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows)
 
     def _new_row(self, idx: int, req: GenRequest) -> _Row:
         p = req.params

@@ -50,6 +50,11 @@ class TransposedLinears:
         self._layers = [(mod, mod.weight.detach().t().contiguous()) for mod in self.model.modules()
                         if type(mod) is torch.nn.Linear]  # subclasses (LoRA, quantized) keep their own forward
 
+    def clear(self) -> None:
+        """Free the copies; the next :meth:`active` rebuilds them."""
+        self._layers = []
+        self._version = None
+
     @contextlib.contextmanager
     def active(self, version: Any) -> Iterator[None]:
         """Route every plain ``nn.Linear`` of the model through its copy; ``version`` identifies the weights."""

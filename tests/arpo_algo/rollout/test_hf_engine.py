@@ -218,6 +218,25 @@ def test_weights_updated_after_a_fused_optimizer_step(tiny_model_dir):
     assert _maxdiff(lps, gen.logprobs) < 1e-4
 
 
+def test_sleep_frees_the_weight_copies_and_stored_kv_and_decoding_resumes(tiny_model_dir):
+    # The Algorithm calls engine.sleep() between the rollout and the learner update (issue 10, memory): the transposed
+    # copies of the linear weights and the stored KV must really be freed, and the next call rebuilds them.
+    import gc
+    import weakref
+
+    eng = HFEngine(tiny_model_dir, linear_layout="transposed")
+    ctx = eng.tokenizer.encode("sleep and wake")
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    first = eng.generate([GenRequest(0, ctx, greedy)])[0]
+    copies = [weakref.ref(w) for _, w in eng._transposed._layers]
+    assert copies and eng.stats()["kv_cached_tokens"] > 0
+    eng.sleep()
+    gc.collect()
+    assert all(ref() is None for ref in copies) and eng.stats()["kv_cached_tokens"] == 0
+    again = eng.generate([GenRequest(1, ctx, greedy)])[0]
+    assert again.token_ids == first.token_ids and _maxdiff(again.logprobs, first.logprobs) < 1e-6
+
+
 def test_topk_logprobs_and_reference_entropy_method(tiny_model_dir):
     eng = HFEngine(tiny_model_dir, entropy_method="topk_sum_lnV")
     req = GenRequest("k", eng.tokenizer.encode("top k"), SamplingParams(max_new_tokens=10, seed=4))
