@@ -281,3 +281,24 @@ def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
             ToolTextEnv(task="toolmath").reset(options={"task_index": g.prompt_index})[1]["messages"],
             add_generation_prompt=True, tokenize=True, return_dict=False))
     assert m["num_trajectories"] == 8 and m["rollout/tokens_generated"] > 0
+
+
+def test_arpo_without_branching_is_grpo_token_for_token(tiny_model_dir, env_creator):
+    # Issue 10's control "ARPO with Z = 0 must match GRPO": with no clone per branch decision the tree is N roots plus
+    # M - N fill-ups from the prompt. Per-request seeds come from (seed, step, prompt, slot), so on the real engine
+    # the group must hold exactly GRPO's M samples (same tokens, log-probs and rewards); any code-path difference
+    # between the two (fill-up seeding, masks, finish handling) shows up here. The random tiny model writes no tool
+    # call, so no look-ahead happens; the same control with SmolLM2 after SFT, where it does, is a run (README).
+    from arpo_algo.rollout.engines.hf import HFEngine
+
+    eng = HFEngine(str(tiny_model_dir))
+    arpo = TreeConfig(budget=4, initial=2, branch_factor=0).validate()
+    grpo = TreeConfig.grpo(4)
+    got = {}
+    for name, cfg in (("arpo", arpo), ("grpo", grpo)):
+        groups, _ = _sampler(eng, env_creator, cfg, max_response_tokens=48, seed=3).sample([0, 1], step=2)
+        got[name] = [sorted((tuple(t.response_ids), tuple(t.trained_mask), t.reward, t.finish_reason)
+                            for t in g.trajectories) for g in groups]
+        assert all(t.parent is None for g in groups for t in g.trajectories)
+    assert got["arpo"] == got["grpo"]
+    assert len({traj[0] for g in got["grpo"] for traj in g}) > 2  # sampled, not one repeated greedy answer
