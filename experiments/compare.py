@@ -11,6 +11,11 @@ iteration and in total, wall time; ``report.md``, ``report.json`` and two plots 
 against cumulative tool calls, mean over seeds with a min-max band). Accuracy points between the first and the last
 come from ``evaluation.every`` (``--eval-every``).
 
+Variants of one file (a stabilizer study): ``--name arpo+dynsamp --set training.dynamic_sampling=true`` names the
+configuration's folder. ``--report-only`` reports every configuration with finished runs under ``--output`` (however
+many processes trained them), and ``--baseline NAME`` adds each configuration's final accuracy minus that one's,
+paired by seed (mean, sd, 95% CI, seeds better / worse).
+
 ``--equal-budget`` refuses configurations that differ in the budget (trajectories per prompt, prompts per step,
 iterations, response tokens, tool calls per trajectory), naming the field. Same seed, same machine: same result on
 CPU (the sampler, the learner and the tools are seeded; tested on a tiny model).
@@ -21,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from arpo_env.errors import ConfigError
 
 #: (name, how to read it from a loaded experiment) of every setting that sets the compute budget of a run.
 BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
@@ -35,6 +43,7 @@ BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
     ("rollouts.max_response_tokens", lambda e: e.config.max_response_tokens),
     ("env.max_tool_calls", lambda e: (e.config.env_config or {}).get("max_tool_calls")),
 )
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 #: written into a run folder when the run completed; a rerun of the comparison skips such runs (resume).
 RUN_RESULT = "compare_run.json"
 #: Per-iteration metrics averaged over a run's iterations (then over seeds) for the report's diagnostics table:
@@ -62,8 +71,6 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 def check_equal_budget(exps: dict[str, Any]) -> None:
     """Raise ConfigError naming the first budget field whose value differs between configurations."""
-    from arpo_env.errors import ConfigError
-
     for field, get in BUDGET_FIELDS:
         values = {name: get(e) for name, e in exps.items()}
         if len(set(map(repr, values.values()))) > 1:
@@ -145,7 +152,8 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return rep
 
 
-def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path) -> Path:
+def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path,
+                 pairs: dict[str, Any] | None = None) -> Path:
     def f(s: dict[str, float]) -> str:
         return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% CI ± {s['ci95']:.3f})"
 
@@ -160,8 +168,15 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
               "| configuration | " + " | ".join(DIAGNOSTICS) + " |", "|" + "---|" * (len(DIAGNOSTICS) + 1)]
     for name, r in rep.items():
         lines.append(f"| {name} | " + " | ".join(f"{r['diag'][k]:.2f}" for k in DIAGNOSTICS) + " |")
+    if pairs:
+        lines += ["", "Final accuracy minus the baseline's, paired by seed:", "",
+                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | per seed |", "|---|---|---|---|---|"]
+        for name, p in pairs.items():
+            per = ", ".join(f"{s}: {d:+.3f}" for s, d in p["per_seed"].items())
+            lines.append(f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} | {per} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "report.json").write_text(json.dumps({"summary": rep, "runs": runs}, indent=2, default=str))
+    (out / "report.json").write_text(json.dumps({"summary": rep, "paired": pairs, "runs": runs}, indent=2,
+                                                default=str))
     try:
         import matplotlib
 
@@ -208,16 +223,80 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
     path.write_text(json.dumps(ref, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def train_all(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
+    """Train every (configuration, seed) not finished yet under ``args.output`` (seed-major) and return the runs."""
     from arpo_algo.run.experiment import load_experiment
+
+    if not args.experiments or args.sft is None:
+        raise ConfigError("training needs experiment files and --sft (or --report-only to report finished runs)")
+    if args.name is not None and (len(args.experiments) != 1 or not _SAFE_NAME.fullmatch(args.name)):
+        raise ConfigError(f"--name {args.name!r} needs exactly one experiment file and a folder name made of "
+                          f"letters, digits and . _ + - (got {len(args.experiments)} files)")
+    common = [f"model.path={json.dumps(str(args.sft))}", *args.set]
+    if args.eval_every is not None:
+        common.append(f"evaluation.every={args.eval_every}")
+    names: dict[str, str] = {}
+    for file in args.experiments:
+        name = args.name or Path(file).stem
+        names[name if name not in names else f"{name}_{len(names)}"] = file
+    exps = {n: load_experiment(f, common) for n, f in names.items()}
+    if args.equal_budget:
+        check_equal_budget(exps)
+    seeds = args.seeds if args.seeds is not None else [0, 1, 2]
+    runs: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    for seed in seeds:  # seed-major: an interrupted comparison still has every configuration
+        for name, file in names.items():
+            out = args.output / name / f"seed_{seed}"
+            done = finished_run(out)
+            if done is None:
+                done = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
+            runs[name][seed] = done
+            (args.output / f"partial_{'_'.join(names)}_{'_'.join(map(str, seeds))}.json").write_text(
+                json.dumps(summarize(runs), indent=2, default=str))
+    return runs
+
+
+def finished_runs(output: Path, seeds: list[int] | None) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every configuration folder under ``output`` with finished runs (of ``seeds``, or all), sorted by name."""
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for marker in sorted(output.glob(f"*/seed_*/{RUN_RESULT}")):
+        seed = int(marker.parent.name.removeprefix("seed_"))
+        if seeds is None or seed in seeds:
+            runs.setdefault(marker.parent.parent.name, {})[seed] = finished_run(marker.parent)
+    if not runs:
+        raise ConfigError(f"no finished runs under {output} (a run is finished when {RUN_RESULT} is there)")
+    for name, done in runs.items():
+        for seed in sorted(set(seeds or ()) - set(done)):
+            print(f"[compare] {name} seed {seed}: not finished, left out of the report", file=sys.stderr)
+    return {n: dict(sorted(r.items())) for n, r in runs.items()}
+
+
+def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
+    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse)."""
+    base = rep[baseline]["per_seed"]
+    out = {}
+    for name, r in rep.items():
+        common = [s for s in r["per_seed"] if s in base and name != baseline]
+        if common:
+            d = [r["per_seed"][s]["after"] - base[s]["after"] for s in common]
+            out[name] = {"seeds": common, "diff": stats(d), "better": sum(x > 0 for x in d),
+                         "worse": sum(x < 0 for x in d), "per_seed": dict(zip(common, d))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     from arpo_env.errors import ArpoError
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("experiments", nargs="+", help="experiment files (or names in experiments/)")
-    ap.add_argument("--sft", required=True, help="the shared starting checkpoint (model.path of every run)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("experiments", nargs="*", help="experiment files (or names in experiments/)")
+    ap.add_argument("--sft", default=None, help="the shared starting checkpoint (model.path of every run)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (report: every finished seed)")
     ap.add_argument("--output", type=Path, default=Path("runs/compare"))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, all runs")
+    ap.add_argument("--name", default=None, help="with one experiment file: the configuration's name (its folder "
+                    "under --output) instead of the file's, e.g. for a variant made with --set")
+    ap.add_argument("--baseline", default=None, metavar="NAME",
+                    help="also report every other configuration's per-seed difference in final accuracy to this one")
     ap.add_argument("--eval-every", type=int, default=None, help="evaluation.every of every run")
     ap.add_argument("--equal-budget", action="store_true", help="refuse configurations that differ in budget")
     ap.add_argument("--no-progress", action="store_true")
@@ -227,44 +306,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the per-configuration distribution over seeds that the quickstart prints beside "
                          "its own result (experiments/quickstart_reference.json)")
     ap.add_argument("--report-only", action="store_true",
-                    help="train nothing: build the report from the finished runs under --output (several "
-                         "comparison processes may share one --output, each with its own --seeds)")
+                    help="train nothing: report every configuration with finished runs under --output (several "
+                         "comparison processes may share one --output, each with its own --seeds or --name)")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    common = [f"model.path={json.dumps(str(args.sft))}", *args.set]
-    if args.eval_every is not None:
-        common.append(f"evaluation.every={args.eval_every}")
-    names = {}
-    for file in args.experiments:
-        name = Path(file).stem
-        names[name if name not in names else f"{name}_{len(names)}"] = file
     try:
-        exps = {n: load_experiment(f, common) for n, f in names.items()}
-        if args.equal_budget:
-            check_equal_budget(exps)
-        runs: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
-        for seed in args.seeds:  # seed-major: an interrupted comparison still has every configuration
-            for name, file in names.items():
-                out = args.output / name / f"seed_{seed}"
-                done = finished_run(out)
-                if done is None and args.report_only:
-                    print(f"[compare] {name} seed {seed}: not finished, left out of the report", file=sys.stderr)
-                    continue
-                if done is None:
-                    done = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
-                runs[name][seed] = done
-                if not args.report_only:
-                    (args.output / f"partial_{'_'.join(map(str, args.seeds))}.json").write_text(
-                        json.dumps(summarize(runs), indent=2, default=str))
-        runs = {n: r for n, r in runs.items() if r}
+        runs = finished_runs(args.output, args.seeds) if args.report_only else train_all(args)
+        if args.baseline is not None and args.baseline not in runs:
+            raise ConfigError(f"--baseline {args.baseline!r} is not a configuration with finished runs under "
+                              f"{args.output} (there: {', '.join(runs) or 'none'})")
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
         return 2
     rep = summarize(runs)
-    report = write_report(rep, runs, args.output)
+    report = write_report(rep, runs, args.output, paired(rep, args.baseline) if args.baseline else None)
     if args.reference:
         write_reference(rep, args.reference, argv if argv is not None else sys.argv[1:])
     print(report.read_text())

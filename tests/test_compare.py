@@ -84,3 +84,29 @@ def test_two_configurations_report_while_the_second_has_not_run(tiny_model_dir, 
                  "--no-progress", "--equal-budget"]) == 0
     summary = json.loads((out / "report.json").read_text())["summary"]
     assert set(summary) == {"tiny", "other"} and summary["other"]["after"]["n"] == 1
+
+
+def test_named_variants_share_an_output_and_report_paired_differences(tiny_model_dir, tmp_path, capsys):
+    # A stabilizer study: one file, variants made with --set under their own --name, each process its own run;
+    # --report-only finds every configuration and --baseline pairs the final accuracies by seed.
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    out = tmp_path / "stab"
+    common = [str(exp), "--sft", str(tiny_model_dir), "--output", str(out), "--no-progress", "--seeds", "0"]
+    assert main(common) == 0
+    assert main([*common, "--name", "tiny+lr0", "--set", "training.lr=1e-7"]) == 0
+    rerun = json.loads((out / "tiny+lr0" / "seed_0" / "rerun.json").read_text())
+    assert "training.lr=1e-7" in rerun["command"]
+    assert main(["--report-only", "--output", str(out), "--baseline", "tiny"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["summary"]) == {"tiny", "tiny+lr0"}
+    pair = report["paired"]["tiny+lr0"]
+    after = {n: r["per_seed"]["0"]["after"] for n, r in report["summary"].items()}
+    assert pair["seeds"] == [0] and pair["per_seed"]["0"] == after["tiny+lr0"] - after["tiny"]
+    assert "paired by seed" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["--report-only", "--output", str(out), "--baseline", "nope"]) == 2
+    assert "--baseline 'nope' is not a configuration" in capsys.readouterr().err
+    assert main([*common, "--name", "../escape"]) == 2
+    assert "--name '../escape'" in capsys.readouterr().err and not (tmp_path / "escape").exists()
+    assert main(["--output", str(out)]) == 2
+    assert "training needs experiment files and --sft" in capsys.readouterr().err
