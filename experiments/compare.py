@@ -137,10 +137,12 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         before, after = [r["before"] for r in rs], [r["after"] for r in rs]
         calls = [c for r in rs for c in r["tool_calls"]]
         toks = [t for r in rs for t in r["tokens"]]
+        best = [max([a for _, _, a in r["curve"]] + [r["after"]]) for r in rs]
         rep[name] = {
             "seeds": sorted(seeds), "before": stats(before), "after": stats(after),
             "delta": stats([a - b for a, b in zip(after, before)]),
             "improved": sum(a > b for a, b in zip(after, before)), "worse": sum(a < b for a, b in zip(after, before)),
+            "best": stats(best), "drop_from_best": stats([b - a for b, a in zip(best, after)]),
             "tool_calls_per_step": sum(calls) / max(len(calls), 1), "tool_calls_total": sum(calls) / max(len(rs), 1),
             "tokens_per_step": sum(toks) / max(len(toks), 1), "tokens_total": sum(toks) / max(len(rs), 1),
             "time_s": stats([r["time_s"] for r in rs])["mean"],
@@ -157,11 +159,14 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
     def f(s: dict[str, float]) -> str:
         return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% CI ± {s['ci95']:.3f})"
 
-    lines = ["| configuration | seeds | before | after | after - before | improved / worse | tool calls per step "
-             "(total) | tokens per step (total) | skipped updates | wall time per run |", "|" + "---|" * 10]
+    lines = ["| configuration | seeds | before | after | after - before | improved / worse | best during the run | "
+             "best - after | tool calls per step (total) | tokens per step (total) | skipped updates | wall time per "
+             "run |", "|" + "---|" * 12]
     for name, r in rep.items():
         lines.append(f"| {name} | {len(r['seeds'])} | {f(r['before'])} | {f(r['after'])} | {f(r['delta'])} | "
-                     f"{r['improved']} / {r['worse']} | {r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
+                     f"{r['improved']} / {r['worse']} | {r['best']['mean']:.3f} ± {r['best']['sd']:.3f} | "
+                     f"{r['drop_from_best']['mean']:.3f} ± {r['drop_from_best']['sd']:.3f} | "
+                     f"{r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
                      f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
                      f"{r['time_s']:.0f} s |")
     lines += ["", "Diagnostics, mean over iterations and seeds:", "",

@@ -31,6 +31,8 @@ def test_compare_is_deterministic_and_reports(tiny_model_dir, tmp_path, capsys):
     assert "experiment.seed=3" in rerun["command"] and "model.path=" in rerun["command"]
     report = json.loads((outs[0] / "report.json").read_text())["summary"]["tiny"]
     assert report["seeds"] == [3] and report["before"]["n"] == 1 and report["tool_calls_total"] >= 0
+    curve = [a for _, _, a in json.loads((outs[0] / "tiny" / "seed_3" / "compare_run.json").read_text())["curve"]]
+    assert report["best"]["mean"] == max(curve) and report["drop_from_best"]["mean"] == max(curve) - curve[-1]
     assert "| tiny | 1 |" in (outs[0] / "report.md").read_text()
 
 
