@@ -162,7 +162,7 @@ class HFEngine:
         return self.max_positions
 
     def close(self) -> None:
-        """Drop the stored KV (the model itself may be shared with a learner, so it stays). Idempotent."""
+        """Drop the stored KV and weight copies (the model may be shared with a learner, so it stays). Idempotent."""
         self.sleep()
         if self.static_decoder is not None:
             self.static_decoder.close()

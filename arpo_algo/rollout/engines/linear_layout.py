@@ -46,7 +46,7 @@ class TransposedLinears:
         self._layers: list[tuple[torch.nn.Linear, torch.Tensor]] = []
 
     def _rebuild(self) -> None:
-        self._layers = []  # free the stale copies first: never two sets of them in memory at once
+        self.clear()  # free the stale copies first: never two sets of them in memory at once
         self._layers = [(mod, mod.weight.detach().t().contiguous()) for mod in self.model.modules()
                         if type(mod) is torch.nn.Linear]  # subclasses (LoRA, quantized) keep their own forward
 
