@@ -27,14 +27,17 @@ def test_release_memory_hands_freed_heap_memory_back_to_the_os():
     top of the heap, they stay resident (glibc trims only a free top) until ``malloc_trim``."""
     import gc
 
-    base = quickstart.rss_gb()
     blocks = [bytes(4000) + bytes([i % 256]) for i in range(100_000)]  # ~400 MB of malloc'd blocks
     pin = bytes(4000) + b"x"  # allocated after them: above them on the heap, alive through the test
+    with_blocks = quickstart.rss_gb()
     del blocks
     gc.collect()
-    assert quickstart.rss_gb() - base > 0.3  # freed, but still resident
+    freed = quickstart.rss_gb()
+    # Measured from the freed state, not from before the allocation: in a long pytest process some blocks land in
+    # holes earlier tests left on the heap (already resident), so the growth alone can be well under 400 MB.
+    assert with_blocks - freed < 0.1  # freed, but still resident
     assert quickstart.release_memory() is True
-    assert quickstart.rss_gb() - base < 0.1  # handed back
+    assert freed - quickstart.rss_gb() > 0.3  # handed back
     assert pin[-1:] == b"x"
 
 
