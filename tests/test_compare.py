@@ -112,3 +112,26 @@ def test_named_variants_share_an_output_and_report_paired_differences(tiny_model
     assert "--name '../escape'" in capsys.readouterr().err and not (tmp_path / "escape").exists()
     assert main(["--output", str(out)]) == 2
     assert "training needs experiment files and --sft" in capsys.readouterr().err
+
+
+def test_the_comparison_files_train_the_quickstarts_rl_stage():
+    """compare_{arpo,grpo,aepo}.toml are the quickstart's RL stage per algorithm: the reference distribution the
+    quickstart prints is measured with them, so a recipe change in one file (e.g. the learning rate) must be made in
+    all. Allowed to differ: the algorithm and its tree, the evaluation schedule, and memory-only settings."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    quick = tomllib.loads((root / "quickstart.toml").read_text())
+    memory_only = {"gradient_checkpointing"}
+    for budget, suffix in ((4, ""), (8, "_m8")):
+        for algo in ("arpo", "grpo", "aepo"):
+            cfg = tomllib.loads((root / f"compare_{algo}{suffix}.toml").read_text())
+            assert cfg["experiment"]["algorithm"] == algo
+            assert cfg["tree"]["budget"] == budget
+            for section in ("experiment", "env", "training", "rollouts"):
+                a = {k: v for k, v in quick[section].items() if k not in memory_only | {"algorithm"}}
+                b = {k: v for k, v in cfg[section].items() if k not in memory_only | {"algorithm"}}
+                assert a == b, (algo + suffix, section)
+            assert {k: v for k, v in cfg["evaluation"].items() if k != "every"} == \
+                {k: v for k, v in quick["evaluation"].items() if k != "every"}
