@@ -60,6 +60,19 @@ def _alive(p) -> bool:  # noqa: ANN001
         return False
 
 
+def _tree(procs: list) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, name) of ``procs``: the failure message when the engine core is not among them."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            out.append((p.pid, p.ppid(), p.name()))
+        except psutil.Error:
+            continue
+    return out
+
+
 def _engine_cores(procs: list) -> list[int]:
     """Pids of the vLLM engine-core processes among ``procs`` (vLLM titles it ``VLLM::EngineCore``)."""
     import psutil
@@ -163,7 +176,8 @@ def _ids(result: dict) -> list[list[int]]:
 
 def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
     url, proc = server
-    assert len(_engine_cores(_descendants(proc.pid))) == 1  # the replica started vLLM (the HF engine has none)
+    procs = _descendants(proc.pid)
+    assert len(_engine_cores(procs)) == 1, _tree(procs)  # the replica started vLLM (the HF engine has none)
     with urllib.request.urlopen(f"{url}/v1/models") as r:
         assert [m["arpo"]["engine"] for m in json.loads(r.read())["data"]] == ["vllm"]
 
@@ -185,7 +199,7 @@ def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
 def test_sigterm_shuts_down_serve_ray_and_vllm(server):
     url, proc = server
     procs = _descendants(proc.pid)
-    assert _engine_cores(procs)
+    assert _engine_cores(procs), _tree(procs)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     deadline = time.monotonic() + 60
