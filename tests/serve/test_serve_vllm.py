@@ -87,6 +87,24 @@ def _engine_cores(procs: list) -> list[int]:
     return found
 
 
+def _with_engine_core(proc, log, timeout_s: float = 120.0) -> list:  # noqa: ANN001
+    """The command's descendants once a vLLM engine core is among them. Polled: on a loaded machine Serve may
+    restart a replica whose health check timed out, and for a moment no engine core runs. Fails after
+    ``timeout_s`` with the process tree and the end of the command's log."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = _descendants(proc.pid)
+        if _engine_cores(procs) or time.monotonic() > deadline or proc.poll() is not None:
+            break
+        time.sleep(1.0)
+    if not _engine_cores(procs):
+        log.flush()
+        log.seek(0)
+        pytest.fail(f"no vLLM engine core among the command's processes after {timeout_s:.0f} s: "
+                    f"{_tree(procs)}\n--- arpo serve log (end) ---\n{log.read()[-3000:]}")
+    return procs
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from arpo_algo.models import build_tiny_model
@@ -96,7 +114,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    """``arpo serve tiny=<model> --engine vllm`` in a subprocess; yields (url, process)."""
+    """``arpo serve tiny=<model> --engine vllm`` in a subprocess; yields (url, process, its log file)."""
     from arpo_algo.cli.serve import wait_ready
 
     port = _free_port()
@@ -109,7 +127,7 @@ def server(model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 600)
-        yield url, proc
+        yield url, proc, log
     finally:
         if proc.poll() is None:
             procs = _descendants(proc.pid)
@@ -175,8 +193,8 @@ def _ids(result: dict) -> list[list[int]]:
 
 
 def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
-    url, proc = server
-    procs = _descendants(proc.pid)
+    url, proc, log = server
+    procs = _with_engine_core(proc, log)
     assert len(_engine_cores(procs)) == 1, _tree(procs)  # the replica started vLLM (the HF engine has none)
     with urllib.request.urlopen(f"{url}/v1/models") as r:
         assert [m["arpo"]["engine"] for m in json.loads(r.read())["data"]] == ["vllm"]
@@ -197,9 +215,8 @@ def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
 
 
 def test_sigterm_shuts_down_serve_ray_and_vllm(server):
-    url, proc = server
-    procs = _descendants(proc.pid)
-    assert _engine_cores(procs), _tree(procs)
+    url, proc, log = server
+    procs = _with_engine_core(proc, log)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     deadline = time.monotonic() + 60
