@@ -10,7 +10,7 @@ from typing import Any
 import gymnasium as gym
 
 import arpo_env
-from arpo_env.errors import ArpoError, MissingDataError
+from arpo_base.errors import ArpoError, MissingDataError
 
 # Policy output that must never crash the env: malformed, nested, unclosed, several calls, unknown tags, huge,
 # invalid Unicode, control characters.

@@ -23,8 +23,8 @@ from typing import Any
 import gymnasium as gym
 from gymnasium import spaces
 
-from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.options import check_choice, check_keys
+from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.options import check_choice, check_keys
 from arpo_env.protocol import ToolProtocol
 from arpo_env.rewards import REWARDS
 from arpo_env.session import (

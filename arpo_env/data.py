@@ -1,7 +1,7 @@
 """The ARPO reference datasets: where they are, how to read them, how to fetch them.
 
 Location order (:func:`shared_data_dir`): ``$ARPO_DATA``, then ``<repo>/../shared/data/arpo`` (only when running
-from a source checkout, see :func:`arpo_env.paths.source_checkout`), then ``$ARPO_HOME/data/arpo`` (where
+from a source checkout, see :func:`arpo_base.paths.source_checkout`), then ``$ARPO_HOME/data/arpo`` (where
 ``arpo data pull`` writes). Files are read with pyarrow, never copied into the repo.
 """
 
@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError, MissingDataError
-from arpo_env.paths import data_dir, source_checkout
+from arpo_base.errors import ArpoError, MissingDataError
+from arpo_base.paths import data_dir, source_checkout
 
 # file -> download URL. The parquet files are published on the Hugging Face hub; the search cache lives in the
 # reference GitHub repository (ARPO/search_cache/).

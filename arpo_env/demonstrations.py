@@ -10,8 +10,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError, ConfigError
 from arpo_env.tasks.toolmath import DEFAULT_LEVELS, Problem
 
 

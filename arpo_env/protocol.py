@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 # The reference "code_search" system prompt (spec §1), with the `\x08oxed` data bug fixed. The buggy variant is
 # produced by :func:`apply_boxed_bug` for bit-exact parity with the released parquet files.

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.options import check_choice, check_keys
+from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.options import check_choice, check_keys
 from arpo_env.protocol import DEFAULT_MAX_ACTION_CHARS, DEFAULT_MAX_ARG_CHARS, ToolProtocol, build_protocol
 
 TEXT_MAX_CHARS = 131_072  # a hard cap on one observation (results are cut to fit, with a visible marker)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 #: (name, how to read it from a loaded experiment) of every setting that sets the compute budget of a run.
 BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
@@ -290,7 +290,7 @@ def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from arpo_env.errors import ArpoError
+    from arpo_base.errors import ArpoError
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("experiments", nargs="*", help="experiment files (or names in experiments/)")

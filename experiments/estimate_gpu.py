@@ -75,7 +75,7 @@ def architecture(model_path: str) -> tuple[str, dict[str, Any]]:
         return str(p / "config.json"), json.loads((p / "config.json").read_text())
     if p.name in KNOWN_MODELS:
         return f"built-in figures for {p.name} (its public config.json)", KNOWN_MODELS[p.name]
-    from arpo_env.errors import ConfigError
+    from arpo_base.errors import ConfigError
 
     raise ConfigError(f"no architecture for model {model_path!r}: not a folder with config.json, not one of "
                       f"{sorted(KNOWN_MODELS)}", hint="pass --set model.path=<local HF folder>")

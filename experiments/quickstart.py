@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from arpo_algo.models import pull
-    from arpo_env.errors import ArpoError
+    from arpo_base.errors import ArpoError
 
     if args.threads:
         torch.set_num_threads(args.threads)

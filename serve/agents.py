@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 ENGINE_KINDS = ("hf", "vllm")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")

@@ -191,7 +191,7 @@ def test_estimator_runs_on_every_gpu_recipe(path, tmp_path, capsys):
 
 
 def test_estimator_rejects_a_model_it_cannot_size(tmp_path):
-    from arpo_env.errors import ConfigError
+    from arpo_base.errors import ConfigError
     from experiments.estimate_gpu import estimate
 
     with pytest.raises(ConfigError, match="no architecture") as err:

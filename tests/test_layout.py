@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: Dependency order. A module belongs to the longest room prefix that matches its dotted name.
 ROOMS = (
+    "arpo_base",
     "arpo_env",
     "arpo_algo.core",
     "arpo_algo.models",
@@ -26,12 +27,14 @@ ROOMS = (
 )
 #: Package-level modules every room may use (version string, package docstring).
 SHARED = {"arpo_algo"}
+#: The top-level packages the rules cover.
+TOPS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments")
 MAX_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("arpo_env", "arpo_algo", "serve", "experiments"):
+    for top in TOPS:
         for path in sorted((REPO / top).rglob("*.py")):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -90,7 +93,7 @@ def test_imports_follow_the_room_order():
             bad.append(f"{mod}: belongs to no room")
             continue
         for name, line in _imports(path, mod):
-            if name in SHARED or not name.startswith(("arpo_env", "arpo_algo", "serve", "experiments")):
+            if name in SHARED or not name.startswith(TOPS):
                 continue
             theirs = _room(name)
             if theirs is not None and theirs > mine:

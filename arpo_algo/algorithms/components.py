@@ -13,7 +13,7 @@ from typing import Any
 from ray.rllib.utils.checkpoints import Checkpointable
 
 from arpo_algo import __version__
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 #: Bumped whenever the checkpoint layout or state keys change incompatibly.
 CHECKPOINT_FORMAT = 1

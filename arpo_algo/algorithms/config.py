@@ -41,8 +41,8 @@ from arpo_algo.algorithms.options import (
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import LearnerConfig
-from arpo_env.errors import ConfigError
-from arpo_env.options import closest
+from arpo_base.errors import ConfigError
+from arpo_base.options import closest
 
 
 class AgenticRLConfig(AlgorithmConfig):

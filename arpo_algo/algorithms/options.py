@@ -31,7 +31,7 @@ from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import LearnerConfig
-from arpo_env.options import check_type, unknown_key_error
+from arpo_base.options import check_type, unknown_key_error
 
 __all__ = ["ALL_OPTIONS", "BACKEND_OPTIONS", "EVAL_OPTIONS", "LEARNER_OPTIONS", "OWN_OPTIONS", "ROLLOUT_OPTIONS", "TRAINING_OPTIONS",
            "TREE_OPTIONS", "Option", "check_value", "unknown_key_error"]

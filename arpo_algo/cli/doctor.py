@@ -21,7 +21,7 @@ def _pkg_version(name: str) -> str | None:
 
 def doctor_report() -> dict:
     """What this machine offers arpo, read truthfully from the installed packages and the OS."""
-    from arpo_env.paths import arpo_home
+    from arpo_base.paths import arpo_home
 
     report: dict = {
         "arpo": __version__,

@@ -21,7 +21,7 @@ DEFAULTS = {"k": 4, "temperature": 0.6, "top_p": 0.95, "seed": 0, "max_response_
 
 def _env_overrides(items: list[str]) -> dict[str, Any]:
     """``--env-set key=value`` items (the shared override syntax, no sections) as an env config dict."""
-    from arpo_env.options import apply_overrides
+    from arpo_base.options import apply_overrides
 
     return apply_overrides({}, items, flag="--env-set")
 
@@ -44,7 +44,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str
     flags = {"k": args.k, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
              "max_response_tokens": args.max_response_tokens, "tool_workers": args.tool_workers}
     base.update({k: v for k, v in flags.items() if v is not None})
-    from arpo_env.errors import ConfigError
+    from arpo_base.errors import ConfigError
 
     if base["k"] < 1:
         raise ConfigError(f"--k must be >= 1, got {base['k']}")

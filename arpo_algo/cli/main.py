@@ -12,13 +12,12 @@ import sys
 import traceback
 
 from arpo_algo import __version__
-from arpo_algo.cli import doctor, model, serve, sft, train, tune
+from arpo_algo.cli import doctor, env_data, model, serve, sft, train, tune
 from arpo_algo.cli import eval as eval_cli
-from arpo_env import cli as env_cli
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
-#: Command modules in --help order (``arpo_env.cli`` adds ``env`` and ``data``).
-COMMANDS = (doctor, model, env_cli, sft, train, tune, eval_cli, serve)
+#: Command modules in --help order (``env_data`` adds ``env`` and ``data``).
+COMMANDS = (doctor, model, env_data, sft, train, tune, eval_cli, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

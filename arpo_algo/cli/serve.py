@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 
 def wait_ready(url: str, timeout_s: float) -> dict:

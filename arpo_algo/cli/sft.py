@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError
-from arpo_env.options import apply_overrides, read_toml
+from arpo_base.errors import ArpoError
+from arpo_base.options import apply_overrides, read_toml
 
 
 def config_from_args(args: argparse.Namespace) -> Any:

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from arpo_algo.core.registry import Registry
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 #: Per-token entropy an engine reports: exact ("full") or the reference's top-k summand ("topk_sum_lnV").
 ENTROPY_METHODS = ("full", "topk_sum_lnV")

@@ -6,7 +6,7 @@ registered under one name, and configs select it by that name.
     @register_advantage("my_estimator")
     def my_estimator(prompt_ids, responses, trained_masks, rewards, *, norm_by_std): ...
 
-An unknown name is a :class:`~arpo_env.errors.ConfigError` that lists the registered names (and the closest one).
+An unknown name is a :class:`~arpo_base.errors.ConfigError` that lists the registered names (and the closest one).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from arpo_env.errors import ConfigError
-from arpo_env.options import closest
+from arpo_base.errors import ConfigError
+from arpo_base.options import closest
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from arpo_algo.core.entropy import SEGMENT_ENTROPIES
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice, dataclass_from_dict
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice, dataclass_from_dict
 
 MODES = ("arpo", "aepo", "grpo")
 DECISION_RULES = ("paper", "reference")

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError, MissingDataError
+from arpo_base.errors import ConfigError, MissingDataError
 
 #: Reference file stem -> the environment it runs in.
 REFERENCE_SETS = {"valid": "arpo/Reasoning-v0", "train_10k": "arpo/Reasoning-v0",

@@ -32,7 +32,7 @@ from typing import Any
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.runner import make_record
 from arpo_algo.rollout.metrics import is_correct
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 STANDARD_MESSAGE_KEYS = {"role", "content", "tool_calls", "refusal", "annotations", "audio", "function_call",
                          "reasoning_content", "reasoning"}

@@ -20,7 +20,7 @@ from arpo_algo.eval.data import EvalData, make_eval_env
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.report import summarize_rows, write_reports
 from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, repair_tail, run_engine
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
 PROTOCOL_KEYS = ("data", "env_id", "env_config", "samples", "temperature", "top_p", "seed", "max_response_tokens",

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 JUDGE_PROMPT = """Please determine if the predicted answer is equivalent to the labeled answer.
 Question: {question}

@@ -22,7 +22,7 @@ from typing import Any
 
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.rollout.metrics import is_correct
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normalize_answer
 
 SAMPLES_FILE = "samples.jsonl"

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError, MissingDataError
-from arpo_env.paths import models_dir
+from arpo_base.errors import ArpoError, MissingDataError
+from arpo_base.paths import models_dir
 
 COMPLETE_MARKER = ".arpo_complete"
 

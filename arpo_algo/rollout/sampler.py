@@ -34,7 +34,7 @@ from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine
 from arpo_algo.rollout.stops import first_stop_end
 from arpo_algo.rollout.tree_state import Path, PromptState, assemble_group
 from arpo_algo.rollout.types import Group
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 CHECKPOINT_PREFIX = "iter_"
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).

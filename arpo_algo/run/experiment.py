@@ -13,9 +13,9 @@ An experiment file (``experiments/<name>.toml``) has these sections, all optiona
                    max_response_tokens (-> eval_*)                                    -> .evaluation(...)
 
 Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
-naming the key (all through :mod:`arpo_env.options`). ``env_config`` keys are checked by the environment's own config.
+naming the key (all through :mod:`arpo_base.options`). ``env_config`` keys are checked by the environment's own config.
 Overrides (``--set section.key=value``) use the same names and are parsed as TOML values
-(:func:`arpo_env.options.parse_override`, the parser every command uses).
+(:func:`arpo_base.options.parse_override`, the parser every command uses).
 
 ``[training] total_steps`` (the length of a decaying learning-rate schedule) defaults to ``iterations * ppo_epochs``,
 the number of optimizer steps of the run. Bare experiment names are looked up in :func:`experiment_dirs`:
@@ -32,8 +32,8 @@ from typing import Any
 
 from arpo_algo.algorithms import CONFIG_CLASSES, ARPOConfig
 from arpo_algo.algorithms.options import _GROUPS, check_value
-from arpo_env.errors import ArpoError, ConfigError
-from arpo_env.options import (
+from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.options import (
     apply_overrides,
     check_choice,
     check_keys,
@@ -41,7 +41,7 @@ from arpo_env.options import (
     read_toml,
     unknown_key_error,
 )
-from arpo_env.paths import source_checkout
+from arpo_base.paths import source_checkout
 
 __all__ = ["SECTIONS", "Experiment", "RunSettings", "build_config", "experiment_dirs", "experiment_record",
            "load_experiment", "resolve_experiment_path"]

@@ -41,8 +41,8 @@ from arpo_algo.run.experiment import (
 )
 from arpo_algo.run.sweep_checks import check_metrics, check_points
 from arpo_algo.run.tomlw import toml_literal
-from arpo_env.errors import ConfigError
-from arpo_env.options import parse_override, read_toml, unknown_key_error
+from arpo_base.errors import ConfigError
+from arpo_base.options import parse_override, read_toml, unknown_key_error
 
 DISTRIBUTIONS = ("uniform", "loguniform", "quniform", "randint", "choice", "grid")
 SEARCHES = ("optuna", "grid", "random")

@@ -10,7 +10,7 @@ import itertools
 from typing import Any
 
 from arpo_algo.algorithms.options import unknown_key_error
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 #: Training metrics every iteration reports (top level of the result; ``rollout/*`` and ``learner/*`` too).
 TRAIN_METRICS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "branches", "response_len",

@@ -21,7 +21,7 @@ from typing import Any
 
 from arpo_algo.run.sweep import Sweep, field_path
 from arpo_algo.run.sweep_checks import ranks_every_iteration
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 #: Per algorithm folder: the ids of trials that completed or failed (one per line).
 FINISHED_LEDGER = "finished_trials.txt"

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice, dataclass_from_dict
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice, dataclass_from_dict
 
 BACKENDS = ("local", "ddp", "deepspeed")
 PLACEMENTS = ("colocated", "split")

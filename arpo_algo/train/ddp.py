@@ -32,7 +32,7 @@ from arpo_algo.rollout.types import Group
 from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
 from arpo_algo.train.backend_config import BackendConfig, check_placement
 from arpo_algo.train.learner import Learner, LearnerConfig
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 __all__ = ["DDPBackend", "DistributedLearner", "combine_metrics", "split_groups"]
 

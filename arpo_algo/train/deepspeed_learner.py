@@ -38,7 +38,7 @@ from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.ddp import DDPBackend, DistributedLearner
 from arpo_algo.train.learner import LearnerConfig
 from arpo_algo.train.tree_forward import SeqSpec, build_padded_batch, forward_token_stats
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 __all__ = ["DeepSpeedBackend", "DeepSpeedLearner", "deepspeed_config"]
 

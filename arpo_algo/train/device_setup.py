@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 __all__ = ["PRECISIONS", "TREE_ATTENTIONS", "make_deterministic", "resolve_precision", "resolve_tree_attention"]
 

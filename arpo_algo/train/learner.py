@@ -51,7 +51,7 @@ from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_algo.train.update_stats import signal_stats, tree_owners
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 __all__ = ["Learner", "LearnerConfig"]
 

@@ -9,8 +9,8 @@ from arpo_algo.core.advantages import ADVANTAGES
 from arpo_algo.core.losses import POLICY_LOSSES
 from arpo_algo.train.device_setup import PRECISIONS, TREE_ATTENTIONS
 from arpo_algo.train.optim import SCHEDULES, check_schedule
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice, dataclass_from_dict
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice, dataclass_from_dict
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "cosine")
 #: Schedules whose rate depends on total_steps.

@@ -45,8 +45,8 @@ from typing import Any
 
 from arpo_algo.train.optim import SCHEDULES, build_optimizer
 from arpo_algo.train.sft_data import build_dataset, load_examples
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice, check_type, dataclass_from_dict
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice, check_type, dataclass_from_dict
 
 
 @dataclass

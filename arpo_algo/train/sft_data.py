@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.rollout import layout
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 RESULT_TEMPLATE = " <result>\n{result}\n</result>"  # the RL environment's insertion format (ARPO_SPEC §1)
 _RESULT_SPAN = re.compile(r"\s*<result>.*?</result>", re.DOTALL)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 __all__ = ["BLOCK", "FLEX_TREE_IMPL", "preorder_spans", "register", "tree_block_mask", "tree_dense_mask",
            "tree_flex_attention"]

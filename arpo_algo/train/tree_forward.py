@@ -29,7 +29,7 @@ import torch
 
 from arpo_algo.core.advantages import build_token_trie
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL, preorder_spans, tree_block_mask, tree_dense_mask
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 
 @dataclass

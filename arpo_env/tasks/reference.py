@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from arpo_base.errors import ConfigError
 from arpo_env.data import find_data_file, load_reference_tasks
-from arpo_env.errors import ConfigError
 from arpo_env.protocol import apply_boxed_bug, fix_boxed_bug
 
 # split -> parquet files, per task family. "test" of DeepSearch concatenates GAIA then HLE.

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice
 
 
 @dataclass(frozen=True)

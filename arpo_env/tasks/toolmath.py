@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 TEST_FRACTION = 0.1
 ALL_LEVELS = (1, 2, 3, 4)

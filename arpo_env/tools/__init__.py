@@ -15,8 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from arpo_env.errors import ConfigError
-from arpo_env.options import check_choice, check_keys
+from arpo_base.errors import ConfigError
+from arpo_base.options import check_choice, check_keys
 from arpo_env.tools.base import Tool, ToolResult, function_schema
 from arpo_env.tools.cache import CachedTool, ToolCache, cache_key
 from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities, set_max_concurrency

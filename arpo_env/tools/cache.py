@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError, MissingDataError
+from arpo_base.errors import ConfigError, MissingDataError
 from arpo_env.tools.base import Tool, ToolResult
 
 MODES = ("read_write", "read_only", "off")

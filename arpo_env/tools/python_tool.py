@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
 from arpo_env.tools.sandbox import (
     BOOTSTRAP,

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 # Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin.
 # Exit code 121 means the sandbox could not be set up as requested (never a silent fallback).

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from arpo_env.errors import ConfigError, MissingDataError
+from arpo_base.errors import ConfigError, MissingDataError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call
 
 NO_RESULTS = "No search results found."

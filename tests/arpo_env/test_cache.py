@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from arpo_env.tools import CachedTool, PythonTool, SearchTool, ToolCache, build_tools
 from arpo_env.tools.base import ToolResult
 from arpo_env.tools.search import ReplayBackend

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import arpo_env
-from arpo_env import cli
+from arpo_algo.cli import main as cli
+from arpo_base.errors import ArpoError
 from arpo_env.check import GARBAGE_ACTIONS, check_all, check_env_id, run_garbage
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError
 
 
 def test_every_registered_id_passes(shared_data):

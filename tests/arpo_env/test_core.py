@@ -6,8 +6,8 @@ import gymnasium as gym
 import pytest
 
 import arpo_env
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError, ConfigError
 
 CALL = "<think>compute</think> <python>print(6*7)</python>"
 ANSWER = "<think>done</think> <answer>\\boxed{42}</answer>"

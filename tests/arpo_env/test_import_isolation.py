@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 CODE = """
 import sys, gymnasium as gym, arpo_env
-import arpo_env.core, arpo_env.rewards, arpo_env.check, arpo_env.cli, arpo_env.data, arpo_env.tasks.reference
+import arpo_env.core, arpo_env.rewards, arpo_env.check, arpo_env.data, arpo_env.tasks.reference
+import arpo_base.errors, arpo_base.options, arpo_base.paths
 env = gym.make("arpo/ToolMath-v0")
 env.reset(seed=0)
 env.step("<python>print(1)</python>")

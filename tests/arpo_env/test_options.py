@@ -9,8 +9,8 @@ from typing import Literal
 
 import pytest
 
-from arpo_env.errors import ConfigError
-from arpo_env.options import (
+from arpo_base.errors import ConfigError
+from arpo_base.options import (
     apply_overrides,
     check_choice,
     check_keys,
@@ -96,7 +96,7 @@ def test_override_parser_sections_and_flat():
 
 
 def test_options_import_without_torch_or_ray():
-    code = "import sys, arpo_env.options; print(any(m in sys.modules for m in ('torch', 'ray')))"
+    code = "import sys, arpo_base.options; print(any(m in sys.modules for m in ('torch', 'ray')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -107,7 +107,7 @@ def test_checkout_paths_only_in_a_checkout(tmp_path, monkeypatch):
     from pathlib import Path
 
     import arpo_env.data as data
-    from arpo_env.paths import source_checkout
+    from arpo_base.paths import source_checkout
 
     repo = Path(__file__).resolve().parents[2]
     assert source_checkout() == repo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from arpo_env.protocol import JsonToolProtocol, ToolProtocol, apply_boxed_bug, build_protocol, fix_boxed_bug
 
 P = ToolProtocol()

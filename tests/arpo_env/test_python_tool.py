@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities
 
 CAPS = sandbox_capabilities("subprocess")

@@ -8,9 +8,9 @@ import time
 import gymnasium as gym
 import pytest
 
+from arpo_base.errors import ArpoError, MissingDataError
 from arpo_env import data as data_mod
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError, MissingDataError
 
 
 def test_reasoning_test_split_and_boxed_fix(shared_data):

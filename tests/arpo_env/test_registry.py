@@ -6,8 +6,8 @@ import gymnasium as gym
 import pytest
 
 import arpo_env
+from arpo_base.errors import ConfigError
 from arpo_env.core import ToolTextEnv, resolve_config
-from arpo_env.errors import ConfigError
 from arpo_env.tasks.registry import TASKS, TaskSpec, register_task
 
 

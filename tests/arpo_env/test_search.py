@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from arpo_env.tools import build_tools
 from arpo_env.tools.search import (
     NO_RESULTS,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError, ConfigError
 from arpo_env.session import ToolSession
 
 CALL = "<think>t</think>\n<python>print(6 * 7)</python>"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from arpo_base.errors import ConfigError
 from arpo_env.core import ToolTextEnv
 from arpo_env.demonstrations import toolmath_demonstrations
-from arpo_env.errors import ConfigError
 from arpo_env.tasks.toolmath import ToolMathTasks, split_of
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 from serve.agents import build_specs, parse_tools, resolve_source
 from serve.schema import APIError, parse_chat_request
 

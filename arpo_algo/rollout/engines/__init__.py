@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def _hf(**settings: Any) -> Callable[[], Any]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, replay_tokens
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 MAX_TRACKED_KEYS = 200_000  # bound on the sticky map; a dropped entry only costs a full prefill later
 

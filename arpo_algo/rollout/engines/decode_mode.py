@@ -2,7 +2,7 @@
 
 ``"dynamic"`` is the left-padded growing cache of :mod:`arpo_algo.rollout.engines.hf`; ``"static"`` and
 ``"cuda_graph"`` are the fixed-shape steps of :mod:`arpo_algo.rollout.engines.static_decode`. Every refusal here is a
-:class:`~arpo_env.errors.ConfigError` raised when the engine is built, before any work.
+:class:`~arpo_base.errors.ConfigError` raised when the engine is built, before any work.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
 #: Whether ``decode="auto"`` picks CUDA graphs on a GPU. Off until the graph path has run on a GPU (see below).

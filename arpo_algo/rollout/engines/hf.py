@@ -42,7 +42,7 @@ from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, grow_layer_
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

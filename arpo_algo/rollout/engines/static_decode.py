@@ -38,7 +38,7 @@ import torch
 
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 MIN_COLUMNS = 64  # the smallest column bucket
 # columns of the per-slot state tensor (float64: token ids and positions are exact below 2**53)

@@ -60,7 +60,7 @@ from arpo_algo.rollout.engines.vllm_support import (
     shm_dir,
     write_state_dict,
 )
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 REFERENCE_TOPK = 10
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

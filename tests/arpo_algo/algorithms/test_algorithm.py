@@ -10,7 +10,7 @@ from arpo_algo.algorithms import ARPO, ARPOConfig, GRPOConfig
 from arpo_algo.algorithms.components import PromptIterator, check_resources_feasible, resource_bundles
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.types import Group, Trajectory
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def tiny_config(model_dir, cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:

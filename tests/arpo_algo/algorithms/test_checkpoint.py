@@ -10,7 +10,7 @@ import torch
 from arpo_algo.algorithms import ARPO, ARPOConfig
 from arpo_algo.algorithms.components import CHECKPOINT_FORMAT, check_checkpoint
 from arpo_algo.run.driver import list_checkpoints, save_checkpoint
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 
 def tiny_config(model_dir) -> ARPOConfig:

@@ -8,7 +8,7 @@ import pytest
 
 from arpo_algo.algorithms import AEPOConfig, ARPOConfig, GRPOConfig
 from arpo_algo.run.experiment import EXPERIMENTS_DIR, load_experiment, resolve_experiment_path
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def valid_config(cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
@@ -232,7 +232,7 @@ def test_total_steps_is_derived_from_the_iterations(tmp_path):
 def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
     """A wheel install has no checkout: names are looked up in $ARPO_EXPERIMENTS and ./experiments too."""
     import arpo_algo.run.experiment as experiment
-    from arpo_env.errors import ArpoError
+    from arpo_base.errors import ArpoError
 
     monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", None)  # as in a wheel install
     monkeypatch.chdir(tmp_path)

@@ -12,7 +12,7 @@ from arpo_algo.algorithms import ARPO, ARPOConfig
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.deepspeed_learner import DeepSpeedBackend, deepspeed_config
 from arpo_algo.train.learner import LearnerConfig
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from tests.arpo_algo.algorithms.test_algorithm import tiny_config
 
 

@@ -14,8 +14,8 @@ from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_base.errors import ConfigError
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ConfigError
 from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
 from tests.arpo_algo.train.test_tree_forward import make_groups
 

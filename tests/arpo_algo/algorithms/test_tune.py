@@ -7,7 +7,7 @@ import time
 import pytest
 
 from arpo_algo.algorithms import ARPO, ARPOConfig
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

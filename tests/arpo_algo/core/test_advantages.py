@@ -79,7 +79,7 @@ def test_entropy_weights_make_copies_equal_to_counts():
 
 def test_estimators_are_registered_by_name():
     from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES
-    from arpo_env.errors import ConfigError
+    from arpo_base.errors import ConfigError
 
     prompt, responses, masks = [1, 2], [[3, 4, 5], [3, 4, 6]], [[1, 1, 1], [1, 1, 1]]
     soft = ADVANTAGES.lookup("grpo")(prompt, responses, masks, [1.0, 0.0])

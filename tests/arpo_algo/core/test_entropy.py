@@ -9,7 +9,7 @@ import pytest
 from arpo_algo.core.entropy import SEGMENT_ENTROPIES, register_entropy, topk_sum_lnV, topk_token_term
 from arpo_algo.core.tree import segment_entropy
 from arpo_algo.rollout.engines.base import Generation
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def test_topk_sum_lnv_hand_computed():

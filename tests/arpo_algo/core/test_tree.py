@@ -21,7 +21,7 @@ from arpo_algo.core.tree import (
     reference_decision,
     segment_entropy,
 )
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 # ------------------------------------------------------------------------------------------------------ validation

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from arpo_algo.eval.data import load_eval_data, make_eval_env
-from arpo_env.errors import ConfigError, MissingDataError
+from arpo_base.errors import ConfigError, MissingDataError
 
 
 def _jsonl(path, rows):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arpo_algo.models import store as models
-from arpo_env.errors import ArpoError, MissingDataError
+from arpo_base.errors import ArpoError, MissingDataError
 
 
 def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, tmp_path: Path):

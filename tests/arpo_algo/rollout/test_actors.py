@@ -78,8 +78,8 @@ def test_pool_has_max_context_so_prompt_overflow_applies(pool, tiny_model_dir):
     """The sampler reads engine.max_context (before: getattr(max_positions), absent on the pool: no check at all)."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_base.errors import ArpoError
     from arpo_env.core import ToolTextEnv
-    from arpo_env.errors import ArpoError
 
     assert pool.max_context == HFEngine(tiny_model_dir).max_context == 4096
     creator = lambda: ToolTextEnv(task="toolmath")  # noqa: E731

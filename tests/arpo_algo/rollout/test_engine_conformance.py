@@ -19,7 +19,7 @@ import torch
 
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 LOGP_TOL = 1e-4
 TIE_TOL = 1e-4

@@ -8,7 +8,7 @@ import pytest
 
 from arpo_algo.rollout.engines import ENGINES, build_engine
 from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def test_factory_builds_hf_with_the_full_interface(tiny_model_dir):
@@ -37,7 +37,7 @@ def test_factory_errors(tiny_model_dir):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed: the GPU tests cover it")
 def test_factory_vllm_without_the_package(tiny_model_dir):
-    from arpo_env.errors import ArpoError
+    from arpo_base.errors import ArpoError
 
     with pytest.raises(ArpoError, match="vllm"):
         build_engine("vllm", model_or_path=str(tiny_model_dir), entropy_method="topk_sum_lnV")

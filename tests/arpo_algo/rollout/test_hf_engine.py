@@ -10,7 +10,7 @@ import torch
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
 from arpo_algo.rollout.engines.hf import HFEngine
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

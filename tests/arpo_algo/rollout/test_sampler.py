@@ -15,8 +15,8 @@ from arpo_algo.core.tree import TreeConfig, aepo_initial_samples
 from arpo_algo.models import byte_tokenizer
 from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams, replay_tokens
 from arpo_algo.rollout.sampler import TreeSampler
+from arpo_base.errors import ArpoError
 from arpo_env.core import ToolTextEnv
-from arpo_env.errors import ArpoError
 
 CALL = "<think>{c}</think><python>print({n}+1)</python>"
 ANSWER = "<think>{c}</think><answer>\\boxed{{{n}}}</answer>"

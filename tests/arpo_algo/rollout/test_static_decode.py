@@ -15,7 +15,7 @@ from arpo_algo.rollout.engines import build_engine
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
 from arpo_algo.rollout.engines.decode_mode import AUTO_CUDA_GRAPHS, static_problem
 from arpo_algo.rollout.engines.hf import HFEngine
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 TOL = 1e-5
 

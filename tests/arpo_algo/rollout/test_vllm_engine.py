@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from arpo_algo.rollout.engines.vllm_support import check_dtype, check_weights, checkpoint_shapes, pack_state_dict
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from arpo_algo.cli.main import main
 from arpo_algo.run.sweep import load_sweep
 from arpo_algo.run.sweep_report import config_summary, pareto_front, seed_stats
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 BASE = """
 [experiment]

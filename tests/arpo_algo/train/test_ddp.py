@@ -19,7 +19,7 @@ from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.backends import LocalLearner, build_backend
 from arpo_algo.train.ddp import DDPBackend, combine_metrics, split_groups
 from arpo_algo.train.learner import LearnerConfig
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 ray = pytest.importorskip("ray")

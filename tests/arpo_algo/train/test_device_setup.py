@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
 from arpo_algo.train.learner import Learner, LearnerConfig
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

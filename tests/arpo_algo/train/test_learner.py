@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.core.advantages import grpo_advantages
 from arpo_algo.train.learner import Learner, LearnerConfig
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)

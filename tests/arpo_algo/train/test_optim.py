@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arpo_algo.train.optim import build_optimizer, check_schedule, lr_multiplier
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 
 def test_lr_schedule():

@@ -19,7 +19,7 @@ from arpo_algo.train.sft_data import (
     split_inline_results,
     tokenize_example,
 )
-from arpo_env.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 
 SYSTEM = "Solve with the python tool. Put the final answer in <answer>\\boxed{}</answer>."
 QUESTION = "What is 17 * 23 + 5?"

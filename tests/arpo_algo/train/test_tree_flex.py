@@ -24,7 +24,7 @@ from arpo_algo.train.tree_flex import (
     tree_dense_mask,
 )
 from arpo_algo.train.tree_forward import build_dedup_batch, build_padded_batch, forward_token_stats
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 from experiments.bench_dedup import make_group
 from tests.arpo_algo.train.test_tree_forward import _specs
 

@@ -1,12 +1,11 @@
-"""``arpo env list|check`` and ``arpo data pull`` (registered into the main parser in arpo_algo/cli.py)."""
+"""``arpo env list|check`` and ``arpo data pull`` (registered into the main parser by :mod:`arpo_algo.cli.main`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from arpo_env.errors import ArpoError
+from arpo_base.errors import ArpoError
 
 
 def cmd_env_list(args: argparse.Namespace) -> int:
@@ -67,18 +66,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mirror", help="base URL serving the files by name (default $ARPO_DATA_MIRROR or the published URLs)")
     p.set_defaults(func=cmd_data_pull)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m arpo_env.cli env list``) for use without arpo_algo."""
-    parser = argparse.ArgumentParser(prog="arpo")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ArpoError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

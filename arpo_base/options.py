@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from arpo_env.errors import ConfigError
+from arpo_base.errors import ConfigError
 
 __all__ = [
     "apply_overrides", "check_keys", "check_type", "choice_error", "closest", "conforms", "dataclass_from_dict",
