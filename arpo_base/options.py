@@ -21,12 +21,13 @@ This module is pure Python (no torch, no Ray), so ``arpo_env`` and every room ab
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import tomllib
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -169,7 +170,8 @@ def conforms(value: Any, hint: Any) -> tuple[bool, Any]:
 
 
 def check_type(name: str, value: Any, hint: Any, where: str, *, doc: str | None = None) -> Any:
-    """Return ``value`` (coerced) if it fits ``hint``; else ConfigError ``"<where>: <name> must be <type>, got ..."``."""
+    """Return ``value`` (coerced) if it fits ``hint``; else ConfigError ``"<where>: <name> must be <type>, got
+    ..."``."""
     ok, coerced = conforms(value, hint)
     if not ok:
         raise ConfigError(f"{where}: {name} must be {type_name(hint)}, got {value!r} ({type(value).__name__})",
@@ -212,7 +214,8 @@ def parse_override(item: str, sections: Iterable[str] | None = None, *,
     """Parse one override into ``(section, key, value)``.
 
     Args:
-        item: ``section.key=value`` when ``sections`` is given, else ``key=value`` (section None).
+        item: ``section.key=value`` when ``sections`` is given (``key`` may itself be dotted for a sub-table:
+            ``rollouts.hf.decode=static``), else ``key=value`` (section None).
         sections: The config's sections (an unknown one is an error with the closest name); None for a config
             without sections, where a dotted key is an error that says so.
         flag: The option's name, for messages.
@@ -228,9 +231,9 @@ def parse_override(item: str, sections: Iterable[str] | None = None, *,
                               hint=_example(None, flag))
         return None, dotted, value
     sections = tuple(sections)
-    if dotted.count(".") != 1 or not all(dotted.split(".")):
+    if "." not in dotted or not all(dotted.split(".")):
         raise ConfigError(f"{flag} {item!r}: the key must be section.key", hint=_example(sections, flag))
-    section, key = dotted.split(".")
+    section, key = dotted.split(".", 1)
     if section not in sections:
         raise unknown_key_error(section, sections, f"{flag} {item!r}", what="section")
     return section, key, value
@@ -244,16 +247,81 @@ def _example(sections: Iterable[str] | None, flag: str) -> str:
 
 def apply_overrides(values: Mapping[str, Any], items: Iterable[str], sections: Iterable[str] | None = None, *,
                     flag: str = "--set") -> dict[str, Any]:
-    """A copy of ``values`` (a config dict, with ``sections`` as sub-dicts if given) with the overrides applied."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+    """A copy of ``values`` (a config dict, with ``sections`` as sub-dicts if given) with the overrides applied; a
+    dotted key inside a section (``rollouts.hf.decode``) lands in the sub-table it names."""
+    out = copy.deepcopy(dict(values))
     sections = tuple(sections) if sections is not None else None
     for item in items:
         section, key, value = parse_override(item, sections, flag=flag)
         if section is None:
             out[key] = value
-        else:
-            body = out.setdefault(section, {})
+            continue
+        body = out.setdefault(section, {})
+        *tables, name = key.split(".")
+        path = [section]
+        for table in tables:
             if not isinstance(body, dict):
-                raise ConfigError(f"{flag} {item!r}: {section!r} is not a section in the config")
-            body[key] = value
+                break
+            body = body.setdefault(table, {})
+            path.append(table)
+        if not isinstance(body, dict):
+            raise ConfigError(f"{flag} {item!r}: {'.'.join(path)!r} is not a section in the config")
+        body[name] = value
     return out
+
+
+# ------------------------------------------------------------------------------------------- section dataclasses
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A dataclass field with its one-sentence documentation (the generated settings reference reads it)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("a mutable default needs dataclasses.field(default_factory=...)")
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def update_dataclass(obj: Any, values: Mapping[str, Any], where: str, *, moved: Mapping[str, str] | None = None,
+                     placeholder: Callable[[Any], bool] | None = None) -> Any:
+    """A copy of the dataclass ``obj`` with ``values`` applied, each key and type checked against its fields.
+
+    A key that names a nested dataclass field (an engine sub-table) takes a table and updates that dataclass.
+    ``moved`` maps former keys to where they live now (``"decode": "rollouts.hf.decode"``): such a key is an error
+    that names the new place, never a silent alias. Range and combination checks are the dataclass's own
+    ``validate()``, run once the whole configuration is assembled. A value for which ``placeholder`` is true (a
+    Tune search space waiting to be resolved) is stored unchecked; ``validate()`` must refuse it if it remains.
+    """
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} must be a table/dict, got {type(values).__name__}: {values!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj) if f.init]
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in names:
+            if moved and key in moved:
+                raise ConfigError(f"{where}: {key!r} has moved: it is now {moved[key]!r}",
+                                  hint=f"rename it to {moved[key]} (the setting itself is unchanged)")
+            raise unknown_key_error(key, names, where)
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            inner = f"{where[:-1]}.{key}]" if where.endswith("]") else f"{where}.{key}"
+            changes[key] = update_dataclass(current, value, inner, placeholder=placeholder)
+        elif placeholder is not None and placeholder(value):
+            changes[key] = value
+        else:
+            changes[key] = check_type(key, value, hints[key], where)
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def dataclass_rows(cls: type, prefix: str = "") -> list[tuple[str, Any, Any, dataclasses.Field]]:
+    """``(dotted name, type, default, field)`` of every setting of a section dataclass, nested tables flattened."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            rows += dataclass_rows(type(default), f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", hints[f.name], default, f))
+    return rows

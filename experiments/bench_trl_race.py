@@ -203,8 +203,8 @@ def build_ours(args: argparse.Namespace, model_dir: Path):
                         micro_batch_tokens=args.generations * (args.max_new_tokens + 384))
               .tree(budget=args.generations, initial=args.generations // 2, branch_factor=1)
               .llm_rollouts(max_response_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
-                            max_batch_size=args.prompts * args.generations, num_rollout_actors=0)
-              .evaluation(evaluation_interval=0)
+                            hf={"max_batch_size": args.prompts * args.generations}, num_rollout_actors=0)
+              .evaluation(every=0)
               .debugging(seed=args.seed))
     return config.build_algo()
 
@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "setting": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "model_dir": str(model_dir), "torch_threads": torch.get_num_threads()},
-        "prompt_tokens_first_task": prompt_tokens, "seconds": times, "median_ours_s": med_ours, "median_theirs_s": med_theirs,
+        "prompt_tokens_first_task": prompt_tokens, "seconds": times, "median_ours_s": med_ours,
+        "median_theirs_s": med_theirs,
         "ratio_ours_over_theirs": med_ours / med_theirs,
         "ours_rollout": ours_stats,
         "theirs_logs": [{k: v for k, v in x.items() if isinstance(v, (int, float))} for x in trl_logs],

@@ -37,10 +37,10 @@ from arpo_base.errors import ConfigError
 
 #: (name, how to read it from a loaded experiment) of every setting that sets the compute budget of a run.
 BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("tree.budget", lambda e: e.config.budget),
-    ("training.prompts_per_step", lambda e: e.config.prompts_per_step),
+    ("tree.budget", lambda e: e.config.settings.tree.budget),
+    ("training.prompts_per_step", lambda e: e.config.settings.training.prompts_per_step),
     ("experiment.iterations", lambda e: e.run.iterations),
-    ("rollouts.max_response_tokens", lambda e: e.config.max_response_tokens),
+    ("rollouts.max_response_tokens", lambda e: e.config.settings.rollouts.max_response_tokens),
     ("env.max_tool_calls", lambda e: (e.config.env_config or {}).get("max_tool_calls")),
 )
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
@@ -120,7 +120,8 @@ def collect(out: Path, before: float, after: float, time_s: float) -> dict[str, 
 
 
 def finished_run(out: Path) -> dict[str, Any] | None:
-    """The result of a run that completed earlier (``compare_run.json`` marks it), re-read from its metrics; else None."""
+    """The result of a run that completed earlier (``compare_run.json`` marks it), re-read from its metrics; else
+    None."""
     path = out / RUN_RESULT
     if not path.is_file():
         return None
@@ -175,7 +176,8 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
         lines.append(f"| {name} | " + " | ".join(f"{r['diag'][k]:.2f}" for k in DIAGNOSTICS) + " |")
     if pairs:
         lines += ["", "Final accuracy minus the baseline's, paired by seed:", "",
-                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | per seed |", "|---|---|---|---|---|"]
+                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | per seed |",
+                  "|---|---|---|---|---|"]
         for name, p in pairs.items():
             per = ", ".join(f"{s}: {d:+.3f}" for s, d in p["per_seed"].items())
             lines.append(f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} | {per} |")

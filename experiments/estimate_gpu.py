@@ -101,8 +101,9 @@ def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None =
     from arpo_algo.run.experiment import load_experiment
 
     exp = load_experiment(recipe, [f"model.path={json.dumps(model_path)}"] if model_path else None)
-    cfg = exp.config
-    source, arch = architecture(cfg.model_path)
+    s = exp.config.settings
+    cfg, tree, rollouts = s.training, s.tree, s.rollouts
+    source, arch = architecture(s.model.path)
     P = parameters(arch)
     L, h, V = arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"]
     hd = arch.get("head_dim") or h // arch["num_attention_heads"]
@@ -124,14 +125,14 @@ def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None =
     kv_per_token = 2 * L * arch["num_key_value_heads"] * hd * 2
     engine_weights = 2 * P
     kv_budget = max(vllm_memory_fraction * mem_gb * GB - engine_weights, 0.0)
-    seq_len = prompt_tokens + cfg.max_response_tokens
+    seq_len = prompt_tokens + rollouts.max_response_tokens
     fit_seqs = int(kv_budget // (kv_per_token * seq_len))
-    trajectories = cfg.prompts_per_step * cfg.budget
+    trajectories = cfg.prompts_per_step * tree.budget
     per_engine = math.ceil(trajectories / gpus)
 
     # --- step time
-    response = cfg.max_response_tokens * response_fill
-    trained = cfg.prompts_per_step * (prompt_tokens + cfg.budget * response)  # prompt once per group (dedup)
+    response = rollouts.max_response_tokens * response_fill
+    trained = cfg.prompts_per_step * (prompt_tokens + tree.budget * response)  # prompt once per group (dedup)
     passes = 6 + 2 * (cfg.old_logprobs == "recompute") + 2 * (cfg.kl_coef > 0) + 2 * checkpointing
     learner_tflops = INPUTS["learner_tflops_bf16" if bf16 else "learner_tflops_fp32"][0]
     learner_s = passes * P * trained / (learner_tflops * 1e12 * gpus)
@@ -143,7 +144,7 @@ def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None =
     rollout_s = rounds * response * decode_step_s
 
     return {
-        "recipe": str(exp.source), "model": cfg.model_path, "architecture_source": source,
+        "recipe": str(exp.source), "model": s.model.path, "architecture_source": source,
         "parameters_billion": P / 1e9, "gpus": gpus, "zero_stage": zero, "gpu_memory_gb": mem_gb,
         "precision": "bf16 autocast, fp32 master weights" if bf16 else "fp32", "gradient_checkpointing": checkpointing,
         "assumptions": {"response_fill": response_fill, "prompt_tokens": prompt_tokens,

@@ -159,10 +159,11 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
 
     cfg = exp.config
     settings = eval_settings(cfg).as_kwargs()  # the same mapping training's evaluate() uses (nothing dropped)
-    creator = env_creator(cfg, split=cfg.eval_split)
-    out: dict[str, Any] = {"settings": {**settings, "split": cfg.eval_split}}
+    split = cfg.settings.evaluation.split
+    creator = env_creator(cfg, split=split)
+    out: dict[str, Any] = {"settings": {**settings, "split": split}}
     for name, path in (("before", sft_dir), ("after", policy_dir)):
-        engine = HFEngine(path, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+        engine = HFEngine(path, max_batch_size=cfg.settings.rollouts.hf.max_batch_size, seed=cfg.seed)
         out[name] = evaluate_engine(engine, creator, **settings)
         print(f"[quickstart]   {name}: accuracy {out[name]['accuracy']:.3f} "
               f"({out[name]['num_tasks']:.0f} held-out tasks)", flush=True)
@@ -197,7 +198,8 @@ def reference_line(summary: dict[str, Any]) -> str:
         a, g = cfgs["arpo"], cfgs["grpo"]
         beats = a["after_mean"] - a["after_sd"] > g["after_mean"] + g["after_sd"]
         lines.append(f"  ARPO {'beats' if beats else 'does not beat'} GRPO at this size "
-                     f"({a['after_mean']:.3f} ± {a['after_sd']:.3f} against {g['after_mean']:.3f} ± {g['after_sd']:.3f})")
+                     f"({a['after_mean']:.3f} ± {a['after_sd']:.3f} against "
+                     f"{g['after_mean']:.3f} ± {g['after_sd']:.3f})")
     if ref.get("note"):
         lines.append(f"  {ref['note']}")
     return "\n".join(lines)
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
         "accuracy_before_sft": ev["before"]["accuracy"], "accuracy_after_arpo": ev["after"]["accuracy"],
-        "seed": args.seed, "sft_seed": args.sft_seed, "eval": ev["settings"], "before": ev["before"], "after": ev["after"],
+        "seed": args.seed, "sft_seed": args.sft_seed, "eval": ev["settings"], "before": ev["before"],
+        "after": ev["after"],
         "paths": {"output": str(out), "sft": sft["path"], "arpo_run": str(out / "arpo"),
                   "checkpoint": rl["checkpoint"], "policy": export["path"], "learning_curve": rl["learning_curve"]},
         "stage_times_s": {k: v["stage_time_s"] for k, v in stages.items()},

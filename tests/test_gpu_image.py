@@ -133,15 +133,17 @@ def test_gpu_recipe_loads_validates_and_keeps_the_reference_settings(path):
     from arpo_algo.run.experiment import load_experiment
 
     exp = load_experiment(path)
-    cfg = exp.config
-    cfg.validate()
-    assert (cfg.budget, cfg.initial, cfg.prompts_per_step, cfg.lr) == (16, 8, 128, 1e-6)  # M, N, batch, lr (§8.1)
-    assert (cfg.engine, cfg.device, cfg.dtype, cfg.entropy_method) == ("vllm", "cuda", "bfloat16", "topk_sum_lnV")
-    assert cfg.decision_rule == "reference" and cfg.gradient_checkpointing
+    exp.config.validate()
+    s = exp.config.settings
+    tree, training, rollouts = s.tree, s.training, s.rollouts
+    assert (tree.budget, tree.initial, training.prompts_per_step, training.lr) == (16, 8, 128, 1e-6)  # M, N, batch, lr
+    assert (rollouts.engine, rollouts.device, rollouts.dtype) == ("vllm", "cuda", "bfloat16")
+    assert tree.entropy_method == "topk_sum_lnV"
+    assert tree.decision_rule == "reference" and training.gradient_checkpointing
     # the longest trajectory (reference prompt + response budget) fits one micro-batch
     prompt = 1536 if "reasoning" in path.stem else 2000
-    assert cfg.micro_batch_tokens >= prompt + cfg.max_response_tokens
-    assert Path(cfg.model_path).name in ("Qwen2.5-7B-Instruct", "Qwen3-8B")
+    assert training.micro_batch_tokens >= prompt + rollouts.max_response_tokens
+    assert Path(s.model.path).name in ("Qwen2.5-7B-Instruct", "Qwen3-8B")
 
 
 # ------------------------------------------------------------------------------------------ the estimator

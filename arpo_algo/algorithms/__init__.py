@@ -2,7 +2,8 @@
 
 ``arpo`` -> :class:`ARPOConfig` / :class:`ARPO`; ``aepo`` -> :class:`AEPOConfig` / :class:`AEPO`; ``grpo`` ->
 :class:`GRPOConfig` / :class:`GRPO`. Shared machinery: :mod:`.config` (strict settings), :mod:`.base` (the Algorithm),
-:mod:`.components` (data order, env factory, resources, checkpoint component), :mod:`.options` (every setting).
+:mod:`.components` (data order, env factory, resources, checkpoint component), :mod:`.settings` (every setting, one
+dataclass per section).
 """
 
 from arpo_algo.algorithms.aepo import AEPO, AEPOConfig

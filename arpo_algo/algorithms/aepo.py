@@ -17,8 +17,8 @@ class AEPOConfig(ARPOConfig):
     """
 
     variant = "aepo"
-    variant_defaults = {"aepo_penalty": 0.05, "entropy_balanced_clip": True, "entropy_advantage": True,
-                        "aepo_premonitor": False}
+    variant_defaults = {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True,
+                        "training.entropy_advantage": True, "tree.aepo_premonitor": False}
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or AEPO)

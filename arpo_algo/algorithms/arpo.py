@@ -15,7 +15,11 @@ class ARPOConfig(AgenticRLConfig):
         ...     .training(model_path="smollm2-135m-instruct", lr=1e-5, prompts_per_step=4)
         ...     .tree(budget=8, initial=4)
         ...     .llm_rollouts(max_response_tokens=256)
-        ...     .evaluation(evaluation_interval=5, eval_num_prompts=50))   # doctest: +SKIP
+        ...     .evaluation(every=5, num_prompts=50))   # doctest: +SKIP
+
+    The same settings by dotted name (as experiment files, ``--set`` and sweeps write them)::
+
+        ARPOConfig().update_settings({"model.path": "smollm2-135m-instruct", "tree.budget": 8, "training.lr": 1e-5})
     """
 
     variant = "arpo"

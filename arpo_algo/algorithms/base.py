@@ -2,9 +2,10 @@
 
 The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
 :class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
-rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process :class:`arpo_algo.rollout.engines.hf.HFEngine`
-that shares the learner's module, or over a :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the
-config, the metrics logger, Tune integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
+rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process
+:class:`arpo_algo.rollout.engines.hf.HFEngine` that shares the learner's module, or over a
+:class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the config, the metrics logger, Tune
+integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
 
 One iteration (:meth:`ARPO.training_step`): sync weights -> sample one group per prompt (rewards come from the
 environment's final step) -> advantages and update (inside the learner) -> log.
@@ -51,7 +52,7 @@ from arpo_algo.rollout.diagnostics import group_diagnostics
 
 
 def _learner_ranks(cfg: AgenticRLConfig) -> int:
-    backend = cfg.backend_config()
+    backend = cfg.settings.backend
     return backend.learner_workers if backend.distributed else 0
 
 
@@ -84,20 +85,20 @@ class AgenticRLAlgorithm(Algorithm):
         self.env_runner_group = None
         self._set_up_metrics()
         cfg = self.config
+        settings = cfg.settings
         check_resources_feasible(resource_bundles(cfg), _learner_ranks(cfg))
-        model_path = resolve_model_path(cfg.model_path)
-        if cfg.backend_config().distributed:
+        model_path = resolve_model_path(settings.model.path)
+        if settings.backend.distributed:
             self._ensure_ray()
-        self.learner = build_backend(model_path, cfg.learner_config(), cfg.backend_config(), device=cfg.device,
-                                     seed=cfg.seed)
+        self.learner = build_backend(model_path, settings.training, settings.backend,
+                                     device=settings.rollouts.device, seed=cfg.seed)
         self.policy = PolicyComponent(self.learner)
-        self.tree_config = cfg.tree_config()
+        self.tree_config = settings.tree
         self._train_env = env_creator(cfg)
-        self._eval_env = env_creator(cfg, split=cfg.eval_split)
+        self._eval_env = env_creator(cfg, split=settings.evaluation.split)
         self.prompts = PromptIterator(self._train_env().num_tasks, cfg.seed)
         self.engine = self._build_engine(model_path)
-        self.sampler = self._build_sampler(self._train_env, self.tree_config, cfg.temperature, cfg.top_p, cfg.top_k,
-                                           cfg.max_response_tokens, dump=cfg.dump_trees)
+        self.sampler = self._build_sampler()
         self._last_eval: dict[str, float] = {}
 
     def _build_engine(self, model_path: pathlib.Path) -> Any:
@@ -106,22 +107,19 @@ class AgenticRLAlgorithm(Algorithm):
         from arpo_algo.rollout.engines import build_engine
 
         cfg = self.config
+        rollouts = cfg.settings.rollouts
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
-        if cfg.engine == "hf":
-            settings: dict[str, Any] = dict(dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
-                                            entropy_method=entropy, seed=cfg.seed, linear_layout=cfg.linear_layout,
-                                            decode=cfg.decode, static_cache_tokens=cfg.static_cache_tokens)
+        settings: dict[str, Any] = dict(rollouts.engine_config.engine_kwargs(), entropy_method=entropy,
+                                        seed=cfg.seed, dtype=rollouts.dtype)
+        if rollouts.engine == "hf":
             if not self._engine_owns_weights():
                 return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
                                     **settings)
-            settings["device"] = cfg.device
-        else:
-            settings = dict(dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32", entropy_method=entropy,
-                            seed=cfg.seed)
-        if cfg.num_rollout_actors > 0:
+            settings["device"] = rollouts.device
+        if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
-        return build_engine(cfg.engine, model_or_path=str(model_path), num_actors=cfg.num_rollout_actors,
-                            num_cpus_per_actor=cfg.num_cpus_per_rollout_actor, **settings)
+        return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,
+                            num_cpus_per_actor=rollouts.num_cpus_per_rollout_actor, **settings)
 
     def _ensure_ray(self) -> None:
         """Start Ray sized to this config unless it runs (started here, so stopped by cleanup(); a Tune trial finds
@@ -135,25 +133,19 @@ class AgenticRLAlgorithm(Algorithm):
     def _engine_owns_weights(self) -> bool:
         """False only for the in-process HF engine over a learner module in this process ("local" backend): it
         shares that module (nothing to push). With ddp/deepspeed the in-process engine holds its own copy."""
-        cfg = self.config
-        return cfg.engine != "hf" or cfg.num_rollout_actors > 0 or self.learner.shared_module is None
+        rollouts = self.config.settings.rollouts
+        return rollouts.engine != "hf" or rollouts.num_rollout_actors > 0 or self.learner.shared_module is None
 
-    def _build_sampler(self, creator: Any, tree: Any, temperature: float, top_p: float, top_k: int,
-                       max_response_tokens: int, dump: bool = False) -> Any:
-        from arpo_algo.rollout.engines.base import SamplingParams
+    def _build_sampler(self) -> Any:
         from arpo_algo.rollout.sampler import TreeSampler
 
-        cfg = self.config
-        env = creator()
-        sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, stop=tuple(env.stop_sequences))
+        rollouts = self.config.settings.rollouts
         dump_path = None
-        if dump:
-            dump_path = cfg.dump_path or (os.path.join(self.logdir, "trees.jsonl") if getattr(self, "logdir", None)
-                                         else None)
-        return TreeSampler(self.engine, creator, tree, sampling, max_response_tokens=max_response_tokens,
-                           tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
-                           train_tool_limit_eos=cfg.train_tool_limit_eos, seed=cfg.seed, dump_path=dump_path)
+        if rollouts.dump_trees:
+            dump_path = rollouts.dump_path or (os.path.join(self.logdir, "trees.jsonl")
+                                               if getattr(self, "logdir", None) else None)
+        return TreeSampler.from_config(self.engine, self._train_env, self.tree_config, rollouts, seed=self.config.seed,
+                                       dump_path=dump_path)
 
     # --------------------------------------------------------------------------------------------- one iteration
 
@@ -162,12 +154,13 @@ class AgenticRLAlgorithm(Algorithm):
         step = self.iteration
         with self.metrics.log_time(("timers", "sync_time")):
             self._sync_weights()
-        indices = self.prompts.next(self.config.prompts_per_step)
+        training = self.config.settings.training
+        indices = self.prompts.next(training.prompts_per_step)
         t0 = time.perf_counter()
         with self.metrics.log_time(("timers", "rollout_time")):
             groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
-                                            dynamic=self.config.dynamic_sampling,
-                                            max_rounds=self.config.dynamic_sampling_max_rounds)
+                                            dynamic=training.dynamic_sampling,
+                                            max_rounds=training.dynamic_sampling_max_rounds)
         if hasattr(self.engine, "sleep"):  # free rollout memory for the update (HF: KV store and weight copies;
             self.engine.sleep()  # vLLM: GPU with sleep_between_rollouts only)
         t1 = time.perf_counter()

@@ -96,14 +96,14 @@ def resource_bundles(config: Any) -> list[dict[str, float]]:
     The main process holds the GPU when ``device='cuda'`` and it runs the learner ("local") or the in-process engine;
     with a colocated learner it leaves the ranks' share of that GPU to them.
     """
-    backend = config.backend_config()
-    workers = backend.worker_bundles(config.device)
-    in_process_gpu = config.device == "cuda" and (not backend.distributed or config.num_rollout_actors == 0)
+    backend, rollouts = config.settings.backend, config.settings.rollouts
+    workers = backend.worker_bundles(rollouts.device)
+    in_process_gpu = rollouts.device == "cuda" and (not backend.distributed or rollouts.num_rollout_actors == 0)
     gpu = 0.0
     if in_process_gpu:
         gpu = 1.0 - workers[0].get("GPU", 0.0) if workers and backend.learner_placement == "colocated" else 1.0
     main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu}
-    return [main] + workers + [{"CPU": float(config.num_cpus_per_rollout_actor)}] * config.num_rollout_actors
+    return [main] + workers + [{"CPU": float(rollouts.num_cpus_per_rollout_actor)}] * rollouts.num_rollout_actors
 
 
 def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: int = 0) -> None:
@@ -126,9 +126,9 @@ def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: i
         f" + {len(ranks)} learner worker(s) x {ranks[0].get('GPU', 0.0):g}" if ranks else "")
     if need_cpu <= have["CPU"] and need_gpu <= have["GPU"] + 1e-9:
         return
-    hint = ("lower llm_rollouts(num_rollout_actors=..., num_cpus_per_rollout_actor=...) or training(learner_workers="
-            "..., learner_cpus_per_worker=...), or give Ray more CPUs") if need_cpu > have["CPU"] else (
-        "use llm_rollouts(device='cpu') on this machine, or fewer learner_workers")
+    hint = ("lower rollouts.num_rollout_actors / rollouts.num_cpus_per_rollout_actor or backend.learner_workers / "
+            "backend.learner_cpus_per_worker, or give Ray more CPUs") if need_cpu > have["CPU"] else (
+        "use rollouts.device = 'cpu' on this machine, or fewer backend.learner_workers")
     raise ConfigError(f"this ARPO config needs {need_cpu:g} CPUs ({' + '.join(parts)}) and {need_gpu:g} GPU(s) "
                       f"({gpu_parts}; device={'cuda' if need_gpu else 'cpu'!r}) but {where} has {have['CPU']:g} "
                       f"CPUs and {have['GPU']:g} GPU(s)", hint=hint)

@@ -1,231 +1,183 @@
-"""AgenticRLConfig: the one, strict source of configuration that ARPOConfig, AEPOConfig and GRPOConfig share.
+"""AgenticRLConfig: the RLlib config that ARPOConfig, AEPOConfig and GRPOConfig share.
 
-RLlib and Tune require an :class:`~ray.rllib.algorithms.algorithm_config.AlgorithmConfig`, so that is where every
-setting lives. The knobs come in four groups, each with its own setter:
+RLlib and Tune require an :class:`~ray.rllib.algorithms.algorithm_config.AlgorithmConfig`. Ours holds one object,
+``config.settings`` (:class:`arpo_algo.algorithms.settings.Settings`): one dataclass per experiment-file section, each
+validated where it is defined, handed to the sampler, learner and engines as it is. Three ways in, one name each:
 
-* ``.training(...)``: the model and the learner. Every field of :class:`arpo_algo.train.learner.LearnerConfig`
-  (``lr`` and ``grad_clip`` reuse RLlib's fields of the same name) plus ``model_path`` and ``prompts_per_step``.
-* ``.tree(...)``: branching. Every field of :class:`arpo_algo.core.tree.TreeConfig` except ``mode``, which is the
-  algorithm (ARPO, AEPO or GRPO: pick the config class).
-* ``.llm_rollouts(...)``: sampling, engine and resources (:data:`arpo_algo.algorithms.options.ROLLOUT_OPTIONS`).
-* ``.evaluation(...)``: RLlib's ``evaluation_interval`` plus the held-out protocol (``EVAL_OPTIONS``).
+* setters, one per section: ``.training(lr=1e-5)``, ``.tree(tau=0.5)``, ``.backend(learner_backend="ddp")``,
+  ``.llm_rollouts(max_response_tokens=256, hf={"decode": "static"})``, ``.evaluation(every=5, num_prompts=50)``;
+* dotted names: ``.update_settings({"tree.tau": 0.5, "rollouts.hf.decode": "static"})`` (what ``--set`` and sweep
+  files write);
+* the RLlib dict (Tune's path): :meth:`to_dict` gives every setting under its dotted name and
+  :meth:`update_from_dict` reads them back, so ``param_space["tree.tau"] = tune.uniform(0.2, 1.0)`` sweeps it.
 
-The environment is RLlib's standard ``.environment(env="arpo/ToolMath-v0", env_config={...})``. Strictness: unknown
-keys are rejected in every setter and in :meth:`AgenticRLConfig.update_from_dict` (the path Tune uses, which RLlib
-leaves permissive), naming the key and the closest valid name; wrong types are rejected;
-:meth:`AgenticRLConfig.validate` explains illegal combinations.
-
-Each algorithm family module (:mod:`.arpo`, :mod:`.aepo`, :mod:`.grpo`) holds its config class and its Algorithm
-together, as RLlib does, so neither imports the other lazily.
+The environment is RLlib's own ``.environment(env="arpo/ToolMath-v0", env_config={...})``. Unknown keys are rejected
+everywhere (RLlib's dict path would set them silently), naming the closest valid one; keys of the former flat layout
+are rejected naming their new dotted name, and a checkpoint that stored them is read through that mapping.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
-from arpo_algo.algorithms.options import (
-    _GROUPS,
-    _RLLIB_TRAINING_DICT_KEYS,
-    ALL_OPTIONS,
-    BACKEND_OPTIONS,
-    LEARNER_OPTIONS,
-    TREE_OPTIONS,
-    _is_search_space,
-    check_value,
-    unknown_key_error,
-)
-from arpo_algo.core.tree import TreeConfig
-from arpo_algo.train.backend_config import BackendConfig
-from arpo_algo.train.learner import LearnerConfig
+from arpo_algo.algorithms.settings import LEGACY_NAMES, Settings
 from arpo_base.errors import ConfigError
 from arpo_base.options import closest
 
+#: RLlib attributes that ARPO replaces by its own settings: a dict or call that sets them is refused, not ignored.
+_REPLACED_RLLIB = {"lr": "training.lr", "grad_clip": "training.grad_clip", "evaluation_interval": "evaluation.every"}
+#: Keys RLlib's update_from_dict routes through .training(); they have no effect on ARPO (see update_from_dict).
+_RLLIB_TRAINING_DICT_KEYS = ("model", "optimizer", "replay_buffer_config")
+
+
+def _is_search_space(value: Any) -> bool:
+    """Tune search-space objects may sit in a config dict until Tune resolves them."""
+    from ray.tune.search.sample import Domain
+
+    return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
+
 
 class AgenticRLConfig(AlgorithmConfig):
-    """The settings ARPO, AEPO and GRPO share (use :class:`~arpo_algo.algorithms.arpo.ARPOConfig` and its siblings).
+    """The settings ARPO, AEPO and GRPO share (use :class:`~arpo_algo.algorithms.arpo.ARPOConfig` and its siblings)."""
 
-    """
-
-    #: The tree sampler mode (TreeConfig.mode); set by the class, not by the user.
+    #: The tree sampler mode (``tree.mode``); set by the class, not by the user.
     variant: str = "arpo"
-    #: Defaults that differ from the TreeConfig/LearnerConfig/own defaults for this variant.
+    #: Defaults of this variant that differ from the sections' own, by dotted name.
     variant_defaults: dict[str, Any] = {}
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class)
-        for name, opt in ALL_OPTIONS.items():
-            setattr(self, name, opt.default)
-        for name, value in self.variant_defaults.items():
-            setattr(self, name, value)
-        # No EnvRunnerGroup: our own rollout component plays the env (RAY_NOTES §1.1, the MARWIL switch).
+        self.settings = Settings.for_variant(self.variant).update(self.variant_defaults, f"{type(self).__name__}")
+        # No EnvRunnerGroup: our own rollout component plays the env (the offline switch RLlib's MARWIL uses).
         self._is_online = False
         self.seed = 0
 
     # ------------------------------------------------------------------------------------------------ setters
 
-    def _set_group(self, group: str, kwargs: dict[str, Any]) -> None:
-        options = _GROUPS[group]
-        for key, value in kwargs.items():
-            if key not in options:
-                raise unknown_key_error(key, options, f"ARPOConfig.{group}()")
-            setattr(self, key, check_value(key, value, f"ARPOConfig.{group}()"))
+    def update_settings(self, values: Mapping[str, Any], where: str | None = None) -> AgenticRLConfig:
+        """Apply settings by dotted name (``{"tree.tau": 0.5}``) or section table (``{"tree": {"tau": 0.5}}``)."""
+        self.settings = self.settings.update(values, where or type(self).__name__, placeholder=_is_search_space)
+        self.evaluation_interval = self.settings.evaluation.every or None
+        return self
+
+    def _section(self, section: str, kwargs: dict[str, Any]) -> AgenticRLConfig:
+        return self.update_settings({section: kwargs}, f"{type(self).__name__}.{section}()")
 
     def training(self, **kwargs: Any) -> AgenticRLConfig:  # type: ignore[override]
-        """Model and learner settings: ``model_path``, ``prompts_per_step`` and every LearnerConfig field.
-
-        RLlib's other training() arguments (gamma, train_batch_size, ...) have no effect on ARPO and are rejected.
-        """
-        self._set_group("training", kwargs)
-        return self
+        """``[training]``: every :class:`~arpo_algo.train.learner_config.TrainingConfig` field, plus ``model_path``
+        (``model.path``). RLlib's other training() arguments (gamma, train_batch_size, ...) are rejected."""
+        if "model_path" in kwargs:
+            self.update_settings({"model.path": kwargs.pop("model_path")}, f"{type(self).__name__}.training()")
+        return self._section("training", kwargs)
 
     def tree(self, **kwargs: Any) -> AgenticRLConfig:
-        """Branching settings: every :class:`arpo_algo.core.tree.TreeConfig` field except ``mode``."""
-        self._set_group("tree", kwargs)
-        return self
+        """``[tree]``: every :class:`arpo_algo.core.tree.TreeConfig` field except ``mode`` (the algorithm)."""
+        return self._section("tree", kwargs)
+
+    def backend(self, **kwargs: Any) -> AgenticRLConfig:
+        """``[backend]``: where the learner runs (:class:`arpo_algo.train.backend_config.BackendConfig`)."""
+        return self._section("backend", kwargs)
 
     def llm_rollouts(self, **kwargs: Any) -> AgenticRLConfig:
-        """Sampling, engine and resource settings (:data:`ROLLOUT_OPTIONS`)."""
-        self._set_group("llm_rollouts", kwargs)
-        return self
+        """``[rollouts]``: :class:`arpo_algo.rollout.config.RolloutsConfig`; ``hf={...}`` / ``vllm={...}`` set the
+        engine sub-tables."""
+        return self._section("rollouts", kwargs)
 
     def evaluation(self, **kwargs: Any) -> AgenticRLConfig:  # type: ignore[override]
-        """Held-out evaluation: RLlib's ``evaluation_interval`` (and other evaluation_* arguments) plus
-        :data:`EVAL_OPTIONS`."""
-        ours = {k: v for k, v in kwargs.items() if k in _GROUPS["evaluation"]}
-        rest = {k: v for k, v in kwargs.items() if k not in ours}
-        valid = set(_GROUPS["evaluation"]) | {"evaluation_interval"}
-        for key in rest:
-            if key != "evaluation_interval" and not key.startswith("evaluation_"):
-                raise unknown_key_error(key, valid, "ARPOConfig.evaluation()")
-        self._set_group("evaluation", ours)
-        super().evaluation(**rest)
+        """``[evaluation]``: :class:`arpo_algo.eval.config.EvaluationConfig` (``every`` is RLlib's
+        ``evaluation_interval``, accepted under either name); RLlib's other ``evaluation_*`` arguments pass through."""
+        if "evaluation_interval" in kwargs:
+            kwargs["every"] = kwargs.pop("evaluation_interval") or 0
+        rllib = {k: v for k, v in kwargs.items() if k.startswith("evaluation_")}
+        ours = {k: v for k, v in kwargs.items() if k not in rllib}
+        self._section("evaluation", ours)
+        super().evaluation(**rllib)
         return self
 
     # ------------------------------------------------------------------------------------------ dict path (Tune)
+
+    def to_dict(self) -> dict[str, Any]:
+        """RLlib's dict with every ARPO setting under its dotted name (``"tree.tau"``), RLlib's replaced fields left
+        out, so Tune search spaces are placed by the same names as ``--set``."""
+        out = super().to_dict()
+        out.pop("settings", None)
+        for key in _REPLACED_RLLIB:
+            out.pop(key, None)
+        out.update(self.settings.flat())
+        return out
 
     @classmethod
     @functools.cache
     def _known_keys(cls) -> frozenset[str]:
         # Tune adds its own bookkeeping keys to every trial's config dict.
         tune_keys = {TRIAL_INFO, STDOUT_FILE, STDERR_FILE}
-        return frozenset(vars(cls())) | tune_keys | {"multiagent", "_enable_new_api_stack"}
+        return frozenset(cls().to_dict()) | tune_keys | {"multiagent", "_enable_new_api_stack"}
 
     def update_from_dict(self, config_dict: dict[str, Any]) -> AgenticRLConfig:  # type: ignore[override]
-        """RLlib's update_from_dict, but unknown keys raise ConfigError (RLlib sets them silently, RAY_NOTES §1.4.7)."""
+        """RLlib's update_from_dict, but unknown keys raise ConfigError (RLlib sets them silently) and ARPO settings
+        go by their dotted names."""
         known = type(self)._known_keys()
-        for key in config_dict:
-            translated = self._translate_special_keys(key, warn_deprecated=False)
-            if translated not in known:
-                near = closest(key, known)
-                hint = f"did you mean {near!r}?" if near else (
-                    f"ARPO settings: {', '.join(sorted(ALL_OPTIONS))} (plus RLlib's AlgorithmConfig fields)")
-                raise ConfigError(f"{type(self).__name__} dict: unknown key {key!r}", hint=hint)
-        rest = {}
+        where = f"{type(self).__name__} dict"
+        ours, rest = {}, {}
         for key, value in config_dict.items():
-            if key in ALL_OPTIONS:
-                check_value(key, value, f"{type(self).__name__} dict")
-            if key in _RLLIB_TRAINING_DICT_KEYS:
+            if key in _REPLACED_RLLIB or key in LEGACY_NAMES:
+                new = _REPLACED_RLLIB.get(key) or LEGACY_NAMES[key]
+                raise ConfigError(f"{where}: {key!r} is now {new!r}", hint=f"use the dotted name {new}")
+            if "." in key:
+                ours[key] = value
+            elif key not in known and self._translate_special_keys(key, warn_deprecated=False) not in known:
+                near = closest(key, known)
+                raise ConfigError(f"{where}: unknown key {key!r}", hint=f"did you mean {near!r}?" if near else
+                                  "ARPO settings are dotted names such as 'tree.tau' (ARPOConfig().to_dict() lists "
+                                  "them all)")
+            elif key in _RLLIB_TRAINING_DICT_KEYS:
                 # RLlib routes these through .training(), which ARPO keeps for its own settings; they have no effect
                 # on ARPO, so they are stored as plain attributes (as RLlib's own training() would).
                 setattr(self, key, value)
             else:
                 rest[key] = value
+        if ours:
+            self.update_settings(ours, where)
         super().update_from_dict(rest)
         return self
 
-    # ------------------------------------------------------------------------------------------------ views
-
-    def tree_config(self) -> TreeConfig:
-        """The TreeConfig these settings describe (``mode`` = this config's variant)."""
-        return TreeConfig(mode=self.variant, **{k: getattr(self, k) for k in TREE_OPTIONS})
-
-    def learner_config(self) -> LearnerConfig:
-        """The LearnerConfig these settings describe."""
-        return LearnerConfig(**{k: getattr(self, k) for k in LEARNER_OPTIONS})
-
-    def backend_config(self) -> BackendConfig:
-        """Where the learner runs (``learner_backend``, ``learner_workers``, ...)."""
-        return BackendConfig(**{k: getattr(self, k) for k in BACKEND_OPTIONS})
-
-    def arpo_settings(self) -> dict[str, Any]:
-        """Every ARPO-specific setting by group (what experiment files and config.json show)."""
-        return {g: {k: getattr(self, k) for k in opts} for g, opts in _GROUPS.items()}
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> AgenticRLConfig:  # type: ignore[override]
+        """RLlib's from_state (how an Algorithm checkpoint rebuilds its config). A state written with the former
+        flat attributes (``tau``, ``eval_split``, ...) is read through :data:`LEGACY_NAMES`."""
+        state = dict(state)
+        if "settings" not in state:
+            legacy = {LEGACY_NAMES[k]: state.pop(k) for k in list(state) if k in LEGACY_NAMES}
+            for key in ("lr", "grad_clip"):
+                if key in state:
+                    legacy[_REPLACED_RLLIB[key]] = state[key]
+            interval = state.get("evaluation_interval")
+            legacy["evaluation.every"] = interval or 0
+            config = super().from_state(state)
+            config.settings = config.settings.update(legacy, "checkpoint config")
+            return config
+        return super().from_state(state)
 
     # ------------------------------------------------------------------------------------------------ validate
 
     def validate(self) -> None:
-        """RLlib's checks first, then types of every ARPO field, then the combinations, each explained."""
+        """RLlib's checks first, then every section's own checks and those across sections, each explained."""
         super().validate()
-        for name in ALL_OPTIONS:
-            value = getattr(self, name)
-            if _is_search_space(value):
-                raise ConfigError(f"{name} is still a Tune search space ({value!r})",
-                                  hint="pass the config to tune.Tuner(param_space=...) instead of building it")
-            coerced = check_value(name, value)
-            if type(coerced) is not type(value) and not self._is_frozen:
-                setattr(self, name, coerced)  # e.g. an int learning rate from a dict becomes a float
-        self._validate_combinations()
-        self.tree_config().validate()
-        self.learner_config().validate()
-        backend = self.backend_config()
-        backend.validate()
-        backend.check_device(self.device)
-
-    def _validate_decode(self) -> None:
-        if self.engine != "hf" and (self.decode != "auto" or self.static_cache_tokens is not None):
-            raise ConfigError(f"decode={self.decode!r} / static_cache_tokens={self.static_cache_tokens!r} apply to "
-                              f"engine='hf' only, not engine={self.engine!r}",
-                              hint="leave decode='auto' and static_cache_tokens unset with vLLM")
-        if self.decode == "cuda_graph" and self.device != "cuda":
-            raise ConfigError(f"decode='cuda_graph' needs device='cuda', got device={self.device!r}",
-                              hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
-        if self.decode == "cuda_graph" and self.linear_layout == "transposed":
-            raise ConfigError("decode='cuda_graph' with linear_layout='transposed': graphs would read weight copies "
-                              "that are rebuilt after every update", hint="linear_layout='auto' or 'native'")
-        if self.static_cache_tokens is not None and self.static_cache_tokens < 2:
-            raise ConfigError(f"static_cache_tokens must be >= 2 or None, got {self.static_cache_tokens}")
-
-    def _validate_combinations(self) -> None:
-        if self.model_path is None:
-            raise ConfigError("model_path is not set",
-                              hint="config.training(model_path=<HF folder or registered name>)")
         if self.env is None:
             raise ConfigError("no environment set", hint='config.environment("arpo/ToolMath-v0", env_config={...})')
-        positive = ("prompts_per_step", "max_batch_size", "max_response_tokens", "tool_workers", "eval_samples")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_rollout_actors < 0:
-            raise ConfigError(f"num_rollout_actors must be >= 0, got {self.num_rollout_actors}")
-        if self.num_cpus_per_rollout_actor <= 0:
-            raise ConfigError("num_cpus_per_rollout_actor must be > 0")
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature must be > 0 for training rollouts, got {self.temperature}",
-                              hint="policy-gradient needs sampled trajectories; greedy decoding is for evaluation")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.eval_temperature < 0:
-            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
-        if self.eval_temperature == 0 and self.eval_samples > 1:
-            raise ConfigError(f"eval_samples={self.eval_samples} with greedy decoding (eval_temperature=0) "
-                              "scores the same answer several times",
-                              hint="set eval_temperature > 0 or eval_samples = 1")
-        if self.eval_num_prompts is not None and self.eval_num_prompts < 1:
-            raise ConfigError("eval_num_prompts must be >= 1 or None (all)")
-        self._validate_decode()
-        if self.engine == "vllm" and self.entropy_method != "topk_sum_lnV":
-            raise ConfigError(f"engine='vllm' with entropy_method={self.entropy_method!r}: vLLM returns only top-k "
-                              "logprobs, so the full entropy is not available",
-                              hint="tree(entropy_method='topk_sum_lnV') (the reference estimator), or engine='hf'")
-        if self.engine == "hf" and self.dtype != "float32" and self.num_rollout_actors == 0:
-            raise ConfigError(f"dtype={self.dtype!r} with in-process rollouts: the in-process engine shares the "
-                              "learner's float32 module, so it cannot run in another dtype",
-                              hint="keep dtype='float32' (training(precision=...) sets the learner's compute "
-                                   "precision), or use rollout actors (num_rollout_actors > 0), which hold their own copy")
         if self.num_learners > 0:
             raise ConfigError("num_learners > 0 is not supported: ARPO owns its learner in the main process",
-                              hint="leave num_learners at 0; use device='cuda' for a GPU learner")
+                              hint="leave num_learners at 0; use backend(learner_backend='ddp') for data parallel")
+        for key, value in self.settings.flat().items():
+            if _is_search_space(value):
+                raise ConfigError(f"{key} is still a Tune search space ({value!r})",
+                                  hint="pass the config to tune.Tuner(param_space=...) instead of building it")
+        if (self.evaluation_interval or 0) != self.settings.evaluation.every:
+            raise ConfigError(f"evaluation_interval={self.evaluation_interval!r} disagrees with evaluation.every="
+                              f"{self.settings.evaluation.every}", hint="set it with .evaluation(every=N)")
+        self.settings.validate()

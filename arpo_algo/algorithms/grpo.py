@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
-from arpo_algo.algorithms.options import TREE_OPTIONS
+from arpo_algo.core.tree import TreeConfig
 
 
 class GRPOConfig(ARPOConfig):
@@ -16,7 +16,7 @@ class GRPOConfig(ARPOConfig):
     """
 
     variant = "grpo"
-    variant_defaults: dict[str, Any] = {"initial": TREE_OPTIONS["budget"].default, "branch_factor": 0}
+    variant_defaults: dict[str, Any] = {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0}
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or GRPO)

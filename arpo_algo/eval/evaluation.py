@@ -1,10 +1,10 @@
 """Held-out evaluation: the protocol ARPO_SPEC §10.23 leaves open, written down.
 
-* Tasks: the first ``eval_num_prompts`` tasks of the environment's ``eval_split`` (all when None), in index order,
-  so every evaluation of a run (and of two runs with the same settings) sees the same tasks.
-* Samples: ``eval_samples`` (n) independent trajectories per task (the GRPO tree: no branching), decoded greedily
-  when ``eval_temperature == 0``, else sampled with that temperature; seeds are fixed (step 0), so evaluations differ
-  only by the weights.
+* Tasks: the first ``evaluation.num_prompts`` tasks of the environment's ``evaluation.split`` (all when None), in
+  index order, so every evaluation of a run (and of two runs with the same settings) sees the same tasks.
+* Samples: ``evaluation.samples`` (n) independent trajectories per task (the GRPO tree: no branching), decoded
+  greedily when ``evaluation.temperature == 0``, else sampled with that temperature; seeds are fixed (step 0), so
+  evaluations differ only by the weights.
 * Correct: the reward's answer-quality score reaches 1. For rewards that report a token-F1 (``arpo_reference``,
   ``f1``) that is ``f1 == 1`` (the reference's +0.1 multi-tool bonus does not make a wrong answer right); for the
   others (``math_equiv``, ``exact_match``) it is ``score >= 1``.
@@ -49,10 +49,12 @@ class EvalSettings:
 def eval_settings(cfg: Any) -> EvalSettings:
     """THE mapping from an ARPOConfig to evaluation settings; training's evaluate(), the quickstart and ``arpo eval
     --experiment`` all use it, so no caller can drop a setting (top_p, tool_workers and prompt_overflow once were)."""
-    return EvalSettings(num_prompts=cfg.eval_num_prompts, samples=cfg.eval_samples, temperature=cfg.eval_temperature,
-                        max_response_tokens=cfg.eval_max_response_tokens or cfg.max_response_tokens,
-                        top_p=cfg.top_p, tool_workers=cfg.tool_workers, prompt_overflow=cfg.prompt_overflow,
-                        seed=cfg.seed)
+    evaluation, rollouts = cfg.settings.evaluation, cfg.settings.rollouts
+    return EvalSettings(num_prompts=evaluation.num_prompts, samples=evaluation.samples,
+                        temperature=evaluation.temperature,
+                        max_response_tokens=evaluation.max_response_tokens or rollouts.max_response_tokens,
+                        top_p=rollouts.top_p, tool_workers=rollouts.tool_workers,
+                        prompt_overflow=rollouts.prompt_overflow, seed=cfg.seed)
 
 
 def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts: int | None, samples: int,

@@ -30,6 +30,7 @@ from arpo_algo.core import tree as T
 from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.agent_loop import absorb, action_text, apply_turn, safe_call, turn_from_env
+from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
 from arpo_algo.rollout.stops import first_stop_end
 from arpo_algo.rollout.tree_state import Path, PromptState, assemble_group
@@ -87,6 +88,17 @@ class TreeSampler:
         self._keys: set[Any] = set()
         self._batch_index = 0
 
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
+                    rollouts: RolloutsConfig, *, seed: int = 0, dump_path: str | None = None) -> TreeSampler:
+        """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
+        env = env_creator()
+        sampling = SamplingParams(max_new_tokens=rollouts.max_response_tokens, temperature=rollouts.temperature,
+                                  top_p=rollouts.top_p, top_k=rollouts.top_k, stop=tuple(env.stop_sequences))
+        return cls(engine, env_creator, tree, sampling, max_response_tokens=rollouts.max_response_tokens,
+                   tool_workers=rollouts.tool_workers, prompt_overflow=rollouts.prompt_overflow,
+                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed, dump_path=dump_path)
     def close(self) -> None:
         """Stop the tool thread pool."""
         self._pool.shutdown(wait=True)
@@ -298,9 +310,11 @@ class TreeSampler:
             return False
         turn = turn_from_env(res, len(p.tool_calls))
         k = cfg.entropy_tokens
+        def entropy_before(c: Any) -> None:
+            c.ent_before.append(MK.mean(c.entropies[max(c.turn_start, len(c.entropies) - k):]))
+
         status, reason = apply_turn(p, turn, self.tok, self.eos_id, max_response_tokens=self.max_response_tokens,
-                                    train_eos=self.train_tool_limit_eos, before_observation=lambda c: c.ent_before.append(
-                                        MK.mean(c.entropies[max(c.turn_start, len(c.entropies) - k):])))
+                                    train_eos=self.train_tool_limit_eos, before_observation=entropy_before)
         if status == "finished":
             p.finish(reason, turn.reward, turn.reward_info)
             return False

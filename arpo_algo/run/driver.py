@@ -149,7 +149,8 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     if resume is not None and not existing:
         raise ArpoError(f"nothing to resume: {ckpt_root} holds no checkpoint")
     out.mkdir(parents=True, exist_ok=True)
-    if exp.config.dump_trees and exp.config.dump_path is None:
+    rollouts = exp.config.settings.rollouts
+    if rollouts.dump_trees and rollouts.dump_path is None:
         # Outside Tune the Algorithm's logdir is a temp folder; tree dumps belong to the run folder.
         exp.config.llm_rollouts(dump_path=str(out / "trees.jsonl"))
     _write_config(exp, out)
@@ -167,7 +168,7 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     t_start = time.time()
     last_ckpt = existing[-1] if existing else None
     try:
-        if evaluate_first and algo.config.evaluation_interval and algo.iteration == 0:
+        if evaluate_first and algo.config.settings.evaluation.every and algo.iteration == 0:
             ev = {f"evaluation/{k}": v for k, v in algo.evaluate().items()}
             _record(history, metrics_file, writer, 0, ev)
         bar = tqdm(total=iterations, initial=algo.iteration, desc=exp.run.name, unit="it", disable=not progress)

@@ -1,20 +1,25 @@
-"""Experiment files: one strict TOML format that maps every key to exactly one setting.
+"""Experiment files: one strict TOML format whose keys are the settings' own dotted names.
 
-An experiment file (``experiments/<name>.toml``) has these sections, all optional except ``[model]`` and ``[env]``::
+An experiment file (``experiments/<name>.toml``) has these sections, all optional except ``[model]`` and ``[env]``;
+every section but ``[experiment]`` and ``[env]`` is a dataclass of :mod:`arpo_algo.algorithms.settings`, and its keys
+are that dataclass's fields::
 
-    [experiment]   name, algorithm ("arpo" | "aepo" | "grpo"), seed, iterations, output, checkpoint_every,
-                   keep_checkpoints, description                                      -> :class:`RunSettings`
-    [model]        path                                                               -> ARPOConfig.model_path
-    [env]          id (a registered env id); every other key goes to env_config       -> .environment(...)
-    [tree]         TreeConfig fields except mode                                      -> .tree(...)
-    [training]     LearnerConfig fields, prompts_per_step                             -> .training(...)
-    [rollouts]     sampling/engine/resources (arpo_algo.algorithms.config.ROLLOUT_OPTIONS)       -> .llm_rollouts(...)
-    [evaluation]   every (-> evaluation_interval), split, num_prompts, samples, temperature,
-                   max_response_tokens (-> eval_*)                                    -> .evaluation(...)
+    [experiment]     name, algorithm ("arpo" | "aepo" | "grpo"), seed, iterations, output, checkpoint_every,
+                     keep_checkpoints, description                              -> :class:`ExperimentConfig`
+    [model]          path                                                       -> ModelConfig
+    [env]            id (a registered env id); every other key goes to env_config -> .environment(...)
+    [tree]           branching                                                  -> TreeConfig
+    [training]       the learner, prompts per step                              -> TrainingConfig
+    [backend]        where the learner runs (local, ddp, deepspeed)             -> BackendConfig
+    [rollouts]       sampling, engine, resources                                -> RolloutsConfig
+    [rollouts.hf]    HF engine settings                                         -> HFEngineConfig
+    [rollouts.vllm]  vLLM engine settings                                       -> VLLMEngineConfig
+    [evaluation]     every, split, num_prompts, samples, temperature, max_response_tokens -> EvaluationConfig
 
-Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
-naming the key (all through :mod:`arpo_base.options`). ``env_config`` keys are checked by the environment's own config.
-Overrides (``--set section.key=value``) use the same names and are parsed as TOML values
+Unknown sections and keys are errors naming the file, the section and the closest valid key; a key that moved (for
+example ``[rollouts] decode``, now ``[rollouts.hf] decode``) is an error naming its new place; wrong types are errors
+naming the key. ``env_config`` keys are checked by the environment's own config. Overrides (``--set
+section.key=value``, ``--set rollouts.hf.decode=static``) use the same names and are parsed as TOML values
 (:func:`arpo_base.options.parse_override`, the parser every command uses).
 
 ``[training] total_steps`` (the length of a decaying learning-rate schedule) defaults to ``iterations * ppo_epochs``,
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.algorithms import CONFIG_CLASSES, ARPOConfig
-from arpo_algo.algorithms.options import _GROUPS, check_value
+from arpo_algo.algorithms.settings import SECTIONS as SETTING_SECTIONS
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.options import (
     apply_overrides,
@@ -43,7 +48,7 @@ from arpo_base.options import (
 )
 from arpo_base.paths import source_checkout
 
-__all__ = ["SECTIONS", "Experiment", "RunSettings", "build_config", "experiment_dirs", "experiment_record",
+__all__ = ["SECTIONS", "Experiment", "ExperimentConfig", "build_config", "experiment_dirs", "experiment_record",
            "load_experiment", "resolve_experiment_path"]
 
 #: The source checkout's experiments/ folder (None in a wheel install, which has no checkout).
@@ -52,12 +57,12 @@ EXPERIMENTS_DIR: Path | None = _CHECKOUT / "experiments" if _CHECKOUT else None
 #: Environment variable with extra folders (os.pathsep-separated) searched for experiment names first.
 EXPERIMENTS_ENV = "ARPO_EXPERIMENTS"
 
-SECTIONS = ("experiment", "model", "env", "tree", "training", "rollouts", "evaluation")
-_EVAL_KEYS = {"every": "evaluation_interval", **{k[len("eval_"):]: k for k in _GROUPS["evaluation"]}}
+#: The sections of an experiment file: the run's own two, then every settings section.
+SECTIONS = ("experiment", "env", *SETTING_SECTIONS)
 
 
 @dataclass
-class RunSettings:
+class ExperimentConfig:
     """The ``[experiment]`` section: how ``arpo train`` drives the algorithm (not part of ARPOConfig).
 
     Attributes:
@@ -94,7 +99,7 @@ class RunSettings:
 class Experiment:
     """A loaded experiment: run settings, the algorithm config, and the sections it came from (after overrides)."""
 
-    run: RunSettings
+    run: ExperimentConfig
     config: ARPOConfig
     sections: dict[str, dict[str, Any]]
     source: Path | None = None
@@ -163,20 +168,19 @@ def load_experiment(name_or_path: str | Path | None = None, overrides: list[str]
     return Experiment(run=run, config=config, sections=sections, source=source, overrides=list(overrides or []))
 
 
-def _run_settings(body: dict[str, Any], source: Path | None, where: str) -> RunSettings:
+def _run_settings(body: dict[str, Any], source: Path | None, where: str) -> ExperimentConfig:
     values = {"name": source.stem if source else "experiment", **body}
-    run = dataclass_from_dict(RunSettings, values, f"{where}: [experiment]")
+    run = dataclass_from_dict(ExperimentConfig, values, f"{where}: [experiment]")
     run.validate(where)
     return run
 
 
-def build_config(sections: dict[str, dict[str, Any]], run: RunSettings, where: str) -> ARPOConfig:
-    """Map the sections onto the algorithm's config class (every key to exactly one field)."""
+def build_config(sections: dict[str, dict[str, Any]], run: ExperimentConfig, where: str) -> ARPOConfig:
+    """The algorithm's config class with the file's settings sections applied (each key to exactly one field)."""
     config = CONFIG_CLASSES[run.algorithm]()
     config.debugging(seed=run.seed)
-    model = sections.get("model", {})
-    check_keys(model, ["path"], f"{where}: [model]")
-    if "path" not in model:
+    if "path" not in sections.get("model", {}):
+        check_keys(sections.get("model", {}), ["path"], f"{where}: [model]")
         raise ConfigError(f"{where}: [model] path is missing", hint='[model]\npath = "smollm2-135m-instruct"')
     env = dict(sections.get("env", {}))
     if "id" not in env:
@@ -186,28 +190,11 @@ def build_config(sections: dict[str, dict[str, Any]], run: RunSettings, where: s
         raise ConfigError(f"{where}: [env] id must be a string, got {env_id!r}")
     _check_env_config(env_id, env, where)
     config.environment(env=env_id, env_config=env)
-    mapping = {"tree": ("tree", config.tree), "training": ("training", config.training),
-               "rollouts": ("llm_rollouts", config.llm_rollouts)}
-    try:
-        config.training(model_path=check_value("model_path", model["path"], f"{where}: [model] path"))
-        for section, (group, setter) in mapping.items():
-            body = sections.get(section, {})
-            check_keys(body, set(_GROUPS[group]) - {"model_path"}, f"{where}: [{section}]")
-            setter(**body)
-        if "total_steps" not in sections.get("training", {}):
-            # One iteration = one learner update = ppo_epochs optimizer steps, so a decaying schedule ends at the
-            # run's last update (the LearnerConfig default None would refuse it).
-            config.training(total_steps=run.iterations * config.ppo_epochs)
-        evaluation = sections.get("evaluation", {})
-        check_keys(evaluation, _EVAL_KEYS, f"{where}: [evaluation]")
-        if "every" in evaluation and (isinstance(evaluation["every"], bool)
-                                      or not isinstance(evaluation["every"], int) or evaluation["every"] < 0):
-            raise ConfigError(f"{where}: [evaluation] every must be an int >= 0, got {evaluation['every']!r}")
-        config.evaluation(**{_EVAL_KEYS[k]: v for k, v in evaluation.items()})
-    except ConfigError as e:
-        if e.message.startswith(where):
-            raise
-        raise ConfigError(f"{where}: {e.message}", hint=e.hint) from e
+    config.update_settings({s: sections[s] for s in SETTING_SECTIONS if s in sections}, where)
+    if "total_steps" not in sections.get("training", {}):
+        # One iteration = one learner update = ppo_epochs optimizer steps, so a decaying schedule ends at the
+        # run's last update (the TrainingConfig default None would refuse it).
+        config.training(total_steps=run.iterations * config.settings.training.ppo_epochs)
     return config
 
 
@@ -237,7 +224,6 @@ def experiment_record(exp: Experiment) -> dict[str, Any]:
         "algorithm": type(cfg).__name__,
         "env": cfg.env if isinstance(cfg.env, str) else repr(cfg.env),
         "env_config": dict(cfg.env_config),
-        "evaluation_interval": cfg.evaluation_interval,
         "seed": cfg.seed,
-        "settings": cfg.arpo_settings(),
+        "settings": cfg.settings.sections(),
     }

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.algorithms.options import _GROUPS
+from arpo_algo.algorithms.settings import SECTIONS as SETTING_SECTIONS
+from arpo_algo.algorithms.settings import Settings
+from arpo_algo.core.tree import TreeConfig
 from arpo_algo.run.experiment import (
-    _EVAL_KEYS,
     SECTIONS,
     Experiment,
     load_experiment,
@@ -44,6 +45,8 @@ from arpo_algo.run.tomlw import toml_literal
 from arpo_base.errors import ConfigError
 from arpo_base.options import parse_override, read_toml, unknown_key_error
 
+#: Every setting's dotted name (what a [space] knob of a settings section may name).
+_SETTING_NAMES = frozenset(Settings().flat())
 DISTRIBUTIONS = ("uniform", "loguniform", "quniform", "randint", "choice", "grid")
 SEARCHES = ("optuna", "grid", "random")
 SCHEDULERS = ("asha", "none")
@@ -145,7 +148,7 @@ class Sweep:
             sections.setdefault(section, {})[name] = value
         if algorithm == "grpo":
             tree = sections.setdefault("tree", {})
-            tree["initial"] = tree.get("budget", _GROUPS["tree"]["budget"].default)
+            tree["initial"] = tree.get("budget", TreeConfig.budget)
             tree["branch_factor"] = 0
         return sections
 
@@ -274,16 +277,20 @@ def _knob(key: str, spec: Any, where: str, notes: list[str]) -> Knob:
     section, name = key.split(".", 1)
     if section not in SECTIONS:
         raise unknown_key_error(section, SECTIONS, f"{at}: section")
-    allowed = {"tree": set(_GROUPS["tree"]) | {"beam_size"}, "training": set(_GROUPS["training"]) - {"model_path"},
-               "rollouts": set(_GROUPS["llm_rollouts"]), "evaluation": set(_EVAL_KEYS),
-               "experiment": {"seed", "algorithm"}, "model": {"path"}}.get(section)
+    allowed: set[str] | None = None  # None: checked by the environment's own config ([env])
+    if section in SETTING_SECTIONS:
+        allowed = {k.partition(".")[2] for k in _SETTING_NAMES if k.startswith(section + ".")}
+        allowed |= {"beam_size"} if section == "tree" else set()
+    elif section == "experiment":
+        allowed = {"seed", "algorithm"}
     if allowed is not None and name not in allowed:
         hint = unknown_key_error(name, allowed, at).hint
         if section == "experiment" and name == "iterations":
             hint = "iterations are set by [sweep] iterations"
         raise ConfigError(f"{at}: unknown key {name!r}", hint=hint)
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise ConfigError(f"{at}: expected one distribution {{name = [...]}}", hint=f"one of {', '.join(DISTRIBUTIONS)}")
+        raise ConfigError(f"{at}: expected one distribution {{name = [...]}}",
+                          hint=f"one of {', '.join(DISTRIBUTIONS)}")
     dist, args = next(iter(spec.items()))
     if dist not in DISTRIBUTIONS:
         raise unknown_key_error(dist, DISTRIBUTIONS, f"{at}: distribution")
@@ -338,17 +345,14 @@ def _check_search(sweep: Sweep, where: str) -> None:
 
 
 def field_path(knob_key: str) -> tuple[str, ...]:
-    """Where a knob lives in the RLlib config dict Tune passes to the Algorithm (``env.x`` -> env_config.x)."""
+    """Where a knob lives in the RLlib config dict Tune passes to the Algorithm: a setting under its own dotted name
+    (``tree.tau``), an environment key in ``env_config``, ``experiment.seed`` as RLlib's ``seed``."""
     section, name = knob_key.split(".", 1)
     if section == "env":
         return ("env_config", name)
     if section == "experiment":
         return (name,)
-    if section == "model":
-        return ("model_path",)
-    if section == "evaluation":
-        return (_EVAL_KEYS[name],)
-    return (name,)
+    return (knob_key,)
 
 
 def describe(sweep: Sweep) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from arpo_algo.algorithms.options import unknown_key_error
 from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.options import unknown_key_error
 
 #: Training metrics every iteration reports (top level of the result; ``rollout/*`` and ``learner/*`` too).
 TRAIN_METRICS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "branches", "response_len",
@@ -54,19 +54,21 @@ def check_points(sweep: Any, where: str) -> None:
                                   hint="narrow the [space] so that every point is valid (the sweep checks every "
                                        "corner of the space before Ray starts, and skips none)") from e
             cfg = exp.config
-            if cfg.model_path not in models_seen:
-                models_seen.add(cfg.model_path)
+            model_path = cfg.settings.model.path
+            if model_path not in models_seen:
+                models_seen.add(model_path)
                 try:
-                    resolve_model_path(cfg.model_path)
+                    resolve_model_path(model_path)
                 except ArpoError as e:
-                    raise ConfigError(f"{where}: model {cfg.model_path!r}: {e.message}", hint=e.hint) from e
+                    raise ConfigError(f"{where}: model {model_path!r}: {e.message}", hint=e.hint) from e
             cfg.num_cpus_for_main_process = sweep.settings.resources_per_trial["cpu"]
             try:
-                backend = cfg.backend_config()
+                backend = cfg.settings.backend
                 check_resources_feasible(resource_bundles(cfg), backend.learner_workers if backend.distributed else 0)
             except ConfigError as e:
-                raise ConfigError(f"{where}: [sweep] resources_per_trial: one trial {e.message[len('this ARPO config '):]}"
-                                  if e.message.startswith("this ARPO config ") else f"{where}: {e.message}",
+                prefix = "this ARPO config "
+                raise ConfigError(f"{where}: [sweep] resources_per_trial: one trial {e.message[len(prefix):]}"
+                                  if e.message.startswith(prefix) else f"{where}: {e.message}",
                                   hint=e.hint) from e
 
 

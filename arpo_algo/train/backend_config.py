@@ -1,8 +1,8 @@
 """BackendConfig: where and how the learner runs (one process, data parallel over Ray, or DeepSpeed ZeRO), and the
 placement check that runs before any worker starts. The backends themselves: :mod:`arpo_algo.train.backends`.
 
-These settings sit next to :class:`arpo_algo.train.learner_config.LearnerConfig` in ``ARPOConfig.training(...)`` and
-in an experiment's ``[training]`` section (``learner_backend = "ddp"``, ``learner_workers = 2``, ...).
+These settings are an experiment's ``[backend]`` section (``learner_backend = "ddp"``, ``learner_workers = 2``, ...)
+and ``ARPOConfig.backend(...)``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class BackendConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendConfig:
         """Build from a dict; unknown keys and wrong types raise ConfigError."""
-        cfg = dataclass_from_dict(cls, d, "training")
+        cfg = dataclass_from_dict(cls, d, "backend")
         cfg.validate()
         return cfg
 
@@ -54,15 +54,15 @@ class BackendConfig:
 
     def validate(self) -> None:
         """Checks that do not depend on the device or the cluster (those: :func:`check_placement`)."""
-        check_choice("learner_backend", self.learner_backend, BACKENDS, "training")
-        check_choice("learner_placement", self.learner_placement, PLACEMENTS, "training")
-        check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "training")
+        check_choice("learner_backend", self.learner_backend, BACKENDS, "backend")
+        check_choice("learner_placement", self.learner_placement, PLACEMENTS, "backend")
+        check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "backend")
         if self.learner_workers < 1:
-            raise ConfigError(f"training.learner_workers must be >= 1, got {self.learner_workers}")
+            raise ConfigError(f"backend.learner_workers must be >= 1, got {self.learner_workers}")
         if self.learner_cpus_per_worker <= 0:
-            raise ConfigError(f"training.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
+            raise ConfigError(f"backend.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
         if self.learner_gpus_per_worker is not None and not self.learner_gpus_per_worker > 0:
-            raise ConfigError(f"training.learner_gpus_per_worker must be > 0 or None, got "
+            raise ConfigError(f"backend.learner_gpus_per_worker must be > 0 or None, got "
                               f"{self.learner_gpus_per_worker}")
         if not self.distributed:
             changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
@@ -70,13 +70,13 @@ class BackendConfig:
                                       ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
                                       ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0)) if v]
             if changed:
-                raise ConfigError(f"training.{changed[0]} is set but learner_backend='local' runs one learner in "
+                raise ConfigError(f"backend.{changed[0]} is set but learner_backend='local' runs one learner in "
                                   "the main process", hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)")
 
     def check_device(self, device: str) -> None:
         """The device-dependent checks (DeepSpeed needs GPUs; GPU shares only on GPUs and as the placement allows)."""
         if self.learner_backend == "deepspeed" and device != "cuda":
-            raise ConfigError("learner_backend='deepspeed' needs llm_rollouts(device='cuda')",
+            raise ConfigError("backend.learner_backend='deepspeed' needs rollouts.device='cuda'",
                               hint="on CPU use learner_backend='ddp' (gloo), which gives the same update")
         self.gpus_per_worker(device)
 
@@ -85,16 +85,16 @@ class BackendConfig:
         g = self.learner_gpus_per_worker
         if device != "cuda":
             if g is not None:
-                raise ConfigError(f"training.learner_gpus_per_worker={g} with device={device!r}",
-                                  hint="GPU shares need llm_rollouts(device='cuda'); leave it unset on CPU")
+                raise ConfigError(f"backend.learner_gpus_per_worker={g} with device={device!r}",
+                                  hint="GPU shares need rollouts.device='cuda'; leave it unset on CPU")
             return 0.0
         g = 1.0 if g is None else float(g)
         if self.learner_placement == "split" and g != 1.0:
-            raise ConfigError(f"training.learner_gpus_per_worker={g} with learner_placement='split': a data-parallel "
+            raise ConfigError(f"backend.learner_gpus_per_worker={g} with learner_placement='split': a data-parallel "
                               "rank drives exactly one GPU of its own",
                               hint="leave it unset (1), or use learner_placement='colocated' with a share < 1")
         if self.learner_placement == "colocated" and g >= 1.0:
-            raise ConfigError(f"training.learner_gpus_per_worker={g} with learner_placement='colocated' leaves no "
+            raise ConfigError(f"backend.learner_gpus_per_worker={g} with learner_placement='colocated' leaves no "
                               "share of the GPU for the rollout engine",
                               hint="use a share such as 0.5, or learner_placement='split'")
         return g
@@ -147,8 +147,8 @@ def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float]
              f"{ {k: float(v) for k, v in others.items() if v} } for {others_label} = {need['GPU']:g} GPU(s), "
              f"{need['CPU']:g} CPU(s)")
     exists = f"{where} has {have['GPU']:g} GPU(s), {have['CPU']:g} CPU(s)"
-    hint = ("lower training(learner_workers=..., learner_cpus_per_worker=...), use device='cpu', or start Ray on a "
-            "bigger cluster")
+    hint = ("lower backend.learner_workers / backend.learner_cpus_per_worker, use rollouts.device='cpu', or start "
+            "Ray on a bigger cluster")
     if need["GPU"] > have["GPU"] + 1e-9 or need["CPU"] > have["CPU"] + 1e-9:
         raise ConfigError(f"the learner placement cannot be satisfied: asked {asked}; {exists}", hint=hint)
     if device == "cuda" and bundles and len(bundles) > have["GPU"]:

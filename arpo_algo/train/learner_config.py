@@ -10,7 +10,7 @@ from arpo_algo.core.losses import POLICY_LOSSES
 from arpo_algo.train.device_setup import PRECISIONS, TREE_ATTENTIONS
 from arpo_algo.train.optim import SCHEDULES, check_schedule
 from arpo_base.errors import ConfigError
-from arpo_base.options import check_choice, dataclass_from_dict
+from arpo_base.options import check_choice, dataclass_from_dict, setting
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class LearnerConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
         """Build from a dict; unknown keys (with the closest valid name) and wrong types raise ConfigError."""
-        cfg = dataclass_from_dict(cls, d, "learner")
+        cfg = dataclass_from_dict(cls, d, "training")
         cfg.validate()
         return cfg
 
@@ -89,31 +89,31 @@ class LearnerConfig:
                    "attn_implementation": ("sdpa", "eager"), "precision": PRECISIONS,
                    "tree_attention": TREE_ATTENTIONS}
         for key, allowed in choices.items():
-            check_choice(key, getattr(self, key), allowed, "learner")
-        ADVANTAGES.check(self.advantage, "learner")
-        POLICY_LOSSES.check(self.policy_loss, "learner")
+            check_choice(key, getattr(self, key), allowed, "training")
+        ADVANTAGES.check(self.advantage, "training")
+        POLICY_LOSSES.check(self.policy_loss, "training")
         positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
         if self.head_chunk_tokens is not None:
             positive["head_chunk_tokens"] = self.head_chunk_tokens
         for key, val in positive.items():
             if not val > 0:
-                raise ConfigError(f"learner.{key} must be > 0, got {val!r}")
+                raise ConfigError(f"training.{key} must be > 0, got {val!r}")
         for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef",
                     "dr_grpo_tokens"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"learner.{key} must be >= 0, got {getattr(self, key)!r}")
-        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "learner")
+                raise ConfigError(f"training.{key} must be >= 0, got {getattr(self, key)!r}")
+        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "training")
         if self.clip_low >= 1:
-            raise ConfigError(f"learner.clip_low must be < 1, got {self.clip_low}")
+            raise ConfigError(f"training.clip_low must be < 1, got {self.clip_low}")
         if self.clip_c <= 1:
-            raise ConfigError(f"learner.clip_c must be > 1 (dual clip), got {self.clip_c}")
+            raise ConfigError(f"training.clip_c must be > 1 (dual clip), got {self.clip_c}")
         if self.tree_attention == "flex" and self.attn_implementation != "sdpa":
-            raise ConfigError(f"learner.tree_attention='flex' with attn_implementation={self.attn_implementation!r}: "
+            raise ConfigError(f"training.tree_attention='flex' with attn_implementation={self.attn_implementation!r}: "
                               "the flex model runs every other attention call (padded batches, decoding) through "
                               "SDPA", hint="set attn_implementation='sdpa', or tree_attention='dense'")
         if ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared") and self.loss_agg == "seq_mean":
-            raise ConfigError(f"learner.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
+            raise ConfigError(f"training.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
                               hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
 
     @property
@@ -121,3 +121,24 @@ class LearnerConfig:
         """The learner merges identical prefixes of a group into one trained copy: an estimator that counts a shared
         token once (e.g. "hard") with ``hard_scope="tokens"``; with "tree" the 1/d weights do it per copy."""
         return bool(ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared", False)) and self.hard_scope == "tokens"
+
+
+@dataclass(frozen=True)
+class TrainingConfig(LearnerConfig):
+    """``[training]``: the learner's settings (every :class:`LearnerConfig` field) plus how many prompts one
+    iteration samples. The learner receives this object as it is and reads its own fields."""
+
+    prompts_per_step: int = setting(
+        4, "Prompts per training iteration; each yields one group of tree.budget trajectories (reference: 128).")
+    dynamic_sampling: bool = setting(
+        False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
+        "batch is full. Off: the paper's and the reference's behaviour.")
+    dynamic_sampling_max_rounds: int = setting(3, "Cap of sampling rounds per iteration with dynamic_sampling.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
+                              f"{self.dynamic_sampling_max_rounds}")

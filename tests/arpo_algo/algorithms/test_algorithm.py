@@ -16,7 +16,7 @@ from arpo_base.errors import ConfigError
 def tiny_config(model_dir, cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
     cfg = (cls().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
            .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
-           .llm_rollouts(max_response_tokens=16, max_batch_size=4))
+           .llm_rollouts(max_response_tokens=16, hf={"max_batch_size": 4}))
     return cfg.tree(budget=2, initial=2) if cls is GRPOConfig else cfg.tree(budget=2, initial=1)
 
 
@@ -26,7 +26,7 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     # The random tiny model never scores, so every group's rewards are equal; the entropy bonus is a loss term that
     # always has a gradient, so every update must really change the weights (issue 10: the old check passed when
     # nothing was learned).
-    cfg = tiny_config(tiny_model_dir).evaluation(evaluation_interval=2, eval_num_prompts=2).training(entropy_coef=0.01)
+    cfg = tiny_config(tiny_model_dir).evaluation(every=2, num_prompts=2).training(entropy_coef=0.01)
     algo = cfg.build_algo()
     try:
         before = {k: v.detach().clone() for k, v in algo.learner.model.named_parameters()}

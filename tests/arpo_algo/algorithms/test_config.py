@@ -1,4 +1,5 @@
-"""ARPOConfig strictness: unknown keys (setters, update_from_dict/from_dict, TOML), wrong types, illegal combos."""
+"""ARPOConfig: one dotted name per setting on every path (setters, dicts, TOML, --set), strict keys and types,
+moved keys that name their new place, illegal combinations explained."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def valid_config(cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
     ("tree", "bugdet", "budget"),
     ("training", "clip_hihg", "clip_high"),
     ("llm_rollouts", "num_rollout_actor", "num_rollout_actors"),
-    ("evaluation", "eval_sample", "eval_samples"),
+    ("evaluation", "sample", "samples"),
+    ("backend", "learner_worker", "learner_workers"),
 ])
 def test_unknown_key_in_setter_names_it_and_suggests(setter, key, suggestion):
     with pytest.raises(ConfigError) as err:
@@ -48,9 +50,86 @@ def test_update_from_dict_accepts_its_own_to_dict_and_tune_keys():
     src = valid_config().tree(budget=6, initial=3).training(lr=3e-5)
     d = src.to_dict()
     d.update({"__trial_info__": None, "__stdout_file__": None, "__stderr_file__": None})
+    assert (d["tree.budget"], d["tree.initial"], d["training.lr"]) == (6, 3, 3e-5)  # the dotted names, as --set
     cfg = ARPOConfig().update_from_dict(d)
-    assert (cfg.budget, cfg.initial, cfg.lr) == (6, 3, 3e-5)
-    assert cfg.tree_config().budget == 6 and cfg.learner_config().lr == 3e-5
+    assert cfg.settings == src.settings
+    assert (cfg.settings.tree.budget, cfg.settings.tree.initial, cfg.settings.training.lr) == (6, 3, 3e-5)
+
+
+def test_one_dotted_name_per_setting_on_every_path(tmp_path):
+    """A setting is addressed by the same name by a setter, a dict (Tune), --set and an experiment file."""
+    by_setter = valid_config().llm_rollouts(hf={"decode": "static"}).tree(tau=0.3)
+    by_name = valid_config().update_settings({"rollouts.hf.decode": "static", "tree.tau": 0.3})
+    by_dict = valid_config().update_from_dict({"rollouts.hf.decode": "static", "tree.tau": 0.3})
+    by_set = load_experiment(write(tmp_path, BASE), ["rollouts.hf.decode=static", "tree.tau=0.3"]).config
+    by_file = load_experiment(write(tmp_path, BASE + "[tree]\ntau = 0.3\n[rollouts.hf]\ndecode = \"static\"\n")).config
+    for cfg in (by_name, by_dict, by_set, by_file):
+        assert cfg.settings.rollouts.hf.decode == "static" and cfg.settings.tree.tau == 0.3
+    assert by_setter.settings.rollouts == by_file.settings.rollouts and by_setter.settings.tree == by_file.settings.tree
+    assert set(ARPOConfig().settings.flat()) <= set(ARPOConfig().to_dict())
+
+
+@pytest.mark.parametrize("move, new", [
+    ({"tau": 0.3}, "tree.tau"),
+    ({"eval_split": "test"}, "evaluation.split"),
+    ({"decode": "static"}, "rollouts.hf.decode"),
+    ({"learner_backend": "ddp"}, "backend.learner_backend"),
+    ({"lr": 1e-5}, "training.lr"),
+    ({"evaluation_interval": 2}, "evaluation.every"),
+])
+def test_a_former_flat_key_in_a_dict_names_its_dotted_name(move, new):
+    with pytest.raises(ConfigError) as err:
+        ARPOConfig().update_from_dict(move)
+    assert repr(new) in err.value.message
+
+
+def test_a_moved_key_in_a_file_or_override_names_its_new_place(tmp_path):
+    """An experiment file written for the former layout fails naming the key's new section, not a near miss."""
+    with pytest.raises(ConfigError, match="'max_batch_size' has moved: it is now 'rollouts.hf.max_batch_size'"):
+        load_experiment(write(tmp_path, BASE + "[rollouts]\nmax_batch_size = 8\n"))
+    with pytest.raises(ConfigError, match="it is now 'backend.learner_backend'"):
+        load_experiment(write(tmp_path, BASE), ["training.learner_backend=ddp"])
+    with pytest.raises(ConfigError, match=r"\[rollouts.hf\]: unknown key 'decod'"):
+        load_experiment(write(tmp_path, BASE), ["rollouts.hf.decod=static"])
+
+
+def test_every_engine_setting_is_reachable_from_a_file(tmp_path):
+    """The vLLM engine's own settings come from [rollouts.vllm] and reach the engine's keyword arguments."""
+    from arpo_algo.rollout.engines.config import VLLMEngineConfig
+
+    exp = load_experiment(write(tmp_path, BASE + """
+[tree]
+entropy_method = "topk_sum_lnV"
+[rollouts]
+engine = "vllm"
+[rollouts.vllm]
+gpu_memory_utilization = 0.3
+tensor_parallel_size = 2
+max_model_len = 4096
+enforce_eager = true
+"""))
+    exp.config.validate()
+    kwargs = exp.config.settings.rollouts.engine_config.engine_kwargs()
+    assert (kwargs["gpu_memory_utilization"], kwargs["tensor_parallel_size"]) == (0.3, 2)
+    assert (kwargs["max_model_len"], kwargs["enforce_eager"]) == (4096, True)
+    import inspect
+
+    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    params = inspect.signature(VLLMEngine).parameters
+    assert set(kwargs) <= set(params), "every [rollouts.vllm] key is a VLLMEngine argument"
+    assert all(params[k].default == v for k, v in VLLMEngineConfig().engine_kwargs().items())  # same defaults
+
+
+def test_a_checkpoint_config_in_the_former_flat_layout_is_read():
+    """Checkpoints written before the sections keep loading: RLlib rebuilds their config from flat attributes."""
+    old = {k: v for k, v in ARPOConfig().get_state().items() if k != "settings"}
+    old.update(tau=0.3, budget=6, initial=3, lr=3e-5, grad_clip=1.0, eval_split="train", decode="static",
+               model_path="m", evaluation_interval=2)
+    cfg = ARPOConfig.from_state(old)
+    s = cfg.settings
+    assert (s.tree.tau, s.tree.budget, s.training.lr, s.evaluation.split) == (0.3, 6, 3e-5, "train")
+    assert (s.rollouts.hf.decode, s.model.path, s.evaluation.every) == ("static", "m", 2)
+    assert not hasattr(cfg, "tau")
 
 
 # ------------------------------------------------------------------------------------------------------ types
@@ -63,23 +142,23 @@ def test_update_from_dict_accepts_its_own_to_dict_and_tune_keys():
     ("training", {"dedup_prefix": 1}),
     ("llm_rollouts", {"device": "tpu"}),
     ("llm_rollouts", {"engine": "sglang"}),
-    ("llm_rollouts", {"decode": "graphs"}),
-    ("evaluation", {"eval_num_prompts": "all"}),
+    ("llm_rollouts", {"hf": {"decode": "graphs"}}),
+    ("evaluation", {"num_prompts": "all"}),
 ])
 def test_wrong_types_are_rejected(setter, kwargs):
-    key = next(iter(kwargs))
+    key = next(iter(kwargs)) if "hf" not in kwargs else "decode"
     with pytest.raises(ConfigError, match=key):
         getattr(ARPOConfig(), setter)(**kwargs)
 
 
 def test_wrong_type_through_dict_path_is_rejected():
     with pytest.raises(ConfigError, match="budget"):
-        ARPOConfig().update_from_dict({"budget": "eight"})
+        ARPOConfig().update_from_dict({"tree.budget": "eight"})
 
 
 def test_int_is_accepted_for_float_fields():
     cfg = ARPOConfig().tree(alpha=1).training(lr=1)
-    assert isinstance(cfg.alpha, float) and isinstance(cfg.lr, float)
+    assert isinstance(cfg.settings.tree.alpha, float) and isinstance(cfg.settings.training.lr, float)
 
 
 def test_search_space_is_allowed_in_setters_but_not_at_validate():
@@ -94,20 +173,24 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda c: c.training(model_path=None), "model_path"),
+    (lambda c: c.training(model_path=None), "model.path"),
     (lambda c: c.environment(env=None), "environment"),
     (lambda c: c.llm_rollouts(temperature=0.0), "temperature"),
-    (lambda c: c.evaluation(eval_samples=4), "greedy"),
+    (lambda c: c.evaluation(samples=4), "greedy"),
     (lambda c: c.tree(initial=9, budget=8), "initial"),                 # TreeConfig.validate
     (lambda c: c.training(clip_c=0.5), "clip_c"),                       # LearnerConfig.validate
     (lambda c: c.llm_rollouts(dtype="bfloat16"), "float32"),            # in-process engine shares the module
     (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
     (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
     (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
-    (lambda c: c.llm_rollouts(decode="cuda_graph"), "needs device='cuda'"),  # no silent fallback on CPU
-    (lambda c: c.llm_rollouts(decode="cuda_graph", device="cuda", linear_layout="transposed"), "transposed"),
-    (lambda c: c.llm_rollouts(decode="static", engine="vllm").tree(entropy_method="topk_sum_lnV"), "engine='hf'"),
-    (lambda c: c.llm_rollouts(decode="static", static_cache_tokens=1), "static_cache_tokens"),
+    (lambda c: c.llm_rollouts(hf={"decode": "cuda_graph"}), "needs rollouts.device='cuda'"),  # no silent CPU fallback
+    (lambda c: c.llm_rollouts(device="cuda", hf={"decode": "cuda_graph", "linear_layout": "transposed"}),
+     "transposed"),
+    (lambda c: c.llm_rollouts(engine="vllm", hf={"decode": "static"}).tree(entropy_method="topk_sum_lnV"),
+     "engine = 'hf' only"),
+    (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
+    (lambda c: c.evaluation(every=-1), "evaluation.every"),
+    (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
 ])
 def test_illegal_combinations_are_explained(mutate, match):
     cfg = mutate(valid_config())
@@ -125,22 +208,27 @@ def test_variants_share_one_path_with_their_defaults():
     arpo, aepo, grpo = valid_config(), valid_config(AEPOConfig), valid_config(GRPOConfig)
     for cfg in (arpo, aepo, grpo):
         cfg.validate()
-    assert arpo.tree_config().mode == "arpo" and arpo.tree_config().branch_factor >= 1
-    assert aepo.tree_config().mode == "aepo" and aepo.aepo_penalty == 0.05
-    assert aepo.learner_config().entropy_balanced_clip
-    # the docstring and the released scripts: pre-monitoring off by default, on by name (issue 10)
-    assert not aepo.tree_config().premonitor_on and "pre-monitoring off" in AEPOConfig.__doc__
-    assert valid_config(AEPOConfig).tree(aepo_premonitor=True).tree_config().premonitor_on
-    g = grpo.tree_config()
+    assert arpo.settings.tree.mode == "arpo" and arpo.settings.tree.branch_factor >= 1
+    assert aepo.settings.tree.mode == "aepo" and aepo.settings.tree.aepo_penalty == 0.05
+    assert aepo.settings.training.entropy_balanced_clip
+    # the docstring and the released scripts: pre-monitoring off by default, on by name
+    assert not aepo.settings.tree.premonitor_on and "pre-monitoring off" in AEPOConfig.__doc__
+    assert valid_config(AEPOConfig).tree(aepo_premonitor=True).settings.tree.premonitor_on
+    with pytest.raises(ConfigError, match="tree.mode is the algorithm"):
+        ARPOConfig().update_settings({"tree.mode": "grpo"})
+    g = grpo.settings.tree
     assert g.mode == "grpo" and g.branch_factor == 0 and g.initial == g.budget
     with pytest.raises(ConfigError, match="grpo"):
         valid_config(GRPOConfig).tree(budget=16).validate()  # initial must follow budget explicitly
 
 
-def test_new_fields_avoid_reserved_rllib_names():
-    cfg = ARPOConfig()
-    for reserved in ("num_rollout_workers", "rollouts"):
-        assert reserved not in cfg.arpo_settings()["llm_rollouts"]
+def test_settings_do_not_shadow_rllib_attributes():
+    """Every ARPO setting lives in config.settings: none may replace an RLlib attribute or method silently."""
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+
+    rllib = set(vars(AlgorithmConfig())) | set(dir(AlgorithmConfig))
+    assert "settings" not in rllib and "update_settings" not in rllib and "backend" not in rllib
+    assert set(vars(ARPOConfig())) - set(vars(AlgorithmConfig())) == {"settings"}
 
 
 # -------------------------------------------------------------------------------------------------------- TOML
@@ -194,15 +282,18 @@ num_prompts = 5
 """)
     exp = load_experiment(p, ["tree.initial=2", "env.max_tool_calls=2", "evaluation.temperature=0.5"])
     c = exp.config
-    assert isinstance(c, AEPOConfig) and c.seed == 7 and c.model_path == "m"
-    assert (c.budget, c.initial, c.lr, c.max_response_tokens) == (6, 2, 2e-5, 99)
-    assert (c.evaluation_interval, c.eval_num_prompts, c.eval_temperature) == (3, 5, 0.5)
+    s = c.settings
+    assert isinstance(c, AEPOConfig) and c.seed == 7 and s.model.path == "m"
+    assert (s.tree.budget, s.tree.initial, s.training.lr, s.rollouts.max_response_tokens) == (6, 2, 2e-5, 99)
+    assert (s.evaluation.every, s.evaluation.num_prompts, s.evaluation.temperature) == (3, 5, 0.5)
+    assert c.evaluation_interval == 3  # RLlib schedules evaluation from it
     assert c.env == "arpo/ToolMath-v0" and c.env_config == {"max_tool_calls": 2}
 
 
 def test_overrides_read_toml_literals_and_name_the_closest_section(tmp_path):
     exp = load_experiment(write(tmp_path, BASE), ["tree.budget=6", "env.levels=[1, 2]", "model.path=/a/b"])
-    assert exp.config.budget == 6 and exp.config.env_config["levels"] == [1, 2] and exp.config.model_path == "/a/b"
+    assert exp.config.settings.tree.budget == 6 and exp.config.env_config["levels"] == [1, 2]
+    assert exp.config.settings.model.path == "/a/b"
     with pytest.raises(ConfigError, match="the key must be section.key"):
         load_experiment(write(tmp_path, BASE), ["budget=8"])
     with pytest.raises(ConfigError, match="unknown section 'rollout'") as err:
@@ -221,10 +312,10 @@ def test_total_steps_is_derived_from_the_iterations(tmp_path):
     """Bug: total_steps stayed 1 whatever the run's length, so a decaying schedule hit lr 0 after one update."""
     exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\n'
                                 "ppo_epochs = 2\n"))
-    assert exp.config.total_steps == 14 and exp.config.learner_config().total_steps == 14
+    assert exp.config.settings.training.total_steps == 14
     exp.config.validate()
     exp = load_experiment(write(tmp_path, BASE + "[training]\ntotal_steps = 100\n"))  # an explicit value wins
-    assert exp.config.total_steps == 100
+    assert exp.config.settings.training.total_steps == 100
     with pytest.raises(ConfigError, match="decays to 0 at total_steps, which is not set"):
         valid_config(ARPOConfig).training(lr_schedule="cosine").validate()  # no run length known: refuse
 

@@ -22,8 +22,8 @@ def test_arpo_trains_with_two_ddp_ranks_and_syncs_rank0_weights(tiny_model_dir, 
 
     if ray.is_initialized():  # the Algorithm must start (and stop) its own Ray here
         ray.shutdown()
-    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01, learner_backend="ddp", learner_workers=2,
-                                               learner_cpus_per_worker=0.5)
+    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01).backend(
+        learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
     algo = cfg.build_algo()
     try:
         assert ray.is_initialized() and algo.learner.num_workers == 2
@@ -44,13 +44,15 @@ def test_arpo_trains_with_two_ddp_ranks_and_syncs_rank0_weights(tiny_model_dir, 
 
 
 def test_backend_options_are_arpo_settings():
-    cfg = ARPOConfig().training(learner_backend="ddp", learner_workers=2)
-    assert cfg.backend_config() == BackendConfig(learner_backend="ddp", learner_workers=2)
-    assert cfg.arpo_settings()["training"]["learner_backend"] == "ddp"
+    cfg = ARPOConfig().backend(learner_backend="ddp", learner_workers=2)
+    assert cfg.settings.backend == BackendConfig(learner_backend="ddp", learner_workers=2)
+    assert cfg.settings.sections()["backend"]["learner_backend"] == "ddp"
     with pytest.raises(ConfigError, match="learner_workers"):
-        ARPOConfig().training(learner_workers="two")
-    bad = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x", learner_backend="deepspeed")
-    with pytest.raises(ConfigError, match="needs llm_rollouts\\(device='cuda'\\)"):
+        ARPOConfig().backend(learner_workers="two")
+    with pytest.raises(ConfigError, match="it is now 'backend.learner_workers'"):  # the former place names the new
+        ARPOConfig().training(learner_workers=2)
+    bad = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(learner_backend="deepspeed")
+    with pytest.raises(ConfigError, match="needs rollouts.device='cuda'"):
         bad.validate()
 
 
@@ -61,7 +63,7 @@ def test_a_placement_the_machine_cannot_hold_fails_before_setup():
         ray.shutdown()
     gpus = torch.cuda.device_count()
     cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(
-        model_path="x", learner_backend="ddp", learner_workers=gpus + 2).llm_rollouts(device="cuda")
+        model_path="x").backend(learner_backend="ddp", learner_workers=gpus + 2).llm_rollouts(device="cuda")
     with pytest.raises(ConfigError) as err:
         ARPO.default_resource_request(cfg)
     msg = err.value.message

@@ -24,7 +24,7 @@ def ray_local():
 def tiny_config(model_dir) -> ARPOConfig:
     return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
             .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
-            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=12, max_batch_size=4))
+            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=12, hf={"max_batch_size": 4}))
 
 
 def test_one_trial_tuner(ray_local, tiny_model_dir, tmp_path):
@@ -42,11 +42,11 @@ def test_one_trial_tuner(ray_local, tiny_model_dir, tmp_path):
     best = results.get_best_result()
     assert best.metrics["training_iteration"] == 1
     assert "reward_mean" in best.metrics and "rollout" in best.metrics
-    assert best.config["lr"] in (1e-4, 3e-4)
+    assert best.config["training.lr"] in (1e-4, 3e-4)  # the dotted name, as in sweep files
     assert (tmp_path / "t").is_dir() and any(p.name.startswith("arpo_") for p in (tmp_path / "t").iterdir())
     algo = ARPO.from_checkpoint(best.checkpoint.path)
     try:
-        assert algo.iteration == 1 and algo.config.lr == best.config["lr"]
+        assert algo.iteration == 1 and algo.config.settings.training.lr == best.config["training.lr"]
     finally:
         algo.stop()
 

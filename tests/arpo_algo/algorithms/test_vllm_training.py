@@ -1,7 +1,7 @@
 """Training with ``engine="vllm"``: one ARPO iteration in-process and one with a Ray rollout actor (needs vllm).
 
-After the learner's weights move, the algorithm pushes its weights into the vLLM engine; the engine's greedy logprobs must then
-equal a teacher-forced forward of the learner's model (the training path's weight sync, end to end).
+After the learner's weights move, the algorithm pushes its weights into the vLLM engine; the engine's greedy logprobs
+must then equal a teacher-forced forward of the learner's model (the training path's weight sync, end to end).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def vllm_tiny(tmp_path_factory):
 def _config(model_dir, actors: int) -> ARPOConfig:
     return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
             .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-2)
-            .llm_rollouts(engine="vllm", max_response_tokens=16, max_batch_size=4, num_rollout_actors=actors,
+            .llm_rollouts(engine="vllm", max_response_tokens=16, num_rollout_actors=actors,
                           num_cpus_per_rollout_actor=1)
             .tree(budget=2, initial=1, entropy_method="topk_sum_lnV"))
 

@@ -29,6 +29,7 @@ prompts_per_step = 1
 lr = 1e-4
 [rollouts]
 max_response_tokens = 12
+[rollouts.hf]
 max_batch_size = 4
 [evaluation]
 every = 1
@@ -66,7 +67,8 @@ def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
     assert sweep.algorithms == ["arpo", "grpo"]
     assert sweep.num_trials("arpo") == 6 and sweep.num_trials("grpo") == 3  # tau means nothing to GRPO
     grpo = sweep.experiment("grpo", {"experiment.seed": 1})
-    assert grpo.config.initial == grpo.config.budget == 2 and grpo.config.branch_factor == 0
+    tree = grpo.config.settings.tree
+    assert tree.initial == tree.budget == 2 and tree.branch_factor == 0
 
 
 @pytest.mark.parametrize(("sweep", "space", "match", "hint"), [

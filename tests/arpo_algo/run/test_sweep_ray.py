@@ -54,9 +54,9 @@ def test_two_trial_sweep_reports_and_best_toml(tmp_path, tiny_model_dir, capsys,
         assert float(row["evaluation/accuracy"]) == pytest.approx(last["evaluation"]["accuracy"])
         assert float(row["tool_calls"]) == pytest.approx(last["evaluation"]["tool_calls_per_traj"])
         assert float(row["tokens"]) == pytest.approx(sum(r["tokens_sampled"] for r in results))
-        assert float(row["tree.tau"]) == pytest.approx(params["tau"])
-        assert float(row["training.lr"]) == pytest.approx(params["lr"])
-        assert 0.1 <= params["tau"] <= 1.0 and 1e-5 <= params["lr"] <= 1e-3
+        assert float(row["tree.tau"]) == pytest.approx(params["tree.tau"])
+        assert float(row["training.lr"]) == pytest.approx(params["training.lr"])
+        assert 0.1 <= params["tree.tau"] <= 1.0 and 1e-5 <= params["training.lr"] <= 1e-3  # the dotted names
         assert row["trial"] in (out / "results.md").read_text()
         assert len(row["trial"]) < 24  # short trial folder names
         assert any(p.name.startswith("checkpoint_") for p in trial.iterdir())

@@ -35,6 +35,7 @@ entropy_coef = 0.01      # the random model never scores: the bonus keeps a grad
 
 [rollouts]
 max_response_tokens = 12
+[rollouts.hf]
 max_batch_size = 4
 
 [evaluation]

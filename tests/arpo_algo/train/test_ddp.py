@@ -144,7 +144,7 @@ def test_backend_settings_are_checked(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, device, match", [
-    (dict(learner_gpus_per_worker=0.5), "cpu", "needs llm_rollouts\\(device='cuda'\\)|GPU shares"),
+    (dict(learner_gpus_per_worker=0.5), "cpu", "needs rollouts.device='cuda'|GPU shares"),
     (dict(learner_gpus_per_worker=0.5), "cuda", "exactly one GPU of its own"),
     (dict(learner_gpus_per_worker=1.0, learner_placement="colocated"), "cuda", "leaves no share"),
 ])

