@@ -101,6 +101,15 @@ def test_imports_follow_the_room_order():
     assert not bad, "imports against the room order:\n" + "\n".join(bad)
 
 
+def test_serve_does_not_import_the_training_driver():
+    """The server reads checkpoints and models from the rooms below; it never pulls in the training driver (a
+    replica would otherwise import the whole run machinery)."""
+    bad = [f"{path.relative_to(REPO)}:{line} imports {name}"
+           for mod, path in _modules().items() if mod == "serve" or mod.startswith("serve.")
+           for name, line in _imports(path, mod) if name == "arpo_algo.run" or name.startswith("arpo_algo.run.")]
+    assert not bad, "serve imports from arpo_algo.run:\n" + "\n".join(bad)
+
+
 def test_no_import_cycles():
     edges = _internal_edges()
     # A package's __init__ re-exporting its own submodules is not a cycle worth reporting: drop parent->child edges.
