@@ -94,6 +94,17 @@ def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     assert not (out / "samples.jsonl").exists()
 
 
+def test_endpoint_error_status_is_a_clear_error(tmp_path, capsys):
+    """A server that answers a chat request with an error status stops the run with its status and reply text."""
+    with StubServer(text_agent) as server:
+        server.fail_next = 10 ** 6
+        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)),
+                   "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts",
+                   *PRIVATE_TOOLS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "endpoint answered HTTP 503: " in err and "overloaded" in err and "Traceback" not in err
+
+
 def judge_server(body):
     prompt = body["messages"][0]["content"]
     pred = prompt.split("Predicted Answer: ")[1].split("\n")[0].strip()
