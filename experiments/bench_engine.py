@@ -34,7 +34,7 @@ Usage::
     python -m experiments.bench_engine --vllm --push-only --push-shape qwen2.5-1.5b --vllm-dtype bfloat16  # push time
     python -m experiments.bench_engine --decode dynamic static --decode-batches 8 --new-tokens 64   # CPU
     python -m experiments.bench_engine --decode dynamic cuda_graph --device cuda --dtype bfloat16 \
-        --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the issue-15 GPU measurement
+        --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the GPU measurement
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ARPO's claim F1 at small scale: token entropy rises right after tool results (issue 10; the paper's Figure 1 left).
+"""ARPO's claim F1 at small scale: token entropy rises right after tool results (the paper's Figure 1 left).
 
     python -m experiments.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
         --iterations 1 --window 30 --output runs/f1

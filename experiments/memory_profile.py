@@ -1,4 +1,4 @@
-"""Where the quickstart's memory goes (issue 10): peak resident memory after each part of one training step.
+"""Where the quickstart's memory goes: peak resident memory after each part of one training step.
 
     python -m experiments.memory_profile [--model smollm2-135m-instruct] [--prompts 4] [--budget 4] [--tokens 192]
     python -m experiments.memory_profile --stage sft [--batch-size 8] [--grad-accum 1] [--rows-per-forward N]

@@ -1,4 +1,4 @@
-"""Render one iteration's dumped rollout trees (``trees.jsonl``) as one self-contained HTML page (issue 10).
+"""Render one iteration's dumped rollout trees (``trees.jsonl``) as one self-contained HTML page.
 
     python -m experiments.render_trees runs/quickstart/arpo --iteration 3 --tokenizer runs/quickstart/sft \
         --output trees_3.html

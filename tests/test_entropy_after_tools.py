@@ -1,4 +1,4 @@
-"""experiments/entropy_after_tools.py on a hand-built dump (F1 of issue 10)."""
+"""experiments/entropy_after_tools.py on a hand-built dump (claim F1: entropy rises right after tool results)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Learning diagnostics as standard metrics: every name in one place (issue 10).
+"""Learning diagnostics as standard metrics: every name in one place, so producers, logs and reports agree.
 
 Per training iteration the Algorithm logs :func:`group_diagnostics` of the sampled groups under ``diag/``; the
 learner's own numbers come from :meth:`arpo_algo.train.learner.Learner.update` under ``learner/`` (names below).

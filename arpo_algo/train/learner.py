@@ -13,7 +13,7 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
 * ``dr_grpo``: token sum / (trajectories x ``dr_grpo_tokens``, 0 = longest response); see algorithms.stabilizers.
 
-**No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
+**No signal, no step**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
 optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
 **Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in

@@ -1,5 +1,6 @@
-"""What the learner needs to know about an update before running it (issue 10): does it carry any signal, and the
-advantage statistics it logs; and the tree-scoped owners of hard attribution (see :mod:`arpo_algo.core.advantages`)."""
+"""What the learner needs to know about an update before running it: does it carry any signal (an update without
+one must not step), the advantage statistics it logs, and the tree-scoped owners of hard attribution (see
+:mod:`arpo_algo.core.advantages`)."""
 
 from __future__ import annotations
 

@@ -399,7 +399,7 @@ def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path
         calls = wd.js("return [...document.querySelectorAll('.tool.call')].length")
         results = wd.js("return [...document.querySelectorAll('.tool.result')].length")
         assert calls >= 1 and results == calls
-        shot = os.environ.get("ARPO_PAGE_SCREENSHOT")  # look at it: ARPO_PAGE_SCREENSHOT=/tmp/page.png pytest ...
+        shot = os.environ.get("ARPO_PAGE_SCREENSHOT")  # look at it: ARPO_PAGE_SCREENSHOT=page.png pytest ...
         if shot:
             with open(shot, "wb") as f:
                 f.write(base64.b64decode(wd.do("GET", "/screenshot")))

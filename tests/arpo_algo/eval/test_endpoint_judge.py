@@ -14,8 +14,8 @@ from arpo_algo.cli.main import main
 from tests.arpo_algo.eval.openai_stub import StubServer, closed_port_url
 
 # The python tool's per-call sandbox uids come from a per-process pool starting at 62000; another process on the same
-# host drawing the same uid can have its sandbox killed by ours (seen on the shared dev machine). A private uid range
-# keeps these tests independent of whatever else runs.
+# host drawing the same uid can have its sandbox killed by ours. A private uid range keeps these tests independent of
+# whatever else runs on the host.
 PRIVATE_TOOLS = ["--env-set", f"tools={{python={{uid_base={100_000 + (os.getpid() % 5000) * 64}}}}}"]
 
 

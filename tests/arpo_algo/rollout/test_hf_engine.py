@@ -219,8 +219,9 @@ def test_weights_updated_after_a_fused_optimizer_step(tiny_model_dir):
 
 
 def test_sleep_frees_the_weight_copies_and_stored_kv_and_decoding_resumes(tiny_model_dir):
-    # The Algorithm calls engine.sleep() between the rollout and the learner update (issue 10, memory): the transposed
-    # copies of the linear weights and the stored KV must really be freed, and the next call rebuilds them.
+    # The Algorithm calls engine.sleep() between the rollout and the learner update to lower the update's peak
+    # memory: the transposed copies of the linear weights and the stored KV must really be freed, and the next call
+    # rebuilds them.
     import gc
     import weakref
 

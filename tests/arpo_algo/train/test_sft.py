@@ -259,7 +259,7 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
 
 
 def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_model_dir):
-    """The trained-positions-only LM head (issue 10, memory) gives the loss and gradients of the full-logits form."""
+    """The trained-positions-only LM head (it saves memory) gives the loss and gradients of the full-logits form."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -292,7 +292,7 @@ def _loss_and_grads(model, batch, **kw):
 
 
 def test_rows_per_forward_and_gradient_checkpointing_give_the_same_loss_and_gradients(tiny_model_dir):
-    """Memory options (issue 10): passes of fewer rows and activation checkpointing leave the step's loss and
+    """Memory options: passes of fewer rows and activation checkpointing leave the step's loss and
     gradients as they were (rows of different lengths, so the chunks are padded to different widths)."""
     import torch
     from transformers import AutoModelForCausalLM
