@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.ddp import DDPBackend, DistributedLearner
 from arpo_algo.train.learner import LearnerConfig
@@ -122,12 +123,12 @@ class DeepSpeedLearner(DistributedLearner):
         acc = super()._epoch(*args, **kwargs)
         if acc is not None:
             norm = self.engine.get_global_grad_norm()
-            acc["grad_norm"] = float(norm) if norm is not None else 0.0
-            if not math.isfinite(acc["grad_norm"]):
+            acc[LK.GRAD_NORM] = float(norm) if norm is not None else 0.0
+            if not math.isfinite(acc[LK.GRAD_NORM]):
                 raise ArpoError("DeepSpeed stepped on a non-finite gradient norm",
                                 hint="check the rewards for NaN, lower the learning rate, or disable bf16")
             if self.stage == 3:
-                acc["param_change_norm"] = 0.0
+                acc[LK.PARAM_CHANGE_NORM] = 0.0
         return acc
 
     def _gathered(self):
