@@ -171,6 +171,7 @@ class GenerateEngine:
 def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa: ANN001
     """One ARPO sampling step on ToolMath level 3: (tokens the sampler received, seconds inside the engine)."""
     from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout import metrics as MK
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_env.core import ToolTextEnv
 
@@ -181,7 +182,7 @@ def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa:
         _, m = sampler.sample(tasks, step=0)
     finally:
         sampler.close()
-    return int(m["rollout/tokens_generated"]), float(m["rollout/time_generate_s"])
+    return int(m[MK.TOKENS_GENERATED]), float(m[MK.TIME_GENERATE])
 
 
 def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float]:

@@ -210,12 +210,17 @@ def build_ours(args: argparse.Namespace, model_dir: Path):
 
 
 def _ours_stats(result: dict[str, Any]) -> dict[str, float]:
-    rollout = result.get("rollout", {})
-    out = {k: float(result[k]) for k in ("num_trajectories", "tokens_sampled", "reward_mean") if k in result}
-    out.update({k: float(rollout[k]) for k in ("response_tokens", "tool_calls", "branches", "time_total_s")
-                if k in rollout})
-    learner = result.get("learner", {})
-    out.update({f"learner_{k}": float(learner[k]) for k in ("skipped_no_signal", "unique_tokens", "micro_batches")
+    from arpo_algo.rollout import learner_metrics as LK
+    from arpo_algo.rollout import metrics as MK
+
+    # The result nests each section: "rollout/branches" is result["rollout"]["branches"].
+    rollout = result.get(MK.ROLLOUT.rstrip("/"), {})
+    out = {k: float(result[k]) for k in (MK.TRAJECTORIES, MK.TOKENS_SAMPLED, MK.REWARD_MEAN) if k in result}
+    in_rollout = [name.removeprefix(MK.ROLLOUT) for name in (MK.RESPONSE_TOKENS, MK.TOOL_CALLS, MK.BRANCHES,
+                                                               MK.TIME_TOTAL)]
+    out.update({k: float(rollout[k]) for k in in_rollout if k in rollout})
+    learner = result.get(LK.PREFIX.rstrip("/"), {})
+    out.update({f"learner_{k}": float(learner[k]) for k in (LK.SKIPPED_NO_SIGNAL, LK.UNIQUE_TOKENS, LK.MICRO_BATCHES)
                 if k in learner})
     return out
 

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout import metrics as MK
+
 
 def windows(trajectory: dict, window: int, start: int) -> dict[int, list[float]]:
     """Entropies by offset from each tool result's end (0 = first sampled token after it), own tokens only."""
@@ -68,7 +70,7 @@ def collect(paths: list[Path], window: int, iterations: set[int] | None) -> tupl
     for p in paths:
         for line in p.read_text().splitlines():
             g = json.loads(line)
-            if iterations is not None and int(g.get("metrics", {}).get("step", -1)) not in iterations:
+            if iterations is not None and int(g.get("metrics", {}).get(MK.GROUP_STEP, -1)) not in iterations:
                 continue
             for t in g["trajectories"]:
                 start = t["branch_point"] or 0 if t.get("parent") is not None else 0
