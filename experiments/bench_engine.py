@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--push-shape", default=None, help="with --push-only: random weights of this shape "
                     "(qwen2.5-1.5b), --model's tokenizer")
     ap.add_argument("--push-repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
+                    help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
     ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph"],
                     help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])

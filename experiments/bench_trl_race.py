@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "setting": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "model_dir": str(model_dir), "torch_threads": torch.get_num_threads()},
-        "prompt_tokens_first_task": prompt_tokens, "seconds": times, "median_ours_s": med_ours, "median_theirs_s": med_theirs,
+        "prompt_tokens_first_task": prompt_tokens, "seconds": times,
+        "median_ours_s": med_ours, "median_theirs_s": med_theirs,
         "ratio_ours_over_theirs": med_ours / med_theirs,
         "ours_rollout": ours_stats,
         "theirs_logs": [{k: v for k, v in x.items() if isinstance(v, (int, float))} for x in trl_logs],

@@ -15,7 +15,8 @@ limits, reward) as a local run; only the text comes from the server's ``POST /v1
   (else the content) is the response and is scored by the environment's reward.
 
 The reply's ``usage.completion_tokens`` are the run's generated tokens. An unreachable server is a clear error
-(:func:`check_endpoint`) before any item runs. Seeds are sent per request: ``seed + 1000003 * item + 7919 * run + turn``.
+(:func:`check_endpoint`) before any item runs. Seeds are sent per request:
+``seed + 1000003 * item + 7919 * run + turn``.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class Path(Conversation):
     def copy_prefix(self, bp: int, tid: int, batch_index: int, env: Any, key: Any) -> Path:
         return Path(tid=tid, batch_index=batch_index, env=env, kind="branch", response=self.response[:bp],
                     mask=self.mask[:bp], logprobs=self.logprobs[:bp], entropies=self.entropies[:bp],
-                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls), parent=self.tid, branch_point=bp,
+                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls),
+                    parent=self.tid, branch_point=bp,
                     depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
                     cache_key=key)
 

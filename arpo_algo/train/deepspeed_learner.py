@@ -95,8 +95,8 @@ class DeepSpeedLearner(DistributedLearner):
         super().__init__(model_path, config, device=device, seed=seed)
         self.stage, self.world_size = stage, dist.get_world_size()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer, config=deepspeed_config(config, stage, bf16=self.precision == "bf16"),
-            dist_init_required=False)
+            model=self.model, optimizer=self.optimizer,
+            config=deepspeed_config(config, stage, bf16=self.precision == "bf16"), dist_init_required=False)
         self.model = _EngineView(self.engine)
         pad = self.pad_id
         self._pad_batch = build_padded_batch([SeqSpec(0, 0, [pad], [pad], [1], [0.0], [1.0], [0.0])], pad).to(
@@ -156,7 +156,10 @@ class DeepSpeedLearner(DistributedLearner):
 
         saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         params = list(self.engine.module.parameters())
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if self.stage == 3 else contextlib.nullcontext()
+        if self.stage == 3:
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        else:
+            ctx = contextlib.nullcontext()
         with ctx, torch.no_grad():
             self.engine.module.load_state_dict(saved)
         if hasattr(self.optimizer, "refresh_fp32_params"):  # the optimizer's fp32 master copy follows the weights

@@ -17,7 +17,8 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
 optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
 **Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in
-``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every forward.
+``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every
+forward.
 
 **Data-parallel hooks.** :meth:`Learner._all_sum`, :meth:`~Learner._all_max`, :meth:`~Learner._backward`,
 :meth:`~Learner._after_backward`, :meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the

@@ -137,7 +137,8 @@ def test_stop_strings_honoured_and_kept(engine):
     tok = engine.tokenizer
     stop = tok.decode(free[5:7])
     expected = next(k for k in range(1, len(free) + 1) if stop in tok.decode(free[:k]))
-    gen = engine.generate([GenRequest("s", ctx, SamplingParams(max_new_tokens=24, seed=7, stop=("\x00never", stop)))])[0]
+    params = SamplingParams(max_new_tokens=24, seed=7, stop=("\x00never", stop))
+    gen = engine.generate([GenRequest("s", ctx, params)])[0]
     assert gen.finish_reason == "stop" and gen.stop_string == stop
     assert gen.token_ids == free[:expected] and stop in tok.decode(gen.token_ids)
 

@@ -120,8 +120,9 @@ def test_bad_files_name_the_file_and_record(tmp_path):
     f = write(tmp_path / "weird.json", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(ConfigError, match=r"weird\.json: record 0 is in no known SFT format"):
         load_file_examples(f)
-    f = write(tmp_path / "sg.json", [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-                                     {"conversations": [{"from": "human", "value": "q"}]}])
+    f = write(tmp_path / "sg.json", [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"conversations": [{"from": "human", "value": "q"}]}])
     with pytest.raises(ConfigError, match=r"sg\.json: record 1 is not valid sharegpt: .*must end with a gpt turn"):
         load_file_examples(f)
     f = write(tmp_path / "al.json", [{"instruction": "q", "output": "a <result> never closed"}])
