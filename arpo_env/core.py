@@ -172,7 +172,8 @@ class ToolTextEnv(gym.Env):
         self._task = task
         self.session.reset()
         self._done = False
-        messages = [{"role": "system", "content": self._system_prompt(task)}, {"role": "user", "content": task["question"]}]
+        messages = [{"role": "system", "content": self._system_prompt(task)},
+                    {"role": "user", "content": task["question"]}]
         self._messages = messages
         public_task = {k: v for k, v in task.items() if k not in ("system", "reward_kwargs")}
         return task["question"], {"messages": messages, "task": public_task, "stop_sequences": self.stop_sequences}

@@ -185,8 +185,8 @@ class ToolSession:
         self.counts["turns"] += 1
         # Lone surrogates cannot be encoded; keep the rest of the text (as "?") so rewards still see the response.
         self.history.append(action.encode("utf-8", "replace").decode("utf-8") if isinstance(action, str) else "")
-        st = SessionStep("", False, "tool" if parsed.kind == "tool_call" else parsed.kind, parsed.kind, tool=parsed.tool, args=dict(parsed.args),
-                         parse_status=parsed.status, problem=parsed.problem)
+        st = SessionStep("", False, "tool" if parsed.kind == "tool_call" else parsed.kind, parsed.kind,
+                         tool=parsed.tool, args=dict(parsed.args), parse_status=parsed.status, problem=parsed.problem)
         cfg = self.config
         if parsed.kind in ("answer", "text"):
             return self._end(st)

@@ -34,7 +34,7 @@ Usage::
     python -m experiments.bench_engine --vllm --push-only --push-shape qwen2.5-1.5b --vllm-dtype bfloat16  # push time
     python -m experiments.bench_engine --decode dynamic static --decode-batches 8 --new-tokens 64   # CPU
     python -m experiments.bench_engine --decode dynamic cuda_graph --device cuda --dtype bfloat16 \
-        --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the issue-15 GPU measurement
+        --decode-batches 8 32 128 --new-tokens 256 --static-cache-tokens 1024      # the GPU measurement
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ class GenerateEngine:
 def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa: ANN001
     """One ARPO sampling step on ToolMath level 3: (tokens the sampler received, seconds inside the engine)."""
     from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout import metrics as MK
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_env.core import ToolTextEnv
 
@@ -181,7 +182,7 @@ def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa:
         _, m = sampler.sample(tasks, step=0)
     finally:
         sampler.close()
-    return int(m["rollout/tokens_generated"]), float(m["rollout/time_generate_s"])
+    return int(m[MK.TOKENS_GENERATED]), float(m[MK.TIME_GENERATE])
 
 
 def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float]:
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--push-shape", default=None, help="with --push-only: random weights of this shape "
                     "(qwen2.5-1.5b), --model's tokenizer")
     ap.add_argument("--push-repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
+                    help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
     ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph"],
                     help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])

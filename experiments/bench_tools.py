@@ -54,7 +54,8 @@ def bench_bm25(n_docs: int, queries: int) -> dict:
         assert not tool(query=query).error
         latencies.append(time.perf_counter() - t0)
     latencies.sort()
-    return {"bm25_docs": n_docs, "bm25_index_build_s": build, "bm25_query_ms_median": 1e3 * statistics.median(latencies),
+    return {"bm25_docs": n_docs, "bm25_index_build_s": build,
+            "bm25_query_ms_median": 1e3 * statistics.median(latencies),
             "bm25_query_ms_p95": 1e3 * latencies[int(0.95 * (len(latencies) - 1))]}
 
 

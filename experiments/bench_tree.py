@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
@@ -35,17 +36,17 @@ def run_one(engine: HFEngine, cfg: TreeConfig, tasks: list[int], args: argparse.
     n = len(groups)
     trajs = [t for g in groups for t in g.trajectories]
     return {
-        "tool_calls_per_group": sum(g.metrics["tool_calls"] for g in groups) / n,
-        "tokens_generated_per_group": m["rollout/tokens_generated"] / n,
-        "tokens_reused_per_group": m["rollout/tokens_reused"] / n,
+        "tool_calls_per_group": sum(g.metrics[MK.GROUP_TOOL_CALLS] for g in groups) / n,
+        "tokens_generated_per_group": m[MK.TOKENS_GENERATED] / n,
+        "tokens_reused_per_group": m[MK.TOKENS_REUSED] / n,
         "trajectories_per_group": len(trajs) / n,
-        "branches_per_group": m["rollout/branches"] / n,
-        "fillups_per_group": m["rollout/fillups"] / n,
+        "branches_per_group": m[MK.BRANCHES] / n,
+        "fillups_per_group": m[MK.FILLUPS] / n,
         "trajectories_with_tool_call": sum(bool(t.tool_calls) for t in trajs) / len(trajs),
-        "reward_mean": m["reward_mean"],
+        "reward_mean": m[MK.REWARD_MEAN],
         "wall_s": wall,
-        "time_generate_s": m["rollout/time_generate_s"],
-        "time_tools_s": m["rollout/time_tools_s"],
+        "time_generate_s": m[MK.TIME_GENERATE],
+        "time_tools_s": m[MK.TIME_TOOLS],
     }
 
 

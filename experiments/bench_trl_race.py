@@ -210,12 +210,17 @@ def build_ours(args: argparse.Namespace, model_dir: Path):
 
 
 def _ours_stats(result: dict[str, Any]) -> dict[str, float]:
-    rollout = result.get("rollout", {})
-    out = {k: float(result[k]) for k in ("num_trajectories", "tokens_sampled", "reward_mean") if k in result}
-    out.update({k: float(rollout[k]) for k in ("response_tokens", "tool_calls", "branches", "time_total_s")
-                if k in rollout})
-    learner = result.get("learner", {})
-    out.update({f"learner_{k}": float(learner[k]) for k in ("skipped_no_signal", "unique_tokens", "micro_batches")
+    from arpo_algo.rollout import learner_metrics as LK
+    from arpo_algo.rollout import metrics as MK
+
+    # The result nests each section: "rollout/branches" is result["rollout"]["branches"].
+    rollout = result.get(MK.ROLLOUT.rstrip("/"), {})
+    out = {k: float(result[k]) for k in (MK.TRAJECTORIES, MK.TOKENS_SAMPLED, MK.REWARD_MEAN) if k in result}
+    in_rollout = [name.removeprefix(MK.ROLLOUT) for name in (MK.RESPONSE_TOKENS, MK.TOOL_CALLS, MK.BRANCHES,
+                                                               MK.TIME_TOTAL)]
+    out.update({k: float(rollout[k]) for k in in_rollout if k in rollout})
+    learner = result.get(LK.PREFIX.rstrip("/"), {})
+    out.update({f"learner_{k}": float(learner[k]) for k in (LK.SKIPPED_NO_SIGNAL, LK.UNIQUE_TOKENS, LK.MICRO_BATCHES)
                 if k in learner})
     return out
 
@@ -288,8 +293,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "setting": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "model_dir": str(model_dir), "torch_threads": torch.get_num_threads()},
-        "prompt_tokens_first_task": prompt_tokens, "seconds": times, "median_ours_s": med_ours,
-        "median_theirs_s": med_theirs,
+        "prompt_tokens_first_task": prompt_tokens, "seconds": times,
+        "median_ours_s": med_ours, "median_theirs_s": med_theirs,
         "ratio_ours_over_theirs": med_ours / med_theirs,
         "ours_rollout": ours_stats,
         "theirs_logs": [{k: v for k, v in x.items() if isinstance(v, (int, float))} for x in trl_logs],

@@ -1,4 +1,4 @@
-"""Do the HF and vLLM engines report the same top-k entropies and logprobs on a real model? (issue 14)
+"""Do the HF and vLLM engines report the same top-k entropies and logprobs on a real model?
 
     python -m experiments.engine_entropy_check runs/quickstart/sft --prompts 8 --max-new-tokens 96
 

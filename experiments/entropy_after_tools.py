@@ -1,4 +1,4 @@
-"""ARPO's claim F1 at small scale: token entropy rises right after tool results (issue 10; the paper's Figure 1 left).
+"""ARPO's claim F1 at small scale: token entropy rises right after tool results (the paper's Figure 1 left).
 
     python -m experiments.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
         --iterations 1 --window 30 --output runs/f1
@@ -21,6 +21,8 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from arpo_algo.rollout import metrics as MK
 
 
 def windows(trajectory: dict, window: int, start: int) -> dict[int, list[float]]:
@@ -68,7 +70,7 @@ def collect(paths: list[Path], window: int, iterations: set[int] | None) -> tupl
     for p in paths:
         for line in p.read_text().splitlines():
             g = json.loads(line)
-            if iterations is not None and int(g.get("metrics", {}).get("step", -1)) not in iterations:
+            if iterations is not None and int(g.get("metrics", {}).get(MK.GROUP_STEP, -1)) not in iterations:
                 continue
             for t in g["trajectories"]:
                 start = t["branch_point"] or 0 if t.get("parent") is not None else 0

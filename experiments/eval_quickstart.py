@@ -23,6 +23,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from arpo_algo.eval import report as R
+
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     q = Path(args.quickstart)
@@ -48,14 +50,14 @@ def table(out: Path) -> str:
             continue
         s = json.loads(f.read_text())
         for model, per in s["models"].items():
-            a = per["all"]
-            if not a.get("items"):
+            a = per[R.OVERALL]
+            if not a.get(R.ITEMS):
                 continue
-            k = a["k"]
-            per_correct = ("n/a", "n/a") if a["tool_calls_per_correct"] is None else (
-                f"{a['tool_calls_per_correct']:.2f}", f"{a['tokens_per_correct']:.0f}")
-            lines.append(f"| {name} | {model} | {a['items']} x {k} | {a['wall_s_total'] / 60:.1f} min | "
-                         f"{a['pass@1']:.3f} ± {a['pass@1_ci95']:.3f} | {a.get(f'pass@{k}', a['pass@1']):.3f} | "
+            k = a[R.K]
+            per_correct = ("n/a", "n/a") if a[R.TOOL_CALLS_PER_CORRECT] is None else (
+                f"{a[R.TOOL_CALLS_PER_CORRECT]:.2f}", f"{a[R.TOKENS_PER_CORRECT]:.0f}")
+            lines.append(f"| {name} | {model} | {a[R.ITEMS]} x {k} | {a[R.WALL_S_TOTAL] / 60:.1f} min | "
+                         f"{a[R.PASS_AT_1]:.3f} ± {a[R.PASS_AT_1_CI95]:.3f} | {a[R.PASS_AT.format(k)]:.3f} | "
                          f"{per_correct[0]} | {per_correct[1]} |")
         paired += [f"{name}: {p['b']} - {p['a']} = {p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['n']} items)"
                    for p in s["paired"] if p["source"] == "all"]

@@ -1,4 +1,4 @@
-"""Where the quickstart's memory goes (issue 10): peak resident memory after each part of one training step.
+"""Where the quickstart's memory goes: peak resident memory after each part of one training step.
 
     python -m experiments.memory_profile [--model smollm2-135m-instruct] [--prompts 4] [--budget 4] [--tokens 192]
     python -m experiments.memory_profile --stage sft [--batch-size 8] [--grad-accum 1] [--rows-per-forward N]
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from arpo_algo.rollout import learner_metrics as LK
     from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
     from arpo_algo.rollout.engines.hf import HFEngine
     from arpo_algo.rollout.types import Group, Trajectory
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("a second update", peak_gb()))
     for name, gb in rows:
         print(f"{gb:6.2f} GB  {name}")
-    print(json.dumps({"peak_gb": rows[-1][1], "unique_tokens": m["unique_tokens"], "time_s": time.time() - t0,
-                      "param_change_norm": m2["param_change_norm"],
+    print(json.dumps({"peak_gb": rows[-1][1], "unique_tokens": m[LK.UNIQUE_TOKENS], "time_s": time.time() - t0,
+                      "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
                       "torch_threads": torch.get_num_threads()}))
     return 0
 

@@ -37,7 +37,8 @@ def play(env: gym.Env, question: str, strategy: str) -> float:
     if strategy in ("guess", "first_number"):
         value = "12345" if strategy == "guess" else re.findall(r"\d+", question)[0]
         return env.step(f"<think>I know it.</think><answer>\\boxed{{{value}}}</answer>")[1]
-    obs, reward, terminated, truncated, info = env.step(f"<think>Compute.</think><python>{question_to_code(question)}</python>")
+    code = question_to_code(question)
+    obs, reward, terminated, truncated, info = env.step(f"<think>Compute.</think><python>{code}</python>")
     if terminated or truncated:
         return reward
     if strategy == "tool_then_stop":

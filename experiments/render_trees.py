@@ -1,4 +1,4 @@
-"""Render one iteration's dumped rollout trees (``trees.jsonl``) as one self-contained HTML page (issue 10).
+"""Render one iteration's dumped rollout trees (``trees.jsonl``) as one self-contained HTML page.
 
     python -m experiments.render_trees runs/quickstart/arpo --iteration 3 --tokenizer runs/quickstart/sft \
         --output trees_3.html
@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout import metrics as MK
+
 K = 10  # tokens per entropy window shown at branch points
 
 
@@ -27,11 +29,11 @@ def load_groups(path: Path, iteration: int | None) -> tuple[int, list[dict[str, 
     if not f.is_file():
         raise SystemExit(f"error: no trees.jsonl at {f} (train with tree dumps on: arpo train writes them)")
     groups = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    steps = sorted({int(g.get("metrics", {}).get("step", 0)) for g in groups})
+    steps = sorted({int(g.get("metrics", {}).get(MK.GROUP_STEP, 0)) for g in groups})
     if not steps:
         raise SystemExit(f"error: {f} holds no trees")
     step = steps[-1] if iteration is None else iteration
-    chosen = [g for g in groups if int(g.get("metrics", {}).get("step", 0)) == step]
+    chosen = [g for g in groups if int(g.get("metrics", {}).get(MK.GROUP_STEP, 0)) == step]
     if not chosen:
         raise SystemExit(f"error: iteration {step} not in {f}; it holds {steps}")
     return step, chosen

@@ -47,7 +47,7 @@ class AgentSpec:
 
 
 def _newest_checkpoint(run: Path) -> Path | None:
-    from arpo_algo.run.driver import list_checkpoints
+    from arpo_algo.models.checkpoints import list_checkpoints
 
     found = list_checkpoints(run / "checkpoints")
     return found[-1] if found else None

@@ -1,4 +1,4 @@
-"""experiments/entropy_after_tools.py on a hand-built dump (F1 of issue 10)."""
+"""experiments/entropy_after_tools.py on a hand-built dump (claim F1: entropy rises right after tool results)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ def test_windows_and_report(tmp_path):
     t = {"entropies": [1.0, 1.0, 0, 0, 3.0, 2.0, 0, 4.0], "trained_mask": [1, 1, 0, 0, 1, 1, 0, 1],
          "parent": None, "branch_point": None}
     w = windows(t, 2, 0)
-    assert paper_rule_rises(t, k=2) == [True, True] and paper_rule_rises(dict(t, entropies=[5.0] * 8), k=2) == [False] * 2
+    assert paper_rule_rises(t, k=2) == [True, True]
+    assert paper_rule_rises(dict(t, entropies=[5.0] * 8), k=2) == [False] * 2
     assert w == {-1: [1.0, 2.0], -2: [1.0, 3.0], 0: [3.0, 4.0], 1: [2.0]}
     branch = dict(t, parent=0, branch_point=4)  # inherited tokens (before 4) are the parent's: not counted again
     assert windows(branch, 2, 4) == {0: [3.0, 4.0], 1: [2.0], -1: [2.0], -2: [3.0]}

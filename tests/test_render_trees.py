@@ -1,4 +1,4 @@
-"""experiments/render_trees.py on a real dump: the sampler on ToolMath with the scripted engine (issue 10)."""
+"""experiments/render_trees.py on a real dump: the sampler on ToolMath with the scripted engine."""
 
 from __future__ import annotations
 

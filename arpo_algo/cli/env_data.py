@@ -17,7 +17,9 @@ def cmd_env_list(args: argparse.Namespace) -> int:
     for env_id, kwargs in arpo_env.ENV_IDS.items():
         spec = TASKS[kwargs["task"]]
         needs = "needs data" if env_id in arpo_env.DATA_BACKED else "no data needed"
-        have = "" if env_id not in arpo_env.DATA_BACKED else (f" (found at {data})" if data else " (missing: arpo data pull)")
+        have = ""
+        if env_id in arpo_env.DATA_BACKED:
+            have = f" (found at {data})" if data else " (missing: arpo data pull)"
         print(f"{env_id:<22} tools={','.join(spec.tools)} reward={spec.reward} max_tool_calls={spec.max_tool_calls} "
               f"{needs}{have}")
     return 0
@@ -58,11 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="env config as a JSON object, applied to every id")
     p.set_defaults(func=cmd_env_check)
 
-    data = sub.add_parser("data", help="fetch the ARPO reference datasets").add_subparsers(dest="data_cmd", required=True)
+    data_parser = sub.add_parser("data", help="fetch the ARPO reference datasets")
+    data = data_parser.add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("pull", help="download into $ARPO_HOME/data/arpo, or import from a folder with --from")
     p.add_argument("--from", dest="from_dir", help="import the files from this local folder instead of downloading")
     p.add_argument("--dest", help="target folder (default $ARPO_HOME/data/arpo)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per network connection attempt")
-    p.add_argument("--mirror", help="base URL serving the files by name (default $ARPO_DATA_MIRROR or the published URLs)")
+    p.add_argument("--mirror",
+                   help="base URL serving the files by name (default $ARPO_DATA_MIRROR or the published URLs)")
     p.set_defaults(func=cmd_data_pull)
 

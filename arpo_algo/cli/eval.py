@@ -106,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help=f"default {DEFAULTS['temperature']} (reference evaluation)")
     p.add_argument("--top-p", type=float, help=f"default {DEFAULTS['top_p']}")
     p.add_argument("--seed", type=int, help="base seed of the runs (default 0)")
-    p.add_argument("--max-response-tokens", type=int, help=f"budget per run (default {DEFAULTS['max_response_tokens']})")
+    p.add_argument("--max-response-tokens", type=int,
+                   help=f"budget per run (default {DEFAULTS['max_response_tokens']})")
     p.add_argument("--tool-workers", type=int, help="threads for tool calls")
     p.add_argument("--experiment", help="take sampling, budget and env settings from this experiment file")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override an --experiment setting")

@@ -5,7 +5,7 @@
   with its own trajectory's advantage (so its weight grows with d; spec §10.7).
 * **Hard attribution** (spec §3.1, an option): a token shared by d trained trajectories is counted **once** with
   the mean of their advantages. Sharing is found from the token ids (prompt + response) with a token trie.
-* **Hard attribution scope** (issue 10): ``"tree"`` (default) shares a token only between trajectories that
+* **Hard attribution scope**: ``"tree"`` (default) shares a token only between trajectories that
   inherited it by branching (the paper's "segment shared by d trajectories": one sample, counted once);
   ``"tokens"`` shares every identical prompt+response prefix of the group, so two *independent* samples that happen
   to start alike are also merged (counted once with their mean advantage). That down-weights popular prefixes

@@ -1,8 +1,8 @@
 """Tree-sampling decisions for ARPO, AEPO and GRPO: pure functions, no I/O, no engine, no environment.
 
-:class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every question
-that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many fresh
-samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
+:class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every
+question that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many
+fresh samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
 hand-written entropy sequences (ARPO_SPEC §2, §4.1, §4.2, §10).
 
 Deliberate choices (ARPO_SPEC §10), each a named option of :class:`TreeConfig`:

@@ -70,7 +70,8 @@ class TaskList:
 
 
 def make_eval_env(env_id: str, env_config: dict[str, Any], items: list[dict[str, Any]]) -> Any:
-    """The training environment (same id and config) with its task list replaced by ``items`` (picklable via partial)."""
+    """The training environment (same id and config) with its task list replaced by ``items`` (picklable via
+    partial)."""
     import gymnasium as gym
 
     import arpo_env  # noqa: F401  (registers the ids)
@@ -201,8 +202,8 @@ def _pick(columns: set[str], candidates: tuple[str, ...], what: str, path: Path)
     for c in candidates:
         if c in columns:
             return c
-    raise ConfigError(f"{path}: no {what} column (looked for {', '.join(candidates)}; found {', '.join(sorted(columns))})",
-                      hint=f"rename the {what} column to {candidates[0]!r}")
+    raise ConfigError(f"{path}: no {what} column (looked for {', '.join(candidates)}; "
+                      f"found {', '.join(sorted(columns))})", hint=f"rename the {what} column to {candidates[0]!r}")
 
 
 def _question(value: Any) -> tuple[str, str | None]:

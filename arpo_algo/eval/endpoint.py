@@ -15,7 +15,8 @@ limits, reward) as a local run; only the text comes from the server's ``POST /v1
   (else the content) is the response and is scored by the environment's reward.
 
 The reply's ``usage.completion_tokens`` are the run's generated tokens. An unreachable server is a clear error
-(:func:`check_endpoint`) before any item runs. Seeds are sent per request: ``seed + 1000003 * item + 7919 * run + turn``.
+(:func:`check_endpoint`) before any item runs. Seeds are sent per request:
+``seed + 1000003 * item + 7919 * run + turn``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from __future__ import annotations
 import json
 import time
 import types
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.runner import make_record
 from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError
+from arpo_base.http import HTTPJSONError, bearer, request
 
 STANDARD_MESSAGE_KEYS = {"role", "content", "tool_calls", "refusal", "annotations", "audio", "function_call",
                          "reasoning_content", "reasoning"}
@@ -44,22 +44,16 @@ def _base(url: str) -> str:
 
 
 def _request(url: str, body: dict[str, Any] | None, timeout: float, api_key: str | None = None) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    method = "GET" if body is None else "POST"
+    return request(method, url, body, headers=bearer(api_key), timeout=timeout).data
 
 
 def check_endpoint(url: str, *, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
     """The served model names (``GET /v1/models``); raises ArpoError when the server cannot be reached."""
     try:
         data = _request(_base(url) + "/models", None, timeout, api_key)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise ArpoError(f"endpoint {url} is unreachable ({reason})",
+    except HTTPJSONError as e:
+        raise ArpoError(f"endpoint {url} is unreachable ({e.reason})",
                         hint="start the server first (e.g. `arpo serve MODEL`) and pass its base URL, "
                              "like http://127.0.0.1:8000") from None
     return [m.get("id", "") for m in data.get("data") or []]
@@ -102,11 +96,10 @@ class EndpointAgent:
             body.update(continue_final_message=True, add_generation_prompt=False)
         try:
             return _request(self.url, body, self.timeout_s, self.api_key)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            raise ArpoError(f"endpoint answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ArpoError(f"endpoint request failed ({getattr(e, 'reason', e)})") from None
+        except HTTPJSONError as e:
+            if e.status is not None and not 200 <= e.status < 300:
+                raise ArpoError(f"endpoint answered HTTP {e.status}: {e.body[:300]}") from None
+            raise ArpoError(f"endpoint request failed ({e.reason})") from None
 
     def run(self, env: Any, index: int, run: int) -> dict[str, Any]:
         """One run of task ``index``; returns make_record's keyword arguments."""

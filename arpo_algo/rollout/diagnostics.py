@@ -1,4 +1,4 @@
-"""Learning diagnostics as standard metrics: every name in one place (issue 10).
+"""Learning diagnostics as standard metrics: every name in one place, so producers, logs and reports agree.
 
 Per training iteration the Algorithm logs :func:`group_diagnostics` of the sampled groups under ``diag/``; the
 learner's own numbers come from :meth:`arpo_algo.train.learner.Learner.update` under ``learner/`` (names below).
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.metrics import mean
 
 PREFIX = "diag/"
@@ -35,15 +36,15 @@ FILLUPS_PER_GROUP = "diag/fillups_per_group"
 ROLLOUT_ENTROPY = "diag/rollout_entropy"
 REWARD_BY_SOURCE = "diag/reward_{}"
 REWARD_SD_IN_GROUP = "diag/reward_sd_in_group"
-# learner-side names (Learner.update's keys, logged under "learner/")
-TRAJ_WITH_GRAD = "learner/traj_with_grad_frac"
-SKIPPED_NO_SIGNAL = "learner/skipped_no_signal"
-ADV_MEAN, ADV_SD = "learner/adv_mean", "learner/adv_sd"
-POLICY_ENTROPY = "learner/entropy"
-CLIP_FRAC = "learner/clip_frac"
-KL_ROLLOUT = "learner/kl_rollout"
-GRAD_NORM = "learner/grad_norm"
-PARAM_CHANGE = "learner/param_change_norm"
+# learner-side names (Learner.update's keys, :mod:`.learner_metrics`, as logged under "learner/")
+TRAJ_WITH_GRAD = LK.PREFIX + LK.TRAJ_WITH_GRAD_FRAC
+SKIPPED_NO_SIGNAL = LK.PREFIX + LK.SKIPPED_NO_SIGNAL
+ADV_MEAN, ADV_SD = LK.PREFIX + LK.ADV_MEAN, LK.PREFIX + LK.ADV_SD
+POLICY_ENTROPY = LK.PREFIX + LK.ENTROPY
+CLIP_FRAC = LK.PREFIX + LK.CLIP_FRAC
+KL_ROLLOUT = LK.PREFIX + LK.KL_ROLLOUT
+GRAD_NORM = LK.PREFIX + LK.GRAD_NORM
+PARAM_CHANGE = LK.PREFIX + LK.PARAM_CHANGE_NORM
 STANDARD = (ZERO_VARIANCE_GROUP_FRAC, DISTINCT_TRAJECTORIES, BRANCHES_PER_GROUP, FILLUPS_PER_GROUP, ROLLOUT_ENTROPY,
             REWARD_SD_IN_GROUP, TRAJ_WITH_GRAD, SKIPPED_NO_SIGNAL, ADV_MEAN, ADV_SD, POLICY_ENTROPY, CLIP_FRAC,
             KL_ROLLOUT, GRAD_NORM, PARAM_CHANGE)

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 ROLLOUT = "rollout/"
+#: The section of the held-out evaluation's numbers: the quality names below, as ``evaluation/accuracy``.
+EVALUATION = "evaluation/"
 
 REWARD_MEAN = "reward_mean"
 REWARD_MAX = "reward_max"
@@ -26,12 +28,17 @@ TOKENS_SAMPLED = "tokens_sampled"
 TRAJECTORIES = "num_trajectories"
 NUM_TASKS = "num_tasks"
 SAMPLES_PER_TASK = "samples_per_task"
+# Throughput and health of a training iteration, added by the Algorithm next to the quality names.
+TOKENS_PER_S = "tokens_per_s"  # sampled tokens per second of rollout
+UPDATE_TOKENS_PER_S = "update_tokens_per_s"  # trained tokens per second of learner update
+NAN_UPDATES_SKIPPED = "nan_updates_skipped"  # updates skipped for a non-finite loss or gradient norm
 
 TOKENS_GENERATED = "rollout/tokens_generated"  # sampled tokens (engine), premonitor probes included
 TOKENS_PREFILLED = "rollout/tokens_prefilled"  # context tokens the engine had to compute
 TOKENS_REUSED = "rollout/tokens_reused"  # context tokens served from shared-prefix KV
 KV_REUSE_RATE = "rollout/kv_reuse_rate"  # reused / (reused + prefilled)
-RESPONSE_TOKENS = "rollout/response_tokens"  # tokens in the output trajectories (inserted + sampled, shared counted per path)
+# tokens in the output trajectories (inserted + sampled; a shared prefix counted once per path)
+RESPONSE_TOKENS = "rollout/response_tokens"
 TOOL_CALLS = "rollout/tool_calls"  # tool executions (each shared prefix's calls counted once)
 TOOL_CACHE_HIT_RATE = "rollout/tool_cache_hit_rate"
 BRANCHES = "rollout/branches"
@@ -50,6 +57,24 @@ TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
 STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
 BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with budget free and depth left
+
+# The tree counters of one prompt, in ``Group.metrics`` (:func:`arpo_algo.rollout.tree_state.assemble_group`);
+# :func:`summarize` adds them up over the groups into the ``rollout/`` names above.
+GROUP_STEP = "step"  # the training iteration that sampled the group
+GROUP_TOKENS_GENERATED = "tokens_generated"
+GROUP_TOOL_CALLS = "tool_calls"
+GROUP_INITIAL_SAMPLES = "initial_samples"
+GROUP_FILLUPS = "fillups"
+GROUP_BRANCHES = "branches"
+GROUP_MAX_DEPTH = "max_depth"
+GROUP_BRANCHES_AT_DEPTH = "branches_depth_{}"  # format with the depth, as BRANCHES_AT_DEPTH
+
+# The sampler's timers of one step (the ``timers`` argument of :func:`summarize`): seconds, then counts.
+TIMER_GENERATE = "generate"
+TIMER_TOOLS = "tools"
+TIMER_TOTAL = "total"
+TIMER_STOP_BOUNDARY_CUTS = "stop_boundary_cuts"
+TIMER_BRANCH_DECISIONS = "branch_decisions"
 
 
 def mean(values: Iterable[float]) -> float:
@@ -77,17 +102,18 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
         paths: The sampler's paths (entropies around tool results); empty = those two metrics are 0.
         engine_stats: ``engine.stats()`` of the step (HFEngine keys; every key also passes through as
             ``rollout/engine/<key>``); None = no engine metrics.
-        timers: Seconds spent in "generate", "tools" and "total"; None = no timing metrics.
+        timers: Seconds spent in "generate", "tools" and "total" and the step's counts (the ``TIMER_*`` keys);
+            None = no timing metrics.
     """
     trajs = [t for g in groups for t in g.trajectories]
     n = len(trajs)
     out = _quality(groups, trajs)
     out.update({
-        TOOL_CALLS: sum(g.metrics.get("tool_calls", 0.0) for g in groups),
-        BRANCHES: sum(g.metrics.get("branches", 0.0) for g in groups),
-        FILLUPS: sum(g.metrics.get("fillups", 0.0) for g in groups),
-        INITIAL_SAMPLES: mean(g.metrics.get("initial_samples", 0.0) for g in groups),
-        MAX_DEPTH: max((g.metrics.get("max_depth", 0.0) for g in groups), default=0.0),
+        TOOL_CALLS: sum(g.metrics.get(GROUP_TOOL_CALLS, 0.0) for g in groups),
+        BRANCHES: sum(g.metrics.get(GROUP_BRANCHES, 0.0) for g in groups),
+        FILLUPS: sum(g.metrics.get(GROUP_FILLUPS, 0.0) for g in groups),
+        INITIAL_SAMPLES: mean(g.metrics.get(GROUP_INITIAL_SAMPLES, 0.0) for g in groups),
+        MAX_DEPTH: max((g.metrics.get(GROUP_MAX_DEPTH, 0.0) for g in groups), default=0.0),
         RESPONSE_TOKENS: float(sum(len(t.response_ids) for t in trajs)),
         ENTROPY_BEFORE_TOOL: mean(x for p in paths for x in p.ent_before),
         ENTROPY_AFTER_TOOL: mean(x for p in paths for x in p.ent_after),
@@ -97,7 +123,7 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
     })
     for g in groups:
         for k, v in g.metrics.items():
-            if k.startswith("branches_depth_"):
+            if k.startswith(GROUP_BRANCHES_AT_DEPTH.format("")):
                 out[ROLLOUT + k] = out.get(ROLLOUT + k, 0.0) + v
     reasons: dict[str, int] = {}
     for t in trajs:
@@ -106,7 +132,7 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
         out[FINISH.format(r or "unknown")] = k / n
     if engine_stats is not None:
         gen = engine_stats.get("generated_tokens")
-        out[TOKENS_GENERATED] = float(gen) if gen is not None else sum(g.metrics.get("tokens_generated", 0.0)
+        out[TOKENS_GENERATED] = float(gen) if gen is not None else sum(g.metrics.get(GROUP_TOKENS_GENERATED, 0.0)
                                                                         for g in groups)
         prefilled, reused = engine_stats.get("prefill_tokens", 0.0), engine_stats.get("reused_tokens", 0.0)
         out[TOKENS_PREFILLED], out[TOKENS_REUSED] = prefilled, reused
@@ -114,12 +140,12 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
         for k, v in engine_stats.items():
             out[f"{ROLLOUT}engine/{k}"] = float(v)
     if timers is not None:
-        total = timers.get("total", 0.0)
-        out[TIME_GENERATE], out[TIME_TOOLS] = timers.get("generate", 0.0), timers.get("tools", 0.0)
+        total = timers.get(TIMER_TOTAL, 0.0)
+        out[TIME_GENERATE], out[TIME_TOOLS] = timers.get(TIMER_GENERATE, 0.0), timers.get(TIMER_TOOLS, 0.0)
         out[TIME_TOTAL] = total
         out[TIME_OVERHEAD] = max(0.0, total - out[TIME_GENERATE] - out[TIME_TOOLS])
-        out[STOP_BOUNDARY_CUTS] = float(timers.get("stop_boundary_cuts", 0))
-        out[BRANCH_DECISIONS] = float(timers.get("branch_decisions", 0))
+        out[STOP_BOUNDARY_CUTS] = float(timers.get(TIMER_STOP_BOUNDARY_CUTS, 0))
+        out[BRANCH_DECISIONS] = float(timers.get(TIMER_BRANCH_DECISIONS, 0))
     return out
 
 

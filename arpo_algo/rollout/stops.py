@@ -1,4 +1,4 @@
-"""Stop strings across request boundaries: engine-independent, so every engine behaves the same (issue 10).
+"""Stop strings across request boundaries: engine-independent, so every engine stops a turn at the same token.
 
 An engine checks stop strings only in the new tokens of the request it serves (``SamplingParams.stop``). When a turn
 is split over several requests (the paper rule's k-token look-ahead, then a continuation), a stop string that starts

@@ -61,7 +61,8 @@ class Path(Conversation):
     def copy_prefix(self, bp: int, tid: int, batch_index: int, env: Any, key: Any) -> Path:
         return Path(tid=tid, batch_index=batch_index, env=env, kind="branch", response=self.response[:bp],
                     mask=self.mask[:bp], logprobs=self.logprobs[:bp], entropies=self.entropies[:bp],
-                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls), parent=self.tid, branch_point=bp,
+                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls),
+                    parent=self.tid, branch_point=bp,
                     depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
                     cache_key=key)
 
@@ -102,12 +103,13 @@ def assemble_group(ps: PromptState, step: int) -> Group:
         t.node_ids = ids
     # Tool calls made on a shared prefix happened once; count each path's calls after its branch point only.
     own_calls = sum(len(p.tool_calls) - p.inherited_calls for p in ps.paths)
-    metrics = {"step": float(step), "tokens_generated": float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
-               "tool_calls": float(own_calls + ps.premonitor_tool_calls),
-               "initial_samples": float(sum(p.kind == "initial" for p in ps.paths)),
-               "fillups": float(sum(p.kind == "fillup" for p in ps.paths)),
-               "branches": float(sum(ps.branches_by_depth.values())),
-               "max_depth": float(max(p.depth for p in ps.paths)),
-               **{f"branches_depth_{d}": float(n) for d, n in sorted(ps.branches_by_depth.items())}}
+    metrics = {MK.GROUP_STEP: float(step),
+               MK.GROUP_TOKENS_GENERATED: float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
+               MK.GROUP_TOOL_CALLS: float(own_calls + ps.premonitor_tool_calls),
+               MK.GROUP_INITIAL_SAMPLES: float(sum(p.kind == "initial" for p in ps.paths)),
+               MK.GROUP_FILLUPS: float(sum(p.kind == "fillup" for p in ps.paths)),
+               MK.GROUP_BRANCHES: float(sum(ps.branches_by_depth.values())),
+               MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
+               **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())}}
     return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
                  nodes=nodes, metrics=metrics)

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.models.checkpoints import CHECKPOINT_PREFIX, list_checkpoints
 from arpo_base.errors import ArpoError
 
-CHECKPOINT_PREFIX = "iter_"
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
 LOGGED_SECTIONS = ("rollout", "learner", "timers", "evaluation", "data", "diag")
 SUMMARY_KEYS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "response_len",
@@ -36,15 +36,6 @@ SUMMARY_KEYS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", 
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Completed checkpoints under ``ckpt_root``, oldest first (half-written ``.tmp`` folders are ignored)."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-             and (p / "rllib_checkpoint.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
 def save_checkpoint(algo: Any, ckpt_root: Path, keep: int) -> Path:

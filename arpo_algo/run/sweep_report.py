@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.run.sweep import Sweep
 from arpo_algo.run.tomlw import to_toml
 
@@ -55,13 +56,13 @@ def trial_rows(sweep: Sweep, trials: list[dict[str, Any]]) -> list[dict[str, Any
     for t in trials:
         last, hist = t["last"], t["history"]
         iters = int(last.get("training_iteration", 0) or 0)
-        calls = last.get("evaluation/tool_calls_per_traj", last.get("tool_calls_per_traj"))
+        calls = last.get(MK.EVALUATION + MK.TOOL_CALLS_PER_TRAJ, last.get(MK.TOOL_CALLS_PER_TRAJ))
         row = {"trial": Path(t["path"]).name, "algorithm": t["algorithm"],
                **{k: t["knobs"].get(k) for k in _knob_keys(sweep)},
                "status": "error" if t["error"] else ("stopped" if iters < s.iterations else "done"),
                "iterations": iters, "stopped_early": bool(not t["error"] and iters < s.iterations),
                s.metric: last.get(s.metric), "tool_calls": calls,
-               "tokens": sum(float(h.get("tokens_sampled", 0) or 0) for h in hist),
+               "tokens": sum(float(h.get(MK.TOKENS_SAMPLED, 0) or 0) for h in hist),
                "wall_s": round(float(last.get("time_total_s", 0) or 0), 1), "error": t["error"] or ""}
         for extra in sweep.objectives:
             row.setdefault(extra, last.get(extra))

@@ -1,7 +1,7 @@
 """Learner backends behind one interface: the Algorithm builds one with :func:`build_backend` and talks to it only
 through :class:`LearnerBackend`.
 
-* ``local`` (:class:`LocalLearner`): today's :class:`~arpo_algo.train.learner.Learner` in the main process, CPU or
+* ``local`` (:class:`LocalLearner`): the plain :class:`~arpo_algo.train.learner.Learner` in the main process, CPU or
   GPU. It still exposes ``model``, so the in-process rollout engine can share the module.
 * ``ddp`` (:class:`arpo_algo.train.ddp.DDPBackend`): one Ray actor per rank, each with a full replica; the groups of
   a step are split across the ranks by tokens and the gradients summed, so the step equals the local one.

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from arpo_algo.core.advantages import build_token_trie
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
 from arpo_algo.train.backend_config import BackendConfig, check_placement
@@ -38,10 +39,10 @@ __all__ = ["DDPBackend", "DistributedLearner", "combine_metrics", "split_groups"
 
 #: Elements per gradient all-reduce bucket (64 MiB of fp32).
 BUCKET_ELEMENTS = 1 << 24
-SUMMED = frozenset({"tokens", "trained_tokens", "unique_tokens", "micro_batches", "loss/policy", "loss/kl",
-                    "loss/entropy_bonus", "loss/total", "clip_frac", "clip_frac_grad", "clip_frac_dual", "entropy",
-                    "ratio_mean", "kl_rollout"})
-SAME = frozenset({"grad_norm", "lr", "param_change_norm", "step", "skipped_nan", "skipped_no_signal"})
+SUMMED = frozenset({LK.TOKENS, LK.TRAINED_TOKENS, LK.UNIQUE_TOKENS, LK.MICRO_BATCHES, *LK.STEP_SUMS})
+#: A rank's trajectory count, sent with its metrics to weight the combined means (never logged).
+_NUM_SEQS = "_num_seqs"
+SAME = frozenset({LK.GRAD_NORM, LK.LR, LK.PARAM_CHANGE_NORM, LK.STEP, LK.SKIPPED_NAN, LK.SKIPPED_NO_SIGNAL})
 
 
 # ------------------------------------------------------------------------------------------------ the rank's learner
@@ -149,7 +150,7 @@ class LearnerWorker:
 
     def update(self, groups: list[Group]) -> dict[str, float]:
         metrics = self.learner.update(groups)
-        metrics["_num_seqs"] = float(sum(len(g.trajectories) for g in groups))
+        metrics[_NUM_SEQS] = float(sum(len(g.trajectories) for g in groups))
         return metrics
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -188,23 +189,23 @@ def split_groups(costs: list[int], num_ranks: int) -> list[list[int]]:
 def combine_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from the ranks' (see the module docstring)."""
     out: dict[str, float] = {}
-    seqs = [m.pop("_num_seqs", 0.0) for m in per_rank]
-    trained = [m.get("trained_tokens", 0.0) for m in per_rank]
+    seqs = [m.pop(_NUM_SEQS, 0.0) for m in per_rank]
+    trained = [m.get(LK.TRAINED_TOKENS, 0.0) for m in per_rank]
     for key in per_rank[0]:
         vals = [m.get(key, 0.0) for m in per_rank]
         if key in SUMMED:
             out[key] = sum(vals)
         elif key in SAME:
             out[key] = vals[0]
-        elif key == "traj_with_grad_frac":
+        elif key == LK.TRAJ_WITH_GRAD_FRAC:
             out[key] = sum(v * n for v, n in zip(vals, seqs)) / max(sum(seqs), 1.0)
-        elif key not in ("adv_mean", "adv_sd"):
+        elif key not in (LK.ADV_MEAN, LK.ADV_SD):
             out[key] = sum(vals) / len(vals)
-    if "adv_mean" in per_rank[0]:
+    if LK.ADV_MEAN in per_rank[0]:
         n = sum(trained)
-        mean = sum(m["adv_mean"] * t for m, t in zip(per_rank, trained)) / n if n else 0.0
-        second = sum((m["adv_sd"] ** 2 + m["adv_mean"] ** 2) * t for m, t in zip(per_rank, trained)) / n if n else 0.0
-        out["adv_mean"], out["adv_sd"] = mean, max(second - mean * mean, 0.0) ** 0.5
+        mean = sum(m[LK.ADV_MEAN] * t for m, t in zip(per_rank, trained)) / n if n else 0.0
+        second = sum((m[LK.ADV_SD] ** 2 + m[LK.ADV_MEAN] ** 2) * t for m, t in zip(per_rank, trained)) / n if n else 0.0
+        out[LK.ADV_MEAN], out[LK.ADV_SD] = mean, max(second - mean * mean, 0.0) ** 0.5
     return out
 
 
@@ -285,9 +286,9 @@ class DDPBackend(LearnerBackend):
         per_rank = ray.get([w.update.remote([groups[i] for i in part]) for w, part in zip(self._workers, parts)])
         self.last_rank_metrics = [dict(m) for m in per_rank]
         out = combine_metrics(per_rank)
-        out["learner_workers"] = float(len(self._workers))
-        out["rank_token_imbalance"] = max(sum(costs[i] for i in p) for p in parts) / max(sum(costs) / len(parts), 1)
-        self.step = int(out.get("step", self.step))
+        out[LK.LEARNER_WORKERS] = float(len(self._workers))
+        out[LK.RANK_TOKEN_IMBALANCE] = max(sum(costs[i] for i in p) for p in parts) / max(sum(costs) / len(parts), 1)
+        self.step = int(out.get(LK.STEP, self.step))
         return out
 
     def _on_ranks(self, method: str, *args: Any, every: bool = True, **kwargs: Any) -> list[Any]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.ddp import DDPBackend, DistributedLearner
 from arpo_algo.train.learner import LearnerConfig
@@ -94,8 +95,8 @@ class DeepSpeedLearner(DistributedLearner):
         super().__init__(model_path, config, device=device, seed=seed)
         self.stage, self.world_size = stage, dist.get_world_size()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer, config=deepspeed_config(config, stage, bf16=self.precision == "bf16"),
-            dist_init_required=False)
+            model=self.model, optimizer=self.optimizer,
+            config=deepspeed_config(config, stage, bf16=self.precision == "bf16"), dist_init_required=False)
         self.model = _EngineView(self.engine)
         pad = self.pad_id
         self._pad_batch = build_padded_batch([SeqSpec(0, 0, [pad], [pad], [1], [0.0], [1.0], [0.0])], pad).to(
@@ -122,12 +123,12 @@ class DeepSpeedLearner(DistributedLearner):
         acc = super()._epoch(*args, **kwargs)
         if acc is not None:
             norm = self.engine.get_global_grad_norm()
-            acc["grad_norm"] = float(norm) if norm is not None else 0.0
-            if not math.isfinite(acc["grad_norm"]):
+            acc[LK.GRAD_NORM] = float(norm) if norm is not None else 0.0
+            if not math.isfinite(acc[LK.GRAD_NORM]):
                 raise ArpoError("DeepSpeed stepped on a non-finite gradient norm",
                                 hint="check the rewards for NaN, lower the learning rate, or disable bf16")
             if self.stage == 3:
-                acc["param_change_norm"] = 0.0
+                acc[LK.PARAM_CHANGE_NORM] = 0.0
         return acc
 
     def _gathered(self):
@@ -155,7 +156,10 @@ class DeepSpeedLearner(DistributedLearner):
 
         saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         params = list(self.engine.module.parameters())
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if self.stage == 3 else contextlib.nullcontext()
+        if self.stage == 3:
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        else:
+            ctx = contextlib.nullcontext()
         with ctx, torch.no_grad():
             self.engine.module.load_state_dict(saved)
         if hasattr(self.optimizer, "refresh_fp32_params"):  # the optimizer's fp32 master copy follows the weights

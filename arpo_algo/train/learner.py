@@ -13,11 +13,12 @@ of the micro-batch, so the accumulated gradient is exactly the global objective 
 * ``seq_mean``: per-trajectory token mean, then the mean over trajectories with at least one trained token.
 * ``dr_grpo``: token sum / (trajectories x ``dr_grpo_tokens``, 0 = longest response); see algorithms.stabilizers.
 
-**No signal, no step (issue 10)**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
+**No signal, no step**: without a non-zero advantage (and no KL/entropy term) there is no forward, no
 optimizer step, no scheduler tick: AdamW would replay its moments and decay the weights. ``param_change_norm``: L2.
 
 **Device choices** (``precision``, ``tree_attention``, ``deterministic``) are resolved against the device once, in
-``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every forward.
+``__init__``, by :mod:`arpo_algo.train.device_setup`; :meth:`Learner.autocast` is the precision context of every
+forward.
 
 **Data-parallel hooks.** :meth:`Learner._all_sum`, :meth:`~Learner._all_max`, :meth:`~Learner._backward`,
 :meth:`~Learner._after_backward`, :meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
@@ -43,6 +44,7 @@ import torch
 
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
 from arpo_algo.train.learner_config import LearnerConfig
@@ -225,8 +227,8 @@ class Learner:
         signal, base = signal_stats(seqs)
         signal = self._all_sum(float(signal)) > 0  # every data-parallel rank skips together
         if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
-            return {**base, "skipped_no_signal": 1.0, "skipped_nan": 0.0, "grad_norm": 0.0,
-                    "param_change_norm": 0.0, "lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
+            return {**base, LK.SKIPPED_NO_SIGNAL: 1.0, LK.SKIPPED_NAN: 0.0, LK.GRAD_NORM: 0.0,
+                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step)}
         batches = self._micro_batches(per_group)
         self._max_resp = max((len(s.response) for s in seqs), default=0)
         norms = self._pair_norm(batches)
@@ -257,10 +259,11 @@ class Learner:
                                 hint="check the rewards for NaN, lower the learning rate, or set precision='fp32'")
         else:
             self.nan_streak = 0
-        if "lr" not in totals:  # skipped: report the rate the step would have used
-            totals["lr"] = self.optimizer.param_groups[0]["lr"]
-        totals.update({"param_change_norm": 0.0, **totals, **base, "skipped_nan": float(skipped), "unique_tokens": float(sum(b.num_tokens for b in batches)),
-                       "micro_batches": float(len(batches)), "step": float(self.step)})
+        if LK.LR not in totals:  # skipped: report the rate the step would have used
+            totals[LK.LR] = self.optimizer.param_groups[0]["lr"]
+        totals.update({LK.PARAM_CHANGE_NORM: 0.0, **totals, **base, LK.SKIPPED_NAN: float(skipped),
+                       LK.UNIQUE_TOKENS: float(sum(b.num_tokens for b in batches)),
+                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step)})
         return totals
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
@@ -268,8 +271,7 @@ class Learner:
         """One accumulated optimizer step; None (and no step) when the loss or gradient is not finite."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        acc = dict.fromkeys(("loss/policy", "loss/kl", "loss/entropy_bonus", "loss/total", "clip_frac",
-                             "clip_frac_grad", "clip_frac_dual", "entropy", "ratio_mean", "kl_rollout"), 0.0)
+        acc = dict.fromkeys(LK.STEP_SUMS, 0.0)
         bad, done = False, 0
         for i, b in enumerate(batches):
             with self.autocast():
@@ -289,7 +291,7 @@ class Learner:
             if ref is not None:
                 kl = (w * k3_kl(lp, ref[i])).sum()
                 loss = loss + cfg.kl_coef * kl
-                acc["loss/kl"] += float(kl.detach())
+                acc[LK.LOSS_KL] += float(kl.detach())
             ent_term = (w * ent).sum()
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * ent_term
@@ -299,15 +301,15 @@ class Learner:
             self._backward(loss, i, len(batches))
             done += 1
             wd = w.detach()
-            acc["loss/policy"] += float(policy.detach())
-            acc["loss/total"] += float(loss.detach())
-            acc["loss/entropy_bonus"] += float(-cfg.entropy_coef * ent_term.detach())
-            acc["entropy"] += float(ent_term.detach())
-            acc["clip_frac"] += float((wd * out.clipped).sum())
-            acc["clip_frac_grad"] += float((wd * out.clipped_grad).sum())
-            acc["clip_frac_dual"] += float((wd * out.dual_clipped).sum())
-            acc["ratio_mean"] += float((wd * out.ratio).sum())
-            acc["kl_rollout"] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
+            acc[LK.LOSS_POLICY] += float(policy.detach())
+            acc[LK.LOSS_TOTAL] += float(loss.detach())
+            acc[LK.LOSS_ENTROPY_BONUS] += float(-cfg.entropy_coef * ent_term.detach())
+            acc[LK.ENTROPY] += float(ent_term.detach())
+            acc[LK.CLIP_FRAC] += float((wd * out.clipped).sum())
+            acc[LK.CLIP_FRAC_GRAD] += float((wd * out.clipped_grad).sum())
+            acc[LK.CLIP_FRAC_DUAL] += float((wd * out.dual_clipped).sum())
+            acc[LK.RATIO_MEAN] += float((wd * out.ratio).sum())
+            acc[LK.KL_ROLLOUT] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
         self._after_backward(done)
         if self._all_sum(float(bad)) > 0:  # a non-finite loss on any rank: no rank steps
             self.optimizer.zero_grad(set_to_none=True)
@@ -318,11 +320,11 @@ class Learner:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        acc["grad_norm"] = grad_norm
-        acc["lr"] = self.optimizer.param_groups[0]["lr"]
+        acc[LK.GRAD_NORM] = grad_norm
+        acc[LK.LR] = self.optimizer.param_groups[0]["lr"]
         before = [p.detach().clone() for p in params]
         self._optimizer_step()
-        acc["param_change_norm"] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        acc[LK.PARAM_CHANGE_NORM] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
         self.scheduler.step()
         self.step += 1
         return acc

@@ -1,6 +1,6 @@
 """Cold-start SFT (``arpo sft``): supervised fine-tuning on tool-use demonstrations with tool results masked.
 
-ARPO needs a cold start (ARPO_SPEC §7, issue #58): the reference fine-tunes with LLaMA-Factory on ARPO-SFT-54K,
+ARPO needs a cold start (ARPO_SPEC §7): the reference fine-tunes with LLaMA-Factory on ARPO-SFT-54K,
 whose assistant replies contain the tool outputs inline as ``<result>…</result>``. Here the same idea runs on any
 HF causal LM, from two kinds of data:
 
@@ -84,7 +84,7 @@ class SFTConfig:
     """At most this many sequences per forward/backward pass: each micro-batch is run in chunks of this many rows
     (default: the whole micro-batch). The batches, the loss and the gradients stay the same (up to float rounding: the
     loss of a step is the sum over its trained tokens divided by their count, whatever the chunking); only the
-    activation memory, which grows with the rows of one pass, shrinks (issue 10)."""
+    activation memory, which grows with the rows of one pass, shrinks."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (non-reentrant
     activation checkpointing): same loss and gradients, less activation memory, about one more forward of compute."""
@@ -196,8 +196,8 @@ def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: b
               for k in range(0, len(batch), rows_per_forward or len(batch))]
     for batch in passes:
         ids, labels, mask = _collate(batch, pad_id, device)
-        # Causal shift: position t predicts token t+1. Only trained positions go through the LM head: the full
-        # [B, T, V] logits (and their log-softmax and gradient) were most of SFT's peak memory (issue 10).
+        # Causal shift: position t predicts token t+1. Only trained positions go through the LM head, so the full
+        # [B, T, V] logits (with their log-softmax and gradient, most of SFT's peak memory) never exist.
         target = labels[:, 1:]
         keep = target != -100
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):

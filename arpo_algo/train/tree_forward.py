@@ -214,7 +214,7 @@ def forward_token_stats(model: torch.nn.Module, batch: TokenBatch, *, with_entro
     ``head_chunk`` (``LearnerConfig.head_chunk_tokens``): the model body runs once, then the LM head, log-softmax
     and entropy run over at most ``head_chunk`` predictions at a time, each chunk recomputed in the backward pass
     (non-reentrant activation checkpointing), so the [U, V] logits and their log-softmax, entropy terms and
-    gradients exist one chunk at a time (issue 10: they were the RL step's largest tensors). Same values and
+    gradients (the RL step's largest tensors otherwise) exist one chunk at a time. Same values and
     gradients up to float rounding; one more head forward. Needs a plain HF causal LM whose logits are its output
     embeddings applied to the last hidden state (no logit scaling or soft-capping).
     """

@@ -1,11 +1,13 @@
-"""What the learner needs to know about an update before running it (issue 10): does it carry any signal, and the
-advantage statistics it logs; and the tree-scoped owners of hard attribution (see :mod:`arpo_algo.core.advantages`)."""
+"""What the learner needs to know about an update before running it: does it carry any signal (an update without
+one must not step), the advantage statistics it logs, and the tree-scoped owners of hard attribution (see
+:mod:`arpo_algo.core.advantages`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from arpo_algo.core.advantages import tree_token_owners
+from arpo_algo.rollout import learner_metrics as LK
 
 
 def signal_stats(seqs: list[Any]) -> tuple[bool, dict[str, float]]:
@@ -15,10 +17,10 @@ def signal_stats(seqs: list[Any]) -> tuple[bool, dict[str, float]]:
     mean = sum(advs) / len(advs) if advs else 0.0
     sd = (sum((a - mean) ** 2 for a in advs) / len(advs)) ** 0.5 if advs else 0.0
     return any(with_grad), {
-        "tokens": float(sum(len(s.prompt) + len(s.response) for s in seqs)),
-        "trained_tokens": float(sum(sum(s.trained) for s in seqs)),
-        "traj_with_grad_frac": sum(with_grad) / max(len(seqs), 1), "skipped_no_signal": 0.0,
-        "adv_mean": mean, "adv_sd": sd}
+        LK.TOKENS: float(sum(len(s.prompt) + len(s.response) for s in seqs)),
+        LK.TRAINED_TOKENS: float(sum(sum(s.trained) for s in seqs)),
+        LK.TRAJ_WITH_GRAD_FRAC: sum(with_grad) / max(len(seqs), 1), LK.SKIPPED_NO_SIGNAL: 0.0,
+        LK.ADV_MEAN: mean, LK.ADV_SD: sd}
 
 
 def tree_owners(group: Any) -> list[list[int]]:

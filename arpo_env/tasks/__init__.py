@@ -5,8 +5,9 @@
 * ``deepsearch``: ``hard_search_1k`` / ``gaia_test`` + ``hle_test``.
 
 Each family is one :class:`~arpo_env.tasks.registry.TaskSpec` in :data:`~arpo_env.tasks.registry.TASKS` (a new task
-touches only that registry). A task list is a sequence of dicts with at least ``id``, ``question``, ``ground_truth``, ``split`` and
-``reward_kwargs`` (extra arguments for the reward, e.g. a numeric tolerance), plus an optional ``system`` prompt.
+touches only that registry). A task list is a sequence of dicts with at least ``id``, ``question``, ``ground_truth``,
+``split`` and ``reward_kwargs`` (extra arguments for the reward, e.g. a numeric tolerance), plus an optional
+``system`` prompt.
 """
 
 from __future__ import annotations

@@ -82,16 +82,20 @@ def _level2(r: random.Random) -> Problem:
         expr = f"round({p}*(1+{up}/100)*(1-{down}/100), 2)"
     elif kind == "interest":
         p, rate, years = r.randint(5, 90) * 100, r.randint(2, 9), r.randint(3, 15)
-        q = f"{p} dollars earn {rate}% interest per year, compounded yearly. What is the balance after {years} years? Round to 2 decimals."
+        q = (f"{p} dollars earn {rate}% interest per year, compounded yearly. What is the balance after {years} years? "
+             "Round to 2 decimals.")
         expr = f"round({p}*(1+{rate}/100)**{years}, 2)"
     elif kind == "convert":
-        unit, factor, target = r.choice([("miles", 1.609344, "kilometers"), ("pounds", 0.45359237, "kilograms"), ("inches", 2.54, "centimeters"), ("gallons", 3.785411784, "liters")])
+        unit, factor, target = r.choice([("miles", 1.609344, "kilometers"), ("pounds", 0.45359237, "kilograms"),
+                                         ("inches", 2.54, "centimeters"), ("gallons", 3.785411784, "liters")])
         x = r.randint(11, 999)
-        q = f"Convert {x} {unit} to {target} (1 {unit[:-1] if unit != 'inches' else 'inch'} = {factor} {target}). Round to 2 decimals."
+        one = unit[:-1] if unit != "inches" else "inch"
+        q = f"Convert {x} {unit} to {target} (1 {one} = {factor} {target}). Round to 2 decimals."
         expr = f"round({x}*{factor}, 2)"
     else:
         d1, t1, d2, t2 = r.randint(40, 400), r.randint(2, 9) / 2, r.randint(40, 400), r.randint(2, 9) / 2
-        q = f"A car drives {d1} km in {t1} hours, then {d2} km in {t2} hours. What is its average speed in km/h? Round to 2 decimals."
+        q = (f"A car drives {d1} km in {t1} hours, then {d2} km in {t2} hours. What is its average speed in km/h? "
+             "Round to 2 decimals.")
         expr = f"round(({d1}+{d2})/({t1}+{t2}), 2)"
     return Problem(q, [("I compute it with Python.", lambda _o, e=expr: e)], 0.01, kind, 2)
 

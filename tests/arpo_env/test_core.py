@@ -107,7 +107,8 @@ def test_clone_is_independent_and_reuses_tool_results(env):
     assert twin.response == env.response and twin._task == env._task and twin.tools is env.tools
     assert twin.np_random.integers(1 << 30) == env.np_random.integers(1 << 30)  # same RNG state, own copy
     obs, *_ = twin.step("<python>print(1+1)</python>")
-    assert obs == " <result>\n2\n</result>" and twin.session.counts["tool_calls"] == 2 and env.session.counts["tool_calls"] == 1
+    assert obs == " <result>\n2\n</result>"
+    assert twin.session.counts["tool_calls"] == 2 and env.session.counts["tool_calls"] == 1
     assert env.response.count("<result>") == 1
     _o, r_env, term, _t, _i = env.step(ANSWER)
     assert term and twin._done is False

@@ -13,11 +13,12 @@ import re
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
+
+from arpo_base.http import HTTPJSONError, get_json, request
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve")
@@ -110,19 +111,16 @@ def client(server):
 
 
 def post(url: str, body: bytes | dict, timeout: float = 300) -> tuple[int, dict, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
-                                 headers={"Content-Type": "application/json"})
+    """Status, headers and JSON body of a chat request (bytes are sent as they are); an error status is returned,
+    not raised, with a body that is not JSON as ``{"raw": text}``."""
+    raw, payload = (body, None) if isinstance(body, bytes) else (None, body)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            body_out = json.loads(raw)
-        except json.JSONDecodeError:
-            body_out = {"raw": raw.decode(errors="replace")}
-        return e.code, dict(e.headers), body_out
+        reply = request("POST", f"{url}/v1/chat/completions", payload, raw=raw, timeout=timeout)
+    except HTTPJSONError as e:
+        if e.status is None:
+            raise
+        return e.status, e.headers, e.data if e.data is not None else {"raw": e.body}
+    return reply.status, reply.headers, reply.data
 
 
 def question(demos, i: int = 0) -> list[dict]:
@@ -131,8 +129,7 @@ def question(demos, i: int = 0) -> list[dict]:
 
 def test_models_and_health(server, client):
     assert sorted(m.id for m in client.models.list().data) == ["base", "toolmath"]
-    with urllib.request.urlopen(f"{server}/health") as r:
-        assert json.loads(r.read()) == {"status": "ok", "models": ["base", "toolmath"]}
+    assert get_json(f"{server}/health") == {"status": "ok", "models": ["base", "toolmath"]}
 
 
 def test_agent_runs_the_tool_and_answers(client, demos):
@@ -356,11 +353,7 @@ class WebDriver:
         self.session = self.call("POST", "/session", caps)["sessionId"]
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
-                                     data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())["value"]
+        return request(method, f"http://127.0.0.1:{self.port}{path}", body, timeout=120).data["value"]
 
     def do(self, method: str, path: str, body: dict | None = None) -> Any:
         return self.call(method, f"/session/{self.session}{path}", body)
@@ -406,7 +399,7 @@ def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path
         calls = wd.js("return [...document.querySelectorAll('.tool.call')].length")
         results = wd.js("return [...document.querySelectorAll('.tool.result')].length")
         assert calls >= 1 and results == calls
-        shot = os.environ.get("ARPO_PAGE_SCREENSHOT")  # look at it: ARPO_PAGE_SCREENSHOT=/tmp/page.png pytest ...
+        shot = os.environ.get("ARPO_PAGE_SCREENSHOT")  # look at it: ARPO_PAGE_SCREENSHOT=page.png pytest ...
         if shot:
             with open(shot, "wb") as f:
                 f.write(base64.b64decode(wd.do("GET", "/screenshot")))

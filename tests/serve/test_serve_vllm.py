@@ -28,6 +28,8 @@ import urllib.request
 
 import pytest
 
+from arpo_base.http import get_json, post_json
+
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.vllm
 
@@ -157,11 +159,7 @@ def hf_agent(model_dir):
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.status == 200
-        return json.loads(r.read())
+    return post_json(f"{url}/v1/chat/completions", body, timeout=300)
 
 
 def _stream(url: str, body: dict) -> tuple[str, list[list[int]]]:
@@ -196,8 +194,7 @@ def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
     url, proc, log = server
     procs = _with_engine_core(proc, log)
     assert len(_engine_cores(procs)) == 1, _tree(procs)  # the replica started vLLM (the HF engine has none)
-    with urllib.request.urlopen(f"{url}/v1/models") as r:
-        assert [m["arpo"]["engine"] for m in json.loads(r.read())["data"]] == ["vllm"]
+    assert [m["arpo"]["engine"] for m in get_json(f"{url}/v1/models")["data"]] == ["vllm"]
 
     greedy = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 24}
     served = _post(url, greedy)

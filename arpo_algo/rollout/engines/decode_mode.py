@@ -27,7 +27,8 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
         raise ConfigError(f"unknown decode {decode!r}; choose one of {', '.join(DECODE_MODES)}")
     if decode == "auto":
         on_cuda = device.type == "cuda"
-        return "cuda_graph" if AUTO_CUDA_GRAPHS and on_cuda and static_problem(model, linear_layout, graphs=True) is None else "dynamic"
+        graphs_ok = AUTO_CUDA_GRAPHS and on_cuda and static_problem(model, linear_layout, graphs=True) is None
+        return "cuda_graph" if graphs_ok else "dynamic"
     if decode == "cuda_graph" and device.type != "cuda":
         raise ConfigError(f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
                           hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")

@@ -18,9 +18,13 @@ takes its place, so one long sequence never stalls the others. When a request fi
 tokens except the last, unfed one) is stored under ``Generation.cache_key`` in an LRU store bounded by
 ``kv_cache_capacity_tokens``; a later request with ``prefix_key`` set to that key only prefills its new suffix after
 the engine has verified the tokens really match. Requests of one call with identical contexts (the initial samples of
-a prompt, sibling branches) are prefilled once and share that KV and those next-token logits. Each request samples with its own seeded ``torch.Generator``: same seed and context, same tokens, whatever else is
-in the batch (up to float ties). ``decode="static"``/``"cuda_graph"`` decode in fixed-shape steps over a per-slot KV
-cache, eagerly or as CUDA graphs, with the same prefill, reuse, refill and records (:mod:`.static_decode`).
+a prompt, sibling branches) are prefilled once and share that KV and those next-token logits.
+
+Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
+context give the same tokens whatever else is in the batch (up to floating-point ties).
+
+``decode="static"``/``"cuda_graph"`` decode in fixed-shape steps over a preallocated per-slot KV cache, eagerly or
+as CUDA graphs, with the same prefill, reuse, refill and records (:mod:`arpo_algo.rollout.engines.static_decode`).
 """
 
 from __future__ import annotations
@@ -148,11 +152,16 @@ class HFEngine:
         ids: set[int] = set()
         gen_cfg = getattr(self.model, "generation_config", None)
         for src in (getattr(gen_cfg, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            ids.update([src] if isinstance(src, int) else (int(i) for i in src or ()))
+            if isinstance(src, int):
+                ids.add(src)
+            elif src is not None:
+                ids.update(int(i) for i in src)
         return ids
 
     def _param_version(self) -> tuple[int, int]:
-        # copy_/load_state_dict/foreach optimizers bump version counters, fused AdamW does not: hence the count.
+        # Most in-place updates of a parameter (load_state_dict, copy_, mul_, the foreach optimizers) bump its
+        # version counter, so a change of the sum means the weights changed under us. Not all: torch's fused AdamW
+        # writes the parameters without bumping it, hence the explicit count of weights_updated() calls.
         return self._updates, sum(p._version for p in self.model.parameters())
 
     # ----------------------------------------------------------------------------------------------- public API
@@ -183,8 +192,10 @@ class HFEngine:
         self._invalidate()
 
     def weights_updated(self) -> None:
-        """The shared module's weights changed in place: drop cached KV and weight copies. Call it after every
-        optimizer step: fused AdamW leaves the version counters alone, so the engine cannot see that step."""
+        """Say that the (shared) module's weights changed in place: drop the cached KV and the transposed weight
+        copies. The owner of a shared module must call this after every optimizer step: torch's fused AdamW (what
+        :mod:`arpo_algo.train.optim` uses) leaves autograd's version counters alone, so the engine cannot see such a
+        step by itself and would keep sampling from the old weights."""
         self._updates += 1
         self._invalidate()
 

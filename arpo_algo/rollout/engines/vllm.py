@@ -121,8 +121,9 @@ class VLLMEngine:
         path = Path(resolve_model_path(os.fspath(model_or_path)))
         check_architecture(path)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
-            raise ConfigError(f"sleep_between_rollouts needs vLLM's sleep mode, which its {current_platform.device_name}"
-                              " backend does not have (CUDA/ROCm only)", hint="set sleep_between_rollouts=False")
+            raise ConfigError(f"sleep_between_rollouts needs vLLM's sleep mode, which its "
+                              f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
+                              hint="set sleep_between_rollouts=False")
         kwargs: dict[str, Any] = dict(model=str(path), dtype=dtype, enable_prefix_caching=True, seed=seed,
                                       max_logprobs=64, logprobs_mode=logprobs_mode,
                                       tensor_parallel_size=tensor_parallel_size,

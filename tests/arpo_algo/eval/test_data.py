@@ -1,4 +1,4 @@
-"""``--data`` loading: ToolMath, the reference sets, JSONL/parquet files, and every bad input the issue names."""
+"""``--data`` loading: ToolMath, the reference sets, JSONL/parquet files, and each bad input a clear error."""
 
 from __future__ import annotations
 

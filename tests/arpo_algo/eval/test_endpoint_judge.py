@@ -14,8 +14,8 @@ from arpo_algo.cli.main import main
 from tests.arpo_algo.eval.openai_stub import StubServer, closed_port_url
 
 # The python tool's per-call sandbox uids come from a per-process pool starting at 62000; another process on the same
-# host drawing the same uid can have its sandbox killed by ours (seen on the shared dev machine). A private uid range
-# keeps these tests independent of whatever else runs.
+# host drawing the same uid can have its sandbox killed by ours. A private uid range keeps these tests independent of
+# whatever else runs on the host.
 PRIVATE_TOOLS = ["--env-set", f"tools={{python={{uid_base={100_000 + (os.getpid() % 5000) * 64}}}}}"]
 
 
@@ -92,6 +92,17 @@ def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "unreachable" in err and "hint:" in err and "Traceback" not in err
     assert not (out / "samples.jsonl").exists()
+
+
+def test_endpoint_error_status_is_a_clear_error(tmp_path, capsys):
+    """A server that answers a chat request with an error status stops the run with its status and reply text."""
+    with StubServer(text_agent) as server:
+        server.fail_next = 10 ** 6
+        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)),
+                   "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts",
+                   *PRIVATE_TOOLS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "endpoint answered HTTP 503: " in err and "overloaded" in err and "Traceback" not in err
 
 
 def judge_server(body):

@@ -98,7 +98,8 @@ def test_one_mapping_from_config_to_eval_settings():
     s = eval_settings(cfg).as_kwargs()
     params = set(inspect.signature(evaluate_engine).parameters) - {"engine", "env_creator"}
     assert set(s) == params
-    assert (s["top_p"], s["tool_workers"], s["prompt_overflow"], s["max_response_tokens"]) == (0.7, 3, "left_truncate", 99)
+    got = (s["top_p"], s["tool_workers"], s["prompt_overflow"], s["max_response_tokens"])
+    assert got == (0.7, 3, "left_truncate", 99)
     assert "eval_settings(cfg)" in inspect.getsource(qs.stage_evaluate)
 
 

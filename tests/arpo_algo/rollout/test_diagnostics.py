@@ -1,4 +1,4 @@
-"""The diag/ metrics on a hand-built iteration (issue 10)."""
+"""The diag/ metrics on a hand-built iteration: each name carries the value its definition says."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ TIE_TOL = 1e-4
 #: "hf-static" is HFEngine with decode="static" (the fixed-shape step that decode="cuda_graph" captures on a GPU).
 ENGINE_KINDS = ["hf", "hf-static", pytest.param("vllm", marks=pytest.mark.vllm)]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-ISSUE_10 = ("issue 10: engines check stop strings only within the current request's new tokens, so a stop split "
-            "across a look-ahead request and its continuation is missed")
+STOP_ACROSS_REQUESTS = ("engines check stop strings only within the current request's new tokens, so a stop split "
+                        "across a look-ahead request and its continuation is missed")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_stop_strings(engine):
     assert gen.token_ids == free.token_ids[:len(gen.token_ids)]  # the token completing the stop is kept, no more
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE_10)
+@pytest.mark.xfail(strict=True, reason=STOP_ACROSS_REQUESTS)
 def test_stop_string_split_across_requests(engine):
     ctx = _ctx(engine, "split stop ")
     first, cont, stop = _stop_case(engine, ctx)

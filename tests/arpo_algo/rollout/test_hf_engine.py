@@ -137,7 +137,8 @@ def test_stop_strings_honoured_and_kept(engine):
     tok = engine.tokenizer
     stop = tok.decode(free[5:7])
     expected = next(k for k in range(1, len(free) + 1) if stop in tok.decode(free[:k]))
-    gen = engine.generate([GenRequest("s", ctx, SamplingParams(max_new_tokens=24, seed=7, stop=("\x00never", stop)))])[0]
+    params = SamplingParams(max_new_tokens=24, seed=7, stop=("\x00never", stop))
+    gen = engine.generate([GenRequest("s", ctx, params)])[0]
     assert gen.finish_reason == "stop" and gen.stop_string == stop
     assert gen.token_ids == free[:expected] and stop in tok.decode(gen.token_ids)
 
@@ -219,8 +220,9 @@ def test_weights_updated_after_a_fused_optimizer_step(tiny_model_dir):
 
 
 def test_sleep_frees_the_weight_copies_and_stored_kv_and_decoding_resumes(tiny_model_dir):
-    # The Algorithm calls engine.sleep() between the rollout and the learner update (issue 10, memory): the transposed
-    # copies of the linear weights and the stored KV must really be freed, and the next call rebuilds them.
+    # The Algorithm calls engine.sleep() between the rollout and the learner update to lower the update's peak
+    # memory: the transposed copies of the linear weights and the stored KV must really be freed, and the next call
+    # rebuilds them.
     import gc
     import weakref
 

@@ -67,8 +67,9 @@ class ScriptedEngine:
                 ids, finish, stop = ids[: req.params.max_new_tokens], "length", None
             self.generated += len(ids)
             ent = self.entropy(n_results, variant)
+            top = [[(0, -0.1), (1, -2.5)]] * len(ids) if req.params.logprobs_topk else None
             out.append(Generation(req.request_id, ids, [-0.5] * len(ids), [ent] * len(ids), finish, stop_string=stop,
-                                  top_logprobs=[[(0, -0.1), (1, -2.5)]] * len(ids) if req.params.logprobs_topk else None))
+                                  top_logprobs=top))
         replay_tokens(on_token, out)
         return out
 
@@ -89,7 +90,8 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def env_creator(tmp_path_factory):
     cache = tmp_path_factory.mktemp("toolcache") / "python.sqlite"
-    return lambda: ToolTextEnv(task="toolmath", tools={"python": {}, "cache": {"path": str(cache), "mode": "read_write"}})
+    tools = {"python": {}, "cache": {"path": str(cache), "mode": "read_write"}}
+    return lambda: ToolTextEnv(task="toolmath", tools=tools)
 
 
 def _sampler(engine, env_creator, cfg, max_response_tokens=400, **kw):

@@ -1,4 +1,4 @@
-"""Stop strings that complete across the paper rule's look-ahead boundary (issue 10), with the real HFEngine.
+"""Stop strings that complete across the paper rule's look-ahead boundary, with the real HFEngine.
 
 The model is a real 1-layer Llama with SmolLM2's tokenizer whose weights make it a deterministic bigram chain
 (attention and MLP outputs zeroed, so the logits depend on the current token only): it writes

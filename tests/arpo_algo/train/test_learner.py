@@ -232,8 +232,8 @@ def test_learner_looks_up_estimator_and_loss_by_name(tiny_model_dir, groups):
 
 
 def test_update_without_signal_is_skipped_and_changes_nothing(tiny_model_dir, groups):
-    """Equal rewards in every group: no optimizer or scheduler step, the weights stay bit-equal (issue 10). Before
-    the fix AdamW stepped anyway: its moments replayed the previous update and weight decay shrank the weights."""
+    """Equal rewards in every group: no optimizer or scheduler step, the weights stay bit-equal. A step there would
+    not be harmless: AdamW's moments would replay the previous update and weight decay would shrink the weights."""
     learner = Learner(tiny_model_dir, replace(BASE, weight_decay=0.01, lr_schedule="linear", total_steps=10), seed=0)
     learner.update(groups)
     assert learner.step == 1
@@ -269,7 +269,7 @@ def test_advantages_are_normalised_per_group_not_over_the_batch(tiny_model_dir, 
                                    {"gradient_checkpointing": True}],
                          ids=["default", "entropy_grad+kl", "padded", "checkpointed"])
 def test_head_chunk_tokens_gives_the_same_update(tiny_model_dir, groups, extra):
-    """Memory option (issue 10): the LM head in chunks of 3 predictions (recomputed in backward) leaves the loss,
+    """Memory option: the LM head in chunks of 3 predictions (recomputed in backward) leaves the loss,
     the metrics and every gradient as they were."""
     results = []
     for chunk in (None, 3):

@@ -120,8 +120,9 @@ def test_bad_files_name_the_file_and_record(tmp_path):
     f = write(tmp_path / "weird.json", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(ConfigError, match=r"weird\.json: record 0 is in no known SFT format"):
         load_file_examples(f)
-    f = write(tmp_path / "sg.json", [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-                                     {"conversations": [{"from": "human", "value": "q"}]}])
+    f = write(tmp_path / "sg.json", [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"conversations": [{"from": "human", "value": "q"}]}])
     with pytest.raises(ConfigError, match=r"sg\.json: record 1 is not valid sharegpt: .*must end with a gpt turn"):
         load_file_examples(f)
     f = write(tmp_path / "al.json", [{"instruction": "q", "output": "a <result> never closed"}])
@@ -259,7 +260,7 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
 
 
 def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_model_dir):
-    """The trained-positions-only LM head (issue 10, memory) gives the loss and gradients of the full-logits form."""
+    """The trained-positions-only LM head (it saves memory) gives the loss and gradients of the full-logits form."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -292,7 +293,7 @@ def _loss_and_grads(model, batch, **kw):
 
 
 def test_rows_per_forward_and_gradient_checkpointing_give_the_same_loss_and_gradients(tiny_model_dir):
-    """Memory options (issue 10): passes of fewer rows and activation checkpointing leave the step's loss and
+    """Memory options: passes of fewer rows and activation checkpointing leave the step's loss and
     gradients as they were (rows of different lengths, so the chunks are padded to different widths)."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -75,7 +75,8 @@ def test_block_mask_equals_torch_block_mask_of_the_same_tree(n, chunk):
     for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
         counts = getattr(ours, num)[0, 0]
         for row, k in enumerate(counts.tolist()):
-            assert sorted(getattr(ours, idx)[0, 0, row, :k].tolist()) == sorted(getattr(ref, idx)[0, 0, row, :k].tolist())
+            mine, theirs = getattr(ours, idx)[0, 0, row, :k], getattr(ref, idx)[0, 0, row, :k]
+            assert sorted(mine.tolist()) == sorted(theirs.tolist())
     # The element mask the kernel evaluates in partial tiles is the ancestor mask.
     q, kv = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
     assert torch.equal(ours.mask_mod(0, 0, q, kv), dense)

@@ -127,7 +127,7 @@ def test_merge_shared_counts_a_shared_token_once(tiny_model_dir):
 
 @pytest.mark.parametrize("dedup", [True, False])
 def test_chunked_head_equals_the_whole_head(tiny_model_dir, dedup):
-    """forward_token_stats(head_chunk=...) (issue 10): same log-probs, entropies and gradients, chunk by chunk."""
+    """forward_token_stats(head_chunk=...): same log-probs, entropies and gradients, chunk by chunk."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     specs = _specs(make_groups(tok))

@@ -1,0 +1,98 @@
+"""The one small HTTP JSON client (standard library only): :func:`get_json`, :func:`post_json` and :func:`request`.
+
+A request sends its payload as JSON (``Content-Type: application/json``) and reads the reply as JSON. Anything that
+is not a 2xx JSON reply raises :class:`HTTPJSONError`, which names the method, the URL and the status (or, when no
+answer came at all, the socket's reason) and keeps the reply's text for the caller's own message. It is an
+``OSError``, so code that treats network failures as ``OSError`` keeps doing so.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_TIMEOUT", "HTTPJSONError", "Reply", "bearer", "get_json", "post_json", "request"]
+
+DEFAULT_TIMEOUT = 30.0
+#: Characters of a reply's text that an error message quotes (the whole text stays on the exception).
+QUOTED = 300
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A 2xx JSON reply: its status, headers (as sent, first spelling of each name) and decoded body."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    data: Any = None
+
+
+class HTTPJSONError(OSError):
+    """A request that got no 2xx JSON reply.
+
+    Attributes:
+        method, url: What was asked.
+        status: The HTTP status, or None when no answer came (connection refused, timeout, unknown host).
+        reason: The status's reason phrase, the socket error, or why the body is not JSON.
+        body: The reply's text ("" when no answer came).
+        headers: The reply's headers ({} when no answer came).
+        data: The reply's body decoded as JSON, when it is JSON (error replies of JSON APIs are), else None.
+    """
+
+    def __init__(self, method: str, url: str, status: int | None, reason: str, body: str = "",
+                 headers: dict[str, str] | None = None) -> None:
+        self.method, self.url, self.status, self.reason, self.body = method, url, status, reason, body
+        self.headers = headers or {}
+        try:
+            self.data = json.loads(body) if body else None
+        except ValueError:
+            self.data = None
+        where = f"{method} {url}"
+        message = f"{where}: HTTP {status} {reason}" if status is not None else f"{where}: no answer ({reason})"
+        super().__init__(message + (f": {body[:QUOTED]}" if body else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its own fields (OSError would pass only the message), so it survives pickling (Ray).
+        return type(self), (self.method, self.url, self.status, self.reason, self.body, self.headers)
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of a bearer token ({} when there is none)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def request(method: str, url: str, payload: Any = None, *, headers: dict[str, str] | None = None,
+            timeout: float = DEFAULT_TIMEOUT, raw: bytes | None = None) -> Reply:
+    """Send ``payload`` as JSON (or ``raw`` bytes as they are, e.g. a malformed body a server must refuse) and return
+    the decoded 2xx reply; raises :class:`HTTPJSONError` otherwise."""
+    data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, headers=sent, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, got, text = resp.status, dict(resp.headers), resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        raise HTTPJSONError(method, url, e.code, str(e.reason), e.read().decode(errors="replace"),
+                            dict(e.headers or {})) from None
+    except urllib.error.URLError as e:
+        raise HTTPJSONError(method, url, None, str(e.reason)) from None
+    except OSError as e:  # a timeout or reset while reading the reply
+        raise HTTPJSONError(method, url, None, str(e) or type(e).__name__) from None
+    try:
+        return Reply(status, got, json.loads(text))
+    except ValueError as e:
+        raise HTTPJSONError(method, url, status, f"reply is not JSON ({e})", text, got) from None
+
+
+def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``GET url`` -> the decoded JSON body; raises :class:`HTTPJSONError`."""
+    return request("GET", url, headers=headers, timeout=timeout).data
+
+
+def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None,
+              timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``POST url`` with ``payload`` as JSON -> the decoded JSON body; raises :class:`HTTPJSONError`."""
+    return request("POST", url, payload, headers=headers, timeout=timeout).data
