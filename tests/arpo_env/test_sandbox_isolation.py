@@ -226,3 +226,12 @@ def test_model_code_exiting_121_is_an_observation(tool):
     """The model cannot make its own failure look like a sandbox failure (the READY mark comes first)."""
     result = tool("import sys\nsys.stderr.write('sandbox setup failed: fake\\n')\nsys.exit(121)")
     assert result.error and "fake" in result.text
+
+
+def test_doctor_reports_the_level():
+    from arpo_algo.cli.doctor import doctor_report
+
+    sandbox = doctor_report()["python_tool_sandbox"]
+    expected = PythonTool().isolation
+    assert (sandbox["level"], sandbox["backend"]) == (expected["level"], expected["backend"])
+    assert sandbox["minimum"] == "process" and sandbox["meets_minimum"] == (expected["level"] != "unisolated")
