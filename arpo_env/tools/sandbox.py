@@ -13,7 +13,9 @@ Isolation per backend (the tool measures what it gets in its self-test, see :mod
   processes' environments, or write root-owned places, and ``RLIMIT_NPROC`` (never enforced for root) stops fork
   bombs. When the interpreter lives under a folder others cannot enter (``/root/.pyenv``), the mount namespace covers
   that folder with an empty one that holds only the interpreter's own folders, so the uid can run it without any
-  capability to read what root reads. It still reads world-readable host files: level ``process``.
+  capability to read what root reads. ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, and its
+  ``/proc`` (``hidepid=2``) shows only its own processes. It still reads world-readable host files: level
+  ``process``.
 * ``subprocess`` as another user: a user and network namespace when the kernel allows them; the code runs as that
   user, so it reads and signals what the user can: level ``unisolated``.
 * ``bwrap``: a new root filesystem holding only what the interpreter needs, read-only (``/usr``, the ``/lib*`` links,
@@ -82,6 +84,8 @@ def mounts(expose, private, keep):
             os.makedirs(p, exist_ok=True)
             check(libc.mount(("/proc/self/fd/%d" % fd).encode(), p.encode(), None, 4096 | 16384, None), "bind " + p)
             os.close(fd)
+    # A /proc of its own that shows only the sandbox uid's processes (hidepid): no other command line or status.
+    check(libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, b"hidepid=2"), "mount proc on /proc (hidepid=2)")
     os.chdir(keep[0])
 flags = (0x40000000 if cfg["net"] else 0) | (0x20000 if cfg["mounts"] else 0)
 if flags:

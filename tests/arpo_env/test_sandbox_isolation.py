@@ -94,6 +94,9 @@ def test_cannot_read_another_process_environment(tool):
         _assert_denied(tool(code), "PermissionError", "FileNotFoundError")
         _assert_denied(tool(f"print(open('/proc/{os.getpid()}/environ', 'rb').read())"), "PermissionError",
                        "FileNotFoundError")
+        listed = tool(f"import os\nprint(os.path.exists('/proc/{other.pid}'))\n"
+                      f"print(open('/proc/{other.pid}/cmdline').read())")
+        assert listed.error and "False" in listed.meta["stdout"] and "time.sleep" not in listed.text, listed
     finally:
         other.kill()
         other.wait()
