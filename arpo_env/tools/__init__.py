@@ -19,7 +19,7 @@ from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, check_keys
 from arpo_env.tools.base import Tool, ToolResult, function_schema
 from arpo_env.tools.cache import CachedTool, ToolCache, cache_key
-from arpo_env.tools.isolation import require_python_isolation
+from arpo_env.tools.isolation import require_env_python_isolation, require_python_isolation
 from arpo_env.tools.python_tool import PythonTool, SandboxError, sandbox_capabilities, set_max_concurrency
 from arpo_env.tools.search import (
     BM25Backend,
@@ -34,7 +34,8 @@ from arpo_env.tools.search import (
 __all__ = [
     "BM25Backend", "CachedTool", "PythonTool", "ReplayBackend", "SandboxError", "SearchBackend", "SearchError",
     "SearchTool", "Tool", "ToolCache", "ToolResult", "WebBackend", "build_tools", "cache_key", "format_snippets",
-    "function_schema", "require_python_isolation", "sandbox_capabilities", "set_max_concurrency",
+    "function_schema", "require_env_python_isolation", "require_python_isolation", "sandbox_capabilities",
+    "set_max_concurrency",
 ]
 
 _SEARCH_BACKENDS: dict[str, Callable[..., Any]] = {"bm25": BM25Backend, "replay": ReplayBackend, "web": WebBackend}

@@ -109,14 +109,47 @@ def require_python_isolation(python_spec: dict | None = None, *, allow_unisolate
     return record
 
 
-def check_level(record: dict, allow_unisolated_python: bool, require_network_isolation: bool) -> None:
+def network_required(allow_unisolated_python: bool, require_network_isolation: bool | None) -> bool:
+    """``require_network_isolation``: True or False as given; None (the default) follows the opt-in, so without
+    ``allow_unisolated_python`` the network must be isolated."""
+    return not allow_unisolated_python if require_network_isolation is None else require_network_isolation
+
+
+def check_level(record: dict, allow_unisolated_python: bool, require_network_isolation: bool | None) -> None:
     """The tool's own refusal at construction: below :data:`MIN_LEVEL` without the opt-in, or without network
-    isolation while ``require_network_isolation`` (the default) holds."""
-    if require_network_isolation and not record["network_isolation"]:
-        raise ConfigError("the Python tool's sandbox has no network isolation (require_network_isolation=True): "
-                          + record["detail"], hint="set require_network_isolation=False together with "
-                          "allow_unisolated_python=True to run the model's code with network access")
+    isolation while it is required (:func:`network_required`)."""
+    if network_required(allow_unisolated_python, require_network_isolation) and not record["network_isolation"]:
+        raise ConfigError("the Python tool's sandbox has no network isolation, which is required: "
+                          + record["detail"], hint="allow_unisolated_python=True (CLI: --allow-unisolated-python) "
+                          "runs the model's code with network access, unless require_network_isolation=True")
     if not at_least(record["level"]) and not allow_unisolated_python:
         raise ConfigError(f"the Python tool's sandbox reaches level {record['level']!r}, below the minimum "
                           f"{MIN_LEVEL!r} (no network and not the server's own user): {record['detail']}",
                           hint=OPT_IN_HINT)
+
+
+def require_env_python_isolation(env_config: dict, *, allow_unisolated_python: bool = False,
+                                 context: str = "training") -> dict | None:
+    """:func:`require_python_isolation` for the Python tool an environment config builds (its ``tools.python``
+    section, or the task's default tools); None when it builds no Python tool.
+
+    With ``allow_unisolated_python`` (a CLI's ``--allow-unisolated-python``) and a level below the minimum, the opt-in
+    is written into ``env_config["tools"]["python"]`` (in place), so the tools that rollout workers build accept it."""
+    from arpo_env.core import COMMON_DEFAULTS, _default_tool_spec
+    from arpo_env.tasks.registry import task_spec
+
+    tools = env_config.get("tools")
+    if tools is None:
+        if "python" not in task_spec(env_config.get("task", COMMON_DEFAULTS["task"])).tools:
+            return None
+        spec: dict = {}
+    elif isinstance(tools, dict) and "python" in tools:
+        spec = dict(tools["python"] or {})
+    else:
+        return None
+    record = require_python_isolation(spec, allow_unisolated_python=allow_unisolated_python, context=context)
+    if allow_unisolated_python and not record["meets_minimum"]:
+        if tools is None:  # the task's default tools, made explicit to carry the opt-in
+            tools = env_config["tools"] = _default_tool_spec({**COMMON_DEFAULTS, **env_config})
+        tools["python"] = {**spec, "allow_unisolated_python": True}
+    return record

@@ -39,7 +39,7 @@ from typing import Any
 
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
-from arpo_env.tools.isolation import check_level, describe, level_of
+from arpo_env.tools.isolation import check_level, describe, level_of, network_required
 from arpo_env.tools.sandbox import (
     _BACKENDS,
     BOOTSTRAP,
@@ -82,7 +82,7 @@ class PythonTool:
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: float | None = None,
                  max_output_chars: int = 10_000, max_procs: int = 32, max_file_mb: int = 64,
                  max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
-                 require_network_isolation: bool = True, python_executable: str | None = None,
+                 require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
                  docker_image: str = "python:3.11-slim", reproducible_output: bool = True,
                  allow_unisolated_python: bool = False, namespaces: bool = True) -> None:
@@ -100,8 +100,9 @@ class PythonTool:
             backend: ``"auto"`` (bwrap when installed and working, else subprocess; :attr:`isolation` says which),
                 ``"subprocess"``, ``"bwrap"``, ``"docker"``.
             echo_last_expr: Print a final bare expression as a REPL would (reference behaviour).
-            require_network_isolation: Refuse (``ConfigError``) when the code could reach the network. Turning it
-                off needs ``allow_unisolated_python=True`` as well.
+            require_network_isolation: Refuse (``ConfigError``) when the code could reach the network. None (the
+                default): required unless ``allow_unisolated_python``; True: required even then; False: not
+                required by itself (the level check still refuses a reachable network without the opt-in).
             python_executable: Interpreter for the code (default: the current one; reference: a conda env).
             no_site: Also pass ``-S`` (no site-packages: stdlib only).
             uid_base: First uid of the per-call uid pool (root hosts only).
@@ -112,8 +113,7 @@ class PythonTool:
             allow_unisolated_python: Accept an isolation level below ``process`` (see
                 :mod:`arpo_env.tools.isolation`): the model's code may then reach the network or act as this user.
             namespaces: False: the subprocess backend enters no namespace (as on a kernel that forbids them), so
-                the code reaches the network; refused unless ``allow_unisolated_python`` and
-                ``require_network_isolation=False``.
+                the code reaches the network; refused unless ``allow_unisolated_python``.
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars)):
@@ -121,7 +121,8 @@ class PythonTool:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
         for key, value in (("reproducible_output", reproducible_output), ("namespaces", namespaces),
                            ("allow_unisolated_python", allow_unisolated_python),
-                           ("require_network_isolation", require_network_isolation)):
+                           ("require_network_isolation", True if require_network_isolation is None
+                            else require_network_isolation)):
             if not isinstance(value, bool):
                 raise ConfigError(f"python tool setting '{key}' must be true or false, got {value!r}")
         if backend not in _BACKENDS:
@@ -138,7 +139,8 @@ class PythonTool:
         self._no_aslr = [setarch, platform.machine(), "-R"] if setarch else []
         # As root every call runs under its own unprivileged uid (never root: it would read and kill anything).
         self._uid_drop = os.geteuid() == 0 and backend != "docker"
-        self.isolation = self._choose_backend(backend, allow_unisolated_python and not require_network_isolation)
+        self.isolation = self._choose_backend(
+            backend, not network_required(allow_unisolated_python, require_network_isolation))
         self.backend, self._net = self.isolation["backend"], self.isolation.pop("_net")
         self.capabilities = self.isolation  # the former name
         check_level(self.isolation, allow_unisolated_python, require_network_isolation)

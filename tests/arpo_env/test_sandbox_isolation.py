@@ -17,7 +17,7 @@ import pytest
 
 from arpo_base.errors import ConfigError
 from arpo_env.session import ToolSession
-from arpo_env.tools.isolation import require_python_isolation
+from arpo_env.tools.isolation import require_env_python_isolation, require_python_isolation
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError
 
@@ -182,23 +182,42 @@ def test_downgrade_is_refused_without_the_opt_in(caplog):
     """Without namespaces the code would reach the network: refused, by the tool and by the start-up check, unless
     the caller opts in, which then gets the level it really has (and the network, which it gave up)."""
     spec = {"backend": "subprocess", "namespaces": False, "python_executable": _system_python(), "timeout_s": 10}
-    with pytest.raises(ConfigError, match="network isolation") as exc:
+    with pytest.raises(ConfigError, match="no network isolation") as exc:
         PythonTool(**spec)
     assert "allow_unisolated_python" in exc.value.hint
-    with pytest.raises(ConfigError, match="network isolation"):
-        PythonTool(**spec, allow_unisolated_python=True)  # the network check stays on by default
+    with pytest.raises(ConfigError, match="no network isolation"):
+        PythonTool(**spec, allow_unisolated_python=True, require_network_isolation=True)
     with pytest.raises(ConfigError, match="below the minimum 'process'") as exc:
-        require_python_isolation({**spec, "require_network_isolation": False}, context="serve")
+        require_python_isolation(spec, context="serve")
     assert "--allow-unisolated-python" in exc.value.hint
     with caplog.at_level(logging.WARNING, logger="arpo_env.tools.isolation"):
-        record = require_python_isolation({**spec, "require_network_isolation": False},
-                                          allow_unisolated_python=True, context="test-downgrade")
-        require_python_isolation({**spec, "require_network_isolation": False}, allow_unisolated_python=True,
-                                 context="test-downgrade")
+        record = require_python_isolation(spec, allow_unisolated_python=True, context="test-downgrade")
+        require_python_isolation(spec, allow_unisolated_python=True, context="test-downgrade")
     assert record["level"] == "unisolated" and record["allowed_unisolated"] and not record["network_isolation"]
     assert len([r for r in caplog.records if "UNISOLATED" in r.message]) == 1  # warned once
-    tool = PythonTool(**spec, allow_unisolated_python=True, require_network_isolation=False)
-    assert tool("print(1)").meta["isolation_level"] == "unisolated"
+    tool = PythonTool(**spec, allow_unisolated_python=True)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    try:  # the level is stated truthfully: this sandbox does reach the host's loopback
+        result = tool(f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
+                      "print('connected')")
+    finally:
+        server.close()
+    assert (result.text, result.meta["isolation_level"]) == ("connected", "unisolated")
+
+
+def test_env_config_check_carries_the_opt_in_to_the_workers():
+    spec = {"backend": "subprocess", "namespaces": False, "python_executable": _system_python()}
+    with pytest.raises(ConfigError, match="below the minimum"):
+        require_env_python_isolation({"task": "toolmath", "tools": {"python": dict(spec)}})
+    env = {"task": "toolmath", "tools": {"python": dict(spec)}}
+    record = require_env_python_isolation(env, allow_unisolated_python=True)
+    assert record["level"] == "unisolated" and env["tools"]["python"]["allow_unisolated_python"] is True
+    PythonTool(**env["tools"]["python"])  # what a rollout worker builds from it is accepted
+    assert require_env_python_isolation({"task": "toolmath", "tools": {"search": {}}}) is None
+    default = require_env_python_isolation({"task": "toolmath"})  # the task's default tools include python
+    assert default is not None and default["meets_minimum"]
 
 
 def test_a_broken_sandbox_raises_instead_of_returning_an_observation(tmp_path):
