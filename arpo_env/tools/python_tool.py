@@ -23,6 +23,7 @@ instead of re-running the code; output is capped; the timeout message is in Engl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import pwd
@@ -57,6 +58,7 @@ from arpo_env.tools.sandbox import (
 
 __all__ = ["PythonTool", "SandboxError", "sandbox_capabilities", "set_max_concurrency"]
 
+_log = logging.getLogger(__name__)
 _SELF_TESTS: dict[tuple, dict] = {}
 _SELF_TESTS_LOCK = threading.Lock()
 
@@ -157,6 +159,8 @@ class PythonTool:
                     return self._self_test("bwrap", net=False)
                 except SandboxError as exc:
                     note = f" (auto: bwrap is installed but failed: {exc.message})"
+                    _log.warning("python tool: bwrap is installed but failed its self-test, using the subprocess "
+                                 "backend: %s", exc.message)
             else:
                 note = " (auto: bwrap is not installed)"
         try:
@@ -184,6 +188,10 @@ class PythonTool:
         os.chmod(canary, 0o644)
         try:
             out, _, _, _ = (self._run_docker if backend == "docker" else self._run_process)("pass", probe=canary)
+        except SandboxError:
+            raise
+        except Exception as exc:  # no interpreter, no docker package or engine, no free uid: the sandbox's failure
+            raise SandboxError(f"{type(exc).__name__}: {exc}", hint=getattr(exc, "hint", None)) from exc
         finally:
             os.unlink(canary)
         try:
@@ -372,9 +380,14 @@ class PythonTool:
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
     def _run_docker(self, code: str, probe: str | None = None) -> tuple[bytes, bytes, int | None, str]:
-        import docker  # optional dependency: pip install 'arpo[docker]'
+        try:
+            import docker  # optional dependency: pip install 'arpo[docker]'
 
-        client = docker.from_env()
+            from_env = docker.from_env
+        except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
+            raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") \
+                from exc
+        client = from_env()
         scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
         try:
             with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
