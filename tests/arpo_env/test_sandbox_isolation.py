@@ -77,6 +77,14 @@ def test_cannot_read_a_root_only_file(tool, host_dir):
     _assert_denied(tool(f"print(open({path!r}).read())"), "PermissionError", "FileNotFoundError")
 
 
+def test_cannot_read_another_users_file(tool, host_dir):
+    if not AS_ROOT:
+        pytest.skip("needs root to create a file of another user")
+    path = _write(os.path.join(host_dir, "theirs.txt"), 0o600)
+    os.chown(path, 4242, 4242)  # a uid outside the sandbox pool
+    _assert_denied(tool(f"print(open({path!r}).read())"), "PermissionError", "FileNotFoundError")
+
+
 def test_cannot_read_inside_a_root_only_folder(tool, host_dir):
     if not AS_ROOT:
         pytest.skip("needs root to create a folder only root can enter")
