@@ -265,3 +265,14 @@ def test_doctor_reports_the_level():
     expected = PythonTool().isolation
     assert (sandbox["level"], sandbox["backend"]) == (expected["level"], expected["backend"])
     assert sandbox["minimum"] == "process" and sandbox["meets_minimum"] == (expected["level"] != "unisolated")
+
+
+def test_bwrap_keeps_the_process_limit():
+    """As root bwrap runs without a user namespace; the per-call uid keeps RLIMIT_NPROC, which stops a fork bomb."""
+    _need_bwrap()
+    if not AS_ROOT:
+        pytest.skip("as another user bwrap's user namespace carries the limit; this checks the per-call uid")
+    tool = PythonTool(timeout_s=3, max_procs=8, backend="bwrap")
+    result = tool("import os\nwhile True:\n    os.fork()")
+    assert result.error and "Resource temporarily unavailable" in result.text, result.text
+    assert tool("print('still fine')").text == "still fine"
