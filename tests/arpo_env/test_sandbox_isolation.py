@@ -165,15 +165,19 @@ def test_private_tmp(tool):
     assert not os.path.exists("/tmp/mine.txt") and not os.path.exists("/dev/shm/mine.txt")
 
 
-def test_bwrap_with_an_environment_under_tmp(tmp_path):
-    """An interpreter whose environment lives under /tmp runs under bwrap (its folders are bound after the private
+@pytest.mark.parametrize("backend", ["bwrap", "subprocess"])
+def test_an_environment_under_tmp(tmp_path, backend):
+    """An interpreter whose environment lives under /tmp runs in the sandbox (its folders are bound after the private
     /tmp), and the code sees that environment as its sys.prefix."""
-    _need_bwrap()
+    if backend == "bwrap":
+        _need_bwrap()
+    elif not AS_ROOT:
+        pytest.skip("the subprocess backend isolates only as root")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     os.chmod(tmp_path, 0o755)  # pytest's folders are 0700: the sandbox uid must be able to enter the environment
     os.chmod(tmp_path.parent, 0o755)
-    tool = PythonTool(timeout_s=10, backend="bwrap", python_executable=str(venv / "bin" / "python"))
+    tool = PythonTool(timeout_s=10, backend=backend, python_executable=str(venv / "bin" / "python"))
     result = tool("import sys\nprint(sys.prefix)\nprint(6 * 7)")
     assert (result.error, result.text) == (False, f"{venv}\n42"), result.text
 
