@@ -11,7 +11,7 @@ Isolation per backend (the tool measures what it gets in its self-test, see :mod
   down: even 127.0.0.1 is unreachable) and a mount namespace, then runs under a per-call unprivileged uid drawn from
   a pool, with no capabilities and ``no_new_privs``. It cannot signal host processes, read root-only files or other
   processes' environments, or write root-owned places, and ``RLIMIT_NPROC`` (never enforced for root) stops fork
-  bombs. When the interpreter lives under a folder others cannot enter (``/root/.pyenv``), the mount namespace covers
+  bombs. When the interpreter lives under a folder others cannot enter (a 0700 home), the mount namespace covers
   that folder with an empty one that holds only the interpreter's own folders, so the uid can run it without any
   capability to read what root reads. ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, and its
   ``/proc`` (``hidepid=2``) shows only its own processes. It still reads world-readable host files: level
