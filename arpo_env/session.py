@@ -211,8 +211,12 @@ class ToolSession:
 
     def _run_tool(self, parsed: Any, st: SessionStep) -> str:
         self.counts["tool_calls"] += 1
+        from arpo_env.tools.sandbox import SandboxError
+
         try:
             result = self.tools[parsed.tool](**parsed.args)
+        except SandboxError:  # the sandbox failed, not the model's code: never an observation the policy is scored on
+            raise
         except Exception as e:  # tools must not raise; if one does, the policy still gets an observation
             from arpo_env.tools.base import ToolResult
 

@@ -43,9 +43,13 @@ def doctor_report() -> dict:
     except ImportError:
         report["gpu"] = {"cuda_available": False, "devices": [], "torch_cuda_build": None, "note": "torch missing"}
     try:
+        from arpo_env.tools.isolation import MIN_LEVEL, at_least
         from arpo_env.tools.python_tool import sandbox_capabilities
 
-        report["python_tool_sandbox"] = sandbox_capabilities()
+        sandbox = sandbox_capabilities()
+        if sandbox.get("available"):
+            sandbox.update(minimum=MIN_LEVEL, meets_minimum=at_least(sandbox["level"]))
+        report["python_tool_sandbox"] = sandbox
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
     from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
@@ -73,9 +77,12 @@ def _print_doctor(r: dict) -> None:
     sb = r["python_tool_sandbox"]
     if "error" in sb:
         print(f"  python tool  unavailable: {sb['error']}")
+    elif not sb.get("available"):
+        print(f"  python tool  sandbox NOT working (backend {sb.get('backend')}): {sb.get('detail', '')}")
     else:
-        net = "isolated" if sb.get("network_isolation") else "NOT isolated"
-        print(f"  python tool  backend {sb.get('backend')}, network {net}: {sb.get('detail', '')}")
+        below = "" if sb.get("meets_minimum") else f", BELOW the minimum {sb.get('minimum')!r}: refused unless " \
+                                                 "--allow-unisolated-python"
+        print(f"  python tool  isolation level {sb.get('level')!r}{below} ({sb.get('detail', '')})")
     v = r["vllm"]
     cpu = v["cpu"]
     fast = "AVX-512" + (" + AVX512-BF16" if cpu["avx512_bf16"] else "") + (" + AMX" if cpu["amx_bf16"] else "")

@@ -19,7 +19,8 @@ from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, check_keys
 from arpo_env.tools.base import Tool, ToolResult, function_schema
 from arpo_env.tools.cache import CachedTool, ToolCache, cache_key
-from arpo_env.tools.python_tool import PythonTool, sandbox_capabilities, set_max_concurrency
+from arpo_env.tools.isolation import require_env_python_isolation, require_python_isolation
+from arpo_env.tools.python_tool import PythonTool, SandboxError, sandbox_capabilities, set_max_concurrency
 from arpo_env.tools.search import (
     BM25Backend,
     ReplayBackend,
@@ -31,9 +32,10 @@ from arpo_env.tools.search import (
 )
 
 __all__ = [
-    "BM25Backend", "CachedTool", "PythonTool", "ReplayBackend", "SearchBackend", "SearchError", "SearchTool",
-    "Tool", "ToolCache", "ToolResult", "WebBackend", "build_tools", "cache_key", "format_snippets",
-    "function_schema", "sandbox_capabilities", "set_max_concurrency",
+    "BM25Backend", "CachedTool", "PythonTool", "ReplayBackend", "SandboxError", "SearchBackend", "SearchError",
+    "SearchTool", "Tool", "ToolCache", "ToolResult", "WebBackend", "build_tools", "cache_key", "format_snippets",
+    "function_schema", "require_env_python_isolation", "require_python_isolation", "sandbox_capabilities",
+    "set_max_concurrency",
 ]
 
 _SEARCH_BACKENDS: dict[str, Callable[..., Any]] = {"bm25": BM25Backend, "replay": ReplayBackend, "web": WebBackend}

@@ -23,6 +23,7 @@ instead of re-running the code; output is capped; the timeout message is in Engl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import pwd
@@ -32,24 +33,47 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from arpo_base.errors import ConfigError
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
+from arpo_env.tools.isolation import check_level, describe, level_of, network_required
 from arpo_env.tools.sandbox import (
+    _BACKENDS,
     BOOTSTRAP,
+    PRIVATE_DIRS,
+    READY,
+    SandboxError,
     bwrap_prefix,
     child_env,
+    interpreter_paths,
     kill_uid,
-    sandbox_capabilities,
     sandbox_slot,
     set_max_concurrency,
     uid_pool,
 )
 
-__all__ = ["PythonTool", "sandbox_capabilities", "set_max_concurrency"]
+__all__ = ["PythonTool", "SandboxError", "sandbox_capabilities", "set_max_concurrency"]
+
+_log = logging.getLogger(__name__)
+_SELF_TESTS: dict[tuple, dict] = {}
+_SELF_TESTS_LOCK = threading.Lock()
+
+
+def sandbox_capabilities(backend: str = "auto") -> dict:
+    """The isolation a default ``PythonTool(backend=backend)`` reaches here (its :attr:`PythonTool.isolation`), or
+    ``{"backend", "available": False, "level": None, "detail": reason}`` when its sandbox does not work."""
+    try:
+        return dict(PythonTool(backend=backend, allow_unisolated_python=True, require_network_isolation=False)
+                    .isolation)
+    except ConfigError as exc:
+        if backend not in _BACKENDS:
+            raise
+        return {"backend": backend, "available": False, "level": None, "network_isolation": False,
+                "uid_drop": False, "separate_user": False, "private_filesystem": False, "detail": str(exc)}
 
 
 class PythonTool:
@@ -60,10 +84,11 @@ class PythonTool:
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: float | None = None,
                  max_output_chars: int = 10_000, max_procs: int = 32, max_file_mb: int = 64,
                  max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
-                 require_network_isolation: bool = False, python_executable: str | None = None,
+                 require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
-                 docker_image: str = "python:3.11-slim", reproducible_output: bool = True) -> None:
-        """Configure the sandbox.
+                 docker_image: str = "python:3.11-slim", reproducible_output: bool = True,
+                 allow_unisolated_python: bool = False, namespaces: bool = True) -> None:
+        """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
         Args:
             timeout_s: Wall-clock limit per call (the reference uses 120 s).
@@ -71,12 +96,15 @@ class PythonTool:
             cpu_s: CPU-time limit; defaults to ``timeout_s + 1`` so that the wall-clock timeout (and its message)
                 wins for single-threaded code, while multi-threaded CPU burners are still stopped.
             max_output_chars: Cap on the returned text; longer output is cut with a visible marker.
-            max_procs: Process limit (``RLIMIT_NPROC``; enforced for the per-call uid when the host is root).
+            max_procs: Process limit (``RLIMIT_NPROC``; enforced for the per-call uid or inside a user namespace).
             max_file_mb: Largest file the code may write (``RLIMIT_FSIZE``).
             max_code_chars: Longer code is rejected without running.
-            backend: ``"auto"`` (bwrap when installed, else subprocess), ``"subprocess"``, ``"bwrap"``, ``"docker"``.
+            backend: ``"auto"`` (bwrap when installed and working, else subprocess; :attr:`isolation` says which),
+                ``"subprocess"``, ``"bwrap"``, ``"docker"``.
             echo_last_expr: Print a final bare expression as a REPL would (reference behaviour).
-            require_network_isolation: Raise ``ConfigError`` now if network isolation is unavailable.
+            require_network_isolation: Refuse (``ConfigError``) when the code could reach the network. None (the
+                default): required unless ``allow_unisolated_python``; True: required even then; False: not
+                required by itself (the level check still refuses a reachable network without the opt-in).
             python_executable: Interpreter for the code (default: the current one; reference: a conda env).
             no_site: Also pass ``-S`` (no site-packages: stdlib only).
             uid_base: First uid of the per-call uid pool (root hosts only).
@@ -84,11 +112,23 @@ class PythonTool:
             docker_image: Image for ``backend="docker"``.
             reproducible_output: Fixed hash seed and no address randomization in the child, so the same code prints
                 the same text in every run (see the module docstring). False: ``python -I`` with randomization.
+            allow_unisolated_python: Accept an isolation level below ``process`` (see
+                :mod:`arpo_env.tools.isolation`): the model's code may then reach the network or act as this user.
+            namespaces: False: the subprocess backend enters no namespace (as on a kernel that forbids them), so
+                the code reaches the network; refused unless ``allow_unisolated_python``.
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
+        for key, value in (("reproducible_output", reproducible_output), ("namespaces", namespaces),
+                           ("allow_unisolated_python", allow_unisolated_python),
+                           ("require_network_isolation", True if require_network_isolation is None
+                            else require_network_isolation)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"python tool setting '{key}' must be true or false, got {value!r}")
+        if backend not in _BACKENDS:
+            raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
@@ -96,18 +136,78 @@ class PythonTool:
         self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base
         self.python_executable = python_executable or sys.executable
         self.scratch_root, self.docker_image = scratch_root, docker_image
-        if not isinstance(reproducible_output, bool):
-            raise ConfigError(f"python tool setting 'reproducible_output' must be true or false, got "
-                              f"{reproducible_output!r}")
-        self.reproducible_output = reproducible_output
+        self.reproducible_output, self.namespaces = reproducible_output, namespaces
         setarch = shutil.which("setarch") if reproducible_output else None
         self._no_aslr = [setarch, platform.machine(), "-R"] if setarch else []
-        self.capabilities = sandbox_capabilities(backend)
-        self.backend = self.capabilities["backend"]
-        if not self.capabilities["available"]:
-            raise ConfigError(f"python sandbox backend {backend!r} is unavailable: {self.capabilities['detail']}")
-        if require_network_isolation and not self.capabilities["network_isolation"]:
-            raise ConfigError("require_network_isolation=True but " + self.capabilities["detail"])
+        # As root every call runs under its own unprivileged uid (never root: it would read and kill anything).
+        self._uid_drop = os.geteuid() == 0 and backend != "docker"
+        self.isolation = self._choose_backend(
+            backend, not network_required(allow_unisolated_python, require_network_isolation))
+        self.backend, self._net = self.isolation["backend"], self.isolation.pop("_net")
+        self.capabilities = self.isolation  # the former name
+        check_level(self.isolation, allow_unisolated_python, require_network_isolation)
+
+    def _choose_backend(self, backend: str, may_drop_network: bool) -> dict:
+        """Run the self-test for ``backend`` and return what it proved; ConfigError with the reason if it fails.
+
+        ``auto`` takes bwrap when it is installed and passes, and says in ``detail`` why it did not otherwise."""
+        note = ""
+        if backend == "auto":
+            backend = "subprocess"
+            if shutil.which("bwrap"):
+                try:
+                    return self._self_test("bwrap", net=False)
+                except SandboxError as exc:
+                    note = f" (auto: bwrap is installed but failed: {exc.message})"
+                    _log.warning("python tool: bwrap is installed but failed its self-test, using the subprocess "
+                                 "backend: %s", exc.message)
+            else:
+                note = " (auto: bwrap is not installed)"
+        try:
+            record = self._self_test(backend, net=backend == "subprocess" and self.namespaces)
+        except SandboxError as exc:
+            if not (backend == "subprocess" and may_drop_network):
+                raise ConfigError(f"python sandbox backend {backend!r} does not work here: {exc.message}"
+                                  + note, hint=exc.hint or "install bubblewrap, or see docs/sandbox.md") from exc
+            record = self._self_test(backend, net=False)  # explicitly allowed: unisolated and network reachable
+        record["detail"] += note
+        return record
+
+    def _self_test(self, backend: str, net: bool) -> dict:
+        """Run a trivial program under the exact command line calls use; cached per configuration."""
+        key = (backend, net, self.python_executable, self.no_site, self.reproducible_output, tuple(self._no_aslr),
+               self.scratch_root, self.uid_base, self.docker_image, self._uid_drop, os.geteuid())
+        self.backend, self._net = backend, net
+        with _SELF_TESTS_LOCK:
+            if key in _SELF_TESTS:
+                return dict(_SELF_TESTS[key])
+        if backend == "bwrap" and not shutil.which("bwrap"):
+            raise SandboxError("bwrap is not installed", hint="apt-get install bubblewrap")
+        fd, canary = tempfile.mkstemp(prefix="arpo-canary-")  # a world-readable host file the sandbox must not see
+        os.close(fd)
+        os.chmod(canary, 0o644)
+        try:
+            out, _, _, _ = (self._run_docker if backend == "docker" else self._run_process)("pass", probe=canary)
+        except SandboxError:
+            raise
+        except Exception as exc:  # no interpreter, no docker package or engine, no free uid: the sandbox's failure
+            raise SandboxError(f"{type(exc).__name__}: {exc}", hint=getattr(exc, "hint", None)) from exc
+        finally:
+            os.unlink(canary)
+        try:
+            facts = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise SandboxError(f"the sandbox self-test printed no report: {out[-300:]!r}") from exc
+        uid = self.uid_base if self._uid_drop else None
+        level = level_of(backend, facts, os.geteuid())
+        record = {"backend": backend, "available": True, "level": level,
+                  "network_isolation": set(facts["ifaces"]) <= {"lo"}, "separate_user": facts["uid"] != os.geteuid(),
+                  "uid_drop": uid is not None, "private_tmp": not facts["canary_visible"],
+                  "private_filesystem": level == "filesystem",
+                  "detail": describe(backend, facts, uid, os.geteuid()), "_net": net}
+        with _SELF_TESTS_LOCK:
+            _SELF_TESTS[key] = record
+        return dict(record)
 
     def schema(self) -> dict:
         """OpenAI/Hermes function schema for the JSON tool-call protocol."""
@@ -126,14 +226,15 @@ class PythonTool:
             return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
         with sandbox_slot():
             try:
-                if self.backend == "docker":
-                    result = self._run_docker(code)
-                else:
-                    result = self._run_process(code)
-            except Exception as exc:  # sandbox infrastructure failure: reported, never raised into the rollout
-                result = ToolResult(text=f"Python sandbox failure: {type(exc).__name__}: {exc}", error=True)
+                run = self._run_docker if self.backend == "docker" else self._run_process
+                result = self._result(*run(code))
+            except ArpoError:  # SandboxError, or no free uid: the sandbox failed, not the code; raised, not scored
+                raise
+            except Exception as exc:
+                raise SandboxError(f"the Python tool's sandbox failed: {type(exc).__name__}: {exc}") from exc
         result.latency_s = time.monotonic() - start
-        result.meta.setdefault("network_isolated", self.capabilities["network_isolation"])
+        result.meta["network_isolated"] = self.isolation["network_isolation"]
+        result.meta["isolation_level"] = self.isolation["level"]
         result.meta["backend"] = self.backend
         return result
 
@@ -144,25 +245,32 @@ class PythonTool:
 
     # -- backends -------------------------------------------------------------------------------------------
 
-    def _config(self, uid: int | None, code_file: str | None) -> dict[str, Any]:
+    def _config(self, uid: int | None, code_file: str | None, probe: str | None = None,
+                scratch: str = "") -> dict[str, Any]:
         limits = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": max(1, int(self.cpu_s + 0.999)),
                   "RLIMIT_FSIZE": self.max_file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
-        net = self.capabilities["network_isolation"] and self.backend == "subprocess"
+        net = self._net and self.backend == "subprocess"
+        userns = os.geteuid() != 0 and (net or self.backend == "bwrap")
         # RLIMIT_NPROC counts all processes of a (user namespace, uid): only meaningful for the per-call uid, or
         # for a non-root host inside its own user namespace (kernel >= 5.14). The kernel never enforces it for root.
-        if uid is not None or (net and os.geteuid() != 0):
+        if uid is not None or userns:
             limits["RLIMIT_NPROC"] = self.max_procs
-        return {"code_file": code_file, "net": net, "uid": uid, "limits": limits, "probe": False,
-                "echo": self.echo_last_expr}
+        # Subprocess as root: a mount namespace makes the interpreter reachable for the sandbox uid and gives the code
+        # private world-writable folders (see mounts() in the bootstrap); never without the per-call uid.
+        mounts = {"expose": list(interpreter_paths(self.python_executable)), "private": list(PRIVATE_DIRS),
+                  "keep": [scratch]} if uid is not None and net else None
+        return {"code_file": code_file, "net": net, "uid": uid, "limits": limits, "probe": probe,
+                "echo": self.echo_last_expr, "mounts": mounts}
 
-    def _run_process(self, code: str) -> ToolResult:
-        uid = uid_pool(self.uid_base).get() if self.capabilities["uid_drop"] else None
+    def _run_process(self, code: str, probe: str | None = None) -> tuple[bytes, bytes, int | None, str]:
+        uid = uid_pool(self.uid_base).get() if self._uid_drop else None
         scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
         proc, collected = None, False
         try:
             if uid is not None:
                 os.chown(scratch, uid, uid)
-            prefix = bwrap_prefix(scratch) if self.backend == "bwrap" else []
+            prefix = bwrap_prefix(scratch, interpreter_paths(self.python_executable)) if self.backend == "bwrap" \
+                else []
             env = child_env(scratch)
             if self.reproducible_output:  # -I would ignore PYTHONHASHSEED; the environment is clean anyway
                 flags, env["PYTHONHASHSEED"] = ["-s", "-P"], "0"
@@ -170,7 +278,7 @@ class PythonTool:
                 flags = ["-I"]
             flags += ["-S"] if self.no_site else []
             cmd = [*prefix, *self._no_aslr, self.python_executable, *flags, "-c", BOOTSTRAP,
-                   json.dumps(self._config(uid, None))]
+                   json.dumps(self._config(uid, None, probe, scratch))]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=scratch, env=env, start_new_session=True)
             try:
@@ -180,7 +288,7 @@ class PythonTool:
                 pass
             out, err, status = self._collect(proc, uid)  # kills stragglers itself on every normal path
             collected = True
-            return self._result(out, err, proc.returncode, status)
+            return (*_strip_ready(out, err, proc.returncode, status), proc.returncode, status)
         finally:
             if proc is not None:
                 if not collected:
@@ -254,8 +362,6 @@ class PythonTool:
             body = stdout or "(no output)"
         elif returncode is not None and returncode < 0:
             body, note = stderr, self._signal_message(-returncode)
-        elif returncode == 121 and stderr.startswith("sandbox setup failed"):
-            body = stderr
         else:
             body = stderr or f"Process exited with code {returncode} and no error output."
             meta["stdout"] = truncate_text(stdout, self.max_output_chars)[0]
@@ -273,16 +379,21 @@ class PythonTool:
             return "The process was killed (SIGKILL), e.g. for exceeding a resource limit."
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
-    def _run_docker(self, code: str) -> ToolResult:
-        import docker  # optional dependency: pip install 'arpo[docker]'
+    def _run_docker(self, code: str, probe: str | None = None) -> tuple[bytes, bytes, int | None, str]:
+        try:
+            import docker  # optional dependency: pip install 'arpo[docker]'
 
-        client = docker.from_env()
+            from_env = docker.from_env
+        except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
+            raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") \
+                from exc
+        client = from_env()
         scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
         try:
             with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
             os.chmod(scratch, 0o777)
-            cfg = self._config(None, "/scratch/main.py")
+            cfg = self._config(None, "/scratch/main.py", probe)
             container = client.containers.run(
                 self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], detach=True,
                 network_disabled=True, mem_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
@@ -297,6 +408,18 @@ class PythonTool:
             out = container.logs(stdout=True, stderr=False)
             err = container.logs(stdout=False, stderr=True)
             container.remove(force=True)
-            return self._result(out, err, returncode, status)
+            return (*_strip_ready(out, err, returncode, status), returncode, status)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _strip_ready(out: bytes, err: bytes, returncode: int | None, status: str) -> tuple[bytes, bytes]:
+    """Remove the bootstrap's READY mark from stdout; without it the sandbox itself failed (SandboxError), since the
+    model's code only runs after the mark is written."""
+    if out.startswith(READY):
+        return out[len(READY):], err
+    what = "timed out before the sandbox was ready" if status == "timeout" else f"exited with code {returncode}"
+    tail = err.decode("utf-8", "replace").strip()[-800:] or "(no error output)"
+    raise SandboxError(f"the Python tool's sandbox failed to start ({what}): {tail}",
+                       hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend "
+                            "needs")

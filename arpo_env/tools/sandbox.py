@@ -1,52 +1,55 @@
-"""The Python tool's sandbox: the bootstrap script that runs inside the child, its limits, the per-call uid pool,
-the backends and their capability probe (used by :class:`arpo_env.tools.python_tool.PythonTool`).
+"""The Python tool's sandbox: the bootstrap script that runs inside the child, its limits, the per-call uid pool and
+the command line of each backend (used by :class:`arpo_env.tools.python_tool.PythonTool`).
 
-What the ``subprocess`` backend protects against:
+Every backend applies the same limits inside the child: a wall-clock timeout that kills the process group and every
+process of the call's sandbox uid, ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` (one file's size), ``RLIMIT_CORE=0``
+and an output cap (a process that writes more than ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped).
 
-* Runaway time: a wall-clock timeout kills the whole process group and every process of the call's sandbox uid;
-  ``RLIMIT_CPU`` stops CPU burners. Messages are in English.
-* Memory bombs (``RLIMIT_AS``), single huge files (``RLIMIT_FSIZE``; Python then raises ``OSError: File too large``),
-  output floods (stdout/stderr are read incrementally, capped with a visible marker, and a process that writes
-  more than ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped), core dumps (``RLIMIT_CORE=0``).
-* Network: when the kernel allows it, the child enters a new network namespace (``unshare(CLONE_NEWNET)``; as a
-  non-root user together with ``CLONE_NEWUSER``), so it has only a loopback device that is down; even connections
-  to 127.0.0.1 fail. ``sandbox_capabilities()`` and ``ToolResult.meta["network_isolated"]`` say whether it holds.
-* When the host runs as root (containers, CI): the code runs under a per-call unprivileged uid drawn from a pool
-  (``uid_base`` ...), with ``no_new_privs``. So it cannot signal host processes (killing the parent fails with
-  EPERM), cannot write root-owned files (only world-writable places such as ``/tmp`` and its scratch directory),
-  and ``RLIMIT_NPROC`` is enforced (the kernel never enforces it for uid 0), which stops fork bombs. It keeps
-  ``CAP_DAC_READ_SEARCH`` only, so it can still *read* files that root can read: needed because the interpreter
-  often lives under ``/root`` (0700).
-* A fresh scratch directory is the working directory and is removed afterwards.
+Isolation per backend (the tool measures what it gets in its self-test, see :mod:`arpo_env.tools.isolation`):
 
-What it does NOT protect against: reading host files (no filesystem isolation; use ``backend="bwrap"`` or
-``"docker"``), filling the disk with many files (only the size of each file is capped), kernel exploits, and -- when
-the host does not run as root -- signalling other processes of the same user (killing the parent) and fork bombs
-(``RLIMIT_NPROC`` then counts all processes of that user). Concurrent sandboxes draw distinct uids, so they cannot
-signal each other either. The ``bwrap`` backend adds a read-only root filesystem, private ``/tmp``, and PID,
-network and IPC namespaces; the ``docker`` backend (docker SDK, imported lazily) runs in a container with no
-network, a memory and a PID limit.
+* ``subprocess`` as root (containers, CI): the child enters a new network namespace (only a loopback device that is
+  down: even 127.0.0.1 is unreachable) and a mount namespace, then runs under a per-call unprivileged uid drawn from
+  a pool, with no capabilities and ``no_new_privs``. It cannot signal host processes, read root-only files or other
+  processes' environments, or write root-owned places, and ``RLIMIT_NPROC`` (never enforced for root) stops fork
+  bombs. When the interpreter lives under a folder others cannot enter (a 0700 home), the mount namespace covers
+  that folder with an empty one that holds only the interpreter's own folders, so the uid can run it without any
+  capability to read what root reads. ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, and its
+  ``/proc`` (``hidepid=2``) shows only its own processes. It still reads world-readable host files: level
+  ``process``.
+* ``subprocess`` as another user: a user and network namespace when the kernel allows them; the code runs as that
+  user, so it reads and signals what the user can: level ``unisolated``.
+* ``bwrap``: a new root filesystem holding only what the interpreter needs, read-only (``/usr``, the ``/lib*`` links,
+  the loader's ``/etc/ld.so.*``, the interpreter, ``sys.base_prefix``, the environment's prefix and site folders,
+  wherever they live, ``/tmp`` included: they are bound after the private ``/tmp``), a private ``/tmp`` and
+  ``/dev/shm``, the scratch folder read-write, fresh ``/proc`` and ``/dev``, and PID, network, IPC and UTS
+  namespaces. As root it runs without a user namespace (which would map the code to host root) and the bootstrap
+  drops to the per-call uid; as another user bwrap adds a user namespace. Level ``filesystem``.
+* ``docker``: a container with no network, a memory and a PID limit, as ``nobody``: level ``filesystem``.
+
+Not covered: filling the disk with many files (only each file's size is capped) and kernel exploits.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 from arpo_base.errors import ArpoError, ConfigError
 
-# Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin.
-# Exit code 121 means the sandbox could not be set up as requested (never a silent fallback).
+# Runs inside the child before the user code. argv[1] is a JSON config; the code arrives on stdin. Once the sandbox
+# is set up, the bootstrap writes READY to stdout before anything else: a run whose stdout does not start with it
+# failed in the sandbox itself (bwrap, setarch, the interpreter or this setup), never in the model's code, which
+# cannot write before it. Exit code 121: the setup failed as requested (never a silent fallback).
+READY = b"\x00arpo-sandbox-ready\n"
 BOOTSTRAP = r"""
-import ast, ctypes, json, os, resource, sys, traceback
+import ast, ctypes, json, os, resource, socket, sys, traceback
 cfg = json.loads(sys.argv[1]); sys.argv = ["-c"]
 if cfg["code_file"]:
     with open(cfg["code_file"], encoding="utf-8") as f: src = f.read()
@@ -57,17 +60,45 @@ sys.stdout.reconfigure(line_buffering=True)
 libc = ctypes.CDLL(None, use_errno=True)
 def fail(msg):
     sys.stderr.write("sandbox setup failed: " + msg + "\n"); sys.stderr.flush(); os._exit(121)
-if cfg["net"]:
-    flags = 0x40000000 | (0 if os.geteuid() == 0 else 0x10000000)
-    if libc.unshare(flags) != 0: fail("unshare(CLONE_NEWNET) errno %d" % ctypes.get_errno())
+def check(rc, what):
+    if rc != 0: fail("%s: %s" % (what, os.strerror(ctypes.get_errno())))
+def mounts(expose, private, keep):
+    # In a mount namespace of its own: the folders anyone may write (/tmp, ...) are replaced by empty ones, and a
+    # folder others cannot enter (e.g. a 0700 home holding the interpreter) by an empty one holding only what the
+    # sandbox uid must reach (the interpreter's folders, the scratch folder), bound back from descriptors opened
+    # before any cover.
+    check(libc.mount(b"none", b"/", None, 16384 | 262144, None), "mount --make-rprivate /")
+    covers = {d: (b"mode=1777", []) for d in private if os.path.isdir(d) and not os.path.islink(d)}
+    for p in expose + keep:
+        top = next((d for d in covers if p.startswith(d + "/")), None)
+        cur = ""
+        for part in ([] if top else p.strip("/").split("/")[:-1]):
+            cur += "/" + part
+            if not os.stat(cur).st_mode & 0o001:
+                top = cur; covers[cur] = (b"mode=0755", []); break
+        if top:
+            covers[top][1].append((p, os.open(p, os.O_PATH)))
+    for top, (mode, inner) in covers.items():
+        check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", 2 | 4, mode), "mount tmpfs on " + top)
+        for p, fd in inner:
+            os.makedirs(p, exist_ok=True)
+            check(libc.mount(("/proc/self/fd/%d" % fd).encode(), p.encode(), None, 4096 | 16384, None), "bind " + p)
+            os.close(fd)
+    # A /proc of its own that shows only the sandbox uid's processes (hidepid): no other command line or status.
+    check(libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, b"hidepid=2"), "mount proc on /proc (hidepid=2)")
+    os.chdir(keep[0])
+flags = (0x40000000 if cfg["net"] else 0) | (0x20000 if cfg["mounts"] else 0)
+if flags:
+    flags |= 0 if os.geteuid() == 0 else 0x10000000
+    check(libc.unshare(flags), "unshare(%#x)" % flags)
+if cfg["mounts"]:
+    mounts(**cfg["mounts"])
 if cfg["uid"] is not None:
-    libc.prctl(8, 1, 0, 0, 0)
+    # From uid 0 to the sandbox uid without PR_SET_KEEPCAPS: every capability is dropped with it.
     os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
-    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    data = (ctypes.c_uint32 * 6)(4, 4, 4, 0, 0, 0)
-    if libc.capset(hdr, data) != 0: fail("capset errno %d" % ctypes.get_errno())
-    libc.prctl(47, 2, 2, 0, 0)
-    if libc.prctl(38, 1, 0, 0, 0) != 0: fail("no_new_privs")
+    check(libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    with open("/proc/self/status") as f:
+        if any(l.startswith("CapEff:") and int(l.split()[1], 16) for l in f): fail("capabilities left after setuid")
 for name, value in cfg["limits"].items():
     lim = getattr(resource, name)
     hard = resource.getrlimit(lim)[1]
@@ -76,8 +107,11 @@ for name, value in cfg["limits"].items():
     room = hard == resource.RLIM_INFINITY or value + 1 <= hard
     soft_hard = (value, value + 1) if name == "RLIMIT_CPU" and room else (value, value)
     resource.setrlimit(lim, soft_hard)
+os.write(1, READY)
 if cfg["probe"]:
-    print(json.dumps({"uid": os.getuid(), "net": cfg["net"]})); sys.exit(0)
+    print(json.dumps({"uid": os.getuid(), "ifaces": sorted(n for _, n in socket.if_nameindex()),
+                      "canary_visible": os.path.exists(cfg["probe"])})); sys.exit(0)
+""".replace("READY", repr(READY)) + r"""
 def _main(src, echo):
     try:
         tree = ast.parse(src, "<string>")
@@ -103,8 +137,6 @@ _BACKENDS = ("auto", "subprocess", "bwrap", "docker")
 _MAX_SANDBOXES = threading.BoundedSemaphore(max(4, 2 * (os.cpu_count() or 1)))
 _UID_POOLS: dict[int, UidLeases] = {}
 _UID_POOLS_LOCK = threading.Lock()
-_CAPS: dict[str, dict] = {}
-_CAPS_LOCK = threading.Lock()
 
 
 def sandbox_slot() -> threading.BoundedSemaphore:
@@ -201,57 +233,80 @@ def kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
-def sandbox_capabilities(backend: str = "auto") -> dict:
-    """Probe (once per backend) what isolation this machine provides.
-
-    Args:
-        backend: ``"auto"``, ``"subprocess"``, ``"bwrap"`` or ``"docker"``.
-
-    Returns:
-        ``{"backend": resolved backend, "network_isolation": bool, "uid_drop": bool, "detail": str}``.
-    """
-    if backend not in _BACKENDS:
-        raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
-    with _CAPS_LOCK:
-        if backend not in _CAPS:
-            _CAPS[backend] = _probe(backend)
-        return dict(_CAPS[backend])
+class SandboxError(ArpoError):
+    """The sandbox itself failed (setup, bwrap, setarch, the interpreter, the container engine): raised to the
+    caller, never returned as an observation, since the model's code is not what failed."""
 
 
-def _probe(backend: str) -> dict:
-    if backend == "auto":
-        backend = "bwrap" if shutil.which("bwrap") and _probe("bwrap")["available"] else "subprocess"
-    if backend == "docker":
-        return {"backend": "docker", "available": True, "network_isolation": True, "uid_drop": False,
-                "detail": "docker container with network disabled (engine checked at first call)"}
-    cmd_prefix = bwrap_prefix(tempfile.gettempdir()) if backend == "bwrap" else []
-    if backend == "bwrap" and not shutil.which("bwrap"):
-        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
-                "detail": "bwrap is not installed"}
-    results = {}
-    combos = [(False, None)] if backend == "bwrap" else [(True, None), (False, _probe_uid())]
-    for net, uid in combos:
-        cfg = {"code_file": None, "net": net, "uid": uid, "limits": {}, "probe": True, "echo": False}
-        proc = subprocess.run([*cmd_prefix, sys.executable, "-I", "-c", BOOTSTRAP, json.dumps(cfg)],
-                              input=b"", capture_output=True, timeout=30, env=child_env("/"), cwd="/")
-        results[(net, uid)] = proc.returncode == 0
-    if backend == "bwrap" and not results[(False, None)]:
-        return {"backend": "bwrap", "available": False, "network_isolation": False, "uid_drop": False,
-                "detail": "bwrap is installed but cannot create namespaces here"}
-    net_ok = backend == "bwrap" or results.get((True, None), False)
-    uid_ok = any(ok for (_, uid), ok in results.items() if uid is not None)
-    detail = (f"{backend}: network namespace {'available' if net_ok else 'NOT available'}; "
-              f"per-call uid drop {'active' if uid_ok else 'inactive (host is not root)' if os.geteuid() else 'FAILED'}")
-    return {"backend": backend, "available": True, "network_isolation": net_ok, "uid_drop": uid_ok, "detail": detail}
+# Folders anyone may write on a usual host: the subprocess backend's mount namespace replaces them by private ones.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# Read-only system folders the dynamic loader and the interpreter need; symlinks (merged /usr) stay symlinks.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_LOADER_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
+_PATHS_SCRIPT = ("import json, os, site, sys\n"
+                 "print(json.dumps([os.path.realpath(sys.executable), sys.prefix, sys.exec_prefix, sys.base_prefix,"
+                 " sys.base_exec_prefix, *site.getsitepackages()]))")
 
 
-def _probe_uid() -> int | None:
-    return 64_999 if os.geteuid() == 0 else None
+@functools.lru_cache(maxsize=16)
+def interpreter_paths(executable: str) -> tuple[str, ...]:
+    """The folders ``executable`` needs, resolved: its prefixes and site folders and the folders of the command and of
+    its resolved binary; nested ones dropped. Asked of the interpreter itself (a venv knows its base)."""
+    try:
+        proc = subprocess.run([executable, "-I", "-c", _PATHS_SCRIPT], capture_output=True, text=True, timeout=60,
+                              env=child_env("/"), cwd="/")
+    except OSError as exc:
+        raise SandboxError(f"cannot run the python tool's interpreter {executable}: {exc}",
+                           hint="set tools.python.python_executable to an existing interpreter") from exc
+    if proc.returncode != 0:
+        raise SandboxError(f"the python tool's interpreter {executable} failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-500:]}", hint="check tools.python.python_executable")
+    real_exe, *dirs = json.loads(proc.stdout)
+    dirs += [os.path.dirname(real_exe), os.path.dirname(os.path.abspath(executable))]
+    found = sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
+    kept: list[str] = []
+    for d in found:  # sorted: a parent comes before what it contains
+        if not any(d == k or d.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(d)
+    return tuple(kept)
 
 
-def bwrap_prefix(scratch: str) -> list[str]:
-    return ["bwrap", "--die-with-parent", "--unshare-all", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc", "--tmpfs", "/tmp", "--bind", scratch, scratch, "--chdir", scratch, "--"]
+def bwrap_prefix(scratch: str, python_paths: tuple[str, ...]) -> list[str]:
+    """bwrap's command line: an explicit list of read-only mounts instead of the host's ``/``.
+
+    The interpreter's folders are bound after the private ``/tmp`` so an environment under ``/tmp`` reappears. As
+    root there is no user namespace (it would map the code to host root; the bootstrap drops to the sandbox uid)."""
+    args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+            "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() != 0:
+        args.append("--unshare-user")
+    system = []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+            system.append(d)
+    for f in _LOADER_FILES:
+        args += ["--ro-bind-try", f, f]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "01777", "--tmpfs", "/dev/shm",
+             "--perms", "01777", "--tmpfs", "/tmp"]
+    made = {"/", "/tmp", "/dev", "/dev/shm", "/proc"}
+
+    def parents(path: str) -> list[str]:
+        # bwrap would create missing parents 0700 as root: the sandbox uid could not enter them.
+        out, cur = [], ""
+        for part in path.strip("/").split("/")[:-1]:
+            cur += "/" + part
+            if cur not in made:
+                made.add(cur)
+                out += ["--perms", "0755", "--dir", cur]
+        return out
+
+    for p in python_paths:
+        if not any(p == s or p.startswith(s + "/") for s in system):
+            args += [*parents(p), "--ro-bind", p, p]
+    return [*args, *parents(scratch), "--bind", scratch, scratch, "--chdir", scratch, "--"]
 
 
 def child_env(scratch: str) -> dict[str, str]:
