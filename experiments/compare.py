@@ -1,4 +1,4 @@
-"""Compare experiment files over several seeds from ONE shared SFT checkpoint (issue 10).
+"""Compare experiment files over several seeds from ONE shared SFT checkpoint, so the seeds differ only by the RL run.
 
     python -m experiments.compare experiments/quickstart.toml experiments/quickstart_grpo.toml \
         --sft runs/quickstart/sft --seeds 0 1 2 --output runs/compare [--equal-budget] [--set section.key=value]
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout import diagnostics as D
+from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ConfigError
 
 #: (name, how to read it from a loaded experiment) of every setting that sets the compute budget of a run.
@@ -48,11 +50,12 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 RUN_RESULT = "compare_run.json"
 #: Per-iteration metrics averaged over a run's iterations (then over seeds) for the report's diagnostics table:
 #: what differs between configurations besides the outcome.
-DIAGNOSTICS = {"groups without reward variance": "diag/zero_variance_group_frac",
-               "branches per group": "diag/branches_per_group", "fill-ups per group": "diag/fillups_per_group",
-               "distinct trajectories per group": "diag/distinct_trajectories_per_group",
-               "trajectories with gradient": "learner/traj_with_grad_frac", "training reward": "train/reward_mean",
-               "iteration time (s)": "timers/training_iteration"}
+DIAGNOSTICS = {"groups without reward variance": D.ZERO_VARIANCE_GROUP_FRAC,
+               "branches per group": D.BRANCHES_PER_GROUP, "fill-ups per group": D.FILLUPS_PER_GROUP,
+               "distinct trajectories per group": D.DISTINCT_TRAJECTORIES,
+               "trajectories with gradient": D.TRAJ_WITH_GRAD, "training reward": MK.TRAIN + MK.REWARD_MEAN,
+               "iteration time (s)": MK.TIMERS + "training_iteration"}
+EVAL_ACCURACY = MK.EVALUATION + MK.ACCURACY
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -99,24 +102,26 @@ def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[
 
 def collect(out: Path, before: float, after: float, time_s: float) -> dict[str, Any]:
     """A finished run's figures, read from its ``metrics.jsonl`` (so a report can always be rebuilt from disk)."""
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    train = [r for r in rows if r["iteration"] > 0 and "rollout/tool_calls" in r]
-    calls = [r["rollout/tool_calls"] for r in train]
-    tokens = [r.get("rollout/tokens_generated", 0.0) for r in train]
+    from arpo_algo.run.driver import read_metrics
+
+    rows = read_metrics(out / "metrics.jsonl")
+    train = [r for r in rows if r["iteration"] > 0 and MK.TOOL_CALLS in r]
+    calls = [r[MK.TOOL_CALLS] for r in train]
+    tokens = [r.get(MK.TOKENS_GENERATED, 0.0) for r in train]
     cum, curve = 0.0, []
     by_iter = {r["iteration"]: r for r in train}
     for r in rows:
-        cum += by_iter.get(r["iteration"], {}).get("rollout/tool_calls", 0.0) if r["iteration"] > 0 else 0.0
-        if "evaluation/accuracy" in r:
-            curve.append((r["iteration"], cum, r["evaluation/accuracy"]))
+        cum += by_iter.get(r["iteration"], {}).get(MK.TOOL_CALLS, 0.0) if r["iteration"] > 0 else 0.0
+        if EVAL_ACCURACY in r:
+            curve.append((r["iteration"], cum, r[EVAL_ACCURACY]))
     diag = {}
     for label, key in DIAGNOSTICS.items():
         xs = [r[key] for r in train if key in r]
         diag[label] = sum(xs) / len(xs) if xs else 0.0  # absent = never happened (e.g. no branch metric in GRPO)
     return {"before": before, "after": after, "time_s": time_s, "tool_calls": calls, "tokens": tokens,
             "curve": curve, "output": str(out), "diag": diag,
-            "zero_variance": [r.get("diag/zero_variance_group_frac") for r in train],
-            "skipped": sum(r.get("learner/skipped_no_signal", 0.0) for r in train)}
+            "zero_variance": [r.get(D.ZERO_VARIANCE_GROUP_FRAC) for r in train],
+            "skipped": sum(r.get(D.SKIPPED_NO_SIGNAL, 0.0) for r in train)}
 
 
 def finished_run(out: Path) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""Estimate per-GPU memory and step time of a GPU recipe from the figures measured in ../shared/docs/GPU_NOTES.md.
+"""Estimate per-GPU memory and step time of a GPU recipe from figures measured on one H100 (listed in INPUTS).
 
 An ESTIMATE, not a measurement: no GPU run of these recipes has been made. Every input is printed with its source;
 the ones marked "assumption" or "spec" were not measured by us. Usage::
@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-#: Inputs, each with its source. "measured": ../shared/docs/GPU_NOTES.md (one H100 80GB, 2026-11-23).
+#: Inputs, each with its source. "measured": on one H100 80GB (the GPU notes' learner and decode tables).
 INPUTS: dict[str, tuple[float, str]] = {
     "matmul_ceiling_tflops": (773.0, "measured: bf16 8192x8192 GEMM, H100 80GB (GPU_NOTES, learner table)"),
     "learner_tflops_bf16": (170.0, "measured: 1.5B shape, bf16 autocast, forward+backward, 22% MFU (GPU_NOTES)"),

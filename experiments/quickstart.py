@@ -132,7 +132,8 @@ def load_rl_experiment(sft_dir: str, seed: int, extra: list[str]) -> Any:
 
 
 def stage_arpo(out: Path, exp: Any, progress: bool) -> dict[str, Any]:
-    from arpo_algo.run.driver import list_checkpoints, train_experiment
+    from arpo_algo.models.checkpoints import list_checkpoints
+    from arpo_algo.run.driver import train_experiment
 
     run_dir = out / "arpo"
     resume = run_dir if list_checkpoints(run_dir / "checkpoints") else None
@@ -142,12 +143,11 @@ def stage_arpo(out: Path, exp: Any, progress: bool) -> dict[str, Any]:
 
 def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: int) -> None:
     """Add the before/after held-out accuracies to the run's learning curve."""
-    from arpo_algo.run.driver import plot_learning_curve
+    from arpo_algo.run.driver import EVAL_ACCURACY, plot_learning_curve, read_metrics
 
-    metrics = Path(rl["learning_curve"]).with_name("metrics.jsonl")
-    history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    history += [{"iteration": 0, "evaluation/accuracy": ev["before"]["accuracy"]},
-                {"iteration": iterations, "evaluation/accuracy": ev["after"]["accuracy"]}]
+    history = read_metrics(Path(rl["learning_curve"]).with_name("metrics.jsonl"))
+    history += [{"iteration": 0, EVAL_ACCURACY: ev["before"]["accuracy"]},
+                {"iteration": iterations, EVAL_ACCURACY: ev["after"]["accuracy"]}]
     plot_learning_curve(sorted(history, key=lambda h: h["iteration"]), Path(rl["learning_curve"]))
 
 

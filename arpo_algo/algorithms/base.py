@@ -10,14 +10,15 @@ integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built
 One iteration (:meth:`ARPO.training_step`): sync weights -> sample one group per prompt (rewards come from the
 environment's final step) -> advantages and update (inside the learner) -> log.
 
-Checkpoints (``save_to_path`` / ``restore_from_path`` / ``from_checkpoint`` / Tune's save and restore)::
+Checkpoints (``save_to_path`` / ``restore_from_path`` / ``from_checkpoint`` / Tune's save and restore) hold data
+only (:mod:`arpo_algo.algorithms.checkpoint`)::
 
-    ckpt/ rllib_checkpoint.json  class_and_ctor_args.pkl  algorithm_state.pkl   (iteration, data position, metrics)
+    ckpt/ arpo_checkpoint.json   (format, version, algorithm, iteration, data position, metrics, settings: JSON)
           policy/  model.safetensors config.json tokenizer* chat_template.jinja generation_config.json   (plain HF)
-                   trainer_state.pt   (optimizer, scheduler, RNG, learner step)
+                   trainer_state.pt   (optimizer, scheduler, RNG, learner step: tensors and plain values)
 
-``policy/`` loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM directly. ``rllib_checkpoint.json``
-records the arpo version and :data:`CHECKPOINT_FORMAT`; a different format is refused with a clear error.
+``policy/`` loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM directly. Reading a checkpoint unpickles
+nothing but tensors; the former pickled layout and other formats are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -33,22 +34,40 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from arpo_algo import __version__
-from arpo_algo.algorithms.components import (
+from arpo_algo.algorithms.checkpoint import (
     CHECKPOINT_FORMAT,
     POLICY_DIR,
+    config_from_state,
+    read_checkpoint_state,
+    restore_checkpoint,
+    write_checkpoint,
+)
+from arpo_algo.algorithms.components import (
     PolicyComponent,
     PromptIterator,
     _as_list,
-    _check_format,
-    check_checkpoint,
     check_resources_feasible,
     env_creator,
     resource_bundles,
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
 from arpo_algo.algorithms.stabilizers import sample_groups
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
+from arpo_base.errors import ArpoError
+
+
+def _algorithm_class(base: type, name: str) -> type:
+    """``base`` or the subclass of AgenticRLAlgorithm called ``name`` (a checkpoint names its algorithm)."""
+    found = [c for c in (base, *_subclasses(AgenticRLAlgorithm)) if c.__name__ == name]
+    if not found:
+        raise ArpoError(f"the checkpoint was written by an unknown algorithm {name!r}")
+    return found[0]
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [s for c in cls.__subclasses__() for s in (c, *_subclasses(c))]
 
 
 def _learner_ranks(cfg: AgenticRLConfig) -> int:
@@ -152,35 +171,36 @@ class AgenticRLAlgorithm(Algorithm):
     def training_step(self) -> None:
         """sync weights -> sample groups (rewards from the env) -> advantages + update -> metrics. Returns None."""
         step = self.iteration
-        with self.metrics.log_time(("timers", "sync_time")):
+        timers = MK.TIMERS.rstrip("/")
+        with self.metrics.log_time((timers, MK.SYNC_TIME)):
             self._sync_weights()
         training = self.config.settings.training
         indices = self.prompts.next(training.prompts_per_step)
         t0 = time.perf_counter()
-        with self.metrics.log_time(("timers", "rollout_time")):
+        with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
             groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
                                             dynamic=training.dynamic_sampling,
                                             max_rounds=training.dynamic_sampling_max_rounds)
         if hasattr(self.engine, "sleep"):  # free rollout memory for the update (HF: KV store and weight copies;
             self.engine.sleep()  # vLLM: GPU with sleep_between_rollouts only)
         t1 = time.perf_counter()
-        with self.metrics.log_time(("timers", "update_time")):
+        with self.metrics.log_time((timers, MK.UPDATE_TIME)):
             learn = self.learner.update(groups)
         t2 = time.perf_counter()
-        if learn.get("skipped_nan"):
-            self.metrics.log_value("nan_updates_skipped", float(learn["skipped_nan"]), reduce="sum")
+        if learn.get(LK.SKIPPED_NAN):
+            self.metrics.log_value(MK.NAN_UPDATES_SKIPPED, float(learn[LK.SKIPPED_NAN]), reduce="sum")
         generated = rollout.get(MK.TOKENS_GENERATED, rollout[MK.TOKENS_SAMPLED])
-        rollout["tokens_per_s"] = generated / max(t1 - t0, 1e-9)
-        rollout["update_tokens_per_s"] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
+        rollout[MK.TOKENS_PER_S] = generated / max(t1 - t0, 1e-9)
+        rollout[MK.UPDATE_TOKENS_PER_S] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
         # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces;
         # the trajectory-quality names (reward_mean, accuracy, ...) stay at the top level.
         for key, value in rollout.items():
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         for key, value in learn.items():
-            self.metrics.log_value(("learner", *key.split("/")), float(value), reduce="mean", window=1)
-        for key, value in group_diagnostics(groups).items():  # issue 10: names in arpo_algo.rollout.diagnostics
+            self.metrics.log_value((LK.PREFIX.rstrip("/"), *key.split("/")), float(value), reduce="mean", window=1)
+        for key, value in group_diagnostics(groups).items():  # names defined in arpo_algo.rollout.diagnostics
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
-        self.metrics.log_value("num_trajectories_lifetime", rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
+        self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
         self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
         return None
 
@@ -215,7 +235,9 @@ class AgenticRLAlgorithm(Algorithm):
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        _check_format(state.get("arpo_checkpoint_format"), "algorithm state")
+        if state.get("arpo_checkpoint_format") != CHECKPOINT_FORMAT:
+            raise ArpoError(f"incompatible algorithm state: format {state.get('arpo_checkpoint_format')!r}, this "
+                            f"arpo reads format {CHECKPOINT_FORMAT}")
         if POLICY_DIR in state:
             self.policy.set_state(state[POLICY_DIR])
         if "metrics_logger" in state:
@@ -234,15 +256,28 @@ class AgenticRLAlgorithm(Algorithm):
                     arpo_algorithm=type(self).__name__)
         return meta
 
+    def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:  # type: ignore
+        """Write a data-only checkpoint (:mod:`arpo_algo.algorithms.checkpoint`); Tune's checkpoints come here too."""
+        import tempfile
+
+        return str(write_checkpoint(self, pathlib.Path(path or tempfile.mkdtemp(prefix="arpo_ckpt_"))))
+
     def restore_from_path(self, path, *args, **kwargs) -> None:
-        """Checkpointable's restore (the base one syncs EnvRunners we do not have), after a version check."""
-        check_checkpoint(path)
-        Checkpointable.restore_from_path(self, path, *args, **kwargs)
+        """Restore a data-only checkpoint in place (Tune's restores come here too); nothing in it is executed."""
+        restore_checkpoint(self, path)
 
     @classmethod
     def from_checkpoint(cls, path, filesystem=None, **kwargs) -> AgenticRLAlgorithm:  # type: ignore[override]
-        check_checkpoint(path)
-        return super().from_checkpoint(path, filesystem=filesystem, **kwargs)
+        """A new Algorithm built from a checkpoint's own settings (JSON) and restored from it."""
+        state = read_checkpoint_state(path)
+        algo_cls = _algorithm_class(cls, state["algorithm"])
+        algo = config_from_state(state, type(algo_cls.get_default_config())).build_algo()
+        try:
+            algo.restore_from_path(path)
+        except BaseException:
+            algo.stop()
+            raise
+        return algo
 
     def restore_env_runners(self, env_runner_group: Any) -> list[int]:
         return []

@@ -1,25 +1,17 @@
-"""The parts of an ARPO/AEPO/GRPO Algorithm: data order, environment factory, resources, the policy checkpoint
-component and the checkpoint-format check."""
+"""The parts of an ARPO/AEPO/GRPO Algorithm: data order, environment factory, resources and the policy checkpoint
+component (the checkpoint files themselves: :mod:`arpo_algo.algorithms.checkpoint`)."""
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import pathlib
 import random
 from typing import Any
 
 from ray.rllib.utils.checkpoints import Checkpointable
 
-from arpo_algo import __version__
+from arpo_algo.algorithms.checkpoint import TRAINER_STATE_FILE, load_trainer_state, save_trainer_state
 from arpo_base.errors import ArpoError, ConfigError
-
-#: Bumped whenever the checkpoint layout or state keys change incompatibly.
-CHECKPOINT_FORMAT = 1
-POLICY_DIR = "policy"
-TRAINER_STATE_FILE = "trainer_state.pt"
-
 
 # ------------------------------------------------------------------------------------------------------ data order
 
@@ -153,48 +145,22 @@ class PolicyComponent(Checkpointable):
         return (), {}
 
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:  # noqa: D401
-        """Write the HF folder (weights as they are now) and the trainer state."""
-        import torch
-
+        """Write the HF folder (weights as they are now) and the trainer state (tensors and plain values only)."""
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.learner.save_pretrained(path)
-        torch.save((state or self.get_state())["trainer"], path / TRAINER_STATE_FILE)
+        save_trainer_state((state or self.get_state())["trainer"], path / TRAINER_STATE_FILE)
         return str(path)
 
     def restore_from_path(self, path, *, component=None, filesystem=None, **kwargs) -> None:
-        """Load weights in place (the in-process engine may share the module) and the trainer state."""
-        import torch
-
+        """Load weights in place (the in-process engine may share the module) and the trainer state, unpickling
+        nothing but tensors and plain values."""
         path = pathlib.Path(path)
         self.learner.load_pretrained(path)
-        trainer = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
-        self.learner.set_state(trainer)
+        self.learner.set_state(load_trainer_state(path / TRAINER_STATE_FILE))
 
 
 def _as_list(x: Any) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _check_format(fmt: Any, what: str) -> None:
-    if fmt != CHECKPOINT_FORMAT:
-        raise ArpoError(f"incompatible checkpoint: {what} has format {fmt!r}, this arpo "
-                        f"({__version__}) reads format {CHECKPOINT_FORMAT}",
-                        hint="resume with the arpo version that wrote it, or start a new run from its policy/ folder")
-
-
-def check_checkpoint(path: str | os.PathLike | Any) -> None:
-    """Refuse a folder that is not an arpo checkpoint of this format, with a clear message."""
-    path = pathlib.Path(getattr(path, "path", path))
-    meta_file = path / "rllib_checkpoint.json"
-    if not meta_file.is_file():
-        raise ArpoError(f"{path} is not an arpo checkpoint (no rllib_checkpoint.json)",
-                        hint="pass a folder like <run>/checkpoints/iter_000010")
-    meta = json.loads(meta_file.read_text())
-    if "arpo_checkpoint_format" not in meta:
-        raise ArpoError(f"{path} is an RLlib checkpoint but not an arpo one (no arpo_checkpoint_format)")
-    _check_format(meta["arpo_checkpoint_format"], f"checkpoint {path} (arpo {meta.get('arpo_version')})")
-
-

@@ -19,7 +19,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from arpo_algo.run.driver import train_experiment
 
-    summary = train_experiment(exp, output=args.output, resume=args.resume, progress=not args.no_progress)
+    summary = train_experiment(exp, output=args.output, resume=args.resume, progress=not args.no_progress,
+                               allow_unisolated_python=args.allow_unisolated_python)
     shown = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "time_s", "checkpoint")}
     print(json.dumps(shown, indent=2))
     print(summary["policy"] or summary["output"])
@@ -39,4 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allow-unisolated-python", action="store_true",
+                   help="run the Python tool below the 'process' isolation level (the model's code may reach the "
+                        "network or act as this user); recorded in the run folder's sandbox.json")
     p.set_defaults(func=cmd_train)

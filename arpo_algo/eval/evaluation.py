@@ -94,7 +94,7 @@ def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts:
     finally:
         sampler.close()
     out = MK.quality(MK.summarize(groups))
-    out["time_s"] = time.perf_counter() - t0
+    out[MK.EVAL_TIME_S] = time.perf_counter() - t0
     return out
 
 

@@ -16,6 +16,15 @@ from typing import Any
 ROLLOUT = "rollout/"
 #: The section of the held-out evaluation's numbers: the quality names below, as ``evaluation/accuracy``.
 EVALUATION = "evaluation/"
+#: The run folder's section for the training summary names below (``train/reward_mean`` in metrics.jsonl).
+TRAIN = "train/"
+#: The Algorithm's timer section (``timers/rollout_time``) and its timers.
+TIMERS = "timers/"
+SYNC_TIME, ROLLOUT_TIME, UPDATE_TIME = "sync_time", "rollout_time", "update_time"
+#: Trajectories sampled since the run started (RLlib lifetime sum).
+TRAJECTORIES_LIFETIME = "num_trajectories_lifetime"
+#: Seconds one held-out evaluation took.
+EVAL_TIME_S = "time_s"
 
 REWARD_MEAN = "reward_mean"
 REWARD_MAX = "reward_max"

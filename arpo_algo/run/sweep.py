@@ -34,6 +34,7 @@ from typing import Any
 from arpo_algo.algorithms.settings import SECTIONS as SETTING_SECTIONS
 from arpo_algo.algorithms.settings import Settings
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.run.experiment import (
     SECTIONS,
     Experiment,
@@ -62,7 +63,7 @@ class SweepSettings:
     experiment: str = ""
     name: str = "sweep"
     output: str | None = None
-    metric: str = "reward_mean"
+    metric: str = MK.REWARD_MEAN
     mode: str = "max"
     objectives: dict[str, str] = field(default_factory=dict)
     num_samples: int = 4

@@ -9,16 +9,17 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.options import unknown_key_error
 
 #: Training metrics every iteration reports (top level of the result; ``rollout/*`` and ``learner/*`` too).
-TRAIN_METRICS = ("reward_mean", "reward_max", "accuracy", "tool_calls_per_traj", "branches", "response_len",
-                 "tokens_sampled", "num_trajectories", "tokens_per_s", "update_tokens_per_s",
-                 "num_trajectories_lifetime", "timers/sync_time", "timers/rollout_time", "timers/update_time")
+TRAIN_METRICS = (MK.REWARD_MEAN, MK.REWARD_MAX, MK.ACCURACY, MK.TOOL_CALLS_PER_TRAJ, MK.GROUP_BRANCHES,
+                 MK.RESPONSE_LEN, MK.TOKENS_SAMPLED, MK.TRAJECTORIES, MK.TOKENS_PER_S, MK.UPDATE_TOKENS_PER_S,
+                 MK.TRAJECTORIES_LIFETIME, *(MK.TIMERS + t for t in (MK.SYNC_TIME, MK.ROLLOUT_TIME, MK.UPDATE_TIME)))
 #: Held-out metrics (``result["evaluation"]``), reported in iterations where ``[evaluation] every`` divides.
-EVAL_METRICS = ("accuracy", "pass_at_k", "reward_mean", "reward_max", "tool_calls_per_traj", "format_ok",
-                "response_len", "tokens_sampled", "num_trajectories", "num_tasks", "samples_per_task", "time_s")
+EVAL_METRICS = (MK.ACCURACY, MK.PASS_AT_K, MK.REWARD_MEAN, MK.REWARD_MAX, MK.TOOL_CALLS_PER_TRAJ, MK.FORMAT_OK,
+                MK.RESPONSE_LEN, MK.TOKENS_SAMPLED, MK.TRAJECTORIES, MK.NUM_TASKS, MK.SAMPLES_PER_TASK, MK.EVAL_TIME_S)
 #: Most corner points built and validated per algorithm.
 MAX_CORNERS = 256
 

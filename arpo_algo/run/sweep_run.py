@@ -222,6 +222,10 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
         raise ArpoError(f"{root} already holds this sweep", hint="continue it with --resume (same --output), or "
                                                                   "pass another --output")
     root.mkdir(parents=True, exist_ok=True)
+    from arpo_algo.run.driver import require_sandbox
+
+    for algorithm in sweep.algorithms:  # the Python tool's isolation is refused here, not inside every trial
+        require_sandbox(sweep.experiment(algorithm).config, allow_unisolated_python=False)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's console table and per-trial banners off (verbose=0)
     for logger in ("ray.tune", "ray.rllib", "ray.train"):
         logging.getLogger(logger).setLevel(logging.CRITICAL)

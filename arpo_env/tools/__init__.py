@@ -19,7 +19,7 @@ from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, check_keys
 from arpo_env.tools.base import Tool, ToolResult, function_schema
 from arpo_env.tools.cache import CachedTool, ToolCache, cache_key
-from arpo_env.tools.isolation import require_env_python_isolation, require_python_isolation
+from arpo_env.tools.isolation_checks import require_env_python_isolation, require_python_isolation
 from arpo_env.tools.python_tool import PythonTool, SandboxError, sandbox_capabilities, set_max_concurrency
 from arpo_env.tools.search import (
     BM25Backend,

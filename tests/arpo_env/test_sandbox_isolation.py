@@ -17,7 +17,7 @@ import pytest
 
 from arpo_base.errors import ConfigError
 from arpo_env.session import ToolSession
-from arpo_env.tools.isolation import require_env_python_isolation, require_python_isolation
+from arpo_env.tools.isolation_checks import require_env_python_isolation, require_python_isolation
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError
 

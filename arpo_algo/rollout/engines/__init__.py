@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arpo_base.errors import ConfigError
+from arpo_base.options import closest
 
 
 def _hf(**settings: Any) -> Callable[[], Any]:
@@ -52,11 +53,9 @@ def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 
         ConfigError: Unknown ``kind`` (naming the closest one) or bad settings.
     """
     if kind not in ENGINES:
-        import difflib
-
-        close = difflib.get_close_matches(str(kind), list(ENGINES), n=1)
+        close = closest(str(kind), ENGINES)
         raise ConfigError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}",
-                          hint=f"did you mean {close[0]!r}?" if close else None)
+                          hint=f"did you mean {close!r}?" if close else None)
     if num_actors < 0:
         raise ConfigError(f"num_actors must be >= 0, got {num_actors}")
     factory = ENGINES[kind](**settings)

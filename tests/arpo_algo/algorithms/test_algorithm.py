@@ -24,8 +24,8 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     import ray
 
     # The random tiny model never scores, so every group's rewards are equal; the entropy bonus is a loss term that
-    # always has a gradient, so every update must really change the weights (issue 10: the old check passed when
-    # nothing was learned).
+    # always has a gradient, so every update must really change the weights (a check that passes when nothing was
+    # learned would prove nothing).
     cfg = tiny_config(tiny_model_dir).evaluation(every=2, num_prompts=2).training(entropy_coef=0.01)
     algo = cfg.build_algo()
     try:
@@ -78,7 +78,7 @@ def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
         result = algo.train()
     finally:
         algo.stop()
-    # equal rewards (the random model never scores) and no other loss term: no update at all (issue 10)
+    # equal rewards (the random model never scores) and no other loss term: no signal, so no optimizer step at all
     assert result["reward_mean"] == 0.0 and result["learner"]["skipped_no_signal"] == 1
     assert all((before[k] == p).all() for k, p in algo.learner.model.named_parameters()) and algo.learner.step == 0
     assert len(groups[0].trajectories) == 2

@@ -1,4 +1,5 @@
-"""Checkpoints: bit-equal round trip, a servable HF policy folder, resume position, version check, rotation."""
+"""Checkpoints: bit-equal round trip, a servable HF policy folder, resume position, version check, rotation, and
+data only: nothing in a checkpoint is executed when it is read."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from arpo_algo.algorithms import ARPO, ARPOConfig
-from arpo_algo.algorithms.components import CHECKPOINT_FORMAT, check_checkpoint
-from arpo_algo.run.driver import list_checkpoints, save_checkpoint
+from arpo_algo.algorithms.checkpoint import CHECKPOINT_FORMAT, read_checkpoint_state
+from arpo_algo.models.checkpoints import list_checkpoints
+from arpo_algo.run.driver import save_checkpoint
 from arpo_base.errors import ArpoError
 
 
@@ -90,13 +92,13 @@ def test_incompatible_checkpoints_are_refused(trained, tmp_path):
     _, path = trained
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
-    meta = json.loads((bad / "rllib_checkpoint.json").read_text())
+    meta = json.loads((bad / "arpo_checkpoint.json").read_text())
     meta["arpo_checkpoint_format"] = CHECKPOINT_FORMAT + 1
-    (bad / "rllib_checkpoint.json").write_text(json.dumps(meta))
+    (bad / "arpo_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(ArpoError, match="incompatible checkpoint"):
         ARPO.from_checkpoint(str(bad))
     with pytest.raises(ArpoError, match="not an arpo checkpoint"):
-        check_checkpoint(tmp_path)
+        read_checkpoint_state(tmp_path)
 
 
 def test_rotation_keeps_the_newest(trained, tmp_path):
@@ -121,9 +123,87 @@ def test_checkpoint_records_the_package_version(trained):
     import arpo_algo
 
     _, path = trained
-    meta = json.loads((path / "rllib_checkpoint.json").read_text())
+    meta = json.loads((path / "arpo_checkpoint.json").read_text())
     assert meta["arpo_version"] == arpo_algo.__version__ == importlib.metadata.version("arpo")
     repo = Path(__file__).resolve().parents[3]
     hard_coded = [p for p in (repo / "arpo_algo").rglob("*.py")
                   if re.search(r"__version__\s*=\s*['\"]\d+\.\d+", p.read_text(encoding="utf-8"))]
     assert hard_coded == []
+
+
+def test_a_checkpoint_holds_data_only(trained):
+    """No pickle of arbitrary objects: JSON, safetensors, tokenizer files, and a trainer state of tensors and plain
+    values that torch reads with weights_only=True."""
+    _, path = trained
+    files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert not [f for f in files if f.endswith((".pkl", ".bin", ".pickle"))], files
+    assert "policy/model.safetensors" in files and "arpo_checkpoint.json" in files
+    state = torch.load(path / "policy" / "trainer_state.pt", weights_only=True)
+    assert {"optimizer", "scheduler", "rng", "step"} <= set(state)
+
+
+def _planted_pickle(marker) -> bytes:
+    """A pickle that creates ``marker`` when it is unpickled (what a hostile run folder would carry)."""
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    return pickle.dumps({"training_iteration": 1, "x": Payload()})
+
+
+def test_a_planted_pickle_is_not_executed(trained, tmp_path, tiny_model_dir):
+    """A trainer state replaced by a hostile pickle, and a folder in the former pickled layout: both are refused with
+    a clear error, and the payload never runs."""
+    import shutil
+
+    _, path = trained
+    marker = tmp_path / "pwned"
+    hostile = tmp_path / "hostile"
+    shutil.copytree(path, hostile)
+    (hostile / "policy" / "trainer_state.pt").write_bytes(_planted_pickle(marker))
+    fresh = tiny_config(tiny_model_dir).build_algo()
+    try:
+        with pytest.raises(ArpoError, match="other than tensors and plain values"):
+            fresh.restore_from_path(str(hostile))
+        legacy = tmp_path / "legacy"
+        legacy.mkdir()
+        (legacy / "rllib_checkpoint.json").write_text(json.dumps({"arpo_checkpoint_format": 1}))
+        (legacy / "algorithm_state.pkl").write_bytes(_planted_pickle(marker))
+        with pytest.raises(ArpoError, match="pickled layout") as err:
+            fresh.restore_from_path(str(legacy))
+        assert "arpo checkpoint convert" in err.value.hint and "--trust-pickles" in err.value.hint
+        with pytest.raises(ArpoError, match="pickled layout"):
+            ARPO.from_checkpoint(str(legacy))
+    finally:
+        fresh.stop()
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_the_former_layout_converts_once_knowingly(trained, tmp_path, tiny_model_dir):
+    """The former layout (RLlib's Checkpointable writer, pickled state and config) converts with --trust-pickles and
+    then restores bit-equal; without the flag nothing is read."""
+    from ray.rllib.utils.checkpoints import Checkpointable
+
+    from arpo_algo.algorithms.checkpoint import TRAINER_STATE_FILE
+    from arpo_algo.cli.main import main
+
+    algo, _ = trained
+    old = tmp_path / "old"
+    Checkpointable.save_to_path(algo, str(old))  # what the former arpo wrote: pickles, RLlib's metadata
+    meta = json.loads((old / "rllib_checkpoint.json").read_text())
+    (old / "rllib_checkpoint.json").write_text(json.dumps({**meta, "arpo_checkpoint_format": 1}))
+    torch.save(algo.learner.get_state(), old / "policy" / TRAINER_STATE_FILE)  # numpy RNG state: a full pickle
+    assert main(["checkpoint", "convert", str(old), "--output", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    assert main(["checkpoint", "convert", str(old), "--output", str(tmp_path / "new"), "--trust-pickles"]) == 0
+    restored = ARPO.from_checkpoint(str(tmp_path / "new"))
+    try:
+        assert restored.iteration == algo.iteration and restored.prompts.get_state() == algo.prompts.get_state()
+        for a, b in zip(algo.learner.model.parameters(), restored.learner.model.parameters()):
+            assert torch.equal(a, b)
+        assert restored.learner.step == algo.learner.step
+    finally:
+        restored.stop()

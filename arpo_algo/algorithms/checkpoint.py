@@ -1,0 +1,236 @@
+"""Checkpoints that hold data, never code: reading one executes nothing from it.
+
+A checkpoint folder (``arpo train`` writes them as ``<run>/checkpoints/iter_N/``; Tune and ``Algorithm.save_to_path``
+write the same layout)::
+
+    arpo_checkpoint.json   format, arpo version, algorithm, iteration, data position, metrics, the settings (JSON)
+    policy/                a plain Hugging Face folder (safetensors weights, config, tokenizer, chat template)
+    policy/trainer_state.pt  optimizer, scheduler, step counters and RNG states: tensors and plain values only,
+                           read with ``torch.load(weights_only=True)``
+
+The former layout (RLlib's ``rllib_checkpoint.json`` with ``*.pkl`` files) is refused: unpickling a folder someone
+else wrote runs their code. :func:`convert_legacy_checkpoint` (``arpo checkpoint convert DIR --trust-pickles``) reads
+one the user vouches for, once, and writes this layout. Writers fsync every file and folder before the rename that
+publishes a checkpoint, so a crash leaves either the previous checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from arpo_algo import __version__
+from arpo_algo.models.checkpoints import CHECKPOINT_MARKER, LEGACY_CHECKPOINT_MARKER
+from arpo_base.errors import ArpoError
+
+#: Bumped whenever the checkpoint layout or state keys change incompatibly.
+CHECKPOINT_FORMAT = 2
+POLICY_DIR = "policy"
+TRAINER_STATE_FILE = "trainer_state.pt"
+LEGACY_MARKER = LEGACY_CHECKPOINT_MARKER
+
+
+def _convert_hint(path: Path) -> str:
+    return (f"if you trust whoever wrote it, convert it once: arpo checkpoint convert {path} --trust-pickles "
+            "(reading it unpickles its files, which can run any code)")
+
+
+# ------------------------------------------------------------------------------------------------ tensor-safe state
+
+
+def to_tensor_safe(obj: Any) -> Any:
+    """``obj`` with numpy arrays and scalars replaced by values ``torch.load(weights_only=True)`` accepts."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_tensor_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_tensor_safe(v) for v in obj)
+    return obj
+
+
+def from_tensor_safe(obj: Any) -> Any:
+    """The inverse of :func:`to_tensor_safe`."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        if set(obj) == {"__ndarray__", "dtype"}:
+            return np.array(obj["__ndarray__"], dtype=obj["dtype"])
+        return {k: from_tensor_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_tensor_safe(v) for v in obj)
+    return obj
+
+
+def save_trainer_state(state: dict[str, Any], path: Path) -> None:
+    import torch
+
+    torch.save(to_tensor_safe(state), path)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state, read without unpickling arbitrary objects."""
+    import pickle
+
+    import torch
+
+    try:
+        return from_tensor_safe(torch.load(path, weights_only=True))
+    except pickle.UnpicklingError as e:
+        raise ArpoError(f"{path} holds objects other than tensors and plain values; it was not loaded",
+                        hint="a checkpoint arpo wrote never does: the file was replaced or written by other "
+                             "code") from e
+
+
+# -------------------------------------------------------------------------------------------------------- writing
+
+
+def _json_value(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy and torch scalars and arrays
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)) or type(value).__name__ == "deque":
+        return list(value)
+    raise TypeError(f"not JSON-serializable: {type(value).__name__}")
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (and ``root``), so a rename after it publishes durable data."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(algo: Any, path: Path) -> Path:
+    """Write ``algo``'s checkpoint into ``path`` (created; must not hold another checkpoint) and fsync it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    algo.learner.save_pretrained(path / POLICY_DIR)
+    save_trainer_state(algo.learner.get_state(), path / POLICY_DIR / TRAINER_STATE_FILE)
+    cfg = algo.config
+    state = {
+        "arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__,
+        "algorithm": type(algo).__name__, "iteration": algo.iteration, "prompts": algo.prompts.get_state(),
+        "metrics_logger": algo.metrics.get_state(),
+        "config": {"env": cfg.env, "env_config": dict(cfg.env_config), "seed": cfg.seed,
+                   "settings": cfg.settings.sections()},
+    }
+    text = json.dumps(state, indent=1, default=_json_value, allow_nan=True)
+    (path / CHECKPOINT_MARKER).write_text(text, encoding="utf-8")
+    fsync_tree(path)
+    return path
+
+
+# -------------------------------------------------------------------------------------------------------- reading
+
+
+def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON state of a checkpoint of this format; anything else is refused with what to do."""
+    path = Path(getattr(path, "path", path))
+    marker = path / CHECKPOINT_MARKER
+    if not marker.is_file():
+        if (path / LEGACY_MARKER).is_file():
+            raise ArpoError(f"{path} is a checkpoint of an earlier arpo in RLlib's pickled layout; it is not read "
+                            "because unpickling runs code from the folder", hint=_convert_hint(path))
+        raise ArpoError(f"{path} is not an arpo checkpoint (no {CHECKPOINT_MARKER})",
+                        hint="pass a folder like <run>/checkpoints/iter_000010")
+    try:
+        state = json.loads(marker.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArpoError(f"{marker} is not valid JSON: {e}", hint="the checkpoint is damaged; use an earlier one") from e
+    fmt = state.get("arpo_checkpoint_format")
+    if fmt != CHECKPOINT_FORMAT:
+        raise ArpoError(f"incompatible checkpoint: {path} has format {fmt!r} (arpo {state.get('arpo_version')}), "
+                        f"this arpo ({__version__}) reads format {CHECKPOINT_FORMAT}",
+                        hint="resume with the arpo version that wrote it, or start a new run from its policy/ folder")
+    return state
+
+
+def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
+    """Load a checkpoint into a built Algorithm of the same class: weights in place, trainer state, iteration, data
+    position and metrics."""
+    path = Path(getattr(path, "path", path))
+    state = read_checkpoint_state(path)
+    if state["algorithm"] != type(algo).__name__:
+        raise ArpoError(f"{path} was written by {state['algorithm']}, not {type(algo).__name__}",
+                        hint=f"resume it with [experiment] algorithm = {state['algorithm'].lower()!r}")
+    algo.learner.load_pretrained(path / POLICY_DIR)
+    algo.learner.set_state(load_trainer_state(path / POLICY_DIR / TRAINER_STATE_FILE))
+    algo.metrics.set_state(state["metrics_logger"])
+    algo._iteration = int(state["iteration"])
+    algo.prompts.set_state(state["prompts"])
+    if hasattr(algo.engine, "weights_updated") and not algo._engine_owns_weights():
+        algo.engine.weights_updated()
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+
+
+def convert_legacy_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, trust_pickles: bool) -> Path:
+    """Rewrite a checkpoint of RLlib's pickled layout (format 1) as this format. Unpickles ``src``: only with
+    ``trust_pickles``, for a folder the user vouches for."""
+    import pickle
+
+    import torch
+
+    src, dest = Path(src), Path(dest)
+    if not (src / LEGACY_MARKER).is_file():
+        raise ArpoError(f"{src} is not a checkpoint in the former layout (no {LEGACY_MARKER})")
+    if not trust_pickles:
+        raise ArpoError(f"converting {src} unpickles its files, which can run any code",
+                        hint="pass --trust-pickles if you trust whoever wrote it")
+    if dest.exists():
+        raise ArpoError(f"{dest} exists", hint="pass a new folder as the destination")
+    meta = json.loads((src / LEGACY_MARKER).read_text())
+    if meta.get("arpo_checkpoint_format") != 1:
+        raise ArpoError(f"{src} is not an arpo checkpoint of format 1 (found {meta.get('arpo_checkpoint_format')!r})")
+    with open(src / "algorithm_state.pkl", "rb") as f:
+        algo_state = pickle.load(f)  # noqa: S301 - the user vouched for this folder (trust_pickles)
+    with open(src / "class_and_ctor_args.pkl", "rb") as f:
+        ctor = pickle.load(f)  # noqa: S301 - as above
+    config_state = ctor["ctor_args_and_kwargs"][0][0]
+    config = config_state["class"].from_state(config_state)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src / POLICY_DIR, tmp / POLICY_DIR)
+    trainer = torch.load(src / POLICY_DIR / TRAINER_STATE_FILE, weights_only=False)  # vouched for, as above
+    save_trainer_state(trainer, tmp / POLICY_DIR / TRAINER_STATE_FILE)
+    state = {
+        "arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__,
+        "algorithm": meta.get("arpo_algorithm", "ARPO"), "iteration": int(algo_state["training_iteration"]),
+        "prompts": algo_state["prompts"], "metrics_logger": algo_state.get("metrics_logger", {}),
+        "config": {"env": config.env, "env_config": dict(config.env_config), "seed": config.seed,
+                   "settings": config.settings.sections()},
+        "converted_from": {"format": 1, "arpo_version": meta.get("arpo_version")},
+    }
+    (tmp / CHECKPOINT_MARKER).write_text(json.dumps(state, indent=1, default=_json_value), encoding="utf-8")
+    fsync_tree(tmp)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    return dest
+
+
+def config_from_state(state: dict[str, Any], config_cls: type) -> Any:
+    """The Algorithm config a checkpoint was trained with (from its JSON, nothing executed)."""
+    c = state["config"]
+    config = config_cls().environment(env=c["env"], env_config=c["env_config"]).debugging(seed=c["seed"])
+    return config.update_settings(c["settings"], "checkpoint config")
