@@ -14,14 +14,13 @@ import os
 import random
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 from arpo_base.errors import ConfigError, MissingDataError
+from arpo_base.http import HTTPJSONError, request
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call
 
 NO_RESULTS = "No search results found."
@@ -255,24 +254,25 @@ class WebBackend:
 
     def search(self, query: str) -> list[str]:
         """POST the query, retrying with exponential backoff; raise ``SearchError`` (without the key) on failure."""
-        body = json.dumps(self._payload(query)).encode()
         problem = "unknown error"
+        headers = {"Authorization": f"Bearer {os.environ.get(self.api_key_env, '')}"}
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + 0.1 * random.random()))
-            request = urllib.request.Request(self.url, data=body, method="POST", headers={
-                "Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get(self.api_key_env, '')}"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    data = json.loads(response.read().decode("utf-8", "replace"))
+                data = request("POST", self.url, self._payload(query), headers=headers, timeout=self.timeout_s).data
                 return self._snippets(data)
-            except urllib.error.HTTPError as exc:
-                problem = f"HTTP {exc.code}"
-                if exc.code != 429 and exc.code < 500:
+            except HTTPJSONError as exc:
+                if exc.status is None:  # no answer: worth another try
+                    problem = "timeout" if "timed out" in exc.reason else f"connection error ({exc.reason})"
+                    continue
+                if exc.reason.startswith("reply is not JSON"):
+                    problem = "the response was not valid JSON"
                     break
-            except (TimeoutError, urllib.error.URLError, OSError) as exc:
-                problem = "timeout" if "timed out" in str(exc) else f"connection error ({type(exc).__name__})"
-            except (json.JSONDecodeError, ValueError):
+                problem = f"HTTP {exc.status}"
+                if exc.status != 429 and exc.status < 500:
+                    break
+            except ValueError:
                 problem = "the response was not valid JSON"
                 break
         raise SearchError(f"Search failed: {problem} after {attempt + 1} attempt(s).")
