@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import os
 import pathlib
+import re
 import sys
 import types
 import typing
@@ -27,10 +28,13 @@ COMMAND = "python scripts/gen_reference.py"
 #: Help text is wrapped by argparse at the terminal width: fixed here so the page does not depend on the terminal.
 WIDTH = "100"
 _PROBE = "\x00probe"
+_INT_PROBE = -987654321
 
 
 def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """One table cell: docstring markup (Sphinx roles, double backticks) as Markdown code, pipes escaped."""
+    text = re.sub(r":(?:mod|class|func|data|attr|meth):`~?([^`]+)`", r"`\1`", str(text))
+    return text.replace("``", "`").replace("|", "\\|").replace("\n", " ")
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -139,12 +143,12 @@ def allowed_values(tp: Any, owner_default: Any, name: str) -> tuple[Any, ...] | 
     refuses a probe value (fixed choices and registries alike report them)."""
     if typing.get_origin(tp) is typing.Literal:
         return typing.get_args(tp)
-    if tp is not str:
+    if tp not in (str, int):
         return None
     from arpo_base.errors import ConfigError
 
     try:
-        dataclasses.replace(owner_default, **{name: _PROBE}).validate()
+        dataclasses.replace(owner_default, **{name: _PROBE if tp is str else _INT_PROBE}).validate()
     except ConfigError as e:
         text = f"{e.message} {e.hint or ''}"
         if "is not one of " in text:
