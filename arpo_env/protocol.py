@@ -3,7 +3,8 @@
 Two protocols share one interface (:class:`ToolProtocol`):
 
 * the ARPO tag protocol (default): ``<python>CODE</python>`` / ``<search>QUERY</search>``, results inserted as
-  ``" <result>\\n...\\n</result>"`` (reference training format, spec §1) or ``"<result>...</result>"``
+  ``" <result>\\n...\\n</result>"`` (reference training format,
+  docs/concepts/reference-choices.md#interaction-protocol) or ``"<result>...</result>"``
   (``result_format="eval"``, the reference evaluation format), final answer in ``<answer>...\\boxed{X}...</answer>``;
 * :class:`JsonToolProtocol`: chat-native ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen/Hermes
   style), with the tool list written into the system prompt from each tool's ``schema()``.
@@ -31,7 +32,8 @@ from typing import Any
 
 from arpo_base.errors import ConfigError
 
-# The reference "code_search" system prompt (spec §1), with the `\x08oxed` data bug fixed. The buggy variant is
+# The reference "code_search" system prompt (docs/concepts/reference-choices.md#interaction-protocol), with the
+# `\x08oxed` data bug fixed. The buggy variant is
 # produced by :func:`apply_boxed_bug` for bit-exact parity with the released parquet files.
 ARPO_SYSTEM_PROMPT = (
     "You are a helpful assistant that can solve the given question step by step with the help of the wikipedia "

@@ -89,7 +89,7 @@ def extract_answer(text: str) -> str | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------- reference (spec §6.1)
+# ---------------------------------------------------------------------------------------- reference reward
 
 
 def normalize_answer(s: str) -> str:
@@ -130,7 +130,7 @@ def _ordered_pairs_ok(text: str, tag: str) -> bool:
 
 
 def validate_format(response: str) -> tuple[bool, str]:
-    """The reference format check (spec §6.1 step 1); returns (ok, reason)."""
+    """The reference format check (docs/concepts/reference-choices.md#training-reward); returns (ok, reason)."""
     n_think, n_think_end = response.count("<think>"), response.count("</think>")
     if n_think != n_think_end or n_think == 0:
         return False, "think tags unbalanced or missing"
@@ -147,7 +147,7 @@ def validate_format(response: str) -> tuple[bool, str]:
 
 
 def arpo_reference(response: str, ground_truth: str | Sequence[str], **_: Any) -> tuple[float, dict[str, Any]]:
-    """The ARPO/AEPO training reward, exactly as the reference (spec §6.1).
+    """The ARPO/AEPO training reward, exactly as the reference (docs/concepts/reference-choices.md#training-reward).
 
     -1 for bad format; otherwise the best token-F1 of the last boxed answer inside the first ``<answer>`` against
     the ground truths, plus 0.1 when F1 > 0 and both ``</search>`` and ``</python>`` occur in the response.

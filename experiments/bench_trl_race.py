@@ -23,7 +23,7 @@ own template drops tool calls, so TRL's tokenizer gets TRL's Qwen2.5 ChatML temp
 TRL's step is timed between its ``on_step_begin`` and ``on_step_end`` callbacks (its setup excluded), ours is one
 ``algo.train()`` (its setup excluded too).
 
-Run (TRL in a private folder, see README "Benchmarks")::
+Run (TRL in a private folder, see docs/results/trl-race.md)::
 
     PYTHONPATH=$PWD:/tmp/trl_site nice -n 19 env OMP_NUM_THREADS=1 python -m experiments.bench_trl_race --out race.json
 """

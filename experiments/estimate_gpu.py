@@ -12,13 +12,15 @@ Model (per GPU, ``G`` GPUs, ``P`` parameters):
   master weights and optimizer state; bf16 autocast only changes the compute), split by DeepSpeed ZeRO stage
   ``--zero``: 0 none, 1 optimizer state / G, 2 + gradients / G, 3 + weights / G;
 * activations of one micro-batch (``[training] micro_batch_tokens``): ``a * layers * hidden + b * vocab`` bytes per
-  token, with ``a`` and ``b`` fitted to the four bf16 peak-memory figures of GPU_NOTES (SmolLM2-135M and the 1.5B
+  token, with ``a`` and ``b`` fitted to the four bf16 peak-memory figures of docs/results/gpu-h100.md#learner
+  (SmolLM2-135M and the 1.5B
   shape, duplicated and deduplicated); with gradient checkpointing only each layer's fp32 input is kept, plus one
   layer's activations and the logits (an assumption: checkpointing was not measured);
 * rollout engine (vLLM, colocated, bf16): its weights plus a KV cache of ``2 * layers * kv_heads * head_dim * 2``
   bytes per token, inside ``--vllm-memory-fraction`` of the GPU;
 * step time: learner FLOPs ``6 P`` per trained token (+ ``2 P`` per forward without gradient: recomputed old
-  log-probs, the KL reference, checkpointing) at the learner throughput measured in GPU_NOTES; decoding as
+  log-probs, the KL reference, checkpointing) at the learner throughput measured in docs/results/gpu-h100.md#learner;
+  decoding as
   memory-bound (weights + KV read per step) at a spec bandwidth times an assumed efficiency. Tool time, ZeRO
   communication, weight sync and prefill are not modelled.
 """
@@ -33,14 +35,17 @@ from typing import Any
 
 #: Inputs, each with its source. "measured": on one H100 80GB (the GPU notes' learner and decode tables).
 INPUTS: dict[str, tuple[float, str]] = {
-    "matmul_ceiling_tflops": (773.0, "measured: bf16 8192x8192 GEMM, H100 80GB (GPU_NOTES, learner table)"),
-    "learner_tflops_bf16": (170.0, "measured: 1.5B shape, bf16 autocast, forward+backward, 22% MFU (GPU_NOTES)"),
-    "learner_tflops_fp32": (41.0, "measured: 1.5B shape, fp32, forward+backward, 5% MFU (GPU_NOTES)"),
-    "gpu_memory_gb": (80.0, "the GPU of GPU_NOTES (H100 80GB); override with --gpu-memory-gb"),
+    "matmul_ceiling_tflops": (773.0, "measured: bf16 8192x8192 GEMM, H100 80GB (docs/results/gpu-h100.md#learner)"),
+    "learner_tflops_bf16": (170.0, "measured: 1.5B shape, bf16 autocast, forward+backward, 22% MFU "
+                                   "(docs/results/gpu-h100.md#learner)"),
+    "learner_tflops_fp32": (41.0, "measured: 1.5B shape, fp32, forward+backward, 5% MFU "
+                                  "(docs/results/gpu-h100.md#learner)"),
+    "gpu_memory_gb": (80.0, "the GPU of docs/results/gpu-h100.md (H100 80GB); override with --gpu-memory-gb"),
     "hbm_tb_per_s": (3.35, "spec, NOT measured: H100 SXM HBM3 bandwidth from NVIDIA's data sheet"),
     "decode_bandwidth_efficiency": (0.6, "assumption, NOT measured: share of HBM bandwidth a vLLM decode step uses"),
 }
-#: GPU_NOTES learner table, bf16 autocast rows: (layers, hidden, vocab, peak GB duplicated, peak GB deduplicated).
+#: docs/results/gpu-h100.md#learner table, bf16 autocast rows: (layers, hidden, vocab, peak GB duplicated, peak GB
+#: deduplicated).
 #: bench_dedup used one micro-batch per group: 10,280 / 4 = 2,570 tokens duplicated, 3,713 / 4 = 928 deduplicated.
 MEASURED_PEAKS = {"SmolLM2-135M": (30, 576, 49152, 5.8, 3.3), "1.5B shape": (28, 1536, 151936, 24.0, 17.4)}
 MICRO_TOKENS_DUP, MICRO_TOKENS_DEDUP = 10280 / 4, 3713 / 4

@@ -4,7 +4,7 @@
 
 ``--seed`` is the RL stage's seed; ``--sft-seed`` the SFT stage's, pinned to 0 by default so that every RL seed starts
 from the same checkpoint (measured: the SFT stage alone lands anywhere between 0.0 and 1.0 held-out accuracy
-depending on its seed, which would drown the RL stage's effect; README "The quickstart and its result").
+depending on its seed, which would drown the RL stage's effect; docs/results/quickstart.md).
 
 Stages (each leaves a marker ``.stage_<name>.json`` in the output folder, so a second run skips finished stages and a
 killed ARPO stage resumes from its newest checkpoint):
@@ -18,8 +18,8 @@ killed ARPO stage resumes from its newest checkpoint):
 
 Before each stage the memory freed by the previous one is handed back to the OS (:func:`release_memory`), so each
 stage's peak is its own. Prints a summary (both accuracies, seeds, the peak resident memory of each stage, paths,
-and the multi-seed distribution measured for the README from ``experiments/quickstart_reference.json``) and writes
-``<out>/summary.json``.
+and the multi-seed distribution of docs/results/quickstart.md from ``experiments/quickstart_reference.json``) and
+writes ``<out>/summary.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MODEL = "smollm2-135m-instruct"
 #: two-call level 3 only partly; ARPO then trains on level 3, where branching after tool results matters.
 #: ``rows_per_forward`` and ``gradient_checkpointing`` change only the memory (same batches, loss and gradients up to
 #: float rounding): the worst step peaks at 3.66 GB instead of 6.64 GB (``python -m experiments.memory_profile --stage
-#: sft``, README "What we measured").
+#: sft``, docs/results/index.md).
 SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 192, "levels": [1, 2, 3], "epochs": 1,
                                 "lr": 2e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5,
                                 "rows_per_forward": 4, "gradient_checkpointing": True}
@@ -182,7 +182,7 @@ def stage_export(out: Path, policy_dir: str) -> dict[str, Any]:
 
 
 def reference_line(summary: dict[str, Any]) -> str:
-    """This seed's result beside the distribution over seeds measured for the README (same recipe, same SFT seed)."""
+    """This seed's result beside the distribution over seeds of docs/results/quickstart.md (same recipe, SFT seed)."""
     if not REFERENCE.is_file():
         return "multi-seed reference: none recorded (experiments/quickstart_reference.json)"
     ref = json.loads(REFERENCE.read_text())

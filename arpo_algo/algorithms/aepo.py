@@ -8,11 +8,14 @@ from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
 class AEPOConfig(ARPOConfig):
     """AEPO (arXiv 2510.14545): ARPO's pipeline with the entropy-balanced rollout and stop-gradient clipping.
 
-    Defaults follow the released AEPO scripts (ARPO_SPEC §4.5): consecutive-branch penalty on (the AEPO tree mode),
+    Defaults follow the released AEPO scripts (docs/concepts/aepo.md#aepo-defaults): consecutive-branch penalty on (the
+    AEPO tree mode),
     entropy-balanced clipping on, pre-monitoring off (``ENABLE_DYNAMIC_ROLLOUTS=False`` in the scripts), entropy-aware
-    advantage on (it is inert in the reference code, §4.4/§10.16; here it is live: set it False for parity).
+    advantage on (it is inert in the reference code, docs/concepts/aepo.md#entropy-aware-advantage; here it is live:
+    set it False for parity).
     The AEPO paper's pre-monitoring (dynamic number of initial samples) stays reachable by name:
-    ``.tree(aepo_premonitor=True)`` (the YAML default of the reference, §4.4), plus ``aepo_premonitor_keep=True`` for
+    ``.tree(aepo_premonitor=True)`` (the YAML default of the reference, docs/concepts/aepo.md#entropy-pre-monitoring),
+    plus ``aepo_premonitor_keep=True`` for
     the reference's extra discarded trajectory.
     """
 

@@ -1,4 +1,4 @@
-"""ARPO, AEPO and GRPO as thin RLlib Algorithms (RAY_NOTES §1.2, "Pattern A").
+"""ARPO, AEPO and GRPO as thin RLlib Algorithms (docs/howto/rllib.md#a-thin-algorithm).
 
 The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
 :class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
@@ -92,10 +92,11 @@ class AgenticRLAlgorithm(Algorithm):
         """Build learner, engine and sampler.
 
         Not ``super().setup()``: with ``_is_online=False`` and no RLModule spec, RLlib 2.60's setup still builds a
-        LearnerGroup from the env's spaces and fails (``observation_space not provided``, RAY_NOTES §1.1); our
+        LearnerGroup from the env's spaces and fails (``observation_space not provided``,
+        docs/howto/rllib.md#what-the-base-class-assumes); our
         learner, engine and sampler replace the EnvRunners and the LearnerGroup. So only what ``step()``/``save()``
         read is set up here: the callbacks, ``env_runner_group`` (``None``: nothing to sync or restore) and the
-        metrics timers (RAY_NOTES §1.4.2).
+        metrics timers (docs/howto/rllib.md#metrics-without-super-setup).
         """
         from arpo_algo.models import resolve_model_path
         from arpo_algo.train.backends import build_backend

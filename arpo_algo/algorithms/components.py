@@ -99,7 +99,8 @@ def resource_bundles(config: Any) -> list[dict[str, float]]:
 
 
 def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: int = 0) -> None:
-    """Fail fast instead of leaving a Tune trial PENDING forever (RAY_NOTES §2: infeasible requests hang silently).
+    """Fail fast instead of leaving a Tune trial PENDING forever (infeasible requests hang silently:
+    docs/howto/rllib.md#infeasible-resources).
 
     ``bundles`` as :func:`resource_bundles` lays them out, with ``learner_workers`` learner-rank bundles after the
     main one. Compares against ``ray.cluster_resources()`` when Ray is initialised, else against this machine.

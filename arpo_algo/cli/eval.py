@@ -6,7 +6,8 @@ See :mod:`arpo_algo.eval.harness` (the run and resume), :mod:`arpo_algo.eval.dat
 
 Settings come from, in order: the command line, ``--experiment`` (its evaluation settings through
 :func:`arpo_algo.eval.evaluation.eval_settings`, and its environment config when the data runs in the same
-environment), then the defaults below (the reference evaluation's sampling, ARPO_SPEC §6.2).
+environment), then the defaults below (the reference evaluation's sampling,
+docs/concepts/reference-choices.md#evaluation-protocol).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Token entropies: exact from full logits, and the ARPO reference estimator from top-k logprobs.
 
-Two estimators exist because the engines see different things (ARPO_SPEC §2.2, §10.2):
+Two estimators exist because the engines see different things (docs/concepts/arpo.md#segment-entropy):
 
 * ``full``: the exact entropy ``H = -sum_v p(v) log p(v)`` (nats) of the full next-token distribution, computed from
   the raw logits (temperature applied, before any top-k/top-p truncation). Never compute it from HF ``generate``'s
-  processed ``scores``: those hold ``-inf`` after truncation and give NaN (RAY_NOTES §1.4.5).
+  processed ``scores``: those hold ``-inf`` after truncation and give NaN (docs/howto/rllib.md#raw-logits-for-entropy).
 * ``topk_sum_lnV``: what the reference code computes from vLLM's top-10 logprobs: flatten the top-k entries (plus
   the sampled token when it is not among them) of the first ``k=20`` generated tokens into one list, take
   ``H = -sum exp(l) * l`` over it (a *sum* over positions, not a mean) and divide by ``ln |V|``.
@@ -40,7 +40,7 @@ def topk_token_term(top: TopLogprobs) -> float:
 
 
 def topk_sum_lnV(top_logprobs_per_token: Sequence[TopLogprobs], vocab_size: int, k: int = 20) -> float:  # noqa: N802
-    """The ARPO reference entropy of one generated segment (ARPO_SPEC §2.2).
+    """The ARPO reference entropy of one generated segment (docs/concepts/arpo.md#segment-entropy).
 
     Args:
         top_logprobs_per_token: Per generated token, its top-k logprobs *including the sampled token* when it was not

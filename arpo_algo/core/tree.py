@@ -3,32 +3,35 @@
 :class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every
 question that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many
 fresh samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
-hand-written entropy sequences (ARPO_SPEC §2, §4.1, §4.2, §10).
+hand-written entropy sequences (docs/concepts/arpo.md, docs/concepts/aepo.md).
 
-Deliberate choices (ARPO_SPEC §10), each a named option of :class:`TreeConfig`:
+Deliberate choices (docs/concepts/reference-choices.md#deliberate-choices), each a named option of :class:`TreeConfig`:
 
 * ``decision_rule="paper"``: after a tool result the trajectory generates ``entropy_tokens`` (k) look-ahead tokens,
-  which become the start of its continuation; it branches ``branch_factor`` (Z) times when
-  ``(alpha + beta * dH) * penalty > tau``, deterministic. ``"reference"``: the code's rule (§2.3): right after the
-  result, with the entropy of the segment that *ended* with the tool call (one-step lag), each of the Z clones is made
-  with probability ``clip(alpha + beta * dH, 0, 1)`` (ARPO) or when ``clip((u + beta * dH) * penalty, 0, 1) >= alpha``
-  (AEPO code), ``u`` from a seeded RNG. ``tau`` is not used by the reference rule (the code merges it with alpha).
-* Baseline ``H_init``: reset every ``sample()`` call (§10.1). The paper rule uses the trajectory's first segment and
-  branches inherit their parent's baseline; the reference rule gives a branch its own first segment after the branch
-  point (as the code's per-index dict does). ``legacy_stale_baseline`` keeps a sampler-lifetime dict keyed by the
-  trajectory's index in the batch, reproducing the reference bug.
+  which become the start of its continuation; it branches ``branch_factor`` (Z) times when ``(alpha + beta * dH) *
+  penalty > tau``, deterministic. ``"reference"``: the code's rule (docs/concepts/arpo.md#the-reference-rule): right
+  after the result, with the entropy of the segment that *ended* with the tool call (one-step lag), each of the Z clones
+  is made with probability ``clip(alpha + beta * dH, 0, 1)`` (ARPO) or when ``clip((u + beta * dH) * penalty, 0, 1) >=
+  alpha`` (AEPO code), ``u`` from a seeded RNG. ``tau`` is not used by the reference rule (the code merges it with
+  alpha).
+* Baseline ``H_init``: reset every ``sample()`` call (docs/concepts/arpo.md#entropy-baseline). The paper rule uses the
+  trajectory's first segment and branches inherit their parent's baseline; the reference rule gives a branch its own
+  first segment after the branch point (as the code's per-index dict does). ``legacy_stale_baseline`` keeps a
+  sampler-lifetime dict keyed by the trajectory's index in the batch, reproducing the reference bug.
 * Length-truncated trajectories are never branch candidates: requests carry the per-trajectory remaining budget
-  (§10.21), so a length finish means the budget is spent and a clone could not generate a single token. The
-  reference's candidates come from its shared ``max_tokens`` per round, which we do not reproduce.
+  (docs/concepts/arpo.md#per-request-budget), so a length finish means the budget is spent and a clone could not
+  generate a single token. The reference's candidates come from its shared ``max_tokens`` per round, which we do not
+  reproduce.
 * ``max_depth`` bounds nesting (a branch of a branch has depth 2); ``None`` is the reference's unbounded tree.
 * ``fillup``: ``"batch"`` adds all remaining fresh samples at once when every path of a prompt has ended (paper);
-  ``"trickle"`` adds one per round (code, §10.5).
-* AEPO pre-monitoring (§4.1): ``m = int(n * sigmoid(0.5 * (H_root - H_tool))) + 1`` clamped to [1, n]. With
-  ``aepo_premonitor_keep`` the reference's extra discarded trajectory is run to estimate ``H_tool``; without it the
-  first initial sample is the probe (see :mod:`arpo_algo.rollout.sampler`), so nothing is thrown away.
-* AEPO consecutive-branch penalty (§4.2): factor ``max(0, 1 - aepo_penalty * l)``; ``l`` counts consecutive branching
-  steps of the path (``"path"``, paper) or consecutive rounds in which the prompt gained a trajectory, fill-ups
-  included (``"prompt"``, code).
+  ``"trickle"`` adds one per round (code, docs/concepts/arpo.md#fill-up).
+* AEPO pre-monitoring (docs/concepts/aepo.md#entropy-pre-monitoring): ``m = int(n * sigmoid(0.5 * (H_root - H_tool))) +
+  1`` clamped to [1, n]. With ``aepo_premonitor_keep`` the reference's extra discarded trajectory is run to estimate
+  ``H_tool``; without it the first initial sample is the probe (see :mod:`arpo_algo.rollout.sampler`), so nothing is
+  thrown away.
+* AEPO consecutive-branch penalty (docs/concepts/aepo.md#consecutive-branch-penalty): factor ``max(0, 1 - aepo_penalty *
+  l)``; ``l`` counts consecutive branching steps of the path (``"path"``, paper) or consecutive rounds in which the
+  prompt gained a trajectory, fill-ups included (``"prompt"``, code).
 """
 
 from __future__ import annotations
@@ -76,21 +79,25 @@ class TreeConfig:
         entropy_tokens: k, tokens per segment that enter the entropy measure (and the paper rule's look-ahead).
         entropy_method: "full_mean" (mean full entropy of the first k tokens, nats), "full_sum_lnV" (sum of full
             entropies / ln|V|) or "topk_sum_lnV" (reference: entropy over the flattened top-k logprobs of the first
-            k tokens / ln|V|, §2.2).
+            k tokens / ln|V|, docs/concepts/arpo.md#segment-entropy).
         topk_logprobs: Logprobs per token requested for "topk_sum_lnV" (reference 10).
-        decision_rule: "paper" or "reference" (module docstring).
-        fillup: "batch" (paper) or "trickle" (reference).
+        decision_rule: "paper" (branch Z times when alpha + beta * dH > tau, dH from k look-ahead tokens after the
+            result) or "reference" (branch with probability alpha + beta * dH, dH from the segment before the call).
+        fillup: How fresh samples fill the budget once every path has ended: "batch" (all at once, paper) or
+            "trickle" (one per round, reference).
         max_depth: Maximum branch nesting, ``None`` = unbounded (reference).
         aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
-            setting it takes effect in mode "aepo" only (see :attr:`premonitor_on`, :attr:`penalty`).
+            setting it takes effect in mode "aepo" only.
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
             (setting it outside mode "aepo" is an error).
         aepo_premonitor_tokens: Tokens of the reference's ``H_root`` probe (reference 50).
         min_roots: Keep at least this many independent roots per prompt: branching never takes the budget slots
             the missing roots need (fill-ups start them). 0 = off (the paper and the reference).
         aepo_penalty: Consecutive-branch penalty coefficient (reference 0.05, hard-coded there); 0 disables it.
-        aepo_penalty_scope: "path" (paper) or "prompt" (code).
-        legacy_stale_baseline: Reproduce the reference's never-reset entropy baseline (§10.1).
+        aepo_penalty_scope: What the consecutive-branch counter follows: "path" (branching steps along a path,
+            paper) or "prompt" (rounds in which the prompt gained a trajectory, fill-ups included, code).
+        legacy_stale_baseline: Reproduce the reference's never-reset entropy baseline
+            (docs/concepts/arpo.md#entropy-baseline).
     """
 
     mode: str = "arpo"
@@ -219,7 +226,8 @@ def segment_entropy(entropies: Sequence[float], top_logprobs: Sequence[Sequence[
 
 # ------------------------------------------------------------------------------------------------------------ AEPO
 def aepo_initial_samples(n: int, h_root: float, h_tool: float) -> int:
-    """AEPO pre-monitoring: ``m = int(n * sigmoid(0.5 * (h_root - h_tool))) + 1`` clamped to [1, n] (§4.1)."""
+    """AEPO pre-monitoring: ``m = int(n * sigmoid(0.5 * (h_root - h_tool))) + 1`` clamped to [1, n]
+    (docs/concepts/aepo.md#entropy-pre-monitoring)."""
     x = 0.5 * (h_root - h_tool)
     sig = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
     return max(1, min(n, int(n * sig) + 1))
@@ -244,8 +252,9 @@ def paper_decision(cfg: TreeConfig, delta_h: float, consecutive: int) -> bool:
 def reference_decision(cfg: TreeConfig, delta_h: float, consecutive: int, u: float) -> bool:
     """Reference rule for one clone, with ``u ~ U[0, 1)``.
 
-    ARPO code (§2.3): clone iff ``clip(u - beta * dH, 0, 1) <= alpha``, i.e. with probability
-    ``clip(alpha + beta * dH, 0, 1)``. AEPO code (§4.2): clone iff ``clip((u + beta * dH) * pf, 0, 1) >= alpha``.
+    ARPO code (docs/concepts/arpo.md#the-reference-rule): clone iff ``clip(u - beta * dH, 0, 1) <= alpha``, i.e.
+    with probability ``clip(alpha + beta * dH, 0, 1)``. AEPO code (docs/concepts/aepo.md#consecutive-branch-penalty):
+    clone iff ``clip((u + beta * dH) * pf, 0, 1) >= alpha``.
     """
     if cfg.mode == "aepo":
         p = min(1.0, max(0.0, (u + cfg.beta * delta_h) * penalty_factor(cfg.penalty, consecutive)))

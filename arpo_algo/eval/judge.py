@@ -1,6 +1,7 @@
 """LLM-as-judge through any OpenAI-compatible ``/v1/chat/completions`` endpoint, cached on disk.
 
-The judge prompt lives in :data:`JUDGE_PROMPT` (the only place; the reference's wording, ARPO_SPEC §6.2): one user
+The judge prompt lives in :data:`JUDGE_PROMPT` (the only place; the reference's wording,
+docs/concepts/reference-choices.md#evaluation-protocol): one user
 message with the question, the golden answer(s) and the predicted answer; the judge replies "Correct" or
 "Incorrect". A reply counts as correct when it contains "correct" and none of "incorrect", "wrong", "not correct".
 

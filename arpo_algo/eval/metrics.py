@@ -1,6 +1,7 @@
 """Evaluation statistics over K runs per item: pass@k, maj@k, confidence intervals, paired differences.
 
-Definitions (ARPO_SPEC §10.23 leaves them open; these are ours, fixed here):
+Definitions (the reference leaves them open, docs/concepts/reference-choices.md#evaluation-protocol; these are ours,
+fixed here):
 
 * **pass@1** = the mean over items of the item's fraction of correct runs (the mean over all K runs). Its 95%
   confidence interval is the normal interval over items, ``mean ± 1.96 · sd(p_i) / sqrt(n)``, with ``p_i`` the item's

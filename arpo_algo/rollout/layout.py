@@ -1,4 +1,4 @@
-"""THE token-layout rule (ARPO_SPEC §10.11), used by the sampler, the agent loop, SFT, eval and serve.
+"""THE token-layout rule (docs/concepts/arpo.md#token-layout), used by the sampler, the agent loop, SFT, eval and serve.
 
 A conversation's token ids are: the chat template of its messages with the generation prompt
 (:func:`prompt_ids`), then the model's sampled tokens (trained, ``trained_mask`` 1) and, after each tool call, the

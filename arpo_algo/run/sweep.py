@@ -267,7 +267,7 @@ def _beam_override(item: str, notes: list[str]) -> str:
     if (section, key) != ("tree", "beam_size"):
         return item
     notes.append(f"tree.beam_size={value} is the reference code's name: using tree.branch_factor={value - 1} "
-                 "(beam_size = branch_factor + 1, ARPO_SPEC §3)")
+                 "(beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)")
     return f"tree.branch_factor={value - 1}"
 
 
@@ -322,7 +322,7 @@ def _knob(key: str, spec: Any, where: str, notes: list[str]) -> Knob:
             raise ConfigError(f"{at}: beam_size values must be integers >= 1, got {args}")
         new = [a - 1 for a in args]
         notes.append(f"tree.beam_size {dist}{args} is the reference code's name: sweeping tree.branch_factor "
-                     f"{dist}{new} (beam_size = branch_factor + 1, ARPO_SPEC §3)")
+                     f"{dist}{new} (beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)")
         return Knob("tree.branch_factor", dist, new)
     return Knob(key, dist, list(args))
 

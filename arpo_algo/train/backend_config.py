@@ -22,15 +22,19 @@ PLACEMENTS = ("colocated", "split")
 class BackendConfig:
     """Learner backend settings.
 
-    ``learner_backend``: "local" (default: the learner in the main process, CPU or GPU, as before), "ddp" (data
-    parallel: ``learner_workers`` Ray actors, each with a full model replica; ``torch.distributed`` with gloo on CPU
-    and NCCL on GPU; the step equals the local step) or "deepspeed" (ZeRO stage ``deepspeed_stage`` over
-    ``learner_workers`` GPU actors; needs the ``deepspeed`` extra and ``device="cuda"``). ``learner_workers``: number
-    of learner ranks (1 with "local"). ``learner_placement`` (ddp/deepspeed on GPU): "split" = every rank has a GPU of
-    its own, apart from the rollout's; "colocated" = ranks share GPUs with the rollout engine, each reserving
-    ``learner_gpus_per_worker`` (< 1) of a device. ``learner_gpus_per_worker``: the GPU share each rank reserves
-    (None = 1 with device="cuda"; must stay None on CPU). ``learner_cpus_per_worker``: CPUs each rank reserves.
-    ``deepspeed_stage``: ZeRO stage, 2 (optimizer state and gradients sharded) or 3 (parameters too).
+    Attributes:
+        learner_backend: "local" (default: the learner in the main process, CPU or GPU, as before), "ddp" (data
+            parallel: ``learner_workers`` Ray actors, each with a full model replica; ``torch.distributed`` with gloo
+            on CPU and NCCL on GPU; the step equals the local step) or "deepspeed" (ZeRO stage ``deepspeed_stage``
+            over ``learner_workers`` GPU actors; needs the ``deepspeed`` extra and ``device="cuda"``).
+        learner_workers: Number of learner ranks (1 with "local").
+        learner_placement: Where ddp/deepspeed ranks go on GPU: "split" = every rank has a GPU of its own, apart
+            from the rollout's; "colocated" = ranks share GPUs with the rollout engine, each reserving
+            ``learner_gpus_per_worker`` (< 1) of a device.
+        learner_gpus_per_worker: The GPU share each rank reserves (None = 1 with device="cuda"; must stay None on
+            CPU).
+        learner_cpus_per_worker: CPUs each rank reserves.
+        deepspeed_stage: ZeRO stage, 2 (optimizer state and gradients sharded) or 3 (parameters too).
     """
 
     learner_backend: str = "local"

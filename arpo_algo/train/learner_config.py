@@ -15,31 +15,60 @@ from arpo_base.options import check_choice, dataclass_from_dict, setting
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """Learner settings (defaults = the ARPO reference scripts where they exist, spec §3.2).
+    """Learner settings (defaults = the ARPO reference scripts where they exist, see
+    docs/concepts/reference-choices.md#reference-training-recipe).
 
-    ``advantage``: a registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
-    attribution, "hard"). ``policy_loss``: a registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`:
-    "dual_clip"). ``hard_scope``: which tokens hard attribution counts as shared ("tree", default: tokens shared
-    by branching only; "tokens": any identical prefix in the group, the former behaviour). ``entropy_advantage*``:
-    AEPO §4.4 (the "entropy_aware" shaping, per-group z-score;
-    ``entropy_advantage_clip`` = minimum multiplier or None). ``entropy_balanced_clip``: AEPO §4.3.
-    ``lr_schedule``/``warmup_steps``/``total_steps``: :mod:`arpo_algo.train.optim` (``total_steps`` None = not known;
-    a decaying schedule needs it, and ``arpo train`` sets it from the experiment's iterations).
-    ``kl_coef``: k3 KL to a frozen copy of the initial model (loaded only when > 0). ``attn_implementation``:
-    "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
-
-    Device settings (:mod:`arpo_algo.train.device_setup`, README "The learner on a GPU"): ``precision`` "auto" (bf16
-    autocast on a CUDA GPU with native bfloat16, fp32 elsewhere), "fp32" or "bf16" (weights and optimizer state stay
-    fp32 in every case; "bf16" on a GPU without bfloat16 is an error). ``tree_attention``: how the packed tree of
-    ``dedup_prefix`` is attended: "dense" (an [N, N] mask handed to SDPA/eager), "flex" (FlexAttention with a block
-    mask built from the tree; CUDA only, needs ``attn_implementation="sdpa"``) or "auto" (flex on CUDA with sdpa
-    unless ``deterministic``, dense otherwise). ``gradient_checkpointing``: recompute activations in the backward
-    pass (less memory, about one more forward). ``head_chunk_tokens``: run the LM head, log-softmax and entropy
-    over at most this many predicted tokens at a time, each chunk recomputed in the backward pass, so the
-    [tokens, vocabulary] tensors exist one chunk at a time (same update up to float rounding, one more head forward;
-    default: all at once; not with the deepspeed backend). ``deterministic``: deterministic kernels in this process
-    (``torch.use_deterministic_algorithms``, cuBLAS workspace, cuDNN flags): slower on GPU; CPU kernels are
-    deterministic without it at a fixed thread count.
+    Attributes:
+        lr: AdamW learning rate (reference 1e-6).
+        weight_decay: AdamW weight decay (reference 0.01).
+        lr_schedule: Learning-rate schedule (:mod:`arpo_algo.train.optim`); a decaying one needs ``total_steps``.
+        warmup_steps: Steps of linear warm-up before the schedule (:mod:`arpo_algo.train.optim`).
+        total_steps: Optimizer steps the schedule spans; None = not known (``arpo train`` sets it from the
+            experiment's iterations).
+        grad_clip: Gradient-norm clip (reference 1.0).
+        clip_low: Lower PPO clip epsilon: the ratio is clipped at 1 - clip_low.
+        clip_high: Upper PPO clip epsilon: the ratio is clipped at 1 + clip_high (above clip_low: DAPO clip-higher).
+        clip_c: Dual-clip constant bounding the loss of negative-advantage tokens (reference 3.0).
+        loss_agg: How per-token losses are aggregated: "token_mean" (an exact global token mean over the update),
+            "seq_mean" (per-trajectory token mean, then the mean over trajectories) or "dr_grpo" (token sum over a
+            constant).
+        dr_grpo_tokens: The constant per-trajectory token count "dr_grpo" aggregation divides by (0 = the longest
+            response of the update).
+        advantage: A registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
+            attribution, "hard").
+        policy_loss: A registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`: "dual_clip").
+        hard_scope: Which tokens hard attribution counts as shared: "tree" (default: tokens shared by branching
+            only) or "tokens" (any identical prefix in the group, the former behaviour).
+        norm_adv_by_std: Divide group-relative advantages by the group's standard deviation (reference True).
+        entropy_advantage: AEPO's entropy-aware advantage (the "entropy_aware" shaping, per-group z-score of the
+            current policy's token entropy; docs/concepts/aepo.md#entropy-aware-advantage).
+        entropy_advantage_coef: Weight of the entropy z-score in the entropy-aware advantage (reference 0.2).
+        entropy_advantage_clip: Minimum multiplier of the entropy-aware advantage, or None (no clip).
+        entropy_balanced_clip: AEPO's stop-gradient clipping (docs/concepts/aepo.md#entropy-balanced-clipping).
+        kl_coef: k3 KL to a frozen copy of the initial model (loaded only when > 0).
+        entropy_coef: Weight of the entropy bonus (reference 0).
+        ppo_epochs: Passes over each batch of trajectories per iteration (reference 1).
+        micro_batch_tokens: Tokens per learner micro-batch (packed forward and backward).
+        dedup_prefix: Run each shared prefix of a tree once in the forward pass (a tree attention mask) instead of
+            once per trajectory.
+        old_logprobs: "recompute" (as the reference) or "rollout" (use the sampler's logprobs).
+        precision: Device setting (:mod:`arpo_algo.train.device_setup`, docs/howto/learner-backends.md): "auto"
+            (bf16 autocast on a CUDA GPU with native bfloat16, fp32 elsewhere), "fp32" or "bf16"; weights and
+            optimizer state stay fp32 in every case, and "bf16" on a GPU without bfloat16 is an error.
+        tree_attention: How the packed tree of ``dedup_prefix`` is attended: "dense" (an [N, N] mask handed to
+            SDPA/eager), "flex" (FlexAttention with a block mask built from the tree; CUDA only, needs
+            ``attn_implementation="sdpa"``) or "auto" (flex on CUDA with sdpa unless ``deterministic``, dense
+            otherwise).
+        gradient_checkpointing: Recompute activations in the backward pass (less memory, about one more forward).
+        head_chunk_tokens: Run the LM head, log-softmax and entropy over at most this many predicted tokens at a
+            time, each chunk recomputed in the backward pass, so the [tokens, vocabulary] tensors exist one chunk at
+            a time (same update up to float rounding, one more head forward; default: all at once; not with the
+            deepspeed backend).
+        deterministic: Deterministic kernels in this process (``torch.use_deterministic_algorithms``, cuBLAS
+            workspace, cuDNN flags): slower on GPU; CPU kernels are deterministic without it at a fixed thread count.
+        max_nan_updates: The run stops after this many consecutive updates with a non-finite loss or gradient norm
+            (each of them is skipped).
+        attn_implementation: "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
     """
 
     lr: float = 1e-6

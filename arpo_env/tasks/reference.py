@@ -1,4 +1,5 @@
-"""Task lists over the ARPO reference parquet files (verl schema, spec §7)."""
+"""Task lists over the ARPO reference parquet files (verl schema,
+docs/concepts/reference-choices.md#datasets-and-cold-start)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ The key is ``sha256`` of the canonical JSON ``{"tool": name, "args": normalized 
 ``normalize_args(kwargs)`` (the search tool strips the query and removes ``"``, like the reference cache). Only
 successful results are stored: errors and timeouts are transient and must be retried. Every write is a single
 transaction, so a crash leaves either the old or the new row; ``busy_timeout`` makes concurrent writers wait instead
-of failing. This replaces the reference's JSON file + ``fcntl`` lock + periodic reload (spec §5.2), and can import and
+of failing. This replaces the reference's JSON file + ``fcntl`` lock + periodic reload
+(docs/concepts/reference-choices.md#training-search), and can import and
 export that JSON format (cleaned query -> formatted text) for the search tool.
 
 Modes:

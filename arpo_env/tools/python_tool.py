@@ -1,4 +1,5 @@
-"""A sandboxed Python interpreter tool (replaces the reference's unsandboxed ``subprocess.run``, spec §5.1, §10.9-10).
+"""A sandboxed Python interpreter tool (replaces the reference's unsandboxed ``subprocess.run``,
+docs/concepts/reference-choices.md#python-tool).
 
 Every call runs in a fresh interpreter started with ``-I`` (isolated mode: no ``PYTHON*`` variables, no user site,
 script directory not on ``sys.path``) and a fixed, minimal environment, so no host variable (API keys included)
@@ -16,7 +17,8 @@ tokens). It then runs with ``-s -P`` and a clean environment instead of ``-I`` (
 the isolation is the same. ASLR guards a process against memory-corruption exploits, which code that already runs
 arbitrary Python does not need. Applies to the subprocess and bwrap backends.
 
-Deliberate differences from the reference (spec §10.9, §10.10, §10.24): empty stdout returns ``"(no output)"`` once
+Deliberate differences from the reference (docs/concepts/reference-choices.md#python-tool): empty stdout returns ``"(no
+output)"`` once
 instead of re-running the code; output is capped; the timeout message is in English.
 """
 

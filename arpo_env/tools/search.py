@@ -1,6 +1,7 @@
 """The search tool: one ``SearchTool`` in front of three backends (offline BM25, cache replay, web over HTTP).
 
-Results are formatted as in the reference training search (spec §5.2): snippets are stripped, empty and duplicate
+Results are formatted as in the reference training search (docs/concepts/reference-choices.md#training-search):
+snippets are stripped, empty and duplicate
 ones dropped, the first ``max_results`` (10) kept, each cut to ``result_length`` (1000) characters, and joined as
 ``"Page {i}: {snippet}"`` lines; with no snippet the text is ``"No search results found."``. Queries are cleaned as in
 the reference (strip, remove ``"``). A backend's ``search(query)`` returns either a list of raw snippets (the tool
@@ -43,7 +44,8 @@ def clean_query(query: str) -> str:
 
 
 def format_snippets(snippets: Iterable[str], max_results: int = 10, result_length: int = 1000) -> str:
-    """Format snippets exactly as the reference training search does (spec §5.2)."""
+    """Format snippets exactly as the reference training search does
+    (docs/concepts/reference-choices.md#training-search)."""
     kept: list[str] = []
     for snippet in snippets:
         snippet = (snippet or "").strip()

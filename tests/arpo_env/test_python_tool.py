@@ -40,7 +40,8 @@ def test_basic_output_repl_echo_and_no_output(tool):
     assert (echoed.text, echoed.error) == ("[1, 2, 3]", False)
     assert tool("print(1)\nprint(2)").text == "1\n2"  # a final print() is not wrapped again
     empty = tool("x = 1")
-    assert (empty.text, empty.error) == ("(no output)", False)  # once, no re-run (spec §10.9)
+    # once, no re-run (docs/concepts/reference-choices.md#python-tool)
+    assert (empty.text, empty.error) == ("(no output)", False)
     assert tool("import math\nmath.factorial(20)").text == str(2432902008176640000)
 
 

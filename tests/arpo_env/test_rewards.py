@@ -1,4 +1,5 @@
-"""Rewards: the reference reward (spec §6.1) on real ground truths, equivalence, extraction."""
+"""Rewards: the reference reward (docs/concepts/reference-choices.md#training-reward) on real ground truths,
+equivalence, extraction."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_reference_format_rules():
 
 
 def test_reference_scores_math_by_f1_but_math_equiv_does_not():
-    # The reference normalizer strips \{}-, so these equal expressions score 0 (spec §6.1); math_equiv gives 1.
+    # The reference normalizer strips \{}-, so these equal expressions score 0
+    # (docs/concepts/reference-choices.md#training-reward); math_equiv gives 1.
     r = _answer("3\\sqrt{3}-6")
     assert arpo_reference(r, "3\\sqrt{3} - 6")[0] == 0.0
     assert math_equiv(r, "3\\sqrt{3} - 6")[0] == 1.0

@@ -2,7 +2,8 @@
 
 An engine continues a batch of token sequences. It never sees text except the stop strings, so the caller owns
 tokenization: a tool result is tokenized once as its own segment and appended, and nothing earlier is ever
-re-tokenized (ARPO_SPEC §10.11). Engines: :class:`arpo_algo.rollout.engines.hf.HFEngine` (transformers, CPU or GPU) and
+re-tokenized (docs/concepts/arpo.md#token-layout). Engines: :class:`arpo_algo.rollout.engines.hf.HFEngine`
+(transformers, CPU or GPU) and
 :class:`arpo_algo.rollout.engines.vllm.VLLMEngine` (vLLM 0.29, CPU or GPU); either one replicated over Ray actors by
 :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`. Build any of them with
 :func:`arpo_algo.rollout.engines.build_engine`.
@@ -22,7 +23,8 @@ class SamplingParams:
     """Per-request sampling settings.
 
     Attributes:
-        max_new_tokens: Generate at most this many tokens for this request (per request, not per batch: §10.21).
+        max_new_tokens: Generate at most this many tokens for this request (per request, not per batch:
+            docs/concepts/arpo.md#per-request-budget).
         temperature: Softmax temperature; 0 means greedy.
         top_p: Nucleus sampling mass (1.0 = off).
         top_k: Keep the k most likely tokens (-1 = off).

@@ -107,7 +107,8 @@ def test_reference_rule_matches_probability_and_is_seeded():
 
 
 def test_aepo_reference_rule_penalty_matches_spec_examples():
-    # P(branch) = clip(1 - 0.5/pf + beta*dH, 0, 1), pf = 1 - 0.05*l: l=0 -> .5, l=2 -> .44, l=5 -> .33 (§4.2)
+    # P(branch) = clip(1 - 0.5/pf + beta*dH, 0, 1), pf = 1 - 0.05*l: l=0 -> .5, l=2 -> .44, l=5 -> .33
+    # (docs/concepts/aepo.md#consecutive-branch-penalty)
     cfg = TreeConfig.aepo(16, 8, decision_rule="reference")
     for l_, p in [(0, 0.5), (2, 1 - 0.5 / 0.9), (5, 1 - 0.5 / 0.75)]:
         rng = random.Random(0)
