@@ -62,6 +62,12 @@ def _internal(e: BaseException, where: str) -> APIError:
                     type="server_error", code="internal_error")
 
 
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Backstop: a fault no route caught still answers OpenAI-shaped JSON, never Starlette's plain-text 500."""
+    return _error(_internal(exc, f"{request.method} {request.url.path}"))
+
+
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
@@ -172,13 +178,14 @@ class AgentServer:
         deadline = time.monotonic() + self.security.request_timeout_s
         loop = asyncio.get_running_loop()
         model = "-"
+        raw = await request.body()  # a body past the limit raises out of here to the guard, which answers 413
         try:
-            raw = await request.body()
             req, agent, job = await loop.run_in_executor(self.pool, self._prepare, raw)
             model = req.model
-        except APIError as e:
-            self.metrics.request(model, str(e.status), time.perf_counter() - t0)
-            return _error(e)
+        except Exception as e:  # noqa: BLE001 - a client mistake (APIError) or a fault: both answered as JSON
+            err = e if isinstance(e, APIError) else _internal(e, "preparing the request")
+            self.metrics.request(model, str(err.status), time.perf_counter() - t0)
+            return _error(err)
         cancel = threading.Event()
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
         if req.stream:
