@@ -1,7 +1,8 @@
 """The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
-every agent is loaded, 503 before), ``GET /`` (the page). All agents of one application live in every replica and
+every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page). :mod:`serve.guard` checks every
+request first (docs/security.md). All agents of one application live in every replica and
 are routed by the request's ``model``. Overload: Serve admits ``max_ongoing_requests`` per replica and queues at
 most ``max_queued_requests`` more at the proxy; beyond that the proxy answers 503 with ``Retry-After``.
 
