@@ -201,6 +201,26 @@ def test_config_files_take_the_key_from_the_environment_or_a_file_never_from_arg
     assert {"gpu1.example.org:9000", "localhost:9000", "127.0.0.1:9000"} <= sec.hosts()
 
 
+def test_the_config_file_deploys_only_with_a_key(server, monkeypatch):
+    """experiments/serve_config.yaml's args through the builder Serve calls: no key -> refused; ARPO_API_KEY set ->
+    an application whose deployment arguments do not hold the key."""
+    import yaml
+
+    from arpo_base.errors import ConfigError
+    from serve.app import build
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "experiments", "serve_config.yaml"), encoding="utf-8") as f:
+        args = dict(yaml.safe_load(f)["applications"][0]["args"], models=f"tiny={server['model']}")
+    monkeypatch.delenv("ARPO_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="no API key"):
+        build(args)
+    monkeypatch.setenv("ARPO_API_KEY", KEY)
+    from ray import cloudpickle
+
+    assert KEY.encode() not in cloudpickle.dumps(build(args))  # what Serve ships and stores of the application
+
+
 # ----------------------------------------------------------------------------------------- browser-borne attacks
 def test_post_bodies_only_as_json(server):
     body = json.dumps(chat_body()).encode()
@@ -375,13 +395,14 @@ def _status_counts(srv: dict) -> dict[str, float]:
 
 def test_refusals_are_counted_once(server):
     before = _status_counts(server)
-    sent = {"401": 2, "415": 3, "403": 1, "400": 1}
+    sent = {"401": 2, "415": 3, "403": 1, "400": 1, "413": 1}
     for _ in range(sent["401"]):
         post_chat(server, chat_body(), headers={"Authorization": "Bearer nope"})
     for _ in range(sent["415"]):
         post_chat(server, json.dumps(chat_body()).encode(), headers={"Content-Type": "text/plain"})
     post_chat(server, chat_body(), headers={"Origin": "null"})
     post_chat(server, chat_body(stop=["x"] * 5))
+    post_chat(server, b" " * (5 << 20))
     want = {k: before.get(k, 0.0) + v for k, v in sent.items()}
     deadline, now = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
@@ -392,6 +413,24 @@ def test_refusals_are_counted_once(server):
     time.sleep(3)  # a second export of the same counters must not add to them
     now = _status_counts(server)
     assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
+
+
+def test_the_key_is_never_logged(server):
+    """Nothing Ray, Serve or the replica wrote (access logs, replica logs) holds the key."""
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    assert os.path.isdir(logs)
+    holding = []
+    for folder, _, files in os.walk(logs):
+        for name in files:
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    if KEY.encode() in f.read():
+                        holding.append(name)
+            except OSError:
+                continue
+    assert holding == []
 
 
 # ------------------------------------------------------------------------------------ liveness (keep this test last)
