@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -321,6 +322,27 @@ def test_others_are_answered_while_an_oversized_request_is_refused(server):
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     finally:
         sock.close()
+
+
+def test_tokenizing_a_large_body_does_not_stall_the_server(server):
+    """A legal 3.9 MB prompt takes seconds to tokenize (then fails the context check): meanwhile /health and a small
+    chat request are answered at once, because parsing and tokenizing run off the event loop."""
+    big = chat_body(messages=[{"role": "user", "content": "ab " * 1_300_000}])
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(post_chat(server, big)))
+    worker.start()
+    time.sleep(0.5)  # the body is in and being tokenized
+    slowest = 0.0
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert request(server, "GET", "/health", timeout=30)[0] == 200
+        assert post_chat(server, chat_body(max_tokens=1), timeout=30)[0] == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.2)
+    worker.join()
+    status, _, out = result[0]
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    assert slowest < 2.0, slowest
 
 
 def test_messages_limit_at_and_past(server):
