@@ -156,8 +156,9 @@ class Policy:
         """Raise :class:`Refusal` for a request that must not reach a route."""
         host = headers.get("host", "").lower()
         if host not in self.hosts:
-            raise Refusal(403, f"Host {host!r} is not served here (accepted: {', '.join(sorted(self.hosts))})",
-                          "host_not_allowed")
+            # The accepted names are not listed: a rebinding page can read this answer.
+            raise Refusal(403, f"Host {host!r} is not served here: use localhost, 127.0.0.1 or a name the server "
+                               "allows (arpo serve --allowed-hosts)", "host_not_allowed")
         origin = headers.get("origin")
         if origin is not None and origin.lower() != f"{self.scheme}://{host}":
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
