@@ -3,5 +3,7 @@
 Modules: :mod:`serve.schema` (request validation, OpenAI-style errors), :mod:`serve.agents` (what is served: model,
 checkpoint or run folder; tools), :mod:`serve.batching` (the batching front shared by a replica's requests),
 :mod:`serve.runtime` (one agent: training's agent loop, tools and token layout), :mod:`serve.metrics` (Prometheus
-metrics through Ray), :mod:`serve.app` (the deployment, its routes, the chat page, the ``serve run`` builder).
+metrics through Ray), :mod:`serve.app` (the deployment, its routes, the chat page, the ``serve run`` builder),
+:mod:`serve.guard` (the checks in front of every route: API key, Host, Origin, content type, body size;
+docs/security.md).
 """

@@ -1,7 +1,8 @@
 """The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
-every agent is loaded, 503 before), ``GET /`` (the page). All agents of one application live in every replica and
+every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page). :mod:`serve.guard` checks every
+request first (docs/security.md). All agents of one application live in every replica and
 are routed by the request's ``model``. Overload: Serve admits ``max_ongoing_requests`` per replica and queues at
 most ``max_queued_requests`` more at the proxy; beyond that the proxy answers 503 with ``Retry-After``.
 
@@ -13,6 +14,7 @@ Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=ru
 # `request: Request` as the class itself, not as a string (else the request becomes a required query parameter: 422).
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,7 +27,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
+from arpo_base.errors import ConfigError
 from serve.agents import AgentSpec, specs_from_args
+from serve.batching import EngineDead
+from serve.guard import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Guard, Policy, Security, install, page_csp
 from serve.schema import APIError, parse_chat_request
 
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -36,8 +41,10 @@ DEFAULTS = {"num_replicas": 1, "max_ongoing_requests": 16, "max_queued_requests"
 #: requests, between 1 and 4 replicas, scale up after 5 s of load and down after 60 s idle.
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "upscale_delay_s": 5.0,
                "downscale_delay_s": 60.0, "metrics_interval_s": 2.0, "look_back_period_s": 10.0}
+log = logging.getLogger("arpo.serve")
 
-api = FastAPI(title="arpo serve", docs_url=None, redoc_url=None)
+api = FastAPI(title="arpo serve", docs_url=None, redoc_url=None, openapi_url=None)
+api.add_middleware(Guard)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -45,38 +52,81 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def _unavailable(what: str) -> APIError:
+    return APIError(f"{what}; retry shortly", status=503, type="server_error", code="engine_unavailable")
+
+
+def _internal(e: BaseException, where: str) -> APIError:
+    """A server fault as an OpenAI-shaped 500: its type only (messages may name files); the log has the rest."""
+    log.error("%s failed", where, exc_info=e)
+    return APIError(f"internal error ({type(e).__name__}) in {where}; the server log has the details", status=500,
+                    type="server_error", code="internal_error")
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Backstop: a fault no route caught still answers OpenAI-shaped JSON, never Starlette's plain-text 500."""
+    return _error(_internal(exc, f"{request.method} {request.url.path}"))
+
+
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
     """One replica: every agent's engine behind its batching front, and the HTTP routes."""
 
-    def __init__(self, specs: list[dict[str, Any]], max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"]):
+    def __init__(self, specs: list[dict[str, Any]], max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"],
+                 security: dict[str, Any] | None = None):
         from serve.metrics import ServeMetrics
 
         self.specs = [AgentSpec(**s) for s in specs]
+        self.security = Security(**(security or {}))
+        self.metrics = ServeMetrics()
+        # Before anything is served: without a policy the guard refuses every request.
+        self.policy = Policy(self.security, on_refusal=lambda status: self.metrics.request("-", str(status), 0.0))
+        install(self.policy)
+        self.page = PAGE.read_text(encoding="utf-8")
+        self.page_csp = page_csp(self.page)
         self.agents: dict[str, Any] = {}
         self.load_error: str | None = None
         self.loaded = threading.Event()
         # One thread per admitted request (its agent loop blocks on the batching front), plus some slack.
         self.pool = ThreadPoolExecutor(max_workers=max_ongoing_requests + 4, thread_name_prefix="arpo-serve-req")
-        self.metrics = ServeMetrics()
         threading.Thread(target=self._load, name="arpo-serve-load", daemon=True).start()
 
     def _load(self) -> None:
         from serve.runtime import Agent
 
+        spec = None
         try:
             for spec in self.specs:
                 self.agents[spec.name] = Agent(spec)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
-            self.load_error = f"{type(e).__name__}: {e}"
+            log.error("loading agent %s failed", getattr(spec, "name", "?"), exc_info=e)
+            self.load_error = (f"loading the agent '{getattr(spec, 'name', '?')}' failed ({type(e).__name__}); "
+                               "the replica log has the details")
         finally:
             self.loaded.set()
 
+    def _dead(self) -> list[str]:
+        return sorted(name for name, agent in self.agents.items() if not agent.front.alive())
+
     def check_health(self) -> None:
-        """Serve's replica health check: a replica whose models failed to load is restarted."""
+        """Serve's replica health check: a replica whose models failed to load or whose batching thread or engine
+        is gone is replaced."""
         if self.load_error:
             raise RuntimeError(self.load_error)
+        dead = self._dead()
+        if dead:
+            raise RuntimeError(f"the engine of {', '.join(dead)} is not running")
+
+    def stop_engines(self) -> None:
+        """Stop every agent's batching front and engine (requests in flight get 503); the replica then fails its
+        health check and Serve replaces it."""
+        for agent in list(getattr(self, "agents", {}).values()):  # a constructor that failed loaded nothing
+            agent.front.close()
+
+    def __del__(self) -> None:
+        self.stop_engines()
 
     def _agent(self, name: str) -> Any:
         if not self.loaded.is_set():
@@ -86,58 +136,91 @@ class AgentServer:
             known = ", ".join(sorted(self.agents)) or "none"
             raise APIError(f"The model '{name}' does not exist (served: {known})", param="model", status=404,
                            code="model_not_found")
-        return self.agents[name]
+        agent = self.agents[name]
+        if not agent.front.alive():
+            raise _unavailable(f"the engine of '{name}' is not running")
+        return agent
 
     # ------------------------------------------------------------------------------------------------- routes
     @api.get("/health")
-    def health(self) -> JSONResponse:
-        if self.load_error:
-            return JSONResponse({"status": "error", "error": self.load_error}, status_code=503)
+    def health(self, request: Request) -> JSONResponse:
+        """200 when every agent is loaded and alive, else 503. Without the key it says only that."""
+        full = self.policy.authorized(dict(request.headers))
+        if self.load_error or self._dead():
+            body = {"status": "error"}
+            if full:
+                body["error"] = self.load_error or f"the engine of {', '.join(self._dead())} is not running"
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         if not self.loaded.is_set():
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-        return JSONResponse({"status": "ok", "models": sorted(self.agents)})
+        return JSONResponse({"status": "ok", "models": sorted(self.agents)} if full else {"status": "ok"})
 
     @api.get("/v1/models")
     def models(self) -> JSONResponse:
+        # Names only: a model's folder is the operator's business, not the client's.
         data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
-                 "arpo": {"source": s.source, "path": s.model_path, "engine": s.engine,
-                          "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
+                 "arpo": {"engine": s.engine, "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
                           "loaded": s.name in self.agents}} for s in self.specs]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/")
     def page(self) -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+        return HTMLResponse(self.page, headers={"Content-Security-Policy": self.page_csp})
+
+    def _prepare(self, raw: bytes) -> tuple[Any, Any, Any]:
+        """Parse and tokenize (in a worker thread: a large body must not stall the event loop)."""
+        req = parse_chat_request(raw)
+        agent = self._agent(req.model)
+        return req, agent, agent.prepare(req)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         t0 = time.perf_counter()
-        model = "?"
+        deadline = time.monotonic() + self.security.request_timeout_s
+        loop = asyncio.get_running_loop()
+        model = "-"
+        raw = await request.body()  # a body past the limit raises out of here to the guard, which answers 413
         try:
-            req = parse_chat_request(await request.body())
+            req, agent, job = await loop.run_in_executor(self.pool, self._prepare, raw)
             model = req.model
-            agent = self._agent(req.model)
-            job = agent.prepare(req)
-        except APIError as e:
-            self.metrics.request(model, str(e.status), time.perf_counter() - t0)
-            return _error(e)
+        except Exception as e:  # noqa: BLE001 - a client mistake (APIError) or a fault: both answered as JSON
+            err = e if isinstance(e, APIError) else _internal(e, "preparing the request")
+            self.metrics.request(model, str(err.status), time.perf_counter() - t0)
+            return _error(err)
         cancel = threading.Event()
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
         if req.stream:
-            return StreamingResponse(self._stream(agent, job, cancel, meta, t0), media_type="text/event-stream",
+            return StreamingResponse(self._stream(agent, job, cancel, meta, t0, deadline),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.pool, agent.run, job, cancel, None)
         try:
-            result = await loop.run_in_executor(self.pool, agent.run, job, cancel, None)
+            result = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.0))
         except asyncio.CancelledError:  # the client went away: end the conversation at the next round
             cancel.set()
             self.metrics.request(model, "499", time.perf_counter() - t0)
             raise
+        except Exception as e:  # noqa: BLE001 - every failure is answered OpenAI-style, never as plain text
+            cancel.set()  # a timed-out conversation stops at its next round, its tool calls included
+            err = self._run_error(e)
+            self.metrics.request(model, str(err.status), time.perf_counter() - t0)
+            return _error(err)
         self.metrics.finished(model, result, time.perf_counter() - t0)
         return JSONResponse({**meta, "object": "chat.completion", "system_fingerprint": None,
                              "choices": result["choices"], "usage": result["usage"]})
 
-    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float):
+    def _run_error(self, e: BaseException) -> APIError:
+        if isinstance(e, asyncio.TimeoutError):
+            return APIError(f"the request took longer than the server's limit of {self.security.request_timeout_s:g} s"
+                            " (tool calls included); ask for fewer tokens or tool calls", status=504,
+                            type="server_error", code="timeout")
+        if isinstance(e, EngineDead):
+            return _unavailable("the agent's engine stopped")
+        if isinstance(e, APIError):
+            return e
+        return _internal(e, "the agent's run")
+
+    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float, deadline: float):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -156,7 +239,7 @@ class AgentServer:
             for i in range(job.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             while True:
-                kind, i, payload = await queue.get()
+                kind, i, payload = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
                 if kind == "end":
                     break
                 if kind == "delta":
@@ -176,10 +259,11 @@ class AgentServer:
             finished = True
             self.metrics.finished(meta["model"], result, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, OpenAI style
-            err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
-                             "code": None}}
-            yield f"data: {json.dumps(err)}\n\n"
-            self.metrics.request(meta["model"], "500", time.perf_counter() - t0)
+            finished = True
+            cancel.set()
+            err = self._run_error(e)
+            yield f"data: {json.dumps(err.body())}\n\n"
+            self.metrics.request(meta["model"], str(err.status), time.perf_counter() - t0)
         finally:
             if not finished:  # client disconnect (generator cancelled or closed): free the engine rows
                 cancel.set()
@@ -206,23 +290,59 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
     return opts
 
 
-def build_app(specs: list[AgentSpec], **options: Any) -> Any:
-    """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``)."""
+def build_app(specs: list[AgentSpec], security: Security | None = None, **options: Any) -> Any:
+    """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
+
+    ``security`` defaults to :class:`serve.guard.Security`'s defaults: loopback ``Host`` names on port 8000 and an
+    API key required (from ``ARPO_API_KEY``); the key is checked here, so a missing one fails before Serve starts.
+    """
+    security = security or Security()
+    security.key()
     opts = deployment_options(**options)
-    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], opts["max_ongoing_requests"])
+    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], opts["max_ongoing_requests"],
+                                            security.to_dict())
+
+
+def _flag(value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text not in ("1", "true", "yes", "0", "false", "no", ""):
+        raise ConfigError(f"expected true or false, got {value!r}")
+    return text in ("1", "true", "yes")
+
+
+def security_from_args(args: dict[str, Any]) -> Security:
+    """The :class:`Security` of ``serve run`` / config-file arguments. The key itself is never one of them."""
+    if "api_key" in args:
+        raise ConfigError("the API key must not be a deployment argument (Serve shows and stores those)",
+                          hint="set ARPO_API_KEY in the environment of the Ray cluster, or name a key_file")
+    hosts = args.get("allowed_hosts") or []
+    if isinstance(hosts, str):
+        hosts = [h.strip() for h in hosts.split(",") if h.strip()]
+    sec = Security(key_file=args.get("key_file") or None,
+                   allow_unauthenticated=_flag(args.get("allow_unauthenticated", False)),
+                   allowed_hosts=list(hosts), port=int(args.get("port", 8000)), tls=_flag(args.get("tls", False)),
+                   max_body_bytes=int(args.get("max_body_bytes", MAX_BODY_BYTES)),
+                   request_timeout_s=float(args.get("request_timeout_s", REQUEST_TIMEOUT_S)))
+    sec.key()  # fails here, naming the fix, rather than in every replica
+    return sec
 
 
 def build(args: dict[str, Any]) -> Any:
     """Application builder for Ray's CLI: ``serve run serve.app:build models=A,B tools=python replicas=2``.
 
     Keys: those of :func:`serve.agents.specs_from_args` plus ``replicas``, ``max_ongoing_requests``,
-    ``max_queued_requests``, ``retry_after_s``, ``autoscale`` (true/false), ``num_cpus``.
+    ``max_queued_requests``, ``retry_after_s``, ``autoscale`` (true/false), ``num_cpus``, and the security keys
+    ``key_file``, ``allow_unauthenticated``, ``allowed_hosts``, ``port``, ``tls``, ``max_body_bytes``,
+    ``request_timeout_s`` (docs/security.md).
     """
     def num(key: str, cast: Any) -> Any:
         return cast(args[key]) if args.get(key) not in (None, "") else None
 
-    autoscale = str(args.get("autoscale", "false")).lower() in ("1", "true", "yes")
-    return build_app(specs_from_args(args), replicas=num("replicas", int),
+    security_keys = {"key_file", "allow_unauthenticated", "allowed_hosts", "port", "tls", "max_body_bytes",
+                     "request_timeout_s", "api_key"}
+    security = security_from_args(args)
+    rest = {k: v for k, v in args.items() if k not in security_keys}
+    return build_app(specs_from_args(rest), security, replicas=num("replicas", int),
                      max_ongoing_requests=num("max_ongoing_requests", int),
-                     max_queued_requests=num("max_queued_requests", int),
-                     retry_after_s=num("retry_after_s", float), autoscale=autoscale, num_cpus=num("num_cpus", float))
+                     max_queued_requests=num("max_queued_requests", int), retry_after_s=num("retry_after_s", float),
+                     autoscale=_flag(args.get("autoscale", False)), num_cpus=num("num_cpus", float))

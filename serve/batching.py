@@ -38,6 +38,10 @@ from arpo_algo.rollout.engines.base import Generation, GenRequest, error_generat
 CANCELLED = "cancelled: the client disconnected"
 
 
+class EngineDead(RuntimeError):
+    """The front's thread or its engine is gone: no call is answered any more (the replica must be replaced)."""
+
+
 class _Abort(Exception):
     """Raised out of ``on_token`` to stop a round that holds a cancelled request."""
 
@@ -84,10 +88,12 @@ class BatchingEngine:
             return []
         with self._cv:
             if self._closed:
-                raise RuntimeError("the batching engine is closed")
+                raise EngineDead("the batching engine is closed")
             self._calls.append(call)
             self._cv.notify()
-        call.done.wait()
+        while not call.done.wait(0.5):  # a caller never waits on a thread that died: it would wait forever
+            if not self._thread.is_alive():
+                raise EngineDead("the batching thread stopped")
         if call.error is not None:
             raise call.error
         return call.results  # type: ignore[return-value]
@@ -103,7 +109,17 @@ class BatchingEngine:
         s["mean_round_size"] = s.get("requests", 0.0) / max(s.get("rounds", 0.0), 1.0)
         return s
 
+    def alive(self) -> bool:
+        """Whether calls are still answered: the front is open, its thread runs and the engine says it is alive
+        (an engine without ``alive()``, the in-process HF engine, lives in this thread)."""
+        if self._closed or not self._thread.is_alive():
+            return False
+        probe = getattr(self.engine, "alive", None)
+        return bool(probe()) if callable(probe) else True
+
     def close(self) -> None:
+        """Stop: the running round is aborted (on a streaming engine), every waiting call fails with
+        :class:`EngineDead`, then the engine is closed."""
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -117,7 +133,11 @@ class BatchingEngine:
         with self._cv:
             while not self._calls and not self._closed:
                 self._cv.wait()
-            if self._closed and not self._calls:
+            if self._closed:
+                for call in self._calls:
+                    call.error = EngineDead("the batching engine is closed")
+                    call.done.set()
+                self._calls.clear()
                 return None
             calls, self._calls = list(self._calls), collections.deque()
             releases, self._releases = self._releases, []
@@ -155,6 +175,8 @@ class BatchingEngine:
             seen: dict[tuple[int, int], int] = {}
 
             def on_token(rid: Any, token: int, live: list[_Call] = live, seen: dict = seen) -> None:
+                if self._closed and self.streams:
+                    raise _Abort
                 c = live[rid[0]]
                 if c.cancel is not None and c.cancel.is_set():
                     if self.streams:
@@ -170,6 +192,11 @@ class BatchingEngine:
             try:
                 gens = self.engine.generate(flat, on_token=on_token)
             except _Abort:
+                if self._closed:
+                    for c in live:
+                        c.error = EngineDead("the batching engine is closed")
+                        c.done.set()
+                    return
                 with self._cv:
                     self._stats["aborted_rounds"] += 1
                 live = self._drop_cancelled(live)

@@ -32,7 +32,7 @@ from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
 from arpo_env.session import SessionStep, ToolSession
 from serve.agents import AgentSpec
 from serve.batching import BatchingEngine
-from serve.schema import APIError, ChatRequest
+from serve.schema import MAX_REQUEST_TOOL_CALLS, APIError, ChatRequest
 
 #: Agent finish reasons -> OpenAI ones.
 FINISH = {"length": "length", "client_tool": "tool_calls"}
@@ -140,6 +140,11 @@ class Agent:
     # --------------------------------------------------------------------------------------------- request -> job
     def prepare(self, req: ChatRequest) -> Job:
         """Token ids and settings for ``req``; client mistakes raise :class:`APIError` (400)."""
+        limit = self.session.config["max_tool_calls"]
+        per_choice = limit if req.max_tool_calls is None else min(limit, req.max_tool_calls)
+        if req.n * per_choice > MAX_REQUEST_TOOL_CALLS:
+            raise APIError(f"n x tool calls per choice may be at most {MAX_REQUEST_TOOL_CALLS} per request, got "
+                           f"{req.n} x {per_choice}; lower 'n' or 'arpo.max_tool_calls'", param="n")
         msgs = req.messages
         if msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": self.session.system_prompt()}, *msgs]

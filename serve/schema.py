@@ -15,8 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+#: Bounds of one request (docs/security.md): each keeps one client from taking a replica's memory or time.
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 256
+#: ``n`` times the tool calls each choice may make (the agent's limit, or the request's lower one).
+MAX_REQUEST_TOOL_CALLS = 64
 TOOL_MODES = ("server", "client")
 #: Parameters we read.
 KNOWN = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
@@ -109,6 +114,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         raise APIError(f"'messages' must be a list of message objects, got {type(msgs).__name__}", param="messages")
     if not msgs:
         raise APIError("'messages' must not be empty", param="messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise APIError(f"'messages' takes at most {MAX_MESSAGES} messages, got {len(msgs)}", param="messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -149,6 +156,9 @@ def _stop(body: dict) -> list[str]:
         raise APIError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
     if len(items) > MAX_STOP:
         raise APIError(f"'stop' takes at most {MAX_STOP} strings, got {len(items)}", param="stop")
+    longest = max(len(x) for x in items) if items else 0
+    if longest > MAX_STOP_CHARS:
+        raise APIError(f"a 'stop' string has at most {MAX_STOP_CHARS} characters, got {longest}", param="stop")
     return list(items)
 
 

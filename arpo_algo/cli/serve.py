@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
+import ssl
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 from arpo_base.errors import ArpoError
 
+#: Ray Serve's own request timeout is this much longer than the app's deadline, so the app's OpenAI-shaped 504
+#: answers first and Serve's plain one is only a backstop.
+SERVE_TIMEOUT_SLACK_S = 5.0
 
-def wait_ready(url: str, timeout_s: float) -> dict:
+
+def wait_ready(url: str, timeout_s: float, key: str | None = None, context: ssl.SSLContext | None = None) -> dict:
     """Poll ``GET url/health`` until it answers 200 (models loaded); raise naming the last answer otherwise."""
     deadline, last = time.monotonic() + timeout_s, "no answer"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            req = urllib.request.Request(f"{url}/health", headers=headers)
+            with urllib.request.urlopen(req, timeout=5, context=context) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             last = e.read().decode(errors="replace")
@@ -29,6 +40,46 @@ def wait_ready(url: str, timeout_s: float) -> dict:
     raise ArpoError(f"the server did not become ready within {timeout_s:.0f} s ({last})")
 
 
+def _key(args: argparse.Namespace) -> str | None:
+    from serve.guard import KEY_ENV, read_key
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ArpoError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ArpoError("--api-key is empty", hint=f"give a key, or set {KEY_ENV}")
+        return args.api_key.strip()
+    return read_key(args.api_key_file)
+
+
+def security_of(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The deployment's :class:`serve.guard.Security` and the key; refuses an exposed server that is not guarded.
+    Runs before anything starts (no model is loaded, Ray is not started)."""
+    from serve.guard import Security, is_loopback
+
+    key = _key(args)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ArpoError("TLS needs both --tls-cert and --tls-key")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not Path(path).is_file():
+            raise ArpoError(f"TLS file not found: {Path(path).name}", hint="give the PEM files of the certificate")
+    if not is_loopback(args.host):
+        if key is None:
+            raise ArpoError(f"refusing to listen on {args.host} without an API key: anyone who reaches this port "
+                            "could run Python on this machine",
+                            hint="set ARPO_API_KEY (e.g. `export ARPO_API_KEY=$(openssl rand -hex 32)`), or pass "
+                                 "--api-key-file FILE; or listen on 127.0.0.1")
+        if not args.allowed_hosts:
+            raise ArpoError(f"listening on {args.host} needs --allowed-hosts: the host names clients use to reach "
+                            "this server (the Host header of any other name is refused)",
+                            hint="e.g. --allowed-hosts gpu1.example.org,10.0.0.5")
+    if args.request_timeout <= 0:
+        raise ArpoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+    hosts = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+    return Security(allow_unauthenticated=key is None, allowed_hosts=hosts, port=args.port,
+                    tls=bool(args.tls_cert), request_timeout_s=args.request_timeout), key
+
+
 def start(args: argparse.Namespace) -> str:
     """Start Ray (if needed), Serve on ``host:port`` and the application; return the base URL once ready."""
     import ray
@@ -36,18 +87,44 @@ def start(args: argparse.Namespace) -> str:
 
     from serve.agents import build_specs
     from serve.app import build_app
+    from serve.guard import is_loopback
 
+    security, key = security_of(args)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
                         system_prompt=args.system_prompt, max_tokens=args.max_tokens)
+    if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
+        args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
+        key_path = Path(args.key_dir) / "api_key"
+        key_path.touch(mode=0o600)
+        key_path.write_text(key, encoding="utf-8")
+        security.key_file = str(key_path)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(specs, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
+    http = {"host": args.host, "port": args.port,
+            "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
+    if args.tls_cert:
+        http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    serve.start(http_options=http)
+    app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                     max_queued_requests=args.max_queued_requests, autoscale=args.autoscale)
     serve.run(app, name="arpo", route_prefix="/", blocking=False)
-    url = f"http://{args.host}:{args.port}"
-    health = wait_ready(url, args.ready_timeout)
-    print(f"serving {', '.join(health['models'])} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
+    scheme = "https" if args.tls_cert else "http"
+    context = None
+    if args.tls_cert:  # our own server, polled locally: its certificate need not name 127.0.0.1
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    local = args.host if is_loopback(args.host) else "127.0.0.1"
+    wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, context)
+    url = f"{scheme}://{args.host}:{args.port}"
+    print(f"serving {', '.join(s.name for s in specs)} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
+    print("authentication: " + ("API key required on /v1/*" if key else "OFF (no API key; this machine only)"))
+    if args.tls_cert:
+        print("TLS: on")
+    elif is_loopback(args.host):
+        print("TLS: off (this machine only)")
+    else:
+        print("TLS: OFF - requests, answers and the API key cross the network in clear text; give --tls-cert and "
+              "--tls-key")
     return url
 
 
@@ -65,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _interrupt)
 
+    security_of(args)  # an unguarded exposed server is refused before Ray starts (the shutdown below would start it)
     on_signals()
     try:
         start(args)
@@ -78,6 +156,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, signal.SIG_IGN)
         serve.shutdown()
         ray.shutdown()
+        if getattr(args, "key_dir", None):
+            shutil.rmtree(args.key_dir, ignore_errors=True)
     return 0
 
 
@@ -103,5 +183,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests a replica works on at once (they share engine rounds)")
     p.add_argument("--max-queued-requests", type=int, default=32, dest="max_queued_requests",
                    help="requests waiting at the proxy beyond that; more get HTTP 503 + Retry-After")
+    p.add_argument("--api-key", dest="api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
+                        "process list: prefer the variable or --api-key-file)")
+    p.add_argument("--api-key-file", dest="api_key_file", default=None, help="read the API key from this file")
+    p.add_argument("--allowed-hosts", dest="allowed_hosts", default=None,
+                   help="host names clients use (Host header), comma-separated; required off loopback")
+    p.add_argument("--tls-cert", dest="tls_cert", default=None, help="PEM certificate: serve HTTPS")
+    p.add_argument("--tls-key", dest="tls_key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--request-timeout", type=float, default=300.0, dest="request_timeout",
+                   help="seconds one request may take, tool calls included (504 beyond; default 300)")
     p.add_argument("--ready-timeout", type=float, default=600.0, dest="ready_timeout")
     p.set_defaults(func=cmd_serve)

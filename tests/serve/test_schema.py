@@ -140,7 +140,8 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     app = build({"models": f"a={model},b={model}", "tools": "python", "max_tool_calls": "3", "replicas": "2",
-                 "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2"})
+                 "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2",
+                 "allow_unauthenticated": "true"})
     assert isinstance(app, Application)
     opts = deployment_options(replicas=2, max_ongoing_requests=4, max_queued_requests=8, retry_after_s=2)
     assert opts["num_replicas"] == 2 and opts["max_queued_requests"] == 8
@@ -149,4 +150,4 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
     assert auto["autoscaling_config"]["target_ongoing_requests"] == AUTOSCALING["target_ongoing_requests"]
     assert "num_replicas" not in auto
     with pytest.raises(ArpoError, match="nothing to serve"):
-        build({})
+        build({"allow_unauthenticated": "true"})

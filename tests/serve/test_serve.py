@@ -74,6 +74,7 @@ def server(sft_model, demos):
 
     from serve.agents import build_specs
     from serve.app import build_app
+    from serve.guard import Security
 
     sft, base = sft_model
     specs = build_specs([f"toolmath={sft}"], tools="python", max_tool_calls=2, system_prompt=SYSTEM,
@@ -91,7 +92,9 @@ def server(sft_model, demos):
         ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(specs, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED, retry_after_s=2),
+    open_local = Security(allow_unauthenticated=True, port=port)  # the guard itself is tested in test_guard.py
+    serve.run(build_app(specs, open_local, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED,
+                        retry_after_s=2),
               name="arpo", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     from arpo_algo.cli.serve import wait_ready

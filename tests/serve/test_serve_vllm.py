@@ -24,7 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -209,6 +211,34 @@ def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
     assert _ids(first)[0] != _ids(first)[1]  # per-choice seeds
     hf_ids = _ids(_in_process(hf_agent, sampled))
     assert all(a != b for a, b in zip(_ids(first), hf_ids)), "sampled like the HF engine: vLLM was not used"
+
+
+def _answer(url: str, path: str, body: dict | None = None) -> tuple[int, Any, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, json.loads(r.read())  # headers: case-insensitive
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())  # every answer is JSON, errors included
+
+
+def test_dead_engine_core_fails_health_and_answers_503(server):
+    """Kill the replica's vLLM engine-core process: /health fails (so Serve replaces the replica) and a chat request
+    gets an OpenAI-shaped 503 with Retry-After, never a hang or a plain-text 500."""
+    import psutil
+
+    url, proc, log = server
+    for pid in _engine_cores(_with_engine_core(proc, log)):
+        psutil.Process(pid).kill()
+    deadline, status = time.monotonic() + 60, 200
+    while status != 503 and time.monotonic() < deadline:
+        status, headers, body = _answer(url, "/health")
+        time.sleep(0.2)
+    assert status == 503 and body["status"] == "error" and headers.get("Retry-After"), (status, body)
+    status, headers, body = _answer(url, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES,
+                                                                   "max_tokens": 4})
+    assert status == 503 and headers.get("Retry-After") and body["error"]["code"] == "engine_unavailable", body
 
 
 def test_sigterm_shuts_down_serve_ray_and_vllm(server):

@@ -121,7 +121,7 @@ class VLLMEngine:
         path = Path(resolve_model_path(os.fspath(model_or_path)))
         check_architecture(path)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
-            raise ConfigError(f"sleep_between_rollouts needs vLLM's sleep mode, which its "
+            raise ConfigError("sleep_between_rollouts needs vLLM's sleep mode, which its "
                               f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
                               hint="set sleep_between_rollouts=False")
         kwargs: dict[str, Any] = dict(model=str(path), dtype=dtype, enable_prefix_caching=True, seed=seed,
@@ -291,6 +291,21 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+    def alive(self) -> bool:
+        """False once closed or once vLLM's engine-core process has exited (vLLM's own monitor thread then marks
+        its client dead; the exit code is read directly too, so a kill is seen at once). A serving replica's
+        health check reads this."""
+        if self._closed:
+            return False
+        resources = getattr(getattr(getattr(self.llm, "llm_engine", None), "engine_core", None), "resources", None)
+        if resources is None:  # vLLM's in-process engine core: it lives and dies with this process
+            return True
+        if getattr(resources, "engine_dead", False):
+            return False
+        manager = getattr(resources, "engine_manager", None)
+        finished = getattr(manager, "finished_procs", None)
+        return not (callable(finished) and finished())
 
     def close(self) -> None:
         """Stop vLLM's engine process and free its memory (idempotent)."""

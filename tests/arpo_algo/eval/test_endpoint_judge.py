@@ -154,6 +154,7 @@ def arpo_serve(tmp_path_factory):
     from arpo_algo.models import build_tiny_model
     from serve.agents import build_specs
     from serve.app import build_app
+    from serve.guard import Security
 
     model = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", num_layers=2, hidden_size=64, seed=0)
     with socket.socket() as s:
@@ -164,7 +165,8 @@ def arpo_serve(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(build_specs([f"tiny={model}"], tools="python", max_tool_calls=3, max_tokens=64)),
+        serve.run(build_app(build_specs([f"tiny={model}"], tools="python", max_tool_calls=3, max_tokens=64),
+                            Security(allow_unauthenticated=True, port=port)),
                   name="arpo-eval-test", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 300)

@@ -1,0 +1,257 @@
+"""The checks every HTTP request passes before a route sees it (docs/security.md is the threat model).
+
+In order: the ``Host`` header must name this server (a DNS-rebinding page cannot reach it), an ``Origin`` header must
+be the served origin itself (no other site's page can call the API), ``/v1/*`` needs ``Authorization: Bearer KEY``
+when a key is set, a POST body must be ``application/json`` (a plain HTML form cannot send a request) and at most
+``max_body_bytes``. Every refusal is an OpenAI-shaped JSON error, counted once in the metrics, and nothing behind
+it runs. Every response carries ``nosniff`` and may not be framed.
+
+The key never travels as a deployment argument: a replica reads it from ``ARPO_API_KEY`` or from a key file.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo_base.errors import ConfigError
+
+KEY_ENV = "ARPO_API_KEY"
+MAX_BODY_BYTES = 4 * 1024 * 1024
+REQUEST_TIMEOUT_S = 300.0
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+#: Headers on every response: no MIME sniffing, no framing (clickjacking), no referrer to other sites.
+COMMON_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
+API_CSP = "default-src 'none'; frame-ancestors 'none'"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_key(key_file: str | None) -> str | None:
+    """The API key: the key file's content when one is named, else ``ARPO_API_KEY``, else None."""
+    if key_file:
+        try:
+            key = Path(key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read the API key file: {e.strerror}",
+                              hint="give a readable file holding the key (or set ARPO_API_KEY)") from None
+        if not key:
+            raise ConfigError("the API key file is empty", hint="write the key into it (one line)")
+        return key
+    return os.environ.get(KEY_ENV, "").strip() or None
+
+
+@dataclass
+class Security:
+    """What a deployment enforces. Plain data that travels to the replicas: it names a key file, never the key.
+
+    Attributes:
+        key_file: A file holding the API key; None: the replica reads ``ARPO_API_KEY``.
+        allow_unauthenticated: Serve without a key (only when none is found; a key found is always enforced).
+        allowed_hosts: Accepted ``Host`` values (``name`` or ``name:port``) beside the loopback names.
+        port: The port clients connect to (the ``Host`` header carries it).
+        tls: Whether the proxy serves HTTPS (the served origin is then ``https://``).
+        max_body_bytes: Largest request body (HTTP 413 beyond).
+        request_timeout_s: Deadline of one request, tool calls included (HTTP 504 beyond).
+        checks: False only to measure what the checks cost (``experiments/bench_serve.py``); no CLI flag sets it.
+    """
+
+    key_file: str | None = None
+    allow_unauthenticated: bool = False
+    allowed_hosts: list[str] = field(default_factory=list)
+    port: int = 8000
+    tls: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    checks: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def key(self) -> str | None:
+        """The key this deployment enforces; raises :class:`ConfigError` when one is required and none is set."""
+        key = read_key(self.key_file)
+        if key is None and not self.allow_unauthenticated and self.checks:
+            raise ConfigError("no API key: set ARPO_API_KEY (or name a key file) before starting the server",
+                              hint="`export ARPO_API_KEY=$(openssl rand -hex 32)`; or, on a trusted machine only, "
+                                   "allow_unauthenticated: true")
+        return key
+
+    def hosts(self) -> frozenset[str]:
+        # Loopback names are always accepted: only a client on this machine sends them (a rebinding page sends its
+        # own name), so they never open the server to another site.
+        names = [*LOOPBACK_NAMES, *(h.lower() for h in self.allowed_hosts)]
+        default_port = 443 if self.tls else 80
+        out = set()
+        for name in names:
+            if re.search(r":\d+$", name) and not name.endswith("]"):
+                out.add(name)
+            else:
+                out.add(f"{name}:{self.port}")
+                if self.port == default_port:
+                    out.add(name)
+        return frozenset(out)
+
+
+def page_csp(html: str) -> str:
+    """A Content-Security-Policy for the chat page: its own inline script and style (by hash) and same-origin
+    fetches only; nothing may frame it."""
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in blocks)
+
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+class Refusal(Exception):
+    """A request refused before any route runs."""
+
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": "invalid_request_error", "param": None,
+                                     "code": self.code}}).encode()
+
+
+class Policy:
+    """The checks of one replica (built from :class:`Security` inside it)."""
+
+    def __init__(self, security: Security, on_refusal: Any = None) -> None:
+        self.enabled = security.checks
+        self.key = security.key()
+        self.hosts = security.hosts()
+        self.scheme = "https" if security.tls else "http"
+        self.max_body = security.max_body_bytes
+        self.on_refusal = on_refusal
+
+    def authorized(self, headers: dict[str, str]) -> bool:
+        """Whether the request carries the key (always true without one). Constant-time comparison."""
+        if self.key is None:
+            return True
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key.encode())
+
+    def check(self, method: str, path: str, headers: dict[str, str]) -> None:
+        """Raise :class:`Refusal` for a request that must not reach a route."""
+        host = headers.get("host", "").lower()
+        if host not in self.hosts:
+            # The accepted names are not listed: a rebinding page can read this answer.
+            raise Refusal(403, f"Host {host!r} is not served here: use localhost, 127.0.0.1 or a name the server "
+                               "allows (arpo serve --allowed-hosts)", "host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() != f"{self.scheme}://{host}":
+            raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
+        if (path == "/v1" or path.startswith("/v1/")) and not self.authorized(headers):
+            raise Refusal(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
+                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if method == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise Refusal(415, f"the request body must be application/json, got {ctype or 'no Content-Type'!r}",
+                              "unsupported_media_type")
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                raise self.too_large()
+
+    def too_large(self) -> Refusal:
+        return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large")
+
+
+_POLICY: list[Policy] = []  # the replica's policy, installed by its constructor before any request is served
+
+
+def install(policy: Policy) -> None:
+    _POLICY[:] = [policy]
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware applying the replica's :class:`Policy` (installed with :func:`install`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not _POLICY:  # the constructor has not run: refuse rather than serve unchecked
+            await _send_refusal(send, Refusal(503, "the server is starting", "loading", {"Retry-After": "1"}))
+            return
+        policy = _POLICY[0]
+        started = False
+
+        async def send_with_headers(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                extra = dict(COMMON_HEADERS, **{"Content-Security-Policy": API_CSP})
+                message = dict(message, headers=[*message.get("headers", []),
+                                                 *((k.lower().encode(), v.encode()) for k, v in extra.items()
+                                                   if k.lower().encode() not in present)])
+            await send(message)
+
+        if not policy.enabled:
+            await self.app(scope, receive, send_with_headers)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            policy.check(scope["method"], scope["path"], headers)
+        except Refusal as r:
+            await _refuse(policy, send_with_headers, r)
+            return
+        seen = 0
+
+        async def bounded_receive() -> dict:  # a body without (or beyond) its Content-Length is cut at the limit
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > policy.max_body:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, bounded_receive, send_with_headers)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await _refuse(policy, send_with_headers, policy.too_large())
+
+
+async def _refuse(policy: Policy, send: Any, r: Refusal) -> None:
+    if policy.on_refusal is not None:
+        policy.on_refusal(r.status)
+    await _send_refusal(send, r)
+
+
+async def _send_refusal(send: Any, r: Refusal) -> None:
+    body = r.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in r.headers.items())]
+    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

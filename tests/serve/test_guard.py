@@ -1,0 +1,204 @@
+"""The serve side's access checks against a real server (tests/serve/guarded.py): Ray Serve on 127.0.0.1 with an API
+key, the official ``openai`` client where it fits and raw HTTP where a client would not send the request (a wrong
+Host, a foreign Origin, a form post).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.serve.guarded import (
+    KEY,
+    assert_openai_error,
+    chat_body,
+    post_chat,
+    request,
+    server_fixture,
+    status_counts,
+)
+
+openai = pytest.importorskip("openai")
+
+server = server_fixture(sleeper=False)
+
+
+# ------------------------------------------------------------------------------------------------- authentication
+def test_v1_needs_the_key_and_health_says_only_up(server):
+    url = server["url"]
+    for key in ("", "wrong-key", KEY + "x"):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    status, headers, out = post_chat(server, chat_body(), headers={"Authorization": None})
+    assert status == 401 and headers.get("www-authenticate") == "Bearer"
+    assert_openai_error(out, "invalid_api_key")
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in good.models.list().data] == ["tiny"]
+    assert good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=2).choices[0].message.content is not None
+    assert request(server, "GET", "/health", headers={"Authorization": None})[2] == {"status": "ok"}
+    assert request(server, "GET", "/health")[2] == {"status": "ok", "models": ["tiny"]}
+    status, headers, page = request(server, "GET", "/", headers={"Authorization": None})
+    assert status == 200 and "<title>arpo serve</title>" in page
+
+
+def test_models_and_errors_name_no_path(server):
+    status, _, out = request(server, "GET", "/v1/models")
+    text = json.dumps(out)
+    assert status == 200 and str(server["model"]) not in text and "/" not in text.replace("\\/", ""), text
+    status, _, out = post_chat(server, chat_body(model="nope"))
+    assert status == 404 and str(server["model"]) not in json.dumps(out)
+
+
+def test_exposed_bind_without_key_or_hosts_is_refused_before_anything_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ARPO_API_KEY"}
+    cmd = [sys.executable, "-m", "arpo_algo.cli", "serve", str(tmp_path / "no-model"), "--host", "0.0.0.0"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert "without an API key" in r.stderr and "ARPO_API_KEY" in r.stderr, r.stderr
+    assert "Ray" not in r.stderr + r.stdout and time.monotonic() - t0 < 60  # refused before Ray or a model
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "ARPO_API_KEY": KEY}, timeout=120)
+    assert r.returncode == 2 and "--allowed-hosts" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_config_files_take_the_key_from_the_environment_or_a_file_never_from_args(tmp_path, monkeypatch):
+    from arpo_base.errors import ConfigError
+    from serve.app import security_from_args
+
+    monkeypatch.delenv("ARPO_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="no API key"):
+        security_from_args({"models": "x"})
+    with pytest.raises(ConfigError, match="must not be a deployment argument"):
+        security_from_args({"api_key": KEY, "allow_unauthenticated": "true"})
+    assert security_from_args({"allow_unauthenticated": "true"}).key() is None
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    assert security_from_args({"key_file": str(key_file)}).key() == KEY
+    monkeypatch.setenv("ARPO_API_KEY", KEY)
+    sec = security_from_args({"allowed_hosts": "gpu1.example.org", "port": "9000"})
+    assert sec.key() == KEY and KEY not in json.dumps(sec.to_dict())
+    assert {"gpu1.example.org:9000", "localhost:9000", "127.0.0.1:9000"} <= sec.hosts()
+
+
+def test_the_config_file_deploys_only_with_a_key(server, monkeypatch):
+    """experiments/serve_config.yaml's args through the builder Serve calls: no key -> refused; ARPO_API_KEY set ->
+    an application whose deployment arguments do not hold the key."""
+    import yaml
+
+    from arpo_base.errors import ConfigError
+    from serve.app import build
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "experiments", "serve_config.yaml"), encoding="utf-8") as f:
+        args = dict(yaml.safe_load(f)["applications"][0]["args"], models=f"tiny={server['model']}")
+    monkeypatch.delenv("ARPO_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="no API key"):
+        build(args)
+    monkeypatch.setenv("ARPO_API_KEY", KEY)
+    from ray import cloudpickle
+
+    assert KEY.encode() not in cloudpickle.dumps(build(args))  # what Serve ships and stores of the application
+
+
+# ----------------------------------------------------------------------------------------- browser-borne attacks
+def test_post_bodies_only_as_json(server):
+    body = json.dumps(chat_body()).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        status, _, out = post_chat(server, body, headers={"Content-Type": ctype})
+        assert status == 415, (ctype, out)
+        assert_openai_error(out, "unsupported_media_type")
+    assert post_chat(server, body, headers={"Content-Type": "application/json; charset=utf-8"})[0] == 200
+
+
+def test_host_must_name_this_server(server):
+    port = server["port"]
+    for host in (f"evil.example:{port}", "127.0.0.1:1", "localhost", "attacker.test"):
+        status, _, out = request(server, "GET", "/v1/models", headers={"Host": host})
+        assert status == 403, (host, out)
+        assert_openai_error(out, "host_not_allowed")
+    assert request(server, "GET", "/", headers={"Host": f"evil.example:{port}"})[0] == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        assert request(server, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+
+
+def test_foreign_origins_are_refused(server):
+    port = server["port"]
+    for origin in ("http://evil.example", "null", f"http://localhost:{port + 1}", f"https://127.0.0.1:{port}"):
+        status, _, out = post_chat(server, chat_body(), headers={"Origin": origin})
+        assert status == 403, (origin, out)
+        assert_openai_error(out, "origin_not_allowed")
+    assert post_chat(server, chat_body(), headers={"Origin": f"http://127.0.0.1:{port}"})[0] == 200
+
+
+def test_page_is_locked_down_and_its_script_allowed(server):
+    import base64
+    import hashlib
+    import re
+
+    status, headers, page = request(server, "GET", "/", headers={"Authorization": None})
+    csp = headers["content-security-policy"]
+    assert status == 200 and "frame-ancestors 'none'" in csp and "default-src 'none'" in csp
+    assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+    script = re.search(r"<script>(.*?)</script>", page, re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert f"'sha256-{digest}'" in csp, "the page's own script must be allowed by hash"
+    assert not re.search(r"\sstyle=", page) and not re.search(r"\son[a-z]+=", page), "inline attributes are blocked"
+    assert "sessionStorage" in page and "localStorage" not in page
+    api_headers = request(server, "GET", "/v1/models")[1]
+    assert "frame-ancestors 'none'" in api_headers["content-security-policy"]
+
+
+def test_the_key_is_never_logged(server):
+    """Nothing Ray, Serve or the replica wrote (access logs, replica logs) holds the key."""
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    assert os.path.isdir(logs)
+    holding = []
+    for folder, _, files in os.walk(logs):
+        for name in files:
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    if KEY.encode() in f.read():
+                        holding.append(name)
+            except OSError:
+                continue
+    assert holding == []
+
+
+def test_refusals_are_counted_once(server):
+    before, deadline = status_counts(server), time.monotonic() + 60
+    while time.monotonic() < deadline:  # earlier tests' counts may still be on their way to the export
+        time.sleep(2.5)
+        now = status_counts(server)
+        if now == before:
+            break
+        before = now
+    sent = {"401": 2, "415": 3, "403": 1, "400": 1, "413": 1}
+    for _ in range(sent["401"]):
+        post_chat(server, chat_body(), headers={"Authorization": "Bearer nope"})
+    for _ in range(sent["415"]):
+        post_chat(server, json.dumps(chat_body()).encode(), headers={"Content-Type": "text/plain"})
+    post_chat(server, chat_body(), headers={"Origin": "null"})
+    post_chat(server, chat_body(stop=["x"] * 5))
+    post_chat(server, b" " * (5 << 20))
+    want = {k: before.get(k, 0.0) + v for k, v in sent.items()}
+    deadline, now = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        now = status_counts(server)
+        if all(now.get(k, 0.0) >= v for k, v in want.items()):
+            break
+        time.sleep(1)
+    time.sleep(3)  # a second export of the same counters must not add to them
+    now = status_counts(server)
+    assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
