@@ -101,8 +101,13 @@ def parse_tools(text: str | None) -> dict[str, Any] | None:
 
 def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool_calls: int | None = None,
                 engine: str = "hf", system_prompt: str | None = None, protocol: str | None = None,
-                max_tokens: int = 512, engine_settings: dict[str, Any] | None = None) -> list[AgentSpec]:
-    """Specs for every source (the same tools and limits for each); names must be unique."""
+                max_tokens: int = 512, engine_settings: dict[str, Any] | None = None,
+                allow_unisolated_python: bool = False) -> list[AgentSpec]:
+    """Specs for every source (the same tools and limits for each); names must be unique.
+
+    A server-side Python tool must reach the sandbox's minimum isolation (no network, not the server's own user): it
+    is built and tested here, before anything starts, and refused below it unless ``allow_unisolated_python`` (the
+    CLI's ``--allow-unisolated-python``), which then travels in the tool's settings to every replica."""
     if not sources:
         raise ConfigError("nothing to serve: give at least one model folder, checkpoint or run folder")
     if engine not in ENGINE_KINDS:
@@ -118,6 +123,15 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
                        ("protocol", protocol)):
         if value is not None:
             session[key] = value
+    tools_now = session.get("tools", {"python": {}})
+    if isinstance(tools_now, dict) and "python" in tools_now:
+        from arpo_env.tools.isolation_checks import require_python_isolation
+
+        record = require_python_isolation(tools_now["python"], allow_unisolated_python=allow_unisolated_python,
+                                          context="serve")
+        if allow_unisolated_python and not record["meets_minimum"]:
+            session["tools"] = {**tools_now, "python": {**(tools_now["python"] or {}),
+                                                         "allow_unisolated_python": True}}
     _check_session(session)
     specs, seen = [], set()
     for src in sources:
@@ -163,7 +177,7 @@ def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
     """Specs from ``serve run serve.app:build key=value`` arguments (all strings) or a config file's ``args``.
 
     Keys: ``models`` (comma-separated ``[NAME=]SOURCE``; a list in YAML), ``tools``, ``max_tool_calls``, ``engine``,
-    ``system_prompt``, ``protocol``, ``max_tokens``, ``max_batch_size``.
+    ``system_prompt``, ``protocol``, ``max_tokens``, ``max_batch_size``, ``allow_unisolated_python``.
     """
     models = args.get("models")
     if isinstance(models, str):
@@ -175,4 +189,6 @@ def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
     return build_specs(list(models or []), tools=args.get("tools"), engine=str(args.get("engine", "hf")),
                        max_tool_calls=int(mtc) if mtc not in (None, "") else None,
                        system_prompt=args.get("system_prompt"), protocol=args.get("protocol"),
-                       max_tokens=int(args.get("max_tokens", 512)), engine_settings=engine_settings)
+                       max_tokens=int(args.get("max_tokens", 512)), engine_settings=engine_settings,
+                       allow_unisolated_python=str(args.get("allow_unisolated_python", False)).lower()
+                       in ("1", "true", "yes"))

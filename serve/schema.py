@@ -8,11 +8,12 @@ the model's context) live with the agent.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from arpo_base.options import closest
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: Bounds of one request (docs/security.md): each keeps one client from taking a replica's memory or time.
@@ -165,8 +166,8 @@ def _stop(body: dict) -> list[str]:
 def _unknown(body: dict) -> None:
     for key in body:
         if key not in KNOWN and key not in IGNORED:
-            close = difflib.get_close_matches(key, sorted(KNOWN), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            close = closest(key, KNOWN)
+            hint = f"; did you mean '{close}'?" if close else ""
             raise APIError(f"unrecognized request argument supplied: '{key}'{hint}", param=key)
 
 

@@ -91,7 +91,8 @@ def start(args: argparse.Namespace) -> str:
 
     security, key = security_of(args)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
-                        system_prompt=args.system_prompt, max_tokens=args.max_tokens)
+                        system_prompt=args.system_prompt, max_tokens=args.max_tokens,
+                        allow_unisolated_python=args.allow_unisolated_python)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
         args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
         key_path = Path(args.key_dir) / "api_key"
@@ -194,4 +195,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0, dest="request_timeout",
                    help="seconds one request may take, tool calls included (504 beyond; default 300)")
     p.add_argument("--ready-timeout", type=float, default=600.0, dest="ready_timeout")
+    p.add_argument("--allow-unisolated-python", action="store_true", dest="allow_unisolated_python",
+                   help="serve a Python tool below the 'process' isolation level (the model's code may reach the "
+                        "network or act as the server's user); refused without this flag")
     p.set_defaults(func=cmd_serve)

@@ -202,7 +202,7 @@ def test_downgrade_is_refused_without_the_opt_in(caplog):
     with pytest.raises(ConfigError, match="below the minimum 'process'") as exc:
         require_python_isolation(spec, context="serve")
     assert "--allow-unisolated-python" in exc.value.hint
-    with caplog.at_level(logging.WARNING, logger="arpo_env.tools.isolation"):
+    with caplog.at_level(logging.WARNING, logger="arpo_env.tools.isolation_checks"):
         record = require_python_isolation(spec, allow_unisolated_python=True, context="test-downgrade")
         require_python_isolation(spec, allow_unisolated_python=True, context="test-downgrade")
     assert record["level"] == "unisolated" and record["allowed_unisolated"] and not record["network_isolation"]

@@ -151,3 +151,19 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
     assert "num_replicas" not in auto
     with pytest.raises(ArpoError, match="nothing to serve"):
         build({"allow_unauthenticated": "true"})
+
+
+def test_serve_refuses_a_python_tool_below_the_minimum_isolation(tiny_model_dir, capsys):
+    """Without namespaces the model's code would reach the network: `arpo serve` refuses before anything starts,
+    naming the opt-in; with the opt-in the specs carry it to every replica's tool."""
+    from arpo_algo.cli.main import main
+    from tests.arpo_env.test_sandbox_isolation import _system_python
+
+    spec = {"backend": "subprocess", "namespaces": False, "python_executable": _system_python(), "timeout_s": 10}
+    assert main(["serve", str(tiny_model_dir), "--tools", json.dumps({"python": spec})]) == 2
+    err = capsys.readouterr().err
+    assert "below the minimum 'process'" in err and "--allow-unisolated-python" in err and "Traceback" not in err
+    specs = build_specs([str(tiny_model_dir)], tools={"python": spec}, allow_unisolated_python=True)
+    assert specs[0].session["tools"]["python"]["allow_unisolated_python"] is True
+    safe = build_specs([str(tiny_model_dir)], tools="python")  # the default sandbox here meets the minimum
+    assert "allow_unisolated_python" not in safe[0].session["tools"]["python"]

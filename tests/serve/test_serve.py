@@ -380,6 +380,8 @@ def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     chromedriver = shutil.which("chromedriver")
     if chromium is None or chromedriver is None:
+        if os.environ.get("ARPO_REQUIRE_BROWSER") == "1":
+            pytest.fail("ARPO_REQUIRE_BROWSER=1 (CI) but chromium/chromedriver are missing: scripts/test installs them")
         pytest.skip("no chromium/chromedriver here (Debian: apt-get install chromium chromium-driver)")
     wd = WebDriver(chromedriver, chromium, str(tmp_path / "profile"))
     try:
