@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from arpo_algo.core.advantages import rewards_have_spread
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.metrics import mean
 
@@ -79,7 +80,7 @@ def group_diagnostics(groups: list) -> dict[str, float]:
     ents: list[float] = []
     for g in groups:
         rewards = [t.reward for t in g.trajectories]
-        zero += max(rewards) == min(rewards)
+        zero += not rewards_have_spread(rewards)
         m = mean(rewards)
         sds.append(mean((r - m) ** 2 for r in rewards) ** 0.5)
         distinct.append(len({tuple(t.response_ids) for t in g.trajectories}))
