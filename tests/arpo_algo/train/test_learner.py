@@ -179,12 +179,12 @@ def test_kl_to_reference_is_zero_at_start_and_lr_schedule(tiny_model_dir, groups
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="learner: unknown key 'cliprange'"):
+    with pytest.raises(ConfigError, match="training: unknown key 'cliprange'"):
         LearnerConfig.from_dict({"cliprange": 0.2})
-    with pytest.raises(ConfigError, match="learner: unknown key 'clip_hihg'") as err:
+    with pytest.raises(ConfigError, match="training: unknown key 'clip_hihg'") as err:
         LearnerConfig.from_dict({"clip_hihg": 0.2})
     assert err.value.hint == "did you mean 'clip_high'?"
-    with pytest.raises(ConfigError, match="learner: ppo_epochs must be int, got 1.5"):  # types were not checked
+    with pytest.raises(ConfigError, match="training: ppo_epochs must be int, got 1.5"):  # types were not checked
         LearnerConfig.from_dict({"ppo_epochs": 1.5})
     with pytest.raises(ConfigError, match="seq_mean"):
         LearnerConfig(advantage="hard", loss_agg="seq_mean").validate()
