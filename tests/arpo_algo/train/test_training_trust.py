@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from arpo_algo.algorithms.stabilizers import has_signal
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)
@@ -43,3 +44,16 @@ def test_equal_non_binary_rewards_are_no_signal_everywhere(tiny_model_dir, group
     assert not has_signal(rounded) and not has_signal(flat)
     assert group_diagnostics([rounded])["diag/zero_variance_group_frac"] == 1.0
     assert has_signal(_with_rewards(groups[0], [1.0, 1.0 + 1e-3])) and has_signal(_with_rewards(groups[0], [0.0, 1.0]))
+
+
+@pytest.mark.parametrize("key, value", [("temperature", 0.7), ("top_p", 0.9), ("top_k", 20)])
+def test_sampling_the_learner_cannot_score_is_refused(key, value):
+    """The learner scores log_softmax(logits) at temperature 1 over the whole vocabulary; training rollouts sampled
+    from another distribution would make every ratio, KL and entropy term off-policy without a word."""
+    from arpo_algo.algorithms import ARPOConfig
+
+    cfg = ARPOConfig().training(model_path="unused").llm_rollouts(**{key: value})
+    with pytest.raises(ConfigError, match=f"rollouts.{key}={value}") as err:
+        cfg.settings.validate()
+    assert "learner scores log_softmax" in err.value.hint
+    ARPOConfig().training(model_path="unused").evaluation(top_p=0.9).settings.validate()  # evaluation may truncate
