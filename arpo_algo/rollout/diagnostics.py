@@ -14,7 +14,8 @@ The run driver writes both sections to TensorBoard and ``metrics.jsonl``. What e
 * ``learner/adv_mean``, ``learner/adv_sd``: advantages over trained tokens.
 * ``diag/rollout_entropy``: mean entropy of the sampled tokens under the rollout policy; ``learner/entropy``: the
   learner's token-mean entropy (sum-normalised as the loss).
-* ``learner/clip_frac``, ``learner/kl_rollout`` (k3 estimate of KL(rollout || current) on trained tokens),
+* ``learner/clip_frac``, ``learner/kl_rollout`` (k3 estimate of KL(sampler || learner) on the sampled trained
+  tokens before the update's first optimizer step: the mismatch alarm), ``learner/logprob_diff_max``,
   ``learner/grad_norm`` (before clipping), ``learner/param_change_norm``.
 * ``diag/reward_<source>``: mean reward per task source (ToolMath level, dataset source).
 """

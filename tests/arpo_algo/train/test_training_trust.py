@@ -15,7 +15,8 @@ from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)
+# Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +58,61 @@ def test_sampling_the_learner_cannot_score_is_refused(key, value):
         cfg.settings.validate()
     assert "learner scores log_softmax" in err.value.hint
     ARPOConfig().training(model_path="unused").evaluation(top_p=0.9).settings.validate()  # evaluation may truncate
+
+
+def _unsampled(g):
+    """The group as if no token had been sampled by an engine (the tool-limit EOS's case): log-probs unknown."""
+    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs)) for t in g.trajectories])
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_a_token_the_sampler_did_not_sample_is_scored_by_the_learner(tiny_model_dir, groups, dedup):
+    """The tool-limit EOS is appended, not sampled (log-prob NaN). With old_logprobs='rollout' it gets the learner's
+    own log-prob under the sampling policy version, so its ratio starts at 1 (with the former 0.0 the ratio was
+    pi(EOS) and the token was effectively not trained); the mismatch alarm leaves it out. All unknown = recompute."""
+    cfg = replace(LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000), dedup_prefix=dedup)
+    rollout = Learner(tiny_model_dir, replace(cfg, old_logprobs="rollout"), seed=0)
+    recompute = Learner(tiny_model_dir, cfg, seed=0)
+    m = rollout.update([_unsampled(g) for g in groups])
+    recompute.update([_unsampled(g) for g in groups])
+    assert m["skipped_nan"] == 0 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert m["kl_rollout"] == 0.0 and m["logprob_diff_max"] == 0.0
+    for (name, p), q in zip(rollout.model.named_parameters(), recompute.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, groups, tmp_path):
+    """A real HF engine with its own weight copy (as a rollout actor holds) samples; the learner steps; the engine
+    is not sent the new weights. The next update must stop before training on the stale samples, naming the cause;
+    once the weights are pushed, training goes on."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.config import RolloutsConfig
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_algo.train.learner_config import MISMATCH_LEVELS
+    from arpo_base.errors import ArpoError
+    from arpo_env.core import ToolTextEnv
+
+    tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
+    engine = HFEngine(tiny_model_dir, dtype="float32", seed=0)
+    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(2),
+                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    learner = Learner(tiny_model_dir, LearnerConfig(lr=1e-2, micro_batch_tokens=100_000), seed=0)
+    warn, stop = MISMATCH_LEVELS["fp32"]
+    try:
+        fresh, _ = sampler.sample([0], step=0)
+        m = learner.update(fresh)  # the engine holds the learner's weights: agreement up to kernel rounding
+        assert m["kl_rollout"] < warn and m["logprob_diff_max"] < 1e-3
+        learner.update([_unsampled(g) for g in groups])  # a real step the engine is not told about
+        assert learner.step == 1
+        stale, _ = sampler.sample([1], step=1)
+        before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        with pytest.raises(ArpoError, match=r"KL\(sampler \|\| learner\) = .* above training.kl_rollout_stop") as e:
+            learner.update(stale)
+        assert "stale weights" in e.value.hint and learner.step == 1
+        assert all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+        engine.load_state_dict(learner.model.state_dict())
+        pushed, _ = sampler.sample([1], step=1)
+        assert learner.update(pushed)["kl_rollout"] < warn
+    finally:
+        sampler.close()
