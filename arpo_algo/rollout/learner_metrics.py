@@ -35,6 +35,7 @@ GRAD_NORM = "grad_norm"  # before clipping
 LR = "lr"
 PARAM_CHANGE_NORM = "param_change_norm"  # L2 norm of the weights' change
 STEP = "step"  # optimizer steps taken so far
+OPTIMIZER_STEPS = "optimizer_steps"  # optimizer steps this update took (ppo_epochs x mini-batches with signal)
 SKIPPED_NAN = "skipped_nan"  # 1 when a non-finite loss or gradient norm skipped the step
 SKIPPED_NO_SIGNAL = "skipped_no_signal"  # 1 when the update had no signal and was skipped
 

@@ -109,6 +109,7 @@ class Learner:
         self.tree_attention = resolve_tree_attention(config.tree_attention, self.device,
                                                      attn_implementation=config.attn_implementation,
                                                      deterministic=config.deterministic)
+        self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed)
@@ -234,20 +235,28 @@ class Learner:
         seqs = [s for specs in per_group for s in specs]
         signal, base = signal_stats(seqs)
         signal = self._all_sum(float(signal)) > 0  # every data-parallel rank skips together
-        batches = self._micro_batches(per_group)
+        parts = self.mini_batch_groups(len(groups))
+        mbs = [self._micro_batches([per_group[i] for i in part]) for part in parts]
+        batches = [b for mb in mbs for b in mb]
         # The policy version that sampled the batch (no optimizer step of this update has run yet), checked on every
-        # update, one without signal too: stale weights show before anything is trained on them.
+        # update, one without signal too: stale weights show before anything is trained on them. These are also
+        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update.
         self.model.train()
         try:
             current = [self._logprobs(self.model, b) for b in batches]
         finally:
             self.model.eval()
         mismatch = self._rollout_mismatch(batches, current)
-        if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
+        no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
+        if not signal and no_loss_without_signal:
             return {**base, **mismatch, LK.SKIPPED_NO_SIGNAL: 1.0, LK.SKIPPED_NAN: 0.0, LK.GRAD_NORM: 0.0,
-                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step)}
+                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step),
+                    LK.OPTIMIZER_STEPS: 0.0}
         self._max_resp = max((len(s.response) for s in seqs), default=0)
-        norms = self._pair_norm(batches)
+        norms = [self._pair_norm(mb) for mb in mbs]  # each step's loss is its own mini-batch's aggregate
+        # A mini-batch without signal takes no step (AdamW would replay its moments), on every rank alike.
+        steps_with_signal = [not no_loss_without_signal or self._all_sum(float(signal_stats(
+            [s for i in part for s in per_group[i]])[0])) > 0 for part in parts]
         self.model.train()
         try:
             if cfg.old_logprobs == "recompute":
@@ -257,14 +266,23 @@ class Learner:
                        for b, c in zip(batches, current)]
             ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
             totals: dict[str, float] = {}
-            skipped = 0
+            skipped, taken, planned = 0, 0, cfg.ppo_epochs * len(parts)
             for _ in range(cfg.ppo_epochs):
-                m = self._epoch(batches, norms, old, ref, len(groups))
-                if m is None:
-                    skipped = 1
+                first = 0
+                for k, mb in enumerate(mbs):
+                    sl = slice(first, first + len(mb))
+                    first += len(mb)
+                    if not steps_with_signal[k]:
+                        continue
+                    m = self._epoch(mb, norms[k], old[sl], ref[sl] if ref is not None else None, len(groups))
+                    if m is None:
+                        skipped = 1
+                        break
+                    taken += 1
+                    for key, v in m.items():
+                        totals[key] = totals.get(key, 0.0) + v / planned
+                if skipped:
                     break
-                for k, v in m.items():
-                    totals[k] = totals.get(k, 0.0) + v / cfg.ppo_epochs
         finally:
             self.model.eval()
         if skipped:
@@ -280,8 +298,24 @@ class Learner:
             totals[LK.LR] = self.optimizer.param_groups[0]["lr"]
         totals.update({LK.PARAM_CHANGE_NORM: 0.0, **totals, **base, **mismatch, LK.SKIPPED_NAN: float(skipped),
                        LK.UNIQUE_TOKENS: float(sum(b.num_tokens for b in batches)),
-                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step)})
+                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step),
+                       LK.OPTIMIZER_STEPS: float(taken)})
         return totals
+
+    def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
+        """The update's mini-batches as group indices: ``mini_batches`` parts of the groups, shuffled (seeded by the
+        learner's seed and step, so a resumed run draws the same) when there are several; one part keeps the order.
+        Every part is one optimizer step per epoch; a data-parallel rank may get empty parts (it still takes part)."""
+        n = self.config.mini_batches
+        if n == 1:
+            return [list(range(num_groups))]
+        if num_groups < n and not self.allow_empty_update:
+            raise ArpoError(f"update() got {num_groups} groups for training.mini_batches = {n}",
+                            hint="every mini-batch needs at least one group: lower mini_batches or raise "
+                                 "prompts_per_step")
+        order = list(range(num_groups))
+        random.Random(f"{self.seed}:{self.step}").shuffle(order)
+        return [sorted(order[k::n]) for k in range(n)]
 
     def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
         """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the

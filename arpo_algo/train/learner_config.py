@@ -67,6 +67,7 @@ class LearnerConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
+    mini_batches: int = 1
     micro_batch_tokens: int = 8192
     dedup_prefix: bool = True
     old_logprobs: str = "recompute"
@@ -97,7 +98,7 @@ class LearnerConfig:
             check_choice(key, getattr(self, key), allowed, "training")
         ADVANTAGES.check(self.advantage, "training")
         POLICY_LOSSES.check(self.policy_loss, "training")
-        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
+        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs, "mini_batches": self.mini_batches,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
         if self.head_chunk_tokens is not None:
             positive["head_chunk_tokens"] = self.head_chunk_tokens
@@ -157,6 +158,9 @@ class TrainingConfig(LearnerConfig):
         super().validate()
         if self.prompts_per_step < 1:
             raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.mini_batches > self.prompts_per_step:
+            raise ConfigError(f"training.mini_batches={self.mini_batches} is more than prompts_per_step="
+                              f"{self.prompts_per_step}", hint="each mini-batch needs at least one group (one prompt)")
         if self.dynamic_sampling_max_rounds < 1:
             raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
                               f"{self.dynamic_sampling_max_rounds}")

@@ -116,3 +116,34 @@ def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, group
         assert learner.update(pushed)["kl_rollout"] < warn
     finally:
         sampler.close()
+
+
+def test_mini_batches_are_sequential_steps_with_old_logprobs_fixed(tiny_model_dir, groups):
+    """mini_batches = 2 is two optimizer steps, each on its own (shuffled) part of the groups with that part's loss
+    aggregate, the old log-probs fixed for the update: exactly two one-part updates with the same behaviour
+    log-probs. With recomputed old log-probs the second step's ratios move, so the clips act (clip_frac > 0)."""
+    cfg = replace(BASE, old_logprobs="rollout", lr=3e-2)
+    two = Learner(tiny_model_dir, replace(cfg, mini_batches=2), seed=0)
+    parts = two.mini_batch_groups(len(groups))
+    assert sorted(i for p in parts for i in p) == [0, 1] and all(len(p) == 1 for p in parts)
+    m = two.update(groups)
+    seq = Learner(tiny_model_dir, cfg, seed=0)
+    for part in parts:
+        seq.update([groups[i] for i in part])
+    assert m["optimizer_steps"] == 2 and two.step == seq.step == 2
+    for (name, p), q in zip(two.model.named_parameters(), seq.model.parameters()):
+        assert torch.equal(p, q), name
+    clipped = Learner(tiny_model_dir, replace(BASE, lr=3e-2, mini_batches=2), seed=0)
+    mc = clipped.update([_unsampled(g) for g in groups])
+    one = Learner(tiny_model_dir, replace(BASE, lr=3e-2), seed=0).update([_unsampled(g) for g in groups])
+    assert one["clip_frac"] == 0.0 and one["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # one step: ratio 1
+    assert mc["clip_frac"] > 0 and mc["optimizer_steps"] == 2
+
+
+def test_mini_batches_are_validated():
+    from arpo_algo.train.learner_config import TrainingConfig
+
+    with pytest.raises(ConfigError, match="training.mini_batches must be > 0"):
+        LearnerConfig(mini_batches=0).validate()
+    with pytest.raises(ConfigError, match="mini_batches=3 is more than prompts_per_step=2"):
+        TrainingConfig(mini_batches=3, prompts_per_step=2).validate()
