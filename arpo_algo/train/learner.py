@@ -329,7 +329,8 @@ class Learner:
             sampled = torch.isfinite(b.pair_old_logp)  # NaN: a token the sampler appended without sampling it
             if not bool(sampled.any()):
                 continue
-            q, p, w = b.pair_old_logp[sampled], cur[sampled].float(), b.pair_weight[sampled]
+            # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
+            q, p, w = b.pair_old_logp[sampled].double(), cur[sampled].double(), b.pair_weight[sampled].double()
             kl_sum += float((w * k3_kl(q, p)).sum())  # samples from q: k3 estimates KL(q || p)
             weight += float(w.sum())
             worst = max(worst, float((q - p).abs().max()))
