@@ -97,7 +97,7 @@ def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, group
     engine = HFEngine(tiny_model_dir, dtype="float32", seed=0)
     sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(2),
                                       RolloutsConfig(max_response_tokens=16), seed=0)
-    learner = Learner(tiny_model_dir, LearnerConfig(lr=1e-2, micro_batch_tokens=100_000), seed=0)
+    learner = Learner(tiny_model_dir, LearnerConfig(lr=3e-2, micro_batch_tokens=100_000), seed=0)
     warn, stop = MISMATCH_LEVELS["fp32"]
     try:
         fresh, _ = sampler.sample([0], step=0)
