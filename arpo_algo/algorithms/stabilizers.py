@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from arpo_algo.core.advantages import rewards_have_spread
+
 #: Rollout metrics that add up over several sampling rounds (everything else describes the first round).
 SUMMED = ("rollout/tokens_generated", "rollout/tokens_prefilled", "rollout/tokens_reused", "rollout/response_tokens",
           "rollout/tool_calls", "num_trajectories", "rollout/branches", "rollout/fillups",
@@ -38,9 +40,9 @@ DROPPED = "rollout/dynamic_sampling_dropped"
 
 
 def has_signal(group: Any) -> bool:
-    """Whether the group's rewards differ (a GRPO group with equal rewards has zero advantages)."""
-    rewards = [t.reward for t in group.trajectories]
-    return bool(rewards) and max(rewards) != min(rewards)
+    """Whether the group's rewards differ beyond rounding (:func:`~arpo_algo.core.advantages.rewards_have_spread`,
+    the learner's rule: a group with equal rewards has zero advantages)."""
+    return rewards_have_spread([t.reward for t in group.trajectories])
 
 
 def sample_groups(sampler: Any, prompts: Any, indices: list[int], step: int, *, dynamic: bool,

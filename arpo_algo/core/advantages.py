@@ -26,6 +26,27 @@ from dataclasses import dataclass, field
 from arpo_algo.core.registry import Registry
 
 GRPO_EPS = 1e-6
+#: Rewards of one group whose spread (max - min) is at most this, relative to their scale (at least 1), are equal:
+#: their GRPO advantages would be rounding noise (e.g. 1.1 for every trajectory gives |A| ~ 1e-10).
+REWARD_SPREAD_TOL = 1e-6
+
+
+def rewards_have_spread(rewards: Sequence[float], tol: float = REWARD_SPREAD_TOL) -> bool:
+    """Whether a group's rewards carry a learning signal: they differ by more than ``tol`` (relative, scale >= 1).
+
+    The one "no signal" rule: the learner, dynamic sampling and the diagnostics all ask this. A group of one
+    trajectory has signal when its reward (its own advantage, see :func:`grpo_advantages`) is not zero. A
+    non-finite reward is not "no signal": it must reach the loss, whose non-finite guard counts and stops it.
+    """
+    rs = [float(r) for r in rewards]
+    if not rs:
+        return False
+    if not all(math.isfinite(r) for r in rs):
+        return True
+    scale = max(1.0, max(abs(r) for r in rs))
+    if len(rs) == 1:
+        return abs(rs[0]) > tol * scale
+    return max(rs) - min(rs) > tol * scale
 
 #: Advantage estimators by name (``learner.advantage``). Each is
 #: ``fn(prompt_ids, responses, trained_masks, rewards, *, norm_by_std) -> TokenAdvantages``: an advantage and a count
@@ -71,6 +92,8 @@ def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: floa
     n = len(rewards)
     if n == 0:
         return []
+    if not rewards_have_spread(rewards):  # equal rewards: exactly zero, never rounding noise the optimizer follows
+        return [0.0] * n
     if n == 1:
         mean, std = 0.0, 1.0
     else:

@@ -23,6 +23,7 @@ class EvaluationConfig:
     samples: int = setting(1, "Samples per task: pass@1 = mean correctness over all samples, pass@k = any sample "
                               "correct.")
     temperature: float = setting(0.0, "0 = greedy (the reference's validation default); > 0 samples.")
+    top_p: float = setting(1.0, "Nucleus mass when evaluation samples (1.0 = off).")
     max_response_tokens: int | None = setting(None, "Response budget in evaluation (None = rollouts'.)")
 
     def validate(self) -> None:
@@ -33,6 +34,8 @@ class EvaluationConfig:
             raise ConfigError(f"evaluation.samples must be >= 1, got {self.samples}")
         if self.temperature < 0:
             raise ConfigError(f"evaluation.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"evaluation.top_p must be in (0, 1], got {self.top_p}")
         if self.temperature == 0 and self.samples > 1:
             raise ConfigError(f"evaluation.samples={self.samples} with greedy decoding (temperature = 0) scores the "
                               "same answer several times", hint="set evaluation.temperature > 0 or samples = 1")

@@ -25,6 +25,8 @@ from typing import Any
 
 from arpo_base.errors import ConfigError, MissingDataError
 
+#: Reference files of a train split: ``--data`` may score them, labelled "train", never as a test split.
+TRAIN_SETS = ("train_10k", "hard_search_1k")
 #: Reference file stem -> the environment it runs in.
 REFERENCE_SETS = {"valid": "arpo/Reasoning-v0", "train_10k": "arpo/Reasoning-v0",
                   "gaia_test": "arpo/DeepSearch-v0", "hle_test": "arpo/DeepSearch-v0",
@@ -145,7 +147,8 @@ def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, 
         return _finish(_env_tasks(env_id, cfg), env_id, cfg, f"{env_id} split {cfg['split']!r}", limit)
     if data in REFERENCE_SETS:
         env_id = env or REFERENCE_SETS[data]
-        cfg = {"data_files": [f"{data}.parquet"], "split": "test", **overrides}
+        split = "train" if data in TRAIN_SETS else "test"  # a training file is scored as what it is
+        cfg = {"data_files": {split: [f"{data}.parquet"]}, "split": split, **overrides}
         return _finish(_env_tasks(env_id, cfg), env_id, cfg, f"reference set {data} ({env_id})", limit)
     path = Path(data).expanduser()
     if not path.exists():

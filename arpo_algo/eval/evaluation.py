@@ -53,7 +53,7 @@ def eval_settings(cfg: Any) -> EvalSettings:
     return EvalSettings(num_prompts=evaluation.num_prompts, samples=evaluation.samples,
                         temperature=evaluation.temperature,
                         max_response_tokens=evaluation.max_response_tokens or rollouts.max_response_tokens,
-                        top_p=rollouts.top_p, tool_workers=rollouts.tool_workers,
+                        top_p=evaluation.top_p, tool_workers=rollouts.tool_workers,
                         prompt_overflow=rollouts.prompt_overflow, seed=cfg.seed)
 
 

@@ -29,6 +29,10 @@ from arpo_algo.rollout import layout
 from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams
 
 EventCallback = Callable[[int, dict[str, Any]], None]
+#: The log-prob recorded for a token appended without sampling it (the tool-limit EOS): unknown, not 0.0 (which
+#: would claim probability 1). The learner replaces it by its own log-prob under the sampling policy version and
+#: leaves it out of the rollout/learner mismatch alarm.
+NOT_SAMPLED = float("nan")
 
 
 @dataclasses.dataclass(eq=False)
@@ -160,8 +164,8 @@ def apply_turn(conv: Conversation, turn: Turn, tokenizer: Any, eos_id: int | Non
     if turn.tool_call is not None:
         conv.tool_calls.append(turn.tool_call)
     if turn.done:
-        if turn.append_eos:
-            conv.add([eos_id], [1 if train_eos else 0], [0.0], [0.0])
+        if turn.append_eos:  # never sampled: its log-prob is unknown (NaN), so the learner scores it itself
+            conv.add([eos_id], [1 if train_eos else 0], [NOT_SAMPLED], [0.0])
         return "finished", finish_reason(turn, conv)
     if conv.engine_error or conv.last_finish == "eos" or len(conv.response) >= max_response_tokens:
         reason = "error" if conv.engine_error else conv.last_finish
@@ -193,7 +197,8 @@ class AgentTrace:
         prompt_ids: The prompt tokens.
         response_ids: Every token after the prompt (sampled and tool results).
         trained_mask: 1 for sampled tokens, 0 for inserted tool-result tokens.
-        logprobs, entropies: Sampling-time values per response token (0.0 for inserted tokens).
+        logprobs, entropies: Sampling-time values per response token (0.0 for inserted tool-result tokens; the
+            log-prob of an appended tool-limit EOS is :data:`NOT_SAMPLED`).
         tool_calls: One dict per tool call: tool, args, output, error, latency_s, cache_hit.
         finish_reason: "answer", "eos", "length", "tool_limit", "turn_limit" or "error".
         text: The response decoded (special tokens skipped).

@@ -18,6 +18,27 @@ MOVED_TO_ENGINE = {name: f"rollouts.hf.{name}" for name in
                    ("max_batch_size", "linear_layout", "decode", "static_cache_tokens")}
 
 
+def check_learner_scores_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """Refuse training-rollout sampling the learner cannot score.
+
+    Invariant: the learner's log-probs and entropies (old log-probs, ratios, the KL alarm, AEPO's entropy terms) are
+    ``log_softmax`` of the raw logits over the whole vocabulary, so the tokens it trains must come from exactly that
+    distribution. A temperature other than 1 or a top-p/top-k truncation samples from another one (and the engines
+    record it differently: HF tempered, vLLM raw), which would make every ratio and KL silently off-policy.
+    """
+    hint = ("the learner scores log_softmax(logits) over the full vocabulary (temperature 1, no truncation); "
+            "sample training rollouts from that distribution (evaluation has its own temperature and top_p)")
+    if temperature != 1.0:
+        raise ConfigError(f"rollouts.temperature={temperature}: training rollouts must be sampled at temperature 1.0",
+                          hint=hint)
+    if top_p != 1.0:
+        raise ConfigError(f"rollouts.top_p={top_p}: training rollouts cannot be truncated (top_p must be 1.0)",
+                          hint=hint)
+    if top_k > 0:
+        raise ConfigError(f"rollouts.top_k={top_k}: training rollouts cannot be truncated (top_k must be -1)",
+                          hint=hint)
+
+
 @dataclass(frozen=True)
 class RolloutsConfig:
     """``[rollouts]``: sampling, engine and resources of training rollouts."""
@@ -32,9 +53,12 @@ class RolloutsConfig:
     device: Literal["cpu", "cuda"] = setting("cpu", "Where the learner and the in-process engine run.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Engine compute dtype (the in-process HF engine shares the learner's float32 module).")
-    temperature: float = setting(1.0, "Sampling temperature of training rollouts (reference: 1.0).")
-    top_p: float = setting(1.0, "Nucleus mass of training rollouts (1.0 = off; reference: 1.0).")
-    top_k: int = setting(-1, "Top-k of training rollouts (-1 = off; reference: -1).")
+    temperature: float = setting(
+        1.0, "Sampling temperature of training rollouts; only 1.0, the distribution the learner scores (reference).")
+    top_p: float = setting(1.0, "Nucleus mass of training rollouts; only 1.0 (off, the reference): the learner "
+                                "scores the full distribution.")
+    top_k: int = setting(-1, "Top-k of training rollouts; only -1 (off, the reference): the learner scores the full "
+                             "distribution.")
     max_response_tokens: int = setting(
         512, "Response budget per trajectory (generated plus tool-result tokens), enforced per request.")
     tool_workers: int = setting(8, "Threads that run tool calls concurrently during rollouts.")
@@ -70,6 +94,7 @@ class RolloutsConfig:
                               hint="policy-gradient needs sampled trajectories; greedy decoding is for evaluation")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollouts.top_p must be in (0, 1], got {self.top_p}")
+        check_learner_scores_sampling(self.temperature, self.top_p, self.top_k)
         self.hf.validate()
         self.vllm.validate()
         if self.engine == "hf":

@@ -14,7 +14,8 @@ The run driver writes both sections to TensorBoard and ``metrics.jsonl``. What e
 * ``learner/adv_mean``, ``learner/adv_sd``: advantages over trained tokens.
 * ``diag/rollout_entropy``: mean entropy of the sampled tokens under the rollout policy; ``learner/entropy``: the
   learner's token-mean entropy (sum-normalised as the loss).
-* ``learner/clip_frac``, ``learner/kl_rollout`` (k3 estimate of KL(rollout || current) on trained tokens),
+* ``learner/clip_frac``, ``learner/kl_rollout`` (k3 estimate of KL(sampler || learner) on the sampled trained
+  tokens before the update's first optimizer step: the mismatch alarm), ``learner/logprob_diff_max``,
   ``learner/grad_norm`` (before clipping), ``learner/param_change_norm``.
 * ``diag/reward_<source>``: mean reward per task source (ToolMath level, dataset source).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from arpo_algo.core.advantages import rewards_have_spread
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.metrics import mean
 
@@ -79,7 +81,7 @@ def group_diagnostics(groups: list) -> dict[str, float]:
     ents: list[float] = []
     for g in groups:
         rewards = [t.reward for t in g.trajectories]
-        zero += max(rewards) == min(rewards)
+        zero += not rewards_have_spread(rewards)
         m = mean(rewards)
         sds.append(mean((r - m) ** 2 for r in rewards) ** 0.5)
         distinct.append(len({tuple(t.response_ids) for t in g.trajectories}))

@@ -21,16 +21,21 @@ CLIP_FRAC_GRAD = "clip_frac_grad"
 CLIP_FRAC_DUAL = "clip_frac_dual"
 ENTROPY = "entropy"  # the learner's token-mean entropy (sum-normalised as the loss)
 RATIO_MEAN = "ratio_mean"
-KL_ROLLOUT = "kl_rollout"  # k3 estimate of KL(rollout || current) on trained tokens
 #: The per-token sums above, in the order the learner accumulates them.
 STEP_SUMS = (LOSS_POLICY, LOSS_KL, LOSS_ENTROPY_BONUS, LOSS_TOTAL, CLIP_FRAC, CLIP_FRAC_GRAD, CLIP_FRAC_DUAL, ENTROPY,
-             RATIO_MEAN, KL_ROLLOUT)
+             RATIO_MEAN)
+
+# The mismatch alarm: the sampler's log-probs against the learner's for the same tokens, before any optimizer step of
+# the update (the policy version that sampled them), over the sampled trained tokens; global over data-parallel ranks.
+KL_ROLLOUT = "kl_rollout"  # k3 estimate of KL(sampler || learner), token-weighted mean
+LOGPROB_DIFF_MAX = "logprob_diff_max"  # the largest |sampler log-prob - learner log-prob|
 
 # The optimizer step itself.
 GRAD_NORM = "grad_norm"  # before clipping
 LR = "lr"
 PARAM_CHANGE_NORM = "param_change_norm"  # L2 norm of the weights' change
 STEP = "step"  # optimizer steps taken so far
+OPTIMIZER_STEPS = "optimizer_steps"  # optimizer steps this update took (ppo_epochs x mini-batches with signal)
 SKIPPED_NAN = "skipped_nan"  # 1 when a non-finite loss or gradient norm skipped the step
 SKIPPED_NO_SIGNAL = "skipped_no_signal"  # 1 when the update had no signal and was skipped
 

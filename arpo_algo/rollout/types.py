@@ -24,7 +24,8 @@ class Trajectory:
         traj_id: Index within the group (creation order).
         response_ids: Every token after the prompt: sampled tokens and inserted tool-result tokens.
         trained_mask: 1 for sampled tokens (trained), 0 for inserted tokens (tool results; masked). Same length.
-        old_logprobs: Sampling-time log-probability per response token (0.0 for inserted tokens).
+        old_logprobs: Sampling-time log-probability per response token (0.0 for inserted tokens; NaN for the
+            tool-limit EOS, which was appended, not sampled: the learner scores it itself).
         entropies: Sampling-time entropy per response token (0.0 for inserted tokens).
         reward: Scalar reward of the finished trajectory.
         reward_info: The reward breakdown from the environment.

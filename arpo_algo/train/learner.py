@@ -27,11 +27,18 @@ override them so that every normaliser and decision above is global over the ran
 
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
-in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8).
+in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8). That
+EOS was never sampled: its rollout log-prob is NaN, and ``rollout`` takes the learner's own log-prob for it (scored
+before any step, i.e. under the policy version that sampled the rest of the trajectory).
+
+**Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
+sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
+and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from contextlib import nullcontext
@@ -56,6 +63,7 @@ from arpo_algo.train.update_stats import signal_stats, tree_owners
 from arpo_base.errors import ArpoError
 
 __all__ = ["Learner", "LearnerConfig"]
+log = logging.getLogger(__name__)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -101,6 +109,7 @@ class Learner:
         self.tree_attention = resolve_tree_attention(config.tree_attention, self.device,
                                                      attn_implementation=config.attn_implementation,
                                                      deterministic=config.deterministic)
+        self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed)
@@ -226,28 +235,54 @@ class Learner:
         seqs = [s for specs in per_group for s in specs]
         signal, base = signal_stats(seqs)
         signal = self._all_sum(float(signal)) > 0  # every data-parallel rank skips together
-        if not signal and cfg.kl_coef == 0 and cfg.entropy_coef == 0:
-            return {**base, LK.SKIPPED_NO_SIGNAL: 1.0, LK.SKIPPED_NAN: 0.0, LK.GRAD_NORM: 0.0,
-                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step)}
-        batches = self._micro_batches(per_group)
+        parts = self.mini_batch_groups(len(groups))
+        mbs = [self._micro_batches([per_group[i] for i in part]) for part in parts]
+        batches = [b for mb in mbs for b in mb]
+        # The policy version that sampled the batch (no optimizer step of this update has run yet), checked on every
+        # update, one without signal too: stale weights show before anything is trained on them. These are also
+        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update.
+        self.model.train()
+        try:
+            current = [self._logprobs(self.model, b) for b in batches]
+        finally:
+            self.model.eval()
+        mismatch = self._rollout_mismatch(batches, current)
+        no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
+        if not signal and no_loss_without_signal:
+            return {**base, **mismatch, LK.SKIPPED_NO_SIGNAL: 1.0, LK.SKIPPED_NAN: 0.0, LK.GRAD_NORM: 0.0,
+                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step),
+                    LK.OPTIMIZER_STEPS: 0.0}
         self._max_resp = max((len(s.response) for s in seqs), default=0)
-        norms = self._pair_norm(batches)
+        norms = [self._pair_norm(mb) for mb in mbs]  # each step's loss is its own mini-batch's aggregate
+        # A mini-batch without signal takes no step (AdamW would replay its moments), on every rank alike.
+        steps_with_signal = [not no_loss_without_signal or self._all_sum(float(signal_stats(
+            [s for i in part for s in per_group[i]])[0])) > 0 for part in parts]
         self.model.train()
         try:
             if cfg.old_logprobs == "recompute":
-                old = [self._logprobs(self.model, b) for b in batches]
-            else:
-                old = [b.pair_old_logp for b in batches]
+                old = current
+            else:  # a token the sampler did not sample (NaN: the tool-limit EOS) is scored by the same policy here
+                old = [torch.where(torch.isfinite(b.pair_old_logp), b.pair_old_logp, c)
+                       for b, c in zip(batches, current)]
             ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
             totals: dict[str, float] = {}
-            skipped = 0
+            skipped, taken, planned = 0, 0, cfg.ppo_epochs * len(parts)
             for _ in range(cfg.ppo_epochs):
-                m = self._epoch(batches, norms, old, ref, len(groups))
-                if m is None:
-                    skipped = 1
+                first = 0
+                for k, mb in enumerate(mbs):
+                    sl = slice(first, first + len(mb))
+                    first += len(mb)
+                    if not steps_with_signal[k]:
+                        continue
+                    m = self._epoch(mb, norms[k], old[sl], ref[sl] if ref is not None else None, len(groups))
+                    if m is None:
+                        skipped = 1
+                        break
+                    taken += 1
+                    for key, v in m.items():
+                        totals[key] = totals.get(key, 0.0) + v / planned
+                if skipped:
                     break
-                for k, v in m.items():
-                    totals[k] = totals.get(k, 0.0) + v / cfg.ppo_epochs
         finally:
             self.model.eval()
         if skipped:
@@ -261,10 +296,59 @@ class Learner:
             self.nan_streak = 0
         if LK.LR not in totals:  # skipped: report the rate the step would have used
             totals[LK.LR] = self.optimizer.param_groups[0]["lr"]
-        totals.update({LK.PARAM_CHANGE_NORM: 0.0, **totals, **base, LK.SKIPPED_NAN: float(skipped),
+        totals.update({LK.PARAM_CHANGE_NORM: 0.0, **totals, **base, **mismatch, LK.SKIPPED_NAN: float(skipped),
                        LK.UNIQUE_TOKENS: float(sum(b.num_tokens for b in batches)),
-                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step)})
+                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step),
+                       LK.OPTIMIZER_STEPS: float(taken)})
         return totals
+
+    def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
+        """The update's mini-batches as group indices: ``mini_batches`` parts of the groups, shuffled (seeded by the
+        learner's seed and step, so a resumed run draws the same) when there are several; one part keeps the order.
+        Every part is one optimizer step per epoch; a data-parallel rank may get empty parts (it still takes part)."""
+        n = self.config.mini_batches
+        if n == 1:
+            return [list(range(num_groups))]
+        if num_groups < n and not self.allow_empty_update:
+            raise ArpoError(f"update() got {num_groups} groups for training.mini_batches = {n}",
+                            hint="every mini-batch needs at least one group: lower mini_batches or raise "
+                                 "prompts_per_step")
+        order = list(range(num_groups))
+        random.Random(f"{self.seed}:{self.step}").shuffle(order)
+        return [sorted(order[k::n]) for k in range(n)]
+
+    def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
+        """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the
+        same sampled tokens; raises above the stop level, warns above the warning level (LearnerConfig).
+
+        Invariant: with the engine holding the learner's weights and sampling the distribution the learner scores,
+        the two agree up to kernel rounding; anything more means the update would be computed off-policy.
+        """
+        kl_sum, weight, worst, count = 0.0, 0.0, 0.0, 0
+        for b, cur in zip(batches, current):
+            sampled = torch.isfinite(b.pair_old_logp)  # NaN: a token the sampler appended without sampling it
+            if not bool(sampled.any()):
+                continue
+            # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
+            q, p, w = b.pair_old_logp[sampled].double(), cur[sampled].double(), b.pair_weight[sampled].double()
+            kl_sum += float((w * k3_kl(q, p)).sum())  # samples from q: k3 estimates KL(q || p)
+            weight += float(w.sum())
+            worst = max(worst, float((q - p).abs().max()))
+            count += int(sampled.sum())
+        kl = self._all_sum(kl_sum) / max(self._all_sum(weight), 1e-12)
+        worst, count = self._all_max(worst), int(self._all_sum(count))
+        warn, stop = self.config.mismatch_levels(self.precision)
+        if kl > warn:
+            what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
+                    f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}")
+            causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
+                      "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
+                      "levels), or an engine that records another kind of log-prob")
+            if kl > stop:
+                raise ArpoError(f"{what}; above training.kl_rollout_stop = {stop:g}, stopping before training on it",
+                                hint=causes)
+            log.warning("%s (training.kl_rollout_warn = %g); %s", what, warn, causes)
+        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst}
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None, num_groups: int) -> dict[str, float] | None:
@@ -309,7 +393,6 @@ class Learner:
             acc[LK.CLIP_FRAC_GRAD] += float((wd * out.clipped_grad).sum())
             acc[LK.CLIP_FRAC_DUAL] += float((wd * out.dual_clipped).sum())
             acc[LK.RATIO_MEAN] += float((wd * out.ratio).sum())
-            acc[LK.KL_ROLLOUT] += float((wd * k3_kl(lp.detach(), b.pair_old_logp)).sum())  # KL(rollout || current)
         self._after_backward(done)
         if self._all_sum(float(bad)) > 0:  # a non-finite loss on any rank: no rank steps
             self.optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,9 @@ from arpo_algo.train.optim import SCHEDULES, check_schedule
 from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, dataclass_from_dict, setting
 
+#: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision (see LearnerConfig).
+MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16": (1e-2, 1e-1)}
+
 
 @dataclass(frozen=True)
 class LearnerConfig:
@@ -93,6 +96,7 @@ class LearnerConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
+    mini_batches: int = 1
     micro_batch_tokens: int = 8192
     dedup_prefix: bool = True
     old_logprobs: str = "recompute"
@@ -103,6 +107,8 @@ class LearnerConfig:
     deterministic: bool = False
     max_nan_updates: int = 3
     attn_implementation: str = "sdpa"
+    kl_rollout_warn: float | None = None
+    kl_rollout_stop: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
@@ -121,7 +127,7 @@ class LearnerConfig:
             check_choice(key, getattr(self, key), allowed, "training")
         ADVANTAGES.check(self.advantage, "training")
         POLICY_LOSSES.check(self.policy_loss, "training")
-        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs,
+        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs, "mini_batches": self.mini_batches,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
         if self.head_chunk_tokens is not None:
             positive["head_chunk_tokens"] = self.head_chunk_tokens
@@ -132,6 +138,12 @@ class LearnerConfig:
                     "dr_grpo_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"training.{key} must be >= 0, got {getattr(self, key)!r}")
+        for key in ("kl_rollout_warn", "kl_rollout_stop"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ConfigError(f"training.{key} must be > 0 (or None: by precision), got {getattr(self, key)!r}")
+        if None not in (self.kl_rollout_warn, self.kl_rollout_stop) and self.kl_rollout_warn > self.kl_rollout_stop:
+            raise ConfigError(f"training.kl_rollout_warn={self.kl_rollout_warn} is above kl_rollout_stop="
+                              f"{self.kl_rollout_stop}", hint="the warning level must not exceed the stop level")
         check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "training")
         if self.clip_low >= 1:
             raise ConfigError(f"training.clip_low must be < 1, got {self.clip_low}")
@@ -144,6 +156,13 @@ class LearnerConfig:
         if ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared") and self.loss_agg == "seq_mean":
             raise ConfigError(f"training.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
                               hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
+
+    def mismatch_levels(self, precision: str) -> tuple[float, float]:
+        """The (warn, stop) levels of the mismatch alarm for a learner running in ``precision`` ("fp32"/"bf16")."""
+        warn, stop = MISMATCH_LEVELS[precision]
+        stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
+        warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
+        return warn, stop
 
     @property
     def merge_shared(self) -> bool:
@@ -168,6 +187,9 @@ class TrainingConfig(LearnerConfig):
         super().validate()
         if self.prompts_per_step < 1:
             raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.mini_batches > self.prompts_per_step:
+            raise ConfigError(f"training.mini_batches={self.mini_batches} is more than prompts_per_step="
+                              f"{self.prompts_per_step}", hint="each mini-batch needs at least one group (one prompt)")
         if self.dynamic_sampling_max_rounds < 1:
             raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
                               f"{self.dynamic_sampling_max_rounds}")

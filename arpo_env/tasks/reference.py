@@ -3,7 +3,7 @@ docs/concepts/reference-choices.md#datasets-and-cold-start)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from arpo_base.errors import ConfigError
@@ -17,6 +17,27 @@ SPLIT_FILES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]] | None) -> tuple[str, ...]:
+    """The files ``split`` reads. Invariant: the test split never reads a file of the train split."""
+    defaults = SPLIT_FILES[family]
+    if data_files is None:
+        return defaults[split]
+    if isinstance(data_files, str) or not isinstance(data_files, Mapping):
+        raise ConfigError(f"data_files={data_files!r} names no split: every split (training and the held-out test) "
+                          "would read the same files",
+                          hint='give the files per split, e.g. data_files = {train = ["mine_train.parquet"], '
+                               'test = ["mine_test.parquet"]}')
+    unknown = sorted(set(data_files) - set(defaults))
+    if unknown:
+        raise ConfigError(f"data_files: unknown split {unknown[0]!r}; splits are {sorted(defaults)}")
+    chosen = {name: tuple(data_files.get(name) or defaults[name]) for name in defaults}
+    shared = sorted(set(chosen["test"]) & set(chosen["train"]))
+    if shared:
+        raise ConfigError(f"data_files: {shared} would be read by both the train and the test split",
+                          hint="the held-out split must not contain training files")
+    return chosen[split]
+
+
 class ReferenceTasks:
     """The rows of one or more reference parquet files as a task sequence.
 
@@ -24,7 +45,9 @@ class ReferenceTasks:
         family: "reasoning" or "deepsearch" (chooses the default files per split).
         split: "train" or "test".
         data_dir: folder holding the files (default: :func:`arpo_env.data.shared_data_dir` search order).
-        data_files: explicit file names inside the data folder (overrides the split's defaults).
+        data_files: explicit file names inside the data folder, per split: ``{"train": [...], "test": [...]}``
+            (a split not named keeps its defaults). A plain list is refused: every split would read it, so the
+            held-out split could load the training files and still call them "test".
         keep_boxed_bug: keep the released system prompt's backspace-``oxed`` instead of ``\\boxed`` (default False).
     """
 
@@ -33,12 +56,12 @@ class ReferenceTasks:
         family: str,
         split: str = "train",
         data_dir: str | None = None,
-        data_files: Sequence[str] | None = None,
+        data_files: Mapping[str, Sequence[str]] | None = None,
         keep_boxed_bug: bool = False,
     ) -> None:
         if split not in SPLIT_FILES[family]:
             raise ConfigError(f"split must be one of {sorted(SPLIT_FILES[family])}, got {split!r}")
-        files = tuple(data_files) if data_files else SPLIT_FILES[family][split]
+        files = split_files(family, split, data_files)
         self.split = split
         self.paths = [find_data_file(name, data_dir) for name in files]
         self._rows: list[dict[str, Any]] = []

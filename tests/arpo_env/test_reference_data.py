@@ -40,7 +40,8 @@ def test_deepsearch_splits_and_limit(shared_data):
     test = gym.make("arpo/DeepSearch-v0", split="test", data_dir=str(shared_data)).unwrapped
     assert (train.num_tasks, test.num_tasks) == (1071, 203)
     assert train.config["max_tool_calls"] == 6 and train.config["reward"] == "arpo_reference"
-    hle = ToolTextEnv(task="deepsearch", split="test", data_files=["hle_test.parquet"], data_dir=str(shared_data))
+    hle = ToolTextEnv(task="deepsearch", split="test", data_files={"test": ["hle_test.parquet"]},
+                      data_dir=str(shared_data))
     assert hle.num_tasks == 100
 
 
@@ -83,3 +84,20 @@ def test_pull_downloads_from_a_mirror(shared_data, tmp_path):
         server.shutdown()
     for name in data_mod.REFERENCE_FILES:
         assert (dest / name).read_bytes() == (shared_data / name).read_bytes()
+
+
+def test_data_files_are_given_per_split_and_never_shared_with_the_test_split(tmp_path):
+    """One list of files would be read by every split: the held-out environment would load the training files and
+    still call them "test". Files are named per split, and a file in both splits is refused before anything loads."""
+    from arpo_base.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="names no split") as err:
+        ToolTextEnv(task="reasoning", split="test", data_files=["train_10k.parquet"], data_dir=str(tmp_path))
+    assert "test = [" in err.value.hint
+    with pytest.raises(ConfigError, match=r"\['valid.parquet'\] would be read by both the train and the test split"):
+        ToolTextEnv(task="reasoning", split="test", data_files={"train": ["valid.parquet"]}, data_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown split 'valid'"):
+        ToolTextEnv(task="reasoning", data_files={"valid": ["x.parquet"]}, data_dir=str(tmp_path))
+    with pytest.raises(MissingDataError, match="mine_test.parquet"):  # the test split reads its own file
+        ToolTextEnv(task="reasoning", split="test", data_dir=str(tmp_path),
+                    data_files={"train": ["mine.parquet"], "test": ["mine_test.parquet"]})

@@ -94,7 +94,8 @@ def test_one_mapping_from_config_to_eval_settings():
     from arpo_algo.algorithms import ARPOConfig
     from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
 
-    cfg = ARPOConfig().llm_rollouts(top_p=0.7, tool_workers=3, prompt_overflow="left_truncate", max_response_tokens=99)
+    cfg = ARPOConfig().llm_rollouts(tool_workers=3, prompt_overflow="left_truncate", max_response_tokens=99)
+    cfg = cfg.evaluation(top_p=0.7)
     s = eval_settings(cfg).as_kwargs()
     params = set(inspect.signature(evaluate_engine).parameters) - {"engine", "env_creator"}
     assert set(s) == params

@@ -7,6 +7,7 @@ environment runs real tool calls) with preset per-token entropies, which makes b
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -225,6 +226,8 @@ def test_tool_limit_eos_mask_option(env_creator):
         for t in groups[0].trajectories:
             assert t.finish_reason == "tool_limit" and len(t.tool_calls) == 4
             assert t.response_ids[-1] == eng.tokenizer.eos_token_id and t.trained_mask[-1] == int(trained)
+            # appended, never sampled: its log-prob is unknown (0.0 would claim probability 1 to the learner)
+            assert math.isnan(t.old_logprobs[-1]) and all(math.isfinite(x) for x in t.old_logprobs[:-1])
 
 
 def test_length_budget_and_engine_error(env_creator):

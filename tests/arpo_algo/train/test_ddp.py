@@ -7,6 +7,7 @@ gradients across ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,13 +32,18 @@ DDP2 = BackendConfig(learner_backend="ddp", learner_workers=2)
 CONFIGS = {
     # token mean over the whole step, prefix-deduplicated packing, AEPO's per-group entropy shaping, one group per
     # micro-batch (so a rank with two groups accumulates two micro-batches), clipping on the global norm
-    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, entropy_advantage=True),
-    # per-sequence mean, padded batches, all groups of a rank in one micro-batch, hard attribution
-    "seq_mean": LearnerConfig(lr=1e-3, grad_clip=0.0, loss_agg="seq_mean", dedup_prefix=False, advantage="grpo",
+    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, kl_rollout_stop=math.inf,
+                                entropy_advantage=True),
+    # per-sequence mean, padded batches, all groups of a rank in one micro-batch (soft attribution: hard attribution
+    # has no per-sequence mean)
+    "seq_mean": LearnerConfig(lr=1e-3, grad_clip=0.0, kl_rollout_stop=math.inf, loss_agg="seq_mean",
+                              dedup_prefix=False, advantage="grpo",
                               micro_batch_tokens=100_000),
+    # hard attribution over the groups' branch prefixes, Dr. GRPO's constant normaliser (the longest response over
+    # all ranks), the sampler's old log-probs and the k3 KL term to the frozen reference
+    "hard_dr_grpo": LearnerConfig(lr=1e-3, grad_clip=0.0, kl_rollout_stop=math.inf, advantage="hard",
+                                  loss_agg="dr_grpo", old_logprobs="rollout", kl_coef=0.1, micro_batch_tokens=100_000),
 }
-
-
 
 
 @pytest.fixture(scope="module")

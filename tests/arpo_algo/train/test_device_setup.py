@@ -16,7 +16,8 @@ from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)
+# Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
 
 
 def test_precision_defaults_per_device(monkeypatch):

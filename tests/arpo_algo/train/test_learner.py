@@ -14,7 +14,8 @@ from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_base.errors import ArpoError, ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000)
+# Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:
@@ -179,12 +180,12 @@ def test_kl_to_reference_is_zero_at_start_and_lr_schedule(tiny_model_dir, groups
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="learner: unknown key 'cliprange'"):
+    with pytest.raises(ConfigError, match="training: unknown key 'cliprange'"):
         LearnerConfig.from_dict({"cliprange": 0.2})
-    with pytest.raises(ConfigError, match="learner: unknown key 'clip_hihg'") as err:
+    with pytest.raises(ConfigError, match="training: unknown key 'clip_hihg'") as err:
         LearnerConfig.from_dict({"clip_hihg": 0.2})
     assert err.value.hint == "did you mean 'clip_high'?"
-    with pytest.raises(ConfigError, match="learner: ppo_epochs must be int, got 1.5"):  # types were not checked
+    with pytest.raises(ConfigError, match="training: ppo_epochs must be int, got 1.5"):  # types were not checked
         LearnerConfig.from_dict({"ppo_epochs": 1.5})
     with pytest.raises(ConfigError, match="seq_mean"):
         LearnerConfig(advantage="hard", loss_agg="seq_mean").validate()

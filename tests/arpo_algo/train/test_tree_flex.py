@@ -6,6 +6,7 @@ entropies) and the gradients are compared by the ``gpu`` test at the end.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -174,7 +175,8 @@ def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, l
     """The learner's forward + backward on CUDA: flex and dense give the same log-probs and gradients (relative to
     the largest gradient, within fp32 or bf16 rounding)."""
     groups = _groups(tiny_model_dir, 2)
-    cfg = LearnerConfig(old_logprobs="rollout", micro_batch_tokens=100_000, precision=precision)
+    cfg = LearnerConfig(old_logprobs="rollout", micro_batch_tokens=100_000, precision=precision,
+                        kl_rollout_stop=math.inf)  # hand-built behaviour log-probs
     dense = Learner(tiny_model_dir, replace(cfg, tree_attention="dense"), device="cuda")
     flex = Learner(tiny_model_dir, replace(cfg, tree_attention="flex"), device="cuda")
     assert flex.model.config._attn_implementation == FLEX_TREE_IMPL and dense.precision == flex.precision == precision

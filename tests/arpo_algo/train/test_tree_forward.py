@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,12 +44,16 @@ def make_groups(tok) -> list[Group]:
     ]
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
     prompt1 = tok(PROMPT.replace("6*7", "7*6"), add_special_tokens=False)["input_ids"]
-    return [
-        Group(prompt_index=0, prompt_ids=prompt,
-              trajectories=[_segments_to_traj(tok, j, s, r) for j, (s, r) in enumerate(zip(g0, [1.0, 0.5, 0.0, 0.0]))]),
-        Group(prompt_index=1, prompt_ids=prompt1,
-              trajectories=[_segments_to_traj(tok, j, s, r) for j, (s, r) in enumerate(zip(g1, [1.0, 1.0, 0.0]))]),
-    ]
+    t0 = [_segments_to_traj(tok, j, s, r) for j, (s, r) in enumerate(zip(g0, [1.0, 0.5, 0.0, 0.0]))]
+    t1 = [_segments_to_traj(tok, j, s, r) for j, (s, r) in enumerate(zip(g1, [1.0, 1.0, 0.0]))]
+    # The shared prefixes are branches, as the sampler records them: a child copies its parent's tokens before its
+    # branch point (so hard attribution with hard_scope="tree" counts them once).
+    n = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    t0[1] = replace(t0[1], parent=0, branch_point=n(call) + n(result), kind="branch")
+    t0[2] = replace(t0[2], parent=0, branch_point=n(call[:12]), kind="branch")
+    t1[1] = replace(t1[1], parent=0, branch_point=n("Think: 6*7=42"), kind="branch")
+    return [Group(prompt_index=0, prompt_ids=prompt, trajectories=t0),
+            Group(prompt_index=1, prompt_ids=prompt1, trajectories=t1)]
 
 
 def _specs(groups: list[Group]) -> list[SeqSpec]:
