@@ -1,5 +1,5 @@
-"""Stabilizers for groups without signal, as named options (issue 10). Each is off by default: the defaults stay
-the paper's/reference's behaviour, and a stabilizer is turned on by name.
+"""Stabilizers for groups without signal, as named options. Each is off by default: the defaults stay the paper's and
+the reference's behaviour, and a stabilizer is turned on by name (measured: docs/results/stabilizers.md).
 
 =============================  ==========================================  =============================================
 option                         what it does                                source
@@ -15,11 +15,11 @@ option                         what it does                                sourc
                                constant)); ``norm_adv_by_std=False``       ``norm_adv_by_std=False``, no std
                                is the other half of Dr. GRPO               normalisation of the advantage
 ``kl_coef`` (``.training``)    k3 KL to the frozen initial policy          GRPO (Shao et al. 2024); 0 in ARPO/DAPO
-``min_roots`` (``.tree``)      branching never takes the budget slots      issue 10: at M = 4, N = 2 a tree has 2
+``min_roots`` (``.tree``)      branching never takes the budget slots      ours: at M = 4, N = 2 a tree may have only 2
                                that ``min_roots`` independent roots        independent draws; this keeps at least
                                need (fill-ups start them)                  ``min_roots``
-``skip_no_signal`` (learner)   always on: an update with no signal is no  issue 10 (a bug fix, not an option)
-                               optimizer step
+``skip_no_signal`` (learner)   always on: an update with no signal is no  a correctness rule, not an option (an AdamW
+                               optimizer step                              step on zero gradients still moves weights)
 =============================  ==========================================  =============================================
 """
 
@@ -28,15 +28,14 @@ from __future__ import annotations
 from typing import Any
 
 from arpo_algo.core.advantages import rewards_have_spread
+from arpo_algo.rollout import metrics as MK
 
 #: Rollout metrics that add up over several sampling rounds (everything else describes the first round).
-SUMMED = ("rollout/tokens_generated", "rollout/tokens_prefilled", "rollout/tokens_reused", "rollout/response_tokens",
-          "rollout/tool_calls", "num_trajectories", "rollout/branches", "rollout/fillups",
-          "rollout/engine_errors", "rollout/env_errors", "rollout/time_generate_s", "rollout/time_tools_s",
-          "rollout/time_overhead_s", "rollout/time_total_s", "rollout/stop_boundary_cuts",
-          "rollout/branch_decisions")
-ROUNDS = "rollout/dynamic_sampling_rounds"
-DROPPED = "rollout/dynamic_sampling_dropped"
+SUMMED = (MK.TOKENS_GENERATED, MK.TOKENS_PREFILLED, MK.TOKENS_REUSED, MK.RESPONSE_TOKENS, MK.TOOL_CALLS,
+          MK.TRAJECTORIES, MK.BRANCHES, MK.FILLUPS, MK.ENGINE_ERRORS, MK.ENV_ERRORS, MK.TIME_GENERATE, MK.TIME_TOOLS,
+          MK.TIME_OVERHEAD, MK.TIME_TOTAL, MK.STOP_BOUNDARY_CUTS, MK.BRANCH_DECISIONS)
+ROUNDS = MK.ROLLOUT + "dynamic_sampling_rounds"
+DROPPED = MK.ROLLOUT + "dynamic_sampling_dropped"
 
 
 def has_signal(group: Any) -> bool:

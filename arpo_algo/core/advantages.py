@@ -1,19 +1,22 @@
 """Advantage estimators: GRPO (soft attribution), hard attribution over a token trie, and AEPO's entropy-aware term.
 
-* **Soft attribution** (the paper's default and what the reference trains, spec §3.2): plain GRPO over every
-  trajectory of the group. A token on a prefix shared by d trajectories is trained once per trajectory, each copy
-  with its own trajectory's advantage (so its weight grows with d; spec §10.7).
-* **Hard attribution** (spec §3.1, an option): a token shared by d trained trajectories is counted **once** with
-  the mean of their advantages. Sharing is found from the token ids (prompt + response) with a token trie.
+* **Soft attribution** (the paper's default and what the reference trains, docs/concepts/arpo.md#soft-attribution):
+  plain GRPO over every trajectory of the group. A token on a prefix shared by d trajectories is trained once per
+  trajectory, each copy with its own trajectory's advantage (so its weight grows with d;
+  docs/concepts/arpo.md#soft-attribution).
+* **Hard attribution** (docs/concepts/arpo.md#hard-attribution, an option): a token shared by d trained trajectories is
+  counted **once** with the mean of their advantages. Sharing is found from the token ids (prompt + response) with a
+  token trie.
 * **Hard attribution scope**: ``"tree"`` (default) shares a token only between trajectories that
   inherited it by branching (the paper's "segment shared by d trajectories": one sample, counted once);
   ``"tokens"`` shares every identical prompt+response prefix of the group, so two *independent* samples that happen
   to start alike are also merged (counted once with their mean advantage). That down-weights popular prefixes
   among independent draws, which the policy-gradient estimator does not do, so it is kept only by name.
-* **Entropy-aware advantage** (AEPO, spec §4.4): ``A·(1 + coef·z)`` with ``z`` the z-score of the current policy's
-  token entropy. It is *working* here (the reference silently skips it, §10.16). Normalisation scope: **per group**
-  (mean/std over the group's trained tokens, counted with the same multiplicity as in the loss), not the reference's
-  micro-batch, so the value does not depend on how the batch happens to be split. An optional minimum multiplier
+* **Entropy-aware advantage** (AEPO, docs/concepts/aepo.md#entropy-aware-advantage): ``A·(1 + coef·z)`` with ``z`` the
+  z-score of the current policy's token entropy. It is *working* here (the reference silently skips it,
+  docs/concepts/aepo.md#entropy-aware-advantage). Normalisation scope: **per group** (mean/std over the group's trained
+  tokens, counted with the same multiplicity as in the loss), not the reference's micro-batch, so the value does not
+  depend on how the batch happens to be split. An optional minimum multiplier
   (``entropy_advantage_clip``, e.g. 0.0) stops the sign of ``A`` from flipping when ``z < -1/coef``.
 """
 
@@ -56,7 +59,8 @@ ADVANTAGES = Registry("advantage estimator", "learner.advantage")
 register_advantage = ADVANTAGES.register
 #: Per-token advantage shaping applied at loss time, when the current policy's entropies are known, by name. Each is
 #: ``fn(adv, entropy, weight, group, num_groups, *, coef, min_multiplier) -> (new_adv, z)`` on flat tensors.
-#: ``"entropy_aware"`` (AEPO §4.4) is switched on by ``learner.entropy_advantage``; it composes with any estimator.
+#: ``"entropy_aware"`` (AEPO, docs/concepts/aepo.md#entropy-aware-advantage) is switched on by
+#: ``learner.entropy_advantage``; it composes with any estimator.
 ADVANTAGE_SHAPERS = Registry("advantage shaping", "learner.entropy_advantage")
 register_advantage_shaper = ADVANTAGE_SHAPERS.register
 

@@ -44,8 +44,9 @@ def dual_clip_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
 
     ``L = max(-A·r, -A·clip(r, 1-ε_l, 1+ε_h))``, and for ``A < 0`` additionally ``min(L, -A·c)``.
 
-    With ``entropy_balanced`` the upper bound is ``(1+ε_h)/sg(r)·r`` (spec §4.3): the same value ``1+ε_h`` in the
-    forward pass, but a clipped positive-advantage token keeps the gradient ``-A·(1+ε_h)·∇log π`` instead of 0.
+    With ``entropy_balanced`` the upper bound is ``(1+ε_h)/sg(r)·r`` (docs/concepts/aepo.md#entropy-balanced-clipping):
+    the same value ``1+ε_h`` in the forward pass, but a clipped positive-advantage token keeps the gradient
+    ``-A·(1+ε_h)·∇log π`` instead of 0.
 
     Args:
         logp: Current log-probabilities (with gradient).

@@ -1,4 +1,5 @@
-"""Held-out evaluation: the protocol ARPO_SPEC §10.23 leaves open, written down.
+"""Held-out evaluation: the protocol the paper leaves open, written down
+(docs/concepts/reference-choices.md#evaluation-protocol).
 
 * Tasks: the first ``evaluation.num_prompts`` tasks of the environment's ``evaluation.split`` (all when None), in
   index order, so every evaluation of a run (and of two runs with the same settings) sees the same tasks.

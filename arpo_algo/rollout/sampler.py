@@ -3,11 +3,13 @@
 One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
 ``env.clone()`` at branch points); one engine call per decoding round for every live trajectory; the tool calls of a
 round run concurrently. Every question that shapes the tree is answered by the pure functions of
-:mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices (ARPO_SPEC §10).
+:mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices
+(docs/concepts/reference-choices.md#deliberate-choices).
 
-Tokenization (§10.11) is :mod:`arpo_algo.rollout.layout`'s rule and each turn is handled by the agent loop's code
-(:mod:`arpo_algo.rollout.agent_loop`: decode the action, step the env, append the result), so a GRPO trajectory
-equals :func:`~arpo_algo.rollout.agent_loop.run_agents` with the same seeds. Nothing is ever re-tokenized, so branch
+Tokenization (docs/concepts/arpo.md#token-layout) is :mod:`arpo_algo.rollout.layout`'s rule and each turn is handled by
+the agent loop's code (:mod:`arpo_algo.rollout.agent_loop`: decode the action, step the env, append the result), so a
+GRPO trajectory equals :func:`~arpo_algo.rollout.agent_loop.run_agents` with the same seeds. Nothing is ever
+re-tokenized, so branch
 prefixes are token-identical.
 
 AEPO pre-monitoring without the reference's discarded trajectory (``aepo_premonitor_keep=False``): the first initial
@@ -57,7 +59,7 @@ class TreeSampler:
         max_prompt_tokens: Prompt limit; ``None`` = the engine's ``max_context`` minus ``max_response_tokens``
             (no limit when ``max_context`` is None).
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
-            §10.8); False masks it.
+            docs/concepts/arpo.md#limit-eos); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
         dump_path: Append one JSON line per group (the tree) to this file.
     """
@@ -122,7 +124,7 @@ class TreeSampler:
         self._run(prompts, cfg)
         self.engine.release(sorted(self._keys, key=str))
         groups = [assemble_group(ps, step) for ps in prompts]
-        self._timers["total"] = time.perf_counter() - t0
+        self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)
         if self.dump_path:
@@ -167,7 +169,7 @@ class TreeSampler:
             reqs = [self._request(ps, p, cfg) for ps, p in live]
             t = time.perf_counter()
             gens = self.engine.generate(reqs)
-            self._timers["generate"] += time.perf_counter() - t
+            self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
             to_step: list[tuple[PromptState, Path]] = []
             lookaheads: list[tuple[PromptState, Path, int]] = []
             for (ps, p), gen in zip(live, gens):
@@ -209,7 +211,7 @@ class TreeSampler:
             if cut is not None and p.turn_start + cut < len(p.response):
                 p.truncate(p.turn_start + cut)  # see arpo_algo.rollout.stops
                 p.cache_key, p.last_finish = p.prev_key, "stop"
-                self._timers["stop_boundary_cuts"] += 1
+                self._timers[MK.TIMER_STOP_BOUNDARY_CUTS] += 1
         if gen.finish_reason == "error":
             log.warning("engine error for task %s trajectory %s: %s", ps.task_index, p.tid, gen.error)
             to_step.append((ps, p))
@@ -234,7 +236,7 @@ class TreeSampler:
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
         n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free, ps.rng)
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
-            self._timers["branch_decisions"] += 1  # a decision that could have branched
+            self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):
@@ -269,7 +271,7 @@ class TreeSampler:
             logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else 0)) for ps in prompts]
         t = time.perf_counter()
         gens = self.engine.generate(reqs)
-        self._timers["generate"] += time.perf_counter() - t
+        self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
         probe_cfg = dataclasses.replace(cfg, mode="grpo", budget=1, initial=1, branch_factor=0,
                                         aepo_premonitor_keep=False, decision_rule="reference")
         shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(),
@@ -298,7 +300,7 @@ class TreeSampler:
         actions = [action_text(self.tok, p, self.eos_id) for _, p in items]
         futures = [self._pool.submit(safe_call, p.env.step, a) for (_, p), a in zip(items, actions)]
         results = [f.result() for f in futures]
-        self._timers["tools"] += time.perf_counter() - t
+        self._timers[MK.TIMER_TOOLS] += time.perf_counter() - t
         return [item for item, res in zip(items, results) if self._apply_step(*item, res, cfg)]
 
     def _apply_step(self, ps: PromptState, p: Path, res: tuple | BaseException, cfg: T.TreeConfig) -> bool:

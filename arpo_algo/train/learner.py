@@ -4,8 +4,9 @@ One :meth:`Learner.update` call = ``ppo_epochs`` optimizer steps over all the gr
 mini-batch). Within a step, the groups are split into micro-batches by token count (a group is never split: the
 tree pack needs all of it, and the entropy-aware z-score is per group) and gradients are accumulated.
 
-**Loss aggregation (spec §10.22).** Every micro-batch's loss is divided by the normaliser of the WHOLE update, not
-of the micro-batch, so the accumulated gradient is exactly the global objective whatever the split:
+**Loss aggregation (docs/concepts/arpo.md#loss-aggregation).** Every micro-batch's loss is divided by the normaliser of
+the WHOLE update, not of the micro-batch, so the accumulated gradient is exactly the global objective whatever the
+split:
 
 * ``token_mean``: ``Σ_traj Σ_t w·ℓ / Σ_traj Σ_t w`` over all trained tokens of the update (``w`` = count weight:
   1 per trajectory copy for soft attribution; hard attribution counts a shared token once). The reference instead
@@ -26,10 +27,11 @@ identity / plain torch here; the backends of :mod:`arpo_algo.train.ddp` and :mod
 override them so that every normaliser and decision above is global over the ranks (see there).
 
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
-``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not
-in any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS (§10.8). That
-EOS was never sampled: its rollout log-prob is NaN, and ``rollout`` takes the learner's own log-prob for it (scored
-before any step, i.e. under the policy version that sampled the rest of the trajectory).
+``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not in
+any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS
+(docs/concepts/arpo.md#limit-eos). That EOS was never sampled: its rollout log-prob is NaN, and ``rollout`` takes the
+learner's own log-prob for it (scored before any step, i.e. under the policy version that sampled the rest of the
+trajectory).
 
 **Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
 sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
@@ -205,7 +207,8 @@ class Learner:
         return lp[batch.pair_node].detach()
 
     def _pair_norm(self, batches: list[TokenBatch]) -> list[torch.Tensor]:
-        """Per pair, the factor that turns a summed per-token term into the global aggregate (§10.22)."""
+        """Per pair, the factor that turns a summed per-token term into the global aggregate
+        (docs/concepts/arpo.md#loss-aggregation)."""
         if self.config.loss_agg == "token_mean":
             total = self._all_sum(sum(float(b.pair_weight.sum()) for b in batches))
             return [b.pair_weight / max(total, 1e-12) for b in batches]

@@ -51,6 +51,8 @@ class LearnerConfig:
         kl_coef: k3 KL to a frozen copy of the initial model (loaded only when > 0).
         entropy_coef: Weight of the entropy bonus (reference 0).
         ppo_epochs: Passes over each batch of trajectories per iteration (reference 1).
+        mini_batches: Optimizer steps per epoch, each on a shuffled part of the iteration's groups, with the old
+            log-probs fixed for the whole update (1 = one step per epoch: the former update; more lets clipping act).
         micro_batch_tokens: Tokens per learner micro-batch (packed forward and backward).
         dedup_prefix: Run each shared prefix of a tree once in the forward pass (a tree attention mask) instead of
             once per trajectory.
@@ -72,6 +74,10 @@ class LearnerConfig:
         max_nan_updates: The run stops after this many consecutive updates with a non-finite loss or gradient norm
             (each of them is skipped).
         attn_implementation: "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
+        kl_rollout_warn: Mismatch alarm: warn when the k3 KL(sampler || learner) on the sampled tokens, measured
+            before the first step, exceeds this (None = by precision: 1e-4 in fp32, measured; 1e-2 in bf16).
+        kl_rollout_stop: Mismatch alarm: stop the run above this (None = by precision: 1e-2 in fp32, measured; 1e-1
+            in bf16).
     """
 
     lr: float = 1e-6

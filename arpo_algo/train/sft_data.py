@@ -15,7 +15,8 @@ from typing import Any
 from arpo_algo.rollout import layout
 from arpo_base.errors import ArpoError, ConfigError
 
-RESULT_TEMPLATE = " <result>\n{result}\n</result>"  # the RL environment's insertion format (ARPO_SPEC §1)
+#: The RL environment's insertion format (docs/concepts/reference-choices.md#interaction-protocol).
+RESULT_TEMPLATE = " <result>\n{result}\n</result>"
 _RESULT_SPAN = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
 Segment = tuple[str, bool]
 

@@ -2,7 +2,7 @@
 
 The dense tree mask (:mod:`arpo_algo.train.tree_forward`) hands SDPA an arbitrary [N, N] boolean mask, which takes it
 off its flash kernels: on an H100 in bf16, dedup was then only 1.09x faster than the duplicated batch although it ran
-2.8x fewer tokens (``../shared/docs/GPU_NOTES.md``). FlexAttention takes a ``BlockMask`` instead: the [N, N] grid cut
+2.8x fewer tokens (docs/results/gpu-h100.md#learner). FlexAttention takes a ``BlockMask`` instead: the [N, N] grid cut
 into 128 x 128 tiles, each one empty (skipped), full (computed without evaluating a mask) or partial (the mask
 function evaluated per element).
 

@@ -5,9 +5,9 @@ Definitions (the same in every engine of this package, see :mod:`arpo_algo.core.
 * ``logprobs``: ``log_softmax(raw_logits / T)[token]`` with ``T = temperature`` (``T = 1`` when greedy), taken over
   the *full* vocabulary **before** top-k/top-p truncation. Truncation only decides which token is drawn; the
   logprob is the policy's, so the learner can recompute it from the same logits without knowing top-k/top-p.
-* ``entropies`` (``entropy_method="full"``): exact entropy (nats) of that same distribution, from the full logits
-  (never from processed scores, RAY_NOTES §1.4.5). With ``entropy_method="topk_sum_lnV"`` each value is instead the
-  truncated per-token term ``-sum exp(l) l`` over the top-k entries plus the sampled token (the reference
+* ``entropies`` (``entropy_method="full"``): exact entropy (nats) of that same distribution, from the full logits (never
+  from processed scores, docs/howto/rllib.md#raw-logits-for-entropy). With ``entropy_method="topk_sum_lnV"`` each value
+  is instead the truncated per-token term ``-sum exp(l) l`` over the top-k entries plus the sampled token (the reference
   estimator's summand; ``k = logprobs_topk`` or 10), and ``top_logprobs`` is always returned.
 
 How decoding works: up to ``max_batch_size`` sequences decode together, one token per forward. The batch KV cache is

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (ARPO_SPEC §2.2)
+REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (docs/concepts/arpo.md#segment-entropy)
 
 
 def choose_token(logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, temperature: float, top_k: int,

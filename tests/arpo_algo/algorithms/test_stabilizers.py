@@ -1,4 +1,4 @@
-"""Stabilizers as named options (issue 10): dynamic sampling, min_roots, Dr. GRPO loss aggregation."""
+"""Stabilizers as named options: dynamic sampling, min_roots, Dr. GRPO loss aggregation."""
 
 from __future__ import annotations
 

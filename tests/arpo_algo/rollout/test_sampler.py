@@ -289,11 +289,12 @@ def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
 
 
 def test_arpo_without_branching_is_grpo_token_for_token(tiny_model_dir, env_creator):
-    # Issue 10's control "ARPO with Z = 0 must match GRPO": with no clone per branch decision the tree is N roots plus
+    # The control "ARPO with Z = 0 must match GRPO": with no clone per branch decision the tree is N roots plus
     # M - N fill-ups from the prompt. Per-request seeds come from (seed, step, prompt, slot), so on the real engine
     # the group must hold exactly GRPO's M samples (same tokens, log-probs and rewards); any code-path difference
     # between the two (fill-up seeding, masks, finish handling) shows up here. The random tiny model writes no tool
-    # call, so no look-ahead happens; the same control with SmolLM2 after SFT, where it does, is a run (README).
+    # call, so no look-ahead happens; the same control with SmolLM2 after SFT, where it does, is a run
+    # (docs/results/stabilizers.md).
     from arpo_algo.rollout.engines.hf import HFEngine
 
     eng = HFEngine(str(tiny_model_dir))
