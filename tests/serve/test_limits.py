@@ -84,23 +84,28 @@ def test_others_are_answered_while_an_oversized_request_is_refused(server):
 
 def test_tokenizing_a_large_body_does_not_stall_the_server(server):
     """A legal 3.9 MB prompt takes seconds to tokenize (then fails the context check): meanwhile /health and a small
-    chat request are answered at once, because parsing and tokenizing run off the event loop."""
+    chat request keep being answered, because parsing and tokenizing run off the event loop. Judged relative to the
+    tokenization's own duration, not by a wall-clock bound, so a loaded machine does not make it flaky: a blocked
+    event loop answers nothing until tokenizing ends, i.e. at most one round would complete, taking about all of it."""
     big = chat_body(messages=[{"role": "user", "content": "ab " * 1_300_000}])
     result: list = []
     worker = threading.Thread(target=lambda: result.append(post_chat(server, big)))
+    started = time.monotonic()
     worker.start()
     time.sleep(0.5)  # the body is in and being tokenized
-    slowest = 0.0
+    slowest, rounds = 0.0, 0
     while worker.is_alive():
         t0 = time.monotonic()
-        assert request(server, "GET", "/health", timeout=30)[0] == 200
-        assert post_chat(server, chat_body(max_tokens=1), timeout=30)[0] == 200
+        assert request(server, "GET", "/health", timeout=60)[0] == 200
+        assert post_chat(server, chat_body(max_tokens=1), timeout=60)[0] == 200
         slowest = max(slowest, time.monotonic() - t0)
+        rounds += worker.is_alive()  # a round that finished while the big request was still being handled
         time.sleep(0.2)
     worker.join()
+    busy = time.monotonic() - started
     status, _, out = result[0]
     assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
-    assert slowest < 2.0, slowest
+    assert rounds >= 2 and slowest < busy / 2, (rounds, slowest, busy)
 
 
 def test_messages_limit_at_and_past(server):
