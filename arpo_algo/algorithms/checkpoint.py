@@ -120,23 +120,24 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _write_state(path: Path, config: Any, **state: Any) -> None:
+    """The checkpoint's JSON (format, version, ``state`` and the settings it was trained with), then fsync the
+    whole folder: the one writer of the marker, for new checkpoints and converted ones alike."""
+    state = {"arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__, **state,
+             "config": {"env": config.env, "env_config": dict(config.env_config), "seed": config.seed,
+                        "settings": config.settings.sections()}}
+    text = json.dumps(state, indent=1, default=_json_value, allow_nan=True)
+    (path / CHECKPOINT_MARKER).write_text(text, encoding="utf-8")
+    fsync_tree(path)
+
+
 def write_checkpoint(algo: Any, path: Path) -> Path:
     """Write ``algo``'s checkpoint into ``path`` (created; must not hold another checkpoint) and fsync it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    algo.learner.save_pretrained(path / POLICY_DIR)
-    save_trainer_state(algo.learner.get_state(), path / POLICY_DIR / TRAINER_STATE_FILE)
-    cfg = algo.config
-    state = {
-        "arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__,
-        "algorithm": type(algo).__name__, "iteration": algo.iteration, "prompts": algo.prompts.get_state(),
-        "metrics_logger": algo.metrics.get_state(),
-        "config": {"env": cfg.env, "env_config": dict(cfg.env_config), "seed": cfg.seed,
-                   "settings": cfg.settings.sections()},
-    }
-    text = json.dumps(state, indent=1, default=_json_value, allow_nan=True)
-    (path / CHECKPOINT_MARKER).write_text(text, encoding="utf-8")
-    fsync_tree(path)
+    algo.policy.save_to_path(path / POLICY_DIR)
+    _write_state(path, algo.config, algorithm=type(algo).__name__, iteration=algo.iteration,
+                 prompts=algo.prompts.get_state(), metrics_logger=algo.metrics.get_state())
     return path
 
 
@@ -173,13 +174,10 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
     if state["algorithm"] != type(algo).__name__:
         raise ArpoError(f"{path} was written by {state['algorithm']}, not {type(algo).__name__}",
                         hint=f"resume it with [experiment] algorithm = {state['algorithm'].lower()!r}")
-    algo.learner.load_pretrained(path / POLICY_DIR)
-    algo.learner.set_state(load_trainer_state(path / POLICY_DIR / TRAINER_STATE_FILE))
+    algo.policy.restore_from_path(path / POLICY_DIR)  # the engine is synced before its next use, as after updates
     algo.metrics.set_state(state["metrics_logger"])
     algo._iteration = int(state["iteration"])
     algo.prompts.set_state(state["prompts"])
-    if hasattr(algo.engine, "weights_updated") and not algo._engine_owns_weights():
-        algo.engine.weights_updated()
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
@@ -214,16 +212,10 @@ def convert_legacy_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *
     shutil.copytree(src / POLICY_DIR, tmp / POLICY_DIR)
     trainer = torch.load(src / POLICY_DIR / TRAINER_STATE_FILE, weights_only=False)  # vouched for, as above
     save_trainer_state(trainer, tmp / POLICY_DIR / TRAINER_STATE_FILE)
-    state = {
-        "arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__,
-        "algorithm": meta.get("arpo_algorithm", "ARPO"), "iteration": int(algo_state["training_iteration"]),
-        "prompts": algo_state["prompts"], "metrics_logger": algo_state.get("metrics_logger", {}),
-        "config": {"env": config.env, "env_config": dict(config.env_config), "seed": config.seed,
-                   "settings": config.settings.sections()},
-        "converted_from": {"format": 1, "arpo_version": meta.get("arpo_version")},
-    }
-    (tmp / CHECKPOINT_MARKER).write_text(json.dumps(state, indent=1, default=_json_value), encoding="utf-8")
-    fsync_tree(tmp)
+    _write_state(tmp, config, algorithm=meta.get("arpo_algorithm", "ARPO"),
+                 iteration=int(algo_state["training_iteration"]), prompts=algo_state["prompts"],
+                 metrics_logger=algo_state.get("metrics_logger", {}),
+                 converted_from={"format": 1, "arpo_version": meta.get("arpo_version")})
     os.replace(tmp, dest)
     fsync_dir(dest.parent)
     return dest
