@@ -1,0 +1,45 @@
+"""The powered comparison's analysis (experiments/study.py, study_report.py) against hand computations."""
+
+from __future__ import annotations
+
+import pytest
+
+from arpo_base.errors import ConfigError
+from experiments.study import parse_seeds
+from experiments.study_report import report, wilcoxon
+
+
+@pytest.mark.parametrize(("diffs", "p", "n"), [
+    ([0.1, 0.2, 0.3, 0.4, 0.5], 2 / 32, 5),       # all positive: only 1 of 32 sign patterns as extreme, two-sided
+    ([0.1, -0.2, 0.3, 0.4, 0.5], 6 / 32, 5),      # W- = 2: patterns with rank sum <= 2 are {}, {1}, {2}
+    ([0.0, 0.1, 0.2, 0.3], 2 / 8, 3),             # the zero difference is dropped
+    ([0.25, 0.25, -0.25], 1.0, 3),                # tied ranks (2, 2, 2): W- = 2 is the centre of the distribution
+    ([0.0, 0.0], 1.0, 0),                          # nothing but ties with the baseline
+])
+def test_wilcoxon_exact(diffs, p, n):
+    got, nonzero = wilcoxon(diffs)
+    assert got == pytest.approx(p) and nonzero == n
+
+
+def test_seed_ranges():
+    assert parse_seeds(["0-3", "7"]) == [0, 1, 2, 3, 7]
+    with pytest.raises(ConfigError, match="ranges like 0-15"):
+        parse_seeds(["a-b"])
+
+
+def _record(arm: str, seed: int, accs: list[float], calls: list[float]) -> dict:
+    curve = [[i, c, 100 * c, a] for i, (c, a) in enumerate(zip(calls, accs))]
+    return {"arm": arm, "seed": seed, "code": "c0de", "commit": "0" * 40, "sft": "5f7", "cpu": "x86_64 avx2",
+            "torch": "2", "before": accs[0], "after": accs[-1], "curve": curve, "tool_calls": calls[1:],
+            "branches_per_group": 0.5 if arm == "arpo" else 0.0, "clip_frac": 0.0, "time_s": 10.0}
+
+
+def test_report_pairs_by_seed_and_counts_tool_calls_to_reach_the_baseline():
+    records = [_record("grpo", 0, [0.25, 0.5, 0.5], [0, 10, 20]), _record("grpo", 1, [0.25, 0.25, 0.5], [0, 10, 20]),
+               _record("arpo", 0, [0.25, 0.75, 1.0], [0, 10, 20]), _record("arpo", 1, [0.25, 0.25, 0.25], [0, 9, 18])]
+    text = report(records)
+    # GRPO's mean final accuracy is 0.5: ARPO seed 0 first reaches it after 10 tool calls, seed 1 never does
+    row = [line for line in text.splitlines() if line.startswith("| arpo | 2 | ")][1]  # the paired table
+    assert "| 1 / 1 / 0 |" in row and "| 10.000 ± 0.000 |" in row and "| 1 of 2 |" in row
+    assert "0.125 ± 0.530" in row  # differences +0.5 and -0.25
+    assert "| arpo | 1 | .250 .250 .250 |" in text
