@@ -39,10 +39,10 @@ class ServeMetrics:
         self.latency.observe(seconds, tags={"model": model})
 
     def finished(self, model: str, result: dict[str, Any], seconds: float) -> None:
-        self.request(model, "200", seconds)
         usage = result["usage"]
-        self.tokens.inc(usage["prompt_tokens"], tags={"model": model, "kind": "prompt"})
-        self.tokens.inc(usage["completion_tokens"], tags={"model": model, "kind": "completion"})
+        for kind in ("prompt", "completion"):
+            if usage[f"{kind}_tokens"] > 0:  # Ray's counters refuse an increment of 0 (ValueError)
+                self.tokens.inc(usage[f"{kind}_tokens"], tags={"model": model, "kind": kind})
         for choice in result["choices"]:
             msg = choice["message"]
             for call in msg.get("arpo", {}).get("tool_calls", []):
@@ -50,3 +50,4 @@ class ServeMetrics:
                 self.tool_calls.inc(1, tags={"model": model, "tool": str(call.get("tool")), "outcome": outcome})
             for call in msg.get("tool_calls") or []:
                 self.tool_calls.inc(1, tags={"model": model, "tool": call["function"]["name"], "outcome": "client"})
+        self.request(model, "200", seconds)  # last: a request is counted once, as 200 only when all of it went well
