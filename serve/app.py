@@ -229,22 +229,23 @@ class AgentServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.security.request_timeout_s  # the wait for a slot counts too
         try:
-            await self.admission.enter()
-        except APIError as err:
+            await asyncio.wait_for(self.admission.enter(), self.security.request_timeout_s)
+        except (TimeoutError, APIError) as e:
+            err = self._run_error(e)
             self.metrics.request("-", str(err.status), time.perf_counter() - t0)
             return _error(err, self.retry_after_s)
         handed_over = False  # a stream leaves its slot when it ends; everything else when this returns
         try:
-            response = await self._chat(request, t0)
+            response = await self._chat(request, t0, deadline)
             handed_over = isinstance(response, StreamingResponse)
             return response
         finally:
             if not handed_over:
                 self.admission.leave()
 
-    async def _chat(self, request: Request, t0: float) -> Any:
-        deadline = time.monotonic() + self.security.request_timeout_s
+    async def _chat(self, request: Request, t0: float, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
         model = "-"
         raw = await request.body()  # a body past the limit raises out of here to the guard, which answers 413
@@ -364,8 +365,12 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
 
 def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int | None) -> tuple[int, int]:
     """(running, waiting) of a replica's :class:`Admission`, the defaults filled in."""
-    return (max_ongoing_requests or DEFAULTS["max_ongoing_requests"],
-            max_queued_requests if max_queued_requests is not None else DEFAULTS["max_queued_requests"])
+    running = max_ongoing_requests or DEFAULTS["max_ongoing_requests"]
+    waiting = max_queued_requests if max_queued_requests is not None else DEFAULTS["max_queued_requests"]
+    if running < 1 or waiting < 0:
+        raise ConfigError(f"max_ongoing_requests must be >= 1 and max_queued_requests >= 0, got {running} and "
+                          f"{waiting}")
+    return running, waiting
 
 
 def build_app(specs: list[AgentSpec], security: Security | None = None, **options: Any) -> Any:
