@@ -211,11 +211,11 @@ class ToolSession:
 
     def _run_tool(self, parsed: Any, st: SessionStep) -> str:
         self.counts["tool_calls"] += 1
-        from arpo_env.tools.sandbox import SandboxError
+        from arpo_env.tools.sandbox import SandboxError, ToolCancelled
 
         try:
             result = self.tools[parsed.tool](**parsed.args)
-        except SandboxError:  # the sandbox failed, not the model's code: never an observation the policy is scored on
+        except (SandboxError, ToolCancelled):  # not the model's code failing: never an observation it is scored on
             raise
         except Exception as e:  # tools must not raise; if one does, the policy still gets an observation
             from arpo_env.tools.base import ToolResult

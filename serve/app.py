@@ -3,8 +3,10 @@
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
 every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page). :mod:`serve.guard` checks every
 request first (docs/security.md). All agents of one application live in every replica and
-are routed by the request's ``model``. Overload: Serve admits ``max_ongoing_requests`` per replica and queues at
-most ``max_queued_requests`` more at the proxy; beyond that the proxy answers 503 with ``Retry-After``.
+are routed by the request's ``model``. Overload: each replica runs at most ``max_ongoing_requests`` chat requests at
+once and lets at most ``max_queued_requests`` more wait for a slot (:class:`Admission`); beyond that it answers an
+OpenAI-shaped 503 with ``Retry-After``, counted like every answer. Serve's own limits sit above these
+(:data:`SERVE_HEADROOM`), so its proxy's plain-text 503 is left for floods the replicas cannot even answer quickly.
 
 Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=runs/arpo``), a Serve config file
 (``experiments/serve_config.yaml``, ``serve deploy``) or ``arpo serve``.
@@ -15,6 +17,7 @@ Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=ru
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -30,7 +33,16 @@ from ray.serve.config import BackpressureConfig
 from arpo_base.errors import ConfigError
 from serve.agents import AgentSpec, specs_from_args
 from serve.batching import EngineDead
-from serve.guard import MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Guard, Policy, Security, install, page_csp
+from serve.guard import (
+    MAX_BODY_BYTES,
+    REQUEST_TIMEOUT_S,
+    Guard,
+    Policy,
+    Security,
+    count_fault,
+    install,
+    page_csp,
+)
 from serve.schema import APIError, parse_chat_request
 
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -41,15 +53,42 @@ DEFAULTS = {"num_replicas": 1, "max_ongoing_requests": 16, "max_queued_requests"
 #: requests, between 1 and 4 replicas, scale up after 5 s of load and down after 60 s idle.
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "upscale_delay_s": 5.0,
                "downscale_delay_s": 60.0, "metrics_interval_s": 2.0, "look_back_period_s": 10.0}
+#: How long a request past its deadline waits for its cancelled run to stop (its tool process killed, its engine rows
+#: dropped) before the 504 goes out anyway; normally a fraction of a second (the sandbox polls every 0.1 s).
+CANCEL_GRACE_S = 5.0
+#: Serve lets this many requests more than the admission's running + waiting reach a replica (health checks, /v1/models
+#: and the refusals themselves), and queues as many at its proxy: the replica sheds load first, OpenAI-shaped.
+SERVE_HEADROOM = 16
 log = logging.getLogger("arpo.serve")
 
 api = FastAPI(title="arpo serve", docs_url=None, redoc_url=None, openapi_url=None)
 api.add_middleware(Guard)
 
 
-def _error(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
+def _error(e: APIError, retry_after_s: float = 1.0) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if e.status == 503 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Admission:
+    """A replica's chat requests: at most ``running`` at once, at most ``waiting`` more waiting for a slot in
+    arrival order; one more is refused at once (:meth:`enter` raises a 503 :class:`APIError`). Event-loop only."""
+
+    def __init__(self, running: int, waiting: int) -> None:
+        self.slots, self.waiting_limit, self.waiting = asyncio.Semaphore(running), waiting, 0
+
+    async def enter(self) -> None:
+        if self.slots.locked() and self.waiting >= self.waiting_limit:
+            raise APIError("the server is overloaded (every slot is busy and the queue is full); retry shortly",
+                           status=503, type="server_error", code="server_overloaded")
+        self.waiting += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.waiting -= 1
+
+    def leave(self) -> None:
+        self.slots.release()
 
 
 def _unavailable(what: str) -> APIError:
@@ -63,10 +102,21 @@ def _internal(e: BaseException, where: str) -> APIError:
                     type="server_error", code="internal_error")
 
 
+async def _stop(cancel: threading.Event, future: asyncio.Future) -> None:
+    """Cancel a request's run and wait (at most CANCEL_GRACE_S) until it has stopped: its running tool call's
+    process is killed and its engine rows dropped, so no work of an answered request goes on."""
+    cancel.set()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is ours to drop, not to log
+    await asyncio.wait({future}, timeout=CANCEL_GRACE_S)
+
+
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    """Backstop: a fault no route caught still answers OpenAI-shaped JSON, never Starlette's plain-text 500."""
-    return _error(_internal(exc, f"{request.method} {request.url.path}"))
+    """Backstop: a fault no route caught still answers OpenAI-shaped JSON, never Starlette's plain-text 500, and is
+    counted (the route that failed counted nothing: a request is counted last, once all of it went well)."""
+    err = _internal(exc, f"{request.method} {request.url.path}")
+    count_fault(err.status)
+    return _error(err)
 
 
 @serve.deployment(name="arpo_agents")
@@ -75,7 +125,8 @@ class AgentServer:
     """One replica: every agent's engine behind its batching front, and the HTTP routes."""
 
     def __init__(self, specs: list[dict[str, Any]], max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"],
-                 security: dict[str, Any] | None = None):
+                 security: dict[str, Any] | None = None, max_queued_requests: int = DEFAULTS["max_queued_requests"],
+                 retry_after_s: float = DEFAULTS["retry_after_s"]):
         from serve.metrics import ServeMetrics
 
         self.specs = [AgentSpec(**s) for s in specs]
@@ -87,6 +138,8 @@ class AgentServer:
         self.page = PAGE.read_text(encoding="utf-8")
         self.page_csp = page_csp(self.page)
         self.agents: dict[str, Any] = {}
+        self.admission = Admission(max_ongoing_requests, max_queued_requests)
+        self.retry_after_s = retry_after_s
         self.load_error: str | None = None
         self.loaded = threading.Event()
         # One thread per admitted request (its agent loop blocks on the batching front), plus some slack.
@@ -176,7 +229,23 @@ class AgentServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.security.request_timeout_s
+        deadline = time.monotonic() + self.security.request_timeout_s  # the wait for a slot counts too
+        try:
+            await asyncio.wait_for(self.admission.enter(), self.security.request_timeout_s)
+        except (TimeoutError, APIError) as e:
+            err = self._run_error(e)
+            self.metrics.request("-", str(err.status), time.perf_counter() - t0)
+            return _error(err, self.retry_after_s)
+        handed_over = False  # a stream leaves its slot when it ends; everything else when this returns
+        try:
+            response = await self._chat(request, t0, deadline)
+            handed_over = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not handed_over:
+                self.admission.leave()
+
+    async def _chat(self, request: Request, t0: float, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
         model = "-"
         raw = await request.body()  # a body past the limit raises out of here to the guard, which answers 413
@@ -190,7 +259,7 @@ class AgentServer:
         cancel = threading.Event()
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
         if req.stream:
-            return StreamingResponse(self._stream(agent, job, cancel, meta, t0, deadline),
+            return StreamingResponse(self._stream(agent, job, cancel, meta, t0, deadline, self.admission.leave),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         future = loop.run_in_executor(self.pool, agent.run, job, cancel, None)
@@ -201,7 +270,7 @@ class AgentServer:
             self.metrics.request(model, "499", time.perf_counter() - t0)
             raise
         except Exception as e:  # noqa: BLE001 - every failure is answered OpenAI-style, never as plain text
-            cancel.set()  # a timed-out conversation stops at its next round, its tool calls included
+            await _stop(cancel, future)  # past the deadline: its tool process is killed before the answer goes out
             err = self._run_error(e)
             self.metrics.request(model, str(err.status), time.perf_counter() - t0)
             return _error(err)
@@ -220,7 +289,8 @@ class AgentServer:
             return e
         return _internal(e, "the agent's run")
 
-    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float, deadline: float):
+    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float, deadline: float,
+                      leave: Any):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -260,11 +330,12 @@ class AgentServer:
             self.metrics.finished(meta["model"], result, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, OpenAI style
             finished = True
-            cancel.set()
+            await _stop(cancel, future)
             err = self._run_error(e)
             yield f"data: {json.dumps(err.body())}\n\n"
             self.metrics.request(meta["model"], str(err.status), time.perf_counter() - t0)
         finally:
+            leave()  # the request's admission slot, held while it streams
             if not finished:  # client disconnect (generator cancelled or closed): free the engine rows
                 cancel.set()
                 self.metrics.request(meta["model"], "499", time.perf_counter() - t0)
@@ -273,11 +344,13 @@ class AgentServer:
 def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,
                        max_queued_requests: int | None = None, retry_after_s: float | None = None,
                        autoscale: bool = False, num_cpus: float | None = None) -> dict[str, Any]:
-    """Serve deployment options (``.options(**...)``): concurrency, queue bound, 503 + Retry-After, autoscaling."""
+    """Serve deployment options (``.options(**...)``): Serve's own concurrency and queue bound, set
+    :data:`SERVE_HEADROOM` above the replica's :class:`Admission` (``max_ongoing_requests`` running,
+    ``max_queued_requests`` waiting), its 503 + Retry-After as the backstop, autoscaling."""
+    running, waiting = admission_limits(max_ongoing_requests, max_queued_requests)
     opts: dict[str, Any] = {
-        "max_ongoing_requests": max_ongoing_requests or DEFAULTS["max_ongoing_requests"],
-        "max_queued_requests": max_queued_requests if max_queued_requests is not None
-        else DEFAULTS["max_queued_requests"],
+        "max_ongoing_requests": running + waiting + SERVE_HEADROOM,
+        "max_queued_requests": waiting + SERVE_HEADROOM,
         "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=retry_after_s
                                                   if retry_after_s is not None else DEFAULTS["retry_after_s"]),
         "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None else DEFAULTS["num_cpus"]},
@@ -290,6 +363,16 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
     return opts
 
 
+def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int | None) -> tuple[int, int]:
+    """(running, waiting) of a replica's :class:`Admission`, the defaults filled in."""
+    running = max_ongoing_requests or DEFAULTS["max_ongoing_requests"]
+    waiting = max_queued_requests if max_queued_requests is not None else DEFAULTS["max_queued_requests"]
+    if running < 1 or waiting < 0:
+        raise ConfigError(f"max_ongoing_requests must be >= 1 and max_queued_requests >= 0, got {running} and "
+                          f"{waiting}")
+    return running, waiting
+
+
 def build_app(specs: list[AgentSpec], security: Security | None = None, **options: Any) -> Any:
     """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
 
@@ -299,8 +382,10 @@ def build_app(specs: list[AgentSpec], security: Security | None = None, **option
     security = security or Security()
     security.key()
     opts = deployment_options(**options)
-    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], opts["max_ongoing_requests"],
-                                            security.to_dict())
+    running, waiting = admission_limits(options.get("max_ongoing_requests"), options.get("max_queued_requests"))
+    retry = options.get("retry_after_s")
+    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], running, security.to_dict(), waiting,
+                                            DEFAULTS["retry_after_s"] if retry is None else retry)
 
 
 def _flag(value: Any) -> bool:

@@ -185,6 +185,13 @@ def install(policy: Policy) -> None:
     _POLICY[:] = [policy]
 
 
+def count_fault(status: int) -> None:
+    """Count an answer the routes could not count themselves (the app's backstop for an uncaught fault) once, as
+    the replica's refusals are counted (``model="-"``)."""
+    if _POLICY and _POLICY[0].on_refusal is not None:
+        _POLICY[0].on_refusal(status)
+
+
 class _BodyTooLarge(Exception):
     pass
 

@@ -4,7 +4,8 @@ Ray exports them with its other metrics (the ``/metrics`` endpoint of each node'
 ``--metrics-export-port``), tagged with the deployment and replica automatically:
 
 * ``arpo_serve_requests_total{model, status}``: finished requests by HTTP status (200, 400, 404, 499 = client gone,
-  401/403/413/415 refused by the guard with ``model="-"``, 503 engine gone, 504 deadline, 500 fault), each once.
+  401/403/413/415 refused by the guard and 503 refused by the admission with ``model="-"``, 503 engine gone, 504
+  deadline, 500 fault), each once.
 * ``arpo_serve_tokens_total{model, kind}``: ``prompt`` and ``completion`` tokens (tool-result tokens count as
   completion tokens: they are part of the response).
 * ``arpo_serve_tool_calls_total{model, tool, outcome}``: tool calls run by the server loop (``ok`` / ``error``) or
@@ -39,10 +40,10 @@ class ServeMetrics:
         self.latency.observe(seconds, tags={"model": model})
 
     def finished(self, model: str, result: dict[str, Any], seconds: float) -> None:
-        self.request(model, "200", seconds)
         usage = result["usage"]
-        self.tokens.inc(usage["prompt_tokens"], tags={"model": model, "kind": "prompt"})
-        self.tokens.inc(usage["completion_tokens"], tags={"model": model, "kind": "completion"})
+        for kind in ("prompt", "completion"):
+            if usage[f"{kind}_tokens"] > 0:  # Ray's counters refuse an increment of 0 (ValueError)
+                self.tokens.inc(usage[f"{kind}_tokens"], tags={"model": model, "kind": kind})
         for choice in result["choices"]:
             msg = choice["message"]
             for call in msg.get("arpo", {}).get("tool_calls", []):
@@ -50,3 +51,4 @@ class ServeMetrics:
                 self.tool_calls.inc(1, tags={"model": model, "tool": str(call.get("tool")), "outcome": outcome})
             for call in msg.get("tool_calls") or []:
                 self.tool_calls.inc(1, tags={"model": model, "tool": call["function"]["name"], "outcome": "client"})
+        self.request(model, "200", seconds)  # last: a request is counted once, as 200 only when all of it went well

@@ -30,6 +30,7 @@ from arpo_algo.core.tree import derive_seed
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
 from arpo_env.session import SessionStep, ToolSession
+from arpo_env.tools.sandbox import cancel_scope
 from serve.agents import AgentSpec
 from serve.batching import BatchingEngine
 from serve.schema import MAX_REQUEST_TOOL_CALLS, APIError, ChatRequest
@@ -59,11 +60,18 @@ class Job:
     max_tool_calls: int | None = None
 
 
-class ServeSession:
-    """A ``ToolSession`` plus what a request adds: the client's ``stop`` strings and client-side tool calls."""
+class EngineFailure(RuntimeError):
+    """A conversation of the request ended in an engine error (a request the engine rejected, a failed round) or in
+    a failed sandbox: a server fault, never a completion with ``finish_reason`` "stop"."""
 
-    def __init__(self, inner: ToolSession, stop: list[str], client_tools: bool) -> None:
-        self.inner, self.user_stop, self.client_tools = inner, list(stop), client_tools
+
+class ServeSession:
+    """A ``ToolSession`` plus what a request adds: the client's ``stop`` strings, client-side tool calls and the
+    request's ``cancel`` event, under which its tool calls run (set: the sandboxed process is killed at once)."""
+
+    def __init__(self, inner: ToolSession, stop: list[str], client_tools: bool,
+                 cancel: threading.Event | None = None) -> None:
+        self.inner, self.user_stop, self.client_tools, self.cancel = inner, list(stop), client_tools, cancel
         self.client_call: tuple[str, dict] | None = None
 
     @property
@@ -79,7 +87,8 @@ class ServeSession:
             if parsed.kind == "tool_call" and self.inner.counts["tool_calls"] < self.inner.config["max_tool_calls"]:
                 self.client_call = (parsed.tool, dict(parsed.args))
                 return SessionStep("", True, "client_tool", "tool", tool=parsed.tool, args=dict(parsed.args))
-        return self.inner.step(action)
+        with cancel_scope(self.cancel):  # in the thread that runs the tool, whichever the agent loop uses
+            return self.inner.step(action)
 
 
 class TextStream:
@@ -179,7 +188,7 @@ class Agent:
                    include_usage=req.include_usage, max_tool_calls=req.max_tool_calls)
 
     # -------------------------------------------------------------------------------------------------- running
-    def _sessions(self, job: Job) -> list[ServeSession]:
+    def _sessions(self, job: Job, cancel: threading.Event | None = None) -> list[ServeSession]:
         out = []
         for _ in range(job.n):
             s = self.session.clone()
@@ -187,14 +196,14 @@ class Agent:
             if job.max_tool_calls is not None:  # a request may lower the agent's limit, never raise it
                 s.config["max_tool_calls"] = min(s.config["max_tool_calls"], job.max_tool_calls)
             s.counts["tool_calls"] = job.prior_tool_calls
-            out.append(ServeSession(s, job.stop, job.client_tools))
+            out.append(ServeSession(s, job.stop, job.client_tools, cancel))
         return out
 
     def run(self, job: Job, cancel: threading.Event, emit: Any = None) -> dict[str, Any]:
         """Run the ``n`` conversations; ``emit(kind, index, payload)`` streams deltas and tool events."""
         from arpo_algo.rollout.agent_loop import run_agents
 
-        sessions = self._sessions(job)
+        sessions = self._sessions(job, cancel)
         streams = [TextStream(self.tok, job.stop, functools.partial(emit, "delta", j) if emit else _drop)
                    for j in range(job.n)]
         lock = threading.Lock()
@@ -220,6 +229,9 @@ class Agent:
         traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
                             max_response_tokens=job.max_response_tokens, seeds=seeds,
                             on_event=on_event if emit else None, on_token=on_token if emit else None)
+        failed = [t.error for t in traces if t.finish_reason == "error"]
+        if failed and not cancel.is_set():  # a cancelled request's answer is already sent
+            raise EngineFailure(failed[0] or "engine error (no message)")
         choices = []
         for j, (trace, sess) in enumerate(zip(traces, sessions)):
             if emit:

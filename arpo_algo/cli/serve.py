@@ -183,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",
                    help="requests a replica works on at once (they share engine rounds)")
     p.add_argument("--max-queued-requests", type=int, default=32, dest="max_queued_requests",
-                   help="requests waiting at the proxy beyond that; more get HTTP 503 + Retry-After")
+                   help="requests waiting in a replica beyond that; more get HTTP 503 + Retry-After")
     p.add_argument("--api-key", dest="api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
                         "process list: prefer the variable or --api-key-file)")

@@ -49,7 +49,9 @@ from arpo_env.tools.sandbox import (
     PRIVATE_DIRS,
     READY,
     SandboxError,
+    ToolCancelled,
     bwrap_prefix,
+    cancel_event,
     child_env,
     interpreter_paths,
     kill_uid,
@@ -226,11 +228,17 @@ class PythonTool:
         problem = check_text_arg(code, "code", self.max_code_chars)
         if problem:
             return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
+        if (cancel := cancel_event()) is not None and cancel.is_set():
+            raise ToolCancelled("the call was cancelled before it started")
         with sandbox_slot():
             try:
                 run = self._run_docker if self.backend == "docker" else self._run_process
-                result = self._result(*run(code))
-            except ArpoError:  # SandboxError, or no free uid: the sandbox failed, not the code; raised, not scored
+                out, err, returncode, status = run(code)
+                if status == "cancelled":
+                    raise ToolCancelled(f"the call was cancelled after {time.monotonic() - start:.1f} s; its "
+                                        "process was killed")
+                result = self._result(out, err, returncode, status)
+            except ArpoError:  # SandboxError or no free uid (the sandbox failed, not the code), ToolCancelled: raised
                 raise
             except Exception as exc:
                 raise SandboxError(f"the Python tool's sandbox failed: {type(exc).__name__}: {exc}") from exc
@@ -290,6 +298,8 @@ class PythonTool:
                 pass
             out, err, status = self._collect(proc, uid)  # kills stragglers itself on every normal path
             collected = True
+            if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
+                return out, err, proc.returncode, status
             return (*_strip_ready(out, err, proc.returncode, status), proc.returncode, status)
         finally:
             if proc is not None:
@@ -317,12 +327,16 @@ class PythonTool:
         bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
         total, status = 0, "ok"
         deadline = time.monotonic() + self.timeout_s
+        cancel = cancel_event()  # the caller's: set = nobody waits for this call any more
         exited_at = None
         with selectors.DefaultSelector() as sel:
             for stream in bufs:
                 sel.register(stream, selectors.EVENT_READ)
             while sel.get_map():
                 now = time.monotonic()
+                if cancel is not None and cancel.is_set():
+                    status = "cancelled"
+                    break
                 if now > deadline:
                     status = "timeout"
                     break

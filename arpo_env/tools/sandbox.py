@@ -26,11 +26,16 @@ Isolation per backend (the tool measures what it gets in its self-test, see :mod
   drops to the per-call uid; as another user bwrap adds a user namespace. Level ``filesystem``.
 * ``docker``: a container with no network, a memory and a PID limit, as ``nobody``: level ``filesystem``.
 
+A caller can cut calls short: while :func:`cancel_scope` holds a set event for the calling thread, a running call's
+process group and uid are killed at once (within the collector's 0.1 s poll) and :class:`ToolCancelled` is raised
+instead of a result (the server uses it for a request whose deadline passed).
+
 Not covered: filling the disk with many files (only each file's size is capped) and kernel exploits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -40,6 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 from arpo_base.errors import ArpoError, ConfigError
 
@@ -236,6 +242,31 @@ def kill_uid(uid: int) -> None:
 class SandboxError(ArpoError):
     """The sandbox itself failed (setup, bwrap, setarch, the interpreter, the container engine): raised to the
     caller, never returned as an observation, since the model's code is not what failed."""
+
+
+class ToolCancelled(ArpoError):
+    """The caller cancelled the call (see :func:`cancel_scope`); its process is already killed. Raised, never an
+    observation: the code did not fail, nobody waits for its result."""
+
+
+_CANCEL = threading.local()
+
+
+@contextlib.contextmanager
+def cancel_scope(event: threading.Event | None) -> Iterator[None]:
+    """While open, tool calls made by THIS thread end as soon as ``event`` is set: the sandboxed process (its group
+    and its uid) is killed and :class:`ToolCancelled` raised. Scopes nest; the previous one comes back on exit."""
+    previous = getattr(_CANCEL, "event", None)
+    _CANCEL.event = event
+    try:
+        yield
+    finally:
+        _CANCEL.event = previous
+
+
+def cancel_event() -> threading.Event | None:
+    """The event of the calling thread's innermost :func:`cancel_scope` (None outside any)."""
+    return getattr(_CANCEL, "event", None)
 
 
 # Folders anyone may write on a usual host: the subprocess backend's mount namespace replaces them by private ones.

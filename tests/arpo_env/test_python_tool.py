@@ -144,6 +144,39 @@ def test_escaped_background_processes_are_killed(tool, tmp_path):
     assert not _is_running(pid)
 
 
+def test_a_cancelled_call_is_killed_then_and_raises(tmp_path):
+    """A call under ``cancel_scope(event)`` whose event is set while it sleeps 60 s: its process is killed then, not
+    at its timeout, its scratch folder removed, and ToolCancelled raised instead of a result; with the event already
+    set nothing runs; outside the scope the tool runs as before."""
+    from arpo_env.tools.sandbox import ToolCancelled, cancel_scope
+
+    tool = PythonTool(timeout_s=120, backend="subprocess", scratch_root=str(tmp_path), **OPT_IN)
+    code = "import os, time\nopen('pid.tmp', 'w').write(str(os.getpid()))\nos.rename('pid.tmp', 'pid')\ntime.sleep(60)"
+    event, outcome = threading.Event(), []
+
+    def call() -> None:
+        with cancel_scope(event):
+            try:
+                outcome.append(tool(code))
+            except ToolCancelled as exc:
+                outcome.append(exc)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    while not (found := list(tmp_path.glob("arpo-py-*/pid"))):
+        assert worker.is_alive(), outcome
+        time.sleep(0.05)
+    pid = int(found[0].read_text())
+    assert _is_running(pid)
+    event.set()
+    worker.join(50)  # the sleep alone would take 60 s, the tool's timeout 120 s
+    assert not worker.is_alive() and isinstance(outcome[0], ToolCancelled), outcome
+    assert not _is_running(pid) and not list(tmp_path.iterdir())
+    with cancel_scope(event), pytest.raises(ToolCancelled, match="before it started"):
+        tool("print(1)")
+    assert tool("print(1)").text == "1"
+
+
 def _is_running(pid: int) -> bool:
     """Alive and not a zombie (zombies are dead, awaiting init's reaping)."""
     try:

@@ -25,6 +25,7 @@ def valid_truths(shared_data):
 
 def test_reference_reward_on_real_ground_truths(valid_truths):
     both = " <search> q </search> <result>\nx\n</result> <python> 1 </python> <result>\n1\n</result>"
+    assert len(valid_truths) >= 10  # the loop below runs on the real ground truths, not on none
     for _ability, gt in valid_truths:
         score, info = arpo_reference(_answer(gt), gt)
         assert score == pytest.approx(1.0), (gt, info)

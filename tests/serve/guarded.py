@@ -20,6 +20,7 @@ TIMEOUT_S = 5.0  # the server's per-request deadline
 AGENT_TOOL_CALLS = 8
 SYSTEM = "Use python."
 SLEEP_CALL = "<python>import time; time.sleep(30)</python>"  # what the "sleeper" agent is taught to write
+EXTRA_TOKEN = "<extra_token>"  # in the "broken" agent's tokenizer, beyond its model's embedding rows
 
 
 def free_port() -> int:
@@ -39,7 +40,8 @@ def server_fixture(*, sleeper: bool) -> Any:
 
 def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     """Ray Serve on 127.0.0.1 with the key, the deadline of TIMEOUT_S and the agent ``tiny`` (untrained, python
-    tool, AGENT_TOOL_CALLS calls), plus ``sleeper`` when asked; yields the server's facts, then shuts it down."""
+    tool, AGENT_TOOL_CALLS calls), plus ``sleeper`` (its sandboxes under the yielded ``sandboxes`` folder) and
+    ``broken`` (:func:`broken_model`) when asked; yields the server's facts, then shuts it down."""
     import ray
     from ray import serve
 
@@ -63,15 +65,19 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     specs = build_specs([f"tiny={model}"], tools="python", max_tool_calls=AGENT_TOOL_CALLS, max_tokens=16)
+    sandboxes = root / "sandboxes"
+    sandboxes.mkdir()
     if sleeper:
-        specs += build_specs([f"sleeper={sleeper_model(root)}"], tools='{"python": {"timeout_s": 30}}',
-                             max_tool_calls=1, system_prompt=SYSTEM, max_tokens=64)
+        tools = json.dumps({"python": {"timeout_s": 30, "scratch_root": str(sandboxes)}})
+        specs += build_specs([f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM,
+                             max_tokens=64)
+        specs += build_specs([f"broken={broken_model(root)}"], tools="python", max_tokens=4)
     security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
     serve.run(build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8), name=APP, route_prefix="/",
               blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 300, KEY)
-    yield {"url": url, "port": port, "model": model, "metrics_port": metrics_port}
+    yield {"url": url, "port": port, "model": model, "metrics_port": metrics_port, "sandboxes": sandboxes}
     serve.shutdown()
     ray.shutdown()
     for k, v in saved.items():
@@ -100,6 +106,20 @@ def sleeper_model(root):
     finally:
         torch.set_num_threads(threads)
     return root / "sleeper"
+
+
+def broken_model(root):
+    """A tiny Llama whose tokenizer was given one more token (EXTRA_TOKEN) without resizing the model: a prompt
+    holding it passes every check of the server and is rejected inside the engine (token id out of range)."""
+    from transformers import AutoTokenizer
+
+    from arpo_algo.models import build_tiny_model
+
+    folder = build_tiny_model(root / "broken", num_layers=2, hidden_size=64, seed=0)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens([EXTRA_TOKEN])
+    tok.save_pretrained(folder)
+    return folder
 
 
 def request(srv: dict, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -154,3 +174,31 @@ def status_counts(srv: dict) -> dict[str, float]:
         if "arpo_serve_requests_total{" in line and not line.startswith("#") and m:
             counts[m.group(1)] = counts.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def settled_counts(srv: dict) -> dict[str, float]:
+    """:func:`status_counts` once earlier requests' counts have reached the export (two reads 2.5 s apart agree)."""
+    import time
+
+    before, deadline = status_counts(srv), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(2.5)
+        now = status_counts(srv)
+        if now == before:
+            break
+        before = now
+    return before
+
+
+def counts_reaching(srv: dict, want: dict[str, float]) -> dict[str, float]:
+    """:func:`status_counts` once every status of ``want`` reached its count (or after 60 s), read again 3 s later:
+    a second export of the same counters must not add to them."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(status_counts(srv).get(k, 0.0) >= v for k, v in want.items()):
+            break
+        time.sleep(1)
+    time.sleep(3)
+    return status_counts(srv)

@@ -12,17 +12,21 @@ import socket
 import threading
 import time
 
+import pytest
+
 from tests.serve.guarded import (
     AGENT_TOOL_CALLS,
     APP,
+    EXTRA_TOKEN,
     KEY,
     SLEEP_CALL,
-    TIMEOUT_S,
     assert_openai_error,
     chat_body,
+    counts_reaching,
     post_chat,
     request,
     server_fixture,
+    settled_counts,
 )
 
 server = server_fixture(sleeper=True)
@@ -141,27 +145,112 @@ def test_n_times_tool_calls_limit_at_and_past(server):
     assert status == 400 and f"{n} x {AGENT_TOOL_CALLS}" in out["error"]["message"], out
 
 
-def test_deadline_covers_tool_calls_answers_504_and_frees_the_server(server):
-    """The sleeper agent's tool call sleeps 30 s; the request's 5 s deadline answers 504 while it runs."""
+def sandbox_processes(root) -> set[tuple[int, str]]:
+    """(pid, start time) of every process of the sandboxes under ``root``: those whose command line (bwrap's binds)
+    or working folder names it, and all their descendants."""
+    import os
+
+    procs: dict[int, tuple[int, str, bool]] = {}  # pid -> (parent, start time, names root)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            try:
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+            except OSError:
+                cwd = ""
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] in "ZX":
+            continue
+        procs[int(entry)] = (int(fields[1]), fields[19], str(root) in cmdline or cwd.startswith(str(root)))
+    found = {pid for pid, (_, _, mine) in procs.items() if mine}
+    while grown := {pid for pid, (ppid, _, _) in procs.items() if ppid in found} - found:
+        found |= grown
+    return {(pid, procs[pid][1]) for pid in found}
+
+
+def run_watching_sandboxes(server, call) -> tuple[object, set]:
+    """``call()`` in a thread; returns its result and the sandbox processes seen while it ran."""
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(call()))
+    worker.start()
+    seen: set = set()
+    while worker.is_alive():
+        seen |= sandbox_processes(server["sandboxes"])
+        time.sleep(0.1)
+    worker.join()
+    return result[0], seen
+
+
+def test_deadline_kills_the_running_tool_call_answers_504_and_counts_it_once(server):
+    """The sleeper agent's tool call sleeps 30 s, past the request's 5 s deadline: the request gets the deadline's
+    504 (in-band for a stream), and by then the sleeping sandbox process is killed and its scratch folder removed,
+    not left to run to the tool's own 30 s timeout. Each such request is counted once as 504."""
     long = {"model": "sleeper", "messages": [{"role": "user", "content": "Sleep."}], "temperature": 0,
             "max_tokens": 64}
-    t0 = time.monotonic()
-    status, _, out = post_chat(server, long)
-    took = time.monotonic() - t0
-    assert status == 504 and TIMEOUT_S <= took < TIMEOUT_S + 10, (status, took, out)
+    before = settled_counts(server)
+    (status, _, out), seen = run_watching_sandboxes(server, lambda: post_chat(server, long))
+    assert status == 504, (status, out)
     assert_openai_error(out, "timeout")
-    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({**long, "stream": True}),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    r = conn.getresponse()
-    events = [ln[6:] for ln in r.read().decode().split("\n\n") if ln.startswith("data: ")]
-    conn.close()
+    assert seen, "no sandbox process ran during the request: the tool call did not start before the deadline"
+    assert not seen & sandbox_processes(server["sandboxes"]), "the sleeping tool call outlived its request"
+    assert not list(server["sandboxes"].iterdir())
+
+    def stream() -> list[str]:
+        conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**long, "stream": True}),
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        events = [ln[6:] for ln in conn.getresponse().read().decode().split("\n\n") if ln.startswith("data: ")]
+        conn.close()
+        return events
+
+    events, seen = run_watching_sandboxes(server, stream)
     assert json.loads(events[-1])["error"]["code"] == "timeout", events[-1]
     deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
     assert "".join(d.get("content") or "" for d in deltas).endswith(SLEEP_CALL), deltas  # the call was written
     assert not any(d.get("arpo", {}).get("type") == "tool_result" for d in deltas), "the deadline fell in the tool"
-    t0 = time.monotonic()
-    assert post_chat(server, chat_body())[0] == 200 and time.monotonic() - t0 < 30
+    assert seen and not seen & sandbox_processes(server["sandboxes"]), seen
+    assert not list(server["sandboxes"].iterdir())
+    assert post_chat(server, chat_body())[0] == 200  # the server keeps answering
+    want = {"504": before.get("504", 0.0) + 2, "200": before.get("200", 0.0) + 1}
+    now = counts_reaching(server, want)
+    assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
+
+
+def test_engine_error_is_an_openai_500_for_that_request_only(server):
+    """The broken agent's engine rejects a prompt holding EXTRA_TOKEN deep inside (token id out of range): that
+    request gets an OpenAI-shaped 500 naming no file (and the same error in-band for a stream), counted once each;
+    the same agent answers other prompts, and other agents answer meanwhile."""
+    import openai
+
+    before = settled_counts(server)
+    bad = {"model": "broken", "messages": [{"role": "user", "content": f"a {EXTRA_TOKEN} b"}], "max_tokens": 2}
+    status, _, out = post_chat(server, bad)
+    assert status == 500, (status, out)
+    assert_openai_error(out, "internal_error")
+    assert out["error"]["type"] == "server_error" and "EngineFailure" in out["error"]["message"], out
+    assert str(server["model"].parent) not in out["error"]["message"], out
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(**bad)
+    assert e.value.status_code == 500 and e.value.body["code"] == "internal_error", e.value.body
+    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**bad, "stream": True}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    events = [ln[6:] for ln in conn.getresponse().read().decode().split("\n\n") if ln.startswith("data: ")]
+    conn.close()
+    assert json.loads(events[-1])["error"]["code"] == "internal_error", events
+    good = client.chat.completions.create(model="broken", messages=[{"role": "user", "content": "a b"}], max_tokens=2)
+    assert good.choices[0].finish_reason in ("stop", "length"), good
+    assert post_chat(server, chat_body())[0] == 200
+    want = {"500": before.get("500", 0.0) + 3, "200": before.get("200", 0.0) + 2}
+    now = counts_reaching(server, want)
+    assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
 
 
 # ------------------------------------------------------------------------------------ liveness (keep this test last)

@@ -134,7 +134,7 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
     """``serve run serve.app:build key=value ...`` passes strings; the builder turns them into the deployment."""
     from ray.serve import Application
 
-    from serve.app import AUTOSCALING, build, deployment_options
+    from serve.app import AUTOSCALING, SERVE_HEADROOM, build, deployment_options
 
     model = tmp_path / "m"
     model.mkdir()
@@ -144,7 +144,10 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
                  "allow_unauthenticated": "true"})
     assert isinstance(app, Application)
     opts = deployment_options(replicas=2, max_ongoing_requests=4, max_queued_requests=8, retry_after_s=2)
-    assert opts["num_replicas"] == 2 and opts["max_queued_requests"] == 8
+    assert opts["num_replicas"] == 2  # Serve's limits sit above the replica's own admission (4 running, 8 waiting)
+    assert opts["max_ongoing_requests"] == 4 + 8 + SERVE_HEADROOM and opts["max_queued_requests"] == 8 + SERVE_HEADROOM
+    with pytest.raises(ArpoError, match="max_queued_requests >= 0, got 4 and -1"):  # no unbounded queue (Serve's -1)
+        deployment_options(max_ongoing_requests=4, max_queued_requests=-1)
     assert opts["backpressure_config"].status_code == 503 and opts["backpressure_config"].retry_after_s == 2
     auto = deployment_options(autoscale=True)
     assert auto["autoscaling_config"]["target_ongoing_requests"] == AUTOSCALING["target_ongoing_requests"]

@@ -274,23 +274,35 @@ def test_prometheus_metrics_through_ray(client, demos):
     assert any("arpo_serve_tool_calls_total" in ln and 'tool="python"' in ln for ln in lines), lines
 
 
-def test_overload_gives_503_with_retry_after_and_recovers(server, demos):
+def test_overload_gives_an_openai_503_with_retry_after_counted_once_and_recovers(server, demos):
+    """Three times more requests than the replica runs (MAX_ONGOING) and lets wait (MAX_QUEUED) at once: the rest are
+    refused by the replica itself with an OpenAI-shaped 503 (``server_overloaded``) and ``Retry-After``, each counted
+    once as 503. Serve's proxy, whose limits sit above the replica's, refuses none: its 503 is plain text."""
+    from tests.serve.guarded import counts_reaching, settled_counts
+
+    metrics = {"metrics_port": METRICS_PORT}
+    before = settled_counts(metrics)
     body = {"model": "base", "messages": question(demos), "max_tokens": 64, "temperature": 1.0}
-    results: list[tuple[int, dict]] = []
+    results: list[tuple[int, dict, dict]] = []
 
     def one() -> None:
-        status, headers, _ = post(server, body)
-        results.append((status, headers))
+        results.append(post(server, body))
 
     threads = [threading.Thread(target=one) for _ in range(3 * (MAX_ONGOING + MAX_QUEUED))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
-    codes = sorted(s for s, _ in results)
+    codes = sorted(s for s, _, _ in results)
     assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
-    assert all(h.get("Retry-After") == "2" or h.get("retry-after") == "2" for s, h in results if s == 503)
+    for status, headers, out in results:
+        if status == 503:
+            assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "2", headers
+            assert set(out) == {"error"} and out["error"]["code"] == "server_overloaded", out
     assert post(server, body)[0] == 200  # not wedged
+    want = {"503": before.get("503", 0.0) + codes.count(503), "200": before.get("200", 0.0) + codes.count(200) + 1}
+    now = counts_reaching(metrics, want)
+    assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
 
 
 def test_client_disconnect_frees_its_slot(server, demos):

@@ -44,7 +44,7 @@ def test_two_arpo_iterations_on_a_tiny_model(tiny_model_dir):
     assert "entropy_after_tool" in r2["rollout"]
     assert {"sync_time", "rollout_time", "update_time"} <= set(r2["timers"])
     assert "evaluation" not in r1 and r2["evaluation"]["num_tasks"] == 2.0
-    assert 0.0 <= r2["evaluation"]["accuracy"] <= 1.0 and "tool_calls_per_traj" in r2["evaluation"]
+    assert r2["evaluation"]["accuracy"] in (0.0, 0.5, 1.0) and "tool_calls_per_traj" in r2["evaluation"]  # of 2
     # the engine shares the learner's module, so the update is what the next rollout samples from
     assert algo.engine.model is algo.learner.model
     delta = sum(float((p.detach() - before[k]).pow(2).sum()) for k, p in algo.learner.model.named_parameters())

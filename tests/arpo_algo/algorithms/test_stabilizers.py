@@ -45,6 +45,7 @@ def test_min_roots_keeps_budget_for_independent_roots(env_creator):
     for min_roots, roots in ((0, 2), (3, 3), (4, 4)):
         cfg = TreeConfig(budget=4, initial=2, branch_factor=1, entropy_tokens=10, min_roots=min_roots)
         groups, _ = TreeSampler(eng, env_creator, cfg, SamplingParams(), max_response_tokens=400).sample([0, 1], 0)
+        assert len(groups) == 2  # one per prompt: the loop below checks both
         for g in groups:
             assert len(g.trajectories) == 4 and sum(t.parent is None for t in g.trajectories) == roots
     with pytest.raises(ConfigError, match="min_roots"):

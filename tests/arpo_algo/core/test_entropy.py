@@ -24,7 +24,7 @@ def test_topk_sum_lnv_hand_computed():
     assert topk_sum_lnV([t1], vocab_size=100) == pytest.approx(topk_token_term(t1) / math.log(100))
     assert topk_sum_lnV([[math.log(0.5), math.log(0.5)]], vocab_size=4) == pytest.approx(math.log(2) / math.log(4))
     assert topk_sum_lnV([], vocab_size=10) == 0.0
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="vocab_size must be >= 2"):
         topk_sum_lnV([t1], vocab_size=1)
 
 

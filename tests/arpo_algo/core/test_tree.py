@@ -102,7 +102,7 @@ def test_reference_rule_matches_probability_and_is_seeded():
     rng = branch_rng(7, 3, 2)
     assert decisions(7, 3, 2) == [sum(rng.random() <= 0.5 for _ in range(2)) for _ in range(40)]
     assert len({tuple(decisions(*k)) for k in [(7, 3, 2), (8, 3, 2), (7, 4, 2), (7, 3, 3)]}) == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs the prompt's branch RNG"):
         num_branches(cfg, 0.0, 0, 0, 1, rng=None)
 
 
@@ -165,7 +165,7 @@ def test_segment_entropy_methods():
     assert segment_entropy([], None, "full_mean", 3, 259) == 0.0
     tops = [[(1, math.log(0.5)), (2, math.log(0.5))], [(3, 0.0)]]
     assert segment_entropy([0, 0], tops, "topk_sum_lnV", 20, 259) == pytest.approx(math.log(2) / math.log(259))
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="needs top_logprobs"):
         segment_entropy([0.0], None, "topk_sum_lnV", 20, 259)
 
 

@@ -127,6 +127,7 @@ def test_eval_runs_are_training_trajectories(tmp_path):
     groups, _ = sampler.sample([0, 1, 2], step=0)
     sampler.close()
     trajs = [(g.prompt_index, i, t) for g in groups for i, t in enumerate(g.trajectories)]
+    assert len(trajs) == 9  # 3 prompts x 3 runs: the comparisons below are not between two empty lists
     assert [(r["index"], r["run"]) for r in rows] == [(i, r) for i, r, _ in trajs]
     for r, (_, _, t) in zip(rows, trajs):
         assert r["response"] == engine.tokenizer.decode(t.response_ids, skip_special_tokens=True)

@@ -36,9 +36,9 @@ def test_pass_at_k_is_the_subset_probability():
 
 
 def test_pass_at_k_rejects_bad_counts():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="got n=3, c=4, k=1"):
         pass_at_k(3, 4, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="got n=3, c=1, k=4"):
         pass_at_k(3, 1, 4)
 
 
@@ -76,5 +76,5 @@ def test_paired_bootstrap():
     assert mixed["diff"] == pytest.approx(0.5)
     assert 0.2 < mixed["lo"] < 0.5 < mixed["hi"] <= 0.8
     assert paired_bootstrap([0.0, 1.0], [1.0, 0.0], seed=3) == paired_bootstrap([0.0, 1.0], [1.0, 0.0], seed=3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="equal lengths"):
         paired_bootstrap([1.0], [1.0, 0.0])

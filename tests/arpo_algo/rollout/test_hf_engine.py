@@ -194,7 +194,7 @@ def test_lru_capacity_release_and_weight_invalidation(tiny_model_dir):
     sd["model.norm.weight"] = sd["model.norm.weight"] / 1.5
     eng.load_state_dict(sd)
     assert torch.allclose(eng.model.model.norm.weight, sd["model.norm.weight"])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="does not match the engine's model"):
         eng.load_state_dict({"not.a.weight": torch.zeros(1)})
 
 
@@ -306,7 +306,7 @@ def test_config_errors(tiny_model_dir):
         HFEngine(tiny_model_dir, dtype="float8")
     with pytest.raises(ConfigError, match="entropy_method"):
         HFEngine(tiny_model_dir, entropy_method="mean")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="exactly one of model_or_path or model="):
         HFEngine()
 
 

@@ -223,6 +223,7 @@ def test_tool_limit_eos_mask_option(env_creator):
     for trained in (True, False):
         eng = ScriptedEngine(calls=(9, 9))  # more calls than the env's limit of 4
         groups, _ = _sampler(eng, env_creator, TreeConfig.grpo(2), train_tool_limit_eos=trained).sample([0], step=0)
+        assert len(groups[0].trajectories) == 2  # the loop below checks both
         for t in groups[0].trajectories:
             assert t.finish_reason == "tool_limit" and len(t.tool_calls) == 4
             assert t.response_ids[-1] == eng.tokenizer.eos_token_id and t.trained_mask[-1] == int(trained)
