@@ -34,7 +34,7 @@ from typing import Any
 from arpo_algo.models.checkpoints import CHECKPOINT_PREFIX, list_checkpoints
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
-from arpo_algo.run.recovery import is_node_loss, join_cluster, placement, record_restart, wait_for_resources
+from arpo_algo.run.recovery import describe, is_node_loss, join_cluster, placement, record_restart, wait_for_resources
 from arpo_base.errors import ArpoError
 
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
@@ -253,7 +253,7 @@ def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: b
                 resumed = int(last_ckpt.name[len(CHECKPOINT_PREFIX):]) if last_ckpt else 0
                 logging.getLogger(__name__).warning(
                     "iteration %d lost a Ray node or actor (%s); restart %d of %d from %s", failed,
-                    type(e).__name__, len(restarts) + 1, exp.run.max_restarts,
+                    describe(e), len(restarts) + 1, exp.run.max_restarts,
                     last_ckpt.name if last_ckpt else "the initial weights")
                 history = record_restart(restarts, history, failed, resumed, e)
                 metrics_file.write_text("".join(json.dumps(h) + "\n" for h in history))

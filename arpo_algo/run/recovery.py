@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -93,11 +94,18 @@ def wait_for_resources(config: Any, timeout_s: float) -> None:
         time.sleep(POLL_S)
 
 
+def describe(error: BaseException) -> str:
+    """One line for an error: a remote task's own exception (not Ray's wrapper), without terminal colours."""
+    cause = getattr(error, "cause", None) or error
+    lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).splitlines() if x.strip()]
+    return f"{type(cause).__name__}: {lines[-1][:300] if lines else ''}"
+
+
 def record_restart(restarts: list[dict[str, Any]], history: list[dict[str, Any]], failed: int, resumed: int,
                    error: BaseException) -> list[dict[str, Any]]:
     """Add one restart to ``restarts``; returns the history rows the restored checkpoint covers (later rows are
     re-run and written again)."""
     rerun = sorted({h["iteration"] for h in history if h["iteration"] > resumed} | {failed})
     restarts.append({"failed_iteration": failed, "resumed_from": resumed, "rerun_iterations": rerun,
-                     "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"})
+                     "error": describe(error)})
     return [h for h in history if h["iteration"] <= resumed]

@@ -4,8 +4,8 @@ Invariants the tier relies on:
 
 * every address is 127.0.0.1 and every port is picked free, so the cluster never meets another Ray on this machine
   (a local ``ray.init()`` elsewhere cannot join it: its temp dir, which holds ``ray_current_cluster``, is private);
-* a node is one process group (``ray start`` and the raylet, agents and workers it spawns), so killing the group is
-  the loss of that node, and :meth:`LocalCluster.shutdown` leaves no process of the cluster behind;
+* a node is one ``ray start`` process and its descendants (raylet, agents, workers), so killing that tree is the
+  loss of that node, and :meth:`LocalCluster.shutdown` leaves no process of the cluster behind;
 * node death is detected within seconds (the GCS health check runs every ``HEALTH_PERIOD_MS``).
 """
 
@@ -64,13 +64,33 @@ class Node:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self) -> None:
-        """SIGKILL the whole node (its ``ray start``, raylet, agents and workers): an abrupt node loss."""
+    def family(self) -> list:
+        """The node's processes below ``ray start`` (raylet, agents, workers), as psutil processes."""
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self, known: list | None = None) -> None:
+        """SIGKILL the whole node: ``ray start``, its raylet and agents (one process group) and every worker the
+        raylet spawned (each worker runs in a process group of its own, so it is found as a descendant); ``known``
+        adds processes found earlier (a graceful stop may have orphaned them)."""
+        import psutil
+
+        family = self.family() + list(known or [])
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for p in family:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.proc.wait(timeout=30)
+        psutil.wait_procs(family, timeout=30)
 
 
 @dataclass
@@ -155,13 +175,14 @@ class LocalCluster:
         return json.loads(line[3:])
 
     def shutdown(self) -> None:
-        """Workers first, then the head; every process group is killed, whatever state it is in."""
+        """Workers first, then the head; every process of every node is killed, whatever state it is in."""
         for node in sorted(self.nodes.values(), key=lambda n: n.name == "head"):
+            known = node.family()
             if node.alive:
                 try:
                     os.killpg(node.proc.pid, signal.SIGTERM)
-                    node.proc.wait(timeout=20)
+                    node.proc.wait(timeout=5)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     pass
-            node.kill()
+            node.kill(known)
         shutil.rmtree(self.root, ignore_errors=True)

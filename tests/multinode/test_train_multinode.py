@@ -13,7 +13,8 @@ from arpo_algo.train.learner_config import MISMATCH_LEVELS
 RUN_TIMEOUT_S = 420
 
 
-def write_experiment(tmp_path, model_dir, iterations: int, worker_resources: str) -> str:
+def write_experiment(tmp_path, model_dir, iterations: int, worker_resources: str, prompts: int = 2,
+                     tokens: int = 8) -> str:
     p = tmp_path / "mn.toml"
     p.write_text(f"""
 [experiment]
@@ -36,12 +37,12 @@ budget = 2
 initial = 1
 
 [training]
-prompts_per_step = 2
+prompts_per_step = {prompts}
 lr = 1e-2              # large: an actor sampling with stale weights would show a KL far above the fp32 floor
 entropy_coef = 0.01    # the random model never scores: the bonus keeps a gradient so every update is real
 
 [rollouts]
-max_response_tokens = 8
+max_response_tokens = {tokens}
 num_rollout_actors = 2
 actor_resources = [{{worker = 1}}]
 [rollouts.hf]
@@ -108,17 +109,18 @@ def test_placement_the_cluster_cannot_satisfy_is_refused(cluster, tiny_model_dir
 
 
 def test_worker_node_lost_mid_iteration(cluster, tiny_model_dir, tmp_path):
-    exp = write_experiment(tmp_path, tiny_model_dir, 3, "[{node_a = 1}, {node_b = 1}]")
+    # iterations long enough (several seconds of sampling) that the kill lands inside iteration 2
+    exp = write_experiment(tmp_path, tiny_model_dir, 3, "[{node_a = 1}, {node_b = 1}]", prompts=4, tokens=64)
     out = tmp_path / "run"
     proc = arpo(cluster, "train", exp, "--output", str(out), "--no-progress", wait=False)
     try:
         first = out / "checkpoints" / "iter_000001"
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert first.is_dir(), proc.stdout.read()[-5000:] if proc.poll() is not None else "no checkpoint in time"
-        time.sleep(2.0)  # into iteration 2: its ranks and actors are busy
-        cluster.nodes["b"].kill()  # rank 1 and any rollout actor there die with the node
+        # iteration 2 starts as soon as checkpoint 1 is published; rank 1 and any rollout actor on b die with it
+        cluster.nodes["b"].kill()
         # a replacement node with the same resources joins, as a cluster manager would bring one up
         cluster.add_worker("b2", 2, {"node_b": 1.0, "worker": 2.0})
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -126,12 +128,15 @@ def test_worker_node_lost_mid_iteration(cluster, tiny_model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-6000:]
-    assert "lost a Ray node or actor" in output
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # exactly one line per iteration
     result = json.loads((out / "result.json").read_text())
+    timers = [{k: round(v, 1) for k, v in r.items() if k.startswith("timers/")} for r in rows]
+    assert len(result["restarts"]) == 1, f"the node was not lost inside an iteration: {timers}\n{output[-3000:]}"
+    assert "lost a Ray node or actor" in output
     [restart] = result["restarts"]
     assert restart["resumed_from"] >= 1 and restart["failed_iteration"] in restart["rerun_iterations"]
+    assert "\x1b" not in restart["error"] and "Error" in restart["error"]
     assert result["rerun_iterations"] == len(restart["rerun_iterations"])
     after = json.loads((out / "placement.json").read_text())[-1]
     assert node_with(after, after["learner_ranks"][1], "node_b")  # rank 1 is back, on the replacement

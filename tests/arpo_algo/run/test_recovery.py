@@ -7,7 +7,7 @@ import pytest
 
 from arpo_algo.algorithms.components import check_custom_feasible
 from arpo_algo.rollout.config import RolloutsConfig, per_actor
-from arpo_algo.run.recovery import is_node_loss, record_restart
+from arpo_algo.run.recovery import describe, is_node_loss, record_restart
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_base.errors import ConfigError
 
@@ -52,5 +52,7 @@ def test_a_restart_drops_the_lines_after_the_checkpoint_and_counts_the_reruns():
     assert restarts == [{"failed_iteration": 4, "resumed_from": 2, "rerun_iterations": [3, 4],
                          "error": restarts[0]["error"]}]
     assert restarts[0]["error"].startswith("ActorDiedError")
+    peer = RuntimeError("\x1b[36mray::Rank.update()\x1b[39m\n[../gloo/pair.cc] Connection closed by peer")
+    assert describe(peer) == "RuntimeError: [../gloo/pair.cc] Connection closed by peer"
     assert is_node_loss(rx.ActorDiedError()) and is_node_loss(rx.NodeDiedError("gone"))
     assert not is_node_loss(ValueError("a bug in our code is not retried"))
