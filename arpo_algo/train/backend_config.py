@@ -38,6 +38,8 @@ class BackendConfig:
         worker_resources: Ray custom resources per learner rank, to place ranks on chosen nodes: one table for every
             rank or one per rank (``[{node_a = 1}, {node_b = 1}]`` puts the two ranks on the nodes that offer them);
             checked against the cluster before any rank starts.
+        collective_timeout_s: How long a rank waits in a collective (all-reduce) for the others before it fails: the
+            bound on a step whose peer rank is unreachable but not known dead (a dead peer fails it at once).
     """
 
     learner_backend: str = "local"
@@ -47,6 +49,7 @@ class BackendConfig:
     learner_cpus_per_worker: float = 1.0
     deepspeed_stage: int = 2
     worker_resources: tuple[dict[str, float], ...] = ()
+    collective_timeout_s: float = 1800.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendConfig:
@@ -67,6 +70,8 @@ class BackendConfig:
         check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "backend")
         if self.learner_workers < 1:
             raise ConfigError(f"backend.learner_workers must be >= 1, got {self.learner_workers}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"backend.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.learner_cpus_per_worker <= 0:
             raise ConfigError(f"backend.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
         if self.learner_gpus_per_worker is not None and not self.learner_gpus_per_worker > 0:
@@ -79,6 +84,7 @@ class BackendConfig:
         if not self.distributed:
             changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
                                       ("worker_resources", bool(self.worker_resources)),
+                                      ("collective_timeout_s", self.collective_timeout_s != 1800.0),
                                       ("learner_placement", self.learner_placement != "split"),
                                       ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
                                       ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0)) if v]

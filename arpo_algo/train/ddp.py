@@ -139,13 +139,13 @@ class LearnerWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def setup(self, init_method: str, dist_backend: str, learner_cls: type, model_path: str, config: LearnerConfig,
-              device: str, seed: int) -> None:
+              device: str, seed: int, timeout_s: float = 1800.0) -> None:
         import torch.distributed as dist
 
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes only this rank's GPU
         dist.init_process_group(dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(minutes=30))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         self.learner = learner_cls(model_path, config, device=device, seed=seed)
 
     def update(self, groups: list[Group]) -> dict[str, float]:
@@ -255,7 +255,8 @@ class DDPBackend(LearnerBackend):
             host = "127.0.0.1" if len({e["node"] for e in ends}) == 1 else ends[0]["ip"]
             init = f"tcp://{host}:{ends[0]['port']}"
             dist_backend = "nccl" if device == "cuda" else "gloo"
-            ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed)
+            ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed,
+                                    backend.collective_timeout_s)
                      for w in self._workers])
         except BaseException:
             self.close()

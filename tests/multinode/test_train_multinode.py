@@ -52,6 +52,7 @@ max_batch_size = 4
 learner_backend = "ddp"
 learner_workers = 2
 worker_resources = {worker_resources}
+collective_timeout_s = 120   # a rank never waits long for a peer that is gone
 
 [evaluation]
 every = 0

@@ -23,6 +23,8 @@ def test_resource_tables_one_for_all_or_one_per_actor():
         RolloutsConfig(num_rollout_actors=1, actor_resources=({"CPU": 1},)).validate()
     with pytest.raises(ConfigError, match="node_a = 0 must be a number > 0"):
         RolloutsConfig(num_rollout_actors=1, actor_resources=({"node_a": 0},)).validate()
+    with pytest.raises(ConfigError, match="collective_timeout_s must be > 0"):
+        BackendConfig.from_dict({"learner_backend": "ddp", "collective_timeout_s": 0})
     with pytest.raises(ConfigError, match="worker_resources is set but learner_backend='local'"):
         BackendConfig.from_dict({"worker_resources": [{"node_a": 1}]})
     assert BackendConfig.from_dict({"learner_backend": "ddp", "learner_workers": 2, "worker_resources": [
