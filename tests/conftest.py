@@ -68,8 +68,9 @@ def shared_data() -> Path:
 #: Test tiers (``./scripts/test -m unit`` / ``-m integration`` / ``-m "gpu or vllm"``), assigned by one rule:
 #: a test is ``integration`` when it loads a real model (it requests one of MODEL_FIXTURES, directly or through
 #: another fixture: real generation or training) or lives in one of INTEGRATION_MODULES (a Ray cluster, Tune, or
-#: the CLI run as a subprocess); ``gpu``/``vllm`` tests (marked in their modules) are their own tier; every other
-#: test is ``unit`` (pure logic, real tools and environments, seconds each).
+#: the CLI run as a subprocess); a test under MULTINODE_DIR (a Ray cluster of several nodes on this machine) is
+#: ``multinode``; ``gpu``/``vllm`` tests (marked in their modules) are their own tier; every other test is ``unit``
+#: (pure logic, real tools and environments, seconds each).
 MODEL_FIXTURES = ("tiny_model_dir", "smollm2_dir")
 INTEGRATION_MODULES = (
     "tests/arpo_algo/algorithms/test_tune.py",     # Ray Tune trials
@@ -82,11 +83,16 @@ INTEGRATION_MODULES = (
 )
 
 
+MULTINODE_DIR = "tests/multinode/"
+
+
 def tier(item) -> str:
-    """The tier of one collected test (see MODEL_FIXTURES / INTEGRATION_MODULES)."""
+    """The tier of one collected test (see MODEL_FIXTURES / INTEGRATION_MODULES / MULTINODE_DIR)."""
     if item.get_closest_marker("gpu") or item.get_closest_marker("vllm"):
         return "gpu"
     module = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+    if module.startswith(MULTINODE_DIR):
+        return "multinode"
     if module in INTEGRATION_MODULES or any(f in item.fixturenames for f in MODEL_FIXTURES):
         return "integration"
     return "unit"

@@ -139,7 +139,8 @@ class AgenticRLAlgorithm(Algorithm):
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,
-                            num_cpus_per_actor=rollouts.num_cpus_per_rollout_actor, **settings)
+                            num_cpus_per_actor=rollouts.num_cpus_per_rollout_actor,
+                            actor_resources=rollouts.actor_resources, **settings)
 
     def _ensure_ray(self) -> None:
         """Start Ray sized to this config unless it runs (started here, so stopped by cleanup(); a Tune trial finds

@@ -94,8 +94,12 @@ def resource_bundles(config: Any) -> list[dict[str, float]]:
     gpu = 0.0
     if in_process_gpu:
         gpu = 1.0 - workers[0].get("GPU", 0.0) if workers and backend.learner_placement == "colocated" else 1.0
+    from arpo_algo.rollout.config import per_actor
+
     main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu}
-    return [main] + workers + [{"CPU": float(rollouts.num_cpus_per_rollout_actor)}] * rollouts.num_rollout_actors
+    actors = [{"CPU": float(rollouts.num_cpus_per_rollout_actor), **custom}
+              for custom in per_actor(rollouts.actor_resources, rollouts.num_rollout_actors)]
+    return [main] + workers + actors
 
 
 def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: int = 0) -> None:
@@ -117,6 +121,7 @@ def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: i
     parts.append(f"{len(actors)} rollout actor(s) x {actors[0]['CPU'] if actors else 0:g}")
     gpu_parts = f"{bundles[0].get('GPU', 0.0):g} for the main process" + (
         f" + {len(ranks)} learner worker(s) x {ranks[0].get('GPU', 0.0):g}" if ranks else "")
+    check_custom_feasible(bundles, have, where)
     if need_cpu <= have["CPU"] and need_gpu <= have["GPU"] + 1e-9:
         return
     hint = ("lower rollouts.num_rollout_actors / rollouts.num_cpus_per_rollout_actor or backend.learner_workers / "
@@ -125,6 +130,27 @@ def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: i
     raise ConfigError(f"this ARPO config needs {need_cpu:g} CPUs ({' + '.join(parts)}) and {need_gpu:g} GPU(s) "
                       f"({gpu_parts}; device={'cuda' if need_gpu else 'cpu'!r}) but {where} has {have['CPU']:g} "
                       f"CPUs and {have['GPU']:g} GPU(s)", hint=hint)
+
+
+def check_custom_feasible(bundles: list[dict[str, float]], have: dict[str, float], where: str) -> None:
+    """Refuse custom resources (``rollouts.actor_resources``, ``backend.worker_resources``) the cluster does not
+    offer in the amount asked: an actor waiting for them would stay pending forever, after the other actors had
+    started. Totals over the cluster are checked, not which node holds them."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            if key not in ("CPU", "GPU"):
+                need[key] = need.get(key, 0.0) + float(amount)
+    short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if not short:
+        return
+    offered = {k: v for k, v in sorted(have.items()) if k not in ("CPU", "GPU", "memory", "object_store_memory")
+               and not k.startswith("node:")}
+    missing = ", ".join(f"{k} = {v:g} ({where} has {have.get(k, 0.0):g})" for k, v in sorted(short.items()))
+    raise ConfigError(f"the placement cannot be satisfied: rollouts.actor_resources / backend.worker_resources ask "
+                      f"for {missing}; the custom resources {where} offers: {offered or 'none'}",
+                      hint="start nodes that offer them (ray start --resources='{\"node_a\": 1}') and set "
+                           "RAY_ADDRESS to the cluster, or change the tables")
 
 
 # ---------------------------------------------------------------------------------------------- policy component

@@ -18,6 +18,30 @@ MOVED_TO_ENGINE = {name: f"rollouts.hf.{name}" for name in
                    ("max_batch_size", "linear_layout", "decode", "static_cache_tokens")}
 
 
+def check_custom_resources(name: str, tables: tuple[dict[str, float], ...], count: int, count_name: str) -> None:
+    """Per-actor custom resources: none, one table for all, or one per actor; names that are not Ray's built-in
+    resources, amounts > 0 (Ray reads 0 as "not requested", which would silently drop the placement)."""
+    if not tables:
+        return
+    if len(tables) not in (1, count):
+        raise ConfigError(f"{name} has {len(tables)} tables but {count_name} = {count}",
+                          hint="give one table (every actor) or exactly one per actor")
+    for table in tables:
+        for key, amount in table.items():
+            if key in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ConfigError(f"{name}: {key!r} is a built-in Ray resource",
+                                  hint="CPUs and GPUs have their own settings; list custom resources only")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ConfigError(f"{name}: {key} = {amount!r} must be a number > 0")
+
+
+def per_actor(tables: tuple[dict[str, float], ...], count: int) -> list[dict[str, float]]:
+    """One custom-resource dict per actor (see :func:`check_custom_resources`)."""
+    if not tables:
+        return [{} for _ in range(count)]
+    return [{k: float(v) for k, v in (tables[0] if len(tables) == 1 else tables[i]).items()} for i in range(count)]
+
+
 def check_learner_scores_sampling(temperature: float, top_p: float, top_k: int) -> None:
     """Refuse training-rollout sampling the learner cannot score.
 
@@ -50,6 +74,10 @@ class RolloutsConfig:
         0, "0: generate in this process ('hf' shares the learner's module). N > 0: N Ray actors, each with its own "
         "engine copy; weights are sent after every update.")
     num_cpus_per_rollout_actor: float = setting(1.0, "CPUs reserved per rollout actor (counted in a Tune trial).")
+    actor_resources: tuple[dict[str, float], ...] = setting(
+        (), "Ray custom resources per rollout actor, to place actors on chosen nodes: one table for every actor "
+        "([{worker = 1}]) or one per actor ([{node_a = 1}, {node_b = 1}]); checked against the cluster before any "
+        "actor starts.")
     device: Literal["cpu", "cuda"] = setting("cpu", "Where the learner and the in-process engine run.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Engine compute dtype (the in-process HF engine shares the learner's float32 module).")
@@ -89,6 +117,8 @@ class RolloutsConfig:
             raise ConfigError(f"rollouts.num_rollout_actors must be >= 0, got {self.num_rollout_actors}")
         if self.num_cpus_per_rollout_actor <= 0:
             raise ConfigError("rollouts.num_cpus_per_rollout_actor must be > 0")
+        check_custom_resources("rollouts.actor_resources", self.actor_resources, self.num_rollout_actors,
+                               "rollouts.num_rollout_actors")
         if self.temperature <= 0:
             raise ConfigError(f"rollouts.temperature must be > 0 for training rollouts, got {self.temperature}",
                               hint="policy-gradient needs sampled trajectories; greedy decoding is for evaluation")

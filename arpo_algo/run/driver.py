@@ -34,6 +34,7 @@ from typing import Any
 from arpo_algo.models.checkpoints import CHECKPOINT_PREFIX, list_checkpoints
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
+from arpo_algo.run.recovery import describe, is_node_loss, join_cluster, placement, record_restart, wait_for_resources
 from arpo_base.errors import ArpoError
 
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
@@ -171,9 +172,6 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     Returns:
         dict with the final metrics, the held-out accuracy before/after, the checkpoint and policy paths.
     """
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm.auto import tqdm
-
     logging.getLogger("ray.rllib").setLevel(logging.ERROR)  # the "new API stack" banner is noise here
     out = Path(resume or output or exp.output_dir).expanduser()
     ckpt_root = out / "checkpoints"
@@ -193,37 +191,82 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
         # Outside Tune the Algorithm's logdir is a temp folder; tree dumps belong to the run folder.
         exp.config.llm_rollouts(dump_path=str(out / "trees.jsonl"))
     _write_config(exp, out)
-    iterations = exp.run.iterations
+    owns_ray = join_cluster()
+    try:
+        summary = _run(exp, out, ckpt_root, existing, progress, evaluate_first)
+    finally:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+    (out / "result.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _build(exp: Any, checkpoint: Path | None) -> Any:
+    """A new algorithm, restored from ``checkpoint`` when given (stopped again if the restore fails)."""
     algo = exp.config.build_algo()
-    history: list[dict[str, float]] = []
-    metrics_file = out / "metrics.jsonl"
-    if existing:
+    if checkpoint is not None:
         try:
-            algo.restore_from_path(str(existing[-1]))
+            algo.restore_from_path(str(checkpoint))
         except BaseException:
             algo.stop()
             raise
+    return algo
+
+
+def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: bool,
+         evaluate_first: bool) -> dict[str, Any]:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm.auto import tqdm
+
+    iterations = exp.run.iterations
+    last_ckpt = existing[-1] if existing else None
+    algo = _build(exp, last_ckpt)
+    history: list[dict[str, float]] = []
+    metrics_file = out / "metrics.jsonl"
+    if existing:
         # keep the lines of iterations the checkpoint covers: later ones are re-run and written again
         history = [h for h in read_metrics(metrics_file) if h["iteration"] <= algo.iteration]
     metrics_file.write_text("".join(json.dumps(h) + "\n" for h in history))
+    (out / "placement.json").write_text(json.dumps([placement(algo)], indent=2))
     writer = SummaryWriter(str(out / "tb"))
     t_start = time.time()
-    last_ckpt = existing[-1] if existing else None
+    restarts: list[dict[str, Any]] = []
     try:
         if evaluate_first and algo.config.settings.evaluation.every and algo.iteration == 0:
             ev = {MK.EVALUATION + k: v for k, v in algo.evaluate().items()}
             _record(history, metrics_file, writer, 0, ev)
         bar = tqdm(total=iterations, initial=algo.iteration, desc=exp.run.name, unit="it", disable=not progress)
         while algo.iteration < iterations:
-            result = algo.train()
-            scalars = scalar_metrics(result)
+            try:
+                result = algo.train()
+                scalars = scalar_metrics(result)
+                every = exp.run.checkpoint_every
+                if (every and algo.iteration % every == 0) or algo.iteration == iterations:
+                    last_ckpt = save_checkpoint(algo, ckpt_root, exp.run.keep_checkpoints)
+            except Exception as e:  # noqa: BLE001 - only a lost node or actor is retried, anything else re-raised
+                if not is_node_loss(e) or len(restarts) >= exp.run.max_restarts:
+                    raise
+                failed = algo.iteration + 1
+                _stop_quietly(algo)
+                resumed = int(last_ckpt.name[len(CHECKPOINT_PREFIX):]) if last_ckpt else 0
+                logging.getLogger(__name__).warning(
+                    "iteration %d lost a Ray node or actor (%s); restart %d of %d from %s", failed,
+                    describe(e), len(restarts) + 1, exp.run.max_restarts,
+                    last_ckpt.name if last_ckpt else "the initial weights")
+                history = record_restart(restarts, history, failed, resumed, e)
+                metrics_file.write_text("".join(json.dumps(h) + "\n" for h in history))
+                wait_for_resources(exp.config, exp.run.restart_wait_s)
+                algo = _build(exp, last_ckpt)
+                bar.n = algo.iteration
+                where = json.loads((out / "placement.json").read_text()) + [placement(algo)]
+                (out / "placement.json").write_text(json.dumps(where, indent=2))
+                continue
             _record(history, metrics_file, writer, algo.iteration, scalars)
             bar.update(1)
             bar.set_postfix({k.split("/")[-1]: f"{scalars[k]:.3f}" for k in
                              (TRAIN_REWARD, EVAL_ACCURACY) if k in scalars})
-            every = exp.run.checkpoint_every
-            if (every and algo.iteration % every == 0) or algo.iteration == iterations:
-                last_ckpt = save_checkpoint(algo, ckpt_root, exp.run.keep_checkpoints)
         bar.close()
     finally:
         writer.close()
@@ -237,10 +280,18 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
         "accuracy_before": evals[0][EVAL_ACCURACY] if evals and evals[0]["iteration"] == 0 else None,
         "accuracy_after": evals[-1][EVAL_ACCURACY] if evals else None,
         "final": history[-1] if history else {}, "time_s": round(time.time() - t_start, 1),
-        "run": dataclasses.asdict(exp.run),
+        "run": dataclasses.asdict(exp.run), "restarts": restarts,
+        "rerun_iterations": sum(len(r["rerun_iterations"]) for r in restarts),
     }
-    (out / "result.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _stop_quietly(algo: Any) -> None:
+    """Stop an algorithm whose actors may be dead (their errors on the way out change nothing)."""
+    try:
+        algo.stop()
+    except Exception as e:  # noqa: BLE001 - the lost actors cannot be closed; the restart builds new ones
+        logging.getLogger(__name__).warning("stopping the broken algorithm: %s", e)
 
 
 def require_sandbox(config: Any, allow_unisolated_python: bool) -> dict[str, Any] | None:

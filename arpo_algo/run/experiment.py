@@ -74,6 +74,9 @@ class ExperimentConfig:
         checkpoint_every: Save a checkpoint every N iterations (the last iteration is always saved).
         keep_checkpoints: Keep only the newest N checkpoints in ``<output>/checkpoints``.
         description: Free text, shown in config.json.
+        max_restarts: Restarts from the newest checkpoint after a Ray node or actor was lost mid-iteration (the
+            re-run iterations replace their lines in metrics.jsonl and are listed in result.json); 0 = fail at once.
+        restart_wait_s: How long a restart waits for the cluster to offer the run's resources again.
     """
 
     name: str = "experiment"
@@ -84,6 +87,8 @@ class ExperimentConfig:
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     description: str = ""
+    max_restarts: int = 2
+    restart_wait_s: float = 120.0
 
     def validate(self, where: str) -> None:
         """Range checks with the file name in the message."""
@@ -91,6 +96,8 @@ class ExperimentConfig:
         for name in ("iterations", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: [experiment] {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_restarts < 0 or self.restart_wait_s < 0:
+            raise ConfigError(f"{where}: [experiment] max_restarts and restart_wait_s must be >= 0")
         if self.checkpoint_every < 0:
             raise ConfigError(f"{where}: [experiment] checkpoint_every must be >= 0 (0 = only at the end)")
 

@@ -35,6 +35,11 @@ class BackendConfig:
             CPU).
         learner_cpus_per_worker: CPUs each rank reserves.
         deepspeed_stage: ZeRO stage, 2 (optimizer state and gradients sharded) or 3 (parameters too).
+        worker_resources: Ray custom resources per learner rank, to place ranks on chosen nodes: one table for every
+            rank or one per rank (``[{node_a = 1}, {node_b = 1}]`` puts the two ranks on the nodes that offer them);
+            checked against the cluster before any rank starts.
+        collective_timeout_s: How long a rank waits in a collective (all-reduce) for the others before it fails: the
+            bound on a step whose peer rank is unreachable but not known dead (a dead peer fails it at once).
     """
 
     learner_backend: str = "local"
@@ -43,6 +48,8 @@ class BackendConfig:
     learner_gpus_per_worker: float | None = None
     learner_cpus_per_worker: float = 1.0
     deepspeed_stage: int = 2
+    worker_resources: tuple[dict[str, float], ...] = ()
+    collective_timeout_s: float = 1800.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendConfig:
@@ -63,13 +70,21 @@ class BackendConfig:
         check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "backend")
         if self.learner_workers < 1:
             raise ConfigError(f"backend.learner_workers must be >= 1, got {self.learner_workers}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"backend.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.learner_cpus_per_worker <= 0:
             raise ConfigError(f"backend.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
         if self.learner_gpus_per_worker is not None and not self.learner_gpus_per_worker > 0:
             raise ConfigError(f"backend.learner_gpus_per_worker must be > 0 or None, got "
                               f"{self.learner_gpus_per_worker}")
+        from arpo_algo.rollout.config import check_custom_resources
+
+        check_custom_resources("backend.worker_resources", self.worker_resources, self.learner_workers,
+                               "backend.learner_workers")
         if not self.distributed:
             changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
+                                      ("worker_resources", bool(self.worker_resources)),
+                                      ("collective_timeout_s", self.collective_timeout_s != 1800.0),
                                       ("learner_placement", self.learner_placement != "split"),
                                       ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
                                       ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0)) if v]
@@ -107,11 +122,13 @@ class BackendConfig:
         """One Ray resource bundle per learner rank (none for "local": the learner is the main process)."""
         if not self.distributed:
             return []
+        from arpo_algo.rollout.config import per_actor
+
         bundle = {"CPU": float(self.learner_cpus_per_worker)}
         gpu = self.gpus_per_worker(device)
         if gpu:
             bundle["GPU"] = gpu
-        return [dict(bundle) for _ in range(self.learner_workers)]
+        return [{**bundle, **custom} for custom in per_actor(self.worker_resources, self.learner_workers)]
 
 
 def cluster_resources() -> tuple[dict[str, float], str]:
@@ -119,8 +136,8 @@ def cluster_resources() -> tuple[dict[str, float], str]:
     import ray
 
     if ray.is_initialized():
-        have = ray.cluster_resources()
-        return {"CPU": float(have.get("CPU", 0.0)), "GPU": float(have.get("GPU", 0.0))}, "the Ray cluster"
+        have = {k: float(v) for k, v in ray.cluster_resources().items()}
+        return {**have, "CPU": have.get("CPU", 0.0), "GPU": have.get("GPU", 0.0)}, "the Ray cluster"
     import torch
 
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}, "this machine"

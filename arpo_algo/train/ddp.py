@@ -139,13 +139,13 @@ class LearnerWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def setup(self, init_method: str, dist_backend: str, learner_cls: type, model_path: str, config: LearnerConfig,
-              device: str, seed: int) -> None:
+              device: str, seed: int, timeout_s: float = 1800.0) -> None:
         import torch.distributed as dist
 
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes only this rank's GPU
         dist.init_process_group(dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(minutes=30))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         self.learner = learner_cls(model_path, config, device=device, seed=seed)
 
     def update(self, groups: list[Group]) -> dict[str, float]:
@@ -236,20 +236,27 @@ class DDPBackend(LearnerBackend):
                               hint="call ray.init() first (ARPO's Algorithm starts Ray itself when needed)")
         check_placement(backend, device)
         self.config, self.backend, self.step, self._workers = config, backend, 0, []
+        self.rank_nodes: list[str] = []
         #: Each rank's own metrics of the last update (diagnostics: what each rank did).
         self.last_rank_metrics: list[dict[str, float]] = []
         path = str(resolve_model_path(model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         n, gpus = backend.learner_workers, backend.gpus_per_worker(device)
         actor = ray.remote(num_cpus=backend.learner_cpus_per_worker, num_gpus=gpus)(LearnerWorker)
-        self._workers = [actor.remote(rank, n) for rank in range(n)]
+        from arpo_algo.rollout.config import per_actor
+
+        self._workers = [actor.options(resources=res).remote(rank, n) if res else actor.remote(rank, n)
+                         for rank, res in enumerate(per_actor(backend.worker_resources, n))]
         try:
             ends = ray.get([w.endpoint.remote() for w in self._workers])
+            #: The Ray node of each rank, in rank order (where ``backend.worker_resources`` placed them).
+            self.rank_nodes = [e["node"] for e in ends]
             self._check_devices(ends, device)
             host = "127.0.0.1" if len({e["node"] for e in ends}) == 1 else ends[0]["ip"]
             init = f"tcp://{host}:{ends[0]['port']}"
             dist_backend = "nccl" if device == "cuda" else "gloo"
-            ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed)
+            ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed,
+                                    backend.collective_timeout_s)
                      for w in self._workers])
         except BaseException:
             self.close()
@@ -336,7 +343,7 @@ class DDPBackend(LearnerBackend):
         workers, self._workers = self._workers, []
         if workers:
             try:
-                ray.get([w.close.remote() for w in workers], timeout=60)
+                ray.get([w.close.remote() for w in workers], timeout=10)
             except Exception:  # noqa: BLE001 - a rank that died cannot leave its group; the kill below still runs
                 pass
             for w in workers:

@@ -39,7 +39,8 @@ ENGINES: dict[str, Callable[..., Callable[[], Any]]] = {"hf": _hf, "vllm": _vllm
 
 
 def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 1.0,
-                 num_gpus_per_actor: float = 0.0, **settings: Any) -> Any:
+                 num_gpus_per_actor: float = 0.0, actor_resources: tuple[dict[str, float], ...] = (),
+                 **settings: Any) -> Any:
     """Build a :class:`~arpo_algo.rollout.engines.base.RolloutEngine`.
 
     Args:
@@ -47,6 +48,7 @@ def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 
         num_actors: 0 = the engine in this process; N > 0 = N Ray actors, each with its own engine (needs Ray
             running; a module passed as ``model=`` cannot travel to actors, pass ``model_or_path``).
         num_cpus_per_actor, num_gpus_per_actor: Ray resources per actor.
+        actor_resources: Custom resources: one dict for every actor or one per actor (``rollouts.actor_resources``).
         **settings: The engine's own keyword arguments (``HFEngine`` / ``VLLMEngine``).
 
     Raises:
@@ -64,10 +66,13 @@ def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 
     if "model" in settings:
         raise ConfigError("an engine over a shared module (model=) cannot run in actors",
                           hint="pass model_or_path=<folder> with num_actors > 0")
+    from arpo_algo.rollout.config import check_custom_resources, per_actor
     from arpo_algo.rollout.engines.actors import RolloutActorPool
 
+    check_custom_resources("actor_resources", actor_resources, num_actors, "num_actors")
     return RolloutActorPool(factory, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor,
-                            num_gpus_per_actor=num_gpus_per_actor)
+                            num_gpus_per_actor=num_gpus_per_actor,
+                            resources_per_actor=per_actor(actor_resources, num_actors))
 
 
 __all__ = ["ENGINES", "build_engine"]

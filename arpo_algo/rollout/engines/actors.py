@@ -58,6 +58,11 @@ class _EngineActor:
     def close(self) -> None:
         self.engine.close()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class RolloutActorPool:
     """N engine replicas as Ray actors, with the :class:`~arpo_algo.rollout.engines.base.RolloutEngine` interface.
@@ -69,13 +74,15 @@ class RolloutActorPool:
         num_cpus_per_actor: Ray CPU resource per actor (fractions allowed: 0.5 fits 2 actors on 1 core); torch in
             each actor uses ``max(1, int(num_cpus_per_actor))`` threads.
         num_gpus_per_actor: Ray GPU resource per actor (0 on CPU machines).
+        resources_per_actor: Ray custom resources of each actor (one dict per actor), which place it on the nodes
+            that offer them.
 
     Raises:
         ArpoError: Ray is not initialised.
     """
 
     def __init__(self, engine_factory: Callable[[], Any], num_actors: int = 2, num_cpus_per_actor: float = 1.0,
-                 *, num_gpus_per_actor: float = 0.0) -> None:
+                 *, num_gpus_per_actor: float = 0.0, resources_per_actor: list[dict[str, float]] | None = None) -> None:
         import ray
 
         if num_actors < 1 or num_cpus_per_actor < 0 or num_gpus_per_actor < 0:
@@ -85,7 +92,11 @@ class RolloutActorPool:
             raise ArpoError("RolloutActorPool needs a running Ray", hint="call ray.init(...) before building the pool")
         actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor)(_EngineActor)
         threads = max(1, int(num_cpus_per_actor))
-        self._actors = [actor_cls.remote(engine_factory, threads) for _ in range(num_actors)]
+        custom = resources_per_actor or [{} for _ in range(num_actors)]
+        if len(custom) != num_actors:
+            raise ConfigError(f"resources_per_actor has {len(custom)} dicts for {num_actors} actors")
+        self._actors = [actor_cls.options(resources=res).remote(engine_factory, threads) if res else
+                        actor_cls.remote(engine_factory, threads) for res in custom]
         self._owner: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._tokenizer: Any = None
         self._max_context: Any = ...  # fetched once
@@ -94,6 +105,12 @@ class RolloutActorPool:
     @property
     def num_actors(self) -> int:
         return len(self._actors)
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each actor, in actor order."""
+        import ray
+
+        return ray.get([a.node_id.remote() for a in self._actors])
 
     @property
     def tokenizer(self) -> Any:
