@@ -221,7 +221,7 @@ class AgenticRLAlgorithm(Algorithm):
         for key, value in group_diagnostics(groups).items():  # names defined in arpo_algo.rollout.diagnostics
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
-        self.metrics.log_dict(self._prompts_state(), key="data", reduce="mean", window=1)
+        self.metrics.log_dict(self.data_position(), key="data", reduce="mean", window=1)
         return None
 
     def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:
@@ -247,7 +247,7 @@ class AgenticRLAlgorithm(Algorithm):
         snapshot = weights if self.rollout_pipeline.max_staleness > 0 else None
         self.rollout_pipeline.start(indices, self.iteration + 1, version, before, snapshot)
 
-    def _prompts_state(self) -> dict[str, int]:
+    def data_position(self) -> dict[str, int]:
         """The data position of the batches trained on (a batch in flight is sampled again after a resume)."""
         current = self.prompts.get_state()
         return self.rollout_pipeline.prompts_state(current) if self.rollout_pipeline is not None else current
@@ -280,7 +280,7 @@ class AgenticRLAlgorithm(Algorithm):
             state[POLICY_DIR] = self.policy.get_state()
         state["metrics_logger"] = self.metrics.get_state()
         state["training_iteration"] = self.training_iteration
-        state["prompts"] = self._prompts_state()
+        state["prompts"] = self.data_position()
         state["arpo_checkpoint_format"] = CHECKPOINT_FORMAT
         return state
 

@@ -70,7 +70,7 @@ class RolloutsConfig:
     asynchronous: bool = setting(
         False, "Sample the next iteration's trees in a background thread while the learner updates on this one "
         "(needs num_rollout_actors > 0). Each trajectory records the policy version that sampled it; the learner "
-        "scores a stale batch under that version's weights. Off until measured (docs: asynchronous rollouts).")
+        "scores a stale batch under that version's weights (docs/concepts/architecture.md#asynchronous-rollouts).")
     max_staleness: int = setting(
         1, "With asynchronous: 1 starts the next batch before the update (its trajectories are one version behind "
         "the learner); 0 starts it after the update (no staleness: the synchronous update, overlapped with the work "

@@ -68,3 +68,29 @@ def test_staleness_1_trains_each_batch_one_version_behind(tiny_model_dir, ray_se
     for _ in range(3):
         it.next(1)
     assert state["prompts"] == it.get_state()
+
+
+def test_evaluation_waits_for_the_batch_in_flight_and_a_restore_drops_it(tiny_model_dir, ray_session, tmp_path):
+    dump = tmp_path / "trees.jsonl"
+    cfg = _config(tiny_model_dir, asynchronous=True, max_staleness=1, dump_trees=True, dump_path=str(dump))
+    algo = cfg.evaluation(num_prompts=1).build_algo()
+    try:
+        algo.train()
+        algo.train()  # started batch 2 under version 1
+        assert algo.rollout_pipeline.in_flight
+        assert algo.evaluate()["num_tasks"] == 1.0
+        assert algo.rollout_pipeline.in_flight  # finished under version 1 and kept: the evaluation did not change it
+        path = algo.save_to_path(str(tmp_path / "ckpt"))  # after 2 iterations, batch 2 in flight
+        trained = algo.train()  # batch 2, one version behind
+        algo.restore_from_path(path)  # back to 2 iterations: batch 3, drawn after the save, is dropped
+        assert not algo.rollout_pipeline.in_flight
+        resumed = algo.train()  # batch 2 again, sampled now under version 2
+    finally:
+        algo.stop()
+    assert trained["training_iteration"] == resumed["training_iteration"] == 3
+    assert (trained["rollout"]["policy_version"], trained["rollout"]["staleness_max"]) == (1.0, 1.0)
+    assert (resumed["rollout"]["policy_version"], resumed["rollout"]["staleness_max"]) == (2.0, 0.0)
+    step2 = [g for g in map(json.loads, dump.read_text().splitlines()) if g["metrics"]["step"] == 2.0]
+    # the batch in flight at the save and the one the resumed run sampled: the same prompt, two versions
+    assert [(g["prompt_index"], g["policy_version"]) for g in step2] == [(step2[0]["prompt_index"], 1),
+                                                                        (step2[0]["prompt_index"], 2)]
