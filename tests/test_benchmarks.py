@@ -90,3 +90,16 @@ def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
     assert result["dtype"] == "float32" and len(result["weight_push_s"]) == 2
     assert all(s > 0 for s in result["weight_push_s"]) and result["greedy_unchanged"] is True
     assert result["pushed_mib"] == pytest.approx(result["params"] * 4 / 2**20, rel=0.2)  # + the tied head's copy
+
+
+@pytest.mark.timeout(300)
+def test_bench_async_times_both_modes_with_a_rollout_actor(tiny_model_dir, tmp_path):
+    from experiments import bench_async
+
+    result = bench_async.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2",
+                               "--max-response-tokens", "8", "--warmup", "1", "--iterations", "1",
+                               "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
+                               "--out", str(tmp_path / "a.json")])
+    assert result["ratio_sync_over_async"] > 0 and (tmp_path / "a.json").is_file()
+    (sync,), (asyn,) = result["runs"]["sync"], result["runs"]["async"]
+    assert sync["iterations"][0]["staleness_max"] == 0.0 and asyn["iterations"][0]["staleness_max"] == 1.0

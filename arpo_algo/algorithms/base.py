@@ -119,6 +119,11 @@ class AgenticRLAlgorithm(Algorithm):
         self.prompts = PromptIterator(self._train_env().num_tasks, cfg.seed)
         self.engine = self._build_engine(model_path)
         self.sampler = self._build_sampler()
+        self.rollout_pipeline = None
+        if settings.rollouts.asynchronous:
+            from arpo_algo.algorithms.pipeline import RolloutPipeline
+
+            self.rollout_pipeline = RolloutPipeline(self._sample, settings.rollouts.max_staleness)
         self._last_eval: dict[str, float] = {}
 
     def _build_engine(self, model_path: pathlib.Path) -> Any:
@@ -171,29 +176,43 @@ class AgenticRLAlgorithm(Algorithm):
     # --------------------------------------------------------------------------------------------- one iteration
 
     def training_step(self) -> None:
-        """sync weights -> sample groups (rewards from the env) -> advantages + update -> metrics. Returns None."""
-        step = self.iteration
+        """sync weights -> sample groups (rewards from the env) -> advantages + update -> metrics. Returns None.
+
+        The policy version is the number of updates applied, ``self.iteration`` at the start of the step; every
+        trajectory records the version that sampled it. Asynchronous rollouts: :mod:`arpo_algo.algorithms.pipeline`.
+        """
+        version = self.iteration
         timers = MK.TIMERS.rstrip("/")
-        with self.metrics.log_time((timers, MK.SYNC_TIME)):
-            self._sync_weights()
         training = self.config.settings.training
-        indices = self.prompts.next(training.prompts_per_step)
-        t0 = time.perf_counter()
-        with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
-            groups, rollout = sample_groups(self.sampler, self.prompts, indices, step,
-                                            dynamic=training.dynamic_sampling,
-                                            max_rounds=training.dynamic_sampling_max_rounds)
-        if hasattr(self.engine, "sleep"):  # free rollout memory for the update (HF: KV store and weight copies;
-            self.engine.sleep()  # vLLM: GPU with sleep_between_rollouts only)
+        pipe = self.rollout_pipeline
+        if pipe is not None and pipe.in_flight:
+            with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):  # the wait for the batch in flight
+                batch = pipe.take()
+        else:
+            with self.metrics.log_time((timers, MK.SYNC_TIME)):
+                self._sync_weights()
+            indices = self.prompts.next(training.prompts_per_step)
+            with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
+                batch = self._sample_batch(indices, version)
+        groups, rollout = batch.groups, batch.metrics
+        behaviour = pipe.behaviour_weights(batch, version) if pipe is not None else None
+        if pipe is not None and pipe.max_staleness == 1:  # the next batch overlaps this update
+            self._start_next(version, timers)
+        if hasattr(self.engine, "sleep") and pipe is None:  # free rollout memory for the update (HF: KV store
+            self.engine.sleep()  # and weight copies; vLLM: GPU with sleep_between_rollouts only)
         t1 = time.perf_counter()
         with self.metrics.log_time((timers, MK.UPDATE_TIME)):
-            learn = self.learner.update(groups)
+            learn = self.learner.update(groups) if behaviour is None else self.learner.update(
+                groups, behaviour_weights=behaviour)
         t2 = time.perf_counter()
+        if pipe is not None and pipe.max_staleness == 0:  # sampled under the version this update produced
+            self._start_next(version + 1, timers)
         if learn.get(LK.SKIPPED_NAN):
             self.metrics.log_value(MK.NAN_UPDATES_SKIPPED, float(learn[LK.SKIPPED_NAN]), reduce="sum")
         generated = rollout.get(MK.TOKENS_GENERATED, rollout[MK.TOKENS_SAMPLED])
-        rollout[MK.TOKENS_PER_S] = generated / max(t1 - t0, 1e-9)
+        rollout[MK.TOKENS_PER_S] = generated / max(batch.sample_s, 1e-9)
         rollout[MK.UPDATE_TOKENS_PER_S] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
+        rollout.update(MK.staleness(groups, version))
         # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces;
         # the trajectory-quality names (reward_mean, accuracy, ...) stay at the top level.
         for key, value in rollout.items():
@@ -203,8 +222,36 @@ class AgenticRLAlgorithm(Algorithm):
         for key, value in group_diagnostics(groups).items():  # names defined in arpo_algo.rollout.diagnostics
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
-        self.metrics.log_dict(self.prompts.get_state(), key="data", reduce="mean", window=1)
+        self.metrics.log_dict(self.data_position(), key="data", reduce="mean", window=1)
         return None
+
+    def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:
+        training = self.config.settings.training
+        return sample_groups(self.sampler, self.prompts, indices, step, dynamic=training.dynamic_sampling,
+                             max_rounds=training.dynamic_sampling_max_rounds, policy_version=version)
+
+    def _sample_batch(self, indices: list[int], version: int) -> Any:
+        from arpo_algo.algorithms.pipeline import Batch
+
+        t0 = time.perf_counter()
+        groups, metrics = self._sample(indices, self.iteration, version)
+        return Batch(groups, metrics, version, time.perf_counter() - t0)
+
+    def _start_next(self, version: int, timers: str) -> None:
+        """Push ``version``'s weights (the learner holds them now) and start sampling the next iteration's prompts
+        under them in the background; with staleness 1 keep a copy, which scores that batch after this update."""
+        with self.metrics.log_time((timers, MK.SYNC_TIME)):
+            weights = {k: v.detach().clone() for k, v in self.learner.rollout_weights().items()}
+            self.engine.load_state_dict(weights)
+        before = self.prompts.get_state()
+        indices = self.prompts.next(self.config.settings.training.prompts_per_step)
+        snapshot = weights if self.rollout_pipeline.max_staleness > 0 else None
+        self.rollout_pipeline.start(indices, self.iteration + 1, version, before, snapshot)
+
+    def data_position(self) -> dict[str, int]:
+        """The data position of the batches trained on (a batch in flight is sampled again after a resume)."""
+        current = self.prompts.get_state()
+        return self.rollout_pipeline.prompts_state(current) if self.rollout_pipeline is not None else current
 
     def _sync_weights(self) -> None:
         """The in-process HF engine shares a local learner's module (nothing to copy, but it is told the weights
@@ -220,6 +267,8 @@ class AgenticRLAlgorithm(Algorithm):
         """Score the held-out split (flat dict; RLlib nests it under ``result["evaluation"]``)."""
         from arpo_algo.eval.evaluation import evaluate_policy
 
+        if self.rollout_pipeline is not None:  # a tree in flight is finished under the weights it started with
+            self.rollout_pipeline.wait()
         self._sync_weights()
         self._last_eval = evaluate_policy(self, self._eval_env)
         return dict(self._last_eval)
@@ -232,7 +281,7 @@ class AgenticRLAlgorithm(Algorithm):
             state[POLICY_DIR] = self.policy.get_state()
         state["metrics_logger"] = self.metrics.get_state()
         state["training_iteration"] = self.training_iteration
-        state["prompts"] = self.prompts.get_state()
+        state["prompts"] = self.data_position()
         state["arpo_checkpoint_format"] = CHECKPOINT_FORMAT
         return state
 
@@ -240,6 +289,7 @@ class AgenticRLAlgorithm(Algorithm):
         if state.get("arpo_checkpoint_format") != CHECKPOINT_FORMAT:
             raise ArpoError(f"incompatible algorithm state: format {state.get('arpo_checkpoint_format')!r}, this "
                             f"arpo reads format {CHECKPOINT_FORMAT}")
+        self._discard_in_flight()
         if POLICY_DIR in state:
             self.policy.set_state(state[POLICY_DIR])
         if "metrics_logger" in state:
@@ -266,7 +316,13 @@ class AgenticRLAlgorithm(Algorithm):
 
     def restore_from_path(self, path, *args, **kwargs) -> None:
         """Restore a data-only checkpoint in place (Tune's restores come here too); nothing in it is executed."""
+        self._discard_in_flight()
         restore_checkpoint(self, path)
+
+    def _discard_in_flight(self) -> None:
+        """A batch in flight was drawn from the weights and data position a restore replaces: drop it."""
+        if getattr(self, "rollout_pipeline", None) is not None:
+            self.rollout_pipeline.discard()
 
     @classmethod
     def from_checkpoint(cls, path, filesystem=None, **kwargs) -> AgenticRLAlgorithm:  # type: ignore[override]
@@ -291,7 +347,7 @@ class AgenticRLAlgorithm(Algorithm):
         import logging
 
         try:
-            for part in ("sampler", "engine", "learner"):
+            for part in ("rollout_pipeline", "sampler", "engine", "learner"):
                 if getattr(self, part, None) is not None:
                     try:
                         getattr(self, part).close()

@@ -137,7 +137,7 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     algo.policy.save_to_path(path / POLICY_DIR)
     _write_state(path, algo.config, algorithm=type(algo).__name__, iteration=algo.iteration,
-                 prompts=algo.prompts.get_state(), metrics_logger=algo.metrics.get_state())
+                 prompts=algo.data_position(), metrics_logger=algo.metrics.get_state())
     return path
 
 

@@ -150,6 +150,22 @@ class Settings:
             raise ConfigError(f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
                               "returns only top-k logprobs, so the full entropy is not available",
                               hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'")
+        if self.rollouts.asynchronous:
+            _check_asynchronous(self)
+
+
+def _check_asynchronous(settings: Settings) -> None:
+    """Asynchronous rollouts across sections: each refusal is a combination whose invariant the pipeline cannot keep
+    (a batch is drawn before the update it overlaps, and scored under the version that sampled it)."""
+    if settings.training.dynamic_sampling:
+        raise ConfigError("rollouts.asynchronous with training.dynamic_sampling: dynamic sampling decides after a "
+                          "round whether to draw more prompts, so the next batch's prompts are not known before the "
+                          "update it would overlap",
+                          hint="turn one of them off")
+    if settings.backend.distributed:
+        raise ConfigError(f"rollouts.asynchronous with backend.learner_backend={settings.backend.learner_backend!r}:"
+                          " a stale batch is scored under the weights that sampled it, which only the local learner "
+                          "can swap in", hint="use learner_backend = 'local', or asynchronous = false")
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:

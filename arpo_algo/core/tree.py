@@ -62,6 +62,7 @@ class TreeNode:
     start: int
     end: int
     depth: int
+    policy_version: int | None = None  # the weights that sampled it (one version per tree; None: not recorded)
 
 
 @dataclass(frozen=True)

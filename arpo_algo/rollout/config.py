@@ -95,6 +95,14 @@ class RolloutsConfig:
     train_tool_limit_eos: bool = setting(
         True, "Loss mask of the EOS appended when the tool-call limit ends an episode (it was never sampled): "
         "True trains it (the reference), False gives it no gradient.")
+    asynchronous: bool = setting(
+        False, "Sample the next iteration's trees in a background thread while the learner updates on this one "
+        "(needs num_rollout_actors > 0). Each trajectory records the policy version that sampled it; the learner "
+        "scores a stale batch under that version's weights (docs/concepts/architecture.md#asynchronous-rollouts).")
+    max_staleness: int = setting(
+        1, "With asynchronous: 1 starts the next batch before the update (its trajectories are one version behind "
+        "the learner); 0 starts it after the update (no staleness: the synchronous update, overlapped with the work "
+        "between iterations only). One batch is in flight, so 0 and 1 are the values.")
     dump_trees: bool = setting(False, "Append every sampled group (its tree) as a JSON line to dump_path.")
     dump_path: str | None = setting(
         None, "The file dump_trees writes; None = trees.jsonl in the Algorithm's log folder (`arpo train`: the run "
@@ -125,6 +133,7 @@ class RolloutsConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollouts.top_p must be in (0, 1], got {self.top_p}")
         check_learner_scores_sampling(self.temperature, self.top_p, self.top_k)
+        self._check_asynchronous()
         self.hf.validate()
         self.vllm.validate()
         if self.engine == "hf":
@@ -138,3 +147,16 @@ class RolloutsConfig:
                               "the learner's float32 module, so it cannot run in another dtype",
                               hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
                                    " or use rollout actors (num_rollout_actors > 0), which hold their own copy")
+
+    def _check_asynchronous(self) -> None:
+        """Invariant: a tree is sampled under one policy version, so the engine that samples in the background must
+        hold its own weights (the in-process engine shares the module the learner is updating meanwhile)."""
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(f"rollouts.max_staleness must be 0 or 1, got {self.max_staleness}",
+                              hint="one batch is in flight while the learner updates, so a batch is at most one "
+                                   "version behind; 0 = no staleness")
+        if self.asynchronous and self.num_rollout_actors < 1:
+            raise ConfigError("rollouts.asynchronous needs rollout actors (num_rollout_actors > 0): the in-process "
+                              "engine shares the learner's module, which the update changes while the next batch "
+                              "is sampled",
+                              hint="set rollouts.num_rollout_actors >= 1, or asynchronous = false")

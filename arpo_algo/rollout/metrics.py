@@ -66,6 +66,11 @@ TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
 STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
 BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with budget free and depth left
+# Policy versions (learner updates applied): the version that sampled the batch and how far the learner's version at
+# update time is ahead of it, over the batch's trajectories (asynchronous rollouts: at most rollouts.max_staleness).
+POLICY_VERSION = "rollout/policy_version"
+STALENESS_MEAN = "rollout/staleness_mean"
+STALENESS_MAX = "rollout/staleness_max"
 
 # The tree counters of one prompt, in ``Group.metrics`` (:func:`arpo_algo.rollout.tree_state.assemble_group`);
 # :func:`summarize` adds them up over the groups into the ``rollout/`` names above.
@@ -181,3 +186,13 @@ def _quality(groups: list, trajs: list) -> dict[str, float]:
         NUM_TASKS: float(len(groups)),
         SAMPLES_PER_TASK: n / len(groups),
     }
+
+
+def staleness(groups: Iterable[Any], learner_version: int) -> dict[str, float]:
+    """:data:`POLICY_VERSION`, :data:`STALENESS_MEAN` and :data:`STALENESS_MAX` of a batch the learner at
+    ``learner_version`` is about to train on. Every trajectory must carry its sampling version."""
+    versions = [t.policy_version for g in groups for t in g.trajectories]
+    if not versions or any(v is None for v in versions):
+        raise ValueError("every trajectory of a training batch must record the policy version that sampled it")
+    lags = [learner_version - v for v in versions]
+    return {POLICY_VERSION: mean(versions), STALENESS_MEAN: mean(lags), STALENESS_MAX: float(max(lags))}

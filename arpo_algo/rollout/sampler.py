@@ -106,8 +106,12 @@ class TreeSampler:
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------------ public API
-    def sample(self, task_indices: list[int], step: int) -> tuple[list[Group], dict[str, float]]:
-        """Grow one tree per task; returns the groups (in ``task_indices`` order) and the step's rollout metrics."""
+    def sample(self, task_indices: list[int], step: int,
+               policy_version: int | None = None) -> tuple[list[Group], dict[str, float]]:
+        """Grow one tree per task; returns the groups (in ``task_indices`` order) and the step's rollout metrics.
+
+        ``policy_version``: the version of the weights the engine holds; every group, node and trajectory records it
+        (the caller changes the engine's weights only between calls, so a tree is sampled under one version)."""
         t0 = time.perf_counter()
         self._timers, self._batch_index, self._keys = Counter(), 0, set()
         self.engine.stats()  # reset the engine counters so the step's numbers are this step's only
@@ -123,7 +127,7 @@ class TreeSampler:
                 self._spawn(ps, "initial")
         self._run(prompts, cfg)
         self.engine.release(sorted(self._keys, key=str))
-        groups = [assemble_group(ps, step) for ps in prompts]
+        groups = [assemble_group(ps, step, policy_version) for ps in prompts]
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)

@@ -94,13 +94,16 @@ class PromptState:
     premonitor_tokens: int = 0
 
 
-def assemble_group(ps: PromptState, step: int) -> Group:
-    """The finished tree of one prompt as a :class:`Group` (nodes built by :func:`arpo_algo.core.tree.build_tree`)."""
+def assemble_group(ps: PromptState, step: int, policy_version: int | None = None) -> Group:
+    """The finished tree of one prompt as a :class:`Group` (nodes built by :func:`arpo_algo.core.tree.build_tree`);
+    the tree, each node and each trajectory carry ``policy_version`` (a tree is sampled under one version)."""
     trajs = [p.to_trajectory() for p in ps.paths]
     nodes, node_ids = T.build_tree([t.parent for t in trajs], [t.branch_point for t in trajs],
                                    [len(t.response_ids) for t in trajs])
     for t, ids in zip(trajs, node_ids):
-        t.node_ids = ids
+        t.node_ids, t.policy_version = ids, policy_version
+    for node in nodes:
+        node.policy_version = policy_version
     # Tool calls made on a shared prefix happened once; count each path's calls after its branch point only.
     own_calls = sum(len(p.tool_calls) - p.inherited_calls for p in ps.paths)
     metrics = {MK.GROUP_STEP: float(step),
@@ -112,4 +115,4 @@ def assemble_group(ps: PromptState, step: int) -> Group:
                MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
                **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())}}
     return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
-                 nodes=nodes, metrics=metrics)
+                 nodes=nodes, metrics=metrics, policy_version=policy_version)

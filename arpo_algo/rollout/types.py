@@ -36,6 +36,8 @@ class Trajectory:
         node_ids: Tree node ids along the path, root first.
         finish_reason: Why the trajectory ended: "answer", "eos", "length", "tool_limit", "turn_limit", "error".
         segment_entropy: Per generated segment, the entropy value the branch rule saw (for metrics and debugging).
+        policy_version: The policy version (learner updates applied) whose weights sampled it; the learner scores
+            a batch older than its own version under that version's weights. None: not recorded.
     """
 
     traj_id: int
@@ -52,6 +54,7 @@ class Trajectory:
     node_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     segment_entropy: list[float] = field(default_factory=list)
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -73,6 +76,7 @@ class Group:
         task: What the learner and metrics may need from the task (id, ground truth, split).
         nodes: The sampling tree.
         metrics: Rollout metrics of this group (tokens generated/reused, tool calls, branches by depth, ...).
+        policy_version: The version that sampled the whole tree (every trajectory and node carries it too).
     """
 
     prompt_index: int
@@ -81,6 +85,7 @@ class Group:
     task: dict[str, Any] = field(default_factory=dict)
     nodes: list[TreeNode] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: int | None = None
 
     @property
     def rewards(self) -> list[float]:

@@ -36,6 +36,12 @@ trajectory).
 **Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
 sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
 and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`).
+
+**A stale batch** (asynchronous rollouts: sampled by an earlier policy version than the learner holds) comes with
+``behaviour_weights``, the weights that sampled it. The pre-step scoring (the alarm, recomputed old log-probs and the
+score of an unsampled EOS) then runs under those weights, swapped into the model and restored bitwise before any step:
+the importance ratio is against the behaviour policy, and legitimate staleness does not look like a mismatch while
+an engine holding other weights than the declared version still does.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from __future__ import annotations
 import logging
 import math
 import random
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -225,8 +232,12 @@ class Learner:
                                              dtype=torch.float32, device=b.pair_weight.device) for b in batches]
 
     # ------------------------------------------------------------------ the update
-    def update(self, groups: list[Group]) -> dict[str, float]:
+    def update(self, groups: list[Group], behaviour_weights: dict[str, torch.Tensor] | None = None
+               ) -> dict[str, float]:
         """``ppo_epochs`` optimizer steps on ``groups``; returns metrics (see module docstring for the loss).
+
+        ``behaviour_weights``: the state dict of the policy version that sampled ``groups`` when it is not this
+        learner's current one (a stale batch); None: the current weights sampled them.
 
         Raises:
             ArpoError: after ``max_nan_updates`` consecutive updates with a non-finite loss or gradient norm.
@@ -246,7 +257,8 @@ class Learner:
         # the recomputed old log-probs, fixed for every mini-batch and epoch of the update.
         self.model.train()
         try:
-            current = [self._logprobs(self.model, b) for b in batches]
+            with self._weights_of(behaviour_weights):
+                current = [self._logprobs(self.model, b) for b in batches]
         finally:
             self.model.eval()
         mismatch = self._rollout_mismatch(batches, current)
@@ -304,6 +316,20 @@ class Learner:
                        LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step),
                        LK.OPTIMIZER_STEPS: float(taken)})
         return totals
+
+    @contextmanager
+    def _weights_of(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """The model holds ``weights`` inside the block (None: its own); its own are copied back in place after it,
+        bitwise, so the optimizer's parameters and state are untouched."""
+        if weights is None:
+            yield
+            return
+        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        try:
+            self.model.load_state_dict(weights)
+            yield
+        finally:
+            self.model.load_state_dict(own)
 
     def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
         """The update's mini-batches as group indices: ``mini_batches`` parts of the groups, shuffled (seeded by the

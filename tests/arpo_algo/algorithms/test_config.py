@@ -191,6 +191,14 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
     (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
     (lambda c: c.evaluation(every=-1), "evaluation.every"),
     (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
+    # asynchronous rollouts: each combination whose invariant the pipeline cannot keep
+    (lambda c: c.llm_rollouts(asynchronous=True), "needs rollout actors"),
+    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1, max_staleness=2), "must be 0 or 1"),
+    (lambda c: c.llm_rollouts(max_staleness=-1), "must be 0 or 1"),
+    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).training(dynamic_sampling=True),
+     "next batch's prompts are not known"),
+    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).backend(learner_backend="ddp"),
+     "only the local learner"),
 ])
 def test_illegal_combinations_are_explained(mutate, match):
     cfg = mutate(valid_config())
@@ -200,6 +208,9 @@ def test_illegal_combinations_are_explained(mutate, match):
 
 def test_valid_config_validates():
     valid_config().validate()
+    valid_config().llm_rollouts(asynchronous=True, num_rollout_actors=1).validate()
+    valid_config().llm_rollouts(asynchronous=True, num_rollout_actors=1, max_staleness=0).training(
+        old_logprobs="recompute").validate()  # recomputed under the sampling version's weights
     # vLLM holds its own weights, so it may run in bfloat16 in-process
     valid_config().llm_rollouts(engine="vllm", dtype="bfloat16").tree(entropy_method="topk_sum_lnV").validate()
 
