@@ -185,3 +185,8 @@ def test_compiled_buckets_and_errors(pair):
         with pytest.raises(ConfigError, match="C\\+\\+ compiler.*nonexistent") as err:
             HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="compiled", static_cache_tokens=128)
     assert "static" in (err.value.hint or "") and "doctor" in err.value.hint
+    from arpo_algo.rollout.engines.config import HFEngineConfig
+
+    HFEngineConfig(decode="compiled").check_device("cpu")
+    with pytest.raises(ConfigError, match="only been validated on CPU"):
+        HFEngineConfig(decode="compiled").check_device("cuda")
