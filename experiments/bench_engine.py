@@ -20,11 +20,12 @@ The engine runs twice on the same module, with ``linear_layout="transposed"`` (t
 so the table separates what the weight layout buys from what refill and prefix reuse buy.
 
 4. ``--decode MODE [MODE ...]`` (instead of the scenarios above): the engine's decode paths side by side on one
-   module (``HFEngine(decode=...)``: dynamic, static, cuda_graph), a batch of fresh prompts with ``--new-tokens``
-   each, at every ``--decode-batches`` size; tok/s per mode, its ratio to the dynamic path measured in the same run,
-   and for the fixed-shape modes the *floor*: the same steps timed back to back with no host work
-   (``StaticDecoder.time_step`` at each column bucket the run passes through), so "% of floor" says how much of the
-   step time the decode loop keeps.
+   module (``HFEngine(decode=...)``: dynamic, static, cuda_graph, compiled), a batch of fresh prompts with
+   ``--new-tokens`` each, at every ``--decode-batches`` size; tok/s per mode, its ratio to the dynamic path measured
+   in the same run, for the fixed-shape modes the *bare step*: the same steps timed back to back with no host work
+   (``StaticDecoder.time_step`` at each column bucket the run passes through; "% of bare" is how much of the step
+   time the decode loop keeps), and for every mode the *hardware floor* from the machine's GEMM and streaming
+   probes run first (:mod:`experiments.machine_floor`) with "% of floor"; "compile s" is the warm-up's compile time.
 
 Usage::
 
@@ -248,23 +249,30 @@ def _floor_seconds(eng: HFEngine, batch: int, starts: list[int], new_tokens: int
 
 def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
     """Decode modes side by side on one module (see the module docstring, item 4)."""
+    from experiments.machine_floor import floor_tok_s, probe
+
     base = HFEngine(path, device=args.device, dtype=args.dtype, max_batch_size=1, decode="dynamic")
     rows = []
+    machine = probe()
+    print(f"\nMachine ({args.threads} threads): fp32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+          f"{machine['stream_gbs']:.1f} GB/s")
     print(f"\nHFEngine decode modes on {args.model}, {base.device}, {args.dtype}, {args.new_tokens} new tokens per "
           f"request, one request per slot, median of {args.repeats} interleaved repeat(s)\n")
-    print("| batch | decode | tok/s | vs dynamic | floor tok/s | % of floor | graphs captured |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
+          "compile s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.decode_batches:
         engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, max_batch_size=batch, decode=m,
                                static_cache_tokens=args.static_cache_tokens, seed=args.seed) for m in args.decode}
         prompts = _prompts(base.tokenizer, batch, random.Random(args.seed))
         reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed + i))
                 for i, p in enumerate(prompts)]
-        for eng in engines.values():  # warm-up on the same workload: graphs are captured here, not timed
+        for eng in engines.values():  # warm-up on the same workload: graphs are captured/compiled here, not timed
             errors = [g.error for g in eng.generate(reqs) if g.finish_reason == "error"]
             if errors:
                 raise SystemExit(f"{errors[0]} (raise --static-cache-tokens?)")
-        captured = {m: eng.stats().get("graph_captures", 0.0) for m, eng in engines.items()}
+        warm = {m: eng.stats() for m, eng in engines.items()}
+        hw, limit = floor_tok_s(base.model, batch, machine)
         rates: dict[str, list[float]] = {m: [] for m in engines}
         for _ in range(args.repeats):
             for m, eng in engines.items():
@@ -274,7 +282,8 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
             rate = statistics.median(rates[m])
             ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
             row = {"batch": batch, "decode": m, "tok_s": rate, "vs_dynamic": rate / ref if ref else None,
-                   "graphs_captured": captured[m]}
+                   "graphs_captured": warm[m].get("graph_captures", 0.0), "hw_floor_tok_s": hw, "hw_limit": limit,
+                   "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds")}
             if eng.static_decoder is not None:
                 floor = batch * (args.new_tokens - 1) / _floor_seconds(eng, batch, [len(p) for p in prompts],
                                                                        args.new_tokens)
@@ -283,7 +292,7 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
             fmt = (lambda v, f: f.format(v) if v is not None else "-")  # noqa: E731
             print(f"| {batch} | {m} | {rate:.1f} | {fmt(row['vs_dynamic'], '{:.2f}x')} | "
                   f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
-                  f"{int(captured[m])} |")
+                  f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} |", flush=True)
         for eng in engines.values():
             eng.close()
     return {"model": args.model, "device": str(base.device), "dtype": args.dtype, "new_tokens": args.new_tokens,
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--push-repeats", type=int, default=3)
     ap.add_argument("--kv-cache-gib", type=float, default=0.5,
                     help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
-    ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph"],
+    ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph", "compiled"],
                     help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--new-tokens", type=int, default=256)

@@ -76,6 +76,9 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path):
     rows = {r["decode"]: r for r in result["decode"]}
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
     assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
+    for row in rows.values():  # the machine's floor from the GEMM and streaming probes, for every mode
+        assert row["hw_floor_tok_s"] > 0 and row["of_hw_floor"] == row["tok_s"] / row["hw_floor_tok_s"]
+        assert row["hw_limit"] in ("weight streaming", "FLOPs")
     assert (tmp_path / "d.json").is_file()
 
 

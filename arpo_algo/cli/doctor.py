@@ -1,4 +1,5 @@
-"""``arpo doctor``: versions, CPU/GPU, the Python tool's sandbox isolation and the model cache."""
+"""``arpo doctor``: versions, CPU/GPU, the Python tool's sandbox isolation, the C++ compiler of the compiled decode
+step and the model cache."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def doctor_report() -> dict:
         report["python_tool_sandbox"] = sandbox
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
+    try:
+        from arpo_algo.rollout.engines.compiled_step import compiler_problem
+
+        problem = compiler_problem()
+        report["compiled_decode"] = {"available": problem is None, "problem": problem}
+    except ImportError as e:  # torch missing
+        report["compiled_decode"] = {"available": False, "problem": str(e)}
     from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
 
     importable = importlib.util.find_spec("vllm") is not None
@@ -83,6 +91,11 @@ def _print_doctor(r: dict) -> None:
         below = "" if sb.get("meets_minimum") else f", BELOW the minimum {sb.get('minimum')!r}: refused unless " \
                                                  "--allow-unisolated-python"
         print(f"  python tool  isolation level {sb.get('level')!r}{below} ({sb.get('detail', '')})")
+    cd = r["compiled_decode"]
+    if cd["available"]:
+        print("  compiler     C++ compiler found: rollouts.hf.decode='compiled' (torch inductor) can run")
+    else:
+        print(f"  compiler     decode='compiled' unavailable: {cd['problem']}; decode='static'/'dynamic' still work")
     v = r["vllm"]
     cpu = v["cpu"]
     fast = "AVX-512" + (" + AVX512-BF16" if cpu["avx512_bf16"] else "") + (" + AMX" if cpu["amx_bf16"] else "")

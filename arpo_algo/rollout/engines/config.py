@@ -24,9 +24,10 @@ class HFEngineConfig:
     linear_layout: Literal["auto", "native", "transposed"] = setting(
         "auto", "Weight layout of nn.Linear while decoding: 'transposed' decodes through (in, out) copies of the "
         "weights, 1.3-1.5x faster per step on CPU for one more copy; 'auto' = transposed on CPU, native on GPU.")
-    decode: Literal["auto", "dynamic", "static", "cuda_graph"] = setting(
+    decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = setting(
         "auto", "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
-        "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only); 'auto' picks.")
+        "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (those steps "
+        "compiled by torch inductor, all slots and two column buckets; CPU, needs a C++ compiler); 'auto' picks.")
     static_cache_tokens: int | None = setting(
         None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'); it becomes the engine's "
         "context limit. None = the model's max_position_embeddings.")
@@ -47,6 +48,9 @@ class HFEngineConfig:
         if self.decode == "cuda_graph" and device != "cuda":
             raise ConfigError(f"rollouts.hf.decode='cuda_graph' needs rollouts.device='cuda', got {device!r}",
                               hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
+        if self.decode == "compiled" and device != "cpu":
+            raise ConfigError(f"rollouts.hf.decode='compiled' has only been validated on CPU, got {device!r}",
+                              hint="decode='cuda_graph' or 'dynamic' on a GPU")
         if self.decode == "cuda_graph" and self.linear_layout == "transposed":
             raise ConfigError("rollouts.hf.decode='cuda_graph' with linear_layout='transposed': graphs would read "
                               "weight copies that are rebuilt after every update",

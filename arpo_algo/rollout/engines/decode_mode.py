@@ -1,7 +1,8 @@
 """Which decode path the HF engine takes (``HFEngine(decode=...)``) and whether its static KV cache fits.
 
-``"dynamic"`` is the left-padded growing cache of :mod:`arpo_algo.rollout.engines.hf`; ``"static"`` and
-``"cuda_graph"`` are the fixed-shape steps of :mod:`arpo_algo.rollout.engines.static_decode`. Every refusal here is a
+``"dynamic"`` is the left-padded growing cache of :mod:`arpo_algo.rollout.engines.hf`; ``"static"``,
+``"cuda_graph"`` and ``"compiled"`` are the fixed-shape steps of :mod:`arpo_algo.rollout.engines.static_decode` (the
+last through :mod:`arpo_algo.rollout.engines.compiled_step`). Every refusal here is a
 :class:`~arpo_base.errors.ConfigError` raised when the engine is built, before any work.
 """
 
@@ -13,7 +14,7 @@ import torch
 
 from arpo_base.errors import ConfigError
 
-DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
+DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph", "compiled")
 #: Whether ``decode="auto"`` picks CUDA graphs on a GPU. Off until the graph path has run on a GPU (see below).
 AUTO_CUDA_GRAPHS = False
 
@@ -22,7 +23,8 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
     """The decode mode to use, or a ConfigError. ``"auto"`` is ``"dynamic"`` on every device for now: the CUDA-graph
     path is exact on CPU in its eager form (``"static"``, tested) but has never run on a GPU, so it stays opt-in
     (``decode="cuda_graph"``) until the GPU test (``tests/arpo_algo/rollout/test_static_decode.py -m gpu``) and the
-    benchmark have passed on one; then ``auto`` becomes cuda_graph on CUDA (:data:`AUTO_CUDA_GRAPHS`)."""
+    benchmark have passed on one; then ``auto`` becomes cuda_graph on CUDA (:data:`AUTO_CUDA_GRAPHS`). ``"compiled"``
+    is opt-in as well: its compile cost (minutes for a small model on 2 cores) is not worth paying for short runs."""
     if decode not in DECODE_MODES:
         raise ConfigError(f"unknown decode {decode!r}; choose one of {', '.join(DECODE_MODES)}")
     if decode == "auto":
@@ -32,10 +34,26 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
     if decode == "cuda_graph" and device.type != "cuda":
         raise ConfigError(f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
                           hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
+    if decode == "compiled":
+        _check_compiled(device)
     problem = static_problem(model, linear_layout, graphs=decode == "cuda_graph") if decode != "dynamic" else None
     if problem:
         raise ConfigError(f"decode={decode!r}: {problem}", hint="use decode='dynamic' for this model or setting")
     return decode
+
+
+def _check_compiled(device: torch.device) -> None:
+    """``decode="compiled"`` needs inductor's CPU code generation (a C++ compiler); it has only run on CPU."""
+    from arpo_algo.rollout.engines.compiled_step import compiler_problem
+
+    if device.type != "cpu":
+        raise ConfigError(f"decode='compiled' has only been validated on CPU, but the model is on {device}",
+                          hint="use decode='cuda_graph' or 'dynamic' on a GPU")
+    problem = compiler_problem()
+    if problem:
+        raise ConfigError(f"decode='compiled' needs a working C++ compiler for torch inductor: {problem}",
+                          hint="install g++ (or set CXX to a C++ compiler), or use decode='static'; "
+                               "`arpo doctor` checks the compiler")
 
 
 def static_problem(model: Any, linear_layout: str, graphs: bool) -> str | None:

@@ -23,6 +23,9 @@ replay order is safe) and replayed. Captured graphs hold the addresses of the we
 step, ``load_state_dict``) keep them valid; if the parameters are re-allocated (moved, re-created) the graphs are
 dropped and captured again.
 
+``decode="compiled"`` runs the same step through ``torch.compile`` (:mod:`~arpo_algo.rollout.engines.compiled_step`):
+always all slots and at most two column buckets, so a process compiles few shapes.
+
 Not covered: models whose layers are not all full attention (sliding windows, linear attention) and attention
 implementations other than "sdpa" and "eager" (the step passes its own 4-D mask); both are a ConfigError.
 """
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout.engines.compiled_step import CompiledStep, column_buckets
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_base.errors import ConfigError
@@ -87,11 +91,12 @@ def _slot_layer_class() -> type:
     return SlotLayer
 
 
-def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int) -> Any:
-    """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row)."""
+def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int,
+                layer: type) -> Any:
+    """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row); ``layer``
+    is :func:`_slot_layer_class`, looked up outside the step so that a compiled step never defines a class."""
     from transformers.cache_utils import Cache
 
-    layer = _slot_layer_class()
     idx = pos[:, None, None, None]
     return Cache(layers=[layer(k, v, idx, length) for k, v in zip(keys, values)])
 
@@ -103,11 +108,16 @@ class StaticDecoder:
         engine: The engine whose rows, prefill, recording and results this loop uses.
         context: Columns per slot (the engine's ``max_context``).
         graphs: Capture and replay CUDA graphs (``decode="cuda_graph"``) instead of running each step eagerly.
+        compiled: Run each step through ``torch.compile`` (``decode="compiled"``, see
+            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots, a few column buckets.
     """
 
-    def __init__(self, engine: Any, context: int, graphs: bool) -> None:
+    def __init__(self, engine: Any, context: int, graphs: bool, compiled: bool = False) -> None:
         self.engine, self.context, self.graphs = engine, context, graphs
+        self.compiled = CompiledStep(self._body, engine._stats) if compiled else None
+        self._columns = column_buckets(context, MIN_COLUMNS) if compiled else None
         self.slots = engine.max_batch_size
+        self._layer = _slot_layer_class()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.state = self.uniforms = self.cols = None
@@ -121,7 +131,8 @@ class StaticDecoder:
         """Size the engine's static cache (it becomes its ``max_positions``), check it fits, build the decoder."""
         engine.max_positions = static_context(engine.max_positions, static_cache_tokens)
         check_memory(engine.model, engine.max_batch_size, engine.max_positions)
-        return cls(engine, engine.max_positions, graphs=engine.decode == "cuda_graph")
+        return cls(engine, engine.max_positions, graphs=engine.decode == "cuda_graph",
+                   compiled=engine.decode == "compiled")
 
     def close(self) -> None:
         """Free the buffers and the graphs."""
@@ -132,14 +143,20 @@ class StaticDecoder:
 
     def bucket_columns(self, need: int) -> int:
         """The column bucket a step that needs ``need`` columns runs with."""
+        if self._columns is not None:
+            return next((c for c in self._columns if c >= need), self.context)
         return _bucket(need, MIN_COLUMNS, self.context)
+
+    def bucket_rows(self, need: int) -> int:
+        """The row bucket a step over slots ``[0, need)`` runs with (all slots when compiled: one shape fewer)."""
+        return self.slots if self.compiled is not None else _bucket(need, 1, self.slots)
 
     def time_step(self, rows: int, length: int, shape: SampleShape = SampleShape(), repeats: int = 20) -> float:
         """Seconds of one bare decode step over ``rows`` slots and ``length`` columns (no host work in between):
         the floor the decode loop can approach. Runs on idle slots after a ``generate`` allocated the buffers."""
         if self.state is None:
             raise ConfigError("time_step needs the slot buffers: run one generate() first")
-        rows, length = _bucket(rows, 1, self.slots), _bucket(length, MIN_COLUMNS, self.context)
+        rows, length = self.bucket_rows(rows), self.bucket_columns(length)
         with torch.inference_mode():
             saved = self.state.clone()
             self._run(rows, length, shape)  # warm-up (captures the graph when needed)
@@ -150,6 +167,8 @@ class StaticDecoder:
                 width = 3 + 2 * shape.logprobs_k
                 if self.graphs:
                     self._graphs[(rows, length, shape)].replay()
+                elif self.compiled is not None:
+                    self.compiled(rows, length, shape, self._results[width][:rows])
                 else:
                     self._body(rows, length, shape, self._results[width][:rows])
             sync()
@@ -171,8 +190,8 @@ class StaticDecoder:
             live = [b for b, r in enumerate(slots) if r is not None]
             if not live:
                 break
-            rows = _bucket(live[-1] + 1, 1, self.slots)
-            length = _bucket(max(slots[b].fed for b in live) + 1, MIN_COLUMNS, self.context)
+            rows = self.bucket_rows(live[-1] + 1)
+            length = self.bucket_columns(max(slots[b].fed for b in live) + 1)
             t0 = time.perf_counter()
             out = self._run(rows, length, shape).tolist()
             eng._stats["decode_seconds"] += time.perf_counter() - t0
@@ -283,6 +302,9 @@ class StaticDecoder:
         if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
             self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
         res = self._results[width][:rows]
+        if self.compiled is not None:
+            self.compiled(rows, length, shape, res)
+            return res.cpu()
         if not self.graphs:
             self._body(rows, length, shape, res)
             return res.cpu()
@@ -306,7 +328,8 @@ class StaticDecoder:
                                                                                           torch.finfo(dtype).min)
         else:
             mask = valid
-        cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length)
+        cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length,
+                            self._layer)
         out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
                                 attention_mask=mask[:, None, None, :], past_key_values=cache, use_cache=True)
         params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),

@@ -37,8 +37,12 @@ def test_doctor_reports_truthfully():
     assert r["vllm"]["importable"] == (importlib.util.find_spec("vllm") is not None)
     flags = open("/proc/cpuinfo").read().split()
     assert r["vllm"]["cpu"]["avx512f"] == ("avx512f" in flags) and r["vllm"]["cpu"]["amx_bf16"] == ("amx_bf16" in flags)
+    from arpo_algo.rollout.engines.compiled_step import compiler_problem
+
+    assert r["compiled_decode"] == {"available": compiler_problem() is None, "problem": compiler_problem()}
     human = run_cli("doctor")
     assert "python tool" in human.stdout and "model cache" in human.stdout and "vLLM" in human.stdout
+    assert "compiler" in human.stdout
 
 
 def test_user_error_is_one_line_and_nonzero(capsys):

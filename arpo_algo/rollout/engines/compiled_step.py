@@ -1,0 +1,92 @@
+"""The static decode step compiled with ``torch.compile`` (``HFEngine(decode="compiled")``).
+
+The step is :meth:`~arpo_algo.rollout.engines.static_decode.StaticDecoder._body` unchanged: one token per slot over
+the per-slot KV buffers, sampling on the device, the slots' state advanced in place. Compiling it with inductor
+fuses the dozens of small eager kernels of each layer (norms, rotary embedding, activations, sampling) into a few
+generated C++ loops; the matrix products stay library calls.
+
+Weights are graph inputs, never constants: dynamo lifts the parameters (and the transposed-layout copies, which are
+refreshed in place, see :mod:`~arpo_algo.rollout.engines.linear_layout`) as inputs of the compiled graph and guards
+only on their shape, dtype and strides. A learner update in place (``optimizer.step``, ``load_state_dict``) changes
+their values, not those properties, so the next step reads the new weights with no recompile. Inductor's freezing
+(which would bake the weights in as constants) is never turned on here.
+
+Shapes are bounded: every compiled step runs all ``max_batch_size`` rows (idle slots compute a throw-away token)
+and its columns come from :func:`column_buckets`, at most ``MAX_COLUMN_BUCKETS`` sizes. With one sampling shape per
+call (what a rollout uses) a process compiles at most that many graphs per engine; each compile is paid on the
+first step of its shape, timed, and counted in the engine's stats (``compiles``, ``compile_seconds``). Inductor's
+on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_COLUMN_BUCKETS = 2  # column sizes per engine: context and context/2 (when that is at least MIN_COLUMNS)
+#: Graphs one compiled function may hold (buckets x sampling shapes) before dynamo would stop compiling it and run it
+#: eagerly; above the torch default of 8 so that a few sampling shapes per engine stay compiled.
+RECOMPILE_LIMIT = 32
+
+
+def column_buckets(context: int, min_columns: int) -> list[int]:
+    """The column sizes compiled steps use, smallest first: halvings of ``context`` down to ``min_columns``."""
+    sizes = [context]
+    while len(sizes) < MAX_COLUMN_BUCKETS and sizes[-1] // 2 >= min_columns:
+        sizes.append(sizes[-1] // 2)
+    return sorted(sizes)
+
+
+def compiler_problem() -> str | None:
+    """Why inductor cannot generate CPU code here (None when it finds a C++ compiler that runs)."""
+    from torch._inductor import config
+
+    tried = [c for c in (config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)) if c]
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - any failure to find or run a compiler is the answer
+        return f"no working C++ compiler found (tried {', '.join(map(repr, tried))}; CXX chooses it)"
+    if not (os.path.isabs(cxx) and os.access(cxx, os.X_OK)) and shutil.which(cxx) is None:
+        return f"the C++ compiler {cxx!r} is not on PATH"
+    return None
+
+
+class CompiledStep:
+    """One ``torch.compile`` of a step function, with the compiles it triggered timed and counted.
+
+    Args:
+        body: The step ``body(rows, length, shape, res)`` (tensor ops only, reads its tensors from its owner).
+        stats: The engine's counters, which get ``compiles`` and ``compile_seconds``.
+    """
+
+    def __init__(self, body: Callable[..., None], stats: Any) -> None:
+        self._fn = torch.compile(body, backend="inductor", dynamic=False, fullgraph=True)
+        self._stats = stats
+        self._seen: set[tuple] = set()
+        #: Seconds each shape's first call took (compile plus one step), by ``(rows, length, shape)``.
+        self.compile_seconds: dict[tuple, float] = {}
+
+    def __call__(self, rows: int, length: int, shape: Any, res: torch.Tensor) -> None:
+        key = (rows, length, shape)
+        if key in self._seen:
+            self._fn(rows, length, shape, res)
+            return
+        t0 = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            self._fn(rows, length, shape, res)
+        seconds = time.perf_counter() - t0
+        self._seen.add(key)
+        self.compile_seconds[key] = seconds
+        self._stats["compiles"] += 1
+        self._stats["compile_seconds"] += seconds
+        log.info("compiled the decode step for %d rows x %d columns (%s) in %.1f s", rows, length, shape, seconds)

@@ -1,0 +1,192 @@
+"""The compiled decode step (HFEngine decode="compiled") against the dynamic path, across learner updates.
+
+One compiled engine for the whole module, sharing its float32 tiny model with a dynamic engine; its static cache
+holds 128 tokens, so it compiles at most two column buckets (64 and 128) for the one sampling shape every call here
+uses (the settings of :data:`SETTINGS`). Tokens must equal the dynamic path's except at near-ties (the two paths sum
+in different orders; a token may differ only where the dynamic path's top two log-probs are within ``TIE_TOL``, and
+the test reports how many such ties it met), and logprobs/entropies/top logprobs within ``TOL``. Weights change in
+place between calls (an optimizer step on the shared module, ``load_state_dict``): the compiled step must read the
+new weights and compile nothing new, with the CPU's default transposed layout and with the native one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.compiled_step import column_buckets, compiler_problem
+from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_base.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(compiler_problem() is not None, reason=f"no C++ compiler: {compiler_problem()}")
+
+TOL = 1e-5
+TIE_TOL = 1e-4
+#: One sampling shape for every call (greedy, seeded, top-k, top-p, top logprobs, a stop string): one graph per bucket.
+SETTINGS = [dict(temperature=0.0), dict(seed=1), dict(temperature=0.7, top_p=0.9, seed=2),
+            dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4), dict(top_k=20, top_p=0.8, seed=4),
+            dict(seed=5, stop=("\x00never",)), dict(temperature=0.0, logprobs_topk=2), dict(seed=7)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Inductor's code cache in one folder for the module (compiled kernels are reused, not rebuilt per test)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """(dynamic, compiled) engines over one module, 3 slots each, the default (transposed on CPU) layout."""
+    dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic")
+    com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
+                   static_cache_tokens=128)
+    assert com.linear_layout == "transposed" and com.static_decoder.bucket_columns(1) == 64
+    yield dyn, com
+    com.close()
+
+
+def _requests(engine, tag: str = "", budgets=(12, 40, 7, 25, 1, 30, 0, 33)) -> list[GenRequest]:
+    """More requests than slots: different prompt lengths, budgets (0 and 1 included) and the shared settings."""
+    return [GenRequest(f"{tag}r{i}", engine.tokenizer.encode(f"q{i} " + "ab " * (2 * i), add_special_tokens=False),
+                       SamplingParams(max_new_tokens=n, **kw)) for i, (n, kw) in enumerate(zip(budgets, SETTINGS))]
+
+
+def _top2_gap(model, ctx: list[int], new: list[int], n: int) -> float:
+    """The gap between the two best log-probs of ``model`` at the ``n``-th new token (teacher-forced)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ctx + new[:n]])).logits[0, -1].double()
+    top = torch.log_softmax(logits, -1).topk(2).values
+    return float(top[0] - top[1])
+
+
+def _assert_close(a, b, reqs, model) -> int:
+    """``b`` equals ``a`` (tokens up to near-ties of the reference, numbers within TOL); returns the near-ties."""
+    ties = 0
+    for x, y, r in zip(a, b, reqs, strict=True):
+        assert x.request_id == y.request_id
+        n = next((i for i, (u, v) in enumerate(zip(x.token_ids, y.token_ids)) if u != v), None)
+        if n is not None:  # allowed only where the two best tokens tie (after that the rows go their own ways)
+            assert r.params.temperature == 0 and _top2_gap(model, r.token_ids, x.token_ids, n) <= TIE_TOL, (x, y)
+            ties += 1
+            continue
+        assert (x.token_ids, x.finish_reason, x.stop_string) == (y.token_ids, y.finish_reason, y.stop_string)
+        assert max((abs(u - v) for u, v in zip(x.logprobs + x.entropies, y.logprobs + y.entropies)), default=0) < TOL
+        for tx, ty in zip(x.top_logprobs or [], y.top_logprobs or []):
+            assert [i for i, _ in tx] == [i for i, _ in ty]
+            assert max(abs(u - v) for (_, u), (_, v) in zip(tx, ty)) < TOL
+    return ties
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_equals_dynamic_across_refill_settings_stops_and_budgets(pair):
+    dyn, com = pair
+    reqs = _requests(dyn)
+    free = dyn.generate([reqs[5]])[0]  # a stop string request 5 really produces: a character new after token 3
+    text = dyn.tokenizer.decode(free.token_ids)
+    stop = next(c for i, c in enumerate(text) if i >= 3 and c.isascii() and c.isalnum() and c not in text[:i])
+    reqs[5] = GenRequest(reqs[5].request_id, reqs[5].token_ids,
+                         dataclasses.replace(reqs[5].params, stop=(*reqs[5].params.stop, stop)))
+    streams: dict[str, list] = {"dynamic": [], "compiled": []}
+    a = dyn.generate(reqs, on_token=lambda rid, tok: streams["dynamic"].append((rid, tok)))
+    b = com.generate(reqs, on_token=lambda rid, tok: streams["compiled"].append((rid, tok)))
+    ties = _assert_close(a, b, reqs, dyn.model)
+    print(f"near-ties: {ties} of {len(reqs)} requests")  # shown with pytest -s
+    assert len(b[6].token_ids) == 0 and len(b[4].token_ids) == 1  # per-request budgets
+    assert b[5].finish_reason == "stop" and any(g.finish_reason == "length" for g in b)
+    for g in b:  # on_token: every token of every request, in order
+        assert [t for rid, t in streams["compiled"] if rid == g.request_id] == g.token_ids
+    st = com.stats()
+    assert st["decode_steps"] < sum(len(g.token_ids) for g in b) - len(b)  # rows decode together
+    assert 1 <= st["compiles"] <= 2 and st["compile_seconds"] > 0  # paid once per bucket, reported
+    assert com.static_decoder.compiled.compile_seconds  # by shape, for the log and the benchmark
+
+
+def test_compiled_prefix_reuse_and_seeds_equal_dynamic(pair):
+    dyn, com = pair
+    heads = _requests(dyn, "p", budgets=(6,) * 8)
+    first = [e.generate(heads) for e in pair]
+    _assert_close(*first, heads, dyn.model)
+    tool = dyn.tokenizer.encode(" <result>42</result>", add_special_tokens=False)
+    outs, stats = [], []
+    for eng, gens in zip(pair, first):  # continue every head after a tool result, on top of its stored KV
+        eng.stats()
+        conts = [GenRequest(f"c{i}", h.token_ids + g.token_ids + tool, h.params, prefix_key=g.cache_key)
+                 for i, (h, g) in enumerate(zip(heads, gens))]
+        outs.append(eng.generate(conts))
+        stats.append(eng.stats())
+    _assert_close(*outs, conts, dyn.model)
+    assert stats[1]["prefix_hits"] == stats[0]["prefix_hits"] > 0
+    assert stats[1]["reused_tokens"] == stats[0]["reused_tokens"] > 0
+    again = com.generate(heads)  # the same seeds give the same samples
+    assert [g.token_ids for g in again] == [g.token_ids for g in first[1]]
+    assert com.stats().get("compiles", 0) == 0  # nothing new to compile: same buckets, same sampling shape
+
+
+def _learner_step(model, reqs) -> None:
+    """One SGD step on the shared module, in place (as a colocated learner's optimizer does)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    batch = torch.tensor([reqs[1].token_ids])
+    model.train()
+    model(batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "native"])
+def test_compiled_follows_in_place_weight_updates_without_recompiling(pair, layout):
+    dyn, com = pair
+    if layout == "native":  # the same module through the native layout: its own graphs, compiled here once
+        com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
+                       static_cache_tokens=128, linear_layout="native")
+    reqs = _requests(dyn, "w", budgets=(8,) * 8)  # short rows: only the 64-column bucket (compiled once per layout)
+    saved = {k: v.clone() for k, v in dyn.model.state_dict().items()}
+    before = com.generate(reqs)
+    graphs = _graphs()
+    try:
+        for update in range(3):
+            if update < 2:
+                _learner_step(dyn.model, reqs)
+                for eng in (dyn, com):
+                    eng.weights_updated()
+            else:  # load_state_dict copies into the same tensors
+                com.load_state_dict({k: v * 1.05 if v.is_floating_point() else v for k, v in saved.items()})
+                dyn.weights_updated()
+            a, b = dyn.generate(reqs), com.generate(reqs)
+            _assert_close(a, b, reqs, dyn.model)
+        assert b[0].logprobs != pytest.approx(before[0].logprobs, abs=1e-3)  # the updates really reached the step
+        assert _graphs() == graphs  # zero recompiles across the updates
+    finally:
+        dyn.model.load_state_dict(saved)
+        dyn.weights_updated()
+        if layout == "native":
+            com.close()
+        else:
+            com.weights_updated()
+
+
+def test_compiled_buckets_and_errors(pair):
+    from torch._inductor import config
+
+    dyn, _ = pair
+    assert column_buckets(512, 64) == [256, 512] and column_buckets(100, 64) == [100]
+    with config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
+        with pytest.raises(ConfigError, match="C\\+\\+ compiler.*nonexistent") as err:
+            HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="compiled", static_cache_tokens=128)
+    assert "static" in (err.value.hint or "") and "doctor" in err.value.hint
+    from arpo_algo.rollout.engines.config import HFEngineConfig
+
+    HFEngineConfig(decode="compiled").check_device("cpu")
+    with pytest.raises(ConfigError, match="only been validated on CPU"):
+        HFEngineConfig(decode="compiled").check_device("cuda")
