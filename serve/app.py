@@ -359,7 +359,7 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
         "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None else DEFAULTS["num_cpus"]},
         "health_check_period_s": 10.0,
     }
-    if replica_resources:
+    if replica_resources is not None:
         opts["ray_actor_options"]["resources"] = check_replica_resources(replica_resources)
     if max_replicas_per_node is not None:
         if max_replicas_per_node < 1:

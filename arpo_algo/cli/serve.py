@@ -103,7 +103,7 @@ def start(args: argparse.Namespace) -> str:
         security.key_file = str(key_path)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
-    if args.replica_resources:
+    if args.replica_resources is not None:
         check_replicas_fit(args)
     http = {"host": args.host, "port": args.port,
             "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
