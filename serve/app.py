@@ -343,10 +343,13 @@ class AgentServer:
 
 def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,
                        max_queued_requests: int | None = None, retry_after_s: float | None = None,
-                       autoscale: bool = False, num_cpus: float | None = None) -> dict[str, Any]:
+                       autoscale: bool = False, num_cpus: float | None = None,
+                       replica_resources: dict[str, float] | None = None,
+                       max_replicas_per_node: int | None = None) -> dict[str, Any]:
     """Serve deployment options (``.options(**...)``): Serve's own concurrency and queue bound, set
     :data:`SERVE_HEADROOM` above the replica's :class:`Admission` (``max_ongoing_requests`` running,
-    ``max_queued_requests`` waiting), its 503 + Retry-After as the backstop, autoscaling."""
+    ``max_queued_requests`` waiting), its 503 + Retry-After as the backstop, autoscaling; ``replica_resources``
+    (Ray custom resources each replica asks for) and ``max_replicas_per_node`` place the replicas on a cluster."""
     running, waiting = admission_limits(max_ongoing_requests, max_queued_requests)
     opts: dict[str, Any] = {
         "max_ongoing_requests": running + waiting + SERVE_HEADROOM,
@@ -356,11 +359,31 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
         "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None else DEFAULTS["num_cpus"]},
         "health_check_period_s": 10.0,
     }
+    if replica_resources is not None:
+        opts["ray_actor_options"]["resources"] = check_replica_resources(replica_resources)
+    if max_replicas_per_node is not None:
+        if max_replicas_per_node < 1:
+            raise ConfigError(f"max_replicas_per_node must be >= 1, got {max_replicas_per_node}")
+        opts["max_replicas_per_node"] = max_replicas_per_node
     if autoscale:
         opts["autoscaling_config"] = dict(AUTOSCALING, max_replicas=max(AUTOSCALING["max_replicas"], replicas or 1))
     else:
         opts["num_replicas"] = replicas or DEFAULTS["num_replicas"]
     return opts
+
+
+def check_replica_resources(table: Any) -> dict[str, float]:
+    """A replica's custom resources: a table of names to amounts > 0 (CPUs are ``num_cpus``, GPUs the engine's)."""
+    if not isinstance(table, dict) or not table:
+        raise ConfigError(f"replica resources must be a non-empty table of custom resources, got {table!r}",
+                          hint='--replica-resources \'{"worker": 1}\'')
+    for key, amount in table.items():
+        if key.upper() in ("CPU", "GPU") or key in ("memory", "object_store_memory"):
+            raise ConfigError(f"replica resources: {key!r} is not a custom resource",
+                              hint="CPUs per replica are set by num_cpus")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+            raise ConfigError(f"replica resources: {key} must be a number > 0, got {amount!r}")
+    return {k: float(v) for k, v in table.items()}
 
 
 def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int | None) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 
 #: Ray Serve's own request timeout is this much longer than the app's deadline, so the app's OpenAI-shaped 504
 #: answers first and Serve's plain one is only a backstop.
@@ -90,6 +90,8 @@ def start(args: argparse.Namespace) -> str:
     from serve.guard import is_loopback
 
     security, key = security_of(args)
+    if isinstance(args.replica_resources, str):  # refused before Ray starts
+        args.replica_resources = parse_replica_resources(args.replica_resources)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
                         system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                         allow_unisolated_python=args.allow_unisolated_python)
@@ -101,13 +103,17 @@ def start(args: argparse.Namespace) -> str:
         security.key_file = str(key_path)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
+    if args.replica_resources is not None:
+        check_replicas_fit(args)
     http = {"host": args.host, "port": args.port,
             "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
     if args.tls_cert:
         http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    serve.start(http_options=http)
+    # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port
+    serve.start(http_options=http, proxy_location="HeadOnly")
     app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
-                    max_queued_requests=args.max_queued_requests, autoscale=args.autoscale)
+                    max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
+                    replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
     serve.run(app, name="arpo", route_prefix="/", blocking=False)
     scheme = "https" if args.tls_cert else "http"
     context = None
@@ -129,6 +135,33 @@ def start(args: argparse.Namespace) -> str:
     return url
 
 
+def parse_replica_resources(text: str) -> dict[str, float]:
+    """``--replica-resources``: a JSON object of Ray custom resources per replica."""
+    from serve.app import check_replica_resources
+
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--replica-resources must be a JSON object, got {text!r}: {e.msg}",
+                        hint='--replica-resources \'{"worker": 1}\'') from e
+    return check_replica_resources(table)
+
+
+def check_replicas_fit(args: argparse.Namespace) -> None:
+    """Refuse, before Serve starts, replicas the cluster cannot place: a replica waiting for a resource no node
+    offers would leave the server never ready."""
+    from arpo_algo.algorithms.components import check_custom_feasible
+    from arpo_algo.train.backend_config import cluster_resources
+
+    have, where = cluster_resources()
+    count = args.replicas if not args.autoscale else 1
+    try:
+        check_custom_feasible([args.replica_resources] * count, have, where)
+    except ArpoError as e:
+        raise type(e)(e.message.replace("rollouts.actor_resources / backend.worker_resources",
+                                        f"--replica-resources x {count} replica(s)"), hint=e.hint) from e
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -144,6 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, _interrupt)
 
     security_of(args)  # an unguarded exposed server is refused before Ray starts (the shutdown below would start it)
+    if isinstance(args.replica_resources, str):
+        args.replica_resources = parse_replica_resources(args.replica_resources)
     on_signals()
     try:
         start(args)
@@ -174,6 +209,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replicas", type=int, default=1, help="replicas (each holds every agent)")
     p.add_argument("--autoscale", action="store_true", help="autoscale replicas (serve.app.AUTOSCALING)")
+    p.add_argument("--replica-resources", default=None, dest="replica_resources",
+                   help='Ray custom resources each replica asks for, as JSON (e.g. \'{"worker": 1}\'): replicas '
+                        "run only on nodes offering them; checked against the cluster before Serve starts")
+    p.add_argument("--max-replicas-per-node", type=int, default=None, dest="max_replicas_per_node",
+                   help="at most this many replicas on one node (1 spreads --replicas over that many nodes)")
     p.add_argument("--tools", help='python,search or a JSON tool spec ({"python": {"timeout_s": 5}})')
     p.add_argument("--max-tool-calls", type=int, dest="max_tool_calls", help="tool calls per conversation")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")

@@ -170,3 +170,22 @@ def test_serve_refuses_a_python_tool_below_the_minimum_isolation(tiny_model_dir,
     assert specs[0].session["tools"]["python"]["allow_unisolated_python"] is True
     safe = build_specs([str(tiny_model_dir)], tools="python")  # the default sandbox here meets the minimum
     assert "allow_unisolated_python" not in safe[0].session["tools"]["python"]
+
+
+def test_replica_placement_options_are_checked(tiny_model_dir, capsys):
+    """Replica resources reach Serve as the replicas' custom resources; a bad table is refused before Ray starts."""
+    from arpo_algo.cli.main import main
+    from serve.app import deployment_options
+
+    opts = deployment_options(replicas=2, replica_resources={"worker": 1}, max_replicas_per_node=1)
+    assert opts["ray_actor_options"]["resources"] == {"worker": 1.0} and opts["max_replicas_per_node"] == 1
+    assert "resources" not in deployment_options()["ray_actor_options"]
+    for table, message in (({"CPU": 1}, "'CPU' is not a custom resource"), ({"worker": 0}, "worker must be a number"),
+                           ({}, "non-empty table")):
+        with pytest.raises(ArpoError, match=message):
+            deployment_options(replica_resources=table)
+    with pytest.raises(ArpoError, match="max_replicas_per_node must be >= 1"):
+        deployment_options(max_replicas_per_node=0)
+    assert main(["serve", str(tiny_model_dir), "--replica-resources", "{worker: 1}"]) == 2
+    err = capsys.readouterr().err
+    assert "--replica-resources must be a JSON object" in err and "Traceback" not in err

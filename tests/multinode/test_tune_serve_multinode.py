@@ -1,0 +1,266 @@
+"""``arpo tune`` and ``arpo serve`` on one three-node cluster (one cluster for the module: the two share its start).
+
+Tune: two trials pinned to different worker nodes by a grid over ``rollouts.actor_resources``, a placement the
+cluster cannot hold refused before any trial starts, and a worker node lost mid-trial: Tune restores that trial
+(``max_failures``) on a replacement node offering the same resource, while the trial on the other node runs through
+untouched.
+
+Serve: two replicas on the two worker nodes (the proxy on the head only), a replica placement the cluster cannot hold
+refused before Serve starts, and a worker node killed under load: every client request ends (none hangs) with an
+answer, 503 + Retry-After, or, for a request in flight on the lost replica, Ray Serve's plain 500 (a known gap); the
+lost replica comes back when a node offering its resources joins."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from tests.multinode.cluster import free_ports
+
+RUN_TIMEOUT_S = 420
+#: Enough iterations after the first result that the node is lost while its trial still runs.
+ITERATIONS = 8
+
+
+def kill_node_offering(cluster, resource: str):
+    """Kill the live worker node that offers ``resource`` (an earlier test may have replaced the first one)."""
+    [node] = [n for n in cluster.nodes.values() if n.alive and resource in n.resources]
+    node.kill()
+    return node
+
+
+def write_sweep(tmp_path, model_dir, placements: str, max_failures: int = 1) -> str:
+    (tmp_path / "base.toml").write_text(f"""
+[experiment]
+name = "mn_tune"
+
+[model]
+path = "{model_dir}"
+
+[env]
+id = "arpo/ToolMath-v0"
+levels = [1]
+max_tool_calls = 1
+
+[tree]
+budget = 2
+initial = 1
+
+[training]
+prompts_per_step = 4
+
+[rollouts]
+max_response_tokens = 64
+num_rollout_actors = 1
+[rollouts.hf]
+max_batch_size = 4
+
+[evaluation]
+every = 0
+""")
+    p = tmp_path / "mn_sweep.toml"
+    p.write_text(f"""
+[sweep]
+experiment = "{tmp_path / 'base.toml'}"
+search = "grid"
+scheduler = "none"
+iterations = {ITERATIONS}
+max_concurrent = 2
+max_failures = {max_failures}
+
+[space]
+"rollouts.actor_resources" = {{grid = {placements}}}
+""")
+    return str(p)
+
+
+def arpo(cluster, *args: str, wait: bool = True):
+    cmd = [sys.executable, "-m", "arpo_algo.cli", *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def trials_by_node(out) -> dict[str, object]:
+    """Trial folder per pinned resource, read from each trial's own params.json."""
+    found = {}
+    for params in (out / "arpo").glob("arpo_*/params.json"):
+        [table] = json.loads(params.read_text())["rollouts.actor_resources"]
+        [resource] = table
+        found[resource] = params.parent
+    return found
+
+
+def iterations(trial_dir) -> list[int]:
+    path = trial_dir / "result.json"
+    rows = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(x)["training_iteration"] for x in rows if x.strip()]
+
+
+def test_trial_placement_the_cluster_cannot_satisfy_is_refused(cluster, tiny_model_dir, tmp_path):
+    sweep = write_sweep(tmp_path, tiny_model_dir, "[[{node_a = 1}], [{node_c = 1}]]")
+    r = arpo(cluster, "tune", sweep, "--output", str(tmp_path / "out"))
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "node_c = 1 (the Ray cluster has 0)" in r.stderr and "node_a" in r.stderr  # missing, and what exists
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "arpo").exists()  # refused before any trial
+
+
+def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluster, tiny_model_dir, tmp_path):
+    sweep = write_sweep(tmp_path, tiny_model_dir, "[[{node_a = 1}], [{node_b = 1}]]")
+    out = tmp_path / "out"
+    proc = arpo(cluster, "tune", sweep, "--output", str(out), wait=False)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        trial_a = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            trial_a = trials_by_node(out).get("node_a") if (out / "arpo").is_dir() else None
+            if trial_a is not None and iterations(trial_a):
+                break
+            time.sleep(0.2)
+        assert trial_a is not None and iterations(trial_a), (
+            proc.stdout.read()[-5000:] if proc.poll() is not None else "no result from the node_a trial in time")
+        done_before_kill = iterations(trial_a)
+        # the trial's rollout actor can run only on a node offering node_a: it dies with the node
+        lost = kill_node_offering(cluster, "node_a")
+        # a replacement offering the same resources joins, as a cluster manager would bring one up
+        cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-6000:]
+    trials = trials_by_node(out)
+    assert set(trials) == {"node_a", "node_b"}  # one trial pinned to each worker node
+    rows = {r["trial"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert all(rows[t.name]["status"] == "done" for t in trials.values()), rows
+    assert iterations(trials["node_b"]) == list(range(1, ITERATIONS + 1))
+    assert not (trials["node_b"] / "error.txt").exists()  # the other node's trial ran through untouched
+    rows_a = [json.loads(x) for x in (trials["node_a"] / "result.json").read_text().splitlines() if x.strip()]
+    assert (trials["node_a"] / "error.txt").is_file(), (  # it failed once with its node...
+        f"the node was lost after the trial ended: {done_before_kill}\n{output[-3000:]}")
+    # ... and Tune restored it from its last checkpoint (not from scratch) in a new process, then it finished
+    assert sorted({r["training_iteration"] for r in rows_a}) == list(range(1, ITERATIONS + 1))
+    assert len({r["pid"] for r in rows_a}) == 2
+    assert any(r["iterations_since_restore"] == 1 and r["training_iteration"] > 1 for r in rows_a), rows_a
+    assert rows[trials["node_a"].name]["iterations"] == str(ITERATIONS)
+
+
+# ---------------------------------------------------------------------------------------------------------- serve
+
+START_TIMEOUT_S = 300
+#: A request that takes longer than this is a hang (an answer of the tiny model takes well under a second).
+REQUEST_TIMEOUT_S = 60
+#: Requests a client sends, honouring Retry-After, before the recovered deployment must answer steadily.
+RECOVERY_TRIES = 200
+REPLICA = "ServeReplica:arpo:arpo_agents"
+
+
+def serve_cmd(cluster, model_dir, port: int, resources: str) -> list[str]:
+    return [sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model_dir}", "--port", str(port),
+            "--replicas", "2", "--replica-resources", resources, "--max-replicas-per-node", "1", "--max-tokens", "8",
+            "--ready-timeout", str(START_TIMEOUT_S)]
+
+
+def replica_nodes(cluster) -> list[dict]:
+    """The custom resources of the node of every live replica, read by a short-lived driver from the GCS."""
+    code = ("import json, ray, ray._private.state as st; ray.init(log_to_driver=False)\n"
+            "nodes = {n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}\n"
+            f"out = [nodes.get(a['Address']['NodeID'], {{}}) for a in st.actors().values() if a['State'] == 'ALIVE'"
+            f" and '{REPLICA}' in a['ActorClassName']]\n"
+            "print('REP' + json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], env=cluster.env(), capture_output=True, text=True, timeout=120)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("REP")), None)
+    assert line is not None, r.stderr[-3000:]
+    return [{k: v for k, v in n.items() if k in ("node_a", "node_b", "head")} for n in json.loads(line[3:])]
+
+
+def chat(port: int) -> tuple[int, str | None, str]:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "1+1?"}], "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return r.status, None, ""
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Retry-After"), e.read().decode(errors="replace")[:300]
+
+
+def test_replicas_the_cluster_cannot_place_are_refused(cluster, tiny_model_dir):
+    [port] = free_ports(1)
+    r = subprocess.run(serve_cmd(cluster, tiny_model_dir, port, '{"node_c": 1}'), env=cluster.env(),
+                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "node_c = 2 (the Ray cluster has 0)" in r.stderr and "--replica-resources" in r.stderr
+    assert "Traceback" not in r.stderr and "serving" not in r.stdout
+
+
+def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model_dir):
+    [port] = free_ports(1)
+    proc = subprocess.Popen(serve_cmd(cluster, tiny_model_dir, port, '{"worker": 1}'), env=cluster.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    statuses: list[tuple[int, str | None, str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            statuses.append(chat(port))
+
+    try:
+        line = ""
+        while proc.poll() is None and not line.startswith("serving"):
+            line = proc.stdout.readline()
+        assert line.startswith("serving"), proc.stdout.read()[-5000:]
+        where = replica_nodes(cluster)
+        assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # one per worker, none on the head
+        clients = [threading.Thread(target=client) for _ in range(2)]
+        for c in clients:
+            c.start()
+        while len(statuses) < 4:
+            time.sleep(0.05)
+        lost = kill_node_offering(cluster, "node_a")
+        seen = len(statuses)
+        while len(statuses) < seen + 20:  # requests sent while the node's loss is noticed, and after
+            time.sleep(0.05)
+        cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and len(where := replica_nodes(cluster)) < 2:
+            time.sleep(1.0)
+        stop.set()
+        for c in clients:
+            c.join(timeout=REQUEST_TIMEOUT_S + 5)
+        assert not any(c.is_alive() for c in clients)  # no request hung
+        assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # the replica is back
+        print("statuses:", [c for c, _, _ in statuses])
+        codes = {code for code, _, _ in statuses}
+        assert codes <= {200, 500, 503}, statuses
+        assert all(retry for code, retry, _ in statuses if code == 503), statuses  # the replica's liveness answer
+        # Known gap: a request in flight on the lost replica gets Ray Serve's proxy's plain 500 (the application
+        # never sees it). Each client has one request in flight, and the router drops a replica on its first
+        # failure, so no more than one per client.
+        lost = [body for code, _, body in statuses if code == 500]
+        assert len(lost) <= len(clients) and all(b == "Internal Server Error" for b in lost), statuses
+        assert statuses.count((200, None, "")) > len(statuses) // 2
+        # the new replica answers 503 + Retry-After until its agents are loaded; a client that honours Retry-After
+        # then gets answers only (bounded: RECOVERY_TRIES requests)
+        streak = tries = 0
+        while streak < 8 and tries < RECOVERY_TRIES:
+            code, retry, _ = chat(port)
+            tries += 1
+            streak = streak + 1 if code == 200 else 0
+            if code == 503:
+                time.sleep(float(retry))
+        assert streak == 8, f"no steady answers after {tries} requests (last: {code})"
+    finally:
+        stop.set()
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
