@@ -251,19 +251,28 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
     """Decode modes side by side on one module (see the module docstring, item 4)."""
     from experiments.machine_floor import floor_tok_s, probe
 
-    base = HFEngine(path, device=args.device, dtype=args.dtype, max_batch_size=1, decode="dynamic")
+    if args.random_weights:
+        model, tok = random_weights_model(path, args.dtype, args.seed)
+        base = HFEngine(model=model.to(args.device), tokenizer=tok, dtype=args.dtype, max_batch_size=1,
+                        decode="dynamic")
+    else:
+        base = HFEngine(path, device=args.device, dtype=args.dtype, max_batch_size=1, decode="dynamic")
     rows = []
-    machine = probe()
-    print(f"\nMachine ({args.threads} threads): fp32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+    machine = probe(str(base.device), getattr(torch, args.dtype))
+    where = f"{args.threads} threads" if base.device.type == "cpu" else torch.cuda.get_device_name(base.device)
+    print(f"\nMachine ({where}): {args.dtype} GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
           f"{machine['stream_gbs']:.1f} GB/s")
-    print(f"\nHFEngine decode modes on {args.model}, {base.device}, {args.dtype}, {args.new_tokens} new tokens per "
-          f"request, one request per slot, median of {args.repeats} interleaved repeat(s)\n")
+    weights = "random weights at the shape of " if args.random_weights else ""
+    print(f"\nHFEngine decode modes on {weights}{args.model}, {base.device}, {args.dtype}, "
+          f"{args.new_tokens} new tokens per request, one request per slot, median of {args.repeats} interleaved "
+          "repeat(s)\n")
     print("| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
           "compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.decode_batches:
-        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, max_batch_size=batch, decode=m,
-                               static_cache_tokens=args.static_cache_tokens, seed=args.seed) for m in args.decode}
+        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=args.dtype, max_batch_size=batch,
+                               decode=m, static_cache_tokens=args.static_cache_tokens, seed=args.seed)
+                   for m in args.decode}
         prompts = _prompts(base.tokenizer, batch, random.Random(args.seed))
         reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed + i))
                 for i, p in enumerate(prompts)]
@@ -295,8 +304,19 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
                   f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} |", flush=True)
         for eng in engines.values():
             eng.close()
-    return {"model": args.model, "device": str(base.device), "dtype": args.dtype, "new_tokens": args.new_tokens,
+    return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),
+            "device_name": where, "machine": machine, "dtype": args.dtype, "new_tokens": args.new_tokens,
             "threads": args.threads, "repeats": args.repeats, "decode": rows}
+
+
+def random_weights_model(folder, dtype: str, seed: int):  # noqa: ANN001, ANN201
+    """A randomly initialised model of ``folder``'s config in ``dtype`` and ``folder``'s tokenizer: the shape of a
+    model without its weights file (the decode steps cost the same; the tokens are meaningless)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype))
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -329,6 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--static-cache-tokens", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="with --decode: random weights at --model's config (a folder with config and tokenizer "
+                         "only is enough), for a machine the weights cannot reach")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

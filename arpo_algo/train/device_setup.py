@@ -16,6 +16,7 @@ against the device it runs on, once, before the model is loaded, so a choice the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -94,3 +95,14 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing on a transformers model, which passes the 4D tree mask through like any
+    other tensor argument (the tests check the gradients against the unchecked model). transformers renamed the
+    method from ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` within 5.x; both names are
+    served so that every 5.x release the package allows works (the older name warns on the newer releases)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -62,7 +62,12 @@ from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
-from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
+from arpo_algo.train.device_setup import (
+    enable_activation_checkpointing,
+    make_deterministic,
+    resolve_precision,
+    resolve_tree_attention,
+)
 from arpo_algo.train.learner_config import LearnerConfig
 from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
@@ -132,9 +137,7 @@ class Learner:
         load = {"dtype": torch.float32, "attn_implementation": impl}
         self.model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device)
         if config.gradient_checkpointing:
-            # Non-reentrant checkpointing passes the 4D tree mask through like any other tensor argument (the tests
-            # check the gradients against the unchecked model). transformers 5 renamed gradient_ -> activation_.
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
             self.model.config.use_cache = False
         self.ref_model = None
         if config.kl_coef > 0:

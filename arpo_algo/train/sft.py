@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.train.device_setup import enable_activation_checkpointing
 from arpo_algo.train.optim import SCHEDULES, build_optimizer
 from arpo_algo.train.sft_data import build_dataset, load_examples
 from arpo_base.errors import ConfigError
@@ -179,8 +180,8 @@ def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
         raise ConfigError("sft config: device='cuda' but no CUDA GPU is available", hint='use device="auto"')
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if cfg.gradient_checkpointing:  # as the RL learner does (transformers 5 renamed gradient_ -> activation_)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:  # as the RL learner does
+        enable_activation_checkpointing(model)
     return model, tokenizer, device
 
 

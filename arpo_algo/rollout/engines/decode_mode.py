@@ -8,6 +8,7 @@ last through :mod:`arpo_algo.rollout.engines.compiled_step`). Every refusal here
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,22 +16,32 @@ import torch
 from arpo_base.errors import ConfigError
 
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph", "compiled")
-#: Whether ``decode="auto"`` picks CUDA graphs on a GPU. Off until the graph path has run on a GPU (see below).
-AUTO_CUDA_GRAPHS = False
+#: Whether ``decode="auto"`` picks CUDA graphs on a GPU: on since the graph path passed the engine conformance suite
+#: and the GPU equality test on an H200 and decoded 1.7x faster than the dynamic path there (docs/results/gpu-h200.md).
+AUTO_CUDA_GRAPHS = True
+#: The share of the GPU's free memory the static KV cache may take for ``decode="auto"`` to pick CUDA graphs (the
+#: rest stays for a colocated learner); above it ``auto`` decodes dynamically, which holds only what the batch uses.
+AUTO_GRAPH_MEMORY_SHARE = 0.25
+
+log = logging.getLogger(__name__)
 
 
-def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout: str) -> str:
-    """The decode mode to use, or a ConfigError. ``"auto"`` is ``"dynamic"`` on every device for now: the CUDA-graph
-    path is exact on CPU in its eager form (``"static"``, tested) but has never run on a GPU, so it stays opt-in
-    (``decode="cuda_graph"``) until the GPU test (``tests/arpo_algo/rollout/test_static_decode.py -m gpu``) and the
-    benchmark have passed on one; then ``auto`` becomes cuda_graph on CUDA (:data:`AUTO_CUDA_GRAPHS`). ``"compiled"``
-    is opt-in as well: its compile cost (minutes for a small model on 2 cores) is not worth paying for short runs."""
+def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout: str, *, slots: int = 1,
+                   max_positions: int | None = None, static_cache_tokens: int | None = None) -> str:
+    """The decode mode to use, or a ConfigError. ``"auto"`` is ``"cuda_graph"`` on a CUDA device where the model
+    allows the fixed-shape step and its static cache (``slots`` x the context) takes at most
+    :data:`AUTO_GRAPH_MEMORY_SHARE` of the free GPU memory, else ``"dynamic"`` (the reason is logged); on CPU it is
+    ``"dynamic"``. ``"compiled"`` is opt-in: its compile cost (minutes for a small model on 2 cores) is not worth
+    paying for short runs."""
     if decode not in DECODE_MODES:
         raise ConfigError(f"unknown decode {decode!r}; choose one of {', '.join(DECODE_MODES)}")
     if decode == "auto":
-        on_cuda = device.type == "cuda"
-        graphs_ok = AUTO_CUDA_GRAPHS and on_cuda and static_problem(model, linear_layout, graphs=True) is None
-        return "cuda_graph" if graphs_ok else "dynamic"
+        if device.type != "cuda" or not AUTO_CUDA_GRAPHS:
+            return "dynamic"
+        why = auto_graph_problem(model, linear_layout, slots, max_positions, static_cache_tokens)
+        if why:
+            log.info("decode='auto' decodes dynamically on %s: %s", device, why)
+        return "dynamic" if why else "cuda_graph"
     if decode == "cuda_graph" and device.type != "cuda":
         raise ConfigError(f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
                           hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
@@ -101,3 +112,25 @@ def check_memory(model: Any, slots: int, context: int) -> None:
         raise ConfigError(f"the static KV cache needs {need / 2**30:.1f} GiB ({slots} slots x {context} tokens) but "
                           f"{device} has {free / 2**30:.1f} GiB free",
                           hint="lower max_batch_size or static_cache_tokens, or use decode='dynamic'")
+
+
+def auto_graph_problem(model: Any, linear_layout: str, slots: int, max_positions: int | None,
+                       static_cache_tokens: int | None) -> str | None:
+    """Why ``decode="auto"`` does not pick CUDA graphs for this model and engine size (None when it does)."""
+    problem = static_problem(model, linear_layout, graphs=True)
+    if problem:
+        return problem
+    if static_cache_tokens is None and max_positions is None:
+        return "the model declares no max_position_embeddings, so a static cache has no size"
+    context = min(x for x in (static_cache_tokens, max_positions) if x is not None)
+    need, free = kv_bytes(model, slots, context), torch.cuda.mem_get_info(next(model.parameters()).device)[0]
+    return graph_memory_problem(need, free)
+
+
+def graph_memory_problem(need: int, free: int) -> str | None:
+    """Why a static cache of ``need`` bytes is too large for ``decode="auto"`` with ``free`` bytes free (or None)."""
+    if need <= AUTO_GRAPH_MEMORY_SHARE * free:
+        return None
+    return (f"its static KV cache would take {need / 2**30:.1f} GiB, more than {AUTO_GRAPH_MEMORY_SHARE:.0%} of the "
+            f"{free / 2**30:.1f} GiB free (lower static_cache_tokens or max_batch_size, or ask for "
+            "decode='cuda_graph')")

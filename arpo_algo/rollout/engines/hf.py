@@ -126,7 +126,8 @@ class HFEngine:
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
-        self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout)
+        self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
+                                     max_positions=self.max_positions, static_cache_tokens=static_cache_tokens)
         #: The fixed-shape decoder (None on the dynamic path); ``static_decoder.time_step`` measures one bare step.
         self.static_decoder = None if self.decode == "dynamic" else StaticDecoder.for_engine(self, static_cache_tokens)
 

@@ -24,7 +24,9 @@ from arpo_base.errors import ConfigError
 LOGP_TOL = 1e-4
 TIE_TOL = 1e-4
 #: "hf-static" is HFEngine with decode="static" (the fixed-shape step that decode="cuda_graph" captures on a GPU).
-ENGINE_KINDS = ["hf", "hf-static", pytest.param("vllm", marks=pytest.mark.vllm)]
+#: "hf-graph" is that step captured as CUDA graphs, on a GPU (the same float32 checks against the CPU teacher).
+ENGINE_KINDS = ["hf", "hf-static", pytest.param("hf-graph", marks=pytest.mark.gpu),
+                pytest.param("vllm", marks=pytest.mark.vllm)]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 STOP_ACROSS_REQUESTS = ("engines check stop strings only within the current request's new tokens, so a stop split "
                         "across a look-ahead request and its continuation is missed")
@@ -46,11 +48,12 @@ def teacher(model_dir):
 
 
 def _build(kind: str, model_dir):
-    if kind in ("hf", "hf-static"):
+    if kind in ("hf", "hf-static", "hf-graph"):
         from arpo_algo.rollout.engines.hf import HFEngine
 
+        decode = {"hf": "dynamic", "hf-static": "static", "hf-graph": "cuda_graph"}[kind]
         return HFEngine(model_dir, dtype="float32", max_batch_size=8, entropy_method="topk_sum_lnV", seed=0,
-                        decode="static" if kind == "hf-static" else "dynamic")
+                        decode=decode, device="cuda" if kind == "hf-graph" else "cpu")
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_dir, dtype="float32", kv_cache_gib=0.5, seed=0)

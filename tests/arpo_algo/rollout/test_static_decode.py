@@ -13,7 +13,7 @@ import torch
 
 from arpo_algo.rollout.engines import build_engine
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.decode_mode import AUTO_CUDA_GRAPHS, static_problem
+from arpo_algo.rollout.engines.decode_mode import AUTO_CUDA_GRAPHS, graph_memory_problem, kv_bytes, static_problem
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_base.errors import ConfigError
 
@@ -167,6 +167,9 @@ def test_decode_option_errors_and_auto(tiny_model_dir, pair):
     assert static_problem(dyn.model, "native", graphs=True) is None
     assert "transposed" in static_problem(dyn.model, "transposed", graphs=True)
     assert static_problem(dyn.model, "transposed", graphs=False) is None  # eager static steps may use the copies
+    # "auto" leaves CUDA graphs alone where their static cache would take more than a quarter of the free memory
+    assert graph_memory_problem(2 * 2**30, 8 * 2**30) is None
+    assert "2.1 GiB, more than 25% of the 8.0 GiB free" in graph_memory_problem(2 * 2**30 + 10**8, 8 * 2**30)
 
 
 @pytest.mark.gpu
@@ -174,8 +177,12 @@ def test_cuda_graph_decode_equals_dynamic_on_gpu(tiny_model_dir):
     dyn = HFEngine(tiny_model_dir, device="cuda", max_batch_size=3, decode="dynamic")
     graph = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="cuda_graph",
                      static_cache_tokens=512)
-    expect_auto = "cuda_graph" if AUTO_CUDA_GRAPHS else "dynamic"  # graphs stay opt-in until this test passed
-    assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == expect_auto
+    assert AUTO_CUDA_GRAPHS
+    assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == "cuda_graph"
+    # a static cache over a quarter of the free memory: auto decodes dynamically (nothing allocated for the slots)
+    free = torch.cuda.mem_get_info()[0]
+    slots = int(free / kv_bytes(dyn.model, 1, dyn.max_positions)) + 1
+    assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=slots).decode == "dynamic"
     reqs = _mixed_requests(dyn, _a_stop(dyn))
     a = dyn.generate(reqs)
     graph.stats()
