@@ -5,7 +5,8 @@ Ray exports them with its other metrics (the ``/metrics`` endpoint of each node'
 
 * ``arpo_serve_requests_total{model, status}``: finished requests by HTTP status (200, 400, 404, 499 = client gone,
   401/403/413/415 refused by the guard and 503 refused by the admission with ``model="-"``, 503 engine gone, 504
-  deadline, 500 fault), each once.
+  deadline, 500 fault), each once; a request whose replica was lost mid-request is counted by Serve's proxy
+  (:mod:`serve.proxy`), ``model="-"``, 503, without the deployment and replica tags.
 * ``arpo_serve_tokens_total{model, kind}``: ``prompt`` and ``completion`` tokens (tool-result tokens count as
   completion tokens: they are part of the response).
 * ``arpo_serve_tool_calls_total{model, tool, outcome}``: tool calls run by the server loop (``ok`` / ``error``) or

@@ -80,6 +80,7 @@ INTEGRATION_MODULES = (
     "tests/arpo_algo/run/test_train_cli.py",       # arpo train end to end
     "tests/test_benchmarks.py",                    # the benchmark scripts end to end
     "tests/arpo_algo/rollout/test_sampler_branching.py",  # teaches a tiny model to call tools, then samples a tree
+    "tests/serve/test_lost_replica.py",            # Ray Serve with a replica lost mid-request
 )
 
 

@@ -88,6 +88,7 @@ def start(args: argparse.Namespace) -> str:
     from serve.agents import build_specs
     from serve.app import build_app
     from serve.guard import is_loopback
+    from serve.proxy import controller_options
 
     security, key = security_of(args)
     if isinstance(args.replica_resources, str):  # refused before Ray starts
@@ -109,8 +110,9 @@ def start(args: argparse.Namespace) -> str:
             "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
     if args.tls_cert:
         http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
-    # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port
-    serve.start(http_options=http, proxy_location="HeadOnly")
+    # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port;
+    # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500 (serve.proxy)
+    serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options())
     app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                     max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
                     replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
