@@ -16,8 +16,9 @@ text (``P`` after one more token, or ``P`` itself at the start) except for leadi
 the extra token may complete: a byte that is not a continuation byte always starts a character, so the rest decodes
 alike. If ``s`` holds no U+FFFD it was then already in the previous window, where the check failed. So the check can
 only succeed when ``text(t)`` holds the last character of a stop string, or ``t`` is not valid UTF-8 alone; those
-tokens are flagged. With any other decoder, with clean-up, for stop strings holding U+FFFD and for ids beyond the
-tokenizer's vocabulary every token is flagged, so the check runs as often as before.
+tokens are flagged (the second kind only when a stop string holds a non-ASCII character, see
+:meth:`StopFilter.mask`). With any other decoder, with clean-up, for stop strings holding U+FFFD and for ids beyond
+the tokenizer's vocabulary every token is flagged, so the check runs as often as before.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ class StopFilter:
             return np.zeros(self.rows, dtype=bool)
         if not self.exact or any(_BAD in s for s in stops):
             return np.ones(self.rows, dtype=bool)
-        out = self._unsafe_tokens().copy()
+        # ASCII-only stop strings need no unsafe tokens: an ASCII byte decodes to itself wherever it stands, so such
+        # a stop string is a run of ASCII bytes, which ends in the new token's bytes (and then in its text) or lies
+        # wholly in the previous window's bytes.
+        ascii_only = all(s.isascii() for s in stops)
+        out = np.zeros(self.rows, dtype=bool) if ascii_only else self._unsafe_tokens().copy()
         for c in {s[-1] for s in stops if s}:  # an empty stop string ends its row at the first token
             out |= self._char(c)
         return out
