@@ -377,15 +377,19 @@ class HFEngine:
 
     def _record(self, r: _Row, tok: int, lp: float, entropy: float, top: list | None) -> None:
         """Append one sampled token to its row (every decode path), stream it, and check whether the row is done."""
+        self._append(r, tok, lp, entropy, top)
+        self._stats["generated_tokens"] += 1
+        if self._on_token is not None:
+            self._on_token(r.req.request_id, tok)
+        self._check_finish(r, tok)
+
+    def _append(self, r: _Row, tok: int, lp: float, entropy: float, top: list | None) -> None:
+        """Add one token's outputs to its row's lists (the static decoder adds the tokens it kept in bulk here)."""
         if top is not None:
             r.top.append(top)
         r.new.append(tok)
         r.logprobs.append(lp)
         r.entropies.append(entropy if self.entropy_method == "full" else topk_token_term(top))
-        self._stats["generated_tokens"] += 1
-        if self._on_token is not None:
-            self._on_token(r.req.request_id, tok)
-        self._check_finish(r, tok)
 
     def _check_finish(self, r: _Row, tok: int) -> None:
         if tok in self.eos_ids:

@@ -3,8 +3,15 @@
 ``HFEngine(decode="static")`` and ``decode="cuda_graph"`` decode here instead of through the left-padded dynamic cache
 (:mod:`arpo_algo.rollout.engines.kv_cache`). Everything else is the engine's own code: requests are prefilled alone
 (with prefix reuse from the KV store and shared prefill of identical contexts), finished rows leave at once and
-pending requests take their slots, and each token is recorded (logprob, entropy, top logprobs, ``on_token``, stop
-strings, per-request budgets) by the same functions as on the dynamic path.
+pending requests take their slots, and each row's tokens are recorded (logprob, entropy, top logprobs, ``on_token``,
+stop strings, per-request budgets) by the same functions as on the dynamic path.
+
+Host work per step. The packed results of a step come to the host once and go into arrays (``_Book``); EOS, the
+budget and stop strings are decided there with vectorised checks over the step's tokens. Only the rows that may have
+ended (an EOS id, the budget reached, or a token that can complete one of their stop strings, see
+:mod:`~arpo_algo.rollout.engines.stop_filter`) get per-row Python: their waiting tokens move into their lists (the
+same float64 values), and the engine's own finish check runs. ``on_token`` is called for every token, in slot
+order, only when it is set.
 
 Layout. Every layer has key and value buffers of shape ``[max_batch_size, kv_heads, context, head_dim]``, allocated
 once; slot ``b`` holds one request with its tokens at columns ``0 .. fed-1`` (``fed`` = tokens whose KV is cached =
@@ -37,11 +44,13 @@ import functools
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from arpo_algo.rollout.engines.compiled_step import CompiledStep, column_buckets
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
+from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
 
 MIN_COLUMNS = 64  # the smallest column bucket
@@ -101,6 +110,81 @@ def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch
     return Cache(layers=[layer(k, v, idx, length) for k, v in zip(keys, values)])
 
 
+def _unpack(out: list[float], k: int, topk: int) -> tuple[int, float, float, list | None]:
+    """One token's packed result ``[token, logprob, entropy, top values (k), top ids (k)]`` as the engine records
+    it: ``(token, logprob, entropy, top logprobs)``, with ``topk`` of the ``k`` top entries."""
+    tok, lp = int(out[0]), out[1]
+    top = None
+    if topk:
+        n = min(topk, k)
+        ids = [int(i) for i in out[3 + k:3 + k + n]]
+        top = list(zip(ids, out[3:3 + n]))
+        if tok not in ids:  # like vLLM: the sampled token is added when it is not in the top k
+            top.append((tok, lp))
+    return tok, lp, out[2], top
+
+
+class _Book:
+    """The host side of one ``decode_all``: every slot's packed results so far, kept in arrays a step at a time.
+
+    The per-row Python of a step (lists, stop strings, finishing) runs only for the rows :meth:`add` says may be done;
+    the others' tokens wait here and reach their row's lists (:meth:`keep`) when it is looked at, with the very same
+    float64 values a per-token record would have appended.
+
+    Args:
+        slots: Decode slots.
+        cap: Tokens a row may hold at most, plus one.
+        width: Columns of a packed result.
+        ends: ``bool[vocab]``, the EOS ids.
+        stops: ``bool[vocab]``, the tokens after which a row with stop strings needs its stop check
+            (:class:`~arpo_algo.rollout.engines.stop_filter.StopFilter`).
+    """
+
+    def __init__(self, slots: int, cap: int, width: int, ends: np.ndarray, stops: np.ndarray) -> None:
+        self.out = np.empty((slots, cap, width))  # slot b's i-th token's packed result
+        self.count = np.zeros(slots, dtype=np.int64)  # tokens the slot's row holds (kept or not)
+        self.kept = np.zeros(slots, dtype=np.int64)  # of those, tokens already in the row's lists
+        self.fed = np.zeros(slots, dtype=np.int64)  # tokens whose KV is cached (the row's ``fed``)
+        self.limit = np.zeros(slots, dtype=np.int64)  # the row's ``max_new``
+        self.has_stops = np.zeros(slots, dtype=bool)
+        self.live = np.zeros(slots, dtype=bool)
+        self.ends, self.stops = ends, stops
+
+    def start(self, b: int, row: Any) -> None:
+        """Slot ``b`` now decodes ``row`` (its first token already recorded in its lists)."""
+        self.count[b] = self.kept[b] = len(row.new)
+        self.fed[b], self.limit[b] = row.fed, row.max_new
+        self.has_stops[b] = bool(row.req.params.stop)
+        self.live[b] = True
+
+    def add(self, live: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store one step's results of the ``live`` slots; their tokens and which of them may end their row: EOS,
+        the budget reached, or a token that can complete a stop string. No other row can end at this step."""
+        got = out[live]
+        n = self.count[live]
+        self.out[live, n] = got
+        n += 1
+        self.count[live] = n
+        self.fed[live] += 1
+        toks = got[:, 0].astype(np.int64)
+        look = self.ends[toks] | (n >= self.limit[live]) | (self.has_stops[live] & self.stops[toks])
+        return toks, look
+
+    def keep(self, eng: Any, r: Any, b: int, k: int) -> None:
+        """Bring row ``r`` (slot ``b``) up to date: its waiting tokens into its lists, its ``fed``."""
+        lo, hi = int(self.kept[b]), int(self.count[b])
+        block = self.out[b, lo:hi]
+        if r.topk:
+            for out in block.tolist():
+                eng._append(r, *_unpack(out, k, r.topk))
+        else:  # no top logprobs, so the entropy is the packed one ("full")
+            r.new.extend(block[:, 0].astype(np.int64).tolist())
+            r.logprobs.extend(block[:, 1].tolist())
+            r.entropies.extend(block[:, 2].tolist())
+        self.kept[b] = hi
+        r.fed = int(self.fed[b])
+
+
 class StaticDecoder:
     """The fixed-shape decode loop of one :class:`~arpo_algo.rollout.engines.hf.HFEngine` (see the module docstring).
 
@@ -125,6 +209,7 @@ class StaticDecoder:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._weights: tuple = ()
+        self._stop_filter = StopFilter(engine.tokenizer, engine.vocab_rows)
 
     @classmethod
     def for_engine(cls, engine: Any, static_cache_tokens: int | None) -> StaticDecoder:
@@ -185,32 +270,48 @@ class StaticDecoder:
         twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
         prefilled: dict[tuple[int, ...], tuple] = {}
         slots: list[Any] = [None] * self.slots
+        book = self._book([requests[i] for i in pending], shape)
         while True:
-            self._refill(requests, pending, results, slots, twins, prefilled, shape)
-            live = [b for b, r in enumerate(slots) if r is not None]
-            if not live:
+            self._refill(requests, pending, results, slots, twins, prefilled, shape, book)
+            live = np.flatnonzero(book.live)
+            if not len(live):
                 break
-            rows = self.bucket_rows(live[-1] + 1)
-            length = self.bucket_columns(max(slots[b].fed for b in live) + 1)
+            rows = self.bucket_rows(int(live[-1]) + 1)
+            length = self.bucket_columns(int(book.fed[live].max()) + 1)
             t0 = time.perf_counter()
-            out = self._run(rows, length, shape).tolist()
+            out = self._run(rows, length, shape).numpy()
             eng._stats["decode_seconds"] += time.perf_counter() - t0
+            toks, look = book.add(live, out)
+            eng._stats["generated_tokens"] += len(live)
+            if eng._on_token is not None:  # in slot order, as each row's token was recorded
+                for b, tok in zip(live.tolist(), toks.tolist()):
+                    eng._on_token(slots[b].req.request_id, tok)
             done = []
-            for b in live:
+            for b, tok in zip(live[look].tolist(), toks[look].tolist()):
                 r = slots[b]
-                r.fed += 1
-                self._record(r, out[b], shape.logprobs_k)
+                book.keep(eng, r, b, shape.logprobs_k)
+                eng._check_finish(r, tok)
                 if r.finish:
                     kv = ([k[b:b + 1, :, :r.fed] for k in self.keys], [v[b:b + 1, :, :r.fed] for v in self.values])
                     results[r.idx] = eng._result(r, r.finish, kv)
                     slots[b] = None
+                    book.live[b] = False
                     done.append(b)
             if done:
                 idle = torch.tensor(_IDLE, dtype=torch.float64, device=self.state.device)
                 self.state[torch.tensor(done, device=self.state.device)] = idle
 
+    def _book(self, reqs: list, shape: SampleShape) -> _Book:
+        """The host-side record of one call: room for every request's tokens, its EOS and stop-token masks."""
+        eng = self.engine
+        ends = np.zeros(eng.vocab_rows, dtype=bool)
+        ends[[i for i in eng.eos_ids if 0 <= i < eng.vocab_rows]] = True
+        stops = self._stop_filter.mask({s for r in reqs for s in r.params.stop})
+        cap = max((min(r.params.max_new_tokens, self.context) for r in reqs), default=0) + 1
+        return _Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
+
     def _refill(self, requests: list, pending: collections.deque, results: list, slots: list,
-                twins: collections.Counter, prefilled: dict, shape: SampleShape) -> None:
+                twins: collections.Counter, prefilled: dict, shape: SampleShape, book: _Book) -> None:
         """Put pending requests into free slots (lowest first): prefill, first token, then the slot's state."""
         eng = self.engine
         for b in range(self.slots):
@@ -227,8 +328,8 @@ class StaticDecoder:
                 first = sample_rows(logits, self._row_params(p, logits.device),
                                     (uniforms[:1] if uniforms is not None else torch.zeros(1, dtype=torch.float64))
                                     .to(logits.device), shape)
-                self._record(row, torch.cat([x.double().reshape(1, -1) for x in first], 1)[0].tolist(),
-                             shape.logprobs_k)
+                packed = torch.cat([x.double().reshape(1, -1) for x in first], 1)[0].tolist()
+                eng._record(row, *_unpack(packed, shape.logprobs_k, row.topk))
                 eng._stats["prefill_seconds"] += time.perf_counter() - t0
                 if row.finish:
                     results[row.idx] = eng._result(row, row.finish, (k1, v1))
@@ -241,18 +342,7 @@ class StaticDecoder:
                 self.state[b] = torch.tensor([row.new[-1], n, 1, 1, p.temperature or 1.0, p.temperature == 0,
                                               self._top_k(p.top_k), p.top_p], dtype=torch.float64)
                 slots[b] = row
-
-    def _record(self, r: Any, out: list[float], k: int) -> None:
-        """Hand one row's packed result ``[token, logprob, entropy, top values (k), top ids (k)]`` to the engine."""
-        tok, lp = int(out[0]), out[1]
-        top = None
-        if r.topk:
-            n = min(r.topk, k)
-            ids = [int(i) for i in out[3 + k:3 + k + n]]
-            top = list(zip(ids, out[3:3 + n]))
-            if tok not in ids:  # like vLLM: the sampled token is added when it is not in the top k
-                top.append((tok, lp))
-        self.engine._record(r, tok, lp, out[2], top)
+                book.start(b, row)
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _top_k(self, top_k: int) -> int:
