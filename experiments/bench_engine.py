@@ -267,8 +267,8 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
           f"{args.new_tokens} new tokens per request, one request per slot, median of {args.repeats} interleaved "
           "repeat(s)\n")
     print("| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
-          "compile s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "compile s | prefill % of time | steps % of time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.decode_batches:
         engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=args.dtype, max_batch_size=batch,
                                decode=m, static_cache_tokens=args.static_cache_tokens, seed=args.seed)
@@ -283,16 +283,22 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
         warm = {m: eng.stats() for m, eng in engines.items()}
         hw, limit = floor_tok_s(base.model, batch, machine)
         rates: dict[str, list[float]] = {m: [] for m in engines}
+        walls = dict.fromkeys(engines, 0.0)
         for _ in range(args.repeats):
             for m, eng in engines.items():
                 tokens, seconds = _engine_run(eng, reqs)
                 rates[m].append(tokens / seconds)
+                walls[m] += seconds
+        timed = {m: eng.stats() for m, eng in engines.items()}  # counters of the timed repeats only
         for m, eng in engines.items():
             rate = statistics.median(rates[m])
             ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
             row = {"batch": batch, "decode": m, "tok_s": rate, "vs_dynamic": rate / ref if ref else None,
                    "graphs_captured": warm[m].get("graph_captures", 0.0), "hw_floor_tok_s": hw, "hw_limit": limit,
-                   "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds")}
+                   "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds"),
+                   # the fixed-shape paths time their prefills (one request at a time) and their decode steps
+                   "prefill_share": (timed[m]["prefill_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None,
+                   "step_share": (timed[m]["decode_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None}
             if eng.static_decoder is not None:
                 floor = batch * (args.new_tokens - 1) / _floor_seconds(eng, batch, [len(p) for p in prompts],
                                                                        args.new_tokens)
@@ -301,7 +307,8 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
             fmt = (lambda v, f: f.format(v) if v is not None else "-")  # noqa: E731
             print(f"| {batch} | {m} | {rate:.1f} | {fmt(row['vs_dynamic'], '{:.2f}x')} | "
                   f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
-                  f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} |", flush=True)
+                  f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} | "
+                  f"{fmt(row['prefill_share'], '{:.0%}')} | {fmt(row['step_share'], '{:.0%}')} |", flush=True)
         for eng in engines.values():
             eng.close()
     return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),

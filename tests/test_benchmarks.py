@@ -76,6 +76,10 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path):
     rows = {r["decode"]: r for r in result["decode"]}
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
     assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
+    # the fixed-shape path splits its time into prefills and steps (the rest is host work between them)
+    static = rows["static"]
+    assert 0 < static["prefill_share"] < 1 and 0 < static["step_share"] < 1
+    assert static["prefill_share"] + static["step_share"] <= 1 and rows["dynamic"]["prefill_share"] is None
     for row in rows.values():  # the machine's floor from the GEMM and streaming probes, for every mode
         assert row["hw_floor_tok_s"] > 0 and row["of_hw_floor"] == row["tok_s"] / row["hw_floor_tok_s"]
         assert row["hw_limit"] in ("weight streaming", "FLOPs")
