@@ -11,17 +11,17 @@ so the environment answers it with a parse error: the test is about where the tu
 from __future__ import annotations
 
 import pytest
-import torch
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
+from tests.arpo_algo.rollout.chain_models import save_chain_model
 
 
 def _bigram_model(tok_dir, dest):
     """Save a Llama whose greedy and sampled continuations follow the chain of ``<python>print(1)</python>``."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ids = tok("<python>print(1)</python>", add_special_tokens=False)["input_ids"]
@@ -30,29 +30,7 @@ def _bigram_model(tok_dir, dest):
         assert nxt.setdefault(a, b) == b, "the chain must be a function of the current token"
     last_obs = tok(" <result>\n1\n</result>", add_special_tokens=False)["input_ids"][-1]
     assert nxt[last_obs] == tok("print", add_special_tokens=False)["input_ids"][0]  # turn 2 starts at print(
-    h = 64
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    model = LlamaForCausalLM(cfg)
-    slots = {t: i + 1 for i, t in enumerate(sorted(nxt))}  # slot 0: every other token (the prompt's last one)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = torch.zeros(len(tok), h)
-        emb[:, 0] = 1.0
-        for t, s in slots.items():
-            emb[t] = 0.0
-            emb[t, s] = 1.0
-        model.model.embed_tokens.weight.copy_(emb)
-        head = torch.zeros(len(tok), h)
-        head[ids[0], 0] = 100.0
-        for t, s in slots.items():
-            head[nxt[t], s] = 100.0
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
+    save_chain_model(tok, nxt, ids[0], dest, max_positions=4096)
     return dest
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.engines.stop_filter import StopFilter, byte_level
+from tests.arpo_algo.rollout.chain_models import save_chain_model
 
 PROMPT = "Q:"
 CHAINS = {  # text the chain model writes after PROMPT, stop strings that end inside it
@@ -28,7 +28,7 @@ CHAINS = {  # text the chain model writes after PROMPT, stop strings that end in
 
 def _chain_model(tok_dir, dest, text: str):
     """Save a Llama over ``tok_dir``'s tokenizer that greedily writes ``text``'s tokens after any other token."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -36,30 +36,7 @@ def _chain_model(tok_dir, dest, text: str):
     for a, b in zip(ids, ids[1:]):
         assert nxt.setdefault(a, b) == b, "the chain must be a function of the current token"
     assert not set(tok(PROMPT, add_special_tokens=False)["input_ids"]) & set(ids)
-    h = 64
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    slots = {t: i + 1 for i, t in enumerate(sorted(nxt))}  # slot 0: every other token, which leads to the start
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = torch.zeros(len(tok), h)
-        emb[:, 0] = 1.0
-        for t, s in slots.items():
-            emb[t] = 0.0
-            emb[t, s] = 1.0
-        model.model.embed_tokens.weight.copy_(emb)
-        head = torch.zeros(len(tok), h)
-        head[ids[0], 0] = 100.0
-        for t, s in slots.items():
-            head[nxt[t], s] = 100.0
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
+    save_chain_model(tok, nxt, ids[0], dest, max_positions=1024)
     return dest, ids
 
 
