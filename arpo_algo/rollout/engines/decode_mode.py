@@ -122,7 +122,7 @@ def auto_graph_problem(model: Any, linear_layout: str, slots: int, max_positions
         return problem
     if static_cache_tokens is None and max_positions is None:
         return "the model declares no max_position_embeddings, so a static cache has no size"
-    context = min(x for x in (static_cache_tokens, max_positions) if x is not None)
+    context = static_context(max_positions, static_cache_tokens)  # the columns the static decoder would allocate
     need, free = kv_bytes(model, slots, context), torch.cuda.mem_get_info(next(model.parameters()).device)[0]
     return graph_memory_problem(need, free)
 
