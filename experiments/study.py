@@ -49,6 +49,11 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # the quickstart's default number of mini-batches, chosen by this measurement
     "quickstart_mb1": ("experiments/quickstart.toml", ["training.mini_batches=1", *QS_EVAL]),
     "quickstart_mb4": ("experiments/quickstart.toml", ["training.mini_batches=4", *QS_EVAL]),
+    # asynchronous rollouts against synchronous ones at the quickstart budget: both sample on one rollout actor, so
+    # the pipeline's staleness is the only difference between the arms
+    "qs_sync": ("experiments/quickstart.toml", ["rollouts.num_rollout_actors=1", *QS_EVAL]),
+    "qs_async": ("experiments/quickstart.toml", ["rollouts.num_rollout_actors=1", "rollouts.asynchronous=true",
+                                                 *QS_EVAL]),
 }
 #: The training code a record depends on; its git tree hashes make the record's ``code``.
 CODE_PATHS = ("arpo_algo", "arpo_env", "arpo_base", "pyproject.toml", "experiments/compare_arpo_m8.toml",
@@ -131,6 +136,7 @@ def run_arm(arm: str, seed: int, sft: Path, out: Path, progress: bool) -> dict[s
             "tokens": got["tokens"], "branches_per_group": _mean(r.get(D.BRANCHES_PER_GROUP, 0.0) for r in train),
             "clip_frac": _mean(r.get(D.CLIP_FRAC, 0.0) for r in train),
             "zero_variance": _mean(r.get(D.ZERO_VARIANCE_GROUP_FRAC, 0.0) for r in train),
+            "staleness_max": max((r.get(MK.STALENESS_MAX, 0.0) for r in train), default=0.0),
             "skipped": got["skipped"], "time_s": round(got["time_s"], 1), "resumed": resumed}
 
 
@@ -180,7 +186,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    print(report(read_records(args.records), args.figures))
+    records = read_records(args.records)
+    if records and args.baseline not in {r["arm"] for r in records}:
+        raise ConfigError(f"no record of the baseline arm {args.baseline!r} in {args.records}",
+                          hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}")
+    print(report(records, args.figures, baseline=args.baseline))
     return 0
 
 
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="the tables (and figures) from the records")
     rep.add_argument("--records", type=Path, default=ROOT / "experiments" / "study_records.jsonl")
     rep.add_argument("--figures", type=Path, default=None, help="write the plots into this folder")
+    rep.add_argument("--baseline", default="grpo", help="the arm the others are paired against (default grpo)")
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         import torch

@@ -83,7 +83,7 @@ def power_mde(n: int, sd: float, alpha: float = 0.05, power: float = 0.8, sims: 
     return math.inf
 
 
-def report(records: list[dict[str, Any]], figures: Path | None = None) -> str:
+def report(records: list[dict[str, Any]], figures: Path | None = None, baseline: str = BASELINE) -> str:
     if not records:
         return "no records yet"
     arms = by_arm(records)
@@ -99,11 +99,11 @@ def report(records: list[dict[str, Any]], figures: Path | None = None) -> str:
                      f"{stats([r['clip_frac'] for r in rs])['mean']:.4f} | "
                      f"{stats([sum(r['tool_calls']) for r in rs])['mean']:.0f} | "
                      f"{stats([r['time_s'] for r in rs])['mean']:.0f} s |")
-    base = arms.get(BASELINE, {})
+    base = arms.get(baseline, {})
     if base:
         target = stats([r["after"] for r in base.values()])["mean"]
-        lines += ["", f"Paired by seed against {BASELINE.upper()} (final accuracy difference); tool calls and "
-                  f"tokens to first reach {BASELINE.upper()}'s mean final accuracy ({target:.3f}):", "",
+        lines += ["", f"Paired by seed against {baseline.upper()} (final accuracy difference); tool calls and "
+                  f"tokens to first reach {baseline.upper()}'s mean final accuracy ({target:.3f}):", "",
                   "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
                   "pairs) | tool calls to reach | tokens to reach | never reach |", "|" + "---|" * 8]
         for arm, seeds in arms.items():
@@ -111,7 +111,7 @@ def report(records: list[dict[str, Any]], figures: Path | None = None) -> str:
             reach = [_first_reach(seeds[s]["curve"], target) for s in seeds]
             got = [x for x in reach if x is not None]
             calls, toks = [c for c, _ in got], [t for _, t in got]
-            if arm == BASELINE or not common:
+            if arm == baseline or not common:
                 diff, pairs = "-", "-"
                 tally = wil = "-"
             else:

@@ -43,3 +43,18 @@ def test_report_pairs_by_seed_and_counts_tool_calls_to_reach_the_baseline():
     assert "| 1 / 1 / 0 |" in row and "| 10.000 ± 0.000 |" in row and "| 1 of 2 |" in row
     assert "0.125 ± 0.530" in row  # differences +0.5 and -0.25
     assert "| arpo | 1 | .250 .250 .250 |" in text
+
+
+def test_report_pairs_against_the_baseline_it_is_given(tmp_path):
+    import json
+
+    from experiments.study import main
+
+    records = [_record("qs_sync", 0, [0.25, 0.5], [0, 10]), _record("qs_sync", 1, [0.25, 0.25], [0, 10]),
+               _record("qs_async", 0, [0.25, 0.75], [0, 10]), _record("qs_async", 1, [0.25, 0.5], [0, 9])]
+    row = [line for line in report(records, baseline="qs_sync").splitlines() if line.startswith("| qs_async | 2 | ")]
+    assert "0.250 ± 0.000" in row[1] and "| 2 / 0 / 0 |" in row[1]  # both seeds +0.25 over the synchronous arm
+    assert "Paired by seed" not in report(records)  # no GRPO records: nothing to pair against
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", "--records", str(path), "--baseline", "grpo"]) == 2  # no such arm: refused, not empty
