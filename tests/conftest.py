@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +17,12 @@ if str(REPO) not in sys.path:
 
 # Every test run uses its own ARPO_HOME unless ARPO_TEST_HOME names a persistent one (so the real model is pulled
 # once per run at most, and never into the user's cache by surprise).
-os.environ["ARPO_HOME"] = os.environ.get("ARPO_TEST_HOME") or tempfile.mkdtemp(prefix="arpo-test-home-")
+# A home made here is removed when the run ends: it holds a pulled model (half a gigabyte) that no later run reads.
+if os.environ.get("ARPO_TEST_HOME"):
+    os.environ["ARPO_HOME"] = os.environ["ARPO_TEST_HOME"]
+else:
+    os.environ["ARPO_HOME"] = tempfile.mkdtemp(prefix="arpo-test-home-")
+    atexit.register(shutil.rmtree, os.environ["ARPO_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
