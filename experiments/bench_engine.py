@@ -26,6 +26,8 @@ so the table separates what the weight layout buys from what refill and prefix r
    (``StaticDecoder.time_step`` at each column bucket the run passes through; "% of bare" is how much of the step
    time the decode loop keeps), and for every mode the *hardware floor* from the machine's GEMM and streaming
    probes run first (:mod:`experiments.machine_floor`) with "% of floor"; "compile s" is the warm-up's compile time.
+   ``--profile STEPS`` adds, per fixed-shape mode and batch, torch's profiler table of that many bare steps: where a
+   step's time goes.
 
 Usage::
 
@@ -247,6 +249,22 @@ def _floor_seconds(eng: HFEngine, batch: int, starts: list[int], new_tokens: int
     return total
 
 
+def _profile_step(eng: HFEngine, batch: int, length: int, steps: int, top: int = 15) -> None:
+    """Where a bare fixed-shape step's time goes: ``steps`` steps under torch's profiler, the operators (on CUDA: also
+    the kernels) with the most self time, as torch prints them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = eng.static_decoder
+    dec.time_step(batch, length, repeats=2)  # warm: a graph is captured or compiled outside the profile
+    cuda = dec.state.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        seconds = dec.time_step(batch, length, repeats=steps)
+    print(f"\nProfile of {steps} bare steps, decode={eng.decode}, batch {batch}, {dec.bucket_columns(length)} columns "
+          f"({seconds * 1e3:.2f} ms per step under the profiler):\n")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top))
+
+
 def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
     """Decode modes side by side on one module (see the module docstring, item 4)."""
     from experiments.machine_floor import floor_tok_s, probe
@@ -309,6 +327,10 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
                   f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
                   f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} | "
                   f"{fmt(row['prefill_share'], '{:.0%}')} | {fmt(row['step_share'], '{:.0%}')} |", flush=True)
+        if args.profile:
+            for eng in engines.values():
+                if eng.static_decoder is not None:
+                    _profile_step(eng, batch, max(len(p) for p in prompts) + 1, args.profile)
         for eng in engines.values():
             eng.close()
     return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),
@@ -360,6 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="with --decode: random weights at --model's config (a folder with config and tokenizer "
                          "only is enough), for a machine the weights cannot reach")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="with --decode: also profile this many bare steps of each fixed-shape mode at each batch "
+                         "and print the operators with the most self time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from arpo_algo.models import REGISTRY, pull

@@ -68,11 +68,17 @@ def test_bench_dedup_reports_mfu_against_a_ceiling_of_the_same_run(tmp_path):
     assert result["tokens_per_group"]["deduplicated"] < result["tokens_per_group"]["duplicated"]
 
 
-def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path):
-    """The decode-mode comparison (item 4 of bench_engine): every mode runs, static reports its floor."""
+def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys):
+    """The decode-mode comparison (item 4 of bench_engine): every mode runs, static reports its floor and its
+    profile."""
     result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
                                 "--decode-batches", "2", "--new-tokens", "6", "--static-cache-tokens", "2048",
-                                "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "d.json")])
+                                "--threads", str(torch.get_num_threads()), "--profile", "2",
+                                "--out", str(tmp_path / "d.json")])
+    printed = capsys.readouterr().out
+    # one profile, of the fixed-shape mode only, naming the step's matrix products
+    assert printed.count("Profile of 2 bare steps") == 1 and "decode=static, batch 2" in printed
+    assert "aten::mm" in printed or "aten::addmm" in printed
     rows = {r["decode"]: r for r in result["decode"]}
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
     assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
