@@ -55,7 +55,7 @@ from arpo_algo.algorithms.stabilizers import sample_groups
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 
 
 def _algorithm_class(base: type, name: str) -> type:
@@ -73,6 +73,18 @@ def _subclasses(cls: type) -> list[type]:
 def _learner_ranks(cfg: AgenticRLConfig) -> int:
     backend = cfg.settings.backend
     return backend.learner_workers if backend.distributed else 0
+
+
+def _check_main_placement(main_resources: dict[str, float]) -> None:
+    """backend.main_resources places the process a Tune trial runs in; in the driver (not a Ray actor) nothing can
+    move the process, so the setting would be silently ignored: refused instead."""
+    import ray
+
+    if main_resources and not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+        raise ConfigError(f"backend.main_resources = {main_resources} places a Tune trial's process, but this "
+                          "Algorithm runs in the driver, which stays on the node where it was started",
+                          hint="start the run on the node you want it on and leave main_resources empty, or run "
+                               "it as a trial of arpo tune")
 
 
 class AgenticRLAlgorithm(Algorithm):
@@ -106,6 +118,7 @@ class AgenticRLAlgorithm(Algorithm):
         self._set_up_metrics()
         cfg = self.config
         settings = cfg.settings
+        _check_main_placement(settings.backend.main_resources)
         check_resources_feasible(resource_bundles(cfg), _learner_ranks(cfg))
         model_path = resolve_model_path(settings.model.path)
         if settings.backend.distributed:

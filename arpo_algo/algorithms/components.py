@@ -96,7 +96,8 @@ def resource_bundles(config: Any) -> list[dict[str, float]]:
         gpu = 1.0 - workers[0].get("GPU", 0.0) if workers and backend.learner_placement == "colocated" else 1.0
     from arpo_algo.rollout.config import per_actor
 
-    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu}
+    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu,
+            **{k: float(v) for k, v in backend.main_resources.items()}}
     actors = [{"CPU": float(rollouts.num_cpus_per_rollout_actor), **custom}
               for custom in per_actor(rollouts.actor_resources, rollouts.num_rollout_actors)]
     return [main] + workers + actors
@@ -132,8 +133,12 @@ def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: i
                       f"CPUs and {have['GPU']:g} GPU(s)", hint=hint)
 
 
+SETTINGS_NAMES = "rollouts.actor_resources / backend.worker_resources / backend.main_resources"
+
+
 def check_custom_feasible(bundles: list[dict[str, float]], have: dict[str, float], where: str) -> None:
-    """Refuse custom resources (``rollouts.actor_resources``, ``backend.worker_resources``) the cluster does not
+    """Refuse custom resources (``rollouts.actor_resources``, ``backend.worker_resources``,
+    ``backend.main_resources``) the cluster does not
     offer in the amount asked: an actor waiting for them would stay pending forever, after the other actors had
     started. Totals over the cluster are checked, not which node holds them."""
     need: dict[str, float] = {}
@@ -147,8 +152,8 @@ def check_custom_feasible(bundles: list[dict[str, float]], have: dict[str, float
     offered = {k: v for k, v in sorted(have.items()) if k not in ("CPU", "GPU", "memory", "object_store_memory")
                and not k.startswith("node:")}
     missing = ", ".join(f"{k} = {v:g} ({where} has {have.get(k, 0.0):g})" for k, v in sorted(short.items()))
-    raise ConfigError(f"the placement cannot be satisfied: rollouts.actor_resources / backend.worker_resources ask "
-                      f"for {missing}; the custom resources {where} offers: {offered or 'none'}",
+    raise ConfigError(f"the placement cannot be satisfied: {SETTINGS_NAMES} ask for {missing}; the custom resources "
+                      f"{where} offers: {offered or 'none'}",
                       hint="start nodes that offer them (ray start --resources='{\"node_a\": 1}') and set "
                            "RAY_ADDRESS to the cluster, or change the tables")
 

@@ -152,7 +152,7 @@ def parse_replica_resources(text: str) -> dict[str, float]:
 def check_replicas_fit(args: argparse.Namespace) -> None:
     """Refuse, before Serve starts, replicas the cluster cannot place: a replica waiting for a resource no node
     offers would leave the server never ready."""
-    from arpo_algo.algorithms.components import check_custom_feasible
+    from arpo_algo.algorithms.components import SETTINGS_NAMES, check_custom_feasible
     from arpo_algo.train.backend_config import cluster_resources
 
     have, where = cluster_resources()
@@ -160,7 +160,7 @@ def check_replicas_fit(args: argparse.Namespace) -> None:
     try:
         check_custom_feasible([args.replica_resources] * count, have, where)
     except ArpoError as e:
-        raise type(e)(e.message.replace("rollouts.actor_resources / backend.worker_resources",
+        raise type(e)(e.message.replace(SETTINGS_NAMES,
                                         f"--replica-resources x {count} replica(s)"), hint=e.hint) from e
 
 

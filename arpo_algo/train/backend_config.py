@@ -8,7 +8,7 @@ and ``ARPOConfig.backend(...)``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from arpo_base.errors import ConfigError
@@ -40,6 +40,10 @@ class BackendConfig:
             checked against the cluster before any rank starts.
         collective_timeout_s: How long a rank waits in a collective (all-reduce) for the others before it fails: the
             bound on a step whose peer rank is unreachable but not known dead (a dead peer fails it at once).
+        main_resources: Ray custom resources the main process asks for (``{node_a = 1}``): under ``arpo tune`` a
+            trial's own process (the Algorithm, and the learner when it is local) runs on a node that offers them.
+            Only a Tune trial can be placed: an Algorithm that runs in the driver (``arpo train``, ``build()`` in a
+            script) refuses it, since the driver stays on the node where it was started.
     """
 
     learner_backend: str = "local"
@@ -50,6 +54,7 @@ class BackendConfig:
     deepspeed_stage: int = 2
     worker_resources: tuple[dict[str, float], ...] = ()
     collective_timeout_s: float = 1800.0
+    main_resources: dict[str, float] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendConfig:
@@ -81,6 +86,8 @@ class BackendConfig:
 
         check_custom_resources("backend.worker_resources", self.worker_resources, self.learner_workers,
                                "backend.learner_workers")
+        check_custom_resources("backend.main_resources", (self.main_resources,) if self.main_resources else (), 1,
+                               "one main process")
         if not self.distributed:
             changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
                                       ("worker_resources", bool(self.worker_resources)),

@@ -1,9 +1,9 @@
 """``arpo tune`` and ``arpo serve`` on one three-node cluster (one cluster for the module: the two share its start).
 
-Tune: two trials pinned to different worker nodes by a grid over ``rollouts.actor_resources``, a placement the
-cluster cannot hold refused before any trial starts, and a worker node lost mid-trial: Tune restores that trial
-(``max_failures``) on a replacement node offering the same resource, while the trial on the other node runs through
-untouched.
+Tune: two trials, each one's own process pinned to a different worker node by a grid over
+``backend.main_resources``, a placement the cluster cannot hold refused before any trial starts, and the node that
+runs a trial's process lost mid-trial: Tune restores that trial (``max_failures``) from its checkpoint in a new
+process on a replacement node offering the same resource, while the trial on the other node runs through untouched.
 
 Serve: two replicas on the two worker nodes (the proxy on the head only), a replica placement the cluster cannot hold
 refused before Serve starts, and a worker node killed under load: every client request ends (none hangs) with an
@@ -75,7 +75,7 @@ max_concurrent = 2
 max_failures = {max_failures}
 
 [space]
-"rollouts.actor_resources" = {{grid = {placements}}}
+"backend.main_resources" = {{grid = {placements}}}
 """)
     return str(p)
 
@@ -91,8 +91,7 @@ def trials_by_node(out) -> dict[str, object]:
     """Trial folder per pinned resource, read from each trial's own params.json."""
     found = {}
     for params in (out / "arpo").glob("arpo_*/params.json"):
-        [table] = json.loads(params.read_text())["rollouts.actor_resources"]
-        [resource] = table
+        [resource] = json.loads(params.read_text())["backend.main_resources"]
         found[resource] = params.parent
     return found
 
@@ -104,7 +103,7 @@ def iterations(trial_dir) -> list[int]:
 
 
 def test_trial_placement_the_cluster_cannot_satisfy_is_refused(cluster, tiny_model_dir, tmp_path):
-    sweep = write_sweep(tmp_path, tiny_model_dir, "[[{node_a = 1}], [{node_c = 1}]]")
+    sweep = write_sweep(tmp_path, tiny_model_dir, "[{node_a = 1}, {node_c = 1}]")
     r = arpo(cluster, "tune", sweep, "--output", str(tmp_path / "out"))
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "node_c = 1 (the Ray cluster has 0)" in r.stderr and "node_a" in r.stderr  # missing, and what exists
@@ -113,7 +112,7 @@ def test_trial_placement_the_cluster_cannot_satisfy_is_refused(cluster, tiny_mod
 
 
 def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluster, tiny_model_dir, tmp_path):
-    sweep = write_sweep(tmp_path, tiny_model_dir, "[[{node_a = 1}], [{node_b = 1}]]")
+    sweep = write_sweep(tmp_path, tiny_model_dir, "[{node_a = 1}, {node_b = 1}]")
     out = tmp_path / "out"
     proc = arpo(cluster, "tune", sweep, "--output", str(out), wait=False)
     try:
@@ -127,7 +126,10 @@ def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluste
         assert trial_a is not None and iterations(trial_a), (
             proc.stdout.read()[-5000:] if proc.poll() is not None else "no result from the node_a trial in time")
         done_before_kill = iterations(trial_a)
-        # the trial's rollout actor can run only on a node offering node_a: it dies with the node
+        # the trial's own process (the Algorithm and its learner) runs on the node offering node_a: it dies with it
+        [node_a] = [n for n in cluster.nodes.values() if n.alive and "node_a" in n.resources]
+        first_pid = json.loads((trial_a / "result.json").read_text().splitlines()[0])["pid"]
+        assert first_pid in {p.pid for p in node_a.family()}, "the node_a trial's process is not on the node_a node"
         lost = kill_node_offering(cluster, "node_a")
         # a replacement offering the same resources joins, as a cluster manager would bring one up
         cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_algo.algorithms.components import check_custom_feasible
+from arpo_algo.algorithms.arpo import ARPOConfig
+from arpo_algo.algorithms.components import check_custom_feasible, resource_bundles
 from arpo_algo.rollout.config import RolloutsConfig, per_actor
 from arpo_algo.run.recovery import describe, is_node_loss, record_restart
 from arpo_algo.train.backend_config import BackendConfig
@@ -30,6 +31,37 @@ def test_resource_tables_one_for_all_or_one_per_actor():
     assert BackendConfig.from_dict({"learner_backend": "ddp", "learner_workers": 2, "worker_resources": [
         {"node_a": 1}, {"node_b": 1}]}).worker_bundles("cpu") == [{"CPU": 1.0, "node_a": 1.0},
                                                                   {"CPU": 1.0, "node_b": 1.0}]
+
+
+def test_main_resources_go_into_the_trials_first_bundle():
+    cfg = ARPOConfig().training(model_path="unused").backend(main_resources={"node_a": 1})
+    cfg.settings.validate()
+    assert resource_bundles(cfg)[0] == {"CPU": 1.0, "GPU": 0.0, "node_a": 1.0}  # the bundle Tune runs the trial in
+    with pytest.raises(ConfigError, match="'GPU' is a built-in Ray resource"):
+        BackendConfig.from_dict({"main_resources": {"GPU": 1}})
+    with pytest.raises(ConfigError, match="node_a = -1 must be a number > 0"):
+        BackendConfig.from_dict({"main_resources": {"node_a": -1}})
+
+
+def test_main_resources_are_refused_where_the_process_cannot_move(ray_session):
+    """Only a process Ray placed (a Tune trial is an actor) can honour main_resources; in the driver they would be
+    ignored without a word, so they are refused there."""
+    import ray
+
+    from arpo_algo.algorithms.base import _check_main_placement
+
+    with pytest.raises(ConfigError, match="runs in the driver") as e:
+        _check_main_placement({"node_a": 1.0})
+    assert "arpo tune" in e.value.hint
+    _check_main_placement({})  # nothing asked: nothing to refuse
+
+    @ray.remote(num_cpus=0)
+    class Trial:
+        def check(self) -> str:
+            _check_main_placement({"node_a": 1.0})
+            return "placed"
+
+    assert ray.get(Trial.remote().check.remote()) == "placed"
 
 
 def test_custom_resources_the_cluster_lacks_are_named_with_what_it_has():
