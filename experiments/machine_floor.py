@@ -5,10 +5,15 @@ rate they bound for a model (the *hardware floor* of a step).
 A decode step over ``batch`` rows must read every weight once (``weight_bytes / bandwidth`` seconds) and do about
 ``2 * params * batch`` FLOPs (``/ gemm_flops`` seconds); the floor step time is the larger of the two, which ignores
 attention and the KV cache (small for short contexts) and so is a bound no engine can beat.
+
+Run as a command, it times the matrix products of a decode step by every route torch offers on the CPU, side by side:
+
+    python -m experiments.machine_floor --linear 32x576x1536 32x1536x576 --threads 2
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -60,3 +65,59 @@ def floor_tok_s(model: torch.nn.Module, batch: int, machine: dict[str, float]) -
     read_s = weight_bytes / (machine["stream_gbs"] * 1e9)
     flop_s = 2 * params * batch / (machine["gemm_gflops"] * 1e9)
     return batch / max(read_s, flop_s), ("weight streaming" if read_s >= flop_s else "FLOPs")
+
+
+#: The routes of one linear layer's product: y = x W^T with W of shape [out, in].
+ROUTES = ("fp32 mm, transposed copy", "fp32 F.linear", "fp32 oneDNN prepacked", "bf16 F.linear")
+
+
+def linear_seconds(rows: int, d_in: int, d_out: int, repeats: int = 50) -> dict[str, float]:
+    """Seconds of one ``[rows, d_in] x [d_in, d_out]`` product per route (:data:`ROUTES`; best of ``repeats``
+    batches of 10 calls, CPU): what a decode step's linear layers can cost at this batch on this machine."""
+    dev = torch.device("cpu")
+    x, w = torch.randn(rows, d_in), torch.randn(d_out, d_in)
+    wt, xb, wb = w.t().contiguous(), x.bfloat16(), w.bfloat16()
+    lin = torch.nn.Linear(d_in, d_out, bias=False)
+    lin.weight.data = w
+    from torch.utils import mkldnn
+
+    packed = mkldnn.to_mkldnn(torch.nn.Sequential(lin))[0]
+    calls = {"fp32 mm, transposed copy": lambda: torch.mm(x, wt),
+             "fp32 F.linear": lambda: torch.nn.functional.linear(x, w),
+             "fp32 oneDNN prepacked": lambda: packed(x),
+             "bf16 F.linear": lambda: torch.nn.functional.linear(xb, wb)}
+    with torch.inference_mode():
+        return {name: _best_seconds(lambda f=f: [f() for _ in range(10)], repeats, dev) / 10
+                for name, f in calls.items()}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description="The machine's GEMM and bandwidth probes, and a decode step's matrix "
+                                             "products by every CPU route")
+    ap.add_argument("--linear", nargs="+", default=["32x576x1536"], metavar="ROWSxINxOUT")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = []
+    for spec in args.linear:
+        parts = spec.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--linear takes ROWSxINxOUT with positive numbers, e.g. 32x576x1536; got {spec!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    machine = probe()
+    print(f"Machine ({args.threads} threads): float32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+          f"{machine['stream_gbs']:.1f} GB/s\n")
+    print("| rows x in x out | " + " | ".join(f"{r} ms" for r in ROUTES) + " | bf16 / best fp32 |")
+    print("|---|" + "---|" * (len(ROUTES) + 1))
+    rows = []
+    for n, d_in, d_out in shapes:
+        t = linear_seconds(n, d_in, d_out)
+        best32 = min(v for k, v in t.items() if k.startswith("fp32"))
+        rows.append({"shape": [n, d_in, d_out], **t})
+        print(f"| {n} x {d_in} x {d_out} | " + " | ".join(f"{t[r] * 1e3:.3f}" for r in ROUTES)
+              + f" | {best32 / t['bf16 F.linear']:.2f}x faster |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -116,3 +116,13 @@ def test_bench_async_times_both_modes_with_a_rollout_actor(tiny_model_dir, tmp_p
     assert result["ratio_sync_over_async"] > 0 and (tmp_path / "a.json").is_file()
     (sync,), (asyn,) = result["runs"]["sync"], result["runs"]["async"]
     assert sync["iterations"][0]["staleness_max"] == 0.0 and asyn["iterations"][0]["staleness_max"] == 1.0
+
+
+def test_machine_floor_times_a_linear_layer_by_every_route(capsys):
+    from experiments import machine_floor
+
+    [row] = machine_floor.main(["--linear", "4x64x96", "--threads", "1"])
+    assert row["shape"] == [4, 64, 96] and all(row[r] > 0 for r in machine_floor.ROUTES)
+    assert "| 4 x 64 x 96 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="ROWSxINxOUT"):
+        machine_floor.main(["--linear", "4x64"])
