@@ -265,30 +265,30 @@ def _profile_step(eng: HFEngine, batch: int, length: int, steps: int, top: int =
     print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top))
 
 
-def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
-    """Decode modes side by side on one module (see the module docstring, item 4)."""
+def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: ANN001
+    """Decode modes side by side on one module in ``dtype`` (see the module docstring, item 4)."""
     from experiments.machine_floor import floor_tok_s, probe
 
     if args.random_weights:
-        model, tok = random_weights_model(path, args.dtype, args.seed)
-        base = HFEngine(model=model.to(args.device), tokenizer=tok, dtype=args.dtype, max_batch_size=1,
+        model, tok = random_weights_model(path, dtype, args.seed)
+        base = HFEngine(model=model.to(args.device), tokenizer=tok, dtype=dtype, max_batch_size=1,
                         decode="dynamic")
     else:
-        base = HFEngine(path, device=args.device, dtype=args.dtype, max_batch_size=1, decode="dynamic")
+        base = HFEngine(path, device=args.device, dtype=dtype, max_batch_size=1, decode="dynamic")
     rows = []
-    machine = probe(str(base.device), getattr(torch, args.dtype))
+    machine = probe(str(base.device), getattr(torch, dtype))
     where = f"{args.threads} threads" if base.device.type == "cpu" else torch.cuda.get_device_name(base.device)
-    print(f"\nMachine ({where}): {args.dtype} GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+    print(f"\nMachine ({where}): {dtype} GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
           f"{machine['stream_gbs']:.1f} GB/s")
     weights = "random weights at the shape of " if args.random_weights else ""
-    print(f"\nHFEngine decode modes on {weights}{args.model}, {base.device}, {args.dtype}, "
+    print(f"\nHFEngine decode modes on {weights}{args.model}, {base.device}, {dtype}, "
           f"{args.new_tokens} new tokens per request, one request per slot, median of {args.repeats} interleaved "
           "repeat(s)\n")
     print("| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
           "compile s | prefill % of time | steps % of time |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.decode_batches:
-        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=args.dtype, max_batch_size=batch,
+        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=dtype, max_batch_size=batch,
                                decode=m, static_cache_tokens=args.static_cache_tokens, seed=args.seed)
                    for m in args.decode}
         prompts = _prompts(base.tokenizer, batch, random.Random(args.seed))
@@ -311,7 +311,8 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
         for m, eng in engines.items():
             rate = statistics.median(rates[m])
             ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
-            row = {"batch": batch, "decode": m, "tok_s": rate, "vs_dynamic": rate / ref if ref else None,
+            row = {"batch": batch, "decode": m, "dtype": dtype, "tok_s": rate,
+                   "vs_dynamic": rate / ref if ref else None,
                    "graphs_captured": warm[m].get("graph_captures", 0.0), "hw_floor_tok_s": hw, "hw_limit": limit,
                    "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds"),
                    # the fixed-shape paths time their prefills (one request at a time) and their decode steps
@@ -334,7 +335,7 @@ def _decode_bench(args: argparse.Namespace, path) -> dict:  # noqa: ANN001
         for eng in engines.values():
             eng.close()
     return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),
-            "device_name": where, "machine": machine, "dtype": args.dtype, "new_tokens": args.new_tokens,
+            "device_name": where, "machine": machine, "dtype": dtype, "new_tokens": args.new_tokens,
             "threads": args.threads, "repeats": args.repeats, "decode": rows}
 
 
@@ -381,7 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--random-weights", action="store_true",
                     help="with --decode: random weights at --model's config (a folder with config and tokenizer "
                          "only is enough), for a machine the weights cannot reach")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="with --decode: the engines' dtype; several run one after the other in this run, each "
+                         "with its own probe of the machine in that dtype")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="with --decode: also profile this many bare steps of each fixed-shape mode at each batch "
                          "and print the operators with the most self time")
@@ -391,7 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
     if args.decode:
-        res = _decode_bench(args, path)
+        runs = [_decode_bench(args, path, dtype) for dtype in args.dtype]
+        res = {**runs[0], "dtype": args.dtype, "machine": {r["dtype"]: r["machine"] for r in runs},
+               "decode": [row for r in runs for row in r["decode"]]}
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

@@ -74,12 +74,17 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys
     result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
                                 "--decode-batches", "2", "--new-tokens", "6", "--static-cache-tokens", "2048",
                                 "--threads", str(torch.get_num_threads()), "--profile", "2",
-                                "--out", str(tmp_path / "d.json")])
+                                "--dtype", "float32", "bfloat16", "--out", str(tmp_path / "d.json")])
     printed = capsys.readouterr().out
     # one profile, of the fixed-shape mode only, naming the step's matrix products
-    assert printed.count("Profile of 2 bare steps") == 1 and "decode=static, batch 2" in printed
+    assert printed.count("Profile of 2 bare steps") == 2 and "decode=static, batch 2" in printed  # one per dtype
     assert "aten::mm" in printed or "aten::addmm" in printed
-    rows = {r["decode"]: r for r in result["decode"]}
+    # both dtypes in one run, each with its own probe and its own dynamic reference
+    assert set(result["machine"]) == {"float32", "bfloat16"}
+    assert [(r["dtype"], r["decode"]) for r in result["decode"]] == [
+        ("float32", "dynamic"), ("float32", "static"), ("bfloat16", "dynamic"), ("bfloat16", "static")]
+    assert result["decode"][2]["vs_dynamic"] == 1.0
+    rows = {r["decode"]: r for r in result["decode"] if r["dtype"] == "float32"}
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
     assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
     # the fixed-shape path splits its time into prefills and steps (the rest is host work between them)
