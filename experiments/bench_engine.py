@@ -315,7 +315,7 @@ def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: 
                    "vs_dynamic": rate / ref if ref else None,
                    "graphs_captured": warm[m].get("graph_captures", 0.0), "hw_floor_tok_s": hw, "hw_limit": limit,
                    "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds"),
-                   # the fixed-shape paths time their prefills (one request at a time) and their decode steps
+                   # the fixed-shape paths time their prefills (batched per refill) and their decode steps
                    "prefill_share": (timed[m]["prefill_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None,
                    "step_share": (timed[m]["decode_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None}
             if eng.static_decoder is not None:

@@ -1,10 +1,18 @@
 """The HF engine's fixed-shape decode path: a static per-slot KV cache, optionally replayed as CUDA graphs.
 
 ``HFEngine(decode="static")`` and ``decode="cuda_graph"`` decode here instead of through the left-padded dynamic cache
-(:mod:`arpo_algo.rollout.engines.kv_cache`). Everything else is the engine's own code: requests are prefilled alone
-(with prefix reuse from the KV store and shared prefill of identical contexts), finished rows leave at once and
+(:mod:`arpo_algo.rollout.engines.kv_cache`). Everything else is the engine's own code: finished rows leave at once and
 pending requests take their slots, and each row's tokens are recorded (logprob, entropy, top logprobs, ``on_token``,
 stop strings, per-request budgets) by the same functions as on the dynamic path.
+
+Prefill. The requests that enter free slots together are prefilled in one forward (several when their padded size
+passes :data:`PREFILL_TOKENS`) that writes their KV straight into their slots: each row first copies its stored prefix
+(``prefix_key``) into its slot, then its remaining tokens are fed left-padded to the longest (so that every row's
+last token is the forward's last position and one row of logits per request is computed), at their own positions,
+under a mask that lets each token see its own slot's columns up to itself; padding writes no KV and nothing attends
+to it. A context that another request of the call already prefilled is copied from that slot (or, across refills,
+from a copy kept while identical requests are pending). The result equals per-request prefills up to the summation
+order of the batched matrix products.
 
 Host work per step. The packed results of a step come to the host once and go into arrays (``_Book``); EOS, the
 budget and stop strings are decided there with vectorised checks over the step's tokens. Only the rows that may have
@@ -54,6 +62,9 @@ from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
 
 MIN_COLUMNS = 64  # the smallest column bucket
+#: Token positions (rows x longest suffix, padding included) one batched prefill forward may take; more rows wait for
+#: the next forward. Bounds the prefill's activations the way max_batch_size bounds a step's.
+PREFILL_TOKENS = 4096
 # columns of the per-slot state tensor (float64: token ids and positions are exact below 2**53)
 TOK, POS, STEP, ACTIVE, TEMP, GREEDY, TOPK, TOPP = range(8)
 _IDLE = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)  # a free slot: feeds token 0 at position 0, never advances
@@ -98,6 +109,43 @@ def _slot_layer_class() -> type:
             return self.kbuf.shape[2]
 
     return SlotLayer
+
+
+@functools.cache
+def _prefill_layer_class() -> type:
+    """A transformers cache layer that writes a batched prefill's keys/values straight into the slot buffers."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class SlotPrefillLayer(CacheLayerMixin):
+        """Writes the real (not padding) tokens of each row into its slot at their positions; returns, per row, the
+        first ``length`` columns of its slot (its reused prefix, then the tokens just written)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, where: tuple, slots: torch.Tensor,
+                     length: int) -> None:
+            super().__init__()
+            self.kbuf, self.vbuf, self.where, self.slots, self.length = keys, values, where, slots, length
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:  # noqa: ANN001
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            row, t, slot, col = self.where
+            self.kbuf[slot, :, col] = key_states[row, :, t]
+            self.vbuf[slot, :, col] = value_states[row, :, t]
+            return (self.kbuf.index_select(0, self.slots)[:, :, :self.length],
+                    self.vbuf.index_select(0, self.slots)[:, :, :self.length])
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.kbuf.shape[2]
+
+    return SlotPrefillLayer
 
 
 def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int,
@@ -312,37 +360,157 @@ class StaticDecoder:
 
     def _refill(self, requests: list, pending: collections.deque, results: list, slots: list,
                 twins: collections.Counter, prefilled: dict, shape: SampleShape, book: _Book) -> None:
-        """Put pending requests into free slots (lowest first): prefill, first token, then the slot's state."""
+        """Put pending requests into free slots (lowest first), prefilled together in batched forwards: first token,
+        then the slot's state. Repeats while a row that ended at its first token left its slot free."""
         eng = self.engine
-        for b in range(self.slots):
-            while slots[b] is None and pending:
-                row = eng._new_row(pending[0], requests[pending.popleft()])
-                if row.max_new <= 0:
-                    results[row.idx] = eng._result(row, "length", None)
-                    continue
-                t0 = time.perf_counter()
-                k1, v1, logits = eng._prefill_shared(row, twins, prefilled)
-                self._ensure_buffers(k1, v1)
-                p = row.req.params
-                uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64) if p.temperature else None
-                first = sample_rows(logits, self._row_params(p, logits.device),
-                                    (uniforms[:1] if uniforms is not None else torch.zeros(1, dtype=torch.float64))
-                                    .to(logits.device), shape)
-                packed = torch.cat([x.double().reshape(1, -1) for x in first], 1)[0].tolist()
-                eng._record(row, *_unpack(packed, shape.logprobs_k, row.topk))
-                eng._stats["prefill_seconds"] += time.perf_counter() - t0
+        while pending and any(r is None for r in slots):
+            entering = []
+            for b in range(self.slots):
+                while slots[b] is None and pending:
+                    row = eng._new_row(pending[0], requests[pending.popleft()])
+                    if row.max_new <= 0:
+                        results[row.idx] = eng._result(row, "length", None)
+                        continue
+                    slots[b] = row
+                    entering.append((b, row))
+            if not entering:
+                return
+            t0 = time.perf_counter()
+            logits = self._prefill(entering, twins, prefilled)
+            self._first_tokens(entering, logits, shape)
+            eng._stats["prefill_seconds"] += time.perf_counter() - t0
+            for b, row in entering:
                 if row.finish:
-                    results[row.idx] = eng._result(row, row.finish, (k1, v1))
+                    kv = ([k[b:b + 1, :, :row.fed] for k in self.keys], [v[b:b + 1, :, :row.fed] for v in self.values])
+                    results[row.idx] = eng._result(row, row.finish, kv)
+                    slots[b] = None
                     continue
-                n = row.fed
-                for buf, src in zip(self.keys + self.values, k1 + v1):
-                    buf[b, :, :n].copy_(src[0])
-                if uniforms is not None:
-                    self.uniforms[b, :uniforms.shape[0]].copy_(uniforms)
-                self.state[b] = torch.tensor([row.new[-1], n, 1, 1, p.temperature or 1.0, p.temperature == 0,
+                p = row.req.params
+                self.state[b] = torch.tensor([row.new[-1], row.fed, 1, 1, p.temperature or 1.0, p.temperature == 0,
                                               self._top_k(p.top_k), p.top_p], dtype=torch.float64)
-                slots[b] = row
                 book.start(b, row)
+
+    def _prefill(self, entering: list, twins: collections.Counter, prefilled: dict) -> torch.Tensor:
+        """The KV of every entering row into its slot, and each row's next-token logits ``[rows, vocab]``.
+
+        A row whose context another row of this call already prefilled copies that KV; a row with a stored prefix
+        (``prefix_key``) copies it and feeds only the rest. The rows left are fed together, left-padded to their
+        longest suffix (so that every row's last token is the forward's last position), in forwards of at most
+        :data:`PREFILL_TOKENS` positions; padding writes no KV and no row attends to it."""
+        eng = self.engine
+        weight = next(eng.model.parameters())
+        if not self.keys or self.keys[0].device != weight.device or self.keys[0].dtype != weight.dtype:
+            self._allocate_like_model()
+        logits: dict[int, torch.Tensor] = {}
+        feed = []  # (entering index, slot, row, reused prefix length)
+        first: dict[tuple[int, ...], int] = {}  # context -> entering index that prefills it in this round
+        for j, (b, row) in enumerate(entering):
+            ctx = tuple(row.req.token_ids)
+            twins[ctx] -= 1
+            row.fed = len(ctx)
+            if ctx in prefilled or ctx in first:
+                eng._stats["reused_tokens"] += len(ctx)
+                eng._stats["shared_prefills"] += 1
+                continue
+            m, entry = eng._store.lookup(row.req.prefix_key, row.req.token_ids)
+            if entry is not None and m > 0:
+                for buf, src in zip(self.keys + self.values, entry.keys + entry.values):
+                    buf[b, :, :m].copy_(src[0, :, :m])
+            else:
+                m = 0
+            eng._stats["prefill_tokens"] += len(ctx) - m
+            eng._stats["reused_tokens"] += m
+            first[ctx] = j
+            feed.append((j, b, row, m))
+        feed.sort(key=lambda f: len(f[2].req.token_ids) - f[3])
+        while feed:
+            group = [feed.pop(0)]
+            while feed and (len(group) + 1) * (len(feed[0][2].req.token_ids) - feed[0][3]) <= PREFILL_TOKENS:
+                group.append(feed.pop(0))
+            for j, out in zip([g[0] for g in group], self._prefill_forward(group)):
+                logits[j] = out
+        for j, (b, row) in enumerate(entering):  # the shared contexts, from this round or an earlier one
+            ctx = tuple(row.req.token_ids)
+            if j in logits:
+                if twins[ctx] > 0:  # identical requests still pending: keep this prefill for them
+                    n = len(ctx)
+                    prefilled[ctx] = ([k[b:b + 1, :, :n].clone() for k in self.keys],
+                                      [v[b:b + 1, :, :n].clone() for v in self.values], logits[j])
+                continue
+            src = first.get(ctx)
+            if src is not None:
+                sb = entering[src][0]
+                for buf in self.keys + self.values:
+                    buf[b, :, :row.fed].copy_(buf[sb, :, :row.fed])
+                logits[j] = logits[src]
+            else:
+                k1, v1, lg = prefilled[ctx]
+                for buf, src_kv in zip(self.keys + self.values, k1 + v1):
+                    buf[b, :, :row.fed].copy_(src_kv[0])
+                logits[j] = lg
+        for ctx in [c for c in prefilled if twins[c] <= 0]:  # no identical request left to serve
+            del prefilled[ctx]
+        return torch.stack([logits[j] for j in range(len(entering))])
+
+    def _prefill_forward(self, group: list) -> torch.Tensor:
+        """One batched forward over ``group`` = [(entering index, slot, row, reused prefix)]: left-padded suffixes,
+        each token at its own position; its KV goes into the row's slot. The last position's logits per row."""
+        eng = self.engine
+        dev = eng.device
+        suffix = [row.req.token_ids[m:] for _, _, row, m in group]
+        width = max(len(x) for x in suffix)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        pos = torch.zeros(len(group), width, dtype=torch.long)
+        where: list[list[int]] = [[], [], [], []]  # row, column of the forward; slot, column of the slot
+        for r, ((_, b, _, m), toks) in enumerate(zip(group, suffix)):
+            pad = width - len(toks)
+            ids[r, pad:] = torch.tensor(toks, dtype=torch.long)
+            pos[r, pad:] = torch.arange(m, m + len(toks))
+            for w, x in zip(where, ([r] * len(toks), range(pad, width), [b] * len(toks), range(m, m + len(toks)))):
+                w.extend(x)
+        length = self.bucket_columns(max(len(row.req.token_ids) for _, _, row, _ in group))
+        real = torch.zeros(len(group), width, dtype=torch.bool)
+        for r, toks in enumerate(suffix):
+            real[r, width - len(toks):] = True
+        cols = torch.arange(length)
+        allowed = (cols[None, None, :] <= pos[:, :, None]) & real[:, :, None]
+        allowed[:, :, 0] |= ~real  # a padding query attends to column 0 only (never all-masked); its output is unused
+        mask = allowed.to(dev)
+        if eng.model.config._attn_implementation == "eager":
+            dtype = self.keys[0].dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
+        slots = torch.tensor([b for _, b, _, _ in group], device=dev)
+        idx = tuple(torch.tensor(w, dtype=torch.long, device=dev) for w in where)
+        layer = _prefill_layer_class()
+        from transformers.cache_utils import Cache
+
+        cache = Cache(layers=[layer(k, v, idx, slots, length) for k, v in zip(self.keys, self.values)])
+        out = eng.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask[:, None],
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+        eng._stats["forward_calls"] += 1
+        eng._stats["prefill_forwards"] += 1
+        return out.logits[:, -1]
+
+    def _first_tokens(self, entering: list, logits: torch.Tensor, shape: SampleShape) -> None:
+        """Sample and record every entering row's first token, and put its uniforms into its slot."""
+        eng = self.engine
+        dev = logits.device
+        draws = []
+        for b, row in entering:
+            p = row.req.params
+            if p.temperature:
+                uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64)
+                self.uniforms[b, :uniforms.shape[0]].copy_(uniforms)
+                draws.append(uniforms[0])
+            else:
+                draws.append(torch.zeros((), dtype=torch.float64))
+        params = [self._row_params(row.req.params, dev) for _, row in entering]
+        joined = RowParams(*(torch.cat([getattr(x, f) for x in params]) for f in ("temperature", "greedy", "top_k",
+                                                                                   "top_p")))
+        first = sample_rows(logits, joined, torch.stack(draws).to(dev), shape)
+        packed = torch.cat([x.double().reshape(len(entering), -1) for x in first], 1).tolist()
+        for (_, row), out in zip(entering, packed):
+            eng._record(row, *_unpack(out, shape.logprobs_k, row.topk))
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _top_k(self, top_k: int) -> int:
@@ -361,6 +529,17 @@ class StaticDecoder:
                          greedy=torch.tensor([p.temperature == 0], device=device),
                          top_k=torch.tensor([self._top_k(p.top_k)], dtype=torch.long, device=device),
                          top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device))
+
+    def _allocate_like_model(self) -> None:
+        """Allocate the slot buffers from a one-token forward's KV (its layers, heads, head size and dtype)."""
+        eng = self.engine
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.inference_mode():
+            eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1)
+        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
 
     def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor]) -> None:
         """Allocate the slot buffers on first use, shaped like this prefill's KV (layers, heads, head size, dtype)."""

@@ -108,6 +108,42 @@ def test_static_prefix_reuse_and_shared_prefill_equal_dynamic(pair):
     assert len({tuple(g.token_ids) for g in outs[1]}) > 1  # shared KV, own seeds
 
 
+def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, monkeypatch):
+    """Requests entering free slots are prefilled together (left-padded, each at its own positions, on top of its
+    own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on the forward's size
+    splits them into more forwards with the same results."""
+    from arpo_algo.rollout.engines import static_decode
+
+    dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static",
+                   static_cache_tokens=512)
+    heads = {}
+    for eng in (dyn, sta):  # two finished requests whose KV each engine stores
+        heads[eng] = eng.generate([GenRequest(f"h{i}", _ids(dyn, "question " * (2 + 5 * i)),
+                                              SamplingParams(max_new_tokens=6, seed=i)) for i in range(2)])
+
+    def batch(eng):  # two continuations after a tool result (prefix reuse) and two fresh prompts, 4 slots
+        conts = [GenRequest(f"c{i}", _ids(dyn, "question " * (2 + 5 * i)) + h.token_ids
+                            + _ids(dyn, " <result>7</result>"), SamplingParams(max_new_tokens=9, seed=10 + i),
+                            prefix_key=h.cache_key) for i, h in enumerate(heads[eng])]
+        fresh = [GenRequest(f"f{i}", _ids(dyn, "a fresh prompt " * (1 + 4 * i)),
+                            SamplingParams(max_new_tokens=7, temperature=0.0 if i else 0.8, seed=20 + i))
+                 for i in range(2)]
+        return conts + fresh
+
+    dyn.stats(), sta.stats()
+    want = dyn.generate(batch(dyn))
+    got = sta.generate(batch(sta))
+    _assert_same(want, got)
+    st = sta.stats()
+    assert st["prefix_hits"] == 2 and st["prefill_forwards"] == 1  # four requests, one forward
+    assert st["prefill_tokens"] == dyn.stats()["prefill_tokens"]  # the same tokens fed: the prefixes were reused
+    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 24)  # fewer positions per forward than the four need
+    again = sta.generate(batch(sta))
+    assert sta.stats()["prefill_forwards"] >= 3
+    _assert_same(want, again)
+
+
 def test_static_rows_cross_column_buckets_and_stop_at_the_context_limit(tiny_model_dir):
     dyn = HFEngine(tiny_model_dir, max_batch_size=2, decode="dynamic")
     sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static", static_cache_tokens=150)
