@@ -112,7 +112,7 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     """Requests entering free slots are prefilled together (left-padded, each at its own positions, on top of its
     own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on the forward's size
     splits them into more forwards with the same results."""
-    from arpo_algo.rollout.engines import static_decode
+    from arpo_algo.rollout.engines import slot_prefill
 
     dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
     sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static",
@@ -138,7 +138,7 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     st = sta.stats()
     assert st["prefix_hits"] == 2 and st["prefill_forwards"] == 1  # four requests, one forward
     assert st["prefill_tokens"] == dyn.stats()["prefill_tokens"]  # the same tokens fed: the prefixes were reused
-    monkeypatch.setattr(static_decode, "PREFILL_TOKENS", 24)  # fewer positions per forward than the four need
+    monkeypatch.setattr(slot_prefill, "PREFILL_TOKENS", 24)  # fewer positions per forward than the four need
     again = sta.generate(batch(sta))
     assert sta.stats()["prefill_forwards"] >= 3
     _assert_same(want, again)
