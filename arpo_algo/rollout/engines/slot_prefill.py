@@ -68,9 +68,7 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
     longest suffix (so that every row's last token is the forward's last position), in forwards of at most
     :data:`PREFILL_TOKENS` positions; padding writes no KV and no row attends to it."""
     eng = dec.engine
-    weight = next(eng.model.parameters())
-    if not dec.keys or dec.keys[0].device != weight.device or dec.keys[0].dtype != weight.dtype:
-        dec._allocate_like_model()
+    dec.ensure_buffers_for_model()
     logits: dict[int, torch.Tensor] = {}
     feed = []  # (entering index, slot, row, reused prefix length)
     first: dict[tuple[int, ...], int] = {}  # context -> entering index that prefills it in this round

@@ -213,6 +213,7 @@ class StaticDecoder:
         self._pool: Any = None
         self._weights: tuple = ()
         self._stop_filter = StopFilter(engine.tokenizer, engine.vocab_rows)
+        self._made_for: tuple = ()  # (device, dtype) of the weights the slot buffers were made for
 
     @classmethod
     def for_engine(cls, engine: Any, static_cache_tokens: int | None) -> StaticDecoder:
@@ -388,9 +389,13 @@ class StaticDecoder:
                          top_k=torch.tensor([self._top_k(p.top_k)], dtype=torch.long, device=device),
                          top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device))
 
-    def _allocate_like_model(self) -> None:
-        """Allocate the slot buffers from a one-token forward's KV (its layers, heads, head size and dtype)."""
+    def ensure_buffers_for_model(self) -> None:
+        """Slot buffers shaped like the model's KV (layers, heads, head size, dtype, device), from a one-token forward
+        when there are none yet or the weights moved or changed dtype since they were made."""
         eng = self.engine
+        weight = next(eng.model.parameters())
+        if self.keys and self._made_for == (weight.device, weight.dtype):
+            return
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -398,6 +403,7 @@ class StaticDecoder:
             eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), past_key_values=cache,
                       use_cache=True, logits_to_keep=1)
         self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
+        self._made_for = (weight.device, weight.dtype)
 
     def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor]) -> None:
         """Allocate the slot buffers on first use, shaped like this prefill's KV (layers, heads, head size, dtype)."""
