@@ -25,21 +25,17 @@ PREFILL_TOKENS = 4096
 
 @functools.cache
 def prefill_layer_class() -> type:
-    """A transformers cache layer that writes a batched prefill's keys/values straight into the slot buffers."""
-    from transformers.cache_utils import CacheLayerMixin
+    """The decode step's slot layer, writing a batched prefill's keys/values into the slot buffers instead."""
+    from arpo_algo.rollout.engines.static_decode import _slot_layer_class
 
-    class SlotPrefillLayer(CacheLayerMixin):
+    class SlotPrefillLayer(_slot_layer_class()):
         """Writes the real (not padding) tokens of each row into its slot at their positions; returns, per row, the
         first ``length`` columns of its slot (its reused prefix, then the tokens just written)."""
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, where: tuple, slots: torch.Tensor,
                      length: int) -> None:
-            super().__init__()
-            self.kbuf, self.vbuf, self.where, self.slots, self.length = keys, values, where, slots, length
-            self.is_initialized = True
-
-        def lazy_initialization(self, key_states, value_states) -> None:  # noqa: ANN001
-            pass
+            super().__init__(keys, values, None, length)
+            self.where, self.slots = where, slots
 
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             row, t, slot, col = self.where
@@ -47,15 +43,6 @@ def prefill_layer_class() -> type:
             self.vbuf[slot, :, col] = value_states[row, :, t]
             return (self.kbuf.index_select(0, self.slots)[:, :, :self.length],
                     self.vbuf.index_select(0, self.slots)[:, :, :self.length])
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.length, 0
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def get_max_length(self) -> int:
-            return self.kbuf.shape[2]
 
     return SlotPrefillLayer
 
