@@ -41,8 +41,9 @@ def prefill_layer_class() -> type:
             row, t, slot, col = self.where
             self.kbuf[slot, :, col] = key_states[row, :, t]
             self.vbuf[slot, :, col] = value_states[row, :, t]
-            return (self.kbuf.index_select(0, self.slots)[:, :, :self.length],
-                    self.vbuf.index_select(0, self.slots)[:, :, :self.length])
+            # columns first: index_select copies, and only the first ``length`` columns are attended
+            return (self.kbuf[:, :, :self.length].index_select(0, self.slots),
+                    self.vbuf[:, :, :self.length].index_select(0, self.slots))
 
     return SlotPrefillLayer
 
@@ -127,10 +128,9 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
     real = torch.zeros(len(group), width, dtype=torch.bool)
     for r, toks in enumerate(suffix):
         real[r, width - len(toks):] = True
-    cols = torch.arange(length)
-    allowed = (cols[None, None, :] <= pos[:, :, None]) & real[:, :, None]
-    allowed[:, :, 0] |= ~real  # a padding query attends to column 0 only (never all-masked); its output is unused
-    mask = allowed.to(dev)
+    ids, pos, real = ids.to(dev), pos.to(dev), real.to(dev)  # the mask is built where attention reads it
+    mask = (torch.arange(length, device=dev)[None, None, :] <= pos[:, :, None]) & real[:, :, None]
+    mask[:, :, 0] |= ~real  # a padding query attends to column 0 only (never all-masked); its output is unused
     if eng.model.config._attn_implementation == "eager":
         dtype = dec.keys[0].dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
@@ -140,7 +140,7 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
     from transformers.cache_utils import Cache
 
     cache = Cache(layers=[layer(k, v, idx, slots, length) for k, v in zip(dec.keys, dec.values)])
-    out = eng.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask[:, None],
+    out = eng.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None],
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
     eng._stats["forward_calls"] += 1
     eng._stats["prefill_forwards"] += 1

@@ -390,8 +390,8 @@ class StaticDecoder:
                          top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device))
 
     def ensure_buffers_for_model(self) -> None:
-        """Slot buffers shaped like the model's KV (layers, heads, head size, dtype, device), from a one-token forward
-        when there are none yet or the weights moved or changed dtype since they were made."""
+        """Slot buffers shaped like the model's KV (layers, heads, head size, dtype), from a one-token forward when
+        there are none yet or the weights changed dtype since they were made (the engine's device is fixed)."""
         eng = self.engine
         weight = next(eng.model.parameters())
         if self.keys and self._made_for == (weight.device, weight.dtype):

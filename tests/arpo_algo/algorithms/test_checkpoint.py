@@ -61,6 +61,26 @@ def test_round_trip_is_bit_equal_and_resumes_position(trained):
         restored.stop()
 
 
+def test_a_trial_placed_on_a_node_restores_in_the_driver(trained, tmp_path):
+    """A Tune trial's checkpoint holds its backend.main_resources; restoring it in the driver (the step after a sweep)
+    runs it here instead of refusing the placement the driver cannot have."""
+    import shutil
+
+    _, path = trained
+    placed = tmp_path / "placed"
+    shutil.copytree(path, placed)
+    marker = placed / "arpo_checkpoint.json"
+    state = json.loads(marker.read_text())
+    state["config"]["settings"]["backend"]["main_resources"] = {"node_a": 1.0}
+    marker.write_text(json.dumps(state))
+    assert read_checkpoint_state(str(placed))["config"]["settings"]["backend"]["main_resources"] == {"node_a": 1.0}
+    restored = ARPO.from_checkpoint(str(placed))
+    try:
+        assert restored.config.settings.backend.main_resources == {} and restored.iteration == 1
+    finally:
+        restored.stop()
+
+
 def test_policy_folder_is_a_plain_hf_model(trained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
