@@ -24,11 +24,44 @@ PREFILL_TOKENS = 4096
 
 
 @functools.cache
+def slot_layer_class() -> type:
+    """The decode step's transformers cache layer over one slice of the slot buffers (defined once, on first use;
+    :mod:`~arpo_algo.rollout.engines.static_decode` uses it, and the prefill layer below extends it)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class SlotLayer(CacheLayerMixin):
+        """Writes each row's new key/value at that row's position; returns the first ``length`` columns."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, length: int) -> None:
+            super().__init__()
+            self.kbuf, self.vbuf, self.pos, self.length = keys, values, pos, length
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:  # noqa: ANN001
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            idx = self.pos.expand(-1, key_states.shape[1], key_states.shape[2], key_states.shape[3])
+            self.kbuf.scatter_(2, idx, key_states)
+            self.vbuf.scatter_(2, idx, value_states)
+            return self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return self.kbuf.shape[2]
+
+    return SlotLayer
+
+
+@functools.cache
 def prefill_layer_class() -> type:
     """The decode step's slot layer, writing a batched prefill's keys/values into the slot buffers instead."""
-    from arpo_algo.rollout.engines.static_decode import _slot_layer_class
-
-    class SlotPrefillLayer(_slot_layer_class()):
+    class SlotPrefillLayer(slot_layer_class()):
         """Writes the real (not padding) tokens of each row into its slot at their positions; returns, per row, the
         first ``length`` columns of its slot (its reused prefix, then the tokens just written)."""
 

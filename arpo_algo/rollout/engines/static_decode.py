@@ -42,7 +42,6 @@ implementations other than "sdpa" and "eager" (the step passes its own 4-D mask)
 from __future__ import annotations
 
 import collections
-import functools
 import time
 from typing import Any
 
@@ -69,44 +68,11 @@ def _bucket(need: int, start: int, cap: int) -> int:
     return min(size, cap)
 
 
-@functools.cache
-def _slot_layer_class() -> type:
-    """A transformers cache layer over one slice of the slot buffers (defined once, on first use)."""
-    from transformers.cache_utils import CacheLayerMixin
-
-    class SlotLayer(CacheLayerMixin):
-        """Writes each row's new key/value at that row's position; returns the first ``length`` columns."""
-
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, length: int) -> None:
-            super().__init__()
-            self.kbuf, self.vbuf, self.pos, self.length = keys, values, pos, length
-            self.is_initialized = True
-
-        def lazy_initialization(self, key_states, value_states) -> None:  # noqa: ANN001
-            pass
-
-        def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            idx = self.pos.expand(-1, key_states.shape[1], key_states.shape[2], key_states.shape[3])
-            self.kbuf.scatter_(2, idx, key_states)
-            self.vbuf.scatter_(2, idx, value_states)
-            return self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.length, 0
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def get_max_length(self) -> int:
-            return self.kbuf.shape[2]
-
-    return SlotLayer
-
-
 def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int,
                 layer: type) -> Any:
     """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row); ``layer``
-    is :func:`_slot_layer_class`, looked up outside the step so that a compiled step never defines a class."""
+    is :func:`~arpo_algo.rollout.engines.slot_prefill.slot_layer_class`, looked up outside the step so that a
+    compiled step never defines a class."""
     from transformers.cache_utils import Cache
 
     idx = pos[:, None, None, None]
@@ -204,7 +170,7 @@ class StaticDecoder:
         self.compiled = CompiledStep(self._body, engine._stats) if compiled else None
         self._columns = column_buckets(context, MIN_COLUMNS) if compiled else None
         self.slots = engine.max_batch_size
-        self._layer = _slot_layer_class()
+        self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.state = self.uniforms = self.cols = None
