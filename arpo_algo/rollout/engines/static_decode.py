@@ -262,8 +262,7 @@ class StaticDecoder:
                 book.keep(eng, r, b, shape.logprobs_k)
                 eng._check_finish(r, tok)
                 if r.finish:
-                    kv = ([k[b:b + 1, :, :r.fed] for k in self.keys], [v[b:b + 1, :, :r.fed] for v in self.values])
-                    results[r.idx] = eng._result(r, r.finish, kv)
+                    results[r.idx] = eng._result(r, r.finish, self._slot_kv(b, r.fed))
                     slots[b] = None
                     book.live[b] = False
                     done.append(b)
@@ -303,14 +302,17 @@ class StaticDecoder:
             eng._stats["prefill_seconds"] += time.perf_counter() - t0
             for b, row in entering:
                 if row.finish:
-                    kv = ([k[b:b + 1, :, :row.fed] for k in self.keys], [v[b:b + 1, :, :row.fed] for v in self.values])
-                    results[row.idx] = eng._result(row, row.finish, kv)
+                    results[row.idx] = eng._result(row, row.finish, self._slot_kv(b, row.fed))
                     slots[b] = None
                     continue
                 p = row.req.params
                 self.state[b] = torch.tensor([row.new[-1], row.fed, 1, 1, p.temperature or 1.0, p.temperature == 0,
                                               self._top_k(p.top_k), p.top_p], dtype=torch.float64)
                 book.start(b, row)
+
+    def _slot_kv(self, b: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Slot ``b``'s first ``n`` cached positions per layer, as a finished row's KV (views; the store copies)."""
+        return [k[b:b + 1, :, :n] for k in self.keys], [v[b:b + 1, :, :n] for v in self.values]
 
     def _prefill(self, entering: list, twins: collections.Counter, prefilled: dict) -> torch.Tensor:
         """The entering rows' KV into their slots and their next-token logits (:func:`slot_prefill.prefill`)."""
