@@ -88,17 +88,24 @@ def arpo(cluster, *args: str, wait: bool = True):
 
 
 def trials_by_node(out) -> dict[str, object]:
-    """Trial folder per pinned resource, read from each trial's own params.json."""
+    """Trial folder per pinned resource, read from each trial's own params.json.
+
+    Tune writes these files while the test polls them: a file not yet complete is read again on the next poll.
+    """
     found = {}
     for params in (out / "arpo").glob("arpo_*/params.json"):
-        [resource] = json.loads(params.read_text())["backend.main_resources"]
+        try:
+            [resource] = json.loads(params.read_text())["backend.main_resources"]
+        except json.JSONDecodeError:
+            continue
         found[resource] = params.parent
     return found
 
 
 def iterations(trial_dir) -> list[int]:
     path = trial_dir / "result.json"
-    rows = path.read_text().splitlines() if path.is_file() else []
+    text = path.read_text() if path.is_file() else ""
+    rows = text.split("\n")[:-1]  # a last line without its newline is still being written
     return [json.loads(x)["training_iteration"] for x in rows if x.strip()]
 
 
