@@ -113,7 +113,7 @@ class LocalCluster:
 
     def env(self, node: bool = False) -> dict[str, str]:
         """The environment of a driver joining the cluster (``RAY_ADDRESS``), or of the nodes' processes."""
-        repo = str(Path(__file__).resolve().parents[2])
+        repo = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
         return {**os.environ, "PYTHONPATH": path, "RAY_ADDRESS": self.address, "RAY_TMPDIR": str(self.root),
                 "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo",
