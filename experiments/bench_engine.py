@@ -27,7 +27,9 @@ so the table separates what the weight layout buys from what refill and prefix r
    time the decode loop keeps), and for every mode the *hardware floor* from the machine's GEMM and streaming
    probes run first (:mod:`experiments.machine_floor`) with "% of floor"; "compile s" is the warm-up's compile time.
    ``--profile STEPS`` adds, per fixed-shape mode and batch, torch's profiler table of that many bare steps: where a
-   step's time goes.
+   step's time goes. ``--decode-rollout PROMPTS`` adds the rollout scenario (3.) per mode: each mode's engine
+   (``max(--decode-batches)`` slots) runs the same ARPO sampling step over PROMPTS tasks, interleaved per repeat;
+   tok/s is tokens the sampler received per second of engine time.
 
 Usage::
 
@@ -334,9 +336,37 @@ def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: 
                     _profile_step(eng, batch, max(len(p) for p in prompts) + 1, args.profile)
         for eng in engines.values():
             eng.close()
+    if args.decode_rollout:
+        rows += _decode_rollout_rows(args, base, dtype, hw=floor_tok_s(base.model, max(args.decode_batches),
+                                                                       machine)[0])
     return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),
             "device_name": where, "machine": machine, "dtype": dtype, "new_tokens": args.new_tokens,
             "threads": args.threads, "repeats": args.repeats, "decode": rows}
+
+
+def _decode_rollout_rows(args: argparse.Namespace, base: HFEngine, dtype: str, hw: float) -> list[dict]:
+    """The rollout scenario per decode mode (see the module docstring, item 4): median tok/s of engine time."""
+    slots = max(args.decode_batches)
+    engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=dtype, max_batch_size=slots, decode=m,
+                           static_cache_tokens=args.static_cache_tokens, seed=args.seed) for m in args.decode}
+    tasks = list(range(args.decode_rollout))
+    for eng in engines.values():  # warm-up (graphs captured or compiled here), on other tasks
+        _rollout(eng, [t + len(tasks) for t in tasks], args.seed)
+    rates: dict[str, list[float]] = {m: [] for m in engines}
+    for r in range(args.repeats):
+        for m, eng in engines.items():
+            tokens, seconds = _rollout(eng, tasks, args.seed + r)
+            rates[m].append(tokens / seconds)
+    rows = []
+    for m, eng in engines.items():
+        rate = statistics.median(rates[m])
+        ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
+        rows.append({"batch": "rollout", "decode": m, "dtype": dtype, "tok_s": rate, "slots": slots,
+                     "vs_dynamic": rate / ref if ref else None, "hw_floor_tok_s": hw, "of_hw_floor": rate / hw})
+        print(f"| rollout ({len(tasks)} tasks, {slots} slots) | {m} | {rate:.1f} | "
+              f"{f'{rate / ref:.2f}x' if ref else '-'} | - | - | {hw:.0f} | {rate / hw:.0%} | - | - | - |", flush=True)
+        eng.close()
+    return rows
 
 
 def random_weights_model(folder, dtype: str, seed: int):  # noqa: ANN001, ANN201
@@ -385,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="with --decode: the engines' dtype; several run one after the other in this run, each "
                          "with its own probe of the machine in that dtype")
+    ap.add_argument("--decode-rollout", type=int, default=0, metavar="PROMPTS",
+                    help="with --decode: also the rollout scenario per mode, an ARPO sampling step over PROMPTS tasks")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="with --decode: also profile this many bare steps of each fixed-shape mode at each batch "
                          "and print the operators with the most self time")

@@ -97,6 +97,17 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys
     assert (tmp_path / "d.json").is_file()
 
 
+def test_bench_engine_decode_modes_on_the_rollout_scenario(tiny_model_dir, capsys):
+    """--decode-rollout: every mode runs the same real ARPO sampling step (Python tool, tree) and gets its row."""
+    result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
+                                "--decode-batches", "4", "--new-tokens", "4", "--static-cache-tokens", "4096",
+                                "--threads", str(torch.get_num_threads()), "--decode-rollout", "1"])
+    rollout = {r["decode"]: r for r in result["decode"] if r["batch"] == "rollout"}
+    assert set(rollout) == {"dynamic", "static"} and rollout["dynamic"]["vs_dynamic"] == 1.0
+    assert all(r["tok_s"] > 0 and r["slots"] == 4 and r["of_hw_floor"] > 0 for r in rollout.values())
+    assert "| rollout (1 tasks, 4 slots) | static |" in capsys.readouterr().out
+
+
 @pytest.mark.vllm
 def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
     """--vllm --push-only: engine start and weight pushes of the model's own weights, greedy output unchanged."""
