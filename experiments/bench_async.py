@@ -93,7 +93,7 @@ def on_local_cluster(argv: list[str], args: argparse.Namespace) -> dict[str, Any
     def stop(signum, frame):  # SIGTERM unwinds through the finally below
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
     child = [a for a in argv if a != "--local-cluster"]
     if args.actor_resources is None:
         child += ["--actor-resources", '{"node_a": 1}']
@@ -111,14 +111,14 @@ def on_local_cluster(argv: list[str], args: argparse.Namespace) -> dict[str, Any
                 cluster.wait_for([name])
             proc = subprocess.Popen([sys.executable, "-m", "experiments.bench_async", *child], env=cluster.env())
             if proc.wait() != 0:
-                raise SystemExit(f"the benchmark's driver failed (exit {proc.returncode}); the nodes' logs were in "
-                                 f"{cluster.root}")
+                raise SystemExit(f"the benchmark's driver failed (exit {proc.returncode}; its output is above)")
             return json.loads(out.read_text())
         finally:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
             cluster.shutdown()
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
