@@ -104,11 +104,7 @@ def on_local_cluster(argv: list[str], args: argparse.Namespace) -> dict[str, Any
             child += ["--out", str(out)]
         proc = None
         try:
-            cluster.start_head()
-            cluster.wait_for(["head"])
-            for name in ("a", "b"):  # one at a time: nodes starting together race for socket names
-                cluster.add_worker(name, 2, {f"node_{name}": 1.0})
-                cluster.wait_for([name])
+            cluster.start({"a": {"node_a": 1.0}, "b": {"node_b": 1.0}}, worker_cpus=2)
             proc = subprocess.Popen([sys.executable, "-m", "experiments.bench_async", *child], env=cluster.env())
             if proc.wait() != 0:
                 raise SystemExit(f"the benchmark's driver failed (exit {proc.returncode}; its output is above)")

@@ -148,6 +148,19 @@ class LocalCluster:
                                     f"--ray-client-server-port={client}", f"--system-config={json.dumps(system)}"],
                            num_cpus, resources or {"head": 1.0})
 
+    def start(self, workers: dict[str, dict[str, float]], worker_cpus: int) -> None:
+        """Head, then each worker with its resources, one at a time (nodes starting together race for socket
+        names); every process is stopped if any node fails to come up."""
+        try:
+            self.start_head()
+            self.wait_for(["head"])
+            for name, resources in workers.items():
+                self.add_worker(name, worker_cpus, resources)
+                self.wait_for([name])
+        except BaseException:
+            self.shutdown()
+            raise
+
     def add_worker(self, name: str, num_cpus: int, resources: dict[str, float]) -> Node:
         return self._start(name, [f"--address={self.address}"], num_cpus, resources)
 

@@ -15,12 +15,8 @@ WORKER_CPUS = 2
 def cluster():
     """Head (1 CPU, resource ``head``) and workers ``a``/``b``; every process stopped at the end, even on failure."""
     c = LocalCluster()
+    c.start(WORKERS, WORKER_CPUS)
     try:
-        c.start_head()
-        c.wait_for(["head"])
-        for name, resources in WORKERS.items():  # one at a time: nodes starting together race for socket names
-            c.add_worker(name, WORKER_CPUS, resources)
-            c.wait_for([name])
         yield c
     finally:
         c.shutdown()
