@@ -152,7 +152,9 @@ def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: i
 
 
 def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
-    """Both checkpoints from disk, each in its own engine, under the experiment's evaluation settings."""
+    """Both checkpoints from disk, each in its own engine, under the experiment's evaluation settings and the
+    engine settings of its ``[rollouts]`` (``--set rollouts.hf.decode=static`` decodes the evaluation that way too;
+    each result records the decode path its engine took)."""
     from arpo_algo.algorithms.components import env_creator
     from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
     from arpo_algo.rollout.engines.hf import HFEngine
@@ -161,10 +163,11 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     settings = eval_settings(cfg).as_kwargs()  # the same mapping training's evaluate() uses (nothing dropped)
     split = cfg.settings.evaluation.split
     creator = env_creator(cfg, split=split)
+    rollouts = cfg.settings.rollouts
     out: dict[str, Any] = {"settings": {**settings, "split": split}}
     for name, path in (("before", sft_dir), ("after", policy_dir)):
-        engine = HFEngine(path, max_batch_size=cfg.settings.rollouts.hf.max_batch_size, seed=cfg.seed)
-        out[name] = evaluate_engine(engine, creator, **settings)
+        engine = HFEngine(path, **rollouts.hf.engine_kwargs(), device=rollouts.device, seed=cfg.seed)
+        out[name] = {**evaluate_engine(engine, creator, **settings), "decode": engine.decode}
         print(f"[quickstart]   {name}: accuracy {out[name]['accuracy']:.3f} "
               f"({out[name]['num_tasks']:.0f} held-out tasks)", flush=True)
     return out

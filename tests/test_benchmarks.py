@@ -142,3 +142,35 @@ def test_machine_floor_times_a_linear_layer_by_every_route(capsys):
     assert "| 4 x 64 x 96 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="ROWSxINxOUT"):
         machine_floor.main(["--linear", "4x64"])
+
+
+@pytest.mark.timeout(600)
+def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_dir, tmp_path, capsys):
+    """bench_quickstart: each mode's quickstart run trains and evaluates with that decode path (the evaluation's
+    engines record the path they took: the quickstart's evaluation honours [rollouts.hf]), from one SFT folder."""
+    import json
+
+    from experiments import bench_quickstart
+
+    sft = tmp_path / "sft_run"
+    sft.mkdir()
+    for name in bench_quickstart.STAGE_MARKERS:  # an SFT stage "done" whose checkpoint is the tiny model
+        (sft / name).write_text(json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0}))
+    result = bench_quickstart.main(["--sft", str(sft), "--modes", "dynamic", "static", "--threads", "1",
+                                    "--output", str(tmp_path / "runs"), "--set", "experiment.iterations=1",
+                                    "--set", "evaluation.num_prompts=2", "--set", "rollouts.max_response_tokens=16",
+                                    "--set", "training.prompts_per_step=1"])
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"dynamic", "static"}
+    for mode, r in runs.items():
+        assert r["eval_decode"] == [mode, mode]
+        assert r["arpo_s"] > 0 and r["generate_s"] > 0 and r["tokens_sampled"] > 0 and r["eval_tokens"] > 0
+    out = capsys.readouterr().out
+    assert "| dynamic |" in out and "| static |" in out and "1.00x" in out
+
+
+def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path):
+    from experiments import bench_quickstart
+
+    with pytest.raises(SystemExit, match="no .stage_pull.json, .stage_sft.json"):
+        bench_quickstart.main(["--sft", str(tmp_path)])
