@@ -2,7 +2,7 @@
 
     python -m experiments.study plan
     python -m experiments.study run arpo grpo --seeds 0-15 --sft runs/quickstart/sft --records FILE
-    python -m experiments.study report --records FILE [--figures DIR]
+    python -m experiments.study report --records FILE [--figures DIR] [--arms ARM ...]
 
 The analysis is fixed before any run (``plan`` prints it; docs/results/powered-comparison.md states it): the primary
 test is the two-sided Wilcoxon signed-rank test on the paired final held-out accuracies of ARPO and GRPO (same seed,
@@ -187,6 +187,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     records = read_records(args.records)
+    if args.arms:
+        unknown = sorted(set(args.arms) - {r["arm"] for r in records})
+        if unknown:
+            raise ConfigError(f"no record of the arm(s) {', '.join(unknown)} in {args.records}",
+                              hint=f"--arms takes some of {', '.join(sorted({r['arm'] for r in records}))}")
+        records = [r for r in records if r["arm"] in args.arms]
     if records and args.baseline not in {r["arm"] for r in records}:
         raise ConfigError(f"no record of the baseline arm {args.baseline!r} in {args.records}",
                           hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}")
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--records", type=Path, default=ROOT / "experiments" / "study_records.jsonl")
     rep.add_argument("--figures", type=Path, default=None, help="write the plots into this folder")
     rep.add_argument("--baseline", default="grpo", help="the arm the others are paired against (default grpo)")
+    rep.add_argument("--arms", nargs="+", default=None,
+                     help="only these arms in the tables and figures (default: every arm recorded)")
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         import torch

@@ -58,3 +58,20 @@ def test_report_pairs_against_the_baseline_it_is_given(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["report", "--records", str(path), "--baseline", "grpo"]) == 2  # no such arm: refused, not empty
+
+
+def test_report_keeps_only_the_arms_it_is_given(tmp_path, capsys):
+    import json
+
+    from experiments.study import main
+
+    records = [_record("grpo", 0, [0.25, 0.5], [0, 10]), _record("arpo", 0, [0.25, 0.75], [0, 10]),
+               _record("quickstart_mb1", 0, [0.25, 1.0], [0, 10])]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", "--records", str(path), "--arms", "arpo", "grpo", "--figures", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| arpo | 1 |" in out and "| grpo | 1 |" in out and "quickstart_mb1" not in out
+    assert (tmp_path / "study_accuracy_vs_tool_calls.png").is_file()
+    assert main(["report", "--records", str(path), "--arms", "aepo"]) == 2  # no such arm: refused, not empty
+    assert "no record of the arm(s) aepo" in capsys.readouterr().err
