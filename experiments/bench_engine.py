@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vllm", action="store_true",
                     help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)")
     ap.add_argument("--vllm-batches", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="with --vllm: the dtype of both engines (and of the pushed weights)")
     ap.add_argument("--push-only", action="store_true", help="with --vllm: time only the weight push")
     ap.add_argument("--push-shape", default=None, help="with --push-only: random weights of this shape "
                     "(qwen2.5-1.5b), --model's tokenizer")

@@ -72,7 +72,7 @@ def _continuation(eng: Any, prompts: list[list[int]], tool: list[int], side: str
 
 
 def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "float32") -> dict:  # noqa: ANN001
-    """All scenarios at each batch size on HF, arpo-vLLM and plain vLLM; returns the result dict.
+    """All scenarios at each batch size on HF, arpo-vLLM and plain vLLM, all in ``dtype``; returns the result dict.
 
     ``make_prompts(tok, n, rng)`` and ``rollout(engine, tasks, seed) -> (tokens, seconds)`` come from
     :mod:`experiments.bench_engine` (passed in, so the two modules do not import each other)."""
@@ -85,7 +85,8 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
     veng = VLLMEngine(path, dtype=dtype, seed=args.seed)
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hf = HFEngine(path, max_batch_size=max(args.vllm_batches), kv_cache_capacity_tokens=1 << 20)
+    # both engines in the same dtype (--vllm-dtype), so a row compares engines, not precisions
+    hf = HFEngine(path, dtype=dtype, max_batch_size=max(args.vllm_batches), kv_cache_capacity_tokens=1 << 20)
     hf_start_s = time.perf_counter() - t0
     tok = hf.tokenizer
     sd = {k: v.detach().clone() for k, v in hf.model.state_dict().items()}
@@ -127,8 +128,9 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
 
 def print_vllm_table(res: dict, cpu: dict) -> None:
     isa = ", ".join(k for k, v in cpu.items() if v) or "none of avx2/avx512"
-    print(f"\nvLLM side ({res['dtype']}, CPU flags: {isa}; {res['threads']} threads). Engine start: vLLM "
-          f"{res['vllm_start_s']:.1f} s, HF {res['hf_start_s']:.1f} s. Weight push ({res['weight_push_mib']:.0f} MiB): "
+    print(f"\nvLLM side (both engines in {res['dtype']}, CPU flags: {isa}; {res['threads']} threads). "
+          f"Engine start: vLLM {res['vllm_start_s']:.1f} s, HF {res['hf_start_s']:.1f} s. "
+          f"Weight push ({res['weight_push_mib']:.0f} MiB): "
           + ", ".join(f"{s:.2f} s" for s in res["weight_push_s"]) + "\n")
     print("| scenario@batch | HF engine tok/s | arpo vLLM tok/s | plain vLLM tok/s | arpo-vLLM / plain | "
           "arpo-vLLM / HF |")

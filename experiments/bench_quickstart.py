@@ -53,6 +53,11 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"error: the quickstart with decode={mode!r} exited with {rc}; the end of {log}:\n{tail}")
+    return read_run(out, mode)
+
+
+def read_run(out: Path, mode: str) -> dict[str, Any]:
+    """The figures of one finished quickstart run folder."""
     summary = json.loads((out / "summary.json").read_text())
     evaluation = json.loads((out / ".stage_evaluate.json").read_text())
     metrics = read_metrics(out / "arpo")
