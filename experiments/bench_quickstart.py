@@ -5,7 +5,8 @@ from one SFT checkpoint, in a fresh process of its own (no compile cache, alloca
 mode to the next beyond what the disk keeps), with the same seeds; rounds repeat the modes in alternating order so a
 change of the machine's load falls on both sides. Printed per mode: the ARPO stage's wall time, the time its rollouts
 spent generating and the tokens they sampled (so a mode that happens to sample longer answers is visible), the update
-time, the evaluation stage's time, the held-out accuracies, and each figure's ratio to the first mode:
+time, the evaluation stage's time, the held-out accuracies, each stage's peak resident memory, and each time's ratio
+to the first mode:
 
     python -m experiments.bench_quickstart --sft runs/quickstart --modes dynamic static --rounds 1 --threads 2
 
@@ -90,17 +91,19 @@ def table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
     base = med[modes[0]]
     lines = ["| decode | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
              "| evaluation s | eval tokens | ARPO stage speed-up | generate tok/s ratio | evaluation speed-up "
-             "| accuracy before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| accuracy before -> after | peak GB (ARPO, evaluation) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in modes:
         f = med[m]
         rate = f["tokens_sampled"] / f["generate_s"] if f["generate_s"] else 0.0
         base_rate = base["tokens_sampled"] / base["generate_s"] if base["generate_s"] else 0.0
         acc = ", ".join(f"{r['before']:.3f} -> {r['after']:.3f}" for r in runs if r["mode"] == m)
+        peak = ", ".join(f"{r['peak_rss_gb'].get('arpo') or 0:.2f} / {r['peak_rss_gb'].get('evaluate') or 0:.2f}"
+                         for r in runs if r["mode"] == m)
         lines.append(f"| {m} | {f['arpo_s']:.0f} | {f['generate_s']:.0f} | {f['update_s']:.0f} | "
                      f"{f['tokens_sampled']:.0f} | {rate:.1f} | {f['evaluate_s']:.0f} | {f['eval_tokens']:.0f} | "
                      f"{base['arpo_s'] / f['arpo_s']:.2f}x | {rate / base_rate if base_rate else 0.0:.2f}x | "
-                     f"{base['evaluate_s'] / f['evaluate_s']:.2f}x | {acc} |")
+                     f"{base['evaluate_s'] / f['evaluate_s']:.2f}x | {acc} | {peak} |")
     return lines
 
 

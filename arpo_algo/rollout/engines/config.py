@@ -30,8 +30,9 @@ class HFEngineConfig:
         "compiled by torch inductor, all slots and two column buckets; CPU, needs a C++ compiler); 'auto' = "
         "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.")
     static_cache_tokens: int | None = setting(
-        None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'); it becomes the engine's "
-        "context limit. None = the model's max_position_embeddings.")
+        None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'/'compiled'); it becomes the "
+        "engine's context limit. None = the model's max_position_embeddings (SmolLM2: 8192 tokens, 6 GB at 16 slots "
+        "in float32; a cache larger than the free memory is refused).")
     kv_cache_capacity_tokens: int = setting(
         65536, "Tokens of finished-sequence KV kept for prefix reuse (least recently used first out); 0 disables it.")
 

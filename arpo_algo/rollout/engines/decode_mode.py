@@ -102,16 +102,33 @@ def kv_bytes(model: Any, slots: int, context: int) -> int:
     return 2 * cfg.num_hidden_layers * slots * kv_heads * context * head_dim * elem
 
 
+def available_ram() -> int | None:
+    """Bytes of RAM the kernel reports available now (``MemAvailable``); None where there is no ``/proc/meminfo``."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def check_memory(model: Any, slots: int, context: int) -> None:
-    """On CUDA, refuse a static cache larger than the free device memory (before any work starts)."""
+    """Refuse a static cache larger than the memory free now (the GPU's, or the machine's RAM on CPU), before any work
+    starts: the buffers are allocated whole at the first call, so one that does not fit would otherwise fail (or be
+    killed by the OS) in the middle of a run."""
     device = next(model.parameters()).device
-    if device.type != "cuda":
-        return
-    need, free = kv_bytes(model, slots, context), torch.cuda.mem_get_info(device)[0]
-    if need > free:
+    need = kv_bytes(model, slots, context)
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], str(device)
+    else:
+        free, where = available_ram(), "this machine"
+    if free is not None and need > free:
         raise ConfigError(f"the static KV cache needs {need / 2**30:.1f} GiB ({slots} slots x {context} tokens) but "
-                          f"{device} has {free / 2**30:.1f} GiB free",
-                          hint="lower max_batch_size or static_cache_tokens, or use decode='dynamic'")
+                          f"{where} has {free / 2**30:.1f} GiB free",
+                          hint="lower max_batch_size or static_cache_tokens (tokens per sequence; the default is the "
+                               "model's whole context), or use decode='dynamic'")
 
 
 def auto_graph_problem(model: Any, linear_layout: str, slots: int, max_positions: int | None,

@@ -13,7 +13,13 @@ import torch
 
 from arpo_algo.rollout.engines import build_engine
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.decode_mode import AUTO_CUDA_GRAPHS, graph_memory_problem, kv_bytes, static_problem
+from arpo_algo.rollout.engines.decode_mode import (
+    AUTO_CUDA_GRAPHS,
+    available_ram,
+    graph_memory_problem,
+    kv_bytes,
+    static_problem,
+)
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_base.errors import ConfigError
 
@@ -197,6 +203,11 @@ def test_decode_option_errors_and_auto(tiny_model_dir, pair):
         HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="graphs")
     with pytest.raises(ConfigError, match="static_cache_tokens"):
         HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="static", static_cache_tokens=1)
+    # a static cache larger than the RAM available now is refused when the engine is made, not at its first call
+    slots = available_ram() // kv_bytes(dyn.model, 1, dyn.max_positions) + 1
+    with pytest.raises(ConfigError, match=r"static KV cache needs .* GiB free") as err:
+        HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="static", max_batch_size=slots)
+    assert "static_cache_tokens" in err.value.hint
     with pytest.raises(ConfigError, match="cuda_graph"):
         build_engine("hf", model_or_path=str(tiny_model_dir), decode="cuda_graph")
     # what "auto" checks before it picks cuda_graph on a GPU (and what an explicit request is refused for)
