@@ -121,6 +121,24 @@ def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
     assert result["pushed_mib"] == pytest.approx(result["params"] * 4 / 2**20, rel=0.2)  # + the tied head's copy
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_bench_engine_vllm_side_runs_both_engines_in_the_chosen_dtype(tmp_path):
+    """--vllm --vllm-dtype bfloat16: every scenario on the HF engine, arpo's vLLM engine and plain vLLM, the HF engine
+    in bfloat16 too (it pushes its own weights, so the push is half the float32 size)."""
+    from arpo_algo.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
+    result = bench_engine.main(["--model", str(model), "--vllm", "--vllm-batches", "2", "--vllm-dtype", "bfloat16",
+                                "--threads", str(torch.get_num_threads())])
+    assert result["dtype"] == "bfloat16"
+    assert set(result["rows"]) == {"refill@2", "tool_continuation@2", "rollout@2"}
+    for row in result["rows"].values():
+        assert set(row) == {"hf", "arpo_vllm", "plain_vllm"} and all(tokens > 0 for tokens, _ in row.values())
+    params = sum(p.numel() for p in HFEngine(model).model.parameters())
+    assert result["weight_push_mib"] == pytest.approx(params * 2 / 2**20, rel=0.2)  # bfloat16 weights pushed
+
+
 @pytest.mark.timeout(300)
 def test_bench_async_times_both_modes_with_a_rollout_actor(tiny_model_dir, tmp_path):
     from experiments import bench_async
