@@ -179,10 +179,15 @@ class HFEngine:
             self.static_decoder.close()
 
     def sleep(self) -> None:
-        """Free the stored KV and transposed weight copies (stale after a learner update); the next call rebuilds."""
+        """Free the stored KV and transposed weight copies (stale after a learner update), and on the ``static`` path
+        its slot buffers (the static KV cache, allocated whole: 0.75 GB for SmolLM2 at 16 slots x 1024 tokens); the
+        next call rebuilds them. ``cuda_graph`` and ``compiled`` keep their buffers: their captured graphs and
+        compiled steps were made for them."""
         self._store.clear()
         if self._transposed is not None:
             self._transposed.clear()
+        if self.decode == "static" and self.static_decoder is not None:
+            self.static_decoder.close()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""

@@ -164,6 +164,24 @@ def test_static_rows_cross_column_buckets_and_stop_at_the_context_limit(tiny_mod
     assert res[1].finish_reason == "error" and "150" in res[1].error
 
 
+def test_sleep_frees_the_static_kv_cache_and_decoding_resumes(tiny_model_dir):
+    """The Algorithm calls engine.sleep() before each learner update: on the static path the slot buffers (the whole
+    static KV cache) are freed too, and the next call rebuilds them with the same results."""
+    import gc
+    import weakref
+
+    eng = HFEngine(tiny_model_dir, decode="static", max_batch_size=3, static_cache_tokens=256)
+    reqs = _mixed_requests(eng, _a_stop(eng))
+    first = eng.generate(reqs)
+    buffers = [weakref.ref(b) for b in eng.static_decoder.keys + eng.static_decoder.values]
+    assert buffers
+    eng.sleep()
+    gc.collect()
+    assert all(ref() is None for ref in buffers)
+    _assert_same(first, eng.generate(reqs), tol=1e-6)
+    assert eng.static_decoder.keys
+
+
 def test_static_follows_in_place_weight_updates(pair):
     dyn, sta = pair
     req = GenRequest("w", _ids(dyn, "weights move "), SamplingParams(max_new_tokens=16, temperature=0.0))
