@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,6 @@ from typing import Any
 
 MODES = ("dynamic", "static", "compiled")
 STAGE_MARKERS = (".stage_pull.json", ".stage_sft.json")
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
@@ -59,9 +55,11 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
 
 def read_run(out: Path, mode: str) -> dict[str, Any]:
     """The figures of one finished quickstart run folder."""
+    from arpo_algo.run.driver import read_metrics
+
     summary = json.loads((out / "summary.json").read_text())
     evaluation = json.loads((out / ".stage_evaluate.json").read_text())
-    metrics = read_metrics(out / "arpo")
+    metrics = read_metrics(out / "arpo" / "metrics.jsonl")
     return {
         "mode": mode,
         "arpo_s": summary["stage_times_s"]["arpo"],
@@ -77,17 +75,11 @@ def read_run(out: Path, mode: str) -> dict[str, Any]:
     }
 
 
-def median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
 def table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
     """Per mode: the median over rounds of each figure, and its ratio to the first mode's (time ratios as base /
     this, so above 1 is faster)."""
     cols = ("arpo_s", "generate_s", "update_s", "tokens_sampled", "evaluate_s", "eval_tokens")
-    med = {m: {c: median([r[c] for r in runs if r["mode"] == m]) for c in cols} for m in modes}
+    med = {m: {c: statistics.median([r[c] for r in runs if r["mode"] == m]) for c in cols} for m in modes}
     base = med[modes[0]]
     lines = ["| decode | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
              "| evaluation s | eval tokens | ARPO stage speed-up | generate tok/s ratio | evaluation speed-up "
