@@ -105,14 +105,16 @@ def check_dtype(dtype: str, platform: Any) -> None:
 
 
 def check_memory(kv_cache_bytes: int) -> None:
-    """A ConfigError when the KV-cache reservation is larger than the memory free right now."""
-    import psutil
+    """A ConfigError when the KV-cache reservation is not positive or larger than the RAM available right now (the
+    same reading as the static decode path's check)."""
+    from arpo_algo.rollout.engines.decode_mode import available_ram
 
-    free = psutil.virtual_memory().available
-    if kv_cache_bytes <= 0 or kv_cache_bytes > free:
+    free = available_ram()
+    if kv_cache_bytes <= 0 or (free is not None and kv_cache_bytes > free):
+        free_now = "free memory unknown" if free is None else f"{free / 2**30:.2f} GiB free now"
         raise ConfigError(f"the vLLM KV cache reservation of {kv_cache_bytes / 2**30:.2f} GiB "
                           f"{'is not positive' if kv_cache_bytes <= 0 else 'exceeds the free memory'} "
-                          f"({free / 2**30:.2f} GiB free now)",
+                          f"({free_now})",
                           hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory")
 
 
