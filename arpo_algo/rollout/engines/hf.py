@@ -42,7 +42,7 @@ import torch
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
 from arpo_algo.rollout.engines.decode_mode import resolve_decode
-from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, grow_layer_class, merge_rows
+from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
@@ -123,6 +123,7 @@ class HFEngine:
         self._store = KVStore(kv_cache_capacity_tokens, self._stats)
         self._on_token: TokenCallback | None = None
         self._layer_cls = grow_layer_class()
+        self.cache_kw = cache_argument(self.model)  # the forward's name for the KV cache in this transformers
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
@@ -340,8 +341,8 @@ class HFEngine:
         ids = torch.tensor([ctx[m:]], dtype=torch.long, device=self.device)
         pos = torch.arange(m, len(ctx), device=self.device).unsqueeze(0)
         att = torch.ones(1, len(ctx), dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self.cache_kw: cache})
         self._stats["prefill_tokens"] += len(ctx) - m
         self._stats["reused_tokens"] += m
         self._stats["forward_calls"] += 1
@@ -355,7 +356,7 @@ class HFEngine:
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         cache = build_cache(self._layer_cls, keys, values, reuse=self._decode_layers)
         self._decode_layers = cache.layers
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
         self._stats["forward_calls"] += 1
         for r in rows:
             r.fed += 1

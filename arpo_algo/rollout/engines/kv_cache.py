@@ -6,6 +6,7 @@ them).
 from __future__ import annotations
 
 import collections
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,13 @@ class KVStore:
         self._entries.move_to_end(prefix_key)
         self.stats["prefix_hits"] += 1
         return min(m, len(ctx) - 1), entry  # at least one token must be fed to get the next-token logits
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword ``model.forward`` takes its KV cache under: ``cache`` in the transformers releases that renamed it,
+    ``past_key_values`` in the earlier 5.x ones (the old name is deprecated there and goes away in a later release,
+    so every forward of the engines passes the cache under the name this returns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def grow_layer_class() -> type:

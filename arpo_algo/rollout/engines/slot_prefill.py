@@ -173,8 +173,8 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
     from transformers.cache_utils import Cache
 
     cache = Cache(layers=[layer(k, v, idx, slots, length) for k, v in zip(dec.keys, dec.values)])
-    out = eng.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None],
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = eng.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], use_cache=True, logits_to_keep=1,
+                    **{eng.cache_kw: cache})
     eng._stats["forward_calls"] += 1
     eng._stats["prefill_forwards"] += 1
     return out.logits[:, -1]

@@ -368,8 +368,8 @@ class StaticDecoder:
 
         cache = DynamicCache()
         with torch.inference_mode():
-            eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), past_key_values=cache,
-                      use_cache=True, logits_to_keep=1)
+            eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), use_cache=True,
+                      logits_to_keep=1, **{eng.cache_kw: cache})
         self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
         self._made_for = (weight.device, weight.dtype)
 
@@ -432,7 +432,8 @@ class StaticDecoder:
         cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length,
                             self._layer)
         out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
-                                attention_mask=mask[:, None, None, :], past_key_values=cache, use_cache=True)
+                                attention_mask=mask[:, None, None, :], use_cache=True,
+                                **{self.engine.cache_kw: cache})
         params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
                            top_p=st[:, TOPP].float())
         step = st[:, STEP].long().clamp(max=self.context - 1)

@@ -8,6 +8,8 @@ and per-request max tokens.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -180,6 +182,22 @@ def test_sleep_frees_the_static_kv_cache_and_decoding_resumes(tiny_model_dir):
     assert all(ref() is None for ref in buffers)
     _assert_same(first, eng.generate(reqs), tol=1e-6)
     assert eng.static_decoder.keys
+
+
+def test_engines_pass_the_kv_cache_under_the_forwards_own_name(pair):
+    """Every forward of both paths (the dynamic prefill and step, the static buffers' probe, its batched prefill and
+    step) passes the cache under the keyword this transformers names it, so none goes through the deprecated alias
+    that a later release removes."""
+    dyn, _ = pair
+    fresh = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static",
+                     static_cache_tokens=256)  # a new decoder: its buffers are probed by a forward on first use
+    reqs = [GenRequest(f"w{i}", _ids(dyn, f"warn {i}: " + "context " * i), SamplingParams(max_new_tokens=6, seed=i))
+            for i in range(3)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for eng in (dyn, fresh):
+            assert [len(g.token_ids) for g in eng.generate(reqs)] == [6, 6, 6]
+    assert not [w for w in seen if "past_key_values" in str(w.message)], [str(w.message) for w in seen]
 
 
 def test_static_follows_in_place_weight_updates(pair):
