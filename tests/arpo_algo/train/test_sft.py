@@ -277,7 +277,7 @@ def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_mo
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
                           reduction="sum") / n
     ref.backward()
-    assert n == 5 and abs(loss - float(ref)) < 1e-5
+    assert n == 5 and abs(loss - ref.item()) < 1e-5
     for k, p in model.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-6), k
 
