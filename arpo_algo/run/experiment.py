@@ -199,9 +199,10 @@ def build_config(sections: dict[str, dict[str, Any]], run: ExperimentConfig, whe
     config.environment(env=env_id, env_config=env)
     config.update_settings({s: sections[s] for s in SETTING_SECTIONS if s in sections}, where)
     if "total_steps" not in sections.get("training", {}):
-        # One iteration = one learner update = ppo_epochs optimizer steps, so a decaying schedule ends at the
-        # run's last update (the TrainingConfig default None would refuse it).
-        config.training(total_steps=run.iterations * config.settings.training.ppo_epochs)
+        # One iteration = one learner update = ppo_epochs x mini_batches optimizer steps (the scheduler ticks on
+        # each), so a decaying schedule ends at the run's last step (the TrainingConfig default None would refuse it).
+        training = config.settings.training
+        config.training(total_steps=run.iterations * training.ppo_epochs * training.mini_batches)
     return config
 
 

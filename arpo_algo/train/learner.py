@@ -1,8 +1,9 @@
 """The learner: owns the policy model, the optimiser and schedule, and turns groups of trajectories into updates.
 
-One :meth:`Learner.update` call = ``ppo_epochs`` optimizer steps over all the groups passed (the caller passes one
-mini-batch). Within a step, the groups are split into micro-batches by token count (a group is never split: the
-tree pack needs all of it, and the entropy-aware z-score is per group) and gradients are accumulated.
+One :meth:`Learner.update` call = ``ppo_epochs`` x ``mini_batches`` optimizer steps over the groups passed (each epoch
+visits every mini-batch, a shuffled part of the groups, once; the schedule ticks on each step). Within a step, the
+groups are split into micro-batches by token count (a group is never split: the tree pack needs all of it, and the
+entropy-aware z-score is per group) and gradients are accumulated.
 
 **Loss aggregation (docs/concepts/arpo.md#loss-aggregation).** Every micro-batch's loss is divided by the normaliser of
 the WHOLE update, not of the micro-batch, so the accumulated gradient is exactly the global objective whatever the

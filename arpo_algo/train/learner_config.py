@@ -26,8 +26,8 @@ class LearnerConfig:
         weight_decay: AdamW weight decay (reference 0.01).
         lr_schedule: Learning-rate schedule (:mod:`arpo_algo.train.optim`); a decaying one needs ``total_steps``.
         warmup_steps: Steps of linear warm-up before the schedule (:mod:`arpo_algo.train.optim`).
-        total_steps: Optimizer steps the schedule spans; None = not known (``arpo train`` sets it from the
-            experiment's iterations).
+        total_steps: Optimizer steps the schedule spans; None = not known (``arpo train`` sets it to the
+            experiment's iterations x ppo_epochs x mini_batches).
         grad_clip: Gradient-norm clip (reference 1.0).
         clip_low: Lower PPO clip epsilon: the ratio is clipped at 1 - clip_low.
         clip_high: Upper PPO clip epsilon: the ratio is clipped at 1 + clip_high (above clip_low: DAPO clip-higher).

@@ -325,6 +325,11 @@ def test_total_steps_is_derived_from_the_iterations(tmp_path):
                                 "ppo_epochs = 2\n"))
     assert exp.config.settings.training.total_steps == 14
     exp.config.validate()
+    # The learner steps the schedule once per mini-batch: a run of 3 iterations x 2 epochs x 4 mini-batches takes 24
+    # optimizer steps, and a schedule sized to 6 would reach lr 0 a quarter of the way in.
+    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 3\n[training]\nlr_schedule = "linear"\n'
+                                "ppo_epochs = 2\nmini_batches = 4\nprompts_per_step = 4\n"))
+    assert exp.config.settings.training.total_steps == 24
     exp = load_experiment(write(tmp_path, BASE + "[training]\ntotal_steps = 100\n"))  # an explicit value wins
     assert exp.config.settings.training.total_steps == 100
     with pytest.raises(ConfigError, match="decays to 0 at total_steps, which is not set"):
