@@ -167,13 +167,16 @@ def _owner(settings_obj: Any, dotted: str) -> Any:
 
 
 def settings_rows() -> list[dict[str, Any]]:
-    """One dict per setting: name, type, default, allowed values, sentence (None when it has none)."""
+    """One dict per setting: name, type, default, the algorithms' own defaults where they differ, allowed values,
+    sentence (None when it has none)."""
     mod = _settings_module()
     defaults = mod.Settings()
     rows = []
     for dotted, tp, default, field in mod.setting_rows():
         owner = _owner(defaults, dotted)
-        rows.append({"name": dotted, "type": _type_name(tp), "default": default,
+        variants = {algo.upper(): table[dotted] for algo, table in mod.VARIANT_DEFAULTS.items()
+                    if dotted in table and table[dotted] != default}
+        rows.append({"name": dotted, "type": _type_name(tp), "default": default, "variants": variants,
                      "allowed": allowed_values(tp, owner, field.name), "doc": setting_doc(field, type(owner))})
     return rows
 
@@ -189,7 +192,8 @@ def settings_page() -> str:
              "Each setting has one dotted name `section.key`: the key of an experiment file's `[section]` table, "
              "the `--set section.key=value` override, the sweep knob, the key of a Tune or RLlib config dict, "
              "`config.update_settings({\"section.key\": value})` and the attribute path `config.settings.section.key`. "
-             "An unknown name fails with the closest valid one.", ""]
+             "An unknown name fails with the closest valid one. A default in brackets is that algorithm's own "
+             "(GRPO turns the tree sampler off; AEPO follows the released AEPO scripts).", ""]
     section = None
     for r in rows:
         sec = r["name"].rsplit(".", 1)[0]
@@ -198,7 +202,8 @@ def settings_page() -> str:
             lines += ["", f"## [{sec}]", "", "| setting | type | default | allowed | what it does |",
                       "|---|---|---|---|---|"]
         allowed = ", ".join(f"`{v}`" for v in r["allowed"]) if r["allowed"] else ""
-        lines.append(f"| `{r['name']}` | {r['type']} | `{r['default']!r}` | {allowed} | {_cell(r['doc'])} |")
+        default = f"`{r['default']!r}`" + "".join(f" ({algo}: `{v!r}`)" for algo, v in r["variants"].items())
+        lines.append(f"| `{r['name']}` | {r['type']} | {default} | {allowed} | {_cell(r['doc'])} |")
     return "\n".join(lines).strip() + "\n"
 
 

@@ -93,6 +93,24 @@ def test_every_setting_has_a_sentence_and_the_page_lists_every_setting():
     assert not [n for n in rows if f"`{n}`" not in page]
 
 
+def test_settings_page_shows_each_algorithms_own_defaults():
+    """A setting whose default differs for GRPO or AEPO (their configs' settings, not a table) says so on its row."""
+    from arpo_algo.algorithms import AEPOConfig, ARPOConfig, GRPOConfig
+    from arpo_algo.algorithms.settings import Settings
+
+    base = Settings().flat()
+    rows = {line.split(" | ")[0].strip("| `"): line
+            for line in (DOCS / "reference" / "settings.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")}
+    shown = 0
+    for cls in (ARPOConfig, GRPOConfig, AEPOConfig):
+        for name, value in cls().settings.flat().items():
+            if value != base[name]:
+                assert f"({cls.variant.upper()}: `{value!r}`)" in rows[name], (cls.__name__, name, rows[name])
+                shown += 1
+    assert shown >= 5
+
+
 def test_doc_references_in_code_resolve():
     """Every ``docs/PAGE.md#anchor`` cited in code names an existing page and one of its headings."""
     broken = []

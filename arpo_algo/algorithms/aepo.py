@@ -19,9 +19,7 @@ class AEPOConfig(ARPOConfig):
     the reference's extra discarded trajectory.
     """
 
-    variant = "aepo"
-    variant_defaults = {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True,
-                        "training.entropy_advantage": True, "tree.aepo_premonitor": False}
+    variant = "aepo"  # its defaults: settings.VARIANT_DEFAULTS["aepo"]
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or AEPO)

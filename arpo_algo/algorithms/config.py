@@ -47,7 +47,7 @@ class AgenticRLConfig(AlgorithmConfig):
 
     #: The tree sampler mode (``tree.mode``); set by the class, not by the user.
     variant: str = "arpo"
-    #: Defaults of this variant that differ from the sections' own, by dotted name.
+    #: Defaults of a subclass that differ from its variant's (``settings.VARIANT_DEFAULTS``), by dotted name.
     variant_defaults: dict[str, Any] = {}
 
     def __init__(self, algo_class: type | None = None) -> None:

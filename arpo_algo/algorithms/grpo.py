@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
-from arpo_algo.core.tree import TreeConfig
 
 
 class GRPOConfig(ARPOConfig):
@@ -15,8 +12,7 @@ class GRPOConfig(ARPOConfig):
     both ``budget`` and ``initial`` together).
     """
 
-    variant = "grpo"
-    variant_defaults: dict[str, Any] = {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0}
+    variant = "grpo"  # its defaults: settings.VARIANT_DEFAULTS["grpo"]
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or GRPO)

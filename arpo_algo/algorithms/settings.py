@@ -34,7 +34,7 @@ from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import dataclass_rows, setting, unknown_key_error, update_dataclass
 
-__all__ = ["LEGACY_NAMES", "MOVED", "SECTIONS", "ModelConfig", "Settings", "setting_rows"]
+__all__ = ["LEGACY_NAMES", "MOVED", "SECTIONS", "VARIANT_DEFAULTS", "ModelConfig", "Settings", "setting_rows"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ class ModelConfig:
 
 #: The sections of :class:`Settings`, in experiment-file order.
 SECTIONS = ("model", "tree", "training", "backend", "rollouts", "evaluation")
+
+#: Each algorithm's defaults that differ from the sections' own, by dotted name: GRPO turns the tree sampler off
+#: (``initial == budget``, no branching); AEPO follows the released AEPO scripts (docs/concepts/aepo.md#aepo-defaults).
+#: One table, read by the algorithm configs and by the settings reference, so the two cannot disagree.
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "arpo": {},
+    "grpo": {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0},
+    "aepo": {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True, "training.entropy_advantage": True,
+             "tree.aepo_premonitor": False},
+}
 
 _BACKEND_KEYS = tuple(f.name for f in dataclasses.fields(BackendConfig))
 #: Keys of an experiment-file section that moved to another section: ``{section: {old key: new dotted name}}``.
@@ -87,8 +97,9 @@ class Settings:
 
     @classmethod
     def for_variant(cls, variant: str) -> Settings:
-        """The defaults of one algorithm (``tree.mode`` is the algorithm, not a setting)."""
-        return cls(tree=TreeConfig(mode=variant))
+        """The defaults of one algorithm: its ``tree.mode`` (the algorithm, not a setting) and its
+        :data:`VARIANT_DEFAULTS`."""
+        return cls(tree=TreeConfig(mode=variant)).update(VARIANT_DEFAULTS.get(variant, {}), f"{variant} defaults")
 
     def update(self, values: Mapping[str, Any], where: str = "settings", *,
                placeholder: Callable[[Any], bool] | None = None) -> Settings:
