@@ -11,11 +11,13 @@ every rank, so the replicas stay identical. The decisions are global too: no sig
 non-finite loss on any rank -> no rank steps. A parameter that got no gradient on any rank stays ``grad=None`` on
 every rank, as in one process (AdamW skips it).
 
-**Split.** :func:`split_groups` gives each group to the least-loaded rank, largest first, counting tokens as the
-learner packs them (prefix-trie nodes with ``dedup_prefix``, else padded tokens). A rank may get no group; it still
-joins every collective. Metrics: sums over ranks for the weighted sums (losses, clip fractions, token counts), rank
-0's value for what is identical (grad_norm, lr, step, ...), pooled means for the advantage statistics; any other
-key is averaged over ranks.
+**Split.** The update's mini-batches are the single-process learner's
+(:func:`~arpo_algo.train.learner.mini_batch_parts`, same seed and step); each is cut across the ranks, so every
+optimizer step trains the same groups as in one process. Within a mini-batch, :func:`split_groups` gives each group
+to the least-loaded rank, largest first, counting tokens as the learner packs them (prefix-trie nodes with
+``dedup_prefix``, else padded tokens). A rank may get no group; it still joins every collective. Metrics: sums
+over ranks for the weighted sums (losses, clip fractions, token counts), rank 0's value for what is identical
+(grad_norm, lr, step, ...), pooled means for the advantage statistics; any other key is averaged over ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
 from arpo_algo.train.backend_config import BackendConfig, check_placement
-from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner import Learner, LearnerConfig, mini_batch_parts
 from arpo_base.errors import ArpoError, ConfigError
 
 __all__ = ["DDPBackend", "DistributedLearner", "combine_metrics", "split_groups"]
@@ -148,8 +150,8 @@ class LearnerWorker:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.learner = learner_cls(model_path, config, device=device, seed=seed)
 
-    def update(self, groups: list[Group]) -> dict[str, float]:
-        metrics = self.learner.update(groups)
+    def update(self, groups: list[Group], parts: list[list[int]] | None = None) -> dict[str, float]:
+        metrics = self.learner.update(groups, parts=parts)
         metrics[_NUM_SEQS] = float(sum(len(g.trajectories) for g in groups))
         return metrics
 
@@ -235,7 +237,7 @@ class DDPBackend(LearnerBackend):
             raise ConfigError(f"learner_backend={self.kind!r} needs a running Ray cluster",
                               hint="call ray.init() first (ARPO's Algorithm starts Ray itself when needed)")
         check_placement(backend, device)
-        self.config, self.backend, self.step, self._workers = config, backend, 0, []
+        self.config, self.backend, self.step, self.seed, self._workers = config, backend, 0, seed, []
         self.rank_nodes: list[str] = []
         #: Each rank's own metrics of the last update (diagnostics: what each rank did).
         self.last_rank_metrics: list[dict[str, float]] = []
@@ -289,12 +291,22 @@ class DDPBackend(LearnerBackend):
         if not groups:
             raise ArpoError("update() got no groups")
         costs = [group_cost(g, self.config.dedup_prefix) for g in groups]
-        parts = split_groups(costs, len(self._workers))
-        per_rank = ray.get([w.update.remote([groups[i] for i in part]) for w, part in zip(self._workers, parts)])
+        ranks = len(self._workers)
+        # The single-process learner's mini-batches, each cut across the ranks: every optimizer step is the same
+        # step on the same groups as in one process (a rank's share of a mini-batch may be empty).
+        rank_groups: list[list[int]] = [[] for _ in range(ranks)]
+        rank_parts: list[list[list[int]]] = [[] for _ in range(ranks)]
+        for part in mini_batch_parts(len(groups), self.config.mini_batches, self.seed, self.step):
+            for r, share in enumerate(split_groups([costs[i] for i in part], ranks)):
+                rank_parts[r].append(list(range(len(rank_groups[r]), len(rank_groups[r]) + len(share))))
+                rank_groups[r].extend(part[j] for j in share)
+        per_rank = ray.get([w.update.remote([groups[i] for i in mine], parts)
+                            for w, mine, parts in zip(self._workers, rank_groups, rank_parts)])
         self.last_rank_metrics = [dict(m) for m in per_rank]
         out = combine_metrics(per_rank)
-        out[LK.LEARNER_WORKERS] = float(len(self._workers))
-        out[LK.RANK_TOKEN_IMBALANCE] = max(sum(costs[i] for i in p) for p in parts) / max(sum(costs) / len(parts), 1)
+        out[LK.LEARNER_WORKERS] = float(ranks)
+        out[LK.RANK_TOKEN_IMBALANCE] = max(sum(costs[i] for i in mine) for mine in rank_groups) / max(
+            sum(costs) / ranks, 1)
         self.step = int(out.get(LK.STEP, self.step))
         return out
 

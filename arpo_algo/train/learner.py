@@ -77,8 +77,23 @@ from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch,
 from arpo_algo.train.update_stats import signal_stats, tree_owners
 from arpo_base.errors import ArpoError
 
-__all__ = ["Learner", "LearnerConfig"]
+__all__ = ["Learner", "LearnerConfig", "mini_batch_parts"]
 log = logging.getLogger(__name__)
+
+
+def mini_batch_parts(num_groups: int, mini_batches: int, seed: int, step: int) -> list[list[int]]:
+    """An update's mini-batches as group indices: ``mini_batches`` parts of the groups dealt from one shuffle (seeded
+    by ``seed`` and the optimizer ``step``, so a resumed run draws the same), or one part in the groups' order.
+
+    Invariant: every part holds at least one group. With fewer groups than ``mini_batches`` (dynamic sampling can
+    keep fewer prompts than a step asks for) there is one part per group; the data-parallel backends cut these same
+    parts across their ranks, so their steps are the single-process learner's steps."""
+    n = min(mini_batches, num_groups)
+    if n <= 1:
+        return [list(range(num_groups))]
+    order = list(range(num_groups))
+    random.Random(f"{seed}:{step}").shuffle(order)
+    return [sorted(order[k::n]) for k in range(n)]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -236,12 +251,15 @@ class Learner:
                                              dtype=torch.float32, device=b.pair_weight.device) for b in batches]
 
     # ------------------------------------------------------------------ the update
-    def update(self, groups: list[Group], behaviour_weights: dict[str, torch.Tensor] | None = None
-               ) -> dict[str, float]:
-        """``ppo_epochs`` optimizer steps on ``groups``; returns metrics (see module docstring for the loss).
+    def update(self, groups: list[Group], behaviour_weights: dict[str, torch.Tensor] | None = None,
+               parts: list[list[int]] | None = None) -> dict[str, float]:
+        """``ppo_epochs`` x mini-batches optimizer steps on ``groups``; returns metrics (see module docstring for the
+        loss).
 
         ``behaviour_weights``: the state dict of the policy version that sampled ``groups`` when it is not this
-        learner's current one (a stale batch); None: the current weights sampled them.
+        learner's current one (a stale batch); None: the current weights sampled them. ``parts``: the mini-batches
+        as indices into ``groups`` (a data-parallel rank's share of the global ones, possibly empty); None: this
+        learner draws them (:meth:`mini_batch_groups`).
 
         Raises:
             ArpoError: after ``max_nan_updates`` consecutive updates with a non-finite loss or gradient norm.
@@ -253,7 +271,7 @@ class Learner:
         seqs = [s for specs in per_group for s in specs]
         signal, base = signal_stats(seqs)
         signal = self._all_sum(float(signal)) > 0  # every data-parallel rank skips together
-        parts = self.mini_batch_groups(len(groups))
+        parts = self.mini_batch_groups(len(groups)) if parts is None else parts
         mbs = [self._micro_batches([per_group[i] for i in part]) for part in parts]
         batches = [b for mb in mbs for b in mb]
         # The policy version that sampled the batch (no optimizer step of this update has run yet), checked on every
@@ -285,7 +303,7 @@ class Learner:
                        for b, c in zip(batches, current)]
             ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
             totals: dict[str, float] = {}
-            skipped, taken, planned = 0, 0, cfg.ppo_epochs * len(parts)
+            skipped, taken = 0, 0
             for _ in range(cfg.ppo_epochs):
                 first = 0
                 for k, mb in enumerate(mbs):
@@ -299,11 +317,14 @@ class Learner:
                         break
                     taken += 1
                     for key, v in m.items():
-                        totals[key] = totals.get(key, 0.0) + v / planned
+                        totals[key] = totals.get(key, 0.0) + v
                 if skipped:
                     break
         finally:
             self.model.eval()
+        # Per-step metrics are means over the steps taken: a mini-batch without signal takes no step and must not
+        # pull the reported rate, clip fraction or loss toward 0 (the same count on every data-parallel rank).
+        totals = {key: v / max(taken, 1) for key, v in totals.items()}
         if skipped:
             self.nan_streak += 1
             self.skipped_total += 1
@@ -336,19 +357,8 @@ class Learner:
             self.model.load_state_dict(own)
 
     def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
-        """The update's mini-batches as group indices: ``mini_batches`` parts of the groups, shuffled (seeded by the
-        learner's seed and step, so a resumed run draws the same) when there are several; one part keeps the order.
-        Every part is one optimizer step per epoch; a data-parallel rank may get empty parts (it still takes part)."""
-        n = self.config.mini_batches
-        if n == 1:
-            return [list(range(num_groups))]
-        if num_groups < n and not self.allow_empty_update:
-            raise ArpoError(f"update() got {num_groups} groups for training.mini_batches = {n}",
-                            hint="every mini-batch needs at least one group: lower mini_batches or raise "
-                                 "prompts_per_step")
-        order = list(range(num_groups))
-        random.Random(f"{self.seed}:{self.step}").shuffle(order)
-        return [sorted(order[k::n]) for k in range(n)]
+        """The update's mini-batches as group indices (:func:`mini_batch_parts` at this learner's seed and step)."""
+        return mini_batch_parts(num_groups, self.config.mini_batches, self.seed, self.step)
 
     def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
         """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the

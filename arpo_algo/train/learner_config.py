@@ -53,6 +53,7 @@ class LearnerConfig:
         ppo_epochs: Passes over each batch of trajectories per iteration (reference 1).
         mini_batches: Optimizer steps per epoch, each on a shuffled part of the iteration's groups, with the old
             log-probs fixed for the whole update (1 = one step per epoch: the former update; more lets clipping act).
+            A part without reward signal takes no step; an iteration with fewer groups makes one part per group.
         micro_batch_tokens: Tokens per learner micro-batch (packed forward and backward).
         dedup_prefix: Run each shared prefix of a tree once in the forward pass (a tree attention mask) instead of
             once per trajectory.

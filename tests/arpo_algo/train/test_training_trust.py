@@ -140,6 +140,20 @@ def test_mini_batches_are_sequential_steps_with_old_logprobs_fixed(tiny_model_di
     assert mc["clip_frac"] > 0 and mc["optimizer_steps"] == 2
 
 
+def test_mini_batch_metrics_average_the_steps_taken_and_few_groups_make_fewer_parts(tiny_model_dir, groups):
+    """A mini-batch without signal takes no step; the update's rate, losses and clip fractions are those of the steps
+    taken (not pulled toward 0 by the skipped one). Fewer groups than mini-batches (dynamic sampling may keep fewer
+    prompts than a step asks for) make one part per group instead of stopping the run."""
+    flat = _with_rewards(groups[1], [1.0] * len(groups[1].trajectories))
+    m = Learner(tiny_model_dir, replace(BASE, mini_batches=2), seed=0).update([groups[0], flat])
+    alone = Learner(tiny_model_dir, BASE, seed=0).update([groups[0]])
+    assert m["optimizer_steps"] == 1 and m["lr"] == pytest.approx(BASE.lr)
+    assert m["loss/total"] == pytest.approx(alone["loss/total"], rel=1e-5) and alone["loss/total"] != 0
+    three = Learner(tiny_model_dir, replace(BASE, mini_batches=3), seed=0)
+    assert sorted(map(len, three.mini_batch_groups(len(groups)))) == [1, 1]
+    assert three.update(groups)["optimizer_steps"] == 2
+
+
 def test_mini_batches_are_validated():
     from arpo_algo.train.learner_config import TrainingConfig
 
