@@ -140,7 +140,7 @@ def test_gpu_recipe_loads_validates_and_keeps_the_reference_settings(path):
     # the reference's step count: mini-batches of 16 prompts, 8 optimizer steps per iteration, on a schedule that
     # spans them all
     assert (training.mini_batches, training.ppo_epochs) == (8, 1)
-    assert training.total_steps == exp.run.iterations * 8
+    assert training.schedule_steps == exp.run.iterations * 8
     assert (rollouts.engine, rollouts.device, rollouts.dtype) == ("vllm", "cuda", "bfloat16")
     assert tree.entropy_method == "topk_sum_lnV"
     assert tree.decision_rule == "reference" and training.gradient_checkpointing

@@ -22,8 +22,9 @@ naming the key. ``env_config`` keys are checked by the environment's own config.
 section.key=value``, ``--set rollouts.hf.decode=static``) use the same names and are parsed as TOML values
 (:func:`arpo_base.options.parse_override`, the parser every command uses).
 
-``[training] total_steps`` (the length of a decaying learning-rate schedule) defaults to ``iterations * ppo_epochs``,
-the number of optimizer steps of the run. Bare experiment names are looked up in :func:`experiment_dirs`:
+A decaying learning-rate schedule spans the run's optimizer steps: ``[training] schedule_iterations`` defaults to
+``iterations``, and the learner makes that ``iterations x ppo_epochs x mini_batches`` steps (an explicit
+``total_steps`` wins). Bare experiment names are looked up in :func:`experiment_dirs`:
 ``$ARPO_EXPERIMENTS``, ``./experiments``, then the source checkout's ``experiments/``.
 """
 
@@ -198,11 +199,11 @@ def build_config(sections: dict[str, dict[str, Any]], run: ExperimentConfig, whe
     _check_env_config(env_id, env, where)
     config.environment(env=env_id, env_config=env)
     config.update_settings({s: sections[s] for s in SETTING_SECTIONS if s in sections}, where)
-    if "total_steps" not in sections.get("training", {}):
-        # One iteration = one learner update = ppo_epochs x mini_batches optimizer steps (the scheduler ticks on
-        # each), so a decaying schedule ends at the run's last step (the TrainingConfig default None would refuse it).
-        training = config.settings.training
-        config.training(total_steps=run.iterations * training.ppo_epochs * training.mini_batches)
+    if "schedule_iterations" not in sections.get("training", {}):
+        # A decaying schedule ends at the run's last optimizer step: the learner spans iterations x ppo_epochs x
+        # mini_batches steps from this (an explicit total_steps wins), with the ppo_epochs and mini_batches it runs
+        # with, so a sweep's trial that changes them keeps its own length.
+        config.training(schedule_iterations=run.iterations)
     return config
 
 

@@ -161,7 +161,7 @@ class Learner:
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
-            warmup_steps=config.warmup_steps, total_steps=config.total_steps)
+            warmup_steps=config.warmup_steps, total_steps=config.schedule_steps)
         self.step = 0
         self.nan_streak = 0
         self.skipped_total = 0

@@ -26,8 +26,11 @@ class LearnerConfig:
         weight_decay: AdamW weight decay (reference 0.01).
         lr_schedule: Learning-rate schedule (:mod:`arpo_algo.train.optim`); a decaying one needs ``total_steps``.
         warmup_steps: Steps of linear warm-up before the schedule (:mod:`arpo_algo.train.optim`).
-        total_steps: Optimizer steps the schedule spans; None = not known (``arpo train`` sets it to the
-            experiment's iterations x ppo_epochs x mini_batches).
+        total_steps: Optimizer steps the schedule spans, when set; it wins over ``schedule_iterations``.
+        schedule_iterations: Iterations a decaying schedule spans when ``total_steps`` is not set: it then ends after
+            ``schedule_iterations x ppo_epochs x mini_batches`` optimizer steps, the steps of that many updates
+            (``arpo train`` and ``arpo tune`` set it to the experiment's iterations, so a trial that changes
+            ``ppo_epochs`` or ``mini_batches`` keeps a schedule that ends at its own last step). None = not known.
         grad_clip: Gradient-norm clip (reference 1.0).
         clip_low: Lower PPO clip epsilon: the ratio is clipped at 1 - clip_low.
         clip_high: Upper PPO clip epsilon: the ratio is clipped at 1 + clip_high (above clip_low: DAPO clip-higher).
@@ -86,6 +89,7 @@ class LearnerConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
+    schedule_iterations: int | None = None
     grad_clip: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -151,7 +155,9 @@ class LearnerConfig:
         if None not in (self.kl_rollout_warn, self.kl_rollout_stop) and self.kl_rollout_warn > self.kl_rollout_stop:
             raise ConfigError(f"training.kl_rollout_warn={self.kl_rollout_warn} is above kl_rollout_stop="
                               f"{self.kl_rollout_stop}", hint="the warning level must not exceed the stop level")
-        check_schedule(self.lr_schedule, self.warmup_steps, self.total_steps, "training")
+        if self.schedule_iterations is not None and self.schedule_iterations < 1:
+            raise ConfigError(f"training.schedule_iterations must be >= 1 or None, got {self.schedule_iterations}")
+        check_schedule(self.lr_schedule, self.warmup_steps, self.schedule_steps, "training")
         if self.clip_low >= 1:
             raise ConfigError(f"training.clip_low must be < 1, got {self.clip_low}")
         if self.clip_c <= 1:
@@ -170,6 +176,16 @@ class LearnerConfig:
         stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
         return warn, stop
+
+    @property
+    def schedule_steps(self) -> int | None:
+        """The optimizer steps the learning-rate schedule spans: ``total_steps``, else ``schedule_iterations`` updates
+        of ``ppo_epochs x mini_batches`` steps each (the learner ticks the schedule once per step), else None."""
+        if self.total_steps is not None:
+            return self.total_steps
+        if self.schedule_iterations is None:
+            return None
+        return self.schedule_iterations * self.ppo_epochs * self.mini_batches
 
     @property
     def merge_shared(self) -> bool:

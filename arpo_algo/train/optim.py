@@ -8,8 +8,9 @@
   parameter; with its 0.01 and a few hundred steps the difference is far below the update size.
 * **Schedule**: linear warm-up ``(step + 1) / warmup_steps`` over the first ``warmup_steps`` optimizer steps (the first
   update already uses a non-zero rate), then ``constant``, ``linear`` decay to 0 or ``cosine`` decay to 0 at
-  ``total_steps``. A decaying schedule needs ``total_steps``: ``arpo train`` derives it from the experiment's
-  iterations, SFT from its epochs and ``max_steps``.
+  ``total_steps``. A decaying schedule needs ``total_steps``: the RL learner takes it from
+  ``training.total_steps`` or ``training.schedule_iterations`` (which ``arpo train`` and ``arpo tune`` set from the
+  experiment's iterations), SFT from its epochs and ``max_steps``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None, wh
     if schedule in DECAYING:
         if total_steps is None:
             raise ConfigError(f"{where}: lr_schedule={schedule!r} decays to 0 at total_steps, which is not set",
-                              hint="set total_steps to the number of optimizer steps of the run (arpo train derives "
-                                   "it from [experiment] iterations), or use lr_schedule='constant'")
+                              hint="set total_steps to the number of optimizer steps of the run, or "
+                                   "schedule_iterations to its iterations (arpo train and arpo tune set it from "
+                                   "[experiment] iterations), or use lr_schedule='constant'")
         if total_steps <= warmup_steps:
             raise ConfigError(f"{where}: lr_schedule={schedule!r} with total_steps={total_steps} <= "
                               f"warmup_steps={warmup_steps}: the rate would never decay after warm-up",

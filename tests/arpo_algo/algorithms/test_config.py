@@ -323,17 +323,29 @@ def test_total_steps_is_derived_from_the_iterations(tmp_path):
     """Bug: total_steps stayed 1 whatever the run's length, so a decaying schedule hit lr 0 after one update."""
     exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\n'
                                 "ppo_epochs = 2\n"))
-    assert exp.config.settings.training.total_steps == 14
+    assert exp.config.settings.training.schedule_steps == 14
     exp.config.validate()
     # The learner steps the schedule once per mini-batch: a run of 3 iterations x 2 epochs x 4 mini-batches takes 24
     # optimizer steps, and a schedule sized to 6 would reach lr 0 a quarter of the way in.
     exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 3\n[training]\nlr_schedule = "linear"\n'
                                 "ppo_epochs = 2\nmini_batches = 4\nprompts_per_step = 4\n"))
-    assert exp.config.settings.training.total_steps == 24
+    assert exp.config.settings.training.schedule_steps == 24
     exp = load_experiment(write(tmp_path, BASE + "[training]\ntotal_steps = 100\n"))  # an explicit value wins
-    assert exp.config.settings.training.total_steps == 100
+    assert exp.config.settings.training.schedule_steps == 100
     with pytest.raises(ConfigError, match="decays to 0 at total_steps, which is not set"):
         valid_config(ARPOConfig).training(lr_schedule="cosine").validate()  # no run length known: refuse
+
+
+def test_a_sweep_trial_keeps_a_schedule_that_ends_at_its_own_last_step(tmp_path):
+    """Bug: the base experiment's step count went into every trial's config dict, so a trial with more mini-batches
+    (or epochs) than the base reached lr 0 early. Each trial now spans its own iterations x epochs x mini-batches."""
+    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 5\n[training]\nlr_schedule = "cosine"\n'
+                                "prompts_per_step = 4\n"))
+    trial = exp.config.to_dict()
+    trial.update({"training.mini_batches": 4, "training.ppo_epochs": 2})  # what a Tune point writes over the base
+    config = type(exp.config)().update_from_dict(trial)
+    assert config.settings.training.schedule_steps == 5 * 2 * 4
+
 
 
 def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
