@@ -27,6 +27,20 @@ def _env_overrides(items: list[str]) -> dict[str, Any]:
     return apply_overrides({}, items, flag="--env-set")
 
 
+def data_env_config(data: str, env: str | None, exp_env: dict[str, Any], exp_env_id: str | None,
+                    overrides: dict[str, Any]) -> dict[str, Any]:
+    """The environment settings ``--data`` is loaded with: the ``--experiment``'s ``[env]`` when it is the same
+    environment (its split aside: ``--split`` chooses), then ``--env-set``. A reference set names its own file, so
+    the experiment's ``data_files`` (its training or test files) never replaces it."""
+    from arpo_algo.eval.data import ENV_ALIASES, REFERENCE_SETS
+
+    data_env = ENV_ALIASES.get(data, data if data.startswith("arpo/") else None) or (env or REFERENCE_SETS.get(data))
+    if not (exp_env_id and exp_env_id == data_env):
+        return overrides
+    dropped = {"split", "data_files"} if data in REFERENCE_SETS else {"split"}
+    return {**{k: v for k, v in exp_env.items() if k not in dropped}, **overrides}
+
+
 def resolve_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str | None]:
     """(EvalSettings, env config from the experiment, the experiment's env id) from flags > experiment > defaults."""
     from arpo_algo.eval.evaluation import EvalSettings, eval_settings
@@ -60,7 +74,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Handler of ``arpo eval``."""
-    from arpo_algo.eval.data import ENV_ALIASES, REFERENCE_SETS, load_eval_data
+    from arpo_algo.eval.data import load_eval_data
     from arpo_algo.eval.harness import run_eval
 
     if args.threads:
@@ -68,11 +82,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     settings, exp_env, exp_env_id = resolve_settings(args)
-    overrides = _env_overrides(args.env_set or [])
-    data_env = ENV_ALIASES.get(args.data, args.data if args.data.startswith("arpo/") else None) \
-        or (args.env or REFERENCE_SETS.get(args.data))
-    if exp_env_id and exp_env_id == data_env:
-        overrides = {**{k: v for k, v in exp_env.items() if k != "split"}, **overrides}
+    overrides = data_env_config(args.data, args.env, exp_env, exp_env_id, _env_overrides(args.env_set or []))
     data = load_eval_data(args.data, split=args.split, limit=args.limit, env=args.env, env_config=overrides)
     out = Path(args.output or Path("runs") / "eval" / f"{Path(args.data).stem.replace('/', '_')}-k{settings.samples}")
     judge = None

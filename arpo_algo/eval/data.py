@@ -148,7 +148,11 @@ def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, 
     if data in REFERENCE_SETS:
         env_id = env or REFERENCE_SETS[data]
         split = "train" if data in TRAIN_SETS else "test"  # a training file is scored as what it is
-        cfg = {"data_files": {split: [f"{data}.parquet"]}, "split": split, **overrides}
+        if "data_files" in overrides:
+            raise ConfigError(f"--data {data!r} is the reference file {data}.parquet, and data_files in the env "
+                              f"settings ({overrides['data_files']!r}) would replace it",
+                              hint="drop data_files, or pass the file itself as --data")
+        cfg = {**overrides, "data_files": {split: [f"{data}.parquet"]}, "split": split}
         return _finish(_env_tasks(env_id, cfg), env_id, cfg, f"reference set {data} ({env_id})", limit)
     path = Path(data).expanduser()
     if not path.exists():

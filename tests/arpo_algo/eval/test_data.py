@@ -32,6 +32,23 @@ def test_reference_valid_set(shared_data):
     assert all(it["ground_truth"] for it in d.items)
 
 
+def test_a_reference_set_is_never_replaced_by_an_experiments_data_files(shared_data):
+    """Bug: the experiment's ``data_files`` (copied for the same environment) replaced the named reference file, so
+    ``--data valid`` scored the experiment's own files under the set's name."""
+    from arpo_algo.cli.eval import data_env_config
+
+    exp_env = {"data_files": {"train": ["mine.parquet"], "test": ["mine_test.parquet"]}, "split": "train",
+               "max_tool_calls": 2}
+    cfg = data_env_config("valid", None, exp_env, "arpo/Reasoning-v0", {})
+    assert cfg == {"max_tool_calls": 2}  # the experiment's env settings apply; its files and split do not
+    assert data_env_config("toolmath", None, {"levels": [3], "split": "train"}, "arpo/ToolMath-v0", {}) == \
+        {"levels": [3]}
+    d = load_eval_data("valid", limit=2, env_config=cfg)
+    assert d.env_config["data_files"] == {"test": ["valid.parquet"]} and d.env_config["max_tool_calls"] == 2
+    with pytest.raises(ConfigError, match="would replace it"):
+        load_eval_data("valid", env_config={"data_files": {"test": ["mine.parquet"]}})
+
+
 def test_jsonl_columns_reported_and_items_without_truth_skipped(tmp_path):
     path = _jsonl(tmp_path / "qa.jsonl", [
         {"problem": "2+2?", "solution": 4, "difficulty": "easy"},
