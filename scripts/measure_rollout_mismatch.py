@@ -1,8 +1,10 @@
 """Measure the rollout/learner mismatch (``learner/kl_rollout``, ``learner/logprob_diff_max``) the alarm levels
 of ``[training]`` are set from: ARPO on ToolMath with an HF engine holding its own float32 weight copy (as a rollout
-actor does), the learner's weights pushed to it after every update, or, with ``--stale``, never pushed.
+actor does), the learner's weights pushed to it after every update, or, with ``--stale``, never pushed; with
+``--engine-dtype bfloat16`` the engine computes in bf16 against the float32 learner (a bf16 rollout actor).
 
     python scripts/measure_rollout_mismatch.py --model smollm2-135m-instruct --iterations 3 [--stale]
+        [--engine-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tool-calls", type=int, default=3)
     ap.add_argument("--stale", action="store_true", help="never send the learner's weights to the engine")
+    ap.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the engine's compute dtype (the learner stays float32)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     # The alarm itself is off here (stop level infinite): this script measures what it would see.
     learner = Learner(args.model, LearnerConfig(lr=args.lr, micro_batch_tokens=1024, kl_rollout_stop=math.inf),
                       seed=0)
-    engine = HFEngine(args.model, dtype="float32", seed=0)
+    engine = HFEngine(args.model, dtype=args.engine_dtype, seed=0)
     env = lambda: ToolTextEnv(task="toolmath", levels=[3], max_tool_calls=args.max_tool_calls,  # noqa: E731
                               tools={"python": {}})
     sampler = TreeSampler.from_config(engine, env, TreeConfig(budget=4, initial=2, branch_factor=1),

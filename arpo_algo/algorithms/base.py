@@ -123,8 +123,9 @@ class AgenticRLAlgorithm(Algorithm):
         model_path = resolve_model_path(settings.model.path)
         if settings.backend.distributed:
             self._ensure_ray()
-        self.learner = build_backend(model_path, settings.training, settings.backend,
-                                     device=settings.rollouts.device, seed=cfg.seed)
+        # The alarm judges the sampler's log-probs at the looser levels of the sampler's and the learner's precision.
+        self.learner = build_backend(model_path, settings.training.for_sampler(settings.rollouts.dtype),
+                                     settings.backend, device=settings.rollouts.device, seed=cfg.seed)
         self.policy = PolicyComponent(self.learner)
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from arpo_algo.core.advantages import ADVANTAGES
@@ -176,6 +176,17 @@ class LearnerConfig:
         stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
         return warn, stop
+
+    def for_sampler(self, dtype: str) -> LearnerConfig:
+        """This config with the mismatch alarm's levels for a sampler computing in ``dtype`` where they are not set:
+        a bfloat16 sampler's log-probs differ from a float32 learner's by bf16 rounding, so the bf16 levels apply
+        whatever the learner's own precision (a float32 sampler leaves the levels to the learner's precision)."""
+        if dtype != "bfloat16":
+            return self
+        warn, stop = MISMATCH_LEVELS["bf16"]
+        stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
+        warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
+        return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop)
 
     @property
     def schedule_steps(self) -> int | None:
