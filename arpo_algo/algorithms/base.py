@@ -123,9 +123,10 @@ class AgenticRLAlgorithm(Algorithm):
         model_path = resolve_model_path(settings.model.path)
         if settings.backend.distributed:
             self._ensure_ray()
-        # The alarm judges the sampler's log-probs at the looser levels of the sampler's and the learner's precision.
-        self.learner = build_backend(model_path, settings.training.for_sampler(settings.rollouts.dtype),
-                                     settings.backend, device=settings.rollouts.device, seed=cfg.seed)
+        # The mismatch alarm's levels follow the sampler's dtype as well as the learner's precision.
+        training = settings.training.for_sampler(settings.rollouts.dtype, settings.rollouts.device)
+        self.learner = build_backend(model_path, training, settings.backend, device=settings.rollouts.device,
+                                     seed=cfg.seed)
         self.policy = PolicyComponent(self.learner)
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)

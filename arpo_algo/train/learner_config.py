@@ -12,8 +12,9 @@ from arpo_algo.train.optim import SCHEDULES, check_schedule
 from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, dataclass_from_dict, setting
 
-#: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision (see LearnerConfig).
-MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16": (1e-2, 1e-1)}
+#: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision, and for a bfloat16 sampler
+#: against a float32 learner (``"bf16_sampler"``: bf16 rounding alone gives about 3e-4 there; see LearnerConfig).
+MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16_sampler": (1e-3, 1e-2), "bf16": (1e-2, 1e-1)}
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,10 @@ class LearnerConfig:
             (each of them is skipped).
         attn_implementation: "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
         kl_rollout_warn: Mismatch alarm: warn when the k3 KL(sampler || learner) on the sampled tokens, measured
-            before the first step, exceeds this (None = by precision: 1e-4 in fp32, measured; 1e-2 in bf16).
-        kl_rollout_stop: Mismatch alarm: stop the run above this (None = by precision: 1e-2 in fp32, measured; 1e-1
-            in bf16).
+            before the first step, exceeds this (None = by precision: 1e-4 in fp32 and 1e-3 for a bf16 rollout
+            engine against an fp32 learner, both measured; 1e-2 for a bf16 learner).
+        kl_rollout_stop: Mismatch alarm: stop the run above this (None = by precision: 1e-2 in fp32, also with a
+            bf16 rollout engine, measured; 1e-1 for a bf16 learner).
     """
 
     lr: float = 1e-6
@@ -177,13 +179,18 @@ class LearnerConfig:
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
         return warn, stop
 
-    def for_sampler(self, dtype: str) -> LearnerConfig:
+    def for_sampler(self, dtype: str, device: str) -> LearnerConfig:
         """This config with the mismatch alarm's levels for a sampler computing in ``dtype`` where they are not set:
-        a bfloat16 sampler's log-probs differ from a float32 learner's by bf16 rounding, so the bf16 levels apply
-        whatever the learner's own precision (a float32 sampler leaves the levels to the learner's precision)."""
-        if dtype != "bfloat16":
+        a bfloat16 sampler's log-probs differ from a float32 learner's (on ``device``) by bf16 rounding, so the
+        ``"bf16_sampler"`` levels apply; a float32 sampler, or a bf16 learner (whose own levels are looser), leaves
+        the levels to the learner's precision."""
+        import torch
+
+        from arpo_algo.train.device_setup import resolve_precision
+
+        if dtype != "bfloat16" or resolve_precision(self.precision, torch.device(device)) == "bf16":
             return self
-        warn, stop = MISMATCH_LEVELS["bf16"]
+        warn, stop = MISMATCH_LEVELS["bf16_sampler"]
         stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
         return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop)
