@@ -2,14 +2,16 @@
 
 Per arm: final held-out accuracy (mean, sd, 95% CI over seeds), seeds improved / worse than the shared start;
 paired by seed against GRPO: the difference (mean, sd, 95% CI), better / worse / equal and the exact two-sided
-Wilcoxon signed-rank p-value; the tool calls and generated tokens each seed needed to first reach GRPO's mean final
-accuracy (mean and 95% CI over the seeds that reach it, and how many never do); branches per group; the clip fraction.
+Wilcoxon signed-rank p-value; the iteration, tool calls and generated tokens each seed needed to first reach GRPO's
+mean final accuracy over the same seeds (means and 95% CIs over the seeds that reach it, how many do); branches per
+group; the clip fraction.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,12 @@ def _ci(xs: list[float]) -> str:
     return f"{s['mean']:.3f} ± {s['sd']:.3f}{ci}"
 
 
-def _first_reach(curve: list[list[float]], target: float) -> tuple[float, float] | None:
-    """(cumulative tool calls, cumulative generated tokens) at the first evaluation at or above ``target``."""
-    for _, calls, tokens, acc in curve:
+def _first_reach(curve: list[list[float]], target: float) -> tuple[float, float, float] | None:
+    """(iteration, cumulative tool calls, cumulative generated tokens) at the first evaluation at or above
+    ``target``; None when no evaluation of the run reaches it."""
+    for it, calls, tokens, acc in curve:
         if acc >= target - 1e-9:
-            return calls, tokens
+            return it, calls, tokens
     return None
 
 
@@ -101,27 +104,34 @@ def report(records: list[dict[str, Any]], figures: Path | None = None, baseline:
                      f"{stats([r['time_s'] for r in rs])['mean']:.0f} s |")
     base = arms.get(baseline, {})
     if base:
-        target = stats([r["after"] for r in base.values()])["mean"]
-        lines += ["", f"Paired by seed against {baseline.upper()} (final accuracy difference); tool calls and "
-                  f"tokens to first reach {baseline.upper()}'s mean final accuracy ({target:.3f}):", "",
+        name = baseline.upper()
+        lines += ["", f"Paired by seed against {name} (final accuracy difference). Reach: the first evaluation at "
+                  f"or above {name}'s mean final accuracy over the same seeds (the target); tool calls and tokens "
+                  "are means ± sd over the seeds that reach it, the iteration a median; the {name} row is measured "
+                  "against its own mean.".replace("{name}", name), "",
                   "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
-                  "pairs) | tool calls to reach | tokens to reach | never reach |", "|" + "---|" * 8]
+                  "pairs) | target | reach it | iteration (median) | tool calls to reach | tokens to reach |",
+                  "|" + "---|" * 10]
         for arm, seeds in arms.items():
-            common = [s for s in seeds if s in base]
-            reach = [_first_reach(seeds[s]["curve"], target) for s in seeds]
-            got = [x for x in reach if x is not None]
-            calls, toks = [c for c, _ in got], [t for _, t in got]
-            if arm == baseline or not common:
-                diff, pairs = "-", "-"
-                tally = wil = "-"
+            # The target and the reach are taken over the same seeds: the paired ones (all of the baseline's for
+            # its own row), so an arm with fewer seeds is not measured against other seeds' accuracy.
+            common = sorted(seeds) if arm == baseline else sorted(s for s in seeds if s in base)
+            if not common:
+                continue
+            target = stats([base[s]["after"] for s in common])["mean"]
+            got = [x for x in (_first_reach(seeds[s]["curve"], target) for s in common) if x is not None]
+            its, calls, toks = [x[0] for x in got], [x[1] for x in got], [x[2] for x in got]
+            if arm == baseline:
+                diff = pairs = tally = wil = "-"
             else:
                 d = [seeds[s]["after"] - base[s]["after"] for s in common]
                 diff, pairs = _ci(d), str(len(common))
                 tally = f"{sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} / {sum(x == 0 for x in d)}"
                 p, nz = wilcoxon(d)
                 wil = f"{p:.4f} ({nz})"
-            lines.append(f"| {arm} | {pairs} | {diff} | {tally} | {wil} | {_ci(calls) if calls else '-'} | "
-                         f"{_ci(toks) if toks else '-'} | {len(reach) - len(got)} of {len(reach)} |")
+            lines.append(f"| {arm} | {pairs} | {diff} | {tally} | {wil} | {target:.3f} | {len(got)} of "
+                         f"{len(common)} | {statistics.median(its) if its else '-'} | "
+                         f"{_ci(calls) if calls else '-'} | {_ci(toks) if toks else '-'} |")
     lines += ["", "Held-out accuracy per seed after each iteration:", "", "| arm | seed | curve |", "|---|---|---|"]
     for arm, seeds in arms.items():
         for s, r in seeds.items():

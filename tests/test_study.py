@@ -40,8 +40,15 @@ def test_report_pairs_by_seed_and_counts_tool_calls_to_reach_the_baseline():
     text = report(records)
     # GRPO's mean final accuracy is 0.5: ARPO seed 0 first reaches it after 10 tool calls, seed 1 never does
     row = [line for line in text.splitlines() if line.startswith("| arpo | 2 | ")][1]  # the paired table
-    assert "| 1 / 1 / 0 |" in row and "| 10.000 ± 0.000 |" in row and "| 1 of 2 |" in row
+    assert "| 1 / 1 / 0 |" in row and "| 0.500 | 1 of 2 | 1 | 10.000 ± 0.000 |" in row
     assert "0.125 ± 0.530" in row  # differences +0.5 and -0.25
+    # an arm with fewer seeds is measured against the baseline's mean over its own seeds: GRPO seed 0 alone
+    # ended at 0.5, seed 2 at 1.0 (mean of all three 0.667, which the paired arm's seed 0 would not reach)
+    more = records + [_record("grpo", 2, [0.25, 1.0, 1.0], [0, 10, 20])]
+    three = [line for line in report(more).splitlines() if line.startswith("| arpo | 2 | ")][1]
+    assert "| 0.500 | 1 of 2 |" in three
+    own = [line for line in report(more).splitlines() if line.startswith("| grpo | - | ")][0]
+    assert "| 0.667 | 1 of 3 | 1 |" in own  # only seed 2 reaches its own arm's mean, at iteration 1
     assert "| arpo | 1 | .250 .250 .250 |" in text
 
 
