@@ -164,7 +164,9 @@ def apply_turn(conv: Conversation, turn: Turn, tokenizer: Any, eos_id: int | Non
     if turn.tool_call is not None:
         conv.tool_calls.append(turn.tool_call)
     if turn.done:
-        if turn.append_eos:  # never sampled: its log-prob is unknown (NaN), so the learner scores it itself
+        # Never sampled: its log-prob is unknown (NaN), so the learner scores it itself. Invariant: the response
+        # never exceeds max_response_tokens, so at the budget the conversation ends without it.
+        if turn.append_eos and len(conv.response) < max_response_tokens:
             conv.add([eos_id], [1 if train_eos else 0], [NOT_SAMPLED], [0.0])
         return "finished", finish_reason(turn, conv)
     if conv.engine_error or conv.last_finish == "eos" or len(conv.response) >= max_response_tokens:

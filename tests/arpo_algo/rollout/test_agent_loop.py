@@ -105,3 +105,17 @@ def test_layout_rule(tiny_model_dir):
     ids = layout.observation_ids(tok, " <result>\n<|im_end|>\n</result>")
     assert tok.eos_token_id not in ids and tok.decode(ids) == " <result>\n<|im_end|>\n</result>"
     assert layout.observation_ids(tok, "") == [] and layout.text_ids(tok, "<|im_end|>") == [tok.eos_token_id]
+
+
+def test_the_tool_limit_eos_never_takes_a_response_past_its_budget():
+    """The EOS appended when a call goes over the tool-call limit is added only while there is room: a call that
+    ends exactly at max_response_tokens keeps the response at the budget (it used to end one token past it, so a
+    prompt at its own limit gave a trained sequence longer than the context)."""
+    from arpo_algo.rollout.agent_loop import Conversation, Turn, apply_turn
+
+    over_limit = Turn(observation="", done=True, truncated=False, action_kind="tool_call", append_eos=True)
+    for budget, want in ((4, [1, 2, 3, 4]), (5, [1, 2, 3, 4, 0])):
+        conv = Conversation()
+        conv.add([1, 2, 3, 4], [1] * 4, [-0.1] * 4, [0.0] * 4)
+        status, reason = apply_turn(conv, over_limit, tokenizer=None, eos_id=0, max_response_tokens=budget)
+        assert (status, conv.response, len(conv.mask), len(conv.logprobs)) == ("finished", want, len(want), len(want))
