@@ -32,10 +32,9 @@ def data_env_config(data: str, env: str | None, exp_env: dict[str, Any], exp_env
     """The environment settings ``--data`` is loaded with: the ``--experiment``'s ``[env]`` when it is the same
     environment (its split aside: ``--split`` chooses), then ``--env-set``. A reference set names its own file, so
     the experiment's ``data_files`` (its training or test files) never replaces it."""
-    from arpo_algo.eval.data import ENV_ALIASES, REFERENCE_SETS
+    from arpo_algo.eval.data import REFERENCE_SETS, data_env_id
 
-    data_env = ENV_ALIASES.get(data, data if data.startswith("arpo/") else None) or (env or REFERENCE_SETS.get(data))
-    if not (exp_env_id and exp_env_id == data_env):
+    if not (exp_env_id and exp_env_id == data_env_id(data, env)):
         return overrides
     dropped = {"split", "data_files"} if data in REFERENCE_SETS else {"split"}
     return {**{k: v for k, v in exp_env.items() if k not in dropped}, **overrides}

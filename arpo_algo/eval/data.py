@@ -137,16 +137,24 @@ def _env_tasks(env_id: str, env_config: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def data_env_id(data: str, env: str | None = None) -> str:
+    """The environment id ``--data`` (with ``--env``, an id or an alias) is loaded and run in."""
+    if data in ENV_ALIASES or data.startswith("arpo/"):
+        return ENV_ALIASES.get(data, data)
+    if data in REFERENCE_SETS:
+        return ENV_ALIASES.get(env, env) if env else REFERENCE_SETS[data]
+    return ENV_ALIASES.get(env or "", env or DEFAULT_FILE_ENV)
+
+
 def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, env: str | None = None,
                    env_config: dict[str, Any] | None = None) -> EvalData:
     """Load ``--data`` (see the module docstring); ``limit`` keeps the first N items that have a ground truth."""
     overrides = dict(env_config or {})
+    env_id = data_env_id(data, env)
     if data in ENV_ALIASES or data.startswith("arpo/"):
-        env_id = ENV_ALIASES.get(data, data)
         cfg = {"split": split, **overrides}
         return _finish(_env_tasks(env_id, cfg), env_id, cfg, f"{env_id} split {cfg['split']!r}", limit)
     if data in REFERENCE_SETS:
-        env_id = env or REFERENCE_SETS[data]
         split = "train" if data in TRAIN_SETS else "test"  # a training file is scored as what it is
         if "data_files" in overrides:
             raise ConfigError(f"--data {data!r} is the reference file {data}.parquet, and data_files in the env "
@@ -161,7 +169,6 @@ def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, 
                                     "(arpo/ToolMath-v0), or a .jsonl/.parquet file")
     rows = read_rows(path)
     tasks, columns = rows_to_tasks(rows, path)
-    env_id = ENV_ALIASES.get(env or "", env or DEFAULT_FILE_ENV)
     cols = ", ".join(f"{k}={v}" for k, v in columns.items() if k != "ignored")
     desc = f"{path.name} ({len(rows)} rows; columns {cols}" + (
         f"; ignored {', '.join(columns['ignored'])})" if columns.get("ignored") else ")")

@@ -49,6 +49,20 @@ def test_a_reference_set_is_never_replaced_by_an_experiments_data_files(shared_d
         load_eval_data("valid", env_config={"data_files": {"test": ["mine.parquet"]}})
 
 
+def test_a_data_file_runs_with_the_experiments_env_settings_whatever_names_the_env():
+    """Bug: a file (default env arpo/Reasoning-v0) or ``--env reasoning`` (an alias) did not match the experiment's
+    env id, so the experiment's protocol, reward and tool limit were dropped and the file ran with the defaults."""
+    from arpo_algo.cli.eval import data_env_config
+
+    exp_env = {"protocol": "json", "max_tool_calls": 5, "split": "train"}
+    want = {"protocol": "json", "max_tool_calls": 5}
+    for env in (None, "reasoning", "arpo/Reasoning-v0"):
+        assert data_env_config("my.jsonl", env, exp_env, "arpo/Reasoning-v0", {}) == want, env
+    assert data_env_config("my.jsonl", "toolmath", exp_env, "arpo/Reasoning-v0", {}) == {}  # another env: not its
+    assert data_env_config("valid", "reasoning", exp_env, "arpo/Reasoning-v0", {"max_tool_calls": 2}) == \
+        {"protocol": "json", "max_tool_calls": 2}  # --env-set wins
+
+
 def test_jsonl_columns_reported_and_items_without_truth_skipped(tmp_path):
     path = _jsonl(tmp_path / "qa.jsonl", [
         {"problem": "2+2?", "solution": 4, "difficulty": "easy"},
