@@ -194,12 +194,20 @@ class TreeSampler:
                 ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
             self._release_unused(prompts)
 
+    def _path_seed(self, ps: PromptState, p: Path) -> int:
+        """The sampling seed of a path's next request. Invariant: no two paths of a step share one; the discarded
+        pre-monitoring path (its own trajectory numbering starts at 0 too) draws from a namespace of its own, so it
+        is an independent sample and not a replay of trajectory 0."""
+        if p.kind == "premonitor":
+            return T.derive_seed(self.seed, ps.step, ps.task_index, "premonitor", p.tid, p.n_requests)
+        return T.derive_seed(self.seed, ps.step, ps.task_index, p.tid, p.n_requests)
+
     def _request(self, ps: PromptState, p: Path, cfg: T.TreeConfig) -> GenRequest:
         room = self.max_response_tokens - len(p.response)
         params = dataclasses.replace(
             self.sampling, max_new_tokens=min(room, cfg.entropy_tokens) if p.lookahead else room,
             stop=tuple(p.env.stop_sequences),
-            seed=T.derive_seed(self.seed, ps.step, ps.task_index, p.tid, p.n_requests),
+            seed=self._path_seed(ps, p),
             logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else self.sampling.logprobs_topk)
         return p.request((ps.task_index, p.tid, p.n_requests + 1), ps.prompt_ids, params)
 

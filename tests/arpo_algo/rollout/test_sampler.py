@@ -156,6 +156,19 @@ def test_budget_depth_masks_over_seeds(cfg, env_creator):
         assert branched > 0, "entropy swings of 3 nats must make some branches"
 
 
+def test_the_premonitoring_trajectory_is_an_independent_sample(env_creator):
+    """Bug: AEPO's extra, discarded pre-monitoring trajectory (aepo_premonitor_keep) numbered its path 0 and so drew
+    the seeds of the real trajectory 0: a replay of it, not the reference's independent sample."""
+    cfg = TreeConfig.aepo(6, 2, decision_rule="reference", aepo_premonitor_keep=True)
+    eng = ScriptedEngine(calls=(2, 2), entropy=lambda n, v: 1.0)
+    s = _sampler(eng, env_creator, cfg, seed=3)
+    s.sample([4], step=1)
+    s.close()
+    first_turns = [r for r in eng.requests if r.request_id[1:] == (0, 1)]  # path 0's first request
+    assert len(first_turns) == 2  # the pre-monitoring path's and trajectory 0's
+    assert first_turns[0].params.seed != first_turns[1].params.seed
+
+
 def test_same_seed_same_tree_and_different_seed_differs(env_creator):
     cfg = TreeConfig(budget=6, initial=2, branch_factor=1, decision_rule="reference")
 
