@@ -23,7 +23,7 @@ from typing import Any
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError
-from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normalize_answer
+from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normalize_answer, parse_number
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -59,10 +59,21 @@ def done_items(rows: Iterable[dict[str, Any]], model: str, k: int) -> set[str]:
     return {i for i, rs in runs.items() if rs >= set(range(k))}
 
 
+def vote_key(answer: str | None) -> str | None:
+    """The answer's key in a majority vote: a plain number by its value (``-6,000,000`` and ``-6000000`` vote
+    together; ``-6000000`` and ``6000000`` do not), anything else by the reference QA normalisation. Invariant: two
+    answers share a key only when the scorers could call them the same (the QA normalisation drops punctuation, so
+    it would merge a number with its negation or ``261.20`` with ``2612.0``)."""
+    if answer is None:
+        return None
+    number = parse_number(answer)
+    return f"number:{number:.12g}" if number is not None else normalize_answer(answer)
+
+
 def rule_scores(text: str, ground_truth: Any, reward_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Exact match, token F1 and math equivalence of a response's extracted answer (arpo_env's scorers)."""
     answer = extract_answer(text)
-    return {"answer": answer, "answer_norm": normalize_answer(answer) if answer is not None else None,
+    return {"answer": answer, "answer_norm": vote_key(answer),
             "exact_match": float(exact_match(text, ground_truth)[0] >= 1.0),
             "f1": max(0.0, float(f1(text, ground_truth)[0])),
             "math_equiv": float(math_equiv(text, ground_truth, **reward_kwargs)[0] >= 1.0)}

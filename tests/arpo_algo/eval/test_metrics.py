@@ -78,3 +78,21 @@ def test_paired_bootstrap():
     assert paired_bootstrap([0.0, 1.0], [1.0, 0.0], seed=3) == paired_bootstrap([0.0, 1.0], [1.0, 0.0], seed=3)
     with pytest.raises(ValueError, match="equal lengths"):
         paired_bootstrap([1.0], [1.0, 0.0])
+
+
+def test_majority_votes_keep_different_numbers_apart():
+    """Bug: votes were keyed by the QA normalisation, which drops punctuation: -6000000 voted with 6000000 (and
+    261.20 with 2612.0), so two wrong answers could hand the correct one's majority to the wrong value or back."""
+    from arpo_algo.eval.runner import rule_scores
+
+    texts = ["\\boxed{-6000000}", "\\boxed{6000000}", "\\boxed{6,000,000}", "\\boxed{-6,000,000}", "\\boxed{ -6e6 }"]
+    rows = [rule_scores(t, "-6000000", {}) for t in texts]
+    keys = [r["answer_norm"] for r in rows]
+    assert keys[0] == keys[3] == keys[4] and keys[1] == keys[2] and keys[0] != keys[1]
+    correct = [bool(r["math_equiv"]) for r in rows]
+    assert correct == [True, False, False, True, True]
+    assert maj_vote(keys[:3], correct[:3], 3) == (keys[1], False)  # 2 votes for 6000000 against 1: wrong
+    assert rule_scores("\\boxed{261.20}", "2612", {})["answer_norm"] != rule_scores("\\boxed{2612.0}", "2612", {})[
+        "answer_norm"]
+    assert rule_scores("\\boxed{The Eiffel Tower}", "x", {})["answer_norm"] == \
+        rule_scores("\\boxed{eiffel tower.}", "x", {})["answer_norm"]  # text answers: the QA normalisation
