@@ -9,10 +9,10 @@ fixed here):
 * **pass@k** (every k ≤ K) is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", eq. 1): per item with n runs of which c are correct, ``1 - C(n - c, k) / C(n, k)``, averaged over items. It is
   computed as the product ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (no large binomials); it is 1 when ``n - c < k``.
-* **maj@k** = majority vote over the first k runs of each item. Votes are the runs' extracted answers, keyed by ``runner.vote_key``; runs
-  without an answer do not vote. **Tie rule:** among answers with the most votes, the one whose first vote came
-  earliest (the lowest run index) wins; so maj@1 is the first run's correctness. The item counts as correct when the
-  winning answer's first run was correct; with no votes at all it is wrong.
+* **maj@k** = majority vote over the first k runs of each item. Votes are the runs' extracted answers, keyed by
+  ``runner.vote_key``; runs without an answer do not vote. **Tie rule:** among answers with the most votes, the one
+  whose first vote came earliest (the lowest run index) wins; so maj@1 is the first run's correctness. The item
+  counts as correct when the winning answer's first run was correct; with no votes at all it is wrong.
 * **Paired difference** of two models on the same items and seeds: per item ``p_i(B) - p_i(A)``; the point estimate is
   its mean and the 95% interval comes from a seeded bootstrap over items (2,000 resamples, percentiles 2.5 and 97.5).
 """
