@@ -35,6 +35,7 @@ import os
 import random
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,9 @@ class VLLMEngine:
         self.entropy_method = entropy_method
         self._rng = random.Random(seed)
         self._next_key = 0
+        # Invariant: cache keys are unique across engines, as rollout actors route a continuation to the engine
+        # that produced its prefix key (a counter alone restarts at 1 in every actor).
+        self._uid = uuid.uuid4().hex[:8]
         self._asleep = False
         self._closed = False
         self._stats: collections.Counter[str] = collections.Counter()
@@ -244,7 +248,7 @@ class VLLMEngine:
                               error=f"request {req.request_id!r}: vLLM finished with {comp.finish_reason!r}")
         self._next_key += 1
         return Generation(req.request_id, tokens, logprobs, entropies, finish, stop_string=stop_string,  # type: ignore
-                          top_logprobs=tops, cache_key=f"vllm:{self._next_key}",
+                          top_logprobs=tops, cache_key=f"vllm:{self._uid}:{self._next_key}",
                           metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)})
 
     def release(self, cache_keys: list[Any]) -> None:

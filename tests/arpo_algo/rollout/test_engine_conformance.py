@@ -214,3 +214,15 @@ def test_weight_sync_after_a_learner_step(engine, teacher, model_dir):
         again = engine.generate([req])[0]
         assert again.token_ids == before.token_ids
         assert again.logprobs == pytest.approx(before.logprobs, abs=LOGP_TOL)
+
+
+def test_cache_keys_never_repeat_across_engines(engine, model_dir):
+    """Rollout actors route a continuation to the engine that produced its ``prefix_key``, so two engines of one kind
+    must never hand out the same key (vLLM's keys were a counter that restarts at 1 in every engine)."""
+    other = _build(engine.kind, model_dir)
+    try:
+        req = [GenRequest("k", _ctx(engine, "a key for each engine"), SamplingParams(max_new_tokens=2, seed=1))]
+        mine, theirs = engine.generate(req)[0].cache_key, other.generate(req)[0].cache_key
+    finally:
+        other.close()
+    assert mine is not None and theirs is not None and mine != theirs
