@@ -48,15 +48,25 @@ def _request(url: str, body: dict[str, Any] | None, timeout: float, api_key: str
     return request(method, url, body, headers=bearer(api_key), timeout=timeout).data
 
 
-def check_endpoint(url: str, *, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
-    """The served model names (``GET /v1/models``); raises ArpoError when the server cannot be reached."""
+def served_models(url: str, *, timeout: float = 5.0, api_key: str | None = None) -> list[dict[str, Any]]:
+    """The served models' entries (``GET /v1/models``); raises ArpoError when the server cannot be reached."""
     try:
         data = _request(_base(url) + "/models", None, timeout, api_key)
     except HTTPJSONError as e:
         raise ArpoError(f"endpoint {url} is unreachable ({e.reason})",
                         hint="start the server first (e.g. `arpo serve MODEL`) and pass its base URL, "
                              "like http://127.0.0.1:8000") from None
-    return [m.get("id", "") for m in data.get("data") or []]
+    return [m for m in data.get("data") or [] if isinstance(m, dict)]
+
+
+def check_endpoint(url: str, *, timeout: float = 5.0, api_key: str | None = None) -> list[str]:
+    """The served model names (``GET /v1/models``); raises ArpoError when the server cannot be reached."""
+    return [m.get("id", "") for m in served_models(url, timeout=timeout, api_key=api_key)]
+
+
+def runs_tools_itself(entries: list[dict[str, Any]], model: str) -> bool:
+    """Whether ``model`` is an agent that runs its tools on the server (``arpo serve`` says so in ``/v1/models``)."""
+    return any(m.get("id") == model and isinstance(m.get("arpo"), dict) for m in entries)
 
 
 def _close_stop(text: str, stops: tuple[str, ...]) -> str:
@@ -83,15 +93,19 @@ class EndpointAgent:
     """Runs one conversation of an environment against an OpenAI-compatible server (see the module docstring)."""
 
     def __init__(self, url: str, model: str, settings: EvalSettings, *, timeout_s: float = 300.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, server_tools: bool = False) -> None:
         self.url, self.model, self.settings = _base(url) + "/chat/completions", model, settings
         self.timeout_s, self.api_key = timeout_s, api_key
+        #: The server runs the tools (``arpo serve``): the environment's tool-call tags are not sent as stop
+        #: strings, which would end every answer at its first call before the server ran the tool.
+        self.server_tools = server_tools
 
     def _call(self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int,
               cont: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.settings.temperature,
-                                "top_p": self.settings.top_p, "max_tokens": max_tokens, "stop": list(stops),
-                                "seed": seed}
+                                "top_p": self.settings.top_p, "max_tokens": max_tokens, "seed": seed}
+        if stops and not self.server_tools:
+            body["stop"] = list(stops)
         if cont:
             body.update(continue_final_message=True, add_generation_prompt=False)
         try:

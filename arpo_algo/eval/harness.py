@@ -113,13 +113,14 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
              judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16, device: str = "cpu",
              progress: bool = True, charts: bool = True, log=print) -> dict[str, Any]:
     """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body."""
-    from arpo_algo.eval.endpoint import EndpointAgent, check_endpoint, run_endpoint
+    from arpo_algo.eval.endpoint import EndpointAgent, run_endpoint, runs_tools_itself, served_models
 
     if endpoint and models:
         raise ConfigError("give model folders or --endpoint, not both")
     if not endpoint and not models:
         raise ConfigError("nothing to evaluate", hint="name at least one model/checkpoint, or --endpoint URL")
-    served = check_endpoint(endpoint) if endpoint else []
+    entries = served_models(endpoint) if endpoint else []
+    served = [m.get("id", "") for m in entries]
     specs = [resolve_model(m) for m in models]
     if endpoint:
         name = endpoint_model or (served[0] if served else "default")
@@ -146,7 +147,9 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         t0 = time.perf_counter()
         try:
             if endpoint:
-                agent = EndpointAgent(endpoint, endpoint_model or labels[0].rsplit("@", 1)[0], settings)
+                served_name = endpoint_model or labels[0].rsplit("@", 1)[0]
+                agent = EndpointAgent(endpoint, served_name, settings,
+                                      server_tools=runs_tools_itself(entries, served_name))
                 run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip, score=score,
                              on_item=bar)
             elif len(skip) < len(data.items):

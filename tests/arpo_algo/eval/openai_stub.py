@@ -14,8 +14,10 @@ from typing import Any
 
 
 class StubServer:
-    def __init__(self, reply: Callable[[dict[str, Any]], dict[str, Any]], model: str = "stub-model") -> None:
+    def __init__(self, reply: Callable[[dict[str, Any]], dict[str, Any]], model: str = "stub-model",
+                 model_extra: dict[str, Any] | None = None) -> None:
         self.reply, self.model, self.requests = reply, model, []
+        self.model_extra = dict(model_extra or {})  # extra fields of the model's /v1/models entry
         self.fail_next = 0  # answer this many chat requests with HTTP 503
         stub = self
 
@@ -33,7 +35,8 @@ class StubServer:
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.rstrip("/") == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
+                    self._send(200, {"object": "list",
+                                     "data": [{"id": stub.model, "object": "model", **stub.model_extra}]})
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 

@@ -85,6 +85,33 @@ def test_endpoint_runs_tools_client_side(tmp_path, agent, capsys):
     assert len(set(seeds)) > 1
 
 
+def server_tools_agent(body):
+    """Like ``arpo serve``: the agent runs its python call on the server and returns the whole trajectory with the
+    call trace; a client stop string ends it where the stop appears, as the server's session does."""
+    a, b = _numbers(body)[:2]
+    trajectory = f"<python>print({a}*{b})</python> <result>\n{a * b}\n</result> <answer>\\boxed{{{a * b}}}</answer>"
+    for stop in body.get("stop") or []:
+        if stop in trajectory:  # the session ends the conversation at the client's stop: no tool ran
+            return {"content": trajectory[:trajectory.index(stop)], "arpo": {"tool_calls": [], "trajectory": ""}}
+    call = {"tool": "python", "args": {"code": f"print({a}*{b})"}, "output": f"{a * b}\n", "error": False}
+    return {"content": f"\\boxed{{{a * b}}}", "arpo": {"tool_calls": [call], "trajectory": trajectory}}
+
+
+def test_an_agent_that_runs_its_tools_gets_no_tool_stop_strings(tmp_path, capsys):
+    """Bug: the client sent the environment's tool tags (``</python>``) as stop strings to ``arpo serve`` too, whose
+    session then ended every tool-using answer at its first call, before the tool ran: pass@1 near 0, no error. An
+    endpoint whose /v1/models entry says it runs the tools (``arpo``) is now sent none."""
+    data = _write_items(tmp_path)
+    out = tmp_path / "out"
+    with StubServer(server_tools_agent, model_extra={"arpo": {"engine": "hf", "tools": ["python"]}}) as server:
+        rc = main(["eval", "--endpoint", server.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "1",
+                   "--output", str(out), "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+    assert rc == 0, capsys.readouterr().err
+    assert server.requests and not any("stop" in b for b in server.requests)
+    stats = _summary(out)["models"]["stub-model@endpoint"]["all"]
+    assert stats["tool_calls_per_run"] == 1.0 and stats["pass@1"] == 0.5  # 6*7 right; 5*9 against gold 46
+
+
 def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["eval", "--endpoint", closed_port_url(), "--data", str(_write_items(tmp_path)),
