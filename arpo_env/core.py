@@ -145,6 +145,10 @@ class ToolTextEnv(gym.Env):
         """All actions and observations of the current episode, concatenated."""
         return self.session.response
 
+    def default_system_prompt(self) -> str:
+        """The system prompt of a task that brings none of its own (what a served agent trained here is shown)."""
+        return self._system_prompt({})
+
     def _system_prompt(self, task: dict[str, Any]) -> str:
         if self.config["system_prompt"] is not None:
             return self.config["system_prompt"]

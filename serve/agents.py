@@ -139,10 +139,57 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         if name in seen:
             raise ConfigError(f"two agents are named {name!r}", hint="name them: NAME=PATH")
         seen.add(name)
+        own = {**trained_session(folder, session), **session}
+        if own != session:
+            _check_session(own)
         specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
-                               engine_settings=dict(engine_settings or {}), session=dict(session),
-                               max_tokens=max_tokens))
+                               engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens))
     return specs
+
+
+#: Session settings a checkpoint's environment decides unless the command line does.
+TRAINED_KEYS = ("system_prompt", "max_tool_calls", "protocol")
+
+
+def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The system prompt, tool-call limit and protocol the checkpoint whose policy is ``folder`` was trained with
+    (read from its ``arpo_checkpoint.json``: the environment and its settings), for those the command line did not
+    give; {} for a plain model folder, which records none.
+
+    Invariant: an agent served from a checkpoint sees, by default, the prompt and limits of its training, so a
+    request without a system message is in the distribution it learned.
+
+    Raises:
+        ConfigError: the recorded environment cannot be made here (e.g. its dataset is missing); the hint names the
+            flags that set the values instead.
+    """
+    from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
+
+    marker = folder.parent / CHECKPOINT_MARKER
+    missing = [k for k in TRAINED_KEYS if k not in given]
+    if not missing or not marker.is_file():
+        return {}
+    try:
+        recorded = json.loads(marker.read_text(encoding="utf-8"))["config"]
+        env_id, env_config = recorded["env"], dict(recorded["env_config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{marker}: cannot read the environment the checkpoint was trained in ({e})",
+                          hint="pass --system-prompt, --max-tool-calls and --protocol") from None
+    import gymnasium as gym
+
+    import arpo_env  # noqa: F401  (registers the ids)
+
+    try:
+        env = gym.make(env_id, config=env_config, disable_env_checker=True).unwrapped
+    except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment is reported as one error
+        raise ConfigError(f"{folder}: the environment it was trained in ({env_id}) cannot be made here: {e}",
+                          hint="pass --system-prompt, --max-tool-calls and --protocol to serve it anyway") from None
+    try:
+        trained = {"system_prompt": env.default_system_prompt(), "max_tool_calls": env.config["max_tool_calls"],
+                   "protocol": env.config["protocol"]}
+    finally:
+        env.close()
+    return {k: trained[k] for k in missing}
 
 
 def check_engine(engine: str, settings: dict[str, Any]) -> None:

@@ -217,9 +217,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-replicas-per-node", type=int, default=None, dest="max_replicas_per_node",
                    help="at most this many replicas on one node (1 spreads --replicas over that many nodes)")
     p.add_argument("--tools", help='python,search or a JSON tool spec ({"python": {"timeout_s": 5}})')
-    p.add_argument("--max-tool-calls", type=int, dest="max_tool_calls", help="tool calls per conversation")
+    p.add_argument("--max-tool-calls", type=int, dest="max_tool_calls",
+                   help="tool calls per conversation (default: a checkpoint's training limit, else 4)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--system-prompt", dest="system_prompt", help="system prompt added when a request has none")
+    p.add_argument("--system-prompt", dest="system_prompt",
+                   help="system prompt added when a request has none (default: a checkpoint's training prompt, else "
+                        "the protocol's)")
     p.add_argument("--max-tokens", type=int, default=512, dest="max_tokens",
                    help="default max_tokens of a request (whole response, tool results included)")
     p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",

@@ -189,3 +189,33 @@ def test_replica_placement_options_are_checked(tiny_model_dir, capsys):
     assert main(["serve", str(tiny_model_dir), "--replica-resources", "{worker: 1}"]) == 2
     err = capsys.readouterr().err
     assert "--replica-resources must be a JSON object" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(tmp_path):
+    """Bug: a served checkpoint got the generic protocol prompt and the session's default tool limit (4), not those
+    of its training environment (ToolMath's prompt, the experiment's limit), so the chat page, which sends no system
+    message, put the agent outside what it learned. Flags still win; a plain model folder records nothing."""
+    import json
+
+    from arpo_env.tasks.toolmath import SYSTEM_PROMPT
+
+    ck = tmp_path / "run" / "checkpoints" / "iter_000003"
+    (ck / "policy").mkdir(parents=True)
+    (ck / "policy" / "config.json").write_text("{}")
+    (ck / "arpo_checkpoint.json").write_text(json.dumps(
+        {"config": {"env": "arpo/ToolMath-v0", "env_config": {"levels": [3], "max_tool_calls": 3}, "seed": 0}}))
+    [spec] = build_specs([str(tmp_path / "run")], tools="python")
+    assert spec.session["system_prompt"] == SYSTEM_PROMPT and spec.session["max_tool_calls"] == 3
+    assert spec.session["protocol"] == "arpo"
+    [spec] = build_specs([str(ck)], tools="python", max_tool_calls=1, system_prompt="mine")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"]) == ("mine", 1)  # the command line wins
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    [spec] = build_specs([str(plain)], tools="python")
+    assert not set(spec.session) & {"system_prompt", "max_tool_calls", "protocol"}
+    (ck / "arpo_checkpoint.json").write_text(json.dumps(
+        {"config": {"env": "arpo/Reasoning-v0", "env_config": {"data_files": {"train": ["nowhere.parquet"]}}}}))
+    with pytest.raises(ArpoError, match="cannot be made here") as err:
+        build_specs([str(ck)], tools="python")
+    assert "--system-prompt" in err.value.hint
