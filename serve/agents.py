@@ -165,16 +165,17 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
     """
     from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
 
-    marker = folder.parent / CHECKPOINT_MARKER
     missing = [k for k in TRAINED_KEYS if k not in given]
-    if not missing or not marker.is_file():
+    if not missing or not (folder.parent / CHECKPOINT_MARKER).is_file():
         return {}
+    from arpo_algo.algorithms.checkpoint import read_checkpoint_state  # the reader resume uses: format checked
+
     try:
-        recorded = json.loads(marker.read_text(encoding="utf-8"))["config"]
+        recorded = read_checkpoint_state(folder.parent)["config"]
         env_id, env_config = recorded["env"], dict(recorded["env_config"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{marker}: cannot read the environment the checkpoint was trained in ({e})",
-                          hint="pass --system-prompt, --max-tool-calls and --protocol") from None
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{folder.parent}: its checkpoint does not record the environment it was trained in "
+                          f"({e})", hint="pass --system-prompt, --max-tool-calls and --protocol") from None
     import gymnasium as gym
 
     import arpo_env  # noqa: F401  (registers the ids)

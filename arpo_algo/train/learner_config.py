@@ -173,7 +173,9 @@ class LearnerConfig:
                               hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
 
     def mismatch_levels(self, precision: str) -> tuple[float, float]:
-        """The (warn, stop) levels of the mismatch alarm for a learner running in ``precision`` ("fp32"/"bf16")."""
+        """The (warn, stop) levels of the mismatch alarm for a learner running in ``precision`` ("fp32"/"bf16", or
+        "bf16_sampler"): the levels set here, else that precision's defaults (a default warning level never above
+        the stop level)."""
         warn, stop = MISMATCH_LEVELS[precision]
         stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
@@ -190,9 +192,7 @@ class LearnerConfig:
 
         if dtype != "bfloat16" or resolve_precision(self.precision, torch.device(device)) == "bf16":
             return self
-        warn, stop = MISMATCH_LEVELS["bf16_sampler"]
-        stop = self.kl_rollout_stop if self.kl_rollout_stop is not None else stop
-        warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
+        warn, stop = self.mismatch_levels("bf16_sampler")
         return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop)
 
     @property

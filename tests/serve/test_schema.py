@@ -197,13 +197,15 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
     message, put the agent outside what it learned. Flags still win; a plain model folder records nothing."""
     import json
 
+    from arpo_algo.algorithms.checkpoint import CHECKPOINT_FORMAT
     from arpo_env.tasks.toolmath import SYSTEM_PROMPT
 
     ck = tmp_path / "run" / "checkpoints" / "iter_000003"
     (ck / "policy").mkdir(parents=True)
     (ck / "policy" / "config.json").write_text("{}")
     (ck / "arpo_checkpoint.json").write_text(json.dumps(
-        {"config": {"env": "arpo/ToolMath-v0", "env_config": {"levels": [3], "max_tool_calls": 3}, "seed": 0}}))
+        {"arpo_checkpoint_format": CHECKPOINT_FORMAT,
+         "config": {"env": "arpo/ToolMath-v0", "env_config": {"levels": [3], "max_tool_calls": 3}, "seed": 0}}))
     [spec] = build_specs([str(tmp_path / "run")], tools="python")
     assert spec.session["system_prompt"] == SYSTEM_PROMPT and spec.session["max_tool_calls"] == 3
     assert spec.session["protocol"] == "arpo"
@@ -215,7 +217,8 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
     [spec] = build_specs([str(plain)], tools="python")
     assert not set(spec.session) & {"system_prompt", "max_tool_calls", "protocol"}
     (ck / "arpo_checkpoint.json").write_text(json.dumps(
-        {"config": {"env": "arpo/Reasoning-v0", "env_config": {"data_files": {"train": ["nowhere.parquet"]}}}}))
+        {"arpo_checkpoint_format": CHECKPOINT_FORMAT,
+         "config": {"env": "arpo/Reasoning-v0", "env_config": {"data_files": {"train": ["nowhere.parquet"]}}}}))
     with pytest.raises(ArpoError, match="cannot be made here") as err:
         build_specs([str(ck)], tools="python")
     assert "--system-prompt" in err.value.hint
