@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -171,7 +172,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f.write(json.dumps(rec) + "\n")
             print(f"[study] {arm} seed {seed}: {got['before']:.3f} -> {got['after']:.3f} in {got['time_s']:.0f} s",
                   flush=True)
+            if not args.keep_checkpoints:
+                freed = drop_checkpoints(args.output / arm / f"seed_{seed}")
+                print(f"[study] {arm} seed {seed}: dropped its checkpoints ({freed / 2**30:.1f} GiB)", flush=True)
     return 0
+
+
+def drop_checkpoints(out: Path) -> int:
+    """Delete a finished run's ``checkpoints/`` folder and return the bytes freed.
+
+    Only called once the run's record is on disk: the record is the study's result, and a checkpoint (weights plus
+    optimizer state, 1.6 GB for SmolLM2-135M) per finished run would fill a disk over a 40-run study. The run's
+    metrics, config and result files stay."""
+    ckpts = out / "checkpoints"
+    if not ckpts.is_dir():
+        return 0
+    freed = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+    shutil.rmtree(ckpts)
+    return freed
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -212,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--output", type=Path, default=Path("runs/study"), help="run folders (not kept)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 per process side by side)")
     run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--keep-checkpoints", action="store_true",
+                     help="keep each finished run's checkpoints (default: deleted once its record is written)")
     rep = sub.add_parser("report", help="the tables (and figures) from the records")
     rep.add_argument("--records", type=Path, default=ROOT / "experiments" / "study_records.jsonl")
     rep.add_argument("--figures", type=Path, default=None, help="write the plots into this folder")

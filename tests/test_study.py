@@ -82,3 +82,27 @@ def test_report_keeps_only_the_arms_it_is_given(tmp_path, capsys):
     assert (tmp_path / "study_accuracy_vs_tool_calls.png").is_file()
     assert main(["report", "--records", str(path), "--arms", "aepo"]) == 2  # no such arm: refused, not empty
     assert "no record of the arm(s) aepo" in capsys.readouterr().err
+
+
+def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir, tmp_path):
+    """A study of many runs keeps one checkpoint per unfinished run only: each finished run's checkpoints go once its
+    record is written, its metrics and config stay."""
+    from arpo_algo.algorithms import ARPOConfig
+    from arpo_algo.models.checkpoints import list_checkpoints
+    from arpo_algo.run.driver import save_checkpoint
+    from experiments.study import drop_checkpoints
+
+    algo = (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+            .training(model_path=str(tiny_model_dir), prompts_per_step=2)
+            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=8, hf={"max_batch_size": 4}).build_algo())
+    try:
+        run = tmp_path / "seed_0"
+        saved = save_checkpoint(algo, run / "checkpoints", keep=1)
+    finally:
+        algo.stop()
+    (run / "metrics.jsonl").write_text("{}\n")
+    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    assert list_checkpoints(run / "checkpoints") == [saved] and size > 0
+    assert drop_checkpoints(run) == size
+    assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
+    assert drop_checkpoints(run) == 0  # a run whose checkpoints are gone already
