@@ -29,6 +29,7 @@ from typing import Any
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
 from arpo_algo.rollout.config import MOVED_TO_ENGINE, RolloutsConfig
+from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
@@ -161,6 +162,13 @@ class Settings:
             raise ConfigError(f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
                               "returns only top-k logprobs, so the full entropy is not available",
                               hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'")
+        if self.rollouts.engine == "vllm" and self.tree.topk_logprobs > VLLM_MAX_LOGPROBS:
+            # Invariant: every rollout request can be served; vLLM refuses a request for more top logprobs than the
+            # max_logprobs its engine was built with, which would fail the first rollout after the model loaded.
+            raise ConfigError(f"tree.topk_logprobs={self.tree.topk_logprobs} is more than the vLLM engine returns: "
+                              f"it is built with at most {VLLM_MAX_LOGPROBS} logprobs per token",
+                              hint=f"lower tree.topk_logprobs to at most {VLLM_MAX_LOGPROBS} (the reference uses 10),"
+                                   " or use rollouts.engine = 'hf' (up to the whole vocabulary)")
         if self.rollouts.asynchronous:
             _check_asynchronous(self)
 

@@ -81,7 +81,8 @@ class TreeConfig:
         entropy_method: "full_mean" (mean full entropy of the first k tokens, nats), "full_sum_lnV" (sum of full
             entropies / ln|V|) or "topk_sum_lnV" (reference: entropy over the flattened top-k logprobs of the first
             k tokens / ln|V|, docs/concepts/arpo.md#segment-entropy).
-        topk_logprobs: Logprobs per token requested for "topk_sum_lnV" (reference 10).
+        topk_logprobs: Logprobs per token requested for "topk_sum_lnV" (reference 10); at most what the engine
+            returns: 64 with vLLM, the vocabulary with HF (more is refused before any rollout).
         decision_rule: "paper" (branch Z times when alpha + beta * dH > tau, dH from k look-ahead tokens after the
             result) or "reference" (branch with probability alpha + beta * dH, dH from the segment before the call).
         fillup: How fresh samples fill the budget once every path has ended: "batch" (all at once, paper) or

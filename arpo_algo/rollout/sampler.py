@@ -69,6 +69,13 @@ class TreeSampler:
                  prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
                  train_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
         tree.validate()
+        limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
+        if limit is not None and tree.topk_logprobs > limit:
+            # Invariant: every request the tree asks for is servable; an engine refuses more logprobs per token than
+            # its max_logprobs, so each trajectory would end in an engine error instead of being sampled.
+            raise ConfigError(f"tree.topk_logprobs={tree.topk_logprobs} is more than this rollout engine returns "
+                              f"(at most {limit} logprobs per token)",
+                              hint=f"lower tree.topk_logprobs to at most {limit} (the reference uses 10)")
         if prompt_overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"prompt_overflow={prompt_overflow!r} is not one of {OVERFLOW_POLICIES}")
         if max_response_tokens < 1 or tool_workers < 1:

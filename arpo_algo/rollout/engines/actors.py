@@ -55,6 +55,9 @@ class _EngineActor:
     def get_max_context(self) -> int | None:
         return self.engine.max_context
 
+    def get_max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
     def close(self) -> None:
         self.engine.close()
 
@@ -100,6 +103,7 @@ class RolloutActorPool:
         self._owner: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._tokenizer: Any = None
         self._max_context: Any = ...  # fetched once
+        self._max_logprobs: int | None = None  # fetched once
         self._next = 0
 
     @property
@@ -129,6 +133,15 @@ class RolloutActorPool:
 
             self._max_context = ray.get(self._actors[0].get_max_context.remote())
         return self._max_context
+
+    @property
+    def max_logprobs(self) -> int:
+        """The engines' limit of top logprobs per token (fetched once from the first actor)."""
+        if self._max_logprobs is None:
+            import ray
+
+            self._max_logprobs = ray.get(self._actors[0].get_max_logprobs.remote())
+        return self._max_logprobs
 
     def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
         """Continue every request on some actor (prefix requests on the actor holding the cache); request order.

@@ -90,13 +90,16 @@ class Generation:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int) -> str | None:
+def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int,
+                    max_logprobs: int) -> str | None:
     """Why an engine cannot serve ``req`` (None when it can): the same checks and messages in every engine.
 
     Args:
         req: The request.
         max_context: Longest context the engine accepts, in tokens (None = unbounded).
         vocab_size: Token ids must lie in ``[0, vocab_size)``.
+        max_logprobs: Most top logprobs per token the engine returns (its ``max_logprobs``); a request for more is
+            refused rather than served with fewer, which would change its top-k entropy estimate.
     """
     n = len(req.token_ids)
     if n == 0:
@@ -108,6 +111,9 @@ def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int
     p = req.params
     if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
         return f"invalid sampling params {p}"
+    if p.logprobs_topk > max_logprobs:
+        return (f"logprobs_topk={p.logprobs_topk} exceeds this engine's maximum of {max_logprobs} top logprobs per "
+                "token")
     return None
 
 

@@ -15,6 +15,10 @@ from typing import Any, Literal
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
+#: The ``max_logprobs`` every VLLMEngine is built with: vLLM refuses a request for more top logprobs per token, so
+#: ``tree.topk_logprobs`` is checked against it when the settings are validated (before any model is loaded).
+VLLM_MAX_LOGPROBS = 64
+
 
 @dataclass(frozen=True)
 class HFEngineConfig:

@@ -8,7 +8,9 @@ Definitions (the same in every engine of this package, see :mod:`arpo_algo.core.
 * ``entropies`` (``entropy_method="full"``): exact entropy (nats) of that same distribution, from the full logits (never
   from processed scores, docs/howto/rllib.md#raw-logits-for-entropy). With ``entropy_method="topk_sum_lnV"`` each value
   is instead the truncated per-token term ``-sum exp(l) l`` over the top-k entries plus the sampled token (the reference
-  estimator's summand; ``k = logprobs_topk`` or 10), and ``top_logprobs`` is always returned.
+  estimator's summand; ``k = logprobs_topk`` or 10), and ``top_logprobs`` is always returned. ``logprobs_topk`` may
+  be at most the engine's ``max_logprobs`` (here the vocabulary size, vLLM: 64); a request for more gets
+  ``finish_reason="error"`` in every engine.
 
 How decoding works: up to ``max_batch_size`` sequences decode together, one token per forward. The batch KV cache is
 kept *left padded* (each row's tokens sit contiguously at the right end; padding columns are masked out through an
@@ -113,6 +115,8 @@ class HFEngine:
             else self.model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
         self.vocab_rows = self.model.get_input_embeddings().weight.shape[0]
+        #: Most top logprobs per token a request may ask for: the whole vocabulary.
+        self.max_logprobs: int = self.vocab_rows
         self.eos_ids = self._eos_ids()
         self._rng = random.Random(seed)
         self._uid = uuid.uuid4().hex[:8]
@@ -228,7 +232,8 @@ class HFEngine:
         results: list[Generation | None] = [None] * len(requests)
         pending: collections.deque[int] = collections.deque()
         for i, req in enumerate(requests):
-            problem = request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows)
+            problem = request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows,
+                                      max_logprobs=self.max_logprobs)
             if problem:
                 self._stats["errors"] += 1
                 results[i] = error_generation(req, problem)

@@ -15,7 +15,9 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
 * Entropy: vLLM returns only top-k logprobs, so only ``entropy_method="topk_sum_lnV"`` exists here: each per-token
   entropy is the truncated summand ``-sum exp(l) l`` over the top-k entries plus the sampled token, ``top_logprobs``
   is always filled (``k = logprobs_topk`` or 10, the reference), and :func:`arpo_algo.core.entropy.topk_sum_lnV` gives
-  the reference segment entropy. Asking for ``"full"`` raises :class:`ConfigError` (no silent switch).
+  the reference segment entropy. Asking for ``"full"`` raises :class:`ConfigError` (no silent switch). vLLM is built
+  with ``max_logprobs = VLLM_MAX_LOGPROBS`` (64): a request for more is that request's error (vLLM itself would
+  refuse the whole batch), and ``tree.topk_logprobs`` above it is refused when the settings are validated.
 * Logprobs: ``logprobs_mode="raw_logprobs"`` (vLLM's default) is ``log_softmax(raw logits)`` *without* temperature;
   it equals the HF engine's definition (``raw logits / T``, before top-k/top-p) at temperature 1, the training
   setting. ``"processed_logprobs"`` gives vLLM's post-temperature, post-truncation values instead.
@@ -48,6 +50,7 @@ from arpo_algo.rollout.engines.base import (
     replay_tokens,
     request_problem,
 )
+from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
 from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
     check_architecture,
@@ -126,7 +129,7 @@ class VLLMEngine:
                               f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
                               hint="set sleep_between_rollouts=False")
         kwargs: dict[str, Any] = dict(model=str(path), dtype=dtype, enable_prefix_caching=True, seed=seed,
-                                      max_logprobs=64, logprobs_mode=logprobs_mode,
+                                      max_logprobs=VLLM_MAX_LOGPROBS, logprobs_mode=logprobs_mode,
                                       tensor_parallel_size=tensor_parallel_size,
                                       enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
                                       worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension")
@@ -158,6 +161,8 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
+        #: Most top logprobs per token a request may ask for (vLLM's ``max_logprobs``, set above).
+        self.max_logprobs: int = model_config.max_logprobs
         self.entropy_method = entropy_method
         self._rng = random.Random(seed)
         self._next_key = 0
@@ -174,8 +179,10 @@ class VLLMEngine:
         return self.max_model_len
 
     def _validate(self, req: GenRequest) -> str | None:
-        # vLLM needs room for at least one generated token inside max_model_len.
-        return request_problem(req, max_context=self.max_model_len - 1, vocab_size=self.vocab_size)
+        # vLLM needs room for at least one generated token inside max_model_len, and refuses the whole batch when
+        # one request asks for more than max_logprobs logprobs: both are that request's error here.
+        return request_problem(req, max_context=self.max_model_len - 1, vocab_size=self.vocab_size,
+                               max_logprobs=self.max_logprobs)
 
     def _params(self, req: GenRequest) -> Any:
         p = req.params

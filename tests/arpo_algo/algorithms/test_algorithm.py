@@ -98,6 +98,19 @@ def test_infeasible_resources_fail_fast_with_a_message():
                                  if not _has_gpu() else [{"CPU": 1, "GPU": 99}])
 
 
+def test_topk_logprobs_above_what_the_engine_returns_fails_before_any_rollout(tiny_model_dir):
+    """The HF engine returns at most the whole vocabulary per token; asking the tree for more is refused when the
+    sampler is built, not answered with a shorter list or an engine error for every trajectory."""
+    import json
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]  # the logits' width
+    cfg = tiny_config(tiny_model_dir).tree(entropy_method="topk_sum_lnV", topk_logprobs=vocab + 1)
+    cfg.validate()  # the vocabulary is the model's: only the built engine knows it
+    with pytest.raises(ConfigError, match=rf"tree.topk_logprobs={vocab + 1} .*at most {vocab} logprobs") as err:
+        cfg.build_algo()
+    assert f"at most {vocab}" in err.value.hint
+
+
 def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_dir):
     """Bug: the mismatch alarm took its levels from the learner's precision only, so a bfloat16 rollout actor against
     the float32 learner was held to the float32 warning level, 1e-4, which bf16 rounding alone passes (about 3e-4 on

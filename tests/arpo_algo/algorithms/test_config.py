@@ -183,6 +183,8 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
     (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
     (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
     (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
+    (lambda c: c.llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=65),
+     r"tree.topk_logprobs=65 .* at most 64 logprobs"),                 # vLLM's max_logprobs, before it starts
     (lambda c: c.llm_rollouts(hf={"decode": "cuda_graph"}), "needs rollouts.device='cuda'"),  # no silent CPU fallback
     (lambda c: c.llm_rollouts(device="cuda", hf={"decode": "cuda_graph", "linear_layout": "transposed"}),
      "transposed"),
@@ -213,6 +215,7 @@ def test_valid_config_validates():
         old_logprobs="recompute").validate()  # recomputed under the sampling version's weights
     # vLLM holds its own weights, so it may run in bfloat16 in-process
     valid_config().llm_rollouts(engine="vllm", dtype="bfloat16").tree(entropy_method="topk_sum_lnV").validate()
+    valid_config().llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=64).validate()
 
 
 def test_variants_share_one_path_with_their_defaults():

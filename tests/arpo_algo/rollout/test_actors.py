@@ -89,6 +89,21 @@ def test_pool_has_max_context_so_prompt_overflow_applies(pool, tiny_model_dir):
     s.close()
 
 
+def test_pool_has_max_logprobs_so_topk_logprobs_is_checked(pool, tiny_model_dir):
+    """The sampler refuses tree.topk_logprobs above the engine's max_logprobs when it is built, through actors too."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_base.errors import ConfigError
+    from arpo_env.core import ToolTextEnv
+
+    limit = HFEngine(tiny_model_dir).max_logprobs
+    assert pool.max_logprobs == limit
+    creator = lambda: ToolTextEnv(task="toolmath")  # noqa: E731
+    tree = TreeConfig(budget=2, initial=1, entropy_method="topk_sum_lnV", topk_logprobs=limit + 1)
+    with pytest.raises(ConfigError, match=f"at most {limit} logprobs"):
+        TreeSampler(pool, creator, tree, SamplingParams(), max_response_tokens=20)
+
+
 def test_pool_close_is_idempotent(ray_session, tiny_model_dir):
     from arpo_algo.rollout.engines import build_engine
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -136,6 +137,22 @@ def test_per_request_max_tokens_and_context_budget(engine):
     res = engine.generate([near, over])
     assert 1 <= len(res[0].token_ids) <= 3 and res[0].finish_reason in ("length", "eos")
     assert res[1].finish_reason == "error" and "over" in res[1].error
+
+
+def test_logprobs_up_to_the_engine_max_and_a_request_for_more_is_its_error(engine, model_dir):
+    """Every engine serves up to its ``max_logprobs`` top logprobs per token (HF: the vocabulary, vLLM: the 64 it is
+    built with) and answers a request for more with that request's error, never a shorter list (which would change
+    its top-k entropy) and never an exception that loses the rest of the batch."""
+    limit = 64 if engine.kind == "vllm" else json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ctx = _ctx(engine, "how many logprobs: ")
+    gens = engine.generate([GenRequest("max", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit)),
+                            GenRequest("over", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit + 1)),
+                            GenRequest("ok", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=5))])
+    assert gens[0].finish_reason != "error" and all(len(t) >= limit for t in gens[0].top_logprobs)
+    assert gens[1].finish_reason == "error" and gens[1].token_ids == []
+    assert f"logprobs_topk={limit + 1} exceeds this engine's maximum of {limit}" in gens[1].error
+    assert gens[2].finish_reason != "error" and gens[2].token_ids == gens[0].token_ids  # the batch goes on
+    assert engine.max_logprobs == limit
 
 
 def _stop_case(engine, ctx):
