@@ -162,6 +162,19 @@ class Settings:
             raise ConfigError(f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
                               "returns only top-k logprobs, so the full entropy is not available",
                               hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'")
+        rollouts = self.rollouts
+        if rollouts.engine == "hf" and rollouts.num_rollout_actors == 0 and not self.backend.distributed \
+                and rollouts.dtype != "float32":
+            # Invariant: the in-process HF engine over the local learner samples from the very module the learner
+            # trains (no copy, no push), and that module is float32. A ddp/deepspeed learner keeps its modules in
+            # its rank actors, so there the in-process engine loads its own copy, in any dtype, and gets rank 0's
+            # weights pushed after each update.
+            raise ConfigError(f"rollouts.dtype={rollouts.dtype!r} with in-process rollouts and the local learner: the "
+                              "in-process HF engine shares the learner's float32 module, so it cannot run in "
+                              "another dtype",
+                              hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
+                                   " or give the engine its own copy: rollout actors (num_rollout_actors > 0), "
+                                   "engine = 'vllm', or backend.learner_backend = 'ddp' / 'deepspeed'")
         if self.rollouts.engine == "vllm" and self.tree.topk_logprobs > VLLM_MAX_LOGPROBS:
             # Invariant: every rollout request can be served; vLLM refuses a request for more top logprobs than the
             # max_logprobs its engine was built with, which would fail the first rollout after the model loaded.

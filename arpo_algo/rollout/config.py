@@ -80,7 +80,9 @@ class RolloutsConfig:
         "actor starts.")
     device: Literal["cpu", "cuda"] = setting("cpu", "Where the learner and the in-process engine run.")
     dtype: Literal["float32", "bfloat16"] = setting(
-        "float32", "Engine compute dtype (the in-process HF engine shares the learner's float32 module).")
+        "float32", "Engine compute dtype. float32 only where the in-process HF engine shares the local learner's "
+        "float32 module; rollout actors, vLLM and the in-process engine of a ddp/deepspeed learner hold their own "
+        "copy in this dtype.")
     temperature: float = setting(
         1.0, "Sampling temperature of training rollouts; only 1.0, the distribution the learner scores (reference).")
     top_p: float = setting(1.0, "Nucleus mass of training rollouts; only 1.0 (off, the reference): the learner "
@@ -142,11 +144,6 @@ class RolloutsConfig:
             changed = next(k for k, v in vars(self.hf).items() if v != getattr(HFEngineConfig(), k))
             raise ConfigError(f"rollouts.hf.{changed} is set but rollouts.engine={self.engine!r}",
                               hint="[rollouts.hf] applies to engine = 'hf' only; remove it with vLLM")
-        if self.engine == "hf" and self.dtype != "float32" and self.num_rollout_actors == 0:
-            raise ConfigError(f"rollouts.dtype={self.dtype!r} with in-process rollouts: the in-process engine shares "
-                              "the learner's float32 module, so it cannot run in another dtype",
-                              hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
-                                   " or use rollout actors (num_rollout_actors > 0), which hold their own copy")
 
     def _check_asynchronous(self) -> None:
         """Invariant: a tree is sampled under one policy version, so the engine that samples in the background must

@@ -179,7 +179,7 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
     (lambda c: c.evaluation(samples=4), "greedy"),
     (lambda c: c.tree(initial=9, budget=8), "initial"),                 # TreeConfig.validate
     (lambda c: c.training(clip_c=0.5), "clip_c"),                       # LearnerConfig.validate
-    (lambda c: c.llm_rollouts(dtype="bfloat16"), "float32"),            # in-process engine shares the module
+    (lambda c: c.llm_rollouts(dtype="bfloat16"), "shares the learner's float32 module"),  # local learner's module
     (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
     (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
     (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
@@ -216,6 +216,9 @@ def test_valid_config_validates():
     # vLLM holds its own weights, so it may run in bfloat16 in-process
     valid_config().llm_rollouts(engine="vllm", dtype="bfloat16").tree(entropy_method="topk_sum_lnV").validate()
     valid_config().llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=64).validate()
+    # the in-process HF engine holds its own copy with a ddp/deepspeed learner or with actors, so bfloat16 is allowed
+    valid_config().llm_rollouts(dtype="bfloat16").backend(learner_backend="ddp", learner_workers=2).validate()
+    valid_config().llm_rollouts(dtype="bfloat16", num_rollout_actors=1).validate()
 
 
 def test_variants_share_one_path_with_their_defaults():

@@ -43,6 +43,34 @@ def test_arpo_trains_with_two_ddp_ranks_and_syncs_rank0_weights(tiny_model_dir, 
     assert not ray.is_initialized()  # started by the Algorithm, so stopped by it
 
 
+def test_a_bf16_in_process_engine_trains_with_ddp_ranks(tiny_model_dir):
+    """With ddp the learner's modules live in the rank actors, so the in-process engine loads its own copy: it may
+    run in bfloat16 (only an engine sharing the local learner's float32 module is held to float32)."""
+    import ray
+
+    from arpo_algo.train.learner_config import MISMATCH_LEVELS
+
+    if ray.is_initialized():  # the Algorithm must start (and stop) its own Ray here
+        ray.shutdown()
+    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01).llm_rollouts(dtype="bfloat16").backend(
+        learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
+    algo = cfg.build_algo()
+    try:
+        assert algo.learner.shared_module is None and algo.engine.dtype == "bfloat16"
+        assert next(algo.engine.model.parameters()).dtype == torch.bfloat16
+        # the alarm judges the bf16 sampler against the float32 ranks at the bf16-sampler levels
+        assert algo.learner.config.mismatch_levels("fp32") == MISMATCH_LEVELS["bf16_sampler"]
+        result = algo.train()
+        assert result["learner"]["step"] == 1 and result["learner"]["param_change_norm"] > 0
+        assert 0 < result["learner"]["logprob_diff_max"]  # bf16 rounding: scored by the float32 ranks
+        rank0 = algo.learner.replica_weights(0)
+        algo._sync_weights()  # rank 0's float32 weights, rounded into the engine's bfloat16 copy
+        engine = algo.engine.model.state_dict()
+        assert all(torch.equal(engine[k], v.to(torch.bfloat16)) for k, v in rank0.items())
+    finally:
+        algo.stop()
+
+
 def test_backend_options_are_arpo_settings():
     cfg = ARPOConfig().backend(learner_backend="ddp", learner_workers=2)
     assert cfg.settings.backend == BackendConfig(learner_backend="ddp", learner_workers=2)
