@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.eval.evaluation import EvalSettings
-from arpo_algo.eval.runner import make_record
+from arpo_algo.eval.runner import make_record, missing_runs
 from arpo_algo.rollout.agent_loop import finish_reason, turn_from_env
 from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError, ConfigError
@@ -228,17 +228,19 @@ class EndpointAgent:
 
 
 def run_endpoint(agent: EndpointAgent, env_creator: Callable[[], Any], items: list[dict[str, Any]], *,
-                 model: str, out_file: Path, skip: set[str],
+                 model: str, out_file: Path, skip: set[str], recorded: dict[str, set[int]] | None = None,
                  score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                  on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
-    """K runs of every item not in ``skip`` through the server; appends records per item; returns items run."""
+    """K runs of every item not in ``skip`` through the server (less the runs ``recorded`` per item id); appends
+    records per item; returns items run."""
     todo = [i for i, it in enumerate(items) if it["id"] not in skip]
     env = env_creator() if todo else None
     for idx in todo:
         t0 = time.perf_counter()
-        results = [agent.run(env, idx, r) for r in range(agent.settings.samples)]
+        runs = missing_runs(recorded, items[idx]["id"], agent.settings.samples)
+        results = [agent.run(env, idx, r) for r in runs]
         wall = time.perf_counter() - t0
-        records = [make_record(model, items[idx], idx, r, wall_s=wall, **res) for r, res in enumerate(results)]
+        records = [make_record(model, items[idx], idx, r, wall_s=wall, **res) for r, res in zip(runs, results)]
         records = [score(rec) if score else rec for rec in records]
         with out_file.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, default=str) + "\n" for r in records))

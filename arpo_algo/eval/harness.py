@@ -20,7 +20,15 @@ from arpo_algo.eval import report as R
 from arpo_algo.eval.data import EvalData, make_eval_env
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.report import summarize_rows, write_reports
-from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, repair_tail, run_engine
+from arpo_algo.eval.runner import (
+    SAMPLES_FILE,
+    done_items,
+    read_samples,
+    recorded_runs,
+    repair_tail,
+    run_engine,
+    unique_runs,
+)
 from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
@@ -156,20 +164,22 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
     score = judge.score if judge is not None else None
     times: dict[str, float] = {}
     for label, path in specs:
-        skip = done_items(read_samples(samples), label, settings.samples) & {it["id"] for it in data.items}
+        rows = read_samples(samples, log if label == labels[0] else None)  # a damaged line is named once
+        skip = done_items(rows, label, settings.samples) & {it["id"] for it in data.items}
+        recorded = recorded_runs(rows, label)
         if skip:
             log(f"[eval] {label}: {len(skip)} items already done (resume), {len(data.items) - len(skip)} to run")
         bar = Progress(len(data.items) - len(skip), label, progress)
         t0 = time.perf_counter()
         try:
             if agent is not None:
-                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip, score=score,
-                             on_item=bar)
+                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip,
+                             recorded=recorded, score=score, on_item=bar)
             elif len(skip) < len(data.items):
                 eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
                 try:
                     run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
-                               items_per_call=items_per_call, score=score, on_item=bar)
+                               items_per_call=items_per_call, recorded=recorded, score=score, on_item=bar)
                 finally:
                     close = getattr(eng, "close", None)
                     if close:
@@ -178,7 +188,10 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
             bar.close()
         times[label] = round(time.perf_counter() - t0, 1)
     ids = {it["id"] for it in data.items}
-    rows = [r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids]
+    rows, dropped = unique_runs([r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids])
+    if dropped:
+        log(f"[eval] {samples} records {dropped} run(s) twice (same model, item and run); the first record of each "
+            "is counted, the later ones are ignored")
     header = {**record, "items": len(data.items), "skipped_no_ground_truth": data.skipped,
               "columns": data.columns, "wall_s_this_run": times}
     if judge is not None:
