@@ -94,9 +94,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if settings.temperature == 0 and settings.samples > 1:
         print(f"[eval] note: greedy decoding (temperature 0) makes the {settings.samples} runs of an item identical")
     run_eval(args.models, data, settings, out, data_name=args.data, engine=args.engine, endpoint=args.endpoint,
-             endpoint_model=args.endpoint_model, judge=judge, items_per_call=args.items_per_call,
-             max_batch_size=args.max_batch_size, device=args.device, progress=not args.no_progress,
-             charts=not args.no_charts)
+             endpoint_model=args.endpoint_model, tokenizer=args.tokenizer, judge=judge,
+             items_per_call=args.items_per_call, max_batch_size=args.max_batch_size, device=args.device,
+             progress=not args.no_progress, charts=not args.no_charts)
     return 0
 
 
@@ -132,6 +132,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="items sampled together (faster; a crash loses at most these)")
     p.add_argument("--endpoint", metavar="URL", help="evaluate an OpenAI-compatible server instead of a model")
     p.add_argument("--endpoint-model", help="model name to request from --endpoint (default: its first model)")
+    p.add_argument("--tokenizer", metavar="MODEL",
+                   help="the --endpoint model's tokenizer (folder or registered name): tool results run here count "
+                        "against --max-response-tokens as in a local run")
     p.add_argument("--judge", metavar="URL", help="LLM judge: an OpenAI-compatible server")
     p.add_argument("--judge-model", help="judge model name (default: the judge server's first model)")
     p.add_argument("--judge-rule", default="reference", choices=("reference", "judge"),

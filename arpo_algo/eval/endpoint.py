@@ -14,7 +14,14 @@ limits, reward) as a local run; only the text comes from the server's ``POST /v1
   (``arpo.tool_calls``: dicts with a ``tool`` key), the server ran the whole conversation; its ``arpo.trajectory``
   (else the content) is the response and is scored by the environment's reward.
 
-The reply's ``usage.completion_tokens`` are the run's generated tokens. An unreachable server is a clear error
+Token budget: ``max_response_tokens`` counts every token after the prompt, tool results included, as the in-process
+rollout does (:func:`arpo_algo.rollout.agent_loop.run_agents`). The reply's ``usage.completion_tokens`` are the
+generated tokens; a tool result run here (text tags or ``tool_calls``) is counted with the served model's tokenizer
+(``--tokenizer``) exactly as the rollout tokenizes it (:func:`arpo_algo.rollout.layout.observation_ids`), so the
+same model gets the same budget through an endpoint as in process. Without a tokenizer such an endpoint is refused
+(a ConfigError), never run on generated tokens alone. An agent that runs its tools server-side (``arpo serve``)
+counts its tool results itself: its ``completion_tokens`` are its whole response, and its ``arpo.trained_mask``
+tells the generated ones. An unreachable server is a clear error
 (:func:`check_endpoint`) before any item runs. Seeds are sent per request:
 ``seed + 1000003 * item + 7919 * run + turn``.
 """
@@ -29,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.eval.evaluation import EvalSettings
-from arpo_algo.eval.runner import make_record
+from arpo_algo.eval.runner import make_record, missing_runs
+from arpo_algo.rollout.agent_loop import finish_reason, turn_from_env
 from arpo_algo.rollout.metrics import is_correct
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.http import HTTPJSONError, bearer, request
 
 STANDARD_MESSAGE_KEYS = {"role", "content", "tool_calls", "refusal", "annotations", "audio", "function_call",
@@ -93,12 +101,26 @@ class EndpointAgent:
     """Runs one conversation of an environment against an OpenAI-compatible server (see the module docstring)."""
 
     def __init__(self, url: str, model: str, settings: EvalSettings, *, timeout_s: float = 300.0,
-                 api_key: str | None = None, server_tools: bool = False) -> None:
+                 api_key: str | None = None, server_tools: bool = False, tokenizer: Any = None) -> None:
         self.url, self.model, self.settings = _base(url) + "/chat/completions", model, settings
         self.timeout_s, self.api_key = timeout_s, api_key
         #: The server runs the tools (``arpo serve``): the environment's tool-call tags are not sent as stop
         #: strings, which would end every answer at its first call before the server ran the tool.
         self.server_tools = server_tools
+        #: The served model's tokenizer: tool results run here count against the response budget with it.
+        self.tokenizer = tokenizer
+        if tokenizer is None and not server_tools:
+            raise ConfigError(
+                f"evaluating {model!r} through {url} runs its tools here, and their results count against "
+                f"--max-response-tokens ({settings.max_response_tokens}) as in a local run: that needs the served "
+                "model's tokenizer",
+                hint="pass --tokenizer with the served model's folder or registered name")
+
+    def _result_tokens(self, text: str) -> int:
+        """Tokens a tool result adds to the response, as the rollout appends it (tokenized on its own)."""
+        from arpo_algo.rollout import layout
+
+        return len(layout.observation_ids(self.tokenizer, text)) if self.tokenizer is not None else 0
 
     def _call(self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int,
               cont: bool) -> dict[str, Any]:
@@ -122,7 +144,9 @@ class EndpointAgent:
         base_messages = list(info["messages"])
         stops = tuple(env.stop_sequences)
         response, tool_msgs, calls = "", [], []
-        tokens, finish, reward, reward_info, done = 0, "length", 0.0, {}, False
+        # Invariant (the rollout's budget): ``tokens`` counts every token after the prompt, generated and tool
+        # results alike, and no request may take it past max_response_tokens; ``generated`` counts the sampled ones.
+        tokens, generated, finish, reward, reward_info, done = 0, 0, "length", 0.0, {}, False
         turn, server_side = 0, False
         while not done and tokens < s.max_response_tokens and turn < 64:
             seed = s.seed + 1000003 * index + 7919 * run + turn
@@ -132,12 +156,17 @@ class EndpointAgent:
             turn += 1
             choice = reply["choices"][0]
             msg = choice.get("message") or {}
-            tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
+            completion = int((reply.get("usage") or {}).get("completion_tokens") or 0)
+            tokens += completion
+            generated += completion
             text = msg.get("content") or ""
             trace = _server_trace(msg)
             if trace is not None:  # arpo serve ran the tools itself: its trajectory is the whole response
                 ext = msg.get("arpo") if isinstance(msg.get("arpo"), dict) else {}
                 response += ext.get("trajectory") or text
+                mask = ext.get("trained_mask")
+                if isinstance(mask, list):  # its completion tokens include the tool results it appended
+                    generated += sum(1 for m in mask if m) - completion
                 server_side = True
                 calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
                            "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
@@ -149,6 +178,7 @@ class EndpointAgent:
                 for call in msg["tool_calls"]:
                     out = self._run_tool(env, call, calls)
                     tool_msgs.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": out})
+                    tokens += self._result_tokens(out)
                 continue
             if tool_msgs:  # an OpenAI tool-call conversation ends with a plain message
                 response += text
@@ -161,10 +191,12 @@ class EndpointAgent:
                               "latency_s": step_info.get("latency_s", 0.0),
                               "cache_hit": step_info.get("cache_hit", False)})
             response += action + obs
+            tokens += self._result_tokens(obs)
             if term or trunc:
                 done, reward_info = True, step_info.get("reward_info", {})
-                finish = "answer" if step_info.get("kind") == "answer" else (
-                    "tool_limit" if step_info.get("append_eos") else "turn_limit" if trunc else "eos")
+                # the rollout's own labels, so a run cut by the budget reads "length" here as in process
+                last = types.SimpleNamespace(engine_error=None, last_finish=choice.get("finish_reason") or "eos")
+                finish = finish_reason(turn_from_env((obs, reward, term, trunc, step_info), len(calls)), last)
         if not done:  # scored as a whole by the environment's reward (server-side tools, tool_calls, budget)
             task = env.tasks[index]
             kwargs = {**(task.get("reward_kwargs") or {}), **env.config["reward_kwargs"]}
@@ -173,7 +205,9 @@ class EndpointAgent:
             finish = "answer" if "</answer>" in response else finish
         return {"text": response, "reward": float(reward), "reward_info": reward_info,
                 "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)), "finish_reason": finish,
-                "tool_calls": calls, "generated_tokens": tokens, "response_tokens": tokens,
+                "tool_calls": calls, "generated_tokens": generated,
+                # a result that crosses the budget ends the run there, as the rollout truncates its response
+                "response_tokens": min(tokens, s.max_response_tokens),
                 "server_side_tools": server_side}
 
     def _run_tool(self, env: Any, call: dict[str, Any], calls: list[dict[str, Any]]) -> str:
@@ -194,17 +228,19 @@ class EndpointAgent:
 
 
 def run_endpoint(agent: EndpointAgent, env_creator: Callable[[], Any], items: list[dict[str, Any]], *,
-                 model: str, out_file: Path, skip: set[str],
+                 model: str, out_file: Path, skip: set[str], recorded: dict[str, set[int]] | None = None,
                  score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                  on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
-    """K runs of every item not in ``skip`` through the server; appends records per item; returns items run."""
+    """K runs of every item not in ``skip`` through the server (less the runs ``recorded`` per item id); appends
+    records per item; returns items run."""
     todo = [i for i, it in enumerate(items) if it["id"] not in skip]
     env = env_creator() if todo else None
     for idx in todo:
         t0 = time.perf_counter()
-        results = [agent.run(env, idx, r) for r in range(agent.settings.samples)]
+        runs = missing_runs(recorded, items[idx]["id"], agent.settings.samples)
+        results = [agent.run(env, idx, r) for r in runs]
         wall = time.perf_counter() - t0
-        records = [make_record(model, items[idx], idx, r, wall_s=wall, **res) for r, res in enumerate(results)]
+        records = [make_record(model, items[idx], idx, r, wall_s=wall, **res) for r, res in zip(runs, results)]
         records = [score(rec) if score else rec for rec in records]
         with out_file.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, default=str) + "\n" for r in records))

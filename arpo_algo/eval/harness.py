@@ -20,7 +20,15 @@ from arpo_algo.eval import report as R
 from arpo_algo.eval.data import EvalData, make_eval_env
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.report import summarize_rows, write_reports
-from arpo_algo.eval.runner import SAMPLES_FILE, done_items, read_samples, repair_tail, run_engine
+from arpo_algo.eval.runner import (
+    SAMPLES_FILE,
+    done_items,
+    read_samples,
+    recorded_runs,
+    repair_tail,
+    run_engine,
+    unique_runs,
+)
 from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
@@ -72,6 +80,15 @@ def build_engine(kind: str, path: Path, *, max_batch_size: int, device: str, see
     raise ConfigError(f"--engine must be 'hf' or 'vllm', got {kind!r}")
 
 
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a model folder or registered name (``--tokenizer``: the served model's)."""
+    from transformers import AutoTokenizer
+
+    from arpo_algo.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(spec)))
+
+
 def _check_protocol(out: Path, record: dict[str, Any]) -> None:
     cfg_file = out / CONFIG_FILE
     if cfg_file.is_file():
@@ -110,8 +127,8 @@ class Progress:
 
 def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Path, *, data_name: str,
              engine: str = "hf", endpoint: str | None = None, endpoint_model: str | None = None,
-             judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16, device: str = "cpu",
-             progress: bool = True, charts: bool = True, log=print) -> dict[str, Any]:
+             tokenizer: str | None = None, judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16,
+             device: str = "cpu", progress: bool = True, charts: bool = True, log=print) -> dict[str, Any]:
     """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body."""
     from arpo_algo.eval.endpoint import EndpointAgent, run_endpoint, runs_tools_itself, served_models
 
@@ -119,12 +136,19 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         raise ConfigError("give model folders or --endpoint, not both")
     if not endpoint and not models:
         raise ConfigError("nothing to evaluate", hint="name at least one model/checkpoint, or --endpoint URL")
+    if tokenizer and not endpoint:
+        raise ConfigError("--tokenizer is for --endpoint (a local model brings its own tokenizer)",
+                          hint="drop --tokenizer, or evaluate through --endpoint URL")
     entries = served_models(endpoint) if endpoint else []
     served = [m.get("id", "") for m in entries]
     specs = [resolve_model(m) for m in models]
+    agent = None
     if endpoint:
         name = endpoint_model or (served[0] if served else "default")
         specs = [(f"{name}@endpoint", None)]
+        # built before anything is written: an endpoint it cannot budget like a local run is refused up front
+        agent = EndpointAgent(endpoint, name, settings, server_tools=runs_tools_itself(entries, name),
+                              tokenizer=load_tokenizer(tokenizer) if tokenizer else None)
     labels = [s[0] for s in specs]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two models share the label {labels}", hint="name them: LABEL=PATH")
@@ -140,23 +164,22 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
     score = judge.score if judge is not None else None
     times: dict[str, float] = {}
     for label, path in specs:
-        skip = done_items(read_samples(samples), label, settings.samples) & {it["id"] for it in data.items}
+        rows = read_samples(samples, log if label == labels[0] else None)  # a damaged line is named once
+        skip = done_items(rows, label, settings.samples) & {it["id"] for it in data.items}
+        recorded = recorded_runs(rows, label)
         if skip:
             log(f"[eval] {label}: {len(skip)} items already done (resume), {len(data.items) - len(skip)} to run")
         bar = Progress(len(data.items) - len(skip), label, progress)
         t0 = time.perf_counter()
         try:
-            if endpoint:
-                served_name = endpoint_model or labels[0].rsplit("@", 1)[0]
-                agent = EndpointAgent(endpoint, served_name, settings,
-                                      server_tools=runs_tools_itself(entries, served_name))
-                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip, score=score,
-                             on_item=bar)
+            if agent is not None:
+                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip,
+                             recorded=recorded, score=score, on_item=bar)
             elif len(skip) < len(data.items):
                 eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
                 try:
                     run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
-                               items_per_call=items_per_call, score=score, on_item=bar)
+                               items_per_call=items_per_call, recorded=recorded, score=score, on_item=bar)
                 finally:
                     close = getattr(eng, "close", None)
                     if close:
@@ -165,7 +188,10 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
             bar.close()
         times[label] = round(time.perf_counter() - t0, 1)
     ids = {it["id"] for it in data.items}
-    rows = [r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids]
+    rows, dropped = unique_runs([r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids])
+    if dropped:
+        log(f"[eval] {samples} records {dropped} run(s) twice (same model, item and run); the first record of each "
+            "is counted, the later ones are ignored")
     header = {**record, "items": len(data.items), "skipped_no_ground_truth": data.skipped,
               "columns": data.columns, "wall_s_this_run": times}
     if judge is not None:

@@ -8,7 +8,10 @@ two models see the same seeds, and a rerun gives the same tokens.
 
 Resume: an item is done for a model when its K runs are in ``samples.jsonl``; done items are not run again. The runs of
 ``items_per_call`` items are sampled together and written as soon as that call returns, so a crash loses at most
-those items (1 by default).
+those items (1 by default). A crash in the middle of an item's write leaves some of its runs and a torn line: the
+torn tail is cut before anything is appended (:func:`repair_tail`) and only the runs not recorded are run (each run
+has its own seed, so they are the runs an uninterrupted evaluation makes). A (model, item, run) recorded twice is
+counted once, the first record (:func:`unique_runs`).
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normal
 SAMPLES_FILE = "samples.jsonl"
 
 
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    """Rows of ``samples.jsonl``; a torn last line (crash mid-write) is dropped."""
+def read_samples(path: Path, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Rows of ``samples.jsonl``; a line that is not JSON (a write cut short by a crash) is dropped, and named to
+    ``log`` unless it is the last line (:func:`repair_tail` cuts that one before a resume appends)."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, 1):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            if log is not None and n < len(lines):
+                log(f"[eval] {path} line {n} is not JSON (a write cut short); ignored, its runs run again")
     return rows
 
 
@@ -50,13 +56,31 @@ def repair_tail(path: Path) -> None:
         path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
-def done_items(rows: Iterable[dict[str, Any]], model: str, k: int) -> set[str]:
-    """Item ids with all K runs recorded for ``model``."""
+def recorded_runs(rows: Iterable[dict[str, Any]], model: str) -> dict[str, set[int]]:
+    """The run indices recorded per item id for ``model``."""
     runs: dict[str, set[int]] = {}
     for r in rows:
         if r.get("model") == model:
             runs.setdefault(r["item_id"], set()).add(int(r["run"]))
-    return {i for i, rs in runs.items() if rs >= set(range(k))}
+    return runs
+
+
+def done_items(rows: Iterable[dict[str, Any]], model: str, k: int) -> set[str]:
+    """Item ids with all K runs recorded for ``model``."""
+    return {i for i, rs in recorded_runs(rows, model).items() if rs >= set(range(k))}
+
+
+def unique_runs(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``(rows, dropped)``: the first record of each (model, item, run) in file order and how many later ones
+    were dropped. Invariant: every statistic sees one record per run, whatever a file holds."""
+    seen: set[tuple[str, str, int]] = set()
+    out = []
+    for r in rows:
+        key = (r["model"], r["item_id"], int(r["run"]))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out, len(rows) - len(out)
 
 
 def vote_key(answer: str | None) -> str | None:
@@ -94,6 +118,13 @@ def make_record(model: str, item: dict[str, Any], index: int, run: int, *, text:
             "response_tokens": int(response_tokens), "wall_s": round(wall_s, 4), **extra}
 
 
+def missing_runs(recorded: dict[str, set[int]] | None, item_id: str, k: int) -> list[int]:
+    """The run indices of ``item_id`` still to run. Invariant: a resume never writes a (model, item, run) that is
+    already recorded."""
+    have = (recorded or {}).get(item_id, set())
+    return [r for r in range(k) if r not in have]
+
+
 def _chunks(seq: list[int], n: int) -> Iterable[list[int]]:
     for i in range(0, len(seq), n):
         yield seq[i:i + n]
@@ -126,6 +157,7 @@ def env_reward(env: Any, item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str, Any]], settings: EvalSettings,
                *, model: str, out_file: Path, skip: set[str], items_per_call: int = 1,
+               recorded: dict[str, set[int]] | None = None,
                score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
                on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
     """Run ``settings.samples`` conversations of every item not in ``skip`` and append their records; returns the
@@ -144,6 +176,7 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
         out_file: ``samples.jsonl`` (appended per item).
         skip: Item ids already done.
         items_per_call: Items whose runs are batched together; a crash loses at most these.
+        recorded: Run indices already in ``out_file`` per item id (a resume after a crash mid-item): not run again.
         score: Optional post-scoring of a record (the LLM judge); returns the updated record.
         on_item: Called with each item's records (progress).
     """
@@ -166,8 +199,8 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
             env = env_creator()
             _, info = env.reset(options={"task_index": idx})
             ids = _fit_prompt(layout.prompt_ids(tok, info["messages"]), limit, settings, items[idx])
-            for run in range(settings.samples):
-                envs.append(env if run == 0 else env.clone())
+            for n, run in enumerate(missing_runs(recorded, items[idx]["id"], settings.samples)):
+                envs.append(env if n == 0 else env.clone())
                 prompts.append(ids)
                 seeds.append(functools.partial(_seed, settings.seed, idx, run))
                 where.append((idx, run))
@@ -187,7 +220,7 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
                               wall_s=wall, prompt_tokens=len(tr.prompt_ids))
             by_item.setdefault(idx, []).append(score(rec) if score else rec)
         for idx in chunk:
-            records = by_item[idx]
+            records = by_item.get(idx, [])
             with out_file.open("a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
             if on_item:

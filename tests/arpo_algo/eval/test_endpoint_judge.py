@@ -63,11 +63,12 @@ def _summary(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("agent", [text_agent, tool_calls_agent], ids=["text_tags", "openai_tool_calls"])
-def test_endpoint_runs_tools_client_side(tmp_path, agent, capsys):
+def test_endpoint_runs_tools_client_side(tiny_model_dir, tmp_path, agent, capsys):
     data = _write_items(tmp_path)
     out = tmp_path / "out"
     with StubServer(agent) as server:
-        rc = main(["eval", "--endpoint", server.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "2",
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", str(data),
+                   "--env", "arpo/ToolMath-v0", "--k", "2",
                    "--output", str(out), "--no-progress", "--no-charts", *PRIVATE_TOOLS])
     assert rc == 0, capsys.readouterr().err
     s = _summary(out)
@@ -121,11 +122,12 @@ def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     assert not (out / "samples.jsonl").exists()
 
 
-def test_endpoint_error_status_is_a_clear_error(tmp_path, capsys):
+def test_endpoint_error_status_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
     """A server that answers a chat request with an error status stops the run with its status and reply text."""
     with StubServer(text_agent) as server:
         server.fail_next = 10 ** 6
-        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)),
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir),
+                   "--data", str(_write_items(tmp_path)),
                    "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts",
                    *PRIVATE_TOOLS])
     err = capsys.readouterr().err
@@ -138,14 +140,15 @@ def judge_server(body):
     return {"content": "Correct" if pred == "45" else "Incorrect"}
 
 
-def test_judge_rules_cache_and_unjudged(tmp_path, capsys):
+def test_judge_rules_cache_and_unjudged(tiny_model_dir, tmp_path, capsys):
     """The judge accepts 45 for the item whose gold is 46: the reference rule (string OR judge) then counts both items
     correct; a rerun in a new folder with the same cache dir costs no judge call; a dead judge leaves runs unjudged."""
     data = _write_items(tmp_path)
     with StubServer(text_agent) as model, StubServer(judge_server, model="judge") as judge:
         out = tmp_path / "judged"
-        args = ["eval", "--endpoint", model.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "1",
-                "--no-progress", "--no-charts", "--judge", judge.url, *PRIVATE_TOOLS]
+        args = ["eval", "--endpoint", model.url, "--tokenizer", str(tiny_model_dir), "--data", str(data),
+                "--env", "arpo/ToolMath-v0", "--k", "1", "--no-progress", "--no-charts", "--judge", judge.url,
+                *PRIVATE_TOOLS]
         assert main([*args, "--output", str(out)]) == 0, capsys.readouterr().err
         s = _summary(out)
         assert s["models"]["stub-model@endpoint"]["all"]["pass@1"] == 1.0
@@ -214,3 +217,69 @@ def test_endpoint_against_arpo_serve(arpo_serve, tmp_path, capsys):
     assert all(r["server_side_tools"] and 0 < r["generated_tokens"] <= 24 and r["response"] for r in rows)
     s = _summary(out)["models"]["tiny@endpoint"]["all"]
     assert s["items"] == 2 and s["k"] == 2 and s["pass@1"] == 0.0  # an untrained model answers nothing right
+
+
+def scripted_server(engine):
+    """A chat server over a scripted rollout engine, as vLLM serves a model: it renders the messages with the chat
+    template (continuing the final assistant message when asked), generates with the request's budget, stop strings
+    and seed, drops a matched stop string from the text and reports the generated tokens in ``usage``."""
+    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+
+    tok = engine.tokenizer
+
+    def reply(body):
+        messages, cont = body["messages"], body.get("continue_final_message", False)
+        text = tok.apply_chat_template(messages[:-1] if cont else messages, add_generation_prompt=True,
+                                       tokenize=False) + (messages[-1]["content"] if cont else "")
+        params = SamplingParams(max_new_tokens=body["max_tokens"], stop=tuple(body.get("stop") or ()),
+                                seed=body["seed"])
+        gen = engine.generate([GenRequest(0, tok(text, add_special_tokens=False)["input_ids"], params)])[0]
+        ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
+        content = tok.decode(ids, skip_special_tokens=False)
+        if gen.stop_string:
+            content = content[:-len(gen.stop_string)]
+        return {"content": content, "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+                "usage": {"completion_tokens": len(gen.token_ids)}}
+
+    return reply
+
+
+def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys):
+    """The response budget counts every token after the prompt, tool results included, through an endpoint as in
+    process: the same scripted model served over HTTP and run by run_engine makes the same tool calls, spends the
+    same generated and response tokens and ends for the same reason per run. Counting generated tokens alone let
+    the served model make more tool calls within the same --max-response-tokens."""
+    from arpo_algo.eval.data import load_eval_data, make_eval_env
+    from arpo_algo.eval.evaluation import EvalSettings
+    from arpo_algo.eval.runner import run_engine
+    from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
+
+    budget = 150  # a call is 43 tokens and its result about 20: tool results decide where a 3-call run stops
+    data = load_eval_data("toolmath", limit=3)
+    creator = lambda: make_eval_env(data.env_id, data.env_config, data.items)  # noqa: E731
+    local = tmp_path / "local.jsonl"
+    settings = EvalSettings(num_prompts=None, samples=2, temperature=0.6, max_response_tokens=budget, seed=5)
+    run_engine(ScriptedEngine(calls=(3, 3)), creator, data.items, settings, model="m", out_file=local, skip=set())
+    out = tmp_path / "served"
+    with StubServer(scripted_server(ScriptedEngine(calls=(3, 3)))) as server:
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", "toolmath",
+                   "--limit", "3", "--k", "2", "--max-response-tokens", str(budget), "--seed", "5",
+                   "--output", str(out), "--no-progress", "--no-charts"])
+    assert rc == 0, capsys.readouterr().err
+    served = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    ran = [json.loads(x) for x in local.read_text().splitlines()]
+    keys = ("index", "run", "num_tool_calls", "generated_tokens", "response_tokens", "finish_reason")
+    assert [{k: r[k] for k in keys} for r in served] == [{k: r[k] for k in keys} for r in ran]
+    assert all(r["num_tool_calls"] == 2 and r["response_tokens"] == budget for r in served)
+
+
+def test_endpoint_without_tokenizer_is_refused_before_the_run(tmp_path, capsys):
+    """Tools run client-side need the served model's tokenizer to count their results against the budget: without
+    it the run is refused with a hint, before anything is written."""
+    out = tmp_path / "out"
+    with StubServer(text_agent) as server:
+        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)),
+                   "--env", "arpo/ToolMath-v0", "--output", str(out), "--no-progress", "--no-charts"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs the served model's tokenizer" in err and "--tokenizer" in err and "Traceback" not in err
+    assert not server.requests and not out.exists()

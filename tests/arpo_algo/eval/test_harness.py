@@ -135,3 +135,41 @@ def test_eval_runs_are_training_trajectories(tmp_path):
         assert r["reward"] == t.reward and r["correct"] == is_correct(t)
         assert [c["tool"] for c in r["tool_calls"]] == [c["tool"] for c in t.tool_calls]
     assert sum(r["num_tool_calls"] for r in rows) > 0 and {r["finish_reason"] for r in rows} >= {"answer"}
+
+
+def test_resume_after_a_crash_mid_item(tiny_model_dir, tmp_path, capsys):
+    """A crash in the middle of an item's write leaves its first runs and a torn line: the resume cuts the torn tail,
+    runs only the missing run and gives exactly the rows of one uninterrupted evaluation (no (item, run) twice, no
+    record glued onto the torn line)."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    base = ["eval", f"tiny={tiny_model_dir}", "--data", "toolmath", "--limit", "2", *FAST]
+    assert main([*base, "--output", str(whole)]) == 0
+    lines = (whole / "samples.jsonl").read_text().splitlines(keepends=True)
+    assert [(r["index"], r["run"]) for r in _rows(whole)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    cut.mkdir()
+    (cut / "eval_config.json").write_text((whole / "eval_config.json").read_text())
+    (cut / "samples.jsonl").write_text("".join(lines[:3]) + lines[3][:40])  # killed while writing item 1's run 1
+    capsys.readouterr()
+    assert main([*base, "--output", str(cut)]) == 0
+    assert "1 items already done (resume), 1 to run" in capsys.readouterr().out
+    assert _strip(_rows(cut)) == _strip(_rows(whole))
+
+
+def test_a_run_recorded_twice_is_counted_once(tiny_model_dir, tmp_path, capsys):
+    """A (model, item, run) recorded twice in samples.jsonl is counted once, its first record, and the resume says
+    so: the summary is the one of the file without the copy. A damaged line inside the file is named."""
+    out = tmp_path / "out"
+    base = ["eval", f"tiny={tiny_model_dir}", "--data", "toolmath", "--limit", "2", *FAST, "--output", str(out)]
+    assert main(base) == 0
+    summary = json.loads((out / "summary.json").read_text())["models"]["tiny"]["all"]
+    first = _rows(out)[0]
+    lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    copy = json.dumps(dict(first, correct=not first["correct"], response="a later copy")) + "\n"
+    (out / "samples.jsonl").write_text("".join(lines[:2]) + '{"model": "ti\n' + "".join(lines[2:]) + copy)
+    capsys.readouterr()
+    assert main(base) == 0
+    log = capsys.readouterr().out
+    assert "records 1 run(s) twice" in log and "samples.jsonl line 3 is not JSON" in log
+    again = json.loads((out / "summary.json").read_text())["models"]["tiny"]["all"]
+    keys = ("runs", "pass@1", "pass@2", "maj@2", "correct_runs", "tokens_per_run")
+    assert {k: again[k] for k in keys} == {k: summary[k] for k in keys}
