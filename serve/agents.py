@@ -9,11 +9,13 @@ name clients put in ``model``; otherwise the name is the folder's (``run/checkpo
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.models.policy_env import SERVED_KEYS
 from arpo_base.errors import ConfigError
 
 ENGINE_KINDS = ("hf", "vllm")
@@ -147,28 +149,56 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
     return specs
 
 
-#: Session settings a checkpoint's environment decides unless the command line does.
-TRAINED_KEYS = ("system_prompt", "max_tool_calls", "protocol")
+#: Session settings a trained policy's environment decides unless the command line does (one list with the writer's).
+TRAINED_KEYS = SERVED_KEYS
+
+log = logging.getLogger("arpo.serve")
 
 
 def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
-    """The system prompt, tool-call limit and protocol the checkpoint whose policy is ``folder`` was trained with
-    (read from its ``arpo_checkpoint.json``: the environment and its settings), for those the command line did not
-    give; {} for a plain model folder, which records none.
+    """The system prompt, tool-call limit and protocol the policy in ``folder`` was trained with, for those the
+    command line did not give: from the folder's own ``arpo_policy.json`` (every policy folder arpo writes: a
+    checkpoint's ``policy/``, ``arpo train``'s final policy, an exported copy), else, for a checkpoint written before
+    policy folders recorded it, from the checkpoint's ``arpo_checkpoint.json`` (its environment, rebuilt here); {}
+    for a folder that records neither (a base model, an ``arpo sft`` output), after one warning naming the generic
+    defaults it is served with.
 
-    Invariant: an agent served from a checkpoint sees, by default, the prompt and limits of its training, so a
-    request without a system message is in the distribution it learned.
+    Invariant: an agent served from a trained policy sees, by default, the prompt and limits of its training, so a
+    request without a system message is in the distribution it learned; a folder that cannot say what they were is
+    served on generic defaults only with a warning saying so.
 
     Raises:
-        ConfigError: the recorded environment cannot be made here (e.g. its dataset is missing); the hint names the
-            flags that set the values instead.
+        ConfigError: the folder's record is unreadable (another format, damaged), or the checkpoint's environment
+            cannot be made here (e.g. its dataset is missing); the hint names the flags that set the values instead.
     """
     from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
+    from arpo_algo.models.policy_env import POLICY_ENV_FILE, read_policy_env
 
     missing = [k for k in TRAINED_KEYS if k not in given]
-    if not missing or not (folder.parent / CHECKPOINT_MARKER).is_file():
+    if not missing:
         return {}
+    record = read_policy_env(folder)  # None when absent; a record it cannot read is a ConfigError
+    if record is not None:
+        return {k: record["served_defaults"][k] for k in missing}
+    if (folder.parent / CHECKPOINT_MARKER).is_file():
+        return {k: v for k, v in _checkpoint_defaults(folder).items() if k in missing}
+    from arpo_env.session import SESSION_DEFAULTS
+
+    protocol = given.get("protocol", SESSION_DEFAULTS["protocol"])
+    generic = {"system_prompt": f"the generic prompt of the {protocol!r} protocol",
+               "max_tool_calls": f"max_tool_calls {SESSION_DEFAULTS['max_tool_calls']}",
+               "protocol": f"protocol {protocol!r}"}
+    log.warning("%s records no training environment (no %s: not a policy folder arpo train wrote): serving it "
+                "with %s. If it was trained with other settings, pass %s", folder, POLICY_ENV_FILE,
+                ", ".join(generic[k] for k in missing),
+                ", ".join(f"--{k.replace('_', '-')}" for k in missing))
+    return {}
+
+
+def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
+    """The served defaults of the environment recorded in the checkpoint holding ``folder`` (rebuilt here)."""
     from arpo_algo.algorithms.checkpoint import read_checkpoint_state  # the reader resume uses: format checked
+    from arpo_algo.models.policy_env import defaults_from_env
 
     try:
         recorded = read_checkpoint_state(folder.parent)["config"]
@@ -176,21 +206,11 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{folder.parent}: its checkpoint does not record the environment it was trained in "
                           f"({e})", hint="pass --system-prompt, --max-tool-calls and --protocol") from None
-    import gymnasium as gym
-
-    import arpo_env  # noqa: F401  (registers the ids)
-
     try:
-        env = gym.make(env_id, config=env_config, disable_env_checker=True).unwrapped
+        return defaults_from_env(env_id, env_config)
     except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment is reported as one error
         raise ConfigError(f"{folder}: the environment it was trained in ({env_id}) cannot be made here: {e}",
                           hint="pass --system-prompt, --max-tool-calls and --protocol to serve it anyway") from None
-    try:
-        trained = {"system_prompt": env.default_system_prompt(), "max_tool_calls": env.config["max_tool_calls"],
-                   "protocol": env.config["protocol"]}
-    finally:
-        env.close()
-    return {k: trained[k] for k in missing}
 
 
 def check_engine(engine: str, settings: dict[str, Any]) -> None:

@@ -52,6 +52,7 @@ from arpo_algo.algorithms.components import (
 )
 from arpo_algo.algorithms.config import AgenticRLConfig
 from arpo_algo.algorithms.stabilizers import sample_groups
+from arpo_algo.models.policy_env import served_defaults
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
@@ -131,7 +132,10 @@ class AgenticRLAlgorithm(Algorithm):
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)
         self._eval_env = env_creator(cfg, split=settings.evaluation.split)
-        self.prompts = PromptIterator(self._train_env().num_tasks, cfg.seed)
+        env = self._train_env()
+        self.prompts = PromptIterator(env.num_tasks, cfg.seed)
+        # what every policy folder this run writes records for serving (the env it was trained in decides them)
+        self.served_defaults = served_defaults(env)
         self.engine = self._build_engine(model_path)
         self.sampler = self._build_sampler()
         self.rollout_pipeline = None

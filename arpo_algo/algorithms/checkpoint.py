@@ -5,6 +5,9 @@ write the same layout)::
 
     arpo_checkpoint.json   format, arpo version, algorithm, iteration, data position, metrics, the settings (JSON)
     policy/                a plain Hugging Face folder (safetensors weights, config, tokenizer, chat template)
+    policy/arpo_policy.json  the environment it was trained in and what it resolves the served agent's system
+                           prompt, tool-call limit and protocol to (:mod:`arpo_algo.models.policy_env`), so the
+                           folder is served as trained even when copied out of the checkpoint
     policy/trainer_state.pt  optimizer, scheduler, step counters and RNG states: tensors and plain values only,
                            read with ``torch.load(weights_only=True)``
 
@@ -24,6 +27,7 @@ from typing import Any
 
 from arpo_algo import __version__
 from arpo_algo.models.checkpoints import CHECKPOINT_MARKER, LEGACY_CHECKPOINT_MARKER
+from arpo_algo.models.policy_env import defaults_from_env, write_policy_env
 from arpo_base.errors import ArpoError
 
 #: Bumped whenever the checkpoint layout or state keys change incompatibly.
@@ -136,6 +140,7 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     algo.policy.save_to_path(path / POLICY_DIR)
+    write_policy_env(path / POLICY_DIR, algo.config.env, algo.config.env_config, algo.served_defaults)
     _write_state(path, algo.config, algorithm=type(algo).__name__, iteration=algo.iteration,
                  prompts=algo.data_position(), metrics_logger=algo.metrics.get_state())
     return path
@@ -212,6 +217,7 @@ def convert_legacy_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *
     shutil.copytree(src / POLICY_DIR, tmp / POLICY_DIR)
     trainer = torch.load(src / POLICY_DIR / TRAINER_STATE_FILE, weights_only=False)  # vouched for, as above
     save_trainer_state(trainer, tmp / POLICY_DIR / TRAINER_STATE_FILE)
+    _record_policy_env(tmp / POLICY_DIR, config, shown=dest / POLICY_DIR)
     _write_state(tmp, config, algorithm=meta.get("arpo_algorithm", "ARPO"),
                  iteration=int(algo_state["training_iteration"]), prompts=algo_state["prompts"],
                  metrics_logger=algo_state.get("metrics_logger", {}),
@@ -219,6 +225,22 @@ def convert_legacy_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *
     os.replace(tmp, dest)
     fsync_dir(dest.parent)
     return dest
+
+
+def _record_policy_env(policy_dir: Path, config: Any, shown: Path) -> None:
+    """The converted policy folder's environment record, if its environment can be made here; otherwise a warning:
+    the checkpoint still serves as trained (serve rebuilds the environment from its marker), a copy of the folder
+    alone does not."""
+    import logging
+
+    try:
+        defaults = defaults_from_env(config.env, config.env_config)
+    except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment only leaves the record out
+        logging.getLogger(__name__).warning(
+            "%s: the environment %s cannot be made here (%s); the converted policy folder records no environment, "
+            "so serve a copy of it with --system-prompt, --max-tool-calls and --protocol", shown, config.env, e)
+        return
+    write_policy_env(policy_dir, config.env, config.env_config, defaults)
 
 
 def config_from_state(state: dict[str, Any], config_cls: type) -> Any:

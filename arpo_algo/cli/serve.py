@@ -94,7 +94,7 @@ def start(args: argparse.Namespace) -> str:
     if isinstance(args.replica_resources, str):  # refused before Ray starts
         args.replica_resources = parse_replica_resources(args.replica_resources)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
-                        system_prompt=args.system_prompt, max_tokens=args.max_tokens,
+                        system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
                         allow_unisolated_python=args.allow_unisolated_python)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
         args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
@@ -218,11 +218,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="at most this many replicas on one node (1 spreads --replicas over that many nodes)")
     p.add_argument("--tools", help='python,search or a JSON tool spec ({"python": {"timeout_s": 5}})')
     p.add_argument("--max-tool-calls", type=int, dest="max_tool_calls",
-                   help="tool calls per conversation (default: a checkpoint's training limit, else 4)")
+                   help="tool calls per conversation (default: the training limit of a checkpoint or of a "
+                        "policy folder arpo wrote, else 4)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     p.add_argument("--system-prompt", dest="system_prompt",
-                   help="system prompt added when a request has none (default: a checkpoint's training prompt, else "
-                        "the protocol's)")
+                   help="system prompt added when a request has none (default: the training prompt of a checkpoint "
+                        "or of a policy folder arpo wrote, else the protocol's)")
+    p.add_argument("--protocol", default=None,
+                   help="how the agent writes tool calls, arpo or json (default: the training protocol of a "
+                        "checkpoint or of a policy folder arpo wrote, else arpo)")
     p.add_argument("--max-tokens", type=int, default=512, dest="max_tokens",
                    help="default max_tokens of a request (whole response, tool results included)")
     p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",

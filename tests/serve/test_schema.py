@@ -222,3 +222,60 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
     with pytest.raises(ArpoError, match="cannot be made here") as err:
         build_specs([str(ck)], tools="python")
     assert "--system-prompt" in err.value.hint
+
+
+def _record(**over) -> dict:
+    """A policy folder's arpo_policy.json; its format number is the on-disk contract (readers refuse any other)."""
+    return {"arpo_policy_format": 1, "arpo_version": "0", "env": "arpo/ToolMath-v0",
+            "env_config": {"levels": [3]},
+            "served_defaults": {"system_prompt": "trained prompt", "max_tool_calls": 3, "protocol": "json"}, **over}
+
+
+def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_defaults(tmp_path, caplog):
+    """A policy folder with arpo_policy.json is served with the settings it records (the command line wins); one
+    without (a base model, an sft output) keeps the generic defaults, and serve says so once, naming them."""
+    import logging
+
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="arpo.serve"):
+        [spec] = build_specs([str(folder)], tools="python", max_tool_calls=2)
+    assert not set(spec.session) & {"system_prompt", "protocol"} and spec.session["max_tool_calls"] == 2
+    [said] = [r.getMessage() for r in caplog.records if r.name == "arpo.serve"]
+    assert "records no training environment" in said and "generic prompt of the 'arpo' protocol" in said
+    assert "--system-prompt" in said and "--protocol" in said and "max_tool_calls" not in said  # given, not defaulted
+    (folder / "arpo_policy.json").write_text(json.dumps(_record()))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="arpo.serve"):
+        [spec] = build_specs([str(folder)], tools="python")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
+        ("trained prompt", 3, "json")
+    assert not [r for r in caplog.records if r.name == "arpo.serve"]
+    [spec] = build_specs([str(folder)], tools="python", protocol="arpo", max_tool_calls=1)
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
+        ("trained prompt", 1, "arpo")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not valid JSON"),
+    ("[1]", "must hold a JSON object"),
+    ({"arpo_policy_format": 99}, "has format 99"),
+    ({"served_defaults": None}, "lacks 'env'"),
+    ({"served_defaults": {"system_prompt": "p", "protocol": "arpo"}}, "lacks max_tool_calls"),
+    ({"served_defaults": {"system_prompt": "p", "max_tool_calls": "3", "protocol": "arpo"}},
+     "max_tool_calls must be an integer"),
+    ({"served_defaults": {"system_prompt": "p", "max_tool_calls": 3, "protocol": "xml"}}, "protocol must be one of"),
+], ids=["not-json", "not-object", "format", "no-defaults", "missing-key", "limit-type", "protocol"])
+def test_an_unreadable_policy_record_is_refused_with_a_hint(tmp_path, content, message):
+    """Never skipped (the agent would silently get settings it was not trained with), never a traceback."""
+    from arpo_base.errors import ConfigError
+
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "arpo_policy.json").write_text(content if isinstance(content, str) else json.dumps(_record(**content)))
+    with pytest.raises(ConfigError, match=message) as err:
+        build_specs([str(folder)], tools="python")
+    # a ConfigError: the CLI prints its message and hint as two lines, no traceback (arpo_algo.cli.main)
+    assert "arpo_policy.json" in err.value.message and "--system-prompt" in err.value.hint

@@ -227,3 +227,32 @@ def test_a_checkpoint_of_the_former_layout_converts_once_knowingly(trained, tmp_
         assert restored.learner.step == algo.learner.step
     finally:
         restored.stop()
+    # the converted policy folder records its environment like a new one
+    assert json.loads((tmp_path / "new" / "policy" / "arpo_policy.json").read_text())["served_defaults"] == \
+        json.loads((trained[1] / "policy" / "arpo_policy.json").read_text())["served_defaults"]
+
+
+def test_the_exported_policy_folder_is_served_as_it_was_trained(trained, tmp_path):
+    """Bug: a policy folder on its own (the checkpoint's policy/ copied out, the quickstart's exported policy/)
+    recorded no environment, so `arpo serve` gave it the generic protocol prompt and the session's default tool limit
+    instead of those it was trained with. Each policy folder now carries its environment record (JSON, versioned),
+    and an export keeps it; command-line values still win."""
+    from arpo_env.tasks.toolmath import SYSTEM_PROMPT
+    from experiments.quickstart import stage_export
+    from serve.agents import build_specs
+
+    _, path = trained
+    exported = stage_export(tmp_path, str(path / "policy"))["path"]
+    [spec] = build_specs([exported], tools="python")
+    assert (spec.session.get("system_prompt"), spec.session.get("max_tool_calls"), spec.session.get("protocol")) \
+        == (SYSTEM_PROMPT, 1, "arpo")
+    [spec] = build_specs([exported], tools="python", system_prompt="mine", max_tool_calls=3, protocol="json")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
+        ("mine", 3, "json")
+    from arpo_algo.models.policy_env import POLICY_ENV_FILE, POLICY_ENV_FORMAT
+
+    record = json.loads((tmp_path / "policy" / POLICY_ENV_FILE).read_text())
+    assert record["arpo_policy_format"] == POLICY_ENV_FORMAT
+    # the checkpoint's own environment record, unchanged
+    assert (record["env"], record["env_config"]) == \
+        tuple(json.loads((path / "arpo_checkpoint.json").read_text())["config"][k] for k in ("env", "env_config"))
