@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -160,6 +161,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   f"{mine}", hint="continue the study from its pinned commit, SFT checkpoint and "
                                   "kind of CPU (see the records' first line), or start a new records file")
     done = {(r["arm"], r["seed"]) for r in records}
+    for arm, seed in sorted(done):  # a stop between a record and its cleanup left these behind
+        folder = args.output / arm / f"seed_{seed}"
+        if arm in args.arms and not args.keep_checkpoints and (folder / "checkpoints").is_dir():
+            freed = drop_checkpoints(folder)
+            print(f"[study] {arm} seed {seed} is recorded: dropped its checkpoints ({freed / 2**30:.1f} GiB)",
+                  flush=True)
     for seed in parse_seeds(args.seeds):
         for arm in args.arms:
             if (arm, seed) in done:
@@ -170,6 +177,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "threads": args.threads, "date": time.strftime("%Y-%m-%d"), **got}
             with args.records.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # the record is on disk before its run's checkpoints may go
             print(f"[study] {arm} seed {seed}: {got['before']:.3f} -> {got['after']:.3f} in {got['time_s']:.0f} s",
                   flush=True)
             if not args.keep_checkpoints:

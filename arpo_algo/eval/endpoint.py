@@ -37,7 +37,7 @@ from typing import Any
 
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.eval.runner import make_record, missing_runs
-from arpo_algo.rollout.agent_loop import finish_reason, turn_from_env
+from arpo_algo.rollout.agent_loop import FINISH_REASONS, finish_reason, turn_from_env
 from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.http import HTTPJSONError, bearer, request
@@ -148,6 +148,7 @@ class EndpointAgent:
         # results alike, and no request may take it past max_response_tokens; ``generated`` counts the sampled ones.
         tokens, generated, finish, reward, reward_info, done = 0, 0, "length", 0.0, {}, False
         turn, server_side = 0, False
+        end: str | None = None  # why a run the environment did not end stopped, in the rollout's labels
         while not done and tokens < s.max_response_tokens and turn < 64:
             seed = s.seed + 1000003 * index + 7919 * run + turn
             cont = bool(response) and not tool_msgs
@@ -168,6 +169,8 @@ class EndpointAgent:
                 if isinstance(mask, list):  # its completion tokens include the tool results it appended
                     generated += sum(1 for m in mask if m) - completion
                 server_side = True
+                # the server's agent ran the rollout's own loop: its label is the run's
+                end = ext.get("finish_reason") if ext.get("finish_reason") in FINISH_REASONS else None
                 calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
                            "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
                           for c in trace]
@@ -182,6 +185,7 @@ class EndpointAgent:
                 continue
             if tool_msgs:  # an OpenAI tool-call conversation ends with a plain message
                 response += text
+                end = "length" if choice.get("finish_reason") == "length" else "eos"
                 break
             action = _close_stop(text, stops) if choice.get("finish_reason") == "stop" else text
             obs, reward, term, trunc, step_info = env.step(action)
@@ -194,6 +198,9 @@ class EndpointAgent:
             tokens += self._result_tokens(obs)
             if term or trunc:
                 done, reward_info = True, step_info.get("reward_info", {})
+                if step_info.get("append_eos") and tokens < s.max_response_tokens:
+                    # the EOS the rollout appends (and trains) at the tool-call limit is a response token there
+                    tokens, generated = tokens + 1, generated + 1
                 # the rollout's own labels, so a run cut by the budget reads "length" here as in process
                 last = types.SimpleNamespace(engine_error=None, last_finish=choice.get("finish_reason") or "eos")
                 finish = finish_reason(turn_from_env((obs, reward, term, trunc, step_info), len(calls)), last)
@@ -202,7 +209,12 @@ class EndpointAgent:
             kwargs = {**(task.get("reward_kwargs") or {}), **env.config["reward_kwargs"]}
             reward, breakdown = env.reward_fn(response, task["ground_truth"], **kwargs)
             reward_info = {"reward_name": env.config["reward"], "score": float(reward), **breakdown}
-            finish = "answer" if "</answer>" in response else finish
+            if server_side and end is not None:
+                finish = end
+            elif "</answer>" in response:
+                finish = "answer"
+            else:
+                finish = end or ("length" if tokens >= s.max_response_tokens else "turn_limit")
         return {"text": response, "reward": float(reward), "reward_info": reward_info,
                 "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)), "finish_reason": finish,
                 "tool_calls": calls, "generated_tokens": generated,

@@ -33,7 +33,10 @@ from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
 PROTOCOL_KEYS = ("data", "env_id", "env_config", "samples", "temperature", "top_p", "seed", "max_response_tokens",
-                 "judge_rule")
+                 "judge_rule", "endpoint_budget")
+#: What an endpoint run's response budget counts (a folder written when it counted generated tokens only has none,
+#: and is not resumed under the new rule).
+ENDPOINT_BUDGET = "generated tokens and tool results"
 
 
 def resolve_model(spec: str) -> tuple[str, Path]:
@@ -86,7 +89,15 @@ def load_tokenizer(spec: str) -> Any:
 
     from arpo_algo.models import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_path(spec)))
+    path = Path(spec).expanduser()
+    if not path.is_dir():  # a registered name (an unknown one is a ConfigError naming the choices)
+        path = resolve_model_path(spec)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"--tokenizer {spec!r}: no tokenizer loads from {path} ({str(e).splitlines()[0]})",
+                          hint="name the served model's folder (it holds tokenizer.json or tokenizer_config.json) "
+                               "or its registered name") from None
 
 
 def _check_protocol(out: Path, record: dict[str, Any]) -> None:
@@ -154,7 +165,8 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         raise ConfigError(f"two models share the label {labels}", hint="name them: LABEL=PATH")
     record = {"data": data_name, "data_description": data.description, "env_id": data.env_id,
               "env_config": data.env_config, **dataclasses.asdict(settings),
-              "judge_rule": getattr(judge, "rule", None), "models": labels, "endpoint": endpoint}
+              "judge_rule": getattr(judge, "rule", None), "models": labels, "endpoint": endpoint,
+              "endpoint_budget": ENDPOINT_BUDGET if endpoint else None}
     _check_protocol(out, record)
     log(f"[eval] data: {data.description}; {len(data.items)} items"
         + (f" ({data.skipped} skipped: no ground truth)" if data.skipped else ""))

@@ -138,6 +138,10 @@ def action_text(tokenizer: Any, conv: Conversation, eos_id: int | None) -> str:
     return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
 
 
+#: Every label a trajectory's ``finish_reason`` takes.
+FINISH_REASONS = ("answer", "eos", "length", "tool_limit", "turn_limit", "error")
+
+
 def finish_reason(turn: Turn, conv: Conversation) -> str:
     """Why a conversation the environment ended, ended."""
     if turn.append_eos:

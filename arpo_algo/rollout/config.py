@@ -71,8 +71,9 @@ class RolloutsConfig:
         "hf", "Rollout engine: 'hf' (transformers, CPU or GPU) or 'vllm' (vLLM on CPU via scripts/install_vllm_cpu, "
         "or on GPU; needs tree.entropy_method = 'topk_sum_lnV'). Evaluation uses the same engine.")
     num_rollout_actors: int = setting(
-        0, "0: generate in this process ('hf' shares the learner's module). N > 0: N Ray actors, each with its own "
-        "engine copy; weights are sent after every update.")
+        0, "0: generate in this process ('hf' shares the local learner's module; with a ddp/deepspeed learner it "
+        "loads its own copy). N > 0: N Ray actors, each with its own engine copy; weights are sent after every "
+        "update.")
     num_cpus_per_rollout_actor: float = setting(1.0, "CPUs reserved per rollout actor (counted in a Tune trial).")
     actor_resources: tuple[dict[str, float], ...] = setting(
         (), "Ray custom resources per rollout actor, to place actors on chosen nodes: one table for every actor "

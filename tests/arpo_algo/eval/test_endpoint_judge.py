@@ -113,6 +113,38 @@ def test_an_agent_that_runs_its_tools_gets_no_tool_stop_strings(tmp_path, capsys
     assert stats["tool_calls_per_run"] == 1.0 and stats["pass@1"] == 0.5  # 6*7 right; 5*9 against gold 46
 
 
+def tool_limit_server_agent(body):
+    """Like ``arpo serve`` at its tool-call limit: one call ran, no answer, the session's own label."""
+    call = {"tool": "python", "args": {"code": "print(1)"}, "output": "1\n", "error": False}
+    return {"content": "", "arpo": {"tool_calls": [call], "finish_reason": "tool_limit",
+                                    "trajectory": "<python>print(1)</python> <result>\n1\n</result>"}}
+
+
+def unanswered_tool_calls_agent(body):
+    """An OpenAI tool-call conversation that ends with a plain message and no answer."""
+    if body["messages"][-1]["role"] == "tool":
+        return {"content": "I cannot tell.", "finish_reason": "stop"}
+    return tool_calls_agent(body)
+
+
+@pytest.mark.parametrize(("agent", "extra", "finish"), [
+    (tool_limit_server_agent, {"arpo": {"engine": "hf", "tools": ["python"]}}, "tool_limit"),
+    (unanswered_tool_calls_agent, {}, "eos"),
+], ids=["served_agent", "openai_tool_calls"])
+def test_a_run_not_cut_by_the_budget_is_not_recorded_as_length(tiny_model_dir, tmp_path, capsys, agent, extra,
+                                                               finish):
+    """Bug: a run the environment did not end was recorded as "length" whatever stopped it, so the summary's finish
+    reasons could not tell a budget cut from a served agent's own end or a plain closing message."""
+    out = tmp_path / "out"
+    with StubServer(agent, model_extra=extra) as server:
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data",
+                   str(_write_items(tmp_path)), "--env", "arpo/ToolMath-v0", "--k", "1", "--output", str(out),
+                   "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and {r["finish_reason"] for r in rows} == {finish}
+
+
 def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["eval", "--endpoint", closed_port_url(), "--data", str(_write_items(tmp_path)),
@@ -244,7 +276,12 @@ def scripted_server(engine):
     return reply
 
 
-def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish"), [
+    (150, 3, 2, "length"),     # a call is 43 tokens and its result about 20: tool results decide where it stops
+    (600, 2, 2, "tool_limit"),  # the third call meets the limit: the EOS the rollout appends is a response token
+], ids=["budget", "tool_limit"])
+def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys, budget, max_calls,
+                                                              calls, finish):
     """The response budget counts every token after the prompt, tool results included, through an endpoint as in
     process: the same scripted model served over HTTP and run by run_engine makes the same tool calls, spends the
     same generated and response tokens and ends for the same reason per run. Counting generated tokens alone let
@@ -254,9 +291,9 @@ def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tm
     from arpo_algo.eval.runner import run_engine
     from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
 
-    budget = 150  # a call is 43 tokens and its result about 20: tool results decide where a 3-call run stops
     data = load_eval_data("toolmath", limit=3)
-    creator = lambda: make_eval_env(data.env_id, data.env_config, data.items)  # noqa: E731
+    creator = lambda: make_eval_env(data.env_id, {**data.env_config, "max_tool_calls": max_calls},  # noqa: E731
+                                    data.items)
     local = tmp_path / "local.jsonl"
     settings = EvalSettings(num_prompts=None, samples=2, temperature=0.6, max_response_tokens=budget, seed=5)
     run_engine(ScriptedEngine(calls=(3, 3)), creator, data.items, settings, model="m", out_file=local, skip=set())
@@ -264,13 +301,15 @@ def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tm
     with StubServer(scripted_server(ScriptedEngine(calls=(3, 3)))) as server:
         rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", "toolmath",
                    "--limit", "3", "--k", "2", "--max-response-tokens", str(budget), "--seed", "5",
+                   "--env-set", f"max_tool_calls={max_calls}",
                    "--output", str(out), "--no-progress", "--no-charts"])
     assert rc == 0, capsys.readouterr().err
     served = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     ran = [json.loads(x) for x in local.read_text().splitlines()]
     keys = ("index", "run", "num_tool_calls", "generated_tokens", "response_tokens", "finish_reason")
     assert [{k: r[k] for k in keys} for r in served] == [{k: r[k] for k in keys} for r in ran]
-    assert all(r["num_tool_calls"] == 2 and r["response_tokens"] == budget for r in served)
+    assert all(r["num_tool_calls"] == calls and r["finish_reason"] == finish for r in served)
+    assert all(r["response_tokens"] == budget for r in served) == (finish == "length")
 
 
 def test_endpoint_without_tokenizer_is_refused_before_the_run(tmp_path, capsys):
@@ -283,3 +322,23 @@ def test_endpoint_without_tokenizer_is_refused_before_the_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "needs the served model's tokenizer" in err and "--tokenizer" in err and "Traceback" not in err
     assert not server.requests and not out.exists()
+
+
+def test_a_tokenizer_that_does_not_load_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    """A --tokenizer folder with no tokenizer in it is refused with a hint (it was a transformers traceback); a folder
+    holding only the tokenizer's files is enough."""
+    from arpo_algo.eval.harness import load_tokenizer
+
+    empty = tmp_path / "no_tokenizer"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with StubServer(text_agent) as server:
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(empty), "--data", str(_write_items(tmp_path)),
+                   "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no tokenizer loads from" in err and "Traceback" not in err and not server.requests
+    only = tmp_path / "tokenizer_only"
+    only.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (only / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert load_tokenizer(str(only)).encode("6 times 7") == load_tokenizer(str(tiny_model_dir)).encode("6 times 7")
