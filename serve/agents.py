@@ -179,9 +179,9 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
         return {}
     record = read_policy_env(folder)  # None when absent; a record it cannot read is a ConfigError
     if record is not None:
-        return {k: record["served_defaults"][k] for k in missing}
+        return _trained_defaults(folder, record["served_defaults"], given, missing)
     if (folder.parent / CHECKPOINT_MARKER).is_file():
-        return {k: v for k, v in _checkpoint_defaults(folder).items() if k in missing}
+        return _trained_defaults(folder, _checkpoint_defaults(folder), given, missing)
     from arpo_env.session import SESSION_DEFAULTS
 
     protocol = given.get("protocol", SESSION_DEFAULTS["protocol"])
@@ -193,6 +193,20 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
                 ", ".join(generic[k] for k in missing),
                 ", ".join(f"--{k.replace('_', '-')}" for k in missing))
     return {}
+
+
+def _trained_defaults(folder: Path, trained: dict[str, Any], given: dict[str, Any],
+                      missing: list[str]) -> dict[str, Any]:
+    """The trained values of the ``missing`` keys, but never a training prompt under another protocol than the one it
+    was written for (it describes that protocol's tool format): that protocol's generic prompt instead, said once."""
+    out = {k: trained[k] for k in missing if k in trained}
+    if "system_prompt" in out and "protocol" in given and given["protocol"] != trained.get("protocol"):
+        del out["system_prompt"]
+        log.warning("%s was trained with protocol %r and is served with --protocol %r: its training system prompt "
+                    "describes the %r format, so it gets the generic prompt of the %r protocol. Pass "
+                    "--system-prompt to choose one", folder, trained.get("protocol"), given["protocol"],
+                    trained.get("protocol"), given["protocol"])
+    return out
 
 
 def _checkpoint_defaults(folder: Path) -> dict[str, Any]:

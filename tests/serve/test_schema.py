@@ -252,9 +252,18 @@ def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_d
     assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
         ("trained prompt", 3, "json")
     assert not [r for r in caplog.records if r.name == "arpo.serve"]
-    [spec] = build_specs([str(folder)], tools="python", protocol="arpo", max_tool_calls=1)
+    [spec] = build_specs([str(folder)], tools="python", protocol="json", max_tool_calls=1)
     assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
-        ("trained prompt", 1, "arpo")
+        ("trained prompt", 1, "json")
+    # the training prompt describes its own protocol's format: under another protocol it is not used, and serve says so
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="arpo.serve"):
+        [spec] = build_specs([str(folder)], tools="python", protocol="arpo")
+    assert "system_prompt" not in spec.session and spec.session["protocol"] == "arpo"
+    [said] = [r.getMessage() for r in caplog.records if r.name == "arpo.serve"]
+    assert "trained with protocol 'json'" in said and "--system-prompt" in said
+    [spec] = build_specs([str(folder)], tools="python", protocol="arpo", system_prompt="mine")
+    assert spec.session["system_prompt"] == "mine"
 
 
 @pytest.mark.parametrize("content, message", [
