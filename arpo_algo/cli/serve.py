@@ -192,8 +192,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the shutdown short
             signal.signal(sig, signal.SIG_IGN)
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():  # a refusal before Ray started must not start it (serve.shutdown would)
+            serve.shutdown()
+            ray.shutdown()
         if getattr(args, "key_dir", None):
             shutil.rmtree(args.key_dir, ignore_errors=True)
     return 0

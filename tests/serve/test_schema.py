@@ -288,3 +288,31 @@ def test_an_unreadable_policy_record_is_refused_with_a_hint(tmp_path, content, m
         build_specs([str(folder)], tools="python")
     # a ConfigError: the CLI prints its message and hint as two lines, no traceback (arpo_algo.cli.main)
     assert "arpo_policy.json" in err.value.message and "--system-prompt" in err.value.hint
+
+
+def test_a_refusal_of_arpo_serve_starts_no_ray(tmp_path, capsys, monkeypatch):
+    """Bug: `arpo serve` shut Serve down on its way out even when it refused its input before Ray started, and that
+    shutdown started a local Ray instance (seconds, and processes) only to stop it."""
+    import ray
+
+    from arpo_algo.cli.main import main
+
+    if ray.is_initialized():  # left by another test in this process
+        ray.shutdown()
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "arpo_policy.json").write_text("{not json")
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    ray_dir = Path(tempfile.mkdtemp(prefix="r"))  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_dir))  # where a Ray started now would put its session
+    try:
+        assert main(["serve", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert "arpo_policy.json" in err and "Traceback" not in err
+        assert not ray.is_initialized() and not any(ray_dir.iterdir())
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
