@@ -187,13 +187,21 @@ class EndpointAgent:
                 response += text
                 end = "length" if choice.get("finish_reason") == "length" else "eos"
                 break
-            action = _close_stop(text, stops) if choice.get("finish_reason") == "stop" else text
+            stopped = choice.get("finish_reason") == "stop"
+            # OpenAI's "stop" covers the EOS token and a stop string; vLLM's stop_reason tells them apart (None: the
+            # EOS). Without it a reply that stopped inside an open tool tag is taken to have stopped on its closing tag.
+            by_eos = stopped and "stop_reason" in choice and choice["stop_reason"] is None
+            action = _close_stop(text, stops) if stopped and not by_eos else text
             obs, reward, term, trunc, step_info = env.step(action)
             if step_info.get("tool_calls", 0) > len(calls):
                 calls.append({"tool": step_info["tool"], "args": step_info.get("args"),
                               "output": step_info.get("tool_output"), "error": step_info.get("tool_error", False),
                               "latency_s": step_info.get("latency_s", 0.0),
                               "cache_hit": step_info.get("cache_hit", False)})
+            if by_eos and not (term or trunc):  # as the rollout: a turn the EOS closed ends the run, no result added
+                response += action
+                end = "eos"
+                break
             response += action + obs
             tokens += self._result_tokens(obs)
             if term or trunc:

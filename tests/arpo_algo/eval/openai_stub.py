@@ -1,7 +1,8 @@
 """A small OpenAI-compatible HTTP server on 127.0.0.1 for tests: a fake remote model or judge, not a mock of arpo.
 
 ``StubServer(reply)`` serves ``GET /v1/models`` and ``POST /v1/chat/completions``; ``reply(body)`` returns the
-assistant message dict (and optionally ``finish_reason`` / ``usage``) for a request body. Requests are recorded.
+assistant message dict (and optionally ``finish_reason`` / ``stop_reason`` / ``usage``) for a request body. Requests
+are recorded.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class StubServer:
                 out = dict(stub.reply(body))
                 finish = out.pop("finish_reason", "stop")
                 usage = out.pop("usage", {"completion_tokens": len((out.get("content") or "").split())})
+                # vLLM's extra field: which stop ended the reply (None: the EOS token); absent unless given
+                extra = {"stop_reason": out.pop("stop_reason")} if "stop_reason" in out else {}
                 self._send(200, {"id": "x", "object": "chat.completion", "model": stub.model, "usage": usage,
-                                 "choices": [{"index": 0, "finish_reason": finish,
+                                 "choices": [{"index": 0, "finish_reason": finish, **extra,
                                               "message": {"role": "assistant", **out}}]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -271,17 +271,30 @@ def scripted_server(engine):
         if gen.stop_string:
             content = content[:-len(gen.stop_string)]
         return {"content": content, "finish_reason": "length" if gen.finish_reason == "length" else "stop",
-                "usage": {"completion_tokens": len(gen.token_ids)}}
+                "stop_reason": gen.stop_string, "usage": {"completion_tokens": len(gen.token_ids)}}
 
     return reply
 
 
-@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish"), [
-    (150, 3, 2, "length"),     # a call is 43 tokens and its result about 20: tool results decide where it stops
-    (600, 2, 2, "tool_limit"),  # the third call meets the limit: the EOS the rollout appends is a response token
-], ids=["budget", "tool_limit"])
+def unclosed_call_engine():
+    """A scripted model whose second call is cut short by its EOS inside the open tool tag (an invalid call)."""
+    from tests.arpo_algo.rollout.test_sampler import CALL, ScriptedEngine
+
+    class Unclosed(ScriptedEngine):
+        def _turn(self, n_results, variant, limit):
+            full = CALL.format(c="abcdefgh"[variant], n=variant)
+            return full[:-len("</python>")] if n_results == 1 else full
+
+    return Unclosed(calls=(3, 3))
+
+
+@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish", "engine"), [
+    (150, 3, 2, "length", None),     # a call is 43 tokens and its result about 20: tool results decide the stop
+    (600, 2, 2, "tool_limit", None),  # the third call meets the limit: the EOS the rollout appends is a response token
+    (600, 3, 1, "eos", unclosed_call_engine),  # an EOS inside an open tag ends the run, as the rollout ends it
+], ids=["budget", "tool_limit", "eos_in_open_tag"])
 def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys, budget, max_calls,
-                                                              calls, finish):
+                                                              calls, finish, engine):
     """The response budget counts every token after the prompt, tool results included, through an endpoint as in
     process: the same scripted model served over HTTP and run by run_engine makes the same tool calls, spends the
     same generated and response tokens and ends for the same reason per run. Counting generated tokens alone let
@@ -296,9 +309,10 @@ def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tm
                                     data.items)
     local = tmp_path / "local.jsonl"
     settings = EvalSettings(num_prompts=None, samples=2, temperature=0.6, max_response_tokens=budget, seed=5)
-    run_engine(ScriptedEngine(calls=(3, 3)), creator, data.items, settings, model="m", out_file=local, skip=set())
+    make = engine or (lambda: ScriptedEngine(calls=(3, 3)))
+    run_engine(make(), creator, data.items, settings, model="m", out_file=local, skip=set())
     out = tmp_path / "served"
-    with StubServer(scripted_server(ScriptedEngine(calls=(3, 3)))) as server:
+    with StubServer(scripted_server(make())) as server:
         rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", "toolmath",
                    "--limit", "3", "--k", "2", "--max-response-tokens", str(budget), "--seed", "5",
                    "--env-set", f"max_tool_calls={max_calls}",
