@@ -122,6 +122,19 @@ class EndpointAgent:
 
         return len(layout.observation_ids(self.tokenizer, text)) if self.tokenizer is not None else 0
 
+    def _completion_tokens(self, reply: dict[str, Any], text: str) -> int:
+        """The reply's generated tokens: the server's ``usage``, else the text counted with the tokenizer.
+
+        Invariant: every reply is counted against the budget; a server that reports no usage is never treated as
+        having generated nothing (the loop would then run to its turn cap)."""
+        usage = reply.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            return int(usage["completion_tokens"])
+        if self.tokenizer is not None:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        raise ArpoError(f"{self.url} reported no usage.completion_tokens, so the response budget cannot be counted",
+                        hint="pass --tokenizer with the served model's folder: the replies are then counted with it")
+
     def _call(self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int,
               cont: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.settings.temperature,
@@ -157,10 +170,10 @@ class EndpointAgent:
             turn += 1
             choice = reply["choices"][0]
             msg = choice.get("message") or {}
-            completion = int((reply.get("usage") or {}).get("completion_tokens") or 0)
+            text = msg.get("content") or ""
+            completion = self._completion_tokens(reply, text)
             tokens += completion
             generated += completion
-            text = msg.get("content") or ""
             trace = _server_trace(msg)
             if trace is not None:  # arpo serve ran the tools itself: its trajectory is the whole response
                 ext = msg.get("arpo") if isinstance(msg.get("arpo"), dict) else {}

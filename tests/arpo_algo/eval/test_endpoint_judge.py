@@ -356,3 +356,24 @@ def test_a_tokenizer_that_does_not_load_is_a_clear_error(tiny_model_dir, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (only / name).write_bytes((tiny_model_dir / name).read_bytes())
     assert load_tokenizer(str(only)).encode("6 times 7") == load_tokenizer(str(tiny_model_dir)).encode("6 times 7")
+
+
+def test_a_server_that_reports_no_usage_is_counted_with_the_tokenizer(tiny_model_dir, tmp_path, capsys):
+    """Bug: a reply without ``usage`` counted as 0 generated tokens, so the budget never stopped such a server's runs.
+    The served model's tokenizer counts the reply's text instead."""
+    from arpo_algo.eval.harness import load_tokenizer
+
+    def no_usage(body):
+        return {**text_agent(body), "usage": {}}
+
+    out = tmp_path / "out"
+    with StubServer(no_usage) as server:
+        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data",
+                   str(_write_items(tmp_path)), "--env", "arpo/ToolMath-v0", "--k", "1", "--output", str(out),
+                   "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+    assert rc == 0, capsys.readouterr().err
+    tok = load_tokenizer(str(tiny_model_dir))
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    replies = [no_usage(b)["content"] for b in server.requests]
+    assert len(rows) == 2 and sum(r["generated_tokens"] for r in rows) == sum(
+        len(tok(text, add_special_tokens=False)["input_ids"]) for text in replies) > 0
