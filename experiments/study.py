@@ -163,7 +163,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     done = {(r["arm"], r["seed"]) for r in records}
     for arm, seed in sorted(done):  # a stop between a record and its cleanup left these behind
         folder = args.output / arm / f"seed_{seed}"
-        if arm in args.arms and not args.keep_checkpoints and (folder / "checkpoints").is_dir():
+        # result.json: the run finished (a live run of the same seed in this folder, from another records file,
+        # has none yet)
+        if arm in args.arms and not args.keep_checkpoints and (folder / "checkpoints").is_dir() and \
+                (folder / "result.json").is_file():
             freed = drop_checkpoints(folder)
             print(f"[study] {arm} seed {seed} is recorded: dropped its checkpoints ({freed / 2**30:.1f} GiB)",
                   flush=True)

@@ -122,8 +122,9 @@ class EndpointAgent:
 
         return len(layout.observation_ids(self.tokenizer, text)) if self.tokenizer is not None else 0
 
-    def _completion_tokens(self, reply: dict[str, Any], text: str) -> int:
-        """The reply's generated tokens: the server's ``usage``, else the text counted with the tokenizer.
+    def _completion_tokens(self, reply: dict[str, Any], text: str, sampled: str, ended_by_eos: bool) -> int:
+        """The reply's generated tokens: the server's ``usage``, else counted with the tokenizer: ``sampled`` (the
+        text with the stop string the server removed given back) and the EOS that ended it, if one did.
 
         Invariant: every reply is counted against the budget; a server that reports no usage is never treated as
         having generated nothing (the loop would then run to its turn cap)."""
@@ -131,7 +132,7 @@ class EndpointAgent:
         if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
             return int(usage["completion_tokens"])
         if self.tokenizer is not None:
-            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return len(self.tokenizer(sampled, add_special_tokens=False)["input_ids"]) + int(ended_by_eos)
         raise ArpoError(f"{self.url} reported no usage.completion_tokens, so the response budget cannot be counted",
                         hint="pass --tokenizer with the served model's folder: the replies are then counted with it")
 
@@ -162,6 +163,7 @@ class EndpointAgent:
         tokens, generated, finish, reward, reward_info, done = 0, 0, "length", 0.0, {}, False
         turn, server_side = 0, False
         end: str | None = None  # why a run the environment did not end stopped, in the rollout's labels
+        eos_end = False  # an EOS ended the run as the rollout ends it: the label is "eos" whatever the text holds
         while not done and tokens < s.max_response_tokens and turn < 64:
             seed = s.seed + 1000003 * index + 7919 * run + turn
             cont = bool(response) and not tool_msgs
@@ -171,7 +173,14 @@ class EndpointAgent:
             choice = reply["choices"][0]
             msg = choice.get("message") or {}
             text = msg.get("content") or ""
-            completion = self._completion_tokens(reply, text)
+            stopped = choice.get("finish_reason") == "stop"
+            # OpenAI's "stop" covers the EOS and a stop string; vLLM's stop_reason tells them apart (the matched
+            # string, or None / a token id for an EOS). Without it a reply that stopped inside an open tool tag is
+            # taken to have stopped on its closing tag.
+            by_eos = stopped and "stop_reason" in choice and not isinstance(choice["stop_reason"], str)
+            action = _close_stop(text, stops) if stopped and not by_eos else text
+            completion = self._completion_tokens(reply, text, action,
+                                                 by_eos or (stopped and action == text and not msg.get("tool_calls")))
             tokens += completion
             generated += completion
             trace = _server_trace(msg)
@@ -183,7 +192,8 @@ class EndpointAgent:
                     generated += sum(1 for m in mask if m) - completion
                 server_side = True
                 # the server's agent ran the rollout's own loop: its label is the run's
-                end = ext.get("finish_reason") if ext.get("finish_reason") in FINISH_REASONS else None
+                end = ext.get("finish_reason") if ext.get("finish_reason") in FINISH_REASONS else (
+                    "length" if tokens >= s.max_response_tokens else "eos")
                 calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
                            "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
                           for c in trace]
@@ -200,11 +210,6 @@ class EndpointAgent:
                 response += text
                 end = "length" if choice.get("finish_reason") == "length" else "eos"
                 break
-            stopped = choice.get("finish_reason") == "stop"
-            # OpenAI's "stop" covers the EOS token and a stop string; vLLM's stop_reason tells them apart (None: the
-            # EOS). Without it a reply that stopped inside an open tool tag is taken to have stopped on its closing tag.
-            by_eos = stopped and "stop_reason" in choice and choice["stop_reason"] is None
-            action = _close_stop(text, stops) if stopped and not by_eos else text
             obs, reward, term, trunc, step_info = env.step(action)
             if step_info.get("tool_calls", 0) > len(calls):
                 calls.append({"tool": step_info["tool"], "args": step_info.get("args"),
@@ -213,7 +218,7 @@ class EndpointAgent:
                               "cache_hit": step_info.get("cache_hit", False)})
             if by_eos and not (term or trunc):  # as the rollout: a turn the EOS closed ends the run, no result added
                 response += action
-                end = "eos"
+                end, eos_end = "eos", True
                 break
             response += action + obs
             tokens += self._result_tokens(obs)
@@ -230,7 +235,7 @@ class EndpointAgent:
             kwargs = {**(task.get("reward_kwargs") or {}), **env.config["reward_kwargs"]}
             reward, breakdown = env.reward_fn(response, task["ground_truth"], **kwargs)
             reward_info = {"reward_name": env.config["reward"], "score": float(reward), **breakdown}
-            if server_side and end is not None:
+            if (server_side or eos_end) and end is not None:
                 finish = end
             elif "</answer>" in response:
                 finish = "answer"

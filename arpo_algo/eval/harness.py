@@ -33,9 +33,9 @@ from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
 PROTOCOL_KEYS = ("data", "env_id", "env_config", "samples", "temperature", "top_p", "seed", "max_response_tokens",
-                 "judge_rule", "endpoint_budget")
-#: What an endpoint run's response budget counts (a folder written when it counted generated tokens only has none,
-#: and is not resumed under the new rule).
+                 "judge_rule")
+#: What an endpoint run's response budget counts: an endpoint evaluation is not resumed in a folder whose endpoint
+#: runs were counted by another rule (before this one: the generated tokens only, and no such key).
 ENDPOINT_BUDGET = "generated tokens and tool results"
 
 
@@ -106,6 +106,9 @@ def _check_protocol(out: Path, record: dict[str, Any]) -> None:
         old = json.loads(cfg_file.read_text())
         diff = [k for k in PROTOCOL_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(record.get(k),
                                                                                                  sort_keys=True)]
+        if old.get("endpoint") and record.get("endpoint") and \
+                old.get("endpoint_budget") != record.get("endpoint_budget"):
+            diff.append("endpoint_budget")  # a local model beside an endpoint in one folder stays allowed
         if diff and (out / SAMPLES_FILE).is_file():
             raise ArpoError(f"{out} holds an evaluation with a different protocol ({', '.join(diff)} differ)",
                             hint="use a new --output folder, or the same settings to resume")

@@ -251,10 +251,12 @@ def test_endpoint_against_arpo_serve(arpo_serve, tmp_path, capsys):
     assert s["items"] == 2 and s["k"] == 2 and s["pass@1"] == 0.0  # an untrained model answers nothing right
 
 
-def scripted_server(engine):
+def scripted_server(engine, eos_reason=None, usage=True):
     """A chat server over a scripted rollout engine, as vLLM serves a model: it renders the messages with the chat
     template (continuing the final assistant message when asked), generates with the request's budget, stop strings
-    and seed, drops a matched stop string from the text and reports the generated tokens in ``usage``."""
+    and seed, drops a matched stop string from the text, says which stop ended the reply (``stop_reason``: the
+    string, or ``eos_reason`` for an EOS: None, or a token id as vLLM gives for a model's extra EOS ids) and reports
+    the generated tokens in ``usage`` (or, ``usage=False``, no usage at all)."""
     from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
 
     tok = engine.tokenizer
@@ -270,8 +272,9 @@ def scripted_server(engine):
         content = tok.decode(ids, skip_special_tokens=False)
         if gen.stop_string:
             content = content[:-len(gen.stop_string)]
+        stop_reason = gen.stop_string or (eos_reason if gen.finish_reason == "eos" else None)
         return {"content": content, "finish_reason": "length" if gen.finish_reason == "length" else "stop",
-                "stop_reason": gen.stop_string, "usage": {"completion_tokens": len(gen.token_ids)}}
+                "stop_reason": stop_reason, "usage": {"completion_tokens": len(gen.token_ids)} if usage else {}}
 
     return reply
 
@@ -288,13 +291,16 @@ def unclosed_call_engine():
     return Unclosed(calls=(3, 3))
 
 
-@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish", "engine"), [
-    (150, 3, 2, "length", None),     # a call is 43 tokens and its result about 20: tool results decide the stop
-    (600, 2, 2, "tool_limit", None),  # the third call meets the limit: the EOS the rollout appends is a response token
-    (600, 3, 1, "eos", unclosed_call_engine),  # an EOS inside an open tag ends the run, as the rollout ends it
-], ids=["budget", "tool_limit", "eos_in_open_tag"])
+@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish", "engine", "replies"), [
+    (150, 3, 2, "length", None, {}),     # a call is 43 tokens and its result about 20: tool results decide the stop
+    (600, 2, 2, "tool_limit", None, {}),  # the third call meets the limit: the EOS the rollout appends is counted
+    (600, 3, 1, "eos", unclosed_call_engine, {}),  # an EOS inside an open tag ends the run, as the rollout ends it
+    (600, 3, 1, "eos", unclosed_call_engine, {"eos_reason": 0}),  # ... also an EOS vLLM names by its token id
+    (150, 3, 2, "length", None, {"usage": False}),      # a server without usage: counted with the tokenizer
+    (600, 2, 2, "tool_limit", None, {"usage": False}),  # (stop strings and EOS included)
+], ids=["budget", "tool_limit", "eos_in_open_tag", "eos_token_id", "budget_no_usage", "tool_limit_no_usage"])
 def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys, budget, max_calls,
-                                                              calls, finish, engine):
+                                                              calls, finish, engine, replies):
     """The response budget counts every token after the prompt, tool results included, through an endpoint as in
     process: the same scripted model served over HTTP and run by run_engine makes the same tool calls, spends the
     same generated and response tokens and ends for the same reason per run. Counting generated tokens alone let
@@ -312,7 +318,7 @@ def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tm
     make = engine or (lambda: ScriptedEngine(calls=(3, 3)))
     run_engine(make(), creator, data.items, settings, model="m", out_file=local, skip=set())
     out = tmp_path / "served"
-    with StubServer(scripted_server(make())) as server:
+    with StubServer(scripted_server(make(), **replies)) as server:
         rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", "toolmath",
                    "--limit", "3", "--k", "2", "--max-response-tokens", str(budget), "--seed", "5",
                    "--env-set", f"max_tool_calls={max_calls}",
@@ -358,22 +364,16 @@ def test_a_tokenizer_that_does_not_load_is_a_clear_error(tiny_model_dir, tmp_pat
     assert load_tokenizer(str(only)).encode("6 times 7") == load_tokenizer(str(tiny_model_dir)).encode("6 times 7")
 
 
-def test_a_server_that_reports_no_usage_is_counted_with_the_tokenizer(tiny_model_dir, tmp_path, capsys):
+def test_a_server_that_reports_no_usage_is_counted_or_refused(tmp_path, capsys):
     """Bug: a reply without ``usage`` counted as 0 generated tokens, so the budget never stopped such a server's runs.
-    The served model's tokenizer counts the reply's text instead."""
-    from arpo_algo.eval.harness import load_tokenizer
-
+    With --tokenizer the replies are counted with it (the parity test above, without usage); without one (an agent
+    that runs its own tools needs none otherwise) the run stops with an error saying so."""
     def no_usage(body):
-        return {**text_agent(body), "usage": {}}
+        return {**server_tools_agent(body), "usage": {}}
 
-    out = tmp_path / "out"
-    with StubServer(no_usage) as server:
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data",
-                   str(_write_items(tmp_path)), "--env", "arpo/ToolMath-v0", "--k", "1", "--output", str(out),
-                   "--no-progress", "--no-charts", *PRIVATE_TOOLS])
-    assert rc == 0, capsys.readouterr().err
-    tok = load_tokenizer(str(tiny_model_dir))
-    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    replies = [no_usage(b)["content"] for b in server.requests]
-    assert len(rows) == 2 and sum(r["generated_tokens"] for r in rows) == sum(
-        len(tok(text, add_special_tokens=False)["input_ids"]) for text in replies) > 0
+    with StubServer(no_usage, model_extra={"arpo": {"engine": "hf", "tools": ["python"]}}) as server:
+        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)), "--env",
+                   "arpo/ToolMath-v0", "--k", "1", "--output", str(tmp_path / "out"), "--no-progress",
+                   "--no-charts", *PRIVATE_TOOLS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no usage.completion_tokens" in err and "--tokenizer" in err and "Traceback" not in err
