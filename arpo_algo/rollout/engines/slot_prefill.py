@@ -23,6 +23,18 @@ import torch
 PREFILL_TOKENS = 4096
 
 
+def write_rows(buf: torch.Tensor, pos: torch.Tensor, states: torch.Tensor) -> None:
+    """``buf[row, :, pos[row]] = states[row, :, 0]`` for every row of ``buf`` (``[rows, heads, columns, dim]``).
+
+    On the CPU by indexed assignment: there ``scatter_`` along the columns copies the whole buffer for bf16 (measured
+    0.84 ms against 8 us per write at 32 rows x 512 columns, 45% of a bf16 step); fp32 takes the same 9-11 us either
+    way. Elsewhere ``scatter_``, the write the GPU modes were measured and captured with. Both write the same values."""
+    if buf.device.type == "cpu":
+        buf[torch.arange(buf.shape[0], device=buf.device), :, pos] = states[:, :, 0]
+    else:
+        buf.scatter_(2, pos[:, None, None, None].expand(-1, states.shape[1], 1, states.shape[3]), states)
+
+
 @functools.cache
 def slot_layer_class() -> type:
     """The decode step's transformers cache layer over one slice of the slot buffers (defined once, on first use;
@@ -30,9 +42,10 @@ def slot_layer_class() -> type:
     from transformers.cache_utils import CacheLayerMixin
 
     class SlotLayer(CacheLayerMixin):
-        """Writes each row's new key/value at that row's position; returns the first ``length`` columns."""
+        """Writes each row's new key/value (one token per row) at that row's position ``pos[row]``; returns the first
+        ``length`` columns."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, length: int) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor | None, length: int) -> None:
             super().__init__()
             self.kbuf, self.vbuf, self.pos, self.length = keys, values, pos, length
             self.is_initialized = True
@@ -41,9 +54,8 @@ def slot_layer_class() -> type:
             pass
 
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            idx = self.pos.expand(-1, key_states.shape[1], key_states.shape[2], key_states.shape[3])
-            self.kbuf.scatter_(2, idx, key_states)
-            self.vbuf.scatter_(2, idx, value_states)
+            write_rows(self.kbuf, self.pos, key_states)
+            write_rows(self.vbuf, self.pos, value_states)
             return self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

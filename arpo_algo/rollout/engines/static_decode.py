@@ -75,8 +75,7 @@ def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch
     compiled step never defines a class."""
     from transformers.cache_utils import Cache
 
-    idx = pos[:, None, None, None]
-    return Cache(layers=[layer(k, v, idx, length) for k, v in zip(keys, values)])
+    return Cache(layers=[layer(k, v, pos, length) for k, v in zip(keys, values)])
 
 
 def _unpack(out: list[float], k: int, topk: int) -> tuple[int, float, float, list | None]:

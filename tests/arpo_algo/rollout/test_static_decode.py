@@ -276,3 +276,19 @@ def test_cuda_graph_decode_equals_dynamic_on_gpu(tiny_model_dir):
     again = graph.generate(reqs)  # replays the captured graphs, captures nothing new
     _assert_same(b, again, tol=1e-12)  # replays are deterministic
     assert graph.stats().get("graph_captures", 0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_writes_each_rows_new_key_and_value_at_its_position_only(dtype):
+    """The decode step's KV write (indexed on the CPU, where scatter_ copies a whole bf16 buffer): every row's token
+    lands at its own column, nothing else in the buffer changes, bit for bit what scatter_ writes."""
+    from arpo_algo.rollout.engines.slot_prefill import write_rows
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(5, 3, 16, 8, generator=g).to(dtype)
+    states = torch.randn(5, 3, 1, 8, generator=g).to(dtype)
+    pos = torch.tensor([0, 15, 7, 7, 3])
+    want = buf.clone().scatter_(2, pos[:, None, None, None].expand(-1, 3, 1, 8), states)
+    write_rows(buf, pos, states)
+    assert torch.equal(buf, want)
+    assert [torch.equal(buf[r, :, p], states[r, :, 0]) for r, p in enumerate(pos.tolist())] == [True] * 5
