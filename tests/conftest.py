@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import sys
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-if os.environ.get("ARPO_TEST_HARD_EXIT") == "1":  # first registered, so it runs after every other exit handler
+if os.environ.get("ARPO_TEST_HARD_EXIT") == "1":  # registered before the tests' exit handlers, so it runs after them
     atexit.register(lambda: _exit_with_the_suites_result())
 
 # Every test run uses its own ARPO_HOME unless ARPO_TEST_HOME names a persistent one (so the real model is pulled
@@ -28,27 +29,33 @@ else:
     atexit.register(shutil.rmtree, os.environ["ARPO_HOME"], ignore_errors=True)
 
 
-#: The suite's result, set when the session finishes (see _exit_with_the_suites_result).
+#: The suite's result: what pytest's command returned (see _exit_with_the_suites_result).
 _SUITE_STATUS: list[int] = []
 
 
 def _exit_with_the_suites_result() -> None:
-    """The process's exit status is the suite's result. Registered before any test imports torch, vLLM or Ray, so it
-    runs after their exit handlers (atexit runs last-registered first); what it skips is only the interpreter's
-    finalization, where native libraries' threads and static destructors (oneDNN/OpenMP pools, vLLM, Ray's core
-    worker) have crashed the finished run with a segmentation fault after every test had passed and been reported.
-    A crash in a test, a fixture or an exit handler still ends the run with its signal and, with PYTHONFAULTHANDLER
-    (scripts/test sets it), every thread's stack. Only where ARPO_TEST_HARD_EXIT=1 (scripts/test sets it)."""
+    """Only where ARPO_TEST_HARD_EXIT=1 (scripts/test sets it): the process's exit status is what pytest's command
+    returned, every later step included (``--max-warnings``, ``pytest.exit`` in a summary hook). Registered when this
+    conftest is imported, before the tests import torch, vLLM or Ray, so the Python exit handlers they and the tests
+    register run first (atexit runs last-registered first; of the handlers registered earlier, only
+    ``logging.shutdown``, which this calls). What it skips is the interpreter's finalization and the C-level exit
+    handlers, where native libraries' threads and static destructors live and where one crashed a finished run with a
+    segmentation fault after every test had passed and been reported. A crash during the tests or in a Python exit
+    handler still ends the run with its signal and, with PYTHONFAULTHANDLER (scripts/test sets it), every thread's
+    stack; if pytest's command raised, nothing is recorded and the process exits the usual way. A tool that writes its
+    data from a C-level or earlier-registered exit handler (``coverage run``) needs ARPO_TEST_HARD_EXIT=0."""
     if _SUITE_STATUS:
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_SUITE_STATUS[-1])
 
 
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    _SUITE_STATUS.append(int(session.exitstatus))
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    status = yield
+    _SUITE_STATUS.append(int(status))
+    return status
 
 
 @pytest.fixture(scope="session")
