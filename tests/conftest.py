@@ -16,19 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-if os.environ.get("ARPO_TEST_HARD_EXIT") == "1":  # registered before the tests' exit handlers, so it runs after them
-    atexit.register(lambda: _exit_with_the_suites_result())
-
-# Every test run uses its own ARPO_HOME unless ARPO_TEST_HOME names a persistent one (so the real model is pulled
-# once per run at most, and never into the user's cache by surprise).
-# A home made here is removed when the run ends: it holds a pulled model (half a gigabyte) that no later run reads.
-if os.environ.get("ARPO_TEST_HOME"):
-    os.environ["ARPO_HOME"] = os.environ["ARPO_TEST_HOME"]
-else:
-    os.environ["ARPO_HOME"] = tempfile.mkdtemp(prefix="arpo-test-home-")
-    atexit.register(shutil.rmtree, os.environ["ARPO_HOME"], ignore_errors=True)
-
-
 #: The suite's result: what pytest's command returned (see _exit_with_the_suites_result).
 _SUITE_STATUS: list[int] = []
 
@@ -49,6 +36,19 @@ def _exit_with_the_suites_result() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_SUITE_STATUS[-1])
+
+
+if os.environ.get("ARPO_TEST_HARD_EXIT") == "1":  # registered before the tests' exit handlers, so it runs after them
+    atexit.register(_exit_with_the_suites_result)
+
+# Every test run uses its own ARPO_HOME unless ARPO_TEST_HOME names a persistent one (so the real model is pulled
+# once per run at most, and never into the user's cache by surprise).
+# A home made here is removed when the run ends: it holds a pulled model (half a gigabyte) that no later run reads.
+if os.environ.get("ARPO_TEST_HOME"):
+    os.environ["ARPO_HOME"] = os.environ["ARPO_TEST_HOME"]
+else:
+    os.environ["ARPO_HOME"] = tempfile.mkdtemp(prefix="arpo-test-home-")
+    atexit.register(shutil.rmtree, os.environ["ARPO_HOME"], ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -131,8 +131,7 @@ def tier(item) -> str:
     """The tier of one collected test (see MODEL_FIXTURES / INTEGRATION_MODULES / MULTINODE_DIR)."""
     if item.get_closest_marker("gpu") or item.get_closest_marker("vllm"):
         return "gpu"
-    path = Path(str(item.fspath)).resolve()
-    module = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.as_posix()
+    module = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
     if module.startswith(MULTINODE_DIR):
         return "multinode"
     if module in INTEGRATION_MODULES or any(f in item.fixturenames for f in MODEL_FIXTURES):

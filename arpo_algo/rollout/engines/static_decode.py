@@ -75,7 +75,8 @@ def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch
     compiled step never defines a class."""
     from transformers.cache_utils import Cache
 
-    return Cache(layers=[layer(k, v, pos, length) for k, v in zip(keys, values)])
+    rows = torch.arange(len(pos), device=pos.device)
+    return Cache(layers=[layer(k, v, pos, length, rows) for k, v in zip(keys, values)])
 
 
 def _unpack(out: list[float], k: int, topk: int) -> tuple[int, float, float, list | None]:

@@ -289,6 +289,6 @@ def test_the_step_writes_each_rows_new_key_and_value_at_its_position_only(dtype)
     states = torch.randn(5, 3, 1, 8, generator=g).to(dtype)
     pos = torch.tensor([0, 15, 7, 7, 3])
     want = buf.clone().scatter_(2, pos[:, None, None, None].expand(-1, 3, 1, 8), states)
-    write_rows(buf, pos, states)
+    write_rows(buf, torch.arange(5), pos, states)
     assert torch.equal(buf, want)
     assert [torch.equal(buf[r, :, p], states[r, :, 0]) for r, p in enumerate(pos.tolist())] == [True] * 5
