@@ -192,3 +192,29 @@ def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path
 
     with pytest.raises(SystemExit, match="no .stage_pull.json, .stage_sft.json"):
         bench_quickstart.main(["--sft", str(tmp_path)])
+
+
+def test_ab_decode_runs_the_same_workload_in_each_tree_and_dtype(tiny_model_dir, tmp_path, capsys):
+    """The checkout comparison runs each (tree, dtype) side in its own process, importing arpo from that tree, and
+    reports each side's median against the first; a folder that is not a checkout is refused."""
+    import json
+    from pathlib import Path
+
+    from experiments import ab_decode
+
+    repo = Path(ab_decode.__file__).resolve().parents[1]
+    out = ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "bfloat16", "--model",
+                          str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1",
+                          "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
+    labels = [f"{repo} float32", f"{repo} bfloat16"]
+    assert list(out["summary"]) == labels and out["summary"][labels[0]]["vs_first"] == 1.0
+    for label in labels:
+        [run] = out["runs"][label]
+        assert run["tokens"] > 0 and run["seconds"] > 0 and Path(run["package"]).is_relative_to(repo)
+        assert run["stats"]["decode_steps"] > 0 and run["stats"]["prefill_tokens"] > 0
+    assert json.loads((tmp_path / "ab.json").read_text())["summary"] == out["summary"]
+    assert "| tree and dtype | median tok/s | vs first |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "float32"])  # one side twice

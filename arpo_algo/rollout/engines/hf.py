@@ -20,7 +20,10 @@ takes its place, so one long sequence never stalls the others. When a request fi
 tokens except the last, unfed one) is stored under ``Generation.cache_key`` in an LRU store bounded by
 ``kv_cache_capacity_tokens``; a later request with ``prefix_key`` set to that key only prefills its new suffix after
 the engine has verified the tokens really match. Requests of one call with identical contexts (the initial samples of
-a prompt, sibling branches) are prefilled once and share that KV and those next-token logits.
+a prompt, sibling branches) are prefilled once and share that KV and those next-token logits; requests without a
+``prefix_key`` that share a long leading run (a system prompt; at least
+:data:`~arpo_algo.rollout.engines.slot_prefill.SHARED_PREFIX_MIN` tokens) have that run prefilled once and feed only
+the rest.
 
 Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
 context give the same tokens whatever else is in the batch (up to floating-point ties).
@@ -47,6 +50,7 @@ from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
+from arpo_algo.rollout.engines.slot_prefill import shared_runs
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_base.errors import ConfigError
 
@@ -129,6 +133,7 @@ class HFEngine:
         self._layer_cls = grow_layer_class()
         self.cache_kw = cache_argument(self.model)  # the forward's name for the KV cache in this transformers
         self._decode_layers: list[Any] = []
+        self._runs: dict[tuple[int, ...], list] = {}  # context -> its group's [run length, run KV, members left]
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
         self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
@@ -248,6 +253,7 @@ class HFEngine:
                 self._decode_all(requests, pending, results)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls
+            self._runs = {}
             self._on_token = None
             self.model.train(was_training)
         self._stats["requests"] += len(requests)
@@ -283,6 +289,10 @@ class HFEngine:
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
         twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
         prefilled: dict[tuple[int, ...], tuple] = {}
+        fresh = list(dict.fromkeys(tuple(requests[i].token_ids) for i in pending if requests[i].prefix_key is None))
+        for run, idx in shared_runs(fresh):
+            group = [run, None, len(idx)]
+            self._runs.update((fresh[i], group) for i in idx)
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
@@ -339,8 +349,12 @@ class HFEngine:
     def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         ctx = row.req.token_ids
         m, entry = self._store.lookup(row.req.prefix_key, row.req.token_ids)
+        group = self._runs.pop(tuple(ctx), None)
         if entry is not None and m > 0:
             cache = build_cache(self._layer_cls, [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
+        elif group is not None:
+            m, keys, values = self._shared_run(group, ctx)
+            cache = build_cache(self._layer_cls, keys, values)  # read only: the layer copies before it writes
         else:
             m, cache = 0, build_cache(self._layer_cls, [], [])
         ids = torch.tensor([ctx[m:]], dtype=torch.long, device=self.device)
@@ -353,6 +367,29 @@ class HFEngine:
         self._stats["forward_calls"] += 1
         row.fed = len(ctx)
         return ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1])
+
+    def _shared_run(self, group: list, ctx: list[int]) -> tuple[int, list, list]:
+        """The KV of a leading run that several contexts of this call share (``group`` = [run length, its KV or
+        None, members left]): prefilled by the first member that needs it, reused by the others, freed after the
+        last. Counted as prefilled once and reused by every other member."""
+        run = group[0]
+        if group[1] is None:
+            cache = build_cache(self._layer_cls, [], [])
+            ids = torch.tensor([ctx[:run]], dtype=torch.long, device=self.device)
+            self.model(input_ids=ids, position_ids=torch.arange(run, device=self.device).unsqueeze(0),
+                       attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
+                       **{self.cache_kw: cache})
+            group[1] = ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
+            self._stats["forward_calls"] += 1
+            self._stats["prefill_tokens"] += run
+            self._stats["reused_tokens"] -= run  # the caller counts the run as reused
+        else:
+            self._stats["shared_prefix_rows"] += 1
+        keys, values = group[1]
+        group[2] -= 1
+        if not group[2]:
+            group[1] = None
+        return run, keys, values
 
     def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],
               mask: torch.Tensor) -> tuple[torch.Tensor, list, list, torch.Tensor]:

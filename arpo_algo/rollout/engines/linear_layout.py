@@ -33,7 +33,9 @@ def resolve_layout(layout: str, device: torch.device) -> str:
 
 
 def _transposed_forward(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.matmul(x, weight_t)
+    # One mm over all rows: given a non-contiguous batched input (a prefill's last positions, ``x[:, -1:]``),
+    # torch.matmul runs a bmm against the weight expanded per row instead, 4.7x slower for the 49152-row head.
+    out = torch.mm(x.reshape(-1, x.shape[-1]), weight_t).view(*x.shape[:-1], weight_t.shape[1])
     return out + bias if bias is not None else out
 
 

@@ -1,13 +1,15 @@
 """Batched prefill into the static decoder's slots (:class:`~arpo_algo.rollout.engines.static_decode.StaticDecoder`).
 
-The requests that enter free slots together are prefilled in one forward (several when their padded size passes
-:data:`PREFILL_TOKENS`) that writes their KV straight into their slots: each row first copies its stored prefix
+The requests that enter free slots together are prefilled in batched forwards (rows of similar length together, see
+:func:`forward_groups`) that write their KV straight into their slots: each row first copies its stored prefix
 (``prefix_key``) into its slot, then its remaining tokens are fed left-padded to the longest (so that every row's last
 token is the forward's last position and one row of logits per request is computed), at their own positions, under
 a mask that lets each token see its own slot's columns up to itself; padding writes no KV and nothing attends to it.
 A context that another request of the call already prefilled is copied from that slot (or, across refills, from a
-copy kept while identical requests are pending). The result equals per-request prefills up to the summation order
-of the batched matrix products.
+copy kept while identical requests are pending). Rows without a stored prefix that share a leading run of at least
+:data:`SHARED_PREFIX_MIN` tokens (a system prompt, a task's instructions) have that run prefilled once, into one of
+their slots, and copied into the others' before their own tokens are fed. The result equals per-request prefills up
+to the summation order of the batched matrix products.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import torch
 #: Token positions (rows x longest suffix, padding included) one batched prefill forward may take; more rows wait for
 #: the next forward. Bounds the prefill's activations the way max_batch_size bounds a step's.
 PREFILL_TOKENS = 4096
+
+#: A batched prefill forward's fixed cost counted in token positions (the per-layer calls around the matrix
+#: products): what grouping rows of different lengths into one forward may spend on padding instead.
+FORWARD_COST_POSITIONS = 32
+
+#: The shortest leading run of tokens that entering rows share for it to be prefilled once and copied: below it the
+#: extra forward costs more than the tokens it saves.
+SHARED_PREFIX_MIN = 32
 
 
 def write_rows(buf: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, states: torch.Tensor) -> None:
@@ -99,13 +109,14 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
     """The KV of every entering row into its slot, and each row's next-token logits ``[rows, vocab]``.
 
     A row whose context another row of this call already prefilled copies that KV; a row with a stored prefix
-    (``prefix_key``) copies it and feeds only the rest. The rows left are fed together, left-padded to their
+    (``prefix_key``) copies it and feeds only the rest; rows sharing a long leading run get it prefilled once
+    (:func:`_share_prefixes`). The rows left are fed together, left-padded to their
     longest suffix (so that every row's last token is the forward's last position), in forwards of at most
     :data:`PREFILL_TOKENS` positions; padding writes no KV and no row attends to it."""
     eng = dec.engine
     dec.ensure_buffers_for_model()
     logits: dict[int, torch.Tensor] = {}
-    feed = []  # (entering index, slot, row, reused prefix length)
+    feed = []  # (entering index, slot, context tokens, reused prefix length)
     first: dict[tuple[int, ...], int] = {}  # context -> entering index that prefills it in this round
     for j, (b, row) in enumerate(entering):
         ctx = tuple(row.req.token_ids)
@@ -124,14 +135,10 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
         eng._stats["prefill_tokens"] += len(ctx) - m
         eng._stats["reused_tokens"] += m
         first[ctx] = j
-        feed.append((j, b, row, m))
-    feed.sort(key=lambda f: len(f[2].req.token_ids) - f[3])
-    while feed:
-        group = [feed.pop(0)]
-        while feed and (len(group) + 1) * (len(feed[0][2].req.token_ids) - feed[0][3]) <= PREFILL_TOKENS:
-            group.append(feed.pop(0))
-        for j, out in zip([g[0] for g in group], _forward(dec, group)):
-            logits[j] = out
+        feed.append((j, b, row.req.token_ids, m))
+    feed = _share_prefixes(dec, feed)
+    for j, out in _forward_all(dec, feed):
+        logits[j] = out
     for j, (b, row) in enumerate(entering):  # the shared contexts, from this round or an earlier one
         ctx = tuple(row.req.token_ids)
         if j in logits:
@@ -155,12 +162,102 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
         del prefilled[ctx]
     return torch.stack([logits[j] for j in range(len(entering))])
 
+def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
+    """The groups of ``contexts`` (token lists; None for a row that takes no part, e.g. one fed on top of a stored
+    prefix) that share a leading run of at least :data:`SHARED_PREFIX_MIN` tokens: ``(run length, [indices])`` with
+    two or more rows each. Each row keeps at least its last token to feed (its next-token logits come from its own
+    forward).
+
+    The rows are sorted by their tokens, so a group is a run of neighbours and its shared length is the smallest
+    common prefix of neighbouring pairs."""
+    order = sorted((i for i, c in enumerate(contexts) if c is not None), key=lambda i: contexts[i])
+    groups: list[tuple[int, list[int]]] = []
+    members: list[int] = []
+    run = 0
+    for i in order:
+        toks = contexts[i]
+        if members:
+            prev = contexts[members[-1]]
+            common = next((k for k, (x, y) in enumerate(zip(prev, toks)) if x != y), min(len(prev), len(toks)))
+            joined = min(run, common, len(toks) - 1)
+            if joined >= SHARED_PREFIX_MIN:
+                members.append(i)
+                run = joined
+                continue
+            if len(members) > 1:
+                groups.append((run, members))
+        members, run = [i], len(toks) - 1
+    if len(members) > 1:
+        groups.append((run, members))
+    return groups
+
+
+def _share_prefixes(dec: Any, feed: list) -> list:
+    """Prefill each shared leading run once, into its group's first slot, and copy it into the other members'
+    slots; ``feed`` comes back with each member's reused length raised to its run (see :func:`shared_runs`)."""
+    groups = shared_runs([f[2] if f[3] == 0 else None for f in feed])
+    if not groups:
+        return feed
+    eng = dec.engine
+    leaders = [(-1, feed[idx[0]][1], feed[idx[0]][2][:run], 0) for run, idx in groups]
+    for _ in _forward_all(dec, leaders):  # their KV lands in the leaders' slots; the logits are not needed
+        pass
+    feed = list(feed)
+    for (run, idx), (_, lead, _, _) in zip(groups, leaders):
+        for i in idx:
+            j, b, toks, _ = feed[i]
+            if b != lead:
+                for buf in dec.keys + dec.values:
+                    buf[b, :, :run].copy_(buf[lead, :, :run])
+                eng._stats["prefill_tokens"] -= run
+                eng._stats["reused_tokens"] += run
+                eng._stats["shared_prefix_rows"] += 1
+            feed[i] = (j, b, toks, run)
+    return feed
+
+
+def forward_groups(sizes: list[int]) -> list[int]:
+    """Where to cut ascending suffix ``sizes`` into batched forwards: the end index of each group of neighbours.
+
+    A group costs its rows times its longest suffix (padding included) plus :data:`FORWARD_COST_POSITIONS`, and holds
+    at most :data:`PREFILL_TOKENS` positions unless it is one row; the cuts minimise the total (dynamic programming
+    over the cut points), so rows of very different lengths are not padded to the longest."""
+    n = len(sizes)
+    best = [0.0] + [float("inf")] * n
+    start = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for begin in range(end - 1, -1, -1):
+            positions = (end - begin) * sizes[end - 1]
+            if positions > PREFILL_TOKENS and end - begin > 1:
+                break
+            cost = best[begin] + positions + FORWARD_COST_POSITIONS
+            if cost < best[end]:
+                best[end], start[end] = cost, begin
+    ends = []
+    while n:
+        ends.append(n)
+        n = start[n]
+    return ends[::-1]
+
+
+def _forward_all(dec: Any, feed: list):  # noqa: ANN202
+    """``(entering index, last-position logits)`` per ``feed`` row, from batched forwards of rows with similar
+    suffix lengths (:func:`forward_groups`)."""
+    feed = sorted(feed, key=lambda f: len(f[2]) - f[3])
+    begin = 0
+    for end in forward_groups([len(f[2]) - f[3] for f in feed]):
+        group = feed[begin:end]
+        begin = end
+        yield from zip([g[0] for g in group], _forward(dec, group))
+
+
 def _forward(dec: Any, group: list) -> torch.Tensor:
-    """One batched forward over ``group`` = [(entering index, slot, row, reused prefix)]: left-padded suffixes,
-    each token at its own position; its KV goes into the row's slot. The last position's logits per row."""
+    """One batched forward over ``group`` = [(entering index, slot, tokens, reused prefix)]: left-padded suffixes
+    ``tokens[reused:]``, each token at its own position; its KV goes into the row's slot. The last position's logits
+    per row."""
     eng = dec.engine
     dev = eng.device
-    suffix = [row.req.token_ids[m:] for _, _, row, m in group]
+    suffix = [toks[m:] for _, _, toks, m in group]
     width = max(len(x) for x in suffix)
     ids = torch.zeros(len(group), width, dtype=torch.long)
     pos = torch.zeros(len(group), width, dtype=torch.long)
@@ -171,7 +268,7 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
         pos[r, pad:] = torch.arange(m, m + len(toks))
         for w, x in zip(where, ([r] * len(toks), range(pad, width), [b] * len(toks), range(m, m + len(toks)))):
             w.extend(x)
-    length = dec.bucket_columns(max(len(row.req.token_ids) for _, _, row, _ in group))
+    length = dec.bucket_columns(max(len(toks) for _, _, toks, _ in group))
     real = torch.zeros(len(group), width, dtype=torch.bool)
     for r, toks in enumerate(suffix):
         real[r, width - len(toks):] = True

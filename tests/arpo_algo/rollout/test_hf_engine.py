@@ -10,6 +10,7 @@ import torch
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
 from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN
 from arpo_base.errors import ConfigError
 
 
@@ -273,8 +274,11 @@ def test_identical_contexts_are_prefilled_once(tiny_model_dir):
             for i in range(5)]
     gens = eng.generate(reqs)
     st = eng.stats()
-    assert st["shared_prefills"] == 3 and st["prefill_tokens"] == len(prompt) + len(prompt) - 3
-    assert st["reused_tokens"] == 3 * len(prompt)
+    assert st["shared_prefills"] == 3
+    # the shorter context is the others' leading run: prefilled once, it feeds only its own last token
+    assert len(prompt) - 4 >= SHARED_PREFIX_MIN and st["shared_prefix_rows"] == 1
+    assert st["prefill_tokens"] == len(prompt) + 1
+    assert st["reused_tokens"] == 3 * len(prompt) + len(prompt) - 4
     for req, gen in zip(reqs, gens):  # the same tokens and logprobs as a request decoded alone
         alone = eng.generate([req])[0]
         assert gen.token_ids == alone.token_ids and _maxdiff(gen.logprobs, alone.logprobs) < 1e-5

@@ -117,9 +117,9 @@ def test_static_prefix_reuse_and_shared_prefill_equal_dynamic(pair):
 
 
 def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, monkeypatch):
-    """Requests entering free slots are prefilled together (left-padded, each at its own positions, on top of its
-    own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on the forward's size
-    splits them into more forwards with the same results."""
+    """Requests of similar length entering free slots are prefilled together (left-padded, each at its own
+    positions, on top of its own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on
+    the forward's size splits them into more forwards with the same results."""
     from arpo_algo.rollout.engines import slot_prefill
 
     dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
@@ -134,7 +134,7 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
         conts = [GenRequest(f"c{i}", _ids(dyn, "question " * (2 + 5 * i)) + h.token_ids
                             + _ids(dyn, " <result>7</result>"), SamplingParams(max_new_tokens=9, seed=10 + i),
                             prefix_key=h.cache_key) for i, h in enumerate(heads[eng])]
-        fresh = [GenRequest(f"f{i}", _ids(dyn, "a fresh prompt " * (1 + 4 * i)),
+        fresh = [GenRequest(f"f{i}", _ids(dyn, "a fresh prompt " + "ok " * (2 * i)),  # about the suffixes' size
                             SamplingParams(max_new_tokens=7, temperature=0.0 if i else 0.8, seed=20 + i))
                  for i in range(2)]
         return conts + fresh
@@ -150,6 +150,64 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     again = sta.generate(batch(sta))
     assert sta.stats()["prefill_forwards"] >= 3
     _assert_same(want, again)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode):
+    """Fresh prompts that share a long leading run (a system prompt) get it prefilled once and reused by the others
+    (static: copied into their slots): the same tokens as each request generated alone, and the run is fed once. A
+    row whose whole context is the run still feeds its last token; a row that shares nothing is fed whole."""
+    from arpo_algo.rollout.engines import slot_prefill
+
+    alone = HFEngine(tiny_model_dir, max_batch_size=6, decode="dynamic")
+    eng = HFEngine(model=alone.model, tokenizer=alone.tokenizer, max_batch_size=6, decode=decode,
+                   static_cache_tokens=512)
+    system = _ids(eng, "<|im_start|>system\nYou solve problems step by step. " + "Think carefully. " * 8
+                  + "<|im_end|>\n")
+    assert len(system) > slot_prefill.SHARED_PREFIX_MIN
+    asks = ["what is two plus two", "name a prime above ten", "how long is a year on mars", "spell seven"]
+    contexts = [system + _ids(eng, q) for q in asks] + [system, _ids(eng, "an unrelated short prompt")]
+    reqs = [GenRequest(f"q{i}", ctx, SamplingParams(max_new_tokens=8, temperature=0.0 if i == 1 else 1.0, seed=i))
+            for i, ctx in enumerate(contexts)]
+    want = [alone.generate([r])[0] for r in reqs]  # one request per call: nothing shared
+    assert alone.stats().get("shared_prefix_rows", 0) == 0
+    got = eng.generate(reqs)
+    _assert_same(want, got)
+    assert len({tuple(g.token_ids) for g in got}) > 1
+    st = eng.stats()
+    run = len(system) - 1  # the system-only row keeps its last token to feed
+    assert st["shared_prefix_rows"] == 4  # five rows share the run: one prefills it, four reuse it
+    assert st["prefill_tokens"] == sum(map(len, contexts)) - 4 * run and st["reused_tokens"] == 4 * run
+    if decode == "static":
+        assert st["prefill_forwards"] == 2  # the run, then every row's own tokens together
+    again = eng.generate(reqs)  # the run's KV was freed after its last member and is made again
+    _assert_same(want, again)
+    assert eng.stats()["shared_prefix_rows"] == 4
+
+
+def test_shared_runs_group_neighbours_above_the_minimum():
+    from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN, shared_runs
+
+    a, b = list(range(100, 100 + SHARED_PREFIX_MIN + 5)), list(range(500, 500 + SHARED_PREFIX_MIN))
+    contexts = [a + [1, 2], b + [3], a + [4], b + [5, 6],
+                a[:SHARED_PREFIX_MIN - 1] + [7, 8],  # shares too short a run with the a-rows
+                None,  # takes no part (fed on top of a stored prefix)
+                [11] * 50]
+    assert sorted(shared_runs(contexts)) == sorted([(len(a), [0, 2]), (len(b), [1, 3])])
+    assert shared_runs([a, a[:SHARED_PREFIX_MIN + 1]]) == [(SHARED_PREFIX_MIN, [1, 0])]  # one token left to feed
+    assert shared_runs([a, None, a + [1]]) == [(len(a) - 1, [0, 2])]
+
+
+def test_forward_groups_pad_rows_only_to_neighbours_of_similar_length():
+    from arpo_algo.rollout.engines.slot_prefill import FORWARD_COST_POSITIONS, PREFILL_TOKENS, forward_groups
+
+    assert forward_groups([]) == []
+    assert forward_groups([5, 5, 6]) == [3]  # similar lengths: one forward
+    assert forward_groups([5, 5, 6, 60, 61]) == [3, 5]  # not padding three short rows to 61
+    assert forward_groups([10, 10 + FORWARD_COST_POSITIONS // 2]) == [2]  # padding cheaper than another forward
+    cap = PREFILL_TOKENS // 4
+    assert forward_groups([cap] * 5) == [4, 5]  # at most PREFILL_TOKENS positions per forward
+    assert forward_groups([1, PREFILL_TOKENS + 10]) == [1, 2]  # a row above the bound still gets its forward
 
 
 def test_static_rows_cross_column_buckets_and_stop_at_the_context_limit(tiny_model_dir):
