@@ -45,6 +45,9 @@ eng.stats()
 t0 = time.perf_counter()
 gens = eng.generate(reqs)
 seconds = time.perf_counter() - t0
+errors = [g.error for g in gens if g.finish_reason == "error"]
+if errors:
+    sys.exit(f"{len(errors)} of {len(gens)} requests failed: {errors[0]} (raise --static-cache-tokens?)")
 stats = {k: float(v) for k, v in eng.stats().items() if isinstance(v, (int, float))}
 print("AB_RESULT " + json.dumps({"package": arpo_algo.__file__, "tokens": sum(len(g.token_ids) for g in gens),
                                  "seconds": seconds, "stats": stats}))
@@ -63,9 +66,9 @@ def _run_tree(tree: Path, cfg_file: str) -> dict:
         os.unlink(worker)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("AB_RESULT ")), None)
     if proc.returncode != 0 or line is None:
-        raise SystemExit(f"the run in {tree} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"the run in {tree} failed (exit {proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
     res = json.loads(line[len("AB_RESULT "):])
-    if not Path(res["package"]).resolve().is_relative_to(tree.resolve()):
+    if not Path(res["package"]).resolve().is_relative_to(tree):
         raise SystemExit(f"the run in {tree} imported arpo_algo from {res['package']}, not from that tree")
     return res
 
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    args.trees = [tree.resolve() for tree in args.trees]  # the runs start inside each tree: no relative paths
     for tree in args.trees:
         if not (tree / "arpo_algo" / "rollout" / "engines" / "hf.py").is_file():
             ap.error(f"{tree} is not an arpo checkout (no arpo_algo/rollout/engines/hf.py)")

@@ -198,23 +198,30 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_and_dtype(tiny_model_dir,
     """The checkout comparison runs each (tree, dtype) side in its own process, importing arpo from that tree, and
     reports each side's median against the first; a folder that is not a checkout is refused."""
     import json
+    import shutil
     from pathlib import Path
 
     from experiments import ab_decode
 
     repo = Path(ab_decode.__file__).resolve().parents[1]
-    out = ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "bfloat16", "--model",
-                          str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1",
+    other = tmp_path / "copy"  # a second checkout: the packages copied, so its runs must import them from there
+    for pkg in ("arpo_algo", "arpo_base", "arpo_env"):
+        shutil.copytree(repo / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    args = ["--model", str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1"]
+    out = ab_decode.main(["--trees", str(other), str(repo), "--dtype", "float32", "bfloat16", *args,
                           "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
-    labels = [f"{repo} float32", f"{repo} bfloat16"]
+    labels = [f"{other} float32", f"{repo} bfloat16"]
     assert list(out["summary"]) == labels and out["summary"][labels[0]]["vs_first"] == 1.0
-    for label in labels:
+    for label, tree in zip(labels, (other, repo)):
         [run] = out["runs"][label]
-        assert run["tokens"] > 0 and run["seconds"] > 0 and Path(run["package"]).is_relative_to(repo)
+        assert run["tokens"] > 0 and run["seconds"] > 0 and Path(run["package"]).parent == tree / "arpo_algo"
         assert run["stats"]["decode_steps"] > 0 and run["stats"]["prefill_tokens"] > 0
     assert json.loads((tmp_path / "ab.json").read_text())["summary"] == out["summary"]
     assert "| tree and dtype | median tok/s | vs first |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ab_decode.main(["--trees", str(tmp_path)])
+    assert "not an arpo checkout" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "float32"])  # one side twice
+    with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
+        ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])

@@ -50,7 +50,7 @@ from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
-from arpo_algo.rollout.engines.slot_prefill import shared_runs
+from arpo_algo.rollout.engines.slot_prefill import SharedRun, plan_shared_runs
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_base.errors import ConfigError
 
@@ -133,7 +133,7 @@ class HFEngine:
         self._layer_cls = grow_layer_class()
         self.cache_kw = cache_argument(self.model)  # the forward's name for the KV cache in this transformers
         self._decode_layers: list[Any] = []
-        self._runs: dict[tuple[int, ...], list] = {}  # context -> its group's [run length, run KV, members left]
+        self._runs: dict[tuple[int, ...], SharedRun] = {}  # this call's shared leading runs, by context
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
         self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
@@ -289,10 +289,7 @@ class HFEngine:
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
         twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
         prefilled: dict[tuple[int, ...], tuple] = {}
-        fresh = list(dict.fromkeys(tuple(requests[i].token_ids) for i in pending if requests[i].prefix_key is None))
-        for run, idx in shared_runs(fresh):
-            group = [run, None, len(idx)]
-            self._runs.update((fresh[i], group) for i in idx)
+        self._runs = plan_shared_runs([requests[i] for i in pending])
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
@@ -349,11 +346,11 @@ class HFEngine:
     def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         ctx = row.req.token_ids
         m, entry = self._store.lookup(row.req.prefix_key, row.req.token_ids)
-        group = self._runs.pop(tuple(ctx), None)
+        shared = self._runs.pop(tuple(ctx), None) if entry is None or m == 0 else None
         if entry is not None and m > 0:
             cache = build_cache(self._layer_cls, [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
-        elif group is not None:
-            m, keys, values = self._shared_run(group, ctx)
+        elif shared is not None:
+            m, keys, values = self._shared_run(shared, ctx)
             cache = build_cache(self._layer_cls, keys, values)  # read only: the layer copies before it writes
         else:
             m, cache = 0, build_cache(self._layer_cls, [], [])
@@ -368,27 +365,25 @@ class HFEngine:
         row.fed = len(ctx)
         return ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1])
 
-    def _shared_run(self, group: list, ctx: list[int]) -> tuple[int, list, list]:
-        """The KV of a leading run that several contexts of this call share (``group`` = [run length, its KV or
-        None, members left]): prefilled by the first member that needs it, reused by the others, freed after the
-        last. Counted as prefilled once and reused by every other member."""
-        run = group[0]
-        if group[1] is None:
+    def _shared_run(self, shared: SharedRun, ctx: list[int]) -> tuple[int, list, list]:
+        """The KV of a leading run that several contexts of this call share: made by the first of them to be
+        prefilled, reused by the others, dropped after the last. Counted as prefilled once and reused by every other
+        member."""
+        run = shared.length
+        if shared.keys is None:
             cache = build_cache(self._layer_cls, [], [])
-            ids = torch.tensor([ctx[:run]], dtype=torch.long, device=self.device)
+            ids = torch.tensor([list(ctx[:run])], dtype=torch.long, device=self.device)
             self.model(input_ids=ids, position_ids=torch.arange(run, device=self.device).unsqueeze(0),
                        attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
                        **{self.cache_kw: cache})
-            group[1] = ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
+            shared.keys, shared.values = [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers]
             self._stats["forward_calls"] += 1
             self._stats["prefill_tokens"] += run
             self._stats["reused_tokens"] -= run  # the caller counts the run as reused
         else:
             self._stats["shared_prefix_rows"] += 1
-        keys, values = group[1]
-        group[2] -= 1
-        if not group[2]:
-            group[1] = None
+        keys, values = shared.keys, shared.values
+        shared.used()
         return run, keys, values
 
     def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -6,10 +6,11 @@ The requests that enter free slots together are prefilled in batched forwards (r
 token is the forward's last position and one row of logits per request is computed), at their own positions, under
 a mask that lets each token see its own slot's columns up to itself; padding writes no KV and nothing attends to it.
 A context that another request of the call already prefilled is copied from that slot (or, across refills, from a
-copy kept while identical requests are pending). Rows without a stored prefix that share a leading run of at least
-:data:`SHARED_PREFIX_MIN` tokens (a system prompt, a task's instructions) have that run prefilled once, into one of
-their slots, and copied into the others' before their own tokens are fed. The result equals per-request prefills up
-to the summation order of the batched matrix products.
+copy kept while identical requests are pending). Requests without a ``prefix_key`` that share a leading run of at
+least :data:`SHARED_PREFIX_MIN` tokens (a system prompt, a task's instructions; :func:`plan_shared_runs`) have that run
+prefilled once, into the slot of the first of them to enter, and copied into the others' slots before their own
+tokens are fed (from a copy kept while members are still pending, when they enter later). The result equals
+per-request prefills up to the summation order of the batched matrix products.
 """
 
 from __future__ import annotations
@@ -105,14 +106,15 @@ def prefill_layer_class() -> type:
     return SlotPrefillLayer
 
 
-def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dict) -> torch.Tensor:
+def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dict, runs: dict) -> torch.Tensor:
     """The KV of every entering row into its slot, and each row's next-token logits ``[rows, vocab]``.
 
     A row whose context another row of this call already prefilled copies that KV; a row with a stored prefix
-    (``prefix_key``) copies it and feeds only the rest; rows sharing a long leading run get it prefilled once
-    (:func:`_share_prefixes`). The rows left are fed together, left-padded to their
-    longest suffix (so that every row's last token is the forward's last position), in forwards of at most
-    :data:`PREFILL_TOKENS` positions; padding writes no KV and no row attends to it."""
+    (``prefix_key``) copies it and feeds only the rest; a row with a shared leading run (``runs``, from
+    :func:`plan_shared_runs`) gets it once made and feeds only the rest (:func:`_share_prefixes`). The rows left are
+    fed left-padded to the longest suffix of their forward (so that every row's last token is the forward's last
+    position), in forwards of rows of similar length (:func:`forward_groups`); padding writes no KV and no row
+    attends to it."""
     eng = dec.engine
     dec.ensure_buffers_for_model()
     logits: dict[int, torch.Tensor] = {}
@@ -136,7 +138,7 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
         eng._stats["reused_tokens"] += m
         first[ctx] = j
         feed.append((j, b, row.req.token_ids, m))
-    feed = _share_prefixes(dec, feed)
+    feed = _share_prefixes(dec, feed, runs)
     for j, out in _forward_all(dec, feed):
         logits[j] = out
     for j, (b, row) in enumerate(entering):  # the shared contexts, from this round or an earlier one
@@ -163,56 +165,111 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
     return torch.stack([logits[j] for j in range(len(entering))])
 
 def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
-    """The groups of ``contexts`` (token lists; None for a row that takes no part, e.g. one fed on top of a stored
-    prefix) that share a leading run of at least :data:`SHARED_PREFIX_MIN` tokens: ``(run length, [indices])`` with
-    two or more rows each. Each row keeps at least its last token to feed (its next-token logits come from its own
-    forward).
+    """The groups of ``contexts`` (token sequences; None for a row that takes no part) that share a leading run of at
+    least :data:`SHARED_PREFIX_MIN` tokens: ``(run length, [indices])`` with two or more rows each. Each row keeps at
+    least its last token to feed (its next-token logits come from its own forward).
 
-    The rows are sorted by their tokens, so a group is a run of neighbours and its shared length is the smallest
-    common prefix of neighbouring pairs."""
-    order = sorted((i for i, c in enumerate(contexts) if c is not None), key=lambda i: contexts[i])
-    groups: list[tuple[int, list[int]]] = []
-    members: list[int] = []
-    run = 0
-    for i in order:
-        toks = contexts[i]
-        if members:
-            prev = contexts[members[-1]]
-            common = next((k for k, (x, y) in enumerate(zip(prev, toks)) if x != y), min(len(prev), len(toks)))
-            joined = min(run, common, len(toks) - 1)
-            if joined >= SHARED_PREFIX_MIN:
-                members.append(i)
-                run = joined
-                continue
-            if len(members) > 1:
-                groups.append((run, members))
-        members, run = [i], len(toks) - 1
-    if len(members) > 1:
-        groups.append((run, members))
-    return groups
+    The rows are sorted by their tokens, so a group is a range of neighbours whose run is the smallest common prefix
+    of neighbouring pairs; the ranges maximise the tokens saved, ``(rows - 1) x run`` summed over the groups (dynamic
+    programming over the range ends), so one row that shares little does not cut the run of many that share more."""
+    rows = sorted((tuple(c), i) for i, c in enumerate(contexts) if c is not None)
+    toks = [r[0] for r in rows]
+    n = len(toks)
+    common = [0] + [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    for a, b in zip(toks, toks[1:])]  # common[k]: the prefix rows k-1 and k share
+    best = [0] * (n + 1)
+    start = list(range(-1, n))  # start[end] = end - 1: the row alone
+    for end in range(1, n + 1):
+        best[end] = best[end - 1]
+        run = len(toks[end - 1]) - 1
+        for begin in range(end - 2, -1, -1):
+            run = min(run, common[begin + 1], len(toks[begin]) - 1)
+            if run < SHARED_PREFIX_MIN:
+                break
+            saved = best[begin] + (end - begin - 1) * run
+            if saved > best[end]:
+                best[end], start[end] = saved, begin
+    groups = []
+    end = n
+    while end:
+        begin = start[end]
+        if end - begin > 1:
+            run = min([common[k] for k in range(begin + 1, end)] + [len(t) - 1 for t in toks[begin:end]])
+            groups.append((run, [rows[k][1] for k in range(begin, end)]))
+        end = begin
+    return groups[::-1]
 
 
-def _share_prefixes(dec: Any, feed: list) -> list:
-    """Prefill each shared leading run once, into its group's first slot, and copy it into the other members'
-    slots; ``feed`` comes back with each member's reused length raised to its run (see :func:`shared_runs`)."""
-    groups = shared_runs([f[2] if f[3] == 0 else None for f in feed])
-    if not groups:
+class SharedRun:
+    """A leading run that several fresh contexts of one call share: its length, its KV once made (per layer
+    ``[1, kv_heads, length, head_dim]``, or None), and how many of its contexts are still to be prefilled (the KV is
+    dropped after the last)."""
+
+    def __init__(self, length: int, members: int) -> None:
+        self.length, self.left = length, members
+        self.keys: list[torch.Tensor] | None = None
+        self.values: list[torch.Tensor] | None = None
+
+    def used(self) -> None:
+        """One member was prefilled on top of the run."""
+        self.left -= 1
+        if self.left <= 0:
+            self.keys = self.values = None
+
+
+def plan_shared_runs(requests: list) -> dict[tuple[int, ...], SharedRun]:
+    """Context -> its :class:`SharedRun`, for the requests of one call that have no ``prefix_key`` (those are fed on
+    top of their stored prefix) and tokens to generate, grouped by :func:`shared_runs`; identical contexts count
+    once (they share one prefill already)."""
+    fresh = list(dict.fromkeys(tuple(r.token_ids) for r in requests
+                               if r.prefix_key is None and r.params.max_new_tokens > 0))
+    plan: dict[tuple[int, ...], SharedRun] = {}
+    for run, idx in shared_runs(fresh):
+        shared = SharedRun(run, len(idx))
+        plan.update((fresh[i], shared) for i in idx)
+    return plan
+
+
+def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
+    """Give every ``feed`` row with a shared run (``runs``, taken out as it is used) the run's KV in its slot: made by
+    one forward over the run in the slot of its first row here when nobody made it yet (kept as a copy while other
+    members are still pending), else copied from that copy; ``feed`` comes back with each such row's reused length
+    raised to its run."""
+    here: dict[int, tuple[SharedRun, list[int]]] = {}
+    for i, (_, _, toks, m) in enumerate(feed):
+        shared = runs.pop(tuple(toks), None) if m == 0 else None
+        if shared is not None:
+            here.setdefault(id(shared), (shared, []))[1].append(i)
+    if not here:
         return feed
     eng = dec.engine
-    leaders = [(-1, feed[idx[0]][1], feed[idx[0]][2][:run], 0) for run, idx in groups]
+    new = [(shared, idx) for shared, idx in here.values() if shared.keys is None]
+    leaders = [(-1, feed[idx[0]][1], feed[idx[0]][2][:shared.length], 0) for shared, idx in new]
     for _ in _forward_all(dec, leaders):  # their KV lands in the leaders' slots; the logits are not needed
         pass
+    lead_slot = {}
+    for (shared, idx), (_, b, _, _) in zip(new, leaders):
+        lead_slot[id(shared)] = b
+        if shared.left > len(idx):  # members still pending: keep the run for them
+            shared.keys = [k[b:b + 1, :, :shared.length].clone() for k in dec.keys]
+            shared.values = [v[b:b + 1, :, :shared.length].clone() for v in dec.values]
     feed = list(feed)
-    for (run, idx), (_, lead, _, _) in zip(groups, leaders):
+    for shared, idx in here.values():
+        run, lead = shared.length, lead_slot.get(id(shared))
         for i in idx:
             j, b, toks, _ = feed[i]
             if b != lead:
-                for buf in dec.keys + dec.values:
-                    buf[b, :, :run].copy_(buf[lead, :, :run])
+                if lead is not None:
+                    for buf in dec.keys + dec.values:
+                        buf[b, :, :run].copy_(buf[lead, :, :run])
+                else:
+                    for buf, src in zip(dec.keys + dec.values, shared.keys + shared.values):
+                        buf[b, :, :run].copy_(src[0])
                 eng._stats["prefill_tokens"] -= run
                 eng._stats["reused_tokens"] += run
                 eng._stats["shared_prefix_rows"] += 1
             feed[i] = (j, b, toks, run)
+            shared.used()
     return feed
 
 

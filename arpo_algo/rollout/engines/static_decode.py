@@ -6,7 +6,8 @@ pending requests take their slots, and each row's tokens are recorded (logprob, 
 stop strings, per-request budgets) by the same functions as on the dynamic path.
 
 Prefill. The requests that enter free slots together are prefilled in batched forwards that write their KV straight
-into their slots (:mod:`~arpo_algo.rollout.engines.slot_prefill`), then each samples its first token.
+into their slots (:mod:`~arpo_algo.rollout.engines.slot_prefill`), then each samples its first token. A leading run
+that several fresh requests of the call share is prefilled once and copied, within a refill and across refills.
 
 Host work per step. The packed results of a step come to the host once and go into arrays (``_Book``); EOS, the
 budget and stop strings are decided there with vectorised checks over the step's tokens. Only the rows that may have
@@ -24,9 +25,10 @@ state (last token, position, uniform index, active flag, sampling settings) live
 reads and advances in place, so a step takes no host input: the host only writes a slot when a request enters or
 leaves and reads one packed result tensor per step.
 
-Shapes come from two buckets: rows (a power of two covering the highest busy slot; requests take the lowest free
-slot) and columns (64 doubled until it covers the longest row, at most ``context``). Each (rows, columns, sampling
-shape) is one fixed-shape step: run eagerly with ``decode="static"``, and with ``decode="cuda_graph"`` captured once
+Shapes: with ``decode="static"`` a step runs eagerly over the slots up to the highest busy one (requests take the
+lowest free slot) and the columns the longest row needs, rounded up to :data:`EAGER_COLUMNS`. With
+``decode="cuda_graph"`` they come from two buckets: rows (a power of two covering the highest busy slot) and columns
+(64 doubled until it covers the longest row, at most ``context``); each (rows, columns, sampling shape) is captured once
 into a ``torch.cuda.CUDAGraph`` (all graphs share one memory pool and write only into the engine's own buffers, so any
 replay order is safe) and replayed. Captured graphs hold the addresses of the weights: in-place updates (a learner
 step, ``load_state_dict``) keep them valid; if the parameters are re-allocated (moved, re-created) the graphs are
@@ -248,10 +250,11 @@ class StaticDecoder:
         shape = self._call_shape([requests[i] for i in pending])
         twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
         prefilled: dict[tuple[int, ...], tuple] = {}
+        runs = slot_prefill.plan_shared_runs([requests[i] for i in pending])
         slots: list[Any] = [None] * self.slots
         book = self._book([requests[i] for i in pending], shape)
         while True:
-            self._refill(requests, pending, results, slots, twins, prefilled, shape, book)
+            self._refill(requests, pending, results, slots, twins, prefilled, runs, shape, book)
             live = np.flatnonzero(book.live)
             if not len(live):
                 break
@@ -289,7 +292,7 @@ class StaticDecoder:
         return _Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
 
     def _refill(self, requests: list, pending: collections.deque, results: list, slots: list,
-                twins: collections.Counter, prefilled: dict, shape: SampleShape, book: _Book) -> None:
+                twins: collections.Counter, prefilled: dict, runs: dict, shape: SampleShape, book: _Book) -> None:
         """Put pending requests into free slots (lowest first), prefilled together in batched forwards: first token,
         then the slot's state. Repeats while a row that ended at its first token left its slot free."""
         eng = self.engine
@@ -306,7 +309,7 @@ class StaticDecoder:
             if not entering:
                 return
             t0 = time.perf_counter()
-            logits = self._prefill(entering, twins, prefilled)
+            logits = self._prefill(entering, twins, prefilled, runs)
             self._first_tokens(entering, logits, shape)
             eng._stats["prefill_seconds"] += time.perf_counter() - t0
             for b, row in entering:
@@ -323,9 +326,9 @@ class StaticDecoder:
         """Slot ``b``'s first ``n`` cached positions per layer, as a finished row's KV (views; the store copies)."""
         return [k[b:b + 1, :, :n] for k in self.keys], [v[b:b + 1, :, :n] for v in self.values]
 
-    def _prefill(self, entering: list, twins: collections.Counter, prefilled: dict) -> torch.Tensor:
+    def _prefill(self, entering: list, twins: collections.Counter, prefilled: dict, runs: dict) -> torch.Tensor:
         """The entering rows' KV into their slots and their next-token logits (:func:`slot_prefill.prefill`)."""
-        return slot_prefill.prefill(self, entering, twins, prefilled)
+        return slot_prefill.prefill(self, entering, twins, prefilled, runs)
 
     def _first_tokens(self, entering: list, logits: torch.Tensor, shape: SampleShape) -> None:
         """Sample and record every entering row's first token, and put its uniforms into its slot."""

@@ -152,22 +152,24 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     _assert_same(want, again)
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode):
+@pytest.mark.parametrize("decode,slots", [("dynamic", 6), ("static", 6), ("dynamic", 2), ("static", 2)])
+def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode, slots):
     """Fresh prompts that share a long leading run (a system prompt) get it prefilled once and reused by the others
-    (static: copied into their slots): the same tokens as each request generated alone, and the run is fed once. A
-    row whose whole context is the run still feeds its last token; a row that shares nothing is fed whole."""
+    (static: copied into their slots), also when they enter in different refills (2 slots): the same tokens as each
+    request generated alone, and the run is fed once. A row whose whole context is the run still feeds its last
+    token; a row that shares nothing is fed whole; token ids may come as a tuple."""
     from arpo_algo.rollout.engines import slot_prefill
 
     alone = HFEngine(tiny_model_dir, max_batch_size=6, decode="dynamic")
-    eng = HFEngine(model=alone.model, tokenizer=alone.tokenizer, max_batch_size=6, decode=decode,
+    eng = HFEngine(model=alone.model, tokenizer=alone.tokenizer, max_batch_size=slots, decode=decode,
                    static_cache_tokens=512)
     system = _ids(eng, "<|im_start|>system\nYou solve problems step by step. " + "Think carefully. " * 8
                   + "<|im_end|>\n")
     assert len(system) > slot_prefill.SHARED_PREFIX_MIN
     asks = ["what is two plus two", "name a prime above ten", "how long is a year on mars", "spell seven"]
     contexts = [system + _ids(eng, q) for q in asks] + [system, _ids(eng, "an unrelated short prompt")]
-    reqs = [GenRequest(f"q{i}", ctx, SamplingParams(max_new_tokens=8, temperature=0.0 if i == 1 else 1.0, seed=i))
+    reqs = [GenRequest(f"q{i}", ctx if i != 2 else tuple(ctx),
+                       SamplingParams(max_new_tokens=8, temperature=0.0 if i == 1 else 1.0, seed=i))
             for i, ctx in enumerate(contexts)]
     want = [alone.generate([r])[0] for r in reqs]  # one request per call: nothing shared
     assert alone.stats().get("shared_prefix_rows", 0) == 0
@@ -178,9 +180,9 @@ def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode):
     run = len(system) - 1  # the system-only row keeps its last token to feed
     assert st["shared_prefix_rows"] == 4  # five rows share the run: one prefills it, four reuse it
     assert st["prefill_tokens"] == sum(map(len, contexts)) - 4 * run and st["reused_tokens"] == 4 * run
-    if decode == "static":
+    if decode == "static" and slots == 6:
         assert st["prefill_forwards"] == 2  # the run, then every row's own tokens together
-    again = eng.generate(reqs)  # the run's KV was freed after its last member and is made again
+    again = eng.generate(reqs)  # a new call plans and makes its runs again
     _assert_same(want, again)
     assert eng.stats()["shared_prefix_rows"] == 4
 
@@ -195,7 +197,11 @@ def test_shared_runs_group_neighbours_above_the_minimum():
                 [11] * 50]
     assert sorted(shared_runs(contexts)) == sorted([(len(a), [0, 2]), (len(b), [1, 3])])
     assert shared_runs([a, a[:SHARED_PREFIX_MIN + 1]]) == [(SHARED_PREFIX_MIN, [1, 0])]  # one token left to feed
-    assert shared_runs([a, None, a + [1]]) == [(len(a) - 1, [0, 2])]
+    assert shared_runs([a, None, tuple(a + [1])]) == [(len(a) - 1, [0, 2])]  # any sequence type
+    # five rows sharing 100 tokens and one sharing only 40 of them: the five keep their 100-token run
+    c = list(range(1000, 1100))
+    many = [c + [i] for i in range(5)] + [c[:40] + [7]]
+    assert shared_runs(many) == [(100, [0, 1, 2, 3, 4])]
 
 
 def test_forward_groups_pad_rows_only_to_neighbours_of_similar_length():
