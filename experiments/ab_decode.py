@@ -4,10 +4,10 @@ A speed-up claimed against an earlier version of the engine is a ratio measured 
 the same minutes (these machines are shared and drift). This script runs the decode benchmark's workload (the
 prompts of :mod:`experiments.bench_engine`: a shared system prompt, eight questions, varied lengths; one request per
 slot, ``--new-tokens`` each) through ``HFEngine(decode=...)`` of each source tree in turn, each in a fresh process
-whose ``PYTHONPATH`` is that tree, for ``--rounds`` rounds, and prints tok/s per tree and round, the medians and each
-tree's ratio to the first. The workload's token ids are made once, here, and handed to every tree, so every tree
-decodes the same requests; only the engine's own public API (``HFEngine``, ``GenRequest``, ``SamplingParams``) is
-used inside a tree, so an older checkout runs unchanged.
+whose ``PYTHONPATH`` (and working directory) is that tree, for ``--rounds`` rounds, and prints tok/s per tree and
+round, the medians and each tree's ratio to the first. The workload's token ids are made once, here, and handed to
+every tree, so every tree decodes the same requests; only the engine's own public API (``HFEngine``, ``GenRequest``,
+``SamplingParams``) is used inside a tree, so an older checkout runs unchanged.
 
 Usage (a checkout of an earlier commit beside this one)::
 
@@ -25,13 +25,12 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 _WORKER = """
 import json, sys, time
 import torch
-cfg = json.loads(open(sys.argv[1]).read())
+cfg = json.load(sys.stdin)
 torch.set_num_threads(cfg["threads"])
 import arpo_algo
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
@@ -54,16 +53,11 @@ print("AB_RESULT " + json.dumps({"package": arpo_algo.__file__, "tokens": sum(le
 """
 
 
-def _run_tree(tree: Path, cfg_file: str) -> dict:
-    """One timed run of the workload with ``tree`` first on the import path; its result record."""
+def _run_tree(tree: Path, cfg: dict) -> dict:
+    """One timed run of the workload ``cfg`` with ``tree`` first on the import path; its result record."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
-        fh.write(_WORKER)
-        worker = fh.name
-    try:
-        proc = subprocess.run([sys.executable, worker, cfg_file], env=env, cwd=tree, capture_output=True, text=True)
-    finally:
-        os.unlink(worker)
+    proc = subprocess.run([sys.executable, "-c", _WORKER], input=json.dumps(cfg), env=env, cwd=tree,
+                          capture_output=True, text=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("AB_RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"the run in {tree} failed (exit {proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
@@ -112,28 +106,18 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = {"model": model, "batch": args.batch, "decode": args.decode, "static_cache_tokens": args.static_cache_tokens,
            "seed": args.seed, "new_tokens": args.new_tokens, "threads": args.threads, "prompts": prompts}
     runs: dict[str, list[dict]] = {label: [] for _, _, label in sides}
-    files = {}
-    try:
-        for _, dtype, label in sides:
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-                json.dump(dict(cfg, dtype=dtype), fh)
-                files[label] = fh.name
-        print(f"decode={args.decode}, batch {args.batch}, {args.new_tokens} new tokens per request, "
-              f"{args.threads} threads, {args.rounds} interleaved round(s)\n")
-        print("| tree and dtype | round | tok/s | prefill s | steps |")
-        print("|---|---|---|---|---|")
-        for r in range(args.rounds):
-            for tree, _, label in sides:
-                res = _run_tree(tree, files[label])
-                res["tok_s"] = res["tokens"] / res["seconds"]
-                runs[label].append(res)
-                st = res["stats"]
-                pre = f"{st['prefill_seconds']:.2f}" if "prefill_seconds" in st else "-"
-                print(f"| {label} | {r + 1} | {res['tok_s']:.1f} | {pre} | {st.get('decode_steps', 0):.0f} |",
-                      flush=True)
-    finally:
-        for name in files.values():
-            os.unlink(name)
+    print(f"decode={args.decode}, batch {args.batch}, {args.new_tokens} new tokens per request, "
+          f"{args.threads} threads, {args.rounds} interleaved round(s)\n")
+    print("| tree and dtype | round | tok/s | prefill s | steps |")
+    print("|---|---|---|---|---|")
+    for r in range(args.rounds):
+        for tree, dtype, label in sides:
+            res = _run_tree(tree, dict(cfg, dtype=dtype))
+            res["tok_s"] = res["tokens"] / res["seconds"]
+            runs[label].append(res)
+            st = res["stats"]
+            pre = f"{st['prefill_seconds']:.2f}" if "prefill_seconds" in st else "-"
+            print(f"| {label} | {r + 1} | {res['tok_s']:.1f} | {pre} | {st.get('decode_steps', 0):.0f} |", flush=True)
     base = statistics.median(x["tok_s"] for x in runs[sides[0][2]])
     print("\n| tree and dtype | median tok/s | vs first |")
     print("|---|---|---|")

@@ -133,7 +133,6 @@ class HFEngine:
         self._layer_cls = grow_layer_class()
         self.cache_kw = cache_argument(self.model)  # the forward's name for the KV cache in this transformers
         self._decode_layers: list[Any] = []
-        self._runs: dict[tuple[int, ...], SharedRun] = {}  # this call's shared leading runs, by context
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
         self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
@@ -253,7 +252,6 @@ class HFEngine:
                 self._decode_all(requests, pending, results)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls
-            self._runs = {}
             self._on_token = None
             self.model.train(was_training)
         self._stats["requests"] += len(requests)
@@ -289,14 +287,14 @@ class HFEngine:
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
         twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
         prefilled: dict[tuple[int, ...], tuple] = {}
-        self._runs = plan_shared_runs([requests[i] for i in pending])
+        runs = plan_shared_runs([requests[i] for i in pending])  # leading runs fresh contexts share
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
                 if row.max_new <= 0:
                     results[row.idx] = self._result(row, "length", None)
                     continue
-                k1, v1, logits = self._prefill_shared(row, twins, prefilled)
+                k1, v1, logits = self._prefill_shared(row, twins, prefilled, runs)
                 self._sample([row], logits)
                 if row.finish:
                     results[row.idx] = self._result(row, row.finish, (k1, v1))
@@ -328,7 +326,7 @@ class HFEngine:
                         values = [v[:, :, first:] for v in values]
                         mask = mask[:, first:]
 
-    def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict) -> tuple:
+    def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict, runs: dict) -> tuple:
         """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
         ctx = tuple(row.req.token_ids)
         twins[ctx] -= 1
@@ -338,53 +336,49 @@ class HFEngine:
             self._stats["reused_tokens"] += len(ctx)
             self._stats["shared_prefills"] += 1
             return out  # read only: a merge copies, and a new cache layer adopts a tensor it does not own by copying
-        out = self._prefill(row)
+        out = self._prefill(row, runs)
         if twins[ctx] > 0:
             prefilled[ctx] = out
         return out
 
-    def _prefill(self, row: _Row) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    def _prefill(self, row: _Row, runs: dict[tuple[int, ...], SharedRun]) -> tuple[list, list, torch.Tensor]:
+        """The row's KV and next-token logits, fed on top of its stored prefix (``prefix_key``), else on top of its
+        shared leading run (``runs``; the run is made by the first of its contexts to be prefilled, reused by the
+        others, dropped after the last), else whole."""
         ctx = row.req.token_ids
-        m, entry = self._store.lookup(row.req.prefix_key, row.req.token_ids)
-        shared = self._runs.pop(tuple(ctx), None) if entry is None or m == 0 else None
-        if entry is not None and m > 0:
-            cache = build_cache(self._layer_cls, [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values])
+        m, entry = self._store.lookup(row.req.prefix_key, ctx)
+        shared = runs.pop(tuple(ctx), None) if m == 0 else None
+        reused = m
+        if m > 0:
+            keys, values = [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values]
         elif shared is not None:
-            m, keys, values = self._shared_run(shared, ctx)
-            cache = build_cache(self._layer_cls, keys, values)  # read only: the layer copies before it writes
+            m = reused = shared.length
+            if shared.keys is None:
+                shared.keys, shared.values, _ = self._feed(ctx[:m], 0, [], [])
+                reused = 0  # prefilled here, for the others
+            else:
+                self._stats["shared_prefix_rows"] += 1
+            keys, values = shared.keys, shared.values
+            shared.used()
         else:
-            m, cache = 0, build_cache(self._layer_cls, [], [])
-        ids = torch.tensor([ctx[m:]], dtype=torch.long, device=self.device)
-        pos = torch.arange(m, len(ctx), device=self.device).unsqueeze(0)
-        att = torch.ones(1, len(ctx), dtype=torch.long, device=self.device)
+            keys, values = [], []
+        out = self._feed(ctx, m, keys, values)
+        self._stats["reused_tokens"] += reused
+        row.fed = len(ctx)
+        return out
+
+    def _feed(self, tokens: Any, m: int, keys: list, values: list) -> tuple[list, list, torch.Tensor]:
+        """One batch-1 forward of ``tokens[m:]`` on top of the KV of ``tokens[:m]`` (``keys``/``values``, read only:
+        the cache layer copies before it writes): the KV of all of ``tokens`` and the last position's logits."""
+        cache = build_cache(self._layer_cls, keys, values)
+        ids = torch.tensor([list(tokens[m:])], dtype=torch.long, device=self.device)
+        pos = torch.arange(m, len(tokens), device=self.device).unsqueeze(0)
+        att = torch.ones(1, len(tokens), dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
                          **{self.cache_kw: cache})
-        self._stats["prefill_tokens"] += len(ctx) - m
-        self._stats["reused_tokens"] += m
+        self._stats["prefill_tokens"] += len(tokens) - m
         self._stats["forward_calls"] += 1
-        row.fed = len(ctx)
-        return ([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1])
-
-    def _shared_run(self, shared: SharedRun, ctx: list[int]) -> tuple[int, list, list]:
-        """The KV of a leading run that several contexts of this call share: made by the first of them to be
-        prefilled, reused by the others, dropped after the last. Counted as prefilled once and reused by every other
-        member."""
-        run = shared.length
-        if shared.keys is None:
-            cache = build_cache(self._layer_cls, [], [])
-            ids = torch.tensor([list(ctx[:run])], dtype=torch.long, device=self.device)
-            self.model(input_ids=ids, position_ids=torch.arange(run, device=self.device).unsqueeze(0),
-                       attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
-                       **{self.cache_kw: cache})
-            shared.keys, shared.values = [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers]
-            self._stats["forward_calls"] += 1
-            self._stats["prefill_tokens"] += run
-            self._stats["reused_tokens"] -= run  # the caller counts the run as reused
-        else:
-            self._stats["shared_prefix_rows"] += 1
-        keys, values = shared.keys, shared.values
-        shared.used()
-        return run, keys, values
+        return [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1]
 
     def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],
               mask: torch.Tensor) -> tuple[torch.Tensor, list, list, torch.Tensor]:

@@ -130,14 +130,13 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
             continue
         m, entry = eng._store.lookup(row.req.prefix_key, row.req.token_ids)
         if entry is not None and m > 0:
-            for buf, src in zip(dec.keys + dec.values, entry.keys + entry.values):
-                buf[b, :, :m].copy_(src[0, :, :m])
+            _load_slot(dec, b, entry.keys, entry.values, m)
         else:
             m = 0
         eng._stats["prefill_tokens"] += len(ctx) - m
         eng._stats["reused_tokens"] += m
         first[ctx] = j
-        feed.append((j, b, row.req.token_ids, m))
+        feed.append((j, b, ctx, m))
     feed = _share_prefixes(dec, feed, runs)
     for j, out in _forward_all(dec, feed):
         logits[j] = out
@@ -145,24 +144,39 @@ def prefill(dec: Any, entering: list, twins: collections.Counter, prefilled: dic
         ctx = tuple(row.req.token_ids)
         if j in logits:
             if twins[ctx] > 0:  # identical requests still pending: keep this prefill for them
-                n = len(ctx)
-                prefilled[ctx] = ([k[b:b + 1, :, :n].clone() for k in dec.keys],
-                                  [v[b:b + 1, :, :n].clone() for v in dec.values], logits[j])
+                prefilled[ctx] = (*_save_slot(dec, b, len(ctx)), logits[j])
             continue
         src = first.get(ctx)
         if src is not None:
-            sb = entering[src][0]
-            for buf in dec.keys + dec.values:
-                buf[b, :, :row.fed].copy_(buf[sb, :, :row.fed])
+            _copy_slot(dec, b, entering[src][0], row.fed)
             logits[j] = logits[src]
         else:
             k1, v1, lg = prefilled[ctx]
-            for buf, src_kv in zip(dec.keys + dec.values, k1 + v1):
-                buf[b, :, :row.fed].copy_(src_kv[0])
+            _load_slot(dec, b, k1, v1, row.fed)
             logits[j] = lg
     for ctx in [c for c in prefilled if twins[c] <= 0]:  # no identical request left to serve
         del prefilled[ctx]
     return torch.stack([logits[j] for j in range(len(entering))])
+
+
+def _copy_slot(dec: Any, dst: int, src: int, n: int) -> None:
+    """Slot ``dst``'s first ``n`` columns become slot ``src``'s, in every layer."""
+    for buf in dec.keys + dec.values:
+        buf[dst, :, :n].copy_(buf[src, :, :n])
+
+
+def _load_slot(dec: Any, b: int, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
+    """Slot ``b``'s first ``n`` columns become the first ``n`` of a batch-1 KV (``[1, kv_heads, >= n, dim]`` per
+    layer)."""
+    for buf, src in zip(dec.keys + dec.values, keys + values):
+        buf[b, :, :n].copy_(src[0, :, :n])
+
+
+def _save_slot(dec: Any, b: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A copy of slot ``b``'s first ``n`` columns per layer, kept for rows that enter after the slot is reused."""
+    keys, values = dec._slot_kv(b, n)
+    return [k.clone() for k in keys], [v.clone() for v in values]
+
 
 def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
     """The groups of ``contexts`` (token sequences; None for a row that takes no part) that share a leading run of at
@@ -179,6 +193,7 @@ def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
                     for a, b in zip(toks, toks[1:])]  # common[k]: the prefix rows k-1 and k share
     best = [0] * (n + 1)
     start = list(range(-1, n))  # start[end] = end - 1: the row alone
+    runs = [0] * (n + 1)  # runs[end]: the run of the group that ends there
     for end in range(1, n + 1):
         best[end] = best[end - 1]
         run = len(toks[end - 1]) - 1
@@ -188,14 +203,13 @@ def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
                 break
             saved = best[begin] + (end - begin - 1) * run
             if saved > best[end]:
-                best[end], start[end] = saved, begin
+                best[end], start[end], runs[end] = saved, begin, run
     groups = []
     end = n
     while end:
         begin = start[end]
         if end - begin > 1:
-            run = min([common[k] for k in range(begin + 1, end)] + [len(t) - 1 for t in toks[begin:end]])
-            groups.append((run, [rows[k][1] for k in range(begin, end)]))
+            groups.append((runs[end], [rows[k][1] for k in range(begin, end)]))
         end = begin
     return groups[::-1]
 
@@ -236,8 +250,8 @@ def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
     members are still pending), else copied from that copy; ``feed`` comes back with each such row's reused length
     raised to its run."""
     here: dict[int, tuple[SharedRun, list[int]]] = {}
-    for i, (_, _, toks, m) in enumerate(feed):
-        shared = runs.pop(tuple(toks), None) if m == 0 else None
+    for i, (_, _, ctx, m) in enumerate(feed):
+        shared = runs.pop(ctx, None) if m == 0 else None
         if shared is not None:
             here.setdefault(id(shared), (shared, []))[1].append(i)
     if not here:
@@ -251,8 +265,7 @@ def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
     for (shared, idx), (_, b, _, _) in zip(new, leaders):
         lead_slot[id(shared)] = b
         if shared.left > len(idx):  # members still pending: keep the run for them
-            shared.keys = [k[b:b + 1, :, :shared.length].clone() for k in dec.keys]
-            shared.values = [v[b:b + 1, :, :shared.length].clone() for v in dec.values]
+            shared.keys, shared.values = _save_slot(dec, b, shared.length)
     feed = list(feed)
     for shared, idx in here.values():
         run, lead = shared.length, lead_slot.get(id(shared))
@@ -260,11 +273,9 @@ def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
             j, b, toks, _ = feed[i]
             if b != lead:
                 if lead is not None:
-                    for buf in dec.keys + dec.values:
-                        buf[b, :, :run].copy_(buf[lead, :, :run])
+                    _copy_slot(dec, b, lead, run)
                 else:
-                    for buf, src in zip(dec.keys + dec.values, shared.keys + shared.values):
-                        buf[b, :, :run].copy_(src[0])
+                    _load_slot(dec, b, shared.keys, shared.values, run)
                 eng._stats["prefill_tokens"] -= run
                 eng._stats["reused_tokens"] += run
                 eng._stats["shared_prefix_rows"] += 1
