@@ -14,6 +14,7 @@ Usage (a checkout of an earlier commit beside this one)::
     git worktree add ../arpo-base <commit>
     python -m experiments.ab_decode --trees ../arpo-base . --decode static --batch 32 --new-tokens 64 --rounds 2
     python -m experiments.ab_decode --trees ../arpo-base . . --dtype float32 float32 bfloat16   # a dtype per side
+    python -m experiments.ab_decode --trees ../arpo-base . --decode static compiled            # a mode per side
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, type=Path,
                     help="source trees (checkouts) to compare; the first is the baseline of the ratios")
-    ap.add_argument("--decode", default="static", help="HFEngine decode mode used in every tree")
+    ap.add_argument("--decode", nargs="+", default=["static"],
+                    help="one HFEngine decode mode for every tree, or one per tree (e.g. the old static step against "
+                         "a new compiled one)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                     help="one dtype for every tree, or one per tree (the same tree may be named twice)")
@@ -91,10 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--batch, --new-tokens and --rounds must be at least 1")
     if len(args.dtype) not in (1, len(args.trees)):
         ap.error(f"--dtype takes one dtype or one per tree ({len(args.trees)}), not {len(args.dtype)}")
+    if len(args.decode) not in (1, len(args.trees)):
+        ap.error(f"--decode takes one mode or one per tree ({len(args.trees)}), not {len(args.decode)}")
     dtypes = args.dtype * len(args.trees) if len(args.dtype) == 1 else args.dtype
-    sides = [(tree, dtype, f"{tree} {dtype}") for tree, dtype in zip(args.trees, dtypes)]
-    if len({label for _, _, label in sides}) < len(sides):
-        ap.error("every (tree, dtype) pair may be named once")
+    decodes = args.decode * len(args.trees) if len(args.decode) == 1 else args.decode
+    sides = [(tree, dtype, decode, f"{tree} {dtype} {decode}")
+             for tree, dtype, decode in zip(args.trees, dtypes, decodes)]
+    if len({label for *_, label in sides}) < len(sides):
+        ap.error("every (tree, dtype, decode) may be named once")
 
     from transformers import AutoTokenizer
 
@@ -103,23 +110,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = str(resolve_model_path(args.model))
     prompts = _prompts(AutoTokenizer.from_pretrained(model), args.batch, random.Random(args.seed))
-    cfg = {"model": model, "batch": args.batch, "decode": args.decode, "static_cache_tokens": args.static_cache_tokens,
+    cfg = {"model": model, "batch": args.batch, "static_cache_tokens": args.static_cache_tokens,
            "seed": args.seed, "new_tokens": args.new_tokens, "threads": args.threads, "prompts": prompts}
-    runs: dict[str, list[dict]] = {label: [] for _, _, label in sides}
-    print(f"decode={args.decode}, batch {args.batch}, {args.new_tokens} new tokens per request, "
+    runs: dict[str, list[dict]] = {label: [] for *_, label in sides}
+    print(f"batch {args.batch}, {args.new_tokens} new tokens per request, "
           f"{args.threads} threads, {args.rounds} interleaved round(s)\n")
-    print("| tree and dtype | round | tok/s | prefill s | steps |")
+    print("| tree, dtype, decode | round | tok/s | prefill s | steps |")
     print("|---|---|---|---|---|")
     for r in range(args.rounds):
-        for tree, dtype, label in sides:
-            res = _run_tree(tree, dict(cfg, dtype=dtype))
+        for tree, dtype, decode, label in sides:
+            res = _run_tree(tree, dict(cfg, dtype=dtype, decode=decode))
             res["tok_s"] = res["tokens"] / res["seconds"]
             runs[label].append(res)
             st = res["stats"]
             pre = f"{st['prefill_seconds']:.2f}" if "prefill_seconds" in st else "-"
             print(f"| {label} | {r + 1} | {res['tok_s']:.1f} | {pre} | {st.get('decode_steps', 0):.0f} |", flush=True)
-    base = statistics.median(x["tok_s"] for x in runs[sides[0][2]])
-    print("\n| tree and dtype | median tok/s | vs first |")
+    base = statistics.median(x["tok_s"] for x in runs[sides[0][-1]])
+    print("\n| tree, dtype, decode | median tok/s | vs first |")
     print("|---|---|---|")
     summary = {}
     for label, rs in runs.items():

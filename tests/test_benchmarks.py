@@ -194,9 +194,9 @@ def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path
         bench_quickstart.main(["--sft", str(tmp_path)])
 
 
-def test_ab_decode_runs_the_same_workload_in_each_tree_and_dtype(tiny_model_dir, tmp_path, capsys):
-    """The checkout comparison runs each (tree, dtype) side in its own process, importing arpo from that tree, and
-    reports each side's median against the first; a folder that is not a checkout is refused."""
+def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model_dir, tmp_path, capsys):
+    """The checkout comparison runs each (tree, dtype, decode) side in its own process, importing arpo from that
+    tree, and reports each side's median against the first; a folder that is not a checkout is refused."""
     import json
     import shutil
     from pathlib import Path
@@ -208,20 +208,26 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_and_dtype(tiny_model_dir,
     for pkg in ("arpo_algo", "arpo_base", "arpo_env"):
         shutil.copytree(repo / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     args = ["--model", str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1"]
-    out = ab_decode.main(["--trees", str(other), str(repo), "--dtype", "float32", "bfloat16", *args,
-                          "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
-    labels = [f"{other} float32", f"{repo} bfloat16"]
+    out = ab_decode.main(["--trees", str(other), str(repo), "--dtype", "float32", "bfloat16", "--decode", "static",
+                          "dynamic", *args, "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
+    labels = [f"{other} float32 static", f"{repo} bfloat16 dynamic"]
     assert list(out["summary"]) == labels and out["summary"][labels[0]]["vs_first"] == 1.0
     for label, tree in zip(labels, (other, repo)):
         [run] = out["runs"][label]
         assert run["tokens"] > 0 and run["seconds"] > 0 and Path(run["package"]).parent == tree / "arpo_algo"
-        assert run["stats"]["decode_steps"] > 0 and run["stats"]["prefill_tokens"] > 0
+        assert run["stats"]["prefill_tokens"] > 0
+    # each side ran its own mode: only the fixed-shape path counts decode steps and times its prefills
+    fixed, dynamic = (out["runs"][label][0]["stats"] for label in labels)
+    assert fixed["decode_steps"] > 0 and "prefill_seconds" in fixed and "decode_steps" not in dynamic
     assert json.loads((tmp_path / "ab.json").read_text())["summary"] == out["summary"]
-    assert "| tree and dtype | median tok/s | vs first |" in capsys.readouterr().out
+    assert "| tree, dtype, decode | median tok/s | vs first |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ab_decode.main(["--trees", str(tmp_path)])
     assert "not an arpo checkout" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "float32"])  # one side twice
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(repo), "--decode", "static", "dynamic"])  # more modes than trees
+    assert "--decode takes one mode or one per tree" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
         ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])

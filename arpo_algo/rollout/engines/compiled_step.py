@@ -3,7 +3,10 @@
 The step is :meth:`~arpo_algo.rollout.engines.static_decode.StaticDecoder._body` unchanged: one token per slot over
 the per-slot KV buffers, sampling on the device, the slots' state advanced in place. Compiling it with inductor
 fuses the dozens of small eager kernels of each layer (norms, rotary embedding, activations, sampling) into a few
-generated C++ loops; the matrix products stay library calls.
+generated C++ loops; the matrix products stay library calls. Whatever the step writes lives in buffers kept across
+steps (the KV slots, the state, the draw's running sum), which inductor updates in place: a graph that returned its
+large results instead allocated them afresh every step, and also copied every KV buffer around its one-column write
+(measured: 7.7 ms per layer).
 
 Weights are graph inputs, never constants: dynamo lifts the parameters (and the transposed-layout copies, which are
 refreshed in place, see :mod:`~arpo_algo.rollout.engines.linear_layout`) as inputs of the compiled graph and guards
@@ -12,10 +15,12 @@ their values, not those properties, so the next step reads the new weights with 
 (which would bake the weights in as constants) is never turned on here.
 
 Shapes are bounded: every compiled step runs all ``max_batch_size`` rows (idle slots compute a throw-away token)
-and its columns come from :func:`column_buckets`, at most ``MAX_COLUMN_BUCKETS`` sizes. With one sampling shape per
-call (what a rollout uses) a process compiles at most that many graphs per engine; each compile is paid on the
-first step of its shape, timed, and counted in the engine's stats (``compiles``, ``compile_seconds``). Inductor's
-on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper.
+and is compiled with symbolic sizes (``dynamic=True``), so one graph serves every column count: a step attends over
+the columns its longest row needs, as the eager step does, instead of a bucket up to twice that (attention reads the
+cache, so it costs what it reads). With one sampling shape per call (what a rollout uses) a process compiles one graph
+per engine; each compile is paid on the first step of its (rows, sampling shape), timed, and counted in the engine's
+stats (``compiles``, ``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later
+process's compiles cheaper.
 """
 
 from __future__ import annotations
@@ -31,18 +36,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_COLUMN_BUCKETS = 2  # column sizes per engine: context and context/2 (when that is at least MIN_COLUMNS)
-#: Graphs one compiled function may hold (buckets x sampling shapes) before dynamo would stop compiling it and run it
-#: eagerly; above the torch default of 8 so that a few sampling shapes per engine stay compiled.
+#: Graphs one compiled function may hold (sampling shapes, and the two layouts of the linear weights) before dynamo
+#: would stop compiling it and run it eagerly; above the torch default of 8 so that a few sampling shapes per engine
+#: stay compiled.
 RECOMPILE_LIMIT = 32
-
-
-def column_buckets(context: int, min_columns: int) -> list[int]:
-    """The column sizes compiled steps use, smallest first: halvings of ``context`` down to ``min_columns``."""
-    sizes = [context]
-    while len(sizes) < MAX_COLUMN_BUCKETS and sizes[-1] // 2 >= min_columns:
-        sizes.append(sizes[-1] // 2)
-    return sorted(sizes)
 
 
 def compiler_problem() -> str | None:
@@ -65,19 +62,20 @@ class CompiledStep:
     """One ``torch.compile`` of a step function, with the compiles it triggered timed and counted.
 
     Args:
-        body: The step ``body(rows, length, shape, res)`` (tensor ops only, reads its tensors from its owner).
+        body: The step's forward ``body(rows, length, shape)`` (tensor ops only, reads its tensors from its owner,
+            returns tensors); ``length`` (the columns attended) is symbolic in the compiled graph.
         stats: The engine's counters, which get ``compiles`` and ``compile_seconds``.
     """
 
     def __init__(self, body: Callable[..., None], stats: Any) -> None:
-        self._fn = torch.compile(body, backend="inductor", dynamic=False, fullgraph=True)
+        self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True)
         self._stats = stats
         self._seen: set[tuple] = set()
-        #: Seconds each shape's first call took (compile plus one step), by ``(rows, length, shape)``.
+        #: Seconds each graph's first call took (compile plus one step), by ``(rows, shape)``.
         self.compile_seconds: dict[tuple, float] = {}
 
     def __call__(self, rows: int, length: int, shape: Any, res: torch.Tensor) -> None:
-        key = (rows, length, shape)
+        key = (rows, shape)
         if key in self._seen:
             self._fn(rows, length, shape, res)
             return
@@ -89,4 +87,4 @@ class CompiledStep:
         self.compile_seconds[key] = seconds
         self._stats["compiles"] += 1
         self._stats["compile_seconds"] += seconds
-        log.info("compiled the decode step for %d rows x %d columns (%s) in %.1f s", rows, length, shape, seconds)
+        log.info("compiled the decode step for %d rows (%s) in %.1f s", rows, shape, seconds)

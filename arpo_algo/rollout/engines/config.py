@@ -31,7 +31,7 @@ class HFEngineConfig:
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = setting(
         "auto", "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
         "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (those steps "
-        "compiled by torch inductor, all slots and two column buckets; CPU, needs a C++ compiler); 'auto' = "
+        "compiled by torch inductor, all slots, one graph for every column count; CPU, needs a C++ compiler); 'auto' = "
         "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.")
     static_cache_tokens: int | None = setting(
         None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'/'compiled'); it becomes the "

@@ -247,8 +247,7 @@ class HFEngine:
         self.model.eval()
         self._on_token = on_token
         try:
-            layout = self._transposed.active(version) if self._transposed else contextlib.nullcontext()
-            with torch.inference_mode(), layout:
+            with torch.inference_mode(), self.decode_layout(version):
                 self._decode_all(requests, pending, results)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls
@@ -257,6 +256,13 @@ class HFEngine:
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
         return results  # type: ignore[return-value]
+
+    def decode_layout(self, version: Any = None) -> contextlib.AbstractContextManager:
+        """The weight layout the engine decodes with, as a context (the transposed copies of ``linear_layout``);
+        ``version`` identifies the weights (the current ones when omitted)."""
+        if self._transposed is None:
+            return contextlib.nullcontext()
+        return self._transposed.active(self._param_version() if version is None else version)
 
     # ----------------------------------------------------------------------------------------------- internals
     def _invalidate(self) -> None:

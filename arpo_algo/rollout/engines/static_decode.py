@@ -35,7 +35,7 @@ step, ``load_state_dict``) keep them valid; if the parameters are re-allocated (
 dropped and captured again.
 
 ``decode="compiled"`` runs the same step through ``torch.compile`` (:mod:`~arpo_algo.rollout.engines.compiled_step`):
-always all slots and at most two column buckets, so a process compiles few shapes.
+always all slots, the eager step's columns (symbolic in the graph), so a process compiles one graph per sampling shape.
 
 Not covered: models whose layers are not all full attention (sliding windows, linear attention) and attention
 implementations other than "sdpa" and "eager" (the step passes its own 4-D mask); both are a ConfigError.
@@ -44,22 +44,33 @@ implementations other than "sdpa" and "eager" (the step passes its own 4-D mask)
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from arpo_algo.rollout.engines import slot_prefill
-from arpo_algo.rollout.engines.compiled_step import CompiledStep, column_buckets
+from arpo_algo.rollout.engines.compiled_step import CompiledStep
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
-from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
+from arpo_algo.rollout.engines.sampling import (
+    REFERENCE_TOPK,
+    RowParams,
+    SampleShape,
+    draw_rows,
+    row_distribution,
+    sample_rows,
+)
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
 
 MIN_COLUMNS = 64  # the smallest column bucket
-#: The column granularity of an eager step (neither captured nor compiled): any shape costs nothing extra there, and
-#: attention's time grows with the columns it reads (a 256-column bucket for 200 columns of tokens reads 28% more).
+#: The column granularity of an eager or compiled step (not captured): any column count costs nothing extra there (the
+#: compiled graph's is symbolic), and attention's time grows with the columns it reads (a 256-column bucket for 200
+#: columns of tokens reads 28% more).
 EAGER_COLUMNS = 8
 # columns of the per-slot state tensor (float64: token ids and positions are exact below 2**53)
 TOK, POS, STEP, ACTIVE, TEMP, GREEDY, TOPK, TOPP = range(8)
@@ -159,6 +170,54 @@ class _Book:
         r.fed = int(self.fed[b])
 
 
+#: The attention implementation a step runs under where the model's is "sdpa" (registered with transformers on first
+#: use, see :func:`folded_sdpa`).
+FOLDED_SDPA = "arpo_folded_sdpa"
+
+
+def folded_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' "sdpa" attention for a decode step: one query token per row, with the query heads that share a
+    key/value head folded into SDPA's query length (``[rows, kv_heads, groups, dim]``), so the keys and values are
+    read as they are stored. transformers folds them this way only outside ``torch.compile``; under it, it repeats
+    every key and value head once per query head, a copy of the whole attended cache per layer and step that took
+    more time than the step's matrix products on the CPU. Other shapes go to transformers' own function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask, dropout_p=dropout,
+        scale=scaling)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _folded_sdpa_name() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FOLDED_SDPA, folded_sdpa)
+    return FOLDED_SDPA
+
+
+@contextlib.contextmanager
+def folded_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model's "sdpa" attention as :func:`folded_sdpa` inside the block (the shared model's setting is put
+    back on exit, so a learner's forward never sees it); other implementations are left as they are."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    config._attn_implementation = _folded_sdpa_name()
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 class StaticDecoder:
     """The fixed-shape decode loop of one :class:`~arpo_algo.rollout.engines.hf.HFEngine` (see the module docstring).
 
@@ -173,7 +232,6 @@ class StaticDecoder:
     def __init__(self, engine: Any, context: int, graphs: bool, compiled: bool = False) -> None:
         self.engine, self.context, self.graphs = engine, context, graphs
         self.compiled = CompiledStep(self._body, engine._stats) if compiled else None
-        self._columns = column_buckets(context, MIN_COLUMNS) if compiled else None
         self.slots = engine.max_batch_size
         self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
@@ -185,6 +243,7 @@ class StaticDecoder:
         self._weights: tuple = ()
         self._stop_filter = StopFilter(engine.tokenizer, engine.vocab_rows)
         self._made_for: tuple = ()  # (device, dtype) of the weights the slot buffers were made for
+        self._draw: tuple[torch.Tensor, ...] = ()  # the draw's float64 buffers, [slots, vocab] each
 
     @classmethod
     def for_engine(cls, engine: Any, static_cache_tokens: int | None) -> StaticDecoder:
@@ -198,14 +257,12 @@ class StaticDecoder:
         """Free the buffers and the graphs."""
         self._graphs.clear()
         self._results.clear()
-        self.keys, self.values, self._pool = [], [], None
+        self.keys, self.values, self._pool, self._draw = [], [], None, ()
         self.state = self.uniforms = self.cols = None
 
     def bucket_columns(self, need: int) -> int:
-        """The column bucket a step that needs ``need`` columns runs with: a few sizes when the step is compiled,
-        doubling sizes when it is captured (one graph each), otherwise ``need`` rounded up to :data:`EAGER_COLUMNS`."""
-        if self._columns is not None:
-            return next((c for c in self._columns if c >= need), self.context)
+        """The column bucket a step that needs ``need`` columns runs with: doubling sizes when it is captured (one
+        graph each), otherwise (eager, or compiled with symbolic sizes) ``need`` rounded up to :data:`EAGER_COLUMNS`."""
         if self.graphs:
             return _bucket(need, MIN_COLUMNS, self.context)
         return min(-(-need // EAGER_COLUMNS) * EAGER_COLUMNS, self.context)
@@ -218,12 +275,14 @@ class StaticDecoder:
         return _bucket(need, 1, self.slots) if self.graphs else need
 
     def time_step(self, rows: int, length: int, shape: SampleShape = SampleShape(), repeats: int = 20) -> float:
-        """Seconds of one bare decode step over ``rows`` slots and ``length`` columns (no host work in between):
-        the floor the decode loop can approach. Runs on idle slots after a ``generate`` allocated the buffers."""
+        """Seconds of one bare decode step over ``rows`` slots and ``length`` columns (no host work in between), with
+        the weight layout and attention the loop uses: the floor the decode loop can approach. Runs on idle slots
+        after a ``generate`` allocated the buffers."""
         if self.state is None:
             raise ConfigError("time_step needs the slot buffers: run one generate() first")
         rows, length = self.bucket_rows(rows), self.bucket_columns(length)
-        with torch.inference_mode():
+        # the step the loop runs: the engine's weight layout and attention, as inside generate()
+        with torch.inference_mode(), self.engine.decode_layout(), folded_attention(self.engine.model):
             saved = self.state.clone()
             self._run(rows, length, shape)  # warm-up (captures the graph when needed)
             sync = torch.cuda.synchronize if self.state.device.type == "cuda" else (lambda: None)
@@ -361,7 +420,8 @@ class StaticDecoder:
                 for r in reqs]
         return SampleShape(logprobs_k=min(max(tops, default=0), eng.vocab_rows),
                            top_k_max=max((self._top_k(r.params.top_k) for r in reqs), default=0),
-                           top_p=any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs))
+                           top_p=any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs),
+                           greedy=any(r.params.temperature == 0 for r in reqs))
 
     def _row_params(self, p: Any, device: torch.device) -> RowParams:
         return RowParams(temperature=torch.tensor([p.temperature or 1.0], dtype=torch.float32, device=device),
@@ -397,6 +457,9 @@ class StaticDecoder:
         self.state = torch.tensor([_IDLE] * self.slots, dtype=torch.float64, device=dev)
         self.uniforms = torch.zeros(self.slots, self.context, dtype=torch.float64, device=dev)
         self.cols = torch.arange(self.context, device=dev)
+        head = self.engine.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else self.engine.model.config.vocab_size
+        self._draw = tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
 
     def _check_weights(self) -> None:
         """Drop the graphs when the parameters live at other addresses than when they were captured."""
@@ -415,23 +478,32 @@ class StaticDecoder:
         if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
             self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
         res = self._results[width][:rows]
-        if self.compiled is not None:
-            self.compiled(rows, length, shape, res)
+        if self.graphs:
+            key = (rows, length, shape)
+            graph = self._graphs.get(key)
+            if graph is None:
+                with folded_attention(eng.model):
+                    graph = self._graphs[key] = self._capture(rows, length, shape, res)
+            graph.replay()
+            eng._stats["graph_replays"] += 1
             return res.cpu()
-        if not self.graphs:
-            self._body(rows, length, shape, res)
-            return res.cpu()
-        key = (rows, length, shape)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(rows, length, shape, res)
-        graph.replay()
-        eng._stats["graph_replays"] += 1
+        with folded_attention(eng.model):
+            (self.compiled or self._body)(rows, length, shape, res)
         return res.cpu()
 
     def _body(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> None:
         """The fixed-shape step: forward one token per slot, sample, pack the results into ``res``, advance the
         slots' state. Tensor ops only (no host synchronisation), so it can be captured."""
+        self._advance(rows, shape, res, *self._distribution(rows, length, shape))
+
+    def _params(self, rows: int) -> RowParams:
+        st = self.state[:rows]
+        return RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
+                         top_p=st[:, TOPP].float())
+
+    def _distribution(self, rows: int, length: int, shape: SampleShape) -> tuple[torch.Tensor, ...]:
+        """The step's forward (one token per slot) and the next-token distributions
+        (:func:`~arpo_algo.rollout.engines.sampling.row_distribution`); what ``decode="compiled"`` compiles."""
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
@@ -446,11 +518,17 @@ class StaticDecoder:
         out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
                                 attention_mask=mask[:, None, None, :], use_cache=True,
                                 **{self.engine.cache_kw: cache})
-        params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
-                           top_p=st[:, TOPP].float())
+        return row_distribution(out.logits[:, -1], self._params(rows), shape)
+
+    def _advance(self, rows: int, shape: SampleShape, res: torch.Tensor, *dist: torch.Tensor) -> None:
+        """Draw each slot's token from ``dist`` (:meth:`_distribution`'s output), pack the results into ``res`` and
+        advance the slots' state; the draw's running sum goes into buffers kept across steps (see
+        :func:`~arpo_algo.rollout.engines.sampling.draw_rows`)."""
+        st = self.state[:rows]
         step = st[:, STEP].long().clamp(max=self.context - 1)
         uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
-        tok, lp, ent, top_v, top_i = sample_rows(out.logits[:, -1], params, uniforms, shape)
+        tok, lp, ent, top_v, top_i = draw_rows(*dist, self._params(rows), uniforms, shape,
+                                               (self._draw[0][:rows], self._draw[1][:rows]))
         res.copy_(torch.cat([tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(),
                              top_i.double()], 1))
         st[:, TOK] = tok.double()

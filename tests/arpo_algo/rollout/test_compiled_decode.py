@@ -1,8 +1,8 @@
 """The compiled decode step (HFEngine decode="compiled") against the dynamic path, across learner updates.
 
 One compiled engine for the whole module, sharing its float32 tiny model with a dynamic engine; its static cache
-holds 128 tokens, so it compiles at most two column buckets (64 and 128) for the one sampling shape every call here
-uses (the settings of :data:`SETTINGS`). Tokens must equal the dynamic path's except at near-ties (the two paths sum
+holds 128 tokens, and it compiles one graph (symbolic in the columns) for the one sampling shape every call here uses
+(the settings of :data:`SETTINGS`). Tokens must equal the dynamic path's except at near-ties (the two paths sum
 in different orders; a token may differ only where the dynamic path's top two log-probs are within ``TIE_TOL``, and
 the test reports how many such ties it met), and logprobs/entropies/top logprobs within ``TOL``. Weights change in
 place between calls (an optimizer step on the shared module, ``load_state_dict``): the compiled step must read the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.compiled_step import column_buckets, compiler_problem
+from arpo_algo.rollout.engines.compiled_step import compiler_problem
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_base.errors import ConfigError
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(compiler_problem() is not None, reason=f"no C++ 
 
 TOL = 1e-5
 TIE_TOL = 1e-4
-#: One sampling shape for every call (greedy, seeded, top-k, top-p, top logprobs, a stop string): one graph per bucket.
+#: One sampling shape for every call (greedy, seeded, top-k, top-p, top logprobs, a stop string): one graph.
 SETTINGS = [dict(temperature=0.0), dict(seed=1), dict(temperature=0.7, top_p=0.9, seed=2),
             dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4), dict(top_k=20, top_p=0.8, seed=4),
             dict(seed=5, stop=("\x00never",)), dict(temperature=0.0, logprobs_topk=2), dict(seed=7)]
@@ -46,7 +46,7 @@ def pair(tiny_model_dir):
     dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic")
     com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
                    static_cache_tokens=128)
-    assert com.linear_layout == "transposed" and com.static_decoder.bucket_columns(1) == 64
+    assert com.linear_layout == "transposed" and com.static_decoder.bucket_columns(1) == 8
     yield dyn, com
     com.close()
 
@@ -99,7 +99,11 @@ def test_compiled_equals_dynamic_across_refill_settings_stops_and_budgets(pair):
                          dataclasses.replace(reqs[5].params, stop=(*reqs[5].params.stop, stop)))
     streams: dict[str, list] = {"dynamic": [], "compiled": []}
     a = dyn.generate(reqs, on_token=lambda rid, tok: streams["dynamic"].append((rid, tok)))
+    graphs = _graphs()
     b = com.generate(reqs, on_token=lambda rid, tok: streams["compiled"].append((rid, tok)))
+    # one graph for every column count the call's steps ran at (rows of 2 to 75 tokens: steps from 8 to 80 columns)
+    assert _graphs() - graphs == 1
+    assert max(len(r.token_ids) + len(g.token_ids) for r, g in zip(reqs, b)) > 64 > len(reqs[0].token_ids) + 8
     ties = _assert_close(a, b, reqs, dyn.model)
     print(f"near-ties: {ties} of {len(reqs)} requests")  # shown with pytest -s
     assert len(b[6].token_ids) == 0 and len(b[4].token_ids) == 1  # per-request budgets
@@ -108,7 +112,7 @@ def test_compiled_equals_dynamic_across_refill_settings_stops_and_budgets(pair):
         assert [t for rid, t in streams["compiled"] if rid == g.request_id] == g.token_ids
     st = com.stats()
     assert st["decode_steps"] < sum(len(g.token_ids) for g in b) - len(b)  # rows decode together
-    assert 1 <= st["compiles"] <= 2 and st["compile_seconds"] > 0  # paid once per bucket, reported
+    assert st["compiles"] == 1 and st["compile_seconds"] > 0  # paid once, reported
     assert com.static_decoder.compiled.compile_seconds  # by shape, for the log and the benchmark
 
 
@@ -130,7 +134,10 @@ def test_compiled_prefix_reuse_and_seeds_equal_dynamic(pair):
     assert stats[1]["reused_tokens"] == stats[0]["reused_tokens"] > 0
     again = com.generate(heads)  # the same seeds give the same samples
     assert [g.token_ids for g in again] == [g.token_ids for g in first[1]]
-    assert com.stats().get("compiles", 0) == 0  # nothing new to compile: same buckets, same sampling shape
+    assert com.stats().get("compiles", 0) == 0  # nothing new to compile: same rows, same sampling shape
+    graphs = _graphs()  # the bare step the benchmark times is the loop's step: same layout, same graph
+    assert com.static_decoder.time_step(3, 50, com.static_decoder._call_shape(heads), repeats=1) > 0
+    assert _graphs() == graphs
 
 
 def _learner_step(model, reqs) -> None:
@@ -150,7 +157,7 @@ def test_compiled_follows_in_place_weight_updates_without_recompiling(pair, layo
     if layout == "native":  # the same module through the native layout: its own graphs, compiled here once
         com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
                        static_cache_tokens=128, linear_layout="native")
-    reqs = _requests(dyn, "w", budgets=(8,) * 8)  # short rows: only the 64-column bucket (compiled once per layout)
+    reqs = _requests(dyn, "w", budgets=(8,) * 8)  # one graph per layout (the native one compiled here once)
     saved = {k: v.clone() for k, v in dyn.model.state_dict().items()}
     before = com.generate(reqs)
     graphs = _graphs()
@@ -176,11 +183,11 @@ def test_compiled_follows_in_place_weight_updates_without_recompiling(pair, layo
             com.weights_updated()
 
 
-def test_compiled_buckets_and_errors(pair):
+def test_compiled_columns_and_errors(pair):
     from torch._inductor import config
 
-    dyn, _ = pair
-    assert column_buckets(512, 64) == [256, 512] and column_buckets(100, 64) == [100]
+    dyn, com = pair
+    assert [com.static_decoder.bucket_columns(n) for n in (1, 100, 127, 128)] == [8, 104, 128, 128]
     with config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
         with pytest.raises(ConfigError, match="C\\+\\+ compiler.*nonexistent") as err:
             HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, decode="compiled", static_cache_tokens=128)

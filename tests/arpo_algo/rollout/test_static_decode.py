@@ -293,6 +293,35 @@ def test_static_with_eager_attention_equals_dynamic(tiny_model_dir):
     _assert_same(dyn.generate(reqs), sta.generate(reqs))
 
 
+def test_the_step_folds_grouped_query_heads_and_leaves_the_model_as_it_was(pair):
+    """The step's attention (one query token per row, query heads sharing a key head folded into SDPA's query
+    length) equals transformers' sdpa attention, and the shared model's attention setting is "sdpa" again after a
+    static call and after a step that raised (a learner's forward must never run under the step's setting)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from arpo_algo.rollout.engines.static_decode import FOLDED_SDPA, folded_attention, folded_sdpa
+
+    dyn, sta = pair
+    attn = dyn.model.model.layers[0].self_attn
+    assert attn.num_key_value_groups > 1  # the tiny model has grouped-query attention
+    gen = torch.Generator().manual_seed(0)
+    rows, kv, groups, dim, cols = 3, dyn.model.config.num_key_value_heads, attn.num_key_value_groups, 16, 11
+    q = torch.randn(rows, kv * groups, 1, dim, generator=gen)
+    k, v = (torch.randn(rows, kv, cols, dim, generator=gen) for _ in range(2))
+    mask = (torch.arange(cols)[None, :] <= torch.tensor([3, 10, 6])[:, None])[:, None, None, :]
+    ours, _ = folded_sdpa(attn, q, k, v, mask, scaling=dim ** -0.5)
+    ref, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=dim ** -0.5)
+    assert ours.shape == ref.shape == (rows, 1, kv * groups, dim)
+    assert torch.allclose(ours, ref, atol=1e-6)
+    sta.generate([GenRequest("a", _ids(sta, "fold"), SamplingParams(max_new_tokens=3, seed=0))])
+    assert dyn.model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="inside"):
+        with folded_attention(dyn.model):
+            assert dyn.model.config._attn_implementation == FOLDED_SDPA
+            raise RuntimeError("inside")
+    assert dyn.model.config._attn_implementation == "sdpa"
+
+
 def test_decode_option_errors_and_auto(tiny_model_dir, pair):
     dyn, _ = pair
     assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == "dynamic"  # "auto" on CPU
