@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from arpo_algo.rollout.engines.decode_mode import DECODE_MODES
+
 _WORKER = """
 import json, sys, time
 import torch
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, type=Path,
                     help="source trees (checkouts) to compare; the first is the baseline of the ratios")
-    ap.add_argument("--decode", nargs="+", default=["static"],
+    ap.add_argument("--decode", nargs="+", default=["static"], choices=DECODE_MODES,
                     help="one HFEngine decode mode for every tree, or one per tree (e.g. the old static step against "
                          "a new compiled one)")
     ap.add_argument("--model", default="smollm2-135m-instruct")

@@ -15,12 +15,13 @@ their values, not those properties, so the next step reads the new weights with 
 (which would bake the weights in as constants) is never turned on here.
 
 Shapes are bounded: every compiled step runs all ``max_batch_size`` rows (idle slots compute a throw-away token)
-and is compiled with symbolic sizes (``dynamic=True``), so one graph serves every column count: a step attends over
-the columns its longest row needs, as the eager step does, instead of a bucket up to twice that (attention reads the
-cache, so it costs what it reads). With one sampling shape per call (what a rollout uses) a process compiles one graph
-per engine; each compile is paid on the first step of its (rows, sampling shape), timed, and counted in the engine's
-stats (``compiles``, ``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later
-process's compiles cheaper.
+and is compiled with symbolic sizes (``dynamic=True``), so one graph serves every column count up to the context (the
+slot buffers keep one spare column so that no step slices a buffer to its full length, which dynamo would specialise
+on): a step attends over the columns its longest row needs, as the eager step does, instead of a bucket up to twice
+that (attention reads the cache, so it costs what it reads). A graph is compiled per sampling shape that changes the
+step's code (greedy rows, top-k, top-p or top logprobs switched on or off); with the one shape a rollout uses, an
+engine compiles one graph. Each compile is timed and counted in the engine's stats (``compiles``,
+``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper.
 """
 
 from __future__ import annotations
@@ -61,30 +62,35 @@ def compiler_problem() -> str | None:
 class CompiledStep:
     """One ``torch.compile`` of a step function, with the compiles it triggered timed and counted.
 
+    A compile is whatever makes dynamo build a new graph (counted from its own ``unique_graphs`` counter, so a
+    recompile after a guard failed, e.g. for another sampling shape or the other weight layout, is counted and timed
+    too, and a call that reuses a graph is not).
+
     Args:
-        body: The step's forward ``body(rows, length, shape)`` (tensor ops only, reads its tensors from its owner,
-            returns tensors); ``length`` (the columns attended) is symbolic in the compiled graph.
+        body: The step ``body(rows, length, shape, res)`` (tensor ops only, reads and writes its owner's buffers);
+            ``length`` (the columns attended) is symbolic in the compiled graph.
         stats: The engine's counters, which get ``compiles`` and ``compile_seconds``.
     """
 
     def __init__(self, body: Callable[..., None], stats: Any) -> None:
         self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True)
         self._stats = stats
-        self._seen: set[tuple] = set()
-        #: Seconds each graph's first call took (compile plus one step), by ``(rows, shape)``.
+        #: Seconds of each call that compiled (compile plus one step), by that call's ``(rows, length, shape)``.
         self.compile_seconds: dict[tuple, float] = {}
 
     def __call__(self, rows: int, length: int, shape: Any, res: torch.Tensor) -> None:
-        key = (rows, shape)
-        if key in self._seen:
-            self._fn(rows, length, shape, res)
-            return
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             self._fn(rows, length, shape, res)
+        new = counters["stats"]["unique_graphs"] - graphs
+        if not new:
+            return
         seconds = time.perf_counter() - t0
-        self._seen.add(key)
-        self.compile_seconds[key] = seconds
-        self._stats["compiles"] += 1
+        key = (rows, length, shape)
+        self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + seconds
+        self._stats["compiles"] += new
         self._stats["compile_seconds"] += seconds
-        log.info("compiled the decode step for %d rows (%s) in %.1f s", rows, shape, seconds)
+        log.info("compiled the decode step for %d rows, %d columns (%s) in %.1f s", rows, length, shape, seconds)

@@ -16,9 +16,10 @@ ended (an EOS id, the budget reached, or a token that can complete one of their 
 same float64 values), and the engine's own finish check runs. ``on_token`` is called for every token, in slot
 order, only when it is set.
 
-Layout. Every layer has key and value buffers of shape ``[max_batch_size, kv_heads, context, head_dim]``, allocated
-once; slot ``b`` holds one request with its tokens at columns ``0 .. fed-1`` (``fed`` = tokens whose KV is cached =
-the position id of the next token to feed). A decode step feeds one token per slot at its own position: each layer
+Layout. Every layer has key and value buffers of shape ``[max_batch_size, kv_heads, context + 1, head_dim]`` (one
+spare column, never read: see :mod:`~arpo_algo.rollout.engines.compiled_step`), allocated once; slot ``b`` holds one
+request with its tokens at columns ``0 .. fed-1`` (``fed`` = tokens whose KV is cached = the position id of the next
+token to feed). A decode step feeds one token per slot at its own position: each layer
 writes the new key/value into column ``pos[b]`` (a scatter), attends over the first ``length`` columns under the mask
 ``column <= pos[b]``, and :func:`~arpo_algo.rollout.engines.sampling.sample_rows` picks the next tokens. The per-slot
 state (last token, position, uniform index, active flag, sampling settings) lives in one device tensor that the step
@@ -181,11 +182,14 @@ def folded_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     key/value head folded into SDPA's query length (``[rows, kv_heads, groups, dim]``), so the keys and values are
     read as they are stored. transformers folds them this way only outside ``torch.compile``; under it, it repeats
     every key and value head once per query head, a copy of the whole attended cache per layer and step that took
-    more time than the step's matrix products on the CPU. Other shapes go to transformers' own function."""
+    more time than the step's matrix products on the CPU. Other shapes, masks that differ per head and the options
+    only transformers' function knows (softcap, position bias, sinks) go to that function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1 or kwargs.get("softcap") is not None:
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if (query.shape[2] != 1 or groups == 1 or per_head_mask
+            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, _, dim = query.shape
@@ -198,17 +202,21 @@ def folded_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
 @functools.cache
 def _folded_sdpa_name() -> str:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(FOLDED_SDPA, folded_sdpa)
+    # the masks "sdpa" gets: a forward under this setting that is given a 2-D padding mask still gets it applied
+    AttentionMaskInterface.register(FOLDED_SDPA, sdpa_mask)
     return FOLDED_SDPA
 
 
 @contextlib.contextmanager
 def folded_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the model's "sdpa" attention as :func:`folded_sdpa` inside the block (the shared model's setting is put
-    back on exit, so a learner's forward never sees it); other implementations are left as they are."""
+    back on exit, so a learner's forward never sees it); other implementations, and composite models (whose setting
+    is spread over sub-configs that may differ), are left as they are."""
     config = model.config
-    if config._attn_implementation != "sdpa":
+    if config._attn_implementation != "sdpa" or getattr(config, "sub_configs", None):
         yield
         return
     config._attn_implementation = _folded_sdpa_name()
@@ -226,7 +234,7 @@ class StaticDecoder:
         context: Columns per slot (the engine's ``max_context``).
         graphs: Capture and replay CUDA graphs (``decode="cuda_graph"``) instead of running each step eagerly.
         compiled: Run each step through ``torch.compile`` (``decode="compiled"``, see
-            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots, a few column buckets.
+            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots, the columns the longest row needs.
     """
 
     def __init__(self, engine: Any, context: int, graphs: bool, compiled: bool = False) -> None:
@@ -440,25 +448,28 @@ class StaticDecoder:
 
         cache = DynamicCache()
         with torch.inference_mode():
-            eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), use_cache=True,
-                      logits_to_keep=1, **{eng.cache_kw: cache})
-        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers])
+            out = eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), use_cache=True,
+                            logits_to_keep=1, **{eng.cache_kw: cache})
+        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers],
+                             out.logits.shape[-1])
         self._made_for = (weight.device, weight.dtype)
 
-    def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor]) -> None:
-        """Allocate the slot buffers on first use, shaped like this prefill's KV (layers, heads, head size, dtype)."""
+    def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor], vocab: int) -> None:
+        """Allocate the slot buffers on first use, shaped like this forward's KV (layers, heads, head size, dtype);
+        ``vocab`` is the width of its logits (the draw's buffers)."""
         ref = k1[0]
         if self.keys and self.keys[0].dtype == ref.dtype and self.keys[0].device == ref.device:
             return
         self.close()
         dev = ref.device
-        self.keys = [ref.new_zeros(self.slots, k.shape[1], self.context, k.shape[3]) for k in k1]
-        self.values = [ref.new_zeros(self.slots, v.shape[1], self.context, v.shape[3]) for v in v1]
+        # One column more than a step ever reads: the compiled step's column count is symbolic, and a slice to a
+        # buffer's full length would make dynamo specialise on it (a second graph when a row reaches the context).
+        spare = self.context + 1
+        self.keys = [ref.new_zeros(self.slots, k.shape[1], spare, k.shape[3]) for k in k1]
+        self.values = [ref.new_zeros(self.slots, v.shape[1], spare, v.shape[3]) for v in v1]
         self.state = torch.tensor([_IDLE] * self.slots, dtype=torch.float64, device=dev)
         self.uniforms = torch.zeros(self.slots, self.context, dtype=torch.float64, device=dev)
-        self.cols = torch.arange(self.context, device=dev)
-        head = self.engine.model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else self.engine.model.config.vocab_size
+        self.cols = torch.arange(spare, device=dev)
         self._draw = tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
 
     def _check_weights(self) -> None:
@@ -503,7 +514,7 @@ class StaticDecoder:
 
     def _distribution(self, rows: int, length: int, shape: SampleShape) -> tuple[torch.Tensor, ...]:
         """The step's forward (one token per slot) and the next-token distributions
-        (:func:`~arpo_algo.rollout.engines.sampling.row_distribution`); what ``decode="compiled"`` compiles."""
+        (:func:`~arpo_algo.rollout.engines.sampling.row_distribution`)."""
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one

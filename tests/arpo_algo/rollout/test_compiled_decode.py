@@ -140,6 +140,28 @@ def test_compiled_prefix_reuse_and_seeds_equal_dynamic(pair):
     assert _graphs() == graphs
 
 
+def test_compiled_rows_reach_the_context_on_the_same_graph(pair):
+    """A step that attends over the whole context (a row at the 128-token limit) runs the graph compiled for shorter
+    steps: the slot buffers keep a spare column, so no slice spans a whole buffer (which dynamo would specialise)."""
+    dyn, com = pair
+    short = _requests(dyn, "s", budgets=(3,) * 8)
+    com.generate(short)
+    com.stats()
+    graphs = _graphs()
+    long = [GenRequest(f"l{i}", r.token_ids + dyn.tokenizer.encode("x" * (90 - len(r.token_ids)),
+                                                                    add_special_tokens=False), r.params)
+            for i, r in enumerate(_requests(dyn, budgets=(60,) * 8))]
+    a, b = dyn.generate(long), com.generate(long)
+    ends = [len(g.token_ids) for g in b]  # the dynamic engine's context is the model's: compare up to the slot's end
+    a = [dataclasses.replace(x, token_ids=x.token_ids[:n], logprobs=x.logprobs[:n], entropies=x.entropies[:n],
+                             top_logprobs=x.top_logprobs and x.top_logprobs[:n], finish_reason=y.finish_reason,
+                             stop_string=y.stop_string) for x, y, n in zip(a, b, ends)]
+    _assert_close(a, b, long, dyn.model)
+    # a row filled its slot: its last step attended over all 128 columns and sampled token 129 (never fed)
+    assert any(len(r.token_ids) + n == 129 for r, n in zip(long, ends))
+    assert _graphs() == graphs and com.stats().get("compiles", 0) == 0
+
+
 def _learner_step(model, reqs) -> None:
     """One SGD step on the shared module, in place (as a colocated learner's optimizer does)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -159,7 +181,10 @@ def test_compiled_follows_in_place_weight_updates_without_recompiling(pair, layo
                        static_cache_tokens=128, linear_layout="native")
     reqs = _requests(dyn, "w", budgets=(8,) * 8)  # one graph per layout (the native one compiled here once)
     saved = {k: v.clone() for k, v in dyn.model.state_dict().items()}
+    com.stats()
     before = com.generate(reqs)
+    if layout == "native":  # the other layout's guards fail: a new graph, counted and timed as a compile
+        assert com.stats()["compiles"] == 1
     graphs = _graphs()
     try:
         for update in range(3):

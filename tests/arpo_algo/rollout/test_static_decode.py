@@ -294,26 +294,38 @@ def test_static_with_eager_attention_equals_dynamic(tiny_model_dir):
 
 
 def test_the_step_folds_grouped_query_heads_and_leaves_the_model_as_it_was(pair):
-    """The step's attention (one query token per row, query heads sharing a key head folded into SDPA's query
-    length) equals transformers' sdpa attention, and the shared model's attention setting is "sdpa" again after a
-    static call and after a step that raised (a learner's forward must never run under the step's setting)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """Decode steps run their attention through ``folded_sdpa`` (one query token per row, the query heads that share
+    a key head folded into SDPA's query length), which equals attention over the key/value heads repeated per query
+    head; the shared model's attention setting is "sdpa" again after a static call and after a block that raised (a
+    learner's forward must never run under the step's setting)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
 
     from arpo_algo.rollout.engines.static_decode import FOLDED_SDPA, folded_attention, folded_sdpa
 
     dyn, sta = pair
     attn = dyn.model.model.layers[0].self_attn
-    assert attn.num_key_value_groups > 1  # the tiny model has grouped-query attention
+    groups = attn.num_key_value_groups
+    assert groups > 1  # the tiny model has grouped-query attention
     gen = torch.Generator().manual_seed(0)
-    rows, kv, groups, dim, cols = 3, dyn.model.config.num_key_value_heads, attn.num_key_value_groups, 16, 11
+    rows, kv, dim, cols = 3, dyn.model.config.num_key_value_heads, 16, 11
     q = torch.randn(rows, kv * groups, 1, dim, generator=gen)
     k, v = (torch.randn(rows, kv, cols, dim, generator=gen) for _ in range(2))
     mask = (torch.arange(cols)[None, :] <= torch.tensor([3, 10, 6])[:, None])[:, None, None, :]
     ours, _ = folded_sdpa(attn, q, k, v, mask, scaling=dim ** -0.5)
-    ref, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=dim ** -0.5)
+    ref = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask,
+                                         scale=dim ** -0.5).transpose(1, 2)
     assert ours.shape == ref.shape == (rows, 1, kv * groups, dim)
     assert torch.allclose(ours, ref, atol=1e-6)
-    sta.generate([GenRequest("a", _ids(sta, "fold"), SamplingParams(max_new_tokens=3, seed=0))])
+    seen = []  # (query length, the attention setting) of every forward of the first attention layer
+    hook = attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((kwargs["hidden_states"].shape[1], mod.config._attn_implementation)),
+        with_kwargs=True)
+    try:
+        sta.generate([GenRequest("a", _ids(sta, "fold"), SamplingParams(max_new_tokens=3, seed=0))])
+    finally:
+        hook.remove()
+    assert {impl for n, impl in seen if n == 1} == {FOLDED_SDPA} and len(seen) >= 3  # the decode steps, folded
     assert dyn.model.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError, match="inside"):
         with folded_attention(dyn.model):
