@@ -86,20 +86,15 @@ def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor,
         uniforms: ``[rows]`` float64 in ``[0, 1)``: each row's next number from its own generator (ignored for greedy
             rows).
         shape: The call's :class:`SampleShape`.
-        work: Optional float64 buffers ``[rows, vocab]`` (two) that the draw's cumulative sum is written into
-            instead of fresh tensors (see :func:`draw_rows`).
+        work: Optional float64 buffers ``[rows, vocab]`` (two) that the draw's running sum is written into instead
+            of fresh tensors: on the CPU a fresh 8-byte-per-entry tensor per step is paid again in page faults (a
+            32 x 49,152 running sum took 4-14 ms inside the decode loop against 0.5 ms into a kept buffer). The
+            values are the same either way.
 
     Returns:
         ``(tokens [rows] int64, logprobs [rows] float32, entropies [rows] float32, top_values [rows, k] float32,
         top_ids [rows, k] int64)`` with ``k = shape.logprobs_k`` (tempered logprobs over the full vocabulary).
     """
-    return draw_rows(*row_distribution(logits, params, shape), params, uniforms, shape, work)
-
-
-def row_distribution(logits: torch.Tensor, params: RowParams,
-                     shape: SampleShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first half of :func:`sample_rows`: ``(logits float32, tempered logprobs, the probabilities the draw uses
-    (after top-k and top-p), entropies)``, all ``[rows, vocab]`` but the entropies ``[rows]``."""
     logits = logits.float()
     vocab = logits.shape[-1]
     logp = torch.log_softmax(logits / params.temperature[:, None], dim=-1)
@@ -118,20 +113,7 @@ def row_distribution(logits: torch.Tensor, params: RowParams,
         sp = torch.where(before < params.top_p[:, None] * sp.sum(-1, keepdim=True), sp, torch.zeros_like(sp))
         nucleus = torch.zeros_like(probs).scatter(1, order, sp)
         probs = torch.where((params.top_p < 1.0)[:, None], nucleus, probs)  # rows at 1.0 skip it, as choose_token
-    return logits, logp, probs, entropies
-
-
-def draw_rows(logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, entropies: torch.Tensor,
-              params: RowParams, uniforms: torch.Tensor, shape: SampleShape,
-              work: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-    """The second half of :func:`sample_rows`: the inverse-CDF draw (or argmax) over :func:`row_distribution`'s
-    output, and what is recorded for the chosen tokens.
-
-    The CDF is a float64 running sum in token order, as in :func:`choose_token`. ``work`` (two float64 buffers of
-    the probabilities' shape) receives it instead of fresh tensors: on the CPU a fresh 8-byte-per-entry tensor per
-    step is paid again in page faults (a 32 x 49,152 cumulative sum took 4-14 ms inside the decode loop against
-    0.5 ms into a kept buffer). The values are the same either way."""
-    vocab = logits.shape[-1]
+    # the CDF: a float64 running sum in token order, as in choose_token
     if work is None:
         cdf = torch.cumsum(probs.double(), -1)
     else:

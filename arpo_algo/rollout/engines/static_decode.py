@@ -57,14 +57,7 @@ import torch
 from arpo_algo.rollout.engines import slot_prefill
 from arpo_algo.rollout.engines.compiled_step import CompiledStep
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
-from arpo_algo.rollout.engines.sampling import (
-    REFERENCE_TOPK,
-    RowParams,
-    SampleShape,
-    draw_rows,
-    row_distribution,
-    sample_rows,
-)
+from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
 
@@ -504,17 +497,9 @@ class StaticDecoder:
 
     def _body(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> None:
         """The fixed-shape step: forward one token per slot, sample, pack the results into ``res``, advance the
-        slots' state. Tensor ops only (no host synchronisation), so it can be captured."""
-        self._advance(rows, shape, res, *self._distribution(rows, length, shape))
-
-    def _params(self, rows: int) -> RowParams:
-        st = self.state[:rows]
-        return RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
-                         top_p=st[:, TOPP].float())
-
-    def _distribution(self, rows: int, length: int, shape: SampleShape) -> tuple[torch.Tensor, ...]:
-        """The step's forward (one token per slot) and the next-token distributions
-        (:func:`~arpo_algo.rollout.engines.sampling.row_distribution`)."""
+        slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
+        buffers kept across steps (the KV slots, the state, ``res``, the draw's running sum), which a compiled step
+        updates in place (see :mod:`~arpo_algo.rollout.engines.compiled_step`)."""
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
@@ -529,17 +514,12 @@ class StaticDecoder:
         out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
                                 attention_mask=mask[:, None, None, :], use_cache=True,
                                 **{self.engine.cache_kw: cache})
-        return row_distribution(out.logits[:, -1], self._params(rows), shape)
-
-    def _advance(self, rows: int, shape: SampleShape, res: torch.Tensor, *dist: torch.Tensor) -> None:
-        """Draw each slot's token from ``dist`` (:meth:`_distribution`'s output), pack the results into ``res`` and
-        advance the slots' state; the draw's running sum goes into buffers kept across steps (see
-        :func:`~arpo_algo.rollout.engines.sampling.draw_rows`)."""
-        st = self.state[:rows]
+        params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
+                           top_p=st[:, TOPP].float())
         step = st[:, STEP].long().clamp(max=self.context - 1)
         uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
-        tok, lp, ent, top_v, top_i = draw_rows(*dist, self._params(rows), uniforms, shape,
-                                               (self._draw[0][:rows], self._draw[1][:rows]))
+        tok, lp, ent, top_v, top_i = sample_rows(out.logits[:, -1], params, uniforms, shape,
+                                                 (self._draw[0][:rows], self._draw[1][:rows]))
         res.copy_(torch.cat([tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(),
                              top_i.double()], 1))
         st[:, TOK] = tok.double()
