@@ -6,9 +6,14 @@ A decode step over ``batch`` rows must read every weight once (``weight_bytes / 
 ``2 * params * batch`` FLOPs (``/ gemm_flops`` seconds); the floor step time is the larger of the two, which ignores
 attention and the KV cache (small for short contexts) and so is a bound no engine can beat.
 
-Run as a command, it times the matrix products of a decode step by every route torch offers on the CPU, side by side:
+Run as a command, it times the matrix products of a decode step by every route torch offers on the CPU, side by side,
+and with ``--step MODEL`` the two parts of a fixed-shape decode step that no engine can skip, each timed alone: all
+the model's matrix products at ``--rows`` rows, and one read of the key/value cache a step attends at ``--columns``.
+Their sum is what a step would cost if everything else in it (norms, rotary embedding, softmax, sampling, Python)
+were free, so the rate it gives bounds any decode path that uses this machine's matrix products:
 
     python -m experiments.machine_floor --linear 32x576x1536 32x1536x576 --threads 2
+    python -m experiments.machine_floor --step smollm2-135m-instruct --rows 32 --columns 144 --threads 2
 """
 
 from __future__ import annotations
@@ -91,21 +96,92 @@ def linear_seconds(rows: int, d_in: int, d_out: int, repeats: int = 50) -> dict[
                 for name, f in calls.items()}
 
 
+def step_parts_seconds(model: torch.nn.Module, rows: int, columns: int, repeats: int = 5) -> dict[str, float]:
+    """Seconds of the parts of one decode step over ``rows`` rows and ``columns`` attended columns that no engine
+    skips, each timed alone on the CPU (best of ``repeats``), in the model's dtype:
+
+    ``products``: every plain ``nn.Linear`` of the model in module order (the language-model head included) at
+    ``rows`` rows, as the engine's CPU layout runs them (``mm`` against transposed copies); every weight is read once
+    per pass, as in a step, so a model larger than the caches streams its weights here as it does there.
+    ``kv_read``: one read of each layer's keys and values over ``columns`` columns, laid out as the static decode
+    path keeps them (``[rows, kv heads, columns + 1, head size]``, the first ``columns`` read; a sum, over 4-byte
+    words for a 2-byte dtype)."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    weights = [m.weight.detach().t().contiguous() for m in layers]
+    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=dtype) for w in weights}
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = [torch.ones(rows, heads, columns + 1, head_dim, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+    if dtype.itemsize == 2 and head_dim % 2 == 0:  # summed as 4-byte words: a 2-byte sum is compute-bound, not a read
+        kv = [t.view(torch.float32) for t in kv]
+    dev = torch.device("cpu")
+    with torch.inference_mode():
+        products = _best_seconds(lambda: [torch.mm(inputs[w.shape[0]], w) for w in weights], repeats, dev)
+        kv_read = _best_seconds(lambda: [t[:, :, :columns].sum() for t in kv], repeats, dev)
+    return {"products": products, "kv_read": kv_read, "linear_layers": len(layers),
+            "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+            "kv_bytes": sum(t[:, :, :columns].numel() * t.element_size() for t in kv)}
+
+
+def _step_floor(args: argparse.Namespace) -> dict:
+    """``--step``: the step's unskippable parts, printed as a table, and the rate their sum allows."""
+    from transformers import AutoModelForCausalLM
+
+    from arpo_algo.models import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(args.step)), dtype=getattr(torch, args.dtype))
+    t = step_parts_seconds(model, args.rows, args.columns)
+    floor = t["products"] + t["kv_read"]
+    print(f"Decode step of {args.step}: {args.rows} rows, {args.columns} columns, {args.dtype}, {args.threads} "
+          f"threads\n")
+    print("| part | ms | bytes read |\n|---|---|---|")
+    print(f"| matrix products ({t['linear_layers']} linear layers, transposed copies) | {t['products'] * 1e3:.1f} | "
+          f"{t['weight_bytes'] / 1e6:.0f} MB of weights |")
+    print(f"| reading the attended KV cache | {t['kv_read'] * 1e3:.1f} | {t['kv_bytes'] / 1e6:.0f} MB |")
+    print(f"| both (everything else free) | {floor * 1e3:.1f} | at most {args.rows / floor:.0f} tok/s |\n", flush=True)
+    return {"step": args.step, "rows": args.rows, "columns": args.columns, "dtype": args.dtype, **t,
+            "floor_tok_s": args.rows / floor}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description="The machine's GEMM and bandwidth probes, and a decode step's matrix "
                                              "products by every CPU route")
-    ap.add_argument("--linear", nargs="+", default=["32x576x1536"], metavar="ROWSxINxOUT")
+    ap.add_argument("--linear", nargs="+", metavar="ROWSxINxOUT",
+                    help="products to time by every route (default 32x576x1536 when --step is not given)")
+    ap.add_argument("--step", metavar="MODEL", help="a model (name or folder) whose decode step's unskippable parts "
+                                                    "to time: all its matrix products and one read of the KV cache")
+    ap.add_argument("--rows", type=int, default=32, help="with --step: rows (requests) per step")
+    ap.add_argument("--columns", type=int, default=144, help="with --step: KV columns a step attends")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --step: the weights' "
+                                                                                          "dtype")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.rows < 1 or args.columns < 1:
+        ap.error("--rows and --columns must be at least 1")
     shapes = []
-    for spec in args.linear:
+    for spec in args.linear or ([] if args.step else ["32x576x1536"]):
         parts = spec.lower().split("x")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise SystemExit(f"--linear takes ROWSxINxOUT with positive numbers, e.g. 32x576x1536; got {spec!r}")
         shapes.append(tuple(int(p) for p in parts))
+    torch.set_num_threads(args.threads)
+    results = []
+    if args.step:
+        from arpo_base.errors import ArpoError
+
+        try:
+            results.append(_step_floor(args))
+        except ArpoError as err:  # an unknown model or a missing pull: the message says what to do
+            raise SystemExit(str(err)) from None
+    return results + (_linear_table(shapes, args.threads) if shapes else [])
+
+
+def _linear_table(shapes: list[tuple[int, int, int]], threads: int) -> list[dict]:
+    """``--linear``: the machine's probes, then each product by every route."""
     machine = probe()
-    print(f"Machine ({args.threads} threads): float32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+    print(f"Machine ({threads} threads): float32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
           f"{machine['stream_gbs']:.1f} GB/s\n")
     print("| rows x in x out | " + " | ".join(f"{r} ms" for r in ROUTES) + " | bf16 / best fp32 |")
     print("|---|" + "---|" * (len(ROUTES) + 1))

@@ -162,6 +162,33 @@ def test_machine_floor_times_a_linear_layer_by_every_route(capsys):
         machine_floor.main(["--linear", "4x64"])
 
 
+def test_machine_floor_times_a_models_step_parts(tiny_model_dir, capsys):
+    """--step: every linear layer of the model (its head included) and the KV a step attends, as the slot buffers
+    hold it; a bad --linear is refused before the model is loaded, an unknown model with the store's message."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from experiments import machine_floor
+
+    [row] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--threads", "1"])
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert row["linear_layers"] == len(linears) == 7 * cfg.num_hidden_layers + 1
+    assert row["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert row["kv_bytes"] == 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * 16 * head_dim * 4
+    assert row["products"] > 0 and row["kv_read"] > 0
+    assert row["floor_tok_s"] == pytest.approx(4 / (row["products"] + row["kv_read"]))
+    assert "| both (everything else free) |" in capsys.readouterr().out
+    [bf16] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--threads", "1",
+                                 "--dtype", "bfloat16"])
+    assert bf16["weight_bytes"] == row["weight_bytes"] // 2 and bf16["kv_bytes"] == row["kv_bytes"] // 2
+    with pytest.raises(SystemExit, match="ROWSxINxOUT"):
+        machine_floor.main(["--step", str(tiny_model_dir), "--linear", "4x64"])
+    with pytest.raises(SystemExit, match="unknown model 'no-such-model'"):
+        machine_floor.main(["--step", "no-such-model"])
+
+
 @pytest.mark.timeout(600)
 def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_dir, tmp_path, capsys):
     """bench_quickstart: each mode's quickstart run trains and evaluates with that decode path (the evaluation's
