@@ -10,7 +10,8 @@ Run as a command, it times the matrix products of a decode step by every route t
 and with ``--step MODEL`` the two parts of a fixed-shape decode step that no engine can skip, each timed alone: all
 the model's matrix products at ``--rows`` rows, and one read of the key/value cache a step attends at ``--columns``.
 Their sum is what a step would cost if everything else in it (norms, rotary embedding, softmax, sampling, Python)
-were free, so the rate it gives bounds any decode path that uses this machine's matrix products:
+were free, so the rate it gives bounds any decode path that runs torch's matrix products on this machine (not the
+hardware itself: a faster small-batch product than the library's would lower it; the probes above bound that):
 
     python -m experiments.machine_floor --linear 32x576x1536 32x1536x576 --threads 2
     python -m experiments.machine_floor --step smollm2-135m-instruct --rows 32 --columns 144 --threads 2
@@ -96,33 +97,50 @@ def linear_seconds(rows: int, d_in: int, d_out: int, repeats: int = 50) -> dict[
                 for name, f in calls.items()}
 
 
-def step_parts_seconds(model: torch.nn.Module, rows: int, columns: int, repeats: int = 5) -> dict[str, float]:
-    """Seconds of the parts of one decode step over ``rows`` rows and ``columns`` attended columns that no engine
-    skips, each timed alone on the CPU (best of ``repeats``), in the model's dtype:
+def _untimed_products(model: torch.nn.Module) -> list[str]:
+    """Modules that run a matrix product in a step but are not plain ``nn.Linear`` (transformers' ``Conv1D``, LoRA or
+    quantized subclasses of Linear): a floor that left them out would be too low."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if (isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear)
+                   or type(m).__name__ == "Conv1D"})
 
-    ``products``: every plain ``nn.Linear`` of the model in module order (the language-model head included) at
-    ``rows`` rows, as the engine's CPU layout runs them (``mm`` against transposed copies); every weight is read once
-    per pass, as in a step, so a model larger than the caches streams its weights here as it does there.
-    ``kv_read``: one read of each layer's keys and values over ``columns`` columns, laid out as the static decode
-    path keeps them (``[rows, kv heads, columns + 1, head size]``, the first ``columns`` read; a sum, over 4-byte
-    words for a 2-byte dtype)."""
-    cfg = model.config
+
+def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) -> tuple:
+    """The two parts of one decode step over ``rows`` rows and ``columns`` attended columns that no decode path
+    skips, as callables on fresh inputs in the model's dtype, and what they read: ``(products, kv_read, info)``.
+
+    ``products()``: every plain ``nn.Linear`` of the model in module order (the language-model head included) at
+    ``rows`` rows, as the engine's CPU layout runs them (``mm`` against transposed copies); it returns the products'
+    results. Every weight is read once per call, as in a step, so a model larger than the caches streams its weights
+    here as it does there. ``kv_read()``: one read (a sum per buffer, returned) of each layer's keys and values over
+    the first ``columns`` columns of buffers laid out as the static decode path keeps them (``[rows, kv heads,
+    context + 1, head size]``); a 2-byte dtype is summed as 4-byte words over the same bytes, since a 2-byte sum is
+    bound by its arithmetic, not by the read."""
+    cfg = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     weights = [m.weight.detach().t().contiguous() for m in layers]
     inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=dtype) for w in weights}
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = [torch.ones(rows, heads, columns + 1, head_dim, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
-    if dtype.itemsize == 2 and head_dim % 2 == 0:  # summed as 4-byte words: a 2-byte sum is compute-bound, not a read
+    kv = [torch.ones(rows, heads, context + 1, head_dim, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+    if dtype.itemsize == 2 and head_dim % 2 == 0:
         kv = [t.view(torch.float32) for t in kv]
+    info = {"linear_layers": len(layers), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+            "kv_bytes": sum(t[:, :, :columns].numel() * t.element_size() for t in kv)}
+    return (lambda: [torch.mm(inputs[w.shape[0]], w) for w in weights],
+            lambda: [t[:, :, :columns].sum() for t in kv], info)
+
+
+def step_parts_seconds(model: torch.nn.Module, rows: int, columns: int, context: int,
+                       repeats: int = 5) -> dict[str, float]:
+    """:func:`step_parts` timed alone on the CPU (best of ``repeats`` after a warm-up): seconds of ``products`` and of
+    ``kv_read``, with the layer count and the bytes each reads."""
+    products, kv_read, info = step_parts(model, rows, columns, context)
     dev = torch.device("cpu")
     with torch.inference_mode():
-        products = _best_seconds(lambda: [torch.mm(inputs[w.shape[0]], w) for w in weights], repeats, dev)
-        kv_read = _best_seconds(lambda: [t[:, :, :columns].sum() for t in kv], repeats, dev)
-    return {"products": products, "kv_read": kv_read, "linear_layers": len(layers),
-            "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-            "kv_bytes": sum(t[:, :, :columns].numel() * t.element_size() for t in kv)}
+        return {"products": _best_seconds(products, repeats, dev), "kv_read": _best_seconds(kv_read, repeats, dev),
+                **info}
 
 
 def _step_floor(args: argparse.Namespace) -> dict:
@@ -131,18 +149,27 @@ def _step_floor(args: argparse.Namespace) -> dict:
 
     from arpo_algo.models import resolve_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(args.step)), dtype=getattr(torch, args.dtype))
-    t = step_parts_seconds(model, args.rows, args.columns)
+    path = resolve_model_path(args.step)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"cannot load {args.step} ({path}) as a causal language model: {err}") from None
+    untimed = _untimed_products(model)
+    if untimed:
+        raise SystemExit(f"{args.step} runs matrix products in modules this floor does not time "
+                         f"({', '.join(untimed)}): only plain torch.nn.Linear layers are timed, so its floor would "
+                         f"be too low")
+    t = step_parts_seconds(model, args.rows, args.columns, args.context)
     floor = t["products"] + t["kv_read"]
-    print(f"Decode step of {args.step}: {args.rows} rows, {args.columns} columns, {args.dtype}, {args.threads} "
-          f"threads\n")
+    print(f"Decode step of {args.step}: {args.rows} rows, {args.columns} of {args.context} columns, {args.dtype}, "
+          f"{args.threads} threads\n")
     print("| part | ms | bytes read |\n|---|---|---|")
     print(f"| matrix products ({t['linear_layers']} linear layers, transposed copies) | {t['products'] * 1e3:.1f} | "
           f"{t['weight_bytes'] / 1e6:.0f} MB of weights |")
     print(f"| reading the attended KV cache | {t['kv_read'] * 1e3:.1f} | {t['kv_bytes'] / 1e6:.0f} MB |")
     print(f"| both (everything else free) | {floor * 1e3:.1f} | at most {args.rows / floor:.0f} tok/s |\n", flush=True)
-    return {"step": args.step, "rows": args.rows, "columns": args.columns, "dtype": args.dtype, **t,
-            "floor_tok_s": args.rows / floor}
+    return {"step": args.step, "rows": args.rows, "columns": args.columns, "context": args.context,
+            "dtype": args.dtype, **t, "floor_tok_s": args.rows / floor}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -154,12 +181,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                     "to time: all its matrix products and one read of the KV cache")
     ap.add_argument("--rows", type=int, default=32, help="with --step: rows (requests) per step")
     ap.add_argument("--columns", type=int, default=144, help="with --step: KV columns a step attends")
+    ap.add_argument("--context", type=int, default=512, help="with --step: columns each slot buffer holds (the "
+                                                             "engine's static_cache_tokens; at least --columns)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --step: the weights' "
                                                                                           "dtype")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.rows < 1 or args.columns < 1:
-        ap.error("--rows and --columns must be at least 1")
+    if min(args.rows, args.columns, args.threads) < 1:
+        ap.error("--rows, --columns and --threads must be at least 1")
+    if args.context < args.columns:
+        ap.error(f"--context ({args.context}) must hold the --columns a step attends ({args.columns})")
     shapes = []
     for spec in args.linear or ([] if args.step else ["32x576x1536"]):
         parts = spec.lower().split("x")

@@ -162,31 +162,55 @@ def test_machine_floor_times_a_linear_layer_by_every_route(capsys):
         machine_floor.main(["--linear", "4x64"])
 
 
-def test_machine_floor_times_a_models_step_parts(tiny_model_dir, capsys):
-    """--step: every linear layer of the model (its head included) and the KV a step attends, as the slot buffers
-    hold it; a bad --linear is refused before the model is loaded, an unknown model with the store's message."""
+def test_machine_floor_times_a_models_step_parts(tiny_model_dir, tmp_path, capsys):
+    """--step: the timed products are every linear layer of the model (its head included) at the step's rows, the
+    timed read covers the attended columns of buffers shaped like the slot buffers (also for bf16, read as 4-byte
+    words); bad input is refused before any work, with the reason."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from experiments import machine_floor
 
-    [row] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--threads", "1"])
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert row["linear_layers"] == len(linears) == 7 * cfg.num_hidden_layers + 1
-    assert row["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    assert len(linears) == 7 * cfg.num_hidden_layers + 1
+    products, kv_read, info = machine_floor.step_parts(model, rows=4, columns=16, context=40)
+    outs = products()
+    assert [tuple(o.shape) for o in outs] == [(4, m.out_features) for m in linears]  # every layer, in module order
+    assert info["linear_layers"] == len(linears) and info["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    assert row["kv_bytes"] == 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * 16 * head_dim * 4
-    assert row["products"] > 0 and row["kv_read"] > 0
+    per_buffer = 4 * cfg.num_key_value_heads * 16 * head_dim  # the first 16 of 41 columns, no more
+    assert [s.item() for s in kv_read()] == [per_buffer] * (2 * cfg.num_hidden_layers)
+    assert info["kv_bytes"] == 2 * cfg.num_hidden_layers * per_buffer * 4
+    _, kv16, info16 = machine_floor.step_parts(model.to(torch.bfloat16), rows=4, columns=16, context=40)
+    word = torch.ones(2, dtype=torch.bfloat16).view(torch.float32).item()  # two bf16 ones read as one word
+    assert [s.item() for s in kv16()] == [pytest.approx(per_buffer / 2 * word)] * (2 * cfg.num_hidden_layers)
+    assert info16["kv_bytes"] == info["kv_bytes"] // 2
+
+    [row] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--context", "40",
+                                "--threads", "1"])
+    assert row["linear_layers"] == len(linears) and row["kv_bytes"] == info["kv_bytes"]
     assert row["floor_tok_s"] == pytest.approx(4 / (row["products"] + row["kv_read"]))
     assert "| both (everything else free) |" in capsys.readouterr().out
-    [bf16] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--threads", "1",
-                                 "--dtype", "bfloat16"])
-    assert bf16["weight_bytes"] == row["weight_bytes"] // 2 and bf16["kv_bytes"] == row["kv_bytes"] // 2
-    with pytest.raises(SystemExit, match="ROWSxINxOUT"):
-        machine_floor.main(["--step", str(tiny_model_dir), "--linear", "4x64"])
+    for argv, message in ((["--linear", "4x64"], "ROWSxINxOUT"), (["--rows", "0"], None),
+                          (["--columns", "64", "--context", "32"], None), (["--threads", "0"], None)):
+        with pytest.raises(SystemExit) as err:
+            machine_floor.main(["--step", str(tiny_model_dir), *argv])
+        if message is None:  # argparse's refusal: usage and the reason on stderr, exit code 2
+            assert err.value.code == 2
+        else:
+            assert message in str(err.value)
+    assert "must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown model 'no-such-model'"):
         machine_floor.main(["--step", "no-such-model"])
+    empty = tmp_path / "config_only"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(SystemExit, match="cannot load"):
+        machine_floor.main(["--step", str(empty)])
+    lora_like = type("LoRALinear", (torch.nn.Linear,), {})  # a Linear subclass runs its own product: not timed
+    model.model.layers[0].mlp.up_proj = lora_like(cfg.hidden_size, cfg.intermediate_size, bias=False)
+    assert machine_floor._untimed_products(model) == ["LoRALinear"]
 
 
 @pytest.mark.timeout(600)
