@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from arpo_algo.rollout.engines.linear_layout import plain_linears
+
 
 def _best_seconds(fn, repeats: int, device: torch.device) -> float:  # noqa: ANN001
     """The fastest of ``repeats`` calls after one warm-up; on CUDA each call is timed up to its kernels' end."""
@@ -100,9 +102,9 @@ def linear_seconds(rows: int, d_in: int, d_out: int, repeats: int = 50) -> dict[
 def _untimed_products(model: torch.nn.Module) -> list[str]:
     """Modules that run a matrix product in a step but are not plain ``nn.Linear`` (transformers' ``Conv1D``, LoRA or
     quantized subclasses of Linear): a floor that left them out would be too low."""
+    plain = {id(m) for m in plain_linears(model)}
     return sorted({type(m).__name__ for m in model.modules()
-                   if (isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear)
-                   or type(m).__name__ == "Conv1D"})
+                   if (isinstance(m, torch.nn.Linear) and id(m) not in plain) or type(m).__name__ == "Conv1D"})
 
 
 def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) -> tuple:
@@ -115,10 +117,15 @@ def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) ->
     here as it does there. ``kv_read()``: one read (a sum per buffer, returned) of each layer's keys and values over
     the first ``columns`` columns of buffers laid out as the static decode path keeps them (``[rows, kv heads,
     context + 1, head size]``); a 2-byte dtype is summed as 4-byte words over the same bytes, since a 2-byte sum is
-    bound by its arithmetic, not by the read."""
+    bound by its arithmetic, not by the read. A ValueError for a model whose products are not all in plain
+    ``nn.Linear`` layers (its floor would be too low)."""
+    untimed = _untimed_products(model)
+    if untimed:
+        raise ValueError(f"it runs matrix products in modules this floor does not time ({', '.join(untimed)}): only "
+                         f"plain torch.nn.Linear layers are timed, so its floor would be too low")
     cfg = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    layers = plain_linears(model)  # the layers the engine's CPU layout runs as products against transposed copies
     weights = [m.weight.detach().t().contiguous() for m in layers]
     inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=dtype) for w in weights}
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -148,18 +155,20 @@ def _step_floor(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     from arpo_algo.models import resolve_model_path
+    from arpo_base.errors import ArpoError
 
-    path = resolve_model_path(args.step)
+    try:
+        path = resolve_model_path(args.step)
+    except ArpoError as err:  # an unknown model or a missing pull: the message says what to do
+        raise SystemExit(str(err)) from None
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
     except (OSError, ValueError) as err:
         raise SystemExit(f"cannot load {args.step} ({path}) as a causal language model: {err}") from None
-    untimed = _untimed_products(model)
-    if untimed:
-        raise SystemExit(f"{args.step} runs matrix products in modules this floor does not time "
-                         f"({', '.join(untimed)}): only plain torch.nn.Linear layers are timed, so its floor would "
-                         f"be too low")
-    t = step_parts_seconds(model, args.rows, args.columns, args.context)
+    try:
+        t = step_parts_seconds(model, args.rows, args.columns, args.context)
+    except ValueError as err:
+        raise SystemExit(f"{args.step}: {err}") from None
     floor = t["products"] + t["kv_read"]
     print(f"Decode step of {args.step}: {args.rows} rows, {args.columns} of {args.context} columns, {args.dtype}, "
           f"{args.threads} threads\n")
@@ -198,14 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"--linear takes ROWSxINxOUT with positive numbers, e.g. 32x576x1536; got {spec!r}")
         shapes.append(tuple(int(p) for p in parts))
     torch.set_num_threads(args.threads)
-    results = []
-    if args.step:
-        from arpo_base.errors import ArpoError
-
-        try:
-            results.append(_step_floor(args))
-        except ArpoError as err:  # an unknown model or a missing pull: the message says what to do
-            raise SystemExit(str(err)) from None
+    results = [_step_floor(args)] if args.step else []
     return results + (_linear_table(shapes, args.threads) if shapes else [])
 
 

@@ -211,6 +211,8 @@ def test_machine_floor_times_a_models_step_parts(tiny_model_dir, tmp_path, capsy
     lora_like = type("LoRALinear", (torch.nn.Linear,), {})  # a Linear subclass runs its own product: not timed
     model.model.layers[0].mlp.up_proj = lora_like(cfg.hidden_size, cfg.intermediate_size, bias=False)
     assert machine_floor._untimed_products(model) == ["LoRALinear"]
+    with pytest.raises(ValueError, match="LoRALinear"):  # refused where the timed layers are chosen
+        machine_floor.step_parts(model, rows=4, columns=16, context=40)
 
 
 @pytest.mark.timeout(600)

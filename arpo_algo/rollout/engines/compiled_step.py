@@ -13,8 +13,7 @@ Weights are graph inputs, never constants: dynamo lifts the parameters (and the 
 rebuilt as new tensors of the same shape after a weight update, see :mod:`~arpo_algo.rollout.engines.linear_layout`)
 as inputs of the compiled graph and guards only on their shape, dtype and strides. A learner update in place
 (``optimizer.step``, ``load_state_dict``) changes their values, not those properties, so the next step reads the new
-weights with no recompile. Inductor's freezing
-(which would bake the weights in as constants) is never turned on here.
+weights with no recompile. Inductor's freezing (which would bake the weights in as constants) is never turned on here.
 
 Shapes are bounded: every compiled step runs all ``max_batch_size`` rows (idle slots compute a throw-away token)
 and is compiled with symbolic sizes (``dynamic=True``), so one graph serves every column count up to the context (the

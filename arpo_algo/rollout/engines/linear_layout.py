@@ -39,6 +39,12 @@ def _transposed_forward(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Ten
     return out + bias if bias is not None else out
 
 
+def plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's plain ``nn.Linear`` layers in module order: the ones the transposed layout routes (subclasses, such
+    as LoRA or quantized layers, keep their own forward)."""
+    return [mod for mod in model.modules() if type(mod) is torch.nn.Linear]
+
+
 class TransposedLinears:
     """``(in, out)`` copies of a model's ``nn.Linear`` weights, used only inside :meth:`active`."""
 
@@ -49,8 +55,7 @@ class TransposedLinears:
 
     def _rebuild(self) -> None:
         self.clear()  # free the stale copies first: never two sets of them in memory at once
-        self._layers = [(mod, mod.weight.detach().t().contiguous()) for mod in self.model.modules()
-                        if type(mod) is torch.nn.Linear]  # subclasses (LoRA, quantized) keep their own forward
+        self._layers = [(mod, mod.weight.detach().t().contiguous()) for mod in plain_linears(self.model)]
 
     def clear(self) -> None:
         """Free the copies; the next :meth:`active` rebuilds them."""
