@@ -58,6 +58,9 @@ def doctor_report() -> dict:
 
         problem = compiler_problem()
         report["compiled_decode"] = {"available": problem is None, "problem": problem}
+        if report["gpu"]["cuda_available"]:  # on CUDA inductor also needs Triton
+            cuda = compiler_problem("cuda")
+            report["compiled_decode"].update(cuda_available=cuda is None, cuda_problem=cuda)
     except ImportError as e:  # torch missing
         report["compiled_decode"] = {"available": False, "problem": str(e)}
     from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
@@ -96,6 +99,9 @@ def _print_doctor(r: dict) -> None:
         print("  compiler     C++ compiler found: rollouts.hf.decode='compiled' (torch inductor) can run")
     else:
         print(f"  compiler     decode='compiled' unavailable: {cd['problem']}; decode='static'/'dynamic' still work")
+    if "cuda_available" in cd:
+        print("  compiler     on the GPU: " + ("Triton found, decode='compiled' can run there" if cd["cuda_available"]
+                                              else f"decode='compiled' unavailable: {cd['cuda_problem']}"))
     v = r["vllm"]
     cpu = v["cpu"]
     fast = "AVX-512" + (" + AVX512-BF16" if cpu["avx512_bf16"] else "") + (" + AMX" if cpu["amx_bf16"] else "")

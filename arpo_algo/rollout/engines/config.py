@@ -31,7 +31,8 @@ class HFEngineConfig:
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = setting(
         "auto", "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
         "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (those steps "
-        "compiled by torch inductor, all slots, one graph for every column count; CPU, needs a C++ compiler); 'auto' = "
+        "compiled by torch inductor, all slots, one graph for every column count, on CUDA captured as CUDA graphs; "
+        "needs a C++ compiler, and Triton on CUDA); 'auto' = "
         "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.")
     static_cache_tokens: int | None = setting(
         None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'/'compiled'); it becomes the "
@@ -54,12 +55,11 @@ class HFEngineConfig:
         if self.decode == "cuda_graph" and device != "cuda":
             raise ConfigError(f"rollouts.hf.decode='cuda_graph' needs rollouts.device='cuda', got {device!r}",
                               hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
-        if self.decode == "compiled" and device != "cpu":
-            raise ConfigError(f"rollouts.hf.decode='compiled' has only been validated on CPU, got {device!r}",
-                              hint="decode='cuda_graph' or 'dynamic' on a GPU")
-        if self.decode == "cuda_graph" and self.linear_layout == "transposed":
-            raise ConfigError("rollouts.hf.decode='cuda_graph' with linear_layout='transposed': graphs would read "
-                              "weight copies that are rebuilt after every update",
+        # on CUDA the compiled step is captured as graphs too
+        graphs = self.decode == "cuda_graph" or (self.decode == "compiled" and device == "cuda")
+        if graphs and self.linear_layout == "transposed":
+            raise ConfigError(f"rollouts.hf.decode={self.decode!r} on CUDA with linear_layout='transposed': graphs "
+                              "would read weight copies that are rebuilt after every update",
                               hint="linear_layout='auto' or 'native'")
 
     def engine_kwargs(self) -> dict[str, Any]:

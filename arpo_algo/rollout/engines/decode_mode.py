@@ -47,23 +47,25 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
                           hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
     if decode == "compiled":
         _check_compiled(device)
-    problem = static_problem(model, linear_layout, graphs=decode == "cuda_graph") if decode != "dynamic" else None
+    graphs = decode == "cuda_graph" or (decode == "compiled" and device.type == "cuda")  # see compiled_step
+    problem = static_problem(model, linear_layout, graphs=graphs) if decode != "dynamic" else None
     if problem:
         raise ConfigError(f"decode={decode!r}: {problem}", hint="use decode='dynamic' for this model or setting")
     return decode
 
 
 def _check_compiled(device: torch.device) -> None:
-    """``decode="compiled"`` needs inductor's CPU code generation (a C++ compiler); it has only run on CPU."""
+    """``decode="compiled"`` needs inductor's code generation for the device: a C++ compiler, and on CUDA Triton."""
     from arpo_algo.rollout.engines.compiled_step import compiler_problem
 
-    if device.type != "cpu":
-        raise ConfigError(f"decode='compiled' has only been validated on CPU, but the model is on {device}",
-                          hint="use decode='cuda_graph' or 'dynamic' on a GPU")
-    problem = compiler_problem()
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"decode='compiled' runs on CPU or CUDA, but the model is on {device}",
+                          hint="use decode='dynamic' on this device")
+    problem = compiler_problem(device.type)
     if problem:
-        raise ConfigError(f"decode='compiled' needs a working C++ compiler for torch inductor: {problem}",
-                          hint="install g++ (or set CXX to a C++ compiler), or use decode='static'; "
+        need, other = ("g++ and triton", "'cuda_graph'") if device.type == "cuda" else ("g++", "'static'")
+        raise ConfigError(f"decode='compiled' cannot compile for {device.type}: {problem}",
+                          hint=f"install {need} (or set CXX to a C++ compiler), or use decode={other}; "
                                "`arpo doctor` checks the compiler")
 
 

@@ -89,7 +89,7 @@ class HFEngine:
             more copy of those weights (see :mod:`arpo_algo.rollout.engines.linear_layout`).
         decode: "auto" (cuda_graph where CUDA and the model allow it, else dynamic), "dynamic" (left-padded growing
             cache), "static" (fixed-shape steps, per-slot cache), "cuda_graph" (those steps as CUDA graphs) or
-            "compiled" (those steps compiled by torch inductor on CPU).
+            "compiled" (those steps compiled by torch inductor; on CUDA then captured as CUDA graphs).
         static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
             model's ``max_position_embeddings``).
     """

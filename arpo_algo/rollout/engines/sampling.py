@@ -23,6 +23,24 @@ import torch
 REFERENCE_TOPK = 10  # the reference code asks vLLM for 10 logprobs per token (docs/concepts/arpo.md#segment-entropy)
 
 
+@torch.library.custom_op("arpo::row_cumsum", mutates_args=())
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """The running sum along the last dimension, as an operator torch.compile cannot see into."""
+    return torch.cumsum(x, -1)
+
+
+@_row_cumsum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``torch.cumsum(x, -1)``; on CUDA through an opaque operator, so that a compiled step runs the library's scan
+    (the kernel the eager and graph-captured steps run) instead of generating one: inductor's Triton split scan fails
+    to generate code for a ``[rows, 49152]`` scan with a symbolic row count (seen with torch 2.11)."""
+    return _row_cumsum(x) if x.is_cuda else torch.cumsum(x, -1)
+
+
 def choose_token(logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, temperature: float, top_k: int,
                  top_p: float, gen: torch.Generator) -> int:
     """One row's token: ``logits``, ``logp`` and ``probs`` are that row's ``[vocab]`` vectors (``logp`` tempered)."""
@@ -109,13 +127,13 @@ def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor,
         probs = torch.where(drop, torch.zeros_like(probs), probs)
     if shape.top_p:
         sp, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sp, -1) - sp
+        before = _cumsum(sp) - sp
         sp = torch.where(before < params.top_p[:, None] * sp.sum(-1, keepdim=True), sp, torch.zeros_like(sp))
         nucleus = torch.zeros_like(probs).scatter(1, order, sp)
         probs = torch.where((params.top_p < 1.0)[:, None], nucleus, probs)  # rows at 1.0 skip it, as choose_token
     # the CDF: a float64 running sum in token order, as in choose_token
-    if work is None:
-        cdf = torch.cumsum(probs.double(), -1)
+    if work is None or probs.is_cuda:  # the kept buffers only pay on the CPU (page faults)
+        cdf = _cumsum(probs.double())
     else:
         wide, cdf = work
         wide.copy_(probs)

@@ -37,6 +37,7 @@ dropped and captured again.
 
 ``decode="compiled"`` runs the same step through ``torch.compile`` (:mod:`~arpo_algo.rollout.engines.compiled_step`):
 always all slots, the eager step's columns (symbolic in the graph), so a process compiles one graph per sampling shape.
+On CUDA that compiled step is then captured as CUDA graphs per column bucket, like ``decode="cuda_graph"``'s.
 
 Not covered: models whose layers are not all full attention (sliding windows, linear attention) and attention
 implementations other than "sdpa" and "eager" (the step passes its own 4-D mask); both are a ConfigError.
@@ -232,7 +233,7 @@ class StaticDecoder:
 
     def __init__(self, engine: Any, context: int, graphs: bool, compiled: bool = False) -> None:
         self.engine, self.context, self.graphs = engine, context, graphs
-        self.compiled = CompiledStep(self._body, engine._stats) if compiled else None
+        self.compiled = CompiledStep(self._body, engine._stats, engine.device.type) if compiled else None
         self.slots = engine.max_batch_size
         self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
@@ -251,8 +252,10 @@ class StaticDecoder:
         """Size the engine's static cache (it becomes its ``max_positions``), check it fits, build the decoder."""
         engine.max_positions = static_context(engine.max_positions, static_cache_tokens)
         check_memory(engine.model, engine.max_batch_size, engine.max_positions)
-        return cls(engine, engine.max_positions, graphs=engine.decode == "cuda_graph",
-                   compiled=engine.decode == "compiled")
+        compiled = engine.decode == "compiled"
+        # on CUDA the compiled step is captured as graphs too (see compiled_step)
+        graphs = engine.decode == "cuda_graph" or (compiled and engine.device.type == "cuda")
+        return cls(engine, engine.max_positions, graphs=graphs, compiled=compiled)
 
     def close(self) -> None:
         """Free the buffers and the graphs."""
@@ -527,20 +530,22 @@ class StaticDecoder:
         st[:, STEP] += st[:, ACTIVE]
 
     def _capture(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """Warm the step up on a side stream (putting back the state it advanced), then capture it."""
+        """Warm the step up on a side stream (putting back the state it advanced), then capture it. A compiled step
+        compiles in the warm-up, so nothing but its kernels' launches reaches the capture."""
         dev = self.state.device
+        step = self.compiled or self._body
         saved = self.state.clone()
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # the warm-up writes the KV columns the replay will write (same values), nothing else
-                self._body(rows, length, shape, res)
+                step(rows, length, shape, res)
                 self.state.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._body(rows, length, shape, res)
+            step(rows, length, shape, res)
         self.engine._stats["graph_captures"] += 1
         return graph
