@@ -5,9 +5,9 @@ the per-slot KV buffers, sampling on the device, the slots' state advanced in pl
 fuses the dozens of small eager kernels of each layer (norms, rotary embedding, activations, sampling) into a few
 generated C++ loops; the matrix products stay library calls. The calls themselves (about 400 per step) are made from
 a generated C++ wrapper (inductor's ``cpp_wrapper``), not from Python: 6-11% off a SmolLM2 step at batch 32.
-Whatever the step writes lives in buffers kept across steps (the KV slots, the state, the draw's running sum), which
-inductor updates in place: a graph that returned its large results instead allocated them afresh every step, and
-also copied every KV buffer around its one-column write (measured: 7.7 ms per layer).
+Whatever the step writes lives in buffers kept across steps (the KV slots, the state, on the CPU the draw's running
+sum), which inductor updates in place: a graph that returned its large results instead allocated them afresh every
+step, and also copied every KV buffer around its one-column write (measured: 7.7 ms per layer).
 
 Weights are graph inputs, never constants: dynamo lifts the parameters (and the transposed-layout copies, which are
 rebuilt as new tensors of the same shape after a weight update, see :mod:`~arpo_algo.rollout.engines.linear_layout`)

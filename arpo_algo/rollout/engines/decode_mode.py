@@ -63,17 +63,18 @@ def _check_compiled(device: torch.device) -> None:
                           hint="use decode='dynamic' on this device")
     problem = compiler_problem(device.type)
     if problem:
-        need, other = ("g++ and triton", "'cuda_graph'") if device.type == "cuda" else ("g++", "'static'")
+        need, other = ("g++ and triton (CXX and CC choose the compilers)", "'cuda_graph'") if device.type == "cuda" \
+            else ("g++ (or set CXX to a C++ compiler)", "'static'")
         raise ConfigError(f"decode='compiled' cannot compile for {device.type}: {problem}",
-                          hint=f"install {need} (or set CXX to a C++ compiler), or use decode={other}; "
-                               "`arpo doctor` checks the compiler")
+                          hint=f"install {need}, or use decode={other}; `arpo doctor` checks the compiler")
 
 
 def static_problem(model: Any, linear_layout: str, graphs: bool) -> str | None:
     """Why this model cannot use the fixed-shape step (None when it can)."""
     if graphs and linear_layout == "transposed":
-        return ("linear_layout='transposed' copies are rebuilt after every weight update, so captured graphs would "
-                "read freed memory (use linear_layout='native' or 'auto')")
+        return ("linear_layout='transposed' copies are rebuilt after every weight update, so captured CUDA graphs "
+                "(decode='cuda_graph', and 'compiled' on CUDA) would read freed memory (use linear_layout='native' "
+                "or 'auto')")
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     impl = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", "eager")
     if impl not in ("sdpa", "eager"):

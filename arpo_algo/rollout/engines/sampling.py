@@ -31,14 +31,17 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 @_row_cumsum.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as cumsum's result
 
 
 def _cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``torch.cumsum(x, -1)``; on CUDA through an opaque operator, so that a compiled step runs the library's scan
-    (the kernel the eager and graph-captured steps run) instead of generating one: inductor's Triton split scan fails
-    to generate code for a ``[rows, 49152]`` scan with a symbolic row count (seen with torch 2.11)."""
-    return _row_cumsum(x) if x.is_cuda else torch.cumsum(x, -1)
+    """``torch.cumsum(x, -1)``; traced by torch.compile on CUDA, through an opaque operator, so that the compiled step
+    runs the library's scan (the kernel the eager and graph-captured steps run) instead of generating one: inductor's
+    Triton split scan fails to generate code for a ``[rows, 49152]`` scan with a symbolic row count (seen with torch
+    2.11). Eager calls take the plain function (no custom-operator dispatch)."""
+    if x.is_cuda and torch.compiler.is_compiling():
+        return _row_cumsum(x)
+    return torch.cumsum(x, -1)
 
 
 def choose_token(logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, temperature: float, top_k: int,
@@ -107,7 +110,7 @@ def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor,
         work: Optional float64 buffers ``[rows, vocab]`` (two) that the draw's running sum is written into instead
             of fresh tensors: on the CPU a fresh 8-byte-per-entry tensor per step is paid again in page faults (a
             32 x 49,152 running sum took 4-14 ms inside the decode loop against 0.5 ms into a kept buffer). The
-            values are the same either way.
+            values are the same either way. Ignored on CUDA.
 
     Returns:
         ``(tokens [rows] int64, logprobs [rows] float32, entropies [rows] float32, top_values [rows, k] float32,

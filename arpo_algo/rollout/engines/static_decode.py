@@ -228,7 +228,8 @@ class StaticDecoder:
         context: Columns per slot (the engine's ``max_context``).
         graphs: Capture and replay CUDA graphs (``decode="cuda_graph"``) instead of running each step eagerly.
         compiled: Run each step through ``torch.compile`` (``decode="compiled"``, see
-            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots, the columns the longest row needs.
+            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots; on the CPU the columns the longest row
+            needs, on CUDA (with ``graphs``) the column buckets of the captured graphs.
     """
 
     def __init__(self, engine: Any, context: int, graphs: bool, compiled: bool = False) -> None:
@@ -284,6 +285,7 @@ class StaticDecoder:
         after a ``generate`` allocated the buffers."""
         if self.state is None:
             raise ConfigError("time_step needs the slot buffers: run one generate() first")
+        self._check_weights()  # graphs captured before the weights moved would read freed memory
         rows, length = self.bucket_rows(rows), self.bucket_columns(length)
         # the step the loop runs: the engine's weight layout and attention, as inside generate()
         with torch.inference_mode(), self.engine.decode_layout(), folded_attention(self.engine.model):
@@ -466,7 +468,9 @@ class StaticDecoder:
         self.state = torch.tensor([_IDLE] * self.slots, dtype=torch.float64, device=dev)
         self.uniforms = torch.zeros(self.slots, self.context, dtype=torch.float64, device=dev)
         self.cols = torch.arange(spare, device=dev)
-        self._draw = tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
+        # the draw's running sum in kept buffers pays only on the CPU (page faults of a fresh tensor per step)
+        self._draw = (tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
+                      if dev.type == "cpu" else ())
 
     def _check_weights(self) -> None:
         """Drop the graphs when the parameters live at other addresses than when they were captured."""
@@ -501,8 +505,8 @@ class StaticDecoder:
     def _body(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> None:
         """The fixed-shape step: forward one token per slot, sample, pack the results into ``res``, advance the
         slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
-        buffers kept across steps (the KV slots, the state, ``res``, the draw's running sum), which a compiled step
-        updates in place (see :mod:`~arpo_algo.rollout.engines.compiled_step`)."""
+        buffers kept across steps (the KV slots, the state, ``res``, on the CPU the draw's running sum), which a
+        compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.compiled_step`)."""
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
@@ -522,7 +526,7 @@ class StaticDecoder:
         step = st[:, STEP].long().clamp(max=self.context - 1)
         uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
         tok, lp, ent, top_v, top_i = sample_rows(out.logits[:, -1], params, uniforms, shape,
-                                                 (self._draw[0][:rows], self._draw[1][:rows]))
+                                                 (self._draw[0][:rows], self._draw[1][:rows]) if self._draw else None)
         res.copy_(torch.cat([tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(),
                              top_i.double()], 1))
         st[:, TOK] = tok.double()

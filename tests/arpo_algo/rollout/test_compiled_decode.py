@@ -226,19 +226,34 @@ def test_compiled_columns_and_errors(pair):
         HFEngineConfig(decode="compiled", linear_layout="transposed").check_device("cuda")
 
 
-def test_compiling_for_cuda_needs_triton(monkeypatch):
+def test_compiled_on_a_cuda_device_needs_triton_and_the_native_layout(pair, monkeypatch):
+    """The refusals for a CUDA device, decided from the device and the model's config (no GPU needed to ask)."""
     import torch.utils._triton
 
+    from arpo_algo.rollout.engines.decode_mode import resolve_decode
+
+    model, cuda = pair[0].model, torch.device("cuda")
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
     assert "Triton" in compiler_problem("cuda")
     assert compiler_problem("cpu") is None  # the CPU's code generation needs only the C++ compiler
+    with pytest.raises(ConfigError, match="cannot compile for cuda: Triton") as err:
+        resolve_decode("compiled", cuda, model, "native")
+    assert "triton" in err.value.hint and "'cuda_graph'" in err.value.hint
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    assert resolve_decode("compiled", cuda, model, "native") == "compiled"
+    with pytest.raises(ConfigError, match="'compiled' on CUDA"):  # captured there: the copies would move under it
+        resolve_decode("compiled", cuda, model, "transposed")
+    assert resolve_decode("compiled", torch.device("cpu"), model, "transposed") == "compiled"
 
 
 @pytest.mark.gpu
 def test_compiled_on_gpu_is_captured_equals_dynamic_and_follows_updates(tiny_model_dir):
     """On CUDA the compiled step is captured as CUDA graphs: it equals the dynamic path (tokens up to near-ties,
     numbers within 1e-4 as for the eager step's graphs: CUDA kernels differ with the key length), a second call
-    compiles and captures nothing, and an in-place learner step reaches the replays with no recompile or capture."""
+    compiles and captures nothing, and an in-place learner step reaches the replays with no recompile and without
+    capturing the graphs it already had again."""
+    if compiler_problem("cuda"):
+        pytest.skip(f"decode='compiled' cannot compile for CUDA here: {compiler_problem('cuda')}")
     dyn = HFEngine(tiny_model_dir, device="cuda", max_batch_size=3, decode="dynamic")
     com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
                    static_cache_tokens=512)
