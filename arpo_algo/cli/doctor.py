@@ -54,12 +54,12 @@ def doctor_report() -> dict:
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
     try:
-        from arpo_algo.rollout.engines.compiled_step import compiler_problem
+        from arpo_algo.rollout.engines.compiled_step import compiler_problem, triton_problem
 
         problem = compiler_problem()
         report["compiled_decode"] = {"available": problem is None, "problem": problem}
         if report["gpu"]["cuda_available"]:  # on CUDA inductor also needs Triton
-            cuda = compiler_problem("cuda")
+            cuda = triton_problem() or problem
             report["compiled_decode"].update(cuda_available=cuda is None, cuda_problem=cuda)
     except ImportError as e:  # torch missing
         report["compiled_decode"] = {"available": False, "problem": str(e)}

@@ -51,15 +51,21 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 32
 
 
+def triton_problem() -> str | None:
+    """Why inductor cannot write CUDA kernels here (None when Triton can use the GPU)."""
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return "Triton is not installed or cannot use this GPU (inductor writes its CUDA kernels in Triton)"
+    return None
+
+
 def compiler_problem(device_type: str = "cpu") -> str | None:
     """Why inductor cannot generate code for ``device_type`` here (None when it can): on every device a C/C++
     compiler that runs (inductor's CPU code and wrapper; on CUDA, Triton builds its kernel launcher with one), and on
-    CUDA also Triton, which writes the GPU kernels."""
-    if device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return "Triton is not installed or cannot use this GPU (inductor writes its CUDA kernels in Triton)"
+    CUDA also Triton (:func:`triton_problem`), which writes the GPU kernels."""
+    if device_type == "cuda" and (problem := triton_problem()):
+        return problem
     from torch._inductor import config
 
     tried = [c for c in (config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)) if c]

@@ -20,6 +20,13 @@ from arpo_base.options import setting
 VLLM_MAX_LOGPROBS = 64
 
 
+def captures_graphs(decode: str, device_type: str) -> bool:
+    """Whether the HF engine's decode mode replays captured CUDA graphs: ``cuda_graph``, and ``compiled`` on CUDA
+    (the compiled step is captured there, see :mod:`arpo_algo.rollout.engines.compiled_step`). Such graphs hold the
+    weights' addresses, so they cannot read weight copies rebuilt after every update."""
+    return decode == "cuda_graph" or (decode == "compiled" and device_type == "cuda")
+
+
 @dataclass(frozen=True)
 class HFEngineConfig:
     """``[rollouts.hf]``: the transformers engine (:class:`arpo_algo.rollout.engines.hf.HFEngine`)."""
@@ -55,9 +62,7 @@ class HFEngineConfig:
         if self.decode == "cuda_graph" and device != "cuda":
             raise ConfigError(f"rollouts.hf.decode='cuda_graph' needs rollouts.device='cuda', got {device!r}",
                               hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
-        # on CUDA the compiled step is captured as graphs too
-        graphs = self.decode == "cuda_graph" or (self.decode == "compiled" and device == "cuda")
-        if graphs and self.linear_layout == "transposed":
+        if captures_graphs(self.decode, device) and self.linear_layout == "transposed":
             raise ConfigError(f"rollouts.hf.decode={self.decode!r} on CUDA with linear_layout='transposed': graphs "
                               "would read weight copies that are rebuilt after every update",
                               hint="linear_layout='auto' or 'native'")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout.engines.config import captures_graphs
 from arpo_base.errors import ConfigError
 
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph", "compiled")
@@ -47,8 +48,8 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
                           hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
     if decode == "compiled":
         _check_compiled(device)
-    graphs = decode == "cuda_graph" or (decode == "compiled" and device.type == "cuda")  # see compiled_step
-    problem = static_problem(model, linear_layout, graphs=graphs) if decode != "dynamic" else None
+    problem = static_problem(model, linear_layout, graphs=captures_graphs(decode, device.type)) \
+        if decode != "dynamic" else None
     if problem:
         raise ConfigError(f"decode={decode!r}: {problem}", hint="use decode='dynamic' for this model or setting")
     return decode

@@ -110,7 +110,7 @@ def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor,
         work: Optional float64 buffers ``[rows, vocab]`` (two) that the draw's running sum is written into instead
             of fresh tensors: on the CPU a fresh 8-byte-per-entry tensor per step is paid again in page faults (a
             32 x 49,152 running sum took 4-14 ms inside the decode loop against 0.5 ms into a kept buffer). The
-            values are the same either way. Ignored on CUDA.
+            values are the same either way. The static decoder keeps them on the CPU only.
 
     Returns:
         ``(tokens [rows] int64, logprobs [rows] float32, entropies [rows] float32, top_values [rows, k] float32,
@@ -135,7 +135,7 @@ def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor,
         nucleus = torch.zeros_like(probs).scatter(1, order, sp)
         probs = torch.where((params.top_p < 1.0)[:, None], nucleus, probs)  # rows at 1.0 skip it, as choose_token
     # the CDF: a float64 running sum in token order, as in choose_token
-    if work is None or probs.is_cuda:  # the kept buffers only pay on the CPU (page faults)
+    if work is None:
         cdf = _cumsum(probs.double())
     else:
         wide, cdf = work

@@ -57,6 +57,7 @@ import torch
 
 from arpo_algo.rollout.engines import slot_prefill
 from arpo_algo.rollout.engines.compiled_step import CompiledStep
+from arpo_algo.rollout.engines.config import captures_graphs
 from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
@@ -253,10 +254,8 @@ class StaticDecoder:
         """Size the engine's static cache (it becomes its ``max_positions``), check it fits, build the decoder."""
         engine.max_positions = static_context(engine.max_positions, static_cache_tokens)
         check_memory(engine.model, engine.max_batch_size, engine.max_positions)
-        compiled = engine.decode == "compiled"
-        # on CUDA the compiled step is captured as graphs too (see compiled_step)
-        graphs = engine.decode == "cuda_graph" or (compiled and engine.device.type == "cuda")
-        return cls(engine, engine.max_positions, graphs=graphs, compiled=compiled)
+        return cls(engine, engine.max_positions, graphs=captures_graphs(engine.decode, engine.device.type),
+                   compiled=engine.decode == "compiled")
 
     def close(self) -> None:
         """Free the buffers and the graphs."""
