@@ -38,10 +38,13 @@ def write_rows(buf: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, states:
     """``buf[row, :, pos[row]] = states[row, :, 0]`` for every row of ``buf`` (``[rows, heads, columns, dim]``);
     ``rows`` is ``arange(len(pos))``, made once per step for all layers.
 
-    On the CPU by indexed assignment: there ``scatter_`` along the columns copies the whole buffer for bf16 (measured
-    0.84 ms against 8 us per write at 32 rows x 512 columns, 45% of a bf16 step); fp32 takes the same 9-11 us either
-    way. Elsewhere ``scatter_``, the write the GPU modes were measured and captured with. Both write the same values."""
-    if buf.device.type == "cpu":
+    By indexed assignment on the CPU and wherever the step is being compiled: eager ``scatter_`` along the columns
+    copies the whole buffer on the CPU for bf16 (measured 0.84 ms against 8 us per write at 32 rows x 512 columns,
+    45% of a bf16 step; fp32 takes the same 9-11 us either way), and inductor turns ``scatter_`` into an
+    out-of-place scatter plus a copy back on every device (on CUDA two passes over each layer's keys and values per
+    step), while it writes the indexed assignment in place. Eager on the GPU ``scatter_``, the write the CUDA graph
+    mode was measured and captured with. Both write the same values."""
+    if buf.device.type == "cpu" or torch.compiler.is_compiling():
         buf[rows, :, pos] = states[:, :, 0]
     else:
         buf.scatter_(2, pos[:, None, None, None].expand(-1, states.shape[1], 1, states.shape[3]), states)

@@ -286,3 +286,29 @@ def test_compiled_on_gpu_is_captured_equals_dynamic_and_follows_updates(tiny_mod
     finally:
         com.close()
         dyn.model.load_state_dict(saved)
+
+
+@pytest.mark.gpu
+def test_the_compiled_step_writes_keys_and_values_in_place_on_the_gpu():
+    """Compiled for CUDA, the step's KV write allocates nothing near the size of the buffer and writes what eager
+    ``scatter_`` writes (inductor turns ``scatter_`` into an out-of-place copy of the whole buffer and a copy back:
+    two passes over every layer's keys and values each step)."""
+    if compiler_problem("cuda"):
+        pytest.skip(f"nothing compiles for CUDA here: {compiler_problem('cuda')}")
+    from arpo_algo.rollout.engines.slot_prefill import write_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    buf = torch.randn(32, 3, 512, 64, device="cuda", generator=g).to(torch.bfloat16)
+    states = torch.randn(32, 3, 1, 64, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 512, (32,), device="cuda", generator=g)
+    rows = torch.arange(32, device="cuda")
+    want = buf.clone().scatter_(2, pos[:, None, None, None].expand(-1, 3, 1, 64), states)
+    write = torch.compile(write_rows, fullgraph=True)
+    write(buf.clone(), rows, pos, states)  # compiles outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    write(buf, rows, pos, states)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < buf.nbytes // 8
+    assert torch.equal(buf, want)
