@@ -22,7 +22,9 @@ on): a step attends over the columns its longest row needs, as the eager step do
 that (attention reads the cache, so it costs what it reads). A graph is compiled per sampling shape that changes the
 step's code (greedy rows, top-k, top-p or top logprobs switched on or off); with the one shape a rollout uses, an
 engine compiles one graph. Each compile is timed and counted in the engine's stats (``compiles``,
-``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper.
+``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper;
+on the CPU it is keyed on the vector width too (:func:`cpu_vector_bits`), so machines with different instruction sets
+can share it.
 
 On CUDA the same compiled step (its fused kernels written in Triton) is captured as CUDA graphs, as
 ``decode="cuda_graph"`` captures the eager step: all slots, one graph per column bucket (doubling sizes), each captured
@@ -80,6 +82,21 @@ def compiler_problem(device_type: str = "cpu") -> str | None:
     return None
 
 
+def cpu_vector_bits() -> int:
+    """The vector width (bits) inductor writes its CPU loops for in this process: the widest instruction set the CPU
+    and ``ATEN_CPU_CAPABILITY`` allow (0 where no vector code can be built).
+
+    Passed to every CPU compile as ``cpp.simdlen`` (which then picks the same instruction set) so that it is part of
+    inductor's cache key: the key leaves the CPU's instruction set out, while the build of a cached graph's C++ uses
+    the present one, so without it a process on an AVX2 CPU (or under ``ATEN_CPU_CAPABILITY=avx2``) that shares
+    ``TORCHINDUCTOR_CACHE_DIR`` with an AVX-512 one loads loops written 16 floats wide, builds them for 8-float
+    vectors, and computes wrong numbers or hangs (seen for the sampling kernel of SmolLM2's step)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return isa.bit_width() if isa else 0
+
+
 class CompiledStep:
     """One ``torch.compile`` of a step function, with the compiles it triggered timed and counted.
 
@@ -97,8 +114,10 @@ class CompiledStep:
     """
 
     def __init__(self, body: Callable[..., None], stats: Any, device_type: str = "cpu") -> None:
-        self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True,
-                                 options={"cpp_wrapper": device_type == "cpu"})
+        options: dict[str, Any] = {"cpp_wrapper": device_type == "cpu"}
+        if device_type == "cpu":
+            options["cpp.simdlen"] = cpu_vector_bits()
+        self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True, options=options)
         self._stats = stats
         #: Seconds of each call that compiled (compile plus one step), by that call's ``(rows, length, shape)``.
         self.compile_seconds: dict[tuple, float] = {}

@@ -12,6 +12,10 @@ new weights and compile nothing new, with the CPU's default transposed layout an
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -244,6 +248,50 @@ def test_compiled_on_a_cuda_device_needs_triton_and_the_native_layout(pair, monk
     with pytest.raises(ConfigError, match="'compiled' on CUDA"):  # captured there: the copies would move under it
         resolve_decode("compiled", cuda, model, "transposed")
     assert resolve_decode("compiled", torch.device("cpu"), model, "transposed") == "compiled"
+
+
+#: One CPU compile of a sampling-like step (softmax, its log, a running sum over a 4,099-wide row) by the engine's
+#: CompiledStep, in a process of its own; prints the vector width it compiled for and its largest difference from eager.
+_VECTOR_WIDTH_STEP = """
+import json
+from collections import Counter
+import torch
+from arpo_algo.rollout.engines.compiled_step import CompiledStep, cpu_vector_bits
+torch.set_num_threads(2)
+x = torch.randn(6, 4099, generator=torch.Generator().manual_seed(0))
+res = torch.zeros(6, 4099)
+def body(rows, length, shape, res):
+    p = torch.softmax(x[:rows, :length] * 1.3, -1)
+    res[:rows, :length] = p.cumsum(-1) + torch.log_softmax(x[:rows, :length], -1)
+step = CompiledStep(body, Counter())
+diff = 0.0
+for rows, length in ((6, 4099), (4, 4000)):
+    step(rows, length, None, res)
+    want = torch.softmax(x[:rows, :length] * 1.3, -1).cumsum(-1) + torch.log_softmax(x[:rows, :length], -1)
+    diff = max(diff, float((res[:rows, :length] - want).abs().max()))
+print(json.dumps({"bits": cpu_vector_bits(), "max_diff": diff}))
+"""
+
+
+def test_a_cpu_compile_cached_for_another_vector_width_is_not_reused(tmp_path):
+    """Inductor's on-disk cache leaves the CPU's instruction set out of its key, while the C++ of a cached graph is
+    built for the present one: two processes sharing ``TORCHINDUCTOR_CACHE_DIR``, the first compiling for AVX-512
+    and the second under ``ATEN_CPU_CAPABILITY=avx2`` (as an AVX2 machine would), must each compute what eager
+    does (a loop written 16 floats wide and built for 8-float vectors gives wrong numbers, or hangs)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if not any(isa.bit_width() == 512 for isa in valid_vec_isa_list()):
+        pytest.skip("needs a CPU with AVX-512: with one vector width there is one kind of cached code to share")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    seen = []
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        out = subprocess.run([sys.executable, "-c", _VECTOR_WIDTH_STEP], env={**env, **extra}, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert [s["bits"] for s in seen] == [512, 256]
+    assert [s["max_diff"] < 1e-5 for s in seen] == [True, True], seen
 
 
 @pytest.mark.gpu
