@@ -23,8 +23,8 @@ that (attention reads the cache, so it costs what it reads). A graph is compiled
 step's code (greedy rows, top-k, top-p or top logprobs switched on or off); with the one shape a rollout uses, an
 engine compiles one graph. Each compile is timed and counted in the engine's stats (``compiles``,
 ``compile_seconds``). Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a later process's compiles cheaper;
-on the CPU it is keyed on the vector width too (:func:`cpu_vector_bits`), so machines with different instruction sets
-can share it.
+on the CPU it is keyed on the vector width too (:func:`cpu_vector_bits`), so machines with different vector widths
+(AVX2, AVX-512) can share it.
 
 On CUDA the same compiled step (its fused kernels written in Triton) is captured as CUDA graphs, as
 ``decode="cuda_graph"`` captures the eager step: all slots, one graph per column bucket (doubling sizes), each captured
@@ -83,8 +83,8 @@ def compiler_problem(device_type: str = "cpu") -> str | None:
 
 
 def cpu_vector_bits() -> int:
-    """The vector width (bits) inductor writes its CPU loops for in this process: the widest instruction set the CPU
-    and ``ATEN_CPU_CAPABILITY`` allow (0 where no vector code can be built).
+    """The vector width (bits) inductor writes its CPU loops for in this process: that of the widest instruction set
+    the CPU and ``ATEN_CPU_CAPABILITY`` allow (0 where inductor writes no vector code).
 
     Passed to every CPU compile as ``cpp.simdlen`` (which then picks the same instruction set) so that it is part of
     inductor's cache key: the key leaves the CPU's instruction set out, while the build of a cached graph's C++ uses
@@ -93,8 +93,7 @@ def cpu_vector_bits() -> int:
     vectors, and computes wrong numbers or hangs (seen for the sampling kernel of SmolLM2's step)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    isa = pick_vec_isa()
-    return isa.bit_width() if isa else 0
+    return pick_vec_isa().bit_width()  # 0 for inductor's "no vector ISA"
 
 
 class CompiledStep:
