@@ -113,9 +113,8 @@ class CompiledStep:
     """
 
     def __init__(self, body: Callable[..., None], stats: Any, device_type: str = "cpu") -> None:
-        options: dict[str, Any] = {"cpp_wrapper": device_type == "cpu"}
-        if device_type == "cpu":
-            options["cpp.simdlen"] = cpu_vector_bits()
+        cpu = device_type == "cpu"
+        options = {"cpp_wrapper": True, "cpp.simdlen": cpu_vector_bits()} if cpu else {"cpp_wrapper": False}
         self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True, options=options)
         self._stats = stats
         #: Seconds of each call that compiled (compile plus one step), by that call's ``(rows, length, shape)``.
