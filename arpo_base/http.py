@@ -1,4 +1,5 @@
-"""The one small HTTP JSON client (standard library only): :func:`get_json`, :func:`post_json` and :func:`request`.
+"""The one HTTP client of the project, on ``requests``: :func:`get_json`, :func:`post_json`, :func:`request` and
+:func:`download`.
 
 A request sends its payload as JSON (``Content-Type: application/json``) and reads the reply as JSON. Anything that
 is not a 2xx JSON reply raises :class:`HTTPJSONError`, which names the method, the URL and the status (or, when no
@@ -9,12 +10,11 @@ answer came at all, the socket's reason) and keeps the reply's text for the call
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_TIMEOUT", "HTTPJSONError", "Reply", "bearer", "get_json", "post_json", "request"]
+__all__ = ["DEFAULT_TIMEOUT", "HTTPJSONError", "Reply", "bearer", "download", "get_json", "post_json", "request"]
 
 DEFAULT_TIMEOUT = 30.0
 #: Characters of a reply's text that an error message quotes (the whole text stays on the exception).
@@ -65,26 +65,48 @@ def bearer(token: str | None) -> dict[str, str]:
 
 
 def request(method: str, url: str, payload: Any = None, *, headers: dict[str, str] | None = None,
-            timeout: float = DEFAULT_TIMEOUT, raw: bytes | None = None) -> Reply:
+            timeout: float = DEFAULT_TIMEOUT, raw: bytes | None = None, verify: bool = True) -> Reply:
     """Send ``payload`` as JSON (or ``raw`` bytes as they are, e.g. a malformed body a server must refuse) and return
-    the decoded 2xx reply; raises :class:`HTTPJSONError` otherwise."""
+    the decoded 2xx reply; raises :class:`HTTPJSONError` otherwise. ``verify=False`` accepts any TLS certificate
+    (only for polling one's own server on this machine)."""
+    import requests
+
     data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
     sent = {"Content-Type": "application/json", **(headers or {})}
-    req = urllib.request.Request(url, data=data, headers=sent, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, got, text = resp.status, dict(resp.headers), resp.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        raise HTTPJSONError(method, url, e.code, str(e.reason), e.read().decode(errors="replace"),
-                            dict(e.headers or {})) from None
-    except urllib.error.URLError as e:
-        raise HTTPJSONError(method, url, None, str(e.reason)) from None
-    except OSError as e:  # a timeout or reset while reading the reply
-        raise HTTPJSONError(method, url, None, str(e) or type(e).__name__) from None
+        resp = requests.request(method, url, data=data, headers=sent, timeout=timeout, verify=verify,
+                                allow_redirects=False)
+        status, got, text = resp.status_code, dict(resp.headers), resp.content.decode(errors="replace")
+    except requests.RequestException as e:  # no answer: refused, reset, timed out, unknown host, TLS failure
+        raise HTTPJSONError(method, url, None, _reason(e)) from None
+    if not 200 <= status < 300:
+        raise HTTPJSONError(method, url, status, resp.reason or "", text, got)
     try:
         return Reply(status, got, json.loads(text))
     except ValueError as e:
         raise HTTPJSONError(method, url, status, f"reply is not JSON ({e})", text, got) from None
+
+
+def _reason(e: Exception) -> str:
+    """The innermost cause of a failed request (``Connection refused``, ``timed out``), not requests' whole chain."""
+    cause: BaseException = e
+    while cause.__context__ is not None and cause.__context__ is not cause:
+        cause = cause.__context__
+    return str(cause) or type(cause).__name__
+
+
+def download(url: str, dest: str, *, timeout: float = DEFAULT_TIMEOUT, headers: dict[str, str] | None = None) -> None:
+    """Stream ``GET url`` into the file ``dest``; raises :class:`HTTPJSONError` (an ``OSError``) on any failure."""
+    import requests
+
+    try:
+        with requests.get(url, headers=headers, timeout=timeout, stream=True) as resp:
+            if not 200 <= resp.status_code < 300:
+                raise HTTPJSONError("GET", url, resp.status_code, resp.reason or "", resp.text[:QUOTED])
+            with open(dest, "wb") as f:
+                shutil.copyfileobj(resp.raw, f)
+    except requests.RequestException as e:
+        raise HTTPJSONError("GET", url, None, _reason(e)) from None
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:

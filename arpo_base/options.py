@@ -280,13 +280,12 @@ def setting(default: Any, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
-def update_dataclass(obj: Any, values: Mapping[str, Any], where: str, *, moved: Mapping[str, str] | None = None,
+def update_dataclass(obj: Any, values: Mapping[str, Any], where: str, *,
                      placeholder: Callable[[Any], bool] | None = None) -> Any:
     """A copy of the dataclass ``obj`` with ``values`` applied, each key and type checked against its fields.
 
     A key that names a nested dataclass field (an engine sub-table) takes a table and updates that dataclass.
-    ``moved`` maps former keys to where they live now (``"decode": "rollouts.hf.decode"``): such a key is an error
-    that names the new place, never a silent alias. Range and combination checks are the dataclass's own
+    Range and combination checks are the dataclass's own
     ``validate()``, run once the whole configuration is assembled. A value for which ``placeholder`` is true (a
     Tune search space waiting to be resolved) is stored unchecked; ``validate()`` must refuse it if it remains.
     """
@@ -297,9 +296,6 @@ def update_dataclass(obj: Any, values: Mapping[str, Any], where: str, *, moved: 
     changes: dict[str, Any] = {}
     for key, value in values.items():
         if key not in names:
-            if moved and key in moved:
-                raise ConfigError(f"{where}: {key!r} has moved: it is now {moved[key]!r}",
-                                  hint=f"rename it to {moved[key]} (the setting itself is unchanged)")
             raise unknown_key_error(key, names, where)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and not isinstance(current, type):

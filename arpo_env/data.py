@@ -12,13 +12,12 @@ import os
 import shutil
 import socket
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from arpo_base.errors import ArpoError, MissingDataError
+from arpo_base.http import download
 from arpo_base.paths import data_dir, source_checkout
 
 # file -> download URL. The parquet files are published on the Hugging Face hub; the search cache lives in the
@@ -104,9 +103,7 @@ def load_reference_tasks(path: Path) -> list[dict[str, Any]]:
 
 
 def _download(url: str, dest: Path, timeout: float) -> None:
-    req = urllib.request.Request(url, headers={"User-Agent": "arpo-data-pull"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp, open(dest, "wb") as f:
-        shutil.copyfileobj(resp, f)
+    download(url, str(dest), timeout=timeout, headers={"User-Agent": "arpo-data-pull"})
 
 
 def _check_online(url: str, timeout: float) -> None:
@@ -169,7 +166,7 @@ def pull(dest: Path | None = None, from_dir: Path | None = None, timeout: float 
                 continue
             try:
                 _download(url, staging / name, timeout)
-            except (urllib.error.URLError, OSError) as e:
+            except OSError as e:
                 raise ArpoError(f"download of {name} failed ({e})", hint=f"URL: {url}") from None
         _commit_dir(staging, dest)
     return dest

@@ -70,7 +70,7 @@ class Security:
         tls: Whether the proxy serves HTTPS (the served origin is then ``https://``).
         max_body_bytes: Largest request body (HTTP 413 beyond).
         request_timeout_s: Deadline of one request, tool calls included (HTTP 504 beyond).
-        checks: False only to measure what the checks cost (``experiments/bench_serve.py``); no CLI flag sets it.
+        checks: False only to measure what the checks cost (``benchmarks/bench_serve.py``); no CLI flag sets it.
     """
 
     key_file: str | None = None

@@ -118,7 +118,7 @@ INTEGRATION_MODULES = (
     "tests/arpo_algo/train/test_ddp.py",           # Ray learner ranks (gloo)
     "tests/arpo_algo/cli/test_cli.py",             # the arpo CLI in a subprocess
     "tests/arpo_algo/run/test_train_cli.py",       # arpo train end to end
-    "tests/test_benchmarks.py",                    # the benchmark scripts end to end
+    "tests/benchmarks/test_benchmarks.py",         # the benchmark scripts end to end
     "tests/arpo_algo/rollout/test_sampler_branching.py",  # teaches a tiny model to call tools, then samples a tree
     "tests/serve/test_lost_replica.py",            # Ray Serve with a replica lost mid-request
 )

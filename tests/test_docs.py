@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-CODE_DIRS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments", "tests", "scripts", "docker")
+CODE_DIRS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments", "benchmarks", "studies", "examples", "tests",
+             "scripts", "docker")
 CODE_SUFFIXES = {".py", ".toml", ".yaml", ".yml", ".sh", ""}
 #: A citation of a documentation page from code: ``docs/concepts/arpo.md#limit-eos``.
 DOC_REF = re.compile(r"(?<![\w/.])docs/([\w./-]+\.md)(?:#([\w-]+))?")

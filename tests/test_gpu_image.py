@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import tomllib
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
-GPU_RECIPES = sorted((REPO / "experiments").glob("gpu_*.toml"))
+GPU_RECIPES = sorted((REPO / "experiments" / "gpu").glob("gpu_*.toml"))
 
 
 def _pyproject() -> dict:
@@ -100,7 +99,7 @@ def test_dockerignore_keeps_runs_caches_venvs_and_weights_out_but_not_the_code()
                  ".pytest_cache/v", ".ruff_cache/x"):
         assert _dockerignored(path, patterns), path
     for path in ("pyproject.toml", "README.md", "arpo_algo/models/store.py", "arpo_env/data.py",
-                 "experiments/gpu_reasoning_qwen25_7b.toml", "scripts/quickstart", "serve/__init__.py"):
+                 "experiments/gpu/gpu_reasoning_qwen25_7b.toml", "scripts/quickstart", "serve/__init__.py"):
         assert not _dockerignored(path, patterns), path
 
 
@@ -157,7 +156,7 @@ def test_parameter_formula_matches_real_models():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    from experiments.estimate_gpu import parameters
+    from arpo_algo.run.estimate_gpu import parameters
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=96, vocab_size=300)
@@ -169,7 +168,7 @@ def test_parameter_formula_matches_real_models():
 
 
 def test_activation_fit_reproduces_the_measured_figures():
-    from experiments import estimate_gpu as est
+    from arpo_algo.run import estimate_gpu as est
 
     a, b = est.activation_fit()
     assert a > 0 and b > 0
@@ -180,7 +179,7 @@ def test_activation_fit_reproduces_the_measured_figures():
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.stem)
 def test_estimator_runs_on_every_gpu_recipe(path, tmp_path, capsys):
-    from experiments import estimate_gpu as est
+    from arpo_algo.run import estimate_gpu as est
 
     out = tmp_path / "estimate.json"
     r = est.main([str(path), "--gpus", "8", "--zero", "3", "--json", str(out)])
@@ -197,53 +196,17 @@ def test_estimator_runs_on_every_gpu_recipe(path, tmp_path, capsys):
 
 
 def test_estimator_rejects_a_model_it_cannot_size(tmp_path):
+    from arpo_algo.run.estimate_gpu import estimate
     from arpo_base.errors import ConfigError
-    from experiments.estimate_gpu import estimate
 
     with pytest.raises(ConfigError, match="no architecture") as err:
         estimate(str(GPU_RECIPES[0]), gpus=8, zero=3, model_path=str(tmp_path / "nope"))
     assert "model.path" in err.value.hint
 
 
-# ------------------------------------------------------------------------------------------ the TRL race
-
-
-def test_trl_race_exits_with_a_clear_message_without_trl(monkeypatch):
-    from experiments import bench_trl_race
-
-    monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError, whether or not TRL is installed
-    with pytest.raises(SystemExit) as exit_info:
-        bench_trl_race.main(["--prompts", "1", "--generations", "2"])
-    assert "TRL is not installed" in str(exit_info.value) and ".[bench]" in str(exit_info.value)
-
-
-@pytest.mark.parametrize("bad", [["--generations", "3"], ["--prompts", "0"], ["--kl-coef", "-1"]])
-def test_trl_race_rejects_bad_arguments(bad, capsys):
-    from experiments import bench_trl_race
-
-    with pytest.raises(SystemExit) as exit_info:
-        bench_trl_race.parse_args(bad)
-    assert exit_info.value.code == 2 and "must be" in capsys.readouterr().err
-
-
-def test_trl_adapter_runs_tools_and_scores_through_the_gymnasium_env():
-    """ToolMathForTRL (TRL's environment_factory side of the race) needs no TRL: the tool call goes through env.step
-    (the sandboxed Python tool), and the reward is the env's own on the final assistant message."""
-    from experiments.bench_trl_race import ToolMathForTRL, toolmath_reward
-
-    ToolMathForTRL.config = {"levels": [1], "max_tool_calls": 2, "protocol": "json"}
-    env = ToolMathForTRL()
-    env.reset(task_index=3, prompt=[{"role": "user", "content": "ignored"}])
-    task = env.env._task
-    assert env.python("print(6 * 7)") == "42" and env.tool_calls == 1
-    right = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "42"},
-             {"role": "assistant", "content": f"<answer>\\boxed{{{task['ground_truth']}}}</answer>"}]
-    assert toolmath_reward([None], [right], [env]) == [1.0]
-    env.reset(task_index=3)
-    assert toolmath_reward([None], [[{"role": "assistant", "content": "<answer>\\boxed{-1}</answer>"}]], [env]) == [0.0]
-    env.reset(task_index=3)
-    assert [env.python("print(1)"), env.python("print(2)")] == ["1", "2"]
-    assert "limit" in env.python("print(3)")  # one call past max_tool_calls: the env ends the episode, reward 0
-    assert env.reward == 0.0 and toolmath_reward([None], [right], [env]) == [0.0]  # a late answer does not count
-    with pytest.raises(RuntimeError, match="episode has ended"):
-        env.python("print(4)")
+def test_the_image_copies_every_package_the_wheel_installs():
+    """Bug: the image copied arpo_env, arpo_algo and serve but not arpo_base, so its non-editable install of arpo
+    could not import anything. Every top-level package pyproject.toml installs has its COPY line."""
+    packages = [name.rstrip("*") for name in _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = re.findall(r"^COPY (\w+) /opt/arpo-src/\1$", DOCKERFILE.read_text(), flags=re.M)
+    assert packages and sorted(packages) == sorted(set(packages) & set(copied)), (packages, copied)

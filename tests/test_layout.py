@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,12 +28,16 @@ ROOMS = (
     "arpo_algo.run",
     "serve",
     "arpo_algo.cli",
-    "experiments",
+    "studies",
+    "benchmarks",
+    "examples",
 )
 #: Package-level modules every room may use (version string, package docstring).
 SHARED = {"arpo_algo"}
 #: The top-level packages the rules cover.
-TOPS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments")
+TOPS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "studies", "benchmarks", "examples")
+#: Script folders: their code is run by people, never imported by the package or by tests other than their own.
+SCRIPT_FOLDERS = ("benchmarks", "studies", "examples", "experiments")
 #: The most logical lines (see :func:`logical_lines`) a module may hold; blank lines, comments and docstrings are free,
 #: so a module is never squeezed to fit.
 MAX_LINES = 400
@@ -206,3 +213,49 @@ def test_the_checker_catches_a_backward_import(tmp_path):
     src.write_text("def f():\n    from arpo_algo.rollout.types import Group\n")
     names = [n for n, _ in _imports(src, "arpo_algo.core.x")]
     assert "arpo_algo.rollout.types" in names
+
+
+def _test_files() -> list[Path]:
+    return sorted((REPO / "tests").rglob("*.py"))
+
+
+def test_only_a_scripts_own_tests_import_it():
+    """The package never depends on benchmarks, studies or examples, and a test imports one only when it is that
+    folder's own test (tests/benchmarks/ for benchmarks/, tests/studies/ for studies/)."""
+    bad = []
+    for path in _test_files():
+        rel = path.relative_to(REPO)
+        module = ".".join(rel.with_suffix("").parts)
+        for name, line in _imports(path, module):
+            top = name.split(".")[0]
+            if top in SCRIPT_FOLDERS and rel.parts[:2] != ("tests", top):
+                bad.append(f"{rel}:{line} imports {name}")
+    for mod, path in _modules().items():
+        if mod.split(".")[0] in SCRIPT_FOLDERS:
+            continue
+        bad += [f"{path.relative_to(REPO)}:{line} imports {name}" for name, line in _imports(path, mod)
+                if name.split(".")[0] in SCRIPT_FOLDERS]
+    assert not bad, "imports of script folders outside their own tests:\n" + "\n".join(bad)
+
+
+def test_experiments_holds_experiment_files_in_groups():
+    """experiments/ is a library of experiment and sweep files, one group per subfolder, and nothing else."""
+    stray = [p.relative_to(REPO).as_posix() for p in (REPO / "experiments").rglob("*") if p.is_file()
+             and not (p.suffix == ".toml" and p.parent.parent == REPO / "experiments")
+             and p != REPO / "experiments" / "README.md"]
+    assert not stray, f"not an experiment file in a group folder: {stray}"
+    readme = (REPO / "experiments" / "README.md").read_text(encoding="utf-8")
+    groups = sorted(p.name for p in (REPO / "experiments").iterdir() if p.is_dir())
+    assert groups and all(f"`{g}/`" in readme for g in groups), "experiments/README.md names every group"
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "studies"])
+def test_every_script_is_listed_in_its_folders_readme(folder):
+    """benchmarks/README.md and studies/README.md name every script (as ``python -m folder.name``) and the results
+    page it feeds, and every page they name exists."""
+    readme = (REPO / folder / "README.md").read_text(encoding="utf-8")
+    scripts = sorted(p.stem for p in (REPO / folder).glob("*.py") if p.stem != "__init__")
+    missing = [s for s in scripts if f"{folder}.{s}" not in readme]
+    assert not missing, f"{folder}/README.md does not name {missing}"
+    pages = re.findall(r"\(\.\./(docs/[\w/.-]+\.md)", readme)
+    assert pages and not [p for p in pages if not (REPO / p).is_file()], "every page named exists"

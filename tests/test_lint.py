@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: Everything the project's Python lives in.
-CHECKED = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments", "tests")
+CHECKED = ("arpo_base", "arpo_env", "arpo_algo", "serve", "benchmarks", "studies", "examples", "tests")
 
 
 def test_ruff_finds_nothing():

@@ -1,4 +1,4 @@
-"""experiments/quickstart.py's summary helpers: per-stage peak memory and the multi-seed reference line."""
+"""arpo_algo/run/quickstart.py's summary helpers: per-stage peak memory and the multi-seed reference line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments import quickstart
+from arpo_algo.run import quickstart
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM / clear_refs are Linux /proc features")

@@ -18,7 +18,7 @@ only (:mod:`arpo_algo.algorithms.checkpoint`)::
                    trainer_state.pt   (optimizer, scheduler, RNG, learner step: tensors and plain values)
 
 ``policy/`` loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM directly. Reading a checkpoint unpickles
-nothing but tensors; the former pickled layout and other formats are refused with a clear error.
+nothing but tensors; any other layout is refused with a clear error.
 """
 
 from __future__ import annotations

@@ -11,35 +11,27 @@ write the same layout)::
     policy/trainer_state.pt  optimizer, scheduler, step counters and RNG states: tensors and plain values only,
                            read with ``torch.load(weights_only=True)``
 
-The former layout (RLlib's ``rllib_checkpoint.json`` with ``*.pkl`` files) is refused: unpickling a folder someone
-else wrote runs their code. :func:`convert_legacy_checkpoint` (``arpo checkpoint convert DIR --trust-pickles``) reads
-one the user vouches for, once, and writes this layout. Writers fsync every file and folder before the rename that
-publishes a checkpoint, so a crash leaves either the previous checkpoint or the new one, never half of one.
+A folder without ``arpo_checkpoint.json`` is refused, whatever else it holds: nothing in it is unpickled. Writers
+fsync every file and folder before the rename that publishes a checkpoint, so a crash leaves either the previous
+checkpoint or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from arpo_algo import __version__
-from arpo_algo.models.checkpoints import CHECKPOINT_MARKER, LEGACY_CHECKPOINT_MARKER
-from arpo_algo.models.policy_env import defaults_from_env, write_policy_env
+from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
+from arpo_algo.models.policy_env import write_policy_env
 from arpo_base.errors import ArpoError
 
 #: Bumped whenever the checkpoint layout or state keys change incompatibly.
 CHECKPOINT_FORMAT = 2
 POLICY_DIR = "policy"
 TRAINER_STATE_FILE = "trainer_state.pt"
-LEGACY_MARKER = LEGACY_CHECKPOINT_MARKER
-
-
-def _convert_hint(path: Path) -> str:
-    return (f"if you trust whoever wrote it, convert it once: arpo checkpoint convert {path} --trust-pickles "
-            "(reading it unpickles its files, which can run any code)")
 
 
 # ------------------------------------------------------------------------------------------------ tensor-safe state
@@ -154,9 +146,6 @@ def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(getattr(path, "path", path))
     marker = path / CHECKPOINT_MARKER
     if not marker.is_file():
-        if (path / LEGACY_MARKER).is_file():
-            raise ArpoError(f"{path} is a checkpoint of an earlier arpo in RLlib's pickled layout; it is not read "
-                            "because unpickling runs code from the folder", hint=_convert_hint(path))
         raise ArpoError(f"{path} is not an arpo checkpoint (no {CHECKPOINT_MARKER})",
                         hint="pass a folder like <run>/checkpoints/iter_000010")
     try:
@@ -183,64 +172,6 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
     algo.metrics.set_state(state["metrics_logger"])
     algo._iteration = int(state["iteration"])
     algo.prompts.set_state(state["prompts"])
-
-
-# ------------------------------------------------------------------------------------------------------ conversion
-
-
-def convert_legacy_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, trust_pickles: bool) -> Path:
-    """Rewrite a checkpoint of RLlib's pickled layout (format 1) as this format. Unpickles ``src``: only with
-    ``trust_pickles``, for a folder the user vouches for."""
-    import pickle
-
-    import torch
-
-    src, dest = Path(src), Path(dest)
-    if not (src / LEGACY_MARKER).is_file():
-        raise ArpoError(f"{src} is not a checkpoint in the former layout (no {LEGACY_MARKER})")
-    if not trust_pickles:
-        raise ArpoError(f"converting {src} unpickles its files, which can run any code",
-                        hint="pass --trust-pickles if you trust whoever wrote it")
-    if dest.exists():
-        raise ArpoError(f"{dest} exists", hint="pass a new folder as the destination")
-    meta = json.loads((src / LEGACY_MARKER).read_text())
-    if meta.get("arpo_checkpoint_format") != 1:
-        raise ArpoError(f"{src} is not an arpo checkpoint of format 1 (found {meta.get('arpo_checkpoint_format')!r})")
-    with open(src / "algorithm_state.pkl", "rb") as f:
-        algo_state = pickle.load(f)  # noqa: S301 - the user vouched for this folder (trust_pickles)
-    with open(src / "class_and_ctor_args.pkl", "rb") as f:
-        ctor = pickle.load(f)  # noqa: S301 - as above
-    config_state = ctor["ctor_args_and_kwargs"][0][0]
-    config = config_state["class"].from_state(config_state)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src / POLICY_DIR, tmp / POLICY_DIR)
-    trainer = torch.load(src / POLICY_DIR / TRAINER_STATE_FILE, weights_only=False)  # vouched for, as above
-    save_trainer_state(trainer, tmp / POLICY_DIR / TRAINER_STATE_FILE)
-    _record_policy_env(tmp / POLICY_DIR, config, shown=dest / POLICY_DIR)
-    _write_state(tmp, config, algorithm=meta.get("arpo_algorithm", "ARPO"),
-                 iteration=int(algo_state["training_iteration"]), prompts=algo_state["prompts"],
-                 metrics_logger=algo_state.get("metrics_logger", {}),
-                 converted_from={"format": 1, "arpo_version": meta.get("arpo_version")})
-    os.replace(tmp, dest)
-    fsync_dir(dest.parent)
-    return dest
-
-
-def _record_policy_env(policy_dir: Path, config: Any, shown: Path) -> None:
-    """The converted policy folder's environment record, if its environment can be made here; otherwise a warning:
-    the checkpoint still serves as trained (serve rebuilds the environment from its marker), a copy of the folder
-    alone does not."""
-    import logging
-
-    try:
-        defaults = defaults_from_env(config.env, config.env_config)
-    except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment only leaves the record out
-        logging.getLogger(__name__).warning(
-            "%s: the environment %s cannot be made here (%s); the converted policy folder records no environment, "
-            "so serve a copy of it with --system-prompt, --max-tool-calls and --protocol", shown, config.env, e)
-        return
-    write_policy_env(policy_dir, config.env, config.env_config, defaults)
 
 
 def config_from_state(state: dict[str, Any], config_cls: type) -> Any:

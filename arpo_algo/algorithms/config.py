@@ -12,8 +12,7 @@ validated where it is defined, handed to the sampler, learner and engines as it 
   :meth:`update_from_dict` reads them back, so ``param_space["tree.tau"] = tune.uniform(0.2, 1.0)`` sweeps it.
 
 The environment is RLlib's own ``.environment(env="arpo/ToolMath-v0", env_config={...})``. Unknown keys are rejected
-everywhere (RLlib's dict path would set them silently), naming the closest valid one; keys of the former flat layout
-are rejected naming their new dotted name, and a checkpoint that stored them is read through that mapping.
+everywhere (RLlib's dict path would set them silently), naming the closest valid one.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
-from arpo_algo.algorithms.settings import LEGACY_NAMES, Settings
+from arpo_algo.algorithms.settings import Settings
 from arpo_base.errors import ConfigError
 from arpo_base.options import closest
 
@@ -125,9 +124,10 @@ class AgenticRLConfig(AlgorithmConfig):
         where = f"{type(self).__name__} dict"
         ours, rest = {}, {}
         for key, value in config_dict.items():
-            if key in _REPLACED_RLLIB or key in LEGACY_NAMES:
-                new = _REPLACED_RLLIB.get(key) or LEGACY_NAMES[key]
-                raise ConfigError(f"{where}: {key!r} is now {new!r}", hint=f"use the dotted name {new}")
+            if key in _REPLACED_RLLIB:
+                new = _REPLACED_RLLIB[key]
+                raise ConfigError(f"{where}: {key!r} is RLlib's; ARPO's setting is {new!r}",
+                                  hint=f"use the dotted name {new}")
             if "." in key:
                 ours[key] = value
             elif key not in known and self._translate_special_keys(key, warn_deprecated=False) not in known:
@@ -145,23 +145,6 @@ class AgenticRLConfig(AlgorithmConfig):
             self.update_settings(ours, where)
         super().update_from_dict(rest)
         return self
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> AgenticRLConfig:  # type: ignore[override]
-        """RLlib's from_state (how an Algorithm checkpoint rebuilds its config). A state written with the former
-        flat attributes (``tau``, ``eval_split``, ...) is read through :data:`LEGACY_NAMES`."""
-        state = dict(state)
-        if "settings" not in state:
-            legacy = {LEGACY_NAMES[k]: state.pop(k) for k in list(state) if k in LEGACY_NAMES}
-            for key in ("lr", "grad_clip"):
-                if key in state:
-                    legacy[_REPLACED_RLLIB[key]] = state[key]
-            interval = state.get("evaluation_interval")
-            legacy["evaluation.every"] = interval or 0
-            config = super().from_state(state)
-            config.settings = config.settings.update(legacy, "checkpoint config")
-            return config
-        return super().from_state(state)
 
     # ------------------------------------------------------------------------------------------------ validate
 

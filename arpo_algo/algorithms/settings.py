@@ -15,8 +15,7 @@ section            dataclass (defined, and validated, in its own room)      rece
 
 One name per setting everywhere: the dotted name ``section.key`` (``tree.tau``, ``rollouts.hf.decode``) is the
 experiment file's key, the ``--set`` override, the sweep knob, the key of the RLlib config dict Tune passes around,
-and the attribute path ``config.settings.tree.tau``. Unknown keys fail with the closest valid name; keys of the
-former flat layout fail naming their new place (:data:`MOVED`, :data:`LEGACY_NAMES`).
+and the attribute path ``config.settings.tree.tau``. Unknown keys fail with the closest valid name.
 """
 
 from __future__ import annotations
@@ -28,14 +27,14 @@ from typing import Any
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
-from arpo_algo.rollout.config import MOVED_TO_ENGINE, RolloutsConfig
+from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import dataclass_rows, setting, unknown_key_error, update_dataclass
 
-__all__ = ["LEGACY_NAMES", "MOVED", "SECTIONS", "VARIANT_DEFAULTS", "ModelConfig", "Settings", "setting_rows"]
+__all__ = ["SECTIONS", "VARIANT_DEFAULTS", "ModelConfig", "Settings", "setting_rows"]
 
 
 @dataclass(frozen=True)
@@ -58,32 +57,6 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     "aepo": {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True, "training.entropy_advantage": True,
              "tree.aepo_premonitor": False},
 }
-
-_BACKEND_KEYS = tuple(f.name for f in dataclasses.fields(BackendConfig))
-#: Keys of an experiment-file section that moved to another section: ``{section: {old key: new dotted name}}``.
-MOVED: dict[str, dict[str, str]] = {
-    "training": {k: f"backend.{k}" for k in _BACKEND_KEYS},
-    "rollouts": dict(MOVED_TO_ENGINE),
-}
-
-
-def _legacy_names() -> dict[str, str]:
-    names = {"model_path": "model.path"}
-    for section, cls in (("tree", TreeConfig), ("training", TrainingConfig), ("backend", BackendConfig),
-                         ("rollouts", RolloutsConfig)):
-        for f in dataclasses.fields(cls):
-            if f.name not in ("mode", "hf", "vllm"):
-                names[f.name] = f"{section}.{f.name}"
-    names.update(MOVED["rollouts"])
-    names.update({f"eval_{f.name}": f"evaluation.{f.name}" for f in dataclasses.fields(EvaluationConfig)
-                  if f.name != "every"})
-    return names
-
-
-#: The flat attribute names of the former single-level config (``tau``, ``eval_split``, ``decode``) -> their dotted
-#: names. A dict or call that uses one fails naming the new name; a checkpoint written with them is read through it.
-LEGACY_NAMES: dict[str, str] = _legacy_names()
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -111,9 +84,6 @@ class Settings:
         for key, value in values.items():
             section, _, rest = str(key).partition(".")
             if section not in SECTIONS:
-                if key in LEGACY_NAMES:
-                    raise ConfigError(f"{where}: {key!r} is now {LEGACY_NAMES[key]!r}",
-                                      hint=f"use the dotted name {LEGACY_NAMES[key]}")
                 raise unknown_key_error(key, SECTIONS, where, what="section")
             table = tables.setdefault(section, {})
             if not rest:
@@ -129,7 +99,7 @@ class Settings:
                                   hint='pick it with [experiment] algorithm = "arpo" | "aepo" | "grpo" '
                                        "(or ARPOConfig / AEPOConfig / GRPOConfig)")
             changes[section] = update_dataclass(getattr(self, section), table, f"{where}: [{section}]",
-                                                moved=MOVED.get(section), placeholder=placeholder)
+                                                placeholder=placeholder)
         return dataclasses.replace(self, **changes)
 
     def flat(self) -> dict[str, Any]:

@@ -6,11 +6,8 @@ import argparse
 import json
 import shutil
 import signal
-import ssl
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +18,20 @@ from arpo_base.errors import ArpoError, ConfigError
 SERVE_TIMEOUT_SLACK_S = 5.0
 
 
-def wait_ready(url: str, timeout_s: float, key: str | None = None, context: ssl.SSLContext | None = None) -> dict:
+def wait_ready(url: str, timeout_s: float, key: str | None = None, verify: bool = True) -> dict:
     """Poll ``GET url/health`` until it answers 200 (models loaded); raise naming the last answer otherwise."""
+    from arpo_base.http import HTTPJSONError, bearer, get_json
+
     deadline, last = time.monotonic() + timeout_s, "no answer"
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     while time.monotonic() < deadline:
         try:
-            req = urllib.request.Request(f"{url}/health", headers=headers)
-            with urllib.request.urlopen(req, timeout=5, context=context) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            last = e.read().decode(errors="replace")
-            if '"error"' in last:
-                raise ArpoError(f"the agents failed to load: {last}") from None
-        except (urllib.error.URLError, OSError) as e:
-            last = str(e)
+            return get_json(f"{url}/health", headers=bearer(key), timeout=5)
+        except HTTPJSONError as e:
+            last = e.body or e.reason
+            error = e.data.get("error") if isinstance(e.data, dict) else None
+            if e.status is not None and error:
+                raise ArpoError(f"the agents failed to load: {error}",
+                                hint="fix what it names and start arpo serve again") from None
         time.sleep(0.5)
     raise ArpoError(f"the server did not become ready within {timeout_s:.0f} s ({last})")
 
@@ -118,12 +114,9 @@ def start(args: argparse.Namespace) -> str:
                     replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
     serve.run(app, name="arpo", route_prefix="/", blocking=False)
     scheme = "https" if args.tls_cert else "http"
-    context = None
-    if args.tls_cert:  # our own server, polled locally: its certificate need not name 127.0.0.1
-        context = ssl.create_default_context()
-        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     local = args.host if is_loopback(args.host) else "127.0.0.1"
-    wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, context)
+    # our own server, polled locally: its certificate need not name 127.0.0.1
+    wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, verify=not args.tls_cert)
     url = f"{scheme}://{args.host}:{args.port}"
     print(f"serving {', '.join(s.name for s in specs)} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
     print("authentication: " + ("API key required on /v1/*" if key else "OFF (no API key; this machine only)"))

@@ -13,10 +13,6 @@ from arpo_algo.rollout.engines.config import HFEngineConfig, VLLMEngineConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
-#: Former ``[rollouts]`` keys that moved into an engine sub-table (an old file fails naming the new key).
-MOVED_TO_ENGINE = {name: f"rollouts.hf.{name}" for name in
-                   ("max_batch_size", "linear_layout", "decode", "static_cache_tokens")}
-
 
 def check_custom_resources(name: str, tables: tuple[dict[str, float], ...], count: int, count_name: str) -> None:
     """Per-actor custom resources: none, one table for all, or one per actor; names that are not Ray's built-in

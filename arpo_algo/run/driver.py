@@ -14,7 +14,7 @@ A run folder holds::
 
 No Ray cluster is started unless rollout actors are configured. ``--resume DIR`` continues a killed run from its
 newest checkpoint: weights, optimizer, RNG, iteration and the data position all come back, and nothing in the folder is
-executed (a checkpoint in the former pickled layout is refused with the command that converts it). A checkpoint
+executed (a folder without ``arpo_checkpoint.json`` is not a checkpoint, whatever it holds). A checkpoint
 appears only complete (written and fsynced in a hidden temporary folder, then renamed); temporary folders left by a
 killed run are removed on start, and a torn last line of ``metrics.jsonl`` is dropped on resume.
 """

@@ -1,8 +1,8 @@
 """Experiment files: one strict TOML format whose keys are the settings' own dotted names.
 
-An experiment file (``experiments/<name>.toml``) has these sections, all optional except ``[model]`` and ``[env]``;
-every section but ``[experiment]`` and ``[env]`` is a dataclass of :mod:`arpo_algo.algorithms.settings`, and its keys
-are that dataclass's fields::
+An experiment file (``experiments/<group>/<name>.toml``) has these sections, all optional except ``[model]`` and
+``[env]``; every section but ``[experiment]`` and ``[env]`` is a dataclass of :mod:`arpo_algo.algorithms.settings`,
+and its keys are that dataclass's fields::
 
     [experiment]     name, algorithm ("arpo" | "aepo" | "grpo"), seed, iterations, output, checkpoint_every,
                      keep_checkpoints, description                              -> :class:`ExperimentConfig`
@@ -16,16 +16,16 @@ are that dataclass's fields::
     [rollouts.vllm]  vLLM engine settings                                       -> VLLMEngineConfig
     [evaluation]     every, split, num_prompts, samples, temperature, max_response_tokens -> EvaluationConfig
 
-Unknown sections and keys are errors naming the file, the section and the closest valid key; a key that moved (for
-example ``[rollouts] decode``, now ``[rollouts.hf] decode``) is an error naming its new place; wrong types are errors
+Unknown sections and keys are errors naming the file, the section and the closest valid key; wrong types are errors
 naming the key. ``env_config`` keys are checked by the environment's own config. Overrides (``--set
 section.key=value``, ``--set rollouts.hf.decode=static``) use the same names and are parsed as TOML values
 (:func:`arpo_base.options.parse_override`, the parser every command uses).
 
 A decaying learning-rate schedule spans the run's optimizer steps: ``[training] schedule_iterations`` defaults to
 ``iterations``, and the learner makes that ``iterations x ppo_epochs x mini_batches`` steps (an explicit
-``total_steps`` wins). Bare experiment names are looked up in :func:`experiment_dirs`:
-``$ARPO_EXPERIMENTS``, ``./experiments``, then the source checkout's ``experiments/``.
+``total_steps`` wins). Bare experiment names are looked up in :func:`experiment_dirs`, each folder with its
+subfolders: ``$ARPO_EXPERIMENTS``, ``./experiments``, the source checkout's ``experiments/``, then the experiments
+shipped with the package (the quickstart's).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ __all__ = ["SECTIONS", "Experiment", "ExperimentConfig", "build_config", "experi
 #: The source checkout's experiments/ folder (None in a wheel install, which has no checkout).
 _CHECKOUT = source_checkout(Path(__file__).resolve().parents[1])
 EXPERIMENTS_DIR: Path | None = _CHECKOUT / "experiments" if _CHECKOUT else None
+#: The experiments shipped inside the package (the quickstart's), found in a wheel install too.
+PACKAGE_EXPERIMENTS_DIR = Path(__file__).resolve().parent / "recipes"
 #: Environment variable with extra folders (os.pathsep-separated) searched for experiment names first.
 EXPERIMENTS_ENV = "ARPO_EXPERIMENTS"
 
@@ -120,34 +122,48 @@ class Experiment:
 
 def experiment_dirs() -> list[Path]:
     """Where bare experiment names are looked up, in order: the folders in ``$ARPO_EXPERIMENTS``, ``./experiments``
-    (the working directory's), and the source checkout's ``experiments/`` (when arpo runs from a checkout)."""
+    (the working directory's), the source checkout's ``experiments/`` (when arpo runs from a checkout), and the
+    package's own experiments. Each folder is searched with its subfolders."""
     dirs = [Path(d).expanduser() for d in os.environ.get(EXPERIMENTS_ENV, "").split(os.pathsep) if d]
     dirs.append(Path.cwd() / "experiments")
     if EXPERIMENTS_DIR is not None:
         dirs.append(EXPERIMENTS_DIR)
+    dirs.append(PACKAGE_EXPERIMENTS_DIR)
     unique: dict[Path, Path] = {}
     for d in dirs:
         unique.setdefault(d.resolve(), d)
     return list(unique.values())
 
 
+def _files_named(folder: Path, name: str) -> list[Path]:
+    """``<name>.toml`` (or ``name`` itself when it ends in .toml) in ``folder`` and every subfolder of it."""
+    if not folder.is_dir():
+        return []
+    filename = name if name.endswith(".toml") else f"{name}.toml"
+    return sorted(p for p in folder.rglob(filename) if p.is_file())
+
+
 def resolve_experiment_path(name_or_path: str | Path) -> Path:
-    """A path to an existing file, or a bare name looked up as ``<dir>/<name>.toml`` in :func:`experiment_dirs`."""
+    """A path to an existing file, or a bare name looked up as ``<name>.toml`` in :func:`experiment_dirs` (the first
+    folder holding it wins; two files of that name under one folder are an error naming both)."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
     dirs = experiment_dirs()
-    for d in dirs:
-        for cand in (d / f"{name_or_path}.toml", d / str(name_or_path)):
-            if cand.is_file():
-                return cand
-    known = sorted({f.stem for d in dirs if d.is_dir() for f in d.glob("*.toml")})
+    name = str(name_or_path)
+    if "/" not in name and os.sep not in name:
+        for d in dirs:
+            found = _files_named(d, name)
+            if len(found) > 1:
+                raise ArpoError(f"experiment {name!r} is ambiguous: {' and '.join(str(f) for f in found)} both "
+                                "have that name", hint="pass the file's path instead of its name, or rename one")
+            if found:
+                return found[0]
+    known = sorted({f.stem for d in dirs if d.is_dir() for f in d.rglob("*.toml")})
     searched = ", ".join(str(d) for d in dirs)
-    hint = f"known experiments: {', '.join(known)}" if known else (
-        f"no experiment files found; pass a path to a .toml file, or set {EXPERIMENTS_ENV} to a folder holding them "
-        "(the repository's experiments/ folder has examples)")
-    raise ArpoError(f"experiment {str(name_or_path)!r} not found: neither a file nor <name>.toml in {searched}",
-                    hint=hint)
+    hint = (f"known experiments: {', '.join(known)}; for a file elsewhere pass its path, or add its folder to "
+            f"{EXPERIMENTS_ENV}")
+    raise ArpoError(f"experiment {name!r} not found: neither a file nor <name>.toml under {searched}", hint=hint)
 
 
 def load_experiment(name_or_path: str | Path | None = None, overrides: list[str] | None = None, *,

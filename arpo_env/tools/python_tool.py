@@ -148,7 +148,6 @@ class PythonTool:
         self.isolation = self._choose_backend(
             backend, not network_required(allow_unisolated_python, require_network_isolation))
         self.backend, self._net = self.isolation["backend"], self.isolation.pop("_net")
-        self.capabilities = self.isolation  # the former name
         check_level(self.isolation, allow_unisolated_python, require_network_isolation)
 
     def _choose_backend(self, backend: str, may_drop_network: bool) -> dict:

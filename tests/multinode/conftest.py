@@ -1,10 +1,10 @@
-"""The multinode tier: one Ray cluster of three nodes on 127.0.0.1 per test module (experiments/local_cluster.py)."""
+"""The multinode tier: one Ray cluster of three nodes on 127.0.0.1 per test module (arpo_algo/run/local_cluster.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.local_cluster import LocalCluster
+from arpo_algo.run.local_cluster import LocalCluster
 
 #: Worker nodes: each offers its own resource (to pin one actor to it) and a shared "worker" pool.
 WORKERS = {"a": {"node_a": 1.0, "worker": 2.0}, "b": {"node_b": 1.0, "worker": 2.0}}

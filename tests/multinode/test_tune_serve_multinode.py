@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 
-from experiments.local_cluster import free_ports
+from arpo_algo.run.local_cluster import free_ports
 
 RUN_TIMEOUT_S = 420
 #: Enough iterations after the first result that the node is lost while its trial still runs.

@@ -91,7 +91,7 @@ def test_config_files_take_the_key_from_the_environment_or_a_file_never_from_arg
 
 
 def test_the_config_file_deploys_only_with_a_key(server, monkeypatch):
-    """experiments/serve_config.yaml's args through the builder Serve calls: no key -> refused; ARPO_API_KEY set ->
+    """examples/serve_config.yaml's args through the builder Serve calls: no key -> refused; ARPO_API_KEY set ->
     an application whose deployment arguments do not hold the key."""
     import yaml
 
@@ -99,7 +99,7 @@ def test_the_config_file_deploys_only_with_a_key(server, monkeypatch):
     from serve.app import build
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "experiments", "serve_config.yaml"), encoding="utf-8") as f:
+    with open(os.path.join(root, "examples", "serve_config.yaml"), encoding="utf-8") as f:
         args = dict(yaml.safe_load(f)["applications"][0]["args"], models=f"tiny={server['model']}")
     monkeypatch.delenv("ARPO_API_KEY", raising=False)
     with pytest.raises(ConfigError, match="no API key"):
@@ -202,3 +202,14 @@ def test_refusals_are_counted_once(server):
     time.sleep(3)  # a second export of the same counters must not add to them
     now = status_counts(server)
     assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
+
+
+def test_a_load_failure_says_its_cause_and_no_traceback():
+    """What `arpo serve` prints when an agent does not load: the error's own message (and hint), not only its type."""
+    from arpo_base.errors import ConfigError
+    from serve.app import load_failure
+
+    said = load_failure(ConfigError("runs/x is not a model source", hint="pass a model folder"))
+    assert said == "runs/x is not a model source (hint: pass a model folder)"
+    said = load_failure(ValueError("Unrecognized model in runs/x. Should have a `model_type` key"))
+    assert said.startswith("ValueError: Unrecognized model in runs/x") and "Traceback" not in said

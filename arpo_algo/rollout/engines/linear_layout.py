@@ -5,7 +5,7 @@ of batched decoding (one token per sequence, 1 to 16 rows), the CPU GEMM kernels
 than on a weight already laid out as ``(in_features, out_features)``: measured with 2 threads on the project's CPU
 machine, a 576x576 projection at 8 rows takes 0.25 ms against 0.03 ms, and SmolLM2's 49152x576 output head 18 ms
 against 9 ms; in a whole SmolLM2 decoding step the linear layers take about 40% less time
-(``python -m experiments.bench_engine`` runs the engine with both layouts). The result is the same product up to
+(``python -m benchmarks.bench_engine`` runs the engine with both layouts). The result is the same product up to
 floating-point summation order.
 
 :class:`TransposedLinears` keeps such a copy of every plain ``nn.Linear`` weight and, inside :meth:`active`, routes

@@ -175,8 +175,8 @@ def _planted_pickle(marker) -> bytes:
 
 
 def test_a_planted_pickle_is_not_executed(trained, tmp_path, tiny_model_dir):
-    """A trainer state replaced by a hostile pickle, and a folder in the former pickled layout: both are refused with
-    a clear error, and the payload never runs."""
+    """A trainer state replaced by a hostile pickle, and a folder of pickles without arpo's marker (RLlib's own
+    layout): both are refused with a clear error, and the payload never runs."""
     import shutil
 
     _, path = trained
@@ -192,44 +192,13 @@ def test_a_planted_pickle_is_not_executed(trained, tmp_path, tiny_model_dir):
         legacy.mkdir()
         (legacy / "rllib_checkpoint.json").write_text(json.dumps({"arpo_checkpoint_format": 1}))
         (legacy / "algorithm_state.pkl").write_bytes(_planted_pickle(marker))
-        with pytest.raises(ArpoError, match="pickled layout") as err:
+        with pytest.raises(ArpoError, match="is not an arpo checkpoint"):
             fresh.restore_from_path(str(legacy))
-        assert "arpo checkpoint convert" in err.value.hint and "--trust-pickles" in err.value.hint
-        with pytest.raises(ArpoError, match="pickled layout"):
+        with pytest.raises(ArpoError, match="is not an arpo checkpoint"):
             ARPO.from_checkpoint(str(legacy))
     finally:
         fresh.stop()
     assert not marker.exists()
-
-
-def test_a_checkpoint_of_the_former_layout_converts_once_knowingly(trained, tmp_path, tiny_model_dir):
-    """The former layout (RLlib's Checkpointable writer, pickled state and config) converts with --trust-pickles and
-    then restores bit-equal; without the flag nothing is read."""
-    from ray.rllib.utils.checkpoints import Checkpointable
-
-    from arpo_algo.algorithms.checkpoint import TRAINER_STATE_FILE
-    from arpo_algo.cli.main import main
-
-    algo, _ = trained
-    old = tmp_path / "old"
-    Checkpointable.save_to_path(algo, str(old))  # what the former arpo wrote: pickles, RLlib's metadata
-    meta = json.loads((old / "rllib_checkpoint.json").read_text())
-    (old / "rllib_checkpoint.json").write_text(json.dumps({**meta, "arpo_checkpoint_format": 1}))
-    torch.save(algo.learner.get_state(), old / "policy" / TRAINER_STATE_FILE)  # numpy RNG state: a full pickle
-    assert main(["checkpoint", "convert", str(old), "--output", str(tmp_path / "new")]) == 2
-    assert not (tmp_path / "new").exists()
-    assert main(["checkpoint", "convert", str(old), "--output", str(tmp_path / "new"), "--trust-pickles"]) == 0
-    restored = ARPO.from_checkpoint(str(tmp_path / "new"))
-    try:
-        assert restored.iteration == algo.iteration and restored.prompts.get_state() == algo.prompts.get_state()
-        for a, b in zip(algo.learner.model.parameters(), restored.learner.model.parameters()):
-            assert torch.equal(a, b)
-        assert restored.learner.step == algo.learner.step
-    finally:
-        restored.stop()
-    # the converted policy folder records its environment like a new one
-    assert json.loads((tmp_path / "new" / "policy" / "arpo_policy.json").read_text())["served_defaults"] == \
-        json.loads((trained[1] / "policy" / "arpo_policy.json").read_text())["served_defaults"]
 
 
 def test_the_exported_policy_folder_is_served_as_it_was_trained(trained, tmp_path):
@@ -237,8 +206,8 @@ def test_the_exported_policy_folder_is_served_as_it_was_trained(trained, tmp_pat
     recorded no environment, so `arpo serve` gave it the generic protocol prompt and the session's default tool limit
     instead of those it was trained with. Each policy folder now carries its environment record (JSON, versioned),
     and an export keeps it; command-line values still win."""
+    from arpo_algo.run.quickstart import stage_export
     from arpo_env.tasks.toolmath import SYSTEM_PROMPT
-    from experiments.quickstart import stage_export
     from serve.agents import build_specs
 
     _, path = trained

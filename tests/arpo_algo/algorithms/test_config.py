@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from arpo_algo.algorithms import AEPOConfig, ARPOConfig, GRPOConfig
-from arpo_algo.run.experiment import EXPERIMENTS_DIR, load_experiment, resolve_experiment_path
+from arpo_algo.run.experiment import (
+    EXPERIMENTS_DIR,
+    PACKAGE_EXPERIMENTS_DIR,
+    load_experiment,
+    resolve_experiment_path,
+)
 from arpo_base.errors import ConfigError
 
 
@@ -69,25 +74,26 @@ def test_one_dotted_name_per_setting_on_every_path(tmp_path):
     assert set(ARPOConfig().settings.flat()) <= set(ARPOConfig().to_dict())
 
 
-@pytest.mark.parametrize("move, new", [
-    ({"tau": 0.3}, "tree.tau"),
-    ({"eval_split": "test"}, "evaluation.split"),
-    ({"decode": "static"}, "rollouts.hf.decode"),
-    ({"learner_backend": "ddp"}, "backend.learner_backend"),
-    ({"lr": 1e-5}, "training.lr"),
-    ({"evaluation_interval": 2}, "evaluation.every"),
-])
-def test_a_former_flat_key_in_a_dict_names_its_dotted_name(move, new):
+@pytest.mark.parametrize("key", ["tau", "eval_split", "decode", "learner_backend"])
+def test_a_flat_name_in_a_dict_is_an_unknown_key(key):
+    """Settings have one name each, the dotted one: a bare name is an unknown key like any other."""
+    with pytest.raises(ConfigError, match=f"unknown key {key!r}") as err:
+        ARPOConfig().update_from_dict({key: 1})
+    assert err.value.hint
+
+
+@pytest.mark.parametrize("key, ours", [("lr", "training.lr"), ("evaluation_interval", "evaluation.every")])
+def test_an_rllib_setting_that_arpo_replaces_names_arpos_setting(key, ours):
     with pytest.raises(ConfigError) as err:
-        ARPOConfig().update_from_dict(move)
-    assert repr(new) in err.value.message
+        ARPOConfig().update_from_dict({key: 1})
+    assert repr(ours) in err.value.message
 
 
-def test_a_moved_key_in_a_file_or_override_names_its_new_place(tmp_path):
-    """An experiment file written for the former layout fails naming the key's new section, not a near miss."""
-    with pytest.raises(ConfigError, match="'max_batch_size' has moved: it is now 'rollouts.hf.max_batch_size'"):
+def test_a_key_in_the_wrong_section_is_an_unknown_key(tmp_path):
+    """No key is an alias of another place: a key under the wrong section fails as unknown, naming the section."""
+    with pytest.raises(ConfigError, match=r"\[rollouts\]: unknown key 'max_batch_size'"):
         load_experiment(write(tmp_path, BASE + "[rollouts]\nmax_batch_size = 8\n"))
-    with pytest.raises(ConfigError, match="it is now 'backend.learner_backend'"):
+    with pytest.raises(ConfigError, match=r"\[training\]: unknown key 'learner_backend'"):
         load_experiment(write(tmp_path, BASE), ["training.learner_backend=ddp"])
     with pytest.raises(ConfigError, match=r"\[rollouts.hf\]: unknown key 'decod'"):
         load_experiment(write(tmp_path, BASE), ["rollouts.hf.decod=static"])
@@ -118,18 +124,6 @@ enforce_eager = true
     params = inspect.signature(VLLMEngine).parameters
     assert set(kwargs) <= set(params), "every [rollouts.vllm] key is a VLLMEngine argument"
     assert all(params[k].default == v for k, v in VLLMEngineConfig().engine_kwargs().items())  # same defaults
-
-
-def test_a_checkpoint_config_in_the_former_flat_layout_is_read():
-    """Checkpoints written before the sections keep loading: RLlib rebuilds their config from flat attributes."""
-    old = {k: v for k, v in ARPOConfig().get_state().items() if k != "settings"}
-    old.update(tau=0.3, budget=6, initial=3, lr=3e-5, grad_clip=1.0, eval_split="train", decode="static",
-               model_path="m", evaluation_interval=2)
-    cfg = ARPOConfig.from_state(old)
-    s = cfg.settings
-    assert (s.tree.tau, s.tree.budget, s.training.lr, s.evaluation.split) == (0.3, 6, 3e-5, "train")
-    assert (s.rollouts.hf.decode, s.model.path, s.evaluation.every) == ("static", "m", 2)
-    assert not hasattr(cfg, "tau")
 
 
 # ------------------------------------------------------------------------------------------------------ types
@@ -361,9 +355,9 @@ def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
 
     monkeypatch.setattr(experiment, "EXPERIMENTS_DIR", None)  # as in a wheel install
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ArpoError, match="not found: neither a file nor <name>.toml in") as err:
+    with pytest.raises(ArpoError, match="not found: neither a file nor <name>.toml under") as err:
         resolve_experiment_path("mine")
-    assert "ARPO_EXPERIMENTS" in err.value.hint
+    assert "ARPO_EXPERIMENTS" in err.value.hint and "known experiments: quickstart;" in err.value.hint
     (tmp_path / "elsewhere").mkdir()
     write(tmp_path / "elsewhere", BASE).rename(tmp_path / "elsewhere" / "mine.toml")
     monkeypatch.setenv("ARPO_EXPERIMENTS", str(tmp_path / "elsewhere"))
@@ -373,10 +367,29 @@ def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
     assert load_experiment("local").run.name == "local"
     with pytest.raises(ArpoError) as err:
         resolve_experiment_path("nope")
-    assert err.value.hint == "known experiments: local, mine"
+    assert err.value.hint.startswith("known experiments: local, mine, quickstart;")
+    assert load_experiment("quickstart").run.name == "quickstart"  # shipped with the package
 
 
-@pytest.mark.parametrize("path", sorted(p for p in EXPERIMENTS_DIR.glob("*.toml") if "[sweep]" not in p.read_text()),
+def test_bare_names_are_found_in_subfolders_and_two_files_of_one_name_are_refused(tmp_path, monkeypatch):
+    from arpo_base.errors import ArpoError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "experiments" / "group_a").mkdir(parents=True)
+    (tmp_path / "experiments" / "group_a" / "mine.toml").write_text(BASE)
+    assert resolve_experiment_path("mine").resolve() == (tmp_path / "experiments" / "group_a" / "mine.toml").resolve()
+    (tmp_path / "experiments" / "group_b").mkdir()
+    (tmp_path / "experiments" / "group_b" / "mine.toml").write_text(BASE)
+    with pytest.raises(ArpoError, match="ambiguous") as err:
+        resolve_experiment_path("mine")
+    assert "group_a/mine.toml" in err.value.message and "group_b/mine.toml" in err.value.message
+    assert resolve_experiment_path("toolmath_aepo").parent.name == "toolmath"  # the repository's own groups
+
+
+SHIPPED = [*EXPERIMENTS_DIR.rglob("*.toml"), *PACKAGE_EXPERIMENTS_DIR.glob("*.toml")]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in SHIPPED if "[sweep]" not in p.read_text()),
                          ids=lambda p: p.stem)  # sweep files (tune_*.toml) are checked by the sweep tests
 def test_shipped_experiments_load_and_validate(path):
     exp = load_experiment(path)

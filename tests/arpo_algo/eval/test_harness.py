@@ -90,7 +90,7 @@ def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
 def test_one_mapping_from_config_to_eval_settings():
     """Every evaluation argument comes from the config through eval_settings (the quickstart once dropped top_p,
     tool_workers and prompt_overflow), and the quickstart uses that mapping."""
-    import experiments.quickstart as qs
+    import arpo_algo.run.quickstart as qs
     from arpo_algo.algorithms import ARPOConfig
     from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
 

@@ -99,11 +99,8 @@ def test_bad_input_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
 
 
-def test_resume_survives_a_kill_mid_write_and_refuses_code(tiny_model_dir, tmp_path, capsys):
-    """What a killed run leaves (a half-written checkpoint folder, a torn last metrics line) does not stop --resume;
-    a checkpoint in the former pickled layout is refused naming the conversion, and its payload never runs."""
-    import pickle
-
+def test_resume_survives_a_kill_mid_write(tiny_model_dir, tmp_path):
+    """What a killed run leaves (a half-written checkpoint folder, a torn last metrics line) does not stop --resume."""
     exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
     out = tmp_path / "run"
     assert main(["train", str(exp), "--output", str(out), "--no-progress", "--set", "evaluation.every=0"]) == 0
@@ -117,23 +114,3 @@ def test_resume_survives_a_kill_mid_write_and_refuses_code(tiny_model_dir, tmp_p
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert sorted(p.name for p in ckpts.iterdir()) == ["iter_000002"]
-
-    marker = tmp_path / "pwned"
-
-    class Payload:
-        def __reduce__(self):
-            import os
-
-            return os.system, (f"touch {marker}",)
-
-    legacy = ckpts / "iter_000003"  # the newest checkpoint, in the former layout, planted by someone else
-    legacy.mkdir()
-    (legacy / "rllib_checkpoint.json").write_text(json.dumps({"arpo_checkpoint_format": 1}))
-    (legacy / "algorithm_state.pkl").write_bytes(pickle.dumps({"x": Payload()}))
-    capsys.readouterr()
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=4", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    said = "\n".join(line for line in err.splitlines() if line.startswith(("error:", "hint:")))
-    assert "pickled layout" in said and "arpo checkpoint convert" in said
-    assert "ArpoError" not in err  # one clear message, not our traceback
-    assert not marker.exists()

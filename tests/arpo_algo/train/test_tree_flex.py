@@ -15,6 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from arpo_algo.rollout.synthetic import make_group
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.tree_flex import (
     BLOCK,
@@ -26,7 +27,6 @@ from arpo_algo.train.tree_flex import (
 )
 from arpo_algo.train.tree_forward import build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_base.errors import ConfigError
-from experiments.bench_dedup import make_group
 from tests.arpo_algo.train.test_tree_forward import _specs
 
 

@@ -1,0 +1,169 @@
+"""The tables and figures of the powered comparison, computed from its records (``studies/study.py``).
+
+Per arm: final held-out accuracy (mean, sd, 95% CI over seeds), seeds improved / worse than the shared start;
+paired by seed against GRPO: the difference (mean, sd, 95% CI), better / worse / equal and the exact two-sided
+Wilcoxon signed-rank p-value; the iteration, tool calls and generated tokens each seed needed to first reach GRPO's
+mean final accuracy over the same seeds (means and 95% CIs over the seeds that reach it, how many do); branches per
+group; the clip fraction.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from studies.compare import stats
+
+BASELINE = "grpo"
+
+
+def _ci(xs: list[float]) -> str:
+    s = stats(xs)
+    if not xs:
+        return "-"
+    ci = f", 95% CI {s['mean'] - s['ci95']:+.3f} .. {s['mean'] + s['ci95']:+.3f}" if len(xs) > 1 else ""
+    return f"{s['mean']:.3f} ± {s['sd']:.3f}{ci}"
+
+
+def _first_reach(curve: list[list[float]], target: float) -> tuple[float, float, float] | None:
+    """(iteration, cumulative tool calls, cumulative generated tokens) at the first evaluation at or above
+    ``target``; None when no evaluation of the run reaches it."""
+    for it, calls, tokens, acc in curve:
+        if acc >= target - 1e-9:
+            return it, calls, tokens
+    return None
+
+
+def by_arm(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    arms: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        arms.setdefault(r["arm"], {})[r["seed"]] = r  # a later record of the same (arm, seed) replaces it
+    return {a: dict(sorted(s.items())) for a, s in arms.items()}
+
+
+def wilcoxon(diffs: list[float]) -> tuple[float, int]:
+    """Two-sided exact Wilcoxon signed-rank p-value of ``diffs`` (zeros dropped, average ranks for ties); the
+    number of non-zero differences. The null distribution of the positive rank sum is counted exactly over all 2^n
+    sign patterns of the observed (doubled, so integer) ranks."""
+    d = [x for x in diffs if abs(x) > 1e-12]
+    n = len(d)
+    if n == 0:
+        return 1.0, 0
+    order = sorted(range(n), key=lambda i: abs(d[i]))
+    ranks = [0] * n  # doubled average ranks
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and abs(abs(d[order[j + 1]]) - abs(d[order[i]])) < 1e-12:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = i + j + 2  # 2 * mean of ranks i+1 .. j+1
+        i = j + 1
+    total = sum(ranks)
+    counts = [0] * (total + 1)
+    counts[0] = 1
+    for r in ranks:
+        for s in range(total, r - 1, -1):
+            counts[s] += counts[s - r]
+    w_plus = sum(r for r, x in zip(ranks, d) if x > 0)
+    extreme = min(w_plus, total - w_plus)
+    tail = sum(counts[: extreme + 1])
+    return min(1.0, 2 * tail / 2 ** n), n
+
+
+def power_mde(n: int, sd: float, alpha: float = 0.05, power: float = 0.8, sims: int = 400) -> float:
+    """The smallest mean paired difference (normal differences with this sd) that the exact Wilcoxon test at
+    ``alpha`` detects with ``power``, by simulation on a grid of 0.01 (seeded, so the plan prints one number)."""
+    rng = random.Random(0)
+    for step in range(1, 101):
+        delta = step / 100
+        hits = sum(wilcoxon([rng.gauss(delta, sd) for _ in range(n)])[0] < alpha for _ in range(sims))
+        if hits / sims >= power:
+            return delta
+    return math.inf
+
+
+def report(records: list[dict[str, Any]], figures: Path | None = None, baseline: str = BASELINE) -> str:
+    if not records:
+        return "no records yet"
+    arms = by_arm(records)
+    lines = [f"records: {len(records)}; code {records[0]['code']} (commit {records[0]['commit'][:10]}), SFT "
+             f"{records[0]['sft']}, {records[0]['cpu']}, torch {records[0]['torch']}", "",
+             "| arm | seeds | before | final (mean ± sd, 95% CI) | improved / worse | branches per group | "
+             "clip fraction | tool calls per run | wall time per run |", "|" + "---|" * 9]
+    for arm, seeds in arms.items():
+        rs = list(seeds.values())
+        lines.append(f"| {arm} | {len(rs)} | {rs[0]['before']:.3f} | {_ci([r['after'] for r in rs])} | "
+                     f"{sum(r['after'] > r['before'] for r in rs)} / {sum(r['after'] < r['before'] for r in rs)} | "
+                     f"{stats([r['branches_per_group'] for r in rs])['mean']:.2f} | "
+                     f"{stats([r['clip_frac'] for r in rs])['mean']:.4f} | "
+                     f"{stats([sum(r['tool_calls']) for r in rs])['mean']:.0f} | "
+                     f"{stats([r['time_s'] for r in rs])['mean']:.0f} s |")
+    base = arms.get(baseline, {})
+    if base:
+        name = baseline.upper()
+        lines += ["", f"Paired by seed against {name} (final accuracy difference). Reach: the first evaluation at "
+                  f"or above {name}'s mean final accuracy over the same seeds (the target); tool calls and tokens "
+                  "are means ± sd over the seeds that reach it, the iteration a median; the {name} row is measured "
+                  "against its own mean.".replace("{name}", name), "",
+                  "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
+                  "pairs) | target | reach it | iteration (median) | tool calls to reach | tokens to reach |",
+                  "|" + "---|" * 10]
+        for arm, seeds in arms.items():
+            # The target and the reach are taken over the same seeds: the paired ones (all of the baseline's for
+            # its own row), so an arm with fewer seeds is not measured against other seeds' accuracy.
+            common = sorted(seeds) if arm == baseline else sorted(s for s in seeds if s in base)
+            if not common:
+                continue
+            target = stats([base[s]["after"] for s in common])["mean"]
+            got = [x for x in (_first_reach(seeds[s]["curve"], target) for s in common) if x is not None]
+            its, calls, toks = [x[0] for x in got], [x[1] for x in got], [x[2] for x in got]
+            if arm == baseline:
+                diff = pairs = tally = wil = "-"
+            else:
+                d = [seeds[s]["after"] - base[s]["after"] for s in common]
+                diff, pairs = _ci(d), str(len(common))
+                tally = f"{sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} / {sum(x == 0 for x in d)}"
+                p, nz = wilcoxon(d)
+                wil = f"{p:.4f} ({nz})"
+            lines.append(f"| {arm} | {pairs} | {diff} | {tally} | {wil} | {target:.3f} | {len(got)} of "
+                         f"{len(common)} | {statistics.median(its) if its else '-'} | "
+                         f"{_ci(calls) if calls else '-'} | {_ci(toks) if toks else '-'} |")
+    lines += ["", "Held-out accuracy per seed after each iteration:", "", "| arm | seed | curve |", "|---|---|---|"]
+    for arm, seeds in arms.items():
+        for s, r in seeds.items():
+            lines.append(f"| {arm} | {s} | {' '.join(f'{a:.3f}'.lstrip('0') for *_, a in r['curve'])} |")
+    if figures is not None:
+        plot(arms, figures)
+    return "\n".join(lines)
+
+
+def plot(arms: dict[str, dict[int, dict[str, Any]]], folder: Path) -> None:
+    """Accuracy against cumulative tool calls and against iteration: a thin line per seed, the mean bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for xi, label, name in ((1, "cumulative tool calls", "study_accuracy_vs_tool_calls.png"),
+                            (0, "iteration", "study_accuracy_vs_iteration.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for k, (arm, seeds) in enumerate(arms.items()):
+            color = f"C{k}"
+            curves = [r["curve"] for r in seeds.values()]
+            for c in curves:
+                ax.plot([p[xi] for p in c], [p[3] for p in c], color=color, alpha=0.25, linewidth=0.7)
+            n = min(len(c) for c in curves)
+            ax.plot([sum(c[i][xi] for c in curves) / len(curves) for i in range(n)],
+                    [sum(c[i][3] for c in curves) / len(curves) for i in range(n)], color=color, linewidth=2.2,
+                    marker="o", label=f"{arm.upper()} (mean of {len(curves)} seeds)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy (128 test tasks)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=100)
+        plt.close(fig)

@@ -1,0 +1,286 @@
+"""The benchmark scripts run end to end, and the engine benchmark's model.generate baseline is a fair one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+from arpo_algo.rollout.engines.hf import HFEngine
+from benchmarks import bench_engine
+
+
+def test_generate_baseline_returns_what_the_engine_returns(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir)
+    base = bench_engine.GenerateEngine(eng.model, eng.tokenizer, batch=2, eos=eng.eos_ids)
+    reqs = [GenRequest(i, eng.tokenizer.encode("q" * (3 + i)), SamplingParams(max_new_tokens=6 + 4 * i, seed=i,
+                                                                               stop=("zz",)))
+            for i in range(3)]
+    gens = base.generate(reqs)
+    assert [g.request_id for g in gens] == [0, 1, 2]
+    for req, gen in zip(reqs, gens):
+        assert 0 < len(gen.token_ids) <= req.params.max_new_tokens  # cut to its own budget, not the batch's
+        assert gen.finish_reason in ("eos", "stop", "length")
+        with torch.no_grad():  # logprobs and entropies from raw logits, as the engine computes them
+            logits = eng.model(torch.tensor([req.token_ids + gen.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits[len(req.token_ids) - 1:-1], -1)
+        expect = logp[torch.arange(len(gen.token_ids)), torch.tensor(gen.token_ids)]
+        assert torch.allclose(expect, torch.tensor(gen.logprobs), atol=1e-4)
+        assert torch.allclose(-(logp.exp() * logp).sum(-1), torch.tensor(gen.entropies), atol=1e-4)
+    stats = base.stats()
+    assert stats["generated_tokens"] == sum(len(g.token_ids) for g in gens) and stats["seconds"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_runs_all_scenarios(tiny_model_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    result = bench_engine.main(["--model", str(tiny_model_dir), "--requests", "4", "--batch", "2",
+                                "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
+                                "--rollout-model", str(tiny_model_dir), "--rollout-prompts", "1", "--out", str(out)])
+    assert set(result["scenarios"]) == {"refill", "tool_continuation", "rollout"}
+    for row in result["scenarios"].values():
+        assert row["engine_tokens"] > 0 and row["generate_tokens"] > 0 and row["ratio"] > 0
+    assert out.is_file()
+
+
+def test_bench_dedup_runs_through_the_public_learner_api(tiny_model_dir, tmp_path):
+    """bench_dedup times the learner's own micro-batches (Learner.prepare_batches, no private members)."""
+    from benchmarks import bench_dedup
+
+    result = bench_dedup.main(["--model", str(tiny_model_dir), "--groups", "1", "--repeats", "1",
+                               "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "d.json")])
+    assert (tmp_path / "d.json").exists() and result
+
+
+def test_bench_dedup_reports_mfu_against_a_ceiling_of_the_same_run(tmp_path):
+    """--shape builds a random model (no download); --precision reaches the learner; MFU = model rate / ceiling."""
+    from benchmarks import bench_dedup
+
+    result = bench_dedup.main(["--shape", "tiny", "--device", "cpu", "--precision", "bf16", "--tree-attention",
+                               "dense", "--groups", "1", "--repeats", "1", "--ceiling-size", "256",
+                               "--threads", str(torch.get_num_threads())])
+    assert result["precision"] == "bf16" and result["tree_attention"] == "dense"
+    assert result["matmul_ceiling"]["dtype"] == "bfloat16" and result["matmul_ceiling"]["tflops"] > 0
+    for path in ("duplicated", "deduplicated"):
+        assert result["mfu"][path] == pytest.approx(result["model_tflops"][path] / result["matmul_ceiling"]["tflops"])
+        expect = 6 * result["parameters"] * result["tokens_per_group"][path] / result["seconds_per_group_median"][path]
+        assert result["model_tflops"][path] == pytest.approx(expect / 1e12)
+    assert result["tokens_per_group"]["deduplicated"] < result["tokens_per_group"]["duplicated"]
+
+
+def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys):
+    """The decode-mode comparison (item 4 of bench_engine): every mode runs, static reports its floor and its
+    profile."""
+    result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
+                                "--decode-batches", "2", "--new-tokens", "6", "--static-cache-tokens", "2048",
+                                "--threads", str(torch.get_num_threads()), "--profile", "2",
+                                "--dtype", "float32", "bfloat16", "--out", str(tmp_path / "d.json")])
+    printed = capsys.readouterr().out
+    # one profile, of the fixed-shape mode only, naming the step's matrix products
+    assert printed.count("Profile of 2 bare steps") == 2 and "decode=static, batch 2" in printed  # one per dtype
+    assert "aten::mm" in printed or "aten::addmm" in printed
+    # both dtypes in one run, each with its own probe and its own dynamic reference
+    assert set(result["machine"]) == {"float32", "bfloat16"}
+    assert [(r["dtype"], r["decode"]) for r in result["decode"]] == [
+        ("float32", "dynamic"), ("float32", "static"), ("bfloat16", "dynamic"), ("bfloat16", "static")]
+    assert result["decode"][2]["vs_dynamic"] == 1.0
+    rows = {r["decode"]: r for r in result["decode"] if r["dtype"] == "float32"}
+    assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
+    assert rows["static"]["tok_s"] > 0 and rows["static"]["floor_tok_s"] > 0 and "floor_tok_s" not in rows["dynamic"]
+    # the fixed-shape path splits its time into prefills and steps (the rest is host work between them)
+    static = rows["static"]
+    assert 0 < static["prefill_share"] < 1 and 0 < static["step_share"] < 1
+    assert static["prefill_share"] + static["step_share"] <= 1 and rows["dynamic"]["prefill_share"] is None
+    for row in rows.values():  # the machine's floor from the GEMM and streaming probes, for every mode
+        assert row["hw_floor_tok_s"] > 0 and row["of_hw_floor"] == row["tok_s"] / row["hw_floor_tok_s"]
+        assert row["hw_limit"] in ("weight streaming", "FLOPs")
+    assert (tmp_path / "d.json").is_file()
+
+
+def test_bench_engine_decode_modes_on_the_rollout_scenario(tiny_model_dir, capsys):
+    """--decode-rollout: every mode runs the same real ARPO sampling step (Python tool, tree) and gets its row."""
+    result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
+                                "--decode-batches", "4", "--new-tokens", "4", "--static-cache-tokens", "4096",
+                                "--threads", str(torch.get_num_threads()), "--decode-rollout", "1"])
+    rollout = {r["decode"]: r for r in result["decode"] if r["batch"] == "rollout"}
+    assert set(rollout) == {"dynamic", "static"} and rollout["dynamic"]["vs_dynamic"] == 1.0
+    assert all(r["tok_s"] > 0 and r["slots"] == 4 and r["of_hw_floor"] > 0 for r in rollout.values())
+    assert "| rollout (1 tasks, 4 slots) | static |" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
+    """--vllm --push-only: engine start and weight pushes of the model's own weights, greedy output unchanged."""
+    from arpo_algo.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
+    result = bench_engine.main(["--model", str(model), "--vllm", "--push-only", "--push-repeats", "2",
+                                "--kv-cache-gib", "0.25", "--threads", str(torch.get_num_threads())])
+    assert result["dtype"] == "float32" and len(result["weight_push_s"]) == 2
+    assert all(s > 0 for s in result["weight_push_s"]) and result["greedy_unchanged"] is True
+    assert result["pushed_mib"] == pytest.approx(result["params"] * 4 / 2**20, rel=0.2)  # + the tied head's copy
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_bench_engine_vllm_side_runs_both_engines_in_the_chosen_dtype(tmp_path):
+    """--vllm --vllm-dtype bfloat16: every scenario on the HF engine, arpo's vLLM engine and plain vLLM, the HF engine
+    in bfloat16 too (it pushes its own weights, so the push is half the float32 size)."""
+    from arpo_algo.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
+    result = bench_engine.main(["--model", str(model), "--vllm", "--vllm-batches", "2", "--vllm-dtype", "bfloat16",
+                                "--threads", str(torch.get_num_threads())])
+    assert result["dtype"] == "bfloat16"
+    assert set(result["rows"]) == {"refill@2", "tool_continuation@2", "rollout@2"}
+    for row in result["rows"].values():
+        assert set(row) == {"hf", "arpo_vllm", "plain_vllm"} and all(tokens > 0 for tokens, _ in row.values())
+    params = sum(p.numel() for p in HFEngine(model).model.parameters())
+    assert result["weight_push_mib"] == pytest.approx(params * 2 / 2**20, rel=0.2)  # bfloat16 weights pushed
+
+
+@pytest.mark.timeout(300)
+def test_bench_async_times_both_modes_with_a_rollout_actor(tiny_model_dir, tmp_path):
+    from benchmarks import bench_async
+
+    result = bench_async.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2",
+                               "--max-response-tokens", "8", "--warmup", "1", "--iterations", "1",
+                               "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
+                               "--out", str(tmp_path / "a.json")])
+    assert result["ratio_sync_over_async"] > 0 and (tmp_path / "a.json").is_file()
+    (sync,), (asyn,) = result["runs"]["sync"], result["runs"]["async"]
+    assert sync["iterations"][0]["staleness_max"] == 0.0 and asyn["iterations"][0]["staleness_max"] == 1.0
+
+
+def test_machine_floor_times_a_linear_layer_by_every_route(capsys):
+    from benchmarks import machine_floor
+
+    [row] = machine_floor.main(["--linear", "4x64x96", "--threads", "1"])
+    assert row["shape"] == [4, 64, 96] and all(row[r] > 0 for r in machine_floor.ROUTES)
+    assert "| 4 x 64 x 96 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="ROWSxINxOUT"):
+        machine_floor.main(["--linear", "4x64"])
+
+
+def test_machine_floor_times_a_models_step_parts(tiny_model_dir, tmp_path, capsys):
+    """--step: the timed products are every linear layer of the model (its head included) at the step's rows, the
+    timed read covers the attended columns of buffers shaped like the slot buffers (also for bf16, read as 4-byte
+    words); bad input is refused before any work, with the reason."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks import machine_floor
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(linears) == 7 * cfg.num_hidden_layers + 1
+    products, kv_read, info = machine_floor.step_parts(model, rows=4, columns=16, context=40)
+    outs = products()
+    assert [tuple(o.shape) for o in outs] == [(4, m.out_features) for m in linears]  # every layer, in module order
+    assert info["linear_layers"] == len(linears) and info["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_buffer = 4 * cfg.num_key_value_heads * 16 * head_dim  # the first 16 of 41 columns, no more
+    assert [s.item() for s in kv_read()] == [per_buffer] * (2 * cfg.num_hidden_layers)
+    assert info["kv_bytes"] == 2 * cfg.num_hidden_layers * per_buffer * 4
+    _, kv16, info16 = machine_floor.step_parts(model.to(torch.bfloat16), rows=4, columns=16, context=40)
+    word = torch.ones(2, dtype=torch.bfloat16).view(torch.float32).item()  # two bf16 ones read as one word
+    assert [s.item() for s in kv16()] == [pytest.approx(per_buffer / 2 * word)] * (2 * cfg.num_hidden_layers)
+    assert info16["kv_bytes"] == info["kv_bytes"] // 2
+
+    [row] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--context", "40",
+                                "--threads", "1"])
+    assert row["linear_layers"] == len(linears) and row["kv_bytes"] == info["kv_bytes"]
+    assert row["floor_tok_s"] == pytest.approx(4 / (row["products"] + row["kv_read"]))
+    assert "| both (everything else free) |" in capsys.readouterr().out
+    for argv, message in ((["--linear", "4x64"], "ROWSxINxOUT"), (["--rows", "0"], None),
+                          (["--columns", "64", "--context", "32"], None), (["--threads", "0"], None)):
+        with pytest.raises(SystemExit) as err:
+            machine_floor.main(["--step", str(tiny_model_dir), *argv])
+        if message is None:  # argparse's refusal: usage and the reason on stderr, exit code 2
+            assert err.value.code == 2
+        else:
+            assert message in str(err.value)
+    assert "must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown model 'no-such-model'"):
+        machine_floor.main(["--step", "no-such-model"])
+    empty = tmp_path / "config_only"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(SystemExit, match="cannot load"):
+        machine_floor.main(["--step", str(empty)])
+    lora_like = type("LoRALinear", (torch.nn.Linear,), {})  # a Linear subclass runs its own product: not timed
+    model.model.layers[0].mlp.up_proj = lora_like(cfg.hidden_size, cfg.intermediate_size, bias=False)
+    assert machine_floor._untimed_products(model) == ["LoRALinear"]
+    with pytest.raises(ValueError, match="LoRALinear"):  # refused where the timed layers are chosen
+        machine_floor.step_parts(model, rows=4, columns=16, context=40)
+
+
+@pytest.mark.timeout(600)
+def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_dir, tmp_path, capsys):
+    """bench_quickstart: each mode's quickstart run trains and evaluates with that decode path (the evaluation's
+    engines record the path they took: the quickstart's evaluation honours [rollouts.hf]), from one SFT folder."""
+    import json
+
+    from benchmarks import bench_quickstart
+
+    sft = tmp_path / "sft_run"
+    sft.mkdir()
+    for name in bench_quickstart.STAGE_MARKERS:  # an SFT stage "done" whose checkpoint is the tiny model
+        (sft / name).write_text(json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0}))
+    result = bench_quickstart.main(["--sft", str(sft), "--modes", "dynamic", "static", "--threads", "1",
+                                    "--output", str(tmp_path / "runs"), "--set", "experiment.iterations=1",
+                                    "--set", "evaluation.num_prompts=2", "--set", "rollouts.max_response_tokens=16",
+                                    "--set", "training.prompts_per_step=1"])
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"dynamic", "static"}
+    for mode, r in runs.items():
+        assert r["eval_decode"] == [mode, mode]
+        assert r["arpo_s"] > 0 and r["generate_s"] > 0 and r["tokens_sampled"] > 0 and r["eval_tokens"] > 0
+    out = capsys.readouterr().out
+    assert "| dynamic |" in out and "| static |" in out and "1.00x" in out
+
+
+def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path):
+    from benchmarks import bench_quickstart
+
+    with pytest.raises(SystemExit, match="no .stage_pull.json, .stage_sft.json"):
+        bench_quickstart.main(["--sft", str(tmp_path)])
+
+
+def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model_dir, tmp_path, capsys):
+    """The checkout comparison runs each (tree, dtype, decode) side in its own process, importing arpo from that
+    tree, and reports each side's median against the first; a folder that is not a checkout is refused."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from benchmarks import ab_decode
+
+    repo = Path(ab_decode.__file__).resolve().parents[1]
+    other = tmp_path / "copy"  # a second checkout: the packages copied, so its runs must import them from there
+    for pkg in ("arpo_algo", "arpo_base", "arpo_env"):
+        shutil.copytree(repo / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    args = ["--model", str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1"]
+    out = ab_decode.main(["--trees", str(other), str(repo), "--dtype", "float32", "bfloat16", "--decode", "static",
+                          "dynamic", *args, "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
+    labels = [f"{other} float32 static", f"{repo} bfloat16 dynamic"]
+    assert list(out["summary"]) == labels and out["summary"][labels[0]]["vs_first"] == 1.0
+    for label, tree in zip(labels, (other, repo)):
+        [run] = out["runs"][label]
+        assert run["tokens"] > 0 and run["seconds"] > 0 and Path(run["package"]).parent == tree / "arpo_algo"
+        assert run["stats"]["prefill_tokens"] > 0
+    # each side ran its own mode: only the fixed-shape path counts decode steps and times its prefills
+    fixed, dynamic = (out["runs"][label][0]["stats"] for label in labels)
+    assert fixed["decode_steps"] > 0 and "prefill_seconds" in fixed and "decode_steps" not in dynamic
+    assert json.loads((tmp_path / "ab.json").read_text())["summary"] == out["summary"]
+    assert "| tree, dtype, decode | median tok/s | vs first |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(tmp_path)])
+    assert "not an arpo checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(repo), str(repo), "--dtype", "float32", "float32"])  # one side twice
+    with pytest.raises(SystemExit):
+        ab_decode.main(["--trees", str(repo), "--decode", "static", "dynamic"])  # more modes than trees
+    assert "--decode takes one mode or one per tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
+        ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])

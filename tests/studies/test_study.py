@@ -1,0 +1,108 @@
+"""The powered comparison's analysis (studies/study.py, study_report.py) against hand computations."""
+
+from __future__ import annotations
+
+import pytest
+
+from arpo_base.errors import ConfigError
+from studies.study import parse_seeds
+from studies.study_report import report, wilcoxon
+
+
+@pytest.mark.parametrize(("diffs", "p", "n"), [
+    ([0.1, 0.2, 0.3, 0.4, 0.5], 2 / 32, 5),       # all positive: only 1 of 32 sign patterns as extreme, two-sided
+    ([0.1, -0.2, 0.3, 0.4, 0.5], 6 / 32, 5),      # W- = 2: patterns with rank sum <= 2 are {}, {1}, {2}
+    ([0.0, 0.1, 0.2, 0.3], 2 / 8, 3),             # the zero difference is dropped
+    ([0.25, 0.25, -0.25], 1.0, 3),                # tied ranks (2, 2, 2): W- = 2 is the centre of the distribution
+    ([0.0, 0.0], 1.0, 0),                          # nothing but ties with the baseline
+])
+def test_wilcoxon_exact(diffs, p, n):
+    got, nonzero = wilcoxon(diffs)
+    assert got == pytest.approx(p) and nonzero == n
+
+
+def test_seed_ranges():
+    assert parse_seeds(["0-3", "7"]) == [0, 1, 2, 3, 7]
+    with pytest.raises(ConfigError, match="ranges like 0-15"):
+        parse_seeds(["a-b"])
+
+
+def _record(arm: str, seed: int, accs: list[float], calls: list[float]) -> dict:
+    curve = [[i, c, 100 * c, a] for i, (c, a) in enumerate(zip(calls, accs))]
+    return {"arm": arm, "seed": seed, "code": "c0de", "commit": "0" * 40, "sft": "5f7", "cpu": "x86_64 avx2",
+            "torch": "2", "before": accs[0], "after": accs[-1], "curve": curve, "tool_calls": calls[1:],
+            "branches_per_group": 0.5 if arm == "arpo" else 0.0, "clip_frac": 0.0, "time_s": 10.0}
+
+
+def test_report_pairs_by_seed_and_counts_tool_calls_to_reach_the_baseline():
+    records = [_record("grpo", 0, [0.25, 0.5, 0.5], [0, 10, 20]), _record("grpo", 1, [0.25, 0.25, 0.5], [0, 10, 20]),
+               _record("arpo", 0, [0.25, 0.75, 1.0], [0, 10, 20]), _record("arpo", 1, [0.25, 0.25, 0.25], [0, 9, 18])]
+    text = report(records)
+    # GRPO's mean final accuracy is 0.5: ARPO seed 0 first reaches it after 10 tool calls, seed 1 never does
+    row = [line for line in text.splitlines() if line.startswith("| arpo | 2 | ")][1]  # the paired table
+    assert "| 1 / 1 / 0 |" in row and "| 0.500 | 1 of 2 | 1 | 10.000 ± 0.000 |" in row
+    assert "0.125 ± 0.530" in row  # differences +0.5 and -0.25
+    # an arm with fewer seeds is measured against the baseline's mean over its own seeds: GRPO seed 0 alone
+    # ended at 0.5, seed 2 at 1.0 (mean of all three 0.667, which the paired arm's seed 0 would not reach)
+    more = records + [_record("grpo", 2, [0.25, 1.0, 1.0], [0, 10, 20])]
+    three = [line for line in report(more).splitlines() if line.startswith("| arpo | 2 | ")][1]
+    assert "| 0.500 | 1 of 2 |" in three
+    own = [line for line in report(more).splitlines() if line.startswith("| grpo | - | ")][0]
+    assert "| 0.667 | 1 of 3 | 1 |" in own  # only seed 2 reaches its own arm's mean, at iteration 1
+    assert "| arpo | 1 | .250 .250 .250 |" in text
+
+
+def test_report_pairs_against_the_baseline_it_is_given(tmp_path):
+    import json
+
+    from studies.study import main
+
+    records = [_record("qs_sync", 0, [0.25, 0.5], [0, 10]), _record("qs_sync", 1, [0.25, 0.25], [0, 10]),
+               _record("qs_async", 0, [0.25, 0.75], [0, 10]), _record("qs_async", 1, [0.25, 0.5], [0, 9])]
+    row = [line for line in report(records, baseline="qs_sync").splitlines() if line.startswith("| qs_async | 2 | ")]
+    assert "0.250 ± 0.000" in row[1] and "| 2 / 0 / 0 |" in row[1]  # both seeds +0.25 over the synchronous arm
+    assert "Paired by seed" not in report(records)  # no GRPO records: nothing to pair against
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", "--records", str(path), "--baseline", "grpo"]) == 2  # no such arm: refused, not empty
+
+
+def test_report_keeps_only_the_arms_it_is_given(tmp_path, capsys):
+    import json
+
+    from studies.study import main
+
+    records = [_record("grpo", 0, [0.25, 0.5], [0, 10]), _record("arpo", 0, [0.25, 0.75], [0, 10]),
+               _record("quickstart_mb1", 0, [0.25, 1.0], [0, 10])]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", "--records", str(path), "--arms", "arpo", "grpo", "--figures", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| arpo | 1 |" in out and "| grpo | 1 |" in out and "quickstart_mb1" not in out
+    assert (tmp_path / "study_accuracy_vs_tool_calls.png").is_file()
+    assert main(["report", "--records", str(path), "--arms", "aepo"]) == 2  # no such arm: refused, not empty
+    assert "no record of the arm(s) aepo" in capsys.readouterr().err
+
+
+def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir, tmp_path):
+    """A study of many runs keeps one checkpoint per unfinished run only: each finished run's checkpoints go once its
+    record is written, its metrics and config stay."""
+    from arpo_algo.algorithms import ARPOConfig
+    from arpo_algo.models.checkpoints import list_checkpoints
+    from arpo_algo.run.driver import save_checkpoint
+    from studies.study import drop_checkpoints
+
+    algo = (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+            .training(model_path=str(tiny_model_dir), prompts_per_step=2)
+            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=8, hf={"max_batch_size": 4}).build_algo())
+    try:
+        run = tmp_path / "seed_0"
+        saved = save_checkpoint(algo, run / "checkpoints", keep=1)
+    finally:
+        algo.stop()
+    (run / "metrics.jsonl").write_text("{}\n")
+    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    assert list_checkpoints(run / "checkpoints") == [saved] and size > 0
+    assert drop_checkpoints(run) == size
+    assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
+    assert drop_checkpoints(run) == 0  # a run whose checkpoints are gone already
