@@ -48,32 +48,15 @@ class AgentSpec:
         return asdict(self)
 
 
-def _newest_checkpoint(run: Path) -> Path | None:
-    from arpo_algo.models.checkpoints import list_checkpoints
-
-    found = list_checkpoints(run / "checkpoints")
-    return found[-1] if found else None
-
-
 def resolve_source(source: str) -> tuple[str, Path]:
     """``[NAME=]SOURCE`` -> (name, HF policy folder); raises :class:`ConfigError` naming the source."""
     name, _, path_text = source.rpartition("=") if "=" in source else ("", "", source)
     path = Path(path_text).expanduser()
     if path.is_dir():
-        if (path / "config.json").is_file():
-            folder, default = path, path.name
-        elif (path / "policy" / "config.json").is_file():
-            folder = path / "policy"
-            default = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
-        elif (path / "checkpoints").is_dir():
-            ckpt = _newest_checkpoint(path)
-            if ckpt is None:
-                raise ConfigError(f"{path}: the run folder holds no finished checkpoint under checkpoints/",
-                                  hint="train longer (checkpoint_every) or pass a model folder")
-            folder, default = ckpt / "policy", path.name
-        else:
-            raise ConfigError(f"{path}: neither a model folder (config.json), a checkpoint (policy/) nor a run "
-                              "folder (checkpoints/)", hint="pass the folder `arpo sft` or `arpo train` wrote")
+        from arpo_algo.models.checkpoints import policy_source
+
+        found = policy_source(path)  # by what the folder holds; refused here, before anything starts
+        folder, default = found.folder, found.name
     else:
         from arpo_algo.models import resolve_model_path
 

@@ -9,7 +9,7 @@ OpenAI-shaped 503 with ``Retry-After``, counted like every answer. Serve's own l
 (:data:`SERVE_HEADROOM`), so its proxy's plain-text 503 is left for floods the replicas cannot even answer quickly.
 
 Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=runs/arpo``), a Serve config file
-(``experiments/serve_config.yaml``, ``serve deploy``) or ``arpo serve``.
+(``examples/serve_config.yaml``, ``serve deploy``) or ``arpo serve``.
 """
 
 # No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures, and FastAPI must see
@@ -119,6 +119,16 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error(err)
 
 
+def load_failure(e: BaseException) -> str:
+    """What the operator reads when an agent does not load: a user's mistake (ArpoError) as its message and hint, any
+    other error as its type and message; the traceback stays in the replica's log."""
+    from arpo_base.errors import ArpoError
+
+    if isinstance(e, ArpoError):
+        return e.message + (f" (hint: {e.hint})" if e.hint else "")
+    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (the replica log has the details)"
+
+
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
@@ -155,8 +165,7 @@ class AgentServer:
                 self.agents[spec.name] = Agent(spec)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
             log.error("loading agent %s failed", getattr(spec, "name", "?"), exc_info=e)
-            self.load_error = (f"loading the agent '{getattr(spec, 'name', '?')}' failed ({type(e).__name__}); "
-                               "the replica log has the details")
+            self.load_error = f"loading the agent '{getattr(spec, 'name', '?')}' failed: {load_failure(e)}"
         finally:
             self.loaded.set()
 

@@ -49,15 +49,7 @@ def resolve_model(spec: str) -> tuple[str, Path]:
     if not sep or Path(spec).expanduser().exists():
         label, target = "", spec
     given = Path(target).expanduser()
-    path = given
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        ckpts = sorted(p for p in (path / "checkpoints").iterdir() if (p / "policy" / "config.json").is_file())
-        if not ckpts:
-            raise ArpoError(f"{path} is a run folder without a finished checkpoint")
-        path = ckpts[-1]
-    if path.is_dir() and (path / "policy" / "config.json").is_file():
-        path = path / "policy"
-    folder = resolve_model_path(str(path) if path.exists() else target)
+    folder = resolve_model_path(target)  # a run folder, a checkpoint or a model folder, told apart by their files
     if not label:
         label = (given.parent.name if given.name == "policy" else given.name) if given.exists() else target
     return label, Path(folder)

@@ -67,10 +67,13 @@ def is_pulled(name: str) -> bool:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
-    """Turn a registered model name or a local folder into a folder ``from_pretrained`` can read.
+    """Turn a registered model name or a local folder into a folder ``from_pretrained`` can read: a model folder is
+    itself, a training checkpoint gives its ``policy/``, a run folder its newest checkpoint's
+    (:func:`arpo_algo.models.checkpoints.policy_source`).
 
     Raises:
-        MissingDataError: the name is registered but not pulled, or the path does not hold a model.
+        MissingDataError: the name is registered but not pulled.
+        ConfigError: the folder is not a model source (or looks like two kinds of one).
         ArpoError: neither a registered name nor an existing path.
     """
     text = str(name_or_path)
@@ -82,12 +85,9 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
         return model_dir(text)
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise MissingDataError(
-                f"{path} is a folder but holds no config.json, so it is not a Hugging Face model folder",
-                hint="pass a folder written by save_pretrained, or a registered name (arpo model list)",
-            )
-        return path
+        from arpo_algo.models.checkpoints import policy_source
+
+        return policy_source(path).folder
     known = ", ".join(sorted(REGISTRY))
     raise ArpoError(
         f"unknown model {text!r}: not a registered name and no such folder",
