@@ -149,8 +149,83 @@ def test_readme_is_a_front_door():
         assert (ROOT / page).is_file(), page
 
 
-@pytest.mark.parametrize("page", sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md"))
+def is_stub(page: Path) -> bool:
+    """A page that moved: its title ends in "(moved)" and it only points to where its content went."""
+    return page.read_text(encoding="utf-8").splitlines()[0].rstrip().endswith("(moved)")
+
+
+RESULTS_PAGES = sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md" and not is_stub(p))
+
+
+@pytest.mark.parametrize("page", RESULTS_PAGES)
 def test_results_pages_state_date_machine_and_command(page):
     text = (DOCS / "results" / page).read_text(encoding="utf-8")
     for field in ("**Date:**", "**Machine", "**Command"):
         assert field in text, f"docs/results/{page} lacks {field}"
+
+
+#: A how-to section a reader can scan: at most this many words of prose (code blocks not counted).
+HOWTO_SECTION_WORDS = 400
+#: Results are evidence for the rest of the site, not most of it: at most this share of the site's words.
+RESULTS_SHARE = 0.25
+#: A moved page is a pointer, not a second copy of its content.
+STUB_WORDS = 200
+
+
+def sections(text: str) -> list[tuple[str, list[str]]]:
+    """``[(heading, prose lines)]`` of a Markdown page: split at every heading, fenced code dropped."""
+    found: list[tuple[str, list[str]]] = [("(top of the page)", [])]
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            found.append((line.lstrip("#").strip(), []))
+        elif not fenced:
+            found[-1][1].append(line)
+    return found
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+def test_sections_and_words_are_counted_as_a_reader_sees_them():
+    page = "# T\n\nfirst words here\n\n```bash\nnot prose at all\n```\n\n## Next\n\none two\n"
+    counted = {h: word_count("\n".join(lines)) for h, lines in sections(page)}
+    assert counted == {"(top of the page)": 0, "T": 3, "Next": 2}
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (DOCS / "howto").glob("*.md")))
+def test_howto_sections_are_short_enough_to_scan(page):
+    text = (DOCS / "howto" / page).read_text(encoding="utf-8")
+    long = [f"{heading!r}: {n} words" for heading, lines in sections(text)
+            if (n := word_count("\n".join(lines))) > HOWTO_SECTION_WORDS]
+    assert not long, f"docs/howto/{page}: split these sections under headings:\n" + "\n".join(long)
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (DOCS / "howto").glob("*.md")))
+def test_howto_guides_open_with_their_command(page):
+    """The first thing under a guide's title is the command that does the task, in a code block."""
+    lines = [line for line in (DOCS / "howto" / page).read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert lines[0].startswith("# "), f"docs/howto/{page} does not start with its title"
+    assert lines[1].startswith("```"), f"docs/howto/{page}: the line after the title is {lines[1][:80]!r}"
+
+
+def test_results_are_at_most_a_quarter_of_the_site():
+    pages = list(DOCS.rglob("*.md"))
+    total = sum(word_count(p.read_text(encoding="utf-8")) for p in pages)
+    results = sum(word_count(p.read_text(encoding="utf-8")) for p in pages if p.parent == DOCS / "results")
+    assert results <= RESULTS_SHARE * total, f"results are {results} of {total} words ({results / total:.0%})"
+
+
+def test_moved_pages_are_short_pointers_to_pages_that_exist():
+    stubs = [p for p in (DOCS / "results").glob("*.md") if is_stub(p)]
+    assert stubs
+    for page in stubs:
+        text = page.read_text(encoding="utf-8")
+        assert word_count(text) <= STUB_WORDS, f"{page.name} is {word_count(text)} words"
+        targets = re.findall(r"\]\(([^)#]+\.md)", text)
+        assert targets, f"{page.name} points nowhere"
+        for target in targets:
+            assert (page.parent / target).resolve().is_file(), f"{page.name} points to a missing {target}"

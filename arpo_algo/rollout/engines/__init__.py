@@ -47,7 +47,8 @@ def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 
         kind: A key of :data:`ENGINES` ("hf" or "vllm").
         num_actors: 0 = the engine in this process; N > 0 = N Ray actors, each with its own engine (needs Ray
             running; a module passed as ``model=`` cannot travel to actors, pass ``model_or_path``).
-        num_cpus_per_actor, num_gpus_per_actor: Ray resources per actor.
+        num_cpus_per_actor: Ray CPUs per actor.
+        num_gpus_per_actor: Ray GPUs per actor.
         actor_resources: Custom resources: one dict for every actor or one per actor (``rollouts.actor_resources``).
         **settings: The engine's own keyword arguments (``HFEngine`` / ``VLLMEngine``).
 
