@@ -82,7 +82,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     settings, exp_env, exp_env_id = resolve_settings(args)
     overrides = data_env_config(args.data, args.env, exp_env, exp_env_id, _env_overrides(args.env_set or []))
-    data = load_eval_data(args.data, split=args.split, limit=args.limit, env=args.env, env_config=overrides)
+    from arpo_algo.run import smoke
+
+    if smoke.smoke():
+        smoke.announce("arpo eval")
+    limit = smoke.capped(args.limit, smoke.EVAL_ITEMS)
+    data = load_eval_data(args.data, split=args.split, limit=limit, env=args.env, env_config=overrides)
     out = Path(args.output or Path("runs") / "eval" / f"{Path(args.data).stem.replace('/', '_')}-k{settings.samples}")
     judge = None
     if args.judge:

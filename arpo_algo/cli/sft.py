@@ -23,7 +23,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
     flags = {"model": args.model, "data": args.data, "output_dir": args.output, "epochs": args.epochs,
              "num_examples": args.num_examples, "max_steps": args.max_steps}
     values.update({k: v for k, v in flags.items() if v is not None})
+    from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig
+
+    if smoke.smoke():
+        smoke.announce("arpo sft")
+        values["num_examples"] = smoke.capped(values.get("num_examples"), smoke.SFT_EXAMPLES)
 
     return SFTConfig.from_dict(values)
 

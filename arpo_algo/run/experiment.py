@@ -38,6 +38,7 @@ from typing import Any
 
 from arpo_algo.algorithms import CONFIG_CLASSES, ARPOConfig
 from arpo_algo.algorithms.settings import SECTIONS as SETTING_SECTIONS
+from arpo_algo.run import smoke
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.options import (
     apply_overrides,
@@ -187,8 +188,14 @@ def load_experiment(name_or_path: str | Path | None = None, overrides: list[str]
             raise unknown_key_error(section, SECTIONS, f"{where}: section [{section}]")
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: {section!r} must be a [section], got a plain key")
+    if smoke.smoke():  # ARPO_SMOKE: one iteration, two prompts, short responses (arpo_algo.run.smoke)
+        smoke.announce(f"experiment {where}")
+        body = sections.setdefault("experiment", {})
+        body["iterations"] = min(int(body.get("iterations", ExperimentConfig.iterations)), smoke.ITERATIONS)
     run = _run_settings(sections.get("experiment", {}), source, where)
     config = build_config(sections, run, where)
+    if smoke.smoke():
+        config.update_settings(smoke.experiment_budget(config.settings), f"{where} ({smoke.SMOKE_ENV})")
     return Experiment(run=run, config=config, sections=sections, source=source, overrides=list(overrides or []))
 
 

@@ -120,9 +120,14 @@ def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]]) -> dict[st
 
 
 def stage_sft(out: Path, model: str, seed: int, progress: bool) -> dict[str, Any]:
+    from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig, run_sft
 
-    cfg = SFTConfig(model=model, output_dir=str(out / "sft"), seed=seed, progress=progress, **SFT_SETTINGS)
+    settings = dict(SFT_SETTINGS)
+    if smoke.smoke():
+        smoke.announce("the quickstart's SFT stage")
+        settings["num_examples"] = smoke.capped(settings["num_examples"], smoke.SFT_EXAMPLES)
+    cfg = SFTConfig(model=model, output_dir=str(out / "sft"), seed=seed, progress=progress, **settings)
     m = run_sft(cfg)
     return {"path": m["output_dir"], "first_loss": m["first_loss"], "final_loss": m["final_loss"], "steps": m["steps"]}
 

@@ -35,6 +35,7 @@ from arpo_algo.algorithms.settings import SECTIONS as SETTING_SECTIONS
 from arpo_algo.algorithms.settings import Settings
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout import metrics as MK
+from arpo_algo.run import smoke
 from arpo_algo.run.experiment import (
     SECTIONS,
     Experiment,
@@ -188,6 +189,9 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
                               hint="override a base setting (section.key=value) or a sweep setting (sweep.key=...)")
         else:
             base_over.append(item)
+    if smoke.smoke():
+        smoke.announce(f"sweep {where}")
+        body.update(smoke.sweep_budget())
     settings = _settings(body, source, where)
     base_path = resolve_experiment_path(settings.experiment)
     base_raw = read_toml(base_path)

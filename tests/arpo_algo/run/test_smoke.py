@@ -1,0 +1,27 @@
+"""ARPO_SMOKE shrinks only the budget: the same experiment, one iteration of two prompts, said on stderr."""
+
+from __future__ import annotations
+
+from arpo_algo.run.experiment import load_experiment
+from arpo_algo.run.sweep import load_sweep
+
+
+def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_model_dir):
+    full = load_experiment("toolmath_aepo")
+    monkeypatch.setenv("ARPO_SMOKE", "1")
+    small = load_experiment("toolmath_aepo")
+    assert "ARPO_SMOKE is set" in capsys.readouterr().err
+    s, f = small.config.settings, full.config.settings
+    assert small.run.iterations == 1 and s.training.prompts_per_step == min(2, f.training.prompts_per_step)
+    assert s.training.mini_batches <= s.training.prompts_per_step and s.evaluation.num_prompts == 2
+    assert s.rollouts.max_response_tokens == min(48, f.rollouts.max_response_tokens)
+    assert (s.tree, s.training.lr, small.config.env_config, type(small.config)) == \
+        (f.tree, f.training.lr, full.config.env_config, type(full.config))
+    small.config.validate()
+    sweep = load_sweep("tune_quickstart", [f"model.path={str(tiny_model_dir)!r}"])
+    assert (sweep.settings.num_samples, sweep.settings.iterations) == (1, 1)
+
+
+def test_without_the_variable_nothing_changes(monkeypatch):
+    monkeypatch.setenv("ARPO_SMOKE", "0")
+    assert load_experiment("toolmath_aepo").run.iterations == load_experiment("toolmath_aepo", []).run.iterations > 1
