@@ -37,7 +37,7 @@ from arpo_algo.rollout import diagnostics as D
 from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ArpoError, ConfigError
 from experiments.compare import collect
-from experiments.study_report import power_mde, report
+from experiments.study_report import planned_test, power_mde, report
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ["evaluation.every=1", "evaluation.num_prompts=128", "evaluation.split=\"test\""]
@@ -237,6 +237,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     if records and args.baseline not in {r["arm"] for r in records}:
         raise ConfigError(f"no record of the baseline arm {args.baseline!r} in {args.records}",
                           hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}")
+    arms = {r["arm"] for r in records}
+    if {"arpo", "grpo"} <= arms:
+        dev = DEVIATIONS[-1] if DEVIATIONS else {"pairs": PLAN["pairs"], "aepo_seeds": PLAN["aepo_seeds"]}
+        effect = power_mde(PLAN["pairs"], PLAN["pilot_sd"], PLAN["alpha"])  # the effect the plan was sized for
+        print(planned_test(records, dev["pairs"], PLAN["alpha"], effect, PLAN["pilot_sd"], PLAN["pairs"],
+                           dev["aepo_seeds"], PLAN["aepo_seeds"]) + "\n")
     print(report(records, args.figures, baseline=args.baseline))
     return 0
 

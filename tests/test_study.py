@@ -106,3 +106,34 @@ def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir
     assert drop_checkpoints(run) == size
     assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
     assert drop_checkpoints(run) == 0  # a run whose checkpoints are gone already
+
+
+@pytest.mark.parametrize(("diffs", "alpha", "want"), [
+    # Walsh averages of 1..5 are symmetric about 3; at alpha 0.1, c = 0 (P(W+ <= 0) = 1/32): the extremes, 93.75%
+    ([1, 2, 3, 4, 5], 0.1, (3, 1, 5, 1 - 2 / 32)),
+    ([1, 2, 3, 4, 5, 6], 0.05, (3.5, 1, 6, 1 - 2 / 64)),  # n = 6: c = 0 again, 1/64 <= 0.025 < 2/64
+    ([-1, 2, 4], 0.3, (1.75, -1, 4, 0.75)),  # Walsh -1, .5, 1.5, 2, 3, 4; c = 0 (1/8 <= 0.15 < 2/8)
+    ([-1, 2, 4], 0.5, (1.75, 0.5, 3, 0.5)),  # c = 1 (2/8 <= 0.25): one Walsh average in from each end
+])
+def test_hodges_lehmann_and_its_exact_interval(diffs, alpha, want):
+    from experiments.study_report import hodges_lehmann
+
+    assert hodges_lehmann(diffs, alpha) == pytest.approx(want)
+    lo, hi = hodges_lehmann(diffs[:4], 0.05)[1:3]  # 4 pairs: no sign pattern is rare enough for a 95% interval
+    assert (lo, hi) == (-float("inf"), float("inf"))
+
+
+def test_planned_test_runs_at_the_fixed_n_over_the_first_seeds():
+    from experiments.study_report import planned_test
+
+    accs = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, -0.9]  # the seventh pair, beyond n = 6, must not count
+    records = [r for s, x in enumerate(accs)
+               for r in (_record("grpo", s, [0.0, 0.0], [0, 10]), _record("arpo", s, [0.0, x], [0, 10]))]
+    text = planned_test(records, 6, 0.05, 10.0, 0.001, 8, 0, 4, sims=200)
+    assert "exact two-sided p = 0.0312 over 6 non-zero pairs: significant" in text  # 2 / 64
+    assert "+0.3500; exact 96.9% interval (Walsh averages) +0.1000 .. +0.6000" in text
+    assert "1.00 at the planned effect" in text and "1.00 when the 6 observed differences are resampled" in text
+    assert "AEPO: 0 of 4 planned seeds run (not run)" in text
+    assert "not run: 5 of 6 pairs recorded" in planned_test(records[:10], 6, 0.05, 0.2, 0.25, 8, 0, 4)
+    low = planned_test(records, 6, 0.05, 0.0, 0.25, 8, 0, 4, sims=400)  # no effect: power is the size, <= alpha
+    assert float(low.split("simulations): ")[1].split(" ")[0]) <= 0.06
