@@ -140,6 +140,19 @@ def test_mini_batches_are_sequential_steps_with_old_logprobs_fixed(tiny_model_di
     assert mc["clip_frac"] > 0 and mc["optimizer_steps"] == 2
 
 
+def test_aepo_defaults_take_several_steps_so_its_clip_acts(tiny_model_dir, groups):
+    """AEPO's own defaults (entropy-balanced clip, recomputed old log-probs) split the batch into mini-batches, so
+    from the second optimizer step on the ratio moves and the clip acts: clip_frac > 0 (with one step it is exactly
+    0 and the clip is inert)."""
+    from arpo_algo.algorithms.settings import Settings
+
+    aepo = Settings.for_variant("aepo").training
+    assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batches > 1
+    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+    m = Learner(tiny_model_dir, cfg, seed=0).update([_unsampled(g) for g in groups])
+    assert m["optimizer_steps"] == 2 and m["clip_frac"] > 0  # 2 groups: one per part
+
+
 def test_mini_batch_metrics_average_the_steps_taken_and_few_groups_make_fewer_parts(tiny_model_dir, groups):
     """A mini-batch without signal takes no step; the update's rate, losses and clip fractions are those of the steps
     taken (not pulled toward 0 by the skipped one). Fewer groups than mini-batches (dynamic sampling may keep fewer
