@@ -192,6 +192,8 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
      "engine = 'hf' only"),
     (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
     (lambda c: c.evaluation(every=-1), "evaluation.every"),
+    (lambda c: c.llm_rollouts(top_k=0), "top_k=0: -1 is the value that means off"),  # engines refuse 0 per request
+    (lambda c: c.llm_rollouts(top_k=-2), "top_k=-2: -1 is the value"),
     (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
     # asynchronous rollouts: each combination whose invariant the pipeline cannot keep
     (lambda c: c.llm_rollouts(asynchronous=True), "needs rollout actors"),
