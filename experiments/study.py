@@ -291,7 +291,8 @@ def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, A
     for bid, rs in sorted(blocks.items()):
         design = rs[0]["block"]
         have = {(r["arm"], r["seed"]) for r in rs}
-        missing = [f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"] if (arm, seed) not in have]
+        missing = [f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"]
+                   if (arm, seed) not in have]
         if missing:
             raise ConfigError(f"block {bid} is partial: no record of {', '.join(missing)}",
                               hint=f"finish it (python -m experiments.study run {' '.join(design['arms'])} --block "
