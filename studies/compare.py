@@ -1,6 +1,6 @@
 """Compare experiment files over several seeds from ONE shared SFT checkpoint, so the seeds differ only by the RL run.
 
-    python -m studies.compare arpo_algo/run/recipes/quickstart.toml experiments/quickstart_grpo.toml \
+    python -m studies.compare experiments/comparisons/compare_arpo.toml experiments/comparisons/compare_grpo.toml \
         --sft runs/quickstart/sft --seeds 0 1 2 --output runs/compare [--equal-budget] [--set section.key=value]
 
 Every (configuration, seed) is one ``arpo train`` run (in this process, one after the other) with

@@ -2,6 +2,7 @@
 
     python -m studies.study plan
     python -m studies.study run arpo grpo --seeds 0-15 --sft runs/quickstart/sft --records FILE
+    python -m studies.study run arpo grpo --seeds 0-7 --block 1 --sft-seed 1 --sft SFT1 [--dry-run]
     python -m studies.study report --records FILE [--figures DIR] [--arms ARM ...]
 
 The analysis is fixed before any run (``plan`` prints it; docs/results/powered-comparison.md states it): the primary
@@ -17,6 +18,12 @@ repository (``studies/study_records.jsonl``); run folders are not. ``run`` skips
 recorded, so the study continues after an interruption or in a later session from a fresh clone of the pinned commit
 (a run killed mid-way resumes from its newest checkpoint if its folder is still there). It refuses to add records made
 by other code, another SFT checkpoint or another kind of CPU than the records already hold.
+
+A block (``--block B --sft-seed S``) is a set of pairs from its own SFT checkpoint: its records carry the block's
+design, every arm and seed of it runs from that checkpoint on one kind of machine in one invocation, no two blocks
+share an SFT seed or checkpoint, and a partial block is refused by ``run`` and by ``report`` (which reports each block
+as a labelled side analysis, paired within the block). So no study depends on rebuilding weights bit for bit on
+another CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from arpo_algo.rollout import diagnostics as D
 from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ArpoError, ConfigError
 from studies.compare import collect
-from studies.study_report import power_mde, report
+from studies.study_report import planned_test, power_mde, report
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL = ["evaluation.every=1", "evaluation.num_prompts=128", "evaluation.split=\"test\""]
@@ -65,15 +72,25 @@ PLAN = {"primary": "two-sided Wilcoxon signed-rank test (zero differences droppe
                    "average ranks for ties) on paired final held-out accuracy, ARPO - GRPO",
         "pairs": 16, "alpha": 0.05, "aepo_seeds": 8, "eval_tasks": 128,
         "pilot_sd": 0.246}  # sd of the paired differences of the 5-seed pilot at M = 8 (docs/results/budget-m8.md)
+#: Departures from ``PLAN``, dated and recorded before any run or analysis that depends on them. The primary test is
+#: run at the last entry's ``pairs`` over the first that many paired seeds; the plan itself is never edited.
+DEVIATIONS: tuple[dict[str, Any], ...] = (
+    {"date": "2026-11-28", "pairs": 14, "aepo_seeds": 0,
+     "reason": "the study stops at 14 pairs (seeds 0-13) for a hardware reason: its SFT checkpoint is rebuilt bit "
+               "for bit only on the kind of CPU that made it, so the remaining pairs cannot come from the same "
+               "checkpoint elsewhere. The planned test is reported at n = 14, with its power; the AEPO seeds are "
+               "not run. Pairs from a new SFT checkpoint may only be added as a labelled side analysis, in blocks."},
+)
 
 
-def code_hash() -> tuple[str, str]:
-    """(hash of the training code's git trees at HEAD, HEAD's commit); ConfigError if that code has local edits."""
+def code_hash(allow_dirty: bool = False) -> tuple[str, str]:
+    """(hash of the training code's git trees at HEAD, HEAD's commit); ConfigError if that code has local edits
+    (``allow_dirty``: only for a dry run, which writes no record)."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
     dirty = git("status", "--porcelain", "--", *CODE_PATHS)
-    if dirty:
+    if dirty and not allow_dirty:
         raise ConfigError(f"the training code has uncommitted changes:\n{dirty}",
                           hint="a study's records must come from one commit: run it from a clean checkout")
     trees = [git("rev-parse", f"HEAD:{p}") for p in CODE_PATHS]
@@ -148,20 +165,63 @@ def _mean(xs: Any) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def check_block(records: list[dict[str, Any]], block: int, sft_seed: int, sft_hash: str, arms: list[str],
+                seeds: list[int]) -> None:
+    """Refuse a block run that would break a block's invariants: every (arm, seed) of a block comes from the block's
+    own SFT checkpoint (its own SFT seed and weights' hash, shared with no other block) on one kind of machine, and
+    one invocation runs the block's whole design (every arm of every seed), so no block is split across checkpoints,
+    machines or arm subsets. The code, CPU and torch checks of ``cmd_run`` apply within the block."""
+    design = {"arms": sorted(arms), "seeds": sorted(seeds)}
+    for r in records:
+        b = r.get("block")
+        if b is None:
+            if r["sft"] == sft_hash:
+                raise ConfigError(f"block {block}'s SFT checkpoint {sft_hash} is the main study's",
+                                  hint="a block starts from its own SFT checkpoint: build one with another --sft-seed")
+        elif b["id"] != block and (b["sft_seed"] == sft_seed or r["sft"] == sft_hash):
+            raise ConfigError(f"block {b['id']} already uses SFT seed {b['sft_seed']} (hash {r['sft']}); block "
+                              f"{block} would use SFT seed {sft_seed} (hash {sft_hash})",
+                              hint="each block has its own SFT seed and checkpoint")
+        elif b["id"] == block and (b["sft_seed"], {"arms": b["arms"], "seeds": b["seeds"]}) != (sft_seed, design):
+            raise ConfigError(f"block {block} was started as SFT seed {b['sft_seed']}, arms {' '.join(b['arms'])}, "
+                              f"seeds {b['seeds']}; this run asks for SFT seed {sft_seed}, arms {' '.join(arms)}, "
+                              f"seeds {sorted(seeds)}",
+                              hint="a partial block is refused: run the block's whole design in one invocation")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     for arm in args.arms:
         if arm not in ARMS:
             raise ConfigError(f"unknown arm {arm!r}", hint=f"one of {', '.join(ARMS)}")
-    code, commit = code_hash()
+    if (args.block is None) != (args.sft_seed is None):
+        raise ConfigError("--block and --sft-seed go together", hint="a block is named by its number and the SFT "
+                          "seed its checkpoint was built with (python -m arpo_algo.run.quickstart --sft-seed S)")
+    code, commit = code_hash(allow_dirty=args.dry_run)
     sft_hash, here = file_hash(args.sft), machine()
     records = read_records(args.records)
-    for r in records[:1]:
+    seeds = parse_seeds(args.seeds)
+    if args.block is not None:
+        if len(args.arms) < 2:
+            raise ConfigError(f"block {args.block} names one arm", hint="a block pairs arms: name every arm of it")
+        check_block(records, args.block, args.sft_seed, sft_hash, args.arms, seeds)
+    # the records a run must agree with: its block's, or the main study's
+    peers = [r for r in records if (r.get("block") or {}).get("id") == args.block]
+    for r in peers[:1]:
         for key, mine in (("code", code), ("sft", sft_hash), ("cpu", here["cpu"]), ("torch", here["torch"])):
             if r[key] != mine:
                 raise ConfigError(f"the records in {args.records} come from {key} {r[key]}, this run would be "
                                   f"{mine}", hint="continue the study from its pinned commit, SFT checkpoint and "
                                   "kind of CPU (see the records' first line), or start a new records file")
-    done = {(r["arm"], r["seed"]) for r in records}
+    done = {(r["arm"], r["seed"]) for r in peers}
+    if args.block is not None:
+        args.output = args.output / f"block_{args.block}"
+    if args.dry_run:
+        todo = [(arm, seed) for seed in seeds for arm in args.arms if (arm, seed) not in done]
+        print(f"[study] dry run: {len(todo)} run(s) from SFT {sft_hash} on {here['cpu']}, code {code}"
+              + ("" if args.block is None else f", block {args.block} (SFT seed {args.sft_seed})"), flush=True)
+        for arm, seed in todo:
+            print(f"[study] would run {arm} seed {seed} into {args.output / arm / f'seed_{seed}'}", flush=True)
+        return 0
     for arm, seed in sorted(done):  # a stop between a record and its cleanup left these behind
         folder = args.output / arm / f"seed_{seed}"
         # result.json: the run finished (a live run of the same seed in this folder, from another records file,
@@ -171,7 +231,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             freed = drop_checkpoints(folder)
             print(f"[study] {arm} seed {seed} is recorded: dropped its checkpoints ({freed / 2**30:.1f} GiB)",
                   flush=True)
-    for seed in parse_seeds(args.seeds):
+    block = None if args.block is None else {"id": args.block, "sft_seed": args.sft_seed, "arms": sorted(args.arms),
+                                             "seeds": sorted(seeds)}
+    for seed in seeds:
         for arm in args.arms:
             if (arm, seed) in done:
                 continue
@@ -179,6 +241,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             got = run_arm(arm, seed, args.sft.resolve(), args.output / arm / f"seed_{seed}", not args.no_progress)
             rec = {"arm": arm, "seed": seed, "code": code, "commit": commit, "sft": sft_hash, **here,
                    "threads": args.threads, "date": time.strftime("%Y-%m-%d"), **got}
+            if block is not None:
+                rec["block"] = block
             with args.records.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -213,11 +277,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"difference of {mde:.2f} with 80% power (Wilcoxon, simulated)")
     for arm, (file, overrides) in ARMS.items():
         print(f"arm {arm}: {file} --set {' --set '.join(overrides)}")
+    for d in DEVIATIONS:
+        print(f"deviation recorded {d['date']}: n = {d['pairs']} pairs, {d['aepo_seeds']} AEPO seeds; {d['reason']}")
     return 0
+
+
+def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """The records of each block by its id; ConfigError naming the missing runs of a partial block, whose pairs would
+    otherwise enter an analysis without the arms they are paired with."""
+    blocks: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("block"):
+            blocks.setdefault(r["block"]["id"], []).append(r)
+    for bid, rs in sorted(blocks.items()):
+        design = rs[0]["block"]
+        have = {(r["arm"], r["seed"]) for r in rs}
+        missing = [f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"]
+                   if (arm, seed) not in have]
+        if missing:
+            raise ConfigError(f"block {bid} is partial: no record of {', '.join(missing)}",
+                              hint=f"finish it (python -m studies.study run {' '.join(design['arms'])} --block "
+                                   f"{bid} --sft-seed {design['sft_seed']} ...) before reporting")
+    return blocks
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     records = read_records(args.records)
+    blocks = complete_blocks(records)
+    records = [r for r in records if not r.get("block")]  # the main study; blocks are side analyses
     if args.arms:
         unknown = sorted(set(args.arms) - {r["arm"] for r in records})
         if unknown:
@@ -227,7 +314,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     if records and args.baseline not in {r["arm"] for r in records}:
         raise ConfigError(f"no record of the baseline arm {args.baseline!r} in {args.records}",
                           hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}")
+    arms = {r["arm"] for r in records}
+    if {"arpo", "grpo"} <= arms:
+        dev = DEVIATIONS[-1] if DEVIATIONS else {"pairs": PLAN["pairs"], "aepo_seeds": PLAN["aepo_seeds"]}
+        effect = power_mde(PLAN["pairs"], PLAN["pilot_sd"], PLAN["alpha"])  # the effect the plan was sized for
+        print(planned_test(records, dev["pairs"], PLAN["alpha"], effect, PLAN["pilot_sd"], PLAN["pairs"],
+                           dev["aepo_seeds"], PLAN["aepo_seeds"]) + "\n")
     print(report(records, args.figures, baseline=args.baseline))
+    for bid, rs in sorted(blocks.items()):
+        rs = [r for r in rs if not args.arms or r["arm"] in args.arms]
+        if not rs:
+            continue
+        print(f"\nSide analysis, not the planned test: block {bid} (SFT seed {rs[0]['block']['sft_seed']}, "
+              f"SFT {rs[0]['sft']}), paired within the block\n")
+        print(report(rs, baseline=args.baseline))
     return 0
 
 
@@ -242,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--records", type=Path, default=ROOT / "studies" / "study_records.jsonl")
     run.add_argument("--output", type=Path, default=Path("runs/study"), help="run folders (not kept)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 per process side by side)")
+    run.add_argument("--block", type=int, default=None,
+                     help="run a labelled block of pairs from its own SFT checkpoint (with --sft-seed): every arm "
+                          "and seed of the block, here, in this one invocation")
+    run.add_argument("--sft-seed", type=int, default=None, help="the SFT seed the block's --sft checkpoint was built "
+                                                                 "with (python -m arpo_algo.run.quickstart --sft-seed)")
+    run.add_argument("--dry-run", action="store_true", help="check everything and list the runs; write nothing")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep each finished run's checkpoints (default: deleted once its record is written)")

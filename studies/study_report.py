@@ -86,6 +86,82 @@ def power_mde(n: int, sd: float, alpha: float = 0.05, power: float = 0.8, sims: 
     return math.inf
 
 
+def _null_counts(n: int) -> list[int]:
+    """counts[w]: the number of the 2^n sign patterns of the ranks 1..n whose positive rank sum is w."""
+    total = n * (n + 1) // 2
+    counts = [1] + [0] * total
+    for r in range(1, n + 1):
+        for s in range(total, r - 1, -1):
+            counts[s] += counts[s - r]
+    return counts
+
+
+def hodges_lehmann(diffs: list[float], alpha: float = 0.05) -> tuple[float, float, float, float]:
+    """(estimate, low, high, coverage): the Hodges-Lehmann estimate of the paired shift (the median of the n(n+1)/2
+    Walsh averages (d_i + d_j) / 2, i <= j, zeros included) and its exact confidence interval by inverting the
+    signed-rank test: [W_(c+1), W_(M-c)] of the sorted Walsh averages, c the largest rank sum with
+    P(W+ <= c) <= alpha / 2 under the null distribution of untied ranks; ``coverage`` is that interval's exact level,
+    1 - 2 P(W+ <= c), at or above 1 - alpha."""
+    n = len(diffs)
+    if n == 0:
+        raise ValueError("no differences")
+    walsh = sorted((diffs[i] + diffs[j]) / 2 for i in range(n) for j in range(i, n))
+    m = len(walsh)
+    est = statistics.median(walsh)
+    counts, c, cum = _null_counts(n), -1, 0
+    while cum + counts[c + 1] <= alpha / 2 * 2 ** n:
+        c += 1
+        cum += counts[c]
+    if c < 0:  # too few pairs for any interval at this level
+        return est, -math.inf, math.inf, 1.0
+    return est, walsh[c], walsh[m - 1 - c], 1 - 2 * cum / 2 ** n
+
+
+def power(draw: Any, n: int, alpha: float = 0.05, sims: int = 2000, seed: int = 0) -> float:
+    """The fraction of ``sims`` simulated studies of ``n`` pairs, each difference ``draw(rng)``, in which the exact
+    Wilcoxon test rejects at ``alpha`` (seeded, so a report prints one number)."""
+    rng = random.Random(seed)
+    return sum(wilcoxon([draw(rng) for _ in range(n)])[0] < alpha for _ in range(sims)) / sims
+
+
+def planned_test(records: list[dict[str, Any]], pairs: int, alpha: float, effect: float, sd: float,
+                 planned_pairs: int, aepo_seeds: int, planned_aepo: int, sims: int = 2000) -> str:
+    """The study's primary test, ARPO - GRPO on the final held-out accuracy of the first ``pairs`` seeds recorded
+    in both arms, as the plan fixes it, with the Hodges-Lehmann estimate, its exact interval and the power the test
+    had: at the planned effect (normal differences of mean ``effect`` and sd ``sd``) and by resampling the observed
+    differences; ``planned_pairs`` is the plan's n before its deviation."""
+    arms = by_arm(records)
+    arpo, grpo = arms.get("arpo", {}), arms.get("grpo", {})
+    seeds = sorted(s for s in arpo if s in grpo)[:pairs]
+    aepo = len(arms.get("aepo", {}))
+    lines = [f"Primary test (the plan at n = {pairs} pairs after its recorded deviation; planned {planned_pairs}): "
+             f"two-sided exact Wilcoxon signed-rank, ARPO - GRPO, final held-out accuracy, alpha = {alpha}"]
+    if len(seeds) < pairs:
+        return "\n".join(lines + [f"not run: {len(seeds)} of {pairs} pairs recorded"])
+    d = [arpo[s]["after"] - grpo[s]["after"] for s in seeds]
+    p, nz = wilcoxon(d)
+    ranks_tied = len({abs(x) for x in d if abs(x) > 1e-12}) < nz
+    est, lo, hi, cov = hodges_lehmann(d, alpha)
+    at_plan = power(lambda rng: rng.gauss(effect, sd), pairs, alpha, sims)
+    at_plan_full = power(lambda rng: rng.gauss(effect, sd), planned_pairs, alpha, sims)
+    resampled = power(lambda rng: rng.choice(d), pairs, alpha, sims)
+    lines += [
+        f"seeds {seeds[0]}-{seeds[-1]}: {sum(x > 0 for x in d)} ARPO better, {sum(x < 0 for x in d)} worse, "
+        f"{len(d) - nz} equal (zero differences dropped: {len(d) - nz}; tied |differences|: "
+        f"{'yes, average ranks' if ranks_tied else 'none'})",
+        f"exact two-sided p = {p:.4f} over {nz} non-zero pairs: "
+        f"{'significant' if p < alpha else 'not significant'} at alpha = {alpha}",
+        f"Hodges-Lehmann estimate of ARPO - GRPO: {est:+.4f}; exact {cov:.1%} interval (Walsh averages) "
+        f"{lo:+.4f} .. {hi:+.4f}",
+        f"power of this test at n = {pairs} (exact Wilcoxon, {sims} seeded simulations): {at_plan:.2f} at the "
+        f"planned effect (normal differences, mean {effect}, sd {sd}; {at_plan_full:.2f} at the planned "
+        f"n = {planned_pairs}); {resampled:.2f} when the {pairs} observed differences are resampled with replacement",
+        f"AEPO: {aepo} of {planned_aepo} planned seeds run" + (" (not run)" if aepo == 0 else "")
+        + (f"; the deviation fixes {aepo_seeds}" if aepo_seeds != planned_aepo else ""),
+    ]
+    return "\n".join(lines)
+
+
 def report(records: list[dict[str, Any]], figures: Path | None = None, baseline: str = BASELINE) -> str:
     if not records:
         return "no records yet"

@@ -54,8 +54,10 @@ SECTIONS = ("model", "tree", "training", "backend", "rollouts", "evaluation")
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     "arpo": {},
     "grpo": {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0},
+    # AEPO's entropy-balanced clip acts only through the ratio, so AEPO takes several optimizer steps per batch:
+    # mini_batches = min(8, prompts_per_step) at the default 4 prompts per step
     "aepo": {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True, "training.entropy_advantage": True,
-             "tree.aepo_premonitor": False},
+             "tree.aepo_premonitor": False, "training.mini_batches": min(8, TrainingConfig.prompts_per_step)},
 }
 
 @dataclass(frozen=True)
@@ -154,6 +156,32 @@ class Settings:
                                    " or use rollouts.engine = 'hf' (up to the whole vocabulary)")
         if self.rollouts.asynchronous:
             _check_asynchronous(self)
+        _check_ratio_options(self)
+
+
+def _check_ratio_options(settings: Settings) -> None:
+    """Invariant: no option that acts only through the importance ratio is accepted where the ratio is identically 1.
+    With one optimizer step per iteration (``ppo_epochs x mini_batches == 1``), old log-probs recomputed by the
+    weights being updated, and no stale batch, the ratio of every token is exactly 1 at that step, so the clip bounds
+    and AEPO's entropy-balanced clip change nothing: the weights come out bit-identical with them on or off."""
+    t, r = settings.training, settings.rollouts
+    stale = r.asynchronous and r.max_staleness > 0
+    if t.ppo_epochs * t.mini_batches != 1 or t.old_logprobs != "recompute" or stale:
+        return
+    defaults = TrainingConfig()
+    inert = []
+    if t.entropy_balanced_clip:
+        inert.append("training.entropy_balanced_clip = true")
+    if t.clip_high != t.clip_low:
+        inert.append(f"training.clip_high = {t.clip_high} (clip-higher: unlike clip_low = {t.clip_low})")
+    if t.clip_c != defaults.clip_c:
+        inert.append(f"training.clip_c = {t.clip_c} (the dual clip's bound)")
+    if inert:
+        raise ConfigError(f"{'; '.join(inert)} would do nothing: with training.ppo_epochs x training.mini_batches = 1,"
+                          " old log-probs recomputed and no stale batch, the ratio is exactly 1, so no clip acts",
+                          hint=f"take several optimizer steps per batch: training.mini_batches = "
+                               f"{min(8, t.prompts_per_step)} (at most prompts_per_step), or training.ppo_epochs "
+                               "> 1; or remove the option")
 
 
 def _check_asynchronous(settings: Settings) -> None:

@@ -57,6 +57,9 @@ def check_learner_scores_sampling(temperature: float, top_p: float, top_k: int) 
     if top_k > 0:
         raise ConfigError(f"rollouts.top_k={top_k}: training rollouts cannot be truncated (top_k must be -1)",
                           hint=hint)
+    if top_k != -1:  # 0 reads as "off" elsewhere, but every engine request refuses it: -1 is the one off value
+        raise ConfigError(f"rollouts.top_k={top_k}: -1 is the value that means off (no top-k truncation)",
+                          hint="set rollouts.top_k = -1, or leave it out")
 
 
 @dataclass(frozen=True)

@@ -400,6 +400,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         acc = dict.fromkeys(LK.STEP_SUMS, 0.0)
         bad, done = False, 0
+        # The step's diagnostics (entropy, ratio, clip fractions) are token means under every loss_agg: the loss
+        # weights of dr_grpo or seq_mean would scale them (a ratio of 0.34 where every ratio is 1).
+        tokens = max(self._all_sum(sum(float(b.pair_weight.sum()) for b in batches)), 1e-12)
         for i, b in enumerate(batches):
             with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -427,11 +430,11 @@ class Learner:
                 break
             self._backward(loss, i, len(batches))
             done += 1
-            wd = w.detach()
+            wd = (b.pair_weight / tokens).detach()
             acc[LK.LOSS_POLICY] += float(policy.detach())
             acc[LK.LOSS_TOTAL] += float(loss.detach())
             acc[LK.LOSS_ENTROPY_BONUS] += float(-cfg.entropy_coef * ent_term.detach())
-            acc[LK.ENTROPY] += float(ent_term.detach())
+            acc[LK.ENTROPY] += float((wd * ent.detach()).sum())
             acc[LK.CLIP_FRAC] += float((wd * out.clipped).sum())
             acc[LK.CLIP_FRAC_GRAD] += float((wd * out.clipped_grad).sum())
             acc[LK.CLIP_FRAC_DUAL] += float((wd * out.dual_clipped).sum())

@@ -230,7 +230,9 @@ class TrainingConfig(LearnerConfig):
             raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.mini_batches > self.prompts_per_step:
             raise ConfigError(f"training.mini_batches={self.mini_batches} is more than prompts_per_step="
-                              f"{self.prompts_per_step}", hint="each mini-batch needs at least one group (one prompt)")
+                              f"{self.prompts_per_step}",
+                              hint="each mini-batch needs at least one group (one prompt): set "
+                                   f"training.mini_batches <= {self.prompts_per_step} (AEPO's default is 4)")
         if self.dynamic_sampling_max_rounds < 1:
             raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
                               f"{self.dynamic_sampling_max_rounds}")

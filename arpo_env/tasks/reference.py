@@ -3,10 +3,13 @@ docs/concepts/reference-choices.md#datasets-and-cold-start)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from arpo_base.errors import ConfigError
+from arpo_base.errors import ConfigError, MissingDataError
 from arpo_env.data import find_data_file, load_reference_tasks
 from arpo_env.protocol import apply_boxed_bug, fix_boxed_bug
 
@@ -17,8 +20,27 @@ SPLIT_FILES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]] | None) -> tuple[str, ...]:
-    """The files ``split`` reads. Invariant: the test split never reads a file of the train split."""
+def _resolved(name: str, data_dir: str | None) -> Path | str:
+    """The file a name reads in ``data_dir`` (links resolved), or the normalised name where no such file exists."""
+    try:
+        return find_data_file(name, data_dir).resolve()
+    except MissingDataError:
+        return os.path.normpath(name)
+
+
+def _same_file(a: Path | str, b: Path | str) -> bool:
+    """One file under two names (``./valid.parquet``, a link to it) or two files with the same bytes (a copy)."""
+    if a == b:
+        return True
+    if not isinstance(a, Path) or not isinstance(b, Path) or a.stat().st_size != b.stat().st_size:
+        return False
+    return hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
+
+
+def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]] | None,
+                data_dir: str | None = None) -> tuple[str, ...]:
+    """The files ``split`` reads. Invariant: the test split never reads a file of the train split, whatever the
+    names: files are compared as what they resolve to in ``data_dir`` (the same file, or the same bytes)."""
     defaults = SPLIT_FILES[family]
     if data_files is None:
         return defaults[split]
@@ -31,7 +53,8 @@ def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]]
     if unknown:
         raise ConfigError(f"data_files: unknown split {unknown[0]!r}; splits are {sorted(defaults)}")
     chosen = {name: tuple(data_files.get(name) or defaults[name]) for name in defaults}
-    shared = sorted(set(chosen["test"]) & set(chosen["train"]))
+    train = [_resolved(name, data_dir) for name in chosen["train"]]
+    shared = sorted(name for name in chosen["test"] if any(_same_file(_resolved(name, data_dir), t) for t in train))
     if shared:
         raise ConfigError(f"data_files: {shared} would be read by both the train and the test split",
                           hint="the held-out split must not contain training files")
@@ -61,7 +84,7 @@ class ReferenceTasks:
     ) -> None:
         if split not in SPLIT_FILES[family]:
             raise ConfigError(f"split must be one of {sorted(SPLIT_FILES[family])}, got {split!r}")
-        files = split_files(family, split, data_files)
+        files = split_files(family, split, data_files, data_dir)
         self.split = split
         self.paths = [find_data_file(name, data_dir) for name in files]
         self._rows: list[dict[str, Any]] = []

@@ -96,6 +96,17 @@ def test_data_files_are_given_per_split_and_never_shared_with_the_test_split(tmp
     assert "test = [" in err.value.hint
     with pytest.raises(ConfigError, match=r"\['valid.parquet'\] would be read by both the train and the test split"):
         ToolTextEnv(task="reasoning", split="test", data_files={"train": ["valid.parquet"]}, data_dir=str(tmp_path))
+    # names that differ but read the same file: a path into the folder, a link, a copy of the test file
+    (tmp_path / "valid.parquet").write_bytes(b"held-out rows")
+    (tmp_path / "link.parquet").symlink_to(tmp_path / "valid.parquet")
+    (tmp_path / "copy.parquet").write_bytes(b"held-out rows")
+    (tmp_path / "other.parquet").write_bytes(b"training rows")
+    for train in ("./valid.parquet", "link.parquet", "copy.parquet"):
+        with pytest.raises(ConfigError, match=r"\['valid.parquet'\] would be read by both"):
+            ToolTextEnv(task="reasoning", split="test", data_files={"train": [train]}, data_dir=str(tmp_path))
+    from arpo_env.tasks.reference import split_files
+
+    assert split_files("reasoning", "test", {"train": ["other.parquet"]}, str(tmp_path)) == ("valid.parquet",)
     with pytest.raises(ConfigError, match="unknown split 'valid'"):
         ToolTextEnv(task="reasoning", data_files={"valid": ["x.parquet"]}, data_dir=str(tmp_path))
     with pytest.raises(MissingDataError, match="mine_test.parquet"):  # the test split reads its own file

@@ -106,3 +106,91 @@ def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir
     assert drop_checkpoints(run) == size
     assert not (run / "checkpoints").exists() and (run / "metrics.jsonl").is_file()
     assert drop_checkpoints(run) == 0  # a run whose checkpoints are gone already
+
+
+@pytest.mark.parametrize(("diffs", "alpha", "want"), [
+    # Walsh averages of 1..5 are symmetric about 3; at alpha 0.1, c = 0 (P(W+ <= 0) = 1/32): the extremes, 93.75%
+    ([1, 2, 3, 4, 5], 0.1, (3, 1, 5, 1 - 2 / 32)),
+    ([1, 2, 3, 4, 5, 6], 0.05, (3.5, 1, 6, 1 - 2 / 64)),  # n = 6: c = 0 again, 1/64 <= 0.025 < 2/64
+    ([-1, 2, 4], 0.3, (1.75, -1, 4, 0.75)),  # Walsh -1, .5, 1.5, 2, 3, 4; c = 0 (1/8 <= 0.15 < 2/8)
+    ([-1, 2, 4], 0.5, (1.75, 0.5, 3, 0.5)),  # c = 1 (2/8 <= 0.25): one Walsh average in from each end
+])
+def test_hodges_lehmann_and_its_exact_interval(diffs, alpha, want):
+    from studies.study_report import hodges_lehmann
+
+    assert hodges_lehmann(diffs, alpha) == pytest.approx(want)
+    lo, hi = hodges_lehmann(diffs[:4], 0.05)[1:3]  # 4 pairs: no sign pattern is rare enough for a 95% interval
+    assert (lo, hi) == (-float("inf"), float("inf"))
+
+
+def test_planned_test_runs_at_the_fixed_n_over_the_first_seeds():
+    from studies.study_report import planned_test
+
+    accs = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, -0.9]  # the seventh pair, beyond n = 6, must not count
+    records = [r for s, x in enumerate(accs)
+               for r in (_record("grpo", s, [0.0, 0.0], [0, 10]), _record("arpo", s, [0.0, x], [0, 10]))]
+    text = planned_test(records, 6, 0.05, 10.0, 0.001, 8, 0, 4, sims=200)
+    assert "exact two-sided p = 0.0312 over 6 non-zero pairs: significant" in text  # 2 / 64
+    assert "+0.3500; exact 96.9% interval (Walsh averages) +0.1000 .. +0.6000" in text
+    assert "1.00 at the planned effect" in text and "1.00 when the 6 observed differences are resampled" in text
+    assert "AEPO: 0 of 4 planned seeds run (not run)" in text
+    assert "not run: 5 of 6 pairs recorded" in planned_test(records[:10], 6, 0.05, 0.2, 0.25, 8, 0, 4)
+    low = planned_test(records, 6, 0.05, 0.0, 0.25, 8, 0, 4, sims=400)  # no effect: power is the size, <= alpha
+    assert float(low.split("simulations): ")[1].split(" ")[0]) <= 0.06
+
+
+def test_blocks_dry_run_two_tiny_blocks_and_a_partial_block_is_refused(tmp_path, capsys):
+    """Each block starts from its own SFT checkpoint (seed and weights' hash), runs its whole design in one
+    invocation, and enters the report only when complete, as a labelled side analysis."""
+    import json
+
+    from studies.study import code_hash, file_hash, machine, main
+
+    sft = {}
+    for k in (1, 2):
+        (tmp_path / f"sft{k}").mkdir()
+        (tmp_path / f"sft{k}" / "model.safetensors").write_bytes(f"weights of SFT seed {k}".encode())
+        sft[k] = str(tmp_path / f"sft{k}")
+    path = tmp_path / "records.jsonl"
+    base = ["run", "arpo", "grpo", "--seeds", "0-1", "--records", str(path), "--output", str(tmp_path / "runs"),
+            "--dry-run"]
+    assert main([*base, "--block", "1", "--sft-seed", "1", "--sft", sft[1]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would run") == 4 and f"from SFT {file_hash(tmp_path / 'sft1')}" in out
+    assert "block_1/grpo/seed_1" in out and not path.exists()  # a dry run writes nothing
+
+    here, code = machine(), code_hash(allow_dirty=True)[0]
+
+    def rec(block, seed_sft, arm, seed, after, arms=("arpo", "grpo")):
+        r = _record(arm, seed, [0.25, after], [0, 10])
+        r.update(code=code, cpu=here["cpu"], torch=here["torch"], sft=file_hash(tmp_path / f"sft{seed_sft}"),
+                 block={"id": block, "sft_seed": seed_sft, "arms": sorted(arms), "seeds": [0, 1]})
+        return r
+
+    block1 = [rec(1, 1, arm, s, 0.5 + 0.25 * (arm == "arpo")) for s in (0, 1) for arm in ("arpo", "grpo")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in block1))
+    assert main([*base, "--block", "1", "--sft-seed", "1", "--sft", sft[1]]) == 0
+    assert "0 run(s)" in capsys.readouterr().out  # block 1 is done
+    assert main([*base, "--block", "2", "--sft-seed", "2", "--sft", sft[2]]) == 0
+    assert capsys.readouterr().out.count("would run") == 4
+    # another block's checkpoint or SFT seed, or part of a block's arms: refused before any run
+    assert main([*base, "--block", "2", "--sft-seed", "2", "--sft", sft[1]]) == 2
+    assert "each block has its own SFT seed" in capsys.readouterr().err
+    assert main([*base, "--block", "2", "--sft-seed", "1", "--sft", sft[2]]) == 2
+    capsys.readouterr()
+    only = ["run", "arpo", "aepo", *base[3:]]
+    assert main([*only, "--block", "1", "--sft-seed", "1", "--sft", sft[1]]) == 2
+    assert "a partial block is refused" in capsys.readouterr().err
+    assert main([*base, "--block", "3", "--sft-seed", "3", "--sft", sft[1]]) == 2  # block 1's checkpoint, new seed
+    capsys.readouterr()
+
+    # block 2 with GRPO seed 1 missing: the report refuses it rather than pair what is there
+    block2 = [rec(2, 2, arm, s, 0.5) for s in (0, 1) for arm in ("arpo", "grpo")][:3]
+    path.write_text("".join(json.dumps(r) + "\n" for r in block1 + block2))
+    assert main(["report", "--records", str(path)]) == 2
+    assert "block 2 is partial: no record of grpo seed 1" in capsys.readouterr().err
+    path.write_text("".join(json.dumps(r) + "\n" for r in block1))
+    assert main(["report", "--records", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Side analysis, not the planned test: block 1 (SFT seed 1" in out and "Primary test" not in out
+    assert "| arpo | 2 | 0.250 ± 0.000" in out  # paired within the block: +0.25 on both seeds

@@ -186,6 +186,8 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
      "engine = 'hf' only"),
     (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
     (lambda c: c.evaluation(every=-1), "evaluation.every"),
+    (lambda c: c.llm_rollouts(top_k=0), "top_k=0: -1 is the value that means off"),  # engines refuse 0 per request
+    (lambda c: c.llm_rollouts(top_k=-2), "top_k=-2: -1 is the value"),
     (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
     # asynchronous rollouts: each combination whose invariant the pipeline cannot keep
     (lambda c: c.llm_rollouts(asynchronous=True), "needs rollout actors"),
@@ -213,6 +215,34 @@ def test_valid_config_validates():
     # the in-process HF engine holds its own copy with a ddp/deepspeed learner or with actors, so bfloat16 is allowed
     valid_config().llm_rollouts(dtype="bfloat16").backend(learner_backend="ddp", learner_workers=2).validate()
     valid_config().llm_rollouts(dtype="bfloat16", num_rollout_actors=1).validate()
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: c.training(entropy_balanced_clip=True), "entropy_balanced_clip = true would do nothing"),
+    (lambda c: c.training(clip_high=0.28), r"clip_high = 0.28 \(clip-higher"),
+    (lambda c: c.training(clip_c=5.0), "clip_c = 5.0 .the dual clip's bound"),
+    # asynchronous but never stale: the ratio is 1 all the same
+    (lambda c: c.training(entropy_balanced_clip=True).llm_rollouts(asynchronous=True, num_rollout_actors=1,
+                                                                   max_staleness=0), "ratio is exactly 1"),
+])
+def test_options_that_act_only_through_the_ratio_are_refused_where_it_is_1(mutate, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        mutate(valid_config()).validate()
+    assert "training.mini_batches = 4" in err.value.hint  # min(8, prompts_per_step) with 4 prompts per step
+    with pytest.raises(ConfigError, match="training.mini_batches = 2"):
+        mutate(valid_config()).training(prompts_per_step=2).validate()
+
+
+def test_options_that_act_only_through_the_ratio_are_kept_where_it_moves():
+    clip = valid_config().training(entropy_balanced_clip=True, clip_high=0.28, clip_c=5.0)
+    clip.training(mini_batches=2).validate()  # the second step's ratio moves
+    clip.training(ppo_epochs=2).validate()
+    clip.training(old_logprobs="rollout").validate()  # the sampler's log-probs: not the learner's
+    clip.llm_rollouts(asynchronous=True, num_rollout_actors=1).validate()  # a batch one version behind
+    valid_config(AEPOConfig).validate()  # AEPO's defaults take several steps
+    with pytest.raises(ConfigError, match="entropy_balanced_clip"):
+        valid_config(AEPOConfig).training(mini_batches=1).validate()
+    assert valid_config(AEPOConfig).settings.training.mini_batches == 4
 
 
 def test_variants_share_one_path_with_their_defaults():

@@ -140,6 +140,29 @@ def test_mini_batches_are_sequential_steps_with_old_logprobs_fixed(tiny_model_di
     assert mc["clip_frac"] > 0 and mc["optimizer_steps"] == 2
 
 
+def test_aepo_defaults_take_several_steps_so_its_clip_acts(tiny_model_dir, groups):
+    """AEPO's own defaults (entropy-balanced clip, recomputed old log-probs) split the batch into mini-batches, so
+    from the second optimizer step on the ratio moves and the clip acts: clip_frac > 0 (with one step it is exactly
+    0 and the clip is inert)."""
+    from arpo_algo.algorithms.settings import Settings
+
+    aepo = Settings.for_variant("aepo").training
+    assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batches > 1
+    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+    m = Learner(tiny_model_dir, cfg, seed=0).update([_unsampled(g) for g in groups])
+    assert m["optimizer_steps"] == 2 and m["clip_frac"] > 0  # 2 groups: one per part
+
+
+@pytest.mark.parametrize("agg", ["dr_grpo", "seq_mean"])
+def test_step_metrics_are_token_means_under_every_loss_agg(tiny_model_dir, groups, agg):
+    """The logged ratio, clip fractions and entropy are token means whatever weights the loss uses: with one step and
+    recomputed old log-probs every ratio is 1, so ratio_mean is 1, and entropy is the one token_mean logs."""
+    mean = Learner(tiny_model_dir, BASE, seed=0).update(groups)
+    m = Learner(tiny_model_dir, replace(BASE, loss_agg=agg), seed=0).update(groups)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["clip_frac"] == 0.0
+    assert m["entropy"] == pytest.approx(mean["entropy"], rel=1e-5) and mean["entropy"] > 0
+
+
 def test_mini_batch_metrics_average_the_steps_taken_and_few_groups_make_fewer_parts(tiny_model_dir, groups):
     """A mini-batch without signal takes no step; the update's rate, losses and clip fractions are those of the steps
     taken (not pulled toward 0 by the skipped one). Fewer groups than mini-batches (dynamic sampling may keep fewer
