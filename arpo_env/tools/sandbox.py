@@ -30,7 +30,9 @@ A caller can cut calls short: while :func:`cancel_scope` holds a set event for t
 process group and uid are killed at once (within the collector's 0.1 s poll) and :class:`ToolCancelled` is raised
 instead of a result (the server uses it for a request whose deadline passed).
 
-Not covered: filling the disk with many files (only each file's size is capped) and kernel exploits.
+Bounded as well: the writable folders are sized tmpfs (bwrap, subprocess as root), a call's processes share one
+memory and process cap where cgroup v1 offers it (:class:`CallCgroup`), and a seccomp filter forbids new user
+namespaces. Not covered: kernel exploits.
 """
 
 from __future__ import annotations
