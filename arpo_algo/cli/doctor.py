@@ -94,6 +94,9 @@ def _print_doctor(r: dict) -> None:
         below = "" if sb.get("meets_minimum") else f", BELOW the minimum {sb.get('minimum')!r}: refused unless " \
                                                  "--allow-unisolated-python"
         print(f"  python tool  isolation level {sb.get('level')!r}{below} ({sb.get('detail', '')})")
+        for attempt, result in sb.get("attempts", {}).items():  # the self-test's attempts from inside the sandbox
+            print(f"               tried to {attempt}: {result}")
+        print(f"               memory and process caps: {sb.get('resource_limits')}")
     cd = r["compiled_decode"]
     if cd["available"]:
         print("  compiler     C++ compiler found: rollouts.hf.decode='compiled' (torch inductor) can run")

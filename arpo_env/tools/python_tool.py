@@ -32,6 +32,7 @@ import pwd
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from typing import Any
 
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
-from arpo_env.tools.isolation import check_level, describe, level_of, network_required
+from arpo_env.tools.isolation import check_level, describe, level_of, network_isolated, network_required
 from arpo_env.tools.sandbox import (
     _BACKENDS,
     BOOTSTRAP,
@@ -50,7 +51,9 @@ from arpo_env.tools.sandbox import (
     READY,
     SandboxError,
     ToolCancelled,
+    CallCgroup,
     bwrap_prefix,
+    call_cgroups_available,
     cancel_event,
     child_env,
     interpreter_paths,
@@ -91,7 +94,7 @@ class PythonTool:
                  require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
                  docker_image: str = "python:3.11-slim", reproducible_output: bool = True,
-                 allow_unisolated_python: bool = False, namespaces: bool = True) -> None:
+                 allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64) -> None:
         """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
         Args:
@@ -120,9 +123,12 @@ class PythonTool:
                 :mod:`arpo_env.tools.isolation`): the model's code may then reach the network or act as this user.
             namespaces: False: the subprocess backend enters no namespace (as on a kernel that forbids them), so
                 the code reaches the network; refused unless ``allow_unisolated_python``.
+            disk_mb: Size of each writable folder the code gets (its scratch folder, ``/tmp``, ``/dev/shm``): each
+                is a tmpfs of this size (bwrap, and subprocess as root).
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
-                           ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars)):
+                           ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars),
+                           ("disk_mb", disk_mb)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
         for key, value in (("reproducible_output", reproducible_output), ("namespaces", namespaces),
@@ -136,7 +142,7 @@ class PythonTool:
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
-        self.max_file_mb, self.max_code_chars = int(max_file_mb), int(max_code_chars)
+        self.max_file_mb, self.max_code_chars, self.disk_mb = int(max_file_mb), int(max_code_chars), int(disk_mb)
         self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base
         self.python_executable = python_executable or sys.executable
         self.scratch_root, self.docker_image = scratch_root, docker_image
@@ -186,17 +192,35 @@ class PythonTool:
                 return dict(_SELF_TESTS[key])
         if backend == "bwrap" and not shutil.which("bwrap"):
             raise SandboxError("bwrap is not installed", hint="apt-get install bubblewrap")
-        fd, canary = tempfile.mkstemp(prefix="arpo-canary-")  # a world-readable host file the sandbox must not see
-        os.close(fd)
-        os.chmod(canary, 0o644)
+        # Proof by attempts: host files of this user that the code must not read (a world-readable one, a 0600 one,
+        # one inside a 0700 folder) and a listener on the host's 127.0.0.1 it must not reach.
+        planted = tempfile.mkdtemp(prefix="arpo-selftest-", dir=self.scratch_root)
+        listener = socket.socket()
         try:
-            out, _, _, _ = (self._run_docker if backend == "docker" else self._run_process)("pass", probe=canary)
+            os.chmod(planted, 0o755)
+            token = os.urandom(8).hex()
+            files = {}
+            for name, rel, mode in (("read a world-readable host file", "public", 0o644),
+                                    ("read a 0600 file of the server's user", "private", 0o600),
+                                    ("read a file in a 0700 folder of the server's user", "closed/file", 0o644)):
+                path = os.path.join(planted, rel)
+                if "/" in rel:
+                    os.mkdir(os.path.dirname(path), 0o700)
+                with open(path, "w") as f:
+                    f.write(token)
+                os.chmod(path, mode)
+                files[name] = path
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(4)
+            probe = {"token": token, "files": files, "port": listener.getsockname()[1], "dir": planted}
+            out, _, _, _ = (self._run_docker if backend == "docker" else self._run_process)("pass", probe=probe)
         except SandboxError:
             raise
         except Exception as exc:  # no interpreter, no docker package or engine, no free uid: the sandbox's failure
             raise SandboxError(f"{type(exc).__name__}: {exc}", hint=getattr(exc, "hint", None)) from exc
         finally:
-            os.unlink(canary)
+            listener.close()
+            shutil.rmtree(planted, ignore_errors=True)
         try:
             facts = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
@@ -204,9 +228,12 @@ class PythonTool:
         uid = self.uid_base if self._uid_drop else None
         level = level_of(backend, facts, os.geteuid())
         record = {"backend": backend, "available": True, "level": level,
-                  "network_isolation": set(facts["ifaces"]) <= {"lo"}, "separate_user": facts["uid"] != os.geteuid(),
-                  "uid_drop": uid is not None, "private_tmp": not facts["canary_visible"],
-                  "private_filesystem": level == "filesystem",
+                  "network_isolation": network_isolated(facts),
+                  "separate_user": facts["uid"] != os.geteuid() and facts["userns"] == "mapped",
+                  "uid_drop": uid is not None,
+                  "private_tmp": facts["attempts"]["read a world-readable host file"] != "read",
+                  "private_filesystem": level == "filesystem", "attempts": facts["attempts"],
+                  "resource_limits": self._limits_mechanism(backend),
                   "detail": describe(backend, facts, uid, os.geteuid()), "_net": net}
         with _SELF_TESTS_LOCK:
             _SELF_TESTS[key] = record
@@ -254,7 +281,16 @@ class PythonTool:
 
     # -- backends -------------------------------------------------------------------------------------------
 
-    def _config(self, uid: int | None, code_file: str | None, probe: str | None = None,
+    def _limits_mechanism(self, backend: str) -> str:
+        """What bounds a call's memory and process count, all its processes together or each alone."""
+        if backend == "docker":
+            return "the container's memory and PID limits (all of the call's processes together)"
+        if self._uid_drop and call_cgroups_available():
+            return "cgroup v1 memory and pids controllers, one group per call (all of its processes together)"
+        return ("rlimits: RLIMIT_AS per process, RLIMIT_NPROC per uid" if self._uid_drop or backend == "bwrap"
+                else "rlimits: RLIMIT_AS per process (no process cap)")
+
+    def _config(self, uid: int | None, code_file: str | None, probe: dict | None = None,
                 scratch: str = "") -> dict[str, Any]:
         limits = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": max(1, int(self.cpu_s + 0.999)),
                   "RLIMIT_FSIZE": self.max_file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
@@ -266,20 +302,29 @@ class PythonTool:
             limits["RLIMIT_NPROC"] = self.max_procs
         # Subprocess as root: a mount namespace makes the interpreter reachable for the sandbox uid and gives the code
         # private world-writable folders (see mounts() in the bootstrap); never without the per-call uid.
-        mounts = {"expose": list(interpreter_paths(self.python_executable)), "private": list(PRIVATE_DIRS),
-                  "keep": [scratch]} if uid is not None and net else None
+        # The self-test's planted folder is exposed like any host folder outside the private ones, so its attempts
+        # test the uid's rights, not a mount that hides the files.
+        expose = [*interpreter_paths(self.python_executable), *([probe["dir"]] if probe else [])]
+        mounts = {"expose": expose, "private": list(PRIVATE_DIRS), "keep": [scratch]} if uid is not None and net \
+            else None
         return {"code_file": code_file, "net": net, "uid": uid, "limits": limits, "probe": probe,
-                "echo": self.echo_last_expr, "mounts": mounts}
+                "echo": self.echo_last_expr, "mounts": mounts, "disk_kb": self.disk_mb << 10, "no_userns": True,
+                "own_dir": scratch if self.backend == "bwrap" and uid is not None else None}
 
-    def _run_process(self, code: str, probe: str | None = None) -> tuple[bytes, bytes, int | None, str]:
+    def _run_process(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
         uid = uid_pool(self.uid_base).get() if self._uid_drop else None
         scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
-        proc, collected = None, False
+        proc, collected, group = None, False, None
         try:
             if uid is not None:
                 os.chown(scratch, uid, uid)
-            prefix = bwrap_prefix(scratch, interpreter_paths(self.python_executable)) if self.backend == "bwrap" \
-                else []
+            prefix = bwrap_prefix(scratch, interpreter_paths(self.python_executable), self.disk_mb) \
+                if self.backend == "bwrap" else []
+            if uid is not None and call_cgroups_available():
+                # The call's group, joined before anything of the call runs: memory (tmpfs pages included) and
+                # process count are bounded for all its processes together.
+                group = CallCgroup(uid, self.memory_mb << 20, self.max_procs)
+                prefix = [*group.join_prefix(), *prefix]
             env = child_env(scratch)
             if self.reproducible_output:  # -I would ignore PYTHONHASHSEED; the environment is clean anyway
                 flags, env["PYTHONHASHSEED"] = ["-s", "-P"], "0"
@@ -308,6 +353,8 @@ class PythonTool:
                 for stream in (proc.stdout, proc.stderr):
                     stream.close()
             shutil.rmtree(scratch, ignore_errors=True)
+            if group is not None:
+                group.close()
             if uid is not None:
                 uid_pool(self.uid_base).put(uid)
 
@@ -394,7 +441,7 @@ class PythonTool:
             return "The process was killed (SIGKILL), e.g. for exceeding a resource limit."
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
-    def _run_docker(self, code: str, probe: str | None = None) -> tuple[bytes, bytes, int | None, str]:
+    def _run_docker(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
         try:
             import docker  # optional dependency: pip install 'arpo[docker]'
 

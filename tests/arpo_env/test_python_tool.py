@@ -143,14 +143,31 @@ def test_escaped_background_processes_are_killed(tool, tmp_path):
     assert not _is_running(pid)
 
 
+def _processes_of(uids, marker: str) -> list[int]:
+    """Pids of the processes of ``uids`` whose command line holds ``marker`` (the bootstrap's)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if uid in uids and marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError, StopIteration):
+            continue
+    return found
+
+
 def test_a_cancelled_call_is_killed_then_and_raises(tmp_path):
     """A call under ``cancel_scope(event)`` whose event is set while it sleeps 60 s: its process is killed then, not
     at its timeout, its scratch folder removed, and ToolCancelled raised instead of a result; with the event already
     set nothing runs; outside the scope the tool runs as before."""
     from arpo_env.tools.sandbox import ToolCancelled, cancel_scope
 
-    tool = PythonTool(timeout_s=120, backend="subprocess", scratch_root=str(tmp_path), **OPT_IN)
-    code = "import os, time\nopen('pid.tmp', 'w').write(str(os.getpid()))\nos.rename('pid.tmp', 'pid')\ntime.sleep(60)"
+    # A uid range of its own: the call's process is found by its uid (its scratch folder is a tmpfs the host does
+    # not see).
+    tool = PythonTool(timeout_s=120, backend="subprocess", scratch_root=str(tmp_path), uid_base=63_000, **OPT_IN)
+    code = "import time\ntime.sleep(60)"
     event, outcome = threading.Event(), []
 
     def call() -> None:
@@ -162,10 +179,11 @@ def test_a_cancelled_call_is_killed_then_and_raises(tmp_path):
 
     worker = threading.Thread(target=call)
     worker.start()
-    while not (found := list(tmp_path.glob("arpo-py-*/pid"))):
+    while not (found := _processes_of(range(63_000, 63_256) if os.geteuid() == 0 else [os.geteuid()],
+                                      "arpo-sandbox-ready")):
         assert worker.is_alive(), outcome
         time.sleep(0.05)
-    pid = int(found[0].read_text())
+    pid = found[0]
     assert _is_running(pid)
     event.set()
     worker.join(50)  # the sleep alone would take 60 s, the tool's timeout 120 s

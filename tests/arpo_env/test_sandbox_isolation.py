@@ -244,7 +244,7 @@ def test_a_broken_sandbox_raises_instead_of_returning_an_observation(tmp_path):
     with pytest.raises(SandboxError, match="failed to start"):
         tool("print('never')")
     tool._no_aslr = [str(tmp_path / "missing-launcher")]
-    with pytest.raises(SandboxError, match="FileNotFoundError"):
+    with pytest.raises(SandboxError, match="FileNotFoundError|not found|No such file"):
         tool("print('never')")
     session = ToolSession(tools={"python": {"timeout_s": 10}})
     session.tools = {**session.tools, "python": tool}  # a copy: tool sets are shared between sessions
@@ -280,3 +280,68 @@ def test_bwrap_keeps_the_process_limit():
     result = tool("import os\nwhile True:\n    os.fork()")
     assert result.error and "Resource temporarily unavailable" in result.text, result.text
     assert tool("print('still fine')").text == "still fine"
+
+
+def test_a_user_namespace_without_a_mapped_uid_is_unisolated(tmp_path):
+    """As another user the subprocess backend's user namespace maps no uid: getuid() reads 65534 inside, but the
+    kernel treats the code as this user, and the self-test's attempts read its 0600 file and the file in its 0700
+    folder. Rated unisolated and refused (before: "process", accepted, while the code could append to ~/.bashrc)."""
+    if AS_ROOT:
+        pytest.skip("as root calls get their own uid; test_the_battery_as_an_unprivileged_user runs this as uid 4243")
+    with pytest.raises(ConfigError, match="below the minimum 'process'"):
+        PythonTool(timeout_s=10, backend="subprocess")
+    tool = PythonTool(timeout_s=10, backend="subprocess", allow_unisolated_python=True)
+    attempts = tool.isolation["attempts"]
+    assert tool.isolation["level"] == "unisolated" and not tool.isolation["separate_user"], tool.isolation
+    assert attempts["read a 0600 file of the server's user"] == "read", attempts
+    assert attempts["read a file in a 0700 folder of the server's user"] == "read", attempts
+    mine = _write(str(tmp_path / "mine.txt"), 0o600)
+    assert tool(f"print(open({mine!r}).read())").text == SECRET  # what the level says: the code is this user
+
+
+def _as_nobody(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    setpriv = shutil.which("setpriv") or "setpriv"
+    return subprocess.run([setpriv, "--reuid=4243", "--regid=4243", "--clear-groups", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(__file__))
+
+
+def test_the_battery_as_an_unprivileged_user(tmp_path):
+    """The hostile battery again as uid 4243 (setpriv; an ordinary uid, not the overflow uid 65534): with bwrap
+    every test must pass (level filesystem), and without bwrap on the PATH the tool must refuse, whatever it is asked. Fails, never skips, when the checkout or
+    the environment is unreadable to that uid."""
+    if not AS_ROOT:
+        pytest.skip("switching to another uid needs root; this run already is unprivileged")
+    if shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to run the battery as an unprivileged user")
+    _need_bwrap()
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    os.chmod(tmp_path, 0o1777)
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path),
+           "TMPDIR": str(tmp_path), "PYTHONPATH": repo, "LC_ALL": "C.UTF-8", "ARPO_REQUIRE_BWRAP": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    # Through /bin/sh: the interpreter is looked up and run with that uid's rights, as the tool will run it.
+    probe = _as_nobody(["/bin/sh", "-c", f'exec "$0" -c "import arpo_env.tools.python_tool, pytest, os; '
+                        f'os.listdir({here!r})"', sys.executable], env, 120)
+    if probe.returncode != 0:
+        pytest.fail("uid 4243 cannot read the checkout or the environment (the battery must run as an "
+                    f"unprivileged user): {probe.stderr.strip()[-800:]}")
+    battery = _as_nobody([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          os.path.join(here, "test_sandbox_isolation.py"), os.path.join(here, "test_sandbox_limits.py"),
+                          "-k", "not unprivileged_user", "-rs"], env, 600)
+    assert battery.returncode == 0, battery.stdout[-4000:] + battery.stderr[-2000:]
+    # Without bwrap: a PATH holding only the interpreter; the subprocess backend's unmapped user namespace is refused.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    os.symlink(sys.executable, bare / "python")
+    refused = _as_nobody([sys.executable, "-c", (
+        "from arpo_base.errors import ConfigError\n"
+        "from arpo_env.tools.python_tool import PythonTool\n"
+        "for backend in ('auto', 'subprocess', 'bwrap'):\n"
+        "    try:\n        PythonTool(timeout_s=10, backend=backend)\n        print(backend, 'ACCEPTED')\n"
+        "    except ConfigError as e:\n        print(backend, 'refused:', e.message.splitlines()[0])\n")],
+        {**env, "PATH": str(bare)}, 120)
+    lines = refused.stdout.splitlines()
+    assert refused.returncode == 0 and len(lines) == 3 and all(" refused: " in line for line in lines), \
+        refused.stdout + refused.stderr
+    assert "below the minimum 'process'" in lines[0] and "bwrap is not installed" in lines[2], lines
