@@ -45,7 +45,6 @@ import os
 import signal
 import stat
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator

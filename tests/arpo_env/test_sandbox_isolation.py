@@ -307,8 +307,8 @@ def _as_nobody(args: list[str], env: dict[str, str], timeout: float) -> subproce
 
 def test_the_battery_as_an_unprivileged_user(tmp_path):
     """The hostile battery again as uid 4243 (setpriv; an ordinary uid, not the overflow uid 65534): with bwrap
-    every test must pass (level filesystem), and without bwrap on the PATH the tool must refuse, whatever it is asked. Fails, never skips, when the checkout or
-    the environment is unreadable to that uid."""
+    every test must pass (level filesystem), and without bwrap on the PATH the tool must refuse, whatever it is
+    asked. Fails, never skips, when the checkout or the environment is unreadable to that uid."""
     if not AS_ROOT:
         pytest.skip("switching to another uid needs root; this run already is unprivileged")
     if shutil.which("setpriv") is None:
