@@ -13,16 +13,9 @@ import pytest
 
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError, UidLeases, call_cgroups_available
+from tests.arpo_env.test_sandbox_isolation import AS_ROOT, _need_bwrap
 
-AS_ROOT = os.geteuid() == 0
 MIB = 1 << 20
-
-
-def _need_bwrap() -> None:
-    if shutil.which("bwrap") is None:
-        if os.environ.get("ARPO_REQUIRE_BWRAP") == "1":
-            pytest.fail("ARPO_REQUIRE_BWRAP=1 (CI) but bubblewrap is not installed: scripts/test installs it")
-        pytest.skip("bubblewrap (bwrap) is not installed on this machine")
 
 
 @pytest.fixture(scope="module", params=["subprocess", "bwrap"])
