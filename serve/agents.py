@@ -209,9 +209,21 @@ def _trained_defaults(folder: Path, trained: dict[str, Any], given: dict[str, An
     return out
 
 
+#: How ``arpo serve`` sets what a checkpoint's record may not (``refuse_code_references``): the served tools come from
+#: the command line, never from the folder.
+SERVE_FLAGS = {"env": "pass --system-prompt, --max-tool-calls and --protocol (then no environment is rebuilt)",
+               "tool": "--tools '{{\"python\": {{\"{key}\": VALUE}}}}' (and --system-prompt, --max-tool-calls, "
+                       "--protocol, so the checkpoint's environment is not rebuilt)",
+               "allow_unisolated_python": "--allow-unisolated-python (and --system-prompt, --max-tool-calls, "
+                                          "--protocol, so the checkpoint's environment is not rebuilt)"}
+
+
 def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
     """The served defaults of the environment recorded in the checkpoint holding ``folder`` (rebuilt here)."""
-    from arpo_algo.algorithms.checkpoint import read_checkpoint_state  # the reader resume uses: format checked
+    from arpo_algo.algorithms.checkpoint import (  # the reader resume uses: format checked
+        read_checkpoint_state,
+        refuse_code_references,
+    )
     from arpo_algo.models.policy_env import defaults_from_env
 
     try:
@@ -220,6 +232,7 @@ def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{folder.parent}: its checkpoint does not record the environment it was trained in "
                           f"({e})", hint="pass --system-prompt, --max-tool-calls and --protocol") from None
+    refuse_code_references(env_id, env_config, str(folder.parent), flags=SERVE_FLAGS)  # before anything is built
     try:
         return defaults_from_env(env_id, env_config)
     except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment is reported as one error
