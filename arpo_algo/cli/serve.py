@@ -126,7 +126,8 @@ def start(args: argparse.Namespace) -> str:
     wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, context)
     url = f"{scheme}://{args.host}:{args.port}"
     print(f"serving {', '.join(s.name for s in specs)} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
-    print("authentication: " + ("API key required on /v1/*" if key else "OFF (no API key; this machine only)"))
+    print("authentication: " + ("API key required on every route but / and /health" if key
+                                else "OFF (no API key; this machine only)"))
     if args.tls_cert:
         print("TLS: on")
     elif is_loopback(args.host):

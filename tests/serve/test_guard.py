@@ -202,3 +202,107 @@ def test_refusals_are_counted_once(server):
     time.sleep(3)  # a second export of the same counters must not add to them
     now = status_counts(server)
     assert {k: now.get(k, 0.0) for k in want} == want, (before, now)
+
+
+# ------------------------------------------------------------------------------------------- one mount, as routed
+def raw(srv: dict, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """Send exactly ``head`` (request line and headers, CRLF-separated, no blank line) and ``body``; the status and
+    the answer's body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", srv["port"]), timeout=60) as s:
+        s.sendall(head + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+def test_every_route_but_the_page_and_health_needs_the_key(server):
+    for path in ("/v1/models", "/v1", "/nope", "/metrics", "/docs", "//v1/models", "/health/x"):
+        status, _, out = request(server, "GET", path, headers={"Authorization": None})
+        assert status == 401, (path, out)
+        assert_openai_error(out, "invalid_api_key")
+    assert request(server, "GET", "/nope")[0] == 404  # with the key: the router's own answer
+
+
+def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
+    """The same application deployed under a route prefix: Ray leaves the prefix in the path and the router drops it;
+    every request there is refused, with or without the key, and no agent runs."""
+    from ray import serve
+
+    from serve.agents import build_specs
+    from serve.app import build_app
+    from serve.guard import Security
+
+    specs = build_specs([f"tiny={server['model']}"], tools="python", max_tokens=4)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    security = Security(key_file=str(key_file), port=server["port"])
+    try:
+        serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
+        deadline = time.monotonic() + 240
+        while request(server, "GET", "/p/health", headers={"Authorization": None})[0] in (404, 503):
+            assert time.monotonic() < deadline, "the prefixed application never came up"
+            time.sleep(1)
+        for auth in (None, f"Bearer {KEY}"):
+            for method, path in (("POST", "/p/v1/chat/completions"), ("GET", "/p/v1/models"), ("GET", "/p/health"),
+                                 ("GET", "/p/")):
+                body = json.dumps(chat_body()).encode() if method == "POST" else None
+                status, _, out = request(server, method, path, body, headers={"Authorization": auth})
+                assert status == 500, (auth, path, out)
+                assert_openai_error(out, "route_prefix_refused")
+                assert "route_prefix '/'" in out["error"]["message"]
+    finally:
+        serve.delete("prefixed")
+
+
+def test_the_config_file_and_arpo_serve_mount_at_the_root():
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "experiments", "serve_config.yaml"), encoding="utf-8") as f:
+        assert [a["route_prefix"] for a in yaml.safe_load(f)["applications"]] == ["/"]
+
+
+def test_a_security_header_given_twice_is_refused(server):
+    port, good = server["port"], f"Authorization: Bearer {KEY}".encode()
+    host = b"Host: 127.0.0.1:%d" % port
+    body = json.dumps(chat_body()).encode()
+    ctype = b"Content-Type: application/json"
+    cases = {"host": [b"GET /v1/models HTTP/1.1", b"Host: evil.example", host, good],
+             "authorization": [b"GET /v1/models HTTP/1.1", host, b"Authorization: Bearer nope", good],
+             "origin": [b"POST /v1/chat/completions HTTP/1.1", host, good, ctype,
+                        b"Origin: http://127.0.0.1:%d" % port, b"Origin: http://evil.example"],
+             "content-type": [b"POST /v1/chat/completions HTTP/1.1", host, good, b"Content-Type: text/plain", ctype]}
+    for name, lines in cases.items():
+        status, out = raw(server, b"\r\n".join(lines), body if lines[0].startswith(b"POST") else b"")
+        assert status == 400, (name, out)
+        assert json.loads(out)["error"]["code"] == "duplicate_header", out
+    status, out = raw(server, b"\r\n".join([b"GET /v1/models HTTP/1.1", host, good]))
+    assert status == 200, out
+
+
+def test_non_http_scopes_are_refused_before_the_app():
+    import asyncio
+
+    from serve.guard import Guard, Policy, Security, install
+
+    install(Policy(Security(allow_unauthenticated=True)))
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/chat/completions", "root_path": "", "headers": [], "query_string": b""}
+    asyncio.run(Guard(app)(scope, receive, send))
+    assert reached == [] and sent and sent[0]["type"] == "websocket.close"
+    asyncio.run(Guard(app)({"type": "lifespan"}, receive, send))
+    assert reached == ["lifespan"]
