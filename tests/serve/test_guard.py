@@ -306,3 +306,16 @@ def test_non_http_scopes_are_refused_before_the_app():
     assert reached == [] and sent and sent[0]["type"] == "websocket.close"
     asyncio.run(Guard(app)({"type": "lifespan"}, receive, send))
     assert reached == ["lifespan"]
+
+
+def test_bodies_that_are_not_plain_json_text_are_400(server):
+    """A lone surrogate escape and nesting deeper than the parser's recursion: client mistakes, answered 400."""
+    lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    deep = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 200_000 \
+        + b"]" * 200_000 + b"}"
+    for body in (lone, deep, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": '
+                 + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"):
+        status, _, out = post_chat(server, body)
+        assert status == 400, (body[:80], out)
+        assert_openai_error(out)
+        assert "Traceback" not in json.dumps(out)
