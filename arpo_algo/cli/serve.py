@@ -95,7 +95,8 @@ def start(args: argparse.Namespace) -> str:
         args.replica_resources = parse_replica_resources(args.replica_resources)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
                         system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
-                        allow_unisolated_python=args.allow_unisolated_python)
+                        allow_unisolated_python=args.allow_unisolated_python,
+                        max_tokens_limit=args.max_tokens_limit)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
         args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
         key_path = Path(args.key_dir) / "api_key"
@@ -231,6 +232,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "checkpoint or of a policy folder arpo wrote, else arpo)")
     p.add_argument("--max-tokens", type=int, default=512, dest="max_tokens",
                    help="default max_tokens of a request (whole response, tool results included)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, dest="max_tokens_limit",
+                   help="the largest max_tokens a request may ask for (HTTP 400 beyond; default 4096)")
     p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",
                    help="requests a replica works on at once (they share engine rounds)")
     p.add_argument("--max-queued-requests", type=int, default=32, dest="max_queued_requests",

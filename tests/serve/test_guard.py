@@ -319,3 +319,11 @@ def test_bodies_that_are_not_plain_json_text_are_400(server):
         assert status == 400, (body[:80], out)
         assert_openai_error(out)
         assert "Traceback" not in json.dumps(out)
+
+
+def test_max_tokens_has_a_server_ceiling(server):
+    from serve.agents import MAX_TOKENS_LIMIT
+
+    status, _, out = post_chat(server, chat_body(max_tokens=MAX_TOKENS_LIMIT + 1))
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
+    assert f"at most {MAX_TOKENS_LIMIT} on this server" in out["error"]["message"], out
