@@ -31,6 +31,9 @@ from arpo_base.errors import ConfigError
 KEY_ENV = "ARPO_API_KEY"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
+#: How long a client may take to send its request body: it is read in full, under this deadline, before the request
+#: takes an admission slot (an idle or trickling client holds no slot and is answered 408).
+BODY_TIMEOUT_S = 10.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 #: Headers on every response: no MIME sniffing, no framing (clickjacking), no referrer to other sites.
 COMMON_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
@@ -194,6 +197,10 @@ class Policy:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
                 raise self.too_large()
+
+    def too_slow(self) -> Refusal:
+        return Refusal(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", "request_timeout",
+                       {"Connection": "close"})
 
     def too_large(self) -> Refusal:
         return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large")

@@ -112,8 +112,9 @@ def start(args: argparse.Namespace) -> str:
     if args.tls_cert:
         http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
     # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port;
-    # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500 (serve.proxy)
-    serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options())
+    # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500, and its gate checks
+    # Host, key and body before Serve queues anything (serve.proxy)
+    serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options(security))
     app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                     max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
                     replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)

@@ -50,6 +50,7 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     from serve.agents import build_specs
     from serve.app import build_app
     from serve.guard import Security
+    from serve.proxy import controller_options
 
     root = tmp_path_factory.mktemp("guard")
     model = build_tiny_model(root / "tiny", num_layers=2, hidden_size=64, seed=0)
@@ -63,7 +64,9 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     if ray.is_initialized():
         ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
+    # the proxy's gate as `arpo serve` installs it
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options(security))
     specs = build_specs([f"tiny={model}"], tools="python", max_tool_calls=AGENT_TOOL_CALLS, max_tokens=16)
     sandboxes = root / "sandboxes"
     sandboxes.mkdir()
@@ -72,7 +75,6 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
         specs += build_specs([f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM,
                              max_tokens=64)
         specs += build_specs([f"broken={broken_model(root)}"], tools="python", max_tokens=4)
-    security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
     serve.run(build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8), name=APP, route_prefix="/",
               blocking=False)
     url = f"http://127.0.0.1:{port}"

@@ -243,7 +243,7 @@ def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
     try:
         serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
         deadline = time.monotonic() + 240
-        while request(server, "GET", "/p/health", headers={"Authorization": None})[0] in (404, 503):
+        while request(server, "GET", "/p/health")[0] in (404, 503):
             assert time.monotonic() < deadline, "the prefixed application never came up"
             time.sleep(1)
         for auth in (None, f"Bearer {KEY}"):
@@ -251,6 +251,9 @@ def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
                                  ("GET", "/p/")):
                 body = json.dumps(chat_body()).encode() if method == "POST" else None
                 status, _, out = request(server, method, path, body, headers={"Authorization": auth})
+                if auth is None and status == 401:  # the proxy's gate: no open route under a prefix
+                    assert_openai_error(out, "invalid_api_key")
+                    continue
                 assert status == 500, (auth, path, out)
                 assert_openai_error(out, "route_prefix_refused")
                 assert "route_prefix '/'" in out["error"]["message"]
@@ -327,3 +330,70 @@ def test_max_tokens_has_a_server_ceiling(server):
     status, _, out = post_chat(server, chat_body(max_tokens=MAX_TOKENS_LIMIT + 1))
     assert status == 400 and out["error"]["param"] == "max_tokens", out
     assert f"at most {MAX_TOKENS_LIMIT} on this server" in out["error"]["message"], out
+
+
+# ----------------------------------------------------------------------------------------- limits before any work
+def test_idle_sockets_with_the_timeout_off_header_lock_nobody_out(server):
+    """More idle clients than the replica has slots and queue, each asking Serve to switch its timeout and disconnect
+    handling off and sending no body: another client is answered at once; the idle ones get 408."""
+    import socket
+
+    from serve.guard import BODY_TIMEOUT_S
+
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\nx-request-timeout-seconds: 0\r\n"
+            b"x-request-disconnect-disabled: ?1\r\n\r\n" % (server["port"], KEY.encode()))
+    idle = [socket.create_connection(("127.0.0.1", server["port"]), timeout=60) for _ in range(20)]
+    try:
+        for s in idle:
+            s.sendall(head)
+        time.sleep(1)
+        t0 = time.monotonic()
+        status, _, out = post_chat(server, chat_body(), timeout=60)
+        assert status == 200 and time.monotonic() - t0 < BODY_TIMEOUT_S, out
+        for s in idle:
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_an_oversized_chunked_body_is_cut_at_the_limit(server):
+    """A chunked body announces no length: the server answers 413 once the limit is passed and stops reading, so
+    the client cannot push much more than the limit (the socket buffers) into it."""
+    import socket
+    import threading
+
+    from serve.guard import MAX_BODY_BYTES
+
+    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
+    sent = [0]
+
+    def push() -> None:
+        piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+        try:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      % (server["port"], KEY.encode()))
+            for _ in range(256):
+                s.sendall(piece)
+                sent[0] += 1 << 20
+        except OSError:
+            pass  # the server answered and closed
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    try:
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        s.shutdown(socket.SHUT_RDWR)
+    finally:
+        s.close()
+        pusher.join(60)
+    assert sent[0] < MAX_BODY_BYTES + (32 << 20), sent[0]
