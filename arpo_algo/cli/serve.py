@@ -104,7 +104,8 @@ def start(args: argparse.Namespace) -> str:
         key_path.write_text(key, encoding="utf-8")
         security.key_file = str(key_path)
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=False, **local_ray_options(args.host))
+        private_token_file()
     if args.replica_resources is not None:
         check_replicas_fit(args)
     http = {"host": args.host, "port": args.port,
@@ -138,6 +139,42 @@ def start(args: argparse.Namespace) -> str:
         print("TLS: OFF - requests, answers and the API key cross the network in clear text; give --tls-cert and "
               "--tls-key")
     return url
+
+
+#: Ray reads this at import and on each node start: false keeps a one-node Ray on the loopback address it is given.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_ray_options(host: str) -> dict[str, Any]:
+    """``ray.init`` options for the Ray that ``arpo serve`` starts itself: serving on loopback with no cluster to join
+    (no ``RAY_ADDRESS``), Ray's own listeners (GCS, raylet, workers, metrics) bind loopback too, so nothing of the
+    server, not even Ray's unauthenticated metrics, answers on another interface. Joining a cluster: {} (its nodes
+    need their addresses)."""
+    import os
+
+    from serve.guard import is_loopback
+
+    if not is_loopback(host) or os.environ.get("RAY_ADDRESS"):
+        return {}
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[RAY_LOOPBACK_ENV] = "0"  # for Ray's own processes, started from this one
+    ray_constants.ENABLE_RAY_CLUSTER = False  # for this process: Ray read the variable when it was imported
+    return {"_node_ip_address": "127.0.0.1"}
+
+
+def private_token_file() -> None:
+    """Make Ray's authentication token file readable by its owner only (Ray writes it 0644)."""
+    import os
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.is_file() or path.stat().st_uid != os.getuid():
+        return  # no token, or another user's file (not the one this Ray uses)
+    try:
+        path.chmod(0o600)
+    except OSError as e:
+        raise ArpoError(f"cannot make Ray's token file readable by its owner only: {e.strerror}",
+                        hint=f"chmod 600 {path}") from None
 
 
 def parse_replica_resources(text: str) -> dict[str, float]:

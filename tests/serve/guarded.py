@@ -45,7 +45,7 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     import ray
     from ray import serve
 
-    from arpo_algo.cli.serve import wait_ready
+    from arpo_algo.cli.serve import RAY_LOOPBACK_ENV, local_ray_options, private_token_file, wait_ready
     from arpo_algo.models import build_tiny_model
     from serve.agents import build_specs
     from serve.app import build_app
@@ -63,7 +63,11 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     metrics_port = free_port()
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
+    # Ray as `arpo serve` starts it on loopback: its listeners on loopback, its token file private
+    saved[RAY_LOOPBACK_ENV] = os.environ.get(RAY_LOOPBACK_ENV)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             **local_ray_options("127.0.0.1"))
+    private_token_file()
     security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
     # the proxy's gate as `arpo serve` installs it
     serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options(security))

@@ -397,3 +397,29 @@ def test_an_oversized_chunked_body_is_cut_at_the_limit(server):
         s.close()
         pusher.join(60)
     assert sent[0] < MAX_BODY_BYTES + (32 << 20), sent[0]
+
+
+# ----------------------------------------------------------------------------------------------- Ray on loopback
+def test_ray_started_for_a_loopback_server_listens_on_loopback_only(server):
+    """Every listener of this server's Ray (GCS, raylet, workers, the metrics export, Serve's proxy) is on loopback,
+    but each replica's inter-deployment gRPC server, which Ray binds to every interface with no setting to change
+    it (behind Ray's token authentication); Ray's token file is readable by its owner only."""
+    import ipaddress
+    from pathlib import Path
+
+    psutil = pytest.importorskip("psutil")
+    listening = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    ports = {port for _, _, port in listening}
+    assert server["port"] in ports and server["metrics_port"] in ports, listening
+    exposed = [x for x in listening if not ipaddress.ip_address(x[1].removeprefix("::ffff:")).is_loopback]
+    replica_grpc = [x for x in exposed if x[0].startswith("ray::ServeReplica") and x[1] == "::"]
+    assert len(replica_grpc) <= 1 and [x for x in exposed if x not in replica_grpc] == [], exposed
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if token.is_file():
+        assert token.stat().st_mode & 0o077 == 0, oct(token.stat().st_mode)
