@@ -2,9 +2,9 @@
 
 In order: the ``Host`` header must name this server (a DNS-rebinding page cannot reach it), an ``Origin`` header must
 be the served origin itself (no other site's page can call the API), every route but the page (``/``) and ``/health``
-needs ``Authorization: Bearer KEY`` when a key is set, a POST body must be ``application/json`` (a plain HTML form cannot send a request) and at most
-``max_body_bytes``. Every refusal is an OpenAI-shaped JSON error, counted once in the metrics, and nothing behind
-it runs. Every response carries ``nosniff`` and may not be framed.
+needs ``Authorization: Bearer KEY`` when a key is set, a POST body must be ``application/json`` (a plain HTML form
+cannot send a request) and at most ``max_body_bytes``. Every refusal is an OpenAI-shaped JSON error, counted once in
+the metrics, and nothing behind it runs. Every response carries ``nosniff`` and may not be framed.
 
 The path judged is the one the router sees (Starlette's route path: the request path without the mount's root path),
 so no mount can put a route outside the checks; and the application serves only at the root: a request reaching it
