@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,8 +75,10 @@ def request(method: str, url: str, payload: Any = None, *, headers: dict[str, st
     data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
     sent = {"Content-Type": "application/json", **(headers or {})}
     try:
-        resp = requests.request(method, url, data=data, headers=sent, timeout=timeout, verify=verify,
-                                allow_redirects=False)
+        with warnings.catch_warnings():  # verify=False is asked for knowingly: no warning per poll
+            warnings.simplefilter("ignore", requests.packages.urllib3.exceptions.InsecureRequestWarning)
+            resp = requests.request(method, url, data=data, headers=sent, timeout=timeout, verify=verify,
+                                    allow_redirects=False)
         status, got, text = resp.status_code, dict(resp.headers), resp.content.decode(errors="replace")
     except requests.RequestException as e:  # no answer: refused, reset, timed out, unknown host, TLS failure
         raise HTTPJSONError(method, url, None, _reason(e)) from None

@@ -19,6 +19,9 @@ from arpo_algo.models.policy_env import SERVED_KEYS
 from arpo_base.errors import ConfigError
 
 ENGINE_KINDS = ("hf", "vllm")
+#: The largest ``max_tokens`` a request may ask for (``--max-tokens-limit``): a server-side ceiling, so one request
+#: cannot hold engine rows and the batcher for as long as the context allows.
+MAX_TOKENS_LIMIT = 4096
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 
 
@@ -34,6 +37,7 @@ class AgentSpec:
         engine_settings: Extra engine keyword arguments (``max_batch_size``, ``dtype``, ...).
         session: The ``ToolSession`` config: ``tools``, ``max_tool_calls``, ``protocol``, ``system_prompt``, ...
         max_tokens: Default ``max_tokens`` when a request gives none (the whole response, tool results included).
+        max_tokens_limit: The largest ``max_tokens`` a request may ask for (HTTP 400 beyond).
     """
 
     name: str
@@ -43,6 +47,7 @@ class AgentSpec:
     engine_settings: dict[str, Any] = field(default_factory=dict)
     session: dict[str, Any] = field(default_factory=dict)
     max_tokens: int = 512
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +92,8 @@ def parse_tools(text: str | None) -> dict[str, Any] | None:
 def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool_calls: int | None = None,
                 engine: str = "hf", system_prompt: str | None = None, protocol: str | None = None,
                 max_tokens: int = 512, engine_settings: dict[str, Any] | None = None,
-                allow_unisolated_python: bool = False) -> list[AgentSpec]:
+                allow_unisolated_python: bool = False,
+                max_tokens_limit: int = MAX_TOKENS_LIMIT) -> list[AgentSpec]:
     """Specs for every source (the same tools and limits for each); names must be unique.
 
     A server-side Python tool must reach the sandbox's minimum isolation (no network, not the server's own user): it
@@ -102,6 +108,9 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         raise ConfigError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > max_tokens_limit:
+        raise ConfigError(f"the default max_tokens ({max_tokens}) exceeds the ceiling max_tokens_limit "
+                          f"({max_tokens_limit})", hint="raise --max-tokens-limit or lower --max-tokens")
     session: dict[str, Any] = {}
     tool_spec = parse_tools(tools) if isinstance(tools, str) or tools is None else dict(tools)
     for key, value in (("tools", tool_spec), ("max_tool_calls", max_tool_calls), ("system_prompt", system_prompt),
@@ -128,7 +137,8 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         if own != session:
             _check_session(own)
         specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
-                               engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens))
+                               engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens,
+                               max_tokens_limit=max_tokens_limit))
     return specs
 
 
@@ -192,9 +202,21 @@ def _trained_defaults(folder: Path, trained: dict[str, Any], given: dict[str, An
     return out
 
 
+#: How ``arpo serve`` sets what a checkpoint's record may not (``refuse_code_references``): the served tools come from
+#: the command line, never from the folder.
+SERVE_FLAGS = {"env": "pass --system-prompt, --max-tool-calls and --protocol (then no environment is rebuilt)",
+               "tool": "--tools '{{\"python\": {{\"{key}\": VALUE}}}}' (and --system-prompt, --max-tool-calls, "
+                       "--protocol, so the checkpoint's environment is not rebuilt)",
+               "allow_unisolated_python": "--allow-unisolated-python (and --system-prompt, --max-tool-calls, "
+                                          "--protocol, so the checkpoint's environment is not rebuilt)"}
+
+
 def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
     """The served defaults of the environment recorded in the checkpoint holding ``folder`` (rebuilt here)."""
-    from arpo_algo.algorithms.checkpoint import read_checkpoint_state  # the reader resume uses: format checked
+    from arpo_algo.algorithms.checkpoint import (  # the reader resume uses: format checked
+        read_checkpoint_state,
+        refuse_code_references,
+    )
     from arpo_algo.models.policy_env import defaults_from_env
 
     try:
@@ -203,6 +225,7 @@ def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{folder.parent}: its checkpoint does not record the environment it was trained in "
                           f"({e})", hint="pass --system-prompt, --max-tool-calls and --protocol") from None
+    refuse_code_references(env_id, env_config, str(folder.parent), flags=SERVE_FLAGS)  # before anything is built
     try:
         return defaults_from_env(env_id, env_config)
     except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment is reported as one error
@@ -242,7 +265,8 @@ def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
     """Specs from ``serve run serve.app:build key=value`` arguments (all strings) or a config file's ``args``.
 
     Keys: ``models`` (comma-separated ``[NAME=]SOURCE``; a list in YAML), ``tools``, ``max_tool_calls``, ``engine``,
-    ``system_prompt``, ``protocol``, ``max_tokens``, ``max_batch_size``, ``allow_unisolated_python``.
+    ``system_prompt``, ``protocol``, ``max_tokens``, ``max_tokens_limit``, ``max_batch_size``,
+    ``allow_unisolated_python``.
     """
     models = args.get("models")
     if isinstance(models, str):
@@ -255,5 +279,6 @@ def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
                        max_tool_calls=int(mtc) if mtc not in (None, "") else None,
                        system_prompt=args.get("system_prompt"), protocol=args.get("protocol"),
                        max_tokens=int(args.get("max_tokens", 512)), engine_settings=engine_settings,
+                       max_tokens_limit=int(args.get("max_tokens_limit", MAX_TOKENS_LIMIT)),
                        allow_unisolated_python=str(args.get("allow_unisolated_python", False)).lower()
                        in ("1", "true", "yes"))

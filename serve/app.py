@@ -34,6 +34,7 @@ from arpo_base.errors import ConfigError
 from serve.agents import AgentSpec, specs_from_args
 from serve.batching import EngineDead
 from serve.guard import (
+    BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
     REQUEST_TIMEOUT_S,
     Guard,
@@ -238,6 +239,14 @@ class AgentServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         t0 = time.perf_counter()
+        # The whole body first, under its own short deadline: a client that sends it slowly (or never) holds no slot.
+        # A body past the limit raises out of here to the guard, which answers 413.
+        try:
+            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+        except TimeoutError:
+            err = self.policy.too_slow()
+            self.metrics.request("-", str(err.status), time.perf_counter() - t0)
+            return JSONResponse(json.loads(err.body()), status_code=err.status, headers=err.headers)
         deadline = time.monotonic() + self.security.request_timeout_s  # the wait for a slot counts too
         try:
             await asyncio.wait_for(self.admission.enter(), self.security.request_timeout_s)
@@ -247,17 +256,16 @@ class AgentServer:
             return _error(err, self.retry_after_s)
         handed_over = False  # a stream leaves its slot when it ends; everything else when this returns
         try:
-            response = await self._chat(request, t0, deadline)
+            response = await self._chat(raw, t0, deadline)
             handed_over = isinstance(response, StreamingResponse)
             return response
         finally:
             if not handed_over:
                 self.admission.leave()
 
-    async def _chat(self, request: Request, t0: float, deadline: float) -> Any:
+    async def _chat(self, raw: bytes, t0: float, deadline: float) -> Any:
         loop = asyncio.get_running_loop()
         model = "-"
-        raw = await request.body()  # a body past the limit raises out of here to the guard, which answers 413
         try:
             req, agent, job = await loop.run_in_executor(self.pool, self._prepare, raw)
             model = req.model

@@ -1,10 +1,14 @@
 """The checks every HTTP request passes before a route sees it (docs/security.md is the threat model).
 
 In order: the ``Host`` header must name this server (a DNS-rebinding page cannot reach it), an ``Origin`` header must
-be the served origin itself (no other site's page can call the API), ``/v1/*`` needs ``Authorization: Bearer KEY``
-when a key is set, a POST body must be ``application/json`` (a plain HTML form cannot send a request) and at most
-``max_body_bytes``. Every refusal is an OpenAI-shaped JSON error, counted once in the metrics, and nothing behind
-it runs. Every response carries ``nosniff`` and may not be framed.
+be the served origin itself (no other site's page can call the API), every route but the page (``/``) and ``/health``
+needs ``Authorization: Bearer KEY`` when a key is set, a POST body must be ``application/json`` (a plain HTML form
+cannot send a request) and at most ``max_body_bytes``. Every refusal is an OpenAI-shaped JSON error, counted once in
+the metrics, and nothing behind it runs. Every response carries ``nosniff`` and may not be framed.
+
+The path judged is the one the router sees (Starlette's route path: the request path without the mount's root path),
+so no mount can put a route outside the checks; and the application serves only at the root: a request reaching it
+under a route prefix is refused. A security header given twice, and any scope but HTTP (a websocket), are refused.
 
 The key never travels as a deployment argument: a replica reads it from ``ARPO_API_KEY`` or from a key file.
 """
@@ -27,6 +31,9 @@ from arpo_base.errors import ConfigError
 KEY_ENV = "ARPO_API_KEY"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
+#: How long a client may take to send its request body: it is read in full, under this deadline, before the request
+#: takes an admission slot (an idle or trickling client holds no slot and is answered 408).
+BODY_TIMEOUT_S = 10.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 #: Headers on every response: no MIME sniffing, no framing (clickjacking), no referrer to other sites.
 COMMON_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
@@ -122,6 +129,20 @@ def page_csp(html: str) -> str:
             "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+#: Routes reachable without the key: the chat page (it asks for the key itself) and the liveness probe.
+OPEN_PATHS = frozenset({"/", "/health"})
+#: Headers the checks read: one of each, or the request is refused (two values would leave the choice to whichever
+#: layer reads them, "first wins" here and "last wins" there).
+SINGLE_HEADERS = ("host", "origin", "authorization", "content-type", "content-length", "transfer-encoding")
+
+
+def route_path(scope: dict) -> str:
+    """The path the application's router matches (Starlette's own rule, so the guard judges exactly what is routed)."""
+    from starlette._utils import get_route_path
+
+    return get_route_path(scope)
+
+
 class Refusal(Exception):
     """A request refused before any route runs."""
 
@@ -152,8 +173,11 @@ class Policy:
         scheme, _, given = headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key.encode())
 
-    def check(self, method: str, path: str, headers: dict[str, str]) -> None:
-        """Raise :class:`Refusal` for a request that must not reach a route."""
+    def check(self, method: str, path: str, headers: dict[str, str], root_path: str = "") -> None:
+        """Raise :class:`Refusal` for a request that must not reach a route (``path``: the routed path)."""
+        if root_path:
+            raise Refusal(500, "this application is served only at the root: deploy it with route_prefix '/' (a "
+                               f"prefix such as {root_path!r} is refused)", "route_prefix_refused")
         host = headers.get("host", "").lower()
         if host not in self.hosts:
             # The accepted names are not listed: a rebinding page can read this answer.
@@ -162,7 +186,7 @@ class Policy:
         origin = headers.get("origin")
         if origin is not None and origin.lower() != f"{self.scheme}://{host}":
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
-        if (path == "/v1" or path.startswith("/v1/")) and not self.authorized(headers):
+        if path not in OPEN_PATHS and not self.authorized(headers):
             raise Refusal(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         if method == "POST":
@@ -173,6 +197,10 @@ class Policy:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
                 raise self.too_large()
+
+    def too_slow(self) -> Refusal:
+        return Refusal(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", "request_timeout",
+                       {"Connection": "close"})
 
     def too_large(self) -> Refusal:
         return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large")
@@ -203,8 +231,12 @@ class Guard:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":  # the application's own start and stop, not a request
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no route serves another protocol: refused before anything reads it
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "only HTTP is served here"})
             return
         if not _POLICY:  # the constructor has not run: refuse rather than serve unchecked
             await _send_refusal(send, Refusal(503, "the server is starting", "loading", {"Retry-After": "1"}))
@@ -226,9 +258,9 @@ class Guard:
         if not policy.enabled:
             await self.app(scope, receive, send_with_headers)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            policy.check(scope["method"], scope["path"], headers)
+            headers = single_headers(scope["headers"])
+            policy.check(scope["method"], route_path(scope), headers, scope.get("root_path", ""))
         except Refusal as r:
             await _refuse(policy, send_with_headers, r)
             return
@@ -248,6 +280,17 @@ class Guard:
             if started:
                 raise
             await _refuse(policy, send_with_headers, policy.too_large())
+
+
+def single_headers(raw: list) -> dict[str, str]:
+    """The request's headers by lower-case name; a header of :data:`SINGLE_HEADERS` given twice is refused (400)."""
+    headers: dict[str, str] = {}
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name in headers and name in SINGLE_HEADERS:
+            raise Refusal(400, f"the header {name!r} is given more than once", "duplicate_header")
+        headers[name] = v.decode("latin-1")
+    return headers
 
 
 async def _refuse(policy: Policy, send: Any, r: Refusal) -> None:

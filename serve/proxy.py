@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -42,18 +43,22 @@ def error_body() -> dict[str, Any]:
 
 
 class _Count:
-    """``arpo_serve_requests_total{model="-", status="503"}`` from the proxy's process (created on first use)."""
+    """``arpo_serve_requests_total{model="-", status=...}`` from the proxy's process (created on first use)."""
 
     metrics: Any = None
 
     @classmethod
     def lost(cls, seconds: float) -> None:
+        cls.status("503", seconds)
+
+    @classmethod
+    def status(cls, status: str, seconds: float) -> None:
         try:
             if cls.metrics is None:
                 from serve.metrics import ServeMetrics
 
                 cls.metrics = ServeMetrics()
-            cls.metrics.request("-", "503", seconds)
+            cls.metrics.request("-", status, seconds)
         except Exception as e:  # noqa: BLE001 - a metric must never cost the client its answer
             log.warning("counting a lost replica's request failed: %s", e)
 
@@ -106,14 +111,112 @@ class LostReplica:
         _Count.lost(time.perf_counter() - t0)
 
 
+#: The deployment's :class:`serve.guard.Security` as JSON (it names a key file, never the key), for :class:`Gate`.
+SECURITY_ENV = "ARPO_SERVE_PROXY_SECURITY"
+#: Ray Serve reads these request headers from the client (``x-request-timeout-seconds: 0`` turns its request timeout
+#: off, ``x-request-disconnect-disabled`` its disconnect handling): the gate removes every ``x-request-*`` header.
+CLIENT_CONTROL_PREFIX = b"x-request-"
+
+
+class Gate:
+    """ASGI middleware in front of Serve's proxy: limits that must hold before the proxy queues a request.
+
+    Invariant: no request reaches Serve's routing (and so no replica's queue or slot) unless its Host, Origin, key and
+    Content-Type pass the replica's own checks (:class:`serve.guard.Policy`, built from :data:`SECURITY_ENV`), its
+    client-controlled ``x-request-*`` headers are gone, and its whole body has arrived within
+    :data:`serve.guard.BODY_TIMEOUT_S` and within the body limit; the gate reads at most the limit plus one chunk.
+    Without :data:`SECURITY_ENV` (a proxy that ``arpo serve`` did not start) the header stripping, the body limit and
+    the body deadline still hold, and the replicas check the rest."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.policy = app, None
+        from serve.guard import MAX_BODY_BYTES, Policy, Security
+
+        self.max_body = MAX_BODY_BYTES
+        text = os.environ.get(SECURITY_ENV)
+        if text:
+            self.policy = Policy(Security(**json.loads(text)))
+            self.max_body = self.policy.max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        import asyncio
+
+        from serve.guard import BODY_TIMEOUT_S, Refusal, route_path, single_headers
+
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
+                                     if not k.lower().startswith(CLIENT_CONTROL_PREFIX)])
+        try:
+            headers = single_headers(scope["headers"])
+            if self.policy is not None and self.policy.enabled:
+                self.policy.check(scope["method"], route_path(scope), headers, scope.get("root_path", ""))
+            body = await asyncio.wait_for(self._body(receive, headers), BODY_TIMEOUT_S)
+        except TimeoutError:
+            await self._refuse(send, Refusal(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                                             "request_timeout", {"Connection": "close"}), t0)
+            return
+        except Refusal as r:
+            await self._refuse(send, r, t0)
+            return
+        if body is None:  # the client went away while sending
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _body(self, receive: Any, headers: dict[str, str]) -> bytes | None:
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            raise self._too_large()
+        parts, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body:
+                raise self._too_large()
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    def _too_large(self) -> Any:
+        from serve.guard import Refusal
+
+        return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large",
+                       {"Connection": "close"})
+
+    async def _refuse(self, send: Any, r: Any, t0: float) -> None:
+        from serve.guard import _send_refusal
+
+        _Count.status(str(r.status), time.perf_counter() - t0)
+        await _send_refusal(send, r)
+
+
 def middlewares() -> list:
-    """The proxy's extra middlewares (the function :data:`PROXY_CALLBACK` names)."""
+    """The proxy's extra middlewares (the function :data:`PROXY_CALLBACK` names): the gate outermost, so a request it
+    refuses never reaches Serve's proxy."""
     from starlette.middleware import Middleware
 
-    return [Middleware(LostReplica)]
+    return [Middleware(Gate), Middleware(LostReplica)]
 
 
-def controller_options() -> dict[str, Any]:
+def controller_options(security: Any = None) -> dict[str, Any]:
     """``serve.start(controller_options=...)``: Serve's controller, and the proxies it starts (they inherit its
-    environment), load :func:`middlewares`. Takes effect when Serve starts, not on a Serve already running."""
-    return {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}}
+    environment), load :func:`middlewares`; ``security`` (a :class:`serve.guard.Security`) is what their gate
+    enforces. Takes effect when Serve starts, not on a Serve already running."""
+    env = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
+    if security is not None:
+        env[SECURITY_ENV] = json.dumps(security.to_dict())
+    return {"runtime_env": {"env_vars": env}}

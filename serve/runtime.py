@@ -97,29 +97,50 @@ class TextStream:
     ``token`` feeds one sampled token; ``end_segment`` flushes at a tool result (the next turn decodes afresh).
     Deltas go to ``out``; after a stop string nothing more is emitted. The non-streaming content is built with the
     same class, so a stream's deltas always add up to the non-streaming ``content``.
+
+    Incremental: each token costs two ``decode`` calls over a window of the last few ids (the text of the ids before
+    the window, as a prefix, is subtracted from the text of the window with the new id), and a stop string is looked
+    for only where it could end, so the work per token does not grow with the reply (the batcher thread that runs
+    this serves every request).
     """
 
     def __init__(self, tokenizer: Any, stop: list[str], out: Any) -> None:
         self.tok, self.stop, self.out = tokenizer, stop, out
-        self.ids: list[int] = []
-        self.sent = 0
+        self.longest_stop = max((len(s) for s in stop), default=0)
         self.stopped = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were decoded as the context of the next token's text
+        self.read = 0  # ids before this index are in self.text
+        self.text = ""
+        self.sent = 0
 
     def token(self, token_id: int) -> None:
         self.ids.append(token_id)
-        self._push(final=False)
-
-    def end_segment(self) -> None:
-        self._push(final=True)
-        self.ids, self.sent = [], 0
-
-    def _push(self, final: bool) -> None:
         if self.stopped:
             return
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 character: wait for its next byte
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        self._advance(final=False)
+
+    def end_segment(self) -> None:
+        if not self.stopped:
+            self._advance(final=True)
+        self._reset()
+
+    def _advance(self, final: bool) -> None:
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        window = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if not final and (window.endswith("\ufffd") or len(window) <= len(before)):
+            return  # an incomplete UTF-8 character (or no text yet): wait for the next token
+        self.text += window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self._push(final)
+
+    def _push(self, final: bool) -> None:
+        text = self.text
+        start = max(0, self.sent - self.longest_stop)  # a stop string not found before cannot start earlier
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             end = cut
@@ -131,6 +152,9 @@ class TextStream:
         if end > self.sent:
             self.out(text[self.sent:end])
             self.sent = end
+        if self.sent > 4096 + self.longest_stop:  # what was sent is needed only as far back as a stop string reaches
+            drop = self.sent - self.longest_stop
+            self.text, self.sent = self.text[drop:], self.sent - drop
 
 
 class Agent:
@@ -171,6 +195,10 @@ class Agent:
                 prior += 1
             else:
                 raise APIError(f"a {m['role']} message cannot follow the last user message", param="messages")
+        ceiling = self.spec.max_tokens_limit
+        if req.max_tokens is not None and req.max_tokens > ceiling:
+            raise APIError(f"'max_tokens' may be at most {ceiling} on this server, got {req.max_tokens}",
+                           param="max_tokens")
         ctx = self.max_context
         if ctx is not None and len(ids) >= ctx:
             raise APIError(f"This model's maximum context length is {ctx} tokens; the messages take {len(ids)} "

@@ -21,6 +21,8 @@ MAX_N = 16
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 256
+#: Deepest nesting of a request body (a chat request needs 5: body, messages, message, content parts, part).
+MAX_DEPTH = 32
 #: ``n`` times the tool calls each choice may make (the agent's limit, or the request's lower one).
 MAX_REQUEST_TOOL_CALLS = 64
 TOOL_MODES = ("server", "client")
@@ -185,6 +187,27 @@ def _tool_mode(body: dict, ext: dict) -> str:
     return mode
 
 
+def _plain_text(body: Any) -> None:
+    """Refuse (400) a body nested deeper than :data:`MAX_DEPTH` or holding a string that is not Unicode text (a lone
+    surrogate from a ``\\ud800`` escape): either would fail later, inside a tokenizer or an encoder, as a 500."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(f"the request body nests deeper than {MAX_DEPTH} levels", param=None)
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("the request body holds a string that is not valid Unicode (a lone surrogate escape "
+                               "such as \\ud800)", param=None) from None
+
+
 def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRequest:
     """Validate a request body (raw bytes, text or an already decoded object) into a :class:`ChatRequest`."""
     if isinstance(raw, (bytes, str)):
@@ -192,8 +215,11 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}", param=None) from None
+        except RecursionError:
+            raise APIError(f"the request body nests deeper than {MAX_DEPTH} levels", param=None) from None
     else:
         body = raw
+    _plain_text(body)
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     _unknown(body)

@@ -348,7 +348,7 @@ class AgenticRLAlgorithm(Algorithm):
         """A new Algorithm built from a checkpoint's own settings (JSON) and restored from it."""
         state = read_checkpoint_state(path)
         algo_cls = _algorithm_class(cls, state["algorithm"])
-        config = config_from_state(state, type(algo_cls.get_default_config()))
+        config = config_from_state(state, type(algo_cls.get_default_config()), str(path))
         # where a Tune trial's process ran is not a setting of the run: the restored Algorithm runs in this process
         algo = config.backend(main_resources={}).build_algo()
         try:

@@ -174,8 +174,48 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
     algo.prompts.set_state(state["prompts"])
 
 
-def config_from_state(state: dict[str, Any], config_cls: type) -> Any:
-    """The Algorithm config a checkpoint was trained with (from its JSON, nothing executed)."""
+#: Python tool settings that name code to run or weaken its sandbox: a folder's files never set them (its reader's
+#: own settings do), so reading a folder someone else wrote can never pick the interpreter, image or sandbox.
+CODE_SETTINGS = {"python_executable": "the interpreter the model's code runs in",
+                 "docker_image": "the Docker image the model's code runs in",
+                 "backend": "the sandbox backend", "scratch_root": "where the sandbox's scratch folders go",
+                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces"}
+
+
+def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: dict[str, str]) -> None:
+    """Refuse (:class:`ArpoError`) an environment record read from a folder that names code: an environment id with a
+    module part (``module:Name`` makes gymnasium import that module) or a Python tool setting of
+    :data:`CODE_SETTINGS`. ``flags`` says how the reader sets such a value itself: ``flags["env"]`` for the id,
+    ``flags["tool"]`` (formatted with ``key``) for a tool setting, ``flags["allow_unisolated_python"]`` for the
+    opt-in. Runs before anything of the record is built.
+
+    Invariant: a folder's files are data; what runs, and in which sandbox, is chosen by whoever reads it."""
+    if not isinstance(env_id, str) or ":" in env_id:
+        raise ArpoError(f"{where}: the recorded environment id {env_id!r} names a module to import; a folder's files "
+                        "may not choose code to run", hint=f"registered ids only; {flags['env']}")
+    tools = env_config.get("tools") if isinstance(env_config, dict) else None
+    python = tools.get("python") if isinstance(tools, dict) else None
+    if isinstance(python, dict):
+        for key, what in CODE_SETTINGS.items():
+            if key in python:
+                flag = flags.get(key) or flags["tool"].format(key=key)
+                raise ArpoError(f"{where}: the recorded setting tools.python.{key} ({what}) is refused: a folder's "
+                                "files may not choose the code that runs or its sandbox",
+                                hint=f"set it yourself if you mean it: {flag}")
+
+
+#: How ``from_checkpoint``'s caller sets what a checkpoint may not (:func:`refuse_code_references`).
+RESTORE_FLAGS = {"env": "build the Algorithm from your own config (the experiment file's [env] id, or --set env.id=ID) "
+                        "and restore the checkpoint into it (arpo train EXPERIMENT --resume RUN)",
+                 "tool": "--set env.tools.python.{key}=VALUE (or [env.tools.python] {key} in the experiment file), "
+                         "then arpo train EXPERIMENT --resume RUN",
+                 "allow_unisolated_python": "arpo train EXPERIMENT --resume RUN --allow-unisolated-python"}
+
+
+def config_from_state(state: dict[str, Any], config_cls: type, where: str = "checkpoint") -> Any:
+    """The Algorithm config a checkpoint was trained with (from its JSON, nothing executed); a record that names code
+    (:func:`refuse_code_references`) is refused."""
     c = state["config"]
+    refuse_code_references(c["env"], c["env_config"], where, flags=RESTORE_FLAGS)
     config = config_cls().environment(env=c["env"], env_config=c["env_config"]).debugging(seed=c["seed"])
     return config.update_settings(c["settings"], "checkpoint config")

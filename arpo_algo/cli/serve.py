@@ -20,12 +20,12 @@ SERVE_TIMEOUT_SLACK_S = 5.0
 
 def wait_ready(url: str, timeout_s: float, key: str | None = None, verify: bool = True) -> dict:
     """Poll ``GET url/health`` until it answers 200 (models loaded); raise naming the last answer otherwise."""
-    from arpo_base.http import HTTPJSONError, bearer, get_json
+    from arpo_base.http import HTTPJSONError, bearer, request
 
     deadline, last = time.monotonic() + timeout_s, "no answer"
     while time.monotonic() < deadline:
         try:
-            return get_json(f"{url}/health", headers=bearer(key), timeout=5)
+            return request("GET", f"{url}/health", headers=bearer(key), timeout=5, verify=verify).data
         except HTTPJSONError as e:
             last = e.body or e.reason
             error = e.data.get("error") if isinstance(e.data, dict) else None
@@ -91,7 +91,8 @@ def start(args: argparse.Namespace) -> str:
         args.replica_resources = parse_replica_resources(args.replica_resources)
     specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
                         system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
-                        allow_unisolated_python=args.allow_unisolated_python)
+                        allow_unisolated_python=args.allow_unisolated_python,
+                        max_tokens_limit=args.max_tokens_limit)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
         args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
         key_path = Path(args.key_dir) / "api_key"
@@ -99,7 +100,8 @@ def start(args: argparse.Namespace) -> str:
         key_path.write_text(key, encoding="utf-8")
         security.key_file = str(key_path)
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=False, **local_ray_options(args.host))
+        private_token_file()
     if args.replica_resources is not None:
         check_replicas_fit(args)
     http = {"host": args.host, "port": args.port,
@@ -107,8 +109,9 @@ def start(args: argparse.Namespace) -> str:
     if args.tls_cert:
         http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
     # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port;
-    # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500 (serve.proxy)
-    serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options())
+    # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500, and its gate checks
+    # Host, key and body before Serve queues anything (serve.proxy)
+    serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options(security))
     app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
                     max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
                     replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
@@ -119,7 +122,8 @@ def start(args: argparse.Namespace) -> str:
     wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, verify=not args.tls_cert)
     url = f"{scheme}://{args.host}:{args.port}"
     print(f"serving {', '.join(s.name for s in specs)} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
-    print("authentication: " + ("API key required on /v1/*" if key else "OFF (no API key; this machine only)"))
+    print("authentication: " + ("API key required on every route but / and /health" if key
+                                else "OFF (no API key; this machine only)"))
     if args.tls_cert:
         print("TLS: on")
     elif is_loopback(args.host):
@@ -128,6 +132,42 @@ def start(args: argparse.Namespace) -> str:
         print("TLS: OFF - requests, answers and the API key cross the network in clear text; give --tls-cert and "
               "--tls-key")
     return url
+
+
+#: Ray reads this at import and on each node start: false keeps a one-node Ray on the loopback address it is given.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_ray_options(host: str) -> dict[str, Any]:
+    """``ray.init`` options for the Ray that ``arpo serve`` starts itself: serving on loopback with no cluster to join
+    (no ``RAY_ADDRESS``), Ray's own listeners (GCS, raylet, workers, metrics) bind loopback too, so nothing of the
+    server, not even Ray's unauthenticated metrics, answers on another interface. Joining a cluster: {} (its nodes
+    need their addresses)."""
+    import os
+
+    from serve.guard import is_loopback
+
+    if not is_loopback(host) or os.environ.get("RAY_ADDRESS"):
+        return {}
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[RAY_LOOPBACK_ENV] = "0"  # for Ray's own processes, started from this one
+    ray_constants.ENABLE_RAY_CLUSTER = False  # for this process: Ray read the variable when it was imported
+    return {"_node_ip_address": "127.0.0.1"}
+
+
+def private_token_file() -> None:
+    """Make Ray's authentication token file readable by its owner only (Ray writes it 0644)."""
+    import os
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.is_file() or path.stat().st_uid != os.getuid():
+        return  # no token, or another user's file (not the one this Ray uses)
+    try:
+        path.chmod(0o600)
+    except OSError as e:
+        raise ArpoError(f"cannot make Ray's token file readable by its owner only: {e.strerror}",
+                        hint=f"chmod 600 {path}") from None
 
 
 def parse_replica_resources(text: str) -> dict[str, float]:
@@ -223,6 +263,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "checkpoint or of a policy folder arpo wrote, else arpo)")
     p.add_argument("--max-tokens", type=int, default=512, dest="max_tokens",
                    help="default max_tokens of a request (whole response, tool results included)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, dest="max_tokens_limit",
+                   help="the largest max_tokens a request may ask for (HTTP 400 beyond; default 4096)")
     p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",
                    help="requests a replica works on at once (they share engine rounds)")
     p.add_argument("--max-queued-requests", type=int, default=32, dest="max_queued_requests",

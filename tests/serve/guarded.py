@@ -45,11 +45,12 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     import ray
     from ray import serve
 
-    from arpo_algo.cli.serve import wait_ready
+    from arpo_algo.cli.serve import RAY_LOOPBACK_ENV, local_ray_options, private_token_file, wait_ready
     from arpo_algo.models import build_tiny_model
     from serve.agents import build_specs
     from serve.app import build_app
     from serve.guard import Security
+    from serve.proxy import controller_options
 
     root = tmp_path_factory.mktemp("guard")
     model = build_tiny_model(root / "tiny", num_layers=2, hidden_size=64, seed=0)
@@ -62,8 +63,14 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     metrics_port = free_port()
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Ray as `arpo serve` starts it on loopback: its listeners on loopback, its token file private
+    saved[RAY_LOOPBACK_ENV] = os.environ.get(RAY_LOOPBACK_ENV)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             **local_ray_options("127.0.0.1"))
+    private_token_file()
+    security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
+    # the proxy's gate as `arpo serve` installs it
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options(security))
     specs = build_specs([f"tiny={model}"], tools="python", max_tool_calls=AGENT_TOOL_CALLS, max_tokens=16)
     sandboxes = root / "sandboxes"
     sandboxes.mkdir()
@@ -72,7 +79,6 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
         specs += build_specs([f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM,
                              max_tokens=64)
         specs += build_specs([f"broken={broken_model(root)}"], tools="python", max_tokens=4)
-    security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
     serve.run(build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8), name=APP, route_prefix="/",
               blocking=False)
     url = f"http://127.0.0.1:{port}"

@@ -213,3 +213,224 @@ def test_a_load_failure_says_its_cause_and_no_traceback():
     assert said == "runs/x is not a model source (hint: pass a model folder)"
     said = load_failure(ValueError("Unrecognized model in runs/x. Should have a `model_type` key"))
     assert said.startswith("ValueError: Unrecognized model in runs/x") and "Traceback" not in said
+
+
+# ------------------------------------------------------------------------------------------- one mount, as routed
+def raw(srv: dict, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """Send exactly ``head`` (request line and headers, CRLF-separated, no blank line) and ``body``; the status and
+    the answer's body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", srv["port"]), timeout=60) as s:
+        s.sendall(head + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+def test_every_route_but_the_page_and_health_needs_the_key(server):
+    for path in ("/v1/models", "/v1", "/nope", "/metrics", "/docs", "//v1/models", "/health/x"):
+        status, _, out = request(server, "GET", path, headers={"Authorization": None})
+        assert status == 401, (path, out)
+        assert_openai_error(out, "invalid_api_key")
+    assert request(server, "GET", "/nope")[0] == 404  # with the key: the router's own answer
+
+
+def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
+    """The same application deployed under a route prefix: Ray leaves the prefix in the path and the router drops it;
+    every request there is refused, with or without the key, and no agent runs."""
+    from ray import serve
+
+    from serve.agents import build_specs
+    from serve.app import build_app
+    from serve.guard import Security
+
+    specs = build_specs([f"tiny={server['model']}"], tools="python", max_tokens=4)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    security = Security(key_file=str(key_file), port=server["port"])
+    try:
+        serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
+        deadline = time.monotonic() + 240
+        while request(server, "GET", "/p/health")[0] in (404, 503):
+            assert time.monotonic() < deadline, "the prefixed application never came up"
+            time.sleep(1)
+        for auth in (None, f"Bearer {KEY}"):
+            for method, path in (("POST", "/p/v1/chat/completions"), ("GET", "/p/v1/models"), ("GET", "/p/health"),
+                                 ("GET", "/p/")):
+                body = json.dumps(chat_body()).encode() if method == "POST" else None
+                status, _, out = request(server, method, path, body, headers={"Authorization": auth})
+                if auth is None and status == 401:  # the proxy's gate: no open route under a prefix
+                    assert_openai_error(out, "invalid_api_key")
+                    continue
+                assert status == 500, (auth, path, out)
+                assert_openai_error(out, "route_prefix_refused")
+                assert "route_prefix '/'" in out["error"]["message"]
+    finally:
+        serve.delete("prefixed")
+
+
+def test_the_config_file_and_arpo_serve_mount_at_the_root():
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "serve_config.yaml"), encoding="utf-8") as f:
+        assert [a["route_prefix"] for a in yaml.safe_load(f)["applications"]] == ["/"]
+
+
+def test_a_security_header_given_twice_is_refused(server):
+    port, good = server["port"], f"Authorization: Bearer {KEY}".encode()
+    host = b"Host: 127.0.0.1:%d" % port
+    body = json.dumps(chat_body()).encode()
+    ctype = b"Content-Type: application/json"
+    cases = {"host": [b"GET /v1/models HTTP/1.1", b"Host: evil.example", host, good],
+             "authorization": [b"GET /v1/models HTTP/1.1", host, b"Authorization: Bearer nope", good],
+             "origin": [b"POST /v1/chat/completions HTTP/1.1", host, good, ctype,
+                        b"Origin: http://127.0.0.1:%d" % port, b"Origin: http://evil.example"],
+             "content-type": [b"POST /v1/chat/completions HTTP/1.1", host, good, b"Content-Type: text/plain", ctype]}
+    for name, lines in cases.items():
+        status, out = raw(server, b"\r\n".join(lines), body if lines[0].startswith(b"POST") else b"")
+        assert status == 400, (name, out)
+        assert json.loads(out)["error"]["code"] == "duplicate_header", out
+    status, out = raw(server, b"\r\n".join([b"GET /v1/models HTTP/1.1", host, good]))
+    assert status == 200, out
+
+
+def test_non_http_scopes_are_refused_before_the_app():
+    import asyncio
+
+    from serve.guard import Guard, Policy, Security, install
+
+    install(Policy(Security(allow_unauthenticated=True)))
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/chat/completions", "root_path": "", "headers": [], "query_string": b""}
+    asyncio.run(Guard(app)(scope, receive, send))
+    assert reached == [] and sent and sent[0]["type"] == "websocket.close"
+    asyncio.run(Guard(app)({"type": "lifespan"}, receive, send))
+    assert reached == ["lifespan"]
+
+
+def test_bodies_that_are_not_plain_json_text_are_400(server):
+    """A lone surrogate escape and nesting deeper than the parser's recursion: client mistakes, answered 400."""
+    lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    deep = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 200_000 \
+        + b"]" * 200_000 + b"}"
+    for body in (lone, deep, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": '
+                 + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"):
+        status, _, out = post_chat(server, body)
+        assert status == 400, (body[:80], out)
+        assert_openai_error(out)
+        assert "Traceback" not in json.dumps(out)
+
+
+def test_max_tokens_has_a_server_ceiling(server):
+    from serve.agents import MAX_TOKENS_LIMIT
+
+    status, _, out = post_chat(server, chat_body(max_tokens=MAX_TOKENS_LIMIT + 1))
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
+    assert f"at most {MAX_TOKENS_LIMIT} on this server" in out["error"]["message"], out
+
+
+# ----------------------------------------------------------------------------------------- limits before any work
+def test_idle_sockets_with_the_timeout_off_header_lock_nobody_out(server):
+    """More idle clients than the replica has slots and queue, each asking Serve to switch its timeout and disconnect
+    handling off and sending no body: another client is answered at once; the idle ones get 408."""
+    import socket
+
+    from serve.guard import BODY_TIMEOUT_S
+
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\nx-request-timeout-seconds: 0\r\n"
+            b"x-request-disconnect-disabled: ?1\r\n\r\n" % (server["port"], KEY.encode()))
+    idle = [socket.create_connection(("127.0.0.1", server["port"]), timeout=60) for _ in range(20)]
+    try:
+        for s in idle:
+            s.sendall(head)
+        time.sleep(1)
+        t0 = time.monotonic()
+        status, _, out = post_chat(server, chat_body(), timeout=60)
+        assert status == 200 and time.monotonic() - t0 < BODY_TIMEOUT_S, out
+        for s in idle:
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_an_oversized_chunked_body_is_cut_at_the_limit(server):
+    """A chunked body announces no length: the server answers 413 once the limit is passed and stops reading, so
+    the client cannot push much more than the limit (the socket buffers) into it."""
+    import socket
+    import threading
+
+    from serve.guard import MAX_BODY_BYTES
+
+    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
+    sent = [0]
+
+    def push() -> None:
+        piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+        try:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      % (server["port"], KEY.encode()))
+            for _ in range(256):
+                s.sendall(piece)
+                sent[0] += 1 << 20
+        except OSError:
+            pass  # the server answered and closed
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    try:
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        s.shutdown(socket.SHUT_RDWR)
+    finally:
+        s.close()
+        pusher.join(60)
+    assert sent[0] < MAX_BODY_BYTES + (32 << 20), sent[0]
+
+
+# ----------------------------------------------------------------------------------------------- Ray on loopback
+def test_ray_started_for_a_loopback_server_listens_on_loopback_only(server):
+    """Every listener of this server's Ray (GCS, raylet, workers, the metrics export, Serve's proxy) is on loopback,
+    but each replica's inter-deployment gRPC server, which Ray binds to every interface with no setting to change
+    it (behind Ray's token authentication); Ray's token file is readable by its owner only."""
+    import ipaddress
+    from pathlib import Path
+
+    psutil = pytest.importorskip("psutil")
+    listening = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    ports = {port for _, _, port in listening}
+    assert server["port"] in ports and server["metrics_port"] in ports, listening
+    exposed = [x for x in listening if not ipaddress.ip_address(x[1].removeprefix("::ffff:")).is_loopback]
+    replica_grpc = [x for x in exposed if x[0].startswith("ray::ServeReplica") and x[1] == "::"]
+    assert len(replica_grpc) <= 1 and [x for x in exposed if x not in replica_grpc] == [], exposed
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if token.is_file():
+        assert token.stat().st_mode & 0o077 == 0, oct(token.stat().st_mode)

@@ -10,6 +10,10 @@ from arpo_base.errors import ArpoError
 from serve.agents import build_specs, parse_tools, resolve_source
 from serve.schema import APIError, parse_chat_request
 
+#: A model folder's config.json as far as recognising it goes, and the record `arpo train` writes into a run folder.
+MODEL_CONFIG = '{"model_type": "llama"}'
+RUN_RECORD = '{"experiment": {}, "settings": {}, "arpo_version": "0.1.0"}'
+
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -80,21 +84,23 @@ def test_typo_suggests_the_closest_name():
 def test_sources_model_checkpoint_and_run_folder(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(MODEL_CONFIG)
     assert resolve_source(str(model)) == ("m", model)
     assert resolve_source(f"sft={model}") == ("sft", model)
     run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(RUN_RECORD)  # what arpo train writes: it does not make the run a model folder
     for it in (1, 2):
         ck = run / "checkpoints" / f"iter_{it:06d}"
         (ck / "policy").mkdir(parents=True)
-        (ck / "policy" / "config.json").write_text("{}")
-        (ck / "rllib_checkpoint.json").write_text("{}")
+        (ck / "policy" / "config.json").write_text(MODEL_CONFIG)
+        (ck / "arpo_checkpoint.json").write_text("{}")
     assert resolve_source(str(run)) == ("run", run / "checkpoints" / "iter_000002" / "policy")
     assert resolve_source(str(run / "checkpoints" / "iter_000001")) == \
         ("run", run / "checkpoints" / "iter_000001" / "policy")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ArpoError, match="neither a model folder"):
+    with pytest.raises(ArpoError, match="is not a model source"):
         resolve_source(str(empty))
     with pytest.raises(ArpoError, match="two agents are named"):
         build_specs([str(model), f"m={model}"])
@@ -113,7 +119,7 @@ def test_engine_settings_are_checked_before_any_replica_starts(tmp_path):
 
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(MODEL_CONFIG)
     with pytest.raises(ArpoError, match="'kv_cache_gib' is not a setting of the hf engine") as e:
         build_specs([str(model)], engine="hf", engine_settings={"kv_cache_gib": 1})
     assert "max_batch_size" in e.value.hint
@@ -138,7 +144,7 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
 
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(MODEL_CONFIG)
     app = build({"models": f"a={model},b={model}", "tools": "python", "max_tool_calls": "3", "replicas": "2",
                  "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2",
                  "allow_unauthenticated": "true"})
@@ -202,7 +208,8 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
 
     ck = tmp_path / "run" / "checkpoints" / "iter_000003"
     (ck / "policy").mkdir(parents=True)
-    (ck / "policy" / "config.json").write_text("{}")
+    (tmp_path / "run" / "config.json").write_text(RUN_RECORD)
+    (ck / "policy" / "config.json").write_text(MODEL_CONFIG)
     (ck / "arpo_checkpoint.json").write_text(json.dumps(
         {"arpo_checkpoint_format": CHECKPOINT_FORMAT,
          "config": {"env": "arpo/ToolMath-v0", "env_config": {"levels": [3], "max_tool_calls": 3}, "seed": 0}}))
@@ -213,7 +220,7 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
     assert (spec.session["system_prompt"], spec.session["max_tool_calls"]) == ("mine", 1)  # the command line wins
     plain = tmp_path / "plain"
     plain.mkdir()
-    (plain / "config.json").write_text("{}")
+    (plain / "config.json").write_text(MODEL_CONFIG)
     [spec] = build_specs([str(plain)], tools="python")
     assert not set(spec.session) & {"system_prompt", "max_tool_calls", "protocol"}
     (ck / "arpo_checkpoint.json").write_text(json.dumps(
@@ -238,7 +245,7 @@ def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_d
 
     folder = tmp_path / "policy"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(MODEL_CONFIG)
     with caplog.at_level(logging.WARNING, logger="arpo.serve"):
         [spec] = build_specs([str(folder)], tools="python", max_tool_calls=2)
     assert not set(spec.session) & {"system_prompt", "protocol"} and spec.session["max_tool_calls"] == 2
@@ -282,7 +289,7 @@ def test_an_unreadable_policy_record_is_refused_with_a_hint(tmp_path, content, m
 
     folder = tmp_path / "policy"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(MODEL_CONFIG)
     (folder / "arpo_policy.json").write_text(content if isinstance(content, str) else json.dumps(_record(**content)))
     with pytest.raises(ConfigError, match=message) as err:
         build_specs([str(folder)], tools="python")
@@ -301,7 +308,7 @@ def test_a_refusal_of_arpo_serve_starts_no_ray(tmp_path, capsys, monkeypatch):
         ray.shutdown()
     folder = tmp_path / "policy"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(MODEL_CONFIG)
     (folder / "arpo_policy.json").write_text("{not json")
     import shutil
     import tempfile

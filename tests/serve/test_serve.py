@@ -13,6 +13,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -385,7 +386,8 @@ class WebDriver:
 
 
 def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path):
-    """The page at / in a real browser: pick the agent, type, send, and the tool call and its result appear."""
+    """The page at / in a real browser: a question in its URL only fills the form (nothing is sent); pick the agent,
+    type, send, and the tool call and its result appear."""
     import base64
     import shutil
 
@@ -397,11 +399,17 @@ def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path
         pytest.skip("no chromium/chromedriver here (Debian: apt-get install chromium chromium-driver)")
     wd = WebDriver(chromedriver, chromium, str(tmp_path / "profile"))
     try:
-        wd.do("POST", "/url", {"url": f"{server}/"})
+        asked = "What is 6 * 7? Use the tool."
+        wd.do("POST", "/url", {"url": f"{server}/?agent=base&q={urllib.parse.quote(asked)}"})
         deadline = time.monotonic() + 60
         while wd.js("return document.getElementById('status').textContent") != "ready":
             assert time.monotonic() < deadline, "the page never saw /health ready"
             time.sleep(0.3)
+        time.sleep(2)  # the former page sent the question right after /health said ready
+        fetched = wd.js("return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
+        assert "/v1/models" in fetched and "/v1/chat/completions" not in fetched, fetched
+        assert wd.js("return [document.getElementById('agent').value, document.getElementById('input').value, "
+                     "document.querySelectorAll('#log .msg').length]") == ["base", asked, 0]
         assert wd.js("return [...document.querySelectorAll('#agent option')].map(o => o.value)") == \
             ["toolmath", "base"]
         q = demos[0]["messages"][1]["content"]

@@ -98,3 +98,38 @@ def test_tls_serves_https_and_says_so(tmp_path):
                 proc.kill()
         log.close()
     assert "shutting down" in (tmp_path / "serve.log").read_text()
+
+
+def test_the_readiness_poll_accepts_its_own_self_signed_certificate(tmp_path):
+    """Bug: `arpo serve --tls-cert` polled its own /health with certificate checks on, so a self-signed certificate
+    (one that need not name 127.0.0.1) never became ready. The poll takes any certificate of its own server."""
+    import http.server
+    import json
+    import threading
+
+    from arpo_algo.cli.serve import wait_ready
+
+    cert, key = self_signed(tmp_path)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert wait_ready(f"https://127.0.0.1:{server.server_address[1]}", 20, verify=False) == {"status": "ok"}
+    finally:
+        server.shutdown()
+        server.server_close()
