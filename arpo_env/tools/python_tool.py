@@ -24,6 +24,7 @@ instead of re-running the code; output is capped; the timeout message is in Engl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -62,6 +63,7 @@ from arpo_env.tools.sandbox import (
     set_max_concurrency,
     uid_pool,
 )
+from arpo_env.tools.sandbox_image import DEFAULT_IMAGE, docker_client, require_image
 
 __all__ = ["PythonTool", "SandboxError", "sandbox_capabilities", "set_max_concurrency"]
 
@@ -93,7 +95,7 @@ class PythonTool:
                  max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
                  require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
-                 docker_image: str = "python:3.11-slim", reproducible_output: bool = True,
+                 docker_image: str = DEFAULT_IMAGE, reproducible_output: bool = True,
                  allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64) -> None:
         """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
@@ -116,7 +118,8 @@ class PythonTool:
             no_site: Also pass ``-S`` (no site-packages: stdlib only).
             uid_base: First uid of the per-call uid pool (root hosts only).
             scratch_root: Where scratch directories are created (default: the system temp dir).
-            docker_image: Image for ``backend="docker"``.
+            docker_image: Image for ``backend="docker"``: any image with ``python`` on its PATH; the default is
+                built from this machine's Debian package sources by ``arpo sandbox build-image``.
             reproducible_output: Fixed hash seed and no address randomization in the child, so the same code prints
                 the same text in every run (see the module docstring). False: ``python -I`` with randomization.
             allow_unisolated_python: Accept an isolation level below ``process`` (see
@@ -124,7 +127,7 @@ class PythonTool:
             namespaces: False: the subprocess backend enters no namespace (as on a kernel that forbids them), so
                 the code reaches the network; refused unless ``allow_unisolated_python``.
             disk_mb: Size of each writable folder the code gets (its scratch folder, ``/tmp``, ``/dev/shm``): each
-                is a tmpfs of this size (bwrap, and subprocess as root).
+                is a tmpfs of this size (bwrap, docker, and subprocess as root).
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars),
@@ -442,37 +445,75 @@ class PythonTool:
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
     def _run_docker(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
+        """One call in a fresh container: no network, no capability, no_new_privs, read-only root, the call's
+        memory (tmpfs pages included, no swap) and process caps for the whole container, and private sized tmpfs
+        for the scratch folder, ``/tmp`` and ``/dev/shm``. The code arrives in a read-only folder of its own."""
+        client = docker_client()
+        container, codedir = None, tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
         try:
-            import docker  # optional dependency: pip install 'arpo[docker]'
-
-            from_env = docker.from_env
-        except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
-            raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") \
-                from exc
-        client = from_env()
-        scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
-        try:
-            with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
+            if probe is not None:  # the self-test: a missing image is named with the command that builds it
+                require_image(client, self.docker_image)
+            path = os.path.join(codedir, "main.py")
+            with open(path, "w", encoding="utf-8") as f:
                 f.write(code)
-            os.chmod(scratch, 0o777)
-            cfg = self._config(None, "/scratch/main.py", probe)
-            container = client.containers.run(
-                self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], detach=True,
-                network_disabled=True, mem_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
-                read_only=True, user=f"{pwd.getpwnam('nobody').pw_uid}", working_dir="/scratch",
-                volumes={scratch: {"bind": "/scratch", "mode": "rw"}}, environment=child_env("/scratch"))
-            status = "ok"
-            try:
-                returncode = container.wait(timeout=self.timeout_s)["StatusCode"]
-            except Exception:  # requests' ReadTimeout: the container ran past the limit
-                container.kill()
-                returncode, status = None, "timeout"
+            os.chmod(path, 0o644)
+            os.chmod(codedir, 0o755)
+            cfg = self._config(None, "/code/main.py", probe)
+            nobody = pwd.getpwnam("nobody")
+            size = f"{self.disk_mb}m"
+            # create + start, never containers.run: run pulls a missing image from a registry by itself.
+            container = client.containers.create(
+                self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], network_mode="none",
+                mem_limit=f"{self.memory_mb}m", memswap_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
+                read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                user=f"{nobody.pw_uid}:{nobody.pw_gid}", working_dir="/scratch",
+                tmpfs={"/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
+                       "/tmp": f"size={size},mode=1777"}, shm_size=self.disk_mb << 20,
+                volumes={codedir: {"bind": "/code", "mode": "ro"}}, environment=child_env("/scratch"))
+            container.start()
+            returncode, status = self._await_container(container)
             out = container.logs(stdout=True, stderr=False)
             err = container.logs(stdout=False, stderr=True)
-            container.remove(force=True)
+            if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
+                return out, err, returncode, status
             return (*_strip_ready(out, err, returncode, status), returncode, status)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if container is not None:
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+            client.close()
+            shutil.rmtree(codedir, ignore_errors=True)
+
+    def _await_container(self, container: Any) -> tuple[int | None, str]:
+        """The container's exit code and "ok"; or, killing it, None and "timeout" or "cancelled" (the caller's
+        cancel event, watched every 0.1 s as the other backends do)."""
+        done, box = threading.Event(), {}
+
+        def wait() -> None:
+            try:
+                box["code"] = container.wait()["StatusCode"]
+            except Exception as exc:  # the engine went away: the sandbox failed
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="arpo-docker-wait", daemon=True).start()
+        deadline, cancel, status = time.monotonic() + self.timeout_s, cancel_event(), "ok"
+        while not done.wait(0.1):
+            if cancel is not None and cancel.is_set():
+                status = "cancelled"
+                break
+            if time.monotonic() > deadline:
+                status = "timeout"
+                break
+        if status != "ok":
+            with contextlib.suppress(Exception):  # it may have exited meanwhile
+                container.kill()
+            done.wait(30)
+            return None, status
+        if "error" in box:
+            raise SandboxError(f"the Docker engine failed while waiting for the container: {box['error']}")
+        return box["code"], status
 
 
 def _strip_ready(out: bytes, err: bytes, returncode: int | None, status: str) -> tuple[bytes, bytes]:
