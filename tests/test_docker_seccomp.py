@@ -102,7 +102,7 @@ def test_bwrap_starts_in_a_container_with_the_profile_derived_from_debians_packa
     import shutil
     import sysconfig
 
-    from arpo_env.tools.sandbox_image import DEFAULT_IMAGE, USER_ID, docker_backend_problem
+    from arpo_env.tools.sandbox_docker import DEFAULT_IMAGE, USER_ID, docker_backend_problem
 
     deb = os.environ.get("ARPO_DOCKER_PROFILE_DEB")
     problem = docker_backend_problem() or (None if shutil.which("docker") else "the docker command is missing")

@@ -51,7 +51,7 @@ def doctor_report() -> dict:
         if sandbox.get("available"):
             sandbox.update(minimum=MIN_LEVEL, meets_minimum=at_least(sandbox["level"]))
         report["python_tool_sandbox"] = sandbox
-        from arpo_env.tools.sandbox_image import image_status
+        from arpo_env.tools.sandbox_docker import image_status
 
         report["docker_sandbox_image"] = image_status()
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install

@@ -1,5 +1,5 @@
 """``arpo sandbox build-image``: build the Docker sandbox backend's image from this machine's Debian package
-sources (no container registry), see :mod:`arpo_env.tools.sandbox_image`."""
+sources (no container registry), see :mod:`arpo_env.tools.sandbox_docker`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 
 def cmd_build_image(args: argparse.Namespace) -> int:
-    from arpo_env.tools.sandbox_image import DEFAULT_IMAGE, build_image
+    from arpo_env.tools.sandbox_docker import DEFAULT_IMAGE, build_image
 
     info = build_image(tag=args.tag or DEFAULT_IMAGE, mirror=args.mirror, suite=args.suite, rebuild=args.rebuild)
     if args.json:

@@ -24,12 +24,10 @@ instead of re-running the code; output is capped; the timeout message is in Engl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import platform
-import pwd
 import selectors
 import shutil
 import signal
@@ -63,7 +61,7 @@ from arpo_env.tools.sandbox import (
     set_max_concurrency,
     uid_pool,
 )
-from arpo_env.tools.sandbox_image import DEFAULT_IMAGE, docker_client, require_image
+from arpo_env.tools.sandbox_docker import CODE_FILE, DEFAULT_IMAGE, run_container
 
 __all__ = ["PythonTool", "SandboxError", "sandbox_capabilities", "set_max_concurrency"]
 
@@ -445,75 +443,14 @@ class PythonTool:
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
     def _run_docker(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
-        """One call in a fresh container: no network, no capability, no_new_privs, read-only root, the call's
-        memory (tmpfs pages included, no swap) and process caps for the whole container, and private sized tmpfs
-        for the scratch folder, ``/tmp`` and ``/dev/shm``. The code arrives in a read-only folder of its own."""
-        client = docker_client()
-        container, codedir = None, tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
-        try:
-            if probe is not None:  # the self-test: a missing image is named with the command that builds it
-                require_image(client, self.docker_image)
-            path = os.path.join(codedir, "main.py")
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(code)
-            os.chmod(path, 0o644)
-            os.chmod(codedir, 0o755)
-            cfg = self._config(None, "/code/main.py", probe)
-            nobody = pwd.getpwnam("nobody")
-            size = f"{self.disk_mb}m"
-            # create + start, never containers.run: run pulls a missing image from a registry by itself.
-            container = client.containers.create(
-                self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], network_mode="none",
-                mem_limit=f"{self.memory_mb}m", memswap_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
-                read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                user=f"{nobody.pw_uid}:{nobody.pw_gid}", working_dir="/scratch",
-                tmpfs={"/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
-                       "/tmp": f"size={size},mode=1777"}, shm_size=self.disk_mb << 20,
-                volumes={codedir: {"bind": "/code", "mode": "ro"}}, environment=child_env("/scratch"))
-            container.start()
-            returncode, status = self._await_container(container)
-            out = container.logs(stdout=True, stderr=False)
-            err = container.logs(stdout=False, stderr=True)
-            if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
-                return out, err, returncode, status
-            return (*_strip_ready(out, err, returncode, status), returncode, status)
-        finally:
-            if container is not None:
-                with contextlib.suppress(Exception):
-                    container.remove(force=True)
-            client.close()
-            shutil.rmtree(codedir, ignore_errors=True)
-
-    def _await_container(self, container: Any) -> tuple[int | None, str]:
-        """The container's exit code and "ok"; or, killing it, None and "timeout" or "cancelled" (the caller's
-        cancel event, watched every 0.1 s as the other backends do)."""
-        done, box = threading.Event(), {}
-
-        def wait() -> None:
-            try:
-                box["code"] = container.wait()["StatusCode"]
-            except Exception as exc:  # the engine went away: the sandbox failed
-                box["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, name="arpo-docker-wait", daemon=True).start()
-        deadline, cancel, status = time.monotonic() + self.timeout_s, cancel_event(), "ok"
-        while not done.wait(0.1):
-            if cancel is not None and cancel.is_set():
-                status = "cancelled"
-                break
-            if time.monotonic() > deadline:
-                status = "timeout"
-                break
-        if status != "ok":
-            with contextlib.suppress(Exception):  # it may have exited meanwhile
-                container.kill()
-            done.wait(30)
-            return None, status
-        if "error" in box:
-            raise SandboxError(f"the Docker engine failed while waiting for the container: {box['error']}")
-        return box["code"], status
+        # The self-test checks the image first: a missing one is named with the command that builds it.
+        out, err, returncode, status = run_container(
+            self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(self._config(None, CODE_FILE, probe))],
+            code, memory_mb=self.memory_mb, max_procs=self.max_procs, disk_mb=self.disk_mb, timeout_s=self.timeout_s,
+            environment=child_env("/scratch"), scratch_root=self.scratch_root, check_image=probe is not None)
+        if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
+            return out, err, returncode, status
+        return (*_strip_ready(out, err, returncode, status), returncode, status)
 
 
 def _strip_ready(out: bytes, err: bytes, returncode: int | None, status: str) -> tuple[bytes, bytes]:

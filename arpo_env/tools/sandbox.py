@@ -24,7 +24,8 @@ Isolation per backend (the tool measures what it gets in its self-test, see :mod
   ``/dev/shm``, the scratch folder read-write, fresh ``/proc`` and ``/dev``, and PID, network, IPC and UTS
   namespaces. As root it runs without a user namespace (which would map the code to host root) and the bootstrap
   drops to the per-call uid; as another user bwrap adds a user namespace. Level ``filesystem``.
-* ``docker``: a container with no network, a memory and a PID limit, as ``nobody``: level ``filesystem``.
+* ``docker``: a container as ``nobody`` with no network, no capability, ``no-new-privileges``, a read-only root, a
+  memory and a PID limit and sized private tmpfs (:mod:`arpo_env.tools.sandbox_docker`): level ``filesystem``.
 
 A caller can cut calls short: while :func:`cancel_scope` holds a set event for the calling thread, a running call's
 process group and uid are killed at once (within the collector's 0.1 s poll) and :class:`ToolCancelled` is raised

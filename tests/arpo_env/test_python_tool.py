@@ -285,7 +285,7 @@ def _docker_reason() -> str | None:
             pytest.fail("ARPO_REQUIRE_DOCKER_PY=1 (CI) but the docker Python package is not installed: scripts/test "
                         "installs the docker extra")
         return "the docker python package is not installed (pip install 'arpo[docker]')"
-    from arpo_env.tools.sandbox_image import docker_backend_problem
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
 
     problem = docker_backend_problem()
     if problem and os.environ.get("ARPO_REQUIRE_DOCKER") == "1":

@@ -27,7 +27,7 @@ def _need_bwrap() -> None:
 
 
 def _need_docker() -> None:
-    from arpo_env.tools.sandbox_image import docker_backend_problem
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
 
     problem = docker_backend_problem()
     if problem:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from arpo_base.errors import ConfigError
-from arpo_env.tools.sandbox_image import DEFAULT_IMAGE, debian_source, docker_backend_problem, image_status
+from arpo_env.tools.sandbox_docker import DEFAULT_IMAGE, debian_source, docker_backend_problem, image_status
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +73,7 @@ def test_build_image_reuses_the_image_and_doctor_reports_it():
 
 def test_the_docker_backend_defaults_to_the_versioned_image():
     from arpo_env.tools.python_tool import PythonTool
-    from arpo_env.tools.sandbox_image import IMAGE_NAME, RECIPE
+    from arpo_env.tools.sandbox_docker import IMAGE_NAME, RECIPE
 
     assert DEFAULT_IMAGE == f"{IMAGE_NAME}:{RECIPE}" and RECIPE.startswith("v")
     _docker_ready()
