@@ -447,7 +447,8 @@ class PythonTool:
         out, err, returncode, status = run_container(
             self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(self._config(None, CODE_FILE, probe))],
             code, memory_mb=self.memory_mb, max_procs=self.max_procs, disk_mb=self.disk_mb, timeout_s=self.timeout_s,
-            environment=child_env("/scratch"), scratch_root=self.scratch_root, check_image=probe is not None)
+            max_output_chars=self.max_output_chars, environment=child_env("/scratch"), scratch_root=self.scratch_root,
+            check_image=probe is not None)
         if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
             return out, err, returncode, status
         return (*_strip_ready(out, err, returncode, status), returncode, status)

@@ -79,14 +79,19 @@ def require_image(client, image: str) -> None:
 
 
 def run_container(image: str, command: list[str], code: str, *, memory_mb: int, max_procs: int, disk_mb: int,
-                  timeout_s: float, environment: dict[str, str], scratch_root: str | None = None,
+                  timeout_s: float, max_output_chars: int, environment: dict[str, str], scratch_root: str | None = None,
                   check_image: bool = False) -> tuple[bytes, bytes, int | None, str]:
     """Run ``command`` in a fresh container of ``image`` with ``code`` at :data:`CODE_FILE`; return its stdout,
-    stderr, exit code and status ("ok"; "timeout" or "cancelled" with the container killed and code None).
+    stderr, exit code and status: "ok"; or "timeout", "cancelled", "flood" with the container killed and code None.
 
     The container has no network, no capability, no_new_privs, a read-only root, ``memory_mb`` without swap (tmpfs
     pages count) and ``max_procs`` for all its processes, and private tmpfs of ``disk_mb`` for ``/scratch`` (its
-    working folder, ``nobody``'s), ``/tmp`` and ``/dev/shm``; it runs as ``nobody`` and is removed afterwards."""
+    working folder, ``nobody``'s), ``/tmp`` and ``/dev/shm``; it runs as ``nobody`` and is removed afterwards. Its
+    output is read as it comes, as the other backends read theirs: the engine keeps no log of it on the host's disk,
+    at most ``4 x max_output_chars`` bytes of each stream are kept, and a container writing more than
+    ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped."""
+    import docker.types
+
     client = docker_client()
     container, codedir = None, tempfile.mkdtemp(prefix="arpo-py-", dir=scratch_root)
     try:
@@ -105,10 +110,16 @@ def run_container(image: str, command: list[str], code: str, *, memory_mb: int, 
             user=f"{nobody.pw_uid}:{nobody.pw_gid}", working_dir="/scratch",
             tmpfs={"/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
                    "/tmp": f"size={size},mode=1777"}, shm_size=disk_mb << 20,
-            volumes={codedir: {"bind": os.path.dirname(CODE_FILE), "mode": "ro"}}, environment=environment)
-        container.start()
-        returncode, status = _await(container, timeout_s)
-        return container.logs(stdout=True, stderr=False), container.logs(stdout=False, stderr=True), returncode, status
+            volumes={codedir: {"bind": os.path.dirname(CODE_FILE), "mode": "ro"}}, environment=environment,
+            log_config=docker.types.LogConfig(type=docker.types.LogConfig.types.NONE))
+        # Attached before it starts: nothing it writes is missed, the READY mark included.
+        stream = container.attach(stdout=True, stderr=True, stream=True, demux=True)
+        try:
+            container.start()
+            return _collect(container, stream, timeout_s, 4 * max_output_chars + 1024,
+                            max(1 << 20, 16 * max_output_chars))
+        finally:
+            stream.close()
     finally:
         if container is not None:
             with contextlib.suppress(Exception):
@@ -117,10 +128,13 @@ def run_container(image: str, command: list[str], code: str, *, memory_mb: int, 
         shutil.rmtree(codedir, ignore_errors=True)
 
 
-def _await(container: Any, timeout_s: float) -> tuple[int | None, str]:
-    """The container's exit code and "ok"; or, killing it, None and "timeout" or "cancelled" (the calling thread's
-    cancel event, watched every 0.1 s as the other backends do)."""
-    done, box = threading.Event(), {}
+def _collect(container: Any, stream: Any, timeout_s: float, keep: int,
+             flood: int) -> tuple[bytes, bytes, int | None, str]:
+    """Read the container's output while waiting for it: its streams (``keep`` bytes of each), exit code and status;
+    killed at the deadline, at the calling thread's cancel event (watched every 0.1 s as the other backends do) or
+    after ``flood`` bytes of output."""
+    out, err, box = bytearray(), bytearray(), {"total": 0}
+    exited, eof, flooded = threading.Event(), threading.Event(), threading.Event()
 
     def wait() -> None:
         try:
@@ -128,25 +142,43 @@ def _await(container: Any, timeout_s: float) -> tuple[int | None, str]:
         except Exception as exc:  # the engine went away: the sandbox failed
             box["error"] = exc
         finally:
-            done.set()
+            exited.set()
 
-    threading.Thread(target=wait, name="arpo-docker-wait", daemon=True).start()
+    def read() -> None:
+        try:
+            for chunks in stream:
+                for buf, chunk in zip((out, err), chunks, strict=True):
+                    if chunk:
+                        box["total"] += len(chunk)
+                        buf.extend(chunk[: max(0, keep - len(buf))])
+                if box["total"] > flood:
+                    flooded.set()  # and read on, dropping it: a writer blocked on a full pipe delays its own kill
+        except Exception:  # the stream closed under the reader: the call is over
+            pass
+        finally:
+            eof.set()
+
+    for target in (wait, read):
+        threading.Thread(target=target, name=f"arpo-docker-{target.__name__}", daemon=True).start()
     deadline, cancel, status = time.monotonic() + timeout_s, cancel_event(), "ok"
-    while not done.wait(0.1):
+    while not exited.wait(0.1):
         if cancel is not None and cancel.is_set():
             status = "cancelled"
-            break
-        if time.monotonic() > deadline:
+        elif flooded.is_set():
+            status = "flood"
+        elif time.monotonic() > deadline:
             status = "timeout"
+        if status != "ok":
             break
     if status != "ok":
         with contextlib.suppress(Exception):  # it may have exited meanwhile
             container.kill()
-        done.wait(30)
-        return None, status
+        exited.wait(30)
+        return bytes(out), bytes(err), None, status
     if "error" in box:
         raise SandboxError(f"the Docker engine failed while waiting for the container: {box['error']}")
-    return box["code"], status
+    eof.wait(1.0)  # the rest of its output, already written
+    return bytes(out), bytes(err), box["code"], "flood" if flooded.is_set() else status
 
 
 def image_status(image: str = DEFAULT_IMAGE) -> dict:

@@ -317,13 +317,28 @@ def test_a_missing_docker_image_is_named_not_pulled():
     assert time.monotonic() - start < 20
 
 
+def test_a_docker_output_flood_is_stopped_and_kept_off_the_host_disk():
+    """A container printing without end is stopped once it passes the output cap, as the other backends are, and
+    only the capped text is kept (before: it ran to its timeout while the engine logged all of it on the host's
+    disk, and the whole log was then read into the server's memory)."""
+    reason = _docker_reason()
+    if reason:
+        pytest.skip(reason)
+    tool = PythonTool(timeout_s=30, backend="docker", max_output_chars=2000)
+    start = time.monotonic()
+    result = tool("while True:\n    print('x' * 1000)")
+    assert time.monotonic() - start < 15, result.text
+    assert result.error and "output limit exceeded" in result.text and len(result.text) < 2300, result.text
+    assert tool("print('y' * 5)").text == "yyyyy"
+
+
 def test_a_cancelled_docker_call_is_killed_then_and_raises():
     """The request-deadline cancel reaches a running container: it is killed and removed when the event is set, and
     ToolCancelled raised (before: the container ran to its end, 60 s here)."""
     reason = _docker_reason()
     if reason:
         pytest.skip(reason)
-    from arpo_env.tools.sandbox import READY, ToolCancelled, cancel_scope
+    from arpo_env.tools.sandbox import ToolCancelled, cancel_scope
     from docker import from_env
 
     tool = PythonTool(timeout_s=120, backend="docker")
@@ -334,15 +349,16 @@ def test_a_cancelled_docker_call_is_killed_then_and_raises():
     def call() -> None:
         with cancel_scope(event):
             try:
-                outcome.append(tool("import time\ntime.sleep(60)"))
+                outcome.append(tool("import time\nopen('started', 'w').close()\ntime.sleep(60)"))
             except ToolCancelled as exc:
                 outcome.append(exc)
 
     worker = threading.Thread(target=call)
     worker.start()
     try:
+        # The code has started once its file is in the container's scratch folder.
         while not (mine := [c for c in client.containers.list() if c.id not in before
-                            and c.logs(stdout=True, stderr=False).startswith(READY)]):
+                            and c.exec_run(["test", "-e", "/scratch/started"]).exit_code == 0]):
             assert worker.is_alive(), outcome
             time.sleep(0.1)
         start = time.monotonic()
