@@ -78,3 +78,24 @@ def test_the_docker_backend_defaults_to_the_versioned_image():
     assert DEFAULT_IMAGE == f"{IMAGE_NAME}:{RECIPE}" and RECIPE.startswith("v")
     _docker_ready()
     assert PythonTool(backend="docker").docker_image == DEFAULT_IMAGE
+
+
+def test_a_failed_build_is_one_clear_error_and_leaves_nothing_behind():
+    """debootstrap failing (a mirror nothing answers at) ends the command with its last lines and a hint, no
+    traceback; no work folder and no image are left."""
+    _docker_ready()
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
+            pytest.fail("ARPO_REQUIRE_DOCKER=1 (CI) but the image cannot be built here (root and debootstrap)")
+        pytest.skip("building the image needs root and debootstrap")
+    before = {p for p in os.listdir("/var/tmp") if p.startswith("arpo-sandbox-image-")}
+    out = subprocess.run([sys.executable, "-m", "arpo_algo.cli.main", "sandbox", "build-image", "--tag",
+                          "arpo-sandbox:unreachable-mirror", "--mirror", "http://127.0.0.1:9/debian", "--suite",
+                          "bookworm"], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "error: debootstrap failed" in out.stderr, out.stderr
+    assert "hint: check the mirror" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert {p for p in os.listdir("/var/tmp") if p.startswith("arpo-sandbox-image-")} == before
+    assert docker_backend_problem("arpo-sandbox:unreachable-mirror") is not None  # no image of that tag
