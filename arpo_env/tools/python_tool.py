@@ -140,6 +140,9 @@ class PythonTool:
                 raise ConfigError(f"python tool setting '{key}' must be true or false, got {value!r}")
         if backend not in _BACKENDS:
             raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
+        if not isinstance(docker_image, str) or not docker_image.strip():
+            raise ConfigError(f"python tool setting 'docker_image' must be an image name, got {docker_image!r}",
+                              hint=f"the default is {DEFAULT_IMAGE} (arpo sandbox build-image)")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)

@@ -315,6 +315,9 @@ def test_a_missing_docker_image_is_named_not_pulled():
     assert "docker pull arpo-sandbox:no-such-recipe" in err.value.hint and "bubblewrap" not in err.value.hint
     assert "arpo sandbox build-image" in err.value.hint
     assert time.monotonic() - start < 20
+    for bad in ("", 3, None):
+        with pytest.raises(ConfigError, match="'docker_image' must be an image name"):
+            PythonTool(backend="docker", docker_image=bad)
 
 
 def test_a_docker_output_flood_is_stopped_and_kept_off_the_host_disk():
