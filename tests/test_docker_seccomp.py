@@ -1,5 +1,6 @@
-"""The image's seccomp profile: Docker's default plus only the namespace system calls (docker/seccomp_profile.py),
-and a run command that grants no privilege. Docker itself does not run here; the profile's structure is checked."""
+"""The image's seccomp profile: Docker's default plus only the namespace system calls and one personality value
+(docker/seccomp_profile.py), and a run command that grants no privilege; with an engine, the documented run starts
+the tool with bwrap inside a container (the profile read from Debian's golang-github-docker-docker-dev package)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _default_like() -> dict:
     }
 
 
-def test_profile_adds_only_one_rule_of_namespace_calls(tmp_path):
+def test_profile_adds_only_the_namespace_calls_and_one_personality_value(tmp_path):
     default = _default_like()
     src, out = tmp_path / "docker-default.json", tmp_path / "arpo-seccomp.json"
     src.write_text(json.dumps(default))
@@ -50,10 +51,13 @@ def test_profile_adds_only_one_rule_of_namespace_calls(tmp_path):
     profile = json.loads(out.read_text())
     assert {k: v for k, v in profile.items() if k != "syscalls"} == {k: v for k, v in default.items()
                                                                      if k != "syscalls"}
-    assert profile["syscalls"][:-1] == default["syscalls"]  # Docker's rules unchanged, in order
-    added = profile["syscalls"][-1]
+    assert profile["syscalls"][:-2] == default["syscalls"]  # Docker's rules unchanged, in order
+    added, personality = profile["syscalls"][-2:]
     assert set(added) == {"names", "action", "comment"} and added["action"] == "SCMP_ACT_ALLOW"
     assert set(added["names"]) <= NAMESPACE_CALLS and {"unshare", "clone"} <= set(added["names"])
+    # personality for exactly one value: PER_LINUX | ADDR_NO_RANDOMIZE (setarch -R)
+    assert personality["names"] == ["personality"] and personality["action"] == "SCMP_ACT_ALLOW"
+    assert personality["args"] == [{"index": 0, "value": 0x0040000, "op": "SCMP_CMP_EQ"}]
     assert json.loads(src.read_text()) == default  # the input is not changed
 
 
@@ -80,3 +84,44 @@ def test_image_ships_bwrap_and_the_documented_run_command_grants_no_privilege():
     for line in (dockerfile + docs).splitlines():
         if "docker run" in line or "--security-opt" in line or "--cap-add" in line:
             assert "--privileged" not in line and "SYS_ADMIN" not in line and "--cap-add" not in line, line
+
+
+# Run inside the container by the image's own python, with the checkout and this environment's packages mounted
+# read-only: the tool must choose bwrap, reach "filesystem" and keep reproducible output (ADDR_NO_RANDOMIZE set).
+INSIDE = ("import json, os\nfrom arpo_env.tools.python_tool import PythonTool\nt = PythonTool(timeout_s=20)\n"
+          "r = t(\"import os\\nprint(os.getuid(), open('/proc/self/personality').read().strip())\")\n"
+          "print(json.dumps({'uid': os.getuid(), 'backend': t.backend, 'level': t.isolation['level'],"
+          " 'reproducible': t.reproducible_output, 'out': r.text, 'error': r.error}))")
+
+
+def test_bwrap_starts_in_a_container_with_the_profile_derived_from_debians_package(tmp_path):
+    """The documented run (non-root user, the derived profile, apparmor/systempaths unconfined) starts the tool at
+    level "filesystem" with bwrap and reproducible output on. Before: Docker's default forbids the personality value
+    that `setarch -R` sets, and every backend failed to start."""
+    import os
+    import shutil
+    import sysconfig
+
+    from arpo_env.tools.sandbox_docker import DEFAULT_IMAGE, USER_ID, docker_backend_problem
+
+    deb = os.environ.get("ARPO_DOCKER_PROFILE_DEB")
+    problem = docker_backend_problem() or (None if shutil.which("docker") else "the docker command is missing")
+    if not problem and not (deb and os.path.isfile(deb)):
+        problem = ("no golang-github-docker-docker-dev package (ARPO_DOCKER_PROFILE_DEB names it; "
+                   "`apt-get download golang-github-docker-docker-dev`)")
+    if problem:
+        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but {problem}; scripts/test sets it up")
+        pytest.skip(problem)
+    profile = tmp_path / "arpo-seccomp.json"
+    subprocess.run([sys.executable, str(SCRIPT), deb, str(profile)], check=True)
+    site = sysconfig.get_paths()["purelib"]
+    cmd = ["docker", "run", "--rm", "--user", f"{USER_ID}:{USER_ID}", "--read-only", "--tmpfs", "/tmp",
+           "--network", "none", "--security-opt", f"seccomp={profile}", "--security-opt", "apparmor=unconfined",
+           "--security-opt", "systempaths=unconfined", "-v", f"{REPO}:/src:ro", "-v", f"{site}:/site:ro",
+           "-e", "PYTHONPATH=/src:/site", "-e", "HOME=/tmp", DEFAULT_IMAGE, "python", "-c", INSIDE]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts == {"uid": USER_ID, "backend": "bwrap", "level": "filesystem", "reproducible": True,
+                     "out": f"{USER_ID} 00040000", "error": False}, facts

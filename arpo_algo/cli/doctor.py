@@ -51,6 +51,9 @@ def doctor_report() -> dict:
         if sandbox.get("available"):
             sandbox.update(minimum=MIN_LEVEL, meets_minimum=at_least(sandbox["level"]))
         report["python_tool_sandbox"] = sandbox
+        from arpo_env.tools.sandbox_docker import image_status
+
+        report["docker_sandbox_image"] = image_status()
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
     try:
@@ -97,6 +100,10 @@ def _print_doctor(r: dict) -> None:
         for attempt, result in sb.get("attempts", {}).items():  # the self-test's attempts from inside the sandbox
             print(f"               tried to {attempt}: {result}")
         print(f"               memory and process caps: {sb.get('resource_limits')}")
+    if "docker_sandbox_image" in r:  # the docker backend's default image (arpo sandbox build-image)
+        img = r["docker_sandbox_image"]
+        state = {True: "present", False: "MISSING"}.get(img["present"], "unknown")
+        print(f"  docker image {img['image']} {state}: {img['detail']}")
     cd = r["compiled_decode"]
     if cd["available"]:
         print("  compiler     C++ compiler found: rollouts.hf.decode='compiled' (torch inductor) can run")

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import platform
-import pwd
 import selectors
 import shutil
 import signal
@@ -62,6 +61,7 @@ from arpo_env.tools.sandbox import (
     set_max_concurrency,
     uid_pool,
 )
+from arpo_env.tools.sandbox_docker import CODE_FILE, DEFAULT_IMAGE, run_container
 
 __all__ = ["PythonTool", "SandboxError", "sandbox_capabilities", "set_max_concurrency"]
 
@@ -93,7 +93,7 @@ class PythonTool:
                  max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
                  require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
-                 docker_image: str = "python:3.11-slim", reproducible_output: bool = True,
+                 docker_image: str = DEFAULT_IMAGE, reproducible_output: bool = True,
                  allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64) -> None:
         """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
@@ -116,7 +116,8 @@ class PythonTool:
             no_site: Also pass ``-S`` (no site-packages: stdlib only).
             uid_base: First uid of the per-call uid pool (root hosts only).
             scratch_root: Where scratch directories are created (default: the system temp dir).
-            docker_image: Image for ``backend="docker"``.
+            docker_image: Image for ``backend="docker"``: any image with ``python`` on its PATH; the default is
+                built from this machine's Debian package sources by ``arpo sandbox build-image``.
             reproducible_output: Fixed hash seed and no address randomization in the child, so the same code prints
                 the same text in every run (see the module docstring). False: ``python -I`` with randomization.
             allow_unisolated_python: Accept an isolation level below ``process`` (see
@@ -124,7 +125,7 @@ class PythonTool:
             namespaces: False: the subprocess backend enters no namespace (as on a kernel that forbids them), so
                 the code reaches the network; refused unless ``allow_unisolated_python``.
             disk_mb: Size of each writable folder the code gets (its scratch folder, ``/tmp``, ``/dev/shm``): each
-                is a tmpfs of this size (bwrap, and subprocess as root).
+                is a tmpfs of this size (bwrap, docker, and subprocess as root).
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars),
@@ -139,6 +140,9 @@ class PythonTool:
                 raise ConfigError(f"python tool setting '{key}' must be true or false, got {value!r}")
         if backend not in _BACKENDS:
             raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
+        if not isinstance(docker_image, str) or not docker_image.strip():
+            raise ConfigError(f"python tool setting 'docker_image' must be an image name, got {docker_image!r}",
+                              hint=f"the default is {DEFAULT_IMAGE} (arpo sandbox build-image)")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
@@ -442,37 +446,15 @@ class PythonTool:
         return f"The process was terminated by signal {signal.Signals(signum).name}."
 
     def _run_docker(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
-        try:
-            import docker  # optional dependency: pip install 'arpo[docker]'
-
-            from_env = docker.from_env
-        except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
-            raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") \
-                from exc
-        client = from_env()
-        scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=self.scratch_root)
-        try:
-            with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
-                f.write(code)
-            os.chmod(scratch, 0o777)
-            cfg = self._config(None, "/scratch/main.py", probe)
-            container = client.containers.run(
-                self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(cfg)], detach=True,
-                network_disabled=True, mem_limit=f"{self.memory_mb}m", pids_limit=self.max_procs,
-                read_only=True, user=f"{pwd.getpwnam('nobody').pw_uid}", working_dir="/scratch",
-                volumes={scratch: {"bind": "/scratch", "mode": "rw"}}, environment=child_env("/scratch"))
-            status = "ok"
-            try:
-                returncode = container.wait(timeout=self.timeout_s)["StatusCode"]
-            except Exception:  # requests' ReadTimeout: the container ran past the limit
-                container.kill()
-                returncode, status = None, "timeout"
-            out = container.logs(stdout=True, stderr=False)
-            err = container.logs(stdout=False, stderr=True)
-            container.remove(force=True)
-            return (*_strip_ready(out, err, returncode, status), returncode, status)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        # The self-test checks the image first: a missing one is named with the command that builds it.
+        out, err, returncode, status = run_container(
+            self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(self._config(None, CODE_FILE, probe))],
+            code, memory_mb=self.memory_mb, max_procs=self.max_procs, disk_mb=self.disk_mb, timeout_s=self.timeout_s,
+            max_output_chars=self.max_output_chars, environment=child_env("/scratch"), scratch_root=self.scratch_root,
+            check_image=probe is not None)
+        if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
+            return out, err, returncode, status
+        return (*_strip_ready(out, err, returncode, status), returncode, status)
 
 
 def _strip_ready(out: bytes, err: bytes, returncode: int | None, status: str) -> tuple[bytes, bytes]:

@@ -279,17 +279,19 @@ def test_bwrap_backend(tmp_path):
 
 def _docker_reason() -> str | None:
     try:  # without the package, the repository's docker/ folder imports as an empty namespace package
-        from docker import from_env
+        from docker import from_env  # noqa: F401
     except ImportError:
         if os.environ.get("ARPO_REQUIRE_DOCKER_PY") == "1":
             pytest.fail("ARPO_REQUIRE_DOCKER_PY=1 (CI) but the docker Python package is not installed: scripts/test "
                         "installs the docker extra")
         return "the docker python package is not installed (pip install 'arpo[docker]')"
-    try:
-        from_env().ping()
-    except Exception as exc:
-        return f"no reachable Docker engine: {type(exc).__name__}"
-    return None
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
+
+    problem = docker_backend_problem()
+    if problem and os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test installs "
+                    "the engine and builds the image")
+    return problem
 
 
 def test_docker_backend():
@@ -297,7 +299,81 @@ def test_docker_backend():
     if reason:
         pytest.skip(reason)
     tool = PythonTool(timeout_s=30, backend="docker")
+    assert tool.isolation["level"] == "filesystem"
     assert tool("print(6 * 7)").text == "42"
+
+
+def test_a_missing_docker_image_is_named_not_pulled():
+    """An image the engine does not hold is a ConfigError naming it and how to get it, at once (before: the engine
+    tried a registry, and the error said "install bubblewrap")."""
+    reason = _docker_reason()
+    if reason:
+        pytest.skip(reason)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="'arpo-sandbox:no-such-recipe' is not in the local engine") as err:
+        PythonTool(timeout_s=30, backend="docker", docker_image="arpo-sandbox:no-such-recipe")
+    assert "docker pull arpo-sandbox:no-such-recipe" in err.value.hint and "bubblewrap" not in err.value.hint
+    assert "arpo sandbox build-image" in err.value.hint
+    assert time.monotonic() - start < 20
+    for bad in ("", 3, None):
+        with pytest.raises(ConfigError, match="'docker_image' must be an image name"):
+            PythonTool(backend="docker", docker_image=bad)
+
+
+def test_a_docker_output_flood_is_stopped_and_kept_off_the_host_disk():
+    """A container printing without end is stopped once it passes the output cap, as the other backends are, and
+    only the capped text is kept (before: it ran to its timeout while the engine logged all of it on the host's
+    disk, and the whole log was then read into the server's memory)."""
+    reason = _docker_reason()
+    if reason:
+        pytest.skip(reason)
+    tool = PythonTool(timeout_s=30, backend="docker", max_output_chars=2000)
+    start = time.monotonic()
+    result = tool("while True:\n    print('x' * 1000)")
+    assert time.monotonic() - start < 15, result.text
+    assert result.error and "output limit exceeded" in result.text and len(result.text) < 2300, result.text
+    assert tool("print('y' * 5)").text == "yyyyy"
+
+
+def test_a_cancelled_docker_call_is_killed_then_and_raises():
+    """The request-deadline cancel reaches a running container: it is killed and removed when the event is set, and
+    ToolCancelled raised (before: the container ran to its end, 60 s here)."""
+    reason = _docker_reason()
+    if reason:
+        pytest.skip(reason)
+    from arpo_env.tools.sandbox import ToolCancelled, cancel_scope
+    from docker import from_env
+
+    tool = PythonTool(timeout_s=120, backend="docker")
+    client = from_env()
+    before = {c.id for c in client.containers.list(all=True)}
+    event, outcome = threading.Event(), []
+
+    def call() -> None:
+        with cancel_scope(event):
+            try:
+                outcome.append(tool("import time\nopen('started', 'w').close()\ntime.sleep(60)"))
+            except ToolCancelled as exc:
+                outcome.append(exc)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    try:
+        # The code has started once its file is in the container's scratch folder.
+        while not (mine := [c for c in client.containers.list() if c.id not in before
+                            and c.exec_run(["test", "-e", "/scratch/started"]).exit_code == 0]):
+            assert worker.is_alive(), outcome
+            time.sleep(0.1)
+        start = time.monotonic()
+        event.set()
+        worker.join(50)
+        assert not worker.is_alive() and isinstance(outcome[0], ToolCancelled), outcome
+        assert time.monotonic() - start < 15
+        assert mine[0].id not in {c.id for c in client.containers.list(all=True)}
+    finally:
+        event.set()
+        worker.join(120)
+        client.close()
 
 
 def test_sandbox_uids_are_leased_across_processes():

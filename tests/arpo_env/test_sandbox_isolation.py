@@ -1,7 +1,8 @@
 """The sandbox against the host: what the model's code must not read, reach or write, per backend, on this machine's
 real kernel; the refusal below the minimum level; a broken sandbox raises instead of returning an observation.
 
-bwrap tests need bubblewrap; with ARPO_REQUIRE_BWRAP=1 (set by scripts/test in CI) they fail instead of skipping."""
+bwrap tests need bubblewrap, docker tests an engine holding the sandbox image (``arpo sandbox build-image``); with
+ARPO_REQUIRE_BWRAP=1 and ARPO_REQUIRE_DOCKER=1 (set by scripts/test in CI) they fail instead of skipping."""
 
 from __future__ import annotations
 
@@ -32,10 +33,23 @@ def _need_bwrap() -> None:
         pytest.skip("bubblewrap (bwrap) is not installed on this machine")
 
 
-@pytest.fixture(scope="module", params=["subprocess", "bwrap"])
+def _need_docker() -> None:
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
+
+    problem = docker_backend_problem()
+    if problem:
+        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
+                        "installs the engine and builds the image")
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module", params=["subprocess", "bwrap", "docker"])
 def tool(request) -> PythonTool:
     if request.param == "bwrap":
         _need_bwrap()
+    elif request.param == "docker":
+        _need_docker()
     elif not AS_ROOT:
         pytest.skip("the subprocess backend isolates only as root (per-call uid); as another user it is refused")
     return PythonTool(timeout_s=10, backend=request.param)

@@ -2,7 +2,8 @@
 sandbox's /tmp, a fork flood, a full scratch folder, several processes each near the memory limit, user namespaces
 inside the sandbox, and a lock folder or symbolic link planted by another user.
 
-bwrap tests need bubblewrap; with ARPO_REQUIRE_BWRAP=1 (set by scripts/test in CI) they fail instead of skipping."""
+bwrap tests need bubblewrap, docker tests an engine holding the sandbox image (``arpo sandbox build-image``); with
+ARPO_REQUIRE_BWRAP=1 and ARPO_REQUIRE_DOCKER=1 (set by scripts/test in CI) they fail instead of skipping."""
 
 from __future__ import annotations
 
@@ -18,10 +19,23 @@ from tests.arpo_env.test_sandbox_isolation import AS_ROOT, _need_bwrap
 MIB = 1 << 20
 
 
-@pytest.fixture(scope="module", params=["subprocess", "bwrap"])
+def _need_docker() -> None:
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
+
+    problem = docker_backend_problem()
+    if problem:
+        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
+                        "installs the engine and builds the image")
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module", params=["subprocess", "bwrap", "docker"])
 def backend(request) -> str:
     if request.param == "bwrap":
         _need_bwrap()
+    elif request.param == "docker":
+        _need_docker()
     elif not AS_ROOT:
         pytest.skip("the subprocess backend isolates only as root; as another user it is refused")
     return request.param
@@ -52,10 +66,10 @@ def test_writing_is_bounded_in_every_writable_folder(backend, where):
 def test_tmp_counts_against_the_memory_limit(backend):
     """With a cgroup per call, what the code keeps in its tmpfs folders is memory of the call: a /tmp larger than
     the memory limit still cannot hold more than the limit (before: 960 MiB fit under a 512 MiB limit)."""
-    if not (AS_ROOT and call_cgroups_available()):
+    if backend != "docker" and not (AS_ROOT and call_cgroups_available()):
         pytest.skip("no cgroup v1 memory controller for the calls here; /tmp is bounded by its size alone")
     tool = PythonTool(timeout_s=20, backend=backend, memory_mb=96, max_file_mb=512, disk_mb=400)
-    assert tool.isolation["resource_limits"].startswith("cgroup v1")
+    assert tool.isolation["resource_limits"].startswith("the container's" if backend == "docker" else "cgroup v1")
     result = tool(FILL.format(path="/tmp/fill", limit=300))
     assert result.error and _written(result) < 96, result.text
 
@@ -63,7 +77,7 @@ def test_tmp_counts_against_the_memory_limit(backend):
 def test_processes_share_one_memory_limit(backend):
     """Eight processes each touching 48 MiB under a 128 MiB limit: the call's processes together stay under it
     (before: each process had its own address-space limit, eight times the memory)."""
-    if not (AS_ROOT and call_cgroups_available()):
+    if backend != "docker" and not (AS_ROOT and call_cgroups_available()):
         pytest.skip("no cgroup v1 memory controller for the calls here; each process has its own RLIMIT_AS")
     tool = PythonTool(timeout_s=20, backend=backend, memory_mb=128)
     code = ("import os, time\nkids = []\nfor i in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
@@ -138,3 +152,26 @@ def test_the_uid_pool_refuses_symbolic_links(tmp_path):
     with pytest.raises(SandboxError, match="cannot be opened safely"):
         pool.get()
     assert not victim.exists()
+
+
+# Starts the setuid-root program `su`, waits for its first words (its password prompt, or that it knows no root user
+# where the sandbox has no /etc/passwd): it has started then, and its status keeps its credentials until it is reaped.
+SETUID = ("import shutil, subprocess\nsu = shutil.which('su') or '/bin/su'\n"
+          "p = subprocess.Popen([su, 'root', '-c', 'id'], stdin=subprocess.PIPE, stdout=subprocess.PIPE,"
+          " stderr=subprocess.PIPE)\nprint('said', p.stderr.read(4).decode())\n"
+          "with open('/proc/%d/status' % p.pid) as f:\n"
+          "    print(''.join(l for l in f if l.startswith(('Uid:', 'CapEff:', 'CapBnd:', 'NoNewPrivs:'))))\n"
+          "p.kill()\np.wait()\nprint('reaped')")
+
+
+def test_a_setuid_program_gains_nothing(backend):
+    """`su` (setuid root) started by the code keeps the code's uid and no capability (no_new_privs); a container's
+    bounding set is empty as well (before: the default capability set, with no no-new-privileges option)."""
+    tool = PythonTool(timeout_s=20, backend=backend)
+    result = tool(SETUID)
+    assert result.text.startswith(("said Pass", "said su: ")) and "reaped" in result.text, result.text  # su ran
+    status = dict(line.split(":", 1) for line in result.text.splitlines()[1:] if ":" in line)
+    assert status["Uid"].split()[1] != "0" and status["NoNewPrivs"].strip() == "1", result.text
+    assert int(status["CapEff"], 16) == 0, result.text
+    if backend == "docker":
+        assert int(status["CapBnd"], 16) == 0, result.text

@@ -284,3 +284,22 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model
     assert "--decode takes one mode or one per tree" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
         ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])
+
+
+def test_bench_sandbox_times_the_backends_side_by_side(tmp_path, capsys):
+    """bench_sandbox: every backend asked for answers each call correctly; the first is the ratios' reference."""
+    import os
+    import shutil
+
+    from arpo_env.tools.sandbox_docker import docker_backend_problem
+    from benchmarks import bench_sandbox
+
+    if shutil.which("bwrap") is None:
+        if os.environ.get("ARPO_REQUIRE_BWRAP") == "1":
+            pytest.fail("ARPO_REQUIRE_BWRAP=1 (CI) but bubblewrap is not installed")
+        pytest.skip("bubblewrap (bwrap) is not installed on this machine")
+    backends = ["bwrap"] + ([] if docker_backend_problem() else ["docker"])
+    result = bench_sandbox.main(["--backends", *backends, "--calls", "2", "--out", str(tmp_path / "b.json")])
+    assert set(result["backends"]) == set(backends) and result["backends"]["bwrap"]["ratio_to_bwrap"] == 1.0
+    assert all(r["median_ms"] > 0 and r["level"] == "filesystem" for r in result["backends"].values())
+    assert "| bwrap | filesystem |" in capsys.readouterr().out
