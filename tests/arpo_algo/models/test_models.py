@@ -55,8 +55,9 @@ def test_resolve_errors_name_the_fix(tmp_path: Path, monkeypatch):
     with pytest.raises(ArpoError, match="unknown model 'no-such-model'") as e:
         models.resolve_model_path("no-such-model")
     assert "arpo model pull" in (e.value.hint or "")
-    with pytest.raises(MissingDataError, match="no config.json"):
+    with pytest.raises(ArpoError, match="is not a model source") as e:
         models.resolve_model_path(str(tmp_path))
+    assert "config.json with a model_type" in e.value.hint
     monkeypatch.setenv("ARPO_HOME", str(tmp_path / "empty-home"))
     with pytest.raises(MissingDataError) as e:
         models.resolve_model_path("smollm2-135m-instruct")
