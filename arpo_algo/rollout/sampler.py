@@ -61,13 +61,12 @@ class TreeSampler:
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             docs/concepts/arpo.md#limit-eos); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
-        dump_path: Append one JSON line per group (the tree) to this file.
     """
 
     def __init__(self, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
                  sampling: SamplingParams, max_response_tokens: int, tool_workers: int = 8,
                  prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
-                 train_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
+                 train_tool_limit_eos: bool = True, seed: int = 0) -> None:
         tree.validate()
         limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
         if limit is not None and tree.topk_logprobs > limit:
@@ -88,7 +87,7 @@ class TreeSampler:
             max_prompt_tokens = engine.max_context - max_response_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.train_tool_limit_eos = train_tool_limit_eos
-        self.seed, self.dump_path = seed, dump_path
+        self.seed = seed
         self.vocab_size = len(self.tok.get_vocab())
         self.eos_id = self.tok.eos_token_id
         self._pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-tools")
@@ -100,14 +99,14 @@ class TreeSampler:
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
-                    rollouts: RolloutsConfig, *, seed: int = 0, dump_path: str | None = None) -> TreeSampler:
+                    rollouts: RolloutsConfig, *, seed: int = 0) -> TreeSampler:
         """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
         env = env_creator()
         sampling = SamplingParams(max_new_tokens=rollouts.max_response_tokens, temperature=rollouts.temperature,
                                   top_p=rollouts.top_p, top_k=rollouts.top_k, stop=tuple(env.stop_sequences))
         return cls(engine, env_creator, tree, sampling, max_response_tokens=rollouts.max_response_tokens,
                    tool_workers=rollouts.tool_workers, prompt_overflow=rollouts.prompt_overflow,
-                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed, dump_path=dump_path)
+                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed)
     def close(self) -> None:
         """Stop the tool thread pool."""
         self._pool.shutdown(wait=True)
@@ -138,10 +137,6 @@ class TreeSampler:
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)
-        if self.dump_path:
-            with open(self.dump_path, "a", encoding="utf-8") as f:
-                for g in groups:
-                    f.write(g.to_json() + "\n")
         return groups, metrics
 
     # -------------------------------------------------------------------------------------------------- set-up

@@ -266,16 +266,14 @@ def test_prompt_overflow_policies(env_creator):
 def test_aepo_lazy_premonitor_sets_m_from_probe(env_creator, tmp_path):
     eng = ScriptedEngine(calls=(1, 2), entropy=lambda n, v: 3.0 if n == 0 else 0.5 * v)
     cfg = TreeConfig.aepo(8, 2)
-    dump = tmp_path / "trees.jsonl"
-    groups, _ = _sampler(eng, env_creator, cfg, dump_path=str(dump)).sample([0, 4], step=0)
+    groups, _ = _sampler(eng, env_creator, cfg).sample([0, 4], step=0)
     for g in groups:
         probe = g.trajectories[0]
         h_tool = probe.segment_entropy[1] if len(probe.segment_entropy) > 1 else probe.segment_entropy[0]
         m = aepo_initial_samples(8, probe.segment_entropy[0], h_tool)
         assert g.metrics["initial_samples"] == m
         assert [t.kind for t in g.trajectories[:m]] == ["initial"] * m
-    lines = dump.read_text().splitlines()
-    assert len(lines) == 2 and len(json.loads(lines[0])["trajectories"]) == 8
+    assert len(groups) == 2 and all(len(g.trajectories) == 8 for g in groups)
 
 
 def test_legacy_stale_baseline_persists_across_calls(env_creator):
