@@ -139,7 +139,8 @@ def summary(rec: dict) -> dict:
     """What the index keeps of a group: counts for the page's list and the filters."""
     rewards = [t["reward"] or 0.0 for t in rec["trajectories"]]
     parents = {n["parent"] for n in rec["nodes"]}
-    return {"prompt_index": rec["prompt_index"], "policy_version": rec["policy_version"], "trajectories": len(rewards), "nodes": len(rec["nodes"]),
+    return {"prompt_index": rec["prompt_index"], "policy_version": rec["policy_version"],
+            "trajectories": len(rewards), "nodes": len(rec["nodes"]),
             "leaves": sum(n["id"] not in parents for n in rec["nodes"]),
             "branch_points": sum("branch" in n for n in rec["nodes"]),
             "solved": sum(r > SOLVED for r in rewards), "failed": sum(r <= SOLVED for r in rewards),

@@ -6,7 +6,6 @@ environment runs real tool calls) with preset per-token entropies, which makes b
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
