@@ -94,7 +94,7 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
                     for a, m in zip(adv[tid][n.start:n.end], trajs[tid].trained_mask[n.start:n.end]) if m]
             node["advantage"] = _mean(vals)
         kids = children.get(n.node_id, [])
-        if len(kids) > 1:
+        if len(kids) > 1 and n.end > 0:  # the empty root's children are independent samples, not a branch
             before = [e for e, m in zip(owner.entropies[:n.end], owner.trained_mask[:n.end]) if m][-K:]
             after = []
             for c in kids:

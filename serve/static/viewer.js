@@ -121,6 +121,7 @@
   }
   function preview(node) {
     const text = node.text.map((r) => r[1]).join("");
+    if (!text && node.parent === null) return "(the prompt: independent samples start here)";
     return text.length > 90 ? text.slice(0, 90) + "…" : text;
   }
   function renderTree(rec) {
