@@ -284,3 +284,13 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model
     assert "--decode takes one mode or one per tree" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
         ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])
+
+
+def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path):
+    from benchmarks import bench_record_trees
+
+    res = bench_record_trees.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2", "--pairs",
+                                   "1", "--warmup", "0", "--max-response-tokens", "8", "--threads", "1",
+                                   "--out", str(tmp_path / "r.json")])
+    assert len(res["iterations"]["on"]) == len(res["iterations"]["off"]) == 1
+    assert res["record_s"][0] > 0 and res["chunk_bytes_median"] > 0 and 0 < res["record_share"] < 1
