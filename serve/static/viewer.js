@@ -94,6 +94,48 @@
       sel.insertBefore(o, before || null);
     }
     $("status").textContent = (DATA ? "exported file" : "live") + " · " + its.length + " iterations";
+    renderChart();
+  }
+  function renderChart() {
+    // Per iteration: the fraction of recorded trajectories solved (green) and branch points per group (orange, scaled
+    // to the largest); a click on an iteration's column opens it.
+    const box = $("chart");
+    box.replaceChildren();
+    const its = [...state.rows.keys()].sort((a, b) => a - b);
+    if (!its.length) return;
+    const NS = "http://www.w3.org/2000/svg", W = 210, H = 70;
+    const svg = document.createElementNS(NS, "svg");
+    svg.setAttribute("width", W); svg.setAttribute("height", H); svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    const stats = its.map((it) => {
+      const gs = state.rows.get(it).groups;
+      const n = gs.reduce((a, s) => a + s.trajectories, 0) || 1;
+      return { it, acc: gs.reduce((a, s) => a + s.solved, 0) / n,
+        br: gs.length ? gs.reduce((a, s) => a + s.branch_points, 0) / gs.length : 0 };
+    });
+    const maxBr = Math.max(1e-9, ...stats.map((s) => s.br));
+    const step = W / stats.length;
+    stats.forEach((s, i) => {
+      const col = document.createElementNS(NS, "g");
+      col.setAttribute("class", "chart-col");
+      col.dataset.iteration = String(s.it);
+      const bg = document.createElementNS(NS, "rect");
+      bg.setAttribute("x", i * step); bg.setAttribute("y", 0); bg.setAttribute("width", step); bg.setAttribute("height", H);
+      bg.setAttribute("class", s.it === state.it ? "chart-bg selected" : "chart-bg");
+      col.appendChild(bg);
+      for (const [v, cls, off] of [[s.acc, "chart-acc", 0], [s.br / maxBr, "chart-br", 0.5]]) {
+        const r = document.createElementNS(NS, "rect");
+        const h = Math.max(1, v * (H - 4));
+        r.setAttribute("x", i * step + off * step + 0.5); r.setAttribute("y", H - h);
+        r.setAttribute("width", Math.max(1, step / 2 - 1)); r.setAttribute("height", h); r.setAttribute("class", cls);
+        col.appendChild(r);
+      }
+      const tip = document.createElementNS(NS, "title");
+      tip.textContent = "iteration " + s.it + ": solved " + fmt(s.acc) + ", branch points per group " + fmt(s.br);
+      col.appendChild(tip);
+      col.addEventListener("click", () => openIteration(s.it));
+      svg.appendChild(col);
+    });
+    box.appendChild(svg);
   }
   function renderGroups() {
     const nav = $("groups");
@@ -195,6 +237,26 @@
       }
     }
   }
+  function tokenStrip(rec, n) {
+    // One cell per token of the node, coloured by the sampler's entropy (grey: inserted tool-result tokens); the
+    // tooltip has the position, entropy, sampled log-prob and advantage.
+    const t = rec.trajectories.find((x) => x.node_ids.includes(n.id));
+    const strip = el("div", "strip");
+    const mode = state.colour || "entropy";
+    for (let i = n.start; i < n.end; i++) {
+      const c = el("span", "tok");
+      const sampled = t.trained_mask[i] === 1;
+      const v = mode === "advantage" ? (t.advantages ? t.advantages[i] : null) : t.entropies[i];
+      if (!sampled) c.classList.add("inserted");
+      else if (mode === "advantage") c.style.background = colour(v, 1.0);
+      else c.style.background = "rgba(200,80,0," + Math.min(1, (v || 0) / 3).toFixed(3) + ")";
+      c.title = "token " + i + (sampled ? "" : " (tool result)") + " · id " + t.response_ids[i] + " · entropy " +
+        fmt(t.entropies[i], 3) + " · sampled log-prob " + fmt(t.sampled_logprobs[i], 3) + " · advantage " +
+        fmt(t.advantages ? t.advantages[i] : null, 3);
+      strip.appendChild(c);
+    }
+    return strip;
+  }
   function showNode(rec, id) {
     const n = rec.nodes.find((x) => x.id === id);
     if (!n) return;
@@ -210,6 +272,17 @@
       fmt(n.advantage, 3) + " · policy version " + n.policy_version + " · trajectories " + n.trajectories.join(", ")));
     if (n.branch) box.appendChild(el("div", "meta", "branch point: entropy before " + fmt(n.branch.entropy_before, 3) +
       ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ")));
+    if (n.end > n.start) {
+      const row = el("div", "meta", "per token, coloured by ");
+      const sel = el("select");
+      sel.id = "colour";
+      for (const v of ["entropy", "advantage"]) { const o = el("option", null, v); o.value = v; sel.appendChild(o); }
+      sel.value = state.colour || "entropy";
+      sel.addEventListener("change", () => { state.colour = sel.value; showNode(rec, id); });
+      row.appendChild(sel);
+      box.appendChild(row);
+      box.appendChild(tokenStrip(rec, n));
+    }
     const body = el("div", "node-text");
     runs(body, n.text);
     box.appendChild(body);
@@ -229,7 +302,9 @@
 
   // ------------------------------------------------------------------ navigation
   async function openGroup(it, g, node) {
+    const changed = state.it !== it;
     state.it = it; state.g = g;
+    if (changed) renderChart();
     $("iteration").value = String(it);
     renderGroups();
     try {

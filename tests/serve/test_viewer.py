@@ -167,6 +167,13 @@ def test_clicking_a_node_shows_its_decoded_text(browser, live, run_dir, tiny_mod
                  f"document.querySelector('#detail h3').textContent === 'node {node['id']}'")
     shown = browser.js("return [...document.querySelectorAll('#detail .node-text pre')].map(e => e.textContent)")
     assert shown == runs and "".join(runs)
+    # one cell per token, the inserted (tool-result) ones marked, each with its recorded entropy in the tooltip
+    assert browser.js("return document.querySelectorAll('#detail .strip .tok').length") == len(ids)
+    assert browser.js("return document.querySelectorAll('#detail .strip .tok.inserted').length") == mask.count(0)
+    k = mask.index(1)
+    tip = browser.js(f"return document.querySelectorAll('#detail .strip .tok')[{k}].title")
+    shown_entropy = float(tip.split(" · entropy ")[1].split(" ")[0])
+    assert abs(shown_entropy - owner["entropies"][node["start"] + k]) <= 0.0006, tip
 
 
 def test_a_new_iteration_appears_without_a_reload(browser, live, run_dir):
@@ -178,6 +185,11 @@ def test_a_new_iteration_appears_without_a_reload(browser, live, run_dir):
     browser.wait("return [...document.querySelectorAll('#iteration option')].map(o => o.value).join() === '1,2'",
                  what="iteration 2 never appeared")
     assert browser.js("return window.__sameDocument") is True  # no reload happened
+    # the chart grew a column for it, and a click on that column opens iteration 2
+    assert browser.js("return document.querySelectorAll('#chart .chart-col').length") == 2
+    browser.js("document.querySelector('#chart .chart-col[data-iteration=\"2\"]')"
+               ".dispatchEvent(new MouseEvent('click', {bubbles: true}))")
+    browser.wait("return document.querySelector('#tree .meta').textContent.startsWith('iteration 2 ')")
 
 
 def test_permalink_opens_the_node(browser, live, run_dir):
