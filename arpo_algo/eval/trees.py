@@ -6,7 +6,9 @@ A tree folder (``trees/`` in a run folder) holds, format version :data:`VERSION`
 * ``format.json``: ``{"format": "arpo-trees", "version": 1, "source": "train"}``, written first.
 * ``iter_000007.jsonl``: one iteration's recorded groups, one JSON object per line (:func:`group_record`): the prompt
   and task, the nodes of the sampling tree (token range, decoded text in model and tool runs, the mean advantage of
-  the trajectories through it, at a branch point the entropy before and after), and the trajectories (token ids,
+  the trajectories through it, at a branch point the entropy before and after and the branch rule's decisions that
+  made it), every branch decision of the tree (the entropies compared, the rule's constants, the random draws, the
+  clones made; those that made no clone too), and the trajectories (token ids,
   trained mask, sampled log-prob and entropy per token, per-token advantage, reward, finish reason, tool calls, the
   policy version that sampled it).
 * ``index.jsonl``: one line per recorded iteration, appended after its chunk is complete: the chunk's name, each
@@ -82,6 +84,7 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
             through.setdefault(nid, []).append(t.traj_id)
     adv = {t.traj_id: a for t, a in zip(g.trajectories, advantages)} if advantages is not None else {}
     start_of = {n.node_id: n.start for n in g.nodes}
+    decisions = getattr(g, "decisions", [])
     nodes = []
     for n in g.nodes:
         owner = trajs[through[n.node_id][0]]
@@ -101,7 +104,9 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
                 t = trajs[through[c][0]]
                 s = start_of[c]
                 after.append(_mean([e for e, m in zip(t.entropies[s:], t.trained_mask[s:]) if m][:K]))
-            node["branch"] = {"entropy_before": _mean(before), "entropy_after": after, "children": kids}
+            node["branch"] = {"entropy_before": _mean(before), "entropy_after": after, "children": kids,
+                              "decisions": [_clean(d) for d in decisions if d["branches"] and d["at"] == n.end
+                                            and d["trajectory"] in through[n.node_id]]}
         nodes.append(node)
     out_trajs = []
     for t in g.trajectories:
@@ -115,7 +120,8 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
             "segment_entropy": [_r(x) for x in t.segment_entropy]})
     return {"iteration": iteration, "group": index, "prompt_index": g.prompt_index,
             "policy_version": g.policy_version, "task": _clean(g.task), "prompt": decode(g.prompt_ids),
-            "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs}
+            "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs,
+            "decisions": _clean(decisions)}
 
 
 def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]]:

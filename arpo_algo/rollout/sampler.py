@@ -43,6 +43,18 @@ log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")
 
 
+class _RecordedRandom:
+    """The prompt's branch RNG, keeping each draw for the recorded trees (the sequence of draws is unchanged)."""
+
+    def __init__(self, rng: Any, draws: list[float]) -> None:
+        self.rng, self.draws = rng, draws
+
+    def random(self) -> float:
+        u = self.rng.random()
+        self.draws.append(u)
+        return u
+
+
 class TreeSampler:
     """Samples one :class:`~arpo_algo.rollout.types.Group` of exactly ``tree.budget`` trajectories per prompt.
 
@@ -248,9 +260,14 @@ class TreeSampler:
         scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
         roots = sum(q.parent is None for q in ps.paths)
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
-        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free, ps.rng)
+        draws: list[float] = []
+        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free,
+                           _RecordedRandom(ps.rng, draws) if ps.rng is not None else None)
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
+            ps.decisions.append({"trajectory": p.tid, "at": bp, "h_init": p.h_init, "h_now": p.turn_h,
+                                 "penalty_l": scope_l, "rule": cfg.decision_rule, "alpha": cfg.alpha,
+                                 "beta": cfg.beta, "tau": cfg.tau, "draws": draws, "branches": n})
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):
@@ -288,7 +305,7 @@ class TreeSampler:
         self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
         probe_cfg = dataclasses.replace(cfg, mode="grpo", budget=1, initial=1, branch_factor=0,
                                         aepo_premonitor_keep=False, decision_rule="reference")
-        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(),
+        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(), decisions=[],
                                        task_index=ps.task_index) for ps in prompts]
         for sh in shadows:
             self._spawn(sh, "premonitor")

@@ -166,6 +166,13 @@
     if (!text && node.parent === null) return "(the prompt: independent samples start here)";
     return text.length > 90 ? text.slice(0, 90) + "…" : text;
   }
+  function decisionText(ds) {
+    // The rule's own inputs: H_init and H now (the entropies it compared), its constants, and the draws (reference).
+    return (ds || []).map((d) => "\n" + d.rule + " rule: H_init " + fmt(d.h_init, 3) + ", H " + fmt(d.h_now, 3) +
+      " (dH " + fmt(d.h_now - d.h_init, 3) + "), alpha " + d.alpha + ", beta " + d.beta +
+      (d.rule === "paper" ? ", threshold tau " + d.tau : ", draws " + d.draws.map((u) => fmt(u, 3)).join(" ")) +
+      (d.penalty_l ? ", penalty count " + d.penalty_l : "") + " -> " + d.branches + " clone(s)").join("");
+  }
   function renderTree(rec) {
     const box = $("tree");
     box.replaceChildren();
@@ -202,7 +209,7 @@
             fmt(n.branch.entropy_before) + " → " + n.branch.entropy_after.map((x) => fmt(x)).join(" / "));
           b.title = "branch point at token " + n.end + ": mean entropy of the " + "last sampled tokens before it " +
             fmt(n.branch.entropy_before, 3) + "; of the first sampled tokens of each child " +
-            n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ");
+            n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions);
           d.appendChild(b);
         }
         d.addEventListener("click", (ev) => { ev.stopPropagation(); showNode(rec, n.id); });
@@ -271,7 +278,7 @@
     box.appendChild(el("div", "meta", "tokens " + n.start + "–" + n.end + " · depth " + n.depth + " · advantage " +
       fmt(n.advantage, 3) + " · policy version " + n.policy_version + " · trajectories " + n.trajectories.join(", ")));
     if (n.branch) box.appendChild(el("div", "meta", "branch point: entropy before " + fmt(n.branch.entropy_before, 3) +
-      ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ")));
+      ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions)));
     if (n.end > n.start) {
       const row = el("div", "meta", "per token, coloured by ");
       const sel = el("select");

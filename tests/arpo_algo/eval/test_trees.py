@@ -26,7 +26,11 @@ def _branched() -> Group:
     b = Trajectory(1, b_resp, mask_b, [float("nan")] + [-0.2] * 17, ent_b, reward=0.0, parent=0, branch_point=15,
                    kind="branch", node_ids=[0, 2], finish_reason="tool_limit", policy_version=3)
     nodes = [TreeNode(0, None, 0, 15, 0, 3), TreeNode(1, 0, 15, 17, 1, 3), TreeNode(2, 0, 15, 18, 1, 3)]
-    return Group(4, [7, 8], [a, b], nodes=nodes, policy_version=3)
+    decisions = [{"trajectory": 0, "at": 15, "h_init": 0.5, "h_now": 1.5, "penalty_l": 0, "rule": "reference",
+                  "alpha": 0.5, "beta": 0.2, "tau": 1.0, "draws": [0.3], "branches": 1},
+                 {"trajectory": 1, "at": 18, "h_init": 0.5, "h_now": float("nan"), "penalty_l": 0, "rule": "reference",
+                  "alpha": 0.5, "beta": 0.2, "tau": 1.0, "draws": [0.9], "branches": 0}]
+    return Group(4, [7, 8], [a, b], nodes=nodes, policy_version=3, decisions=decisions)
 
 
 def _independent() -> Group:
@@ -47,6 +51,9 @@ def test_a_branch_point_records_its_entropy_jump_and_the_advantages(tmp_path):
     assert root["branch"]["children"] == [1, 2]
     assert abs(root["branch"]["entropy_before"] - sum(0.1 * i for i in range(12 - K, 12)) / K) < 1e-3
     assert root["branch"]["entropy_after"] == [2.0, 2.0]
+    # the decision that made the branch sits on its node; every decision, one without a clone too, on the group
+    assert [d["draws"] for d in root["branch"]["decisions"]] == [[0.3]]
+    assert len(rec["decisions"]) == 2 and rec["decisions"][1]["h_now"] is None
     assert root["text"] == [["model", _decode(range(12))], ["tool", _decode([20, 21, 22])]]
     # group-relative advantages (rewards 1 and 0, mean 0.5): +0.5 and -0.5 on every token; the shared node holds both
     assert rec["nodes"][1]["advantage"] == 0.5 and rec["nodes"][2]["advantage"] == -0.5 and root["advantage"] == 0.0
