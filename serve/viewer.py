@@ -25,7 +25,7 @@ from arpo_base.errors import ArpoError
 from serve.guard import Guard, Policy, Security, install
 
 STATIC = Path(__file__).parent / "static"
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
             "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
@@ -136,7 +136,8 @@ def export_html(folder: str | Path, out: str | Path, iterations: list[int] | Non
     data = {"format": reader.format, "rows": rows, "groups": groups}
     js, css = (STATIC / "viewer.js").read_text(), (STATIC / "viewer.css").read_text()
     body = (STATIC / "viewer.html").read_text()
-    csp = f"default-src 'none'; script-src {_sha(js)}; style-src {_sha(css)}; base-uri 'none'; form-action 'none'"
+    csp = (f"default-src 'none'; script-src {_sha(js)}; style-src {_sha(css)}; img-src data:; base-uri 'none'; "
+           "form-action 'none'")
     head = (f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n<style>{css}</style>\n'
             f'<script type="application/json" id="arpo-data">{_embed(data)}</script>')
     page = body.replace('<link rel="stylesheet" href="viewer.css">', head).replace(

@@ -143,6 +143,10 @@ def test_page_shows_every_recorded_tree_node_and_leaf(browser, live, run_dir):
         assert set(drawn) == leaf_nodes
         branches = sum("branch" in n for n in rec["nodes"])
         assert browser.js("return document.querySelectorAll('#tree .branch').length") == branches
+    # the page fetched its own files, the index and each group it showed once: nothing else, nothing ahead
+    paths = browser.js("return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
+    assert set(paths) <= {"/viewer.js", "/viewer.css", "/v1/index", "/v1/group"}, paths
+    assert paths.count("/v1/group") == len(recs)
 
 
 def test_clicking_a_node_shows_its_decoded_text(browser, live, run_dir, tiny_model_dir):
