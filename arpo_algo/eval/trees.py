@@ -154,6 +154,17 @@ def summary(rec: dict) -> dict:
             "reward_mean": _mean(rewards), "prompt": rec["prompt"][-160:]}
 
 
+def start_folder(folder: str | os.PathLike, source: str = "train") -> Path:
+    """Create the tree folder and its ``format.json`` (kept when present), so a viewer can open it before the first
+    iteration is recorded."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fmt = folder / "format.json"
+    if not fmt.exists():
+        fmt.write_text(json.dumps({"format": FORMAT, "version": VERSION, "source": source}) + "\n")
+    return folder
+
+
 class TreeWriter:
     """Writes one iteration's groups as a chunk plus its index line (see the module docstring).
 
@@ -167,12 +178,8 @@ class TreeWriter:
 
     def __init__(self, folder: str | os.PathLike, decode: Any, *, source: str = "train", max_groups: int | None = None,
                  every: int = 1) -> None:
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = start_folder(folder, source)
         self.decode, self.max_groups, self.every = decode, max_groups, max(1, every)
-        fmt = self.folder / "format.json"
-        if not fmt.exists():
-            fmt.write_text(json.dumps({"format": FORMAT, "version": VERSION, "source": source}) + "\n")
 
     def record(self, iteration: int, groups: list[Any], advantages: list[list[list[float]]] | None = None) -> bool:
         """Write ``iteration``'s groups (``advantages``: per group, per trajectory, per token); False if skipped."""

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,17 +25,49 @@ KEY = "viewer-test-key-0123456789"
 HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
 
 
+SEEN_LIVE: list[int] = []  # the iterations `arpo train --view`'s viewer served while the run trained
+
+
 @pytest.fixture(scope="module")
 def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """Two iterations of ARPO on the tiny model, trees recorded by default (2 prompts x 4 trajectories)."""
+    """Two iterations of ARPO on the tiny model, trees recorded by default (2 prompts x 4 trajectories), trained
+    with ``--view``: a thread polls that viewer during the training."""
     root = tmp_path_factory.mktemp("viewrun")
     exp = write_experiment(root, tiny_model_dir, iterations=2)
     text = exp.read_text().replace("prompts_per_step = 1", "prompts_per_step = 2").replace(
         "budget = 2", "budget = 4").replace("initial = 1", "initial = 2")
     exp.write_text(text)
-    out = root / "run"
-    assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 0
+    out, port, done = root / "run", free_port(), threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                rows = get_json(f"http://127.0.0.1:{port}/v1/index", headers={"Authorization": f"Bearer {KEY}"},
+                                timeout=2)["rows"]
+                SEEN_LIVE[:] = sorted({*SEEN_LIVE, *(r["iteration"] for r in rows)})
+            except HTTPJSONError:
+                pass
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    saved = os.environ.get("ARPO_API_KEY")
+    os.environ["ARPO_API_KEY"] = KEY
+    watcher.start()
+    try:
+        assert main(["train", str(exp), "--output", str(out), "--no-progress", "--view", "--view-port",
+                     str(port)]) == 0
+    finally:
+        done.set()
+        watcher.join(10)
+        if saved is None:
+            os.environ.pop("ARPO_API_KEY")
+        else:
+            os.environ["ARPO_API_KEY"] = saved
     return out
+
+
+def test_train_view_serves_the_run_while_it_trains(run_dir, capsys):
+    assert SEEN_LIVE and set(SEEN_LIVE) <= {1, 2}  # at least the first iteration, seen before the training ended
 
 
 def _records(run_dir: Path, iteration: int) -> list[dict]:
