@@ -43,6 +43,17 @@ def _r(x: float) -> float | None:
     return None if x is None or not math.isfinite(x) else round(float(x), 4)
 
 
+def _rounded(xs: list[float]) -> list[float | None]:
+    """:func:`_r` over a whole list, vectorised (the writer's cost is mostly these lists)."""
+    import numpy as np
+
+    a = np.round(np.asarray(xs, dtype=np.float64), 4)
+    out = a.tolist()
+    if not bool(np.isfinite(a).all()):
+        out = [v if math.isfinite(v) else None for v in out]
+    return out
+
+
 def _clean(x: Any) -> Any:
     """Plain JSON (a browser's JSON.parse refuses NaN): non-finite floats become null, unknown objects their repr."""
     if isinstance(x, float):
@@ -115,9 +126,9 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
             "node_ids": t.node_ids, "reward": _r(t.reward), "reward_info": _clean(t.reward_info),
             "finish_reason": t.finish_reason, "tool_calls": _clean(t.tool_calls), "policy_version": t.policy_version,
             "response_ids": t.response_ids, "trained_mask": t.trained_mask,
-            "sampled_logprobs": [_r(x) for x in t.old_logprobs], "entropies": [_r(x) for x in t.entropies],
-            "advantages": [_r(x) for x in adv[t.traj_id]] if adv else None,
-            "segment_entropy": [_r(x) for x in t.segment_entropy]})
+            "sampled_logprobs": _rounded(t.old_logprobs), "entropies": _rounded(t.entropies),
+            "advantages": _rounded(adv[t.traj_id]) if adv else None,
+            "segment_entropy": _rounded(t.segment_entropy)})
     return {"iteration": iteration, "group": index, "prompt_index": g.prompt_index,
             "policy_version": g.policy_version, "task": _clean(g.task), "prompt": decode(g.prompt_ids),
             "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs,
