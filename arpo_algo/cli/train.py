@@ -48,6 +48,9 @@ def _start_viewer(exp: Any, args: argparse.Namespace) -> subprocess.Popen:
     if not rollouts.record_trees:
         raise ArpoError("--view shows the recorded trees, and rollouts.record_trees is false",
                         hint="drop --set rollouts.record_trees=false, or drop --view")
+    from serve.viewer import check_port
+
+    check_port("127.0.0.1", args.view_port)
     out = Path(args.resume or args.output or exp.output_dir).expanduser()
     folder = start_folder(Path(rollouts.record_path) if rollouts.record_path else out / FOLDER)
     key = os.environ.get("ARPO_API_KEY", "").strip() or secrets.token_urlsafe(24)

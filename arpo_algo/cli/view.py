@@ -15,7 +15,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     from arpo_algo.cli.serve import _key
     from arpo_algo.eval.trees import TreeReader
     from serve.guard import is_loopback
-    from serve.viewer import export_html, run
+    from serve.viewer import check_port, export_html, run
 
     reader = TreeReader(args.path)  # refuses a folder without trees or of a newer format, before anything starts
     if args.export is not None:
@@ -31,6 +31,7 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise ArpoError(f"listening on {args.host} needs --allowed-hosts: the host names a browser uses to reach "
                         "this viewer (the Host header of any other name is refused)",
                         hint="e.g. --allowed-hosts gpu1.example.org; or keep the default 127.0.0.1")
+    check_port(args.host, args.port)
     args.api_key = None
     key = _key(args) or secrets.token_urlsafe(24)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
