@@ -158,8 +158,9 @@ class Refusal(Exception):
 class Policy:
     """The checks of one replica (built from :class:`Security` inside it)."""
 
-    def __init__(self, security: Security, on_refusal: Any = None) -> None:
+    def __init__(self, security: Security, on_refusal: Any = None, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.enabled = security.checks
+        self.open_paths = open_paths  # routes reachable without the key; every other route needs it
         self.key = security.key()
         self.hosts = security.hosts()
         self.scheme = "https" if security.tls else "http"
@@ -186,7 +187,7 @@ class Policy:
         origin = headers.get("origin")
         if origin is not None and origin.lower() != f"{self.scheme}://{host}":
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
-        if path not in OPEN_PATHS and not self.authorized(headers):
+        if path not in self.open_paths and not self.authorized(headers):
             raise Refusal(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         if method == "POST":

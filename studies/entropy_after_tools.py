@@ -1,11 +1,12 @@
 """ARPO's claim F1 at small scale: token entropy rises right after tool results (the paper's Figure 1 left).
 
-    python -m studies.entropy_after_tools runs/compare/compare_grpo/seed_0/trees.jsonl [more dumps] \
-        --iterations 1 --window 30 --output runs/f1
+    python -m studies.entropy_after_tools runs/compare/compare_grpo/seed_0/trees/iter_000001.jsonl [more] \
+        --window 30 --output runs/f1
     python -m studies.entropy_after_tools --sample runs/quickstart/sft --prompts 8 --budget 4 --output runs/f1
     python -m studies.entropy_after_tools --sample runs/quickstart/sft --data valid --prompts 16 --output runs/f1v
 
-Reads rollout tree dumps (``rollouts.dump_trees = true``; the entropies are the rollout policy's, per sampled token)
+Reads rollout trees, one group per line: a run's recorded chunks (``trees/iter_*.jsonl``, recorded by default) or
+the file ``--sample`` writes (the entropies are the rollout policy's, per sampled token)
 and, around every tool result of every trajectory, takes the sampled tokens' entropies at positions -window..-1
 (the tokens before the call's result, i.e. the end of the call) and 0..window-1 (the first tokens after the result).
 Each shared prefix counts once (branches' inherited tokens are skipped). Writes ``f1.json`` (mean, sd, n per offset;
@@ -112,9 +113,10 @@ def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, s
     dump.unlink(missing_ok=True)
     engine = HFEngine(str(resolve_model_path(model)), seed=seed)
     s = TreeSampler(engine, make_env, TreeConfig.grpo(budget),
-                    SamplingParams(temperature=1.0), max_response_tokens=tokens, seed=seed, dump_path=str(dump))
-    s.sample(list(range(prompts)), step=0)
+                    SamplingParams(temperature=1.0), max_response_tokens=tokens, seed=seed)
+    groups, _ = s.sample(list(range(prompts)), step=0)
     s.close()
+    dump.write_text("".join(g.to_json() + "\n" for g in groups), encoding="utf-8")
     return dump
 
 

@@ -138,6 +138,7 @@ class AgenticRLAlgorithm(Algorithm):
         self.served_defaults = served_defaults(env)
         self.engine = self._build_engine(model_path)
         self.sampler = self._build_sampler()
+        self.tree_writer = self._build_tree_writer()
         self.rollout_pipeline = None
         if settings.rollouts.asynchronous:
             from arpo_algo.algorithms.pipeline import RolloutPipeline
@@ -185,12 +186,34 @@ class AgenticRLAlgorithm(Algorithm):
         from arpo_algo.rollout.sampler import TreeSampler
 
         rollouts = self.config.settings.rollouts
-        dump_path = None
-        if rollouts.dump_trees:
-            dump_path = rollouts.dump_path or (os.path.join(self.logdir, "trees.jsonl")
-                                               if getattr(self, "logdir", None) else None)
-        return TreeSampler.from_config(self.engine, self._train_env, self.tree_config, rollouts, seed=self.config.seed,
-                                       dump_path=dump_path)
+        return TreeSampler.from_config(self.engine, self._train_env, self.tree_config, rollouts, seed=self.config.seed)
+
+    def _build_tree_writer(self) -> Any:
+        """The one writer of rollout trees (:mod:`arpo_algo.eval.trees`), or None when recording is off."""
+        from arpo_algo.eval.trees import FOLDER, TreeWriter
+
+        rollouts = self.config.settings.rollouts
+        folder = rollouts.record_path or (os.path.join(self.logdir, FOLDER) if getattr(self, "logdir", None) else None)
+        if not rollouts.record_trees or folder is None:
+            return None
+        tok = self.learner.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=False)
+
+        return TreeWriter(folder, decode, source="train", max_groups=rollouts.record_max_groups,
+                          every=rollouts.record_every)
+
+    def _record_trees(self, iteration: int, groups: list[Any]) -> None:
+        """Record the groups this iteration trained on, with the advantages the learner's estimator gave them."""
+        from arpo_algo.eval.trees import token_advantages
+
+        writer = self.tree_writer
+        if writer is None or iteration % writer.every:
+            return
+        chosen = groups if writer.max_groups is None else groups[:writer.max_groups]
+        with self.metrics.log_time((MK.TIMERS.rstrip("/"), MK.RECORD_TIME)):
+            writer.record(iteration, chosen, token_advantages(chosen, self.config.settings.training))
 
     # --------------------------------------------------------------------------------------------- one iteration
 
@@ -242,6 +265,7 @@ class AgenticRLAlgorithm(Algorithm):
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
         self.metrics.log_dict(self.data_position(), key="data", reduce="mean", window=1)
+        self._record_trees(version + 1, groups)  # iteration numbers as in metrics.jsonl (1 = the first update)
         return None
 
     def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:

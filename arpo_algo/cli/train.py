@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -19,12 +25,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from arpo_algo.run.driver import train_experiment
 
-    summary = train_experiment(exp, output=args.output, resume=args.resume, progress=not args.no_progress,
-                               allow_unisolated_python=args.allow_unisolated_python)
+    viewer = _start_viewer(exp, args) if args.view else None
+    try:
+        summary = train_experiment(exp, output=args.output, resume=args.resume, progress=not args.no_progress,
+                                   allow_unisolated_python=args.allow_unisolated_python)
+    finally:
+        if viewer is not None:
+            viewer.terminate()
+            viewer.wait(10)
     shown = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "time_s", "checkpoint")}
     print(json.dumps(shown, indent=2))
     print(summary["policy"] or summary["output"])
     return 0
+
+
+def _start_viewer(exp: Any, args: argparse.Namespace) -> subprocess.Popen:
+    """``arpo view`` on the run's tree folder in a child process (stopped with the training), its address printed."""
+    from arpo_algo.eval.trees import FOLDER, start_folder
+    from arpo_base.errors import ArpoError
+
+    rollouts = exp.config.settings.rollouts
+    if not rollouts.record_trees:
+        raise ArpoError("--view shows the recorded trees, and rollouts.record_trees is false",
+                        hint="drop --set rollouts.record_trees=false, or drop --view")
+    from serve.viewer import check_port
+
+    check_port("127.0.0.1", args.view_port)
+    out = Path(args.resume or args.output or exp.output_dir).expanduser()
+    folder = start_folder(Path(rollouts.record_path) if rollouts.record_path else out / FOLDER)
+    key = os.environ.get("ARPO_API_KEY", "").strip() or secrets.token_urlsafe(24)
+    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(folder), "--port", str(args.view_port)],
+                            env=dict(os.environ, ARPO_API_KEY=key), stdout=subprocess.DEVNULL)
+    print(f"viewer: http://127.0.0.1:{args.view_port}/#key={key} (stops with the training; `arpo view {out}` "
+          "shows the run afterwards)", flush=True)
+    return proc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,4 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-unisolated-python", action="store_true",
                    help="run the Python tool below the 'process' isolation level (the model's code may reach the "
                         "network or act as this user); recorded in the run folder's sandbox.json")
+    p.add_argument("--view", action="store_true",
+                   help="serve the rollout-tree viewer (arpo view) on 127.0.0.1 while the run trains")
+    p.add_argument("--view-port", type=int, default=8765, help="the viewer's port (default 8765)")
     p.set_defaults(func=cmd_train)

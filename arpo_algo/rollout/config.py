@@ -105,10 +105,14 @@ class RolloutsConfig:
         1, "With asynchronous: 1 starts the next batch before the update (its trajectories are one version behind "
         "the learner); 0 starts it after the update (no staleness: the synchronous update, overlapped with the work "
         "between iterations only). One batch is in flight, so 0 and 1 are the values.")
-    dump_trees: bool = setting(False, "Append every sampled group (its tree) as a JSON line to dump_path.")
-    dump_path: str | None = setting(
-        None, "The file dump_trees writes; None = trees.jsonl in the Algorithm's log folder (`arpo train`: the run "
-        "folder).")
+    record_trees: bool = setting(
+        True, "Record every iteration's trees after its update (tokens, log-probs, entropies, advantages, tool calls, "
+        "rewards) for `arpo view` (docs/howto/view-trees.md).")
+    record_path: str | None = setting(
+        None, "The tree folder record_trees writes; None = trees/ in the run folder (under Tune: the trial's folder).")
+    record_max_groups: int | None = setting(
+        64, "At most this many groups (prompts) recorded per iteration, the first ones sampled; None = all.")
+    record_every: int = setting(1, "Record every n-th iteration only.")
     hf: HFEngineConfig = field(default_factory=HFEngineConfig, metadata={"doc": "[rollouts.hf]: the HF engine."})
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig,
                                    metadata={"doc": "[rollouts.vllm]: the vLLM engine."})
@@ -123,6 +127,9 @@ class RolloutsConfig:
         for name in ("max_response_tokens", "tool_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollouts.{name} must be >= 1, got {getattr(self, name)}")
+        if self.record_every < 1 or (self.record_max_groups is not None and self.record_max_groups < 1):
+            raise ConfigError("rollouts.record_every and rollouts.record_max_groups must be >= 1",
+                              hint="turn recording off with rollouts.record_trees = false")
         if self.num_rollout_actors < 0:
             raise ConfigError(f"rollouts.num_rollout_actors must be >= 0, got {self.num_rollout_actors}")
         if self.num_cpus_per_rollout_actor <= 0:

@@ -21,6 +21,8 @@ TRAIN = "train/"
 #: The Algorithm's timer section (``timers/rollout_time``) and its timers.
 TIMERS = "timers/"
 SYNC_TIME, ROLLOUT_TIME, UPDATE_TIME = "sync_time", "rollout_time", "update_time"
+#: Seconds spent writing the iteration's rollout trees (``rollouts.record_trees``).
+RECORD_TIME = "record_time"
 #: Trajectories sampled since the run started (RLlib lifetime sum).
 TRAJECTORIES_LIFETIME = "num_trajectories_lifetime"
 #: Seconds one held-out evaluation took.

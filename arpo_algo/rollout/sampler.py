@@ -43,6 +43,18 @@ log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")
 
 
+class _RecordedRandom:
+    """The prompt's branch RNG, keeping each draw for the recorded trees (the sequence of draws is unchanged)."""
+
+    def __init__(self, rng: Any, draws: list[float]) -> None:
+        self.rng, self.draws = rng, draws
+
+    def random(self) -> float:
+        u = self.rng.random()
+        self.draws.append(u)
+        return u
+
+
 class TreeSampler:
     """Samples one :class:`~arpo_algo.rollout.types.Group` of exactly ``tree.budget`` trajectories per prompt.
 
@@ -61,13 +73,12 @@ class TreeSampler:
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             docs/concepts/arpo.md#limit-eos); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
-        dump_path: Append one JSON line per group (the tree) to this file.
     """
 
     def __init__(self, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
                  sampling: SamplingParams, max_response_tokens: int, tool_workers: int = 8,
                  prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
-                 train_tool_limit_eos: bool = True, seed: int = 0, dump_path: str | None = None) -> None:
+                 train_tool_limit_eos: bool = True, seed: int = 0) -> None:
         tree.validate()
         limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
         if limit is not None and tree.topk_logprobs > limit:
@@ -88,7 +99,7 @@ class TreeSampler:
             max_prompt_tokens = engine.max_context - max_response_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.train_tool_limit_eos = train_tool_limit_eos
-        self.seed, self.dump_path = seed, dump_path
+        self.seed = seed
         self.vocab_size = len(self.tok.get_vocab())
         self.eos_id = self.tok.eos_token_id
         self._pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-tools")
@@ -100,14 +111,14 @@ class TreeSampler:
 
     @classmethod
     def from_config(cls, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
-                    rollouts: RolloutsConfig, *, seed: int = 0, dump_path: str | None = None) -> TreeSampler:
+                    rollouts: RolloutsConfig, *, seed: int = 0) -> TreeSampler:
         """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
         env = env_creator()
         sampling = SamplingParams(max_new_tokens=rollouts.max_response_tokens, temperature=rollouts.temperature,
                                   top_p=rollouts.top_p, top_k=rollouts.top_k, stop=tuple(env.stop_sequences))
         return cls(engine, env_creator, tree, sampling, max_response_tokens=rollouts.max_response_tokens,
                    tool_workers=rollouts.tool_workers, prompt_overflow=rollouts.prompt_overflow,
-                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed, dump_path=dump_path)
+                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed)
     def close(self) -> None:
         """Stop the tool thread pool."""
         self._pool.shutdown(wait=True)
@@ -138,10 +149,6 @@ class TreeSampler:
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)
-        if self.dump_path:
-            with open(self.dump_path, "a", encoding="utf-8") as f:
-                for g in groups:
-                    f.write(g.to_json() + "\n")
         return groups, metrics
 
     # -------------------------------------------------------------------------------------------------- set-up
@@ -253,9 +260,14 @@ class TreeSampler:
         scope_l = p.consecutive if cfg.aepo_penalty_scope == "path" else ps.consecutive
         roots = sum(q.parent is None for q in ps.paths)
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
-        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free, ps.rng)
+        draws: list[float] = []
+        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free,
+                           _RecordedRandom(ps.rng, draws) if ps.rng is not None else None)
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
+            ps.decisions.append({"trajectory": p.tid, "at": bp, "h_init": p.h_init, "h_now": p.turn_h,
+                                 "penalty_l": scope_l, "rule": cfg.decision_rule, "alpha": cfg.alpha,
+                                 "beta": cfg.beta, "tau": cfg.tau, "draws": draws, "branches": n})
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):
@@ -293,7 +305,7 @@ class TreeSampler:
         self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
         probe_cfg = dataclasses.replace(cfg, mode="grpo", budget=1, initial=1, branch_factor=0,
                                         aepo_premonitor_keep=False, decision_rule="reference")
-        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(),
+        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(), decisions=[],
                                        task_index=ps.task_index) for ps in prompts]
         for sh in shadows:
             self._spawn(sh, "premonitor")

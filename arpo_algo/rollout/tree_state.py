@@ -92,6 +92,7 @@ class PromptState:
     branches_by_depth: Counter = dataclasses.field(default_factory=Counter)
     premonitor_tool_calls: int = 0
     premonitor_tokens: int = 0
+    decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # branch decisions, as Group.decisions
 
 
 def assemble_group(ps: PromptState, step: int, policy_version: int | None = None) -> Group:
@@ -115,4 +116,4 @@ def assemble_group(ps: PromptState, step: int, policy_version: int | None = None
                MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
                **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())}}
     return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
-                 nodes=nodes, metrics=metrics, policy_version=policy_version)
+                 nodes=nodes, metrics=metrics, policy_version=policy_version, decisions=ps.decisions)

@@ -77,6 +77,8 @@ class Group:
         nodes: The sampling tree.
         metrics: Rollout metrics of this group (tokens generated/reused, tool calls, branches by depth, ...).
         policy_version: The version that sampled the whole tree (every trajectory and node carries it too).
+        decisions: Every branch decision that could have branched: the trajectory and response position, the
+            entropies it compared, the rule's constants, the random draws of the reference rule and the clones made.
     """
 
     prompt_index: int
@@ -86,6 +88,7 @@ class Group:
     nodes: list[TreeNode] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     policy_version: int | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rewards(self) -> list[float]:

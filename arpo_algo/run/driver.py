@@ -187,9 +187,11 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     if sandbox is not None:
         (out / "sandbox.json").write_text(json.dumps(sandbox, indent=2))
     rollouts = exp.config.settings.rollouts
-    if rollouts.dump_trees and rollouts.dump_path is None:
-        # Outside Tune the Algorithm's logdir is a temp folder; tree dumps belong to the run folder.
-        exp.config.llm_rollouts(dump_path=str(out / "trees.jsonl"))
+    if rollouts.record_trees and rollouts.record_path is None:
+        # Outside Tune the Algorithm's logdir is a temp folder; the recorded trees belong to the run folder.
+        from arpo_algo.eval.trees import FOLDER
+
+        exp.config.llm_rollouts(record_path=str(out / FOLDER))
     _write_config(exp, out)
     owns_ray = join_cluster()
     try:

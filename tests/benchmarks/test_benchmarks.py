@@ -303,3 +303,13 @@ def test_bench_sandbox_times_the_backends_side_by_side(tmp_path, capsys):
     assert set(result["backends"]) == set(backends) and result["backends"]["bwrap"]["ratio_to_bwrap"] == 1.0
     assert all(r["median_ms"] > 0 and r["level"] == "filesystem" for r in result["backends"].values())
     assert "| bwrap | filesystem |" in capsys.readouterr().out
+
+
+def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path):
+    from benchmarks import bench_record_trees
+
+    res = bench_record_trees.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2", "--pairs",
+                                   "1", "--warmup", "0", "--max-response-tokens", "8", "--threads", "1",
+                                   "--out", str(tmp_path / "r.json")])
+    assert len(res["iterations"]["on"]) == len(res["iterations"]["off"]) == 1
+    assert res["record_s"][0] > 0 and res["chunk_bytes_median"] > 0 and 0 < res["record_share"] < 1

@@ -20,12 +20,12 @@ def test_compare_is_deterministic_and_reports(tiny_model_dir, tmp_path, capsys):
     for run in ("a", "b"):
         out = tmp_path / run
         assert main([str(exp), "--sft", str(tiny_model_dir), "--seeds", "3", "--output", str(out), "--eval-every",
-                     "1", "--set", "rollouts.dump_trees=true", "--no-progress"]) == 0
+                     "1", "--no-progress"]) == 0
         outs.append(out)
     rows = [[_strip(json.loads(x)) for x in (o / "tiny" / "seed_3" / "metrics.jsonl").read_text().splitlines()]
             for o in outs]
     assert rows[0] == rows[1] and len(rows[0]) == 2
-    trees = [(o / "tiny" / "seed_3" / "trees.jsonl").read_text() for o in outs]
+    trees = [(o / "tiny" / "seed_3" / "trees" / "iter_000001.jsonl").read_text() for o in outs]
     assert trees[0] == trees[1] and trees[0]
     rerun = json.loads((outs[0] / "tiny" / "seed_3" / "rerun.json").read_text())
     assert "experiment.seed=3" in rerun["command"] and "model.path=" in rerun["command"]

@@ -8,6 +8,7 @@ import pytest
 
 from arpo_algo.algorithms import ARPO, ARPOConfig, GRPOConfig
 from arpo_algo.algorithms.components import PromptIterator, check_resources_feasible, resource_bundles
+from arpo_algo.eval.trees import TreeReader
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.types import Group, Trajectory
 from arpo_base.errors import ConfigError
@@ -69,8 +70,8 @@ def test_rollouts_sample_from_the_updated_weights(tiny_model_dir):
 
 
 def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
-    dump = tmp_path / "trees.jsonl"  # the dump file is a setting (it was patched into the sampler after the build)
-    algo = tiny_config(tiny_model_dir, GRPOConfig).llm_rollouts(dump_trees=True, dump_path=str(dump)).build_algo()
+    trees = tmp_path / "trees"
+    algo = tiny_config(tiny_model_dir, GRPOConfig).llm_rollouts(record_path=str(trees)).build_algo()
     try:
         assert type(algo).__name__ == "GRPO"
         groups, _ = algo.sampler.sample([0], step=0)
@@ -84,7 +85,10 @@ def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
     assert len(groups[0].trajectories) == 2
     assert all(t.kind == "initial" for t in groups[0].trajectories)
     assert result["rollout"]["branches"] == 0.0
-    assert len(dump.read_text().splitlines()) == 2  # one group sampled by hand, one by train()
+    # only what an update trained on is recorded: train()'s one group, not the one sampled by hand
+    reader = TreeReader(trees)
+    assert reader.refresh() == [1] and len(reader.iterations[1]["groups"]) == 1
+    assert reader.group(1, 0)["policy_version"] == 0
 
 
 def test_infeasible_resources_fail_fast_with_a_message():

@@ -9,6 +9,7 @@ import json
 import torch
 
 from arpo_algo.algorithms.components import PromptIterator
+from arpo_algo.eval.trees import TreeReader
 from arpo_algo.train.learner_config import MISMATCH_LEVELS
 from tests.arpo_algo.algorithms.test_algorithm import tiny_config
 
@@ -45,8 +46,8 @@ def test_staleness_0_is_the_synchronous_update(tiny_model_dir, ray_session):
 
 
 def test_staleness_1_trains_each_batch_one_version_behind(tiny_model_dir, ray_session, tmp_path):
-    dump = tmp_path / "trees.jsonl"
-    cfg = _config(tiny_model_dir, asynchronous=True, max_staleness=1, dump_trees=True, dump_path=str(dump))
+    trees = tmp_path / "trees"
+    cfg = _config(tiny_model_dir, asynchronous=True, max_staleness=1, record_path=str(trees))
     results, _, state = _run(cfg, 3)
     warn, _ = MISMATCH_LEVELS["fp32"]
     # iteration k trains on the batch sampled under version k - 1 (iteration 0: sampled before anything was in flight)
@@ -55,11 +56,12 @@ def test_staleness_1_trains_each_batch_one_version_behind(tiny_model_dir, ray_se
     assert [r["rollout"]["staleness_mean"] for r in results] == [0.0, 1.0, 1.0]
     # scored under the weights that sampled it: no false alarm, although every update really moved the weights
     assert all(r["learner"]["kl_rollout"] < warn and r["learner"]["param_change_norm"] > 0 for r in results)
-    groups = [json.loads(line) for line in dump.read_text().splitlines()]
-    # four batches: three trained, and the one in flight when the run stopped (sampled, never trained on)
-    assert [g["metrics"]["step"] for g in groups] == [0.0, 1.0, 2.0, 3.0]
+    reader = TreeReader(trees)
+    assert reader.refresh() == [1, 2, 3]  # the trained batches; the one in flight at the stop was never trained on
+    groups = [reader.group(it, 0) for it in (1, 2, 3)]
+    assert [g["metrics"]["step"] for g in groups] == [0.0, 1.0, 2.0]
     for g in groups:
-        k = int(g["metrics"]["step"])  # the iteration that trains (or would train) on it
+        k = int(g["metrics"]["step"])  # the iteration that trains on it
         assert g["policy_version"] == max(k - 1, 0)  # version k or k - 1, here exactly as the pipeline orders it
         assert {t["policy_version"] for t in g["trajectories"]} == {g["policy_version"]}
         assert {n["policy_version"] for n in g["nodes"]} == {g["policy_version"]}  # a tree is one version
@@ -71,8 +73,8 @@ def test_staleness_1_trains_each_batch_one_version_behind(tiny_model_dir, ray_se
 
 
 def test_evaluation_waits_for_the_batch_in_flight_and_a_restore_drops_it(tiny_model_dir, ray_session, tmp_path):
-    dump = tmp_path / "trees.jsonl"
-    cfg = _config(tiny_model_dir, asynchronous=True, max_staleness=1, dump_trees=True, dump_path=str(dump))
+    trees = tmp_path / "trees"
+    cfg = _config(tiny_model_dir, asynchronous=True, max_staleness=1, record_path=str(trees))
     algo = cfg.evaluation(num_prompts=1).build_algo()
     try:
         algo.train()
@@ -90,7 +92,9 @@ def test_evaluation_waits_for_the_batch_in_flight_and_a_restore_drops_it(tiny_mo
     assert trained["training_iteration"] == resumed["training_iteration"] == 3
     assert (trained["rollout"]["policy_version"], trained["rollout"]["staleness_max"]) == (1.0, 1.0)
     assert (resumed["rollout"]["policy_version"], resumed["rollout"]["staleness_max"]) == (2.0, 0.0)
-    step2 = [g for g in map(json.loads, dump.read_text().splitlines()) if g["metrics"]["step"] == 2.0]
-    # the batch in flight at the save and the one the resumed run sampled: the same prompt, two versions
-    assert [(g["prompt_index"], g["policy_version"]) for g in step2] == [(step2[0]["prompt_index"], 1),
-                                                                        (step2[0]["prompt_index"], 2)]
+    third = [json.loads(line)["groups"][0] for line in (trees / "index.jsonl").read_text().splitlines()
+             if json.loads(line)["iteration"] == 3]
+    # iteration 3 recorded twice: the batch in flight at the save, and the one the resumed run sampled; the same
+    # prompt, two versions
+    assert [(g["prompt_index"], g["policy_version"]) for g in third] == [(third[0]["prompt_index"], 1),
+                                                                        (third[0]["prompt_index"], 2)]

@@ -6,7 +6,6 @@ environment runs real tool calls) with preset per-token entropies, which makes b
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -216,6 +215,28 @@ def test_reference_rule_branches_with_probability_alpha_at_constant_entropy(env_
     assert abs(branches / decisions - alpha) < 4 * sd, (branches, decisions)
 
 
+def test_every_branch_decision_is_kept_with_its_draws(env_creator):
+    """Each decision that could have branched is in Group.decisions; under the reference rule its draws are the ones
+    that decided (clone iff clip(u - beta * dH, 0, 1) <= alpha) and their count of clones made is the group's."""
+    from arpo_algo.core.tree import reference_decision
+
+    eng = ScriptedEngine(calls=(2, 3), entropy=lambda n, v: 1.0 + 0.3 * (n % 3))
+    cfg = TreeConfig(budget=8, initial=2, branch_factor=2, decision_rule="reference", fillup="trickle", alpha=0.5)
+    groups, m = _sampler(eng, env_creator, cfg).sample([0, 1], step=0)
+    decisions = [d for g in groups for d in g.decisions]
+    assert len(decisions) == m["rollout/branch_decisions"] > 0
+    assert sum(d["branches"] for d in decisions) == m["rollout/branches"] > 0
+    for d in decisions:
+        assert d["rule"] == "reference" and len(d["draws"]) >= 1
+        made = sum(reference_decision(cfg, d["h_now"] - d["h_init"], d["penalty_l"], u) for u in d["draws"])
+        assert made == d["branches"]
+    for g in groups:  # a branch starts where its decision was taken
+        for t in g.trajectories:
+            if t.kind == "branch":
+                assert any(d["trajectory"] == t.parent and d["at"] == t.branch_point and d["branches"]
+                           for d in g.decisions)
+
+
 def test_aepo_path_scope_counter_in_the_sampler(env_creator):
     """AEPO paper rule, path scope, dH = 0.5 at every tool result: 0.6 * (1 - 0.1 l) > 0.5 branches for l <= 1 only.
     The first path decides at its 4 tool results with l = 0, 1, 2, 0: branch, branch, no, branch (the counter
@@ -266,16 +287,14 @@ def test_prompt_overflow_policies(env_creator):
 def test_aepo_lazy_premonitor_sets_m_from_probe(env_creator, tmp_path):
     eng = ScriptedEngine(calls=(1, 2), entropy=lambda n, v: 3.0 if n == 0 else 0.5 * v)
     cfg = TreeConfig.aepo(8, 2)
-    dump = tmp_path / "trees.jsonl"
-    groups, _ = _sampler(eng, env_creator, cfg, dump_path=str(dump)).sample([0, 4], step=0)
+    groups, _ = _sampler(eng, env_creator, cfg).sample([0, 4], step=0)
     for g in groups:
         probe = g.trajectories[0]
         h_tool = probe.segment_entropy[1] if len(probe.segment_entropy) > 1 else probe.segment_entropy[0]
         m = aepo_initial_samples(8, probe.segment_entropy[0], h_tool)
         assert g.metrics["initial_samples"] == m
         assert [t.kind for t in g.trajectories[:m]] == ["initial"] * m
-    lines = dump.read_text().splitlines()
-    assert len(lines) == 2 and len(json.loads(lines[0])["trajectories"]) == 8
+    assert len(groups) == 2 and all(len(g.trajectories) == 8 for g in groups)
 
 
 def test_legacy_stale_baseline_persists_across_calls(env_creator):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from arpo_algo.cli.main import main
+from arpo_algo.eval.trees import TreeReader
 
 
 def write_experiment(tmp_path, model_dir, iterations: int = 2):
@@ -76,10 +77,10 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3",
-                 "--set", "rollouts.dump_trees=true", "--no-progress"]) == 0
+                 "--no-progress"]) == 0
     assert (out / "checkpoints" / "iter_000003").is_dir()
-    trees = (out / "trees.jsonl").read_text().splitlines()  # the run folder is the Algorithm's logdir
-    assert len(trees) == 1 and json.loads(trees[0])["trajectories"]
+    reader = TreeReader(out)  # trees are recorded by default, into the run folder, across the resume
+    assert reader.refresh() == [1, 2, 3] and reader.group(3, 0)["trajectories"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
 

@@ -1,0 +1,65 @@
+"""``arpo view``: look at a run's recorded rollout trees in the browser (the app is :mod:`serve.viewer`), live while
+the run trains, or write them into one self-contained HTML file with ``--export``."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+from pathlib import Path
+
+from arpo_base.errors import ArpoError
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from arpo_algo.cli.serve import _key
+    from arpo_algo.eval.trees import TreeReader
+    from serve.guard import is_loopback
+    from serve.viewer import check_port, export_html, run
+
+    reader = TreeReader(args.path)  # refuses a folder without trees or of a newer format, before anything starts
+    if args.export is not None:
+        out, its = export_html(reader.folder, args.export, args.iteration)
+        print(f"wrote {out} (iteration{'s' if len(its) > 1 else ''} {', '.join(map(str, its))})")
+        return 0
+    if args.iteration:
+        raise ArpoError("--iteration selects what --export writes", hint="the page has an iteration menu")
+    if not 0 < args.port < 65536:
+        raise ArpoError(f"--port must be in 1..65535, got {args.port}")
+    hosts = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+    if not is_loopback(args.host) and not hosts:
+        raise ArpoError(f"listening on {args.host} needs --allowed-hosts: the host names a browser uses to reach "
+                        "this viewer (the Host header of any other name is refused)",
+                        hint="e.g. --allowed-hosts gpu1.example.org; or keep the default 127.0.0.1")
+    check_port(args.host, args.port)
+    args.api_key = None
+    key = _key(args) or secrets.token_urlsafe(24)
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"viewing {reader.folder} at http://{shown}:{args.port}/#key={key}", flush=True)
+    print("(the key in the address is this viewer's; Ctrl-C stops it)", file=sys.stderr, flush=True)
+    run(reader.folder, host=args.host, port=args.port, key=key, allowed_hosts=hosts)
+    return 0
+
+
+def _iterations(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected iteration numbers such as 3 or 1,5, got {text!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``arpo view``."""
+    p = sub.add_parser("view", help="browse a run's rollout trees (live while it trains), or --export one HTML file")
+    p.add_argument("path", type=Path, help="a run folder (arpo train --output) or its trees/ folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated host names browsers use to reach a non-loopback --host")
+    p.add_argument("--api-key-file", default=None,
+                   help="a file holding the key the page must send (default: ARPO_API_KEY, else a new random one)")
+    p.add_argument("--export", type=Path, default=None, metavar="OUT.html",
+                   help="write one self-contained HTML file instead of serving")
+    p.add_argument("--iteration", type=_iterations, default=None, metavar="N[,M...]",
+                   help="with --export: the iterations to include (default: the last recorded)")
+    p.set_defaults(func=cmd_view)

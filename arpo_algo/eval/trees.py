@@ -1,0 +1,284 @@
+"""Rollout trees on disk: the one writer (training records every iteration's groups after its update) and the reader
+``arpo view`` serves them from.
+
+A tree folder (``trees/`` in a run folder) holds, format version :data:`VERSION`:
+
+* ``format.json``: ``{"format": "arpo-trees", "version": 1, "source": "train"}``, written first.
+* ``iter_000007.jsonl``: one iteration's recorded groups, one JSON object per line (:func:`group_record`): the prompt
+  and task, the nodes of the sampling tree (token range, decoded text in model and tool runs, the mean advantage of
+  the trajectories through it, at a branch point the entropy before and after and the branch rule's decisions that
+  made it), every branch decision of the tree (the entropies compared, the rule's constants, the random draws, the
+  clones made; those that made no clone too), and the trajectories (token ids,
+  trained mask, sampled log-prob and entropy per token, per-token advantage, reward, finish reason, tool calls, the
+  policy version that sampled it).
+* ``index.jsonl``: one line per recorded iteration, appended after its chunk is complete: the chunk's name, each
+  group's byte offset and length in it and a summary for the filters (solved / failed / branched / tool limit).
+
+Invariant: an index line is written only after its chunk is flushed, so a reader trusts only what an index line
+names; a torn last index line or a chunk shorter than its index says (a crash mid-write) is skipped, never guessed at.
+A re-run iteration (after a resume) rewrites its chunk and appends a new index line; the last line wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from arpo_base.errors import ArpoError
+
+FORMAT = "arpo-trees"
+VERSION = 1
+FOLDER = "trees"
+INDEX = "index.jsonl"
+K = 10  # sampled tokens per entropy window at a branch point (before it, and at the start of each child)
+SOLVED = 0.5  # a trajectory whose reward is above this counts as solved in the summaries and the page
+
+
+def _r(x: float) -> float | None:
+    """Four decimals keep the files small; NaN (a token the sampler appended without sampling it) becomes null."""
+    return None if x is None or not math.isfinite(x) else round(float(x), 4)
+
+
+def _rounded(xs: list[float]) -> list[float | None]:
+    """:func:`_r` over a whole list, vectorised (the writer's cost is mostly these lists)."""
+    import numpy as np
+
+    a = np.round(np.asarray(xs, dtype=np.float64), 4)
+    out = a.tolist()
+    if not bool(np.isfinite(a).all()):
+        out = [v if math.isfinite(v) else None for v in out]
+    return out
+
+
+def _clean(x: Any) -> Any:
+    """Plain JSON (a browser's JSON.parse refuses NaN): non-finite floats become null, unknown objects their repr."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if x is None or isinstance(x, (str, int, bool)):
+        return x
+    return repr(x)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return _r(sum(xs) / len(xs)) if xs else None
+
+
+def _runs(ids: list[int], mask: list[int], decode: Any) -> list[list[str]]:
+    """Token runs of one node as ``[kind, text]``: "model" for sampled tokens, "tool" for inserted tool results."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and mask[j] == mask[i]:
+            j += 1
+        out.append(["model" if mask[i] else "tool", decode(ids[i:j])])
+        i = j
+    return out
+
+
+def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: list[list[float]] | None) -> dict:
+    """One group as the JSON object a chunk line holds (see the module docstring)."""
+    trajs = {t.traj_id: t for t in g.trajectories}
+    children: dict[int | None, list[int]] = {}
+    for n in g.nodes:
+        children.setdefault(n.parent, []).append(n.node_id)
+    through: dict[int, list[int]] = {}
+    for t in g.trajectories:
+        for nid in t.node_ids:
+            through.setdefault(nid, []).append(t.traj_id)
+    adv = {t.traj_id: a for t, a in zip(g.trajectories, advantages)} if advantages is not None else {}
+    start_of = {n.node_id: n.start for n in g.nodes}
+    decisions = getattr(g, "decisions", [])
+    nodes = []
+    for n in g.nodes:
+        owner = trajs[through[n.node_id][0]]
+        ids, mask = owner.response_ids[n.start:n.end], owner.trained_mask[n.start:n.end]
+        node: dict[str, Any] = {"id": n.node_id, "parent": n.parent, "start": n.start, "end": n.end, "depth": n.depth,
+                                "policy_version": n.policy_version, "text": _runs(ids, mask, decode),
+                                "trajectories": through[n.node_id]}
+        if adv:
+            vals = [a for tid in through[n.node_id]
+                    for a, m in zip(adv[tid][n.start:n.end], trajs[tid].trained_mask[n.start:n.end]) if m]
+            node["advantage"] = _mean(vals)
+        kids = children.get(n.node_id, [])
+        if len(kids) > 1 and n.end > 0:  # the empty root's children are independent samples, not a branch
+            before = [e for e, m in zip(owner.entropies[:n.end], owner.trained_mask[:n.end]) if m][-K:]
+            after = []
+            for c in kids:
+                t = trajs[through[c][0]]
+                s = start_of[c]
+                after.append(_mean([e for e, m in zip(t.entropies[s:], t.trained_mask[s:]) if m][:K]))
+            node["branch"] = {"entropy_before": _mean(before), "entropy_after": after, "children": kids,
+                              "decisions": [_clean(d) for d in decisions if d["branches"] and d["at"] == n.end
+                                            and d["trajectory"] in through[n.node_id]]}
+        nodes.append(node)
+    out_trajs = []
+    for t in g.trajectories:
+        out_trajs.append({
+            "id": t.traj_id, "kind": t.kind, "parent": t.parent, "branch_point": t.branch_point,
+            "node_ids": t.node_ids, "reward": _r(t.reward), "reward_info": _clean(t.reward_info),
+            "finish_reason": t.finish_reason, "tool_calls": _clean(t.tool_calls), "policy_version": t.policy_version,
+            "response_ids": t.response_ids, "trained_mask": t.trained_mask,
+            "sampled_logprobs": _rounded(t.old_logprobs), "entropies": _rounded(t.entropies),
+            "advantages": _rounded(adv[t.traj_id]) if adv else None,
+            "segment_entropy": _rounded(t.segment_entropy)})
+    return {"iteration": iteration, "group": index, "prompt_index": g.prompt_index,
+            "policy_version": g.policy_version, "task": _clean(g.task), "prompt": decode(g.prompt_ids),
+            "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs,
+            "decisions": _clean(decisions)}
+
+
+def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]]:
+    """Per group, trajectory and response token, the advantage before any entropy-aware shaping: the learner's own
+    estimator call (``training.advantage`` and its options), so the recorded numbers are the ones it trained on."""
+    from arpo_algo.core.advantages import ADVANTAGES
+    from arpo_algo.train.update_stats import tree_owners
+
+    estimator = ADVANTAGES.lookup(training.advantage)
+    out = []
+    for g in groups:
+        extra = {"owners": tree_owners(g)} if training.advantage == "hard" and training.hard_scope == "tree" else {}
+        tok = estimator(g.prompt_ids, [t.response_ids for t in g.trajectories],
+                        [t.trained_mask for t in g.trajectories], g.rewards, norm_by_std=training.norm_adv_by_std,
+                        **extra)
+        out.append([list(a) for a in tok.advantages])
+    return out
+
+
+def summary(rec: dict) -> dict:
+    """What the index keeps of a group: counts for the page's list and the filters."""
+    rewards = [t["reward"] or 0.0 for t in rec["trajectories"]]
+    parents = {n["parent"] for n in rec["nodes"]}
+    return {"prompt_index": rec["prompt_index"], "policy_version": rec["policy_version"],
+            "trajectories": len(rewards), "nodes": len(rec["nodes"]),
+            "leaves": sum(n["id"] not in parents for n in rec["nodes"]),
+            "branch_points": sum("branch" in n for n in rec["nodes"]),
+            "solved": sum(r > SOLVED for r in rewards), "failed": sum(r <= SOLVED for r in rewards),
+            "tool_limit": sum(t["finish_reason"] == "tool_limit" for t in rec["trajectories"]),
+            "reward_mean": _mean(rewards), "prompt": rec["prompt"][-160:]}
+
+
+def start_folder(folder: str | os.PathLike, source: str = "train") -> Path:
+    """Create the tree folder and its ``format.json`` (kept when present), so a viewer can open it before the first
+    iteration is recorded."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fmt = folder / "format.json"
+    if not fmt.exists():
+        fmt.write_text(json.dumps({"format": FORMAT, "version": VERSION, "source": source}) + "\n")
+    return folder
+
+
+class TreeWriter:
+    """Writes one iteration's groups as a chunk plus its index line (see the module docstring).
+
+    Args:
+        folder: The tree folder (created).
+        decode: token ids -> text (the policy's tokenizer).
+        source: "train" or "eval".
+        max_groups: At most this many groups per iteration (the first ones sampled); None: all.
+        every: Record every n-th iteration (1: all).
+    """
+
+    def __init__(self, folder: str | os.PathLike, decode: Any, *, source: str = "train", max_groups: int | None = None,
+                 every: int = 1) -> None:
+        self.folder = start_folder(folder, source)
+        self.decode, self.max_groups, self.every = decode, max_groups, max(1, every)
+
+    def record(self, iteration: int, groups: list[Any], advantages: list[list[list[float]]] | None = None) -> bool:
+        """Write ``iteration``'s groups (``advantages``: per group, per trajectory, per token); False if skipped."""
+        if iteration % self.every:
+            return False
+        t0 = time.perf_counter()
+        chosen = groups if self.max_groups is None else groups[:self.max_groups]
+        if advantages is not None:
+            advantages = advantages[:len(chosen)]
+        name = f"iter_{iteration:06d}.jsonl"
+        entries, offset = [], 0
+        with open(self.folder / name, "wb") as f:
+            for i, g in enumerate(chosen):
+                rec = group_record(g, iteration, i, self.decode, advantages[i] if advantages is not None else None)
+                line = (json.dumps(rec, allow_nan=False) + "\n").encode()
+                f.write(line)
+                entries.append({"offset": offset, "length": len(line), **summary(rec)})
+                offset += len(line)
+            f.flush()
+            os.fsync(f.fileno())
+        row = {"iteration": iteration, "chunk": name, "sampled_groups": len(groups), "time": time.time(),
+               "record_s": round(time.perf_counter() - t0, 4), "groups": entries}
+        with open(self.folder / INDEX, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        return True
+
+
+def find_folder(path: str | os.PathLike) -> Path:
+    """The tree folder of ``path`` (a run folder, an evaluation folder or the tree folder itself); a folder without
+    trees is an error that says how to make them."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ArpoError(f"{p} does not exist", hint="give a run folder (arpo train's --output) or its trees/ folder")
+    for cand in (p, p / FOLDER):
+        if (cand / "format.json").is_file():
+            return cand
+    raise ArpoError(f"{p} holds no rollout trees (no {FOLDER}/format.json)",
+                    hint="training records them by default: run `arpo train EXPERIMENT --output FOLDER` "
+                         "(rollouts.record_trees = true) and view FOLDER")
+
+
+class TreeReader:
+    """Reads a tree folder: the index (incrementally, for a live run) and single groups by their offsets."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = find_folder(folder)
+        try:
+            fmt = json.loads((self.folder / "format.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ArpoError(f"{self.folder / 'format.json'} is not readable JSON ({e})") from None
+        if not isinstance(fmt, dict) or fmt.get("format") != FORMAT or not isinstance(fmt.get("version"), int):
+            raise ArpoError(f"{self.folder} is not an arpo tree folder (format.json says {fmt!r})")
+        if fmt["version"] > VERSION:
+            raise ArpoError(f"{self.folder} holds trees in format version {fmt['version']}; this arpo reads up to "
+                            f"version {VERSION}", hint="upgrade arpo to view them")
+        self.format = fmt
+        self._pos = 0  # bytes of index.jsonl consumed (whole lines only)
+        self.iterations: dict[int, dict] = {}
+
+    def refresh(self) -> list[int]:
+        """Read the index lines appended since the last call; returns the iterations they (re)wrote. A line without
+        its newline yet (being written) waits for the next call; a line that is not JSON, or whose chunk is shorter
+        than it says, is skipped."""
+        try:
+            with open(self.folder / INDEX, "rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._pos += end
+        new = []
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+                need = max((e["offset"] + e["length"] for e in row["groups"]), default=0)
+                if (self.folder / Path(row["chunk"]).name).stat().st_size < need:
+                    continue  # the chunk was cut after its index line: skip the iteration rather than guess
+            except (ValueError, KeyError, TypeError, OSError):
+                continue
+            self.iterations[int(row["iteration"])] = row
+            new.append(int(row["iteration"]))
+        return new
+
+    def group(self, iteration: int, index: int) -> dict:
+        """One group's record (KeyError: not in the index; ValueError: its bytes are not a record)."""
+        row = self.iterations[iteration]
+        e = row["groups"][index]
+        with open(self.folder / Path(row["chunk"]).name, "rb") as f:
+            f.seek(e["offset"])
+            return json.loads(f.read(e["length"]))
