@@ -5,7 +5,8 @@ Routes: ``/`` (the page), ``/viewer.js`` and ``/viewer.css`` (its script and sty
 is reachable), ``/v1/index?since=N`` (the index lines after the first N, re-read from disk on every call, so a running
 training shows up live) and ``/v1/group?iteration=I&group=G`` (one group's record, read at its offset). The same guard
 as ``arpo serve`` runs in front of every route (:mod:`serve.guard`: Host, Origin, and the key on every route but the
-page and its two static files); the page takes the key from its URL fragment (never sent to the server) and sends it as a bearer header.
+page and its two static files); the page takes the key from its URL fragment (never sent to the server) and sends it
+as a bearer header.
 
 Model and tool text is hostile: the page inserts it with ``textContent`` only, and its Content-Security-Policy
 allows scripts and styles from this origin only (no inline script, nothing external).
