@@ -23,7 +23,8 @@ optimizer step, no scheduler tick: AdamW would replay its moments and decay the 
 forward.
 
 **Data-parallel hooks.** :meth:`Learner._all_sum`, :meth:`~Learner._all_max`, :meth:`~Learner._backward`,
-:meth:`~Learner._after_backward`, :meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
+:meth:`~Learner._after_backward`, :meth:`~Learner._score`, :meth:`~Learner._before_micro_batches`,
+:meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
 identity / plain torch here; the backends of :mod:`arpo_algo.train.ddp` and :mod:`arpo_algo.train.deepspeed_learner`
 override them so that every normaliser and decision above is global over the ranks (see there).
 
@@ -280,7 +281,7 @@ class Learner:
         self.model.train()
         try:
             with self._weights_of(behaviour_weights):
-                current = [self._logprobs(self.model, b) for b in batches]
+                current = self._score(self.model, batches)
         finally:
             self.model.eval()
         mismatch = self._rollout_mismatch(batches, current)
@@ -301,7 +302,7 @@ class Learner:
             else:  # a token the sampler did not sample (NaN: the tool-limit EOS) is scored by the same policy here
                 old = [torch.where(torch.isfinite(b.pair_old_logp), b.pair_old_logp, c)
                        for b, c in zip(batches, current)]
-            ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
+            ref = self._score(self.ref_model, batches) if self.ref_model is not None else None
             totals: dict[str, float] = {}
             skipped, taken = 0, 0
             for _ in range(cfg.ppo_epochs):
@@ -403,6 +404,7 @@ class Learner:
         # The step's diagnostics (entropy, ratio, clip fractions) are token means under every loss_agg: the loss
         # weights of dr_grpo or seq_mean would scale them (a ratio of 0.34 where every ratio is 1).
         tokens = max(self._all_sum(sum(float(b.pair_weight.sum()) for b in batches)), 1e-12)
+        self._before_micro_batches(len(batches))
         for i, b in enumerate(batches):
             with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -466,6 +468,13 @@ class Learner:
     def _all_max(self, x: float) -> float:
         """The largest ``x`` over the data-parallel ranks."""
         return float(x)
+
+    def _score(self, model: torch.nn.Module, batches: list[TokenBatch]) -> list[torch.Tensor]:
+        """The forward-only passes of an update: ``model``'s log-probs of the trained tokens of each batch."""
+        return [self._logprobs(model, b) for b in batches]
+
+    def _before_micro_batches(self, count: int) -> None:
+        """Before the first forward of an optimizer step that has ``count`` micro-batches on this rank."""
 
     def _backward(self, loss: torch.Tensor, index: int, count: int) -> None:
         """Backward of micro-batch ``index`` of ``count``."""
