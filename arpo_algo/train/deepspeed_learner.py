@@ -128,6 +128,7 @@ class DeepSpeedLearner(DistributedLearner):
         deepspeed = import_deepspeed(device)
         super().__init__(model_path, config, device=device, seed=seed)
         self.stage, self.world_size = stage, dist.get_world_size()
+        self.measures_param_change = stage != 3  # ZeRO-3 parameters are shards, gathered and freed around passes
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.model, optimizer=self.optimizer,
             config=deepspeed_config(config, stage, bf16=self.precision == "bf16", offload=offload),
@@ -183,8 +184,6 @@ class DeepSpeedLearner(DistributedLearner):
             if not math.isfinite(acc[LK.GRAD_NORM]):
                 raise ArpoError("DeepSpeed stepped on a non-finite gradient norm",
                                 hint="check the rewards for NaN, lower the learning rate, or disable bf16")
-            if self.stage == 3:
-                acc[LK.PARAM_CHANGE_NORM] = 0.0
         return acc
 
     def _gathered(self):

@@ -124,6 +124,8 @@ class Learner:
 
     #: A data-parallel rank may get no groups in a step (it still takes part in the collectives).
     allow_empty_update = False
+    #: Whether ``param_change_norm`` is measured (not where this process holds only a shard of each parameter).
+    measures_param_change = True
 
     def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -453,9 +455,10 @@ class Learner:
             return None
         acc[LK.GRAD_NORM] = grad_norm
         acc[LK.LR] = self.optimizer.param_groups[0]["lr"]
-        before = [p.detach().clone() for p in params]
+        before = [p.detach().clone() for p in params] if self.measures_param_change else None
         self._optimizer_step()
-        acc[LK.PARAM_CHANGE_NORM] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        acc[LK.PARAM_CHANGE_NORM] = 0.0 if before is None else math.sqrt(
+            sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
         self.scheduler.step()
         self.step += 1
         return acc
