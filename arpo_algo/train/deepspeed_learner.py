@@ -227,6 +227,31 @@ class DeepSpeedLearner(DistributedLearner):
             state["model"] = self.cpu_state_dict()
         return state
 
+    def _fp32_shards(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 master partitions (what AdamW steps; the module's weights follow them)."""
+        opt = self.optimizer
+        return opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        # Not DeepSpeed's own state_dict: it holds objects (its loss scaler, enums, slice mappings) that a
+        # checkpoint, read as data only, refuses. This rank's shard is AdamW's state over the flat fp32 partitions
+        # plus those partitions themselves: tensors and plain values.
+        return {"adamw": self.optimizer.optimizer.state_dict(),
+                "fp32": [t.detach().clone() for t in self._fp32_shards()]}
+
+    def _load_optimizer_state(self, state: Any) -> None:
+        import torch.distributed as dist
+
+        mine = state[dist.get_rank()]  # every rank's shard, in rank order (DeepSpeedBackend.get_state)
+        shards = self._fp32_shards()
+        if [t.shape for t in mine["fp32"]] != [t.shape for t in shards]:
+            raise ArpoError("this learner state's optimizer shards do not match this model's partitions",
+                            hint="resume with the model, ZeRO stage and learner_workers that wrote the checkpoint")
+        self.optimizer.optimizer.load_state_dict(mine["adamw"])
+        with torch.no_grad():
+            for t, saved in zip(shards, mine["fp32"]):
+                t.copy_(saved)
+
     def set_state(self, state: dict[str, Any]) -> None:
         meta = state.get("deepspeed")
         if meta != {"stage": self.stage, "world_size": self.world_size}:
@@ -236,7 +261,7 @@ class DeepSpeedLearner(DistributedLearner):
         if "model" in state:
             raise ArpoError("restoring weights through set_state is not supported under DeepSpeed",
                             hint="weights come back through load_pretrained (the checkpoint's policy/ folder)")
-        super().set_state(state)  # the ZeRO optimizer takes the list of every rank's shard
+        super().set_state(state)  # each rank takes its own shard of the list (_load_optimizer_state)
 
 
 class DeepSpeedBackend(DDPBackend):

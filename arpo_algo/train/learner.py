@@ -494,9 +494,16 @@ class Learner:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ state
+    def _optimizer_state(self) -> Any:
+        """The optimizer's part of :meth:`get_state` (tensors and plain values)."""
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)
+
     def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
         """Optimizer, scheduler, step counters and RNG states (weights: :meth:`save_pretrained`, or include_model)."""
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(),
                  "step": self.step, "nan_streak": self.nan_streak, "skipped_total": self.skipped_total,
                  "rng": _rng_state(), "config": asdict(self.config)}
         if include_model:
@@ -510,7 +517,7 @@ class Learner:
                 raise ArpoError(f"learner state lacks {key!r}", hint="pass a dict produced by Learner.get_state()")
         if "model" in state:
             self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.nan_streak = int(state["nan_streak"])
