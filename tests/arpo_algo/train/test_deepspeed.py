@@ -49,8 +49,11 @@ def deepspeed_cpu():
             pytest.fail("ARPO_REQUIRE_DEEPSPEED=1 (CI) but deepspeed is not installed: scripts/test installs the "
                         "deepspeed extra")
         pytest.skip("deepspeed is not installed (pip install 'arpo[deepspeed]')")
-    subprocess.run([sys.executable, "-m", "arpo_algo.train.deepspeed_learner"], check=True, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
+    from arpo_algo.train.deepspeed_learner import extensions_dir
+
+    if not (extensions_dir() / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file():  # scripts/test builds it
+        subprocess.run([sys.executable, "-m", "arpo_algo.train.deepspeed_learner"], check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
 
 
 @pytest.mark.parametrize("stage, name", CASES)
