@@ -120,6 +120,8 @@ class BackendConfig:
             raise ConfigError(f"backend.deepspeed_offload={self.deepspeed_offload!r} with device={device!r}: the "
                               "learner already runs in CPU memory, so offloading to it would move nothing",
                               hint="leave deepspeed_offload='none' on CPU (it is for rollouts.device='cuda')")
+        if self.learner_backend == "deepspeed":
+            require_deepspeed()
         self.gpus_per_worker(device)
 
     def gpus_per_worker(self, device: str) -> float:
@@ -152,6 +154,15 @@ class BackendConfig:
         if gpu:
             bundle["GPU"] = gpu
         return [{**bundle, **custom} for custom in per_actor(self.worker_resources, self.learner_workers)]
+
+
+def require_deepspeed() -> None:
+    """Refuse the deepspeed backend where its package is missing (checked with the settings, before any worker)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("learner_backend='deepspeed' needs the deepspeed package, which is not installed",
+                          hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'")
 
 
 def cluster_resources() -> tuple[dict[str, float], str]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import math
 import os
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from arpo_algo.rollout import learner_metrics as LK
-from arpo_algo.train.backend_config import BackendConfig
+from arpo_algo.train.backend_config import BackendConfig, require_deepspeed
 from arpo_algo.train.ddp import DDPBackend, DistributedLearner
 from arpo_algo.train.learner import LearnerConfig
 from arpo_algo.train.tree_forward import SeqSpec, build_padded_batch, forward_token_stats
@@ -276,9 +275,7 @@ class DeepSpeedBackend(DDPBackend):
         super().__init__(model_path, config, backend, device=device, seed=seed)
 
     def _check_available(self, config: LearnerConfig, backend: BackendConfig) -> None:
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError("learner_backend='deepspeed' needs the deepspeed package, which is not installed",
-                              hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'")
+        require_deepspeed()
 
     def _rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._on_ranks(method, *args, every=True, **kwargs)[0]  # ZeRO-3 gathers are collective

@@ -106,6 +106,9 @@ def test_deepspeed_without_the_extra_is_a_config_error_naming_it(monkeypatch):
         DeepSpeedBackend("unused", LearnerConfig(), BackendConfig(learner_backend="deepspeed", learner_workers=2),
                          device="cuda")
     assert "arpo[deepspeed]" in err.value.hint
+    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(learner_backend="deepspeed")
+    with pytest.raises(ConfigError, match="deepspeed package"):  # with the settings, before anything starts
+        cfg.validate()
 
 
 @pytest.mark.parametrize("stage, bf16", [(2, False), (3, True)])
