@@ -2,16 +2,18 @@
 ``local`` (one process), ``ddp``, DeepSpeed ZeRO-2 and ZeRO-3 (two ranks each).
 
     python -m benchmarks.bench_learner_backends --out results.json
-    python -m benchmarks.bench_learner_backends --model TINY_MODEL_DIR --groups 2 --steps 1 --rounds 1   (the test)
+    python -m benchmarks.bench_learner_backends --model TINY_MODEL_DIR --groups 2 --steps 1   (the test)
 
 Every backend gets the same update: ``--groups`` synthetic ARPO-shaped groups (:func:`arpo_algo.rollout.synthetic.
 make_group`, 6 trajectories each: a 60-token prompt, a 40-token shared prefix, 2 branches with 2 leaves each) at the
 same learner settings and seed. Each configuration uses the machine's two cores: the local learner runs in a Ray actor
-with 2 torch threads, each data-parallel rank with 1. The backends run one after another (their memory does not fit
-together on a small machine), in reversed order on every other round; each is built, takes one warm-up step, then
-``--steps`` timed steps. Reported per backend: the median step time (wall time of ``update``, as the caller sees it)
-and its ratio to the local learner's, and each rank's peak resident memory during the timed steps (``VmHWM`` after
-resetting it through ``/proc/self/clear_refs``; Linux only). The machine line names the CPU flags and torch version.
+with 2 torch threads, each data-parallel rank with 1; ``local-1t`` is the local learner with 1 thread (one core, as
+one rank has), which shows what a busy machine does to a two-thread process. The backends run one after another
+(their memory does not fit together on a small machine), in reversed order on every other round; each is built, takes
+one warm-up step, then ``--steps`` timed steps. Reported per backend: the median step time (wall time of ``update``,
+as the caller sees it) and its ratio to the first backend's, and each rank's peak resident memory during the timed
+steps (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; Linux only). The machine line names the CPU
+flags and torch version.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 BACKENDS = {
     "local": {"learner_backend": "local"},
+    "local-1t": {"learner_backend": "local"},  # the same with one torch thread: one core, as each rank has
     "ddp": {"learner_backend": "ddp", "learner_workers": 2},
     "zero2": {"learner_backend": "deepspeed", "learner_workers": 2, "deepspeed_stage": 2},
     "zero3": {"learner_backend": "deepspeed", "learner_workers": 2, "deepspeed_stage": 3},
@@ -84,8 +87,8 @@ def run_backend(name: str, model: str, config: Any, groups: list[Any], steps: in
     from arpo_algo.train.backend_config import BackendConfig
     from arpo_algo.train.backends import build_backend
 
-    if name == "local":
-        actor = ray.remote(num_cpus=2)(LocalActor).remote(model, config, 2)
+    if name.startswith("local"):
+        actor = ray.remote(num_cpus=2)(LocalActor).remote(model, config, 1 if name == "local-1t" else 2)
         try:
             ray.get(actor.step.remote(groups))  # warm-up
             ray.get(actor.reset_peak.remote())
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--groups", type=int, default=4, help="groups per update")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per backend and round")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the backends (every other one reversed)")
-    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS))
+    ap.add_argument("--backends", default="local,ddp,zero2,zero3",
+                    help="comma-separated, from " + ",".join(BACKENDS) + " (the first is the ratios' base)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     names = args.backends.split(",")
