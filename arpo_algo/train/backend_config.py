@@ -16,6 +16,7 @@ from arpo_base.options import check_choice, dataclass_from_dict
 
 BACKENDS = ("local", "ddp", "deepspeed")
 PLACEMENTS = ("colocated", "split")
+OFFLOADS = ("none", "optimizer", "optimizer_and_parameters")
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class BackendConfig:
         learner_backend: "local" (default: the learner in the main process, CPU or GPU, as before), "ddp" (data
             parallel: ``learner_workers`` Ray actors, each with a full model replica; ``torch.distributed`` with gloo
             on CPU and NCCL on GPU; the step equals the local step) or "deepspeed" (ZeRO stage ``deepspeed_stage``
-            over ``learner_workers`` GPU actors; needs the ``deepspeed`` extra and ``device="cuda"``).
+            over ``learner_workers`` actors, gloo on CPU and NCCL on GPU; needs the ``deepspeed`` extra).
         learner_workers: Number of learner ranks (1 with "local").
         learner_placement: Where ddp/deepspeed ranks go on GPU: "split" = every rank has a GPU of its own, apart
             from the rollout's; "colocated" = ranks share GPUs with the rollout engine, each reserving
@@ -35,6 +36,9 @@ class BackendConfig:
             CPU).
         learner_cpus_per_worker: CPUs each rank reserves.
         deepspeed_stage: ZeRO stage, 2 (optimizer state and gradients sharded) or 3 (parameters too).
+        deepspeed_offload: ZeRO-Offload on GPU: "none", "optimizer" (optimizer state and step in CPU memory) or
+            "optimizer_and_parameters" (ZeRO-3 only: the parameter shards too). Refused on CPU, where it would move
+            tensors into the memory they are already in.
         worker_resources: Ray custom resources per learner rank, to place ranks on chosen nodes: one table for every
             rank or one per rank (``[{node_a = 1}, {node_b = 1}]`` puts the two ranks on the nodes that offer them);
             checked against the cluster before any rank starts.
@@ -52,6 +56,7 @@ class BackendConfig:
     learner_gpus_per_worker: float | None = None
     learner_cpus_per_worker: float = 1.0
     deepspeed_stage: int = 2
+    deepspeed_offload: str = "none"
     worker_resources: tuple[dict[str, float], ...] = ()
     collective_timeout_s: float = 1800.0
     main_resources: dict[str, float] = field(default_factory=dict, hash=False)
@@ -73,6 +78,15 @@ class BackendConfig:
         check_choice("learner_backend", self.learner_backend, BACKENDS, "backend")
         check_choice("learner_placement", self.learner_placement, PLACEMENTS, "backend")
         check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "backend")
+        check_choice("deepspeed_offload", self.deepspeed_offload, OFFLOADS, "backend")
+        if self.deepspeed_offload != "none" and self.learner_backend != "deepspeed":
+            raise ConfigError(f"backend.deepspeed_offload={self.deepspeed_offload!r} with learner_backend="
+                              f"{self.learner_backend!r}: only the deepspeed backend offloads",
+                              hint="set learner_backend='deepspeed', or leave deepspeed_offload='none'")
+        if self.deepspeed_offload == "optimizer_and_parameters" and self.deepspeed_stage != 3:
+            raise ConfigError(f"backend.deepspeed_offload='optimizer_and_parameters' needs deepspeed_stage=3 (got "
+                              f"{self.deepspeed_stage}): ZeRO-2 keeps every parameter on each rank's GPU",
+                              hint="set deepspeed_stage=3, or deepspeed_offload='optimizer'")
         if self.learner_workers < 1:
             raise ConfigError(f"backend.learner_workers must be >= 1, got {self.learner_workers}")
         if not self.collective_timeout_s > 0:
@@ -100,10 +114,14 @@ class BackendConfig:
                                   "the main process", hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)")
 
     def check_device(self, device: str) -> None:
-        """The device-dependent checks (DeepSpeed needs GPUs; GPU shares only on GPUs and as the placement allows)."""
-        if self.learner_backend == "deepspeed" and device != "cuda":
-            raise ConfigError("backend.learner_backend='deepspeed' needs rollouts.device='cuda'",
-                              hint="on CPU use learner_backend='ddp' (gloo), which gives the same update")
+        """The device-dependent checks (offload only from GPUs; GPU shares only on GPUs and as the placement
+        allows)."""
+        if self.deepspeed_offload != "none" and device != "cuda":
+            raise ConfigError(f"backend.deepspeed_offload={self.deepspeed_offload!r} with device={device!r}: the "
+                              "learner already runs in CPU memory, so offloading to it would move nothing",
+                              hint="leave deepspeed_offload='none' on CPU (it is for rollouts.device='cuda')")
+        if self.learner_backend == "deepspeed":
+            require_deepspeed()
         self.gpus_per_worker(device)
 
     def gpus_per_worker(self, device: str) -> float:
@@ -138,6 +156,15 @@ class BackendConfig:
         return [{**bundle, **custom} for custom in per_actor(self.worker_resources, self.learner_workers)]
 
 
+def require_deepspeed() -> None:
+    """Refuse the deepspeed backend where its package is missing (checked with the settings, before any worker)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("learner_backend='deepspeed' needs the deepspeed package, which is not installed",
+                          hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'")
+
+
 def cluster_resources() -> tuple[dict[str, float], str]:
     """What exists: ``ray.cluster_resources()`` when Ray runs, else this machine; and a name for it."""
     import ray
@@ -162,7 +189,7 @@ def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float]
 
     Raises:
         ConfigError: Listing what was asked and what exists: more GPUs or CPUs than the cluster has, or fewer GPUs
-            than data-parallel ranks (each rank needs a device of its own), or DeepSpeed on CPU.
+            than data-parallel ranks (each rank needs a device of its own), or DeepSpeed offload on CPU.
     """
     cfg.validate()
     cfg.check_device(device)

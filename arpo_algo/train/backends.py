@@ -6,7 +6,7 @@ through :class:`LearnerBackend`.
 * ``ddp`` (:class:`arpo_algo.train.ddp.DDPBackend`): one Ray actor per rank, each with a full replica; the groups of
   a step are split across the ranks by tokens and the gradients summed, so the step equals the local one.
 * ``deepspeed`` (:class:`arpo_algo.train.deepspeed_learner.DeepSpeedBackend`): the same actors, with the model
-  wrapped by ``deepspeed.initialize`` (ZeRO-2/3); needs the ``deepspeed`` extra and GPUs.
+  wrapped by ``deepspeed.initialize`` (ZeRO-2/3, gloo on CPU or NCCL on GPU); needs the ``deepspeed`` extra.
 
 Every backend keeps the learner state (optimizer, scheduler, step counters, RNG) in the layout of
 :meth:`Learner.get_state`, so a checkpoint written under one backend restores under another.

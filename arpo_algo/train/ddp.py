@@ -23,6 +23,7 @@ over ranks for the weighted sums (losses, clip fractions, token counts), rank 0'
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,11 @@ class LearnerWorker:
 
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes only this rank's GPU
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        # The variables a launcher (torchrun, deepspeed) gives each rank, which DeepSpeed reads and asserts:
+        # LOCAL_RANK is the index of this rank's device among those Ray exposes to it (its one GPU, or the CPU).
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=host,
+                          MASTER_PORT=port)
         dist.init_process_group(dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.learner = learner_cls(model_path, config, device=device, seed=seed)

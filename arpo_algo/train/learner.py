@@ -23,7 +23,8 @@ optimizer step, no scheduler tick: AdamW would replay its moments and decay the 
 forward.
 
 **Data-parallel hooks.** :meth:`Learner._all_sum`, :meth:`~Learner._all_max`, :meth:`~Learner._backward`,
-:meth:`~Learner._after_backward`, :meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
+:meth:`~Learner._after_backward`, :meth:`~Learner._score`, :meth:`~Learner._before_micro_batches`,
+:meth:`~Learner._clip_grads` and :meth:`~Learner._optimizer_step` are the
 identity / plain torch here; the backends of :mod:`arpo_algo.train.ddp` and :mod:`arpo_algo.train.deepspeed_learner`
 override them so that every normaliser and decision above is global over the ranks (see there).
 
@@ -123,6 +124,8 @@ class Learner:
 
     #: A data-parallel rank may get no groups in a step (it still takes part in the collectives).
     allow_empty_update = False
+    #: Whether ``param_change_norm`` is measured (not where this process holds only a shard of each parameter).
+    measures_param_change = True
 
     def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -280,7 +283,7 @@ class Learner:
         self.model.train()
         try:
             with self._weights_of(behaviour_weights):
-                current = [self._logprobs(self.model, b) for b in batches]
+                current = self._score(self.model, batches)
         finally:
             self.model.eval()
         mismatch = self._rollout_mismatch(batches, current)
@@ -301,7 +304,7 @@ class Learner:
             else:  # a token the sampler did not sample (NaN: the tool-limit EOS) is scored by the same policy here
                 old = [torch.where(torch.isfinite(b.pair_old_logp), b.pair_old_logp, c)
                        for b, c in zip(batches, current)]
-            ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
+            ref = self._score(self.ref_model, batches) if self.ref_model is not None else None
             totals: dict[str, float] = {}
             skipped, taken = 0, 0
             for _ in range(cfg.ppo_epochs):
@@ -403,6 +406,7 @@ class Learner:
         # The step's diagnostics (entropy, ratio, clip fractions) are token means under every loss_agg: the loss
         # weights of dr_grpo or seq_mean would scale them (a ratio of 0.34 where every ratio is 1).
         tokens = max(self._all_sum(sum(float(b.pair_weight.sum()) for b in batches)), 1e-12)
+        self._before_micro_batches(len(batches))
         for i, b in enumerate(batches):
             with self.autocast():
                 lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
@@ -451,9 +455,10 @@ class Learner:
             return None
         acc[LK.GRAD_NORM] = grad_norm
         acc[LK.LR] = self.optimizer.param_groups[0]["lr"]
-        before = [p.detach().clone() for p in params]
+        before = [p.detach().clone() for p in params] if self.measures_param_change else None
         self._optimizer_step()
-        acc[LK.PARAM_CHANGE_NORM] = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        acc[LK.PARAM_CHANGE_NORM] = 0.0 if before is None else math.sqrt(
+            sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
         self.scheduler.step()
         self.step += 1
         return acc
@@ -466,6 +471,13 @@ class Learner:
     def _all_max(self, x: float) -> float:
         """The largest ``x`` over the data-parallel ranks."""
         return float(x)
+
+    def _score(self, model: torch.nn.Module, batches: list[TokenBatch]) -> list[torch.Tensor]:
+        """The forward-only passes of an update: ``model``'s log-probs of the trained tokens of each batch."""
+        return [self._logprobs(model, b) for b in batches]
+
+    def _before_micro_batches(self, count: int) -> None:
+        """Before the first forward of an optimizer step that has ``count`` micro-batches on this rank."""
 
     def _backward(self, loss: torch.Tensor, index: int, count: int) -> None:
         """Backward of micro-batch ``index`` of ``count``."""
@@ -482,9 +494,16 @@ class Learner:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ state
+    def _optimizer_state(self) -> Any:
+        """The optimizer's part of :meth:`get_state` (tensors and plain values)."""
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: Any) -> None:
+        self.optimizer.load_state_dict(state)
+
     def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
         """Optimizer, scheduler, step counters and RNG states (weights: :meth:`save_pretrained`, or include_model)."""
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(),
                  "step": self.step, "nan_streak": self.nan_streak, "skipped_total": self.skipped_total,
                  "rng": _rng_state(), "config": asdict(self.config)}
         if include_model:
@@ -498,7 +517,7 @@ class Learner:
                 raise ArpoError(f"learner state lacks {key!r}", hint="pass a dict produced by Learner.get_state()")
         if "model" in state:
             self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.nan_streak = int(state["nan_streak"])

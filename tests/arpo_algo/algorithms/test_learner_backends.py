@@ -3,8 +3,6 @@ and the learner-backend settings as ARPOConfig options."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -79,8 +77,9 @@ def test_backend_options_are_arpo_settings():
         ARPOConfig().backend(learner_workers="two")
     with pytest.raises(ConfigError, match="unknown key 'learner_workers'"):  # one place per setting
         ARPOConfig().training(learner_workers=2)
-    bad = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(learner_backend="deepspeed")
-    with pytest.raises(ConfigError, match="needs rollouts.device='cuda'"):
+    bad = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(
+        learner_backend="deepspeed", deepspeed_offload="optimizer")
+    with pytest.raises(ConfigError, match="offloading to it would move nothing"):  # the learner is in CPU memory
         bad.validate()
 
 
@@ -99,12 +98,17 @@ def test_a_placement_the_machine_cannot_hold_fails_before_setup():
     assert f"but this machine has {__import__('os').cpu_count()} CPUs and {gpus} GPU(s)" in msg
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
-def test_deepspeed_without_the_extra_is_a_config_error_naming_it():
+def test_deepspeed_without_the_extra_is_a_config_error_naming_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if the extra were not installed (find_spec -> None)
     with pytest.raises(ConfigError, match="deepspeed package") as err:
         DeepSpeedBackend("unused", LearnerConfig(), BackendConfig(learner_backend="deepspeed", learner_workers=2),
                          device="cuda")
     assert "arpo[deepspeed]" in err.value.hint
+    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(learner_backend="deepspeed")
+    with pytest.raises(ConfigError, match="deepspeed package"):  # with the settings, before anything starts
+        cfg.validate()
 
 
 @pytest.mark.parametrize("stage, bf16", [(2, False), (3, True)])
@@ -114,5 +118,10 @@ def test_generated_deepspeed_config(stage, bf16):
     assert ds["gradient_clipping"] == 0.5 and ds["fp16"] == {"enabled": False}
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_accumulation_steps"] == 1
     assert ("stage3_gather_16bit_weights_on_model_save" in ds["zero_optimization"]) == (stage == 3)
+    assert "offload_optimizer" not in ds["zero_optimization"]
+    off = deepspeed_config(LearnerConfig(), 3, offload="optimizer_and_parameters")
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert off["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert off["zero_force_ds_cpu_optimizer"] is False  # arpo's AdamW steps the offloaded state
     with pytest.raises(ConfigError, match="deepspeed_stage"):
         deepspeed_config(LearnerConfig(), 1)
