@@ -127,7 +127,7 @@ class AgenticRLAlgorithm(Algorithm):
         # The mismatch alarm's levels follow the sampler's dtype as well as the learner's precision.
         training = settings.training.for_sampler(settings.rollouts.dtype, settings.rollouts.device)
         self.learner = build_backend(model_path, training, settings.backend, device=settings.rollouts.device,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, lora=settings.model.lora)
         self.policy = PolicyComponent(self.learner)
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)

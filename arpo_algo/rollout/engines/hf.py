@@ -143,7 +143,7 @@ class HFEngine:
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
     def _load(src: Any, tokenizer: Any, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if isinstance(src, torch.nn.Module):
             if tokenizer is None:
@@ -155,8 +155,11 @@ class HFEngine:
             return src, tokenizer
         from arpo_algo.models import resolve_model_path
 
+        from arpo_algo.models.lora import load_policy_model
+
         path = resolve_model_path(os.fspath(src))
-        mdl = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        # an adapter folder: its base (fingerprint checked) with the adapter applied, unmerged
+        mdl = load_policy_model(path, dtype=dtype).to(device).eval()
         return mdl, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
 
     def _eos_ids(self) -> set[int]:
@@ -202,6 +205,8 @@ class HFEngine:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if any("lora_" in k for k in state_dict):  # an adapter-only copy: the frozen base is already here
+            missing = [k for k in missing if "lora_" in k]
         if [k for k in missing if k not in tied] or unexpected:
             raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
                               f"unexpected={list(unexpected)[:5]}")
