@@ -12,12 +12,12 @@ import sys
 import traceback
 
 from arpo_algo import __version__
-from arpo_algo.cli import doctor, env_data, model, quickstart, serve, sft, train, tune
+from arpo_algo.cli import doctor, env_data, export, model, quickstart, serve, sft, train, tune
 from arpo_algo.cli import eval as eval_cli
 from arpo_base.errors import ArpoError
 
 #: Command modules in --help order (``env_data`` adds ``env`` and ``data``).
-COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, serve)
+COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, serve, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

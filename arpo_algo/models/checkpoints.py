@@ -76,8 +76,11 @@ def policy_source(path: Path) -> PolicySource:
     if len(kinds) != 1:
         what = f"looks like both a {' and a '.join(kinds)}" if kinds else "is not a model source"
         raise ConfigError(f"{path} {what}", hint=f"pass {EXPECTED}")
-    if kinds in (["model"], ["adapter"]):
-        return PolicySource(kinds[0], path, path.name)
+    if kinds == ["model"]:
+        return PolicySource("model", path, path.name)
+    if kinds == ["adapter"]:
+        _check_adapter(path)
+        return PolicySource("adapter", path, path.name)
     if kinds == ["run"]:
         found = list_checkpoints(path / "checkpoints")
         if not found:
@@ -94,9 +97,20 @@ def _is_adapter(path: Path) -> bool:
                                                     "adapter_model.safetensors"))
 
 
+def _check_adapter(path: Path) -> None:
+    """Refuse an adapter folder whose config or base is missing or whose base's weights changed, before anything
+    loads."""
+    from arpo_algo.models.lora import check_adapter_folder
+
+    check_adapter_folder(path)
+
+
 def _checkpoint_policy(checkpoint: Path) -> Path:
     policy = checkpoint / "policy"
-    if "model_type" not in _json_keys(policy / "config.json") and not _is_adapter(policy):
+    if _is_adapter(policy):
+        _check_adapter(policy)
+        return policy
+    if "model_type" not in _json_keys(policy / "config.json"):
         raise ConfigError(f"{checkpoint} is a checkpoint without a model in policy/",
                           hint="the checkpoint is damaged; use an earlier one")
     return policy

@@ -256,7 +256,8 @@ def adapter_state(model: Any) -> dict[str, Any]:
     """The adapter tensors (detached, on CPU) under PEFT's saved key names."""
     from peft import get_peft_model_state_dict
 
-    return {_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    return {_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
 def save_adapter(model: Any, out: Path, *, base: Path, fingerprint: str) -> Path:

@@ -154,7 +154,6 @@ class HFEngine:
                                   "used as is, so pass the matching dtype (or give the engine its own copy)")
             return src, tokenizer
         from arpo_algo.models import resolve_model_path
-
         from arpo_algo.models.lora import load_policy_model
 
         path = resolve_model_path(os.fspath(src))
