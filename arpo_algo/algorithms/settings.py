@@ -166,16 +166,14 @@ class Settings:
 
 
 def _check_lora(settings: Settings) -> None:
-    """LoRA across sections. Invariant: the adapter is trained and sampled in one module, the learner's, which the
-    in-process HF engine shares; every path that would need its own copy of the adapter (a vLLM engine, rollout
-    actors, data-parallel ranks) or runs a step that does not apply it (the fixed-shape decoders) is refused until it
-    does."""
+    """LoRA across sections. Invariant: every engine samples with the adapter the learner trains: the in-process HF
+    engine shares the learner's module, HF rollout actors build the same adapter layout and get adapter-only syncs.
+    Every path that would need another way to hold the adapter (a vLLM engine, data-parallel ranks) or runs a step
+    not checked with it (the fixed-shape decoders) is refused until it does."""
     r, b = settings.rollouts, settings.backend
     refusals = [
         (r.engine == "vllm", "rollouts.engine = 'vllm' (vLLM's LoRA loading is not wired to the learner's sync yet)",
          "use rollouts.engine = 'hf', or train full weights with vLLM"),
-        (r.num_rollout_actors > 0, f"rollouts.num_rollout_actors = {r.num_rollout_actors} (actors hold their own "
-         "copy of the weights and take full state dicts)", "use in-process rollouts (num_rollout_actors = 0)"),
         (b.learner_backend != "local", f"backend.learner_backend = {b.learner_backend!r} (the ranks build their "
          "models without the adapter)", "use learner_backend = 'local'"),
         (r.hf.decode in ("static", "cuda_graph", "compiled"), f"rollouts.hf.decode = {r.hf.decode!r} (the "

@@ -177,6 +177,8 @@ class Learner:
         self.model = load_policy_model(path, merge=True, **load).to(self.device)
         if self.lora is not None:
             attach_adapter(self.model, self.lora, targets, str(path))
+        #: The modules the adapter is on (empty: full weights), for engines that build their own copy of it.
+        self.lora_targets = tuple(targets)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
             self.model.config.use_cache = False

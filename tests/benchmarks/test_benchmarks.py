@@ -284,3 +284,21 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model
     assert "--decode takes one mode or one per tree" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="requests failed"):  # prompts longer than the static cache
         ab_decode.main(["--trees", str(repo), *args, "--static-cache-tokens", "128"])
+
+
+@pytest.mark.timeout(300)
+def test_bench_lora_compares_both_variants(tiny_model_dir, tmp_path):
+    import json
+
+    from benchmarks import bench_lora
+
+    out = tmp_path / "lora.json"
+    assert bench_lora.main(["--model", str(tiny_model_dir), "--rank", "4", "--rounds", "1", "--steps", "1",
+                            "--prompts", "2", "--budget", "2", "--tokens", "8", "--prompt-tokens", "8",
+                            "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    trainable, copy = summary["trainable"], summary["copy_bytes"]
+    assert 0 < trainable["lora"] < trainable["full"]
+    assert copy["lora"] == 4 * trainable["lora"] < copy["full"]  # an fp32 copy of the adapter only
+    assert summary["policy_bytes"]["lora"] < summary["policy_bytes"]["full"]
+    assert summary["trainer_state_bytes"]["lora"] < summary["trainer_state_bytes"]["full"]

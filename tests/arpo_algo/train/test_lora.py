@@ -216,3 +216,21 @@ def test_rl_after_lora_sft_starts_from_the_sft_policy_with_a_fresh_adapter(tiny_
     assert all(float(p.abs().max()) == 0 for n, p in learner.model.named_parameters() if ".lora_B." in n)
     learner.save_pretrained(tmp_path / "rl")
     assert json.loads((tmp_path / "rl" / ADAPTER_MARKER).read_text())["base"] == str(folder.resolve())
+
+
+def test_rollout_actors_get_adapter_only_syncs_and_async_scores_under_the_old_adapter(tiny_model_dir, ray_session):
+    """An HF rollout actor holds its own copy: the base plus the learner's adapter layout, filled by adapter-only
+    syncs. Asynchronous rollouts one version behind score each batch under the adapter that sampled it (a
+    snapshot of the adapter only): no false alarm, although every update moved the adapter."""
+    cfg = (tiny_config(tiny_model_dir).training(entropy_coef=0.01, lr=1e-2).update_settings(LORA)
+           .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=1, asynchronous=True, max_staleness=1))
+    algo = cfg.build_algo()
+    try:
+        weights = algo.learner.rollout_weights()
+        assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)
+        results = [algo.train() for _ in range(2)]
+    finally:
+        algo.stop()
+    assert [r["rollout"]["staleness_max"] for r in results] == [0.0, 1.0]
+    for r in results:
+        assert r["learner"]["param_change_norm"] > 0 and r["learner"]["kl_rollout"] < 1e-4, r["learner"]
