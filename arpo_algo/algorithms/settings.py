@@ -168,14 +168,15 @@ class Settings:
 def _check_lora(settings: Settings) -> None:
     """LoRA across sections. Invariant: every engine samples with the adapter the learner trains: the in-process HF
     engine shares the learner's module, HF rollout actors build the same adapter layout and get adapter-only syncs.
-    Every path that would need another way to hold the adapter (a vLLM engine, data-parallel ranks) or runs a step
-    not checked with it (the fixed-shape decoders) is refused until it does."""
+    DDP ranks each build it from the same seed and sum the adapter's gradients. Every path that would need another
+    way to hold the adapter (a vLLM engine, DeepSpeed's partitioned ranks) or runs a step not checked with it (the
+    fixed-shape decoders) is refused until it does."""
     r, b = settings.rollouts, settings.backend
     refusals = [
         (r.engine == "vllm", "rollouts.engine = 'vllm' (vLLM's LoRA loading is not wired to the learner's sync yet)",
          "use rollouts.engine = 'hf', or train full weights with vLLM"),
-        (b.learner_backend != "local", f"backend.learner_backend = {b.learner_backend!r} (the ranks build their "
-         "models without the adapter)", "use learner_backend = 'local'"),
+        (b.learner_backend == "deepspeed", "backend.learner_backend = 'deepspeed' (its ZeRO partitioning is not "
+         "wired to the adapter yet)", "use learner_backend = 'local' or 'ddp'"),
         (r.hf.decode in ("static", "cuda_graph", "compiled"), f"rollouts.hf.decode = {r.hf.decode!r} (the "
          "fixed-shape decode step does not apply adapters)", "use decode = 'dynamic' or 'auto'"),
     ]

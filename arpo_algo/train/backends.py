@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.models.lora import LoraSettings, check_adapter_folder, is_adapter_folder, load_adapter_weights
-from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
+from arpo_algo.models.lora import LoraSettings
+from arpo_algo.train.backend_base import LearnerBackend
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_base.errors import ConfigError
@@ -38,17 +38,7 @@ class LocalLearner(Learner, LearnerBackend):
         return {k: v.detach().cpu() for k, v in self.trainable_state().items()}
 
     def load_pretrained(self, path: str | Path) -> None:
-        if self.lora is None:
-            if is_adapter_folder(path):
-                raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
-                                  hint="resume with the run's [model.lora] settings (enabled = true)")
-            load_pretrained_into(self.model, path)
-            return
-        if not is_adapter_folder(path):
-            raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
-                              hint="resume with the run's own settings, or start a new run from that folder")
-        check_adapter_folder(path, expected_fingerprint=self.base_fingerprint)
-        load_adapter_weights(self.model, Path(path))
+        self.load_policy_folder(path)
 
 
 def build_backend(model_path: str | Path, config: LearnerConfig, backend: BackendConfig | None = None, *,
@@ -62,13 +52,13 @@ def build_backend(model_path: str | Path, config: LearnerConfig, backend: Backen
     backend.validate()
     if backend.learner_backend == "local":
         return LocalLearner(model_path, config, device=device, seed=seed, lora=lora)
-    if lora is not None and lora.enabled:
-        raise ConfigError(f"model.lora.enabled with backend.learner_backend = {backend.learner_backend!r}: the ranks "
-                          "build their models without the adapter", hint="use learner_backend = 'local'")
     if backend.learner_backend == "ddp":
         from arpo_algo.train.ddp import DDPBackend
 
-        return DDPBackend(model_path, config, backend, device=device, seed=seed)
+        return DDPBackend(model_path, config, backend, device=device, seed=seed, lora=lora)
+    if lora is not None and lora.enabled:
+        raise ConfigError("model.lora.enabled with backend.learner_backend = 'deepspeed': its ZeRO partitioning is "
+                          "not wired to the adapter yet", hint="use learner_backend = 'local' or 'ddp'")
     from arpo_algo.train.deepspeed_learner import DeepSpeedBackend
 
     return DeepSpeedBackend(model_path, config, backend, device=device, seed=seed)

@@ -66,6 +66,7 @@ from arpo_algo.models.lora import (
     attach_adapter,
     check_adapter_folder,
     is_adapter_folder,
+    load_adapter_weights,
     load_policy_model,
     resolve_targets,
     save_adapter,
@@ -85,7 +86,7 @@ from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_algo.train.update_stats import signal_stats, tree_owners
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 
 __all__ = ["Learner", "LearnerConfig", "mini_batch_parts"]
 log = logging.getLogger(__name__)
@@ -541,6 +542,23 @@ class Learner:
         self.nan_streak = int(state["nan_streak"])
         self.skipped_total = int(state["skipped_total"])
         _set_rng_state(state["rng"])
+
+    def load_policy_folder(self, path: str | Path) -> None:
+        """Load a policy folder this learner wrote into the model, in place (a shared engine sees it): full weights,
+        or with LoRA the adapter, after checking it was trained on this learner's base."""
+        from arpo_algo.train.backend_base import load_pretrained_into
+
+        if self.lora is None:
+            if is_adapter_folder(path):
+                raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
+                                  hint="resume with the run's [model.lora] settings (enabled = true)")
+            load_pretrained_into(self.model, path)
+            return
+        if not is_adapter_folder(path):
+            raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
+                              hint="resume with the run's own settings, or start a new run from that folder")
+        check_adapter_folder(path, expected_fingerprint=self.base_fingerprint)
+        load_adapter_weights(self.model, Path(path))
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template); with LoRA

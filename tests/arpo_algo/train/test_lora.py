@@ -44,7 +44,6 @@ def test_peft_options_arpo_does_not_train_are_refused_by_name(key):
 @pytest.mark.parametrize("extra, match", [
     ({"rollouts.engine": "vllm", "tree.entropy_method": "topk_sum_lnV"}, "rollouts.engine = 'vllm'"),
     ({"backend.learner_backend": "deepspeed"}, "learner_backend = 'deepspeed'"),
-    ({"backend.learner_backend": "ddp"}, "learner_backend = 'ddp'"),
     ({"rollouts.hf.decode": "static"}, "decode = 'static'"),
 ])
 def test_paths_that_would_not_apply_the_adapter_are_refused(extra, match):
@@ -234,3 +233,35 @@ def test_rollout_actors_get_adapter_only_syncs_and_async_scores_under_the_old_ad
     assert [r["rollout"]["staleness_max"] for r in results] == [0.0, 1.0]
     for r in results:
         assert r["learner"]["param_change_norm"] > 0 and r["learner"]["kl_rollout"] < 1e-4, r["learner"]
+
+
+def test_ddp_trains_the_same_adapter_as_one_process(tiny_model_dir, ray_session):
+    """Two gloo ranks, each with the base and an adapter made from the same seed: the summed adapter gradients give
+    the single-process step (up to summation order), the replicas stay identical and the base stays frozen."""
+    from transformers import AutoTokenizer
+
+    from arpo_algo.train.backend_config import BackendConfig
+    from arpo_algo.train.backends import build_backend
+    from arpo_algo.train.learner import LearnerConfig
+    from tests.arpo_algo.train.test_tree_forward import make_groups
+
+    groups = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
+    cfg = LearnerConfig(lr=1e-2, grad_clip=0.5, micro_batch_tokens=64, kl_rollout_stop=float("inf"))
+    lora = LoraSettings(enabled=True, rank=4, alpha=8.0)
+    local = build_backend(tiny_model_dir, cfg, seed=0, lora=lora)
+    start = {k: v.clone() for k, v in local.rollout_weights().items()}  # on CPU these alias the parameters
+    ddp = build_backend(tiny_model_dir, cfg, BackendConfig(learner_backend="ddp", learner_workers=2), seed=0,
+                        lora=lora)
+    try:
+        assert ddp.lora_targets == local.lora_targets
+        assert all(torch.equal(v, start[k]) for k, v in ddp.replica_weights(0).items())
+        for _ in range(2):
+            want, got = local.update(groups), ddp.update(groups)
+            assert got["step"] == want["step"] and got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        mine, rank0, rank1 = local.rollout_weights(), ddp.replica_weights(0), ddp.replica_weights(1)
+        assert set(rank0) == set(mine) and all(".lora_" in k for k in mine)  # adapter-only copies
+        assert max(float((mine[k] - start[k]).abs().max()) for k in mine) > 1e-3
+        assert max(float((rank0[k] - mine[k]).abs().max()) for k in mine) < 1e-5
+        assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    finally:
+        ddp.close()
