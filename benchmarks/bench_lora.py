@@ -4,14 +4,14 @@
                                     [--prompts 4] [--budget 4] [--tokens 192] [--prompt-tokens 150]
                                     [--micro-batch-tokens 1024] [--[no-]gradient-checkpointing] [--out FILE]
 
-Each variant runs in its own fresh process (so its peak resident memory is its own), ``--rounds`` times,
-alternating full, LoRA, full, LoRA, ...: machine noise lands on both alike and the ratios come from the same run.
-The defaults are the quickstart's RL step (4 prompts x budget 4, 192 response tokens, micro-batches of 1024
-tokens, activation checkpointing). A process loads the learner (fp32 weights, AdamW), builds one step's worth of
-GRPO groups from random tokens (``--prompts`` x ``--budget`` trajectories of ``--tokens`` tokens after a
-``--prompt-tokens`` prompt, rewards spread so every group has signal), takes ``--steps`` updates on them and reports: the median update time after
-the first (the first also creates AdamW's state), the peak RSS after loading and after the updates, the bytes a
-checkpoint's policy folder and trainer state take, and the bytes of ``rollout_weights()``: what one copy of the
+Each variant runs in its own fresh process (so its peak resident memory is its own), ``--rounds`` times, alternating
+full, LoRA, full, LoRA, ...: machine noise lands on both alike and the ratios come from the same run. The defaults
+are the quickstart's RL step (4 prompts x budget 4, 192 response tokens, micro-batches of 1024 tokens, activation
+checkpointing). A process loads the learner (fp32 weights, AdamW), builds one step's worth of GRPO groups from
+random tokens (``--prompts`` x ``--budget`` trajectories of ``--tokens`` tokens after a ``--prompt-tokens`` prompt,
+rewards spread so every group has signal), takes ``--steps`` updates on them and reports: the median update time
+after the first (the first also creates AdamW's state), the peak RSS after loading and after the updates, the bytes
+a checkpoint's policy folder and trainer state take, and the bytes of ``rollout_weights()``: what one copy of the
 weights moves (an async snapshot, a rollout actor's sync).
 """
 
