@@ -6,6 +6,12 @@ stays a ``transformers`` model, so the learner, the tree forward and the in-proc
 freezes every other parameter: the base carries no gradient and so no optimizer state. The adapters run unmerged:
 merging into the base weights and unmerging again is not bitwise reversible.
 
+**KV reuse.** An engine holds one adapter at a time, so its stored KV (identical contexts, shared leading runs, the
+prefix store) needs no adapter in its key: the in-process engine shares the learner's module and is told after every
+update (``weights_updated``), an engine with its own copy drops its store on every ``load_state_dict``, adapter-only
+or not; either way no prefix computed under one adapter is reused under another. An engine serving several adapters
+at once would have to key its store by adapter as well.
+
 **An adapter folder** (what a LoRA run's checkpoints and exported policy hold)::
 
     adapter_model.safetensors   the adapter tensors only (PEFT's key layout, so PeftModel.from_pretrained reads it)
