@@ -38,8 +38,8 @@ from arpo_base.options import setting
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings",
            "attach_adapter", "check_adapter_folder", "has_adapter", "is_adapter_folder", "linear_module_names",
-           "load_adapter_weights", "load_policy_model", "merge_export", "resolve_targets", "save_adapter",
-           "weights_fingerprint"]
+           "load_adapter_weights", "load_into_learner", "load_policy_model", "merge_export", "prepare_base",
+           "resolve_targets", "save_adapter", "weights_fingerprint"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -151,6 +151,34 @@ def resolve_targets(lora: LoraSettings, model_path: str | Path) -> tuple[str, ..
         raise ConfigError(f"[model.lora]: target_modules {missing} are not linear layers of this {model_type} model",
                           hint=f"its linear layers are: {', '.join(adaptable)}")
     return tuple(targets)
+
+
+def prepare_base(lora: LoraSettings, model_path: str | Path) -> tuple[tuple[str, ...], str]:
+    """What a LoRA learner checks before loading any weight: the settings, the target modules (from the config) and,
+    for an adapter folder as base, that folder against its own base. Returns ``(targets, base fingerprint)``."""
+    lora.validate(rl=False, where="[model.lora]")
+    targets = resolve_targets(lora, model_path)
+    if is_adapter_folder(model_path):
+        check_adapter_folder(model_path)
+    return targets, weights_fingerprint(model_path)
+
+
+def load_into_learner(learner: Any, path: str | Path) -> None:
+    """Load a policy folder a learner wrote into ``learner.model``, in place (a shared engine sees it): full weights,
+    or with LoRA the adapter, after checking it was trained on the learner's base (``learner.base_fingerprint``)."""
+    from arpo_algo.train.backend_base import load_pretrained_into
+
+    if learner.lora is None:
+        if is_adapter_folder(path):
+            raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
+                              hint="resume with the run's [model.lora] settings (enabled = true)")
+        load_pretrained_into(learner.model, path)
+        return
+    if not is_adapter_folder(path):
+        raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
+                          hint="resume with the run's own settings, or start a new run from that folder")
+    check_adapter_folder(path, expected_fingerprint=learner.base_fingerprint)
+    load_adapter_weights(learner.model, Path(path))
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints

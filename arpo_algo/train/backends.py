@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.models.lora import LoraSettings
+from arpo_algo.models.lora import LoraSettings, load_into_learner
 from arpo_algo.train.backend_base import LearnerBackend
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import Learner, LearnerConfig
@@ -38,7 +38,7 @@ class LocalLearner(Learner, LearnerBackend):
         return {k: v.detach().cpu() for k, v in self.trainable_state().items()}
 
     def load_pretrained(self, path: str | Path) -> None:
-        self.load_policy_folder(path)
+        load_into_learner(self, path)
 
 
 def build_backend(model_path: str | Path, config: LearnerConfig, backend: BackendConfig | None = None, *,

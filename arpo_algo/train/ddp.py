@@ -81,7 +81,9 @@ class DistributedLearner(Learner):
         return {k: v.detach().cpu() for k, v in self.trainable_state().items()}
 
     def load_pretrained(self, path: str) -> None:
-        self.load_policy_folder(path)
+        from arpo_algo.models.lora import load_into_learner
+
+        load_into_learner(self, path)
 
 
 def sum_gradients(params: list[torch.nn.Parameter], device: torch.device, bucket: int = BUCKET_ELEMENTS) -> None:

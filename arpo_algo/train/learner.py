@@ -61,17 +61,7 @@ import torch
 
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
-from arpo_algo.models.lora import (
-    LoraSettings,
-    attach_adapter,
-    check_adapter_folder,
-    is_adapter_folder,
-    load_adapter_weights,
-    load_policy_model,
-    resolve_targets,
-    save_adapter,
-    weights_fingerprint,
-)
+from arpo_algo.models.lora import LoraSettings, attach_adapter, load_policy_model, prepare_base, save_adapter
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.device_setup import (
@@ -86,7 +76,7 @@ from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
 from arpo_algo.train.update_stats import signal_stats, tree_owners
-from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.errors import ArpoError
 
 __all__ = ["Learner", "LearnerConfig", "mini_batch_parts"]
 log = logging.getLogger(__name__)
@@ -162,12 +152,8 @@ class Learner:
         self.lora = lora if lora is not None and lora.enabled else None
         #: The frozen base a LoRA learner trains on, and the fingerprint every adapter it writes or reads carries.
         self.base_path, self.base_fingerprint, targets = Path(path).resolve(), None, ()
-        if self.lora is not None:
-            self.lora.validate(rl=False, where="[model.lora]")
-            targets = resolve_targets(self.lora, path)  # from the config: before any weight loads
-            if is_adapter_folder(path):
-                check_adapter_folder(path)
-            self.base_fingerprint = weights_fingerprint(path)
+        if self.lora is not None:  # targets from the config and the base checked: before any weight loads
+            targets, self.base_fingerprint = prepare_base(self.lora, path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         impl = config.attn_implementation
         if self.tree_attention == "flex":
@@ -542,23 +528,6 @@ class Learner:
         self.nan_streak = int(state["nan_streak"])
         self.skipped_total = int(state["skipped_total"])
         _set_rng_state(state["rng"])
-
-    def load_policy_folder(self, path: str | Path) -> None:
-        """Load a policy folder this learner wrote into the model, in place (a shared engine sees it): full weights,
-        or with LoRA the adapter, after checking it was trained on this learner's base."""
-        from arpo_algo.train.backend_base import load_pretrained_into
-
-        if self.lora is None:
-            if is_adapter_folder(path):
-                raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
-                                  hint="resume with the run's [model.lora] settings (enabled = true)")
-            load_pretrained_into(self.model, path)
-            return
-        if not is_adapter_folder(path):
-            raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
-                              hint="resume with the run's own settings, or start a new run from that folder")
-        check_adapter_folder(path, expected_fingerprint=self.base_fingerprint)
-        load_adapter_weights(self.model, Path(path))
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template); with LoRA

@@ -212,7 +212,7 @@ def test_rl_after_lora_sft_starts_from_the_sft_policy_with_a_fresh_adapter(tiny_
     learner = Learner(folder, LearnerConfig(), lora=LoraSettings(enabled=True, rank=4))
     learner.model.eval()
     torch.testing.assert_close(_logits(learner.model, ids), sft_policy, atol=1e-5, rtol=1e-5)  # fresh adapter: B = 0
-    assert all(float(p.abs().max()) == 0 for n, p in learner.model.named_parameters() if ".lora_B." in n)
+    assert all(float(p.detach().abs().max()) == 0 for n, p in learner.model.named_parameters() if ".lora_B." in n)
     learner.save_pretrained(tmp_path / "rl")
     assert json.loads((tmp_path / "rl" / ADAPTER_MARKER).read_text())["base"] == str(folder.resolve())
 
