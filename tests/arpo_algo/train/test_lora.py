@@ -265,3 +265,14 @@ def test_ddp_trains_the_same_adapter_as_one_process(tiny_model_dir, ray_session)
         assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     finally:
         ddp.close()
+
+
+def test_train_dry_run_checks_the_target_modules_against_the_model(tiny_model_dir, capsys):
+    from arpo_algo.cli.main import main
+
+    given = ["train", "quickstart", "--set", f"model.path={tiny_model_dir}", "--set", "model.lora.enabled=true",
+             "--dry-run"]
+    assert main([*given, "--set", 'model.lora.target_modules=["q_proj", "v_proj"]']) == 0
+    assert main([*given, "--set", 'model.lora.target_modules=["qproj"]']) == 2
+    err = capsys.readouterr().err
+    assert "['qproj'] are not linear layers" in err and "q_proj" in err
