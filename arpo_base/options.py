@@ -50,7 +50,12 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
 
 #: Keys that existed in earlier releases: the hint says what replaced them instead of a near-miss guess.
 REPLACED_KEYS = {"bf16": "'bf16' was replaced by precision = \"bf16\" (or \"auto\": bf16 on a CUDA GPU that supports "
-                         "it, fp32 elsewhere; \"fp32\")"}
+                         "it, fp32 elsewhere; \"fp32\")",
+                 # [model.lora] trains plain LoRA on the adapted modules only; these PEFT options are refused by name
+                 "use_dora": "DoRA is not supported: [model.lora] trains plain LoRA adapters",
+                 "modules_to_save": "modules_to_save is not supported: embeddings and the LM head stay frozen under "
+                                    "[model.lora]",
+                 "bias": "bias training is not supported: [model.lora] trains the adapter matrices only"}
 
 
 def _did_you_mean(name: str, valid: Iterable[str], label: str) -> str:

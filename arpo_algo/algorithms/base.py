@@ -127,7 +127,7 @@ class AgenticRLAlgorithm(Algorithm):
         # The mismatch alarm's levels follow the sampler's dtype as well as the learner's precision.
         training = settings.training.for_sampler(settings.rollouts.dtype, settings.rollouts.device)
         self.learner = build_backend(model_path, training, settings.backend, device=settings.rollouts.device,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, lora=settings.model.lora)
         self.policy = PolicyComponent(self.learner)
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)
@@ -161,6 +161,10 @@ class AgenticRLAlgorithm(Algorithm):
                 return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
                                     **settings)
             settings["device"] = rollouts.device
+            lora = cfg.settings.model.lora
+            if lora.enabled:  # its own copy: the learner's adapter layout, filled by adapter-only syncs
+                settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
+                                    "target_modules": list(self.learner.lora_targets)}
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,

@@ -27,6 +27,7 @@ from typing import Any
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
+from arpo_algo.models.lora import LoraSettings
 from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
 from arpo_algo.train.backend_config import BackendConfig
@@ -43,6 +44,8 @@ class ModelConfig:
 
     path: str | None = setting(
         None, "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required.")
+    lora: LoraSettings = field(default_factory=LoraSettings,
+                               metadata={"doc": "[model.lora]: train low-rank adapters on the frozen base."})
 
 
 #: The sections of :class:`Settings`, in experiment-file order.
@@ -124,6 +127,9 @@ class Settings:
         if self.model.path is None:
             raise ConfigError("model.path is not set",
                               hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)")
+        self.model.lora.validate(rl=True, where="[model.lora]")
+        if self.model.lora.enabled:
+            _check_lora(self)
         self.tree.validate()
         self.training.validate()
         self.backend.validate()
@@ -157,6 +163,26 @@ class Settings:
         if self.rollouts.asynchronous:
             _check_asynchronous(self)
         _check_ratio_options(self)
+
+
+def _check_lora(settings: Settings) -> None:
+    """LoRA across sections. Invariant: every engine samples with the adapter the learner trains: the in-process HF
+    engine shares the learner's module, HF rollout actors build the same adapter layout and get adapter-only syncs.
+    DDP ranks each build it from the same seed and sum the adapter's gradients. Every path that would need another
+    way to hold the adapter (a vLLM engine, DeepSpeed's partitioned ranks) or runs a step not checked with it (the
+    fixed-shape decoders) is refused until it does."""
+    r, b = settings.rollouts, settings.backend
+    refusals = [
+        (r.engine == "vllm", "rollouts.engine = 'vllm' (vLLM's LoRA loading is not wired to the learner's sync yet)",
+         "use rollouts.engine = 'hf', or train full weights with vLLM"),
+        (b.learner_backend == "deepspeed", "backend.learner_backend = 'deepspeed' (its ZeRO partitioning is not "
+         "wired to the adapter yet)", "use learner_backend = 'local' or 'ddp'"),
+        (r.hf.decode in ("static", "cuda_graph", "compiled"), f"rollouts.hf.decode = {r.hf.decode!r} (the "
+         "fixed-shape decode step does not apply adapters)", "use decode = 'dynamic' or 'auto'"),
+    ]
+    for refused, what, hint in refusals:
+        if refused:
+            raise ConfigError(f"model.lora.enabled with {what}", hint=hint)
 
 
 def _check_ratio_options(settings: Settings) -> None:

@@ -12,12 +12,12 @@ import sys
 import traceback
 
 from arpo_algo import __version__
-from arpo_algo.cli import doctor, env_data, model, quickstart, sandbox, serve, sft, train, tune, view
+from arpo_algo.cli import doctor, env_data, export, model, quickstart, sandbox, serve, sft, train, tune, view
 from arpo_algo.cli import eval as eval_cli
 from arpo_base.errors import ArpoError
 
 #: Command modules in --help order (``env_data`` adds ``env`` and ``data``).
-COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, serve, view, sandbox)
+COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, serve, view, export, sandbox)
 
 
 def build_parser() -> argparse.ArgumentParser:

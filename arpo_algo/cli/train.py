@@ -21,6 +21,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     exp = load_experiment(args.experiment, args.set or [])
     if args.dry_run:
         exp.config.validate()
+        lora = exp.config.settings.model.lora
+        if lora.enabled:  # the target modules against the model's config (no weight is read)
+            from arpo_algo.models import resolve_model_path
+            from arpo_algo.models.lora import resolve_targets
+
+            resolve_targets(lora, resolve_model_path(exp.config.settings.model.path))
         print(json.dumps(experiment_record(exp), indent=2, default=repr))
         return 0
     from arpo_algo.run.driver import train_experiment

@@ -41,7 +41,8 @@ class PolicySource:
     """A folder given as a model source, resolved to the Hugging Face folder that holds the policy.
 
     Attributes:
-        kind: ``"model"``, ``"checkpoint"`` or ``"run"``: what the given folder was recognised as.
+        kind: ``"model"``, ``"adapter"`` (a LoRA adapter folder), ``"checkpoint"`` or ``"run"``: what the given
+            folder was recognised as.
         folder: The policy folder: the model folder itself, a checkpoint's ``policy/``, a run's newest checkpoint's.
         name: The name it goes by: the run's folder name for a run or one of its checkpoints, else the folder's.
     """
@@ -70,12 +71,16 @@ def policy_source(path: Path) -> PolicySource:
     config_keys = _json_keys(path / "config.json")
     kinds = [kind for kind, found in (("run", RUN_RECORD_KEYS <= config_keys),
                                       ("checkpoint", (path / CHECKPOINT_MARKER).is_file()),
-                                      ("model", "model_type" in config_keys)) if found]
+                                      ("model", "model_type" in config_keys),
+                                      ("adapter", _is_adapter(path))) if found]
     if len(kinds) != 1:
         what = f"looks like both a {' and a '.join(kinds)}" if kinds else "is not a model source"
         raise ConfigError(f"{path} {what}", hint=f"pass {EXPECTED}")
     if kinds == ["model"]:
         return PolicySource("model", path, path.name)
+    if kinds == ["adapter"]:
+        _check_adapter(path)
+        return PolicySource("adapter", path, path.name)
     if kinds == ["run"]:
         found = list_checkpoints(path / "checkpoints")
         if not found:
@@ -86,8 +91,25 @@ def policy_source(path: Path) -> PolicySource:
     return PolicySource("checkpoint", _checkpoint_policy(path), run.name)
 
 
+def _is_adapter(path: Path) -> bool:
+    """A LoRA adapter folder (:mod:`arpo_algo.models.lora`; its readers check it against its base)."""
+    return any((path / name).is_file() for name in ("arpo_adapter.json", "adapter_config.json",
+                                                    "adapter_model.safetensors"))
+
+
+def _check_adapter(path: Path) -> None:
+    """Refuse an adapter folder whose config or base is missing or whose base's weights changed, before anything
+    loads."""
+    from arpo_algo.models.lora import check_adapter_folder
+
+    check_adapter_folder(path)
+
+
 def _checkpoint_policy(checkpoint: Path) -> Path:
     policy = checkpoint / "policy"
+    if _is_adapter(policy):
+        _check_adapter(policy)
+        return policy
     if "model_type" not in _json_keys(policy / "config.json"):
         raise ConfigError(f"{checkpoint} is a checkpoint without a model in policy/",
                           hint="the checkpoint is damaged; use an earlier one")

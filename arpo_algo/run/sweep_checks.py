@@ -59,7 +59,11 @@ def check_points(sweep: Any, where: str) -> None:
             if model_path not in models_seen:
                 models_seen.add(model_path)
                 try:
-                    resolve_model_path(model_path)
+                    resolved = resolve_model_path(model_path)
+                    if cfg.settings.model.lora.enabled:  # target modules against the config (no weight is read)
+                        from arpo_algo.models.lora import resolve_targets
+
+                        resolve_targets(cfg.settings.model.lora, resolved)
                 except ArpoError as e:
                     raise ConfigError(f"{where}: model {model_path!r}: {e.message}", hint=e.hint) from e
             cfg.num_cpus_for_main_process = sweep.settings.resources_per_trial["cpu"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from arpo_algo.rollout.types import Group
 
-__all__ = ["LearnerBackend", "load_pretrained_into"]
+__all__ = ["LearnerBackend"]
 
 
 class LearnerBackend(abc.ABC):
@@ -51,12 +51,3 @@ class LearnerBackend(abc.ABC):
         """Stop the workers, if any (idempotent)."""
 
 
-def load_pretrained_into(model: Any, path: str | Path) -> None:
-    """Copy the weights of an HF folder into ``model`` in place (modules shared with an engine see them)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        model.load_state_dict(saved.state_dict())
-    del saved

@@ -17,9 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
+from arpo_algo.models.lora import LoraSettings, load_into_learner
+from arpo_algo.train.backend_base import LearnerBackend
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_base.errors import ConfigError
 
 __all__ = ["LearnerBackend", "LocalLearner", "build_backend"]
 
@@ -32,14 +34,15 @@ class LocalLearner(Learner, LearnerBackend):
         return self.model
 
     def rollout_weights(self) -> dict[str, Any]:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        # with LoRA the adapter tensors only: the frozen base is the same in every copy
+        return {k: v.detach().cpu() for k, v in self.trainable_state().items()}
 
     def load_pretrained(self, path: str | Path) -> None:
-        load_pretrained_into(self.model, path)
+        load_into_learner(self, path)
 
 
 def build_backend(model_path: str | Path, config: LearnerConfig, backend: BackendConfig | None = None, *,
-                  device: str = "cpu", seed: int = 0) -> LearnerBackend:
+                  device: str = "cpu", seed: int = 0, lora: LoraSettings | None = None) -> LearnerBackend:
     """The learner backend ``backend.learner_backend`` names, placement checked before any worker starts.
 
     Raises:
@@ -48,11 +51,14 @@ def build_backend(model_path: str | Path, config: LearnerConfig, backend: Backen
     backend = backend or BackendConfig()
     backend.validate()
     if backend.learner_backend == "local":
-        return LocalLearner(model_path, config, device=device, seed=seed)
+        return LocalLearner(model_path, config, device=device, seed=seed, lora=lora)
     if backend.learner_backend == "ddp":
         from arpo_algo.train.ddp import DDPBackend
 
-        return DDPBackend(model_path, config, backend, device=device, seed=seed)
+        return DDPBackend(model_path, config, backend, device=device, seed=seed, lora=lora)
+    if lora is not None and lora.enabled:
+        raise ConfigError("model.lora.enabled with backend.learner_backend = 'deepspeed': its ZeRO partitioning is "
+                          "not wired to the adapter yet", hint="use learner_backend = 'local' or 'ddp'")
     from arpo_algo.train.deepspeed_learner import DeepSpeedBackend
 
     return DeepSpeedBackend(model_path, config, backend, device=device, seed=seed)

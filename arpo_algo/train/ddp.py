@@ -33,7 +33,7 @@ import torch
 from arpo_algo.core.advantages import build_token_trie
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
-from arpo_algo.train.backend_base import LearnerBackend, load_pretrained_into
+from arpo_algo.train.backend_base import LearnerBackend
 from arpo_algo.train.backend_config import BackendConfig, check_placement
 from arpo_algo.train.learner import Learner, LearnerConfig, mini_batch_parts
 from arpo_base.errors import ArpoError, ConfigError
@@ -78,11 +78,13 @@ class DistributedLearner(Learner):
         return super()._clip_grads(params, max_norm)
 
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
-        """This replica's weights as CPU tensors."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """This replica's weights as CPU tensors (with LoRA the adapter's only: the frozen base never changes)."""
+        return {k: v.detach().cpu() for k, v in self.trainable_state().items()}
 
     def load_pretrained(self, path: str) -> None:
-        load_pretrained_into(self.model, path)
+        from arpo_algo.models.lora import load_into_learner
+
+        load_into_learner(self, path)
 
 
 def sum_gradients(params: list[torch.nn.Parameter], device: torch.device, bucket: int = BUCKET_ELEMENTS) -> None:
@@ -142,7 +144,7 @@ class LearnerWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def setup(self, init_method: str, dist_backend: str, learner_cls: type, model_path: str, config: LearnerConfig,
-              device: str, seed: int, timeout_s: float = 1800.0) -> None:
+              device: str, seed: int, timeout_s: float = 1800.0, lora: Any = None) -> None:
         import torch.distributed as dist
 
         if device == "cuda":
@@ -154,7 +156,9 @@ class LearnerWorker:
                           MASTER_PORT=port)
         dist.init_process_group(dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        self.learner = learner_cls(model_path, config, device=device, seed=seed)
+        # every rank seeds before injecting the adapter, so the replicas start from the same adapter weights
+        extra = {"lora": lora} if lora is not None else {}
+        self.learner = learner_cls(model_path, config, device=device, seed=seed, **extra)
 
     def update(self, groups: list[Group], parts: list[list[int]] | None = None) -> dict[str, float]:
         metrics = self.learner.update(groups, parts=parts)
@@ -231,7 +235,7 @@ class DDPBackend(LearnerBackend):
     kind = "ddp"
 
     def __init__(self, model_path: str | Path, config: LearnerConfig, backend: BackendConfig, *,
-                 device: str = "cpu", seed: int = 0) -> None:
+                 device: str = "cpu", seed: int = 0, lora: Any = None) -> None:
         import ray
         from transformers import AutoTokenizer
 
@@ -249,6 +253,12 @@ class DDPBackend(LearnerBackend):
         self.last_rank_metrics: list[dict[str, float]] = []
         path = str(resolve_model_path(model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        #: The modules the adapter is on (empty: full weights), checked here before any rank loads a weight.
+        self.lora_targets: tuple[str, ...] = ()
+        if lora is not None and lora.enabled:
+            from arpo_algo.models.lora import resolve_targets
+
+            self.lora_targets = resolve_targets(lora, path)
         n, gpus = backend.learner_workers, backend.gpus_per_worker(device)
         actor = ray.remote(num_cpus=backend.learner_cpus_per_worker, num_gpus=gpus)(LearnerWorker)
         from arpo_algo.rollout.config import per_actor
@@ -264,7 +274,7 @@ class DDPBackend(LearnerBackend):
             init = f"tcp://{host}:{ends[0]['port']}"
             dist_backend = "nccl" if device == "cuda" else "gloo"
             ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed,
-                                    backend.collective_timeout_s)
+                                    backend.collective_timeout_s, lora)
                      for w in self._workers])
         except BaseException:
             self.close()

@@ -62,6 +62,7 @@ import torch
 
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
+from arpo_algo.models.lora import LoraSettings, attach_adapter, load_policy_model, prepare_base, save_adapter
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.device_setup import (
@@ -120,6 +121,9 @@ class Learner:
         config: The learner settings.
         device: Torch device string.
         seed: Seeds torch, python and numpy RNGs.
+        lora: Train a fresh LoRA adapter on the frozen ``model_path`` (an adapter folder there is merged first: RL
+            after a LoRA SFT); None or disabled: full weights. Its target modules are resolved and checked against
+            the model's config before any weight loads.
     """
 
     #: A data-parallel rank may get no groups in a step (it still takes part in the collectives).
@@ -127,8 +131,9 @@ class Learner:
     #: Whether ``param_change_norm`` is measured (not where this process holds only a shard of each parameter).
     measures_param_change = True
 
-    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0,
+                 lora: LoraSettings | None = None) -> None:
+        from transformers import AutoTokenizer
 
         from arpo_algo.models import resolve_model_path
 
@@ -147,6 +152,11 @@ class Learner:
         random.seed(seed)
         np.random.seed(seed)
         path = resolve_model_path(model_path)
+        self.lora = lora if lora is not None and lora.enabled else None
+        #: The frozen base a LoRA learner trains on, and the fingerprint every adapter it writes or reads carries.
+        self.base_path, self.base_fingerprint, targets = Path(path).resolve(), None, ()
+        if self.lora is not None:  # targets from the config and the base checked: before any weight loads
+            targets, self.base_fingerprint = prepare_base(self.lora, path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         impl = config.attn_implementation
         if self.tree_attention == "flex":
@@ -154,13 +164,17 @@ class Learner:
             impl = FLEX_TREE_IMPL
         # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision.
         load = {"dtype": torch.float32, "attn_implementation": impl}
-        self.model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device)
+        self.model = load_policy_model(path, merge=True, **load).to(self.device)
+        if self.lora is not None:
+            attach_adapter(self.model, self.lora, targets, str(path))
+        #: The modules the adapter is on (empty: full weights), for engines that build their own copy of it.
+        self.lora_targets = tuple(targets)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
             self.model.config.use_cache = False
         self.ref_model = None
         if config.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device).eval()
+            self.ref_model = load_policy_model(path, merge=True, **load).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
@@ -352,12 +366,22 @@ class Learner:
         if weights is None:
             yield
             return
-        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        own = {k: v.detach().clone() for k, v in self.trainable_state().items()}
+        strict = self.lora is None  # with LoRA the frozen base is the same in every version: adapters only
         try:
-            self.model.load_state_dict(weights)
+            self.model.load_state_dict(weights, strict=strict)
             yield
         finally:
-            self.model.load_state_dict(own)
+            self.model.load_state_dict(own, strict=strict)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The weights an update can change: the whole state dict, or with LoRA the adapter tensors only (the base
+        is frozen), under the module's own key names."""
+        state = self.model.state_dict()
+        if self.lora is None:
+            return state
+        names = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in names}
 
     def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
         """The update's mini-batches as group indices (:func:`mini_batch_parts` at this learner's seed and step)."""
@@ -507,7 +531,7 @@ class Learner:
                  "step": self.step, "nan_streak": self.nan_streak, "skipped_total": self.skipped_total,
                  "rng": _rng_state(), "config": asdict(self.config)}
         if include_model:
-            state["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state["model"] = {k: v.detach().clone() for k, v in self.trainable_state().items()}
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -516,7 +540,7 @@ class Learner:
             if key not in state:
                 raise ArpoError(f"learner state lacks {key!r}", hint="pass a dict produced by Learner.get_state()")
         if "model" in state:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(state["model"], strict=self.lora is None)
         self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
@@ -525,9 +549,13 @@ class Learner:
         _set_rng_state(state["rng"])
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template)."""
+        """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template); with LoRA
+        an adapter folder (:mod:`arpo_algo.models.lora`: the adapter, its config and its base's fingerprint)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
+        if self.lora is not None:
+            save_adapter(self.model, out, base=Path(self.base_path), fingerprint=self.base_fingerprint)
+        else:
+            self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out

@@ -107,6 +107,20 @@ class SFTConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars under ``output_dir/tb``."""
     progress: bool = True
+    lora: dict[str, Any] | None = None
+    """A ``[lora]`` table with the keys of the RL ``[model.lora]`` (enabled, rank, alpha, target_modules, dropout;
+    dropout is allowed here): train an adapter on the frozen model and save an adapter folder
+    (:mod:`arpo_algo.models.lora`). None: full weights."""
+
+    def lora_settings(self) -> Any:
+        """The ``[lora]`` table as checked :class:`~arpo_algo.models.lora.LoraSettings` (None: full weights)."""
+        from arpo_algo.models.lora import LoraSettings
+
+        if self.lora is None:
+            return None
+        lora = dataclass_from_dict(LoraSettings, self.lora, "sft config: [lora]")
+        lora.validate(rl=False, where="sft config: [lora]")
+        return lora if lora.enabled else None
 
     def validate(self) -> None:
         """Check types and ranges; raise :class:`ConfigError` naming the bad key."""
@@ -128,6 +142,7 @@ class SFTConfig:
         if not self.model:
             raise ConfigError("sft config: model is empty", hint="give a registered name (pull it with "
                               "`arpo model pull smollm2-135m-instruct`) or a local HF folder")
+        self.lora_settings()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
@@ -169,17 +184,22 @@ def _collate(batch: list, pad_id: int, device: Any) -> tuple[Any, Any, Any]:
 
 def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from arpo_algo.models import resolve_model_path
+    from arpo_algo.models.lora import attach_adapter, load_policy_model, resolve_targets
 
     path = resolve_model_path(cfg.model)
+    lora = cfg.lora_settings()
+    targets = resolve_targets(lora, path) if lora is not None else ()  # from the config: before any weight loads
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("sft config: device='cuda' but no CUDA GPU is available", hint='use device="auto"')
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = load_policy_model(path, dtype=torch.float32, merge=True).to(device)
+    if lora is not None:
+        attach_adapter(model, lora, targets, str(path))
     if cfg.gradient_checkpointing:  # as the RL learner does
         enable_activation_checkpointing(model)
     return model, tokenizer, device
@@ -270,7 +290,9 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     bar.close()
     if writer is not None:
         writer.close()
-    _save(model, tokenizer, out)
+    from arpo_algo.models import resolve_model_path
+
+    _save(model, tokenizer, out, base=resolve_model_path(cfg.model) if cfg.lora_settings() else None)
     tail = [h["loss"] for h in history[-10:]]
     metrics = {"final_loss": sum(tail) / len(tail), "first_loss": history[0]["loss"], "steps": step,
                "tokens_trained": tokens_trained, "time_s": round(time.time() - start, 2), "output_dir": str(out),
@@ -279,8 +301,9 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def _save(model: Any, tokenizer: Any, out: Path) -> None:
-    """A plain HF folder: weights, tokenizer (with chat template) and a generation config that stops at eos."""
+def _save(model: Any, tokenizer: Any, out: Path, base: Path | None = None) -> None:
+    """A plain HF folder: weights, tokenizer (with chat template) and a generation config that stops at eos; with
+    ``base`` (LoRA) an adapter folder tied to that base instead of the weights."""
     gen = model.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
     eos = [e for e in dict.fromkeys([*eos, tokenizer.eos_token_id]) if e is not None]
@@ -288,5 +311,10 @@ def _save(model: Any, tokenizer: Any, out: Path) -> None:
     if gen.pad_token_id is None:
         gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     model.eval()
-    model.save_pretrained(out)
+    if base is not None:
+        from arpo_algo.models.lora import save_adapter, weights_fingerprint
+
+        save_adapter(model, out, base=base.resolve(), fingerprint=weights_fingerprint(base))
+    else:
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)

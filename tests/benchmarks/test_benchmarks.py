@@ -313,3 +313,21 @@ def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path
                                    "--out", str(tmp_path / "r.json")])
     assert len(res["iterations"]["on"]) == len(res["iterations"]["off"]) == 1
     assert res["record_s"][0] > 0 and res["chunk_bytes_median"] > 0 and 0 < res["record_share"] < 1
+
+
+@pytest.mark.timeout(300)
+def test_bench_lora_compares_both_variants(tiny_model_dir, tmp_path):
+    import json
+
+    from benchmarks import bench_lora
+
+    out = tmp_path / "lora.json"
+    assert bench_lora.main(["--model", str(tiny_model_dir), "--rank", "4", "--rounds", "1", "--steps", "1",
+                            "--prompts", "2", "--budget", "2", "--tokens", "8", "--prompt-tokens", "8",
+                            "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    trainable, copy = summary["trainable"], summary["copy_bytes"]
+    assert 0 < trainable["lora"] < trainable["full"]
+    assert copy["lora"] == 4 * trainable["lora"] < copy["full"]  # an fp32 copy of the adapter only
+    assert summary["policy_bytes"]["lora"] < summary["policy_bytes"]["full"]
+    assert summary["trainer_state_bytes"]["lora"] < summary["trainer_state_bytes"]["full"]

@@ -72,6 +72,9 @@ def _check_compiled(device: torch.device) -> None:
 
 def static_problem(model: Any, linear_layout: str, graphs: bool) -> str | None:
     """Why this model cannot use the fixed-shape step (None when it can)."""
+    if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return ("the fixed-shape decoders are not validated with LoRA adapters yet (their captured and compiled "
+                "steps are not checked to follow adapter updates)")
     if graphs and linear_layout == "transposed":
         return ("linear_layout='transposed' copies are rebuilt after every weight update, so captured CUDA graphs "
                 "(decode='cuda_graph', and 'compiled' on CUDA) would read freed memory (use linear_layout='native' "

@@ -92,12 +92,17 @@ class HFEngine:
             "compiled" (those steps compiled by torch inductor; on CUDA then captured as CUDA graphs).
         static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
             model's ``max_position_embeddings``).
+        lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter, for an engine with its own copy (a
+            rollout actor): the model is loaded (an adapter folder merged) and gets an adapter of that layout, which
+            adapter-only :meth:`load_state_dict` calls fill. The engine holds one adapter at a time and drops its
+            stored KV on every load, so no cached prefix outlives the adapter that computed it.
     """
 
     def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
                  dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
                  kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto",
-                 decode: str = "auto", static_cache_tokens: int | None = None) -> None:
+                 decode: str = "auto", static_cache_tokens: int | None = None,
+                 lora: dict[str, Any] | None = None) -> None:
         if (model_or_path is None) == (model is None):
             raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
         if dtype not in _DTYPES:
@@ -108,8 +113,17 @@ class HFEngine:
             raise ConfigError(f"unknown linear_layout {linear_layout!r}; choose one of {', '.join(LINEAR_LAYOUTS)}")
         if max_batch_size < 1 or kv_cache_capacity_tokens < 0:
             raise ConfigError("max_batch_size must be >= 1 and kv_cache_capacity_tokens >= 0")
+        if lora is not None and model is not None:
+            raise ConfigError("HFEngine(model=<module>, lora=...): a shared module already holds the learner's "
+                              "adapter", hint="pass lora= only to an engine that loads its own copy (model_or_path=)")
         self.model, self.tokenizer = self._load(model if model is not None else model_or_path, tokenizer, device,
-                                                _DTYPES[dtype])
+                                                _DTYPES[dtype], merge=lora is not None)
+        if lora is not None:  # the learner's adapter layout, filled by adapter-only load_state_dict() calls
+            from arpo_algo.models.lora import LoraSettings, attach_adapter
+
+            attach_adapter(self.model, LoraSettings(enabled=True, rank=lora["rank"], alpha=lora["alpha"]),
+                           tuple(lora["target_modules"]))
+            self.model.requires_grad_(False)
         self.device = next(self.model.parameters()).device
         self.dtype = dtype
         self.max_batch_size = max_batch_size
@@ -142,8 +156,8 @@ class HFEngine:
 
     # ----------------------------------------------------------------------------------------------- setup helpers
     @staticmethod
-    def _load(src: Any, tokenizer: Any, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def _load(src: Any, tokenizer: Any, device: str, dtype: torch.dtype, merge: bool = False) -> tuple[Any, Any]:
+        from transformers import AutoTokenizer
 
         if isinstance(src, torch.nn.Module):
             if tokenizer is None:
@@ -154,9 +168,11 @@ class HFEngine:
                                   "used as is, so pass the matching dtype (or give the engine its own copy)")
             return src, tokenizer
         from arpo_algo.models import resolve_model_path
+        from arpo_algo.models.lora import load_policy_model
 
         path = resolve_model_path(os.fspath(src))
-        mdl = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        # an adapter folder: its base (fingerprint checked) with the adapter applied, unmerged
+        mdl = load_policy_model(path, dtype=dtype, merge=merge).to(device).eval()
         return mdl, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
 
     def _eos_ids(self) -> set[int]:
@@ -202,6 +218,8 @@ class HFEngine:
         """Copy new policy weights into the model (dtype/device converted) and drop all cached KV."""
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if any("lora_" in k for k in state_dict):  # an adapter-only copy: the frozen base is already here
+            missing = [k for k in missing if "lora_" in k]
         if [k for k in missing if k not in tied] or unexpected:
             raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
                               f"unexpected={list(unexpected)[:5]}")

@@ -123,6 +123,12 @@ class VLLMEngine:
         dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
         check_dtype(dtype, current_platform)
         path = Path(resolve_model_path(os.fspath(model_or_path)))
+        from arpo_algo.models.lora import is_adapter_folder
+
+        if is_adapter_folder(path):
+            raise ConfigError(f"{path} is a LoRA adapter folder, which the vLLM engine does not load yet",
+                              hint="use the HF engine, or merge it first: arpo export --merge "
+                                   f"{path} --output <folder>")
         check_architecture(path)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
             raise ConfigError("sleep_between_rollouts needs vLLM's sleep mode, which its "

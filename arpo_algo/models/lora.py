@@ -1,0 +1,410 @@
+"""Low-rank adapters (LoRA, on ``peft``): the ``[model.lora]`` settings, adapter folders tied to their base model,
+loading and merging them.
+
+**Training.** :func:`attach_adapter` injects LoRA layers into a plain Hugging Face causal LM in place (the module
+stays a ``transformers`` model, so the learner, the tree forward and the in-process HF engine use it unchanged) and
+freezes every other parameter: the base carries no gradient and so no optimizer state. The adapters run unmerged:
+merging into the base weights and unmerging again is not bitwise reversible.
+
+**KV reuse.** An engine holds one adapter at a time, so its stored KV (identical contexts, shared leading runs, the
+prefix store) needs no adapter in its key: the in-process engine shares the learner's module and is told after every
+update (``weights_updated``), an engine with its own copy drops its store on every ``load_state_dict``, adapter-only
+or not; either way no prefix computed under one adapter is reused under another. An engine serving several adapters
+at once would have to key its store by adapter as well.
+
+**An adapter folder** (what a LoRA run's checkpoints and exported policy hold)::
+
+    adapter_model.safetensors   the adapter tensors only (PEFT's key layout, so PeftModel.from_pretrained reads it)
+    adapter_config.json         PEFT's LoRA config
+    arpo_adapter.json           the base model's folder and the sha256 fingerprint of its weight files
+    tokenizer files             the tokenizer the policy was trained with
+
+Invariant: an adapter is only ever applied to the exact weights it was trained on. Every reader
+(:func:`check_adapter_folder`) compares the base's fingerprint with the recorded one before loading anything, and a
+folder without its config or marker is refused. The base of an adapter may itself be an adapter folder (RL after a
+LoRA SFT): it is loaded and merged first, and its fingerprint covers the adapter and its own base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arpo_base.errors import ConfigError
+from arpo_base.options import setting
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings",
+           "attach_adapter", "check_adapter_folder", "has_adapter", "is_adapter_folder", "linear_module_names",
+           "load_adapter_weights", "load_into_learner", "load_policy_model", "merge_export", "prepare_base",
+           "resolve_targets", "save_adapter", "weights_fingerprint"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+#: arpo's record of the adapter's base; its presence makes a folder an adapter folder.
+ADAPTER_MARKER = "arpo_adapter.json"
+#: The prefix PeftModel.save_pretrained puts before the module names (kept so plain PEFT reads our folders).
+_PEFT_PREFIX = "base_model.model."
+
+_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Default target modules per architecture family (config.json ``model_type``): the attention and MLP projections.
+#: Embeddings and the LM head are never adapted.
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    **{t: _LLAMA_LIKE for t in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+                                "gemma2", "gemma3_text", "olmo", "olmo2", "granite", "smollm3")},
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+}
+#: Modules that stay frozen whatever target_modules says.
+_NEVER = ("lm_head", "embed_tokens", "wte", "embed_out")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``[model.lora]``: train low-rank adapters instead of the full weights."""
+
+    enabled: bool = setting(False, "Train LoRA adapters on a frozen base instead of every weight.")
+    rank: int = setting(16, "Adapter rank r (>= 1).")
+    alpha: float = setting(32.0, "LoRA alpha (> 0): the adapter's output is scaled by alpha / rank.")
+    target_modules: tuple[str, ...] = setting(
+        (), "Module names that get an adapter (last part of the name, e.g. 'q_proj'); empty: the architecture "
+            "family's attention and MLP projections (docs/howto/lora.md#target-modules). Embeddings and LM head "
+            "stay frozen.")
+    dropout: float = setting(
+        0.0, "Dropout on the adapter's input. RL refuses it above 0 (the sampler and the learner must score the "
+             "same function); SFT may use it.")
+
+    def validate(self, *, rl: bool = True, where: str = "[model.lora]") -> None:
+        """Range checks (no model needed); ``rl``: refuse dropout (sampler and learner must score alike)."""
+        if not self.enabled:
+            changed = [f for f in ("rank", "alpha", "target_modules", "dropout")
+                       if getattr(self, f) != getattr(LoraSettings, f)]
+            if changed:
+                raise ConfigError(f"{where}: {', '.join(changed)} set but enabled = false: the adapter settings "
+                                  "would do nothing", hint="set model.lora.enabled = true, or remove them")
+            return
+        if self.rank < 1:
+            raise ConfigError(f"{where}: rank must be >= 1, got {self.rank}", hint="a typical rank is 8 to 64")
+        if not self.alpha > 0:
+            raise ConfigError(f"{where}: alpha must be > 0, got {self.alpha}",
+                              hint="alpha = 2 x rank is a common choice")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{where}: dropout must be in [0, 1), got {self.dropout}")
+        if rl and self.dropout > 0:
+            raise ConfigError(f"{where}: dropout = {self.dropout} in RL: the sampler scores without dropout and the "
+                              "learner would score with it, so the importance ratio and the mismatch alarm would "
+                              "compare two different policies", hint="dropout = 0 for RL (SFT may use it)")
+        bad = [t for t in self.target_modules if t in _NEVER]
+        if bad:
+            raise ConfigError(f"{where}: target_modules {bad} are embeddings or the LM head, which stay frozen",
+                              hint="adapt the attention and MLP projections (leave target_modules empty for the "
+                                   "family default)")
+
+    def peft_config(self, targets: tuple[str, ...], base: str = "") -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(targets), lora_dropout=self.dropout,
+                          bias="none", base_model_name_or_path=base or None)
+
+
+# ------------------------------------------------------------------------------------------------ architecture
+
+
+def _config_folder(path: Path) -> Path:
+    """The folder holding the model config: the base's for an adapter folder (recursively)."""
+    path = Path(path)
+    while is_adapter_folder(path):
+        path = Path(_read_marker(path)["base"])
+    return path
+
+
+def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
+    """``(model_type, names)``: the last name part of every linear layer of the model, from its config alone (the
+    skeleton is built on the meta device: no weights are read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(_config_folder(Path(model_path)))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    names = {name.rsplit(".", 1)[-1] for name, mod in skeleton.named_modules()
+             if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"}
+    return cfg.model_type, tuple(sorted(names))
+
+
+def resolve_targets(lora: LoraSettings, model_path: str | Path) -> tuple[str, ...]:
+    """The target modules for ``model_path``: the given ones, each checked to exist, or the family default.
+
+    Raises:
+        ConfigError: a name the model has no linear layer of (the ones it has are named), or a family without a
+            default and no target_modules given.
+    """
+    model_type, names = linear_module_names(model_path)
+    adaptable = tuple(n for n in names if n not in _NEVER)
+    targets = lora.target_modules or DEFAULT_TARGETS.get(model_type, ())
+    if not targets:
+        raise ConfigError(f"[model.lora]: no default target modules for model_type {model_type!r}",
+                          hint=f"set model.lora.target_modules to some of its linear layers: {', '.join(adaptable)}")
+    missing = [t for t in targets if t not in adaptable]
+    if missing:
+        raise ConfigError(f"[model.lora]: target_modules {missing} are not linear layers of this {model_type} model",
+                          hint=f"its linear layers are: {', '.join(adaptable)}")
+    return tuple(targets)
+
+
+def prepare_base(lora: LoraSettings, model_path: str | Path) -> tuple[tuple[str, ...], str]:
+    """What a LoRA learner checks before loading any weight: the settings, the target modules (from the config) and,
+    for an adapter folder as base, that folder against its own base. Returns ``(targets, base fingerprint)``."""
+    lora.validate(rl=False, where="[model.lora]")
+    targets = resolve_targets(lora, model_path)
+    if is_adapter_folder(model_path):
+        check_adapter_folder(model_path)
+    return targets, weights_fingerprint(model_path)
+
+
+def load_pretrained_into(model: Any, path: str | Path) -> None:
+    """Copy the weights of an HF folder into ``model`` in place (modules shared with an engine see them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        model.load_state_dict(saved.state_dict())
+    del saved
+
+
+def load_into_learner(learner: Any, path: str | Path) -> None:
+    """Load a policy folder a learner wrote into ``learner.model``, in place (a shared engine sees it): full weights,
+    or with LoRA the adapter, after checking it was trained on the learner's base (``learner.base_fingerprint``)."""
+    if learner.lora is None:
+        if is_adapter_folder(path):
+            raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
+                              hint="resume with the run's [model.lora] settings (enabled = true)")
+        load_pretrained_into(learner.model, path)
+        return
+    if not is_adapter_folder(path):
+        raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
+                          hint="resume with the run's own settings, or start a new run from that folder")
+    check_adapter_folder(path, expected_fingerprint=learner.base_fingerprint)
+    load_adapter_weights(learner.model, Path(path))
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """sha256 over the weight files of a model folder (name and content of each ``*.safetensors`` / ``*.bin``);
+    for an adapter folder, over its adapter file and its base's fingerprint."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if is_adapter_folder(path):
+        h.update(f"adapter:{_file_sha256(path / ADAPTER_WEIGHTS)};base:{_read_marker(path)['fingerprint']}".encode())
+        return h.hexdigest()
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+    if not files:
+        raise ConfigError(f"{path} holds no weight files (*.safetensors or *.bin)",
+                          hint="pass a Hugging Face model folder")
+    for f in files:
+        h.update(f"{f.name}:{_file_sha256(f)};".encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ folders
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    """Whether ``path`` is an adapter folder (arpo's marker, or PEFT's adapter files without it)."""
+    path = Path(path)
+    return (path / ADAPTER_MARKER).is_file() or (path / ADAPTER_CONFIG).is_file() or (path / ADAPTER_WEIGHTS).is_file()
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    marker = path / ADAPTER_MARKER
+    if not marker.is_file():
+        raise ConfigError(f"{path} is an adapter folder without {ADAPTER_MARKER} (the record of its base model)",
+                          hint="arpo only applies an adapter to the base it was trained on; use a folder a LoRA "
+                               "run wrote, or merge the adapter with PEFT yourself")
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{marker} is not valid JSON: {e}", hint="the folder is damaged") from e
+    if not isinstance(data, dict) or not {"base", "fingerprint"} <= set(data):
+        raise ConfigError(f"{marker} lacks 'base' or 'fingerprint'", hint="the folder is damaged")
+    return data
+
+
+def check_adapter_folder(path: str | Path, *, expected_fingerprint: str | None = None) -> dict[str, Any]:
+    """Everything checked before an adapter folder loads: its weights and config are there, its base exists and has
+    the recorded fingerprint (``expected_fingerprint``: the base a resumed run trains must be this one too).
+    Returns the marker's record.
+
+    Raises:
+        ConfigError: a missing file, a missing base, or a base whose weights are not the ones the adapter was
+            trained on.
+    """
+    path = Path(path)
+    info = _read_marker(path)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        if not (path / name).is_file():
+            raise ConfigError(f"{path} is an adapter folder without {name}", hint="the folder is incomplete; copy "
+                                                                                  "the whole folder")
+    base = Path(info["base"])
+    if not base.is_dir():
+        raise ConfigError(f"{path}: its base model {base} does not exist",
+                          hint="put the base model back at that path, or export a merged model where it exists "
+                               "(arpo export --merge)")
+    if is_adapter_folder(base):
+        check_adapter_folder(base)
+    have = weights_fingerprint(base)
+    if have != info["fingerprint"]:
+        raise ConfigError(f"{path}: the base model at {base} is not the one the adapter was trained on (weights "
+                          f"fingerprint {have[:12]}..., the adapter records {info['fingerprint'][:12]}...)",
+                          hint="restore the original base weights; an adapter on other weights is another model")
+    if expected_fingerprint is not None and expected_fingerprint != info["fingerprint"]:
+        raise ConfigError(f"{path}: the adapter was trained on another base than this run's model "
+                          f"({info['fingerprint'][:12]}... vs {expected_fingerprint[:12]}...)",
+                          hint="resume with the model.path the run was started with")
+    return info
+
+
+def has_adapter(model: Any) -> bool:
+    """Whether ``model`` holds injected LoRA layers."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def attach_adapter(model: Any, lora: LoraSettings, targets: tuple[str, ...], base: str = "") -> Any:
+    """Inject a fresh adapter into ``model`` in place (``lora_B`` starts at 0: the output is unchanged) and freeze
+    every other parameter. Returns ``model``."""
+    from peft import inject_adapter_in_model
+
+    model.requires_grad_(False)
+    inject_adapter_in_model(lora.peft_config(targets, base), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def adapter_state(model: Any) -> dict[str, Any]:
+    """The adapter tensors (detached, on CPU) under PEFT's saved key names."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    return {_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+
+def save_adapter(model: Any, out: Path, *, base: Path, fingerprint: str) -> Path:
+    """Write ``model``'s adapter folder (weights, PEFT config, base record) into ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = model.peft_config["default"].to_dict()
+    config["base_model_name_or_path"] = str(base)
+    config["target_modules"] = sorted(config["target_modules"])
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, default=list), encoding="utf-8")
+    (out / ADAPTER_MARKER).write_text(json.dumps({"base": str(base), "fingerprint": fingerprint}, indent=1),
+                                      encoding="utf-8")
+    return out
+
+
+def load_adapter_weights(model: Any, path: Path) -> None:
+    """Copy an adapter folder's tensors into ``model``'s injected adapter, in place; every key must match."""
+    import torch
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(path) / ADAPTER_WEIGHTS))
+    own = adapter_state(model)
+    if set(saved) != set(own) or any(saved[k].shape != own[k].shape for k in own):
+        raise ConfigError(f"{path}: the adapter's tensors do not match this model's adapter (another rank or other "
+                          "target modules)", hint="use the same [model.lora] settings the adapter was trained with")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, value in saved.items():
+            name = key[len(_PEFT_PREFIX):]
+            stem, _, leaf = name.rpartition(".")
+            params[f"{stem}.default.{leaf}"].copy_(value)
+
+
+def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path / ADAPTER_CONFIG} cannot be read: {e}", hint="the folder is damaged") from e
+    for key, ok in (("use_dora", False), ("modules_to_save", None), ("bias", "none")):
+        if cfg.get(key, ok) not in (ok, [] if ok is None else ok):
+            raise ConfigError(f"{path}: the adapter uses {key} = {cfg[key]!r}, which arpo does not load",
+                              hint="merge it with PEFT into a plain model folder first")
+    lora = LoraSettings(enabled=True, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                        target_modules=tuple(cfg["target_modules"]))
+    return lora, lora.target_modules
+
+
+def load_policy_model(path: str | Path, *, dtype: Any, merge: bool = False, checked: bool = False,
+                      **load: Any) -> Any:
+    """A policy as a ``transformers`` model: a plain folder as is; an adapter folder as its base (checked against the
+    fingerprint first, loaded recursively and merged when it is itself an adapter) with the adapter applied,
+    unmerged unless ``merge``. ``load``: more ``from_pretrained`` arguments (attn_implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not is_adapter_folder(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load)
+    info = _read_marker(path) if checked else check_adapter_folder(path)
+    lora, targets = _lora_from_folder(path)
+    model = load_policy_model(info["base"], dtype=dtype, merge=True, checked=True, **load)
+    attach_adapter(model, lora, targets, info["base"])
+    load_adapter_weights(model, path)
+    model.requires_grad_(False)
+    if merge:
+        model = _merge(model)
+    return model
+
+
+def _merge(model: Any) -> Any:
+    """``model`` with its adapter merged into the base weights and the LoRA layers removed (a plain model)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model
+
+
+def merge_export(src: str | Path, out: str | Path) -> Path:
+    """Write the adapter folder ``src`` merged into its base as a plain Hugging Face folder ``out`` (must not exist or
+    be empty): the base checked first, nothing written on a refusal."""
+    import torch
+    from transformers import AutoTokenizer
+
+    src, out = Path(src), Path(out)
+    if not is_adapter_folder(src):
+        raise ConfigError(f"{src} is not an adapter folder (no {ADAPTER_MARKER})",
+                          hint="a LoRA run's checkpoint policy/ or exported policy holds one; a plain model folder "
+                               "needs no merge")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty", hint="pick a new output folder")
+    check_adapter_folder(src)
+    model = load_policy_model(src, dtype=torch.float32, merge=True, checked=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    for extra in ("arpo_policy.json",):
+        if (src / extra).is_file():
+            (out / extra).write_bytes((src / extra).read_bytes())
+    return out
