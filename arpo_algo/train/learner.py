@@ -30,9 +30,10 @@ override them so that every normaliser and decision above is global over the ran
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not in
 any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS
-(docs/concepts/arpo.md#limit-eos). That EOS was never sampled: its rollout log-prob is NaN, and ``rollout`` takes the
-learner's own log-prob for it (scored before any step, i.e. under the policy version that sampled the rest of the
-trajectory).
+(docs/concepts/arpo.md#limit-eos). That EOS was never sampled: the trajectory marks its position in ``unsampled``
+(its log-prob is only a placeholder), and ``rollout`` takes the learner's own log-prob for it (scored before any
+step, i.e. under the policy version that sampled the rest of the trajectory). A non-finite log-prob at any sampled
+position is an engine fault: the alarm stops the run, naming the count.
 
 **Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
 sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
@@ -188,7 +189,8 @@ class Learner:
             specs = []
             for j, t in enumerate(g.trajectories):
                 specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask),
-                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs)))
+                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs),
+                                     tuple(t.unsampled)))
                 seq += 1
             out.append(specs)
         return out
@@ -298,9 +300,8 @@ class Learner:
         try:
             if cfg.old_logprobs == "recompute":
                 old = current
-            else:  # a token the sampler did not sample (NaN: the tool-limit EOS) is scored by the same policy here
-                old = [torch.where(torch.isfinite(b.pair_old_logp), b.pair_old_logp, c)
-                       for b, c in zip(batches, current)]
+            else:  # a token the sampler did not sample (the tool-limit EOS) is scored by the same policy here
+                old = [torch.where(b.pair_sampled, b.pair_old_logp, c) for b, c in zip(batches, current)]
             ref = [self._logprobs(self.ref_model, b) for b in batches] if self.ref_model is not None else None
             totals: dict[str, float] = {}
             skipped, taken = 0, 0
@@ -367,9 +368,12 @@ class Learner:
         Invariant: with the engine holding the learner's weights and sampling the distribution the learner scores,
         the two agree up to kernel rounding; anything more means the update would be computed off-policy.
         """
-        kl_sum, weight, worst, count = 0.0, 0.0, 0.0, 0
+        kl_sum, weight, worst, count, bad = 0.0, 0.0, 0.0, 0, 0
         for b, cur in zip(batches, current):
-            sampled = torch.isfinite(b.pair_old_logp)  # NaN: a token the sampler appended without sampling it
+            sampled = b.pair_sampled  # False: a token the sampler appended without sampling it (explicitly marked)
+            finite = torch.isfinite(b.pair_old_logp)
+            bad += int((sampled & ~finite).sum())
+            sampled = sampled & finite
             if not bool(sampled.any()):
                 continue
             # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
@@ -379,7 +383,14 @@ class Learner:
             worst = max(worst, float((q - p).abs().max()))
             count += int(sampled.sum())
         kl = self._all_sum(kl_sum) / max(self._all_sum(weight), 1e-12)
-        worst, count = self._all_max(worst), int(self._all_sum(count))
+        worst, count, bad = self._all_max(worst), int(self._all_sum(count)), int(self._all_sum(bad))
+        if bad:  # an engine that returns NaN must not read as perfect agreement (kl_rollout = 0): a mismatch
+            log.error("the rollout engine returned %d non-finite log-prob(s) for %d sampled tokens", bad, bad + count)
+            raise ArpoError(f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
+                            f"tokens: the sampler and the learner disagree; stopping before training on it",
+                            hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
+                                 "check rollouts.dtype and the engine; a token appended without sampling must be "
+                                 "listed in Trajectory.unsampled")
         warn, stop = self.config.mismatch_levels(self.precision)
         if kl > warn:
             what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "

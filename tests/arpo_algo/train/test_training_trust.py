@@ -61,8 +61,10 @@ def test_sampling_the_learner_cannot_score_is_refused(key, value):
 
 
 def _unsampled(g):
-    """The group as if no token had been sampled by an engine (the tool-limit EOS's case): log-probs unknown."""
-    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs)) for t in g.trajectories])
+    """The group as if no token had been sampled by an engine (the tool-limit EOS's case): every position marked
+    unsampled, its log-prob a NaN placeholder."""
+    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs),
+                                            unsampled=list(range(len(t.old_logprobs)))) for t in g.trajectories])
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -79,6 +81,31 @@ def test_a_token_the_sampler_did_not_sample_is_scored_by_the_learner(tiny_model_
     assert m["kl_rollout"] == 0.0 and m["logprob_diff_max"] == 0.0
     for (name, p), q in zip(rollout.model.named_parameters(), recompute.model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("where", ["everywhere", "one token", "one inf"])
+def test_a_non_finite_log_prob_from_an_engine_stops_the_run(tiny_model_dir, groups, where, caplog):
+    """Only the explicit mark means "not sampled". A NaN (or inf) log-prob at a sampled position is an engine fault:
+    an engine returning NaN everywhere must not read as kl_rollout = 0, nor one NaN be replaced silently."""
+    from arpo_base.errors import ArpoError
+
+    def broken(t, first):
+        old = list(t.old_logprobs)
+        trained = [i for i, m in enumerate(t.trained_mask) if m]
+        for i in (trained if where == "everywhere" else trained[:1] if first else []):
+            old[i] = math.inf if where == "one inf" else math.nan
+        return replace(t, old_logprobs=old)
+
+    bad = [replace(g, trajectories=[broken(t, gi == 0 and j == 0) for j, t in enumerate(g.trajectories)])
+           for gi, g in enumerate(groups)]
+    n_bad = sum(not math.isfinite(x) for g in bad for t in g.trajectories for x in t.old_logprobs)
+    for recorded in ("rollout", "recompute"):
+        learner = Learner(tiny_model_dir, replace(BASE, old_logprobs=recorded), seed=0)
+        before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        with pytest.raises(ArpoError, match=rf"returned {n_bad} non-finite log-prob"):
+            learner.update(bad)
+        assert learner.step == 0 and all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+        assert f"{n_bad} non-finite" in caplog.text
 
 
 def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, groups, tmp_path):
