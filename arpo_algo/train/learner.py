@@ -129,6 +129,7 @@ class Learner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from arpo_algo.models import resolve_model_path
+        from arpo_algo.models.dropout import config_without_dropout
 
         config.validate()
         self.config = config
@@ -150,15 +151,17 @@ class Learner:
         if self.tree_attention == "flex":
             register_flex()
             impl = FLEX_TREE_IMPL
-        # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision.
-        load = {"dtype": torch.float32, "attn_implementation": impl}
+        # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision. Dropout off:
+        # the sampler scores without it, so the ratio and the alarm must too (arpo_algo.models.dropout).
+        load = {"dtype": torch.float32, "attn_implementation": impl, "config": config_without_dropout(path)}
         self.model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
             self.model.config.use_cache = False
         self.ref_model = None
         if config.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, **load).to(self.device).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                path, **{**load, "config": config_without_dropout(path)}).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
@@ -278,13 +281,11 @@ class Learner:
         batches = [b for mb in mbs for b in mb]
         # The policy version that sampled the batch (no optimizer step of this update has run yet), checked on every
         # update, one without signal too: stale weights show before anything is trained on them. These are also
-        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update.
-        self.model.train()
-        try:
-            with self._weights_of(behaviour_weights):
-                current = [self._logprobs(self.model, b) for b in batches]
-        finally:
-            self.model.eval()
+        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update. Eval mode, as the sampler
+        # scores (and dropout is zeroed at load, so the training forward computes the same function).
+        self.model.eval()
+        with self._weights_of(behaviour_weights):
+            current = [self._logprobs(self.model, b) for b in batches]
         mismatch = self._rollout_mismatch(batches, current)
         no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
         if not signal and no_loss_without_signal:

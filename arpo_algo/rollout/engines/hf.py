@@ -156,7 +156,11 @@ class HFEngine:
         from arpo_algo.models import resolve_model_path
 
         path = resolve_model_path(os.fspath(src))
-        mdl = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        from arpo_algo.models.dropout import config_without_dropout
+
+        # the learner loads without dropout too: train-mode and eval-mode scores are one function on both sides
+        mdl = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, config=config_without_dropout(path)).to(
+            device).eval()
         return mdl, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
 
     def _eos_ids(self) -> set[int]:

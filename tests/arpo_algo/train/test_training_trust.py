@@ -108,6 +108,39 @@ def test_a_non_finite_log_prob_from_an_engine_stops_the_run(tiny_model_dir, grou
         assert f"{n_bad} non-finite" in caplog.text
 
 
+def test_learner_and_sampler_agree_under_a_dropout_config(tiny_model_dir, tmp_path):
+    """A model whose config asks for dropout: the sampler scores in eval mode, so the learner's old log-probs, the
+    alarm and its training forward must score the same function (dropout off at load, pre-step scoring in eval)."""
+    import json
+    import shutil
+
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.config import RolloutsConfig
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_algo.train.learner_config import MISMATCH_LEVELS
+    from arpo_env.core import ToolTextEnv
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "dropout")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
+    engine = HFEngine(model, dtype="float32", seed=0)
+    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(4),
+                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    learner = Learner(model, LearnerConfig(lr=1e-3, micro_batch_tokens=100_000, old_logprobs="rollout"), seed=0)
+    try:
+        groups, _ = sampler.sample([0, 1], step=0)
+        groups = [_with_rewards(g, [0.0, 1.0, 0.0, 1.0]) for g in groups]  # signal: the update takes its step
+        m = learner.update(groups)
+    finally:
+        sampler.close()
+    assert m["kl_rollout"] < MISMATCH_LEVELS["fp32"][0] and m["logprob_diff_max"] < 1e-3
+    # the training forward is the sampler's function too: one epoch, one mini-batch, ratio 1 up to rounding
+    assert m["optimizer_steps"] == 1 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["clip_frac"] == 0.0
+    assert learner.model.config.attention_dropout == 0.0
+
+
 def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, groups, tmp_path):
     """A real HF engine with its own weight copy (as a rollout actor holds) samples; the learner steps; the engine
     is not sent the new weights. The next update must stop before training on the stale samples, naming the cause;
