@@ -49,8 +49,9 @@ def sample_groups(sampler: Any, prompts: Any, indices: list[int], step: int, *, 
     """One iteration's groups: ``sampler.sample(indices)``, and with ``dynamic`` DAPO's dynamic sampling.
 
     Groups with equal rewards are dropped and ``prompts.next(...)`` draws new prompts for the missing ones (tasks not
-    yet drawn in this step), for at most ``max_rounds`` rounds in all. When no group has signal, the first round's groups are kept (the learner then
-    skips the update). Every round's tokens and tool calls count in the rollout metrics (the budget is honest).
+    yet drawn in this step), for at most ``max_rounds`` rounds in all. When no group has signal, the first round's
+    groups are kept (the learner then skips the update). Every round's tokens and tool calls count in the rollout
+    metrics (the budget is honest).
     """
     groups, metrics = sampler.sample(indices, step=step, policy_version=policy_version)
     if not dynamic:

@@ -70,7 +70,7 @@ from arpo_algo.train.device_setup import (
     resolve_precision,
     resolve_tree_attention,
 )
-from arpo_algo.train.learner_config import LearnerConfig
+from arpo_algo.train.learner_config import GROWTH_FACTOR, GROWTH_WINDOW, LearnerConfig
 from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
@@ -169,6 +169,7 @@ class Learner:
         self.step = 0
         self.nan_streak = 0
         self.skipped_total = 0
+        self._kl_history: list[float] = []  # kl_rollout of the last updates (the alarm's growth warning)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
@@ -364,12 +365,18 @@ class Learner:
 
     def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
         """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the
-        same sampled tokens; raises above the stop level, warns above the warning level (LearnerConfig).
+        same sampled tokens; raises above a stop level, warns above a warning level (LearnerConfig).
+
+        Three statistics, each with its levels: the token-mean k3 KL (``kl_rollout``), and two a local fault does
+        not dilute: the fraction of tokens whose log-probs differ by more than ``tail_logprob_diff``, and the
+        worst trajectory's KL. A ``kl_rollout`` that keeps rising over the last updates is warned about too.
 
         Invariant: with the engine holding the learner's weights and sampling the distribution the learner scores,
         the two agree up to kernel rounding; anything more means the update would be computed off-policy.
         """
-        kl_sum, weight, worst, count, bad = 0.0, 0.0, 0.0, 0, 0
+        cfg = self.config
+        kl_sum, weight, worst, count, bad, tail = 0.0, 0.0, 0.0, 0, 0, 0
+        traj_kl: dict[int, list[float]] = {}
         for b, cur in zip(batches, current):
             sampled = b.pair_sampled  # False: a token the sampler appended without sampling it (explicitly marked)
             finite = torch.isfinite(b.pair_old_logp)
@@ -379,12 +386,22 @@ class Learner:
                 continue
             # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
             q, p, w = b.pair_old_logp[sampled].double(), cur[sampled].double(), b.pair_weight[sampled].double()
-            kl_sum += float((w * k3_kl(q, p)).sum())  # samples from q: k3 estimates KL(q || p)
+            k3 = w * k3_kl(q, p)  # samples from q: k3 estimates KL(q || p)
+            kl_sum += float(k3.sum())
             weight += float(w.sum())
-            worst = max(worst, float((q - p).abs().max()))
+            diff = (q - p).abs()
+            worst = max(worst, float(diff.max()))
+            tail += int((diff > cfg.tail_logprob_diff).sum())
             count += int(sampled.sum())
+            for seq, k, ww in zip(b.pair_seq[sampled].tolist(), k3.tolist(), w.tolist()):
+                acc = traj_kl.setdefault(seq, [0.0, 0.0])
+                acc[0] += k
+                acc[1] += ww
         kl = self._all_sum(kl_sum) / max(self._all_sum(weight), 1e-12)
         worst, count, bad = self._all_max(worst), int(self._all_sum(count)), int(self._all_sum(bad))
+        # each trajectory is scored on one rank, whole: the worst is the largest over ranks
+        traj_max = self._all_max(max((k / max(w, 1e-12) for k, w in traj_kl.values()), default=0.0))
+        tail_frac = self._all_sum(tail) / max(count, 1)
         if bad:  # an engine that returns NaN must not read as perfect agreement (kl_rollout = 0): a mismatch
             log.error("the rollout engine returned %d non-finite log-prob(s) for %d sampled tokens", bad, bad + count)
             raise ArpoError(f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
@@ -392,18 +409,36 @@ class Learner:
                             hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
                                  "check rollouts.dtype and the engine; a token appended without sampling must be "
                                  "listed in Trajectory.unsampled")
-        warn, stop = self.config.mismatch_levels(self.precision)
-        if kl > warn:
-            what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
-                    f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}")
-            causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
-                      "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
-                      "levels), or an engine that records another kind of log-prob")
-            if kl > stop:
-                raise ArpoError(f"{what}; above training.kl_rollout_stop = {stop:g}, stopping before training on it",
-                                hint=causes)
-            log.warning("%s (training.kl_rollout_warn = %g); %s", what, warn, causes)
-        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst}
+        warn, stop = cfg.mismatch_levels(self.precision)
+        tails = cfg.tail_levels(self.precision)
+        what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
+                f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}, "
+                f"{tail_frac:.3g} of the tokens differ by more than {cfg.tail_logprob_diff:g} nats, the worst "
+                f"trajectory's KL = {traj_max:.3g}")
+        causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
+                  "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
+                  "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
+                  "log-prob")
+        checks = (("kl_rollout", kl, warn, stop), ("tail_frac", tail_frac, *tails["frac"]),
+                  ("traj_kl", traj_max, *tails["traj"]))
+        above_stop = [f"training.{name}_stop = {s:g}" for name, v, _, s in checks if v > s]
+        if above_stop:
+            raise ArpoError(f"{what}; above {', '.join(above_stop)}, stopping before training on it", hint=causes)
+        above_warn = [f"training.{name}_warn = {w:g}" for name, v, w, _ in checks if v > w]
+        if above_warn:
+            log.warning("%s (above %s); %s", what, ", ".join(above_warn), causes)
+        # Growth: a fault that builds up (a cache or weight copy drifting) warns before it reaches a level. Growth
+        # below a tenth of the warning level is rounding noise, which rises three times in a row by chance.
+        self._kl_history = (self._kl_history + [kl])[-(GROWTH_WINDOW + 1):]
+        h = self._kl_history
+        growing = (len(h) == GROWTH_WINDOW + 1 and all(b > a for a, b in zip(h, h[1:]))
+                   and h[-1] > GROWTH_FACTOR * h[0] and h[-1] > warn / 10)
+        if growing:
+            log.warning("kl_rollout rose over each of the last %d updates, %s -> %s (more than %gx): the sampler "
+                        "and the learner are drifting apart; %s", GROWTH_WINDOW,
+                        " -> ".join(f"{x:.3g}" for x in h[:-1]), f"{h[-1]:.3g}", GROWTH_FACTOR, causes)
+        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst, LK.LOGPROB_TAIL_FRAC: tail_frac,
+                LK.KL_ROLLOUT_TRAJ_MAX: traj_max, LK.KL_ROLLOUT_GROWING: float(growing)}
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None, num_groups: int) -> dict[str, float] | None:

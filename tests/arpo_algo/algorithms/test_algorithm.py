@@ -66,6 +66,8 @@ def test_rollouts_sample_from_the_updated_weights(tiny_model_dir):
         algo.stop()
     assert all(r["learner"]["param_change_norm"] > 0 for r in results)
     assert all(abs(r["learner"]["kl_rollout"]) < 1e-6 for r in results), [r["learner"]["kl_rollout"] for r in results]
+    # the alarm's tail statistics are logged beside the token mean, far under their warning levels
+    assert all(r["learner"]["logprob_tail_frac"] == 0 and r["learner"]["kl_rollout_traj_max"] < 1e-6 for r in results)
 
 
 def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):

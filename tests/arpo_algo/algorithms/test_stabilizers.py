@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -15,6 +14,7 @@ from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from arpo_env.core import ToolTextEnv
 from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
@@ -73,7 +73,7 @@ def test_min_roots_keeps_budget_for_independent_roots(env_creator):
 def test_dr_grpo_aggregation_is_token_sum_over_a_constant(tiny_model_dir):
     groups = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
     base = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, dedup_prefix=False,
-                         kl_rollout_stop=math.inf)  # hand-built behaviour log-probs
+                         **ALARM_OFF)  # hand-built behaviour log-probs
     grads = {}
     for agg in ("token_mean", "dr_grpo"):
         learner = Learner(tiny_model_dir, replace(base, loss_agg=agg, dr_grpo_tokens=50), seed=0)

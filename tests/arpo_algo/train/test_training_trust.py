@@ -12,11 +12,12 @@ from transformers import AutoTokenizer
 from arpo_algo.algorithms.stabilizers import has_signal
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 # Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,7 @@ def test_aepo_defaults_take_several_steps_so_its_clip_acts(tiny_model_dir, group
 
     aepo = Settings.for_variant("aepo").training
     assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batches > 1
-    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
     m = Learner(tiny_model_dir, cfg, seed=0).update([_unsampled(g) for g in groups])
     assert m["optimizer_steps"] == 2 and m["clip_frac"] > 0  # 2 groups: one per part
 
