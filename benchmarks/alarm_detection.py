@@ -122,9 +122,15 @@ def main() -> None:
     torch.set_num_threads(2)
     path = resolve_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = LearnerConfig(lr=1e-6, micro_batch_tokens=100_000)
+    config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048)
     # the stop levels are off so every statistic is measured; the verdict compares them with the default levels
     learner = Learner(path, replace(config, **ALARM_OFF), seed=0)
+
+    def scored(groups: list[Group]) -> dict[str, float]:
+        # equal rewards: no signal, so the update is the alarm's scoring alone (no step, the weights stay)
+        return learner.update([replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories])
+                               for g in groups])
+
     cases = {"clean (false alarms)": lambda g: g, "1 nat on the first token after each tool result":
              plant_tool_first_token, "bad KV reuse at one branch point": lambda g: plant_kv_reuse(g, model)}
     names = ("kl_rollout", "logprob_tail_frac", "kl_rollout_traj_max")
@@ -133,8 +139,7 @@ def main() -> None:
         values: dict[str, list[float]] = {k: [] for k in names}
         fired: dict[str, int] = {k: 0 for k in names}
         for seed in range(args.seeds):
-            learner.model.load_state_dict(model.state_dict())  # every seed scored by the weights that sampled it
-            m = learner.update(plant(clean_groups(model, seed=seed)))  # the alarm scores before the step
+            m = scored(plant(clean_groups(model, seed=seed)))
             for k, v in verdict(m, config).items():
                 values[k].append(m[k])
                 fired[k] += v != "-"
