@@ -37,7 +37,10 @@ position is an engine fault: the alarm stops the run, naming the count.
 
 **Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
 sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
-and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`).
+and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`). Beside that token mean, which dilutes a fault on few
+tokens or one trajectory, two tail statistics have their own levels: ``logprob_tail_frac`` (tokens off by more than
+``tail_logprob_diff``) and ``kl_rollout_traj_max`` (the worst trajectory's KL); a ``kl_rollout`` that keeps rising
+warns too. Every pre-step scoring runs in eval mode, with dropout zeroed at load, as the sampler scores.
 
 **A stale batch** (asynchronous rollouts: sampled by an earlier policy version than the learner holds) comes with
 ``behaviour_weights``, the weights that sampled it. The pre-step scoring (the alarm, recomputed old log-probs and the
