@@ -118,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--cases", default="clean,tool,kv", help="which of clean, tool, kv to run (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     path = resolve_model_path(args.model)
@@ -131,8 +132,13 @@ def main() -> None:
         return learner.update([replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories])
                                for g in groups])
 
-    cases = {"clean (false alarms)": lambda g: g, "1 nat on the first token after each tool result":
-             plant_tool_first_token, "bad KV reuse at one branch point": lambda g: plant_kv_reuse(g, model)}
+    all_cases = {"clean": ("clean (false alarms)", lambda g: g),
+                 "tool": ("1 nat on the first token after each tool result", plant_tool_first_token),
+                 "kv": ("bad KV reuse at one branch point", lambda g: plant_kv_reuse(g, model))}
+    unknown = set(args.cases.split(",")) - set(all_cases)
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(sorted(unknown))}; choose from {', '.join(all_cases)}")
+    cases = dict(all_cases[c] for c in args.cases.split(","))
     names = ("kl_rollout", "logprob_tail_frac", "kl_rollout_traj_max")
     rows = []
     for case, plant in cases.items():
