@@ -49,10 +49,12 @@ def measure(args: argparse.Namespace) -> dict:
     from arpo_algo.rollout.types import Group, Trajectory
     from arpo_algo.train.backends import LocalLearner
     from arpo_algo.train.learner import LearnerConfig
+    from arpo_algo.train.learner_config import ALARM_OFF
 
     lora = LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank) if args.variant == "lora" else None
     # random tokens are not what the model would sample: the mismatch alarm has nothing to say here
-    cfg = LearnerConfig(lr=5e-5, kl_rollout_warn=math.inf, kl_rollout_stop=math.inf,
+    silent = {**ALARM_OFF, **{k.replace("_stop", "_warn"): math.inf for k in ALARM_OFF}}
+    cfg = LearnerConfig(lr=5e-5, **silent,
                         micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=args.gradient_checkpointing)
     start = _peak_mib()
     learner = LocalLearner(args.model, cfg, seed=0, lora=lora)

@@ -10,7 +10,6 @@ actor does), the learner's weights pushed to it after every update, or, with ``-
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
@@ -20,6 +19,7 @@ from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_env.core import ToolTextEnv
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     # The alarm itself is off here (stop level infinite): this script measures what it would see.
-    learner = Learner(args.model, LearnerConfig(lr=args.lr, micro_batch_tokens=1024, kl_rollout_stop=math.inf),
+    learner = Learner(args.model, LearnerConfig(lr=args.lr, micro_batch_tokens=1024, **ALARM_OFF),
                       seed=0)
     engine = HFEngine(args.model, dtype=args.engine_dtype, seed=0)
     env = lambda: ToolTextEnv(task="toolmath", levels=[3], max_tool_calls=args.max_tool_calls,  # noqa: E731

@@ -58,6 +58,39 @@ def pytest_cmdline_main(config):
     return status
 
 
+class _AlarmInTraining(logging.Handler):
+    """Keeps the mismatch alarm's warnings logged inside an Algorithm's training step (an integration run)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        frame = sys._getframe()
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "training_step" and f"arpo_algo{os.sep}algorithms" in code.co_filename:
+                self.messages.append(record.getMessage())
+                return
+            frame = frame.f_back
+
+
+@pytest.fixture(autouse=True)
+def _no_mismatch_alarm_in_training_runs():
+    """Invariant: no training run of the suite crosses a warning level of the mismatch alarm (token mean, tail
+    fraction, worst trajectory, growth): the levels are set so a correct engine never reaches them. Covers the runs
+    whose learner is in the test's process; tests that plant faults call the learner directly."""
+    handler = _AlarmInTraining()
+    learner_log = logging.getLogger("arpo_algo.train.learner")
+    learner_log.addHandler(handler)
+    try:
+        yield
+    finally:
+        learner_log.removeHandler(handler)
+    if handler.messages:
+        pytest.fail("the mismatch alarm warned in a training run: " + " | ".join(handler.messages), pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with the repo's byte-level tokenizer, saved as a normal HF folder."""

@@ -134,6 +134,9 @@ class AgenticRLAlgorithm(Algorithm):
         self._eval_env = env_creator(cfg, split=settings.evaluation.split)
         env = self._train_env()
         self.prompts = PromptIterator(env.num_tasks, cfg.seed)
+        if settings.training.prompts_per_step > env.num_tasks:  # a step draws distinct tasks
+            raise ConfigError(f"training.prompts_per_step = {settings.training.prompts_per_step} exceeds the "
+                              f"{env.num_tasks} tasks of the training split", hint="lower training.prompts_per_step")
         # what every policy folder this run writes records for serving (the env it was trained in decides them)
         self.served_defaults = served_defaults(env)
         self.engine = self._build_engine(model_path)
@@ -268,7 +271,9 @@ class AgenticRLAlgorithm(Algorithm):
         for key, value in group_diagnostics(groups).items():  # names defined in arpo_algo.rollout.diagnostics
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
-        self.metrics.log_dict(self.data_position(), key="data", reduce="mean", window=1)
+        position = self.data_position()  # numbers only in the metrics: the carried tasks as a count
+        position["carry"] = len(position.get("carry", ()))
+        self.metrics.log_dict(position, key="data", reduce="mean", window=1)
         self._record_trees(version + 1, groups)  # iteration numbers as in metrics.jsonl (1 = the first update)
         return None
 

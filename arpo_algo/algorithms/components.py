@@ -19,39 +19,64 @@ from arpo_base.errors import ArpoError, ConfigError
 class PromptIterator:
     """Which prompts come next: a seeded permutation per epoch, position kept in checkpoints.
 
-    Resuming a run restores (epoch, position), so a killed run continues with exactly the prompts it would have seen.
+    Resuming a run restores (epoch, position, carry), so a killed run continues with exactly the prompts it would
+    have seen. One call never returns a task twice (nor one in ``exclude``): the sampler's seeds depend only on the
+    step and the task, so a repeated task would be a bit-identical group counted twice. A task that would repeat (at
+    an epoch border, or a dynamic-sampling round) is carried to the next call instead, so every epoch still yields
+    each task exactly once.
     """
 
     def __init__(self, num_tasks: int, seed: int) -> None:
         if num_tasks < 1:
             raise ConfigError("the training split has no tasks")
         self.num_tasks, self.seed, self.epoch, self.position = num_tasks, seed, 0, 0
+        self.carry: list[int] = []
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(self.num_tasks))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
-    def next(self, k: int) -> list[int]:
-        """The next ``k`` task indices (crossing epoch borders; each epoch is a fresh permutation)."""
+    def next(self, k: int, exclude: Any = ()) -> list[int]:
+        """The next ``k`` distinct task indices, none in ``exclude`` (crossing epoch borders; each epoch is a fresh
+        permutation; a task skipped as a repeat comes first in a later call)."""
+        taken = set(exclude)
+        if k + len(taken) > self.num_tasks:
+            raise ConfigError(f"{k} distinct tasks are asked for in one step (besides {len(taken)} already drawn), "
+                              f"the training split has {self.num_tasks}",
+                              hint="lower training.prompts_per_step to at most the number of training tasks")
         out: list[int] = []
+        carry, self.carry = self.carry, []
+        for i in carry:
+            if len(out) < k and i not in taken:
+                out.append(i)
+                taken.add(i)
+            else:
+                self.carry.append(i)
+        order = self._order(self.epoch)
         while len(out) < k:
-            order = self._order(self.epoch)
-            take = order[self.position:self.position + k - len(out)]
-            out += take
-            self.position += len(take)
+            i = order[self.position]
+            self.position += 1
             if self.position >= self.num_tasks:
                 self.epoch, self.position = self.epoch + 1, 0
+                order = self._order(self.epoch)
+            if i in taken:
+                self.carry.append(i)
+            else:
+                out.append(i)
+                taken.add(i)
         return out
 
-    def get_state(self) -> dict[str, int]:
-        return {"num_tasks": self.num_tasks, "seed": self.seed, "epoch": self.epoch, "position": self.position}
+    def get_state(self) -> dict[str, Any]:
+        return {"num_tasks": self.num_tasks, "seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "carry": list(self.carry)}
 
-    def set_state(self, state: dict[str, int]) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         if state["num_tasks"] != self.num_tasks:
             raise ArpoError(f"the checkpoint was trained on {state['num_tasks']} tasks, this run has "
                             f"{self.num_tasks}", hint="resume with the same env config (split, data)")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.carry = list(state.get("carry", []))  # checkpoints written before the carry had none
 
 
 # ---------------------------------------------------------------------------------------------------- environments

@@ -48,16 +48,23 @@ def sample_groups(sampler: Any, prompts: Any, indices: list[int], step: int, *, 
                   max_rounds: int, policy_version: int | None = None) -> tuple[list[Any], dict[str, float]]:
     """One iteration's groups: ``sampler.sample(indices)``, and with ``dynamic`` DAPO's dynamic sampling.
 
-    Groups with equal rewards are dropped and ``prompts.next(...)`` draws new prompts for the missing ones, for at
-    most ``max_rounds`` rounds in all. When no group has signal, the first round's groups are kept (the learner then
-    skips the update). Every round's tokens and tool calls count in the rollout metrics (the budget is honest).
+    Groups with equal rewards are dropped and ``prompts.next(...)`` draws new prompts for the missing ones (tasks not
+    yet drawn in this step), for at most ``max_rounds`` rounds in all. When no group has signal, the first round's
+    groups are kept (the learner then skips the update). Every round's tokens and tool calls count in the rollout
+    metrics (the budget is honest).
     """
     groups, metrics = sampler.sample(indices, step=step, policy_version=policy_version)
     if not dynamic:
         return groups, metrics
     want, kept, drawn, rounds = len(indices), [g for g in groups if has_signal(g)], len(groups), 1
+    used = set(indices)  # a task drawn again in this step would be the same group again (same seeds)
     while len(kept) < want and rounds < max_rounds:
-        more, m = sampler.sample(prompts.next(want - len(kept)), step=step, policy_version=policy_version)
+        k = min(want - len(kept), prompts.num_tasks - len(used))
+        if k < 1:  # every task of the split is in this step already
+            break
+        fresh = prompts.next(k, exclude=used)
+        used.update(fresh)
+        more, m = sampler.sample(fresh, step=step, policy_version=policy_version)
         for k in SUMMED:
             metrics[k] = metrics.get(k, 0.0) + m.get(k, 0.0)
         kept += [g for g in more if has_signal(g)]

@@ -351,18 +351,23 @@ def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
 
 
 def load_policy_model(path: str | Path, *, dtype: Any, merge: bool = False, checked: bool = False,
-                      **load: Any) -> Any:
+                      no_dropout: bool = False, **load: Any) -> Any:
     """A policy as a ``transformers`` model: a plain folder as is; an adapter folder as its base (checked against the
     fingerprint first, loaded recursively and merged when it is itself an adapter) with the adapter applied,
-    unmerged unless ``merge``. ``load``: more ``from_pretrained`` arguments (attn_implementation)."""
+    unmerged unless ``merge``. ``no_dropout``: every dropout rate of the (base) config set to 0
+    (:mod:`arpo_algo.models.dropout`). ``load``: more ``from_pretrained`` arguments (attn_implementation)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not is_adapter_folder(path):
+        if no_dropout:
+            from arpo_algo.models.dropout import config_without_dropout
+
+            load = {**load, "config": config_without_dropout(path)}
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load)
     info = _read_marker(path) if checked else check_adapter_folder(path)
     lora, targets = _lora_from_folder(path)
-    model = load_policy_model(info["base"], dtype=dtype, merge=True, checked=True, **load)
+    model = load_policy_model(info["base"], dtype=dtype, merge=True, checked=True, no_dropout=no_dropout, **load)
     attach_adapter(model, lora, targets, info["base"])
     load_adapter_weights(model, path)
     model.requires_grad_(False)

@@ -29,9 +29,9 @@ from arpo_algo.rollout import layout
 from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams
 
 EventCallback = Callable[[int, dict[str, Any]], None]
-#: The log-prob recorded for a token appended without sampling it (the tool-limit EOS): unknown, not 0.0 (which
-#: would claim probability 1). The learner replaces it by its own log-prob under the sampling policy version and
-#: leaves it out of the rollout/learner mismatch alarm.
+#: The placeholder log-prob of a token appended without sampling it (the tool-limit EOS): unknown, not 0.0 (which
+#: would claim probability 1). The position is marked in ``unsampled``; the learner scores it by its own log-prob
+#: under the sampling policy version and leaves it out of the mismatch alarm. The mark, not this value, decides.
 NOT_SAMPLED = float("nan")
 
 
@@ -53,6 +53,7 @@ class Conversation:
     engine_error: str | None = None
     done: bool = False
     finish_reason: str = ""
+    unsampled: list[int] = dataclasses.field(default_factory=list)  # positions appended without sampling
 
     def add(self, ids: list[int], mask: list[int], logprobs: list[float], entropies: list[float]) -> None:
         self.response += ids
@@ -63,6 +64,7 @@ class Conversation:
     def truncate(self, n: int) -> None:
         for name in ("response", "mask", "logprobs", "entropies"):
             setattr(self, name, getattr(self, name)[:n])
+        self.unsampled = [i for i in self.unsampled if i < n]
 
     def request(self, request_id: Any, prompt_ids: list[int], params: SamplingParams) -> GenRequest:
         """The next engine request: the whole context, with this conversation's last cache key as prefix hint."""
@@ -168,9 +170,11 @@ def apply_turn(conv: Conversation, turn: Turn, tokenizer: Any, eos_id: int | Non
     if turn.tool_call is not None:
         conv.tool_calls.append(turn.tool_call)
     if turn.done:
-        # Never sampled: its log-prob is unknown (NaN), so the learner scores it itself. Invariant: the response
-        # never exceeds max_response_tokens, so at the budget the conversation ends without it.
+        # Never sampled: its position is recorded in ``unsampled`` (the learner scores it itself; the NaN value is
+        # only a placeholder). Invariant: the response never exceeds max_response_tokens, so at the budget the
+        # conversation ends without it.
         if turn.append_eos and len(conv.response) < max_response_tokens:
+            conv.unsampled.append(len(conv.response))
             conv.add([eos_id], [1 if train_eos else 0], [NOT_SAMPLED], [0.0])
         return "finished", finish_reason(turn, conv)
     if conv.engine_error or conv.last_finish == "eos" or len(conv.response) >= max_response_tokens:
@@ -204,7 +208,7 @@ class AgentTrace:
         response_ids: Every token after the prompt (sampled and tool results).
         trained_mask: 1 for sampled tokens, 0 for inserted tool-result tokens.
         logprobs, entropies: Sampling-time values per response token (0.0 for inserted tool-result tokens; the
-            log-prob of an appended tool-limit EOS is :data:`NOT_SAMPLED`).
+            log-prob of an appended tool-limit EOS is the placeholder :data:`NOT_SAMPLED`).
         tool_calls: One dict per tool call: tool, args, output, error, latency_s, cache_hit.
         finish_reason: "answer", "eos", "length", "tool_limit", "turn_limit" or "error".
         text: The response decoded (special tokens skipped).
@@ -219,6 +223,7 @@ class AgentTrace:
     finish_reason: str
     text: str
     error: str | None = None
+    unsampled: list[int] = dataclasses.field(default_factory=list)  # positions appended without sampling
 
 
 def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampling: SamplingParams, *,
@@ -276,7 +281,7 @@ def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampl
         if keys:
             engine.release(sorted(keys, key=str))
     return [AgentTrace(p, c.response, c.mask, c.logprobs, c.entropies, c.tool_calls, c.finish_reason,
-                       tok.decode(c.response, skip_special_tokens=True), c.engine_error)
+                       tok.decode(c.response, skip_special_tokens=True), c.engine_error, list(c.unsampled))
             for p, c in zip(prompts, convs)]
 
 

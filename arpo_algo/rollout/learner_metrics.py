@@ -29,6 +29,9 @@ STEP_SUMS = (LOSS_POLICY, LOSS_KL, LOSS_ENTROPY_BONUS, LOSS_TOTAL, CLIP_FRAC, CL
 # the update (the policy version that sampled them), over the sampled trained tokens; global over data-parallel ranks.
 KL_ROLLOUT = "kl_rollout"  # k3 estimate of KL(sampler || learner), token-weighted mean
 LOGPROB_DIFF_MAX = "logprob_diff_max"  # the largest |sampler log-prob - learner log-prob|
+LOGPROB_TAIL_FRAC = "logprob_tail_frac"  # fraction of those tokens with |difference| > training.tail_logprob_diff
+KL_ROLLOUT_TRAJ_MAX = "kl_rollout_traj_max"  # the worst trajectory's k3 KL (mean over its sampled tokens)
+KL_ROLLOUT_GROWING = "kl_rollout_growing"  # 1 when kl_rollout rose over the last updates (see LearnerConfig)
 
 # The optimizer step itself.
 GRAD_NORM = "grad_norm"  # before clipping

@@ -64,14 +64,14 @@ class Path(Conversation):
                     tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls),
                     parent=self.tid, branch_point=bp,
                     depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
-                    cache_key=key)
+                    cache_key=key, unsampled=[i for i in self.unsampled if i < bp])
 
     def to_trajectory(self) -> Trajectory:
         return Trajectory(traj_id=self.tid, response_ids=self.response, trained_mask=self.mask,
                           old_logprobs=self.logprobs, entropies=self.entropies, reward=self.reward,
                           reward_info=self.reward_info, tool_calls=self.tool_calls, parent=self.parent,
                           branch_point=self.branch_point, kind=self.kind, finish_reason=self.finish_reason,
-                          segment_entropy=self.segment_entropy)
+                          segment_entropy=self.segment_entropy, unsampled=list(self.unsampled))
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,8 +24,8 @@ class Trajectory:
         traj_id: Index within the group (creation order).
         response_ids: Every token after the prompt: sampled tokens and inserted tool-result tokens.
         trained_mask: 1 for sampled tokens (trained), 0 for inserted tokens (tool results; masked). Same length.
-        old_logprobs: Sampling-time log-probability per response token (0.0 for inserted tokens; NaN for the
-            tool-limit EOS, which was appended, not sampled: the learner scores it itself).
+        old_logprobs: Sampling-time log-probability per response token (0.0 for inserted tokens; a NaN placeholder
+            at the positions in ``unsampled``). Every other trained position holds a finite value from the engine.
         entropies: Sampling-time entropy per response token (0.0 for inserted tokens).
         reward: Scalar reward of the finished trajectory.
         reward_info: The reward breakdown from the environment.
@@ -38,6 +38,9 @@ class Trajectory:
         segment_entropy: Per generated segment, the entropy value the branch rule saw (for metrics and debugging).
         policy_version: The policy version (learner updates applied) whose weights sampled it; the learner scores
             a batch older than its own version under that version's weights. None: not recorded.
+        unsampled: Response positions appended without being sampled (the tool-limit EOS): no engine log-prob
+            exists for them, so the learner scores them itself. This list, not the NaN placeholder, is the mark;
+            a non-finite log-prob anywhere else is an engine fault.
     """
 
     traj_id: int
@@ -55,9 +58,13 @@ class Trajectory:
     finish_reason: str = ""
     segment_entropy: list[float] = field(default_factory=list)
     policy_version: int | None = None
+    unsampled: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
+        if any(not 0 <= i < n for i in self.unsampled):
+            raise ValueError(f"trajectory {self.traj_id}: unsampled positions {self.unsampled} outside the response "
+                             f"({n} tokens)")
         if not (len(self.trained_mask) == len(self.old_logprobs) == len(self.entropies) == n):
             raise ValueError(
                 f"trajectory {self.traj_id}: response_ids ({n}), trained_mask ({len(self.trained_mask)}), "

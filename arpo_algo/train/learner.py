@@ -31,13 +31,17 @@ override them so that every normaliser and decision above is global over the ran
 Old log-probs: ``recompute`` (reference) evaluates them under ``no_grad`` with the current weights before the update;
 ``rollout`` takes ``Trajectory.old_logprobs`` from the sampler. Tool-result tokens (``trained_mask == 0``) are not in
 any loss term, so they get no gradient; the sampler decides the mask of an appended tool-limit EOS
-(docs/concepts/arpo.md#limit-eos). That EOS was never sampled: its rollout log-prob is NaN, and ``rollout`` takes the
-learner's own log-prob for it (scored before any step, i.e. under the policy version that sampled the rest of the
-trajectory).
+(docs/concepts/arpo.md#limit-eos). That EOS was never sampled: the trajectory marks its position in ``unsampled``
+(its log-prob is only a placeholder), and ``rollout`` takes the learner's own log-prob for it (scored before any
+step, i.e. under the policy version that sampled the rest of the trajectory). A non-finite log-prob at any sampled
+position is an engine fault: the alarm stops the run, naming the count.
 
 **Mismatch alarm**: before any step, every update compares the sampler's log-probs with the learner's for the same
 sampled tokens (``kl_rollout``: k3 KL(sampler || learner); ``logprob_diff_max``), warns above ``kl_rollout_warn``
-and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`).
+and raises above ``kl_rollout_stop`` (:class:`LearnerConfig`). Beside that token mean, which dilutes a fault on few
+tokens or one trajectory, two tail statistics have their own levels: ``logprob_tail_frac`` (tokens off by more than
+``tail_logprob_diff``) and ``kl_rollout_traj_max`` (the worst trajectory's KL); a ``kl_rollout`` that keeps rising
+warns too. Every pre-step scoring runs in eval mode, with dropout zeroed at load, as the sampler scores.
 
 **A stale batch** (asynchronous rollouts: sampled by an earlier policy version than the learner holds) comes with
 ``behaviour_weights``, the weights that sampled it. The pre-step scoring (the alarm, recomputed old log-probs and the
@@ -71,7 +75,7 @@ from arpo_algo.train.device_setup import (
     resolve_precision,
     resolve_tree_attention,
 )
-from arpo_algo.train.learner_config import LearnerConfig
+from arpo_algo.train.learner_config import GROWTH_FACTOR, GROWTH_WINDOW, LearnerConfig
 from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
@@ -162,9 +166,10 @@ class Learner:
         if self.tree_attention == "flex":
             register_flex()
             impl = FLEX_TREE_IMPL
-        # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision.
+        # fp32 master weights (and so fp32 gradients and AdamW state) whatever the compute precision. Dropout off:
+        # the sampler scores without it, so the ratio and the alarm must too (arpo_algo.models.dropout).
         load = {"dtype": torch.float32, "attn_implementation": impl}
-        self.model = load_policy_model(path, merge=True, **load).to(self.device)
+        self.model = load_policy_model(path, merge=True, no_dropout=True, **load).to(self.device)
         if self.lora is not None:
             attach_adapter(self.model, self.lora, targets, str(path))
         #: The modules the adapter is on (empty: full weights), for engines that build their own copy of it.
@@ -174,7 +179,7 @@ class Learner:
             self.model.config.use_cache = False
         self.ref_model = None
         if config.kl_coef > 0:
-            self.ref_model = load_policy_model(path, merge=True, **load).to(self.device).eval()
+            self.ref_model = load_policy_model(path, merge=True, no_dropout=True, **load).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
@@ -182,6 +187,7 @@ class Learner:
         self.step = 0
         self.nan_streak = 0
         self.skipped_total = 0
+        self._kl_history: list[float] = []  # kl_rollout of the last updates (the alarm's growth warning)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
@@ -205,7 +211,8 @@ class Learner:
             specs = []
             for j, t in enumerate(g.trajectories):
                 specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask),
-                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs)))
+                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs),
+                                     tuple(t.unsampled)))
                 seq += 1
             out.append(specs)
         return out
@@ -293,13 +300,11 @@ class Learner:
         batches = [b for mb in mbs for b in mb]
         # The policy version that sampled the batch (no optimizer step of this update has run yet), checked on every
         # update, one without signal too: stale weights show before anything is trained on them. These are also
-        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update.
-        self.model.train()
-        try:
-            with self._weights_of(behaviour_weights):
-                current = self._score(self.model, batches)
-        finally:
-            self.model.eval()
+        # the recomputed old log-probs, fixed for every mini-batch and epoch of the update. Eval mode, as the sampler
+        # scores (and dropout is zeroed at load, so the training forward computes the same function).
+        self.model.eval()
+        with self._weights_of(behaviour_weights):
+            current = self._score(self.model, batches)
         mismatch = self._rollout_mismatch(batches, current)
         no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
         if not signal and no_loss_without_signal:
@@ -315,9 +320,8 @@ class Learner:
         try:
             if cfg.old_logprobs == "recompute":
                 old = current
-            else:  # a token the sampler did not sample (NaN: the tool-limit EOS) is scored by the same policy here
-                old = [torch.where(torch.isfinite(b.pair_old_logp), b.pair_old_logp, c)
-                       for b, c in zip(batches, current)]
+            else:  # a token the sampler did not sample (the tool-limit EOS) is scored by the same policy here
+                old = [torch.where(b.pair_sampled, b.pair_old_logp, c) for b, c in zip(batches, current)]
             ref = self._score(self.ref_model, batches) if self.ref_model is not None else None
             totals: dict[str, float] = {}
             skipped, taken = 0, 0
@@ -389,36 +393,80 @@ class Learner:
 
     def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
         """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the
-        same sampled tokens; raises above the stop level, warns above the warning level (LearnerConfig).
+        same sampled tokens; raises above a stop level, warns above a warning level (LearnerConfig).
+
+        Three statistics, each with its levels: the token-mean k3 KL (``kl_rollout``), and two a local fault does
+        not dilute: the fraction of tokens whose log-probs differ by more than ``tail_logprob_diff``, and the
+        worst trajectory's KL. A ``kl_rollout`` that keeps rising over the last updates is warned about too.
 
         Invariant: with the engine holding the learner's weights and sampling the distribution the learner scores,
         the two agree up to kernel rounding; anything more means the update would be computed off-policy.
         """
-        kl_sum, weight, worst, count = 0.0, 0.0, 0.0, 0
+        cfg = self.config
+        kl_sum, weight, worst, count, bad, tail = 0.0, 0.0, 0.0, 0, 0, 0
+        traj_kl: dict[int, list[float]] = {}
         for b, cur in zip(batches, current):
-            sampled = torch.isfinite(b.pair_old_logp)  # NaN: a token the sampler appended without sampling it
+            sampled = b.pair_sampled  # False: a token the sampler appended without sampling it (explicitly marked)
+            finite = torch.isfinite(b.pair_old_logp)
+            bad += int((sampled & ~finite).sum())
+            sampled = sampled & finite
             if not bool(sampled.any()):
                 continue
             # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
             q, p, w = b.pair_old_logp[sampled].double(), cur[sampled].double(), b.pair_weight[sampled].double()
-            kl_sum += float((w * k3_kl(q, p)).sum())  # samples from q: k3 estimates KL(q || p)
+            k3 = w * k3_kl(q, p)  # samples from q: k3 estimates KL(q || p)
+            kl_sum += float(k3.sum())
             weight += float(w.sum())
-            worst = max(worst, float((q - p).abs().max()))
+            diff = (q - p).abs()
+            worst = max(worst, float(diff.max()))
+            tail += int((diff > cfg.tail_logprob_diff).sum())
             count += int(sampled.sum())
+            for seq, k, ww in zip(b.pair_seq[sampled].tolist(), k3.tolist(), w.tolist()):
+                acc = traj_kl.setdefault(seq, [0.0, 0.0])
+                acc[0] += k
+                acc[1] += ww
         kl = self._all_sum(kl_sum) / max(self._all_sum(weight), 1e-12)
-        worst, count = self._all_max(worst), int(self._all_sum(count))
-        warn, stop = self.config.mismatch_levels(self.precision)
-        if kl > warn:
-            what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
-                    f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}")
-            causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
-                      "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
-                      "levels), or an engine that records another kind of log-prob")
-            if kl > stop:
-                raise ArpoError(f"{what}; above training.kl_rollout_stop = {stop:g}, stopping before training on it",
-                                hint=causes)
-            log.warning("%s (training.kl_rollout_warn = %g); %s", what, warn, causes)
-        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst}
+        worst, count, bad = self._all_max(worst), int(self._all_sum(count)), int(self._all_sum(bad))
+        # each trajectory is scored on one rank, whole: the worst is the largest over ranks
+        traj_max = self._all_max(max((k / max(w, 1e-12) for k, w in traj_kl.values()), default=0.0))
+        tail_frac = self._all_sum(tail) / max(count, 1)
+        if bad:  # an engine that returns NaN must not read as perfect agreement (kl_rollout = 0): a mismatch
+            log.error("the rollout engine returned %d non-finite log-prob(s) for %d sampled tokens", bad, bad + count)
+            raise ArpoError(f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
+                            f"tokens: the sampler and the learner disagree; stopping before training on it",
+                            hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
+                                 "check rollouts.dtype and the engine; a token appended without sampling must be "
+                                 "listed in Trajectory.unsampled")
+        warn, stop = cfg.mismatch_levels(self.precision)
+        tails = cfg.tail_levels(self.precision)
+        what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
+                f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}, "
+                f"{tail_frac:.3g} of the tokens differ by more than {cfg.tail_logprob_diff:g} nats, the worst "
+                f"trajectory's KL = {traj_max:.3g}")
+        causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
+                  "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
+                  "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
+                  "log-prob")
+        checks = (("kl_rollout", kl, warn, stop), ("tail_frac", tail_frac, *tails["frac"]),
+                  ("traj_kl", traj_max, *tails["traj"]))
+        above_stop = [f"training.{name}_stop = {s:g}" for name, v, _, s in checks if v > s]
+        if above_stop:
+            raise ArpoError(f"{what}; above {', '.join(above_stop)}, stopping before training on it", hint=causes)
+        above_warn = [f"training.{name}_warn = {w:g}" for name, v, w, _ in checks if v > w]
+        if above_warn:
+            log.warning("%s (above %s); %s", what, ", ".join(above_warn), causes)
+        # Growth: a fault that builds up (a cache or weight copy drifting) warns before it reaches a level. Growth
+        # below a tenth of the warning level is rounding noise, which rises three times in a row by chance.
+        self._kl_history = (self._kl_history + [kl])[-(GROWTH_WINDOW + 1):]
+        h = self._kl_history
+        growing = (len(h) == GROWTH_WINDOW + 1 and all(b > a for a, b in zip(h, h[1:]))
+                   and h[-1] > GROWTH_FACTOR * h[0] and h[-1] > warn / 10)
+        if growing:
+            log.warning("kl_rollout rose over each of the last %d updates, %s -> %s (more than %gx): the sampler "
+                        "and the learner are drifting apart; %s", GROWTH_WINDOW,
+                        " -> ".join(f"{x:.3g}" for x in h[:-1]), f"{h[-1]:.3g}", GROWTH_FACTOR, causes)
+        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst, LK.LOGPROB_TAIL_FRAC: tail_frac,
+                LK.KL_ROLLOUT_TRAJ_MAX: traj_max, LK.KL_ROLLOUT_GROWING: float(growing)}
 
     def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
                ref: list[torch.Tensor] | None, num_groups: int) -> dict[str, float] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,6 +16,20 @@ from arpo_base.options import check_choice, dataclass_from_dict, setting
 #: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision, and for a bfloat16 sampler
 #: against a float32 learner (``"bf16_sampler"``: bf16 rounding alone gives about 3e-4 there; see LearnerConfig).
 MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16_sampler": (1e-3, 1e-2), "bf16": (1e-2, 1e-1)}
+#: Default (warn, stop) levels of the alarm's tail statistics, which a local fault does not dilute: the fraction of
+#: sampled tokens whose log-probs differ by more than ``tail_logprob_diff`` (``learner/logprob_tail_frac``) and the
+#: worst trajectory's k3 KL (``learner/kl_rollout_traj_max``). In fp32 a correct engine gives no such token and a
+#: trajectory KL at rounding level (about 1e-14 on the tests' tiny model); the bf16 levels are not measured on
+#: models larger than the tests'.
+TAIL_LEVELS = {"fp32": {"frac": (1e-3, 5e-3), "traj": (1e-4, 1e-3)},
+               "bf16_sampler": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
+               "bf16": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)}}
+#: kl_rollout counts as growing when each of the last GROWTH_WINDOW updates is above the one before and the last is
+#: more than GROWTH_FACTOR times the first of the window.
+GROWTH_WINDOW, GROWTH_FACTOR = 3, 3.0
+#: Every stop level of the alarm off (warnings stay): for measuring what the alarm would see, and for learners fed
+#: hand-built log-probs that are not the model's.
+ALARM_OFF: dict[str, float] = {"kl_rollout_stop": math.inf, "tail_frac_stop": math.inf, "traj_kl_stop": math.inf}
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,15 @@ class LearnerConfig:
             engine against an fp32 learner, both measured; 1e-2 for a bf16 learner).
         kl_rollout_stop: Mismatch alarm: stop the run above this (None = by precision: 1e-2 in fp32, also with a
             bf16 rollout engine, measured; 1e-1 for a bf16 learner).
+        tail_logprob_diff: Mismatch alarm's tail: a sampled token whose sampler and learner log-probs differ by
+            more than this (nats) counts in ``logprob_tail_frac``.
+        tail_frac_warn: Warn when the fraction of such tokens exceeds this (None = by precision: 1e-3 in fp32,
+            5e-3 with bf16 on either side).
+        tail_frac_stop: Stop above this fraction (None = by precision: 5e-3 in fp32, 2e-2 with bf16).
+        traj_kl_warn: Warn when the worst trajectory's k3 KL (sampler || learner, its sampled tokens' mean) exceeds
+            this (None = by precision: 1e-4 in fp32, 1e-2 with bf16).
+        traj_kl_stop: Stop above this (None = by precision: 1e-3 in fp32, 1e-1 with bf16). The bf16 tail levels
+            are not measured on larger models.
     """
 
     lr: float = 1e-6
@@ -122,6 +146,11 @@ class LearnerConfig:
     attn_implementation: str = "sdpa"
     kl_rollout_warn: float | None = None
     kl_rollout_stop: float | None = None
+    tail_logprob_diff: float = 0.5
+    tail_frac_warn: float | None = None
+    tail_frac_stop: float | None = None
+    traj_kl_warn: float | None = None
+    traj_kl_stop: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LearnerConfig:
@@ -151,12 +180,17 @@ class LearnerConfig:
                     "dr_grpo_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"training.{key} must be >= 0, got {getattr(self, key)!r}")
-        for key in ("kl_rollout_warn", "kl_rollout_stop"):
+        for key in ("kl_rollout_warn", "kl_rollout_stop", "tail_frac_warn", "tail_frac_stop", "traj_kl_warn",
+                    "traj_kl_stop"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"training.{key} must be > 0 (or None: by precision), got {getattr(self, key)!r}")
-        if None not in (self.kl_rollout_warn, self.kl_rollout_stop) and self.kl_rollout_warn > self.kl_rollout_stop:
-            raise ConfigError(f"training.kl_rollout_warn={self.kl_rollout_warn} is above kl_rollout_stop="
-                              f"{self.kl_rollout_stop}", hint="the warning level must not exceed the stop level")
+        for w, s in (("kl_rollout_warn", "kl_rollout_stop"), ("tail_frac_warn", "tail_frac_stop"),
+                     ("traj_kl_warn", "traj_kl_stop")):
+            if None not in (getattr(self, w), getattr(self, s)) and getattr(self, w) > getattr(self, s):
+                raise ConfigError(f"training.{w}={getattr(self, w)} is above {s}={getattr(self, s)}",
+                                  hint="the warning level must not exceed the stop level")
+        if not self.tail_logprob_diff > 0:
+            raise ConfigError(f"training.tail_logprob_diff must be > 0 (nats), got {self.tail_logprob_diff!r}")
         if self.schedule_iterations is not None and self.schedule_iterations < 1:
             raise ConfigError(f"training.schedule_iterations must be >= 1 or None, got {self.schedule_iterations}")
         check_schedule(self.lr_schedule, self.warmup_steps, self.schedule_steps, "training")
@@ -181,6 +215,18 @@ class LearnerConfig:
         warn = self.kl_rollout_warn if self.kl_rollout_warn is not None else min(warn, stop)
         return warn, stop
 
+    def tail_levels(self, precision: str) -> dict[str, tuple[float, float]]:
+        """The (warn, stop) levels of the tail statistics ("frac", "traj") for ``precision``, as
+        :meth:`mismatch_levels`."""
+        out = {}
+        for name, (w_key, s_key) in {"frac": ("tail_frac_warn", "tail_frac_stop"),
+                                     "traj": ("traj_kl_warn", "traj_kl_stop")}.items():
+            warn, stop = TAIL_LEVELS[precision][name]
+            stop = getattr(self, s_key) if getattr(self, s_key) is not None else stop
+            warn = getattr(self, w_key) if getattr(self, w_key) is not None else min(warn, stop)
+            out[name] = (warn, stop)
+        return out
+
     def for_sampler(self, dtype: str, device: str) -> LearnerConfig:
         """This config with the mismatch alarm's levels for a sampler computing in ``dtype`` where they are not set:
         a bfloat16 sampler's log-probs differ from a float32 learner's (on ``device``) by bf16 rounding, so the
@@ -193,7 +239,9 @@ class LearnerConfig:
         if dtype != "bfloat16" or resolve_precision(self.precision, torch.device(device)) == "bf16":
             return self
         warn, stop = self.mismatch_levels("bf16_sampler")
-        return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop)
+        tail = self.tail_levels("bf16_sampler")
+        return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop, tail_frac_warn=tail["frac"][0],
+                       tail_frac_stop=tail["frac"][1], traj_kl_warn=tail["traj"][0], traj_kl_stop=tail["traj"][1])
 
     @property
     def schedule_steps(self) -> int | None:

@@ -45,6 +45,8 @@ class SeqSpec:
         adv: Advantage per response token.
         weight: Count weight per response token (1.0 soft; 1/d for hard attribution in the duplicated path).
         old_logp: Behaviour log-prob per response token (used when old log-probs come from the rollout).
+        unsampled: Response positions that no engine sampled (the tool-limit EOS): their ``old_logp`` is a
+            placeholder and the learner scores them itself.
     """
 
     group: int
@@ -55,6 +57,7 @@ class SeqSpec:
     adv: list[float]
     weight: list[float]
     old_logp: list[float]
+    unsampled: tuple[int, ...] | list[int] = ()
 
 
 @dataclass
@@ -74,6 +77,7 @@ class TokenBatch:
     pair_old_logp: torch.Tensor       # [P]
     pair_seq: torch.Tensor            # [P]
     pair_group: torch.Tensor          # [P]
+    pair_sampled: torch.Tensor        # [P] bool: the engine sampled the token (False: appended, e.g. the limit EOS)
     num_tokens: int                   # tokens run through the model (no padding)
     tree_pre: torch.Tensor | None = None  # [N] preorder number of each packed node (packed tree only)
     tree_end: torch.Tensor | None = None  # [N] preorder end of each node's subtree (packed tree only)
@@ -96,12 +100,12 @@ def _check(specs: list[SeqSpec]) -> None:
                             hint="the first response token is predicted from the prompt; tokenize the chat prompt")
 
 
-def _pair_tensors(rows: list[tuple[int, float, float, float, int, int]]) -> dict[str, torch.Tensor]:
-    node, adv, w, old, seq, grp = zip(*rows) if rows else ((), (), (), (), (), ())
+def _pair_tensors(rows: list[tuple[int, float, float, float, int, int, bool]]) -> dict[str, torch.Tensor]:
+    node, adv, w, old, seq, grp, sampled = zip(*rows) if rows else ((), (), (), (), (), (), ())
     return {"pair_node": torch.tensor(node, dtype=torch.long), "pair_adv": torch.tensor(adv, dtype=torch.float32),
             "pair_weight": torch.tensor(w, dtype=torch.float32),
             "pair_old_logp": torch.tensor(old, dtype=torch.float32), "pair_seq": torch.tensor(seq, dtype=torch.long),
-            "pair_group": torch.tensor(grp, dtype=torch.long)}
+            "pair_group": torch.tensor(grp, dtype=torch.long), "pair_sampled": torch.tensor(sampled, dtype=torch.bool)}
 
 
 def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
@@ -124,7 +128,8 @@ def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
                 nb.append(b)
                 nr.append(p + t - 1 - start)
                 nt.append(s.response[t])
-                pairs.append((len(pairs), s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group))
+                pairs.append((len(pairs), s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group,
+                              t not in s.unsampled))
     return TokenBatch(input_ids=ids, attention_mask=att, position_ids=None, keep=keep,
                       node_b=torch.tensor(nb, dtype=torch.long), node_row=torch.tensor(nr, dtype=torch.long),
                       node_tok=torch.tensor(nt, dtype=torch.long), num_tokens=int(att.sum()), **_pair_tensors(pairs))
@@ -146,7 +151,7 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
     pre, end = preorder_spans(trie.parent)
     # Unique predictions: each trained node is predicted from its parent's logits.
     node_index: dict[int, int] = {}
-    pairs: list[tuple[int, float, float, float, int, int]] = []
+    pairs: list[tuple[int, float, float, float, int, int, bool]] = []
     merged: dict[tuple[int, int], int] = {}
     for j, s in enumerate(specs):
         path, p = trie.paths[j], len(s.prompt)
@@ -159,10 +164,10 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
             if merge_shared and key in merged:
                 i = merged[key]
                 old = pairs[i]
-                pairs[i] = (old[0], old[1], old[2] + s.weight[t], old[3], old[4], old[5])
+                pairs[i] = (old[0], old[1], old[2] + s.weight[t], old[3], old[4], old[5], old[6])
                 continue
             merged[key] = len(pairs)
-            pairs.append((u, s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group))
+            pairs.append((u, s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group, t not in s.unsampled))
     nodes = list(node_index)
     parents = sorted({trie.parent[v] for v in nodes})
     row_of = {v: i for i, v in enumerate(parents)}

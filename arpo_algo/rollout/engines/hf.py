@@ -171,8 +171,9 @@ class HFEngine:
         from arpo_algo.models.lora import load_policy_model
 
         path = resolve_model_path(os.fspath(src))
-        # an adapter folder: its base (fingerprint checked) with the adapter applied, unmerged
-        mdl = load_policy_model(path, dtype=dtype, merge=merge).to(device).eval()
+        # an adapter folder: its base (fingerprint checked) with the adapter applied, unmerged; dropout off, as the
+        # learner loads it: train-mode and eval-mode scores are one function on both sides
+        mdl = load_policy_model(path, dtype=dtype, merge=merge, no_dropout=True).to(device).eval()
         return mdl, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
 
     def _eos_ids(self) -> set[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -15,6 +14,7 @@ from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from arpo_env.core import ToolTextEnv
 from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
@@ -40,6 +40,24 @@ def test_dynamic_sampling_draws_more_prompts_up_to_the_cap(env_creator):
     assert ROUNDS not in m2 and m2["num_trajectories"] == 4 and it2.get_state()["position"] == 2
 
 
+def test_dynamic_sampling_never_draws_a_task_twice_in_a_step(env_creator):
+    # 3 tasks, 2 prompts a step, no signal anywhere: a second round may draw only the one task not yet in the step
+    # (drawn again, a task gives the same group: the seeds depend on the step and the task)
+    eng = ScriptedEngine(calls=(9, 9))
+    s = TreeSampler(eng, env_creator, TreeConfig.grpo(2), SamplingParams(), max_response_tokens=400)
+    asked: list[list[int]] = []
+
+    class Recording:
+        def sample(self, indices, **kw):
+            asked.append(list(indices))
+            return s.sample(indices, **kw)
+
+    it = PromptIterator(num_tasks=3, seed=0)
+    groups, m = sample_groups(Recording(), it, it.next(2), 0, dynamic=True, max_rounds=4)
+    drawn = [i for a in asked for i in a]
+    assert sorted(drawn) == [0, 1, 2] and len(asked) == 2 and m[ROUNDS] == 2 and len(groups) == 2
+
+
 def test_min_roots_keeps_budget_for_independent_roots(env_creator):
     eng = ScriptedEngine(calls=(2, 2), entropy=lambda n, v: 1.0 + n)  # entropy rises: the paper rule always branches
     for min_roots, roots in ((0, 2), (3, 3), (4, 4)):
@@ -55,7 +73,7 @@ def test_min_roots_keeps_budget_for_independent_roots(env_creator):
 def test_dr_grpo_aggregation_is_token_sum_over_a_constant(tiny_model_dir):
     groups = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
     base = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, dedup_prefix=False,
-                         kl_rollout_stop=math.inf)  # hand-built behaviour log-probs
+                         **ALARM_OFF)  # hand-built behaviour log-probs
     grads = {}
     for agg in ("token_mean", "dr_grpo"):
         learner = Learner(tiny_model_dir, replace(base, loss_agg=agg, dr_grpo_tokens=50), seed=0)

@@ -263,6 +263,7 @@ def test_tool_limit_eos_mask_option(env_creator):
             assert t.response_ids[-1] == eng.tokenizer.eos_token_id and t.trained_mask[-1] == int(trained)
             # appended, never sampled: its log-prob is unknown (0.0 would claim probability 1 to the learner)
             assert math.isnan(t.old_logprobs[-1]) and all(math.isfinite(x) for x in t.old_logprobs[:-1])
+            assert t.unsampled == [len(t.response_ids) - 1]  # the mark, explicit: the value is only a placeholder
 
 
 def test_length_budget_and_engine_error(env_creator):

@@ -85,6 +85,7 @@ def test_arpo_branches_after_tool_results_on_the_real_engine(caller_dir, env_cre
             assert parent.trained_mask[bp - 1] == 0 and t.trained_mask[bp] == 1  # right after a tool result
     limited = [t for t in trajs if t.finish_reason == "tool_limit"]
     assert all(math.isnan(t.old_logprobs[-1]) and t.trained_mask[-1] == 1 for t in limited)
+    assert all(t.unsampled == ([len(t.response_ids) - 1] if t in limited else []) for t in trajs)
     # The learner scores the branched trees (hard attribution, rollout old log-probs) as the engine sampled them.
     learner = Learner(caller_dir, LearnerConfig(advantage="hard", old_logprobs="rollout"), seed=0)
     m = learner.update(groups)

@@ -7,7 +7,6 @@ gradients across ranks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.backends import LocalLearner, build_backend
 from arpo_algo.train.ddp import DDPBackend, combine_metrics, split_groups
 from arpo_algo.train.learner import LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
@@ -32,20 +32,20 @@ DDP2 = BackendConfig(learner_backend="ddp", learner_workers=2)
 CONFIGS = {
     # token mean over the whole step, prefix-deduplicated packing, AEPO's per-group entropy shaping, one group per
     # micro-batch (so a rank with two groups accumulates two micro-batches), clipping on the global norm
-    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, kl_rollout_stop=math.inf,
+    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, **ALARM_OFF,
                                 entropy_advantage=True),
     # per-sequence mean, padded batches, all groups of a rank in one micro-batch (soft attribution: hard attribution
     # has no per-sequence mean)
-    "seq_mean": LearnerConfig(lr=1e-3, grad_clip=0.0, kl_rollout_stop=math.inf, loss_agg="seq_mean",
+    "seq_mean": LearnerConfig(lr=1e-3, grad_clip=0.0, **ALARM_OFF, loss_agg="seq_mean",
                               dedup_prefix=False, advantage="grpo",
                               micro_batch_tokens=100_000),
     # hard attribution over the groups' branch prefixes, Dr. GRPO's constant normaliser (the longest response over
     # all ranks), the sampler's old log-probs and the k3 KL term to the frozen reference
-    "hard_dr_grpo": LearnerConfig(lr=1e-3, grad_clip=0.0, kl_rollout_stop=math.inf, advantage="hard",
+    "hard_dr_grpo": LearnerConfig(lr=1e-3, grad_clip=0.0, **ALARM_OFF, advantage="hard",
                                   loss_agg="dr_grpo", old_logprobs="rollout", kl_coef=0.1, micro_batch_tokens=100_000),
     # one optimizer step per group (the flat group's step is skipped): the ranks share each of the single-process
     # learner's mini-batches, not mini-batches of their own groups
-    "mini_batches": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=100_000, kl_rollout_stop=math.inf,
+    "mini_batches": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=100_000, **ALARM_OFF,
                                   mini_batches=3),
 }
 

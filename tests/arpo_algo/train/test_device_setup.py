@@ -12,12 +12,13 @@ from transformers import AutoTokenizer
 
 from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
 
 
 def test_precision_defaults_per_device(monkeypatch):

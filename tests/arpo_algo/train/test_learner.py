@@ -11,11 +11,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.core.advantages import grpo_advantages
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ArpoError, ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 # Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:

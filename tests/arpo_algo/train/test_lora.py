@@ -12,6 +12,7 @@ import torch
 from arpo_algo.algorithms import AEPOConfig, GRPOConfig
 from arpo_algo.algorithms.settings import Settings
 from arpo_algo.models.lora import ADAPTER_CONFIG, ADAPTER_MARKER, ADAPTER_WEIGHTS, LoraSettings, load_policy_model
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.algorithms.test_algorithm import tiny_config
 
@@ -246,7 +247,7 @@ def test_ddp_trains_the_same_adapter_as_one_process(tiny_model_dir, ray_session)
     from tests.arpo_algo.train.test_tree_forward import make_groups
 
     groups = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
-    cfg = LearnerConfig(lr=1e-2, grad_clip=0.5, micro_batch_tokens=64, kl_rollout_stop=float("inf"))
+    cfg = LearnerConfig(lr=1e-2, grad_clip=0.5, micro_batch_tokens=64, **ALARM_OFF)
     lora = LoraSettings(enabled=True, rank=4, alpha=8.0)
     local = build_backend(tiny_model_dir, cfg, seed=0, lora=lora)
     start = {k: v.clone() for k, v in local.rollout_weights().items()}  # on CPU these alias the parameters

@@ -12,11 +12,12 @@ from transformers import AutoTokenizer
 from arpo_algo.algorithms.stabilizers import has_signal
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
 from tests.arpo_algo.train.test_tree_forward import make_groups
 
 # Hand-built behaviour log-probs are not the model's: the rollout/learner mismatch alarm would (rightly) stop.
-BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+BASE = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,10 @@ def test_sampling_the_learner_cannot_score_is_refused(key, value):
 
 
 def _unsampled(g):
-    """The group as if no token had been sampled by an engine (the tool-limit EOS's case): log-probs unknown."""
-    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs)) for t in g.trajectories])
+    """The group as if no token had been sampled by an engine (the tool-limit EOS's case): every position marked
+    unsampled, its log-prob a NaN placeholder."""
+    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs),
+                                            unsampled=list(range(len(t.old_logprobs)))) for t in g.trajectories])
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -79,6 +82,64 @@ def test_a_token_the_sampler_did_not_sample_is_scored_by_the_learner(tiny_model_
     assert m["kl_rollout"] == 0.0 and m["logprob_diff_max"] == 0.0
     for (name, p), q in zip(rollout.model.named_parameters(), recompute.model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("where", ["everywhere", "one token", "one inf"])
+def test_a_non_finite_log_prob_from_an_engine_stops_the_run(tiny_model_dir, groups, where, caplog):
+    """Only the explicit mark means "not sampled". A NaN (or inf) log-prob at a sampled position is an engine fault:
+    an engine returning NaN everywhere must not read as kl_rollout = 0, nor one NaN be replaced silently."""
+    from arpo_base.errors import ArpoError
+
+    def broken(t, first):
+        old = list(t.old_logprobs)
+        trained = [i for i, m in enumerate(t.trained_mask) if m]
+        for i in (trained if where == "everywhere" else trained[:1] if first else []):
+            old[i] = math.inf if where == "one inf" else math.nan
+        return replace(t, old_logprobs=old)
+
+    bad = [replace(g, trajectories=[broken(t, gi == 0 and j == 0) for j, t in enumerate(g.trajectories)])
+           for gi, g in enumerate(groups)]
+    n_bad = sum(not math.isfinite(x) for g in bad for t in g.trajectories for x in t.old_logprobs)
+    for recorded in ("rollout", "recompute"):
+        learner = Learner(tiny_model_dir, replace(BASE, old_logprobs=recorded), seed=0)
+        before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        with pytest.raises(ArpoError, match=rf"returned {n_bad} non-finite log-prob"):
+            learner.update(bad)
+        assert learner.step == 0 and all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
+        assert f"{n_bad} non-finite" in caplog.text
+
+
+def test_learner_and_sampler_agree_under_a_dropout_config(tiny_model_dir, tmp_path):
+    """A model whose config asks for dropout: the sampler scores in eval mode, so the learner's old log-probs, the
+    alarm and its training forward must score the same function (dropout off at load, pre-step scoring in eval)."""
+    import json
+    import shutil
+
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.rollout.config import RolloutsConfig
+    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.sampler import TreeSampler
+    from arpo_algo.train.learner_config import MISMATCH_LEVELS
+    from arpo_env.core import ToolTextEnv
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "dropout")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
+    engine = HFEngine(model, dtype="float32", seed=0)
+    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(4),
+                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    learner = Learner(model, LearnerConfig(lr=1e-3, micro_batch_tokens=100_000, old_logprobs="rollout"), seed=0)
+    try:
+        groups, _ = sampler.sample([0, 1], step=0)
+        groups = [_with_rewards(g, [0.0, 1.0, 0.0, 1.0]) for g in groups]  # signal: the update takes its step
+        m = learner.update(groups)
+    finally:
+        sampler.close()
+    assert m["kl_rollout"] < MISMATCH_LEVELS["fp32"][0] and m["logprob_diff_max"] < 1e-3
+    # the training forward is the sampler's function too: one epoch, one mini-batch, ratio 1 up to rounding
+    assert m["optimizer_steps"] == 1 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["clip_frac"] == 0.0
+    assert learner.model.config.attention_dropout == 0.0
 
 
 def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, groups, tmp_path):
@@ -148,7 +209,7 @@ def test_aepo_defaults_take_several_steps_so_its_clip_acts(tiny_model_dir, group
 
     aepo = Settings.for_variant("aepo").training
     assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batches > 1
-    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, kl_rollout_stop=math.inf)
+    cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
     m = Learner(tiny_model_dir, cfg, seed=0).update([_unsampled(g) for g in groups])
     assert m["optimizer_steps"] == 2 and m["clip_frac"] > 0  # 2 groups: one per part
 

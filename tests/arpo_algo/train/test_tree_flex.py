@@ -6,7 +6,6 @@ entropies) and the gradients are compared by the ``gpu`` test at the end.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import replace
 
@@ -17,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.rollout.synthetic import make_group
 from arpo_algo.train.learner import Learner, LearnerConfig
+from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_algo.train.tree_flex import (
     BLOCK,
     FLEX_TREE_IMPL,
@@ -176,7 +176,7 @@ def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, l
     the largest gradient, within fp32 or bf16 rounding)."""
     groups = _groups(tiny_model_dir, 2)
     cfg = LearnerConfig(old_logprobs="rollout", micro_batch_tokens=100_000, precision=precision,
-                        kl_rollout_stop=math.inf)  # hand-built behaviour log-probs
+                        **ALARM_OFF)  # hand-built behaviour log-probs
     dense = Learner(tiny_model_dir, replace(cfg, tree_attention="dense"), device="cuda")
     flex = Learner(tiny_model_dir, replace(cfg, tree_attention="flex"), device="cuda")
     assert flex.model.config._attn_implementation == FLEX_TREE_IMPL and dense.precision == flex.precision == precision
