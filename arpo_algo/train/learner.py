@@ -75,7 +75,8 @@ from arpo_algo.train.device_setup import (
     resolve_precision,
     resolve_tree_attention,
 )
-from arpo_algo.train.learner_config import GROWTH_FACTOR, GROWTH_WINDOW, LearnerConfig
+from arpo_algo.train.learner_config import LearnerConfig
+from arpo_algo.train.mismatch import judge, local_sums
 from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
@@ -402,69 +403,14 @@ class Learner:
         Invariant: with the engine holding the learner's weights and sampling the distribution the learner scores,
         the two agree up to kernel rounding; anything more means the update would be computed off-policy.
         """
-        cfg = self.config
-        kl_sum, weight, worst, count, bad, tail = 0.0, 0.0, 0.0, 0, 0, 0
-        traj_kl: dict[int, list[float]] = {}
-        for b, cur in zip(batches, current):
-            sampled = b.pair_sampled  # False: a token the sampler appended without sampling it (explicitly marked)
-            finite = torch.isfinite(b.pair_old_logp)
-            bad += int((sampled & ~finite).sum())
-            sampled = sampled & finite
-            if not bool(sampled.any()):
-                continue
-            # float64: in float32, exp(d) - d - 1 cancels to 0 below |d| ~ 1e-4 and hides the rounding-level noise
-            q, p, w = b.pair_old_logp[sampled].double(), cur[sampled].double(), b.pair_weight[sampled].double()
-            k3 = w * k3_kl(q, p)  # samples from q: k3 estimates KL(q || p)
-            kl_sum += float(k3.sum())
-            weight += float(w.sum())
-            diff = (q - p).abs()
-            worst = max(worst, float(diff.max()))
-            tail += int((diff > cfg.tail_logprob_diff).sum())
-            count += int(sampled.sum())
-            for seq, k, ww in zip(b.pair_seq[sampled].tolist(), k3.tolist(), w.tolist()):
-                acc = traj_kl.setdefault(seq, [0.0, 0.0])
-                acc[0] += k
-                acc[1] += ww
-        kl = self._all_sum(kl_sum) / max(self._all_sum(weight), 1e-12)
-        worst, count, bad = self._all_max(worst), int(self._all_sum(count)), int(self._all_sum(bad))
+        sums = local_sums(batches, current, self.config.tail_logprob_diff)
+        kl = self._all_sum(sums.kl_sum) / max(self._all_sum(sums.weight), 1e-12)
+        worst, count, bad = self._all_max(sums.worst), int(self._all_sum(sums.count)), int(self._all_sum(sums.bad))
         # each trajectory is scored on one rank, whole: the worst is the largest over ranks
-        traj_max = self._all_max(max((k / max(w, 1e-12) for k, w in traj_kl.values()), default=0.0))
-        tail_frac = self._all_sum(tail) / max(count, 1)
-        if bad:  # an engine that returns NaN must not read as perfect agreement (kl_rollout = 0): a mismatch
-            log.error("the rollout engine returned %d non-finite log-prob(s) for %d sampled tokens", bad, bad + count)
-            raise ArpoError(f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
-                            f"tokens: the sampler and the learner disagree; stopping before training on it",
-                            hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
-                                 "check rollouts.dtype and the engine; a token appended without sampling must be "
-                                 "listed in Trajectory.unsampled")
-        warn, stop = cfg.mismatch_levels(self.precision)
-        tails = cfg.tail_levels(self.precision)
-        what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
-                f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}, "
-                f"{tail_frac:.3g} of the tokens differ by more than {cfg.tail_logprob_diff:g} nats, the worst "
-                f"trajectory's KL = {traj_max:.3g}")
-        causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
-                  "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
-                  "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
-                  "log-prob")
-        checks = (("kl_rollout", kl, warn, stop), ("tail_frac", tail_frac, *tails["frac"]),
-                  ("traj_kl", traj_max, *tails["traj"]))
-        above_stop = [f"training.{name}_stop = {s:g}" for name, v, _, s in checks if v > s]
-        if above_stop:
-            raise ArpoError(f"{what}; above {', '.join(above_stop)}, stopping before training on it", hint=causes)
-        above_warn = [f"training.{name}_warn = {w:g}" for name, v, w, _ in checks if v > w]
-        if above_warn:
-            log.warning("%s (above %s); %s", what, ", ".join(above_warn), causes)
-        # Growth: a fault that builds up (a cache or weight copy drifting) warns before it reaches a level. Growth
-        # below a tenth of the warning level is rounding noise, which rises three times in a row by chance.
-        self._kl_history = (self._kl_history + [kl])[-(GROWTH_WINDOW + 1):]
-        h = self._kl_history
-        growing = (len(h) == GROWTH_WINDOW + 1 and all(b > a for a, b in zip(h, h[1:]))
-                   and h[-1] > GROWTH_FACTOR * h[0] and h[-1] > warn / 10)
-        if growing:
-            log.warning("kl_rollout rose over each of the last %d updates, %s -> %s (more than %gx): the sampler "
-                        "and the learner are drifting apart; %s", GROWTH_WINDOW,
-                        " -> ".join(f"{x:.3g}" for x in h[:-1]), f"{h[-1]:.3g}", GROWTH_FACTOR, causes)
+        traj_max = self._all_max(max((k / max(w, 1e-12) for k, w in sums.traj_kl.values()), default=0.0))
+        tail_frac = self._all_sum(sums.tail) / max(count, 1)
+        self._kl_history, growing = judge(self.config, self.precision, self._kl_history, kl=kl, worst=worst,
+                                          count=count, bad=bad, tail_frac=tail_frac, traj_max=traj_max)
         return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst, LK.LOGPROB_TAIL_FRAC: tail_frac,
                 LK.KL_ROLLOUT_TRAJ_MAX: traj_max, LK.KL_ROLLOUT_GROWING: float(growing)}
 

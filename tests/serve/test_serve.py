@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any
 
 import pytest
 
@@ -345,59 +344,15 @@ def test_client_disconnect_frees_its_slot(server, demos):
     assert elapsed < 30 + 10 * per_request, (elapsed, per_request)
 
 
-class WebDriver:
-    """Just enough of the W3C WebDriver protocol (chromedriver's HTTP API) to drive headless chromium."""
-
-    def __init__(self, chromedriver: str, chromium: str, profile: str) -> None:
-        import subprocess
-
-        self.port = _free_port()
-        self.proc = subprocess.Popen([chromedriver, f"--port={self.port}"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.call("GET", "/status")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": chromium, "args": [
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1100,900",
-            f"--user-data-dir={profile}"]}}}}
-        self.session = self.call("POST", "/session", caps)["sessionId"]
-
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        return request(method, f"http://127.0.0.1:{self.port}{path}", body, timeout=120).data["value"]
-
-    def do(self, method: str, path: str, body: dict | None = None) -> Any:
-        return self.call(method, f"/session/{self.session}{path}", body)
-
-    def js(self, script: str) -> Any:
-        return self.do("POST", "/execute/sync", {"script": script, "args": []})
-
-    def close(self) -> None:
-        try:
-            self.call("DELETE", f"/session/{self.session}")
-        finally:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path):
     """The page at / in a real browser: a question in its URL only fills the form (nothing is sent); pick the agent,
     type, send, and the tool call and its result appear."""
     import base64
-    import shutil
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    chromedriver = shutil.which("chromedriver")
-    if chromium is None or chromedriver is None:
-        if os.environ.get("ARPO_REQUIRE_BROWSER") == "1":
-            pytest.fail("ARPO_REQUIRE_BROWSER=1 (CI) but chromium/chromedriver are missing: scripts/test installs them")
-        pytest.skip("no chromium/chromedriver here (Debian: apt-get install chromium chromium-driver)")
-    wd = WebDriver(chromedriver, chromium, str(tmp_path / "profile"))
+    from tests.browser import WebDriver, find_browser
+
+    chromium, chromedriver = find_browser()
+    wd = WebDriver(chromedriver, chromium, str(tmp_path / "profile"), size="1100,900")
     try:
         asked = "What is 6 * 7? Use the tool."
         wd.do("POST", "/url", {"url": f"{server}/?agent=base&q={urllib.parse.quote(asked)}"})

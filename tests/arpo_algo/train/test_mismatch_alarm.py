@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from arpo_algo.rollout.synthetic import clean_groups, plant_kv_reuse, plant_tool_first_token
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.learner_config import MISMATCH_LEVELS, TAIL_LEVELS
 from arpo_base.errors import ArpoError, ConfigError
-from benchmarks.alarm_detection import clean_groups, plant_kv_reuse, plant_tool_first_token
 
 CONFIG = LearnerConfig(lr=1e-3, micro_batch_tokens=100_000)
 
