@@ -58,9 +58,9 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     "arpo": {},
     "grpo": {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0},
     # AEPO's entropy-balanced clip acts only through the ratio, so AEPO takes several optimizer steps per batch:
-    # mini_batches = min(8, prompts_per_step) at the default 4 prompts per step
+    # mini_batches unset = min(8, prompts_per_step), derived from the run's own prompts per step
     "aepo": {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True, "training.entropy_advantage": True,
-             "tree.aepo_premonitor": False, "training.mini_batches": min(8, TrainingConfig.prompts_per_step)},
+             "tree.aepo_premonitor": False, "training.mini_batches": None},
 }
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def _check_ratio_options(settings: Settings) -> None:
     and AEPO's entropy-balanced clip change nothing: the weights come out bit-identical with them on or off."""
     t, r = settings.training, settings.rollouts
     stale = r.asynchronous and r.max_staleness > 0
-    if t.ppo_epochs * t.mini_batches != 1 or t.old_logprobs != "recompute" or stale:
+    if t.ppo_epochs * t.mini_batch_count != 1 or t.old_logprobs != "recompute" or stale:
         return
     defaults = TrainingConfig()
     inert = []

@@ -42,7 +42,7 @@ def experiment_budget(settings: Any) -> dict[str, Any]:
         return {}
     t, r, e = settings.training, settings.rollouts, settings.evaluation
     prompts = min(t.prompts_per_step, PROMPTS)
-    return {"training.prompts_per_step": prompts, "training.mini_batches": min(t.mini_batches, prompts),
+    return {"training.prompts_per_step": prompts, "training.mini_batches": None if t.mini_batches is None else min(t.mini_batches, prompts),
             "rollouts.max_response_tokens": min(r.max_response_tokens, RESPONSE_TOKENS),
             "evaluation.num_prompts": min(e.num_prompts or EVAL_TASKS, EVAL_TASKS)}
 

@@ -312,7 +312,7 @@ class DDPBackend(LearnerBackend):
         # step on the same groups as in one process (a rank's share of a mini-batch may be empty).
         rank_groups: list[list[int]] = [[] for _ in range(ranks)]
         rank_parts: list[list[list[int]]] = [[] for _ in range(ranks)]
-        for part in mini_batch_parts(len(groups), self.config.mini_batches, self.seed, self.step):
+        for part in mini_batch_parts(len(groups), self.config.mini_batch_count, self.seed, self.step):
             for r, share in enumerate(split_groups([costs[i] for i in part], ranks)):
                 rank_parts[r].append(list(range(len(rank_groups[r]), len(rank_groups[r]) + len(share))))
                 rank_groups[r].extend(part[j] for j in share)

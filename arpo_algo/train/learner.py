@@ -390,7 +390,7 @@ class Learner:
 
     def mini_batch_groups(self, num_groups: int) -> list[list[int]]:
         """The update's mini-batches as group indices (:func:`mini_batch_parts` at this learner's seed and step)."""
-        return mini_batch_parts(num_groups, self.config.mini_batches, self.seed, self.step)
+        return mini_batch_parts(num_groups, self.config.mini_batch_count, self.seed, self.step)
 
     def _rollout_mismatch(self, batches: list[TokenBatch], current: list[torch.Tensor]) -> dict[str, float]:
         """The mismatch alarm: the sampler's log-probs against ``current`` (this learner's, before any step) for the

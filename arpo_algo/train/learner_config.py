@@ -73,6 +73,8 @@ class LearnerConfig:
         mini_batches: Optimizer steps per epoch, each on a shuffled part of the iteration's groups, with the old
             log-probs fixed for the whole update (1 = one step per epoch: the former update; more lets clipping act).
             A part without reward signal takes no step; an iteration with fewer groups makes one part per group.
+            None (AEPO's default, ``[training]`` only): ``min(8, prompts_per_step)``, derived from the prompts per
+            step of the run itself, so a sweep over prompts_per_step keeps it valid.
         micro_batch_tokens: Tokens per learner micro-batch (packed forward and backward).
         dedup_prefix: Run each shared prefix of a tree once in the forward pass (a tree attention mask) instead of
             once per trajectory.
@@ -133,7 +135,7 @@ class LearnerConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
-    mini_batches: int = 1
+    mini_batches: int | None = 1
     micro_batch_tokens: int = 8192
     dedup_prefix: bool = True
     old_logprobs: str = "recompute"
@@ -169,12 +171,12 @@ class LearnerConfig:
             check_choice(key, getattr(self, key), allowed, "training")
         ADVANTAGES.check(self.advantage, "training")
         POLICY_LOSSES.check(self.policy_loss, "training")
-        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs, "mini_batches": self.mini_batches,
+        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs, "mini_batches": self.mini_batch_count,
                     "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
         if self.head_chunk_tokens is not None:
             positive["head_chunk_tokens"] = self.head_chunk_tokens
         for key, val in positive.items():
-            if not val > 0:
+            if val is None or not val > 0:
                 raise ConfigError(f"training.{key} must be > 0, got {val!r}")
         for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef",
                     "dr_grpo_tokens"):
@@ -251,7 +253,13 @@ class LearnerConfig:
             return self.total_steps
         if self.schedule_iterations is None:
             return None
-        return self.schedule_iterations * self.ppo_epochs * self.mini_batches
+        return self.schedule_iterations * self.ppo_epochs * self.mini_batch_count
+
+    @property
+    def mini_batch_count(self) -> int | None:
+        """Optimizer steps per epoch: ``mini_batches`` as set (None is only meaningful with prompts per step, see
+        :class:`TrainingConfig`, and is refused by :meth:`validate` here)."""
+        return self.mini_batches
 
     @property
     def merge_shared(self) -> bool:
@@ -272,15 +280,21 @@ class TrainingConfig(LearnerConfig):
         "batch is full. Off: the paper's and the reference's behaviour.")
     dynamic_sampling_max_rounds: int = setting(3, "Cap of sampling rounds per iteration with dynamic_sampling.")
 
+    @property
+    def mini_batch_count(self) -> int:
+        """Optimizer steps per epoch, with the unset value (None) derived from this run's prompts per step."""
+        return self.mini_batches if self.mini_batches is not None else min(8, self.prompts_per_step)
+
     def validate(self) -> None:
         super().validate()
         if self.prompts_per_step < 1:
             raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.mini_batches > self.prompts_per_step:
+        if self.mini_batch_count > self.prompts_per_step:
             raise ConfigError(f"training.mini_batches={self.mini_batches} is more than prompts_per_step="
                               f"{self.prompts_per_step}",
                               hint="each mini-batch needs at least one group (one prompt): set "
-                                   f"training.mini_batches <= {self.prompts_per_step} (AEPO's default is 4)")
+                                   f"training.mini_batches <= {self.prompts_per_step}, or leave it unset under AEPO "
+                                   "(its default is min(8, prompts_per_step))")
         if self.dynamic_sampling_max_rounds < 1:
             raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
                               f"{self.dynamic_sampling_max_rounds}")

@@ -242,7 +242,30 @@ def test_options_that_act_only_through_the_ratio_are_kept_where_it_moves():
     valid_config(AEPOConfig).validate()  # AEPO's defaults take several steps
     with pytest.raises(ConfigError, match="entropy_balanced_clip"):
         valid_config(AEPOConfig).training(mini_batches=1).validate()
-    assert valid_config(AEPOConfig).settings.training.mini_batches == 4
+    assert valid_config(AEPOConfig).settings.training.mini_batch_count == 4
+
+
+@pytest.mark.parametrize("prompts, steps", [(1, 1), (2, 2), (4, 4), (16, 8)])
+def test_aepo_takes_min_8_prompts_mini_batches_from_its_own_prompts_per_step(prompts, steps):
+    """Bug: AEPO's default was a fixed 4 mini-batches, so AEPO with fewer than 4 prompts per step was refused for a
+    value the user never set, and with more than 8 it took 4 steps instead of 8."""
+    config = valid_config(AEPOConfig).training(prompts_per_step=prompts)
+    if prompts == 1:  # one group: one step, so the clip cannot act and AEPO's clip is refused, naming the cause
+        with pytest.raises(ConfigError, match="entropy_balanced_clip"):
+            config.validate()
+        return
+    config.validate()
+    assert config.settings.training.mini_batch_count == steps
+
+
+def test_a_sweep_over_prompts_per_step_keeps_aepo_mini_batches_derived(tmp_path):
+    """Through Tune's dict path (the base config's dict with a trial's point written over it), AEPO's unset
+    mini-batches follow the trial's prompts per step instead of the base's."""
+    trial = valid_config(AEPOConfig).to_dict()
+    trial.update({"training.prompts_per_step": 2})
+    config = AEPOConfig().update_from_dict(trial)
+    config.validate()
+    assert config.settings.training.mini_batch_count == 2
 
 
 def test_variants_share_one_path_with_their_defaults():

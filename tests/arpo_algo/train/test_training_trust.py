@@ -208,7 +208,7 @@ def test_aepo_defaults_take_several_steps_so_its_clip_acts(tiny_model_dir, group
     from arpo_algo.algorithms.settings import Settings
 
     aepo = Settings.for_variant("aepo").training
-    assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batches > 1
+    assert aepo.entropy_balanced_clip and aepo.old_logprobs == "recompute" and aepo.mini_batch_count > 1
     cfg = replace(aepo, lr=3e-2, grad_clip=0.0, micro_batch_tokens=100_000, **ALARM_OFF)
     m = Learner(tiny_model_dir, cfg, seed=0).update([_unsampled(g) for g in groups])
     assert m["optimizer_steps"] == 2 and m["clip_frac"] > 0  # 2 groups: one per part
