@@ -151,20 +151,18 @@ log = logging.getLogger("arpo.serve")
 def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
     """The system prompt, tool-call limit and protocol the policy in ``folder`` was trained with, for those the
     command line did not give: from the folder's own ``arpo_policy.json`` (every policy folder arpo writes: a
-    checkpoint's ``policy/``, ``arpo train``'s final policy, an exported copy), else, for a checkpoint written before
-    policy folders recorded it, from the checkpoint's ``arpo_checkpoint.json`` (its environment, rebuilt here); {}
-    for a folder that records neither (a base model, an ``arpo sft`` output), after one warning naming the generic
-    defaults it is served with.
+    checkpoint's ``policy/``, ``arpo train``'s final policy, an exported copy); {} for a folder without one (a base
+    model, an ``arpo sft`` output), after one warning naming the generic defaults it is served with. A checkpoint's
+    recorded environment is never rebuilt here: the served tools come from the command line, never from a folder.
 
     Invariant: an agent served from a trained policy sees, by default, the prompt and limits of its training, so a
     request without a system message is in the distribution it learned; a folder that cannot say what they were is
     served on generic defaults only with a warning saying so.
 
     Raises:
-        ConfigError: the folder's record is unreadable (another format, damaged), or the checkpoint's environment
-            cannot be made here (e.g. its dataset is missing); the hint names the flags that set the values instead.
+        ConfigError: the folder's record is unreadable (another format, damaged); the hint names the flags that set
+            the values instead.
     """
-    from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
     from arpo_algo.models.policy_env import POLICY_ENV_FILE, read_policy_env
 
     missing = [k for k in TRAINED_KEYS if k not in given]
@@ -173,8 +171,6 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
     record = read_policy_env(folder)  # None when absent; a record it cannot read is a ConfigError
     if record is not None:
         return _trained_defaults(folder, record["served_defaults"], given, missing)
-    if (folder.parent / CHECKPOINT_MARKER).is_file():
-        return _trained_defaults(folder, _checkpoint_defaults(folder), given, missing)
     from arpo_env.session import SESSION_DEFAULTS
 
     protocol = given.get("protocol", SESSION_DEFAULTS["protocol"])
@@ -200,37 +196,6 @@ def _trained_defaults(folder: Path, trained: dict[str, Any], given: dict[str, An
                     "--system-prompt to choose one", folder, trained.get("protocol"), given["protocol"],
                     trained.get("protocol"), given["protocol"])
     return out
-
-
-#: How ``arpo serve`` sets what a checkpoint's record may not (``refuse_code_references``): the served tools come from
-#: the command line, never from the folder.
-SERVE_FLAGS = {"env": "pass --system-prompt, --max-tool-calls and --protocol (then no environment is rebuilt)",
-               "tool": "--tools '{{\"python\": {{\"{key}\": VALUE}}}}' (and --system-prompt, --max-tool-calls, "
-                       "--protocol, so the checkpoint's environment is not rebuilt)",
-               "allow_unisolated_python": "--allow-unisolated-python (and --system-prompt, --max-tool-calls, "
-                                          "--protocol, so the checkpoint's environment is not rebuilt)"}
-
-
-def _checkpoint_defaults(folder: Path) -> dict[str, Any]:
-    """The served defaults of the environment recorded in the checkpoint holding ``folder`` (rebuilt here)."""
-    from arpo_algo.algorithms.checkpoint import (  # the reader resume uses: format checked
-        read_checkpoint_state,
-        refuse_code_references,
-    )
-    from arpo_algo.models.policy_env import defaults_from_env
-
-    try:
-        recorded = read_checkpoint_state(folder.parent)["config"]
-        env_id, env_config = recorded["env"], dict(recorded["env_config"])
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{folder.parent}: its checkpoint does not record the environment it was trained in "
-                          f"({e})", hint="pass --system-prompt, --max-tool-calls and --protocol") from None
-    refuse_code_references(env_id, env_config, str(folder.parent), flags=SERVE_FLAGS)  # before anything is built
-    try:
-        return defaults_from_env(env_id, env_config)
-    except Exception as e:  # noqa: BLE001 - any failure to rebuild the environment is reported as one error
-        raise ConfigError(f"{folder}: the environment it was trained in ({env_id}) cannot be made here: {e}",
-                          hint="pass --system-prompt, --max-tool-calls and --protocol to serve it anyway") from None
 
 
 def check_engine(engine: str, settings: dict[str, Any]) -> None:

@@ -259,3 +259,31 @@ def test_every_script_is_listed_in_its_folders_readme(folder):
     assert not missing, f"{folder}/README.md does not name {missing}"
     pages = re.findall(r"\(\.\./(docs/[\w/.-]+\.md)", readme)
     assert pages and not [p for p in pages if not (REPO / p).is_file()], "every page named exists"
+
+
+def _glob_match(rel: str, pattern: str) -> bool:
+    """Setuptools' glob: ``*`` matches within one path segment, never across a ``/``."""
+    import fnmatch
+
+    parts, pats = rel.split("/"), pattern.split("/")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def test_every_file_the_packages_read_ships_in_a_wheel():
+    """A non-Python file inside a package (a page, a script, a stylesheet, a recipe) is read at run time: each must
+    match a ``package-data`` pattern, or a non-editable install (a wheel, the GPU image) lacks it."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["*"]
+    missing = []
+    for top in ("arpo_base", "arpo_env", "arpo_algo", "serve"):
+        for path in (REPO / top).rglob("*"):
+            if not path.is_file() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:
+                continue
+            # package-data patterns are relative to the folder of the package that holds the file
+            package = next(p for p in path.parents if (p / "__init__.py").is_file())
+            rel = path.relative_to(package).as_posix()
+            if not any(_glob_match(rel, pat) for pat in patterns):
+                missing.append(path.relative_to(REPO).as_posix())
+    assert not missing, f"not shipped in a wheel (add a pattern to [tool.setuptools.package-data]): {missing}"

@@ -67,3 +67,22 @@ def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grp
     assert "ARPO beats GRPO" in quickstart.reference_line({"accuracy_before_sft": 0.25, "accuracy_after_arpo": 0.5})
     monkeypatch.setattr(quickstart, "REFERENCE", tmp_path / "missing.json")
     assert "none recorded" in quickstart.reference_line({"accuracy_before_sft": 0.0, "accuracy_after_arpo": 0.0})
+
+
+def test_a_stage_is_reused_only_for_the_arguments_that_made_it(tmp_path):
+    """Bug: a second quickstart with another --seed (or a real run after a smoke run) in the same folder reused the
+    earlier stages' results and labelled them with the new seed."""
+    from arpo_base.errors import ConfigError
+
+    runs = []
+
+    def stage():
+        runs.append(1)
+        return {"value": len(runs)}
+
+    first = quickstart.run_stage(tmp_path, "rl", stage, {"seed": 0})
+    again = quickstart.run_stage(tmp_path, "rl", stage, {"seed": 0})
+    assert first["value"] == again["value"] == 1 and len(runs) == 1  # same arguments: done once, reused
+    with pytest.raises(ConfigError, match="done with {'seed': 0}; this run asks for {'seed': 1}") as err:
+        quickstart.run_stage(tmp_path, "rl", stage, {"seed": 1})
+    assert "--output" in err.value.hint and len(runs) == 1

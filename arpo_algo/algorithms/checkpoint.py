@@ -179,7 +179,14 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
 CODE_SETTINGS = {"python_executable": "the interpreter the model's code runs in",
                  "docker_image": "the Docker image the model's code runs in",
                  "backend": "the sandbox backend", "scratch_root": "where the sandbox's scratch folders go",
-                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces"}
+                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces",
+                 "uid_base": "the uids the model's code runs as (every process of such a uid is killed after a call)"}
+#: Settings of the other tools that send secrets or write files where a record says: refused from a folder likewise
+#: (None: the whole section).
+WRITE_SETTINGS = {("search", "url"): "the search endpoint the key is sent to",
+                  ("search", "api_key_env"): "the variable whose secret is sent as the search key",
+                  ("search", "index_dir"): "a folder the search index is written to",
+                  ("cache", None): "a file the tool cache writes"}
 
 
 def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: dict[str, str]) -> None:
@@ -194,20 +201,22 @@ def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: d
         raise ArpoError(f"{where}: the recorded environment id {env_id!r} names a module to import; a folder's files "
                         "may not choose code to run", hint=f"registered ids only; {flags['env']}")
     tools = env_config.get("tools") if isinstance(env_config, dict) else None
-    python = tools.get("python") if isinstance(tools, dict) else None
-    if isinstance(python, dict):
-        for key, what in CODE_SETTINGS.items():
-            if key in python:
-                flag = flags.get(key) or flags["tool"].format(key=key)
-                raise ArpoError(f"{where}: the recorded setting tools.python.{key} ({what}) is refused: a folder's "
-                                "files may not choose the code that runs or its sandbox",
-                                hint=f"set it yourself if you mean it: {flag}")
+    tools = tools if isinstance(tools, dict) else {}
+    refused = [(("python", key), what) for key, what in CODE_SETTINGS.items()] + list(WRITE_SETTINGS.items())
+    for (tool, key), what in refused:
+        table = tools.get(tool)
+        if isinstance(table, dict) and (key is None or key in table):
+            name = tool if key is None else f"{tool}.{key}"
+            flag = flags.get(key) or flags["tool"].format(key=name)
+            raise ArpoError(f"{where}: the recorded setting tools.{name} ({what}) is refused: a folder's files may "
+                            "not choose the code that runs, its sandbox, where secrets go or where files are written",
+                            hint=f"set it yourself if you mean it: {flag}")
 
 
 #: How ``from_checkpoint``'s caller sets what a checkpoint may not (:func:`refuse_code_references`).
 RESTORE_FLAGS = {"env": "build the Algorithm from your own config (the experiment file's [env] id, or --set env.id=ID) "
                         "and restore the checkpoint into it (arpo train EXPERIMENT --resume RUN)",
-                 "tool": "--set env.tools.python.{key}=VALUE (or [env.tools.python] {key} in the experiment file), "
+                 "tool": "--set env.tools.{key}=VALUE (or the same key under [env.tools] in the experiment file), "
                          "then arpo train EXPERIMENT --resume RUN",
                  "allow_unisolated_python": "arpo train EXPERIMENT --resume RUN --allow-unisolated-python"}
 

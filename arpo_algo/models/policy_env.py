@@ -41,23 +41,6 @@ def served_defaults(env: Any) -> dict[str, Any]:
             "protocol": env.config["protocol"]}
 
 
-def defaults_from_env(env_id: str, env_config: dict[str, Any]) -> dict[str, Any]:
-    """:func:`served_defaults` of the environment ``env_id`` made with ``env_config`` (as training made it).
-
-    Raises:
-        Exception: whatever making the environment raises (an unknown id, a dataset missing on this machine).
-    """
-    import gymnasium as gym
-
-    import arpo_env  # noqa: F401  (registers the ids)
-
-    env = gym.make(env_id, config=dict(env_config), disable_env_checker=True).unwrapped
-    try:
-        return served_defaults(env)
-    finally:
-        env.close()
-
-
 def write_policy_env(policy_dir: str | Path, env_id: str, env_config: dict[str, Any],
                      defaults: dict[str, Any]) -> Path:
     """Write ``policy_dir/arpo_policy.json`` (the folder exists); returns its path."""

@@ -95,16 +95,31 @@ def _status_gb(field: str) -> float | None:
     return None
 
 
-def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``fn`` once: its JSON result is kept in a marker file and returned again on later runs.
+def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]],
+              inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``fn`` once: its JSON result is kept in a marker file and returned again on later runs with the same
+    ``inputs`` (the arguments the stage's result depends on); a later run with other inputs is refused.
+
+    Invariant: a stage's result is reused only for the arguments that made it, so another ``--seed``, ``--set`` or a
+    real run after a smoke run never reports an earlier run's numbers as its own.
 
     Records the stage's wall time and its peak resident memory (the memory freed by earlier stages is handed back
     and the process's peak reset before the stage, so each stage's figure is its own; ``rss_start_gb`` is what the
     stage started from; a stage skipped as done keeps the figures of the run that did it)."""
+    from arpo_base.errors import ConfigError
+
+    inputs = dict(inputs or {})
     marker = out / f".stage_{name}.json"
     if marker.is_file():
-        print(f"[quickstart] {name}: done earlier, skipping ({marker})", flush=True)
-        return json.loads(marker.read_text())
+        try:
+            done = json.loads(marker.read_text())
+        except json.JSONDecodeError:
+            done = {}
+        if done.get("inputs") != inputs:
+            raise ConfigError(f"{out} holds the quickstart's {name} stage done with {done.get('inputs')}; this run "
+                              f"asks for {inputs}", hint="give this run its own --output folder (or delete that one)")
+        print(f"[quickstart] {name}: done earlier with the same arguments, skipping ({marker})", flush=True)
+        return done
     print(f"[quickstart] {name} ...", flush=True)
     t0 = time.time()
     release_memory()
@@ -114,6 +129,7 @@ def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]]) -> dict[st
     result["stage_time_s"] = round(time.time() - t0, 1)
     result["peak_rss_gb"] = peak_rss_gb() if reset else None
     result["rss_start_gb"] = start_rss
+    result["inputs"] = inputs
     marker.write_text(json.dumps(result, indent=2))
     print(f"[quickstart] {name}: {result['stage_time_s']} s", flush=True)
     return result
@@ -240,13 +256,18 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.time()
-    pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))})
-    sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress))
+    from arpo_algo.run import smoke
+
+    sft_inputs = {"model": MODEL, "sft_seed": args.sft_seed, "smoke": smoke.smoke()}
+    rl_inputs = {**sft_inputs, "seed": args.seed, "set": list(args.set)}
+    pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, {"model": MODEL})
+    sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress),
+                    sft_inputs)
     exp = load_rl_experiment(sft["path"], args.seed, args.set)
-    rl = run_stage(out, "arpo", functools.partial(stage_arpo, out, exp, progress))
-    ev = run_stage(out, "evaluate", functools.partial(stage_evaluate, exp, sft["path"], rl["policy"]))
+    rl = run_stage(out, "arpo", functools.partial(stage_arpo, out, exp, progress), rl_inputs)
+    ev = run_stage(out, "evaluate", functools.partial(stage_evaluate, exp, sft["path"], rl["policy"]), rl_inputs)
     replot_with_evaluation(rl, ev, exp.run.iterations)
-    export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"]))
+    export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"]), rl_inputs)
     stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
         "accuracy_before_sft": ev["before"]["accuracy"], "accuracy_after_arpo": ev["after"]["accuracy"],

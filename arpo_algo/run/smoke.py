@@ -20,8 +20,15 @@ ITERATIONS, PROMPTS, RESPONSE_TOKENS, EVAL_TASKS, SFT_EXAMPLES, EVAL_ITEMS = 1, 
 
 
 def smoke() -> bool:
-    """True when ``ARPO_SMOKE`` is set to anything but empty or ``0``."""
-    return os.environ.get(SMOKE_ENV, "") not in ("", "0")
+    """True when ``ARPO_SMOKE`` is ``1``; unset, empty or ``0`` is off; any other value is a :class:`ConfigError`
+    (``ARPO_SMOKE=false`` must not quietly shrink a real run)."""
+    value = os.environ.get(SMOKE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        from arpo_base.errors import ConfigError
+
+        raise ConfigError(f"{SMOKE_ENV}={value!r} is neither 1 (smallest budgets) nor 0 (off)",
+                          hint=f"set {SMOKE_ENV}=1 or unset it")
+    return value == "1"
 
 
 _announced: set[str] = set()
@@ -42,7 +49,8 @@ def experiment_budget(settings: Any) -> dict[str, Any]:
         return {}
     t, r, e = settings.training, settings.rollouts, settings.evaluation
     prompts = min(t.prompts_per_step, PROMPTS)
-    return {"training.prompts_per_step": prompts, "training.mini_batches": None if t.mini_batches is None else min(t.mini_batches, prompts),
+    mini_batches = None if t.mini_batches is None else min(t.mini_batches, prompts)  # None: derived from prompts
+    return {"training.prompts_per_step": prompts, "training.mini_batches": mini_batches,
             "rollouts.max_response_tokens": min(r.max_response_tokens, RESPONSE_TOKENS),
             "evaluation.num_prompts": min(e.num_prompts or EVAL_TASKS, EVAL_TASKS)}
 

@@ -54,6 +54,7 @@ from arpo_env.tools.sandbox import (
     bwrap_prefix,
     call_cgroups_available,
     cancel_event,
+    check_uid_base,
     child_env,
     interpreter_paths,
     kill_uid,
@@ -147,7 +148,7 @@ class PythonTool:
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
         self.max_file_mb, self.max_code_chars, self.disk_mb = int(max_file_mb), int(max_code_chars), int(disk_mb)
-        self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, uid_base
+        self.echo_last_expr, self.no_site, self.uid_base = echo_last_expr, no_site, check_uid_base(uid_base)
         self.python_executable = python_executable or sys.executable
         self.scratch_root, self.docker_image = scratch_root, docker_image
         self.reproducible_output, self.namespaces = reproducible_output, namespaces

@@ -48,11 +48,13 @@ from collections.abc import Iterator
 
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.sandbox_uids import (  # noqa: F401 - re-exported: the sandbox's public names
+    POOL_SIZE,
     RUNTIME_DIR,
     CallCgroup,
     SandboxError,
     UidLeases,
     call_cgroups_available,
+    check_uid_base,
     kill_uid,
     private_runtime_dir,
     uid_pool,

@@ -15,7 +15,7 @@ import stat
 import threading
 import time
 
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 
 _UID_POOLS: dict[int, UidLeases] = {}
 _UID_POOLS_LOCK = threading.Lock()
@@ -77,7 +77,7 @@ class UidLeases:
 
     def __init__(self, uid_base: int, size: int = 256, timeout_s: float = 60.0,
                  runtime_dir: str = RUNTIME_DIR) -> None:
-        self.uids = range(uid_base, uid_base + size)
+        self.uids = range(check_uid_base(uid_base), uid_base + size)
         self.timeout_s = timeout_s
         self._held: dict[int, int] = {}  # uid -> lock fd
         # Round robin from a per-process offset: a uid just released may still count dying processes against its
@@ -131,6 +131,33 @@ class UidLeases:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+#: Uids in the pool per base; the pool's first uid is at least this (below it are the host's own system users).
+POOL_SIZE = 256
+MIN_UID_BASE = 10_000
+
+
+def check_uid_base(uid_base: object) -> int:
+    """``uid_base`` if every uid of its pool is free to hand out, else :class:`ConfigError`.
+
+    Invariant: a finished call SIGKILLs every process of its uid, so no uid of the pool may belong to anyone (root,
+    a system service, a login user): the pool starts at :data:`MIN_UID_BASE` and holds no uid the user database
+    names."""
+    import pwd
+
+    if isinstance(uid_base, bool) or not isinstance(uid_base, int):
+        raise ConfigError(f"python tool setting 'uid_base' must be an integer uid, got {uid_base!r}")
+    if not MIN_UID_BASE <= uid_base <= 2**31 - 1 - POOL_SIZE:
+        raise ConfigError(f"python tool setting 'uid_base' = {uid_base} is outside {MIN_UID_BASE}.."
+                          f"{2**31 - 1 - POOL_SIZE}: each call runs as a uid of [uid_base, uid_base + {POOL_SIZE}) and "
+                          "every process of that uid is killed when the call ends", hint="leave the default (62000)")
+    named = sorted(u.pw_uid for u in pwd.getpwall() if uid_base <= u.pw_uid < uid_base + POOL_SIZE)
+    if named:
+        raise ConfigError(f"python tool setting 'uid_base' = {uid_base}: its pool holds uid {named[0]} "
+                          f"({pwd.getpwuid(named[0]).pw_name}), a user of this host whose processes a finished call "
+                          "would kill", hint=f"choose a range of {POOL_SIZE} uids no user has")
+    return uid_base
 
 
 def uid_pool(uid_base: int) -> UidLeases:

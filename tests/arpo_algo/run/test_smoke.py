@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from arpo_algo.run.experiment import load_experiment
 from arpo_algo.run.sweep import load_sweep
 
@@ -25,3 +27,12 @@ def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_mod
 def test_without_the_variable_nothing_changes(monkeypatch):
     monkeypatch.setenv("ARPO_SMOKE", "0")
     assert load_experiment("toolmath_aepo").run.iterations == load_experiment("toolmath_aepo", []).run.iterations > 1
+
+
+def test_a_value_other_than_0_or_1_is_refused(monkeypatch):
+    """ARPO_SMOKE=false once switched the smallest budgets on: a real run shrank without a word of error."""
+    from arpo_base.errors import ConfigError
+
+    monkeypatch.setenv("ARPO_SMOKE", "false")
+    with pytest.raises(ConfigError, match="ARPO_SMOKE='false' is neither 1"):
+        load_experiment("toolmath_aepo")
