@@ -111,12 +111,30 @@ class LoraSettings:
 # ------------------------------------------------------------------------------------------------ architecture
 
 
+#: Longest chain of adapters on adapters followed to a base model.
+MAX_ADAPTER_CHAIN = 8
+
+
+def _base_chain(path: Path) -> list[Path]:
+    """``path`` and each base below it, down to the first folder that is not an adapter; a chain that comes back to
+    a folder it has passed, or is longer than :data:`MAX_ADAPTER_CHAIN`, is a :class:`ConfigError` (the records are
+    data someone wrote: following them may not hang or recurse without end)."""
+    chain = [Path(path)]
+    while is_adapter_folder(chain[-1]):
+        base = Path(_read_marker(chain[-1])["base"])
+        if base.resolve() in {p.resolve() for p in chain}:
+            raise ConfigError(f"{chain[0]}: its chain of base models comes back to {base}",
+                              hint="each adapter's base must be another folder; fix arpo_adapter.json")
+        if len(chain) > MAX_ADAPTER_CHAIN:
+            raise ConfigError(f"{chain[0]}: more than {MAX_ADAPTER_CHAIN} adapters on adapters before a base model",
+                              hint="export a merged model (arpo export --merge) and train on it")
+        chain.append(base)
+    return chain
+
+
 def _config_folder(path: Path) -> Path:
-    """The folder holding the model config: the base's for an adapter folder (recursively)."""
-    path = Path(path)
-    while is_adapter_folder(path):
-        path = Path(_read_marker(path)["base"])
-    return path
+    """The folder holding the model config: the base's for an adapter folder (through its chain of bases)."""
+    return _base_chain(path)[-1]
 
 
 def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
@@ -263,6 +281,7 @@ def check_adapter_folder(path: str | Path, *, expected_fingerprint: str | None =
                           hint="put the base model back at that path, or export a merged model where it exists "
                                "(arpo export --merge)")
     if is_adapter_folder(base):
+        _base_chain(path)  # a cycle or an endless chain is refused before the recursion follows it
         check_adapter_folder(base)
     have = weights_fingerprint(base)
     if have != info["fingerprint"]:
@@ -336,17 +355,40 @@ def load_adapter_weights(model: Any, path: Path) -> None:
             params[f"{stem}.default.{leaf}"].copy_(value)
 
 
+#: Adapter config keys whose value arpo reads or that do not change the loaded function (naming, bookkeeping,
+#: initialisation of a new adapter, dropout at training time). Any other key must hold its neutral value (false,
+#: null, empty, or PEFT's fixed default below): a rank pattern, rsLoRA scaling, DoRA, layer selection and the like
+#: change what the adapter computes, and arpo applies plain LoRA only.
+_LORA_READ_KEYS = {"r", "lora_alpha", "target_modules", "lora_dropout", "peft_type", "peft_version", "task_type",
+                   "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "auto_mapping"}
+_LORA_FIXED_DEFAULTS = {"bias": "none", "megatron_core": "megatron.core", "qalora_group_size": 16}
+
+
 def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
+    """The adapter's plain-LoRA settings from its config, refusing (:class:`ConfigError`) any key arpo would not
+    apply, so a loaded adapter is never a different function than the one PEFT would load."""
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path / ADAPTER_CONFIG} cannot be read: {e}", hint="the folder is damaged") from e
-    for key, ok in (("use_dora", False), ("modules_to_save", None), ("bias", "none")):
-        if cfg.get(key, ok) not in (ok, [] if ok is None else ok):
-            raise ConfigError(f"{path}: the adapter uses {key} = {cfg[key]!r}, which arpo does not load",
-                              hint="merge it with PEFT into a plain model folder first")
-    lora = LoraSettings(enabled=True, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                        target_modules=tuple(cfg["target_modules"]))
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path / ADAPTER_CONFIG} is not a JSON object", hint="the folder is damaged")
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
+    if missing or cfg.get("peft_type", "LORA") != "LORA":
+        why = f"missing {', '.join(missing)}" if missing else f"peft_type {cfg.get('peft_type')!r}"
+        raise ConfigError(f"{path}: not a LoRA adapter config ({why})",
+                          hint="arpo loads LoRA adapters written by PEFT or by arpo")
+    for key, value in cfg.items():
+        if key in _LORA_READ_KEYS or value in (None, False, [], {}, "") or _LORA_FIXED_DEFAULTS.get(key) == value:
+            continue
+        raise ConfigError(f"{path}: the adapter uses {key} = {value!r}, which arpo does not apply",
+                          hint="merge it with PEFT into a plain model folder first")
+    try:
+        lora = LoraSettings(enabled=True, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                            target_modules=tuple(cfg["target_modules"]))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path / ADAPTER_CONFIG}: r, lora_alpha or target_modules has the wrong type ({e})",
+                          hint="the folder is damaged") from None
     return lora, lora.target_modules
 
 

@@ -373,6 +373,10 @@ class Learner:
             return
         own = {k: v.detach().clone() for k, v in self.trainable_state().items()}
         strict = self.lora is None  # with LoRA the frozen base is the same in every version: adapters only
+        if not strict and set(weights) != set(own):
+            # a partial load would score part of the batch under the current adapter and call it the old one
+            raise ArpoError(f"behaviour weights hold {len(weights)} tensors, the adapter {len(own)}: "
+                            f"{sorted(set(weights) ^ set(own))[:3]} differ")
         try:
             self.model.load_state_dict(weights, strict=strict)
             yield

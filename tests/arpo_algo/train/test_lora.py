@@ -277,3 +277,49 @@ def test_train_dry_run_checks_the_target_modules_against_the_model(tiny_model_di
     assert main([*given, "--set", 'model.lora.target_modules=["qproj"]']) == 2
     err = capsys.readouterr().err
     assert "['qproj'] are not linear layers" in err and "q_proj" in err
+
+
+def test_an_adapter_chain_that_comes_back_on_itself_is_refused(lora_run, tmp_path):
+    """Bug: the chain of bases was followed with no guard: a record whose base is the adapter itself (or a loop of
+    two) hung the config lookup and overflowed the recursive check."""
+    from arpo_algo.models import resolve_model_path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, base in ((a, b), (b, a)):
+        shutil.copytree(lora_run["ckpt"] + "/policy", folder)
+        record = json.loads((folder / ADAPTER_MARKER).read_text())
+        (folder / ADAPTER_MARKER).write_text(json.dumps({**record, "base": str(base)}))
+    with pytest.raises(ConfigError, match="comes back to"):
+        resolve_model_path(a)
+
+
+@pytest.mark.parametrize("key, value", [("use_rslora", True), ("rank_pattern", {"q_proj": 4}),
+                                        ("layers_to_transform", [0]), ("peft_new_option", "x")])
+def test_an_adapter_config_arpo_would_not_apply_is_refused_by_key(lora_run, tmp_path, key, value):
+    """Bug: only three PEFT keys were checked; an adapter with rsLoRA scaling, a rank pattern or a layer selection
+    loaded as plain LoRA: another function than the one PEFT loads."""
+    from arpo_algo.models.lora import load_policy_model
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(lora_run["ckpt"] + "/policy", folder)
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    load_policy_model(folder, dtype=None)  # as written by arpo: it loads
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ConfigError, match=f"uses {key} = "):
+        load_policy_model(folder, dtype=None)
+
+
+def test_behaviour_weights_that_miss_an_adapter_tensor_are_refused(lora_run):
+    """Bug: stale-batch scoring loaded the behaviour adapter with strict=False and ignored what did not load, so
+    a tensor missing from it was scored under the current adapter as if it were the old one."""
+    from arpo_base.errors import ArpoError
+
+    learner = lora_run["algo"].learner
+    old = {k: v.clone() for k, v in learner.trainable_state().items()}
+    with learner._weights_of(old):  # the whole adapter: loaded, and the learner's own put back after
+        pass
+    partial = dict(list(old.items())[1:])
+    with pytest.raises(ArpoError, match="behaviour weights hold"):
+        with learner._weights_of(partial):
+            pass
+    assert all(torch.equal(v, old[k]) for k, v in learner.trainable_state().items())  # nothing was changed
