@@ -9,8 +9,9 @@ answer came at all, the socket's reason) and keeps the reply's text for the call
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,17 +100,26 @@ def _reason(e: Exception) -> str:
 
 
 def download(url: str, dest: str, *, timeout: float = DEFAULT_TIMEOUT, headers: dict[str, str] | None = None) -> None:
-    """Stream ``GET url`` into the file ``dest``; raises :class:`HTTPJSONError` (an ``OSError``) on any failure."""
+    """Stream ``GET url`` into the file ``dest``, decoded as the server's Content-Encoding says; raises
+    :class:`HTTPJSONError` (an ``OSError``) on any failure, and then leaves no partial ``dest`` behind."""
     import requests
 
+    written = False
     try:
         with requests.get(url, headers=headers, timeout=timeout, stream=True) as resp:
             if not 200 <= resp.status_code < 300:
                 raise HTTPJSONError("GET", url, resp.status_code, resp.reason or "", resp.text[:QUOTED])
             with open(dest, "wb") as f:
-                shutil.copyfileobj(resp.raw, f)
-    except requests.RequestException as e:
-        raise HTTPJSONError("GET", url, None, _reason(e)) from None
+                written = True
+                for chunk in resp.iter_content(chunk_size=1 << 20):
+                    f.write(chunk)
+    except BaseException as e:
+        if written:  # only the file this call began; a failed request leaves an older file as it was
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dest)
+        if isinstance(e, requests.RequestException):
+            raise HTTPJSONError("GET", url, None, _reason(e)) from None
+        raise
 
 
 def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT) -> Any:

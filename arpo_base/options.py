@@ -48,27 +48,26 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
-#: Keys that existed in earlier releases: the hint says what replaced them instead of a near-miss guess.
-REPLACED_KEYS = {"bf16": "'bf16' was replaced by precision = \"bf16\" (or \"auto\": bf16 on a CUDA GPU that supports "
-                         "it, fp32 elsewhere; \"fp32\")",
-                 # [model.lora] trains plain LoRA on the adapted modules only; these PEFT options are refused by name
-                 "use_dora": "DoRA is not supported: [model.lora] trains plain LoRA adapters",
-                 "modules_to_save": "modules_to_save is not supported: embeddings and the LM head stay frozen under "
-                                    "[model.lora]",
-                 "bias": "bias training is not supported: [model.lora] trains the adapter matrices only"}
+#: Hints for keys people carry over from other tools into a table that does not take them, by the table's name as
+#: it appears in ``where`` (``[model.lora]``): the hint says why instead of a near-miss guess.
+KEY_HINTS = {"[model.lora]": {
+    "use_dora": "DoRA is not supported: [model.lora] trains plain LoRA adapters",
+    "modules_to_save": "modules_to_save is not supported: embeddings and the LM head stay frozen under [model.lora]",
+    "bias": "bias training is not supported: [model.lora] trains the adapter matrices only"}}
 
 
-def _did_you_mean(name: str, valid: Iterable[str], label: str) -> str:
+def _did_you_mean(name: str, valid: Iterable[str], label: str, where: str = "") -> str:
     valid = sorted(set(map(str, valid)))
-    if str(name) in REPLACED_KEYS and str(name) not in valid:
-        return REPLACED_KEYS[str(name)]
+    for table, hints in KEY_HINTS.items():
+        if str(where).endswith(table) and str(name) in hints:
+            return hints[str(name)]
     near = closest(name, valid)
     return f"did you mean {near!r}?" if near else f"{label}: {', '.join(valid)}"
 
 
 def unknown_key_error(key: str, valid: Iterable[str], where: str, *, what: str = "key") -> ConfigError:
     """A ConfigError ``"<where>: unknown <what> '<key>'"`` with the closest valid name (or all of them) as hint."""
-    return ConfigError(f"{where}: unknown {what} {key!r}", hint=_did_you_mean(key, valid, f"valid {what}s"))
+    return ConfigError(f"{where}: unknown {what} {key!r}", hint=_did_you_mean(key, valid, f"valid {what}s", where))
 
 
 def check_keys(given: Mapping[str, Any], valid: Iterable[str], where: str, *, what: str = "key") -> None:

@@ -54,7 +54,7 @@ RESULT_TEMPLATES = {
     "eval": "<result>{result}</result>",  # reference evaluation insertion (sample_processor.py)
 }
 
-# Default tag -> keyword-argument name of the tool it calls (helper A's PythonTool(code=...), SearchTool(query=...)).
+# Default tag -> keyword-argument name of the tool it calls (PythonTool(code=...), SearchTool(query=...)).
 DEFAULT_TAG_TOOLS: dict[str, str] = {"python": "code", "search": "query"}
 
 DEFAULT_MAX_ACTION_CHARS = 32_768

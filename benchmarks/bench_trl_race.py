@@ -25,7 +25,8 @@ TRL's step is timed between its ``on_step_begin`` and ``on_step_end`` callbacks 
 
 Run (TRL in a private folder, see docs/results/trl-race.md)::
 
-    PYTHONPATH=$PWD:/tmp/trl_site nice -n 19 env OMP_NUM_THREADS=1 python -m benchmarks.bench_trl_race --out race.json
+    pip install --target TRL_DIR --no-deps trl==1.16.* datasets dill xxhash multiprocess
+    PYTHONPATH=$PWD:TRL_DIR nice -n 19 env OMP_NUM_THREADS=1 python -m benchmarks.bench_trl_race --out race.json
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 TRL_MISSING = ("TRL is not installed; this benchmark needs it (benchmark-only extra): pip install -e \".[bench]\", or "
-               "pip install --target /tmp/trl_site --no-deps trl==1.16.* datasets dill xxhash multiprocess and "
-               "PYTHONPATH=/tmp/trl_site")
+               "pip install --target TRL_DIR --no-deps trl==1.16.* datasets dill xxhash multiprocess and "
+               "PYTHONPATH=TRL_DIR (any private folder)")
 TRL_SYSTEM = ("Solve the problem step by step. To compute, call the python tool; its printed output comes back to you. "
               "Give the final answer as <answer>\\boxed{answer}</answer>.")
 

@@ -15,7 +15,7 @@ file: the arm, the seed, the code it ran (a hash of the training code's git tree
 from one pinned commit), the SFT weights' hash, the CPU, the library versions, the held-out curve with the cumulative
 tool calls and generated tokens, and the diagnostics. The records are the study's results and are kept in the
 repository (``studies/study_records.jsonl``); run folders are not. ``run`` skips every (arm, seed) already
-recorded, so the study continues after an interruption or in a later session from a fresh clone of the pinned commit
+recorded, so the study continues after an interruption, or later from a fresh clone of the pinned commit
 (a run killed mid-way resumes from its newest checkpoint if its folder is still there). It refuses to add records made
 by other code, another SFT checkpoint or another kind of CPU than the records already hold.
 

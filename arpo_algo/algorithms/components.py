@@ -76,7 +76,7 @@ class PromptIterator:
             raise ArpoError(f"the checkpoint was trained on {state['num_tasks']} tasks, this run has "
                             f"{self.num_tasks}", hint="resume with the same env config (split, data)")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
-        self.carry = list(state.get("carry", []))  # checkpoints written before the carry had none
+        self.carry = list(state["carry"])
 
 
 # ---------------------------------------------------------------------------------------------------- environments

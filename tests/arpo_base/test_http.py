@@ -3,6 +3,7 @@ naming the method, the URL and the status (or why no answer came)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import pickle
 import socket
@@ -11,7 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from arpo_base.http import HTTPJSONError, bearer, get_json, post_json, request
+from arpo_base.http import HTTPJSONError, bearer, download, get_json, post_json, request
+
+PAYLOAD = b"a data file " * 1000
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -32,6 +35,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps(got).encode(), Content_Type="application/json")
         elif self.path == "/html":
             self._send(200, b"<html>not json</html>", Content_Type="text/html")
+        elif self.path == "/gzip":
+            self._send(200, gzip.compress(PAYLOAD), Content_Encoding="gzip")
+        elif self.path == "/cut":  # promises more than it sends, then closes: the download fails mid-body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PAYLOAD) * 2))
+            self.end_headers()
+            self.wfile.write(PAYLOAD)
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
         else:
             self._send(404, json.dumps({"error": {"message": "no such path"}}).encode(), Retry_After="2")
 
@@ -94,3 +106,18 @@ def test_no_answer_names_the_url_and_the_reason():
     with pytest.raises(HTTPJSONError) as info:
         get_json(url, timeout=5)
     assert info.value.status is None and str(info.value).startswith(f"GET {url}: no answer (")
+
+
+def test_download_decodes_the_content_encoding_and_leaves_no_partial_file(server, tmp_path):
+    """Bug: the body was copied from the raw stream, so a gzip-encoded file was saved still compressed, and a
+    download cut mid-body left a partial file where the data belongs."""
+    dest = tmp_path / "data.bin"
+    download(f"{server}/gzip", str(dest))
+    assert dest.read_bytes() == PAYLOAD
+    cut = tmp_path / "cut.bin"
+    with pytest.raises(HTTPJSONError):
+        download(f"{server}/cut", str(cut))
+    assert not cut.exists()
+    with pytest.raises(HTTPJSONError, match="404"):  # a refused request leaves an earlier file as it was
+        download(f"{server}/missing", str(dest))
+    assert dest.read_bytes() == PAYLOAD
