@@ -9,6 +9,8 @@ config before the modules are built (as other RL trainers do); supervised fine-t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -41,3 +43,28 @@ def config_without_dropout(path: Any) -> Any:
     if changed:
         log.info("dropout off for RL scoring and sampling (was %s)", ", ".join(changed))
     return config
+
+
+def _copy_rates(source: Any, config: Any) -> None:
+    from transformers import PretrainedConfig
+
+    for name, value in vars(source).items():
+        if _is_rate(name, value):
+            setattr(config, name, value)
+        elif isinstance(value, PretrainedConfig) and isinstance(getattr(config, name, None), PretrainedConfig):
+            _copy_rates(value, getattr(config, name))
+
+
+@contextmanager
+def rates_of(config: Any, folder: Any) -> Iterator[None]:
+    """Inside the block ``config`` carries the dropout rates of the model folder ``folder``; 0 again after.
+
+    Invariant: a saved policy folder keeps its model's dropout rates: zero dropout is how RL scores, not a property
+    of the model, so a later fine-tune of an exported policy trains with the rates its model came with."""
+    from transformers import AutoConfig
+
+    _copy_rates(AutoConfig.from_pretrained(folder), config)
+    try:
+        yield
+    finally:
+        zero_dropout(config)

@@ -37,9 +37,9 @@ from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings",
-           "attach_adapter", "check_adapter_folder", "has_adapter", "is_adapter_folder", "linear_module_names",
-           "load_adapter_weights", "load_into_learner", "load_policy_model", "merge_export", "prepare_base",
-           "resolve_targets", "save_adapter", "weights_fingerprint"]
+           "attach_adapter", "check_adapter_folder", "config_folder", "has_adapter", "is_adapter_folder",
+           "linear_module_names", "load_adapter_weights", "load_into_learner", "load_policy_model", "merge_export",
+           "prepare_base", "resolve_targets", "save_adapter", "weights_fingerprint"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -132,7 +132,7 @@ def _base_chain(path: Path) -> list[Path]:
     return chain
 
 
-def _config_folder(path: Path) -> Path:
+def config_folder(path: str | Path) -> Path:
     """The folder holding the model config: the base's for an adapter folder (through its chain of bases)."""
     return _base_chain(path)[-1]
 
@@ -143,7 +143,7 @@ def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(_config_folder(Path(model_path)))
+    cfg = AutoConfig.from_pretrained(config_folder(Path(model_path)))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     names = {name.rsplit(".", 1)[-1] for name, mod in skeleton.named_modules()

@@ -8,8 +8,9 @@ through :class:`LearnerBackend`.
 * ``deepspeed`` (:class:`arpo_algo.train.deepspeed_learner.DeepSpeedBackend`): the same actors, with the model
   wrapped by ``deepspeed.initialize`` (ZeRO-2/3, gloo on CPU or NCCL on GPU); needs the ``deepspeed`` extra.
 
-Every backend keeps the learner state (optimizer, scheduler, step counters, RNG) in the layout of
-:meth:`Learner.get_state`, so a checkpoint written under one backend restores under another.
+``local`` and ``ddp`` keep the learner state (optimizer, scheduler, step counters, RNG) in the layout of
+:meth:`Learner.get_state`, so a checkpoint written under one of them restores under the other; ``deepspeed`` keeps
+ZeRO's own sharded optimizer state, which restores only into the same stage and number of ranks.
 """
 
 from __future__ import annotations

@@ -66,7 +66,15 @@ import torch
 
 from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
-from arpo_algo.models.lora import LoraSettings, attach_adapter, load_policy_model, prepare_base, save_adapter
+from arpo_algo.models.dropout import rates_of
+from arpo_algo.models.lora import (
+    LoraSettings,
+    attach_adapter,
+    config_folder,
+    load_policy_model,
+    prepare_base,
+    save_adapter,
+)
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout.types import Group
 from arpo_algo.train.device_setup import (
@@ -554,6 +562,7 @@ class Learner:
         if self.lora is not None:
             save_adapter(self.model, out, base=Path(self.base_path), fingerprint=self.base_fingerprint)
         else:
-            self.model.save_pretrained(out)
+            with rates_of(self.model.config, config_folder(self.base_path)):
+                self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out

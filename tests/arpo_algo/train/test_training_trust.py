@@ -140,6 +140,10 @@ def test_learner_and_sampler_agree_under_a_dropout_config(tiny_model_dir, tmp_pa
     # the training forward is the sampler's function too: one epoch, one mini-batch, ratio 1 up to rounding
     assert m["optimizer_steps"] == 1 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["clip_frac"] == 0.0
     assert learner.model.config.attention_dropout == 0.0
+    # a saved policy keeps the model's own rate (zero is how RL scores, not the model); the learner stays at zero
+    saved = learner.save_pretrained(tmp_path / "saved")
+    assert json.loads((saved / "config.json").read_text())["attention_dropout"] == 0.5
+    assert learner.model.config.attention_dropout == 0.0
 
 
 def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, groups, tmp_path):
