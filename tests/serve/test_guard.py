@@ -322,6 +322,32 @@ def test_non_http_scopes_are_refused_before_the_app():
     assert reached == ["lifespan"]
 
 
+def test_the_proxys_gate_refuses_non_http_scopes_before_serve_routes_them(monkeypatch):
+    """A websocket is closed by the gate in front of Serve's proxy, so it never takes a replica's slot to be refused
+    there; the proxy's lifespan passes."""
+    import asyncio
+
+    from serve.proxy import SECURITY_ENV, Gate
+
+    monkeypatch.delenv(SECURITY_ENV, raising=False)
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/chat/completions", "root_path": "", "headers": [], "query_string": b""}
+    asyncio.run(Gate(app)(scope, receive, send))
+    assert reached == [] and [m["type"] for m in sent] == ["websocket.close"], (reached, sent)
+    asyncio.run(Gate(app)({"type": "lifespan"}, receive, send))
+    assert reached == ["lifespan"]
+
+
 def test_bodies_that_are_not_plain_json_text_are_400(server):
     """A lone surrogate escape and nesting deeper than the parser's recursion: client mistakes, answered 400."""
     lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
