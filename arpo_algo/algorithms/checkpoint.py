@@ -179,7 +179,8 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
 CODE_SETTINGS = {"python_executable": "the interpreter the model's code runs in",
                  "docker_image": "the Docker image the model's code runs in",
                  "backend": "the sandbox backend", "scratch_root": "where the sandbox's scratch folders go",
-                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces"}
+                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces",
+                 "uid_base": "the uids the model's code runs as"}
 
 
 def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: dict[str, str]) -> None:

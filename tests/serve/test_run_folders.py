@@ -1,6 +1,7 @@
 """A folder's files are data: a checkpoint whose recorded environment names code (an interpreter, an image, a sandbox
-choice, a module to import) is refused by ``arpo serve`` and ``from_checkpoint`` before any of it is built, with an
-error naming the field and the flag that sets it; each planted reference leaves a marker only if it ran."""
+choice, the uids the code runs as, a module to import) is refused by ``arpo serve`` and ``from_checkpoint`` before any
+of it is built, with an error naming the field and the flag that sets it; each planted reference leaves a marker only
+if it ran."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def _plant(tmp_path, kind: str) -> tuple[str, dict]:
         python = {"allow_unisolated_python": True}
     elif kind == "namespaces":
         python = {"namespaces": False}
+    elif kind == "uid_base":  # the first human account's uid: the code would run as that user
+        python = {"uid_base": 1000}
     return env_id, {"levels": [1], "max_tool_calls": 1, "tools": {"python": python}}
 
 
@@ -75,7 +78,7 @@ def test_serving_a_checkpoint_that_names_code_is_refused_and_nothing_runs(tmp_pa
     assert not (tmp_path / "ran").exists()
 
 
-@pytest.mark.parametrize("kind", ["module", "python_executable", "allow_unisolated_python"])
+@pytest.mark.parametrize("kind", ["module", "python_executable", "allow_unisolated_python", "uid_base"])
 def test_from_checkpoint_refuses_a_record_that_names_code(tmp_path, monkeypatch, kind):
     from arpo_algo.algorithms import ARPO
 
