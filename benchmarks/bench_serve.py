@@ -194,6 +194,65 @@ def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: lis
     return out
 
 
+def checks_work_us(key_file: str, blocks: int = 20, per_block: int = 500) -> dict[str, float]:
+    """Microseconds per request of the checks' own work, in this process (no Ray, no HTTP, no model): one chat
+    request through the proxy's gate and the replica's guard around an application that reads the body and answers
+    200, against that application alone; blocks of each side alternate, median over blocks."""
+    import asyncio
+
+    from serve import guard, proxy
+
+    security = guard.Security(key_file=key_file, port=8000)
+    os.environ[proxy.SECURITY_ENV] = json.dumps(security.to_dict())
+    try:
+        gate = proxy.Gate(guard.Guard(_answer_200))
+    finally:
+        del os.environ[proxy.SECURITY_ENV]
+    guard.install(guard.Policy(security))
+    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": PROMPTS[0]}], "seed": 0,
+                       "temperature": 1.0, "max_tokens": 4}).encode()
+    headers = [(b"host", b"127.0.0.1:8000"), (b"authorization", f"Bearer {read_key(key_file)}".encode()),
+               (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"user-agent", b"OpenAI/Python"), (b"accept", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "headers": headers,
+             "query_string": b""}
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    statuses: list[int] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    async def run() -> None:
+        for b in range(blocks):
+            for side in (("with", "without") if b % 2 == 0 else ("without", "with")):
+                app = gate if side == "with" else _answer_200
+                t = time.perf_counter()
+                for _ in range(per_block):
+                    await app(dict(scope), receive, send)
+                times[side].append((time.perf_counter() - t) / per_block * 1e6)
+
+    asyncio.run(run())
+    if set(statuses) != {200}:
+        raise RuntimeError(f"the in-process check path did not answer 200: {sorted(set(statuses))}")
+    out = {f"us_{side}": statistics.median(v) for side, v in times.items()}
+    out["us_checks"] = out["us_with"] - out["us_without"]
+    print(f"in process, per request: {out['us_with']:.1f} us with the gate and the guard, {out['us_without']:.1f} us "
+          f"without ({out['us_checks']:.1f} us of checks)", flush=True)
+    return out
+
+
+async def _answer_200(scope: dict, receive: Any, send: Any) -> None:
+    """The application side of :func:`checks_work_us`: reads the whole body, answers 200."""
+    while (await receive()).get("more_body", False):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
 def read_key(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read().strip()
@@ -262,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "cpus": os.cpu_count(), "levels": {}}
     if args.compare_checks:
         out["checks"] = compare_checks(specs, port, key_file, reqs, levels, args)
+        out["checks"]["in_process"] = checks_work_us(key_file)
         args.in_process = False
     else:
         url, _ = deploy(specs, port, args.threads, True, key_file)

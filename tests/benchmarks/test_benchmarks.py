@@ -354,4 +354,6 @@ def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch)
     for c in (1, 2):
         side = res["checks"][c]
         assert side["requests_each"] == c and side["p50_s_with"] > 0 and side["p50_s_without"] > 0, side
+    work = res["checks"]["in_process"]
+    assert work["us_with"] > work["us_without"] > 0 and work["us_checks"] == work["us_with"] - work["us_without"]
     assert json.loads(out.read_text())["checks"]["1"]["p50_ratio"] > 0
