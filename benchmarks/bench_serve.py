@@ -9,8 +9,10 @@ served throughput against in-process generation of the same requests.
                                 # what the security checks cost: the same run with and without them, and the ratio
 
 ``--model tiny`` builds a tiny random Llama (no download). ``--compare-checks`` serves the requests twice, with the
-checks of :mod:`serve.guard` (API key, Host, Origin, content type, body size) and with them switched off, and prints
-the latency ratio per client count.
+checks and with them switched off, and prints the latency ratio per client count. The checks are those ``arpo serve``
+runs: the gate in front of Serve's proxy (:class:`serve.proxy.Gate`: ``x-request-*`` headers stripped, Host, Origin,
+key and content type checked, the body read under a deadline and a size limit before Serve queues the request) and
+the replica's own (:mod:`serve.guard`); the side without them keeps Serve's proxy and the lost-replica answer.
 
 Every request is a seeded chat completion (``temperature`` 1, ``seed`` = request index), so the served run and the
 in-process run generate exactly the same tokens: the comparison is the same work. Clients are closed loops (each
@@ -120,20 +122,50 @@ def in_process(agent: Any, reqs: list[dict], clients: int, max_tokens: int) -> d
     return {"requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall, "tokens": tokens}
 
 
-def deploy(specs: list, port: int, threads: int, checks: bool, key_file: str) -> str:
-    """(Re)deploy the bench application, with or without the security checks; return its URL once ready."""
+def deploy(specs: list, port: int, threads: int, checks: bool, key_file: str) -> tuple[str, dict[str, Any]]:
+    """Start Serve and the bench application as ``arpo serve`` does, with or without the security checks (those of the
+    replicas and those of the gate in front of Serve's proxy, which is set when Serve starts: a Serve already running
+    is shut down first); return its URL once ready and what :func:`checks_in_place` saw."""
     from ray import serve
 
     from arpo_algo.cli.serve import wait_ready
     from serve.app import build_app
     from serve.guard import Security
+    from serve.proxy import controller_options
 
     security = Security(key_file=key_file, port=port) if checks else Security(checks=False, port=port)
+    serve.shutdown()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly",
+                controller_options=controller_options(security))
     serve.run(build_app(specs, security, max_ongoing_requests=32, max_queued_requests=64, num_cpus=threads),
               name="bench", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 600, read_key(key_file))
-    return url
+    return url, checks_in_place(url, checks)
+
+
+#: Serve echoes a client's ``x-request-id`` in its answer unless the gate has stripped it.
+PROBE_ID = "bench-probe-request-id"
+
+
+def checks_in_place(url: str, checks: bool) -> dict[str, Any]:
+    """Refuse to measure a side that is not what it claims: with the checks a request without the key is refused
+    (401) and the gate strips the client's ``x-request-id`` (Serve answers with an id of its own); without them both
+    pass."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/models", headers={"x-request-id": PROBE_ID})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, echoed = r.status, r.headers.get("x-request-id")
+    except urllib.error.HTTPError as e:
+        status, echoed = e.code, e.headers.get("x-request-id")
+    seen = {"status": status, "gate": echoed != PROBE_ID}
+    if seen != ({"status": 401, "gate": True} if checks else {"status": 200, "gate": False}):
+        raise RuntimeError(f"the side {'with' if checks else 'without'} the checks is not what it claims: a request "
+                           f"without the key got {status}, the gate {'is' if seen['gate'] else 'is not'} in place")
+    return seen
 
 
 def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: list[int], args: Any) -> dict:
@@ -142,13 +174,15 @@ def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: lis
     key = read_key(key_file)
     pooled: dict[str, dict[int, list[float]]] = {m: {c: [] for c in levels} for m in ("on", "off")}
     walls: dict[str, dict[int, float]] = {m: dict.fromkeys(levels, 0.0) for m in ("on", "off")}
+    sides: dict[str, dict[str, Any]] = {}
     for r in range(args.check_rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            url = deploy(specs, port, args.threads, mode == "on", key_file)
+            url, sides["with" if mode == "on" else "without"] = deploy(specs, port, args.threads, mode == "on",
+                                                                       key_file)
             for c, res in run_levels(url, key, reqs, levels, args).items():
                 pooled[mode][c] += res["latencies"]
                 walls[mode][c] += res["wall_s"]
-    out = {}
+    out: dict[Any, Any] = {"sides": sides}
     print(f"{'clients':>7} {'p50 with':>9} {'p50 w/o':>9} {'ratio':>6} {'req/s with':>10} {'req/s w/o':>10}")
     for c in levels:
         p50 = {m: statistics.median(pooled[m][c]) for m in pooled}
@@ -158,6 +192,65 @@ def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: lis
         print(f"{c:>7} {p50['on']:9.4f} {p50['off']:9.4f} {p50['on'] / p50['off']:6.3f} {rps['on']:10.2f} "
               f"{rps['off']:10.2f}", flush=True)
     return out
+
+
+def checks_work_us(key_file: str, blocks: int = 20, per_block: int = 500) -> dict[str, float]:
+    """Microseconds per request of the checks' own work, in this process (no Ray, no HTTP, no model): one chat
+    request through the proxy's gate and the replica's guard around an application that reads the body and answers
+    200, against that application alone; blocks of each side alternate, median over blocks."""
+    import asyncio
+
+    from serve import guard, proxy
+
+    security = guard.Security(key_file=key_file, port=8000)
+    os.environ[proxy.SECURITY_ENV] = json.dumps(security.to_dict())
+    try:
+        gate = proxy.Gate(guard.Guard(_answer_200))
+    finally:
+        del os.environ[proxy.SECURITY_ENV]
+    guard.install(guard.Policy(security))
+    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": PROMPTS[0]}], "seed": 0,
+                       "temperature": 1.0, "max_tokens": 4}).encode()
+    headers = [(b"host", b"127.0.0.1:8000"), (b"authorization", f"Bearer {read_key(key_file)}".encode()),
+               (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"user-agent", b"OpenAI/Python"), (b"accept", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "headers": headers,
+             "query_string": b""}
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    statuses: list[int] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    async def run() -> None:
+        for b in range(blocks):
+            for side in (("with", "without") if b % 2 == 0 else ("without", "with")):
+                app = gate if side == "with" else _answer_200
+                t = time.perf_counter()
+                for _ in range(per_block):
+                    await app(dict(scope), receive, send)
+                times[side].append((time.perf_counter() - t) / per_block * 1e6)
+
+    asyncio.run(run())
+    if set(statuses) != {200}:
+        raise RuntimeError(f"the in-process check path did not answer 200: {sorted(set(statuses))}")
+    out = {f"us_{side}": statistics.median(v) for side, v in times.items()}
+    out["us_checks"] = out["us_with"] - out["us_without"]
+    print(f"in process, per request: {out['us_with']:.1f} us with the gate and the guard, {out['us_without']:.1f} us "
+          f"without ({out['us_checks']:.1f} us of checks)", flush=True)
+    return out
+
+
+async def _answer_200(scope: dict, receive: Any, send: Any) -> None:
+    """The application side of :func:`checks_work_us`: reads the whole body, answers 200."""
+    while (await receive()).get("more_body", False):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
 
 
 def read_key(path: str) -> str:
@@ -218,17 +311,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens, engine=args.engine,
                         engine_settings={"max_batch_size": 32} if args.engine == "hf" else {})
     reqs = functools.partial(requests_for, toolmath_level=args.toolmath_level)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    from arpo_algo.cli.serve import local_ray_options
+
+    # Ray as `arpo serve` starts it on 127.0.0.1: its own listeners on loopback too
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **local_ray_options("127.0.0.1"))
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     out: dict[str, Any] = {"model": args.model, "engine": args.engine, "toolmath_level": args.toolmath_level,
                            "max_tokens": args.max_tokens, "threads": args.threads,
                            "cpus": os.cpu_count(), "levels": {}}
     if args.compare_checks:
         out["checks"] = compare_checks(specs, port, key_file, reqs, levels, args)
+        out["checks"]["in_process"] = checks_work_us(key_file)
         args.in_process = False
     else:
-        url = deploy(specs, port, args.threads, True, key_file)
+        url, _ = deploy(specs, port, args.threads, True, key_file)
         for c, res in run_levels(url, key, reqs, levels, args).items():
             out["levels"][c] = {"served": {k: v for k, v in res.items() if k != "latencies"}}
     serve.shutdown()

@@ -125,8 +125,9 @@ class Gate:
     Content-Type pass the replica's own checks (:class:`serve.guard.Policy`, built from :data:`SECURITY_ENV`), its
     client-controlled ``x-request-*`` headers are gone, and its whole body has arrived within
     :data:`serve.guard.BODY_TIMEOUT_S` and within the body limit; the gate reads at most the limit plus one chunk.
-    Without :data:`SECURITY_ENV` (a proxy that ``arpo serve`` did not start) the header stripping, the body limit and
-    the body deadline still hold, and the replicas check the rest."""
+    A scope other than HTTP (a websocket) is refused here too. Without :data:`SECURITY_ENV` (a proxy that
+    ``arpo serve`` did not start) the header stripping, the body limit and the body deadline still hold, and the
+    replicas check the rest."""
 
     def __init__(self, app: Any) -> None:
         self.app, self.policy = app, None
@@ -143,8 +144,12 @@ class Gate:
 
         from serve.guard import BODY_TIMEOUT_S, Refusal, route_path, single_headers
 
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":  # the proxy's own start and stop, not a request
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no route serves another protocol: refused before Serve routes it to a replica
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "only HTTP is served here"})
             return
         t0 = time.perf_counter()
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
@@ -205,10 +210,16 @@ class Gate:
 
 
 def middlewares() -> list:
-    """The proxy's extra middlewares (the function :data:`PROXY_CALLBACK` names): the gate outermost, so a request it
-    refuses never reaches Serve's proxy."""
+    """The proxy's extra middlewares (the function :data:`PROXY_CALLBACK` names), each wrapping the one before it
+    (Serve wraps its own request-id middleware first, then these in order): the gate before Serve's proxy code, so a
+    request it refuses never reaches Serve's routing, and the lost-replica answer outermost. The gate is left out
+    only for a :class:`serve.guard.Security` whose checks are off (what the serving benchmark compares against; no
+    command-line flag or deployment argument sets it)."""
     from starlette.middleware import Middleware
 
+    text = os.environ.get(SECURITY_ENV)
+    if text and json.loads(text).get("checks") is False:
+        return [Middleware(LostReplica)]
     return [Middleware(Gate), Middleware(LostReplica)]
 
 

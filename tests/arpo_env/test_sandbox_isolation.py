@@ -21,38 +21,14 @@ from arpo_env.session import ToolSession
 from arpo_env.tools.isolation_checks import require_env_python_isolation, require_python_isolation
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError
+from tests.arpo_env.conftest import AS_ROOT, need_bwrap
 
-AS_ROOT = os.geteuid() == 0
 SECRET = "arpo-host-secret-4d1f"
 
 
-def _need_bwrap() -> None:
-    if shutil.which("bwrap") is None:
-        if os.environ.get("ARPO_REQUIRE_BWRAP") == "1":
-            pytest.fail("ARPO_REQUIRE_BWRAP=1 (CI) but bubblewrap is not installed: scripts/test installs it")
-        pytest.skip("bubblewrap (bwrap) is not installed on this machine")
-
-
-def _need_docker() -> None:
-    from arpo_env.tools.sandbox_docker import docker_backend_problem
-
-    problem = docker_backend_problem()
-    if problem:
-        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
-                        "installs the engine and builds the image")
-        pytest.skip(problem)
-
-
-@pytest.fixture(scope="module", params=["subprocess", "bwrap", "docker"])
-def tool(request) -> PythonTool:
-    if request.param == "bwrap":
-        _need_bwrap()
-    elif request.param == "docker":
-        _need_docker()
-    elif not AS_ROOT:
-        pytest.skip("the subprocess backend isolates only as root (per-call uid); as another user it is refused")
-    return PythonTool(timeout_s=10, backend=request.param)
+@pytest.fixture(scope="module")
+def tool(backend) -> PythonTool:
+    return PythonTool(timeout_s=10, backend=backend)
 
 
 @pytest.fixture()
@@ -184,7 +160,7 @@ def test_an_environment_under_tmp(tmp_path, backend):
     """An interpreter whose environment lives under /tmp runs in the sandbox (its folders are bound after the private
     /tmp), and the code sees that environment as its sys.prefix."""
     if backend == "bwrap":
-        _need_bwrap()
+        need_bwrap()
     elif not AS_ROOT:
         pytest.skip("the subprocess backend isolates only as root")
     venv = tmp_path / "venv"
@@ -287,7 +263,7 @@ def test_doctor_reports_the_level():
 
 def test_bwrap_keeps_the_process_limit():
     """As root bwrap runs without a user namespace; the per-call uid keeps RLIMIT_NPROC, which stops a fork bomb."""
-    _need_bwrap()
+    need_bwrap()
     if not AS_ROOT:
         pytest.skip("as another user bwrap's user namespace carries the limit; this checks the per-call uid")
     tool = PythonTool(timeout_s=3, max_procs=8, backend="bwrap")
@@ -327,7 +303,7 @@ def test_the_battery_as_an_unprivileged_user(tmp_path):
         pytest.skip("switching to another uid needs root; this run already is unprivileged")
     if shutil.which("setpriv") is None:
         pytest.fail("setpriv (util-linux) is needed to run the battery as an unprivileged user")
-    _need_bwrap()
+    need_bwrap()
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(os.path.dirname(here))
     os.chmod(tmp_path, 0o1777)

@@ -14,31 +14,9 @@ import pytest
 
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError, UidLeases, call_cgroups_available
-from tests.arpo_env.test_sandbox_isolation import AS_ROOT, _need_bwrap
+from tests.arpo_env.conftest import AS_ROOT
 
 MIB = 1 << 20
-
-
-def _need_docker() -> None:
-    from arpo_env.tools.sandbox_docker import docker_backend_problem
-
-    problem = docker_backend_problem()
-    if problem:
-        if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
-                        "installs the engine and builds the image")
-        pytest.skip(problem)
-
-
-@pytest.fixture(scope="module", params=["subprocess", "bwrap", "docker"])
-def backend(request) -> str:
-    if request.param == "bwrap":
-        _need_bwrap()
-    elif request.param == "docker":
-        _need_docker()
-    elif not AS_ROOT:
-        pytest.skip("the subprocess backend isolates only as root; as another user it is refused")
-    return request.param
 
 
 # Writes 1 MiB blocks to `path` until an error stops it; prints how many MiB made it and what stopped it.

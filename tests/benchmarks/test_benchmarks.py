@@ -331,3 +331,29 @@ def test_bench_lora_compares_both_variants(tiny_model_dir, tmp_path):
     assert copy["lora"] == 4 * trainable["lora"] < copy["full"]  # an fp32 copy of the adapter only
     assert summary["policy_bytes"]["lora"] < summary["policy_bytes"]["full"]
     assert summary["trainer_state_bytes"]["lora"] < summary["trainer_state_bytes"]["full"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch):
+    """bench_serve --compare-checks: the side with the checks has the proxy's gate and the key (it strips a client's
+    x-request-id, refuses a request without the key), the side without has neither; both serve every request."""
+    import json
+
+    import ray
+
+    from arpo_algo.cli.serve import RAY_LOOPBACK_ENV
+    from benchmarks import bench_serve
+
+    monkeypatch.delenv(RAY_LOOPBACK_ENV, raising=False)  # restored afterwards: the benchmark starts Ray on loopback
+    if ray.is_initialized():
+        ray.shutdown()
+    out = tmp_path / "serve.json"
+    res = bench_serve.main(["--model", "tiny", "--compare-checks", "--check-rounds", "1", "--clients", "1,2",
+                            "--requests-per-client", "1", "--max-tokens", "2", "--no-in-process", "--out", str(out)])
+    assert res["checks"]["sides"] == {"with": {"status": 401, "gate": True}, "without": {"status": 200, "gate": False}}
+    for c in (1, 2):
+        side = res["checks"][c]
+        assert side["requests_each"] == c and side["p50_s_with"] > 0 and side["p50_s_without"] > 0, side
+    work = res["checks"]["in_process"]
+    assert work["us_with"] > work["us_without"] > 0 and work["us_checks"] == work["us_with"] - work["us_without"]
+    assert json.loads(out.read_text())["checks"]["1"]["p50_ratio"] > 0

@@ -298,12 +298,18 @@ def test_a_security_header_given_twice_is_refused(server):
     assert status == 200, out
 
 
-def test_non_http_scopes_are_refused_before_the_app():
+@pytest.mark.parametrize("where", ["replica", "proxy"])
+def test_non_http_scopes_are_refused_before_the_app(where, monkeypatch):
+    """A websocket is closed by the replica's guard and, before Serve routes it to a replica, by the proxy's gate;
+    a lifespan passes both."""
     import asyncio
 
     from serve.guard import Guard, Policy, Security, install
+    from serve.proxy import SECURITY_ENV, Gate
 
     install(Policy(Security(allow_unauthenticated=True)))
+    monkeypatch.delenv(SECURITY_ENV, raising=False)
+    middleware = Guard if where == "replica" else Gate
     reached, sent = [], []
 
     async def app(scope, receive, send):
@@ -316,9 +322,9 @@ def test_non_http_scopes_are_refused_before_the_app():
         sent.append(message)
 
     scope = {"type": "websocket", "path": "/v1/chat/completions", "root_path": "", "headers": [], "query_string": b""}
-    asyncio.run(Guard(app)(scope, receive, send))
-    assert reached == [] and sent and sent[0]["type"] == "websocket.close"
-    asyncio.run(Guard(app)({"type": "lifespan"}, receive, send))
+    asyncio.run(middleware(app)(scope, receive, send))
+    assert reached == [] and [m["type"] for m in sent] == ["websocket.close"], (reached, sent)
+    asyncio.run(middleware(app)({"type": "lifespan"}, receive, send))
     assert reached == ["lifespan"]
 
 
