@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,25 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def check_own_tune_state(path: Path) -> None:
+    """Refuse (:class:`ArpoError`) to restore Tune's state from ``path`` unless this user wrote it.
+
+    Invariant: ``Tuner.restore`` unpickles the folder's state (and so runs whatever code the pickles name); a sweep
+    folder is restored only when it, every folder in it and every pickle in it belong to this user and no other user
+    can write them, so a folder someone else wrote or could have changed is never run as code."""
+    me = os.geteuid()
+    for item in [path, *path.rglob("*")]:
+        if not (item.is_dir() or item.suffix == ".pkl"):
+            continue
+        st = item.lstat()
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
+            who = "a link" if stat.S_ISLNK(st.st_mode) else (
+                f"owned by uid {st.st_uid}" if st.st_uid != me else "writable by other users")
+            raise ArpoError(f"{item} is {who}: restoring the sweep in {path} would unpickle Tune's state from it, and "
+                            "Tune's state is code", hint="resume or report only sweeps you ran yourself; run the "
+                                                         "sweep again into a new --output")
+
+
 def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: bool) -> Any:
     """A new ``tune.Tuner`` for one algorithm's experiment, or ``Tuner.restore`` of an interrupted one."""
     from ray import tune
@@ -182,6 +202,7 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
             checkpoint_score_attribute=s.metric if ranked else None, checkpoint_score_order=s.mode))
     path = Path(storage) / algorithm
     if resume and tune.Tuner.can_restore(str(path)):
+        check_own_tune_state(path)
         tuner = tune.Tuner.restore(str(path), trainable=trainable, param_space=param_space(sweep, algorithm))
         restored = tuner._local_tuner._run_config  # the pickled callbacks/stopper belong to the old process
         restored.callbacks, restored.stop = run_config.callbacks, run_config.stop
@@ -279,6 +300,7 @@ def report_sweep(sweep: Sweep) -> dict[str, Any]:
             continue
         ledger = path / FINISHED_LEDGER
         ended = set(ledger.read_text().split()) if ledger.is_file() else set()
+        check_own_tune_state(path)
         results = tune.Tuner.restore(str(path.resolve()), trainable=ALGORITHMS[algorithm]).get_results()
         trials += [t for t in collect_trials(sweep, algorithm, results) if t["trial_id"] in ended]
     if not trials:

@@ -125,6 +125,14 @@ def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
     assert 1 <= len(done) and done <= {d.name for d in finished}
     finished = [d for d in finished if d.name in done]
     before = {d.name: ((d / "result.json").read_bytes(), (d / "result.json").stat().st_mtime) for d in finished}
+    # Tune's state is pickles: a folder another user could have written is not restored (nothing of it unpickled)
+    pickle_file = next((out / "arpo").rglob("*.pkl"))
+    mode = pickle_file.stat().st_mode
+    pickle_file.chmod(mode | 0o002)
+    refused = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "writable by other users" in refused.stderr, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    pickle_file.chmod(mode)
     time.sleep(1)
     resumed = subprocess.run([*cmd, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
