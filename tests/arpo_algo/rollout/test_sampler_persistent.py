@@ -86,3 +86,33 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
         counted += len(ok) > 1
     assert counted >= 2
     assert any(t.kind == "branch" and len(t.tool_calls) >= 2 for t in trajs.values())
+
+
+def test_a_served_request_has_one_interpreter_per_choice_ended_with_it(counter_dir):
+    """``arpo serve``'s agent (in this process): each choice keeps its own interpreter across its calls, and none
+    survives the request."""
+    if shutil.which("bwrap") is None and os.environ.get("ARPO_REQUIRE_BWRAP") != "1":
+        pytest.skip("bubblewrap (bwrap) is not installed on this machine")
+    import threading
+
+    from serve.agents import build_specs
+    from serve.runtime import Agent
+    from serve.schema import parse_chat_request
+
+    spec = build_specs([f"counter={counter_dir}"], engine="hf", max_tool_calls=3, max_tokens=200,
+                       tools={"python": {"backend": "bwrap", "persistent": True}})[0]
+    agent = Agent(spec)
+    try:
+        _, info = ToolTextEnv(task="toolmath").reset(options={"task_index": 0})  # the contexts it was taught on
+        body = {"model": "counter", "n": 2, "seed": 0, "temperature": 0.0, "messages": info["messages"]}
+        result = agent.run(agent.prepare(parse_chat_request(body)), threading.Event())
+    finally:
+        agent.front.close()
+    assert live_interpreters() == 0
+    counted = 0
+    for choice in result["choices"]:
+        outs = [c["output"].strip() for c in choice["message"]["arpo"]["tool_calls"]]
+        if outs and all(o.isdigit() for o in outs):
+            assert [int(o) for o in outs] == list(range(3, 3 + len(outs))), outs
+            counted += len(outs) > 1
+    assert counted >= 1, [c["message"]["arpo"]["trajectory"][:300] for c in result["choices"]]
