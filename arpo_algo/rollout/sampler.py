@@ -152,6 +152,9 @@ class TreeSampler:
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)
+        from arpo_env.tools.interpreter import interpreter_metrics
+
+        metrics.update(interpreter_metrics())  # persistent interpreters' forks and peak count ({} without them)
         return groups, metrics
 
     # -------------------------------------------------------------------------------------------------- set-up

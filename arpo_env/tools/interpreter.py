@@ -57,6 +57,8 @@ STATE_LOST = ("The Python interpreter was stopped: its variables, imports and fi
               "a fresh interpreter.")
 _START_TIMEOUT_S = 60.0
 _LIVE = {"n": 0}
+# Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, the most live at once.
+_STATS = {"forks": 0, "fork_s": 0.0, "peak": 0}
 _LIVE_LOCK = threading.Lock()
 # Sandboxes are started from this one long-lived thread: bwrap's --die-with-parent follows the thread that started
 # it, and a persistent sandbox must outlive the worker thread of the call that happened to start it.
@@ -71,6 +73,19 @@ class ForkError(SandboxError):
 def live_interpreters() -> int:
     """How many persistent interpreters this process holds now (every tool together)."""
     return _LIVE["n"]
+
+
+def interpreter_metrics() -> dict[str, float]:
+    """This process's persistent-interpreter figures since the previous call (``{}`` when none ran): forks made,
+    their mean milliseconds, and the most interpreters live at once. The tree sampler adds them to each step's
+    metrics."""
+    with _LIVE_LOCK:
+        stats = dict(_STATS)
+        _STATS.update(forks=0, fork_s=0.0, peak=_LIVE["n"])
+    if not stats["peak"]:
+        return {}
+    return {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
+            "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0}
 
 
 def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
@@ -107,7 +122,7 @@ class _Tree:
         self.uid = self.proc = self.group = self.ctl = None
         self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
         try:
-            _LAUNCHER.submit(self._start).result()
+            self._start()
         except BaseException:
             self._teardown()
             raise
@@ -133,10 +148,10 @@ class _Tree:
                              "copy_bytes": t.fork_copy_mb << 20}
         cmd = [*prefix, *t._no_aslr, t.python_executable, *flags, *(["-S"] if t.no_site else []), "-c",
                SETUP + LOOP, json.dumps(cfg)]
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        try:  # only the start on the launcher thread; the caller's thread waits for READY (starts run in parallel)
+            self.proc = _LAUNCHER.submit(subprocess.Popen, cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True,
-                                         pass_fds=(child.fileno(),))
+                                         pass_fds=(child.fileno(),)).result()
         finally:
             child.close()
         self.ctl = host
@@ -198,7 +213,12 @@ class _Tree:
             raise ForkError(f"the Python interpreter could not be forked: {why}",
                             hint="fewer branches per trajectory, a smaller working folder (tools.python.fork_copy_mb)"
                                  ", or a larger tools.python.max_procs / memory_mb")
-        return _Branch(self, host, out_r, err_r, second["pid"], time.monotonic() - t0)
+        took = time.monotonic() - t0
+        if parent is not None:
+            with _LIVE_LOCK:
+                _STATS["forks"] += 1
+                _STATS["fork_s"] += took
+        return _Branch(self, host, out_r, err_r, second["pid"], took)
 
     def kill(self, pid: int) -> None:
         """SIGKILL one interpreter's process group, by the zygote (which sees the sandbox's process ids)."""
@@ -257,6 +277,7 @@ def _reserve(cap: int) -> None:
                             hint="fewer trajectories or branches at once, or raise tools.python.max_interpreters "
                                  "(each interpreter holds 10-30 MB)")
         _LIVE["n"] += 1
+        _STATS["peak"] = max(_STATS["peak"], _LIVE["n"])
 
 
 class _Branch:

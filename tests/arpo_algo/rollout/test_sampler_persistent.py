@@ -68,7 +68,7 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools, max_tool_calls=4),
                                       tree, RolloutsConfig(max_response_tokens=240), seed=0)
     try:
-        groups, _ = sampler.sample([0], step=0)
+        groups, metrics = sampler.sample([0], step=0)
     finally:
         sampler.close()
     assert live_interpreters() == 0  # the step's interpreters ended with it
@@ -86,6 +86,8 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
         counted += len(ok) > 1
     assert counted >= 2
     assert any(t.kind == "branch" and len(t.tool_calls) >= 2 for t in trajs.values())
+    assert metrics["rollout/interpreter_forks"] >= 1 and metrics["rollout/interpreter_fork_ms"] > 0
+    assert 1 <= metrics["rollout/interpreters_peak"] <= len(trajs) + 1
 
 
 def test_a_served_request_has_one_interpreter_per_choice_ended_with_it(counter_dir):
