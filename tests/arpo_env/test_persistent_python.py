@@ -209,3 +209,37 @@ def test_refusals_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="cache"):
         build_tools({"python": {"backend": "bwrap", "persistent": True}, "cache": {"path": str(tmp_path / "c.sqlite")}})
     assert isinstance(SandboxError("x"), ArpoError)
+
+
+def test_the_sandbox_holds_in_a_persistent_interpreter_and_its_forks(tool, tmp_path_factory):
+    """The stateless battery's core attempts, from a persistent interpreter and from a fork of it: a 0600 host file,
+    the host's 127.0.0.1, a new user namespace."""
+    import socket
+
+    folder = tmp_path_factory.mktemp("host", numbered=True)
+    os.chmod(folder, 0o755)
+    secret = folder / "secret"
+    secret.write_text("arpo-host-secret-77")
+    os.chmod(secret, 0o600)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    attempts = (f"import ctypes, os, socket\nout = []\ntry:\n    out.append(open({str(secret)!r}).read())\n"
+                "except OSError as e:\n    out.append(type(e).__name__)\ntry:\n"
+                f"    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=2)\n"
+                "    out.append('connected')\nexcept OSError as e:\n    out.append(type(e).__name__)\n"
+                "out.append(ctypes.CDLL(None).unshare(0x10000000))\nprint(out)")
+    s = _session(tool)
+    fork = None
+    try:
+        texts = [_run(s, attempts)]
+        fork = s.clone()
+        assert _run(fork, "len(out)") == "3"  # a fork of s's interpreter (it has s's names), not a fresh one
+        texts.append(_run(fork, attempts))
+        for text in texts:
+            assert "arpo-host-secret-77" not in text and "connected" not in text and text.endswith("-1]"), text
+    finally:
+        listener.close()
+        s.close()
+        if fork is not None:
+            fork.close()
