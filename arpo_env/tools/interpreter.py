@@ -107,8 +107,9 @@ def _recv(sock: socket.socket, timeout_s: float) -> dict | None:
             if not chunk:
                 return None
             buf += chunk
-        return json.loads(buf[4:])
-    except (TimeoutError, ConnectionError, OSError):
+        reply = json.loads(buf[4:])
+        return reply if isinstance(reply, dict) else None
+    except (TimeoutError, ConnectionError, OSError, ValueError):  # ValueError: not a reply the child's loop wrote
         return None
     finally:
         sock.settimeout(None)
@@ -339,10 +340,17 @@ class _Branch:
             except BlockingIOError:
                 pass
             os.set_blocking(fd, True)
+        rc = None
+        if status == "ok":
+            try:  # the code can write to its own end of the socket: a reply that is not ours ends the interpreter
+                n = struct.unpack(">I", reply[:4])[0]
+                rc = json.loads(reply[4:])["rc"] if len(reply) == 4 + n else None
+            except (ValueError, KeyError, TypeError):
+                rc = None
+            status = "ok" if isinstance(rc, int) and not isinstance(rc, bool) else "ended"
         if status != "ok":
             self.close()
-            return bytes(bufs[self.out]), bytes(bufs[self.err]), None, status
-        return bytes(bufs[self.out]), bytes(bufs[self.err]), json.loads(reply[4:])["rc"], status
+        return bytes(bufs[self.out]), bytes(bufs[self.err]), rc, status
 
     def close(self) -> None:
         if not self.open:

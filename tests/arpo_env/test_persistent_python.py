@@ -243,3 +243,17 @@ def test_the_sandbox_holds_in_a_persistent_interpreter_and_its_forks(tool, tmp_p
         s.close()
         if fork is not None:
             fork.close()
+
+
+def test_a_forged_reply_on_the_control_socket_ends_only_that_interpreter(tool):
+    """The code can find its control socket; what it writes there is data: the call ends, the host goes on."""
+    s = _session(tool)
+    _run(s, "x = 5")
+    sibling = s.clone()
+    forge = ("import os, socket\nfor fd in range(3, 64):\n    try:\n        sk = socket.socket(fileno=os.dup(fd))\n"
+             "        sk.sendall(b'\\x00\\x00\\x00\\x05junk!')\n    except OSError:\n        pass")
+    st = s.step(f"<python>{forge}</python>")
+    assert st.tool_error and st.tool_meta["interpreter_lost"], st.tool_output
+    assert _run(sibling, "x") == "5"
+    s.close()
+    sibling.close()
