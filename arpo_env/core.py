@@ -217,6 +217,15 @@ class ToolTextEnv(gym.Env):
         new.session = self.session.clone()
         return new
 
+    def fork(self) -> ToolTextEnv:
+        """:meth:`clone` under the name other RL libraries' tree searches use: with ``tools.python.persistent``
+        the copy's interpreter is a fork of this one's (docs/concepts/stateful-tools.md)."""
+        return self.clone()
+
+    def close(self) -> None:
+        """End this env's persistent interpreters (stateless tools hold nothing)."""
+        self.session.close()
+
 
 def _info(st: SessionStep) -> dict[str, Any]:
     """The gymnasium ``info`` of one step (the session's turn in the env's historical key names)."""

@@ -56,7 +56,10 @@ def _one_demo(env: Any, index: int) -> dict[str, Any]:
     problem: Problem = env.tasks.problem(index)
     segments: list[tuple[str, bool]] = []
     outputs: list[str] = []
-    for k, (thought, make_expr) in enumerate(problem.steps):
+    # A persistent interpreter keeps what earlier calls defined: its demonstrations use it instead of recomputing.
+    persistent = getattr(env.tools.get("python"), "persistent", False)
+    steps = problem.stateful_steps if persistent and problem.stateful_steps else problem.steps
+    for k, (thought, make_expr) in enumerate(steps):
         action = f"{'' if k == 0 else chr(10)}<think>{thought}</think>\n<python>print({make_expr(outputs)})</python>"
         obs, _r, terminated, _t, step_info = env.step(action)
         if terminated or step_info["tool_error"]:

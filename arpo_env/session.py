@@ -164,7 +164,8 @@ class ToolSession:
         return self.protocol.system_prompt()
 
     def reset(self) -> None:
-        """Start a new conversation (history and counters cleared)."""
+        """Start a new conversation (history and counters cleared; persistent interpreters ended)."""
+        self.close()
         self.history: list[str] = []
         self.counts: dict[str, int] = dict.fromkeys(_COUNTS, 0)
         self._done = False
@@ -175,7 +176,24 @@ class ToolSession:
         new.__dict__.update(self.__dict__)
         new.history, new.counts = list(self.history), dict(self.counts)
         new.config = copy.copy(self.config)
+        # Persistent interpreters are forked: the copy continues from this state, and neither sees the other's
+        # later changes. A fork that fails becomes that copy's error at its next call, never a fresh interpreter.
+        new._interps = {}
+        if self._interps:
+            from arpo_env.tools.interpreter import fork_or_failure
+
+            new._interps = {name: fork_or_failure(i) for name, i in self._interps.items()}
         return new
+
+    def fork(self) -> ToolSession:
+        """The same as :meth:`clone` (the name other RL libraries' tree searches look for)."""
+        return self.clone()
+
+    def close(self) -> None:
+        """End this conversation's persistent interpreters (a no-op for stateless tools)."""
+        interps, self._interps = getattr(self, "_interps", {}), {}
+        for interp in interps.values():
+            interp.close()
 
     def step(self, action: str) -> SessionStep:
         """Apply one turn's text; see :class:`SessionStep`. Policy output never raises."""
@@ -213,8 +231,13 @@ class ToolSession:
         self.counts["tool_calls"] += 1
         from arpo_env.tools.sandbox import SandboxError, ToolCancelled
 
+        tool = self.tools[parsed.tool]
+        if getattr(tool, "persistent", False):  # this conversation's own interpreter, started by its first call
+            if parsed.tool not in self._interps:
+                self._interps[parsed.tool] = tool.open_interpreter()
+            tool = self._interps[parsed.tool]
         try:
-            result = self.tools[parsed.tool](**parsed.args)
+            result = tool(**parsed.args)
         except (SandboxError, ToolCancelled):  # not the model's code failing: never an observation it is scored on
             raise
         except Exception as e:  # tools must not raise; if one does, the policy still gets an observation
@@ -246,6 +269,7 @@ class ToolSession:
         return st
 
     def _end(self, st: SessionStep) -> SessionStep:
+        self.close()  # the trajectory ended: so do its interpreters
         self._done = True
         st.done = True
         st.counts = dict(self.counts)

@@ -254,9 +254,13 @@ class Agent:
                 emit(kind, i, _jsonable(payload))
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
-        traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
-                            max_response_tokens=job.max_response_tokens, seeds=seeds,
-                            on_event=on_event if emit else None, on_token=on_token if emit else None)
+        try:
+            traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
+                                max_response_tokens=job.max_response_tokens, seeds=seeds,
+                                on_event=on_event if emit else None, on_token=on_token if emit else None)
+        finally:  # one persistent interpreter per choice, ended with the request (finished, failed or cancelled)
+            for s in sessions:
+                s.inner.close()
         failed = [t.error for t in traces if t.finish_reason == "error"]
         if failed and not cancel.is_set():  # a cancelled request's answer is already sent
             raise EngineFailure(failed[0] or "engine error (no message)")

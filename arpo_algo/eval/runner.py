@@ -219,6 +219,8 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
                               generated_tokens=sum(tr.trained_mask), response_tokens=len(tr.response_ids),
                               wall_s=wall, prompt_tokens=len(tr.prompt_ids))
             by_item.setdefault(idx, []).append(score(rec) if score else rec)
+        for env in envs:  # scored: their persistent interpreters (if any) end here
+            env.close()
         for idx in chunk:
             records = by_item.get(idx, [])
             with out_file.open("a", encoding="utf-8") as f:

@@ -143,12 +143,18 @@ class TreeSampler:
             n_first = 1 if lazy else (ps.m if ps.m is not None else cfg.initial)
             for _ in range(n_first):
                 self._spawn(ps, "initial")
-        self._run(prompts, cfg)
+        try:
+            self._run(prompts, cfg)
+        finally:  # persistent interpreters end with the step, whatever ended it
+            _close_envs([ps.template, *(p.env for p in ps.paths)] for ps in prompts)
         self.engine.release(sorted(self._keys, key=str))
         groups = [assemble_group(ps, step, policy_version) for ps in prompts]
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
         metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
                                engine_stats=self.engine.stats(), timers=self._timers)
+        from arpo_env.tools.interpreter import interpreter_metrics
+
+        metrics.update(interpreter_metrics())  # persistent interpreters' forks and peak count ({} without them)
         return groups, metrics
 
     # -------------------------------------------------------------------------------------------------- set-up
@@ -207,6 +213,7 @@ class TreeSampler:
                     self._spawn(ps, "fillup")
                 ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
             self._release_unused(prompts)
+            _close_envs([p.env for p in ps.paths if p.done] for ps in prompts)  # a finished path holds no tool state
 
     def _path_seed(self, ps: PromptState, p: Path) -> int:
         """The sampling seed of a path's next request. Invariant: no two paths of a step share one; the discarded
@@ -373,3 +380,12 @@ class TreeSampler:
             self.engine.release(dead)
             self._keys -= set(dead)
 
+
+def _close_envs(groups: Any) -> None:
+    """End the tool sessions of every env in ``groups`` (lists of envs): their persistent interpreters end (closing
+    twice is harmless). Only the session: a caller's own env type keeps whatever else it holds."""
+    for envs in groups:
+        for env in envs:
+            close = getattr(getattr(env, "session", None), "close", None)
+            if callable(close):
+                close()

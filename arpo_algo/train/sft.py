@@ -65,6 +65,9 @@ class SFTConfig:
     """ToolMath: how many demonstrations (default 256). Files: use only the first N records (default all)."""
     levels: list[int] | None = None
     """ToolMath difficulty levels (default: the generator's own default)."""
+    persistent_python: bool = False
+    """ToolMath: write the demonstrations for a persistent Python interpreter (``tools.python.persistent``): a later
+    call uses what an earlier one defined (level 5) instead of computing it again."""
     output_dir: str = "runs/sft"
     """Where the HF checkpoint folder, ``sft_metrics.json`` and ``tb/`` go."""
     epochs: int = 3
@@ -142,6 +145,9 @@ class SFTConfig:
         if not self.model:
             raise ConfigError("sft config: model is empty", hint="give a registered name (pull it with "
                               "`arpo model pull smollm2-135m-instruct`) or a local HF folder")
+        if self.persistent_python and self.data != "toolmath":
+            raise ConfigError("sft config: persistent_python applies to the generated ToolMath demonstrations only",
+                              hint="set data = \"toolmath\", or drop persistent_python")
         self.lora_settings()
 
     @classmethod

@@ -166,6 +166,8 @@ def load_examples(cfg: Any) -> list[SFTExample]:
     kwargs: dict[str, Any] = {"seed": cfg.seed, "split": "train"}
     if cfg.levels is not None:
         kwargs["levels"] = cfg.levels
+    if cfg.persistent_python:  # replayed through a persistent interpreter, in the form that relies on it
+        kwargs["env_config"] = {"tools": {"python": {"persistent": True}}}
     demos = toolmath_demonstrations(cfg.num_examples or 256, **kwargs)
     return [SFTExample(list(d["messages"]), [(t, bool(m)) for t, m in d["segments"]], source=f"toolmath[{i}]")
             for i, d in enumerate(demos)]

@@ -6,6 +6,10 @@ percentages, compound interest, unit conversions), so a 135M model can learn to 
 * Levels: 1 = one exact integer computation; 2 = one multi-step formula (2-decimal answer); 3 = two dependent tool
   calls (the second uses the first result); 4 = three dependent calls. Higher levels make branching after tool
   results meaningful.
+* Level 5 (stateful): a list too long to print is built in the first call and used again in the second; a
+  persistent interpreter (``tools.python.persistent``) keeps it, a stateless one must rebuild it, at more tokens.
+  Its demonstrations (:mod:`arpo_env.demonstrations`) take the form that fits the env's Python tool. Not among the
+  default levels.
 * Determinism: problem ``g`` is drawn from ``random.Random(f"toolmath:{g}:{level}")``; the same config and index
   always give the same problem.
 * Splits are disjoint by construction: a problem belongs to "test" iff the SHA-256 of its question text falls in the
@@ -26,7 +30,7 @@ from typing import Any
 from arpo_base.errors import ConfigError
 
 TEST_FRACTION = 0.1
-ALL_LEVELS = (1, 2, 3, 4)
+ALL_LEVELS = (1, 2, 3, 4, 5)
 DEFAULT_LEVELS = (1, 2, 3)
 DEFAULT_NUM_TASKS = {"train": 10_000, "test": 500}
 
@@ -46,11 +50,14 @@ class Problem:
     tolerance: float
     kind: str
     level: int
+    #: The steps for a persistent interpreter (later ones use names earlier ones defined); None: ``steps`` fit both.
+    stateful_steps: list[Step] | None = None
 
 
 def _evaluate(expr: str) -> str:
     # Our own generated expressions only (no user input), evaluated the way `print(expr)` would show them.
-    safe = {"__builtins__": {}, "round": round, "sum": sum, "int": int, "str": str, "len": len}
+    safe = {"__builtins__": {}, "round": round, "sum": sum, "int": int, "str": str, "len": len, "max": max,
+            "range": range}
     return str(eval(expr, safe))
 
 
@@ -135,7 +142,20 @@ def _level4(r: random.Random) -> Problem:
     return Problem(q, steps, 0.0, "digitsum_power", 4)
 
 
-_GENERATORS = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
+def _level5(r: random.Random) -> Problem:
+    a, b, m = r.randint(3, 97), r.randint(3, 97), r.choice([9973, 10007, 65521, 99991])
+    k, d = r.randint(300, 900), r.randint(3, 9)
+    build = f"[({a}*i*i + {b}*i) % {m} for i in range({k})]"
+    q = (f"Let L be the list of (({a}·i² + {b}·i) mod {m}) for i = 0, 1, ..., {k - 1}, and M the largest element of "
+         f"L. What is L[0] + L[{d}] + L[{2 * d}] + ... (every element at a position divisible by {d}), modulo M?")
+    first = ("First I build L and find M.", lambda _o: f"max(L := {build})")
+    then = f"Now every element at a position divisible by {d}, summed, modulo M; "
+    steps: list[Step] = [first, (then + "I rebuild L.", lambda o: f"sum({build}[::{d}]) % {o[-1]}")]
+    stateful: list[Step] = [first, (then + "L is still defined.", lambda o: f"sum(L[::{d}]) % {o[-1]}")]
+    return Problem(q, steps, 0.0, "list_reuse", 5, stateful)
+
+
+_GENERATORS = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5}
 
 
 def make_problem(g: int, level: int) -> Problem:
@@ -177,7 +197,7 @@ class ToolMathTasks:
 
     Args:
         split: "train" or "test".
-        levels: difficulty levels to mix, round-robin (subset of 1..4).
+        levels: difficulty levels to mix, round-robin (subset of 1..5).
         num_tasks: number of tasks in the split (default 10 000 train / 500 test).
     """
 

@@ -88,6 +88,10 @@ def build_tools(spec: dict) -> dict[str, Tool]:
         if "path" not in spec["cache"]:
             raise ConfigError("tools.cache needs a 'path' key (an SQLite file)")
         cache = ToolCache(**spec["cache"])
+        if cache.mode != "off" and getattr(tools.get("python"), "persistent", False):
+            raise ConfigError("tools.cache cannot hold a persistent python tool's results: a call's output depends "
+                              "on the calls before it", hint="set tools.cache.mode = \"off\", or "
+                                                             "tools.python.persistent = false")
         if cache.mode != "off":
             tools = {name: CachedTool(tool, cache) for name, tool in tools.items()}
     return tools

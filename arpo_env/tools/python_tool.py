@@ -95,7 +95,8 @@ class PythonTool:
                  require_network_isolation: bool | None = None, python_executable: str | None = None,
                  no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
                  docker_image: str = DEFAULT_IMAGE, reproducible_output: bool = True,
-                 allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64) -> None:
+                 allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64,
+                 persistent: bool = False, max_interpreters: int = 64, fork_copy_mb: int = 16) -> None:
         """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
         Args:
@@ -127,13 +128,20 @@ class PythonTool:
                 the code reaches the network; refused unless ``allow_unisolated_python``.
             disk_mb: Size of each writable folder the code gets (its scratch folder, ``/tmp``, ``/dev/shm``): each
                 is a tmpfs of this size (bwrap, docker, and subprocess as root).
+            persistent: One interpreter per trajectory, kept between its calls and forked at tree branch points
+                (:mod:`arpo_env.tools.interpreter`, docs/concepts/stateful-tools.md); calls then go through
+                :meth:`open_interpreter` (a session does it). Not with the docker backend.
+            max_interpreters: The most persistent interpreters live at once in this process (every tool together).
+            fork_copy_mb: The largest working folder a fork copies; a larger one makes the fork fail.
         """
         for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
                            ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars),
-                           ("disk_mb", disk_mb)):
+                           ("disk_mb", disk_mb), ("max_interpreters", max_interpreters),
+                           ("fork_copy_mb", fork_copy_mb)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
         for key, value in (("reproducible_output", reproducible_output), ("namespaces", namespaces),
+                           ("persistent", persistent),
                            ("allow_unisolated_python", allow_unisolated_python),
                            ("require_network_isolation", True if require_network_isolation is None
                             else require_network_isolation)):
@@ -144,6 +152,12 @@ class PythonTool:
         if not isinstance(docker_image, str) or not docker_image.strip():
             raise ConfigError(f"python tool setting 'docker_image' must be an image name, got {docker_image!r}",
                               hint=f"the default is {DEFAULT_IMAGE} (arpo sandbox build-image)")
+        if persistent and backend == "docker":
+            raise ConfigError("python tool setting 'persistent' is not supported by the docker backend: a container "
+                              "per call cannot keep an interpreter between calls",
+                              hint="use backend = \"bwrap\" (or \"auto\") for persistent interpreters, or "
+                                   "persistent = false")
+        self.persistent, self.max_interpreters, self.fork_copy_mb = persistent, int(max_interpreters), int(fork_copy_mb)
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
         self.max_output_chars, self.max_procs = int(max_output_chars), int(max_procs)
@@ -255,6 +269,10 @@ class PythonTool:
         Args:
             code: Python source. A final bare expression is printed, as in a REPL.
         """
+        if self.persistent:  # the state lives in a trajectory's interpreter: a bare call has none to use
+            raise ArpoError("a persistent python tool runs code in a trajectory's interpreter, not in a bare call",
+                            hint="call tool.open_interpreter() and run code through it (ToolSession and ToolTextEnv "
+                                 "do), or set persistent = false")
         start = time.monotonic()
         problem = check_text_arg(code, "code", self.max_code_chars)
         if problem:
@@ -278,6 +296,15 @@ class PythonTool:
         result.meta["isolation_level"] = self.isolation["level"]
         result.meta["backend"] = self.backend
         return result
+
+    def open_interpreter(self) -> Any:
+        """A new persistent interpreter for one trajectory (:class:`arpo_env.tools.interpreter.Interpreter`; needs
+        ``persistent=True``); its first call starts it."""
+        if not self.persistent:
+            raise ConfigError("open_interpreter() needs a persistent python tool", hint="set persistent = true")
+        from arpo_env.tools.interpreter import Interpreter
+
+        return Interpreter(self)
 
     def run_many(self, codes: list[str], max_workers: int = 8) -> list[ToolResult]:
         """Run several snippets concurrently (bounded by ``max_workers`` and the module-wide sandbox limit)."""

@@ -65,10 +65,13 @@ from arpo_env.tools.sandbox_uids import (  # noqa: F401 - re-exported: the sandb
 # failed in the sandbox itself (bwrap, setarch, the interpreter or this setup), never in the model's code, which
 # cannot write before it. Exit code 121: the setup failed as requested (never a silent fallback).
 READY = b"\x00arpo-sandbox-ready\n"
-BOOTSTRAP = r"""
+# SETUP is the part every backend and mode shares (limits, namespaces, uid); BOOTSTRAP adds the one-shot run.
+SETUP = r"""
 import ast, ctypes, json, os, resource, socket, sys, traceback
 cfg = json.loads(sys.argv[1]); sys.argv = ["-c"]
-if cfg["code_file"]:
+if cfg.get("persistent"):  # a persistent interpreter: its calls arrive on its control socket
+    src = None
+elif cfg["code_file"]:
     with open(cfg["code_file"], encoding="utf-8") as f: src = f.read()
 else:
     src = sys.stdin.buffer.read().decode("utf-8", "replace")
@@ -171,7 +174,8 @@ if cfg["probe"]:
     res["create a user namespace"] = "created" if libc.unshare(0x10000000) == 0 else os.strerror(ctypes.get_errno())
     print(json.dumps({"uid": os.getuid(), "ifaces": sorted(n for _, n in socket.if_nameindex()),
                       "userns": attempt(userns), "attempts": res})); sys.exit(0)
-""".replace("READY", repr(READY)) + r"""
+""".replace("READY", repr(READY))
+BOOTSTRAP = SETUP + r"""
 def _main(src, echo):
     try:
         tree = ast.parse(src, "<string>")

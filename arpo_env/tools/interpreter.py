@@ -1,0 +1,480 @@
+"""Persistent Python interpreters (``tools.python.persistent = true``): one interpreter per trajectory, kept between
+its calls and forked at the tree's branch points (docs/concepts/stateful-tools.md).
+
+A trajectory's first call starts a sandbox exactly as a stateless call does (same backend, uid lease, cgroup, limits,
+seccomp filter), but the process in it stays: a *zygote* that never runs code. Each interpreter is a process forked
+from it (fresh) or from another interpreter (a branch: a copy-on-write snapshot of its memory, with its working folder
+copied). The child side is :mod:`arpo_env.tools.interpreter_child`. Everything forked from one fresh interpreter is
+one *tree*: it shares the sandbox, so its uid, its cgroup (memory and process cap) and its ``/tmp``; separate trees
+(other trajectories, other requests) are separated exactly like separate stateless calls.
+
+Lifetime: an :class:`Interpreter` ends on :meth:`Interpreter.close` (the session's end, reset or close) or when it is
+garbage-collected; a tree's sandbox ends with its last interpreter (its processes and uid killed, its folder removed,
+its uid returned). A call that times out, floods its output or ends the process ends that interpreter only; the
+observation says its state is lost and the next call starts a fresh one. A fork that cannot be made raises
+:class:`ForkError`: never a silent fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
+from arpo_env.tools.interpreter_child import LOOP
+from arpo_env.tools.sandbox import (
+    READY,
+    SETUP,
+    CallCgroup,
+    SandboxError,
+    ToolCancelled,
+    bwrap_prefix,
+    call_cgroups_available,
+    cancel_event,
+    child_env,
+    interpreter_paths,
+    kill_uid,
+    sandbox_slot,
+    uid_pool,
+)
+
+#: An interpreter's lifetime CPU budget, in calls' worth of ``cpu_s`` (each call gets ``cpu_s`` more than it used).
+LIFETIME_CPU_CALLS = 64
+#: What the model reads when its interpreter ended: the state is gone, and the next call says so by working fresh.
+STATE_LOST = ("The Python interpreter was stopped: its variables, imports and files are lost; the next call starts "
+              "a fresh interpreter.")
+_START_TIMEOUT_S = 60.0
+_LIVE = {"n": 0}
+# Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, the most live at once.
+_STATS = {"forks": 0, "fork_s": 0.0, "peak": 0}
+_LIVE_LOCK = threading.Lock()
+# Sandboxes are started from this one long-lived thread: bwrap's --die-with-parent follows the thread that started
+# it, and a persistent sandbox must outlive the worker thread of the call that happened to start it.
+_LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-interpreters")
+
+
+class ForkError(SandboxError):
+    """An interpreter could not be forked (process or memory limit, working folder over the copy cap, a dead tree):
+    an error for that trajectory, never a silent fresh interpreter."""
+
+
+def live_interpreters() -> int:
+    """How many persistent interpreters this process holds now (every tool together)."""
+    return _LIVE["n"]
+
+
+def interpreter_metrics() -> dict[str, float]:
+    """This process's persistent-interpreter figures since the previous call (``{}`` when none ran): forks made,
+    their mean milliseconds, and the most interpreters live at once. The tree sampler adds them to each step's
+    metrics."""
+    with _LIVE_LOCK:
+        stats = dict(_STATS)
+        _STATS.update(forks=0, fork_s=0.0, peak=_LIVE["n"])
+    if not stats["peak"]:
+        return {}
+    return {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
+            "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0}
+
+
+def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    msg = struct.pack(">I", len(data)) + data
+    if fds:
+        socket.send_fds(sock, [msg[:4]], fds)
+        msg = msg[4:]
+    sock.sendall(msg)
+
+
+def _recv(sock: socket.socket, timeout_s: float) -> dict | None:
+    """One reply, or None at end of file (the process is gone)."""
+    sock.settimeout(timeout_s)
+    try:
+        buf = b""
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None
+            buf += chunk
+        reply = json.loads(buf[4:])
+        return reply if isinstance(reply, dict) else None
+    except (TimeoutError, ConnectionError, OSError, ValueError):  # ValueError: not a reply the child's loop wrote
+        return None
+    finally:
+        sock.settimeout(None)
+
+
+class _Tree:
+    """One sandbox (zygote process, uid, cgroup, folder) and the interpreters forked inside it."""
+
+    def __init__(self, tool: Any) -> None:
+        self.tool, self.lock, self.members, self.dead = tool, threading.Lock(), 0, False
+        self.uid = self.proc = self.group = self.ctl = None
+        self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
+        try:
+            self._start()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _start(self) -> None:
+        t = self.tool
+        self.uid = uid_pool(t.uid_base).get() if t._uid_drop else None
+        if self.uid is not None:
+            os.chown(self.scratch, self.uid, self.uid)
+        prefix = bwrap_prefix(self.scratch, interpreter_paths(t.python_executable), t.disk_mb) \
+            if t.backend == "bwrap" else []
+        if self.uid is not None and call_cgroups_available():  # one group for the whole tree
+            self.group = CallCgroup(self.uid, t.memory_mb << 20, t.max_procs)
+            prefix = [*self.group.join_prefix(), *prefix]
+        env = child_env(self.scratch)
+        flags, env["PYTHONHASHSEED"] = (["-s", "-P"], "0") if t.reproducible_output else (["-I"], "")
+        if not env["PYTHONHASHSEED"]:
+            del env["PYTHONHASHSEED"]
+        host, child = socket.socketpair()
+        cfg = t._config(self.uid, None, None, self.scratch)
+        cfg["limits"]["RLIMIT_CPU"] = max(1, int(t.cpu_s + 0.999)) * LIFETIME_CPU_CALLS
+        cfg["persistent"] = {"fd": child.fileno(), "cpu_s": max(1, int(t.cpu_s + 0.999)), "root": self.scratch,
+                             "copy_bytes": t.fork_copy_mb << 20}
+        cmd = [*prefix, *t._no_aslr, t.python_executable, *flags, *(["-S"] if t.no_site else []), "-c",
+               SETUP + LOOP, json.dumps(cfg)]
+        try:  # only the start on the launcher thread; the caller's thread waits for READY (starts run in parallel)
+            self.proc = _LAUNCHER.submit(subprocess.Popen, cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True,
+                                         pass_fds=(child.fileno(),)).result()
+        finally:
+            child.close()
+        self.ctl = host
+        got, deadline = b"", time.monotonic() + _START_TIMEOUT_S
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while len(got) < len(READY) and time.monotonic() < deadline:
+                if sel.select(timeout=0.1):
+                    chunk = os.read(self.proc.stdout.fileno(), len(READY) - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+        if got != READY:
+            self._kill_all()
+            tail = self.proc.stderr.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
+            raise SandboxError(f"the persistent Python interpreter's sandbox failed to start: {tail}",
+                               hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each "
+                                    "backend needs")
+
+    def branch(self, parent: _Branch | None) -> _Branch:
+        """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote."""
+        with self.lock:
+            if self.dead:
+                raise ForkError("the interpreter's sandbox has ended", hint="start a new trajectory")
+            _reserve(self.tool.max_interpreters)
+            try:
+                b = self._fork(parent)
+            except BaseException:
+                with _LIVE_LOCK:
+                    _LIVE["n"] -= 1
+                raise
+            self.members += 1
+            return b
+
+    def _fork(self, parent: _Branch | None) -> _Branch:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        host, child = socket.socketpair()
+        via = parent.ctl if parent is not None else self.ctl
+        t0 = time.monotonic()
+        try:
+            _send(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
+        except OSError as exc:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            host.close()
+            raise ForkError(f"the interpreter could not be forked: it has ended ({exc})") from exc
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+            child.close()
+        first = _recv(via, _START_TIMEOUT_S)
+        second = _recv(host, _START_TIMEOUT_S) if first is not None and "ok" in first else None
+        if second is None or "pid" not in second:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            host.close()
+            why = (second or first or {}).get("error", "the interpreter did not answer")
+            raise ForkError(f"the Python interpreter could not be forked: {why}",
+                            hint="fewer branches per trajectory, a smaller working folder (tools.python.fork_copy_mb)"
+                                 ", or a larger tools.python.max_procs / memory_mb")
+        took = time.monotonic() - t0
+        if parent is not None:
+            with _LIVE_LOCK:
+                _STATS["forks"] += 1
+                _STATS["fork_s"] += took
+        return _Branch(self, host, out_r, err_r, second["pid"], took)
+
+    def kill(self, pid: int) -> None:
+        """SIGKILL one interpreter's process group, by the zygote (which sees the sandbox's process ids)."""
+        with self.lock:
+            if self.dead:
+                return
+            try:
+                _send(self.ctl, {"op": "kill", "pid": pid})
+                ok = _recv(self.ctl, 10.0) is not None
+            except OSError:
+                ok = False
+            if not ok:  # the zygote is gone: nothing in this sandbox can be trusted to end, so all of it ends
+                self._kill_all()
+
+    def leave(self) -> None:
+        """One interpreter ended; the last one takes the sandbox with it."""
+        with self.lock:
+            self.members -= 1
+            with _LIVE_LOCK:
+                _LIVE["n"] -= 1
+            if self.members > 0:
+                return
+        self._teardown()
+
+    def _kill_all(self) -> None:
+        self.dead = True
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.uid is not None:
+            kill_uid(self.uid)
+        if self.group is not None:
+            self.group.close()
+
+    def _teardown(self) -> None:
+        self._kill_all()
+        if self.ctl is not None:
+            self.ctl.close()
+        if self.proc is not None:
+            self.proc.wait()
+            for stream in (self.proc.stdout, self.proc.stderr):
+                stream.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.uid is not None:
+            uid_pool(self.tool.uid_base).put(self.uid)
+            self.uid = None
+
+
+def _reserve(cap: int) -> None:
+    with _LIVE_LOCK:
+        if _LIVE["n"] >= cap:
+            raise ForkError(f"{_LIVE['n']} persistent Python interpreters are live in this process, the most "
+                            f"tools.python.max_interpreters ({cap}) allows",
+                            hint="fewer trajectories or branches at once, or raise tools.python.max_interpreters "
+                                 "(each interpreter holds 10-30 MB)")
+        _LIVE["n"] += 1
+        _STATS["peak"] = max(_STATS["peak"], _LIVE["n"])
+
+
+class _Branch:
+    """One interpreter process: its control socket and output pipes (host ends)."""
+
+    def __init__(self, tree: _Tree, ctl: socket.socket, out_r: int, err_r: int, pid: int, fork_s: float) -> None:
+        self.tree, self.ctl, self.out, self.err, self.pid, self.fork_s = tree, ctl, out_r, err_r, pid, fork_s
+        self.open = True
+
+    def run(self, code: str) -> tuple[bytes, bytes, int | None, str]:
+        """Run one call: (stdout, stderr, exit status, "ok" | "timeout" | "flood" | "ended" | "cancelled")."""
+        tool = self.tree.tool
+        keep, flood = 4 * tool.max_output_chars + 1024, max(1 << 20, 16 * tool.max_output_chars)
+        bufs = {self.out: bytearray(), self.err: bytearray()}
+        reply, total, status = b"", 0, "ok"
+        deadline, cancel = time.monotonic() + tool.timeout_s, cancel_event()
+        try:
+            _send(self.ctl, {"op": "run", "code": code})
+        except OSError:
+            return b"", b"", None, "ended"
+        with selectors.DefaultSelector() as sel:
+            for fd in (self.out, self.err, self.ctl.fileno()):
+                sel.register(fd, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                if cancel is not None and cancel.is_set():
+                    status = "cancelled"
+                    break
+                if now > deadline:
+                    status = "timeout"
+                    break
+                if total > flood:
+                    status = "flood"
+                    break
+                done = len(reply) >= 4 and len(reply) >= 4 + struct.unpack(">I", reply[:4])[0]
+                if done:
+                    break
+                for key, _ in sel.select(timeout=min(0.1, max(0.0, deadline - now))):
+                    chunk = os.read(key.fd, 65536)
+                    if key.fd == self.ctl.fileno():
+                        if not chunk:
+                            status = "ended"
+                            break
+                        reply += chunk
+                        continue
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        continue
+                    total += len(chunk)
+                    buf = bufs[key.fd]
+                    buf.extend(chunk[: max(0, keep - len(buf))])
+                if status == "ended":
+                    break
+        for fd in (self.out, self.err):  # written before the reply (or the end): already in the pipes
+            os.set_blocking(fd, False)
+            try:
+                while chunk := os.read(fd, 65536):
+                    bufs[fd].extend(chunk[: max(0, keep - len(bufs[fd]))])
+            except BlockingIOError:
+                pass
+            os.set_blocking(fd, True)
+        rc = None
+        if status == "ok":
+            try:  # the code can write to its own end of the socket: a reply that is not ours ends the interpreter
+                n = struct.unpack(">I", reply[:4])[0]
+                rc = json.loads(reply[4:])["rc"] if len(reply) == 4 + n else None
+            except (ValueError, KeyError, TypeError):
+                rc = None
+            status = "ok" if isinstance(rc, int) and not isinstance(rc, bool) else "ended"
+        if status != "ok":
+            self.close()
+        return bytes(bufs[self.out]), bytes(bufs[self.err]), rc, status
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.tree.kill(self.pid)  # its group too: nothing it started outlives it
+        self.ctl.close()
+        for fd in (self.out, self.err):
+            os.close(fd)
+        self.tree.leave()
+
+
+class _Slot:
+    """What an :class:`Interpreter` holds, apart from it, so a garbage-collected interpreter still closes it."""
+
+    def __init__(self, branch: _Branch | None = None) -> None:
+        self.branch = branch
+
+    def close(self) -> None:
+        branch, self.branch = self.branch, None
+        if branch is not None:
+            branch.close()
+
+
+class Interpreter:
+    """One trajectory's persistent Python interpreter (see the module docstring); made by
+    :meth:`PythonTool.open_interpreter`. Started lazily by the first call."""
+
+    name = "python"
+
+    def __init__(self, tool: Any, _branch: _Branch | None = None) -> None:
+        self.tool, self._slot = tool, _Slot(_branch)
+        self._finalizer = weakref.finalize(self, self._slot.close)
+
+    @property
+    def started(self) -> bool:
+        """Whether a process holds this interpreter's state now."""
+        return self._slot.branch is not None
+
+    @tolerant_call
+    def __call__(self, code: str) -> ToolResult:
+        """Run ``code`` in this interpreter; see :meth:`PythonTool.__call__`."""
+        start = time.monotonic()
+        problem = check_text_arg(code, "code", self.tool.max_code_chars)
+        if problem:
+            return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
+        if (cancel := cancel_event()) is not None and cancel.is_set():
+            raise ToolCancelled("the call was cancelled before it started")
+        fresh = self._slot.branch is None
+        if fresh:
+            tree = _Tree(self.tool)
+            try:
+                self._slot.branch = tree.branch(None)
+            except BaseException:
+                tree._teardown()
+                raise
+        with sandbox_slot():
+            out, err, rc, status = self._slot.branch.run(code)
+        if status == "cancelled":
+            self._slot.close()
+            raise ToolCancelled(f"the call was cancelled after {time.monotonic() - start:.1f} s; its interpreter "
+                                "was killed")
+        if status == "ended":
+            self._slot.close()
+            body, _ = truncate_text(err.decode("utf-8", "replace").strip(), self.tool.max_output_chars)
+            result = ToolResult(text=(body + "\n" if body else "") + "The interpreter ended during this call (it "
+                                "exited, crashed or was killed for exceeding a resource limit).", error=True,
+                                meta={"returncode": None, "timed_out": False, "truncated": False})
+        else:
+            result = self.tool._result(out, err, rc, status)
+            if status != "ok":
+                self._slot.close()
+        if self._slot.branch is None:
+            result.text += "\n" + STATE_LOST
+        result.latency_s = time.monotonic() - start
+        result.meta.update(persistent=True, interpreter_lost=self._slot.branch is None, fresh_interpreter=fresh,
+                           network_isolated=self.tool.isolation["network_isolation"],
+                           isolation_level=self.tool.isolation["level"], backend=self.tool.backend)
+        return result
+
+    def fork(self) -> Interpreter:
+        """A new interpreter that continues from this one's state (a copy-on-write fork and a copy of its working
+        folder); later changes on either side stay on that side. Not started yet: not started either.
+        Raises ForkError when the fork cannot be made."""
+        parent = self._slot.branch
+        if parent is None:
+            return Interpreter(self.tool)
+        return Interpreter(self.tool, parent.tree.branch(parent))
+
+    @property
+    def fork_s(self) -> float | None:
+        """Seconds the fork (or fresh start) that made this interpreter's process took."""
+        return self._slot.branch.fork_s if self._slot.branch is not None else None
+
+    def close(self) -> None:
+        """End the interpreter: its process group is killed; the last one of a tree ends the sandbox."""
+        self._slot.close()
+
+    def schema(self) -> dict[str, Any]:
+        return self.tool.schema()
+
+
+class _Failed:
+    """A fork that could not be made: every call raises its error (the trajectory ends with it)."""
+
+    persistent, started, fork_s = True, False, None
+
+    def __init__(self, error: ForkError) -> None:
+        self.error = error
+
+    def __call__(self, **_: Any) -> ToolResult:
+        raise self.error
+
+    def fork(self) -> _Failed:
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+def fork_or_failure(interp: Any) -> Any:
+    """``interp.fork()``, or a stand-in that raises the ForkError at the copy's next call (a session's clone must
+    not fail the caller's whole tree; the one trajectory fails instead)."""
+    try:
+        return interp.fork()
+    except ForkError as exc:
+        return _Failed(exc)
