@@ -191,7 +191,7 @@
     }
     const header = el("div", "meta", "iteration " + rec.iteration + " · prompt " + rec.prompt_index + " · " +
       rec.trajectories.length + " trajectories · " + rec.nodes.length + " nodes · policy version " +
-      rec.policy_version);
+      (rec.policy_version ?? "n/a"));
     box.appendChild(header);
     box.appendChild(el("div", "prompt", rec.prompt));
     const ending = new Map();
@@ -258,7 +258,7 @@
   const COLOURINGS = {
     entropy: [(t, i) => t.entropies[i], (v) => "rgba(200,80,0," + Math.min(1, v / 3).toFixed(3) + ")"],
     advantage: [(t, i) => (t.advantages ? t.advantages[i] : null), (v) => colour(v, 1.0)],
-    learner_logprob: [learnerLp, (v) => "rgba(40,60,200," + Math.min(1, -v / 5).toFixed(3) + ")"],
+    learner_logprob: [learnerLp, (v) => "rgba(0,130,110," + Math.min(1, -v / 5).toFixed(3) + ")"],
     abs_dlogp: [dlogp, (v) => "rgba(200,0,140," + Math.min(1, v / 0.5).toFixed(3) + ")"],
   };
   function tokenStrip(rec, n) {
@@ -294,7 +294,7 @@
     box.appendChild(el("h3", null, "node " + id));
     if (state.sources) box.appendChild(el("div", "meta", state.sources[side ? 1 : 0]));
     box.appendChild(el("div", "meta", "tokens " + n.start + "–" + n.end + " · depth " + n.depth + " · advantage " +
-      fmt(n.advantage, 3) + " · policy version " + n.policy_version + " · trajectories " + n.trajectories.join(", ")));
+      fmt(n.advantage, 3) + " · policy version " + (n.policy_version ?? "n/a") + " · trajectories " + n.trajectories.join(", ")));
     if (n.branch) box.appendChild(el("div", "meta", "branch point: entropy before " + fmt(n.branch.entropy_before, 3) +
       ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions)));
     if (n.end > n.start) {
@@ -320,7 +320,7 @@
     box.replaceChildren();
     box.appendChild(el("h3", null, "trajectory " + t.id + " (" + t.kind + ")"));
     box.appendChild(el("div", "meta", "reward " + fmt(t.reward, 3) + " · " + t.finish_reason + " · " +
-      t.tool_calls.length + " tool calls · policy version " + t.policy_version));
+      t.tool_calls.length + " tool calls · policy version " + (t.policy_version ?? "n/a")));
     box.appendChild(el("pre", "meta", JSON.stringify(t.reward_info)));
     const body = el("div", "node-text");
     for (const id of t.node_ids) runs(body, rec.nodes.find((x) => x.id === id).text);
