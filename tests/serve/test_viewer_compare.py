@@ -155,3 +155,15 @@ def test_token_colours_follow_the_learner_values(browser, tmp_path):  # noqa: F8
             assert len({a for _, a in pairs}) >= 5
     finally:
         v.stop()
+
+
+def test_a_prompt_the_other_side_lacks_says_so(browser, evaluation, tmp_path):  # noqa: F811
+    folder, *_ = _mismatch_folder(tmp_path)
+    v = Viewer(evaluation / "trees" / "first", folder)
+    try:
+        _open(browser, f"{v.url}/#key={KEY}")
+        text = browser.wait("const b = document.querySelector('#tree-b .hint'); return b && b.textContent")
+        assert text == "no tree of this prompt in mismatch"
+        assert browser.js("return document.querySelectorAll('#tree-b .node').length") == 0
+    finally:
+        v.stop()
