@@ -3,7 +3,9 @@ folder (:mod:`arpo_algo.eval.trees`), and its single-file export.
 
 Routes: ``/`` (the page), ``/viewer.js`` and ``/viewer.css`` (its script and style, fixed names: nothing else on disk
 is reachable), ``/v1/index?since=N`` (the index lines after the first N, re-read from disk on every call, so a running
-training shows up live) and ``/v1/group?iteration=I&group=G`` (one group's record, read at its offset). The same guard
+training shows up live) and ``/v1/group?iteration=I&group=G`` (one group's record, read at its offset). Given two
+folders (two evaluations, two checkpoints, two runs) both routes take ``side=0|1``; the page draws the same prompt's
+trees of the two side by side. The same guard
 as ``arpo serve`` runs in front of every route (:mod:`serve.guard`: Host, Origin, and the key on every route but the
 page and its two static files); the page takes the key from its URL fragment (never sent to the server) and sends it
 as a bearer header.
@@ -49,14 +51,23 @@ class _Source:
             return self.reader.group(iteration, index)
 
 
-def build_app(folder: str | Path, key: str, *, port: int, allowed_hosts: list[str] | None = None) -> Any:
-    """The viewer's ASGI app over ``folder``, guarded with ``key`` (required on ``/v1``)."""
+def label(folder: Path) -> str:
+    """A tree folder's name on the page: the run folder holding ``trees/``, or an evaluated model's label."""
+    return folder.parent.name if folder.name == "trees" else folder.name
+
+
+def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: list[str] | None = None) -> Any:
+    """The viewer's ASGI app over ``folder`` (or two folders to compare, side 0 and side 1), guarded with ``key``
+    (required on ``/v1``)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    source = _Source(Path(folder))
+    sources = [_Source(Path(f)) for f in (folder if isinstance(folder, list) else [folder])]
+    labels = [label(x.reader.folder) for x in sources]
+    if len(labels) == 2 and labels[0] == labels[1]:
+        labels = [f"{x.reader.folder.parent.name}/{n}" for x, n in zip(sources, labels)]
     # the page and its two static files are open (they hold no data); every data route needs the key
     policy = Policy(Security(allow_unauthenticated=True, allowed_hosts=allowed_hosts or [], port=port),
                     open_paths=frozenset({"/", "/viewer.js", "/viewer.css"}))
@@ -76,18 +87,28 @@ def build_app(folder: str | Path, key: str, *, port: int, allowed_hosts: list[st
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message}}, status_code=status)
 
+    def side(request: Request) -> _Source | None:
+        s = request.query_params.get("side", "0")
+        return sources[int(s)] if s in ("0", "1")[:len(sources)] else None
+
     def index(request: Request) -> JSONResponse:
         try:
             since = int(request.query_params.get("since", "0"))
         except ValueError:
             return error(400, "since must be an integer")
-        return JSONResponse(source.index(max(since, 0)))
+        source = side(request)
+        if source is None:
+            return error(404, f"side must be one of 0..{len(sources) - 1}")
+        return JSONResponse({**source.index(max(since, 0)), "sources": labels})
 
     def group(request: Request) -> JSONResponse:
         try:
             it, gi = int(request.query_params["iteration"]), int(request.query_params["group"])
         except (KeyError, ValueError):
             return error(400, "iteration and group must be integers")
+        source = side(request)
+        if source is None:
+            return error(404, f"side must be one of 0..{len(sources) - 1}")
         try:
             return JSONResponse(source.group(it, gi))
         except (KeyError, IndexError):
@@ -164,8 +185,8 @@ def check_port(host: str, port: int) -> None:
                             hint="another program holds it (an earlier arpo view?): pick a port with --port") from None
 
 
-def run(folder: str | Path, *, host: str, port: int, key: str, allowed_hosts: list[str] | None = None) -> None:
-    """Serve the viewer until interrupted (uvicorn in this process)."""
+def run(folder: str | Path | list, *, host: str, port: int, key: str, allowed_hosts: list[str] | None = None) -> None:
+    """Serve the viewer (one folder, or two compared) until interrupted (uvicorn in this process)."""
     import uvicorn
 
     uvicorn.run(build_app(folder, key, port=port, allowed_hosts=allowed_hosts), host=host, port=port,

@@ -68,6 +68,12 @@ class WebDriver:
     def js(self, script: str) -> Any:
         return self.do("POST", "/execute/sync", {"script": script, "args": []})
 
+    def screenshot(self) -> bytes:
+        """The viewport as PNG bytes."""
+        import base64
+
+        return base64.b64decode(self.do("GET", "/screenshot"))
+
     def wait(self, script: str, timeout_s: float = 30, what: str = "") -> Any:
         """Poll ``script`` (a JS expression body returning a value) until it is truthy; return that value."""
         deadline = time.monotonic() + timeout_s

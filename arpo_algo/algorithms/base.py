@@ -219,8 +219,13 @@ class AgenticRLAlgorithm(Algorithm):
         if writer is None or iteration % writer.every:
             return
         chosen = groups if writer.max_groups is None else groups[:writer.max_groups]
+        # the learner's pre-step log-probs of this update, per sequence in group order (absent on a remote learner)
+        scored, learner = getattr(self.learner, "scored_logprobs", None), None
+        if scored is not None and len(scored) == sum(len(g.trajectories) for g in groups):
+            it = iter(scored)
+            learner = [[next(it) for _ in g.trajectories] for g in groups][:len(chosen)]
         with self.metrics.log_time((MK.TIMERS.rstrip("/"), MK.RECORD_TIME)):
-            writer.record(iteration, chosen, token_advantages(chosen, self.config.settings.training))
+            writer.record(iteration, chosen, token_advantages(chosen, self.config.settings.training), learner)
 
     # --------------------------------------------------------------------------------------------- one iteration
 

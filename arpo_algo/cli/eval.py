@@ -101,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_eval(args.models, data, settings, out, data_name=args.data, engine=args.engine, endpoint=args.endpoint,
              endpoint_model=args.endpoint_model, tokenizer=args.tokenizer, judge=judge,
              items_per_call=args.items_per_call, max_batch_size=args.max_batch_size, device=args.device,
-             progress=not args.no_progress, charts=not args.no_charts)
+             progress=not args.no_progress, charts=not args.no_charts, record_trees=not args.no_trees)
     return 0
 
 
@@ -146,5 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="reference: string equivalence OR judge says correct (default); judge: the judge alone")
     p.add_argument("--judge-retries", type=int, default=3, help="retries with backoff before a run is unjudged")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.add_argument("--no-trees", action="store_true",
+                   help="do not record the runs as rollout trees (default: OUTPUT/trees/LABEL, for arpo view)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)

@@ -17,7 +17,14 @@ def cmd_view(args: argparse.Namespace) -> int:
     from serve.guard import is_loopback
     from serve.viewer import check_port, export_html, run
 
-    reader = TreeReader(args.path)  # refuses a folder without trees or of a newer format, before anything starts
+    if len(args.path) > 2:
+        raise ArpoError(f"arpo view compares at most two tree folders, got {len(args.path)}",
+                        hint="arpo view A B: the same prompts of two evaluations, checkpoints or runs side by side")
+    # refuses a folder without trees or of a newer format, before anything starts
+    readers = [TreeReader(p) for p in args.path]
+    reader = readers[0]
+    if args.export is not None and len(readers) > 1:
+        raise ArpoError("--export writes one folder's trees", hint="export each folder on its own")
     if args.export is not None:
         out, its = export_html(reader.folder, args.export, args.iteration)
         print(f"wrote {out} (iteration{'s' if len(its) > 1 else ''} {', '.join(map(str, its))})")
@@ -35,9 +42,10 @@ def cmd_view(args: argparse.Namespace) -> int:
     args.api_key = None
     key = _key(args) or secrets.token_urlsafe(24)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    print(f"viewing {reader.folder} at http://{shown}:{args.port}/#key={key}", flush=True)
+    what = " beside ".join(str(r.folder) for r in readers)
+    print(f"viewing {what} at http://{shown}:{args.port}/#key={key}", flush=True)
     print("(the key in the address is this viewer's; Ctrl-C stops it)", file=sys.stderr, flush=True)
-    run(reader.folder, host=args.host, port=args.port, key=key, allowed_hosts=hosts)
+    run([r.folder for r in readers], host=args.host, port=args.port, key=key, allowed_hosts=hosts)
     return 0
 
 
@@ -51,7 +59,9 @@ def _iterations(text: str) -> list[int]:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``arpo view``."""
     p = sub.add_parser("view", help="browse a run's rollout trees (live while it trains), or --export one HTML file")
-    p.add_argument("path", type=Path, help="a run folder (arpo train --output) or its trees/ folder")
+    p.add_argument("path", type=Path, nargs="+", metavar="PATH",
+                   help="a run folder (arpo train --output), an evaluation's (arpo eval --output) or a trees/ folder; "
+                        "two: the same prompts of both side by side")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     p.add_argument("--allowed-hosts", default=None,

@@ -92,6 +92,16 @@ def load_tokenizer(spec: str) -> Any:
                                "or its registered name") from None
 
 
+def tree_writer(out: Path, label: str, tok: Any) -> Any:
+    """The rollout-tree writer of one model's runs: ``out/trees/LABEL`` (a label is one path component)."""
+    from arpo_algo.eval.trees import FOLDER, TreeWriter
+
+    if not label or label in (".", "..") or "/" in label or "\\" in label:
+        raise ConfigError(f"the model label {label!r} cannot name its tree folder",
+                          hint="give a plain label: LABEL=PATH, or --no-trees")
+    return TreeWriter(out / FOLDER / label, lambda ids: tok.decode(ids, skip_special_tokens=False), source="eval")
+
+
 def _check_protocol(out: Path, record: dict[str, Any]) -> None:
     cfg_file = out / CONFIG_FILE
     if cfg_file.is_file():
@@ -134,8 +144,11 @@ class Progress:
 def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Path, *, data_name: str,
              engine: str = "hf", endpoint: str | None = None, endpoint_model: str | None = None,
              tokenizer: str | None = None, judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16,
-             device: str = "cpu", progress: bool = True, charts: bool = True, log=print) -> dict[str, Any]:
-    """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body."""
+             device: str = "cpu", progress: bool = True, charts: bool = True, record_trees: bool = True,
+             log=print) -> dict[str, Any]:
+    """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body.
+    With ``record_trees`` each local model's runs are recorded as rollout trees in ``out/trees/LABEL``
+    (:mod:`arpo_algo.eval.trees`; ``arpo view``); an endpoint returns text, not tokens, so it records none."""
     from arpo_algo.eval.endpoint import EndpointAgent, run_endpoint, runs_tools_itself, served_models
 
     if endpoint and models:
@@ -186,7 +199,8 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
                 eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
                 try:
                     run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
-                               items_per_call=items_per_call, recorded=recorded, score=score, on_item=bar)
+                               items_per_call=items_per_call, recorded=recorded, score=score, on_item=bar,
+                               trees=tree_writer(out, label, eng.tokenizer) if record_trees else None)
                 finally:
                     close = getattr(eng, "close", None)
                     if close:

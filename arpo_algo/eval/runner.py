@@ -159,7 +159,7 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
                *, model: str, out_file: Path, skip: set[str], items_per_call: int = 1,
                recorded: dict[str, set[int]] | None = None,
                score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-               on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
+               on_item: Callable[[list[dict[str, Any]]], None] | None = None, trees: Any = None) -> int:
     """Run ``settings.samples`` conversations of every item not in ``skip`` and append their records; returns the
     number of items run.
 
@@ -179,6 +179,8 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
         recorded: Run indices already in ``out_file`` per item id (a resume after a crash mid-item): not run again.
         score: Optional post-scoring of a record (the LLM judge); returns the updated record.
         on_item: Called with each item's records (progress).
+        trees: A :class:`~arpo_algo.eval.trees.TreeWriter` that records each item's runs as "iteration" index + 1
+            (:func:`~arpo_algo.eval.trees.eval_group`), or None.
     """
     import functools
 
@@ -209,8 +211,10 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
                             tool_workers=settings.tool_workers)
         wall = (time.perf_counter() - t0) / len(chunk)
         by_item: dict[int, list[dict[str, Any]]] = {}
+        runs_of: dict[int, list[tuple[int, Any, tuple[float, dict[str, Any]]]]] = {}
         for (idx, run), env, tr in zip(where, envs, traces):
             reward, info = env_reward(env, items[idx])
+            runs_of.setdefault(idx, []).append((run, tr, (reward, info)))
             if tr.error:
                 info["engine_error"] = tr.error
             rec = make_record(model, items[idx], idx, run, text=tr.text, reward=reward, reward_info=info,
@@ -225,6 +229,11 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
             records = by_item.get(idx, [])
             with out_file.open("a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+            if trees is not None and idx in runs_of:  # after its samples: a crash never leaves a tree without them
+                from arpo_algo.eval.trees import eval_group
+
+                run, trs, rw = zip(*runs_of[idx])
+                trees.record(idx + 1, [eval_group(idx, items[idx], list(run), list(trs), list(rw))])
             if on_item:
                 on_item(records)
     return len(todo)

@@ -3,14 +3,16 @@
 
 A tree folder (``trees/`` in a run folder) holds, format version :data:`VERSION`:
 
-* ``format.json``: ``{"format": "arpo-trees", "version": 1, "source": "train"}``, written first.
+* ``format.json``: ``{"format": "arpo-trees", "version": 1, "source": "train"}``, written first (``"eval"``: an
+  evaluation's model, whose "iteration" n holds item n - 1's runs, :func:`eval_group`).
 * ``iter_000007.jsonl``: one iteration's recorded groups, one JSON object per line (:func:`group_record`): the prompt
   and task, the nodes of the sampling tree (token range, decoded text in model and tool runs, the mean advantage of
   the trajectories through it, at a branch point the entropy before and after and the branch rule's decisions that
   made it), every branch decision of the tree (the entropies compared, the rule's constants, the random draws, the
   clones made; those that made no clone too), and the trajectories (token ids,
-  trained mask, sampled log-prob and entropy per token, per-token advantage, reward, finish reason, tool calls, the
-  policy version that sampled it).
+  trained mask, sampled log-prob and entropy per token, per-token advantage, the learner's log-prob of each trained
+  token before the update's first step (null for tool-result tokens; the whole list null where the learner is remote
+  or the source is an evaluation), reward, finish reason, tool calls, the policy version that sampled it).
 * ``index.jsonl``: one line per recorded iteration, appended after its chunk is complete: the chunk's name, each
   group's byte offset and length in it and a summary for the filters (solved / failed / branched / tool limit).
 
@@ -83,8 +85,27 @@ def _runs(ids: list[int], mask: list[int], decode: Any) -> list[list[str]]:
     return out
 
 
-def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: list[list[float]] | None) -> dict:
-    """One group as the JSON object a chunk line holds (see the module docstring)."""
+def _shared_filled(g: Any, through: dict[int, list[int]], learner: list[list[float]]) -> list[list[float]]:
+    """A node's tokens are one sample shared by every trajectory through it (same prefix, same log-prob), and the
+    learner may score such a token once (``merge_shared``): copy each position's value to the trajectories whose
+    copy it did not score."""
+    out = [list(v) for v in learner]
+    row = {t.traj_id: k for k, t in enumerate(g.trajectories)}
+    for n in g.nodes:
+        rows = [out[row[tid]] for tid in through.get(n.node_id, [])]
+        for i in range(n.start, n.end):
+            have = next((r[i] for r in rows if i < len(r) and math.isfinite(r[i])), None)
+            if have is not None:
+                for r in rows:
+                    if i < len(r) and not math.isfinite(r[i]):
+                        r[i] = have
+    return out
+
+
+def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: list[list[float]] | None,
+                 learner: list[list[float]] | None = None) -> dict:
+    """One group as the JSON object a chunk line holds (see the module docstring); ``learner``: per trajectory, the
+    learner's log-prob of each response token (NaN where it scored none), or None (not recorded)."""
     trajs = {t.traj_id: t for t in g.trajectories}
     children: dict[int | None, list[int]] = {}
     for n in g.nodes:
@@ -119,20 +140,39 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
                               "decisions": [_clean(d) for d in decisions if d["branches"] and d["at"] == n.end
                                             and d["trajectory"] in through[n.node_id]]}
         nodes.append(node)
+    if learner is not None:
+        learner = _shared_filled(g, through, learner)
     out_trajs = []
-    for t in g.trajectories:
+    for k, t in enumerate(g.trajectories):
         out_trajs.append({
             "id": t.traj_id, "kind": t.kind, "parent": t.parent, "branch_point": t.branch_point,
             "node_ids": t.node_ids, "reward": _r(t.reward), "reward_info": _clean(t.reward_info),
             "finish_reason": t.finish_reason, "tool_calls": _clean(t.tool_calls), "policy_version": t.policy_version,
             "response_ids": t.response_ids, "trained_mask": t.trained_mask,
             "sampled_logprobs": _rounded(t.old_logprobs), "entropies": _rounded(t.entropies),
+            "learner_logprobs": _rounded(learner[k]) if learner is not None else None,
             "advantages": _rounded(adv[t.traj_id]) if adv else None,
             "segment_entropy": _rounded(t.segment_entropy)})
     return {"iteration": iteration, "group": index, "prompt_index": g.prompt_index,
             "policy_version": g.policy_version, "task": _clean(g.task), "prompt": decode(g.prompt_ids),
             "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs,
             "decisions": _clean(decisions)}
+
+
+def eval_group(index: int, item: dict, runs: list[int], traces: list[Any], rewards: list[tuple[float, dict]]) -> Any:
+    """An evaluation item's runs as a group of independent samples (a root node and one child per run), so
+    ``arpo eval`` records them in the training's format: ``prompt_index`` is the item's index in the data, the task
+    names the item, no policy version and no advantages."""
+    from arpo_algo.rollout.types import Group, Trajectory, TreeNode
+
+    trajs, nodes = [], [TreeNode(0, None, 0, 0, 0, None)]
+    for k, (run, tr, (reward, info)) in enumerate(zip(runs, traces, rewards)):
+        nodes.append(TreeNode(k + 1, 0, 0, len(tr.response_ids), 1, None))
+        trajs.append(Trajectory(run, list(tr.response_ids), list(tr.trained_mask), list(tr.logprobs),
+                                list(tr.entropies), reward=reward, reward_info=info, tool_calls=tr.tool_calls,
+                                node_ids=[0, k + 1], finish_reason=tr.finish_reason, unsampled=list(tr.unsampled)))
+    task = {"item_id": item["id"], "question": item["question"], "ground_truth": item["ground_truth"]}
+    return Group(index, list(traces[0].prompt_ids), trajs, task=task, nodes=nodes)
 
 
 def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]]:
@@ -192,8 +232,10 @@ class TreeWriter:
         self.folder = start_folder(folder, source)
         self.decode, self.max_groups, self.every = decode, max_groups, max(1, every)
 
-    def record(self, iteration: int, groups: list[Any], advantages: list[list[list[float]]] | None = None) -> bool:
-        """Write ``iteration``'s groups (``advantages``: per group, per trajectory, per token); False if skipped."""
+    def record(self, iteration: int, groups: list[Any], advantages: list[list[list[float]]] | None = None,
+               learner: list[list[list[float]]] | None = None) -> bool:
+        """Write ``iteration``'s groups (``advantages``, ``learner``: per group, per trajectory, per token: the
+        advantages and the learner's log-probs); False if skipped."""
         if iteration % self.every:
             return False
         t0 = time.perf_counter()
@@ -204,7 +246,8 @@ class TreeWriter:
         entries, offset = [], 0
         with open(self.folder / name, "wb") as f:
             for i, g in enumerate(chosen):
-                rec = group_record(g, iteration, i, self.decode, advantages[i] if advantages is not None else None)
+                rec = group_record(g, iteration, i, self.decode, advantages[i] if advantages is not None else None,
+                                   learner[i] if learner is not None else None)
                 line = (json.dumps(rec, allow_nan=False) + "\n").encode()
                 f.write(line)
                 entries.append({"offset": offset, "length": len(line), **summary(rec)})
@@ -227,6 +270,13 @@ def find_folder(path: str | os.PathLike) -> Path:
     for cand in (p, p / FOLDER):
         if (cand / "format.json").is_file():
             return cand
+    models = sorted(d for d in (p / FOLDER).glob("*") if (d / "format.json").is_file())  # an evaluation's
+    if len(models) == 1:
+        return models[0]
+    if models:
+        names = ", ".join(d.name for d in models)
+        raise ArpoError(f"{p} holds the trees of several evaluated models ({names}): name one",
+                        hint=f"e.g. arpo view {models[0]}, or compare two: arpo view {models[0]} {models[1]}")
     raise ArpoError(f"{p} holds no rollout trees (no {FOLDER}/format.json)",
                     hint="training records them by default: run `arpo train EXPERIMENT --output FOLDER` "
                          "(rollouts.record_trees = true) and view FOLDER")

@@ -84,7 +84,7 @@ from arpo_algo.train.device_setup import (
     resolve_tree_attention,
 )
 from arpo_algo.train.learner_config import LearnerConfig
-from arpo_algo.train.mismatch import judge, local_sums
+from arpo_algo.train.mismatch import judge, local_sums, per_token
 from arpo_algo.train.optim import build_optimizer
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
@@ -314,6 +314,8 @@ class Learner:
         self.model.eval()
         with self._weights_of(behaviour_weights):
             current = self._score(self.model, batches)
+        # what the tree recorder keeps of this update: the same pre-step log-probs, per sequence (rollouts.record_*)
+        self.scored_logprobs = per_token(batches, current, [len(s.response) for s in seqs])
         mismatch = self._rollout_mismatch(batches, current)
         no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
         if not signal and no_loss_without_signal:

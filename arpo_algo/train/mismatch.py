@@ -9,6 +9,7 @@ the two agree up to kernel rounding; anything more means the update would be com
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,19 @@ def local_sums(batches: list[Any], current: list[torch.Tensor], tail_diff: float
             acc[0] += k
             acc[1] += ww
     return s
+
+
+def per_token(batches: list[Any], current: list[torch.Tensor], lengths: list[int]) -> list[list[float]]:
+    """The learner's log-probs of ``current`` laid out per sequence and response token (NaN where it scored none:
+    a tool-result token, or a shared token merged into another trajectory's pair), for the tree recorder. It reads
+    what the update already computed; no forward pass is added."""
+    out = [[math.nan] * n for n in lengths]
+    for b, cur in zip(batches, current):
+        if b.pair_pos is None:
+            continue
+        for seq, pos, v in zip(b.pair_seq.tolist(), b.pair_pos.tolist(), cur.float().tolist()):
+            out[seq][pos] = v
+    return out
 
 
 def judge(cfg: Any, precision: str, history: list[float], *, kl: float, worst: float, count: int, bad: int,

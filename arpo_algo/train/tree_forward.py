@@ -79,6 +79,7 @@ class TokenBatch:
     pair_group: torch.Tensor          # [P]
     pair_sampled: torch.Tensor        # [P] bool: the engine sampled the token (False: appended, e.g. the limit EOS)
     num_tokens: int                   # tokens run through the model (no padding)
+    pair_pos: torch.Tensor | None = None  # [P] the pair's response position in its sequence (the tree recorder)
     tree_pre: torch.Tensor | None = None  # [N] preorder number of each packed node (packed tree only)
     tree_end: torch.Tensor | None = None  # [N] preorder end of each node's subtree (packed tree only)
     block_mask: Any = None            # the FlexAttention BlockMask, built on first use (attention_mask_for)
@@ -100,12 +101,13 @@ def _check(specs: list[SeqSpec]) -> None:
                             hint="the first response token is predicted from the prompt; tokenize the chat prompt")
 
 
-def _pair_tensors(rows: list[tuple[int, float, float, float, int, int, bool]]) -> dict[str, torch.Tensor]:
-    node, adv, w, old, seq, grp, sampled = zip(*rows) if rows else ((), (), (), (), (), (), ())
+def _pair_tensors(rows: list[tuple[int, float, float, float, int, int, bool, int]]) -> dict[str, torch.Tensor]:
+    node, adv, w, old, seq, grp, sampled, pos = zip(*rows) if rows else ((),) * 8
     return {"pair_node": torch.tensor(node, dtype=torch.long), "pair_adv": torch.tensor(adv, dtype=torch.float32),
             "pair_weight": torch.tensor(w, dtype=torch.float32),
             "pair_old_logp": torch.tensor(old, dtype=torch.float32), "pair_seq": torch.tensor(seq, dtype=torch.long),
-            "pair_group": torch.tensor(grp, dtype=torch.long), "pair_sampled": torch.tensor(sampled, dtype=torch.bool)}
+            "pair_group": torch.tensor(grp, dtype=torch.long), "pair_sampled": torch.tensor(sampled, dtype=torch.bool),
+            "pair_pos": torch.tensor(pos, dtype=torch.long)}
 
 
 def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
@@ -129,7 +131,7 @@ def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
                 nr.append(p + t - 1 - start)
                 nt.append(s.response[t])
                 pairs.append((len(pairs), s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group,
-                              t not in s.unsampled))
+                              t not in s.unsampled, t))
     return TokenBatch(input_ids=ids, attention_mask=att, position_ids=None, keep=keep,
                       node_b=torch.tensor(nb, dtype=torch.long), node_row=torch.tensor(nr, dtype=torch.long),
                       node_tok=torch.tensor(nt, dtype=torch.long), num_tokens=int(att.sum()), **_pair_tensors(pairs))
@@ -151,7 +153,7 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
     pre, end = preorder_spans(trie.parent)
     # Unique predictions: each trained node is predicted from its parent's logits.
     node_index: dict[int, int] = {}
-    pairs: list[tuple[int, float, float, float, int, int, bool]] = []
+    pairs: list[tuple[int, float, float, float, int, int, bool, int]] = []
     merged: dict[tuple[int, int], int] = {}
     for j, s in enumerate(specs):
         path, p = trie.paths[j], len(s.prompt)
@@ -164,10 +166,10 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
             if merge_shared and key in merged:
                 i = merged[key]
                 old = pairs[i]
-                pairs[i] = (old[0], old[1], old[2] + s.weight[t], old[3], old[4], old[5], old[6])
+                pairs[i] = (old[0], old[1], old[2] + s.weight[t], *old[3:])
                 continue
             merged[key] = len(pairs)
-            pairs.append((u, s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group, t not in s.unsampled))
+            pairs.append((u, s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group, t not in s.unsampled, t))
     nodes = list(node_index)
     parents = sorted({trie.parent[v] for v in nodes})
     row_of = {v: i for i, v in enumerate(parents)}

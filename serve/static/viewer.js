@@ -7,7 +7,8 @@
   const embedded = document.getElementById("arpo-data");
   const DATA = embedded ? JSON.parse(embedded.textContent) : null;
   const $ = (id) => document.getElementById(id);
-  const state = { rows: new Map(), seen: 0, it: null, g: null, node: null, group: null, cache: new Map() };
+  const state = { rows: new Map(), seen: 0, it: null, g: null, node: null, group: null, cache: new Map(),
+    sources: null, rowsB: new Map(), seenB: 0 };
 
   function el(tag, cls, text) {
     const e = document.createElement(tag);
@@ -51,15 +52,15 @@
     if (DATA) return { rows: DATA.rows, total: DATA.rows.length };
     return api("/v1/index?since=" + state.seen);
   }
-  async function loadGroup(it, g) {
-    const key = it + ":" + g;
+  async function loadGroup(it, g, side) {
+    const key = (side ? "b:" : "") + it + ":" + g;
     if (state.cache.has(key)) return state.cache.get(key);
     let rec;
     if (DATA) {
       rec = DATA.groups[key];
       if (!rec) throw new Error("this group's record was cut short and is not in the file");
     } else {
-      rec = await api("/v1/group?iteration=" + it + "&group=" + g);
+      rec = await api("/v1/group?iteration=" + it + "&group=" + g + (side ? "&side=1" : ""));
     }
     state.cache.set(key, rec);
     return rec;
@@ -93,7 +94,8 @@
       const before = [...sel.options].find((x) => Number(x.value) > it);
       sel.insertBefore(o, before || null);
     }
-    $("status").textContent = (DATA ? "exported file" : "live") + " · " + its.length + " iterations";
+    $("status").textContent = (DATA ? "exported file" : "live") + " · " + its.length + " iterations" +
+      (state.sources ? " · " + state.sources[0] + " beside " + state.sources[1] : "");
     renderChart();
   }
   function renderChart() {
@@ -173,9 +175,10 @@
       (d.rule === "paper" ? ", threshold tau " + d.tau : ", draws " + d.draws.map((u) => fmt(u, 3)).join(" ")) +
       (d.penalty_l ? ", penalty count " + d.penalty_l : "") + " -> " + d.branches + " clone(s)").join("");
   }
-  function renderTree(rec) {
-    const box = $("tree");
+  function renderTree(rec, side) {
+    const box = side ? $("tree-b") : $("tree");
     box.replaceChildren();
+    if (state.sources) box.appendChild(el("h3", "side-label", state.sources[side ? 1 : 0]));
     const filter = $("filter").value;
     const trajs = rec.trajectories.filter((t) => trajVisible(t, rec, filter));
     const shown = new Set(trajs.flatMap((t) => t.node_ids));
@@ -188,7 +191,7 @@
     }
     const header = el("div", "meta", "iteration " + rec.iteration + " · prompt " + rec.prompt_index + " · " +
       rec.trajectories.length + " trajectories · " + rec.nodes.length + " nodes · policy version " +
-      rec.policy_version);
+      (rec.policy_version ?? "n/a"));
     box.appendChild(header);
     box.appendChild(el("div", "prompt", rec.prompt));
     const ending = new Map();
@@ -212,13 +215,13 @@
             n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions);
           d.appendChild(b);
         }
-        d.addEventListener("click", (ev) => { ev.stopPropagation(); showNode(rec, n.id); });
+        d.addEventListener("click", (ev) => { ev.stopPropagation(); showNode(rec, n.id, side); });
         li.appendChild(d);
         for (const t of ending.get(n.id) || []) {
           const leaf = el("span", "leaf " + ((t.reward || 0) > SOLVED ? "good" : "bad"),
             "trajectory " + t.id + " · reward " + fmt(t.reward) + " · " + t.finish_reason);
           leaf.dataset.traj = String(t.id);
-          leaf.addEventListener("click", (ev) => { ev.stopPropagation(); showTrajectory(rec, t); });
+          leaf.addEventListener("click", (ev) => { ev.stopPropagation(); showTrajectory(rec, t, side); });
           li.appendChild(leaf);
         }
         if (kids.has(n.id)) li.appendChild(build(n.id));
@@ -244,48 +247,66 @@
       }
     }
   }
+  // Per-token colourings: the value of token i of trajectory t, and its cell's colour (null value: no colour, "n/a").
+  // The learner's values are its log-probs before the update's first step; |dlogp| = |sampled - learner| shows
+  // where the rollout engine and the learner disagree (saturated at 0.5 nats).
+  function learnerLp(t, i) { return t.learner_logprobs ? t.learner_logprobs[i] : null; }
+  function dlogp(t, i) {
+    const a = t.sampled_logprobs[i], b = learnerLp(t, i);
+    return a === null || b === null || b === undefined ? null : Math.abs(a - b);
+  }
+  const COLOURINGS = {
+    entropy: [(t, i) => t.entropies[i], (v) => "rgba(200,80,0," + Math.min(1, v / 3).toFixed(3) + ")"],
+    advantage: [(t, i) => (t.advantages ? t.advantages[i] : null), (v) => colour(v, 1.0)],
+    learner_logprob: [learnerLp, (v) => "rgba(0,130,110," + Math.min(1, -v / 5).toFixed(3) + ")"],
+    abs_dlogp: [dlogp, (v) => "rgba(200,0,140," + Math.min(1, v / 0.5).toFixed(3) + ")"],
+  };
   function tokenStrip(rec, n) {
-    // One cell per token of the node, coloured by the sampler's entropy (grey: inserted tool-result tokens); the
-    // tooltip has the position, entropy, sampled log-prob and advantage.
+    // One cell per token of the node, coloured by the chosen value (grey: inserted tool-result tokens; blank: no
+    // value recorded); the tooltip has the position and every value.
     const t = rec.trajectories.find((x) => x.node_ids.includes(n.id));
     const strip = el("div", "strip");
-    const mode = state.colour || "entropy";
+    const [value, paint] = COLOURINGS[state.colour] || COLOURINGS.entropy;
     for (let i = n.start; i < n.end; i++) {
       const c = el("span", "tok");
       const sampled = t.trained_mask[i] === 1;
-      const v = mode === "advantage" ? (t.advantages ? t.advantages[i] : null) : t.entropies[i];
+      const v = value(t, i);
       if (!sampled) c.classList.add("inserted");
-      else if (mode === "advantage") c.style.background = colour(v, 1.0);
-      else c.style.background = "rgba(200,80,0," + Math.min(1, (v || 0) / 3).toFixed(3) + ")";
+      else if (v !== null && v !== undefined) { c.style.background = paint(v); c.dataset.value = String(v); }
       c.title = "token " + i + (sampled ? "" : " (tool result)") + " · id " + t.response_ids[i] + " · entropy " +
-        fmt(t.entropies[i], 3) + " · sampled log-prob " + fmt(t.sampled_logprobs[i], 3) + " · advantage " +
+        fmt(t.entropies[i], 3) + " · sampled log-prob " + fmt(t.sampled_logprobs[i], 3) + " · learner log-prob " +
+        fmt(learnerLp(t, i), 3) + " · |dlogp| " + fmt(dlogp(t, i), 4) + " · advantage " +
         fmt(t.advantages ? t.advantages[i] : null, 3);
       strip.appendChild(c);
     }
     return strip;
   }
-  function showNode(rec, id) {
+  function showNode(rec, id, side) {
     const n = rec.nodes.find((x) => x.id === id);
     if (!n) return;
-    state.node = id;
+    if (!side) state.node = id;
     for (const e of document.querySelectorAll(".node.selected")) e.classList.remove("selected");
-    const d = document.querySelector('.node[data-node="' + id + '"]');
+    const d = (side ? $("tree-b") : $("tree")).querySelector('.node[data-node="' + id + '"]');
     if (d) { d.classList.add("selected"); d.scrollIntoView({ block: "nearest" }); }
-    setHash(rec.iteration, rec.group, id);
+    if (!side) setHash(rec.iteration, rec.group, id);
     const box = $("detail");
     box.replaceChildren();
     box.appendChild(el("h3", null, "node " + id));
+    if (state.sources) box.appendChild(el("div", "meta", state.sources[side ? 1 : 0]));
     box.appendChild(el("div", "meta", "tokens " + n.start + "–" + n.end + " · depth " + n.depth + " · advantage " +
-      fmt(n.advantage, 3) + " · policy version " + n.policy_version + " · trajectories " + n.trajectories.join(", ")));
+      fmt(n.advantage, 3) + " · policy version " + (n.policy_version ?? "n/a") + " · trajectories " + n.trajectories.join(", ")));
     if (n.branch) box.appendChild(el("div", "meta", "branch point: entropy before " + fmt(n.branch.entropy_before, 3) +
       ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions)));
     if (n.end > n.start) {
       const row = el("div", "meta", "per token, coloured by ");
       const sel = el("select");
       sel.id = "colour";
-      for (const v of ["entropy", "advantage"]) { const o = el("option", null, v); o.value = v; sel.appendChild(o); }
+      for (const [v, name] of [["entropy", "entropy"], ["advantage", "advantage"], ["learner_logprob",
+        "learner log-prob"], ["abs_dlogp", "|sampled - learner log-prob|"]]) {
+        const o = el("option", null, name); o.value = v; sel.appendChild(o);
+      }
       sel.value = state.colour || "entropy";
-      sel.addEventListener("change", () => { state.colour = sel.value; showNode(rec, id); });
+      sel.addEventListener("change", () => { state.colour = sel.value; showNode(rec, id, side); });
       row.appendChild(sel);
       box.appendChild(row);
       box.appendChild(tokenStrip(rec, n));
@@ -294,17 +315,17 @@
     runs(body, n.text);
     box.appendChild(body);
   }
-  function showTrajectory(rec, t) {
+  function showTrajectory(rec, t, side) {
     const box = $("detail");
     box.replaceChildren();
     box.appendChild(el("h3", null, "trajectory " + t.id + " (" + t.kind + ")"));
     box.appendChild(el("div", "meta", "reward " + fmt(t.reward, 3) + " · " + t.finish_reason + " · " +
-      t.tool_calls.length + " tool calls · policy version " + t.policy_version));
+      t.tool_calls.length + " tool calls · policy version " + (t.policy_version ?? "n/a")));
     box.appendChild(el("pre", "meta", JSON.stringify(t.reward_info)));
     const body = el("div", "node-text");
     for (const id of t.node_ids) runs(body, rec.nodes.find((x) => x.id === id).text);
     box.appendChild(body);
-    setHash(rec.iteration, rec.group, t.node_ids[t.node_ids.length - 1]);
+    if (!side) setHash(rec.iteration, rec.group, t.node_ids[t.node_ids.length - 1]);
   }
 
   // ------------------------------------------------------------------ navigation
@@ -318,11 +339,36 @@
       const rec = await loadGroup(it, g);
       if (state.it !== it || state.g !== g) return;
       state.group = rec;
-      renderTree(rec);
-      if (node !== null && node !== undefined) showNode(rec, node); else setHash(it, g, null);
+      renderTree(rec, 0);
+      if (node !== null && node !== undefined) showNode(rec, node, 0); else setHash(it, g, null);
+      if (state.sources) await renderOther(it, g);
     } catch (e) {
       $("tree").replaceChildren(el("p", "hint", String(e.message || e)));
     }
+  }
+  function counterpart(it, g) {
+    // The other side's tree of the same prompt (same prompt index and text): in the same iteration (an evaluation:
+    // the same item) when it has one, else the latest iteration that has it.
+    const s = state.rows.get(it).groups[g];
+    const match = (row) => row.groups.findIndex((x) => x.prompt_index === s.prompt_index && x.prompt === s.prompt);
+    const its = [...state.rowsB.keys()].sort((a, b) => b - a);
+    for (const i of [it, ...its]) {
+      const row = state.rowsB.get(i);
+      const k = row ? match(row) : -1;
+      if (k >= 0) return [i, k];
+    }
+    return null;
+  }
+  async function renderOther(it, g) {
+    const box = $("tree-b");
+    const at = counterpart(it, g);
+    if (!at) {
+      box.replaceChildren(el("h3", "side-label", state.sources[1]),
+        el("p", "hint", "no tree of this prompt in " + state.sources[1]));
+      return;
+    }
+    const rec = await loadGroup(at[0], at[1], 1);
+    if (state.it === it && state.g === g) renderTree(rec, 1);
   }
   function openIteration(it) {
     const row = state.rows.get(it);
@@ -340,6 +386,15 @@
         for (const k of [...state.cache.keys()]) if (k.startsWith(row.iteration + ":")) state.cache.delete(k);
       }
       state.seen = idx.total;
+      if (idx.sources && idx.sources.length > 1) {
+        if (!state.sources) { state.sources = idx.sources; document.body.classList.add("compare"); }
+        const other = await api("/v1/index?side=1&since=" + state.seenB);
+        for (const row of other.rows) {
+          state.rowsB.set(row.iteration, row);
+          for (const k of [...state.cache.keys()]) if (k.startsWith("b:" + row.iteration + ":")) state.cache.delete(k);
+        }
+        state.seenB = other.total;
+      }
       renderIterations();
       if (state.it === null && state.rows.size) {
         const h = parseHash();
@@ -359,7 +414,7 @@
   $("iteration").addEventListener("change", () => openIteration(Number($("iteration").value)));
   $("filter").addEventListener("change", () => {
     renderGroups();
-    if (state.group) renderTree(state.group);
+    if (state.group) { renderTree(state.group, 0); if (state.sources) renderOther(state.it, state.g); }
   });
   $("search").addEventListener("input", renderGroups);
   window.addEventListener("hashchange", () => {
@@ -376,9 +431,9 @@
       const i = its.indexOf(state.it) + (ev.key === "n" ? 1 : -1);
       if (i >= 0 && i < its.length) openIteration(its[i]);
     } else if (state.group && state.node !== null && ev.key.startsWith("Arrow")) {
-      const nodes = [...document.querySelectorAll(".node")].map((e) => Number(e.dataset.node));
+      const nodes = [...$("tree").querySelectorAll(".node")].map((e) => Number(e.dataset.node));
       const i = nodes.indexOf(state.node) + (ev.key === "ArrowDown" || ev.key === "ArrowRight" ? 1 : -1);
-      if (i >= 0 && i < nodes.length) { ev.preventDefault(); showNode(state.group, nodes[i]); }
+      if (i >= 0 && i < nodes.length) { ev.preventDefault(); showNode(state.group, nodes[i], 0); }
     }
   });
   poll();

@@ -70,6 +70,25 @@ def test_train_view_serves_the_run_while_it_trains(run_dir, capsys):
     assert SEEN_LIVE and set(SEEN_LIVE) <= {1, 2}  # at least the first iteration, seen before the training ended
 
 
+def test_training_records_the_learners_logprobs(run_dir):
+    """The learner's log-probs of the update (before its first step) are recorded per token: null on tool-result
+    tokens, finite on every sampled one, and next to the sampler's (the in-process engine shares the weights)."""
+    import math
+
+    diffs = []
+    for it in (1, 2):
+        for rec in _records(run_dir, it):
+            for t in rec["trajectories"]:
+                lp = t["learner_logprobs"]
+                assert len(lp) == len(t["response_ids"])
+                for m, s, v in zip(t["trained_mask"], t["sampled_logprobs"], lp):
+                    assert (v is None) == (m == 0), (m, v)
+                    if m and s is not None:
+                        assert math.isfinite(v) and v <= 1e-4
+                        diffs.append(abs(s - v))
+    assert diffs and max(diffs) < 0.01, max(diffs)
+
+
 def _records(run_dir: Path, iteration: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trees" / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
 
@@ -77,10 +96,10 @@ def _records(run_dir: Path, iteration: int) -> list[dict]:
 class Viewer:
     """``arpo view FOLDER`` as a user starts it, in a subprocess."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, *folders: Path) -> None:
         self.port = free_port()
         env = dict(os.environ, ARPO_API_KEY=KEY, PYTHONPATH=os.getcwd())
-        self.proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(folder), "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port",
                                       str(self.port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         self.url = f"http://127.0.0.1:{self.port}"
