@@ -59,10 +59,12 @@ def _start_viewer(exp: Any, args: argparse.Namespace) -> subprocess.Popen:
     check_port("127.0.0.1", args.view_port)
     out = Path(args.resume or args.output or exp.output_dir).expanduser()
     folder = start_folder(Path(rollouts.record_path) if rollouts.record_path else out / FOLDER)
-    key = os.environ.get("ARPO_API_KEY", "").strip() or secrets.token_urlsafe(24)
+    chosen = os.environ.get("ARPO_VIEW_KEY", "").strip()  # the viewer's own variable, never the serving key
+    key = chosen or secrets.token_urlsafe(24)
     proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(folder), "--port", str(args.view_port)],
-                            env=dict(os.environ, ARPO_API_KEY=key), stdout=subprocess.DEVNULL)
-    print(f"viewer: http://127.0.0.1:{args.view_port}/#key={key} (stops with the training; `arpo view {out}` "
+                            env=dict(os.environ, ARPO_VIEW_KEY=key), stdout=subprocess.DEVNULL)
+    fragment = "#key=<ARPO_VIEW_KEY>" if chosen else f"#key={key}"  # a key the user chose is never printed
+    print(f"viewer: http://127.0.0.1:{args.view_port}/{fragment} (stops with the training; `arpo view {out}` "
           "shows the run afterwards)", flush=True)
     return proc
 

@@ -4,17 +4,20 @@ the run trains, or write them into one self-contained HTML file with ``--export`
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 from pathlib import Path
 
 from arpo_base.errors import ArpoError
 
+#: The variable holding the viewer's key (its own: never the serving key ``ARPO_API_KEY``).
+VIEW_KEY_ENV = "ARPO_VIEW_KEY"
+
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from arpo_algo.cli.serve import _key
     from arpo_algo.eval.trees import TreeReader
-    from serve.guard import is_loopback
+    from serve.guard import is_loopback, read_key
     from serve.viewer import check_port, export_html, run
 
     if len(args.path) > 2:
@@ -39,12 +42,18 @@ def cmd_view(args: argparse.Namespace) -> int:
                         "this viewer (the Host header of any other name is refused)",
                         hint="e.g. --allowed-hosts gpu1.example.org; or keep the default 127.0.0.1")
     check_port(args.host, args.port)
-    args.api_key = None
-    key = _key(args) or secrets.token_urlsafe(24)
+    chosen = read_key(args.api_key_file) if args.api_key_file else os.environ.get(VIEW_KEY_ENV, "").strip() or None
+    key = chosen or secrets.token_urlsafe(24)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     what = " beside ".join(str(r.folder) for r in readers)
-    print(f"viewing {what} at http://{shown}:{args.port}/#key={key}", flush=True)
-    print("(the key in the address is this viewer's; Ctrl-C stops it)", file=sys.stderr, flush=True)
+    # A key the user chose is never printed (it may be kept elsewhere, and output lands in logs); a fresh one is this
+    # viewer's alone, so the address carries it.
+    fragment = "#key=<your key>" if chosen else f"#key={key}"
+    print(f"viewing {what} at http://{shown}:{args.port}/{fragment}", flush=True)
+    if not is_loopback(args.host):
+        print("warning: the key and the trees cross the network in clear text (HTTP); use an SSH tunnel to a "
+              "loopback viewer on an untrusted network", file=sys.stderr, flush=True)
+    print("(Ctrl-C stops the viewer)", file=sys.stderr, flush=True)
     run([r.folder for r in readers], host=args.host, port=args.port, key=key, allowed_hosts=hosts)
     return 0
 
@@ -67,7 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated host names browsers use to reach a non-loopback --host")
     p.add_argument("--api-key-file", default=None,
-                   help="a file holding the key the page must send (default: ARPO_API_KEY, else a new random one)")
+                   help="a file holding the key the page must send (default: ARPO_VIEW_KEY, else a new random one, "
+                        "printed in the address)")
     p.add_argument("--export", type=Path, default=None, metavar="OUT.html",
                    help="write one self-contained HTML file instead of serving")
     p.add_argument("--iteration", type=_iterations, default=None, metavar="N[,M...]",

@@ -282,6 +282,11 @@ def find_folder(path: str | os.PathLike) -> Path:
                          "(rollouts.record_trees = true) and view FOLDER")
 
 
+def _whole(*values: object) -> bool:
+    """Every value a non-negative int (a bool is not)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
 class TreeReader:
     """Reads a tree folder: the index (incrementally, for a live run) and single groups by their offsets."""
 
@@ -316,18 +321,25 @@ class TreeReader:
         for line in data[:end].splitlines():
             try:
                 row = json.loads(line)
-                need = max((e["offset"] + e["length"] for e in row["groups"]), default=0)
+                iteration = row["iteration"]
+                spans = [(e["offset"], e["length"]) for e in row["groups"]]
+                if not _whole(iteration, *(v for span in spans for v in span)) or not isinstance(row["chunk"], str):
+                    continue  # a line someone else wrote or edited: numbers that are not counts are not read
+                need = max((o + n for o, n in spans), default=0)
                 if (self.folder / Path(row["chunk"]).name).stat().st_size < need:
                     continue  # the chunk was cut after its index line: skip the iteration rather than guess
-            except (ValueError, KeyError, TypeError, OSError):
+            except (ValueError, KeyError, TypeError, AttributeError, OSError):
                 continue
-            self.iterations[int(row["iteration"])] = row
-            new.append(int(row["iteration"]))
+            self.iterations[iteration] = row
+            new.append(iteration)
         return new
 
     def group(self, iteration: int, index: int) -> dict:
-        """One group's record (KeyError: not in the index; ValueError: its bytes are not a record)."""
+        """One group's record (KeyError: not in the index; IndexError: no such group, a negative index included;
+        ValueError: its bytes are not a record)."""
         row = self.iterations[iteration]
+        if index < 0:
+            raise IndexError(index)
         e = row["groups"][index]
         with open(self.folder / Path(row["chunk"]).name, "rb") as f:
             f.seek(e["offset"])

@@ -50,8 +50,8 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
             time.sleep(0.2)
 
     watcher = threading.Thread(target=poll, daemon=True)
-    saved = os.environ.get("ARPO_API_KEY")
-    os.environ["ARPO_API_KEY"] = KEY
+    saved = os.environ.get("ARPO_VIEW_KEY")
+    os.environ["ARPO_VIEW_KEY"] = KEY
     watcher.start()
     try:
         assert main(["train", str(exp), "--output", str(out), "--no-progress", "--view", "--view-port",
@@ -60,9 +60,9 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
         done.set()
         watcher.join(10)
         if saved is None:
-            os.environ.pop("ARPO_API_KEY")
+            os.environ.pop("ARPO_VIEW_KEY")
         else:
-            os.environ["ARPO_API_KEY"] = saved
+            os.environ["ARPO_VIEW_KEY"] = saved
     return out
 
 
@@ -98,7 +98,7 @@ class Viewer:
 
     def __init__(self, *folders: Path) -> None:
         self.port = free_port()
-        env = dict(os.environ, ARPO_API_KEY=KEY, PYTHONPATH=os.getcwd())
+        env = dict(os.environ, ARPO_VIEW_KEY=KEY, PYTHONPATH=os.getcwd())
         self.proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port",
                                       str(self.port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
@@ -305,11 +305,11 @@ def test_export_escapes_the_embedded_data(tmp_path):
 
 
 def test_the_guard_and_the_page_headers(live):
-    import urllib.request
+    import requests
 
     v, _ = live
-    with urllib.request.urlopen(f"{v.url}/", timeout=5) as r:  # the page itself holds no data: no key needed
-        csp, body = r.headers["Content-Security-Policy"], r.read().decode()
+    r = requests.get(f"{v.url}/", timeout=5)  # the page itself holds no data: no key needed
+    csp, body = r.headers["Content-Security-Policy"], r.text
     assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "default-src 'none'" in csp
     assert '<script src="viewer.js"></script>' in body and "<script>" not in body
     with pytest.raises(HTTPJSONError) as e:
@@ -343,3 +343,33 @@ def test_bad_input(tmp_path, run_dir, capsys):
     reader = TreeReader(torn)
     assert reader.refresh() == [1]
     assert reader.group(1, 0)["iteration"] == 1
+
+
+def test_the_viewer_never_takes_or_prints_the_serving_key(run_dir):
+    """Bug: with ARPO_API_KEY set (the serving key), the viewer used it as its own and printed it in the address,
+    so the serving key landed in terminal logs; now the viewer's key is its own (ARPO_VIEW_KEY, a file, or fresh)."""
+    port, serving = free_port(), "the-serving-key-do-not-print"
+    env = {k: v for k, v in os.environ.items() if k != "ARPO_VIEW_KEY"}
+    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(run_dir), "--port", str(port)],
+                            env=dict(env, ARPO_API_KEY=serving, PYTHONPATH=os.getcwd()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "#key=" in line and serving not in line, line
+        fresh = line.strip().rsplit("#key=", 1)[1]
+        url = f"http://127.0.0.1:{port}/v1/index"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get_json(url, headers={"Authorization": f"Bearer {fresh}"}, timeout=2)  # the printed key opens it
+                break
+            except HTTPJSONError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the viewer did not start"
+                time.sleep(0.2)
+        with pytest.raises(HTTPJSONError) as e:
+            get_json(url, headers={"Authorization": f"Bearer {serving}"}, timeout=5)
+        assert e.value.status == 401
+    finally:
+        proc.terminate()
+        rest, _ = proc.communicate(timeout=10)
+    assert serving not in rest

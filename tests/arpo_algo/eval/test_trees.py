@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from arpo_algo.eval.trees import INDEX, K, TreeReader, TreeWriter, token_advantages
 from arpo_algo.rollout.types import Group, Trajectory, TreeNode
 from arpo_algo.train.learner_config import LearnerConfig
@@ -77,3 +79,20 @@ def test_the_cap_and_the_rerun_iteration(tmp_path):
     assert row["sampled_groups"] == 2 and len(row["groups"]) == 1 and reader.group(2, 0)["prompt_index"] == 4
     assert len((tmp_path / INDEX).read_text().splitlines()) == 2
     assert json.loads((tmp_path / "format.json").read_text())["version"] == 1
+
+
+def test_index_lines_with_numbers_that_are_not_counts_are_skipped(tmp_path):
+    """Bug: an index line whose iteration was not an integer raised out of the reader (the viewer answered 500), and
+    group -1 returned the last group instead of none."""
+    w = TreeWriter(tmp_path, _decode)
+    assert w.record(2, [_branched(), _independent()])
+    good = (tmp_path / INDEX).read_text()
+    row = json.loads(good)
+    bad = [{**row, "iteration": "2"}, {**row, "iteration": None}, {**row, "iteration": -1},
+           {**row, "groups": [{**row["groups"][0], "offset": "0"}]}, {**row, "chunk": 7}]
+    (tmp_path / INDEX).write_text("".join(json.dumps(b) + "\n" for b in bad) + good)
+    reader = TreeReader(tmp_path)
+    assert reader.refresh() == [2]  # only the well-formed line
+    with pytest.raises(IndexError):
+        reader.group(2, -1)
+    assert all("branch" not in n for n in reader.group(2, 1)["nodes"])  # a valid index still reads its group
