@@ -15,6 +15,7 @@ Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=ru
 # No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures, and FastAPI must see
 # `request: Request` as the class itself, not as a string (else the request becomes a required query parameter: 422).
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -130,6 +131,35 @@ def load_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (the replica log has the details)"
 
 
+# Above the deployment class: the class Serve ships to its replicas sees the globals defined before it only.
+def check_agents(specs: list[AgentSpec]) -> None:
+    """One replica's agents: unique names, adapters of one base (both refusals name what clashes)."""
+    from serve.agents import check_one_base
+
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two agents are named {dup[0]!r}", hint="give each agent its own name: NAME=PATH")
+    check_one_base(specs)
+
+
+def agents_from_config(config: dict[str, Any]) -> list[AgentSpec]:
+    """The agents of a deployment's ``user_config``: ``{"agents": [spec dicts]}`` (what :func:`build_app` and
+    ``arpo serve`` write) or ``{"models": ...}`` plus the other keys of :func:`serve.agents.specs_from_args`."""
+    if "agents" in config:
+        extra = set(config) - {"agents"}
+        if extra:
+            raise ConfigError(f"user_config: unknown keys {sorted(extra)} beside 'agents'")
+        specs = []
+        for d in config["agents"]:
+            try:
+                specs.append(AgentSpec(**d))
+            except TypeError as e:
+                raise ConfigError(f"user_config: an agent entry is not an agent spec ({e})") from None
+        return specs
+    return specs_from_args(config)
+
+
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
@@ -149,6 +179,7 @@ class AgentServer:
         self.page = PAGE.read_text(encoding="utf-8")
         self.page_csp = page_csp(self.page)
         self.agents: dict[str, Any] = {}
+        self.shared: Any = None  # the base the adapter agents share (serve.runtime.SharedBase), once one is served
         self.admission = Admission(max_ongoing_requests, max_queued_requests)
         self.retry_after_s = retry_after_s
         self.load_error: str | None = None
@@ -158,17 +189,78 @@ class AgentServer:
         threading.Thread(target=self._load, name="arpo-serve-load", daemon=True).start()
 
     def _load(self) -> None:
-        from serve.runtime import Agent
-
         spec = None
         try:
+            check_agents(self.specs)
             for spec in self.specs:
-                self.agents[spec.name] = Agent(spec)
+                self.agents[spec.name] = self._new_agent(spec)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
             log.error("loading agent %s failed", getattr(spec, "name", "?"), exc_info=e)
             self.load_error = f"loading the agent '{getattr(spec, 'name', '?')}' failed: {load_failure(e)}"
         finally:
             self.loaded.set()
+
+    def _new_agent(self, spec: AgentSpec) -> Any:
+        """An adapter agent (or a full-weight one whose weights are the adapters' base) joins the replica's shared
+        base, made on first use; any other agent gets an engine of its own."""
+        from serve.runtime import Agent, SharedBase
+
+        joins = spec.base or (self.shared is not None and spec.fingerprint == self.shared.fingerprint)
+        if not joins or spec.engine != "hf":
+            return Agent(spec)
+        if self.shared is None:
+            self.shared = SharedBase(spec.base, spec.fingerprint, spec.engine_settings)
+        elif spec.base and spec.fingerprint != self.shared.fingerprint:
+            raise ConfigError(f"agent {spec.name!r} is an adapter of the base {spec.fingerprint[:12]}..., but this "
+                              f"replica's adapters run on the base {self.shared.fingerprint[:12]}...",
+                              hint="serve adapters of another base in their own deployment")
+        return self.shared.add(spec)
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's live update (``user_config`` changed, the replica stays): ``{"agents": [spec dicts]}`` or
+        ``{"models": ..., }`` with the keys of :func:`serve.agents.specs_from_args`. New agents are loaded and
+        served once this returns; an agent no longer listed gets 404 for new requests at once while its running
+        requests finish, then its adapter (or engine) is freed. A bad set changes nothing and raises."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._reconfigure, dict(user_config or {}))
+
+    def _reconfigure(self, config: dict[str, Any]) -> None:
+        specs = agents_from_config(config)
+        self.loaded.wait()
+        if self.load_error:
+            raise RuntimeError(self.load_error)
+        old = {s.name: s for s in self.specs}
+        new = {s.name: s for s in specs}
+        check_agents(specs)
+        gone = [n for n in old if n not in new or old[n] != new[n]]
+        added = [s for s in specs if s.name not in old or old[s.name] != s]
+        loaded: dict[str, Any] = {}
+        try:  # the new agents first: a set that fails to load leaves the served one as it was
+            for spec in added:
+                loaded[spec.name] = self._new_agent(spec)
+        except Exception:
+            for agent in loaded.values():
+                self._retire(agent)
+            raise
+        for name in gone:
+            agent = self.agents.pop(name, None)  # new requests for it: 404 from now on
+            if agent is not None:
+                threading.Thread(target=self._retire, args=(agent,), name="arpo-serve-retire", daemon=True).start()
+        self.agents.update(loaded)
+        self.specs = specs
+
+    def _retire(self, agent: Any) -> None:
+        """Free a removed agent once its running requests are done (at most one request deadline later)."""
+        deadline = time.monotonic() + self.security.request_timeout_s + CANCEL_GRACE_S
+        while agent.running > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            if agent.adapter is not None:
+                self.shared.remove(agent)
+            elif self.shared is None or agent.front is not self.shared.front:
+                agent.front.close()
+        except Exception as e:  # noqa: BLE001 - freeing is best effort; the agent is unreachable already
+            log.warning("freeing the removed agent %s failed", agent.spec.name, exc_info=e)
 
     def _dead(self) -> list[str]:
         return sorted(name for name, agent in self.agents.items() if not agent.front.alive())
@@ -185,8 +277,15 @@ class AgentServer:
     def stop_engines(self) -> None:
         """Stop every agent's batching front and engine (requests in flight get 503); the replica then fails its
         health check and Serve replaces it."""
-        for agent in list(getattr(self, "agents", {}).values()):  # a constructor that failed loaded nothing
-            agent.front.close()
+        fronts = {id(a.front): a.front for a in list(getattr(self, "agents", {}).values())}
+        for front in fronts.values():  # a constructor that failed loaded nothing; a shared base closes once
+            front.close()
+
+    def replica_actor_id(self) -> str:
+        """This replica's Ray actor id (for a deployment handle, not an HTTP route): a live update keeps it."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_id()
 
     def __del__(self) -> None:
         self.stop_engines()
@@ -221,9 +320,11 @@ class AgentServer:
     @api.get("/v1/models")
     def models(self) -> JSONResponse:
         # Names only: a model's folder is the operator's business, not the client's.
+        # The base by its weights fingerprint: which agents share one (adapters of it, or the base itself).
         data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
                  "arpo": {"engine": s.engine, "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
-                          "loaded": s.name in self.agents}} for s in self.specs]
+                          "loaded": s.name in self.agents, "adapter": bool(s.base),
+                          "base": s.fingerprint or None}} for s in self.specs]
         return JSONResponse({"object": "list", "data": data})
 
     @api.get("/")
@@ -413,7 +514,8 @@ def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int 
     return running, waiting
 
 
-def build_app(specs: list[AgentSpec], security: Security | None = None, **options: Any) -> Any:
+def build_app(specs: list[AgentSpec], security: Security | None = None, user_config: dict[str, Any] | None = None,
+              **options: Any) -> Any:
     """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
 
     ``security`` defaults to :class:`serve.guard.Security`'s defaults: loopback ``Host`` names on port 8000 and an
@@ -421,11 +523,21 @@ def build_app(specs: list[AgentSpec], security: Security | None = None, **option
     """
     security = security or Security()
     security.key()
+    check_agents(specs)
     opts = deployment_options(**options)
     running, waiting = admission_limits(options.get("max_ongoing_requests"), options.get("max_queued_requests"))
     retry = options.get("retry_after_s")
-    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], running, security.to_dict(), waiting,
-                                            DEFAULTS["retry_after_s"] if retry is None else retry)
+    args = ([s.to_dict() for s in specs], running, security.to_dict(), waiting,
+            DEFAULTS["retry_after_s"] if retry is None else retry)
+    deployment = AgentServer.options(**opts)
+    if user_config is not None:  # the agents served live (reconfigure); ``specs`` are loaded first
+        deployment = AgentServer.options(**opts, user_config=user_config)
+        # Serve gives every serve.run a new random code version, which replaces the replicas. This one names the
+        # constructor arguments and options only, so deploying the same app with other agents in user_config keeps
+        # the replicas and reconfigures them (what `serve deploy` does for a config file).
+        text = json.dumps([args, {k: repr(v) for k, v in sorted(opts.items())}], sort_keys=True, default=repr)
+        deployment._version = "arpo-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return deployment.bind(*args)
 
 
 def _flag(value: Any) -> bool:

@@ -59,8 +59,14 @@ def build_tiny_adapter(base: str | os.PathLike[str], dest: str | os.PathLike[str
     import torch
     from transformers import AutoTokenizer
 
-    from arpo_algo.models.lora import (LoraSettings, attach_adapter, load_policy_model, resolve_targets,
-                                       save_adapter, weights_fingerprint)
+    from arpo_algo.models.lora import (
+        LoraSettings,
+        attach_adapter,
+        load_policy_model,
+        resolve_targets,
+        save_adapter,
+        weights_fingerprint,
+    )
 
     lora = LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(target_modules))
     model = load_policy_model(base, dtype=torch.float32)
