@@ -327,6 +327,31 @@ class AgentServer:
                           "base": s.fingerprint or None}} for s in self.specs]
         return JSONResponse({"object": "list", "data": data})
 
+    @api.post("/v1/agents")
+    async def change_agents(self, request: Request) -> JSONResponse:
+        """Add or remove agents of a running ``arpo serve`` (:mod:`serve.live`): ``{"add": ["NAME=SOURCE"],
+        "remove": ["NAME"]}``. Only behind an API key: a server without one refuses (403), since a change loads
+        folders of this machine as models."""
+        from serve.live import ask_owner, parse_change
+
+        if self.policy.key is None:
+            return _error(APIError("changing the agents needs a server started with an API key", status=403,
+                                   type="invalid_request_error", code="forbidden"))
+        try:
+            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+            change = parse_change(json.loads(raw or b"null"))
+            answer = await asyncio.get_running_loop().run_in_executor(self.pool, ask_owner, change)
+        except ConfigError as e:
+            return _error(APIError(load_failure(e), status=400))
+        except ValueError as e:  # not JSON
+            return _error(APIError(f"the body is not JSON: {e}", status=400))
+        except TimeoutError as e:
+            return _error(APIError(str(e), status=504, type="server_error", code="timeout"))
+        if "error" in answer:
+            hint = f" (hint: {answer['hint']})" if answer.get("hint") else ""
+            return _error(APIError(answer["error"] + hint, status=400))
+        return JSONResponse({"models": answer["models"]})
+
     @api.get("/")
     def page(self) -> HTMLResponse:
         return HTMLResponse(self.page, headers={"Content-Security-Policy": self.page_csp})

@@ -17,13 +17,15 @@ import urllib.request
 import pytest
 
 from arpo_base.errors import ConfigError
-from arpo_base.http import HTTPJSONError, get_json, request
+from arpo_base.http import HTTPJSONError, bearer, get_json, request
 from tests.conftest import REPO
 
 pytest.importorskip("ray.serve")
 
 PROMPT = [{"role": "user", "content": "What is 6 times 7?"}]
 SESSION = {"tools": "python", "max_tool_calls": 0}
+KEY = "test-key-0123456789abcdef"
+AUTH = bearer(KEY)
 
 
 def _free_port() -> int:
@@ -59,7 +61,7 @@ def _specs(folders, names):
 
 
 @pytest.fixture(scope="module")
-def server(folders):
+def server(folders, tmp_path_factory):
     import ray
     from ray import serve
 
@@ -75,11 +77,13 @@ def server(folders):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    open_local = Security(allow_unauthenticated=True, port=port)
+    key_file = tmp_path_factory.mktemp("key") / "api_key"
+    key_file.write_text(KEY)
+    keyed = Security(key_file=str(key_file), port=port)
     first = _specs(folders, ["a", "b", "plain", "other"])
 
     def deploy(specs):
-        serve.run(build_app(first, open_local, user_config={"agents": [s.to_dict() for s in specs]},
+        serve.run(build_app(first, keyed, user_config={"agents": [s.to_dict() for s in specs]},
                             max_ongoing_requests=8),
                   name="arpo", route_prefix="/", blocking=False)
 
@@ -87,7 +91,7 @@ def server(folders):
     url = f"http://127.0.0.1:{port}"
     from arpo_algo.cli.serve import wait_ready
 
-    wait_ready(url, 300)
+    wait_ready(url, 300, KEY)
     yield url, deploy
     serve.shutdown()
     ray.shutdown()
@@ -97,7 +101,7 @@ def server(folders):
 
 def _chat(url, model, **extra):
     body = {"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": 16, **extra}
-    return request("POST", f"{url}/v1/chat/completions", body, timeout=120).data
+    return request("POST", f"{url}/v1/chat/completions", body, headers=AUTH, timeout=120).data
 
 
 def _alone(spec):
@@ -136,7 +140,7 @@ def test_agents_on_one_base_answer_as_each_served_alone(server, folders):
 
 def test_models_name_each_agents_base_by_fingerprint_not_path(server, folders):
     url, _ = server
-    listing = get_json(f"{url}/v1/models")
+    listing = get_json(f"{url}/v1/models", headers=AUTH)
     info = {m["id"]: m["arpo"] for m in listing["data"]}
     assert info["a"]["adapter"] and info["b"]["adapter"] and not info["plain"]["adapter"]
     assert info["a"]["base"] == info["b"]["base"] == info["plain"]["base"] != info["other"]["base"]
@@ -146,7 +150,7 @@ def test_models_name_each_agents_base_by_fingerprint_not_path(server, folders):
 def _stream(url, model, max_tokens, result):
     body = json.dumps({"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens,
                        "stream": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json", **AUTH})
     chunks = []
     with urllib.request.urlopen(req, timeout=300) as r:
         for line in r:
@@ -174,7 +178,7 @@ def test_live_update_adds_and_removes_agents_without_restarting_the_replica(serv
         assert s["first"].wait(120)
     t0 = time.monotonic()
     deploy(_specs(folders, ["a", "plain", "other", "c"]))  # c added, b removed
-    while {m["id"] for m in get_json(f"{url}/v1/models")["data"]} != {"a", "plain", "other", "c"}:
+    while {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]} != {"a", "plain", "other", "c"}:
         time.sleep(0.2)
     updated = time.monotonic()
     assert _replica_id() == replica
@@ -192,6 +196,43 @@ def test_live_update_adds_and_removes_agents_without_restarting_the_replica(serv
         assert finish[-1] == "length", name  # the whole stream, not cut short by the update
         assert s["ended"] > t0, name
         assert s["ended"] > updated, name  # still running when the update was done
+
+
+def test_arpo_serve_users_change_the_agents_with_the_key(server, folders):
+    """``POST /v1/agents``: the replica hands the change to the deployment's owner (here this process, as
+    ``arpo serve`` does), which resolves and redeploys; a bad change is a 400 that changes nothing."""
+    from serve.agents import build_specs
+    from serve.live import Owner
+
+    url, deploy = server
+    served = {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]}
+    specs = [s for s in _specs(folders, sorted(served)) if s.name in served]
+    owner = Owner(specs, lambda sources: build_specs(sources, max_tokens=16, **SESSION), deploy)
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            owner.poll()
+            time.sleep(0.2)
+
+    threading.Thread(target=loop, daemon=True).start()
+    try:
+        with pytest.raises(HTTPJSONError) as e:  # no key
+            request("POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"]}, timeout=60)
+        assert e.value.status == 401
+        with pytest.raises(HTTPJSONError) as e:  # an adapter of another base: refused, nothing changes
+            request("POST", f"{url}/v1/agents", {"add": [f"x={folders['x']}"]}, headers=AUTH, timeout=300)
+        assert e.value.status == 400 and "fingerprint" in e.value.data["error"]["message"]
+        with pytest.raises(HTTPJSONError) as e:
+            request("POST", f"{url}/v1/agents", {"add": [f"a={folders['c']}"]}, headers=AUTH, timeout=300)
+        assert e.value.status == 400 and "two agents are named 'a'" in e.value.data["error"]["message"]
+        assert {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]} == served
+        out = request("POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"], "remove": ["other"]},
+                      headers=AUTH, timeout=300).data
+        assert sorted(out["models"]) == sorted(served - {"other"} | {"d"})
+        assert _chat(url, "d")["choices"][0]["message"]["arpo"]["response_ids"]
+    finally:
+        stop.set()
 
 
 def test_adapters_of_two_bases_are_refused_naming_both_fingerprints(folders):
