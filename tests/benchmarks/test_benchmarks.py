@@ -331,3 +331,19 @@ def test_bench_lora_compares_both_variants(tiny_model_dir, tmp_path):
     assert copy["lora"] == 4 * trainable["lora"] < copy["full"]  # an fp32 copy of the adapter only
     assert summary["policy_bytes"]["lora"] < summary["policy_bytes"]["full"]
     assert summary["trainer_state_bytes"]["lora"] < summary["trainer_state_bytes"]["full"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_multi_lora_runs_both_variants_per_agent_count(tmp_path):
+    import json
+
+    from benchmarks import bench_multi_lora
+
+    out = tmp_path / "multi.json"
+    assert bench_multi_lora.main(["--agents", "2", "--clients", "1", "2", "--seconds", "0.5", "--tokens", "2",
+                                  "--rank", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shared, separate = [next(r for r in report["rows"] if r["variant"] == v) for v in ("shared", "separate")]
+    assert shared["clients"]["2"]["requests"] > 0 and separate["clients"]["1"]["tokens_per_s"] > 0
+    assert shared["add_agent_s"] > 0 and "add_agent_s" not in separate
+    assert report["ratios"][0]["agents"] == 2 and report["ratios"][0]["memory_shared_over_separate"] > 0
