@@ -167,6 +167,15 @@ def weights_identity(folder: Path) -> tuple[str, str]:
         return "", ""
 
 
+def check_agents(specs: list[AgentSpec]) -> None:
+    """One replica's agents: unique names, adapters of one base (both refusals name what clashes)."""
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two agents are named {dup[0]!r}", hint="give each agent its own name: NAME=PATH")
+    check_one_base(specs)
+
+
 def check_one_base(specs: list[AgentSpec]) -> None:
     """Every adapter agent of a replica runs on one copy of one base: adapters of two bases are refused here,
     naming both fingerprints, before anything loads."""

@@ -32,7 +32,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from arpo_base.errors import ConfigError
-from serve.agents import AgentSpec, specs_from_args
+from serve.agent_set import AgentSet, agents_from_config
+from serve.agents import AgentSpec, check_agents, specs_from_args
 from serve.batching import EngineDead
 from serve.guard import (
     BODY_TIMEOUT_S,
@@ -131,35 +132,6 @@ def load_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (the replica log has the details)"
 
 
-# Above the deployment class: the class Serve ships to its replicas sees the globals defined before it only.
-def check_agents(specs: list[AgentSpec]) -> None:
-    """One replica's agents: unique names, adapters of one base (both refusals name what clashes)."""
-    from serve.agents import check_one_base
-
-    names = [s.name for s in specs]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ConfigError(f"two agents are named {dup[0]!r}", hint="give each agent its own name: NAME=PATH")
-    check_one_base(specs)
-
-
-def agents_from_config(config: dict[str, Any]) -> list[AgentSpec]:
-    """The agents of a deployment's ``user_config``: ``{"agents": [spec dicts]}`` (what :func:`build_app` and
-    ``arpo serve`` write) or ``{"models": ...}`` plus the other keys of :func:`serve.agents.specs_from_args`."""
-    if "agents" in config:
-        extra = set(config) - {"agents"}
-        if extra:
-            raise ConfigError(f"user_config: unknown keys {sorted(extra)} beside 'agents'")
-        specs = []
-        for d in config["agents"]:
-            try:
-                specs.append(AgentSpec(**d))
-            except TypeError as e:
-                raise ConfigError(f"user_config: an agent entry is not an agent spec ({e})") from None
-        return specs
-    return specs_from_args(config)
-
-
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
@@ -170,16 +142,15 @@ class AgentServer:
                  retry_after_s: float = DEFAULTS["retry_after_s"]):
         from serve.metrics import ServeMetrics
 
-        self.specs = [AgentSpec(**s) for s in specs]
         self.security = Security(**(security or {}))
+        self.set = AgentSet([AgentSpec(**s) for s in specs], self.security.request_timeout_s + CANCEL_GRACE_S)
         self.metrics = ServeMetrics()
         # Before anything is served: without a policy the guard refuses every request.
         self.policy = Policy(self.security, on_refusal=lambda status: self.metrics.request("-", str(status), 0.0))
         install(self.policy)
         self.page = PAGE.read_text(encoding="utf-8")
         self.page_csp = page_csp(self.page)
-        self.agents: dict[str, Any] = {}
-        self.shared: Any = None  # the base the adapter agents share (serve.runtime.SharedBase), once one is served
+        self.agents = self.set.agents  # name -> serve.runtime.Agent (the set changes it in place)
         self.admission = Admission(max_ongoing_requests, max_queued_requests)
         self.retry_after_s = retry_after_s
         self.load_error: str | None = None
@@ -191,76 +162,25 @@ class AgentServer:
     def _load(self) -> None:
         spec = None
         try:
-            check_agents(self.specs)
-            for spec in self.specs:
-                self.agents[spec.name] = self._new_agent(spec)
+            check_agents(self.set.specs)
+            # adapters first: a full-weight agent that is their base then joins the shared copy
+            for spec in sorted(self.set.specs, key=lambda s: not s.base):
+                self.agents[spec.name] = self.set.new_agent(spec)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
             log.error("loading agent %s failed", getattr(spec, "name", "?"), exc_info=e)
             self.load_error = f"loading the agent '{getattr(spec, 'name', '?')}' failed: {load_failure(e)}"
         finally:
             self.loaded.set()
 
-    def _new_agent(self, spec: AgentSpec) -> Any:
-        """An adapter agent (or a full-weight one whose weights are the adapters' base) joins the replica's shared
-        base, made on first use; any other agent gets an engine of its own."""
-        from serve.runtime import Agent, SharedBase
-
-        joins = spec.base or (self.shared is not None and spec.fingerprint == self.shared.fingerprint)
-        if not joins or spec.engine != "hf":
-            return Agent(spec)
-        if self.shared is None:
-            self.shared = SharedBase(spec.base, spec.fingerprint, spec.engine_settings)
-        elif spec.base and spec.fingerprint != self.shared.fingerprint:
-            raise ConfigError(f"agent {spec.name!r} is an adapter of the base {spec.fingerprint[:12]}..., but this "
-                              f"replica's adapters run on the base {self.shared.fingerprint[:12]}...",
-                              hint="serve adapters of another base in their own deployment")
-        return self.shared.add(spec)
-
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's live update (``user_config`` changed, the replica stays): ``{"agents": [spec dicts]}`` or
-        ``{"models": ..., }`` with the keys of :func:`serve.agents.specs_from_args`. New agents are loaded and
-        served once this returns; an agent no longer listed gets 404 for new requests at once while its running
-        requests finish, then its adapter (or engine) is freed. A bad set changes nothing and raises."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._reconfigure, dict(user_config or {}))
+        """Serve's live update (``user_config`` changed, the replica stays): see :meth:`AgentSet.apply`."""
+        def apply() -> None:
+            self.loaded.wait()
+            if self.load_error:
+                raise RuntimeError(self.load_error)
+            self.set.apply(agents_from_config(dict(user_config or {})))
 
-    def _reconfigure(self, config: dict[str, Any]) -> None:
-        specs = agents_from_config(config)
-        self.loaded.wait()
-        if self.load_error:
-            raise RuntimeError(self.load_error)
-        old = {s.name: s for s in self.specs}
-        new = {s.name: s for s in specs}
-        check_agents(specs)
-        gone = [n for n in old if n not in new or old[n] != new[n]]
-        added = [s for s in specs if s.name not in old or old[s.name] != s]
-        loaded: dict[str, Any] = {}
-        try:  # the new agents first: a set that fails to load leaves the served one as it was
-            for spec in added:
-                loaded[spec.name] = self._new_agent(spec)
-        except Exception:
-            for agent in loaded.values():
-                self._retire(agent)
-            raise
-        for name in gone:
-            agent = self.agents.pop(name, None)  # new requests for it: 404 from now on
-            if agent is not None:
-                threading.Thread(target=self._retire, args=(agent,), name="arpo-serve-retire", daemon=True).start()
-        self.agents.update(loaded)
-        self.specs = specs
-
-    def _retire(self, agent: Any) -> None:
-        """Free a removed agent once its running requests are done (at most one request deadline later)."""
-        deadline = time.monotonic() + self.security.request_timeout_s + CANCEL_GRACE_S
-        while agent.running > 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            if agent.adapter is not None:
-                self.shared.remove(agent)
-            elif self.shared is None or agent.front is not self.shared.front:
-                agent.front.close()
-        except Exception as e:  # noqa: BLE001 - freeing is best effort; the agent is unreachable already
-            log.warning("freeing the removed agent %s failed", agent.spec.name, exc_info=e)
+        await asyncio.get_running_loop().run_in_executor(None, apply)
 
     def _dead(self) -> list[str]:
         return sorted(name for name, agent in self.agents.items() if not agent.front.alive())
@@ -324,7 +244,7 @@ class AgentServer:
         data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
                  "arpo": {"engine": s.engine, "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
                           "loaded": s.name in self.agents, "adapter": bool(s.base),
-                          "base": s.fingerprint or None}} for s in self.specs]
+                          "base": s.fingerprint or None}} for s in self.set.specs]
         return JSONResponse({"object": "list", "data": data})
 
     @api.post("/v1/agents")

@@ -107,7 +107,7 @@ class Owner:
             self.box.answer.remote(i, answer)
 
     def apply(self, change: dict[str, list[str]]) -> None:
-        from serve.app import check_agents
+        from serve.agents import check_agents
 
         names = {s.name for s in self.specs}
         unknown = [n for n in change.get("remove", []) if n not in names]

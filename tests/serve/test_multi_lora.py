@@ -246,8 +246,8 @@ def test_adapters_of_two_bases_are_refused_naming_both_fingerprints(folders):
 
 
 def test_a_duplicate_agent_name_is_refused(folders):
-    from serve.agents import build_specs
-    from serve.app import build_app, check_agents
+    from serve.agents import build_specs, check_agents
+    from serve.app import build_app
     from serve.guard import Security
 
     with pytest.raises(ConfigError, match="two agents are named 'a'"):

@@ -38,7 +38,6 @@ import collections
 import contextlib
 import os
 import random
-import re
 import time
 import uuid
 from typing import Any
@@ -46,33 +45,17 @@ from typing import Any
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
+from arpo_algo.rollout.engines.adapters import NamedAdapters, context_key, plan_runs
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
 from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
-from arpo_algo.rollout.engines.slot_prefill import SharedRun, plan_shared_runs
+from arpo_algo.rollout.engines.slot_prefill import SharedRun
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_base.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: A named adapter (a PEFT module-dict key: no dots).
-_ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-
-
-def _context(req: GenRequest) -> tuple:
-    """What a row's KV and next-token logits depend on: its adapter and its tokens (the key of shared prefills)."""
-    return req.adapter, tuple(req.token_ids)
-
-
-def _plan_runs(requests: list[GenRequest]) -> dict[tuple, SharedRun]:
-    """:func:`plan_shared_runs` within each adapter's requests, keyed by :func:`_context`: a leading run is shared
-    only by contexts of the same adapter."""
-    plan: dict[tuple, SharedRun] = {}
-    for adapter in dict.fromkeys(r.adapter for r in requests):
-        group = plan_shared_runs([r for r in requests if r.adapter == adapter])
-        plan.update(((adapter, ctx), run) for ctx, run in group.items())
-    return plan
 
 
 class _Row:
@@ -89,7 +72,7 @@ class _Row:
         self.stop_string: str | None = None
 
 
-class HFEngine:
+class HFEngine(NamedAdapters):
     """A :class:`~arpo_algo.rollout.engines.base.RolloutEngine` on a transformers causal LM (see the module docstring).
 
     Args:
@@ -236,7 +219,7 @@ class HFEngine:
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
-    def max_context(self) -> int | None:
+    def maxcontext_key(self) -> int | None:
         """Longest prompt plus generation the model accepts (its ``max_position_embeddings``; None = unbounded)."""
         return self.max_positions
 
@@ -267,59 +250,6 @@ class HFEngine:
             raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
                               f"unexpected={list(unexpected)[:5]}")
         self._invalidate()
-
-    def add_adapter(self, name: str, folder: str) -> None:
-        """Load another adapter of this engine's base under ``name`` (engines built with ``adapters=``). Call it
-        between :meth:`generate` calls (the caller serialises them); the stored KV is dropped."""
-        from arpo_algo.models.lora import add_named_adapter
-
-        if self.adapters is None:
-            raise ConfigError("this engine serves one policy; build it with adapters={...} to hold several")
-        if not _ADAPTER_NAME.match(name):
-            raise ConfigError(f"adapter name {name!r}: letters, digits and _ only, not starting with a digit")
-        if name in self.adapters:
-            raise ConfigError(f"an adapter named {name!r} is loaded already", hint="give each adapter its own name")
-        add_named_adapter(self.model, folder, name, fingerprint=self.base_fingerprint)
-        self.adapters[name] = str(folder)
-        self._hook_adapter_layers()
-        self._invalidate()
-
-    def remove_adapter(self, name: str) -> None:
-        """Unload the adapter ``name`` (between :meth:`generate` calls); a later request naming it is refused."""
-        from arpo_algo.models.lora import remove_named_adapter
-
-        if self.adapters is None or name not in self.adapters:
-            raise ConfigError(f"no adapter named {name!r} is loaded")
-        remove_named_adapter(self.model, name)
-        del self.adapters[name]
-        self._invalidate()
-
-    def _hook_adapter_layers(self) -> None:
-        """Give every LoRA layer (new ones too) the pre-hook that passes the rows' adapter names to PEFT."""
-        from peft.tuners.lora import LoraLayer
-
-        for module in self.model.modules():
-            if isinstance(module, LoraLayer) and id(module) not in self._hooked:
-                module.register_forward_pre_hook(self._adapter_rows_hook, with_kwargs=True)
-                self._hooked.add(id(module))
-
-    def _adapter_rows_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._row_adapters is not None:
-            kwargs["adapter_names"] = self._row_adapters
-        return args, kwargs
-
-    @contextlib.contextmanager
-    def _rows_under(self, adapters: list[str | None]) -> Any:
-        """The forward inside runs row ``i`` under adapter ``adapters[i]`` (None: the base), on an engine with
-        named adapters; a no-op otherwise."""
-        if self.adapters is None:
-            yield
-            return
-        self._row_adapters = [a if a is not None else "__base__" for a in adapters]
-        try:
-            yield
-        finally:
-            self._row_adapters = None
 
     def weights_updated(self) -> None:
         """Say that the (shared) module's weights changed in place: drop the cached KV and the transposed weight
@@ -405,9 +335,9 @@ class HFEngine:
         mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         # Identical contexts in one call (the N initial samples of a prompt, fill-ups) are prefilled once: the KV
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
-        twins = collections.Counter(_context(requests[i]) for i in pending)
+        twins = collections.Counter(context_key(requests[i]) for i in pending)
         prefilled: dict[tuple, tuple] = {}
-        runs = _plan_runs([requests[i] for i in pending])  # leading runs fresh contexts of one adapter share
+        runs = plan_runs([requests[i] for i in pending])  # leading runs fresh contexts of one adapter share
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
@@ -448,7 +378,7 @@ class HFEngine:
 
     def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict, runs: dict) -> tuple:
         """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
-        ctx = _context(row.req)
+        ctx = context_key(row.req)
         twins[ctx] -= 1
         if ctx in prefilled:
             out = prefilled.pop(ctx) if twins[ctx] == 0 else prefilled[ctx]
@@ -467,7 +397,7 @@ class HFEngine:
         others, dropped after the last), else whole."""
         ctx, adapter = row.req.token_ids, row.req.adapter
         m, entry = self._store.lookup(row.req.prefix_key, ctx, adapter)
-        shared = runs.pop(_context(row.req), None) if m == 0 else None
+        shared = runs.pop(context_key(row.req), None) if m == 0 else None
         reused = m
         if m > 0:
             keys, values = [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values]
