@@ -219,7 +219,7 @@ class HFEngine(NamedAdapters):
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
-    def maxcontext_key(self) -> int | None:
+    def max_context(self) -> int | None:
         """Longest prompt plus generation the model accepts (its ``max_position_embeddings``; None = unbounded)."""
         return self.max_positions
 
