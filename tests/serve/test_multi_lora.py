@@ -265,3 +265,17 @@ def test_an_adapter_on_the_vllm_engine_is_refused_before_anything_starts(folders
     with pytest.raises(ConfigError, match="vLLM engine does not serve yet") as e:
         build_specs([f"a={folders['a']}"], engine="vllm", max_tokens=16, **SESSION)
     assert "arpo export --merge" in e.value.hint
+
+
+def test_a_deployments_user_config_names_its_agents(folders):
+    from serve.agent_set import agents_from_config
+
+    specs = _specs(folders, ["a", "plain"])
+    assert agents_from_config({"agents": [s.to_dict() for s in specs]}) == specs
+    listed = agents_from_config({"models": f"a={folders['a']},plain={folders['base']}", "tools": "python",
+                                 "max_tool_calls": "0"})
+    assert [(s.name, bool(s.base)) for s in listed] == [("a", True), ("plain", False)]
+    with pytest.raises(ConfigError, match="unknown keys"):
+        agents_from_config({"agents": [], "models": "x"})
+    with pytest.raises(ConfigError, match="not an agent spec"):
+        agents_from_config({"agents": [{"name": "a", "path": "/tmp"}]})
