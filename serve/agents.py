@@ -38,6 +38,9 @@ class AgentSpec:
         session: The ``ToolSession`` config: ``tools``, ``max_tool_calls``, ``protocol``, ``system_prompt``, ...
         max_tokens: Default ``max_tokens`` when a request gives none (the whole response, tool results included).
         max_tokens_limit: The largest ``max_tokens`` a request may ask for (HTTP 400 beyond).
+        base: For a LoRA adapter agent, the folder of the base model it was trained on ("" for full weights).
+        fingerprint: The sha256 fingerprint of the base's weights (adapter agents) or of the agent's own weights:
+            what ``/v1/models`` names (never a path). The adapter agents of one replica share one base.
     """
 
     name: str
@@ -48,6 +51,8 @@ class AgentSpec:
     session: dict[str, Any] = field(default_factory=dict)
     max_tokens: int = 512
     max_tokens_limit: int = MAX_TOKENS_LIMIT
+    base: str = ""
+    fingerprint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,10 +141,55 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         own = {**trained_session(folder, session), **session}
         if own != session:
             _check_session(own)
+        base, fingerprint = weights_identity(folder)
+        if base and engine == "vllm":
+            raise ConfigError(f"agent {name!r} is a LoRA adapter, which the vLLM engine does not serve yet",
+                              hint="serve adapters with --engine hf (many share one base there), or merge it "
+                                   "first: arpo export --merge")
         specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
                                engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens,
-                               max_tokens_limit=max_tokens_limit))
+                               max_tokens_limit=max_tokens_limit, base=base, fingerprint=fingerprint))
+    check_one_base(specs)
     return specs
+
+
+def weights_identity(folder: Path) -> tuple[str, str]:
+    """``(base folder, fingerprint)`` of a policy folder: an adapter's recorded base (checked against its weights
+    when the folder was resolved) and that base's fingerprint, or ``("", fingerprint of the folder's own weights)``."""
+    from arpo_algo.models.lora import _read_marker, is_adapter_folder, weights_fingerprint
+
+    if is_adapter_folder(folder):
+        info = _read_marker(folder)
+        return str(info["base"]), str(info["fingerprint"])
+    try:
+        return "", weights_fingerprint(folder)
+    except ConfigError:  # no weight files: loading it in the replica fails with its own error; nothing to name here
+        return "", ""
+
+
+def check_agents(specs: list[AgentSpec]) -> None:
+    """One replica's agents: unique names, adapters of one base (both refusals name what clashes)."""
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two agents are named {dup[0]!r}", hint="give each agent its own name: NAME=PATH")
+    check_one_base(specs)
+
+
+def check_one_base(specs: list[AgentSpec]) -> None:
+    """Every adapter agent of a replica runs on one copy of one base: adapters of two bases are refused here,
+    naming both fingerprints, before anything loads."""
+    by_base: dict[str, list[str]] = {}
+    for s in specs:
+        if s.base:
+            by_base.setdefault(s.fingerprint, []).append(s.name)
+    if len(by_base) > 1:
+        (fa, na), (fb, nb) = list(by_base.items())[:2]
+        raise ConfigError(f"the LoRA adapters given were trained on different base models: {', '.join(na)} on "
+                          f"{fa[:12]}..., {', '.join(nb)} on {fb[:12]}... (weights fingerprints); one replica "
+                          "serves adapters of one base",
+                          hint="serve each base's adapters in their own deployment, or merge the odd ones "
+                               "(arpo export --merge) and serve them as full-weight agents")
 
 
 #: Session settings a trained policy's environment decides unless the command line does (one list with the writer's).

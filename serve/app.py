@@ -15,6 +15,7 @@ Build it with :func:`build` (``serve run serve.app:build models=runs/sft,arpo=ru
 # No `from __future__ import annotations` here: Serve's ingress rebuilds the route signatures, and FastAPI must see
 # `request: Request` as the class itself, not as a string (else the request becomes a required query parameter: 422).
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -31,7 +32,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from arpo_base.errors import ConfigError
-from serve.agents import AgentSpec, specs_from_args
+from serve.agent_set import AgentSet, agents_from_config
+from serve.agents import AgentSpec, check_agents, specs_from_args
 from serve.batching import EngineDead
 from serve.guard import (
     BODY_TIMEOUT_S,
@@ -140,15 +142,15 @@ class AgentServer:
                  retry_after_s: float = DEFAULTS["retry_after_s"]):
         from serve.metrics import ServeMetrics
 
-        self.specs = [AgentSpec(**s) for s in specs]
         self.security = Security(**(security or {}))
+        self.set = AgentSet([AgentSpec(**s) for s in specs], self.security.request_timeout_s + CANCEL_GRACE_S)
         self.metrics = ServeMetrics()
         # Before anything is served: without a policy the guard refuses every request.
         self.policy = Policy(self.security, on_refusal=lambda status: self.metrics.request("-", str(status), 0.0))
         install(self.policy)
         self.page = PAGE.read_text(encoding="utf-8")
         self.page_csp = page_csp(self.page)
-        self.agents: dict[str, Any] = {}
+        self.agents = self.set.agents  # name -> serve.runtime.Agent (the set changes it in place)
         self.admission = Admission(max_ongoing_requests, max_queued_requests)
         self.retry_after_s = retry_after_s
         self.load_error: str | None = None
@@ -158,17 +160,27 @@ class AgentServer:
         threading.Thread(target=self._load, name="arpo-serve-load", daemon=True).start()
 
     def _load(self) -> None:
-        from serve.runtime import Agent
-
         spec = None
         try:
-            for spec in self.specs:
-                self.agents[spec.name] = Agent(spec)
+            check_agents(self.set.specs)
+            # adapters first: a full-weight agent that is their base then joins the shared copy
+            for spec in sorted(self.set.specs, key=lambda s: not s.base):
+                self.agents[spec.name] = self.set.new_agent(spec)
         except Exception as e:  # noqa: BLE001 - reported by /health and check_health
             log.error("loading agent %s failed", getattr(spec, "name", "?"), exc_info=e)
             self.load_error = f"loading the agent '{getattr(spec, 'name', '?')}' failed: {load_failure(e)}"
         finally:
             self.loaded.set()
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's live update (``user_config`` changed, the replica stays): see :meth:`AgentSet.apply`."""
+        def apply() -> None:
+            self.loaded.wait()
+            if self.load_error:
+                raise RuntimeError(self.load_error)
+            self.set.apply(agents_from_config(dict(user_config or {})))
+
+        await asyncio.get_running_loop().run_in_executor(None, apply)
 
     def _dead(self) -> list[str]:
         return sorted(name for name, agent in self.agents.items() if not agent.front.alive())
@@ -185,8 +197,15 @@ class AgentServer:
     def stop_engines(self) -> None:
         """Stop every agent's batching front and engine (requests in flight get 503); the replica then fails its
         health check and Serve replaces it."""
-        for agent in list(getattr(self, "agents", {}).values()):  # a constructor that failed loaded nothing
-            agent.front.close()
+        fronts = {id(a.front): a.front for a in list(getattr(self, "agents", {}).values())}
+        for front in fronts.values():  # a constructor that failed loaded nothing; a shared base closes once
+            front.close()
+
+    def replica_actor_id(self) -> str:
+        """This replica's Ray actor id (for a deployment handle, not an HTTP route): a live update keeps it."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_id()
 
     def __del__(self) -> None:
         self.stop_engines()
@@ -221,10 +240,37 @@ class AgentServer:
     @api.get("/v1/models")
     def models(self) -> JSONResponse:
         # Names only: a model's folder is the operator's business, not the client's.
+        # The base by its weights fingerprint: which agents share one (adapters of it, or the base itself).
         data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
                  "arpo": {"engine": s.engine, "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
-                          "loaded": s.name in self.agents}} for s in self.specs]
+                          "loaded": s.name in self.agents, "adapter": bool(s.base),
+                          "base": s.fingerprint or None}} for s in self.set.specs]
         return JSONResponse({"object": "list", "data": data})
+
+    @api.post("/v1/agents")
+    async def change_agents(self, request: Request) -> JSONResponse:
+        """Add or remove agents of a running ``arpo serve`` (:mod:`serve.live`): ``{"add": ["NAME=SOURCE"],
+        "remove": ["NAME"]}``. Only behind an API key: a server without one refuses (403), since a change loads
+        folders of this machine as models."""
+        from serve.live import ask_owner, parse_change
+
+        if self.policy.key is None:
+            return _error(APIError("changing the agents needs a server started with an API key", status=403,
+                                   type="invalid_request_error", code="forbidden"))
+        try:
+            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+            change = parse_change(json.loads(raw or b"null"))
+            answer = await asyncio.get_running_loop().run_in_executor(self.pool, ask_owner, change)
+        except ConfigError as e:
+            return _error(APIError(load_failure(e), status=400))
+        except ValueError as e:  # not JSON
+            return _error(APIError(f"the body is not JSON: {e}", status=400))
+        except TimeoutError as e:
+            return _error(APIError(str(e), status=504, type="server_error", code="timeout"))
+        if "error" in answer:
+            hint = f" (hint: {answer['hint']})" if answer.get("hint") else ""
+            return _error(APIError(answer["error"] + hint, status=400))
+        return JSONResponse({"models": answer["models"]})
 
     @api.get("/")
     def page(self) -> HTMLResponse:
@@ -413,7 +459,8 @@ def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int 
     return running, waiting
 
 
-def build_app(specs: list[AgentSpec], security: Security | None = None, **options: Any) -> Any:
+def build_app(specs: list[AgentSpec], security: Security | None = None, user_config: dict[str, Any] | None = None,
+              **options: Any) -> Any:
     """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
 
     ``security`` defaults to :class:`serve.guard.Security`'s defaults: loopback ``Host`` names on port 8000 and an
@@ -421,11 +468,21 @@ def build_app(specs: list[AgentSpec], security: Security | None = None, **option
     """
     security = security or Security()
     security.key()
+    check_agents(specs)
     opts = deployment_options(**options)
     running, waiting = admission_limits(options.get("max_ongoing_requests"), options.get("max_queued_requests"))
     retry = options.get("retry_after_s")
-    return AgentServer.options(**opts).bind([s.to_dict() for s in specs], running, security.to_dict(), waiting,
-                                            DEFAULTS["retry_after_s"] if retry is None else retry)
+    args = ([s.to_dict() for s in specs], running, security.to_dict(), waiting,
+            DEFAULTS["retry_after_s"] if retry is None else retry)
+    deployment = AgentServer.options(**opts)
+    if user_config is not None:  # the agents served live (reconfigure); ``specs`` are loaded first
+        deployment = AgentServer.options(**opts, user_config=user_config)
+        # Serve gives every serve.run a new random code version, which replaces the replicas. This one names the
+        # constructor arguments and options only, so deploying the same app with other agents in user_config keeps
+        # the replicas and reconfigures them (what `serve deploy` does for a config file).
+        text = json.dumps([args, {k: repr(v) for k, v in sorted(opts.items())}], sort_keys=True, default=repr)
+        deployment._version = "arpo-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return deployment.bind(*args)
 
 
 def _flag(value: Any) -> bool:

@@ -14,6 +14,9 @@ engine and, whenever it is free, takes *every* call waiting at that moment and r
 * Prefix reuse across the turns of one request comes from the engine's KV store (``prefix_key``), which every
   round shares; identical contexts in a round (``n > 1``) are prefilled once.
 
+Work that must run between rounds (:meth:`BatchingEngine.between_rounds`: an agent's adapter added or removed) does
+not wait for a long round either: on a streaming engine it aborts the round, runs, and the round is replayed as below.
+
 A cancelled request (client gone) stops at once, mid-round too: its next streamed token aborts the round (an
 exception out of ``on_token``), its calls are answered with error generations (its conversation ends), and the
 other calls of that round are run again at once. The replay gives them the same tokens, because every request
@@ -71,14 +74,33 @@ class BatchingEngine:
         self._cv = threading.Condition()
         self._calls: collections.deque[_Call] = collections.deque()
         self._releases: list[Any] = []
+        self._between: list[tuple[Any, dict[str, Any], threading.Event]] = []
         self._closed = False
         self._stats: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="arpo-serve-batcher", daemon=True)
         self._thread.start()
 
-    def view(self, cancel: threading.Event | None = None) -> EngineView:
-        """An engine-shaped handle for one request; ``cancel`` set = the client is gone."""
-        return EngineView(self, cancel)
+    def view(self, cancel: threading.Event | None = None, adapter: str | None = None) -> EngineView:
+        """An engine-shaped handle for one request; ``cancel`` set = the client is gone; ``adapter``: every call
+        of it runs under that adapter of the engine (agents sharing one base)."""
+        return EngineView(self, cancel, adapter)
+
+    def between_rounds(self, fn: Any) -> Any:
+        """Run ``fn()`` in the engine's thread between two rounds (no round is decoding then: the engine's model
+        may change, e.g. an adapter added) and return its result; its exception is raised here."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        with self._cv:
+            if self._closed:
+                raise EngineDead("the batching engine is closed")
+            self._between.append((fn, box, done))
+            self._cv.notify()
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise EngineDead("the batching thread stopped")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def submit(self, requests: list[GenRequest], on_token: Any = None,
                cancel: threading.Event | None = None) -> list[Generation]:
@@ -129,10 +151,22 @@ class BatchingEngine:
             close()
 
     # ------------------------------------------------------------------------------------------------ the loop
+    def _run_between(self) -> None:
+        with self._cv:
+            jobs, self._between = self._between, []
+        for fn, box, done in jobs:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of between_rounds
+                box["error"] = e
+            done.set()
+
     def _take(self) -> tuple[list[_Call], list[Any]] | None:
         with self._cv:
-            while not self._calls and not self._closed:
+            while not self._calls and not self._closed and not self._between:
                 self._cv.wait()
+            if self._between and not self._closed:
+                return [], []
             if self._closed:
                 for call in self._calls:
                     call.error = EngineDead("the batching engine is closed")
@@ -145,6 +179,7 @@ class BatchingEngine:
 
     def _loop(self) -> None:
         while (taken := self._take()) is not None:
+            self._run_between()
             calls, releases = taken
             if releases:
                 self.engine.release(releases)
@@ -175,7 +210,7 @@ class BatchingEngine:
             seen: dict[tuple[int, int], int] = {}
 
             def on_token(rid: Any, token: int, live: list[_Call] = live, seen: dict = seen) -> None:
-                if self._closed and self.streams:
+                if (self._closed or self._between) and self.streams:
                     raise _Abort
                 c = live[rid[0]]
                 if c.cancel is not None and c.cancel.is_set():
@@ -199,6 +234,7 @@ class BatchingEngine:
                     return
                 with self._cv:
                     self._stats["aborted_rounds"] += 1
+                self._run_between()  # e.g. an adapter added: then the round is replayed, same seeds, same tokens
                 live = self._drop_cancelled(live)
                 continue
             except BaseException as e:  # noqa: BLE001 - handed to every waiting caller; the loop keeps serving
@@ -228,13 +264,15 @@ class BatchingEngine:
 class EngineView:
     """What one request's agent loop sees: the ``RolloutEngine`` interface, routed through the shared front."""
 
-    def __init__(self, front: BatchingEngine, cancel: threading.Event | None) -> None:
-        self.front, self.cancel = front, cancel
+    def __init__(self, front: BatchingEngine, cancel: threading.Event | None, adapter: str | None = None) -> None:
+        self.front, self.cancel, self.adapter = front, cancel, adapter
         self.tokenizer = front.tokenizer
         self.max_context = front.max_context
         self.max_positions = front.max_context
 
     def generate(self, requests: list[GenRequest], *, on_token: Any = None) -> list[Generation]:
+        if self.adapter is not None:
+            requests = [dataclasses.replace(r, adapter=self.adapter) for r in requests]
         return self.front.submit(requests, on_token, self.cancel)
 
     def release(self, cache_keys: list[Any]) -> None:

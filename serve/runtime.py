@@ -29,6 +29,7 @@ from typing import Any
 from arpo_algo.core.tree import derive_seed
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
+from arpo_base.errors import ConfigError
 from arpo_env.session import SessionStep, ToolSession
 from arpo_env.tools.sandbox import cancel_scope
 from serve.agents import AgentSpec
@@ -158,17 +159,24 @@ class TextStream:
 
 
 class Agent:
-    """One agent's engine, batching front and tool session template (built in the replica)."""
+    """One agent's engine, batching front and tool session template (built in the replica).
 
-    def __init__(self, spec: AgentSpec) -> None:
-        from arpo_algo.rollout.engines import build_engine
+    ``front``/``adapter``: the agent runs on a shared engine (:class:`SharedBase`) under that adapter (None: the
+    base itself) instead of an engine of its own; its prompt, tools and limits stay its own."""
 
+    def __init__(self, spec: AgentSpec, front: BatchingEngine | None = None, adapter: str | None = None) -> None:
         self.spec = spec
         self.session = ToolSession(spec.session)
-        engine = build_engine(spec.engine, model_or_path=spec.model_path, **spec.engine_settings)
-        self.front = BatchingEngine(engine)
-        self.tok = engine.tokenizer
+        self.adapter = adapter
+        if front is None:
+            from arpo_algo.rollout.engines import build_engine
+
+            front = BatchingEngine(build_engine(spec.engine, model_or_path=spec.model_path, **spec.engine_settings))
+        self.front = front
+        self.tok = front.tokenizer
         self.max_context = self.front.max_context
+        self.running = 0  # requests of this agent in flight (a removed agent's adapter is unloaded at 0)
+        self._count = threading.Lock()
 
     # --------------------------------------------------------------------------------------------- request -> job
     def prepare(self, req: ChatRequest) -> Job:
@@ -210,6 +218,8 @@ class Agent:
         budget = req.max_tokens or self.spec.max_tokens
         if ctx is not None:
             budget = min(budget, ctx - len(ids))
+        with self._count:  # until run() ends: a removed agent is freed only once nothing of it runs
+            self.running += 1
         return Job(prompt=ids, n=req.n, max_response_tokens=budget,
                    sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p), seed=req.seed,
                    stop=req.stop, client_tools=req.tool_mode == "client", prior_tool_calls=prior,
@@ -229,6 +239,13 @@ class Agent:
 
     def run(self, job: Job, cancel: threading.Event, emit: Any = None) -> dict[str, Any]:
         """Run the ``n`` conversations; ``emit(kind, index, payload)`` streams deltas and tool events."""
+        try:
+            return self._run(job, cancel, emit)
+        finally:
+            with self._count:
+                self.running -= 1
+
+    def _run(self, job: Job, cancel: threading.Event, emit: Any = None) -> dict[str, Any]:
         from arpo_algo.rollout.agent_loop import run_agents
 
         sessions = self._sessions(job, cancel)
@@ -255,8 +272,8 @@ class Agent:
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
         try:
-            traces = run_agents(self.front.view(cancel), sessions, [list(job.prompt)] * job.n, job.sampling,
-                                max_response_tokens=job.max_response_tokens, seeds=seeds,
+            traces = run_agents(self.front.view(cancel, self.adapter), sessions, [list(job.prompt)] * job.n,
+                                job.sampling, max_response_tokens=job.max_response_tokens, seeds=seeds,
                                 on_event=on_event if emit else None, on_token=on_token if emit else None)
         finally:  # one persistent interpreter per choice, ended with the request (finished, failed or cancelled)
             for s in sessions:
@@ -304,6 +321,53 @@ class Agent:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:20]}", "type": "function",
                                       "function": {"name": tool, "arguments": json.dumps(args)}}]
         return {"index": j, "message": message, "finish_reason": FINISH.get(finish, "stop"), "logprobs": None}
+
+
+class SharedBase:
+    """One HF engine over the base model the adapter agents of a replica were trained on, behind one batching front:
+    every adapter agent is a named adapter in it, so requests of different agents decode in the same batches.
+
+    Invariant: the adapter names inside the engine are this object's own (``adapter_<n>``, never reused), so an
+    agent removed and added again under its old name never meets the removed one's adapter or stored KV."""
+
+    def __init__(self, base: str, fingerprint: str, engine_settings: dict[str, Any]) -> None:
+        from arpo_algo.rollout.engines.hf import HFEngine
+
+        self.fingerprint = fingerprint
+        self.engine = HFEngine(base, adapters={}, **engine_settings)
+        if self.engine.base_fingerprint != fingerprint:
+            raise ConfigError(f"the base model at {base} changed since the agents were resolved (weights "
+                              f"fingerprint {self.engine.base_fingerprint[:12]}..., expected {fingerprint[:12]}...)",
+                              hint="restore the base the adapters were trained on")
+        self.front = BatchingEngine(self.engine)
+        self._next = 0
+
+    def add(self, spec: AgentSpec) -> Agent:
+        """An agent for ``spec`` on this base: its adapter loaded between rounds (a full-weight agent whose weights
+        are the base itself runs on the base, adapter-free)."""
+        if not spec.base:
+            return Agent(spec, self.front, None)
+        _same_tokenizer(spec, self.front.tokenizer)
+        name = f"adapter_{self._next}"
+        self._next += 1
+        self.front.between_rounds(lambda: self.engine.add_adapter(name, spec.model_path))
+        return Agent(spec, self.front, name)
+
+    def remove(self, agent: Agent) -> None:
+        """Unload ``agent``'s adapter between rounds (its requests must have finished)."""
+        if agent.adapter is not None:
+            self.front.between_rounds(lambda: self.engine.remove_adapter(agent.adapter))
+
+
+def _same_tokenizer(spec: AgentSpec, tok: Any) -> None:
+    """An adapter agent's tokenizer must be its base's (the engine decodes with the base's)."""
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(spec.model_path)
+    if own.get_vocab() != tok.get_vocab():
+        raise ConfigError(f"agent {spec.name!r}: its tokenizer differs from its base model's",
+                          hint="an adapter must keep its base's vocabulary; merge it (arpo export --merge) and "
+                               "serve the merged folder as a full-weight agent")
 
 
 def _drop(_text: str) -> None:

@@ -89,10 +89,13 @@ def start(args: argparse.Namespace) -> str:
     security, key = security_of(args)
     if isinstance(args.replica_resources, str):  # refused before Ray starts
         args.replica_resources = parse_replica_resources(args.replica_resources)
-    specs = build_specs(args.models, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
-                        system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
-                        allow_unisolated_python=args.allow_unisolated_python,
-                        max_tokens_limit=args.max_tokens_limit)
+    def resolve(sources: list[str]) -> list[Any]:  # the same settings for agents added later (POST /v1/agents)
+        return build_specs(sources, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
+                           system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
+                           allow_unisolated_python=args.allow_unisolated_python,
+                           max_tokens_limit=args.max_tokens_limit)
+
+    specs = resolve(args.models)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
         args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
         key_path = Path(args.key_dir) / "api_key"
@@ -112,10 +115,17 @@ def start(args: argparse.Namespace) -> str:
     # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500, and its gate checks
     # Host, key and body before Serve queues anything (serve.proxy)
     serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options(security))
-    app = build_app(specs, security, replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
-                    max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
-                    replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
-    serve.run(app, name="arpo", route_prefix="/", blocking=False)
+    def deploy(agents: list[Any]) -> None:  # the agents travel in user_config: a change reconfigures the replicas
+        app = build_app(specs, security, user_config={"agents": [a.to_dict() for a in agents]},
+                        replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
+                        max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
+                        replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
+        serve.run(app, name="arpo", route_prefix="/", blocking=False)
+
+    deploy(specs)
+    from serve.live import Owner
+
+    args.owner = Owner(specs, resolve, deploy)
     scheme = "https" if args.tls_cert else "http"
     local = args.host if is_loopback(args.host) else "127.0.0.1"
     # our own server, polled locally: its certificate need not name 127.0.0.1
@@ -218,8 +228,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         start(args)
         on_signals()  # again: ray.init installs its own SIGTERM handler, which exits without shutting Serve down
-        while True:
-            time.sleep(3600)
+        from serve.live import POLL_S
+
+        while True:  # agents added or removed through POST /v1/agents are deployed from here
+            args.owner.poll()
+            time.sleep(POLL_S)
     except KeyboardInterrupt:
         print("shutting down")
     finally:

@@ -10,7 +10,7 @@ merging into the base weights and unmerging again is not bitwise reversible.
 prefix store) needs no adapter in its key: the in-process engine shares the learner's module and is told after every
 update (``weights_updated``), an engine with its own copy drops its store on every ``load_state_dict``, adapter-only
 or not; either way no prefix computed under one adapter is reused under another. An engine serving several adapters
-at once would have to key its store by adapter as well.
+at once (:mod:`arpo_algo.rollout.engines.adapters`) keys its store by adapter as well.
 
 **An adapter folder** (what a LoRA run's checkpoints and exported policy hold)::
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,11 @@ from typing import Any
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings",
-           "attach_adapter", "check_adapter_folder", "config_folder", "has_adapter", "is_adapter_folder",
-           "linear_module_names", "load_adapter_weights", "load_into_learner", "load_policy_model", "merge_export",
-           "prepare_base", "resolve_targets", "save_adapter", "weights_fingerprint"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings", "adapter_base",
+           "add_named_adapter", "attach_adapter", "check_adapter_folder", "config_folder", "has_adapter",
+           "is_adapter_folder", "linear_module_names", "load_adapter_weights", "load_into_learner", "load_policy_model",
+           "merge_export", "prepare_base", "remove_named_adapter", "resolve_targets", "save_adapter",
+           "weights_fingerprint"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -314,11 +316,11 @@ def attach_adapter(model: Any, lora: LoraSettings, targets: tuple[str, ...], bas
     return model
 
 
-def adapter_state(model: Any) -> dict[str, Any]:
-    """The adapter tensors (detached, on CPU) under PEFT's saved key names."""
+def adapter_state(model: Any, adapter_name: str = "default") -> dict[str, Any]:
+    """The tensors of one adapter (detached, on CPU) under PEFT's saved key names."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
     return {_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
@@ -337,13 +339,14 @@ def save_adapter(model: Any, out: Path, *, base: Path, fingerprint: str) -> Path
     return out
 
 
-def load_adapter_weights(model: Any, path: Path) -> None:
-    """Copy an adapter folder's tensors into ``model``'s injected adapter, in place; every key must match."""
+def load_adapter_weights(model: Any, path: Path, adapter_name: str = "default") -> None:
+    """Copy an adapter folder's tensors into ``model``'s injected adapter ``adapter_name``, in place; every key must
+    match."""
     import torch
     from safetensors.torch import load_file
 
     saved = load_file(str(Path(path) / ADAPTER_WEIGHTS))
-    own = adapter_state(model)
+    own = adapter_state(model, adapter_name)
     if set(saved) != set(own) or any(saved[k].shape != own[k].shape for k in own):
         raise ConfigError(f"{path}: the adapter's tensors do not match this model's adapter (another rank or other "
                           "target modules)", hint="use the same [model.lora] settings the adapter was trained with")
@@ -352,7 +355,7 @@ def load_adapter_weights(model: Any, path: Path) -> None:
         for key, value in saved.items():
             name = key[len(_PEFT_PREFIX):]
             stem, _, leaf = name.rpartition(".")
-            params[f"{stem}.default.{leaf}"].copy_(value)
+            params[f"{stem}.{adapter_name}.{leaf}"].copy_(value)
 
 
 #: Adapter config keys whose value arpo reads or that do not change the loaded function (naming, bookkeeping,
@@ -390,6 +393,54 @@ def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
         raise ConfigError(f"{path / ADAPTER_CONFIG}: r, lora_alpha or target_modules has the wrong type ({e})",
                           hint="the folder is damaged") from None
     return lora, lora.target_modules
+
+
+def add_named_adapter(model: Any, path: str | Path, name: str, *, fingerprint: str) -> None:
+    """Load the adapter folder ``path`` into ``model`` (a plain base model, or one holding other named adapters)
+    under ``name``, beside the others: a model serving several agents on one base. ``fingerprint`` is the
+    fingerprint of the weights ``model`` was loaded from; an adapter trained on other weights is refused.
+
+    Raises:
+        ConfigError: the folder's record names another base (both fingerprints named), or its files are incomplete
+            or of a layout arpo does not load; nothing is added then.
+    """
+    from peft import inject_adapter_in_model
+
+    path = Path(path)
+    info = _read_marker(path)
+    if info["fingerprint"] != fingerprint:
+        raise ConfigError(f"{path}: the adapter was trained on the base with weights fingerprint "
+                          f"{info['fingerprint'][:12]}..., not on this engine's base ({fingerprint[:12]}...)",
+                          hint="serve adapters of another base in their own deployment, or merge it first "
+                               "(arpo export --merge) and serve the merged folder as a full-weight agent")
+    lora, targets = _lora_from_folder(path)
+    with warnings.catch_warnings():  # PEFT warns that the model holds several adapters: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        inject_adapter_in_model(lora.peft_config(targets, info["base"]), model, adapter_name=name)
+    try:
+        load_adapter_weights(model, path, name)
+    except BaseException:
+        remove_named_adapter(model, name)  # nothing half-loaded stays in the model
+        raise
+    model.requires_grad_(False)
+
+
+def remove_named_adapter(model: Any, name: str) -> None:
+    """Delete the adapter ``name`` from every LoRA layer of ``model`` (the base and the other adapters stay)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.delete_adapter(name)
+    getattr(model, "peft_config", {}).pop(name, None)
+
+
+def adapter_base(path: str | Path) -> dict[str, Any]:
+    """An adapter folder's record of its base (``{"base": folder, "fingerprint": sha256}``), checked: its files
+    are there and the base's weights are the recorded ones. Also ``rank`` (the adapter's r)."""
+    info = dict(check_adapter_folder(path))
+    info["rank"] = _lora_from_folder(Path(path))[0].rank
+    return info
 
 
 def load_policy_model(path: str | Path, *, dtype: Any, merge: bool = False, checked: bool = False,

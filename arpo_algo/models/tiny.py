@@ -50,3 +50,32 @@ def build_tiny_model(dest: str | os.PathLike[str], *, tokenizer_from: str | os.P
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
     return dest
+
+
+def build_tiny_adapter(base: str | os.PathLike[str], dest: str | os.PathLike[str], *, rank: int = 4,
+                       seed: int = 0, scale: float = 0.5, target_modules: tuple[str, ...] = ()) -> Path:
+    """Write a LoRA adapter folder for the model folder ``base`` (as a LoRA run writes it, tied to the base's
+    fingerprint) with random adapter matrices (``lora_B`` not zero, so the adapter changes the output)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from arpo_algo.models.lora import (
+        LoraSettings,
+        attach_adapter,
+        load_policy_model,
+        resolve_targets,
+        save_adapter,
+        weights_fingerprint,
+    )
+
+    lora = LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(target_modules))
+    model = load_policy_model(base, dtype=torch.float32)
+    attach_adapter(model, lora, resolve_targets(lora, base), str(base))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+    dest = save_adapter(model, Path(dest), base=Path(base), fingerprint=weights_fingerprint(base))
+    AutoTokenizer.from_pretrained(base).save_pretrained(dest)
+    return dest

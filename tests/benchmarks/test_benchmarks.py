@@ -357,3 +357,19 @@ def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch)
     work = res["checks"]["in_process"]
     assert work["us_with"] > work["us_without"] > 0 and work["us_checks"] == work["us_with"] - work["us_without"]
     assert json.loads(out.read_text())["checks"]["1"]["p50_ratio"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_multi_lora_runs_both_variants_per_agent_count(tmp_path):
+    import json
+
+    from benchmarks import bench_multi_lora
+
+    out = tmp_path / "multi.json"
+    assert bench_multi_lora.main(["--agents", "2", "--clients", "1", "2", "--seconds", "0.5", "--tokens", "2",
+                                  "--rank", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shared, separate = [next(r for r in report["rows"] if r["variant"] == v) for v in ("shared", "separate")]
+    assert shared["clients"]["2"]["requests"] > 0 and separate["clients"]["1"]["tokens_per_s"] > 0
+    assert shared["add_agent_s"] > 0 and "add_agent_s" not in separate
+    assert report["ratios"][0]["agents"] == 2 and report["ratios"][0]["memory_shared_over_separate"] > 0

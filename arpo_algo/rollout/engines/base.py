@@ -53,12 +53,15 @@ class GenRequest:
         prefix_key: Optional hint: the ``cache_key`` of an earlier :class:`Generation` whose context is a prefix of
             ``token_ids``. The engine may reuse that sequence's KV cache and only prefill the new suffix. The result
             must be identical with or without the hint (the engine verifies the tokens).
+        adapter: The name of one of the engine's loaded LoRA adapters to continue under (an engine serving several
+            agents on one base); None: the engine's model as loaded. An engine without that adapter answers an error.
     """
 
     request_id: Any
     token_ids: list[int]
     params: SamplingParams
     prefix_key: Any = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -91,7 +94,7 @@ class Generation:
 
 
 def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int,
-                    max_logprobs: int) -> str | None:
+                    max_logprobs: int, adapters: Any = ()) -> str | None:
     """Why an engine cannot serve ``req`` (None when it can): the same checks and messages in every engine.
 
     Args:
@@ -100,7 +103,11 @@ def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int
         vocab_size: Token ids must lie in ``[0, vocab_size)``.
         max_logprobs: Most top logprobs per token the engine returns (its ``max_logprobs``); a request for more is
             refused rather than served with fewer, which would change its top-k entropy estimate.
+        adapters: The names of the adapters the engine holds (a request naming another one is refused, never served
+            by the base or by another adapter).
     """
+    if req.adapter is not None and req.adapter not in adapters:
+        return f"adapter {req.adapter!r} is not loaded in this engine"
     n = len(req.token_ids)
     if n == 0:
         return "empty context (token_ids is empty)"

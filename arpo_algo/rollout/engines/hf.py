@@ -45,12 +45,13 @@ from typing import Any
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
+from arpo_algo.rollout.engines.adapters import NamedAdapters, context_key, plan_runs
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
 from arpo_algo.rollout.engines.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
-from arpo_algo.rollout.engines.slot_prefill import SharedRun, plan_shared_runs
+from arpo_algo.rollout.engines.slot_prefill import SharedRun
 from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_base.errors import ConfigError
 
@@ -71,7 +72,7 @@ class _Row:
         self.stop_string: str | None = None
 
 
-class HFEngine:
+class HFEngine(NamedAdapters):
     """A :class:`~arpo_algo.rollout.engines.base.RolloutEngine` on a transformers causal LM (see the module docstring).
 
     Args:
@@ -96,13 +97,19 @@ class HFEngine:
             rollout actor): the model is loaded (an adapter folder merged) and gets an adapter of that layout, which
             adapter-only :meth:`load_state_dict` calls fill. The engine holds one adapter at a time and drops its
             stored KV on every load, so no cached prefix outlives the adapter that computed it.
+        adapters: ``{name: adapter folder}``: serve several LoRA adapters of the base ``model_or_path`` at once
+            (each checked against the base's weights fingerprint). Each request picks one by ``GenRequest.adapter``
+            (None: the base itself) and one batch mixes them (PEFT's per-row adapter names); stored KV, identical
+            contexts and shared leading runs are keyed by adapter as well as by tokens, so nothing computed under
+            one adapter is reused under another. :meth:`add_adapter` / :meth:`remove_adapter` change the set between
+            calls. Decodes on the dynamic path only.
     """
 
     def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
                  dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
                  kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto",
                  decode: str = "auto", static_cache_tokens: int | None = None,
-                 lora: dict[str, Any] | None = None) -> None:
+                 lora: dict[str, Any] | None = None, adapters: dict[str, str] | None = None) -> None:
         if (model_or_path is None) == (model is None):
             raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
         if dtype not in _DTYPES:
@@ -116,8 +123,24 @@ class HFEngine:
         if lora is not None and model is not None:
             raise ConfigError("HFEngine(model=<module>, lora=...): a shared module already holds the learner's "
                               "adapter", hint="pass lora= only to an engine that loads its own copy (model_or_path=)")
+        if adapters is not None and (model is not None or lora is not None):
+            raise ConfigError("HFEngine(adapters=...) loads its own base: pass model_or_path, without model= or lora=")
+        if adapters is not None and decode not in ("auto", "dynamic"):
+            raise ConfigError(f"HFEngine(adapters=...) decodes on the dynamic path only, not decode={decode!r}",
+                              hint="leave decode at 'auto' or set 'dynamic'")
         self.model, self.tokenizer = self._load(model if model is not None else model_or_path, tokenizer, device,
-                                                _DTYPES[dtype], merge=lora is not None)
+                                                _DTYPES[dtype], merge=lora is not None or adapters is not None)
+        #: Named adapters on one base (``adapters=``): name -> folder; None on an engine of one policy.
+        self.adapters: dict[str, str] | None = None
+        self._row_adapters: list[str] | None = None  # per-row adapter names of the forward being run
+        self._hooked: set[int] = set()
+        if adapters is not None:
+            from arpo_algo.models import resolve_model_path
+            from arpo_algo.models.lora import weights_fingerprint
+
+            self.base_fingerprint = weights_fingerprint(resolve_model_path(os.fspath(model_or_path)))
+            self.adapters = {}
+            decode = "dynamic"
         if lora is not None:  # the learner's adapter layout, filled by adapter-only load_state_dict() calls
             from arpo_algo.models.lora import LoraSettings, attach_adapter
 
@@ -149,6 +172,8 @@ class HFEngine:
         self._decode_layers: list[Any] = []
         self.linear_layout = resolve_layout(linear_layout, self.device)
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
+        for name, folder in (adapters or {}).items():  # before the decode path is chosen: it sees the LoRA layers
+            self.add_adapter(name, folder)
         self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
                                      max_positions=self.max_positions, static_cache_tokens=static_cache_tokens)
         #: The fixed-shape decoder (None on the dynamic path); ``static_decoder.time_step`` measures one bare step.
@@ -256,7 +281,7 @@ class HFEngine:
         pending: collections.deque[int] = collections.deque()
         for i, req in enumerate(requests):
             problem = request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows,
-                                      max_logprobs=self.max_logprobs)
+                                      max_logprobs=self.max_logprobs, adapters=self.adapters or ())
             if problem:
                 self._stats["errors"] += 1
                 results[i] = error_generation(req, problem)
@@ -310,9 +335,9 @@ class HFEngine:
         mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         # Identical contexts in one call (the N initial samples of a prompt, fill-ups) are prefilled once: the KV
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
-        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
-        prefilled: dict[tuple[int, ...], tuple] = {}
-        runs = plan_shared_runs([requests[i] for i in pending])  # leading runs fresh contexts share
+        twins = collections.Counter(context_key(requests[i]) for i in pending)
+        prefilled: dict[tuple, tuple] = {}
+        runs = plan_runs([requests[i] for i in pending])  # leading runs fresh contexts of one adapter share
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
                 row = self._new_row(pending[0], requests[pending.popleft()])
@@ -353,12 +378,12 @@ class HFEngine:
 
     def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict, runs: dict) -> tuple:
         """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
-        ctx = tuple(row.req.token_ids)
+        ctx = context_key(row.req)
         twins[ctx] -= 1
         if ctx in prefilled:
             out = prefilled.pop(ctx) if twins[ctx] == 0 else prefilled[ctx]
-            row.fed = len(ctx)
-            self._stats["reused_tokens"] += len(ctx)
+            row.fed = len(row.req.token_ids)
+            self._stats["reused_tokens"] += row.fed
             self._stats["shared_prefills"] += 1
             return out  # read only: a merge copies, and a new cache layer adopts a tensor it does not own by copying
         out = self._prefill(row, runs)
@@ -370,16 +395,16 @@ class HFEngine:
         """The row's KV and next-token logits, fed on top of its stored prefix (``prefix_key``), else on top of its
         shared leading run (``runs``; the run is made by the first of its contexts to be prefilled, reused by the
         others, dropped after the last), else whole."""
-        ctx = row.req.token_ids
-        m, entry = self._store.lookup(row.req.prefix_key, ctx)
-        shared = runs.pop(tuple(ctx), None) if m == 0 else None
+        ctx, adapter = row.req.token_ids, row.req.adapter
+        m, entry = self._store.lookup(row.req.prefix_key, ctx, adapter)
+        shared = runs.pop(context_key(row.req), None) if m == 0 else None
         reused = m
         if m > 0:
             keys, values = [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values]
         elif shared is not None:
             m = reused = shared.length
             if shared.keys is None:
-                shared.keys, shared.values, _ = self._feed(ctx[:m], 0, [], [])
+                shared.keys, shared.values, _ = self._feed(ctx[:m], 0, [], [], adapter)
                 reused = 0  # prefilled here, for the others
             else:
                 self._stats["shared_prefix_rows"] += 1
@@ -387,20 +412,23 @@ class HFEngine:
             shared.used()
         else:
             keys, values = [], []
-        out = self._feed(ctx, m, keys, values)
+        out = self._feed(ctx, m, keys, values, adapter)
         self._stats["reused_tokens"] += reused
         row.fed = len(ctx)
         return out
 
-    def _feed(self, tokens: Any, m: int, keys: list, values: list) -> tuple[list, list, torch.Tensor]:
+    def _feed(self, tokens: Any, m: int, keys: list, values: list,
+              adapter: str | None = None) -> tuple[list, list, torch.Tensor]:
         """One batch-1 forward of ``tokens[m:]`` on top of the KV of ``tokens[:m]`` (``keys``/``values``, read only:
-        the cache layer copies before it writes): the KV of all of ``tokens`` and the last position's logits."""
+        the cache layer copies before it writes), under ``adapter``: the KV of all of ``tokens`` and the last
+        position's logits."""
         cache = build_cache(self._layer_cls, keys, values)
         ids = torch.tensor([list(tokens[m:])], dtype=torch.long, device=self.device)
         pos = torch.arange(m, len(tokens), device=self.device).unsqueeze(0)
         att = torch.ones(1, len(tokens), dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: cache})
+        with self._rows_under([adapter]):
+            out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             **{self.cache_kw: cache})
         self._stats["prefill_tokens"] += len(tokens) - m
         self._stats["forward_calls"] += 1
         return [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1]
@@ -412,7 +440,9 @@ class HFEngine:
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         cache = build_cache(self._layer_cls, keys, values, reuse=self._decode_layers)
         self._decode_layers = cache.layers
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.cache_kw: cache})
+        with self._rows_under([r.req.adapter for r in rows]):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             **{self.cache_kw: cache})
         self._stats["forward_calls"] += 1
         for r in rows:
             r.fed += 1
@@ -472,7 +502,8 @@ class HFEngine:
     def _result(self, r: _Row, finish: str, kv: tuple[list, list] | None) -> Generation:
         key = None
         if kv is not None:
-            key = self._store.put(f"{self._uid}:{self._next_key}", list(r.req.token_ids) + r.new[:-1], *kv)
+            key = self._store.put(f"{self._uid}:{self._next_key}", list(r.req.token_ids) + r.new[:-1], *kv,
+                                  adapter=r.req.adapter)
             self._next_key += key is not None
         return Generation(r.req.request_id, r.new, r.logprobs, r.entropies, finish,  # type: ignore[arg-type]
                           stop_string=r.stop_string, top_logprobs=r.top, cache_key=key,

@@ -20,6 +20,7 @@ class KVEntry:
     tokens: list[int]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    adapter: str | None = None
 
 
 class KVStore:
@@ -48,12 +49,14 @@ class KVStore:
             if entry is not None:
                 self.stored_tokens -= len(entry.tokens)
 
-    def put(self, key: str, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> str | None:
-        """Store a copy of this KV under ``key`` (evicting the least recently used); None when it does not fit."""
+    def put(self, key: str, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+            adapter: str | None = None) -> str | None:
+        """Store a copy of this KV under ``key`` (evicting the least recently used); None when it does not fit.
+        ``adapter``: the LoRA adapter that computed it (part of its identity, like the tokens)."""
         if not 0 < len(tokens) <= self.capacity_tokens:
             return None
         # clone: a slice would keep the whole batch tensor alive
-        self._entries[key] = KVEntry(tokens, [k.clone() for k in keys], [v.clone() for v in values])
+        self._entries[key] = KVEntry(tokens, [k.clone() for k in keys], [v.clone() for v in values], adapter)
         self.stored_tokens += len(tokens)
         while self.stored_tokens > self.capacity_tokens:
             _, old = self._entries.popitem(last=False)
@@ -61,8 +64,9 @@ class KVStore:
             self.stats["kv_evictions"] += 1
         return key
 
-    def lookup(self, prefix_key: Any, ctx: list[int]) -> tuple[int, KVEntry | None]:
-        """How many leading tokens of ``ctx`` can come from the stored prefix ``prefix_key`` (verified)."""
+    def lookup(self, prefix_key: Any, ctx: list[int], adapter: str | None = None) -> tuple[int, KVEntry | None]:
+        """How many leading tokens of ``ctx`` can come from the stored prefix ``prefix_key`` (verified: the same
+        tokens under the same adapter; KV computed under one adapter is never reused under another)."""
         if prefix_key is None:
             return 0, None
         entry = self._entries.get(prefix_key)
@@ -71,7 +75,7 @@ class KVStore:
             return 0, None
         n = len(entry.tokens)
         m = min(n, len(ctx))
-        if list(ctx[:m]) != entry.tokens[:m]:
+        if entry.adapter != adapter or list(ctx[:m]) != entry.tokens[:m]:
             self.stats["prefix_mismatches"] += 1  # not a prefix: recompute everything rather than trust the hint
             return 0, None
         self._entries.move_to_end(prefix_key)
