@@ -373,3 +373,26 @@ def test_bench_multi_lora_runs_both_variants_per_agent_count(tmp_path):
     assert shared["clients"]["2"]["requests"] > 0 and separate["clients"]["1"]["tokens_per_s"] > 0
     assert shared["add_agent_s"] > 0 and "add_agent_s" not in separate
     assert report["ratios"][0]["agents"] == 2 and report["ratios"][0]["memory_shared_over_separate"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_viewer_requests_counts_only_the_page_the_index_and_the_groups_shown(tmp_path):
+    """On a tiny folder the page fetches itself, its script and style, the index, and one group per step shown: all
+    from the viewer's own origin."""
+    from benchmarks import bench_viewer_requests
+    from tests.browser import find_browser
+
+    find_browser()
+    res = bench_viewer_requests.main(["--prompts", "4", "--trajectories", "4", "--iterations", "3",
+                                      "--out", str(tmp_path / "r.json")])
+    assert (tmp_path / "r.json").is_file() and res["folder_bytes"] > res["index_bytes"] > 0
+    first, switch, prompt = res["first_load"], res["switch_iteration"], res["open_prompt"]
+    for s in (first, switch, prompt):
+        assert s["all_same_origin"] and s["only_allowed_paths"], s["entries"]
+    assert {"/", "/viewer.js", "/viewer.css", "/v1/index"} <= set(first["paths"])
+    assert first["group_requests"] == ["iteration=3&group=0"]  # the latest iteration's first prompt, nothing ahead
+    assert switch["group_requests"] == ["iteration=1&group=0"] and prompt["group_requests"] == ["iteration=1&group=3"]
+    # beyond the group shown, a step may only hold the page's two-second index polls
+    for s in (switch, prompt):
+        assert s["requests"] == 1 + s["index_requests"], s["entries"]
+    assert first["requests"] == 4 + first["index_requests"], first["entries"]
