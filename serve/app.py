@@ -45,6 +45,7 @@ from serve.guard import (
     count_fault,
     install,
     page_csp,
+    refuse_route_prefix,
 )
 from serve.schema import APIError, parse_chat_request
 
@@ -142,6 +143,7 @@ class AgentServer:
                  retry_after_s: float = DEFAULTS["retry_after_s"]):
         from serve.metrics import ServeMetrics
 
+        refuse_route_prefix()  # before anything is built: a replica under a prefix never serves
         self.security = Security(**(security or {}))
         self.set = AgentSet([AgentSpec(**s) for s in specs], self.security.request_timeout_s + CANCEL_GRACE_S)
         self.metrics = ServeMetrics()

@@ -306,3 +306,21 @@ async def _send_refusal(send: Any, r: Refusal) -> None:
                *((k.lower().encode(), v.encode()) for k, v in r.headers.items())]
     await send({"type": "http.response.start", "status": r.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def refuse_route_prefix() -> None:
+    """Refuse (:class:`ConfigError`, so the deployment fails and ``serve run``/``serve deploy`` report it) to start a
+    replica of an application mounted anywhere but at the root.
+
+    Invariant: the application is reachable only at ``/``, where the proxy's gate and the guard judge every path as
+    routed; a prefix is refused before any route exists, and the guard still refuses each request under one."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    app = serve.get_replica_context().app_name
+    details = _get_global_client().get_serve_details()
+    prefix = ((details.get("applications") or {}).get(app) or {}).get("route_prefix")
+    if prefix not in (None, "/"):
+        raise ConfigError(f"the arpo application {app!r} is deployed with route_prefix {prefix!r}: it is served only "
+                          "at the root", hint="set route_prefix: / in the Serve config (one arpo application per "
+                                              "Serve instance)")

@@ -239,8 +239,9 @@ def test_every_route_but_the_page_and_health_needs_the_key(server):
 
 
 def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
-    """The same application deployed under a route prefix: Ray leaves the prefix in the path and the router drops it;
-    every request there is refused, with or without the key, and no agent runs."""
+    """The same application deployed under a route prefix (as `serve run`/`serve deploy` would from a config with
+    route_prefix /p): its replicas refuse to start, so the deployment fails naming the prefix and the fix, and no
+    route under the prefix ever answers (before, it deployed and each request was refused with a 500)."""
     from ray import serve
 
     from serve.agents import build_specs
@@ -254,22 +255,39 @@ def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
     try:
         serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
         deadline = time.monotonic() + 240
-        while request(server, "GET", "/p/health")[0] in (404, 503):
-            assert time.monotonic() < deadline, "the prefixed application never came up"
+        while True:
+            app = serve.status().applications.get("prefixed")
+            if app is not None and app.status == "DEPLOY_FAILED":
+                break
+            assert time.monotonic() < deadline, f"the prefixed application did not fail: {app}"
+            for path in ("/p/health", "/p/v1/models"):  # never served while it tries
+                assert request(server, "GET", path, headers={"Authorization": f"Bearer {KEY}"})[0] != 200
             time.sleep(1)
+        assert "route_prefix '/p'" in app.message and "route_prefix: /" in app.message, app.message
         for auth in (None, f"Bearer {KEY}"):
-            for method, path in (("POST", "/p/v1/chat/completions"), ("GET", "/p/v1/models"), ("GET", "/p/health"),
-                                 ("GET", "/p/")):
+            for method, path in (("POST", "/p/v1/chat/completions"), ("GET", "/p/v1/models"), ("GET", "/p/")):
                 body = json.dumps(chat_body()).encode() if method == "POST" else None
                 status, _, out = request(server, method, path, body, headers={"Authorization": auth})
-                if auth is None and status == 401:  # the proxy's gate: no open route under a prefix
-                    assert_openai_error(out, "invalid_api_key")
-                    continue
-                assert status == 500, (auth, path, out)
-                assert_openai_error(out, "route_prefix_refused")
-                assert "route_prefix '/'" in out["error"]["message"]
+                assert status in (401, 404, 503), (auth, path, status, out)  # no agent behind the prefix
+        assert request(server, "GET", "/health")[0] == 200  # the application at the root is untouched
     finally:
         serve.delete("prefixed")
+
+
+def test_the_guard_refuses_every_request_under_a_root_path(tmp_path):
+    """The second line behind the replica's refusal to start under a prefix: a request whose scope carries a root
+    path is refused whatever its key, so no future mount can put a route beside the guard's view of it."""
+    from serve.guard import Policy, Refusal, Security
+
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    policy = Policy(Security(key_file=str(key_file)))
+    headers = {"host": "127.0.0.1:8000", "authorization": f"Bearer {KEY}"}
+    policy.check("GET", "/v1/models", headers)  # at the root, with the key: allowed
+    for path in ("/v1/models", "/health", "/"):
+        with pytest.raises(Refusal) as e:
+            policy.check("GET", path, headers, root_path="/p")
+        assert e.value.status == 500 and e.value.code == "route_prefix_refused"
 
 
 def test_the_config_file_and_arpo_serve_mount_at_the_root():
