@@ -9,17 +9,15 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.core.tree import TreeConfig
-from arpo_algo.rollout import layout
 from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.learner_config import MISMATCH_LEVELS
 from arpo_env.core import ToolTextEnv
+from tests.arpo_algo.rollout.teach import teach_call
 
 CALL = "<python>print(6*7)</python>"
 
@@ -33,33 +31,7 @@ def env_creator(tmp_path_factory):
 @pytest.fixture(scope="module")
 def caller_dir(tiny_model_dir, tmp_path_factory, env_creator):
     """The tiny model taught to write CALL at every turn (loss on the call tokens only)."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    env, seqs = env_creator(), []
-    call = tok(CALL, add_special_tokens=False)["input_ids"]
-    for task in range(3):
-        _, info = env.reset(options={"task_index": task})
-        ids = layout.prompt_ids(tok, info["messages"])
-        labels = [-100] * len(ids)
-        for _ in range(6):
-            ids, labels = ids + call, labels + call
-            obs, _r, terminated, truncated, _i = env.step(CALL)
-            if terminated or truncated:
-                break
-            o = layout.observation_ids(tok, obs)
-            ids, labels = ids + o, labels + [-100] * len(o)
-        seqs.append((torch.tensor([ids]), torch.tensor([labels])))
-    torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    for _ in range(100):  # a mean loss < 1e-3 per call token: the call comes out whole almost always
-        for ids, labels in seqs:
-            opt.zero_grad()
-            model(input_ids=ids, labels=labels).loss.backward()
-            opt.step()
-    out = tmp_path_factory.mktemp("caller")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return teach_call(tiny_model_dir, tmp_path_factory.mktemp("caller"), env_creator(), CALL, turns=6)
 
 
 def test_arpo_branches_after_tool_results_on_the_real_engine(caller_dir, env_creator):

@@ -11,16 +11,14 @@ import os
 import shutil
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.core.tree import TreeConfig
-from arpo_algo.rollout import layout
 from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 from arpo_env.tools.interpreter import live_interpreters
+from tests.arpo_algo.rollout.teach import teach_call
 
 # Each call adds one name (its own n_<count>): the output is the number of names the interpreter held before.
 CALL = "<python>exec(f'n_{len(dir())}=1');print(len(dir()))</python>"
@@ -30,33 +28,8 @@ CALL = "<python>exec(f'n_{len(dir())}=1');print(len(dir()))</python>"
 def counter_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model taught to write CALL at every turn (loss on the call tokens only; contexts from a stateless
     env, so the persistent runs below see outputs it was never shown)."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    env, seqs = ToolTextEnv(task="toolmath", tools={"python": {}}), []
-    call = tok(CALL, add_special_tokens=False)["input_ids"]
-    for task in range(3):
-        _, info = env.reset(options={"task_index": task})
-        ids = layout.prompt_ids(tok, info["messages"])
-        labels = [-100] * len(ids)
-        for _ in range(4):
-            ids, labels = ids + call, labels + call
-            obs, _r, terminated, truncated, _i = env.step(CALL)
-            if terminated or truncated:
-                break
-            o = layout.observation_ids(tok, obs)
-            ids, labels = ids + o, labels + [-100] * len(o)
-        seqs.append((torch.tensor([ids]), torch.tensor([labels])))
-    torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    for _ in range(100):
-        for ids, labels in seqs:
-            opt.zero_grad()
-            model(input_ids=ids, labels=labels).loss.backward()
-            opt.step()
-    out = tmp_path_factory.mktemp("counter")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    env = ToolTextEnv(task="toolmath", tools={"python": {}})
+    return teach_call(tiny_model_dir, tmp_path_factory.mktemp("counter"), env, CALL, turns=4)
 
 
 def test_branches_continue_from_their_parents_interpreter(counter_dir):
