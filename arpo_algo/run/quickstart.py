@@ -135,6 +135,15 @@ def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]],
     return result
 
 
+def stage_inputs(stage: str, sft_seed: int = 0) -> dict[str, Any]:
+    """The arguments the ``pull`` or ``sft`` stage's result depends on (what its marker must record to be reused)."""
+    from arpo_algo.run import smoke
+
+    if stage == "pull":
+        return {"model": MODEL}
+    return {"model": MODEL, "sft_seed": sft_seed, "smoke": smoke.smoke()}
+
+
 def stage_sft(out: Path, model: str, seed: int, progress: bool) -> dict[str, Any]:
     from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig, run_sft
@@ -256,11 +265,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.time()
-    from arpo_algo.run import smoke
-
-    sft_inputs = {"model": MODEL, "sft_seed": args.sft_seed, "smoke": smoke.smoke()}
+    sft_inputs = stage_inputs("sft", args.sft_seed)
     rl_inputs = {**sft_inputs, "seed": args.seed, "set": list(args.set)}
-    pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, {"model": MODEL})
+    pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
     sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress),
                     sft_inputs)
     exp = load_rl_experiment(sft["path"], args.seed, args.set)

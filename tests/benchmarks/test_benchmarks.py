@@ -225,8 +225,12 @@ def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_d
 
     sft = tmp_path / "sft_run"
     sft.mkdir()
+    from arpo_algo.run.quickstart import stage_inputs
+
     for name in bench_quickstart.STAGE_MARKERS:  # an SFT stage "done" whose checkpoint is the tiny model
-        (sft / name).write_text(json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0}))
+        stage = name.removeprefix(".stage_").removesuffix(".json")
+        (sft / name).write_text(json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0,
+                                            "inputs": stage_inputs(stage)}))
     result = bench_quickstart.main(["--sft", str(sft), "--modes", "dynamic", "static", "--threads", "1",
                                     "--output", str(tmp_path / "runs"), "--set", "experiment.iterations=1",
                                     "--set", "evaluation.num_prompts=2", "--set", "rollouts.max_response_tokens=16",
