@@ -344,11 +344,17 @@ def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch)
     import json
 
     import ray
+    import ray._private.ray_constants as ray_constants
 
     from arpo_algo.cli.serve import RAY_LOOPBACK_ENV
     from benchmarks import bench_serve
 
-    monkeypatch.delenv(RAY_LOOPBACK_ENV, raising=False)  # restored afterwards: the benchmark starts Ray on loopback
+    # The benchmark starts Ray on loopback as `arpo serve` does, which sets the variable and Ray's constant in this
+    # process: both are put back afterwards (setenv first, so that the undo knows the variable was unset), or every
+    # multi-node test after this one would start nodes that refuse to form a cluster.
+    monkeypatch.setenv(RAY_LOOPBACK_ENV, "1")
+    monkeypatch.delenv(RAY_LOOPBACK_ENV)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
     if ray.is_initialized():
         ray.shutdown()
     out = tmp_path / "serve.json"

@@ -5,6 +5,7 @@ Host, a foreign Origin, a form post).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -253,17 +254,12 @@ def test_a_route_prefix_is_refused_and_opens_nothing(server, tmp_path):
     key_file.write_text(KEY)
     security = Security(key_file=str(key_file), port=server["port"])
     try:
-        serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
-        deadline = time.monotonic() + 240
-        while True:
-            app = serve.status().applications.get("prefixed")
-            if app is not None and app.status == "DEPLOY_FAILED":
-                break
-            assert time.monotonic() < deadline, f"the prefixed application did not fail: {app}"
-            for path in ("/p/health", "/p/v1/models"):  # never served while it tries
-                assert request(server, "GET", path, headers={"Authorization": f"Bearer {KEY}"})[0] != 200
-            time.sleep(1)
-        assert "route_prefix '/p'" in app.message and "route_prefix: /" in app.message, app.message
+        with pytest.raises(RuntimeError, match="Deploying application prefixed failed"):
+            serve.run(build_app(specs, security, num_cpus=0.1), name="prefixed", route_prefix="/p", blocking=False)
+        app = serve.status().applications["prefixed"]
+        assert app.status == "DEPLOY_FAILED"
+        why = app.deployments["arpo_agents"].message  # the replica's own error, as `serve status` shows it
+        assert "route_prefix '/p'" in why and "route_prefix: /" in why, why
         for auth in (None, f"Bearer {KEY}"):
             for method, path in (("POST", "/p/v1/chat/completions"), ("GET", "/p/v1/models"), ("GET", "/p/")):
                 body = json.dumps(chat_body()).encode() if method == "POST" else None
@@ -427,7 +423,8 @@ def test_an_oversized_chunked_body_is_cut_at_the_limit(server):
                 break
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-        s.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):  # the server may have closed the connection already
+            s.shutdown(socket.SHUT_RDWR)
     finally:
         s.close()
         pusher.join(60)

@@ -365,11 +365,15 @@ def test_overrides_read_toml_literals_and_name_the_closest_section(tmp_path):
     assert err.value.hint == "did you mean 'rollouts'?"
 
 
-def test_a_replaced_key_names_its_replacement(tmp_path):
-    """training.bf16 became training.precision: the error says so instead of guessing a near name."""
-    with pytest.raises(ConfigError, match="unknown key 'bf16'") as err:
-        load_experiment(write(tmp_path, BASE), ["training.bf16=true"])
-    assert 'precision = "bf16"' in err.value.hint
+def test_a_peft_key_gets_its_reason_only_in_model_lora(tmp_path):
+    """PEFT's `bias` in [model.lora] is refused with the reason arpo does not take it; the same word in another table
+    is an ordinary unknown key (before, every table's `bias` got the LoRA explanation)."""
+    with pytest.raises(ConfigError, match="unknown key 'bias'") as err:
+        load_experiment(write(tmp_path, BASE), ["model.lora.bias=\"all\""])
+    assert "adapter matrices only" in err.value.hint
+    with pytest.raises(ConfigError, match="unknown key 'bias'") as err:
+        load_experiment(write(tmp_path, BASE), ["training.bias=true"])
+    assert "lora" not in err.value.hint and "valid keys" in err.value.hint
 
 
 def test_total_steps_is_derived_from_the_iterations(tmp_path):
