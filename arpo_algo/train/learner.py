@@ -314,8 +314,10 @@ class Learner:
         self.model.eval()
         with self._weights_of(behaviour_weights):
             current = self._score(self.model, batches)
-        # what the tree recorder keeps of this update: the same pre-step log-probs, per sequence (rollouts.record_*)
-        self.scored_logprobs = per_token(batches, current, [len(s.response) for s in seqs])
+        # what the tree recorder may read of this update (the same pre-step log-probs): kept as tensors, laid out per
+        # token only when read (scored_logprobs), so an update the recorder skips pays nothing for it
+        self._scored = ([(b.pair_seq, b.pair_pos, cur) for b, cur in zip(batches, current) if b.pair_pos is not None],
+                        [len(s.response) for s in seqs])
         mismatch = self._rollout_mismatch(batches, current)
         no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
         if not signal and no_loss_without_signal:
@@ -392,6 +394,12 @@ class Learner:
             yield
         finally:
             self.model.load_state_dict(own, strict=strict)
+
+    @property
+    def scored_logprobs(self) -> list[list[float]] | None:
+        """The last update's pre-step log-probs per sequence and response token (:func:`per_token`); None before it."""
+        scored = getattr(self, "_scored", None)
+        return None if scored is None else per_token(*scored)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights an update can change: the whole state dict, or with LoRA the adapter tensors only (the base

@@ -63,15 +63,14 @@ def local_sums(batches: list[Any], current: list[torch.Tensor], tail_diff: float
     return s
 
 
-def per_token(batches: list[Any], current: list[torch.Tensor], lengths: list[int]) -> list[list[float]]:
-    """The learner's log-probs of ``current`` laid out per sequence and response token (NaN where it scored none:
-    a tool-result token, or a shared token merged into another trajectory's pair), for the tree recorder. It reads
-    what the update already computed; no forward pass is added."""
+def per_token(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], lengths: list[int]) -> list[list[float]]:
+    """The learner's log-probs laid out per sequence and response token (NaN where it scored none: a tool-result
+    token, or a shared token merged into another trajectory's pair), for the tree recorder. ``parts``: per micro-batch
+    its pairs' sequence, response position and scored log-prob, what the update already computed (no forward pass is
+    added)."""
     out = [[math.nan] * n for n in lengths]
-    for b, cur in zip(batches, current):
-        if b.pair_pos is None:
-            continue
-        for seq, pos, v in zip(b.pair_seq.tolist(), b.pair_pos.tolist(), cur.float().tolist()):
+    for seqs, positions, cur in parts:
+        for seq, pos, v in zip(seqs.tolist(), positions.tolist(), cur.float().tolist()):
             out[seq][pos] = v
     return out
 
