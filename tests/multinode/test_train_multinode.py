@@ -9,6 +9,7 @@ import sys
 import time
 
 from arpo_algo.train.learner_config import MISMATCH_LEVELS
+from tests.multinode.background import Background
 
 RUN_TIMEOUT_S = 420
 
@@ -60,10 +61,11 @@ every = 0
     return str(p)
 
 
-def arpo(cluster, *args: str, wait: bool = True):
+def arpo(cluster, *args: str, log=None):
+    """Run ``arpo ARGS`` on the cluster to its end, or beside the test with its output in ``log``."""
     cmd = [sys.executable, "-m", "arpo_algo.cli", *args]
-    if not wait:
-        return subprocess.Popen(cmd, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if log is not None:
+        return Background(cmd, cluster.env(), log)
     return subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
@@ -113,22 +115,22 @@ def test_worker_node_lost_mid_iteration(cluster, tiny_model_dir, tmp_path):
     # iterations long enough (several seconds of sampling) that the kill lands inside iteration 2
     exp = write_experiment(tmp_path, tiny_model_dir, 3, "[{node_a = 1}, {node_b = 1}]", prompts=4, tokens=64)
     out = tmp_path / "run"
-    proc = arpo(cluster, "train", exp, "--output", str(out), "--no-progress", wait=False)
+    run = arpo(cluster, "train", exp, "--output", str(out), "--no-progress", log=tmp_path / "train.log")
     try:
         first = out / "checkpoints" / "iter_000001"
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        while not first.is_dir() and run.running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert first.is_dir(), proc.stdout.read()[-5000:] if proc.poll() is not None else "no checkpoint in time"
+        assert first.is_dir(), (f"no checkpoint ({'exited' if not run.running() else 'in time'})\n"
+                                f"{run.output()[-5000:]}")
         # iteration 2 starts as soon as checkpoint 1 is published; rank 1 and any rollout actor on b die with it
         cluster.nodes["b"].kill()
         # a replacement node with the same resources joins, as a cluster manager would bring one up
         cluster.add_worker("b2", 2, {"node_b": 1.0, "worker": 2.0})
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        output = run.finish(RUN_TIMEOUT_S, "the run after its node was lost")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-6000:]
+        run.stop()
+    assert run.proc.returncode == 0, output[-6000:]
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # exactly one line per iteration
     result = json.loads((out / "result.json").read_text())

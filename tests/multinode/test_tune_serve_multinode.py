@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 from arpo_algo.run.local_cluster import free_ports
+from tests.multinode.background import Background
 
 RUN_TIMEOUT_S = 420
 #: Enough iterations after the first result that the node is lost while its trial still runs.
@@ -80,10 +81,11 @@ max_failures = {max_failures}
     return str(p)
 
 
-def arpo(cluster, *args: str, wait: bool = True):
+def arpo(cluster, *args: str, log=None):
+    """Run ``arpo ARGS`` on the cluster to its end, or beside the test with its output in ``log``."""
     cmd = [sys.executable, "-m", "arpo_algo.cli", *args]
-    if not wait:
-        return subprocess.Popen(cmd, env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if log is not None:
+        return Background(cmd, cluster.env(), log)
     return subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
@@ -121,11 +123,11 @@ def test_trial_placement_the_cluster_cannot_satisfy_is_refused(cluster, tiny_mod
 def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluster, tiny_model_dir, tmp_path):
     sweep = write_sweep(tmp_path, tiny_model_dir, "[{node_a = 1}, {node_b = 1}]")
     out = tmp_path / "out"
-    proc = arpo(cluster, "tune", sweep, "--output", str(out), wait=False)
+    run = arpo(cluster, "tune", sweep, "--output", str(out), log=tmp_path / "tune.log")
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         trial_a = None
-        while proc.poll() is None and time.monotonic() < deadline:
+        while run.running() and time.monotonic() < deadline:
             trial_a = trials_by_node(out).get("node_a") if (out / "arpo").is_dir() else None
             # two results, not one: the checkpoint Tune saves after a result is only known to the controller once
             # the trial's actor has run that save, which it does before the next iteration's result
@@ -133,7 +135,8 @@ def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluste
                 break
             time.sleep(0.2)
         assert trial_a is not None and len(iterations(trial_a)) >= 2, (
-            proc.stdout.read()[-5000:] if proc.poll() is not None else "no result from the node_a trial in time")
+            f"no second result from the node_a trial ({'exited' if not run.running() else 'in time'})\n"
+            f"{run.output()[-5000:]}")
         done_before_kill = iterations(trial_a)
         # the trial's own process (the Algorithm and its learner) runs on the node offering node_a: it dies with it
         [node_a] = [n for n in cluster.nodes.values() if n.alive and "node_a" in n.resources]
@@ -142,11 +145,10 @@ def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluste
         lost = kill_node_offering(cluster, "node_a")
         # a replacement offering the same resources joins, as a cluster manager would bring one up
         cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        output = run.finish(RUN_TIMEOUT_S, "the sweep after its node was lost")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-6000:]
+        run.stop()
+    assert run.proc.returncode == 0, output[-6000:]
     trials = trials_by_node(out)
     assert set(trials) == {"node_a", "node_b"}  # one trial pinned to each worker node
     rows = {r["trial"]: r for r in csv.DictReader((out / "results.csv").open())}
@@ -202,6 +204,16 @@ def chat(port: int) -> tuple[int, str | None, str]:
             return r.status, None, ""
     except urllib.error.HTTPError as e:
         return e.code, e.headers.get("Retry-After"), e.read().decode(errors="replace")[:300]
+    except OSError as e:  # no answer at all (reset, refused, timed out): status 0, so the client keeps counting
+        return 0, None, repr(e)
+
+
+def wait_for_statuses(statuses: list, n: int) -> None:
+    """Until the clients have ``n`` answers; every request ends within REQUEST_TIMEOUT_S, so this is bounded."""
+    deadline = time.monotonic() + 2 * REQUEST_TIMEOUT_S + 0.05 * n
+    while len(statuses) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(statuses) >= n, f"{len(statuses)} of {n} answers in time: {statuses[-5:]}"
 
 
 def test_replicas_the_cluster_cannot_place_are_refused(cluster, tiny_model_dir):
@@ -213,10 +225,10 @@ def test_replicas_the_cluster_cannot_place_are_refused(cluster, tiny_model_dir):
     assert "Traceback" not in r.stderr and "serving" not in r.stdout
 
 
-def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model_dir):
+def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model_dir, tmp_path):
     [port] = free_ports(1)
-    proc = subprocess.Popen(serve_cmd(cluster, tiny_model_dir, port, '{"worker": 1}'), env=cluster.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    served = Background(serve_cmd(cluster, tiny_model_dir, port, '{"worker": 1}'), cluster.env(),
+                        tmp_path / "serve.log")
     statuses: list[tuple[int, str | None, str]] = []
     stop = threading.Event()
 
@@ -225,21 +237,20 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
             statuses.append(chat(port))
 
     try:
-        line = ""
-        while proc.poll() is None and not line.startswith("serving"):
-            line = proc.stdout.readline()
-        assert line.startswith("serving"), proc.stdout.read()[-5000:]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while served.running() and time.monotonic() < deadline and not any(
+                x.startswith("serving") for x in served.output().splitlines()):
+            time.sleep(0.5)
+        assert any(x.startswith("serving") for x in served.output().splitlines()), (
+            f"not serving ({'exited' if not served.running() else 'in time'})\n{served.output()[-5000:]}")
         where = replica_nodes(cluster)
         assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # one per worker, none on the head
         clients = [threading.Thread(target=client) for _ in range(2)]
         for c in clients:
             c.start()
-        while len(statuses) < 4:
-            time.sleep(0.05)
+        wait_for_statuses(statuses, 4)
         lost = kill_node_offering(cluster, "node_a")
-        seen = len(statuses)
-        while len(statuses) < seen + 20:  # requests sent while the node's loss is noticed, and after
-            time.sleep(0.05)
+        wait_for_statuses(statuses, len(statuses) + 20)  # requests sent while the node's loss is noticed, and after
         cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and len(where := replica_nodes(cluster)) < 2:
@@ -271,8 +282,8 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
         assert streak == 8, f"no steady answers after {tries} requests (last: {code})"
     finally:
         stop.set()
-        proc.terminate()
+        served.proc.terminate()
         try:
-            proc.wait(timeout=60)
+            served.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            served.stop()
