@@ -181,11 +181,12 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
         lines.append(f"| {name} | " + " | ".join(f"{r['diag'][k]:.2f}" for k in DIAGNOSTICS) + " |")
     if pairs:
         lines += ["", "Final accuracy minus the baseline's, paired by seed:", "",
-                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | per seed |",
-                  "|---|---|---|---|---|"]
+                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | exact Wilcoxon p "
+                  "| per seed |", "|---|---|---|---|---|---|"]
         for name, p in pairs.items():
             per = ", ".join(f"{s}: {d:+.3f}" for s, d in p["per_seed"].items())
-            lines.append(f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} | {per} |")
+            lines.append(f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} "
+                         f"| {p['wilcoxon_p']:.3f} | {per} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "report.json").write_text(json.dumps({"summary": rep, "paired": pairs, "runs": runs}, indent=2,
                                                 default=str))
@@ -284,7 +285,10 @@ def finished_runs(output: Path, seeds: list[int] | None) -> dict[str, dict[int, 
 
 
 def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
-    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse)."""
+    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse,
+    the exact two-sided Wilcoxon signed-rank p-value)."""
+    from studies.study_report import wilcoxon  # it imports this module's stats
+
     base = rep[baseline]["per_seed"]
     out = {}
     for name, r in rep.items():
@@ -292,7 +296,8 @@ def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
         if common:
             d = [r["per_seed"][s]["after"] - base[s]["after"] for s in common]
             out[name] = {"seeds": common, "diff": stats(d), "better": sum(x > 0 for x in d),
-                         "worse": sum(x < 0 for x in d), "per_seed": dict(zip(common, d))}
+                         "worse": sum(x < 0 for x in d), "wilcoxon_p": wilcoxon(d)[0],
+                         "per_seed": dict(zip(common, d))}
     return out
 
 

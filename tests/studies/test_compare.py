@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from studies.compare import main, stats
+from studies.compare import main, paired, stats
 from tests.arpo_algo.run.test_train_cli import write_experiment
 
 TIMING = ("time", "_s", "tokens_per_s", "timers/", "rollout/engine/")
@@ -104,6 +104,8 @@ def test_named_variants_share_an_output_and_report_paired_differences(tiny_model
     pair = report["paired"]["tiny+lr0"]
     after = {n: r["per_seed"]["0"]["after"] for n, r in report["summary"].items()}
     assert pair["seeds"] == [0] and pair["per_seed"]["0"] == after["tiny+lr0"] - after["tiny"]
+    # one pair: the exact two-sided p is 1 (a tie dropped, or 2 x 1/2 for a single non-zero difference)
+    assert pair["wilcoxon_p"] == 1.0
     assert "paired by seed" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["--report-only", "--output", str(out), "--baseline", "nope"]) == 2
@@ -135,3 +137,16 @@ def test_the_comparison_files_train_the_quickstarts_rl_stage():
                 drop = may_differ.get(section, set())
                 assert ({k: v for k, v in cfg[section].items() if k not in drop}
                         == {k: v for k, v in quick[section].items() if k not in drop}), (algo + suffix, section)
+
+
+def test_paired_differences_carry_the_exact_wilcoxon_p():
+    # five seeds, every one better: the smallest two-sided p five pairs can give, 2 / 2^5
+    base = {s: {"after": 0.5} for s in range(5)}
+    rep = {"grpo": {"per_seed": base},
+           "aepo": {"per_seed": {s: {"after": 0.5 + 0.1 * (s + 1)} for s in range(5)}},
+           "mixed": {"per_seed": {s: {"after": 0.5 + (0.1 if s % 2 else -0.1) * (s + 1)} for s in range(5)}}}
+    pairs = paired(rep, "grpo")
+    assert set(pairs) == {"aepo", "mixed"}
+    assert pairs["aepo"]["wilcoxon_p"] == 2 / 2 ** 5 and pairs["aepo"]["better"] == 5
+    # ranks 1..5 with signs - + - + -: W+ = 2 + 4 = 6, and 13 of the 32 sign patterns have a rank sum <= 6
+    assert pairs["mixed"]["wilcoxon_p"] == 2 * 13 / 32 and (pairs["mixed"]["better"], pairs["mixed"]["worse"]) == (2, 3)
