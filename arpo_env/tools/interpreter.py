@@ -34,6 +34,7 @@ from typing import Any
 
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
 from arpo_env.tools.interpreter_child import LOOP
+from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
     READY,
     SETUP,
@@ -100,35 +101,12 @@ def sample_interpreter_memory() -> int:
     """The summed proportional set size (PSS, bytes) of every process in this process's live interpreters' sandboxes
     now (zygotes, interpreters and whatever they started; PSS splits a page shared by forks between them, so the
     copy-on-write pages of a fork count once in the sum), kept as the peak :func:`interpreter_metrics` reports.
-    One scan of ``/proc`` plus one ``smaps_rollup`` per sandbox process: call it at a few chosen points (the tree
-    sampler: once per decoding round), not per tool call. 0 when no interpreter is live."""
+    One scan of ``/proc`` plus one ``smaps_rollup`` per sandbox process (:func:`arpo_env.tools.proc_memory.tree_pss`):
+    call it at a few chosen points (the tree sampler: once per decoding round), not per tool call. 0 when no
+    interpreter is live."""
     with _LIVE_LOCK:
         roots = {t.proc.pid for t in list(_TREES) if t.proc is not None and not t.dead}
-    if not roots:
-        return 0
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # the process ended during the scan
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm)": state, then ppid
-        children.setdefault(ppid, []).append(int(name))
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, ()))
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Pss:"):
-                        total += int(line.split()[1]) << 10  # kB
-                        break
-        except (OSError, ValueError):  # ended since the scan: it holds nothing now
-            continue
+    total = tree_pss(roots)
     with _LIVE_LOCK:
         _STATS["pss"] = max(_STATS["pss"], total)
     return total
@@ -223,19 +201,14 @@ class _Tree:
     def branch(self, parent: _Branch | None) -> _Branch:
         """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote."""
         with self.lock:
-            try:
-                if self.dead:
-                    raise ForkError("the interpreter's sandbox has ended", hint="start a new trajectory")
-                _reserve(self.tool.max_interpreters)
-            except ForkError:
-                _count_failed(parent)
-                raise
+            if self.dead:
+                raise ForkError("the interpreter's sandbox has ended", hint="start a new trajectory")
+            _reserve(self.tool.max_interpreters)
             try:
                 b = self._fork(parent)
             except BaseException:
                 with _LIVE_LOCK:
                     _LIVE["n"] -= 1
-                _count_failed(parent)
                 raise
             self.members += 1
             return b
@@ -323,12 +296,6 @@ class _Tree:
         if self.uid is not None:
             uid_pool(self.tool.uid_base).put(self.uid)
             self.uid = None
-
-
-def _count_failed(parent: _Branch | None) -> None:
-    if parent is not None:  # a fork, not a fresh start: what rollout/interpreter_forks_failed counts
-        with _LIVE_LOCK:
-            _STATS["failed"] += 1
 
 
 def _reserve(cap: int) -> None:
@@ -499,7 +466,12 @@ class Interpreter:
         parent = self._slot.branch
         if parent is None:
             return Interpreter(self.tool)
-        return Interpreter(self.tool, parent.tree.branch(parent))
+        try:
+            return Interpreter(self.tool, parent.tree.branch(parent))
+        except ForkError:  # every fork that could not be made (cap, dead tree, refused copy) is counted
+            with _LIVE_LOCK:
+                _STATS["failed"] += 1
+            raise
 
     @property
     def fork_s(self) -> float | None:
