@@ -16,7 +16,8 @@ The report (``report.md``, ``report.json``, plots, from :func:`studies.compare.w
 calls and generated tokens per solved held-out task before and after RL (the held-out run's calls, or its sampled
 tokens, divided by the tasks it solved), and the persistent arm's final accuracy minus the stateless arm's, paired by
 seed: mean, sd, 95% CI, seeds better / worse, and the two-sided exact Wilcoxon signed-rank p
-(:func:`studies.study_report.wilcoxon`; with 5 pairs the smallest p it can give is 0.0625).
+(:func:`studies.study_report.wilcoxon`; with 5 pairs the smallest p it can give is 0.0625); and each arm's
+persistent-interpreter figures during training (forks per step and their cost, the most live, their peak memory).
 """
 
 from __future__ import annotations
@@ -112,6 +113,22 @@ def per_solved(run_dir: str) -> dict[str, float | None]:
     return out
 
 
+def interpreter_figures(run_dir: str) -> dict[str, float] | None:
+    """A run's persistent-interpreter figures over its training steps (None for a run that started none): forks
+    per step, mean fork milliseconds, forks failed, and the largest live count and summed PSS (MB) of any step."""
+    from arpo_algo.run.driver import read_metrics
+
+    rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "rollout/interpreters_peak" in r]
+    if not rows:
+        return None
+    forks = sum(r["rollout/interpreter_forks"] for r in rows)
+    return {"forks_per_step": forks / len(rows),
+            "fork_ms": sum(r["rollout/interpreter_fork_ms_total"] for r in rows) / forks if forks else 0.0,
+            "forks_failed": sum(r["rollout/interpreter_forks_failed"] for r in rows),
+            "interpreters_peak": max(r["rollout/interpreters_peak"] for r in rows),
+            "pss_mb_peak": max(r["rollout/interpreter_pss_mb_peak"] for r in rows)}
+
+
 def _mean(xs: list[float | None]) -> str:
     kept = [x for x in xs if x is not None]
     return f"{sum(kept) / len(kept):.1f} ({len(kept)}/{len(xs)} seeds)" if kept else "none solved"
@@ -127,6 +144,15 @@ def stateful_section(runs: dict[str, dict[int, dict[str, Any]]], rep: dict[str, 
         col = {k: [c[k] for c in seeds.values()] for k in ("calls_before", "calls_after", "tokens_before",
                                                            "tokens_after")}
         lines.append(f"| {arm} | " + " | ".join(_mean(v) for v in col.values()) + " |")
+    figs = {arm: {s: interpreter_figures(r["output"]) for s, r in seeds.items()} for arm, seeds in runs.items()}
+    lines += ["", "Persistent interpreters during training (steps that started any), mean over seeds:", "",
+              "| arm | forks per step | fork ms | forks failed | most live at once | peak summed PSS (MB) |",
+              "|---|---|---|---|---|---|"]
+    for arm, seeds in figs.items():
+        kept = [f for f in seeds.values() if f is not None]
+        cells = [f"{sum(f[k] for f in kept) / len(kept):.1f}" if kept else "none"
+                 for k in ("forks_per_step", "fork_ms", "forks_failed", "interpreters_peak", "pss_mb_peak")]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     pairs = C.paired(rep, BASELINE) if BASELINE in rep else {}
     test: dict[str, Any] = {}
     for arm, p in pairs.items():
@@ -136,7 +162,7 @@ def stateful_section(runs: dict[str, dict[int, dict[str, Any]]], rep: dict[str, 
                   f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% CI ± {p['diff']['ci95']:.3f}), "
                   f"better / worse {p['better']} / {p['worse']} of {len(p['seeds'])}, two-sided Wilcoxon "
                   f"signed-rank p = {p_value:.3f} ({n_used} non-zero pairs)."]
-    return "\n".join(lines) + "\n", {"cost_per_solved": cost, "paired": pairs, "test": test}
+    return "\n".join(lines) + "\n", {"cost_per_solved": cost, "interpreters": figs, "paired": pairs, "test": test}
 
 
 def train(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:

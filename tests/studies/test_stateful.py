@@ -35,6 +35,7 @@ def test_the_study_wires_both_arms_end_to_end(tiny_model_dir, tmp_path, monkeypa
     assert "persistent minus stateless" in report and "Wilcoxon" in report
     extra = json.loads((out / "stateful.json").read_text())
     assert set(extra["cost_per_solved"]) == set(ARMS) and "persistent" in extra["test"]
+    assert extra["interpreters"]["stateless"] == {"0": None}  # the stateless arm never starts an interpreter
     stamp = (out / "persistent" / "seed_0" / "metrics.jsonl").stat().st_mtime_ns
     assert main(args) == 0  # everything finished: reused, nothing trained again
     assert (out / "persistent" / "seed_0" / "metrics.jsonl").stat().st_mtime_ns == stamp
@@ -56,3 +57,20 @@ def test_cost_per_solved_task_is_the_held_out_totals_over_the_tasks_solved(tmp_p
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = per_solved(str(tmp_path))
     assert got == {"calls_before": None, "tokens_before": None, "calls_after": 2.0 * 32 / 8, "tokens_after": 400.0}
+
+
+def test_interpreter_figures_sum_forks_over_steps_and_keep_the_largest_peaks(tmp_path):
+    from studies.stateful import interpreter_figures
+
+    def step(it, forks, ms_total, failed, peak, pss):
+        return {"iteration": it, "rollout/interpreter_forks": forks, "rollout/interpreter_fork_ms_total": ms_total,
+                "rollout/interpreter_forks_failed": failed, "rollout/interpreters_peak": peak,
+                "rollout/interpreter_pss_mb_peak": pss}
+
+    rows = [{"iteration": 0, "evaluation/accuracy": 0.0}, step(1, 4.0, 40.0, 0.0, 6.0, 90.0),
+            step(2, 0.0, 0.0, 1.0, 9.0, 70.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert interpreter_figures(str(tmp_path)) == {"forks_per_step": 2.0, "fork_ms": 10.0, "forks_failed": 1.0,
+                                                  "interpreters_peak": 9.0, "pss_mb_peak": 90.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert interpreter_figures(str(tmp_path)) is None
