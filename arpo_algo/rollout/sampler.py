@@ -154,7 +154,7 @@ class TreeSampler:
                                engine_stats=self.engine.stats(), timers=self._timers)
         from arpo_env.tools.interpreter import interpreter_metrics
 
-        metrics.update(interpreter_metrics())  # persistent interpreters' forks and peak count ({} without them)
+        metrics.update(interpreter_metrics())  # persistent interpreters' forks, count and memory ({} without them)
         return groups, metrics
 
     # -------------------------------------------------------------------------------------------------- set-up
@@ -186,6 +186,8 @@ class TreeSampler:
     # ------------------------------------------------------------------------------------------------ main loop
     def _run(self, prompts: list[PromptState], cfg: T.TreeConfig) -> None:
         """Decoding rounds until every path of every prompt has ended and every budget is spent."""
+        from arpo_env.tools.interpreter import live_interpreters, sample_interpreter_memory
+
         while True:
             live = [(ps, p) for ps in prompts for p in ps.paths if not p.done]
             if not live:
@@ -213,6 +215,8 @@ class TreeSampler:
                     self._spawn(ps, "fillup")
                 ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
             self._release_unused(prompts)
+            if live_interpreters():  # the round's calls and forks are done, its finished paths not yet closed
+                sample_interpreter_memory()
             _close_envs([p.env for p in ps.paths if p.done] for ps in prompts)  # a finished path holds no tool state
 
     def _path_seed(self, ps: PromptState, p: Path) -> int:

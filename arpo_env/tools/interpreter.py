@@ -34,6 +34,7 @@ from typing import Any
 
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
 from arpo_env.tools.interpreter_child import LOOP
+from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
     READY,
     SETUP,
@@ -57,9 +58,12 @@ STATE_LOST = ("The Python interpreter was stopped: its variables, imports and fi
               "a fresh interpreter.")
 _START_TIMEOUT_S = 60.0
 _LIVE = {"n": 0}
-# Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, the most live at once.
-_STATS = {"forks": 0, "fork_s": 0.0, "peak": 0}
+# Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, forks that could not be
+# made, the most live at once, and the largest summed PSS (bytes) that sample_interpreter_memory() saw.
+_STATS = {"forks": 0, "fork_s": 0.0, "failed": 0, "peak": 0, "pss": 0}
 _LIVE_LOCK = threading.Lock()
+# Every tree whose sandbox is up (a tree leaves it in _teardown): what sample_interpreter_memory() measures.
+_TREES: weakref.WeakSet = weakref.WeakSet()
 # Sandboxes are started from this one long-lived thread: bwrap's --die-with-parent follows the thread that started
 # it, and a persistent sandbox must outlive the worker thread of the call that happened to start it.
 _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-interpreters")
@@ -76,16 +80,36 @@ def live_interpreters() -> int:
 
 
 def interpreter_metrics() -> dict[str, float]:
-    """This process's persistent-interpreter figures since the previous call (``{}`` when none ran): forks made,
-    their mean milliseconds, and the most interpreters live at once. The tree sampler adds them to each step's
-    metrics."""
+    """This process's persistent-interpreter figures since the previous call (``{}`` when none ran, so a stateless
+    run logs nothing new): forks made, their total and mean milliseconds, forks that could not be made, the most
+    interpreters live at once, and the largest summed PSS of their sandboxes' processes in MB that
+    :func:`sample_interpreter_memory` saw (0 when it was not called). The tree sampler adds them to each step's
+    metrics (docs/concepts/stateful-tools.md)."""
     with _LIVE_LOCK:
         stats = dict(_STATS)
-        _STATS.update(forks=0, fork_s=0.0, peak=_LIVE["n"])
-    if not stats["peak"]:
+        _STATS.update(forks=0, fork_s=0.0, failed=0, peak=_LIVE["n"], pss=0)
+    if not stats["peak"] and not stats["failed"]:
         return {}
     return {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
-            "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0}
+            "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0,
+            "rollout/interpreter_fork_ms_total": 1e3 * stats["fork_s"],
+            "rollout/interpreter_forks_failed": float(stats["failed"]),
+            "rollout/interpreter_pss_mb_peak": stats["pss"] / (1 << 20)}
+
+
+def sample_interpreter_memory() -> int:
+    """The summed proportional set size (PSS, bytes) of every process in this process's live interpreters' sandboxes
+    now (zygotes, interpreters and whatever they started; PSS splits a page shared by forks between them, so the
+    copy-on-write pages of a fork count once in the sum), kept as the peak :func:`interpreter_metrics` reports.
+    One scan of ``/proc`` plus one ``smaps_rollup`` per sandbox process (:func:`arpo_env.tools.proc_memory.tree_pss`):
+    call it at a few chosen points (the tree sampler: once per decoding round), not per tool call. 0 when no
+    interpreter is live."""
+    with _LIVE_LOCK:
+        roots = {t.proc.pid for t in list(_TREES) if t.proc is not None and not t.dead}
+    total = tree_pss(roots)
+    with _LIVE_LOCK:
+        _STATS["pss"] = max(_STATS["pss"], total)
+    return total
 
 
 def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
@@ -127,6 +151,8 @@ class _Tree:
         except BaseException:
             self._teardown()
             raise
+        with _LIVE_LOCK:
+            _TREES.add(self)
 
     def _start(self) -> None:
         t = self.tool
@@ -257,6 +283,8 @@ class _Tree:
             self.group.close()
 
     def _teardown(self) -> None:
+        with _LIVE_LOCK:
+            _TREES.discard(self)
         self._kill_all()
         if self.ctl is not None:
             self.ctl.close()
@@ -438,7 +466,12 @@ class Interpreter:
         parent = self._slot.branch
         if parent is None:
             return Interpreter(self.tool)
-        return Interpreter(self.tool, parent.tree.branch(parent))
+        try:
+            return Interpreter(self.tool, parent.tree.branch(parent))
+        except ForkError:  # every fork that could not be made (cap, dead tree, refused copy) is counted
+            with _LIVE_LOCK:
+                _STATS["failed"] += 1
+            raise
 
     @property
     def fork_s(self) -> float | None:

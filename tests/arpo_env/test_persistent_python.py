@@ -16,7 +16,7 @@ from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.core import ToolTextEnv
 from arpo_env.session import ToolSession
 from arpo_env.tools import build_tools
-from arpo_env.tools.interpreter import ForkError, live_interpreters
+from arpo_env.tools.interpreter import ForkError, interpreter_metrics, live_interpreters, sample_interpreter_memory
 from arpo_env.tools.python_tool import PythonTool
 from arpo_env.tools.sandbox import SandboxError, ToolCancelled, cancel_scope
 
@@ -195,6 +195,25 @@ def test_live_interpreters_are_capped(tool):
         c.clone().step("<python>z</python>")
     s.close()
     c.close()
+
+
+def test_a_fork_that_cannot_be_made_is_counted():
+    """A fork refused by the live-interpreter cap counts in rollout/interpreter_forks_failed (and no fork is made)."""
+    _need_bwrap()
+    interpreter_metrics()  # start from a clean count
+    tool = PythonTool(backend="bwrap", persistent=True, max_interpreters=1)
+    interp = tool.open_interpreter()
+    try:
+        assert interp(code="x = list(range(10**6))").error is False
+        assert sample_interpreter_memory() > 20 << 20  # a million ints: well over 20 MB, counted
+        with pytest.raises(ForkError):
+            interp.fork()
+    finally:
+        interp.close()
+    assert sample_interpreter_memory() == 0 and live_interpreters() == 0
+    metrics = interpreter_metrics()
+    assert metrics["rollout/interpreter_forks_failed"] == 1 and metrics["rollout/interpreter_forks"] == 0
+    assert metrics["rollout/interpreter_pss_mb_peak"] > 20
 
 
 def test_refusals_are_clear(tmp_path):

@@ -60,7 +60,26 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     assert counted >= 2
     assert any(t.kind == "branch" and len(t.tool_calls) >= 2 for t in trajs.values())
     assert metrics["rollout/interpreter_forks"] >= 1 and metrics["rollout/interpreter_fork_ms"] > 0
+    assert metrics["rollout/interpreter_fork_ms_total"] == pytest.approx(
+        metrics["rollout/interpreter_fork_ms"] * metrics["rollout/interpreter_forks"])
+    assert metrics["rollout/interpreter_forks_failed"] == 0
     assert 1 <= metrics["rollout/interpreters_peak"] <= len(trajs) + 1
+    # Sampled once per round with the round's interpreters live: at least one fresh interpreter's worth (several MB).
+    assert 2 <= metrics["rollout/interpreter_pss_mb_peak"] < 50 * metrics["rollout/interpreters_peak"]
+
+
+def test_a_stateless_step_reports_no_interpreter_figures(counter_dir):
+    engine = HFEngine(counter_dir, dtype="float32", seed=0)
+    tree = TreeConfig(budget=2, initial=2, branch_factor=1)
+    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools={"python": {}},
+                                                                  max_tool_calls=1),
+                                      tree, RolloutsConfig(max_response_tokens=120), seed=0)
+    try:
+        _, metrics = sampler.sample([0], step=0)
+    finally:
+        sampler.close()
+    assert metrics["rollout/tool_calls"] >= 1  # the stateless tool ran, and logged nothing about interpreters
+    assert not [k for k in metrics if "interpreter" in k]
 
 
 def test_a_served_request_has_one_interpreter_per_choice_ended_with_it(counter_dir):
