@@ -37,8 +37,24 @@ def tool(request) -> PythonTool:
     return PythonTool(backend=request.param, persistent=True, timeout_s=3, max_interpreters=16, fork_copy_mb=4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_tmp():
+    """The module's sandboxes make their scratch folders in a temp dir of their own, so the leftover check below
+    counts only this module's folders, never those of other jobs on the machine (a training run's interpreters)."""
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="arpo-test-tmp-")
+    os.chmod(root, 0o711)  # sandbox uids traverse it to reach their own scratch folder, and list nothing
+    saved, tempfile.tempdir = tempfile.tempdir, root
+    try:
+        yield root
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
-def no_leftovers():
+def no_leftovers(private_tmp):
     """Every test ends with no live interpreter, no process of a sandbox uid and no scratch folder of its own."""
     before = set(_scratch_dirs())
     yield
@@ -63,8 +79,7 @@ def _sandbox_processes(lo: int = 62_000, hi: int = 62_256) -> list[int]:
 def _scratch_dirs() -> list[str]:
     import tempfile
 
-    root = tempfile.gettempdir()
-    return [n for n in os.listdir(root) if n.startswith("arpo-py-")]
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("arpo-py-")]
 
 
 def _session(tool: PythonTool) -> ToolSession:
