@@ -164,10 +164,10 @@ class AgenticRLAlgorithm(Algorithm):
                 return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
                                     **settings)
             settings["device"] = rollouts.device
-            lora = cfg.settings.model.lora
-            if lora.enabled:  # its own copy: the learner's adapter layout, filled by adapter-only syncs
-                settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
-                                    "target_modules": list(self.learner.lora_targets)}
+        lora = cfg.settings.model.lora
+        if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
+            settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
+                                "target_modules": list(self.learner.lora_targets)}
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,
