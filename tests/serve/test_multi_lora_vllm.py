@@ -29,6 +29,7 @@ def folders(tmp_path_factory):
     base = build_tiny_model(root / "base", num_layers=2, hidden_size=256, seed=0)
     return {"base": base, "a": build_tiny_adapter(base, root / "a", rank=4, seed=1),
             "b": build_tiny_adapter(base, root / "b", rank=8, seed=2),
+            "c": build_tiny_adapter(base, root / "c", rank=4, seed=5),
             "wide": build_tiny_adapter(base, root / "wide", rank=16, seed=3)}
 
 
@@ -87,6 +88,21 @@ def test_an_adapter_above_the_engines_max_lora_rank_is_refused_and_nothing_chang
         agent_set.apply(_specs(folders, ["a", "b", "wide"]))
     assert "max_lora_rank" in e.value.hint
     assert agent_set.agents == served and set(agent_set.shared.engine.adapters) == {"adapter_0", "adapter_1"}
+
+
+def test_an_agent_added_live_beyond_max_loras_is_served(agent_set, folders):
+    before = {name: _answer(agent_set.agents[name]) for name in ("a", "b")}
+    agent_set.apply(_specs(folders, ["a", "b", "c"]))  # a third adapter on an engine started with 2 LoRA slots
+    assert agent_set.agents["c"].front is agent_set.shared.front
+    alone_c = _answer(agent_set.agents["c"])
+    together: dict[str, list[int]] = {}
+    threads = [threading.Thread(target=lambda n=n: together.__setitem__(n, _answer(agent_set.agents[n])))
+               for n in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == {**before, "c": alone_c} and alone_c not in (before["a"], before["b"])
 
 
 def test_a_rank_vllm_cannot_serve_is_refused_before_anything_starts(tmp_path):
