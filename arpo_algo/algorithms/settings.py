@@ -27,7 +27,7 @@ from typing import Any
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
-from arpo_algo.models.lora import LoraSettings
+from arpo_algo.models.lora import LoraSettings, is_adapter_folder
 from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
 from arpo_algo.train.backend_config import BackendConfig
@@ -129,6 +129,13 @@ class Settings:
                               hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)")
         if self.model.lora.enabled and self.rollouts.engine == "vllm":
             vllm_lora_rank(self.model.lora.rank)  # a rank vLLM cannot serve (0 too), refused naming the ones it can
+        if self.rollouts.engine == "vllm" and isinstance(self.model.path, str) and is_adapter_folder(self.model.path):
+            # Invariant: vLLM samples from the weights the learner starts from; the learner merges an adapter
+            # folder into its base, which vLLM cannot load as a model, so this is refused before the learner loads.
+            raise ConfigError(f"model.path {self.model.path} is a LoRA adapter folder, which the vLLM engine cannot "
+                              "load as its model", hint="merge it first (arpo export --merge <folder> --output "
+                                                        "<merged>) and train from the merged folder, or use "
+                                                        "rollouts.engine = 'hf'")
         self.model.lora.validate(rl=True, where="[model.lora]")
         if self.model.lora.enabled:
             _check_lora(self)

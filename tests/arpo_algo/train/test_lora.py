@@ -63,6 +63,16 @@ def test_a_rank_vllm_cannot_serve_is_refused_naming_the_ones_it_can(rank):
     assert "1, 8, 16, 32, 64, 128, 256, 320, 512" in str(e.value) and "between 1 and 512" in e.value.hint
 
 
+@pytest.mark.parametrize("lora", [LORA, {}], ids=["lora", "full_weights"])
+def test_an_adapter_folder_as_the_vllm_engines_model_is_refused_before_anything_loads(tmp_path, lora):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    s = Settings().update({"model.path": str(tmp_path), **lora, **VLLM})
+    with pytest.raises(ConfigError, match="is a LoRA adapter folder, which the vLLM engine cannot load") as e:
+        s.validate()
+    assert "arpo export --merge" in e.value.hint
+    Settings().update({"model.path": str(tmp_path), **lora}).validate()  # the HF engine merges it
+
+
 @pytest.mark.parametrize("rank, engine_rank", [(1, 1), (2, 8), (16, 16), (17, 32), (300, 320), (512, 512)])
 def test_lora_trains_on_vllm_with_the_smallest_max_lora_rank_that_holds_the_rank(rank, engine_rank):
     from arpo_algo.rollout.engines.config import vllm_lora_rank
