@@ -396,7 +396,7 @@ class VLLMEngine:
             raise ArpoError(f"vLLM did not load the adapter from {folder}")
         # rollouts only name it: with load_inplace a request would re-read the folder at every scheduling step
         self._requests[None] = LoRARequest(TRAINED_ADAPTER, lora_id, str(folder))
-        self.llm.reset_prefix_cache()  # blocks are hashed by adapter id, which stays: cached prefixes are stale
+        self.llm.reset_prefix_cache()  # blocks are hashed by adapter name, which stays: cached ones are stale
         self._stats["weight_loads"] += 1
         self._stats["weight_push_bytes"] += (folder / "adapter_model.safetensors").stat().st_size
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
