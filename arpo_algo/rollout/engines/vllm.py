@@ -81,7 +81,7 @@ from arpo_base.errors import ArpoError, ConfigError
 REFERENCE_TOPK = 10
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 TRANSPORTS = ("auto", "shm", "bytes")
-#: vLLM's adapter name (and id) for the adapter a training run syncs into the engine.
+#: The name under which vLLM holds the adapter a training run syncs into the engine.
 TRAINED_ADAPTER = "arpo_policy"
 _ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
