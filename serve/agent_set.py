@@ -50,16 +50,18 @@ class AgentSet:
         self.agents: dict[str, Any] = {}
         self.shared: Any = None  # the base the adapter agents share (serve.runtime.SharedBase), once one is served
 
-    def new_agent(self, spec: AgentSpec) -> Any:
+    def new_agent(self, spec: AgentSpec, specs: list[AgentSpec] | None = None) -> Any:
         """An adapter agent (or a full-weight one whose weights are the adapters' base) joins the shared base, made
-        on first use; any other agent gets an engine of its own."""
+        on first use and sized (on vLLM) for the adapter agents of ``specs`` (default: :attr:`specs`); any other
+        agent gets an engine of its own."""
         from serve.runtime import Agent, SharedBase
 
         joins = spec.base or (self.shared is not None and spec.fingerprint == self.shared.fingerprint)
-        if not joins or spec.engine != "hf":
+        if not joins or spec.engine not in ("hf", "vllm"):
             return Agent(spec)
         if self.shared is None:
-            self.shared = SharedBase(spec.base, spec.fingerprint, spec.engine_settings)
+            adapters = [s for s in (specs or self.specs) if s.base and s.fingerprint == spec.fingerprint]
+            self.shared = SharedBase(spec.base, spec.fingerprint, spec.engine_settings, spec.engine, adapters)
         elif spec.base and spec.fingerprint != self.shared.fingerprint:
             raise ConfigError(f"agent {spec.name!r} is an adapter of the base {spec.fingerprint[:12]}..., but this "
                               f"replica's adapters run on the base {self.shared.fingerprint[:12]}...",
@@ -77,7 +79,7 @@ class AgentSet:
         loaded: dict[str, Any] = {}
         try:
             for spec in sorted((s for s in specs if s.name not in old or old[s.name] != s), key=lambda s: not s.base):
-                loaded[spec.name] = self.new_agent(spec)
+                loaded[spec.name] = self.new_agent(spec, specs)
         except Exception:
             for agent in loaded.values():
                 self.retire(agent)

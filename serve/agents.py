@@ -143,14 +143,27 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
             _check_session(own)
         base, fingerprint = weights_identity(folder)
         if base and engine == "vllm":
-            raise ConfigError(f"agent {name!r} is a LoRA adapter, which the vLLM engine does not serve yet",
-                              hint="serve adapters with --engine hf (many share one base there), or merge it "
-                                   "first: arpo export --merge")
+            check_vllm_rank(name, folder)
         specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
                                engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens,
                                max_tokens_limit=max_tokens_limit, base=base, fingerprint=fingerprint))
     check_one_base(specs)
     return specs
+
+
+def check_vllm_rank(name: str, folder: Path) -> int:
+    """An adapter agent's rank, refused (naming vLLM's allowed max_lora_rank values) when vLLM cannot serve it."""
+    from arpo_algo.models.lora import adapter_settings
+    from arpo_algo.rollout.engines.config import vllm_lora_rank
+
+    rank = adapter_settings(folder)[0].rank
+    try:
+        vllm_lora_rank(rank)
+    except ConfigError as e:
+        raise ConfigError(f"agent {name!r}: {e.message}",
+                          hint="serve it with --engine hf, or merge it first (arpo export --merge) and serve the "
+                               "merged folder") from None
+    return rank
 
 
 def weights_identity(folder: Path) -> tuple[str, str]:
@@ -260,7 +273,9 @@ def check_engine(engine: str, settings: dict[str, Any]) -> None:
 
         check_vllm_installed()
     params = inspect.signature(ENGINES[engine]().func).parameters
-    known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k != "model")
+    # what the replica decides from the agents (the shared module, the adapters and their sizing) is not a setting
+    decided = {"model", "lora", "adapters", "max_loras", "max_lora_rank"}
+    known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in decided)
     for key in settings:
         if key not in known:
             hint = ("vLLM schedules its own batches; drop max_batch_size with engine='vllm'"

@@ -324,17 +324,31 @@ class Agent:
 
 
 class SharedBase:
-    """One HF engine over the base model the adapter agents of a replica were trained on, behind one batching front:
-    every adapter agent is a named adapter in it, so requests of different agents decode in the same batches.
+    """One engine over the base model the adapter agents of a replica were trained on, behind one batching front:
+    every adapter agent is a named adapter in it, so requests of different agents decode in the same batches (HF:
+    PEFT's per-row adapters; vLLM: one LoRA request per agent).
+
+    vLLM fixes its LoRA capacity when it starts: ``max_loras`` = the adapter agents given (``adapters``, at least 1)
+    and ``max_lora_rank`` = the smallest value vLLM accepts that holds their largest rank. An agent added later with
+    a larger rank is refused by name; more agents than ``max_loras`` are served, fewer of them per batch.
 
     Invariant: the adapter names inside the engine are this object's own (``adapter_<n>``, never reused), so an
     agent removed and added again under its old name never meets the removed one's adapter or stored KV."""
 
-    def __init__(self, base: str, fingerprint: str, engine_settings: dict[str, Any]) -> None:
-        from arpo_algo.rollout.engines.hf import HFEngine
-
+    def __init__(self, base: str, fingerprint: str, engine_settings: dict[str, Any], engine: str = "hf",
+                 adapters: list[AgentSpec] | None = None) -> None:
         self.fingerprint = fingerprint
-        self.engine = HFEngine(base, adapters={}, **engine_settings)
+        if engine == "vllm":
+            from arpo_algo.models.lora import adapter_settings
+            from arpo_algo.rollout.engines.vllm import VLLMEngine
+
+            ranks = [adapter_settings(s.model_path)[0].rank for s in adapters or []]
+            self.engine: Any = VLLMEngine(base, adapters={}, max_loras=max(1, len(ranks)),
+                                          max_lora_rank=max(ranks or [1]), **engine_settings)
+        else:
+            from arpo_algo.rollout.engines.hf import HFEngine
+
+            self.engine = HFEngine(base, adapters={}, **engine_settings)
         if self.engine.base_fingerprint != fingerprint:
             raise ConfigError(f"the base model at {base} changed since the agents were resolved (weights "
                               f"fingerprint {self.engine.base_fingerprint[:12]}..., expected {fingerprint[:12]}...)",

@@ -164,10 +164,10 @@ class AgenticRLAlgorithm(Algorithm):
                 return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
                                     **settings)
             settings["device"] = rollouts.device
-            lora = cfg.settings.model.lora
-            if lora.enabled:  # its own copy: the learner's adapter layout, filled by adapter-only syncs
-                settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
-                                    "target_modules": list(self.learner.lora_targets)}
+        lora = cfg.settings.model.lora
+        if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
+            settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
+                                "target_modules": list(self.learner.lora_targets)}
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,
@@ -299,7 +299,7 @@ class AgenticRLAlgorithm(Algorithm):
         under them in the background; with staleness 1 keep a copy, which scores that batch after this update."""
         with self.metrics.log_time((timers, MK.SYNC_TIME)):
             weights = {k: v.detach().clone() for k, v in self.learner.rollout_weights().items()}
-            self.engine.load_state_dict(weights)
+            self._push_weights(weights)
         before = self.prompts.get_state()
         indices = self.prompts.next(self.config.settings.training.prompts_per_step)
         snapshot = weights if self.rollout_pipeline.max_staleness > 0 else None
@@ -310,11 +310,22 @@ class AgenticRLAlgorithm(Algorithm):
         current = self.prompts.get_state()
         return self.rollout_pipeline.prompts_state(current) if self.rollout_pipeline is not None else current
 
+    def _push_weights(self, weights: dict[str, Any]) -> None:
+        """Send ``weights`` to the engine; an engine that counts its pushes (vLLM: ``weight_push_bytes`` and
+        ``weight_push_seconds``) has them logged as ``rollout/engine/<key>``. Reading the counters resets the
+        engine's others, which the sampler resets anyway before the next rollout."""
+        self.engine.load_state_dict(weights)
+        stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
+        for key in ("weight_push_bytes", "weight_push_seconds"):
+            if key in stats:
+                self.metrics.log_value(tuple(f"{MK.ROLLOUT}engine/{key}".split("/")), float(stats[key]),
+                                       reduce="mean", window=1)
+
     def _sync_weights(self) -> None:
         """The in-process HF engine shares a local learner's module (nothing to copy, but it is told the weights
         changed); other engines get the weights (rank 0's with ddp/deepspeed)."""
         if self._engine_owns_weights():
-            self.engine.load_state_dict(self.learner.rollout_weights())
+            self._push_weights(self.learner.rollout_weights())
         else:  # shared module: nothing to copy, but the engine's KV and weight copies predate the last update
             self.engine.weights_updated()
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
-from arpo_algo.models.lora import LoraSettings
+from arpo_algo.models.lora import LoraSettings, is_adapter_folder
 from arpo_algo.rollout.config import RolloutsConfig
-from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
+from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
@@ -127,6 +127,15 @@ class Settings:
         if self.model.path is None:
             raise ConfigError("model.path is not set",
                               hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)")
+        if self.model.lora.enabled and self.rollouts.engine == "vllm":
+            vllm_lora_rank(self.model.lora.rank)  # a rank vLLM cannot serve (0 too), refused naming the ones it can
+        if self.rollouts.engine == "vllm" and isinstance(self.model.path, str) and is_adapter_folder(self.model.path):
+            # Invariant: vLLM samples from the weights the learner starts from; the learner merges an adapter
+            # folder into its base, which vLLM cannot load as a model, so this is refused before the learner loads.
+            raise ConfigError(f"model.path {self.model.path} is a LoRA adapter folder, which the vLLM engine cannot "
+                              "load as its model", hint="merge it first (arpo export --merge <folder> --output "
+                                                        "<merged>) and train from the merged folder, or use "
+                                                        "rollouts.engine = 'hf'")
         self.model.lora.validate(rl=True, where="[model.lora]")
         if self.model.lora.enabled:
             _check_lora(self)
@@ -167,14 +176,13 @@ class Settings:
 
 def _check_lora(settings: Settings) -> None:
     """LoRA across sections. Invariant: every engine samples with the adapter the learner trains: the in-process HF
-    engine shares the learner's module, HF rollout actors build the same adapter layout and get adapter-only syncs.
-    DDP ranks each build it from the same seed and sum the adapter's gradients. Every path that would need another
-    way to hold the adapter (a vLLM engine, DeepSpeed's partitioned ranks) or runs a step not checked with it (the
+    engine shares the learner's module, HF rollout actors build the same adapter layout and get adapter-only syncs,
+    a vLLM engine serves the base under a LoRA request refilled by every adapter-only sync (so the rank must be one
+    vLLM can serve). DDP ranks each build it from the same seed and sum the adapter's gradients. Every path that would
+    need another way to hold the adapter (DeepSpeed's partitioned ranks) or runs a step not checked with it (the
     fixed-shape decoders) is refused until it does."""
     r, b = settings.rollouts, settings.backend
     refusals = [
-        (r.engine == "vllm", "rollouts.engine = 'vllm' (vLLM's LoRA loading is not wired to the learner's sync yet)",
-         "use rollouts.engine = 'hf', or train full weights with vLLM"),
         (b.learner_backend == "deepspeed", "backend.learner_backend = 'deepspeed' (its ZeRO partitioning is not "
          "wired to the adapter yet)", "use learner_backend = 'local' or 'ddp'"),
         (r.hf.decode in ("static", "cuda_graph", "compiled"), f"rollouts.hf.decode = {r.hf.decode!r} (the "

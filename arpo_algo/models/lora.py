@@ -38,10 +38,10 @@ from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings", "adapter_base",
-           "add_named_adapter", "attach_adapter", "check_adapter_folder", "config_folder", "has_adapter",
-           "is_adapter_folder", "linear_module_names", "load_adapter_weights", "load_into_learner", "load_policy_model",
-           "merge_export", "prepare_base", "remove_named_adapter", "resolve_targets", "save_adapter",
-           "weights_fingerprint"]
+           "adapter_settings", "add_named_adapter", "attach_adapter", "check_adapter_folder", "config_folder",
+           "has_adapter", "is_adapter_folder", "linear_module_names", "load_adapter_weights", "load_into_learner",
+           "load_policy_model", "merge_export", "prepare_base", "remove_named_adapter", "resolve_targets",
+           "save_adapter", "weights_fingerprint"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -393,6 +393,12 @@ def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
         raise ConfigError(f"{path / ADAPTER_CONFIG}: r, lora_alpha or target_modules has the wrong type ({e})",
                           hint="the folder is damaged") from None
     return lora, lora.target_modules
+
+
+def adapter_settings(path: str | Path) -> tuple[LoraSettings, tuple[str, ...]]:
+    """An adapter folder's plain-LoRA settings (rank, alpha) and target modules, read from its config; any key arpo
+    would not apply is a :class:`ConfigError`."""
+    return _lora_from_folder(Path(path))
 
 
 def add_named_adapter(model: Any, path: str | Path, name: str, *, fingerprint: str) -> None:

@@ -259,14 +259,6 @@ def test_a_duplicate_agent_name_is_refused(folders):
         build_app(twice, Security(allow_unauthenticated=True))
 
 
-def test_an_adapter_on_the_vllm_engine_is_refused_before_anything_starts(folders):
-    from serve.agents import build_specs
-
-    with pytest.raises(ConfigError, match="vLLM engine does not serve yet") as e:
-        build_specs([f"a={folders['a']}"], engine="vllm", max_tokens=16, **SESSION)
-    assert "arpo export --merge" in e.value.hint
-
-
 def test_a_deployments_user_config_names_its_agents(folders):
     from serve.agent_set import agents_from_config
 

@@ -18,6 +18,21 @@ from arpo_base.options import setting
 #: The ``max_logprobs`` every VLLMEngine is built with: vLLM refuses a request for more top logprobs per token, so
 #: ``tree.topk_logprobs`` is checked against it when the settings are validated (before any model is loaded).
 VLLM_MAX_LOGPROBS = 64
+#: The ``max_lora_rank`` values vLLM 0.29 accepts (``vllm.config.lora.MaxLoRARanks``; a test compares the two where
+#: vLLM is installed). A LoRA engine is built with the smallest one at least the adapter's rank, so an adapter rank
+#: above the largest cannot be served by vLLM at all and is refused when the settings are validated.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``, or a ConfigError naming the
+    allowed values (a rank below 1 or above the largest)."""
+    fits = [r for r in allowed if r >= rank]
+    if rank < 1 or not fits:
+        raise ConfigError(f"LoRA rank {rank} cannot be served by the vLLM engine: vLLM's max_lora_rank is one of "
+                          f"{', '.join(map(str, allowed))}, so an adapter rank must be between 1 and {max(allowed)}",
+                          hint=f"set model.lora.rank between 1 and {max(allowed)}, or use rollouts.engine = 'hf'")
+    return fits[0]
 
 
 def captures_graphs(decode: str, device_type: str) -> bool:

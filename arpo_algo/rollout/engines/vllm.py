@@ -25,6 +25,15 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
   checks names and shapes against the model folder, sends one safetensors file (:mod:`.vllm_support` says why) and
   has the worker reload it in place, then resets the prefix cache. ``load_checkpoint(folder)`` is the fallback that
   reloads from a saved Hugging Face folder instead.
+* LoRA: ``lora=`` (training) starts vLLM with ``enable_lora`` and ``max_lora_rank`` = the smallest value vLLM
+  accepts that holds the rank (:func:`~arpo_algo.rollout.engines.config.vllm_lora_rank`). Each sync gets the
+  learner's adapter tensors only: they are written with their ``adapter_config.json`` into a folder of this engine's
+  own under the shared-memory dir, and re-issued to vLLM as the same ``LoRARequest`` with ``load_inplace=True``
+  (vLLM then loads the folder again and replaces the adapter under the same id); every rollout runs under that
+  request. Before the first sync the engine samples the base alone, which is what a fresh adapter (``lora_B`` = 0)
+  computes. ``adapters=`` (serving) holds named adapters of the base, one ``LoRARequest`` each, chosen per request
+  by ``GenRequest.adapter``; vLLM keys its prefix cache by adapter. On CPU vLLM turns compilation off whenever LoRA
+  is on (its CPU platform sets ``CompilationMode.NONE``; the CPU default is eager anyway).
 * Sleep: ``sleep_between_rollouts=True`` (GPU only) frees vLLM's memory while the learner trains. vLLM's CPU backend
   has no sleep mode, so on CPU the engine keeps its 1 GiB KV cache and model copy resident.
 """
@@ -35,6 +44,8 @@ import collections
 import json
 import os
 import random
+import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -50,9 +61,10 @@ from arpo_algo.rollout.engines.base import (
     replay_tokens,
     request_problem,
 )
-from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS
+from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
 from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
+    _engine_tensors,
     check_architecture,
     check_dtype,
     check_kv_room,
@@ -69,6 +81,12 @@ from arpo_base.errors import ArpoError, ConfigError
 REFERENCE_TOPK = 10
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 TRANSPORTS = ("auto", "shm", "bytes")
+#: The name under which vLLM holds the adapter a training run syncs into the engine.
+TRAINED_ADAPTER = "arpo_policy"
+_ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
+#: The prefix of PEFT's saved key names, which vLLM's LoRA loader expects.
+_PEFT_PREFIX = "base_model.model."
 
 
 class VLLMEngine:
@@ -93,7 +111,16 @@ class VLLMEngine:
             trains, :meth:`sleep` / :meth:`wake_up`. vLLM's CPU backend has no sleep mode: asking for it there is a
             ConfigError.
         transport: How pushed weights reach the engine process: "shm" (a safetensors file in /dev/shm), "bytes"
-            (the blob inside the RPC) or "auto" (shm where /dev/shm exists).
+            (the blob inside the RPC) or "auto" (shm where /dev/shm exists). Adapter syncs always go through a
+            folder (vLLM loads LoRA adapters from a path): in /dev/shm, else the temp dir.
+        lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter: the engine serves the base under
+            that adapter, filled by adapter-only :meth:`load_state_dict` calls.
+        adapters: ``{name: adapter folder}``: named adapters of the base ``model_or_path`` to serve (each checked
+            against the base's weights fingerprint); a request picks one by ``GenRequest.adapter`` (None: the base).
+            :meth:`add_adapter` / :meth:`remove_adapter` change the set between calls.
+        max_loras: With ``adapters=``: how many adapters one batch may mix (default: the number given, at least 1).
+        max_lora_rank: With ``adapters=``: the largest adapter rank the engine can take, now or added later
+            (default: the largest rank given); rounded up to a value vLLM accepts.
     """
 
     #: ``on_token`` is called after ``generate``'s batch has finished (replayed), not as tokens are sampled.
@@ -104,7 +131,9 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
                  enforce_eager: bool | None = None, sleep_between_rollouts: bool = False,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", lora: dict[str, Any] | None = None,
+                 adapters: dict[str, str] | None = None, max_loras: int | None = None,
+                 max_lora_rank: int | None = None) -> None:
         if entropy_method != "topk_sum_lnV":
             raise ConfigError(f"entropy_method={entropy_method!r} is not available with vLLM, which returns only "
                               "top-k logprobs; use entropy_method='topk_sum_lnV' (or the HF engine for 'full')")
@@ -114,6 +143,14 @@ class VLLMEngine:
             raise ConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if dtype is not None and dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if lora is not None and adapters is not None:
+            raise ConfigError("VLLMEngine takes lora= (the adapter a training run syncs) or adapters= (named adapters "
+                              "to serve), not both")
+        if (max_loras is not None or max_lora_rank is not None) and adapters is None:
+            raise ConfigError("max_loras and max_lora_rank size an engine built with adapters=",
+                              hint="pass adapters={...} (may be empty), or drop them")
+        if max_loras is not None and max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {max_loras}")
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -130,6 +167,16 @@ class VLLMEngine:
                               hint="use the HF engine, or merge it first: arpo export --merge "
                                    f"{path} --output <folder>")
         check_architecture(path)
+        self._layouts: dict[str, tuple[Any, tuple[str, ...]]] = {}  # name -> (LoraSettings, targets), checked
+        self.base_fingerprint = ""
+        if adapters is not None:
+            from arpo_algo.models.lora import weights_fingerprint
+
+            self.base_fingerprint = weights_fingerprint(path)
+            self._layouts = {name: self._check_adapter(name, folder) for name, folder in adapters.items()}
+        ranks = [int(lora["rank"])] if lora is not None else [lay[0].rank for lay in self._layouts.values()]
+        if max_lora_rank is not None:
+            ranks.append(max_lora_rank)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
             raise ConfigError("sleep_between_rollouts needs vLLM's sleep mode, which its "
                               f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
@@ -139,6 +186,12 @@ class VLLMEngine:
                                       tensor_parallel_size=tensor_parallel_size,
                                       enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
                                       worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension")
+        #: The largest adapter rank this engine holds (0: LoRA off).
+        self.max_lora_rank = 0
+        if lora is not None or adapters is not None:
+            self.max_lora_rank = vllm_lora_rank(max(ranks or [1]), _vllm_lora_ranks())
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank,
+                          max_loras=max_loras or max(1, len(adapters or {})))
         if self.on_cpu:
             kv_bytes = int(kv_cache_gib * 2**30)
             check_memory(kv_bytes)
@@ -178,6 +231,15 @@ class VLLMEngine:
         self._asleep = False
         self._closed = False
         self._stats: collections.Counter[str] = collections.Counter()
+        self._lora = dict(lora) if lora is not None else None
+        #: Named adapters (``adapters=``): name -> folder; None on an engine of one policy.
+        self.adapters: dict[str, str] | None = None if adapters is None else {}
+        self._requests: dict[str | None, Any] = {}  # adapter name (None: the trained adapter) -> its LoRARequest
+        self._next_lora_id = 0
+        self._lora_root = tempfile.mkdtemp(dir=shm_dir(), prefix="arpo-lora-") \
+            if lora is not None or adapters is not None else None
+        for name, folder in (adapters or {}).items():
+            self._register(name, folder, self._layouts[name])
 
     @property
     def max_context(self) -> int:
@@ -188,7 +250,7 @@ class VLLMEngine:
         # vLLM needs room for at least one generated token inside max_model_len, and refuses the whole batch when
         # one request asks for more than max_logprobs logprobs: both are that request's error here.
         return request_problem(req, max_context=self.max_model_len - 1, vocab_size=self.vocab_size,
-                               max_logprobs=self.max_logprobs)
+                               max_logprobs=self.max_logprobs, adapters=self.adapters or ())
 
     def _params(self, req: GenRequest) -> Any:
         p = req.params
@@ -220,10 +282,18 @@ class VLLMEngine:
                 results[i] = Generation(req.request_id, [], [], [], "length")
             else:
                 todo.append(i)
-        if todo:
-            prompts = [TokensPrompt(prompt_token_ids=list(requests[i].token_ids)) for i in todo]
-            outs = self.llm.generate(prompts, [self._params(requests[i]) for i in todo], use_tqdm=False)
-            for i, out in zip(todo, outs):
+        # the LoRA request of each row: None is the base alone, or after a sync the trained adapter (key None)
+        loras = {i: self._requests.get(requests[i].adapter) for i in todo}
+        # Invariant: a row without an adapter never shares a vLLM batch with rows that have one. vLLM 0.29 on CPU
+        # applies a loaded adapter to such rows in a mixed batch (measured: their log-probs off by 0.5-0.8 and other
+        # tokens), so base rows and adapter rows go to vLLM as two calls; adapters mix freely among themselves.
+        for part in ([i for i in todo if loras[i] is not None], [i for i in todo if loras[i] is None]):
+            if not part:
+                continue
+            prompts = [TokensPrompt(prompt_token_ids=list(requests[i].token_ids)) for i in part]
+            outs = self.llm.generate(prompts, [self._params(requests[i]) for i in part], use_tqdm=False,
+                                     lora_request=[loras[i] for i in part] if loras[part[0]] else None)
+            for i, out in zip(part, outs):
                 results[i] = self._convert(requests[i], out)
         self._stats["requests"] += len(requests)
         self._stats["seconds"] += time.perf_counter() - t0
@@ -270,9 +340,19 @@ class VLLMEngine:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load new weights into the vLLM worker(s) in place and drop the (now stale) prefix cache.
 
+        On an engine built with ``lora=`` the state dict is the learner's adapter tensors only (names as the learner's
+        module holds them, ``...lora_A.default.weight``): they go to vLLM as an adapter folder (see the module
+        docstring). ``stats()`` reports ``weight_push_bytes`` and ``weight_push_seconds`` either way.
+
         Raises:
-            ConfigError: Names or shapes differ from the engine's model (checked before anything is sent).
+            ConfigError: Names or shapes differ from the engine's model or adapter (checked before anything is sent).
         """
+        if self._lora is not None:
+            self._load_adapter_state(state_dict)
+            return
+        if self.adapters is not None:
+            raise ConfigError("this engine serves named adapters of a fixed base; it takes no weight pushes",
+                              hint="add or remove adapters with add_adapter / remove_adapter")
         check_weights(state_dict, self._expected, self._tied)
         t0 = time.perf_counter()
         if self._asleep:
@@ -280,12 +360,102 @@ class VLLMEngine:
         if self.transport == "shm":
             with tempfile.NamedTemporaryFile(dir=shm_dir(), prefix="arpo-weights-", suffix=".safetensors") as f:
                 write_state_dict(state_dict, self.dtype, f.name)
+                self._stats["weight_push_bytes"] += os.path.getsize(f.name)
                 self.llm.collective_rpc("arpo_reload", kwargs={"path": f.name})
         else:
-            self.llm.collective_rpc("arpo_reload", kwargs={"blob": pack_state_dict(state_dict, self.dtype)})
+            blob = pack_state_dict(state_dict, self.dtype)
+            self._stats["weight_push_bytes"] += len(blob)
+            self.llm.collective_rpc("arpo_reload", kwargs={"blob": blob})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
+
+    def _load_adapter_state(self, state_dict: dict[str, Any]) -> None:
+        """Write the learner's adapter as a PEFT folder and have vLLM replace its adapter in place."""
+        from safetensors.torch import save_file
+
+        assert self._lora is not None and self._lora_root is not None
+        peft = check_adapter_state(state_dict, self._lora)
+        t0 = time.perf_counter()
+        if self._asleep:
+            self.wake_up()
+        folder = Path(self._lora_root) / TRAINED_ADAPTER
+        folder.mkdir(exist_ok=True)
+        save_file(_engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        _write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
+        from vllm.lora.request import LoRARequest
+
+        if None not in self._requests:
+            self._next_lora_id += 1
+        lora_id = self._requests[None].lora_int_id if None in self._requests else self._next_lora_id
+        # Invariant: the weights the next rollout samples with are the ones just written. load_inplace=True makes
+        # vLLM load the folder again and replace the adapter under the same id; without it an id already loaded
+        # is only touched, and the old weights would stay.
+        if not self.llm.llm_engine.add_lora(LoRARequest(TRAINED_ADAPTER, lora_id, str(folder), load_inplace=True)):
+            raise ArpoError(f"vLLM did not load the adapter from {folder}")
+        # rollouts only name it: with load_inplace a request would re-read the folder at every scheduling step
+        self._requests[None] = LoRARequest(TRAINED_ADAPTER, lora_id, str(folder))
+        self.llm.reset_prefix_cache()  # blocks are hashed by adapter name, which stays: cached ones are stale
+        self._stats["weight_loads"] += 1
+        self._stats["weight_push_bytes"] += (folder / "adapter_model.safetensors").stat().st_size
+        self._stats["weight_push_seconds"] += time.perf_counter() - t0
+
+    def _check_adapter(self, name: str, folder: str | os.PathLike) -> tuple[Any, tuple[str, ...]]:
+        """An adapter folder to serve: a valid name, complete files, this engine's base (by fingerprint) and a
+        plain-LoRA config; returns its (settings, targets). Nothing is loaded."""
+        from arpo_algo.models.lora import adapter_settings, check_adapter_folder
+
+        if not _ADAPTER_NAME.match(name):
+            raise ConfigError(f"adapter name {name!r}: letters, digits and _ only, not starting with a digit")
+        info = check_adapter_folder(folder)
+        if info["fingerprint"] != self.base_fingerprint:
+            raise ConfigError(f"{folder}: the adapter was trained on the base with weights fingerprint "
+                              f"{info['fingerprint'][:12]}..., not on this engine's base "
+                              f"({self.base_fingerprint[:12]}...)",
+                              hint="serve adapters of another base in their own deployment, or merge it first "
+                                   "(arpo export --merge) and serve the merged folder as a full-weight agent")
+        return adapter_settings(folder)
+
+    def _register(self, name: str, folder: str | os.PathLike, layout: tuple[Any, tuple[str, ...]]) -> None:
+        """Copy the adapter's tensors into a folder of this engine's own with a config written here (only the keys
+        arpo checked reach vLLM) and make its LoRARequest; vLLM loads it with the first request that names it."""
+        assert self._lora_root is not None and self.adapters is not None
+        settings, targets = layout
+        self._next_lora_id += 1
+        own = Path(self._lora_root) / f"{self._next_lora_id}"
+        own.mkdir()
+        shutil.copyfile(Path(folder) / "adapter_model.safetensors", own / "adapter_model.safetensors")
+        _write_adapter_config(own, settings.rank, settings.alpha, list(targets))
+        from vllm.lora.request import LoRARequest
+
+        self._requests[name] = LoRARequest(f"{name}-{self._next_lora_id}", self._next_lora_id, str(own))
+        self.adapters[name] = str(folder)
+
+    def add_adapter(self, name: str, folder: str | os.PathLike) -> None:
+        """Serve another adapter of this engine's base under ``name`` (engines built with ``adapters=``; between
+        :meth:`generate` calls). Its rank must fit the engine's ``max_lora_rank``, fixed when vLLM started."""
+        if self.adapters is None:
+            raise ConfigError("this engine serves one policy; build it with adapters={...} to hold several")
+        if name in self.adapters:
+            raise ConfigError(f"an adapter named {name!r} is loaded already", hint="give each adapter its own name")
+        layout = self._check_adapter(name, folder)
+        if layout[0].rank > self.max_lora_rank:
+            raise ConfigError(f"{folder}: the adapter's rank {layout[0].rank} exceeds this vLLM engine's "
+                              f"max_lora_rank {self.max_lora_rank}, fixed when the engine started",
+                              hint="start the engine with max_lora_rank at least that rank (a new deployment), "
+                                   "or serve the adapter in its own")
+        self._register(name, folder, layout)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving the adapter ``name`` (between :meth:`generate` calls); a later request naming it is
+        refused."""
+        if self.adapters is None or name not in self.adapters:
+            raise ConfigError(f"no adapter named {name!r} is loaded")
+        request = self._requests.pop(name)
+        del self.adapters[name]
+        self.llm.llm_engine.remove_lora(request.lora_int_id)  # False when it was never loaded: nothing to free
+        shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
         """Fallback weight sync: the worker reloads every weight from a saved Hugging Face folder (``save_pretrained``,
@@ -333,12 +503,51 @@ class VLLMEngine:
         if core is not None:
             core.shutdown()
         del self.llm
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call."""
         out = {k: float(v) for k, v in self._stats.items()}
         self._stats.clear()
         return out
+
+
+def _vllm_lora_ranks() -> tuple[int, ...]:
+    """The ``max_lora_rank`` values the installed vLLM accepts (its ``MaxLoRARanks``)."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
+
+
+def check_adapter_state(state_dict: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
+    """The learner's adapter tensors under PEFT's saved names (what vLLM's loader reads), or a ConfigError when a
+    name is not an adapter tensor of the engine's target modules or a shape does not have the engine's rank."""
+    rank, targets = int(lora["rank"]), set(lora["target_modules"])
+    out, bad = {}, []
+    for name, tensor in state_dict.items():
+        m = _LORA_KEY.match(name)
+        shape = tuple(tensor.shape)
+        if m is None or m["module"].rsplit(".", 1)[-1] not in targets or len(shape) != 2 \
+                or shape[0 if m["ab"] == "A" else 1] != rank:
+            bad.append(f"{name} {shape}")
+            continue
+        out[f"{_PEFT_PREFIX}{m['module']}.lora_{m['ab']}.weight"] = tensor
+    if bad or not out:
+        raise ConfigError(f"the pushed weights are not the engine's adapter (rank {rank}, target modules "
+                          f"{', '.join(sorted(targets))}): {', '.join(bad[:3]) or 'no tensors'}"
+                          f"{' ...' if len(bad) > 3 else ''}",
+                          hint="a LoRA engine takes the learner's adapter tensors only (its rollout_weights())")
+    return out
+
+
+def _write_adapter_config(folder: Path, rank: int, alpha: float, targets: list[str]) -> None:
+    """A plain-LoRA PEFT config: the only keys arpo applies (no bias, DoRA, rsLoRA or rank pattern)."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
+              "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
 
 
 class _Shape:

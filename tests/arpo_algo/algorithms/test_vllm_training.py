@@ -56,3 +56,25 @@ def test_arpo_iteration_on_vllm_and_weight_sync(vllm_tiny, actors):
         _engine_matches_learner(algo)
     finally:
         algo.stop()
+
+
+def test_a_lora_iteration_on_vllm_syncs_the_adapter_only(vllm_tiny):
+    config = _config(vllm_tiny, 0).update_settings({"model.lora.enabled": True, "model.lora.rank": 4,
+                                                    "model.lora.alpha": 8.0})
+    algo = config.build_algo()
+    try:
+        assert algo.engine.max_lora_rank == 8
+        result = algo.train()
+        assert result["training_iteration"] == 1 and result["num_trajectories"] >= 1.0
+        adapter_bytes = sum(v.numel() * v.element_size() for v in algo.learner.rollout_weights().values())
+        # the iteration's sync is in its metrics: a file of the adapter's tensors plus the safetensors header
+        assert adapter_bytes <= result["rollout"]["engine"]["weight_push_bytes"] < 2 * adapter_bytes
+        torch.manual_seed(0)
+        with torch.no_grad():  # move the adapter as a learner step would (the base stays frozen)
+            for p in algo.learner.model.parameters():
+                if p.requires_grad:
+                    p.add_(0.3 * torch.randn_like(p))
+        algo._sync_weights()  # what the next training_step does first: vLLM replaces the adapter in place
+        _engine_matches_learner(algo)
+    finally:
+        algo.stop()

@@ -43,7 +43,6 @@ def test_peft_options_arpo_does_not_train_are_refused_by_name(key):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"rollouts.engine": "vllm", "tree.entropy_method": "topk_sum_lnV"}, "rollouts.engine = 'vllm'"),
     ({"backend.learner_backend": "deepspeed"}, "learner_backend = 'deepspeed'"),
     ({"rollouts.hf.decode": "static"}, "decode = 'static'"),
 ])
@@ -51,6 +50,35 @@ def test_paths_that_would_not_apply_the_adapter_are_refused(extra, match):
     s = Settings().update({"model.path": "unused", **LORA, **extra})
     with pytest.raises(ConfigError, match=match):
         s.validate()
+
+
+VLLM = {"rollouts.engine": "vllm", "tree.entropy_method": "topk_sum_lnV"}
+
+
+@pytest.mark.parametrize("rank", [0, 513, 4096])
+def test_a_rank_vllm_cannot_serve_is_refused_naming_the_ones_it_can(rank):
+    s = Settings().update({"model.path": "unused", **LORA, "model.lora.rank": rank, **VLLM})
+    with pytest.raises(ConfigError, match=f"LoRA rank {rank} cannot be served by the vLLM engine") as e:
+        s.validate()
+    assert "1, 8, 16, 32, 64, 128, 256, 320, 512" in str(e.value) and "between 1 and 512" in e.value.hint
+
+
+@pytest.mark.parametrize("lora", [LORA, {}], ids=["lora", "full_weights"])
+def test_an_adapter_folder_as_the_vllm_engines_model_is_refused_before_anything_loads(tmp_path, lora):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    s = Settings().update({"model.path": str(tmp_path), **lora, **VLLM})
+    with pytest.raises(ConfigError, match="is a LoRA adapter folder, which the vLLM engine cannot load") as e:
+        s.validate()
+    assert "arpo export --merge" in e.value.hint
+    Settings().update({"model.path": str(tmp_path), **lora}).validate()  # the HF engine merges it
+
+
+@pytest.mark.parametrize("rank, engine_rank", [(1, 1), (2, 8), (16, 16), (17, 32), (300, 320), (512, 512)])
+def test_lora_trains_on_vllm_with_the_smallest_max_lora_rank_that_holds_the_rank(rank, engine_rank):
+    from arpo_algo.rollout.engines.config import vllm_lora_rank
+
+    Settings().update({"model.path": "unused", **LORA, "model.lora.rank": rank, **VLLM}).validate()
+    assert vllm_lora_rank(rank) == engine_rank
 
 
 def test_the_fixed_shape_decoders_refuse_a_model_with_an_adapter(tiny_model_dir):
