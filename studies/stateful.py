@@ -16,7 +16,7 @@ The report (``report.md``, ``report.json``, plots, from :func:`studies.compare.w
 calls and generated tokens per solved held-out task before and after RL (the held-out run's calls, or its sampled
 tokens, divided by the tasks it solved), and the persistent arm's final accuracy minus the stateless arm's, paired by
 seed: mean, sd, 95% CI, seeds better / worse, and the two-sided exact Wilcoxon signed-rank p
-(:func:`studies.study_report.wilcoxon`; with 5 pairs the smallest p it can give is 0.0625); and each arm's
+(:func:`studies.compare.paired`; with 5 pairs the smallest p it can give is 0.0625); and each arm's
 persistent-interpreter figures during training (forks per step and their cost, the most live, their peak memory).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,6 @@ from typing import Any
 from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ArpoError, ConfigError
 from studies import compare as C
-from studies.study_report import wilcoxon
 
 ROOT = Path(__file__).resolve().parent.parent
 #: arm -> (experiment file, whether its SFT demonstrations are written for a persistent interpreter)
@@ -46,16 +46,24 @@ SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 192, "levels
                                 "lr": 2e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5,
                                 "rows_per_forward": 4, "gradient_checkpointing": True}
 SFT_MARKER = "study_sft.json"
+#: SFT settings each arm's stage sets itself (see sft_arm).
+STUDY_SFT_KEYS = ("persistent_python", "model", "seed", "output_dir", "progress")
 EV = MK.EVALUATION
 
 
 def _parse_sets(pairs: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` SFT overrides (VALUE as JSON, else a plain string); keys are checked by SFTConfig."""
+    """``KEY=VALUE`` SFT overrides (VALUE as JSON, else a plain string); keys are checked by SFTConfig, and a key
+    the study sets itself per arm is refused (it would be replaced without a word)."""
     out: dict[str, Any] = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--sft-set {item!r} is not KEY=VALUE", hint="e.g. --sft-set num_examples=256")
+        if key in STUDY_SFT_KEYS:
+            raise ConfigError(f"--sft-set {key} is set by the study itself", hint={
+                "persistent_python": "each arm's SFT uses its own form of the demonstrations",
+                "model": "use --model", "seed": "use --sft-seed", "output_dir": "use --output",
+                "progress": "use --no-progress"}[key])
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -115,7 +123,7 @@ def per_solved(run_dir: str) -> dict[str, float | None]:
 
 def interpreter_figures(run_dir: str) -> dict[str, float] | None:
     """A run's persistent-interpreter figures over its training steps (None for a run that started none): forks
-    per step, mean fork milliseconds, forks failed, and the largest live count and summed PSS (MB) of any step."""
+    per step, mean fork milliseconds, forks failed, and the largest live count and summed PSS (MiB) of any step."""
     from arpo_algo.run.driver import read_metrics
 
     rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "rollout/interpreters_peak" in r]
@@ -126,7 +134,9 @@ def interpreter_figures(run_dir: str) -> dict[str, float] | None:
             "fork_ms": sum(r["rollout/interpreter_fork_ms_total"] for r in rows) / forks if forks else 0.0,
             "forks_failed": sum(r["rollout/interpreter_forks_failed"] for r in rows),
             "interpreters_peak": max(r["rollout/interpreters_peak"] for r in rows),
-            "pss_mb_peak": max(r["rollout/interpreter_pss_mb_peak"] for r in rows)}
+            # nan where a step could not read its sandboxes' memory (the metric is absent then, never a low guess)
+            "pss_mib_peak": max(r.get("rollout/interpreter_pss_mib_peak", math.nan) for r in rows)
+            if all("rollout/interpreter_pss_mib_peak" in r for r in rows) else math.nan}
 
 
 def _mean(xs: list[float | None]) -> str:
@@ -146,17 +156,17 @@ def stateful_section(runs: dict[str, dict[int, dict[str, Any]]], rep: dict[str, 
         lines.append(f"| {arm} | " + " | ".join(_mean(v) for v in col.values()) + " |")
     figs = {arm: {s: interpreter_figures(r["output"]) for s, r in seeds.items()} for arm, seeds in runs.items()}
     lines += ["", "Persistent interpreters during training (steps that started any), mean over seeds:", "",
-              "| arm | forks per step | fork ms | forks failed | most live at once | peak summed PSS (MB) |",
+              "| arm | forks per step | fork ms | forks failed | most live at once | peak summed PSS (MiB) |",
               "|---|---|---|---|---|---|"]
     for arm, seeds in figs.items():
         kept = [f for f in seeds.values() if f is not None]
         cells = [f"{sum(f[k] for f in kept) / len(kept):.1f}" if kept else "none"
-                 for k in ("forks_per_step", "fork_ms", "forks_failed", "interpreters_peak", "pss_mb_peak")]
+                 for k in ("forks_per_step", "fork_ms", "forks_failed", "interpreters_peak", "pss_mib_peak")]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     pairs = C.paired(rep, BASELINE) if BASELINE in rep else {}
     test: dict[str, Any] = {}
     for arm, p in pairs.items():
-        p_value, n_used = wilcoxon(list(p["per_seed"].values()))
+        p_value, n_used = p["wilcoxon_p"], sum(abs(d) > 1e-12 for d in p["per_seed"].values())
         test[arm] = {"wilcoxon_p": p_value, "nonzero_pairs": n_used}
         lines += ["", f"{arm} minus {BASELINE}, final held-out accuracy paired by seed: "
                   f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% CI ± {p['diff']['ci95']:.3f}), "

@@ -82,7 +82,7 @@ def live_interpreters() -> int:
 def interpreter_metrics() -> dict[str, float]:
     """This process's persistent-interpreter figures since the previous call (``{}`` when none ran, so a stateless
     run logs nothing new): forks made, their total and mean milliseconds, forks that could not be made, the most
-    interpreters live at once, and the largest summed PSS of their sandboxes' processes in MB that
+    interpreters live at once, and the largest summed PSS of their sandboxes' processes in MiB that
     :func:`sample_interpreter_memory` saw (0 when it was not called). The tree sampler adds them to each step's
     metrics (docs/concepts/stateful-tools.md)."""
     with _LIVE_LOCK:
@@ -90,11 +90,13 @@ def interpreter_metrics() -> dict[str, float]:
         _STATS.update(forks=0, fork_s=0.0, failed=0, peak=_LIVE["n"], pss=0)
     if not stats["peak"] and not stats["failed"]:
         return {}
-    return {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
-            "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0,
-            "rollout/interpreter_fork_ms_total": 1e3 * stats["fork_s"],
-            "rollout/interpreter_forks_failed": float(stats["failed"]),
-            "rollout/interpreter_pss_mb_peak": stats["pss"] / (1 << 20)}
+    out = {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
+           "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0,
+           "rollout/interpreter_fork_ms_total": 1e3 * stats["fork_s"],
+           "rollout/interpreter_forks_failed": float(stats["failed"])}
+    if stats["pss"] is not None:  # None: a sandbox's memory could not be read this step
+        out["rollout/interpreter_pss_mib_peak"] = stats["pss"] / (1 << 20)
+    return out
 
 
 def sample_interpreter_memory() -> int:
@@ -106,9 +108,15 @@ def sample_interpreter_memory() -> int:
     interpreter is live."""
     with _LIVE_LOCK:
         roots = {t.proc.pid for t in list(_TREES) if t.proc is not None and not t.dead}
-    total = tree_pss(roots)
+    try:
+        total = tree_pss(roots)
+    except PermissionError:  # a sandbox process of another user: no figure rather than one too low
+        with _LIVE_LOCK:
+            _STATS["pss"] = None
+        return 0
     with _LIVE_LOCK:
-        _STATS["pss"] = max(_STATS["pss"], total)
+        if _STATS["pss"] is not None:
+            _STATS["pss"] = max(_STATS["pss"], total)
     return total
 
 

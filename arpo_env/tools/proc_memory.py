@@ -1,5 +1,5 @@
 """The memory of process trees, read from ``/proc``: what the persistent interpreters' per-step memory figure
-(``rollout/interpreter_pss_mb_peak``) measures."""
+(``rollout/interpreter_pss_mib_peak``) measures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ def tree_pss(roots: Iterable[int]) -> int:
     """The summed proportional set size (PSS, bytes) of every process in the trees rooted at ``roots`` (host pids):
     the roots and all their descendants, found by one scan of ``/proc/*/stat``. PSS divides each page among the
     processes that map it, so the pages that forks share copy-on-write count once in the sum (RSS would count them
-    once per fork). A process that ends during the walk is left out: it holds nothing any more. 0 for no roots."""
+    once per fork). A process that ends during the walk is left out: it holds nothing any more. 0 for no roots.
+    A process this one may not read raises :class:`PermissionError`: a sum without it would be too low, silently."""
     todo = list(roots)
     if not todo:
         return 0
@@ -33,6 +34,6 @@ def tree_pss(roots: Iterable[int]) -> int:
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
                 total += next((int(line.split()[1]) << 10 for line in f if line.startswith(b"Pss:")), 0)  # kB
-        except (OSError, ValueError):
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return total

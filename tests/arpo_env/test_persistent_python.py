@@ -228,7 +228,7 @@ def test_a_fork_that_cannot_be_made_is_counted():
     assert sample_interpreter_memory() == 0 and live_interpreters() == 0
     metrics = interpreter_metrics()
     assert metrics["rollout/interpreter_forks_failed"] == 1 and metrics["rollout/interpreter_forks"] == 0
-    assert metrics["rollout/interpreter_pss_mb_peak"] > 20
+    assert metrics["rollout/interpreter_pss_mib_peak"] > 20
 
 
 def test_refusals_are_clear(tmp_path):

@@ -65,12 +65,20 @@ def test_interpreter_figures_sum_forks_over_steps_and_keep_the_largest_peaks(tmp
     def step(it, forks, ms_total, failed, peak, pss):
         return {"iteration": it, "rollout/interpreter_forks": forks, "rollout/interpreter_fork_ms_total": ms_total,
                 "rollout/interpreter_forks_failed": failed, "rollout/interpreters_peak": peak,
-                "rollout/interpreter_pss_mb_peak": pss}
+                "rollout/interpreter_pss_mib_peak": pss}
 
     rows = [{"iteration": 0, "evaluation/accuracy": 0.0}, step(1, 4.0, 40.0, 0.0, 6.0, 90.0),
             step(2, 0.0, 0.0, 1.0, 9.0, 70.0)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert interpreter_figures(str(tmp_path)) == {"forks_per_step": 2.0, "fork_ms": 10.0, "forks_failed": 1.0,
-                                                  "interpreters_peak": 9.0, "pss_mb_peak": 90.0}
+                                                  "interpreters_peak": 9.0, "pss_mib_peak": 90.0}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert interpreter_figures(str(tmp_path)) is None
+
+
+def test_sft_settings_the_study_sets_itself_are_refused(tmp_path, capsys):
+    for key in ("persistent_python=true", "model=other", "seed=3", "output_dir=/tmp/x"):
+        assert main(["--output", str(tmp_path / "s"), "--sft-set", key]) == 2
+        err = capsys.readouterr().err
+        assert f"--sft-set {key.split('=')[0]} is set by the study itself" in err and "Traceback" not in err
+    assert not (tmp_path / "s").exists()  # refused before anything was written

@@ -17,7 +17,7 @@ from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
-from arpo_env.tools.interpreter import live_interpreters
+from arpo_env.tools.interpreter import interpreter_metrics, live_interpreters
 from tests.arpo_algo.rollout.teach import teach_call
 
 # Each call adds one name (its own n_<count>): the output is the number of names the interpreter held before.
@@ -40,6 +40,7 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     tree = TreeConfig(budget=4, initial=2, branch_factor=1, tau=0.4)  # alpha 0.5 > tau: branch after every result
     sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools, max_tool_calls=4),
                                       tree, RolloutsConfig(max_response_tokens=240), seed=0)
+    interpreter_metrics()  # the figures are per process since the last read: count this step's only
     try:
         groups, metrics = sampler.sample([0], step=0)
     finally:
@@ -65,7 +66,7 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     assert metrics["rollout/interpreter_forks_failed"] == 0
     assert 1 <= metrics["rollout/interpreters_peak"] <= len(trajs) + 1
     # Sampled once per round with the round's interpreters live: at least one fresh interpreter's worth (several MB).
-    assert 2 <= metrics["rollout/interpreter_pss_mb_peak"] < 50 * metrics["rollout/interpreters_peak"]
+    assert 2 <= metrics["rollout/interpreter_pss_mib_peak"] < 50 * metrics["rollout/interpreters_peak"]
 
 
 def test_a_stateless_step_reports_no_interpreter_figures(counter_dir):
