@@ -585,6 +585,8 @@ def check_lora_architecture(archs: list[str]) -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
+    # vLLM 0.29 resolves an architecture to its class publicly only from a full ModelConfig (which reads the model
+    # and platform); the registry's own lookup by name imports just the model's module
     classes = [c for c in (ModelRegistry._try_load_model_cls(a) for a in archs) if c is not None]
     if classes and not any(supports_lora(c) for c in classes):
         raise ConfigError(f"vLLM 0.29 cannot run LoRA adapters on architecture {', '.join(archs)}",
