@@ -311,14 +311,19 @@ class AgenticRLAlgorithm(Algorithm):
         return self.rollout_pipeline.prompts_state(current) if self.rollout_pipeline is not None else current
 
     def _push_weights(self, weights: dict[str, Any]) -> None:
-        """Send ``weights`` to the engine; an engine that counts its pushes (vLLM: ``weight_push_bytes`` and
-        ``weight_push_seconds``) has them logged as ``rollout/engine/<key>``. Reading the counters resets the
-        engine's others, which the sampler resets anyway before the next rollout."""
+        """Send ``weights`` to the engine. For an engine that counts its pushes (vLLM) two metrics are logged:
+        ``rollout/engine/weight_push_seconds``, the wall time this process waited for the push (measured here: with
+        rollout actors the engines load in parallel, so their own timings must not be added up), and
+        ``rollout/engine/weight_push_bytes``, the bytes written for all engines together (N rollout actors: N
+        copies). Reading the counters resets the engine's others, which the sampler resets anyway before the next
+        rollout."""
+        t0 = time.perf_counter()
         self.engine.load_state_dict(weights)
+        seconds = time.perf_counter() - t0
         stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
-        for key in ("weight_push_bytes", "weight_push_seconds"):
-            if key in stats:
-                self.metrics.log_value(tuple(f"{MK.ROLLOUT}engine/{key}".split("/")), float(stats[key]),
+        if "weight_push_bytes" in stats:
+            for key, value in (("weight_push_bytes", stats["weight_push_bytes"]), ("weight_push_seconds", seconds)):
+                self.metrics.log_value(tuple(f"{MK.ROLLOUT}engine/{key}".split("/")), float(value),
                                        reduce="mean", window=1)
 
     def _sync_weights(self) -> None:

@@ -37,9 +37,10 @@ from typing import Any
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings", "adapter_base",
-           "adapter_settings", "add_named_adapter", "attach_adapter", "check_adapter_folder", "config_folder",
-           "has_adapter", "is_adapter_folder", "linear_module_names", "load_adapter_weights", "load_into_learner",
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings", "PEFT_PREFIX",
+           "adapter_base", "adapter_file_shapes", "adapter_settings", "adapter_shapes", "add_named_adapter",
+           "attach_adapter", "check_adapter_folder", "check_adapter_tensors", "config_folder", "has_adapter",
+           "is_adapter_folder", "linear_module_names", "linear_shapes", "load_adapter_weights", "load_into_learner",
            "load_policy_model", "merge_export", "prepare_base", "remove_named_adapter", "resolve_targets",
            "save_adapter", "weights_fingerprint"]
 
@@ -48,7 +49,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 #: arpo's record of the adapter's base; its presence makes a folder an adapter folder.
 ADAPTER_MARKER = "arpo_adapter.json"
 #: The prefix PeftModel.save_pretrained puts before the module names (kept so plain PEFT reads our folders).
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Default target modules per architecture family (config.json ``model_type``): the attention and MLP projections.
@@ -139,18 +140,72 @@ def config_folder(path: str | Path) -> Path:
     return _base_chain(path)[-1]
 
 
-def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
-    """``(model_type, names)``: the last name part of every linear layer of the model, from its config alone (the
-    skeleton is built on the meta device: no weights are read)."""
+def linear_shapes(model_path: str | Path) -> dict[str, tuple[int, int]]:
+    """Every linear layer of the model by its module name, as ``(out_features, in_features)``, from its config alone
+    (the skeleton is built on the meta device: no weights are read)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(config_folder(Path(model_path)))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
-    names = {name.rsplit(".", 1)[-1] for name, mod in skeleton.named_modules()
-             if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D"}
-    return cfg.model_type, tuple(sorted(names))
+    shapes = {}
+    for name, mod in skeleton.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            shapes[name] = (mod.out_features, mod.in_features)
+        elif type(mod).__name__ == "Conv1D":  # GPT-2's linear layers keep their weight as (in, out)
+            shapes[name] = (mod.weight.shape[1], mod.weight.shape[0])
+    return shapes
+
+
+def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
+    """``(model_type, names)``: the last name part of every linear layer of the model, from its config alone."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(config_folder(Path(model_path))).model_type
+    return model_type, tuple(sorted({name.rsplit(".", 1)[-1] for name in linear_shapes(model_path)}))
+
+
+def adapter_shapes(linear: dict[str, tuple[int, int]], targets: tuple[str, ...] | list[str],
+                   rank: int) -> dict[str, tuple[int, int]]:
+    """The complete tensor set of a plain-LoRA adapter under PEFT's saved key names: for each linear layer whose
+    last name part is a target, ``lora_A`` of shape (rank, in) and ``lora_B`` of shape (out, rank). ``linear`` is
+    :func:`linear_shapes` of the base."""
+    out = {}
+    for name, (fan_out, fan_in) in linear.items():
+        # PEFT's rule for a list of names: a module is adapted when its name is a target or ends in "." + target
+        if name.rsplit(".", 1)[-1] not in _NEVER and any(name == t or name.endswith("." + t) for t in targets):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (int(rank), fan_in)
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (fan_out, int(rank))
+    return out
+
+
+def check_adapter_tensors(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, int]], what: str,
+                          hint: str) -> None:
+    """A :class:`ConfigError` naming the first tensors of ``shapes`` (name -> shape) that are not in ``expected``
+    (:func:`adapter_shapes`), have another shape, or are missing from it: an adapter is exactly its expected set."""
+    unknown = [f"{k} {tuple(v)}" for k, v in shapes.items() if k not in expected]
+    wrong = [f"{k} {tuple(v)} (expected {expected[k]})" for k, v in shapes.items()
+             if k in expected and tuple(v) != expected[k]]
+    missing = [k for k in expected if k not in shapes]
+    if unknown or wrong or missing or not expected:
+        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+                 for label, items in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing))
+                 if items] or ["no adapter tensors expected for these target modules"]
+        raise ConfigError(f"{what} ({'; '.join(parts)})", hint=hint)
+
+
+def adapter_file_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an adapter folder's weights file, read from its safetensors header (no
+    tensor is loaded); an unreadable file is a :class:`ConfigError`."""
+    from safetensors import safe_open
+
+    file = Path(path) / ADAPTER_WEIGHTS
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
+        raise ConfigError(f"{file} cannot be read as safetensors: {e}", hint="the folder is damaged") from None
 
 
 def resolve_targets(lora: LoraSettings, model_path: str | Path) -> tuple[str, ...]:
@@ -321,7 +376,7 @@ def adapter_state(model: Any, adapter_name: str = "default") -> dict[str, Any]:
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
-    return {_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
+    return {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
 def save_adapter(model: Any, out: Path, *, base: Path, fingerprint: str) -> Path:
@@ -353,7 +408,7 @@ def load_adapter_weights(model: Any, path: Path, adapter_name: str = "default") 
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, value in saved.items():
-            name = key[len(_PEFT_PREFIX):]
+            name = key[len(PEFT_PREFIX):]
             stem, _, leaf = name.rpartition(".")
             params[f"{stem}.{adapter_name}.{leaf}"].copy_(value)
 

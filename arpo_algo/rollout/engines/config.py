@@ -107,7 +107,8 @@ class VLLMEngineConfig:
         "raw_logprobs", "Which log-probs vLLM reports: of the raw logits, or after temperature/top-k/top-p.")
     transport: Literal["auto", "shm", "bytes"] = setting(
         "auto", "How pushed weights reach the engine process: 'shm' (a safetensors file in /dev/shm), 'bytes' "
-        "(inside the RPC) or 'auto' (shm where /dev/shm exists).")
+        "(inside the RPC; with LoRA the adapter folder is in the temp dir: pick it where /dev/shm is small) or "
+        "'auto' (shm where /dev/shm exists).")
 
     def validate(self) -> None:
         """Ranges."""

@@ -27,8 +27,9 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
   reloads from a saved Hugging Face folder instead.
 * LoRA: ``lora=`` (training) starts vLLM with ``enable_lora`` and ``max_lora_rank`` = the smallest value vLLM
   accepts that holds the rank (:func:`~arpo_algo.rollout.engines.config.vllm_lora_rank`). Each sync gets the
-  learner's adapter tensors only: they are written with their ``adapter_config.json`` into a folder of this engine's
-  own under the shared-memory dir, and re-issued to vLLM as the same ``LoRARequest`` with ``load_inplace=True``
+  learner's adapter tensors only (checked: exactly the adapter's tensors, each of its full shape): they are written
+  with their ``adapter_config.json`` into a folder of this engine's own (in the shared-memory dir, or the temp dir
+  with ``transport="bytes"``), and re-issued to vLLM as the same ``LoRARequest`` with ``load_inplace=True``
   (vLLM then loads the folder again and replaces the adapter under the same id); every rollout runs under that
   request. Before the first sync the engine samples the base alone, which is what a fresh adapter (``lora_B`` = 0)
   computes. ``adapters=`` (serving) holds named adapters of the base, one ``LoRARequest`` each, chosen per request
@@ -41,6 +42,7 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -49,6 +51,8 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +68,13 @@ from arpo_algo.rollout.engines.base import (
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
 from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
-    _engine_tensors,
     check_architecture,
     check_dtype,
     check_kv_room,
     check_memory,
     check_weights,
     checkpoint_shapes,
+    engine_tensors,
     import_vllm,
     pack_state_dict,
     shm_dir,
@@ -85,8 +89,8 @@ TRANSPORTS = ("auto", "shm", "bytes")
 TRAINED_ADAPTER = "arpo_policy"
 _ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
-#: The prefix of PEFT's saved key names, which vLLM's LoRA loader expects.
-_PEFT_PREFIX = "base_model.model."
+_NO_ROOM = ("raise the size of /dev/shm (Docker: --shm-size) or free disk space in the temp dir, or set "
+            "transport = 'bytes' (the adapter folder then lives in the temp dir)")
 
 
 class VLLMEngine:
@@ -112,7 +116,8 @@ class VLLMEngine:
             ConfigError.
         transport: How pushed weights reach the engine process: "shm" (a safetensors file in /dev/shm), "bytes"
             (the blob inside the RPC) or "auto" (shm where /dev/shm exists). Adapter syncs always go through a
-            folder (vLLM loads LoRA adapters from a path): in /dev/shm, else the temp dir.
+            folder (vLLM loads LoRA adapters from a path): in /dev/shm with "shm", in the temp dir with "bytes"
+            (pick it where /dev/shm is small); served adapters' copies always live in the temp dir.
         lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter: the engine serves the base under
             that adapter, filled by adapter-only :meth:`load_state_dict` calls.
         adapters: ``{name: adapter folder}``: named adapters of the base ``model_or_path`` to serve (each checked
@@ -166,9 +171,20 @@ class VLLMEngine:
             raise ConfigError(f"{path} is a LoRA adapter folder, which the vLLM engine does not load yet",
                               hint="use the HF engine, or merge it first: arpo export --merge "
                                    f"{path} --output <folder>")
-        check_architecture(path)
+        archs = check_architecture(path)
         self._layouts: dict[str, tuple[Any, tuple[str, ...]]] = {}  # name -> (LoraSettings, targets), checked
         self.base_fingerprint = ""
+        self._linear: dict[str, tuple[int, int]] = {}  # the base's linear layers: name -> (out, in)
+        if lora is not None or adapters is not None:
+            from arpo_algo.models.lora import adapter_shapes, linear_shapes
+
+            check_lora_architecture(archs)
+            self._linear = linear_shapes(path)
+        if lora is not None:
+            self._lora_expected = adapter_shapes(self._linear, lora["target_modules"], int(lora["rank"]))
+            if not self._lora_expected:
+                raise ConfigError(f"lora target modules {list(lora['target_modules'])} match no linear layer of "
+                                  f"{path}", hint="name the model's attention and MLP projections (q_proj, ...)")
         if adapters is not None:
             from arpo_algo.models.lora import weights_fingerprint
 
@@ -213,9 +229,22 @@ class VLLMEngine:
         self.sleep_between_rollouts = sleep_between_rollouts
         self._expected = checkpoint_shapes(path)
         self._tied = bool(config.get("tie_word_embeddings", False))
+        self._closed = False
+        self._lora_root: str | None = None
+        self._remove_root: Any = None
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        # Invariant: an engine that fails to finish starting leaves no engine-core process and no adapter folder.
+        try:
+            self._finish_init(tokenizer, entropy_method, seed, lora, adapters)
+        except BaseException:
+            self.close()
+            raise
+
+    def _finish_init(self, tokenizer: Any, entropy_method: str, seed: int, lora: dict[str, Any] | None,
+                     adapters: dict[str, str] | None) -> None:
+        """Everything after vLLM has started (a failure here is cleaned up by the caller)."""
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
@@ -229,15 +258,23 @@ class VLLMEngine:
         # that produced its prefix key (a counter alone restarts at 1 in every actor).
         self._uid = uuid.uuid4().hex[:8]
         self._asleep = False
-        self._closed = False
         self._stats: collections.Counter[str] = collections.Counter()
         self._lora = dict(lora) if lora is not None else None
         #: Named adapters (``adapters=``): name -> folder; None on an engine of one policy.
         self.adapters: dict[str, str] | None = None if adapters is None else {}
         self._requests: dict[str | None, Any] = {}  # adapter name (None: the trained adapter) -> its LoRARequest
         self._next_lora_id = 0
-        self._lora_root = tempfile.mkdtemp(dir=shm_dir(), prefix="arpo-lora-") \
-            if lora is not None or adapters is not None else None
+        if lora is not None or adapters is not None:
+            # Only a training run's syncs gain from tmpfs; with transport "bytes" (a small /dev/shm) and for
+            # serving's copies, held for the replica's life, the folder lives in the temp dir.
+            where = shm_dir() if lora is not None and self.transport == "shm" else None
+            try:
+                self._lora_root = tempfile.mkdtemp(dir=where, prefix="arpo-lora-")
+            except OSError as e:
+                raise ArpoError(f"cannot create the vLLM engine's adapter folder in {where or tempfile.gettempdir()}"
+                                f": {e}", hint=_NO_ROOM) from None
+            # removes the folder when the engine is collected without close() (close() runs it first)
+            self._remove_root = weakref.finalize(self, shutil.rmtree, self._lora_root, ignore_errors=True)
         for name, folder in (adapters or {}).items():
             self._register(name, folder, self._layouts[name])
 
@@ -375,15 +412,16 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         assert self._lora is not None and self._lora_root is not None
-        peft = check_adapter_state(state_dict, self._lora)
+        peft = check_adapter_state(state_dict, self._lora, self._lora_expected)
         t0 = time.perf_counter()
         if self._asleep:
             self.wake_up()
         folder = Path(self._lora_root) / TRAINED_ADAPTER
-        folder.mkdir(exist_ok=True)
-        save_file(_engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        _write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
+        with _adapter_write(folder):
+            folder.mkdir(exist_ok=True)
+            save_file(engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+            _write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
         from vllm.lora.request import LoRARequest
 
         if None not in self._requests:
@@ -402,9 +440,16 @@ class VLLMEngine:
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
 
     def _check_adapter(self, name: str, folder: str | os.PathLike) -> tuple[Any, tuple[str, ...]]:
-        """An adapter folder to serve: a valid name, complete files, this engine's base (by fingerprint) and a
-        plain-LoRA config; returns its (settings, targets). Nothing is loaded."""
-        from arpo_algo.models.lora import adapter_settings, check_adapter_folder
+        """An adapter folder to serve: a valid name, complete files, this engine's base (by fingerprint), a
+        plain-LoRA config and exactly the tensors that config implies on this base (names and shapes, from the
+        safetensors header); returns its (settings, targets). No tensor is loaded."""
+        from arpo_algo.models.lora import (
+            adapter_file_shapes,
+            adapter_settings,
+            adapter_shapes,
+            check_adapter_folder,
+            check_adapter_tensors,
+        )
 
         if not _ADAPTER_NAME.match(name):
             raise ConfigError(f"adapter name {name!r}: letters, digits and _ only, not starting with a digit")
@@ -415,7 +460,16 @@ class VLLMEngine:
                               f"({self.base_fingerprint[:12]}...)",
                               hint="serve adapters of another base in their own deployment, or merge it first "
                                    "(arpo export --merge) and serve the merged folder as a full-weight agent")
-        return adapter_settings(folder)
+        settings, targets = adapter_settings(folder)
+        # Invariant: vLLM loads an adapter only at its first request, in the engine process that every agent on this
+        # base shares; a tensor it cannot place kills that process, and one of another shape may be served wrong.
+        # So every tensor is checked against the base here, before vLLM sees the folder.
+        check_adapter_tensors(adapter_file_shapes(folder), adapter_shapes(self._linear, targets, settings.rank),
+                              f"{folder}: the adapter's tensors do not fit this engine's base (rank {settings.rank}, "
+                              f"target modules {', '.join(targets)})",
+                              hint="serve an adapter saved by arpo or PEFT for this base, with the rank and target "
+                                   "modules its adapter_config.json names")
+        return settings, targets
 
     def _register(self, name: str, folder: str | os.PathLike, layout: tuple[Any, tuple[str, ...]]) -> None:
         """Copy the adapter's tensors into a folder of this engine's own with a config written here (only the keys
@@ -424,9 +478,10 @@ class VLLMEngine:
         settings, targets = layout
         self._next_lora_id += 1
         own = Path(self._lora_root) / f"{self._next_lora_id}"
-        own.mkdir()
-        shutil.copyfile(Path(folder) / "adapter_model.safetensors", own / "adapter_model.safetensors")
-        _write_adapter_config(own, settings.rank, settings.alpha, list(targets))
+        with _adapter_write(own):
+            own.mkdir()
+            shutil.copyfile(Path(folder) / "adapter_model.safetensors", own / "adapter_model.safetensors")
+            _write_adapter_config(own, settings.rank, settings.alpha, list(targets))
         from vllm.lora.request import LoRARequest
 
         self._requests[name] = LoRARequest(f"{name}-{self._next_lora_id}", self._next_lora_id, str(own))
@@ -499,12 +554,14 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        del self.llm
-        if self._lora_root is not None:
-            shutil.rmtree(self._lora_root, ignore_errors=True)
+        try:
+            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+            del self.llm
+        finally:
+            if self._remove_root is not None:
+                self._remove_root()
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call."""
@@ -522,32 +579,60 @@ def _vllm_lora_ranks() -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
 
 
-def check_adapter_state(state_dict: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
-    """The learner's adapter tensors under PEFT's saved names (what vLLM's loader reads), or a ConfigError when a
-    name is not an adapter tensor of the engine's target modules or a shape does not have the engine's rank."""
-    rank, targets = int(lora["rank"]), set(lora["target_modules"])
-    out, bad = {}, []
-    for name, tensor in state_dict.items():
+def check_lora_architecture(archs: list[str]) -> None:
+    """A ConfigError when vLLM has no LoRA support for the model's architecture (vLLM would fail inside its engine
+    process, after the learner loaded); resolved through vLLM's model registry, before vLLM starts."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    # vLLM 0.29 resolves an architecture to its class publicly only from a full ModelConfig (which reads the model
+    # and platform); the registry's own lookup by name imports just the model's module
+    classes = [c for c in (ModelRegistry._try_load_model_cls(a) for a in archs) if c is not None]
+    if classes and not any(supports_lora(c) for c in classes):
+        raise ConfigError(f"vLLM 0.29 cannot run LoRA adapters on architecture {', '.join(archs)}",
+                          hint="set rollouts.engine = 'hf' for LoRA on this model (or merge the adapter first: "
+                               "arpo export --merge, and serve the merged folder)")
+
+
+def check_adapter_state(state_dict: dict[str, Any], lora: dict[str, Any],
+                        expected: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """The learner's adapter tensors under PEFT's saved names (what vLLM's loader reads), or a ConfigError unless
+    they are exactly the engine's adapter: every ``lora_A`` / ``lora_B`` of the target modules, each of its full
+    shape (``expected``: :func:`~arpo_algo.models.lora.adapter_shapes` of the engine's base)."""
+    from arpo_algo.models.lora import PEFT_PREFIX, check_adapter_tensors
+
+    peft = {}
+    for name in state_dict:
         m = _LORA_KEY.match(name)
-        shape = tuple(tensor.shape)
-        if m is None or m["module"].rsplit(".", 1)[-1] not in targets or len(shape) != 2 \
-                or shape[0 if m["ab"] == "A" else 1] != rank:
-            bad.append(f"{name} {shape}")
-            continue
-        out[f"{_PEFT_PREFIX}{m['module']}.lora_{m['ab']}.weight"] = tensor
-    if bad or not out:
-        raise ConfigError(f"the pushed weights are not the engine's adapter (rank {rank}, target modules "
-                          f"{', '.join(sorted(targets))}): {', '.join(bad[:3]) or 'no tensors'}"
-                          f"{' ...' if len(bad) > 3 else ''}",
+        peft[f"{PEFT_PREFIX}{m['module']}.lora_{m['ab']}.weight" if m else name] = name
+    # the learner's names (lora_A.default.weight) in the error; PEFT's saved names to vLLM
+    learner_expected = {f"{k[len(PEFT_PREFIX):-len('.weight')]}.default.weight": v for k, v in expected.items()}
+    check_adapter_tensors({name: tuple(t.shape) for name, t in state_dict.items()}, learner_expected,
+                          f"the pushed weights are not the engine's adapter (rank {lora['rank']}, target modules "
+                          f"{', '.join(sorted(lora['target_modules']))})",
                           hint="a LoRA engine takes the learner's adapter tensors only (its rollout_weights())")
-    return out
+    return {peft_name: state_dict[name] for peft_name, name in peft.items()}
+
+
+@contextlib.contextmanager
+def _adapter_write(folder: Path) -> Iterator[None]:
+    """Around writing an adapter folder: an OSError (a full /dev/shm or disk) becomes an ArpoError with the fix, and
+    the half-written folder is removed."""
+    try:
+        yield
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ArpoError(f"cannot write the adapter folder {folder}: {e}", hint=_NO_ROOM) from None
 
 
 def _write_adapter_config(folder: Path, rank: int, alpha: float, targets: list[str]) -> None:
-    """A plain-LoRA PEFT config: the only keys arpo applies (no bias, DoRA, rsLoRA or rank pattern)."""
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
-              "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none"}
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    """The PEFT config of a plain-LoRA adapter, as :meth:`LoraSettings.peft_config` describes it (only what arpo
+    applies: no bias, DoRA, rsLoRA or rank pattern)."""
+    from arpo_algo.models.lora import LoraSettings
+
+    config = LoraSettings(enabled=True, rank=int(rank), alpha=float(alpha)).peft_config(tuple(sorted(targets)))
+    (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), indent=1, default=sorted),
+                                                encoding="utf-8")
 
 
 class _Shape:

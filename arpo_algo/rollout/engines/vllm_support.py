@@ -168,7 +168,7 @@ def check_weights(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...
                                "and size, Hugging Face parameter names)")
 
 
-def _engine_tensors(state_dict: dict[str, Any], dtype: str) -> dict[str, Any]:
+def engine_tensors(state_dict: dict[str, Any], dtype: str) -> dict[str, Any]:
     """The state dict in the engine's dtype, contiguous; tied tensors (lm_head = embeddings) as separate copies."""
     import torch
 
@@ -188,7 +188,7 @@ def pack_state_dict(state_dict: dict[str, Any], dtype: str) -> bytes:
     the blob while it builds it, so the file transport (:func:`write_state_dict`) is the one for large models."""
     from safetensors.torch import save
 
-    return save(_engine_tensors(state_dict, dtype))
+    return save(engine_tensors(state_dict, dtype))
 
 
 def write_state_dict(state_dict: dict[str, Any], dtype: str, path: str) -> None:
@@ -196,7 +196,7 @@ def write_state_dict(state_dict: dict[str, Any], dtype: str, path: str) -> None:
     memory: no blob, so a push costs the file plus, for a tied head or a dtype change, those copies)."""
     from safetensors.torch import save_file
 
-    save_file(_engine_tensors(state_dict, dtype), path)
+    save_file(engine_tensors(state_dict, dtype), path)
 
 
 def shm_dir() -> str | None:

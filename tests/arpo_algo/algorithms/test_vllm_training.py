@@ -1,10 +1,12 @@
-"""Training with ``engine="vllm"``: one ARPO iteration in-process and one with a Ray rollout actor (needs vllm).
+"""Training with ``engine="vllm"``: one ARPO iteration in-process and one with two Ray rollout actors (needs vllm).
 
 After the learner's weights move, the algorithm pushes its weights into the vLLM engine; the engine's greedy logprobs
 must then equal a teacher-forced forward of the learner's model (the training path's weight sync, end to end).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ def _config(model_dir, actors: int) -> ARPOConfig:
     return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
             .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-2)
             .llm_rollouts(engine="vllm", max_response_tokens=16, num_rollout_actors=actors,
-                          num_cpus_per_rollout_actor=1)
+                          num_cpus_per_rollout_actor=1 / max(actors, 1))  # fits a 2-CPU machine
             .tree(budget=2, initial=1, entropy_method="topk_sum_lnV"))
 
 
@@ -41,18 +43,28 @@ def _engine_matches_learner(algo) -> None:
     assert (ref - torch.tensor(gen.logprobs)).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("actors", [0, 1], ids=["in_process", "ray_actor"])
+@pytest.mark.parametrize("actors", [0, 2], ids=["in_process", "two_ray_actors"])
 def test_arpo_iteration_on_vllm_and_weight_sync(vllm_tiny, actors):
     algo = _config(vllm_tiny, actors).build_algo()
     try:
         result = algo.train()
         assert result["training_iteration"] == 1 and result["num_trajectories"] >= 1.0
+        # the iteration's push: bytes for all engines together, within the sync that contains it
+        pushed = result["rollout"]["engine"]
+        copy = sum(v.numel() * 4 for v in algo.learner.rollout_weights().values())  # float32 on the CPU engine
+        assert max(actors, 1) * copy <= pushed["weight_push_bytes"] < max(actors, 1) * (copy + 2**20)
+        assert 0 < pushed["weight_push_seconds"] <= result["timers"]["sync_time"]
         # a random tiny model earns no reward, so the update may be zero: move the weights as a learner step would
         torch.manual_seed(0)
         with torch.no_grad():
             for p in algo.learner.model.parameters():
                 p.add_(0.02 * torch.randn_like(p))
+        t0 = time.perf_counter()
         algo._sync_weights()  # what the next training_step does first
+        waited = time.perf_counter() - t0
+        # the seconds are the wall time waited for the push: the actors load in parallel, so their own times added
+        # up exceed it (measured with two actors: 0.098 s logged for a 0.074 s wait when they were added)
+        assert 0 < algo.metrics.peek(("rollout", "engine", "weight_push_seconds")) <= waited
         _engine_matches_learner(algo)
     finally:
         algo.stop()
