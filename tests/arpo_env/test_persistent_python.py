@@ -38,11 +38,12 @@ def tool(request) -> PythonTool:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def private_tmp():
+def private_tmp(tmp_path_factory):
     """The module's sandboxes make their scratch folders in a temp dir of their own, so the leftover check below
     counts only this module's folders, never those of other jobs on the machine (a training run's interpreters)."""
     import tempfile
 
+    tmp_path_factory.getbasetemp()  # pytest's own temp root is fixed first, outside the folder removed below
     root = tempfile.mkdtemp(prefix="arpo-test-tmp-")
     os.chmod(root, 0o711)  # sandbox uids traverse it to reach their own scratch folder, and list nothing
     saved, tempfile.tempdir = tempfile.tempdir, root
