@@ -284,11 +284,39 @@ def finished_runs(output: Path, seeds: list[int] | None) -> dict[str, dict[int, 
     return {n: dict(sorted(r.items())) for n, r in runs.items()}
 
 
+def wilcoxon(diffs: list[float]) -> tuple[float, int]:
+    """Two-sided exact Wilcoxon signed-rank p-value of ``diffs`` (zeros dropped, average ranks for ties); the
+    number of non-zero differences. The null distribution of the positive rank sum is counted exactly over all 2^n
+    sign patterns of the observed (doubled, so integer) ranks."""
+    d = [x for x in diffs if abs(x) > 1e-12]
+    n = len(d)
+    if n == 0:
+        return 1.0, 0
+    order = sorted(range(n), key=lambda i: abs(d[i]))
+    ranks = [0] * n  # doubled average ranks
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and abs(abs(d[order[j + 1]]) - abs(d[order[i]])) < 1e-12:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = i + j + 2  # 2 * mean of ranks i+1 .. j+1
+        i = j + 1
+    total = sum(ranks)
+    counts = [0] * (total + 1)
+    counts[0] = 1
+    for r in ranks:
+        for s in range(total, r - 1, -1):
+            counts[s] += counts[s - r]
+    w_plus = sum(r for r, x in zip(ranks, d) if x > 0)
+    extreme = min(w_plus, total - w_plus)
+    tail = sum(counts[: extreme + 1])
+    return min(1.0, 2 * tail / 2 ** n), n
+
+
 def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
     """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse,
     the exact two-sided Wilcoxon signed-rank p-value)."""
-    from studies.study_report import wilcoxon  # it imports this module's stats
-
     base = rep[baseline]["per_seed"]
     out = {}
     for name, r in rep.items():

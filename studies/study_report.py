@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from studies.compare import stats
+from studies.compare import stats, wilcoxon
 
 BASELINE = "grpo"
 
@@ -42,36 +42,6 @@ def by_arm(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]
     for r in records:
         arms.setdefault(r["arm"], {})[r["seed"]] = r  # a later record of the same (arm, seed) replaces it
     return {a: dict(sorted(s.items())) for a, s in arms.items()}
-
-
-def wilcoxon(diffs: list[float]) -> tuple[float, int]:
-    """Two-sided exact Wilcoxon signed-rank p-value of ``diffs`` (zeros dropped, average ranks for ties); the
-    number of non-zero differences. The null distribution of the positive rank sum is counted exactly over all 2^n
-    sign patterns of the observed (doubled, so integer) ranks."""
-    d = [x for x in diffs if abs(x) > 1e-12]
-    n = len(d)
-    if n == 0:
-        return 1.0, 0
-    order = sorted(range(n), key=lambda i: abs(d[i]))
-    ranks = [0] * n  # doubled average ranks
-    i = 0
-    while i < n:
-        j = i
-        while j + 1 < n and abs(abs(d[order[j + 1]]) - abs(d[order[i]])) < 1e-12:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = i + j + 2  # 2 * mean of ranks i+1 .. j+1
-        i = j + 1
-    total = sum(ranks)
-    counts = [0] * (total + 1)
-    counts[0] = 1
-    for r in ranks:
-        for s in range(total, r - 1, -1):
-            counts[s] += counts[s - r]
-    w_plus = sum(r for r, x in zip(ranks, d) if x > 0)
-    extreme = min(w_plus, total - w_plus)
-    tail = sum(counts[: extreme + 1])
-    return min(1.0, 2 * tail / 2 ** n), n
 
 
 def power_mde(n: int, sd: float, alpha: float = 0.05, power: float = 0.8, sims: int = 400) -> float:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
+from arpo_env.tools.control_socket import recv_message, send_message
 from arpo_env.tools.interpreter_child import LOOP
 from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
@@ -108,43 +109,10 @@ def sample_interpreter_memory() -> int:
     interpreter is live."""
     with _LIVE_LOCK:
         roots = {t.proc.pid for t in list(_TREES) if t.proc is not None and not t.dead}
-    try:
-        total = tree_pss(roots)
-    except PermissionError:  # a sandbox process of another user: no figure rather than one too low
-        with _LIVE_LOCK:
-            _STATS["pss"] = None
-        return 0
+    total = tree_pss(roots)  # None: a sandbox process could not be read, so no figure rather than one too low
     with _LIVE_LOCK:
-        if _STATS["pss"] is not None:
-            _STATS["pss"] = max(_STATS["pss"], total)
-    return total
-
-
-def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
-    data = json.dumps(obj).encode()
-    msg = struct.pack(">I", len(data)) + data
-    if fds:
-        socket.send_fds(sock, [msg[:4]], fds)
-        msg = msg[4:]
-    sock.sendall(msg)
-
-
-def _recv(sock: socket.socket, timeout_s: float) -> dict | None:
-    """One reply, or None at end of file (the process is gone)."""
-    sock.settimeout(timeout_s)
-    try:
-        buf = b""
-        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return None
-            buf += chunk
-        reply = json.loads(buf[4:])
-        return reply if isinstance(reply, dict) else None
-    except (TimeoutError, ConnectionError, OSError, ValueError):  # ValueError: not a reply the child's loop wrote
-        return None
-    finally:
-        sock.settimeout(None)
+        _STATS["pss"] = None if total is None or _STATS["pss"] is None else max(_STATS["pss"], total)
+    return total or 0
 
 
 class _Tree:
@@ -228,7 +196,7 @@ class _Tree:
         via = parent.ctl if parent is not None else self.ctl
         t0 = time.monotonic()
         try:
-            _send(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
+            send_message(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
         except OSError as exc:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -238,8 +206,8 @@ class _Tree:
             for fd in (out_w, err_w):
                 os.close(fd)
             child.close()
-        first = _recv(via, _START_TIMEOUT_S)
-        second = _recv(host, _START_TIMEOUT_S) if first is not None and "ok" in first else None
+        first = recv_message(via, _START_TIMEOUT_S)
+        second = recv_message(host, _START_TIMEOUT_S) if first is not None and "ok" in first else None
         if second is None or "pid" not in second:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -261,8 +229,8 @@ class _Tree:
             if self.dead:
                 return
             try:
-                _send(self.ctl, {"op": "kill", "pid": pid})
-                ok = _recv(self.ctl, 10.0) is not None
+                send_message(self.ctl, {"op": "kill", "pid": pid})
+                ok = recv_message(self.ctl, 10.0) is not None
             except OSError:
                 ok = False
             if not ok:  # the zygote is gone: nothing in this sandbox can be trusted to end, so all of it ends
@@ -332,7 +300,7 @@ class _Branch:
         reply, total, status = b"", 0, "ok"
         deadline, cancel = time.monotonic() + tool.timeout_s, cancel_event()
         try:
-            _send(self.ctl, {"op": "run", "code": code})
+            send_message(self.ctl, {"op": "run", "code": code})
         except OSError:
             return b"", b"", None, "ended"
         with selectors.DefaultSelector() as sel:

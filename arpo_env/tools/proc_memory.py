@@ -7,12 +7,12 @@ import os
 from collections.abc import Iterable
 
 
-def tree_pss(roots: Iterable[int]) -> int:
+def tree_pss(roots: Iterable[int]) -> int | None:
     """The summed proportional set size (PSS, bytes) of every process in the trees rooted at ``roots`` (host pids):
     the roots and all their descendants, found by one scan of ``/proc/*/stat``. PSS divides each page among the
     processes that map it, so the pages that forks share copy-on-write count once in the sum (RSS would count them
     once per fork). A process that ends during the walk is left out: it holds nothing any more. 0 for no roots.
-    A process this one may not read raises :class:`PermissionError`: a sum without it would be too low, silently."""
+    None when a process of the trees may not be read by this one: a sum without it would be too low, silently."""
     todo = list(roots)
     if not todo:
         return 0
@@ -36,4 +36,6 @@ def tree_pss(roots: Iterable[int]) -> int:
                 total += next((int(line.split()[1]) << 10 for line in f if line.startswith(b"Pss:")), 0)  # kB
         except (FileNotFoundError, ProcessLookupError):
             continue
+        except PermissionError:
+            return None
     return total

@@ -42,17 +42,14 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +63,16 @@ from arpo_algo.rollout.engines.base import (
     request_problem,
 )
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
+from arpo_algo.rollout.engines.vllm_lora import (
+    NO_ROOM,
+    Shape,
+    adapter_write,
+    check_adapter_state,
+    check_lora_architecture,
+    check_served_adapter,
+    lora_ranks,
+    write_adapter_config,
+)
 from arpo_algo.rollout.engines.vllm_support import (
     DTYPES,
     check_architecture,
@@ -87,10 +94,6 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 TRANSPORTS = ("auto", "shm", "bytes")
 #: The name under which vLLM holds the adapter a training run syncs into the engine.
 TRAINED_ADAPTER = "arpo_policy"
-_ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
-_NO_ROOM = ("raise the size of /dev/shm (Docker: --shm-size) or free disk space in the temp dir, or set "
-            "transport = 'bytes' (the adapter folder then lives in the temp dir)")
 
 
 class VLLMEngine:
@@ -205,7 +208,7 @@ class VLLMEngine:
         #: The largest adapter rank this engine holds (0: LoRA off).
         self.max_lora_rank = 0
         if lora is not None or adapters is not None:
-            self.max_lora_rank = vllm_lora_rank(max(ranks or [1]), _vllm_lora_ranks())
+            self.max_lora_rank = vllm_lora_rank(max(ranks or [1]), lora_ranks())
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank,
                           max_loras=max_loras or max(1, len(adapters or {})))
         if self.on_cpu:
@@ -272,7 +275,7 @@ class VLLMEngine:
                 self._lora_root = tempfile.mkdtemp(dir=where, prefix="arpo-lora-")
             except OSError as e:
                 raise ArpoError(f"cannot create the vLLM engine's adapter folder in {where or tempfile.gettempdir()}"
-                                f": {e}", hint=_NO_ROOM) from None
+                                f": {e}", hint=NO_ROOM) from None
             # removes the folder when the engine is collected without close() (close() runs it first)
             self._remove_root = weakref.finalize(self, shutil.rmtree, self._lora_root, ignore_errors=True)
         for name, folder in (adapters or {}).items():
@@ -417,11 +420,11 @@ class VLLMEngine:
         if self._asleep:
             self.wake_up()
         folder = Path(self._lora_root) / TRAINED_ADAPTER
-        with _adapter_write(folder):
+        with adapter_write(folder):
             folder.mkdir(exist_ok=True)
             save_file(engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"),
                       metadata={"format": "pt"})
-            _write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
+            write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
         from vllm.lora.request import LoRARequest
 
         if None not in self._requests:
@@ -440,36 +443,8 @@ class VLLMEngine:
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
 
     def _check_adapter(self, name: str, folder: str | os.PathLike) -> tuple[Any, tuple[str, ...]]:
-        """An adapter folder to serve: a valid name, complete files, this engine's base (by fingerprint), a
-        plain-LoRA config and exactly the tensors that config implies on this base (names and shapes, from the
-        safetensors header); returns its (settings, targets). No tensor is loaded."""
-        from arpo_algo.models.lora import (
-            adapter_file_shapes,
-            adapter_settings,
-            adapter_shapes,
-            check_adapter_folder,
-            check_adapter_tensors,
-        )
-
-        if not _ADAPTER_NAME.match(name):
-            raise ConfigError(f"adapter name {name!r}: letters, digits and _ only, not starting with a digit")
-        info = check_adapter_folder(folder)
-        if info["fingerprint"] != self.base_fingerprint:
-            raise ConfigError(f"{folder}: the adapter was trained on the base with weights fingerprint "
-                              f"{info['fingerprint'][:12]}..., not on this engine's base "
-                              f"({self.base_fingerprint[:12]}...)",
-                              hint="serve adapters of another base in their own deployment, or merge it first "
-                                   "(arpo export --merge) and serve the merged folder as a full-weight agent")
-        settings, targets = adapter_settings(folder)
-        # Invariant: vLLM loads an adapter only at its first request, in the engine process that every agent on this
-        # base shares; a tensor it cannot place kills that process, and one of another shape may be served wrong.
-        # So every tensor is checked against the base here, before vLLM sees the folder.
-        check_adapter_tensors(adapter_file_shapes(folder), adapter_shapes(self._linear, targets, settings.rank),
-                              f"{folder}: the adapter's tensors do not fit this engine's base (rank {settings.rank}, "
-                              f"target modules {', '.join(targets)})",
-                              hint="serve an adapter saved by arpo or PEFT for this base, with the rank and target "
-                                   "modules its adapter_config.json names")
-        return settings, targets
+        """:func:`~arpo_algo.rollout.engines.vllm_lora.check_served_adapter` against this engine's base."""
+        return check_served_adapter(name, folder, self.base_fingerprint, self._linear)
 
     def _register(self, name: str, folder: str | os.PathLike, layout: tuple[Any, tuple[str, ...]]) -> None:
         """Copy the adapter's tensors into a folder of this engine's own with a config written here (only the keys
@@ -478,10 +453,10 @@ class VLLMEngine:
         settings, targets = layout
         self._next_lora_id += 1
         own = Path(self._lora_root) / f"{self._next_lora_id}"
-        with _adapter_write(own):
+        with adapter_write(own):
             own.mkdir()
             shutil.copyfile(Path(folder) / "adapter_model.safetensors", own / "adapter_model.safetensors")
-            _write_adapter_config(own, settings.rank, settings.alpha, list(targets))
+            write_adapter_config(own, settings.rank, settings.alpha, list(targets))
         from vllm.lora.request import LoRARequest
 
         self._requests[name] = LoRARequest(f"{name}-{self._next_lora_id}", self._next_lora_id, str(own))
@@ -517,7 +492,7 @@ class VLLMEngine:
         a checkpoint's ``policy/``) on its own file system; nothing travels through the RPC but the path."""
         folder = Path(folder)
         check_weights(
-            {k: _Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
+            {k: Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
         self.llm.collective_rpc("arpo_reload_folder", kwargs={"folder": str(folder), "tied_head": self._tied})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1
@@ -568,75 +543,3 @@ class VLLMEngine:
         out = {k: float(v) for k, v in self._stats.items()}
         self._stats.clear()
         return out
-
-
-def _vllm_lora_ranks() -> tuple[int, ...]:
-    """The ``max_lora_rank`` values the installed vLLM accepts (its ``MaxLoRARanks``)."""
-    import typing
-
-    from vllm.config.lora import MaxLoRARanks
-
-    return tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
-
-
-def check_lora_architecture(archs: list[str]) -> None:
-    """A ConfigError when vLLM has no LoRA support for the model's architecture (vLLM would fail inside its engine
-    process, after the learner loaded); resolved through vLLM's model registry, before vLLM starts."""
-    from vllm import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_lora
-
-    # vLLM 0.29 resolves an architecture to its class publicly only from a full ModelConfig (which reads the model
-    # and platform); the registry's own lookup by name imports just the model's module
-    classes = [c for c in (ModelRegistry._try_load_model_cls(a) for a in archs) if c is not None]
-    if classes and not any(supports_lora(c) for c in classes):
-        raise ConfigError(f"vLLM 0.29 cannot run LoRA adapters on architecture {', '.join(archs)}",
-                          hint="set rollouts.engine = 'hf' for LoRA on this model (or merge the adapter first: "
-                               "arpo export --merge, and serve the merged folder)")
-
-
-def check_adapter_state(state_dict: dict[str, Any], lora: dict[str, Any],
-                        expected: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    """The learner's adapter tensors under PEFT's saved names (what vLLM's loader reads), or a ConfigError unless
-    they are exactly the engine's adapter: every ``lora_A`` / ``lora_B`` of the target modules, each of its full
-    shape (``expected``: :func:`~arpo_algo.models.lora.adapter_shapes` of the engine's base)."""
-    from arpo_algo.models.lora import PEFT_PREFIX, check_adapter_tensors
-
-    peft = {}
-    for name in state_dict:
-        m = _LORA_KEY.match(name)
-        peft[f"{PEFT_PREFIX}{m['module']}.lora_{m['ab']}.weight" if m else name] = name
-    # the learner's names (lora_A.default.weight) in the error; PEFT's saved names to vLLM
-    learner_expected = {f"{k[len(PEFT_PREFIX):-len('.weight')]}.default.weight": v for k, v in expected.items()}
-    check_adapter_tensors({name: tuple(t.shape) for name, t in state_dict.items()}, learner_expected,
-                          f"the pushed weights are not the engine's adapter (rank {lora['rank']}, target modules "
-                          f"{', '.join(sorted(lora['target_modules']))})",
-                          hint="a LoRA engine takes the learner's adapter tensors only (its rollout_weights())")
-    return {peft_name: state_dict[name] for peft_name, name in peft.items()}
-
-
-@contextlib.contextmanager
-def _adapter_write(folder: Path) -> Iterator[None]:
-    """Around writing an adapter folder: an OSError (a full /dev/shm or disk) becomes an ArpoError with the fix, and
-    the half-written folder is removed."""
-    try:
-        yield
-    except OSError as e:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise ArpoError(f"cannot write the adapter folder {folder}: {e}", hint=_NO_ROOM) from None
-
-
-def _write_adapter_config(folder: Path, rank: int, alpha: float, targets: list[str]) -> None:
-    """The PEFT config of a plain-LoRA adapter, as :meth:`LoraSettings.peft_config` describes it (only what arpo
-    applies: no bias, DoRA, rsLoRA or rank pattern)."""
-    from arpo_algo.models.lora import LoraSettings
-
-    config = LoraSettings(enabled=True, rank=int(rank), alpha=float(alpha)).peft_config(tuple(sorted(targets)))
-    (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), indent=1, default=sorted),
-                                                encoding="utf-8")
-
-
-class _Shape:
-    """A stand-in tensor that only has a shape (to check a checkpoint folder without loading it)."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
