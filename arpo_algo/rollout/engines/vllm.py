@@ -427,9 +427,10 @@ class VLLMEngine:
             write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
         from vllm.lora.request import LoRARequest
 
-        if None not in self._requests:
+        synced = self._requests.get(None)  # the trained adapter keeps its first id: each sync replaces it there
+        if synced is None:
             self._next_lora_id += 1
-        lora_id = self._requests[None].lora_int_id if None in self._requests else self._next_lora_id
+        lora_id = self._next_lora_id if synced is None else synced.lora_int_id
         # Invariant: the weights the next rollout samples with are the ones just written. load_inplace=True makes
         # vLLM load the folder again and replace the adapter under the same id; without it an id already loaded
         # is only touched, and the old weights would stay.
