@@ -146,8 +146,13 @@ class Sweep:
         exp.update(algorithm=algorithm, iterations=self.settings.iterations)
         exp.setdefault("name", self.base_path.stem)
         for key, value in (point or {}).items():
-            section, name = key.split(".", 1)
-            sections.setdefault(section, {})[name] = value
+            # nested like the TOML tables the base was read from ("model.lora.rank" -> [model.lora] rank), so
+            # best.toml writes the same table a user would
+            section, *path = key.split(".")
+            node = sections.setdefault(section, {})
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
         if algorithm == "grpo":
             tree = sections.setdefault("tree", {})
             tree["initial"] = tree.get("budget", TreeConfig.budget)

@@ -215,7 +215,8 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
         search = OptunaSearch(metric=list(objectives) if multi else None, mode=list(objectives.values()) if multi
                               else None, seed=s.seed)
     else:
-        search = BasicVariantGenerator(random_state=s.seed)
+        # Tune ignores max_concurrent_trials when the search is a generator it did not build: the limit is set here
+        search = BasicVariantGenerator(random_state=s.seed, max_concurrent=s.max_concurrent or 0)
     scheduler = (ASHAScheduler(time_attr="training_iteration", max_t=s.iterations, grace_period=s.grace_period,
                                reduction_factor=s.reduction_factor, metric=s.metric if multi else None,
                                mode=s.mode if multi else None)

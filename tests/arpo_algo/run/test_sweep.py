@@ -123,6 +123,25 @@ def test_held_out_metric_evaluated_only_at_the_end(tmp_path, tiny_model_dir):
     assert 'scheduler = "none"' in info.value.hint
 
 
+def test_best_toml_nests_a_subsection_knob(tmp_path, tiny_model_dir):
+    # A knob inside a subsection ("model.lora.rank") lands in its own table, as a user would write it, not as a
+    # dotted key in [model]; best.toml loads back to the trial's point.
+    import tomllib
+
+    from arpo_algo.run.experiment import load_experiment
+    from arpo_algo.run.sweep_report import write_best_toml
+
+    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"', '"model.lora.rank" = {grid = [4, 8]}',
+                       base_extra='[model.lora]\nenabled = true\n')
+    sweep = load_sweep(path)
+    row = {"algorithm": "arpo", "trial": "t0", "iterations": 2, "model.lora.rank": 8,
+           sweep.settings.metric: 0.5}
+    best = write_best_toml(sweep, row, tmp_path / "best.toml")
+    model = tomllib.loads(best.read_text())["model"]
+    assert model["lora"] == {"enabled": True, "rank": 8} and "lora.rank" not in model
+    assert load_experiment(best).config.settings.model.lora.rank == 8
+
+
 def test_cli_bad_sweep_exit_2_no_traceback(tmp_path, tiny_model_dir, capsys):
     path = write_sweep(tmp_path, tiny_model_dir, "", '"tree.tua" = {uniform = [0.1, 1.0]}')
     assert main(["tune", path, "--dry-run"]) == 2

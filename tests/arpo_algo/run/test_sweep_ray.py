@@ -75,16 +75,21 @@ def test_two_trial_sweep_reports_and_best_toml(tmp_path, tiny_model_dir, capsys,
 def test_seed_grid_evaluated_only_at_the_end(tmp_path, tiny_model_dir, no_ray_after):
     # search = "grid" with scheduler = "none": Tune gets no metric (iteration 1 has no held-out result), the report
     # ranks the trials by their last iteration's evaluation.
+    # max_concurrent = 1 holds for a grid too: the second trial starts after the first has ended.
     path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"\nsearch = "grid"\n'
-                       'scheduler = "none"\niterations = 2', '"experiment.seed" = {grid = [0, 1]}')
+                       'scheduler = "none"\niterations = 2\nmax_concurrent = 1', '"experiment.seed" = {grid = [0, 1]}')
     out = tmp_path / "grid_out"
     assert main(["tune", path, "--output", str(out), "--set", "evaluation.every=2"]) == 0
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 2 and {r["status"] for r in rows} == {"done"}
+    spans = []
     for row in rows:
         results = _trial_results(out / "arpo" / row["trial"])
         assert "evaluation" not in results[0] and len(results) == 2
         assert float(row["evaluation/accuracy"]) == pytest.approx(results[-1]["evaluation"]["accuracy"])
+        spans.append((results[0]["timestamp"] - results[0]["time_this_iter_s"], results[-1]["timestamp"]))
+    (_, first_end), (second_start, _) = sorted(spans)
+    assert second_start >= first_end - 1, spans  # timestamps are whole seconds
     assert json.loads((out / "summary.json").read_text())["trials"] == 2
 
 
