@@ -54,7 +54,8 @@ DIAGNOSTICS = {"groups without reward variance": D.ZERO_VARIANCE_GROUP_FRAC,
                "branches per group": D.BRANCHES_PER_GROUP, "fill-ups per group": D.FILLUPS_PER_GROUP,
                "distinct trajectories per group": D.DISTINCT_TRAJECTORIES,
                "trajectories with gradient": D.TRAJ_WITH_GRAD, "training reward": MK.TRAIN + MK.REWARD_MEAN,
-               "iteration time (s)": MK.TIMERS + "training_iteration"}
+               "iteration time (s)": MK.TIMERS + "training_iteration",
+               "rollout tokens/s": MK.TRAIN + MK.TOKENS_PER_S, "learner update (s)": MK.TIMERS + "update_time"}
 EVAL_ACCURACY = MK.EVALUATION + MK.ACCURACY
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
