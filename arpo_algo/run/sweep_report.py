@@ -63,14 +63,23 @@ def trial_rows(sweep: Sweep, trials: list[dict[str, Any]]) -> list[dict[str, Any
                "iterations": iters, "stopped_early": bool(not t["error"] and iters < s.iterations),
                s.metric: last.get(s.metric), "tool_calls": calls,
                "tokens": sum(float(h.get(MK.TOKENS_SAMPLED, 0) or 0) for h in hist),
+               "train_reward": _mean([h.get(MK.REWARD_MEAN) for h in hist]),
                "wall_s": round(float(last.get("time_total_s", 0) or 0), 1), "error": t["error"] or ""}
         for extra in sweep.objectives:
             row.setdefault(extra, last.get(extra))
         rows.append(row)
     sign = -1.0 if s.mode == "max" else 1.0
+    # a tie on the metric (a held-out accuracy over a few dozen tasks ties often) goes to the trial that earned more
+    # reward while training, over all its iterations
     rows.sort(key=lambda r: (r["status"] == "error", r[s.metric] is None,
-                             sign * r[s.metric] if isinstance(r[s.metric], (int, float)) else 0.0))
+                             sign * r[s.metric] if isinstance(r[s.metric], (int, float)) else 0.0,
+                             -r["train_reward"] if r["train_reward"] is not None else math.inf))
     return rows
+
+
+def _mean(values: list[Any]) -> float | None:
+    xs = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(xs) / len(xs) if xs else None
 
 
 def _knob_keys(sweep: Sweep) -> list[str]:

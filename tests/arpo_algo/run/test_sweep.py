@@ -9,7 +9,7 @@ import pytest
 
 from arpo_algo.cli.main import main
 from arpo_algo.run.sweep import load_sweep
-from arpo_algo.run.sweep_report import config_summary, pareto_front, seed_stats
+from arpo_algo.run.sweep_report import config_summary, pareto_front, seed_stats, trial_rows
 from arpo_base.errors import ConfigError
 
 BASE = """
@@ -179,6 +179,25 @@ def test_seed_grid_summary_groups_over_seeds(tmp_path, tiny_model_dir):
     assert arpo["seeds"] == 2 and arpo["mean"] == pytest.approx(0.7) and arpo["sd"] == pytest.approx(math.sqrt(0.02))
     assert arpo["ci95_low"] == pytest.approx(0.7 - half) and arpo["ci95_high"] == pytest.approx(0.7 + half)
     assert grpo["mean"] == pytest.approx(0.3) and grpo["tool_calls_mean"] == pytest.approx(2.0)
+
+
+def test_metric_tie_goes_to_more_training_reward(tmp_path, tiny_model_dir):
+    # Four rates tied at 15/32 held-out tasks: the ranking (and best.toml) follows the reward earned while training.
+    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"\nsearch = "grid"\nscheduler = "none"',
+                       '"training.lr" = {grid = [1e-4, 3e-4, 1e-3]}', base_extra="")
+    sweep = load_sweep(path)
+    m = sweep.settings.metric
+
+    def trial(lr, rewards, metric):
+        hist = [{"training_iteration": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
+        hist[-1][m] = metric
+        return {"path": str(tmp_path / f"t{lr}"), "algorithm": "arpo", "knobs": {"training.lr": lr},
+                "error": None, "last": {**hist[-1], "training_iteration": 2}, "history": hist}
+
+    rows = trial_rows(sweep, [trial(1e-4, [0.4, 0.5], 0.47), trial(3e-4, [0.5, 0.7], 0.47),
+                              trial(1e-3, [0.9, 0.9], 0.30)])
+    assert [r["training.lr"] for r in rows] == [3e-4, 1e-4, 1e-3]  # the metric first, then the training reward
+    assert rows[0]["train_reward"] == pytest.approx(0.6) and rows[1]["train_reward"] == pytest.approx(0.45)
 
 
 def test_pareto_front():
