@@ -92,7 +92,12 @@ class Owner:
     def __init__(self, specs: list[Any], resolve: Callable[[list[str]], list[Any]],
                  deploy: Callable[[list[Any]], None]) -> None:
         self.specs, self.resolve, self.deploy = list(specs), resolve, deploy
-        self.box = Mailbox.options(name=MAILBOX, namespace=NAMESPACE).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On this process's own node, not soft: the mailbox lives exactly as long as its owner can read it, so a
+        # lost worker node cannot take it (and with it this process and the whole deployment) down.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.box = Mailbox.options(name=MAILBOX, namespace=NAMESPACE, scheduling_strategy=here).remote()
 
     def poll(self) -> None:
         """Apply every waiting change, in order, and answer each."""

@@ -183,11 +183,17 @@ def serve_cmd(cluster, model_dir, port: int, resources: str) -> list[str]:
 
 
 def replica_nodes(cluster) -> list[dict]:
-    """The custom resources of the node of every live replica, read by a short-lived driver from the GCS."""
+    """The custom resources of the node of every live replica."""
+    return actor_nodes(cluster, REPLICA)
+
+
+def actor_nodes(cluster, class_name: str) -> list[dict]:
+    """The custom resources of the node of every live actor whose class name holds ``class_name``, read by a
+    short-lived driver from the GCS."""
     code = ("import json, ray, ray._private.state as st; ray.init(log_to_driver=False)\n"
             "nodes = {n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}\n"
             f"out = [nodes.get(a['Address']['NodeID'], {{}}) for a in st.actors().values() if a['State'] == 'ALIVE'"
-            f" and '{REPLICA}' in a['ActorClassName']]\n"
+            f" and '{class_name}' in a['ActorClassName']]\n"
             "print('REP' + json.dumps(out))")
     r = subprocess.run([sys.executable, "-c", code], env=cluster.env(), capture_output=True, text=True, timeout=120)
     line = next((x for x in r.stdout.splitlines() if x.startswith("REP")), None)
@@ -245,6 +251,8 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
             f"not serving ({'exited' if not served.running() else 'in time'})\n{served.output()[-5000:]}")
         where = replica_nodes(cluster)
         assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # one per worker, none on the head
+        # the agents' mailbox lives beside its owner (arpo serve, on the head): losing a worker cannot take it
+        assert actor_nodes(cluster, "Mailbox") == [{"head": 1.0}]
         clients = [threading.Thread(target=client) for _ in range(2)]
         for c in clients:
             c.start()
