@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from arpo_base.errors import ArpoError, ConfigError
 
@@ -92,8 +93,6 @@ class Owner:
     def __init__(self, specs: list[Any], resolve: Callable[[list[str]], list[Any]],
                  deploy: Callable[[list[Any]], None]) -> None:
         self.specs, self.resolve, self.deploy = list(specs), resolve, deploy
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         # On this process's own node, not soft: the mailbox lives exactly as long as its owner can read it, so a
         # lost worker node cannot take it (and with it this process and the whole deployment) down.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -182,11 +182,6 @@ def serve_cmd(cluster, model_dir, port: int, resources: str) -> list[str]:
             "--ready-timeout", str(START_TIMEOUT_S)]
 
 
-def replica_nodes(cluster) -> list[dict]:
-    """The custom resources of the node of every live replica."""
-    return actor_nodes(cluster, REPLICA)
-
-
 def actor_nodes(cluster, class_name: str) -> list[dict]:
     """The custom resources of the node of every live actor whose class name holds ``class_name``, read by a
     short-lived driver from the GCS."""
@@ -249,7 +244,7 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
             time.sleep(0.5)
         assert any(x.startswith("serving") for x in served.output().splitlines()), (
             f"not serving ({'exited' if not served.running() else 'in time'})\n{served.output()[-5000:]}")
-        where = replica_nodes(cluster)
+        where = actor_nodes(cluster, REPLICA)
         assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # one per worker, none on the head
         # the agents' mailbox lives beside its owner (arpo serve, on the head): losing a worker cannot take it
         assert actor_nodes(cluster, "Mailbox") == [{"head": 1.0}]
@@ -261,7 +256,7 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
         wait_for_statuses(statuses, len(statuses) + 20)  # requests sent while the node's loss is noticed, and after
         cluster.add_worker(lost.name + "2", lost.num_cpus, lost.resources)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and len(where := replica_nodes(cluster)) < 2:
+        while time.monotonic() < deadline and len(where := actor_nodes(cluster, REPLICA)) < 2:
             time.sleep(1.0)
         stop.set()
         for c in clients:
