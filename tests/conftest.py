@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+pytest_plugins = ["tests.reaping"]  # the suite fails if it leaves a child process unreaped
+
 #: The suite's result: what pytest's command returned (see _exit_with_the_suites_result).
 _SUITE_STATUS: list[int] = []
 

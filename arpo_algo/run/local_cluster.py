@@ -65,13 +65,10 @@ class Node:
         return self.proc.poll() is None
 
     def family(self) -> list:
-        """The node's processes below ``ray start`` (raylet, agents, workers), as psutil processes."""
-        import psutil
+        """The node's living processes below ``ray start`` (raylet, agents, workers), as psutil processes."""
+        from arpo_base.procs import descendants
 
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
+        return descendants(self.proc.pid)
 
     def kill(self, known: list | None = None) -> None:
         """SIGKILL the whole node: ``ray start``, its raylet and agents (one process group) and every worker the

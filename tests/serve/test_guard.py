@@ -441,7 +441,9 @@ def test_ray_started_for_a_loopback_server_listens_on_loopback_only(server):
 
     psutil = pytest.importorskip("psutil")
     listening = []
-    for p in psutil.Process(os.getpid()).children(recursive=True):
+    from arpo_base.procs import descendants
+
+    for p in descendants():
         try:
             listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
                           if c.status == psutil.CONN_LISTEN]

@@ -16,6 +16,7 @@ vLLM's included, must be gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,9 +29,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import psutil
 import pytest
 
 from arpo_base.http import get_json, post_json
+from arpo_base.procs import cmdline, descendants, is_alive, name
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.vllm
@@ -46,28 +49,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list:
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(p) -> bool:  # noqa: ANN001
-    import psutil
-
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _tree(procs: list) -> list[tuple[int, int, str]]:
     """(pid, parent pid, name) of ``procs``: the failure message when the engine core is not among them."""
-    import psutil
-
     out = []
     for p in procs:
         try:
@@ -78,17 +61,9 @@ def _tree(procs: list) -> list[tuple[int, int, str]]:
 
 
 def _engine_cores(procs: list) -> list[int]:
-    """Pids of the vLLM engine-core processes among ``procs`` (vLLM titles it ``VLLM::EngineCore``)."""
-    import psutil
-
-    found = []
-    for p in procs:
-        try:
-            if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
-                found.append(p.pid)
-        except psutil.Error:  # exited meanwhile
-            continue
-    return found
+    """Pids of the vLLM engine-core processes among ``procs`` (vLLM titles it ``VLLM::EngineCore``); a process that
+    ended meanwhile is none."""
+    return [p.pid for p in procs if "EngineCore" in (name(p) or "") or "EngineCore" in (cmdline(p) or "")]
 
 
 def _log_tail(log, chars: int) -> str:  # noqa: ANN001
@@ -102,7 +77,7 @@ def _with_engine_core(proc, log, timeout_s: float = 120.0) -> list:  # noqa: ANN
     full-suite run found none right after the server was ready; the cause was not found). Fails with the process
     tree and the end of the command's log when none appears or the command exits."""
     deadline = time.monotonic() + timeout_s
-    while not _engine_cores(procs := _descendants(proc.pid)):
+    while not _engine_cores(procs := descendants(proc.pid)):
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"no vLLM engine core among the command's processes (exit code {proc.poll()}): "
                         f"{_tree(procs)}\n--- arpo serve log (end) ---\n{_log_tail(log, 3000)}")
@@ -135,14 +110,14 @@ def server(model_dir, tmp_path_factory):
         yield url, proc, log
     finally:
         if proc.poll() is None:
-            procs = _descendants(proc.pid)
+            procs = descendants(proc.pid)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
             for p in procs:  # whatever a failed test left behind: only this command's processes
-                if _alive(p):
+                if is_alive(p):
                     p.kill()
         if proc.returncode not in (0, None):
             print(_log_tail(log, 4000))
@@ -247,9 +222,10 @@ def test_sigterm_shuts_down_serve_ray_and_vllm(server):
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     deadline = time.monotonic() + 60
-    while (left := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in procs if is_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    names = [(p.pid, p.name()) for p in left]
+    names = [(p.pid, name(p)) for p in left]
     for p in left:  # do not leave them running on a shared machine when the test fails
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     assert code == 0 and names == [], (code, names)

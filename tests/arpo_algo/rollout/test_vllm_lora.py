@@ -17,6 +17,7 @@ import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
 from arpo_base.errors import ConfigError
+from arpo_base.procs import cmdline
 
 pytestmark = pytest.mark.vllm
 #: The engine conformance tests' float32 tolerance (vLLM CPU against a transformers forward: 1-3e-5 measured).
@@ -207,11 +208,11 @@ def test_named_adapters_in_one_batch_answer_as_each_alone(base_dir, adapters):
 
 def _started_processes(before: set[int] | None = None) -> list:
     """This process's descendants (not in ``before``), without multiprocessing's resource tracker, which vLLM's start
-    leaves behind by design: it lives as long as this process."""
-    import psutil
+    leaves behind by design: it lives as long as this process. Zombies and processes that end meanwhile are not
+    started processes (an earlier test may have left one unreaped)."""
+    from arpo_base.procs import cmdline, descendants
 
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in (before or set()) and "resource_tracker" not in " ".join(p.cmdline())]
+    return [p for p in descendants() if p.pid not in (before or set()) and "resource_tracker" not in (cmdline(p) or "")]
 
 
 def test_a_registration_that_fails_at_start_leaves_no_engine_process_or_folder(base_dir, adapters, monkeypatch):
@@ -234,7 +235,7 @@ def test_a_registration_that_fails_at_start_leaves_no_engine_process_or_folder(b
     assert "transport = 'bytes'" in e.value.hint and "/dev/shm" in e.value.hint
     assert set(Path(tempfile.gettempdir()).glob("arpo-lora-*")) == leftovers
     _, alive = psutil.wait_procs(_started_processes(before), timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
+    assert not alive, [cmdline(p) for p in alive]
 
 
 def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_path):
