@@ -44,8 +44,15 @@ class HTTPJSONError(OSError):
         data: The reply's body decoded as JSON, when it is JSON (error replies of JSON APIs are), else None.
     """
 
-    def __init__(self, method: str, url: str, status: int | None, reason: str, body: str = "",
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        url: str,
+        status: int | None,
+        reason: str,
+        body: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.method, self.url, self.status, self.reason, self.body = method, url, status, reason, body
         self.headers = headers or {}
         try:
@@ -66,8 +73,16 @@ def bearer(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def request(method: str, url: str, payload: Any = None, *, headers: dict[str, str] | None = None,
-            timeout: float = DEFAULT_TIMEOUT, raw: bytes | None = None, verify: bool = True) -> Reply:
+def request(
+    method: str,
+    url: str,
+    payload: Any = None,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    raw: bytes | None = None,
+    verify: bool = True,
+) -> Reply:
     """Send ``payload`` as JSON (or ``raw`` bytes as they are, e.g. a malformed body a server must refuse) and return
     the decoded 2xx reply; raises :class:`HTTPJSONError` otherwise. ``verify=False`` accepts any TLS certificate
     (only for polling one's own server on this machine)."""
@@ -78,8 +93,9 @@ def request(method: str, url: str, payload: Any = None, *, headers: dict[str, st
     try:
         with warnings.catch_warnings():  # verify=False is asked for knowingly: no warning per poll
             warnings.simplefilter("ignore", requests.packages.urllib3.exceptions.InsecureRequestWarning)
-            resp = requests.request(method, url, data=data, headers=sent, timeout=timeout, verify=verify,
-                                    allow_redirects=False)
+            resp = requests.request(
+                method, url, data=data, headers=sent, timeout=timeout, verify=verify, allow_redirects=False
+            )
         status, got, text = resp.status_code, dict(resp.headers), resp.content.decode(errors="replace")
     except requests.RequestException as e:  # no answer: refused, reset, timed out, unknown host, TLS failure
         raise HTTPJSONError(method, url, None, _reason(e)) from None
@@ -127,7 +143,8 @@ def get_json(url: str, *, headers: dict[str, str] | None = None, timeout: float 
     return request("GET", url, headers=headers, timeout=timeout).data
 
 
-def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None,
-              timeout: float = DEFAULT_TIMEOUT) -> Any:
+def post_json(
+    url: str, payload: Any, *, headers: dict[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT
+) -> Any:
     """``POST url`` with ``payload`` as JSON -> the decoded JSON body; raises :class:`HTTPJSONError`."""
     return request("POST", url, payload, headers=headers, timeout=timeout).data

@@ -34,8 +34,17 @@ from typing import Any, Literal, Union, get_args, get_origin
 from arpo_base.errors import ConfigError
 
 __all__ = [
-    "apply_overrides", "check_keys", "check_type", "choice_error", "closest", "conforms", "dataclass_from_dict",
-    "parse_override", "parse_value", "type_name", "unknown_key_error",
+    "apply_overrides",
+    "check_keys",
+    "check_type",
+    "choice_error",
+    "closest",
+    "conforms",
+    "dataclass_from_dict",
+    "parse_override",
+    "parse_value",
+    "type_name",
+    "unknown_key_error",
 ]
 
 
@@ -50,10 +59,15 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
 
 #: Hints for keys people carry over from other tools into a table that does not take them, by the table's name as
 #: it appears in ``where`` (``[model.lora]``): the hint says why instead of a near-miss guess.
-KEY_HINTS = {"[model.lora]": {
-    "use_dora": "DoRA is not supported: [model.lora] trains plain LoRA adapters",
-    "modules_to_save": "modules_to_save is not supported: embeddings and the LM head stay frozen under [model.lora]",
-    "bias": "bias training is not supported: [model.lora] trains the adapter matrices only"}}
+KEY_HINTS = {
+    "[model.lora]": {
+        "use_dora": "DoRA is not supported: [model.lora] trains plain LoRA adapters",
+        "modules_to_save": (
+            "modules_to_save is not supported: embeddings and the LM head stay frozen under [model.lora]"
+        ),
+        "bias": "bias training is not supported: [model.lora] trains the adapter matrices only",
+    }
+}
 
 
 def _did_you_mean(name: str, valid: Iterable[str], label: str, where: str = "") -> str:
@@ -84,8 +98,9 @@ def choice_error(name: str, value: Any, choices: Sequence[Any], where: str) -> C
     """A ConfigError for a value outside a fixed set, naming the choices and the closest one."""
     listed = ", ".join(repr(c) for c in choices)
     near = closest(value, [str(c) for c in choices]) if isinstance(value, str) else None
-    return ConfigError(f"{where}: {name}={value!r} is not one of {listed}",
-                       hint=f"did you mean {near!r}?" if near else None)
+    return ConfigError(
+        f"{where}: {name}={value!r} is not one of {listed}", hint=f"did you mean {near!r}?" if near else None
+    )
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any], where: str) -> Any:
@@ -178,8 +193,9 @@ def check_type(name: str, value: Any, hint: Any, where: str, *, doc: str | None 
     ..."``."""
     ok, coerced = conforms(value, hint)
     if not ok:
-        raise ConfigError(f"{where}: {name} must be {type_name(hint)}, got {value!r} ({type(value).__name__})",
-                          hint=doc)
+        raise ConfigError(
+            f"{where}: {name} must be {type_name(hint)}, got {value!r} ({type(value).__name__})", hint=doc
+        )
     return coerced
 
 
@@ -213,8 +229,9 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-def parse_override(item: str, sections: Iterable[str] | None = None, *,
-                   flag: str = "--set") -> tuple[str | None, str, Any]:
+def parse_override(
+    item: str, sections: Iterable[str] | None = None, *, flag: str = "--set"
+) -> tuple[str | None, str, Any]:
     """Parse one override into ``(section, key, value)``.
 
     Args:
@@ -231,8 +248,9 @@ def parse_override(item: str, sections: Iterable[str] | None = None, *,
     value = parse_value(raw)
     if sections is None:
         if "." in dotted or not dotted:
-            raise ConfigError(f"{flag} {item!r}: this config has no sections, so the form is key=value",
-                              hint=_example(None, flag))
+            raise ConfigError(
+                f"{flag} {item!r}: this config has no sections, so the form is key=value", hint=_example(None, flag)
+            )
         return None, dotted, value
     sections = tuple(sections)
     if "." not in dotted or not all(dotted.split(".")):
@@ -249,8 +267,9 @@ def _example(sections: Iterable[str] | None, flag: str) -> str:
     return f"e.g. {flag} tree.budget=8 (sections: {', '.join(sections)}; values are TOML, bare words are strings)"
 
 
-def apply_overrides(values: Mapping[str, Any], items: Iterable[str], sections: Iterable[str] | None = None, *,
-                    flag: str = "--set") -> dict[str, Any]:
+def apply_overrides(
+    values: Mapping[str, Any], items: Iterable[str], sections: Iterable[str] | None = None, *, flag: str = "--set"
+) -> dict[str, Any]:
     """A copy of ``values`` (a config dict, with ``sections`` as sub-dicts if given) with the overrides applied; a
     dotted key inside a section (``rollouts.hf.decode``) lands in the sub-table it names."""
     out = copy.deepcopy(dict(values))
@@ -284,8 +303,9 @@ def setting(default: Any, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
-def update_dataclass(obj: Any, values: Mapping[str, Any], where: str, *,
-                     placeholder: Callable[[Any], bool] | None = None) -> Any:
+def update_dataclass(
+    obj: Any, values: Mapping[str, Any], where: str, *, placeholder: Callable[[Any], bool] | None = None
+) -> Any:
     """A copy of the dataclass ``obj`` with ``values`` applied, each key and type checked against its fields.
 
     A key that names a nested dataclass field (an engine sub-table) takes a table and updates that dataclass.

@@ -112,8 +112,9 @@ def check_env_id(env_id: str, config: dict[str, Any] | None = None) -> CheckResu
         return CheckResult(env_id, "failed", f"{type(e).__name__}: {e}", time.perf_counter() - t0, steps)
     finally:
         env.close()
-    return CheckResult(env_id, "ok", "check_env, determinism and garbage actions passed", time.perf_counter() - t0,
-                       steps)
+    return CheckResult(
+        env_id, "ok", "check_env, determinism and garbage actions passed", time.perf_counter() - t0, steps
+    )
 
 
 def check_all(env_ids: list[str] | None = None, config: dict[str, Any] | None = None) -> list[CheckResult]:

@@ -45,8 +45,14 @@ TEXT_CHARSET: frozenset[str] = frozenset(chr(c) for c in range(0x10000) if not 0
 
 #: Every task's config keys: the task, its split and reward, plus the session keys (:data:`SESSION_DEFAULTS`; the
 #: tool-call limit and tools default per task).
-COMMON_DEFAULTS: dict[str, Any] = {"task": "toolmath", "split": "train", "reward": None, "reward_kwargs": {},
-                                   **SESSION_DEFAULTS, "max_tool_calls": None}
+COMMON_DEFAULTS: dict[str, Any] = {
+    "task": "toolmath",
+    "split": "train",
+    "reward": None,
+    "reward_kwargs": {},
+    **SESSION_DEFAULTS,
+    "max_tool_calls": None,
+}
 CHOICES = {**SESSION_CHOICES, "split": ("train", "test")}
 
 
@@ -176,8 +182,10 @@ class ToolTextEnv(gym.Env):
         self._task = task
         self.session.reset()
         self._done = False
-        messages = [{"role": "system", "content": self._system_prompt(task)},
-                    {"role": "user", "content": task["question"]}]
+        messages = [
+            {"role": "system", "content": self._system_prompt(task)},
+            {"role": "user", "content": task["question"]},
+        ]
         self._messages = messages
         public_task = {k: v for k, v in task.items() if k not in ("system", "reward_kwargs")}
         return task["question"], {"messages": messages, "task": public_task, "stop_sequences": self.stop_sequences}
@@ -229,6 +237,17 @@ class ToolTextEnv(gym.Env):
 
 def _info(st: SessionStep) -> dict[str, Any]:
     """The gymnasium ``info`` of one step (the session's turn in the env's historical key names)."""
-    return {"kind": st.action_kind, "parse_status": st.parse_status, "problem": st.problem, "tool": st.tool,
-            "args": dict(st.args), "latency_s": st.latency_s, "cache_hit": st.cache_hit, "tool_error": st.tool_error,
-            "tool_output": st.tool_output, "tool_meta": dict(st.tool_meta), "append_eos": st.append_eos, **st.counts}
+    return {
+        "kind": st.action_kind,
+        "parse_status": st.parse_status,
+        "problem": st.problem,
+        "tool": st.tool,
+        "args": dict(st.args),
+        "latency_s": st.latency_s,
+        "cache_hit": st.cache_hit,
+        "tool_error": st.tool_error,
+        "tool_output": st.tool_output,
+        "tool_meta": dict(st.tool_meta),
+        "append_eos": st.append_eos,
+        **st.counts,
+    }

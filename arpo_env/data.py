@@ -134,8 +134,9 @@ def _commit_dir(staging: Path, dest: Path) -> None:
         os.replace(f, dest / f.name)
 
 
-def pull(dest: Path | None = None, from_dir: Path | None = None, timeout: float = 5.0,
-         mirror: str | None = None) -> Path:
+def pull(
+    dest: Path | None = None, from_dir: Path | None = None, timeout: float = 5.0, mirror: str | None = None
+) -> Path:
     """Fetch the reference files into ``dest`` (default ``$ARPO_HOME/data/arpo``) and return that folder.
 
     Args:

@@ -154,8 +154,9 @@ class ToolProtocol:
         if not isinstance(action, str):
             return _invalid("not_text", f"the action must be text, got {type(action).__name__}")
         if len(action) > self.max_action_chars:
-            return _invalid("action_too_long",
-                            f"the action has {len(action)} characters (limit {self.max_action_chars})")
+            return _invalid(
+                "action_too_long", f"the action has {len(action)} characters (limit {self.max_action_chars})"
+            )
         if _has_surrogates(action):
             return _invalid("invalid_unicode", "the action contains invalid Unicode (lone surrogates)")
         return None
@@ -203,8 +204,9 @@ class ToolProtocol:
         if not arg:
             return _invalid("empty_argument", f"empty <{tag}> call", tag)
         if len(arg) > self.max_arg_chars:
-            return _invalid("argument_too_long",
-                            f"<{tag}> argument has {len(arg)} characters (limit {self.max_arg_chars})", tag)
+            return _invalid(
+                "argument_too_long", f"<{tag}> argument has {len(arg)} characters (limit {self.max_arg_chars})", tag
+            )
         return ParsedAction(kind="tool_call", tool=tag, args={self.tag_tools[tag]: arg})
 
 

@@ -166,8 +166,13 @@ def arpo_reference(response: str, ground_truth: str | Sequence[str], **_: Any) -
         if answer is None:
             raise ValueError("no boxed answer")
     except ValueError as e:
-        return -1.0, {"format_ok": False, "reason": f"extraction failed: {e}", "answer": None, "f1": 0.0,
-                      "tool_bonus": 0.0}
+        return -1.0, {
+            "format_ok": False,
+            "reason": f"extraction failed: {e}",
+            "answer": None,
+            "f1": 0.0,
+            "tool_bonus": 0.0,
+        }
     f1 = max(token_f1(answer, g) for g in _as_list(ground_truth))
     bonus = 0.1 if f1 > 0 and "</search>" in response and "</python>" in response else 0.0
     return f1 + bonus, {"format_ok": True, "reason": "ok", "answer": answer, "f1": f1, "tool_bonus": bonus}

@@ -134,8 +134,12 @@ class ToolSession:
         check_session_config(self.config)
         self.tools = build_tools_from_spec(self.config["tools"])
         self.protocol: ToolProtocol = build_protocol(
-            self.config["protocol"], self.tools, result_format=self.config["result_format"],
-            max_action_chars=self.config["max_action_chars"], max_arg_chars=self.config["max_arg_chars"])
+            self.config["protocol"],
+            self.tools,
+            result_format=self.config["result_format"],
+            max_action_chars=self.config["max_action_chars"],
+            max_arg_chars=self.config["max_arg_chars"],
+        )
         missing = [t for t in self.protocol.tool_names if t not in self.tools]
         if missing:
             raise ConfigError(f"config key 'tools' lacks {missing}")
@@ -203,8 +207,16 @@ class ToolSession:
         self.counts["turns"] += 1
         # Lone surrogates cannot be encoded; keep the rest of the text (as "?") so rewards still see the response.
         self.history.append(action.encode("utf-8", "replace").decode("utf-8") if isinstance(action, str) else "")
-        st = SessionStep("", False, "tool" if parsed.kind == "tool_call" else parsed.kind, parsed.kind,
-                         tool=parsed.tool, args=dict(parsed.args), parse_status=parsed.status, problem=parsed.problem)
+        st = SessionStep(
+            "",
+            False,
+            "tool" if parsed.kind == "tool_call" else parsed.kind,
+            parsed.kind,
+            tool=parsed.tool,
+            args=dict(parsed.args),
+            parse_status=parsed.status,
+            problem=parsed.problem,
+        )
         cfg = self.config
         if parsed.kind in ("answer", "text"):
             return self._end(st)
@@ -220,8 +232,12 @@ class ToolSession:
                 st.append_eos = True
                 return self._end(st)
             n = cfg["max_tool_calls"]
-            return self._continue(st, self.protocol.format_result(
-                f"Error: the tool call limit ({n}) is reached; no more tool calls, give the final answer."))
+            return self._continue(
+                st,
+                self.protocol.format_result(
+                    f"Error: the tool call limit ({n}) is reached; no more tool calls, give the final answer."
+                ),
+            )
         if self.counts["turns"] >= cfg["max_turns"]:
             st.kind = "turn_limit"
             return self._end(st)

@@ -59,12 +59,13 @@ print("AB_RESULT " + json.dumps({"package": arpo_algo.__file__, "tokens": sum(le
 def _run_tree(tree: Path, cfg: dict) -> dict:
     """One timed run of the workload ``cfg`` with ``tree`` first on the import path; its result record."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    proc = subprocess.run([sys.executable, "-c", _WORKER], input=json.dumps(cfg), env=env, cwd=tree,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER], input=json.dumps(cfg), env=env, cwd=tree, capture_output=True, text=True
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("AB_RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"the run in {tree} failed (exit {proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
-    res = json.loads(line[len("AB_RESULT "):])
+    res = json.loads(line[len("AB_RESULT ") :])
     if not Path(res["package"]).resolve().is_relative_to(tree):
         raise SystemExit(f"the run in {tree} imported arpo_algo from {res['package']}, not from that tree")
     return res
@@ -72,14 +73,29 @@ def _run_tree(tree: Path, cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trees", nargs="+", required=True, type=Path,
-                    help="source trees (checkouts) to compare; the first is the baseline of the ratios")
-    ap.add_argument("--decode", nargs="+", default=["static"], choices=DECODE_MODES,
-                    help="one HFEngine decode mode for every tree, or one per tree (e.g. the old static step against "
-                         "a new compiled one)")
+    ap.add_argument(
+        "--trees",
+        nargs="+",
+        required=True,
+        type=Path,
+        help="source trees (checkouts) to compare; the first is the baseline of the ratios",
+    )
+    ap.add_argument(
+        "--decode",
+        nargs="+",
+        default=["static"],
+        choices=DECODE_MODES,
+        help="one HFEngine decode mode for every tree, or one per tree (e.g. the old static step against "
+        "a new compiled one)",
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
-                    help="one dtype for every tree, or one per tree (the same tree may be named twice)")
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16", "float16"],
+        help="one dtype for every tree, or one per tree (the same tree may be named twice)",
+    )
     ap.add_argument("--batch", type=int, default=32, help="slots = requests")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--static-cache-tokens", type=int, default=512)
@@ -100,8 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--decode takes one mode or one per tree ({len(args.trees)}), not {len(args.decode)}")
     dtypes = args.dtype * len(args.trees) if len(args.dtype) == 1 else args.dtype
     decodes = args.decode * len(args.trees) if len(args.decode) == 1 else args.decode
-    sides = [(tree, dtype, decode, f"{tree} {dtype} {decode}")
-             for tree, dtype, decode in zip(args.trees, dtypes, decodes)]
+    sides = [
+        (tree, dtype, decode, f"{tree} {dtype} {decode}") for tree, dtype, decode in zip(args.trees, dtypes, decodes)
+    ]
     if len({label for *_, label in sides}) < len(sides):
         ap.error("every (tree, dtype, decode) may be named once")
 
@@ -112,11 +129,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = str(resolve_model_path(args.model))
     prompts = _prompts(AutoTokenizer.from_pretrained(model), args.batch, random.Random(args.seed))
-    cfg = {"model": model, "batch": args.batch, "static_cache_tokens": args.static_cache_tokens,
-           "seed": args.seed, "new_tokens": args.new_tokens, "threads": args.threads, "prompts": prompts}
+    cfg = {
+        "model": model,
+        "batch": args.batch,
+        "static_cache_tokens": args.static_cache_tokens,
+        "seed": args.seed,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "prompts": prompts,
+    }
     runs: dict[str, list[dict]] = {label: [] for *_, label in sides}
-    print(f"batch {args.batch}, {args.new_tokens} new tokens per request, "
-          f"{args.threads} threads, {args.rounds} interleaved round(s)\n")
+    print(
+        f"batch {args.batch}, {args.new_tokens} new tokens per request, "
+        f"{args.threads} threads, {args.rounds} interleaved round(s)\n"
+    )
     print("| tree, dtype, decode | round | tok/s | prefill s | steps |")
     print("|---|---|---|---|---|")
     for r in range(args.rounds):

@@ -25,9 +25,13 @@ from arpo_algo.rollout.types import Group
 
 def verdict(m: dict[str, float], config: Any, precision: str = "fp32") -> dict[str, str]:
     """Per statistic: "stop", "warn" or "-" against ``config``'s levels for ``precision``."""
-    levels = {"kl_rollout": config.mismatch_levels(precision), **{
-        {"frac": "logprob_tail_frac", "traj": "kl_rollout_traj_max"}[k]: v
-        for k, v in config.tail_levels(precision).items()}}
+    levels = {
+        "kl_rollout": config.mismatch_levels(precision),
+        **{
+            {"frac": "logprob_tail_frac", "traj": "kl_rollout_traj_max"}[k]: v
+            for k, v in config.tail_levels(precision).items()
+        },
+    }
     return {k: "stop" if m[k] > s else "warn" if m[k] > w else "-" for k, (w, s) in levels.items()}
 
 
@@ -52,12 +56,15 @@ def main() -> None:
 
     def scored(groups: list[Group]) -> dict[str, float]:
         # equal rewards: no signal, so the update is the alarm's scoring alone (no step, the weights stay)
-        return learner.update([replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories])
-                               for g in groups])
+        return learner.update(
+            [replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories]) for g in groups]
+        )
 
-    all_cases = {"clean": ("clean (false alarms)", lambda g: g),
-                 "tool": ("1 nat on the first token after each tool result", plant_tool_first_token),
-                 "kv": ("bad KV reuse at one branch point", lambda g: plant_kv_reuse(g, model))}
+    all_cases = {
+        "clean": ("clean (false alarms)", lambda g: g),
+        "tool": ("1 nat on the first token after each tool result", plant_tool_first_token),
+        "kv": ("bad KV reuse at one branch point", lambda g: plant_kv_reuse(g, model)),
+    }
     unknown = set(args.cases.split(",")) - set(all_cases)
     if unknown:
         ap.error(f"unknown case(s) {', '.join(sorted(unknown))}; choose from {', '.join(all_cases)}")
@@ -73,10 +80,18 @@ def main() -> None:
                 values[k].append(m[k])
                 fired[k] += v != "-"
             rows.append((case, seed, m, verdict(m, config)))
-        print(f"| {case} | " + " | ".join(f"{min(values[k]):.2g} to {max(values[k]):.2g} ({fired[k]}/{args.seeds})"
-                                          for k in names) + " |", flush=True)
-    cpu = subprocess.run("grep -o 'avx512[a-z_]*\\|amx[a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '",
-                         shell=True, capture_output=True, text=True).stdout.strip()
+        print(
+            f"| {case} | "
+            + " | ".join(f"{min(values[k]):.2g} to {max(values[k]):.2g} ({fired[k]}/{args.seeds})" for k in names)
+            + " |",
+            flush=True,
+        )
+    cpu = subprocess.run(
+        "grep -o 'avx512[a-z_]*\\|amx[a-z_]*' /proc/cpuinfo | sort -u | tr '\\n' ' '",
+        shell=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     print(f"levels (warn, stop): kl_rollout {config.mismatch_levels('fp32')}, tail {config.tail_levels('fp32')}")
     print(f"machine: {platform.processor() or platform.machine()}, {cpu or 'no avx512/amx'}; torch {torch.__version__}")
     for case, seed, m, v in rows:

@@ -31,13 +31,20 @@ from arpo_algo.algorithms import ARPOConfig
 
 
 def build_config(args: argparse.Namespace, asynchronous: bool) -> ARPOConfig:
-    cfg = (ARPOConfig()
-           .environment("arpo/ToolMath-v0", env_config={"levels": list(args.levels), "max_tool_calls": 2})
-           .training(model_path=args.model, prompts_per_step=args.prompts, lr=2.5e-5, entropy_coef=args.entropy_coef)
-           .tree(budget=args.budget, initial=max(1, args.budget // 2))
-           .llm_rollouts(max_response_tokens=args.max_response_tokens, num_rollout_actors=args.actors,
-                         num_cpus_per_rollout_actor=args.cpus_per_actor, asynchronous=asynchronous,
-                         max_staleness=1, actor_resources=(args.actor_resources,) if args.actor_resources else ()))
+    cfg = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0", env_config={"levels": list(args.levels), "max_tool_calls": 2})
+        .training(model_path=args.model, prompts_per_step=args.prompts, lr=2.5e-5, entropy_coef=args.entropy_coef)
+        .tree(budget=args.budget, initial=max(1, args.budget // 2))
+        .llm_rollouts(
+            max_response_tokens=args.max_response_tokens,
+            num_rollout_actors=args.actors,
+            num_cpus_per_rollout_actor=args.cpus_per_actor,
+            asynchronous=asynchronous,
+            max_staleness=1,
+            actor_resources=(args.actor_resources,) if args.actor_resources else (),
+        )
+    )
     cfg.seed = args.seed
     return cfg
 
@@ -57,10 +64,16 @@ def run_mode(args: argparse.Namespace, asynchronous: bool) -> dict[str, Any]:
             if i >= args.warmup:
                 rollout, learner = result["rollout"], result["learner"]
                 # this iteration's own numbers (RLlib's timers are smoothed over iterations, so they are not used)
-                rows.append({"iteration_s": wall, "sampling_s": rollout["time_total_s"],
-                             "update_s": result["tokens_sampled"] / max(result["update_tokens_per_s"], 1e-9),
-                             "staleness_max": rollout["staleness_max"], "kl_rollout": learner["kl_rollout"],
-                             "optimizer_steps": learner["optimizer_steps"]})
+                rows.append(
+                    {
+                        "iteration_s": wall,
+                        "sampling_s": rollout["time_total_s"],
+                        "update_s": result["tokens_sampled"] / max(result["update_tokens_per_s"], 1e-9),
+                        "staleness_max": rollout["staleness_max"],
+                        "kl_rollout": learner["kl_rollout"],
+                        "optimizer_steps": learner["optimizer_steps"],
+                    }
+                )
     finally:
         algo.stop()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_s")}
@@ -127,16 +140,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budget", type=int, default=4, help="trajectories per prompt (M); N = M // 2")
     ap.add_argument("--levels", type=int, nargs="+", default=[3])
     ap.add_argument("--max-response-tokens", type=int, default=96)
-    ap.add_argument("--entropy-coef", type=float, default=0.01,
-                    help="> 0: every update is a real optimizer step (an untrained model rarely earns a reward)")
+    ap.add_argument(
+        "--entropy-coef",
+        type=float,
+        default=0.01,
+        help="> 0: every update is a real optimizer step (an untrained model rarely earns a reward)",
+    )
     ap.add_argument("--actors", type=int, default=1)
     ap.add_argument("--cpus-per-actor", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the learner)")
-    ap.add_argument("--actor-resources", type=resources_arg, default=None,
-                    help="Ray custom resources of each rollout actor (JSON), e.g. '{\"node_a\": 1}'")
-    ap.add_argument("--local-cluster", action="store_true",
-                    help="start a three-node Ray cluster on 127.0.0.1 for the run; rollout actors on node_a "
-                         "unless --actor-resources places them")
+    ap.add_argument(
+        "--actor-resources",
+        type=resources_arg,
+        default=None,
+        help="Ray custom resources of each rollout actor (JSON), e.g. '{\"node_a\": 1}'",
+    )
+    ap.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="start a three-node Ray cluster on 127.0.0.1 for the run; rollout actors on node_a "
+        "unless --actor-resources places them",
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--order", default="sync,async", help="comma-separated modes, run in this order")
@@ -163,8 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             import ray
 
             ray.shutdown()
-    medians = {m: statistics.median(r["iteration_s"] for run in rs for r in run["iterations"])
-               for m, rs in runs.items() if rs}
+    medians = {
+        m: statistics.median(r["iteration_s"] for run in rs for r in run["iterations"]) for m, rs in runs.items() if rs
+    }
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "median_iteration_s": medians}
     if len(medians) == 2:
         out["ratio_sync_over_async"] = medians["sync"] / medians["async"]

@@ -41,10 +41,22 @@ from arpo_algo.train.tree_forward import forward_token_stats
 
 SHAPES = {
     # Qwen2.5-1.5B's dimensions as a Llama (no attention biases): 1.54B parameters with the tied embedding.
-    "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-             "intermediate_size": 8960, "vocab_size": 151936},
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128, "vocab_size": 4096},
+    "1.5b": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151936,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 4096,
+    },
 }
 
 
@@ -55,8 +67,14 @@ def build_shape(shape: str, dest: Path, seed: int = 0) -> Path:
     from arpo_algo.models.tiny import byte_tokenizer
 
     tok = byte_tokenizer()
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(dest)
     tok.save_pretrained(dest)
@@ -110,12 +128,14 @@ def fwd_bwd(learner: Learner, groups: list[Group]) -> tuple[float, dict[str, flo
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="a random-init model of this size instead of --model")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="a random-init model of this size instead of --model"
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="LearnerConfig.precision")
-    ap.add_argument("--tree-attention", choices=list(TREE_ATTENTIONS), default="auto",
-                    help="LearnerConfig.tree_attention")
+    ap.add_argument(
+        "--tree-attention", choices=list(TREE_ATTENTIONS), default="auto", help="LearnerConfig.tree_attention"
+    )
     ap.add_argument("--groups", type=int, default=2, help="groups measured (one group per micro-batch)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per path per group (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
@@ -130,8 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(args: argparse.Namespace, model: str | Path, device: str) -> dict:
-    cfg = LearnerConfig(old_logprobs="rollout", micro_batch_tokens=1,  # 1 token: every group is its own micro-batch
-                        precision=args.precision, tree_attention=args.tree_attention)
+    cfg = LearnerConfig(
+        old_logprobs="rollout",
+        micro_batch_tokens=1,  # 1 token: every group is its own micro-batch
+        precision=args.precision,
+        tree_attention=args.tree_attention,
+    )
     dup = Learner(model, replace(cfg, dedup_prefix=False), device=device)
     ded = Learner(model, replace(cfg, dedup_prefix=True), device=device)
     dup.model.train()
@@ -165,19 +189,31 @@ def _run(args: argparse.Namespace, model: str | Path, device: str) -> dict:
     tokens = {k: v["tokens_through_model"] for k, v in sizes.items()}
     tflops = {k: 6 * params * tokens[k] / med[k] / 1e12 for k in med}
     result = {
-        "model": str(args.shape or args.model), "parameters": params, "device": device,
+        "model": str(args.shape or args.model),
+        "parameters": params,
+        "device": device,
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "precision": ded.precision, "tree_attention": ded.tree_attention, "threads": args.threads,
-        "groups": args.groups, "repeats": args.repeats, "trajectories_per_group": len(groups[0].trajectories),
+        "precision": ded.precision,
+        "tree_attention": ded.tree_attention,
+        "threads": args.threads,
+        "groups": args.groups,
+        "repeats": args.repeats,
+        "trajectories_per_group": len(groups[0].trajectories),
         "tokens_per_group": tokens,
         "seconds_per_group_median": med,
         "speedup": med["duplicated"] / med["deduplicated"],
         "model_tflops": tflops,
-        "matmul_ceiling": {"tflops": ceiling, "size": n, "dtype": str(dtype).replace("torch.", ""),
-                           "float32_matmul_precision": torch.get_float32_matmul_precision()},
+        "matmul_ceiling": {
+            "tflops": ceiling,
+            "size": n,
+            "dtype": str(dtype).replace("torch.", ""),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
         "mfu": {k: v / ceiling for k, v in tflops.items()},
-        "grad_max_abs_diff": max_diff, "grad_max_abs": max_grad,
-        "torch": torch.__version__, "attn_implementation": cfg.attn_implementation,
+        "grad_max_abs_diff": max_diff,
+        "grad_max_abs": max_grad,
+        "torch": torch.__version__,
+        "attn_implementation": cfg.attn_implementation,
     }
     if dev.type == "cuda":
         result["step_memory_gb"] = memory

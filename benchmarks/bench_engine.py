@@ -56,13 +56,21 @@ import torch
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
 from arpo_algo.rollout.engines.hf import HFEngine
 
-SYSTEM = ("You are a helpful assistant that solves problems step by step. You may call tools: write python code "
-          "inside <python></python> to run it, or a query inside <search></search> to search the web. Results come "
-          "back inside <result></result>. Give the final answer inside <answer></answer>.")
-QUESTIONS = ["What is 17 * 23?", "Name the capital of Australia and explain briefly why it is not Sydney.",
-             "Compute the sum of the first 50 odd numbers.", "Who wrote the novel 'The Master and Margarita'?",
-             "Is 221 a prime number? Show your reasoning.", "Convert 3.5 kilometres to miles.",
-             "What is the derivative of x^3 * sin(x)?", "List three uses of the Fourier transform in engineering."]
+SYSTEM = (
+    "You are a helpful assistant that solves problems step by step. You may call tools: write python code "
+    "inside <python></python> to run it, or a query inside <search></search> to search the web. Results come "
+    "back inside <result></result>. Give the final answer inside <answer></answer>."
+)
+QUESTIONS = [
+    "What is 17 * 23?",
+    "Name the capital of Australia and explain briefly why it is not Sydney.",
+    "Compute the sum of the first 50 odd numbers.",
+    "Who wrote the novel 'The Master and Margarita'?",
+    "Is 221 a prime number? Show your reasoning.",
+    "Convert 3.5 kilometres to miles.",
+    "What is the derivative of x^3 * sin(x)?",
+    "List three uses of the Fourier transform in engineering.",
+]
 
 
 def _prompts(tok, n: int, rng: random.Random) -> list[list[int]]:
@@ -94,18 +102,35 @@ def _left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, tor
     return ids, att, width
 
 
-def _hf_generate(model, tok, contexts: list[list[int]], max_new: list[int], batch: int, stops: tuple[str, ...],
-                 eos: set[int], seed: int) -> tuple[int, float]:
+def _hf_generate(
+    model,
+    tok,
+    contexts: list[list[int]],
+    max_new: list[int],
+    batch: int,
+    stops: tuple[str, ...],
+    eos: set[int],
+    seed: int,
+) -> tuple[int, float]:
     pad = _pad_id(tok, eos)
     useful, t0 = 0, time.perf_counter()
     for b in range(0, len(contexts), batch):
-        ctxs, mns = contexts[b:b + batch], max_new[b:b + batch]
+        ctxs, mns = contexts[b : b + batch], max_new[b : b + batch]
         ids, att, width = _left_padded(ctxs, pad)
         torch.manual_seed(seed + b)
         kw = {"stop_strings": list(stops), "tokenizer": tok} if stops else {}
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max(mns), do_sample=True,
-                                 temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad, **kw)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=att,
+                max_new_tokens=max(mns),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=pad,
+                **kw,
+            )
         for row, mn in zip(out[:, width:].tolist(), mns):
             useful += _useful(tok, row, mn, stops, eos)
     return useful, time.perf_counter() - t0
@@ -134,18 +159,33 @@ class GenerateEngine:
 
         t0, out = time.perf_counter(), []
         for b in range(0, len(requests), self.batch):
-            chunk = requests[b:b + self.batch]
+            chunk = requests[b : b + self.batch]
             p = chunk[0].params
             stops = sorted({s for r in chunk for s in r.params.stop})
             ids, att, width = _left_padded([r.token_ids for r in chunk], self.pad)
             torch.manual_seed(p.seed if p.seed is not None else b)
             kw = {"stop_strings": stops, "tokenizer": self.tokenizer} if stops else {}
-            sampling = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p,
-                        "top_k": p.top_k if p.top_k > 0 else 0} if p.temperature > 0 else {"do_sample": False}
+            sampling = (
+                {
+                    "do_sample": True,
+                    "temperature": p.temperature,
+                    "top_p": p.top_p,
+                    "top_k": p.top_k if p.top_k > 0 else 0,
+                }
+                if p.temperature > 0
+                else {"do_sample": False}
+            )
             with torch.inference_mode():
-                res = self.model.generate(input_ids=ids, attention_mask=att, pad_token_id=self.pad,
-                                          max_new_tokens=max(r.params.max_new_tokens for r in chunk),
-                                          output_logits=True, return_dict_in_generate=True, **sampling, **kw)
+                res = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=att,
+                    pad_token_id=self.pad,
+                    max_new_tokens=max(r.params.max_new_tokens for r in chunk),
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    **sampling,
+                    **kw,
+                )
             logits = torch.stack(res.logits, 1).float()  # (rows, steps, vocab), raw
             logp = torch.log_softmax(logits / (p.temperature or 1.0), -1)
             ent = -(logp.exp() * logp).nan_to_num(0.0).sum(-1)
@@ -180,9 +220,14 @@ def _rollout(engine, tasks: list[int], seed: int) -> tuple[int, float]:  # noqa:
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_env.core import ToolTextEnv
 
-    sampler = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=(3,)),
-                          TreeConfig(budget=8, initial=4, branch_factor=1), SamplingParams(temperature=1.0),
-                          max_response_tokens=192, seed=seed)
+    sampler = TreeSampler(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", levels=(3,)),
+        TreeConfig(budget=8, initial=4, branch_factor=1),
+        SamplingParams(temperature=1.0),
+        max_response_tokens=192,
+        seed=seed,
+    )
     try:
         _, m = sampler.sample(tasks, step=0)
     finally:
@@ -196,34 +241,47 @@ def _engine_run(eng: HFEngine, reqs: list[GenRequest]) -> tuple[int, float]:
     return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
 
 
-def _engine_scenarios(eng: HFEngine, prompts: list[list[int]], max_new: list[int], stops: tuple[str, ...],
-                      seed: int) -> dict:
+def _engine_scenarios(
+    eng: HFEngine, prompts: list[list[int]], max_new: list[int], stops: tuple[str, ...], seed: int
+) -> dict:
     """Both scenarios on one engine: (tokens, seconds) each, plus the continuation contexts for ``generate``."""
-    reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=stops, seed=seed + i))
-            for i, (p, m) in enumerate(zip(prompts, max_new))]
+    reqs = [
+        GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=stops, seed=seed + i))
+        for i, (p, m) in enumerate(zip(prompts, max_new))
+    ]
     refill = _engine_run(eng, reqs)
     # continuation after a tool result: first segment (untimed), 20 tool tokens, continue from the cached prefix
-    first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
-                          for i, p in enumerate(prompts)])
+    first = eng.generate(
+        [GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i)) for i, p in enumerate(prompts)]
+    )
     tok = eng.tokenizer
     tool = tok.encode(" <result>\n" + "x = 42, y = 17, total = 59 " * 4, add_special_tokens=False)[:18]
     tool += tok.encode("\n</result>", add_special_tokens=False)[:2]
     contexts = [p + g.token_ids + tool for p, g in zip(prompts, first)]
-    cont = [GenRequest(i, c, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
-            for i, (c, g) in enumerate(zip(contexts, first))]
+    cont = [
+        GenRequest(i, c, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
+        for i, (c, g) in enumerate(zip(contexts, first))
+    ]
     return {"refill": refill, "tool_continuation": _engine_run(eng, cont), "contexts": contexts}
 
 
-def _one_repeat(args: argparse.Namespace, engines: dict, prompts: list[list[int]], max_new: list[int],
-                stops: tuple[str, ...], rollout: dict | None) -> dict:
+def _one_repeat(
+    args: argparse.Namespace,
+    engines: dict,
+    prompts: list[list[int]],
+    max_new: list[int],
+    stops: tuple[str, ...],
+    rollout: dict | None,
+) -> dict:
     """Every scenario once on every side: {scenario: {side: (tokens, seconds)}}."""
     runs = {name: _engine_scenarios(eng, prompts, max_new, stops, args.seed) for name, eng in engines.items()}
     model, tok, eos = engines["engine"].model, engines["engine"].tokenizer, engines["engine"].eos_ids
     contexts = runs["engine"]["contexts"]
     rows = {name: {side: runs[side][name] for side in engines} for name in ("refill", "tool_continuation")}
     rows["refill"]["generate"] = _hf_generate(model, tok, prompts, max_new, args.batch, stops, eos, args.seed)
-    rows["tool_continuation"]["generate"] = _hf_generate(model, tok, contexts, [32] * len(prompts), args.batch, (),
-                                                         eos, args.seed)
+    rows["tool_continuation"]["generate"] = _hf_generate(
+        model, tok, contexts, [32] * len(prompts), args.batch, (), eos, args.seed
+    )
     if rollout:
         tasks = list(range(args.rollout_prompts))
         rows["rollout"] = {side: _rollout(eng, tasks, args.seed) for side, eng in rollout.items()}
@@ -235,8 +293,11 @@ def _rollout_engines(args: argparse.Namespace) -> dict:
 
     fast = HFEngine(resolve_model_path(args.rollout_model), max_batch_size=args.batch, linear_layout="transposed")
     native = HFEngine(model=fast.model, tokenizer=fast.tokenizer, max_batch_size=args.batch, linear_layout="native")
-    return {"engine": fast, "native": native,
-            "generate": GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids)}
+    return {
+        "engine": fast,
+        "native": native,
+        "generate": GenerateEngine(fast.model, fast.tokenizer, args.batch, fast.eos_ids),
+    }
 
 
 def _floor_seconds(eng: HFEngine, batch: int, starts: list[int], new_tokens: int) -> float:
@@ -262,8 +323,10 @@ def _profile_step(eng: HFEngine, batch: int, length: int, steps: int, top: int =
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         seconds = dec.time_step(batch, length, repeats=steps)
-    print(f"\nProfile of {steps} bare steps, decode={eng.decode}, batch {batch}, {dec.bucket_columns(length)} columns "
-          f"({seconds * 1e3:.2f} ms per step under the profiler):\n")
+    print(
+        f"\nProfile of {steps} bare steps, decode={eng.decode}, batch {batch}, {dec.bucket_columns(length)} columns "
+        f"({seconds * 1e3:.2f} ms per step under the profiler):\n"
+    )
     print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top))
 
 
@@ -273,29 +336,45 @@ def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: 
 
     if args.random_weights:
         model, tok = random_weights_model(path, dtype, args.seed)
-        base = HFEngine(model=model.to(args.device), tokenizer=tok, dtype=dtype, max_batch_size=1,
-                        decode="dynamic")
+        base = HFEngine(model=model.to(args.device), tokenizer=tok, dtype=dtype, max_batch_size=1, decode="dynamic")
     else:
         base = HFEngine(path, device=args.device, dtype=dtype, max_batch_size=1, decode="dynamic")
     rows = []
     machine = probe(str(base.device), getattr(torch, dtype))
     where = f"{args.threads} threads" if base.device.type == "cpu" else torch.cuda.get_device_name(base.device)
-    print(f"\nMachine ({where}): {dtype} GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
-          f"{machine['stream_gbs']:.1f} GB/s")
+    print(
+        f"\nMachine ({where}): {dtype} GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+        f"{machine['stream_gbs']:.1f} GB/s"
+    )
     weights = "random weights at the shape of " if args.random_weights else ""
-    print(f"\nHFEngine decode modes on {weights}{args.model}, {base.device}, {dtype}, "
-          f"{args.new_tokens} new tokens per request, one request per slot, median of {args.repeats} interleaved "
-          "repeat(s)\n")
-    print("| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
-          "compile s | prefill % of time | steps % of time |")
+    print(
+        f"\nHFEngine decode modes on {weights}{args.model}, {base.device}, {dtype}, "
+        f"{args.new_tokens} new tokens per request, one request per slot, median of {args.repeats} interleaved "
+        "repeat(s)\n"
+    )
+    print(
+        "| batch | decode | tok/s | vs dynamic | bare step tok/s | % of bare | hardware floor tok/s | % of floor | "
+        "compile s | prefill % of time | steps % of time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in args.decode_batches:
-        engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=dtype, max_batch_size=batch,
-                               decode=m, static_cache_tokens=args.static_cache_tokens, seed=args.seed)
-                   for m in args.decode}
+        engines = {
+            m: HFEngine(
+                model=base.model,
+                tokenizer=base.tokenizer,
+                dtype=dtype,
+                max_batch_size=batch,
+                decode=m,
+                static_cache_tokens=args.static_cache_tokens,
+                seed=args.seed,
+            )
+            for m in args.decode
+        }
         prompts = _prompts(base.tokenizer, batch, random.Random(args.seed))
-        reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed + i))
-                for i, p in enumerate(prompts)]
+        reqs = [
+            GenRequest(i, p, SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed + i))
+            for i, p in enumerate(prompts)
+        ]
         for eng in engines.values():  # warm-up on the same workload: graphs are captured/compiled here, not timed
             errors = [g.error for g in eng.generate(reqs) if g.finish_reason == "error"]
             if errors:
@@ -313,23 +392,37 @@ def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: 
         for m, eng in engines.items():
             rate = statistics.median(rates[m])
             ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
-            row = {"batch": batch, "decode": m, "dtype": dtype, "tok_s": rate,
-                   "vs_dynamic": rate / ref if ref else None,
-                   "graphs_captured": warm[m].get("graph_captures", 0.0), "hw_floor_tok_s": hw, "hw_limit": limit,
-                   "of_hw_floor": rate / hw, "compile_seconds": warm[m].get("compile_seconds"),
-                   # the fixed-shape paths time their prefills (batched per refill) and their decode steps
-                   "prefill_share": (timed[m]["prefill_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None,
-                   "step_share": (timed[m]["decode_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None}
+            row = {
+                "batch": batch,
+                "decode": m,
+                "dtype": dtype,
+                "tok_s": rate,
+                "vs_dynamic": rate / ref if ref else None,
+                "graphs_captured": warm[m].get("graph_captures", 0.0),
+                "hw_floor_tok_s": hw,
+                "hw_limit": limit,
+                "of_hw_floor": rate / hw,
+                "compile_seconds": warm[m].get("compile_seconds"),
+                # the fixed-shape paths time their prefills (batched per refill) and their decode steps
+                "prefill_share": (timed[m]["prefill_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None,
+                "step_share": (timed[m]["decode_seconds"] / walls[m]) if "prefill_seconds" in timed[m] else None,
+            }
             if eng.static_decoder is not None:
-                floor = batch * (args.new_tokens - 1) / _floor_seconds(eng, batch, [len(p) for p in prompts],
-                                                                       args.new_tokens)
+                floor = (
+                    batch
+                    * (args.new_tokens - 1)
+                    / _floor_seconds(eng, batch, [len(p) for p in prompts], args.new_tokens)
+                )
                 row.update(floor_tok_s=floor, of_floor=rate / floor)
             rows.append(row)
-            fmt = (lambda v, f: f.format(v) if v is not None else "-")  # noqa: E731
-            print(f"| {batch} | {m} | {rate:.1f} | {fmt(row['vs_dynamic'], '{:.2f}x')} | "
-                  f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
-                  f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} | "
-                  f"{fmt(row['prefill_share'], '{:.0%}')} | {fmt(row['step_share'], '{:.0%}')} |", flush=True)
+            fmt = lambda v, f: f.format(v) if v is not None else "-"  # noqa: E731
+            print(
+                f"| {batch} | {m} | {rate:.1f} | {fmt(row['vs_dynamic'], '{:.2f}x')} | "
+                f"{fmt(row.get('floor_tok_s'), '{:.1f}')} | {fmt(row.get('of_floor'), '{:.0%}')} | "
+                f"{hw:.0f} ({limit}) | {rate / hw:.0%} | {fmt(row['compile_seconds'], '{:.0f}')} | "
+                f"{fmt(row['prefill_share'], '{:.0%}')} | {fmt(row['step_share'], '{:.0%}')} |",
+                flush=True,
+            )
         if args.profile:
             for eng in engines.values():
                 if eng.static_decoder is not None:
@@ -337,18 +430,38 @@ def _decode_bench(args: argparse.Namespace, path, dtype: str) -> dict:  # noqa: 
         for eng in engines.values():
             eng.close()
     if args.decode_rollout:
-        rows += _decode_rollout_rows(args, base, dtype, hw=floor_tok_s(base.model, max(args.decode_batches),
-                                                                       machine)[0])
-    return {"model": args.model, "random_weights": args.random_weights, "device": str(base.device),
-            "device_name": where, "machine": machine, "dtype": dtype, "new_tokens": args.new_tokens,
-            "threads": args.threads, "repeats": args.repeats, "decode": rows}
+        rows += _decode_rollout_rows(
+            args, base, dtype, hw=floor_tok_s(base.model, max(args.decode_batches), machine)[0]
+        )
+    return {
+        "model": args.model,
+        "random_weights": args.random_weights,
+        "device": str(base.device),
+        "device_name": where,
+        "machine": machine,
+        "dtype": dtype,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "decode": rows,
+    }
 
 
 def _decode_rollout_rows(args: argparse.Namespace, base: HFEngine, dtype: str, hw: float) -> list[dict]:
     """The rollout scenario per decode mode (see the module docstring, item 4): median tok/s of engine time."""
     slots = max(args.decode_batches)
-    engines = {m: HFEngine(model=base.model, tokenizer=base.tokenizer, dtype=dtype, max_batch_size=slots, decode=m,
-                           static_cache_tokens=args.static_cache_tokens, seed=args.seed) for m in args.decode}
+    engines = {
+        m: HFEngine(
+            model=base.model,
+            tokenizer=base.tokenizer,
+            dtype=dtype,
+            max_batch_size=slots,
+            decode=m,
+            static_cache_tokens=args.static_cache_tokens,
+            seed=args.seed,
+        )
+        for m in args.decode
+    }
     tasks = list(range(args.decode_rollout))
     for eng in engines.values():  # warm-up (graphs captured or compiled here), on other tasks
         _rollout(eng, [t + len(tasks) for t in tasks], args.seed)
@@ -361,10 +474,23 @@ def _decode_rollout_rows(args: argparse.Namespace, base: HFEngine, dtype: str, h
     for m, eng in engines.items():
         rate = statistics.median(rates[m])
         ref = statistics.median(rates["dynamic"]) if "dynamic" in rates else None
-        rows.append({"batch": "rollout", "decode": m, "dtype": dtype, "tok_s": rate, "slots": slots,
-                     "vs_dynamic": rate / ref if ref else None, "hw_floor_tok_s": hw, "of_hw_floor": rate / hw})
-        print(f"| rollout ({len(tasks)} tasks, {slots} slots) | {m} | {rate:.1f} | "
-              f"{f'{rate / ref:.2f}x' if ref else '-'} | - | - | {hw:.0f} | {rate / hw:.0%} | - | - | - |", flush=True)
+        rows.append(
+            {
+                "batch": "rollout",
+                "decode": m,
+                "dtype": dtype,
+                "tok_s": rate,
+                "slots": slots,
+                "vs_dynamic": rate / ref if ref else None,
+                "hw_floor_tok_s": hw,
+                "of_hw_floor": rate / hw,
+            }
+        )
+        print(
+            f"| rollout ({len(tasks)} tasks, {slots} slots) | {m} | {rate:.1f} | "
+            f"{f'{rate / ref:.2f}x' if ref else '-'} | - | - | {hw:.0f} | {rate / hw:.0%} | - | - | - |",
+            flush=True,
+        )
         eng.close()
     return rows
 
@@ -387,40 +513,81 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run every scenario on every side this many times, interleaved; report medians")
-    ap.add_argument("--rollout-model", default=None,
-                    help="also run the rollout scenario with this model (one that calls tools, e.g. the quickstart's "
-                         "runs/quickstart/sft)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every scenario on every side this many times, interleaved; report medians",
+    )
+    ap.add_argument(
+        "--rollout-model",
+        default=None,
+        help="also run the rollout scenario with this model (one that calls tools, e.g. the quickstart's "
+        "runs/quickstart/sft)",
+    )
     ap.add_argument("--rollout-prompts", type=int, default=4)
-    ap.add_argument("--vllm", action="store_true",
-                    help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)")
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="run the vLLM side instead (HF engine, arpo's vLLM engine, plain vLLM; needs vllm)",
+    )
     ap.add_argument("--vllm-batches", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="with --vllm: the dtype of both engines (and of the pushed weights)")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="with --vllm: the dtype of both engines (and of the pushed weights)",
+    )
     ap.add_argument("--push-only", action="store_true", help="with --vllm: time only the weight push")
-    ap.add_argument("--push-shape", default=None, help="with --push-only: random weights of this shape "
-                    "(qwen2.5-1.5b), --model's tokenizer")
+    ap.add_argument(
+        "--push-shape",
+        default=None,
+        help="with --push-only: random weights of this shape (qwen2.5-1.5b), --model's tokenizer",
+    )
     ap.add_argument("--push-repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
-                    help="with --push-only: vLLM's KV cache (room for 8192 tokens)")
-    ap.add_argument("--decode", nargs="+", default=None, choices=["dynamic", "static", "cuda_graph", "compiled"],
-                    help="compare these HFEngine decode modes instead of running the scenarios (item 4)")
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=0.5, help="with --push-only: vLLM's KV cache (room for 8192 tokens)"
+    )
+    ap.add_argument(
+        "--decode",
+        nargs="+",
+        default=None,
+        choices=["dynamic", "static", "cuda_graph", "compiled"],
+        help="compare these HFEngine decode modes instead of running the scenarios (item 4)",
+    )
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--static-cache-tokens", type=int, default=1024)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--random-weights", action="store_true",
-                    help="with --decode: random weights at --model's config (a folder with config and tokenizer "
-                         "only is enough), for a machine the weights cannot reach")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                    help="with --decode: the engines' dtype; several run one after the other in this run, each "
-                         "with its own probe of the machine in that dtype")
-    ap.add_argument("--decode-rollout", type=int, default=0, metavar="PROMPTS",
-                    help="with --decode: also the rollout scenario per mode, an ARPO sampling step over PROMPTS tasks")
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="with --decode: also profile this many bare steps of each fixed-shape mode at each batch "
-                         "and print the operators with the most self time")
+    ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="with --decode: random weights at --model's config (a folder with config and tokenizer "
+        "only is enough), for a machine the weights cannot reach",
+    )
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="with --decode: the engines' dtype; several run one after the other in this run, each "
+        "with its own probe of the machine in that dtype",
+    )
+    ap.add_argument(
+        "--decode-rollout",
+        type=int,
+        default=0,
+        metavar="PROMPTS",
+        help="with --decode: also the rollout scenario per mode, an ARPO sampling step over PROMPTS tasks",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --decode: also profile this many bare steps of each fixed-shape mode at each batch "
+        "and print the operators with the most self time",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from arpo_algo.models import REGISTRY, pull
@@ -428,8 +595,12 @@ def main(argv: list[str] | None = None) -> dict:
     path = pull(args.model, progress=False) if args.model in REGISTRY else args.model
     if args.decode:
         runs = [_decode_bench(args, path, dtype) for dtype in args.dtype]
-        res = {**runs[0], "dtype": args.dtype, "machine": {r["dtype"]: r["machine"] for r in runs},
-               "decode": [row for r in runs for row in r["decode"]]}
+        res = {
+            **runs[0],
+            "dtype": args.dtype,
+            "machine": {r["dtype"]: r["machine"] for r in runs},
+            "decode": [row for r in runs for row in r["decode"]],
+        }
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res
@@ -451,11 +622,19 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res
-    engines = {"engine": HFEngine(path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20,
-                                  linear_layout="transposed")}
+    engines = {
+        "engine": HFEngine(
+            path, max_batch_size=args.batch, kv_cache_capacity_tokens=1 << 20, linear_layout="transposed"
+        )
+    }
     tok = engines["engine"].tokenizer
-    engines["native"] = HFEngine(model=engines["engine"].model, tokenizer=tok, max_batch_size=args.batch,
-                                 kv_cache_capacity_tokens=1 << 20, linear_layout="native")
+    engines["native"] = HFEngine(
+        model=engines["engine"].model,
+        tokenizer=tok,
+        max_batch_size=args.batch,
+        kv_cache_capacity_tokens=1 << 20,
+        linear_layout="native",
+    )
     rng = random.Random(args.seed)
     prompts = _prompts(tok, args.requests, rng)
     stops = ("\n\n",)
@@ -464,28 +643,48 @@ def main(argv: list[str] | None = None) -> dict:
         eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])
     rollout = _rollout_engines(args) if args.rollout_model else None
     repeats = [_one_repeat(args, engines, prompts, max_new, stops, rollout) for _ in range(args.repeats)]
-    result = {"model": args.model, "rollout_model": args.rollout_model, "requests": args.requests,
-              "batch": args.batch, "threads": args.threads, "repeats": repeats, "scenarios": {}}
-    print(f"\nHFEngine (transposed and native linear layout) vs model.generate on {args.model}, CPU, "
-          f"{args.threads} threads, batch {args.batch}, {args.requests} requests (useful tokens only), "
-          f"median of {args.repeats} interleaved repeat(s)\n")
-    print("| scenario | engine tok/s | engine (native layout) tok/s | generate tok/s | engine / generate "
-          "(min-max) | native-layout engine / generate |")
+    result = {
+        "model": args.model,
+        "rollout_model": args.rollout_model,
+        "requests": args.requests,
+        "batch": args.batch,
+        "threads": args.threads,
+        "repeats": repeats,
+        "scenarios": {},
+    }
+    print(
+        f"\nHFEngine (transposed and native linear layout) vs model.generate on {args.model}, CPU, "
+        f"{args.threads} threads, batch {args.batch}, {args.requests} requests (useful tokens only), "
+        f"median of {args.repeats} interleaved repeat(s)\n"
+    )
+    print(
+        "| scenario | engine tok/s | engine (native layout) tok/s | generate tok/s | engine / generate "
+        "(min-max) | native-layout engine / generate |"
+    )
     print("|---|---|---|---|---|---|")
     for name in repeats[0]:
-        rate = {side: [r[name][side][0] / r[name][side][1] for r in repeats] for side in ("engine", "native",
-                                                                                          "generate")}
+        rate = {
+            side: [r[name][side][0] / r[name][side][1] for r in repeats] for side in ("engine", "native", "generate")
+        }
         ratio = [e / g for e, g in zip(rate["engine"], rate["generate"])]
         native = [n / g for n, g in zip(rate["native"], rate["generate"])]
-        row = {"engine_tok_s": statistics.median(rate["engine"]), "native_layout_tok_s":
-               statistics.median(rate["native"]), "generate_tok_s": statistics.median(rate["generate"]),
-               "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
-               "native_layout_ratio": statistics.median(native),
-               "engine_tokens": repeats[0][name]["engine"][0], "generate_tokens": repeats[0][name]["generate"][0]}
+        row = {
+            "engine_tok_s": statistics.median(rate["engine"]),
+            "native_layout_tok_s": statistics.median(rate["native"]),
+            "generate_tok_s": statistics.median(rate["generate"]),
+            "ratio": statistics.median(ratio),
+            "ratio_min": min(ratio),
+            "ratio_max": max(ratio),
+            "native_layout_ratio": statistics.median(native),
+            "engine_tokens": repeats[0][name]["engine"][0],
+            "generate_tokens": repeats[0][name]["generate"][0],
+        }
         result["scenarios"][name] = row
-        print(f"| {name} | {row['engine_tok_s']:.1f} | {row['native_layout_tok_s']:.1f} | "
-              f"{row['generate_tok_s']:.1f} | {row['ratio']:.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) | "
-              f"{row['native_layout_ratio']:.2f}x |")
+        print(
+            f"| {name} | {row['engine_tok_s']:.1f} | {row['native_layout_tok_s']:.1f} | "
+            f"{row['generate_tok_s']:.1f} | {row['ratio']:.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) | "
+            f"{row['native_layout_ratio']:.2f}x |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

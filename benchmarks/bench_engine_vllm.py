@@ -41,8 +41,12 @@ class _Recorder:
 
     def generate(self, requests: list[GenRequest], **kw: Any) -> list:
         # unseeded requests get fixed seeds here, so the plain-vLLM replay draws the very same tokens
-        requests = [r if r.params.seed is not None else dataclasses.replace(
-            r, params=dataclasses.replace(r.params, seed=len(self.calls) * 10_000 + i)) for i, r in enumerate(requests)]
+        requests = [
+            r
+            if r.params.seed is not None
+            else dataclasses.replace(r, params=dataclasses.replace(r.params, seed=len(self.calls) * 10_000 + i))
+            for i, r in enumerate(requests)
+        ]
         self.calls.append(list(requests))
         return self.engine.generate(requests, **kw)
 
@@ -58,16 +62,20 @@ def _plain(eng: Any, reqs: list[GenRequest]) -> tuple[int, float]:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in reqs],
-                            [eng._params(r) for r in reqs], use_tqdm=False)
+    outs = eng.llm.generate(
+        [TokensPrompt(prompt_token_ids=list(r.token_ids)) for r in reqs], [eng._params(r) for r in reqs], use_tqdm=False
+    )
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
 
 
 def _continuation(eng: Any, prompts: list[list[int]], tool: list[int], side: str) -> tuple[int, float]:
-    first = eng.generate([GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i))
-                          for i, p in enumerate(prompts)])
-    cont = [GenRequest(i, p + g.token_ids + tool, SamplingParams(max_new_tokens=32, seed=200 + i),
-                       prefix_key=g.cache_key) for i, (p, g) in enumerate(zip(prompts, first))]
+    first = eng.generate(
+        [GenRequest(i, p, SamplingParams(max_new_tokens=32, seed=100 + i)) for i, p in enumerate(prompts)]
+    )
+    cont = [
+        GenRequest(i, p + g.token_ids + tool, SamplingParams(max_new_tokens=32, seed=200 + i), prefix_key=g.cache_key)
+        for i, (p, g) in enumerate(zip(prompts, first))
+    ]
     return _plain(eng, cont) if side == "plain" else _timed(eng.generate, cont)
 
 
@@ -102,16 +110,23 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
         rng = random.Random(args.seed)
         prompts = make_prompts(tok, b, rng)
         max_new = [rng.choice([16, 32, 64, 96]) for _ in prompts]
-        reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=("\n\n",), seed=args.seed + i))
-                for i, (p, m) in enumerate(zip(prompts, max_new))]
+        reqs = [
+            GenRequest(i, p, SamplingParams(max_new_tokens=m, stop=("\n\n",), seed=args.seed + i))
+            for i, (p, m) in enumerate(zip(prompts, max_new))
+        ]
         hf.max_batch_size = b
         for eng in (hf, veng):  # warm-up
             eng.generate([GenRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, seed=0))])
-        rows[f"refill@{b}"] = {"hf": _timed(hf.generate, reqs), "arpo_vllm": _timed(veng.generate, reqs),
-                               "plain_vllm": _plain(veng, reqs)}
-        rows[f"tool_continuation@{b}"] = {"hf": _continuation(hf, prompts, tool, "hf"),
-                                          "arpo_vllm": _continuation(veng, prompts, tool, "arpo"),
-                                          "plain_vllm": _continuation(veng, prompts, tool, "plain")}
+        rows[f"refill@{b}"] = {
+            "hf": _timed(hf.generate, reqs),
+            "arpo_vllm": _timed(veng.generate, reqs),
+            "plain_vllm": _plain(veng, reqs),
+        }
+        rows[f"tool_continuation@{b}"] = {
+            "hf": _continuation(hf, prompts, tool, "hf"),
+            "arpo_vllm": _continuation(veng, prompts, tool, "arpo"),
+            "plain_vllm": _continuation(veng, prompts, tool, "plain"),
+        }
         tasks = list(range(max(1, b // 8)))  # budget 8 per task: about b sequences in flight
         rec = _Recorder(veng)
         row = {"hf": rollout(hf, tasks, args.seed), "arpo_vllm": rollout(rec, tasks, args.seed)}
@@ -121,33 +136,57 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
         for name in (f"refill@{b}", f"tool_continuation@{b}", f"rollout@{b}"):  # progress: the slow part is HF
             print(name, {k: f"{v[0] / max(v[1], 1e-9):.1f} tok/s" for k, v in rows[name].items()}, flush=True)
     veng.close()
-    return {"dtype": dtype, "vllm_start_s": start_s, "hf_start_s": hf_start_s, "weight_push_s": pushes,
-            "weight_push_mib": sum(v.numel() * v.element_size() for v in sd.values()) / 2**20,
-            "threads": torch.get_num_threads(), "rows": rows}
+    return {
+        "dtype": dtype,
+        "vllm_start_s": start_s,
+        "hf_start_s": hf_start_s,
+        "weight_push_s": pushes,
+        "weight_push_mib": sum(v.numel() * v.element_size() for v in sd.values()) / 2**20,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
 
 
 def print_vllm_table(res: dict, cpu: dict) -> None:
     isa = ", ".join(k for k, v in cpu.items() if v) or "none of avx2/avx512"
-    print(f"\nvLLM side (both engines in {res['dtype']}, CPU flags: {isa}; {res['threads']} threads). "
-          f"Engine start: vLLM {res['vllm_start_s']:.1f} s, HF {res['hf_start_s']:.1f} s. "
-          f"Weight push ({res['weight_push_mib']:.0f} MiB): "
-          + ", ".join(f"{s:.2f} s" for s in res["weight_push_s"]) + "\n")
-    print("| scenario@batch | HF engine tok/s | arpo vLLM tok/s | plain vLLM tok/s | arpo-vLLM / plain | "
-          "arpo-vLLM / HF |")
+    print(
+        f"\nvLLM side (both engines in {res['dtype']}, CPU flags: {isa}; {res['threads']} threads). "
+        f"Engine start: vLLM {res['vllm_start_s']:.1f} s, HF {res['hf_start_s']:.1f} s. "
+        f"Weight push ({res['weight_push_mib']:.0f} MiB): "
+        + ", ".join(f"{s:.2f} s" for s in res["weight_push_s"])
+        + "\n"
+    )
+    print(
+        "| scenario@batch | HF engine tok/s | arpo vLLM tok/s | plain vLLM tok/s | arpo-vLLM / plain | arpo-vLLM / HF |"
+    )
     print("|---|---|---|---|---|---|")
     for name, row in res["rows"].items():
         rate = {k: v[0] / max(v[1], 1e-9) for k, v in row.items()}
-        print(f"| {name} | {rate['hf']:.1f} | {rate['arpo_vllm']:.1f} | {rate['plain_vllm']:.1f} | "
-              f"{rate['arpo_vllm'] / rate['plain_vllm']:.2f}x | {rate['arpo_vllm'] / rate['hf']:.2f}x |")
+        print(
+            f"| {name} | {rate['hf']:.1f} | {rate['arpo_vllm']:.1f} | {rate['plain_vllm']:.1f} | "
+            f"{rate['arpo_vllm'] / rate['plain_vllm']:.2f}x | {rate['arpo_vllm'] / rate['hf']:.2f}x |"
+        )
 
 
 #: Published shapes for ``--push-shape``: Hugging Face config fields (random weights; the tokenizer is ``--model``'s,
 #: whose ids all fall inside the larger vocabulary).
-SHAPES = {"qwen2.5-1.5b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536,
-                           "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-                           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-                           "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-                           "hidden_act": "silu"}}
+SHAPES = {
+    "qwen2.5-1.5b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+    }
+}
 
 
 def random_model(shape: str, tokenizer_from: Any, dest: Any, dtype: str, seed: int) -> Any:
@@ -156,8 +195,13 @@ def random_model(shape: str, tokenizer_from: Any, dest: Any, dtype: str, seed: i
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     fields = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tok.bos_token_id,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = AutoConfig.for_model(
+        fields.pop("model_type"),
+        **fields,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # built in the engine's dtype: no float32 copy of 1.5B weights
@@ -191,8 +235,9 @@ def mapped_state_dict(folder: Any, tied_head: bool) -> dict:
                 continue
             np_dtype, view = dtypes[meta["dtype"]]
             begin, end = meta["data_offsets"]
-            arr = np.memmap(f, dtype=np_dtype, mode="r", offset=8 + n + begin,
-                            shape=((end - begin) // np.dtype(np_dtype).itemsize,))
+            arr = np.memmap(
+                f, dtype=np_dtype, mode="r", offset=8 + n + begin, shape=((end - begin) // np.dtype(np_dtype).itemsize,)
+            )
             with warnings.catch_warnings():  # a read-only mapping: torch warns that it is not writable (never written)
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.from_numpy(arr).reshape(meta["shape"])
@@ -244,7 +289,14 @@ def run_push_only(args: Any, path: Any) -> dict:
         finally:
             eng.close()
     size = getattr(torch, args.vllm_dtype).itemsize
-    return {"model": args.push_shape or str(path), "dtype": args.vllm_dtype,
-            "params": params, "state_dict": "memory-mapped" if args.push_shape else "in memory",
-            "pushed_mib": sum(v.numel() for v in sd.values()) * size / 2**20, "build_s": build_s,
-            "vllm_start_s": start_s, "weight_push_s": pushes, "greedy_unchanged": same}
+    return {
+        "model": args.push_shape or str(path),
+        "dtype": args.vllm_dtype,
+        "params": params,
+        "state_dict": "memory-mapped" if args.push_shape else "in memory",
+        "pushed_mib": sum(v.numel() for v in sd.values()) * size / 2**20,
+        "build_s": build_s,
+        "vllm_start_s": start_s,
+        "weight_push_s": pushes,
+        "greedy_unchanged": same,
+    }

@@ -25,7 +25,7 @@ from pathlib import Path
 from arpo_env.tools.python_tool import PythonTool
 from benchmarks.bench_sandbox import _cpu_flags
 
-STEP = ("import statistics as st{k}\nv{k} = st{k}.fmean(i * i % 97 for i in range(200_000)) + {prev}\n")
+STEP = "import statistics as st{k}\nv{k} = st{k}.fmean(i * i % 97 for i in range(200_000)) + {prev}\n"
 READ = "print(round(v{k}, 3))"
 
 
@@ -91,8 +91,12 @@ def live_memory(tool: PythonTool, counts: list[int], array_mb: int) -> dict:
         fresh_kb = _sandbox_pss_kb(lo, hi)
         for c in fresh:
             c.close()
-        rows[n] = {"forked_mb": forked_kb / 1024, "forked_mb_each": forked_kb / 1024 / n,
-                   "fresh_mb": fresh_kb / 1024, "fresh_mb_each": fresh_kb / 1024 / n}
+        rows[n] = {
+            "forked_mb": forked_kb / 1024,
+            "forked_mb_each": forked_kb / 1024 / n,
+            "fresh_mb": fresh_kb / 1024,
+            "fresh_mb_each": fresh_kb / 1024 / n,
+        }
     return rows
 
 
@@ -108,22 +112,37 @@ def main(argv: list[str] | None = None) -> dict:
     if os.environ.get("ARPO_SMOKE") == "1":
         args.depths, args.rounds, args.live, args.array_mb = [1, 2], 1, [1, 2], 1
     # One tree holds every fork: its process cap (max_procs, the zygote and each fork count) must fit the largest N.
-    tool = PythonTool(backend=args.backend, persistent=True, timeout_s=60, max_interpreters=max(args.live) + 2,
-                      max_procs=max(args.live) + 8)
+    tool = PythonTool(
+        backend=args.backend,
+        persistent=True,
+        timeout_s=60,
+        max_interpreters=max(args.live) + 2,
+        max_procs=max(args.live) + 8,
+    )
     stateless = PythonTool(backend=args.backend, timeout_s=60)
-    out = {"machine": platform.platform(), "cpu_flags": _cpu_flags(), "cpus": os.cpu_count(),
-           "backend": args.backend, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d"),
-           "depths": fork_vs_replay(tool, stateless, args.depths, args.rounds)}
+    out = {
+        "machine": platform.platform(),
+        "cpu_flags": _cpu_flags(),
+        "cpus": os.cpu_count(),
+        "backend": args.backend,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d"),
+        "depths": fork_vs_replay(tool, stateless, args.depths, args.rounds),
+    }
     print("| calls before the branch | fork ms | replay ms | replay / fork |\n|---|---|---|---|")
     for d, r in out["depths"].items():
         print(f"| {d} | {r['fork_ms']:.0f} | {r['replay_ms']:.0f} | {r['replay_over_fork']:.1f} |")
     if os.geteuid() == 0 and tool._uid_drop:
         out["memory"] = live_memory(tool, args.live, args.array_mb)
-        print(f"\n| live interpreters | forked (holding {args.array_mb} MB) MB | per fork MB | fresh MB | "
-              "per fresh MB |\n|---|---|---|---|---|")
+        print(
+            f"\n| live interpreters | forked (holding {args.array_mb} MB) MB | per fork MB | fresh MB | "
+            "per fresh MB |\n|---|---|---|---|---|"
+        )
         for n, r in out["memory"].items():
-            print(f"| {n} | {r['forked_mb']:.0f} | {r['forked_mb_each']:.1f} | {r['fresh_mb']:.0f} | "
-                  f"{r['fresh_mb_each']:.1f} |")
+            print(
+                f"| {n} | {r['forked_mb']:.0f} | {r['forked_mb_each']:.1f} | {r['fresh_mb']:.0f} | "
+                f"{r['fresh_mb_each']:.1f} |"
+            )
     print(f"machine: {out['machine']}; {out['cpus']} CPUs; CPU flags: {out['cpu_flags']}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))

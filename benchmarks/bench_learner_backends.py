@@ -54,8 +54,10 @@ def machine() -> str:
     import torch
 
     flags = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|amx[a-z_0-9]*)\b", Path("/proc/cpuinfo").read_text())))
-    return f"{platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs, " \
-           f"flags {' '.join(flags) or 'no avx512/amx'}, torch {torch.__version__}"
+    return (
+        f"{platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs, "
+        f"flags {' '.join(flags) or 'no avx512/amx'}, torch {torch.__version__}"
+    )
 
 
 class LocalActor:
@@ -125,8 +127,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--groups", type=int, default=4, help="groups per update")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per backend and round")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the backends (every other one reversed)")
-    ap.add_argument("--backends", default="local,ddp,zero2,zero3",
-                    help="comma-separated, from " + ",".join(BACKENDS) + " (the first is the ratios' base)")
+    ap.add_argument(
+        "--backends",
+        default="local,ddp,zero2,zero3",
+        help="comma-separated, from " + ",".join(BACKENDS) + " (the first is the ratios' base)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     names = args.backends.split(",")
@@ -138,30 +143,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     rng = random.Random(0)
-    groups = [make_group(rng, vocab, i, prompt_len=60, prefix_len=40, width=2, children=2, branch=(20, 40))
-              for i in range(args.groups)]
+    groups = [
+        make_group(rng, vocab, i, prompt_len=60, prefix_len=40, width=2, children=2, branch=(20, 40))
+        for i in range(args.groups)
+    ]
     # The synthetic old log-probs are not the model's: the mismatch alarm is off (it is not what is measured).
     config = LearnerConfig(lr=1e-6, kl_rollout_warn=math.inf, kl_rollout_stop=math.inf)
     repo = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+    )
     results: dict[str, dict[str, list[float]]] = {n: {"step_s": [], "peak_mib": []} for n in names}
     try:
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 got = run_backend(name, model, config, groups, args.steps)
                 results[name]["step_s"] += got["step_s"]
-                results[name]["peak_mib"] = [max(a, b) for a, b in zip(results[name]["peak_mib"], got["peak_mib"])] \
-                    if results[name]["peak_mib"] else got["peak_mib"]
-                print(f"round {r}: {name}: steps {[round(t, 2) for t in got['step_s']]} s, peak per rank "
-                      f"{[round(m) for m in got['peak_mib']]} MiB", flush=True)
+                results[name]["peak_mib"] = (
+                    [max(a, b) for a, b in zip(results[name]["peak_mib"], got["peak_mib"])]
+                    if results[name]["peak_mib"]
+                    else got["peak_mib"]
+                )
+                print(
+                    f"round {r}: {name}: steps {[round(t, 2) for t in got['step_s']]} s, peak per rank "
+                    f"{[round(m) for m in got['peak_mib']]} MiB",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
     base = statistics.median(results[names[0]]["step_s"])
-    out = {"machine": machine(), "model": args.model, "groups": args.groups,
-           "tokens": sum(len(g.prompt_ids) + sum(len(t.response_ids) for t in g.trajectories) for g in groups),
-           "date": time.strftime("%Y-%m-%d"), "backends": {}}
+    out = {
+        "machine": machine(),
+        "model": args.model,
+        "groups": args.groups,
+        "tokens": sum(len(g.prompt_ids) + sum(len(t.response_ids) for t in g.trajectories) for g in groups),
+        "date": time.strftime("%Y-%m-%d"),
+        "backends": {},
+    }
     print(f"\n{out['machine']}; {args.model}, {args.groups} groups; ratios against {names[0]}")
     print(f"{'backend':8} {'median step s':>14} {'ratio':>7} {'peak MiB per rank':>20}")
     for name in names:

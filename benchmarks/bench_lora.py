@@ -54,8 +54,12 @@ def measure(args: argparse.Namespace) -> dict:
     lora = LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank) if args.variant == "lora" else None
     # random tokens are not what the model would sample: the mismatch alarm has nothing to say here
     silent = {**ALARM_OFF, **{k.replace("_stop", "_warn"): math.inf for k in ALARM_OFF}}
-    cfg = LearnerConfig(lr=5e-5, **silent,
-                        micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=args.gradient_checkpointing)
+    cfg = LearnerConfig(
+        lr=5e-5,
+        **silent,
+        micro_batch_tokens=args.micro_batch_tokens,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
     start = _peak_mib()
     learner = LocalLearner(args.model, cfg, seed=0, lora=lora)
     loaded = _peak_mib()
@@ -64,9 +68,12 @@ def measure(args: argparse.Namespace) -> dict:
     groups = []
     for i in range(args.prompts):
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
-        trajs = [Trajectory(j, ids, [1] * len(ids), [-1.0] * len(ids), [1.0] * len(ids), reward=float(j % 2))
-                 for j, ids in enumerate([[rng.randrange(100, vocab) for _ in range(args.tokens)]
-                                          for _ in range(args.budget)])]
+        trajs = [
+            Trajectory(j, ids, [1] * len(ids), [-1.0] * len(ids), [1.0] * len(ids), reward=float(j % 2))
+            for j, ids in enumerate(
+                [[rng.randrange(100, vocab) for _ in range(args.tokens)] for _ in range(args.budget)]
+            )
+        ]
         groups.append(Group(i, prompt, trajs))
     times = []
     for _ in range(args.steps):
@@ -81,13 +88,19 @@ def measure(args: argparse.Namespace) -> dict:
         save_trainer_state(learner.get_state(), Path(tmp) / "trainer_state.pt")
         policy_bytes = _folder_bytes(policy) - sum(p.stat().st_size for p in policy.glob("tokenizer*"))
         state_bytes = (Path(tmp) / "trainer_state.pt").stat().st_size
-    return {"variant": args.variant, "trainable": sum(p.numel() for p in learner.model.parameters()
-                                                      if p.requires_grad),
-            "step_s": statistics.median(times[1:] or times), "first_step_s": times[0],
-            "peak_mib_start": start, "peak_mib_loaded": loaded, "peak_mib_updated": updated,
-            "policy_bytes": policy_bytes, "trainer_state_bytes": state_bytes,
-            "copy_bytes": sum(v.numel() * v.element_size() for v in copy.values()),
-            "threads": torch.get_num_threads()}
+    return {
+        "variant": args.variant,
+        "trainable": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
+        "step_s": statistics.median(times[1:] or times),
+        "first_step_s": times[0],
+        "peak_mib_start": start,
+        "peak_mib_loaded": loaded,
+        "peak_mib_updated": updated,
+        "policy_bytes": policy_bytes,
+        "trainer_state_bytes": state_bytes,
+        "copy_bytes": sum(v.numel() * v.element_size() for v in copy.values()),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def cpu_flags() -> str:
@@ -110,24 +123,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--micro-batch-tokens", type=int, default=1024, help="the quickstart's")
-    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                    help="the quickstart's (on)")
+    ap.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True, help="the quickstart's (on)"
+    )
     ap.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
     ap.add_argument("--variant", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.variant:  # a child: one variant, one JSON line
         print(json.dumps(measure(args)))
         return 0
-    child = [sys.executable, "-m", "benchmarks.bench_lora", "--model", args.model, "--rank", str(args.rank),
-             "--steps", str(args.steps), "--prompts", str(args.prompts), "--budget", str(args.budget),
-             "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
-             "--micro-batch-tokens", str(args.micro_batch_tokens),
-             "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"]
+    child = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_lora",
+        "--model",
+        args.model,
+        "--rank",
+        str(args.rank),
+        "--steps",
+        str(args.steps),
+        "--prompts",
+        str(args.prompts),
+        "--budget",
+        str(args.budget),
+        "--tokens",
+        str(args.tokens),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--micro-batch-tokens",
+        str(args.micro_batch_tokens),
+        "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+    ]
     rows = []
     for r in range(args.rounds):
         for variant in ("full", "lora"):
-            proc = subprocess.run([*child, "--variant", variant], capture_output=True, text=True, env=os.environ,
-                                  check=False)
+            proc = subprocess.run(
+                [*child, "--variant", variant], capture_output=True, text=True, env=os.environ, check=False
+            )
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 return proc.returncode
@@ -135,13 +167,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({**row, "round": r})
             print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows)
-    print(f"\nmodel {args.model}, rank {args.rank}, {args.prompts}x{args.budget} trajectories of {args.tokens} tokens"
-          f" after {args.prompt_tokens}; CPU flags: {cpu_flags()}; {rows[0]['threads']} torch threads\n")
+    print(
+        f"\nmodel {args.model}, rank {args.rank}, {args.prompts}x{args.budget} trajectories of {args.tokens} tokens"
+        f" after {args.prompt_tokens}; CPU flags: {cpu_flags()}; {rows[0]['threads']} torch threads\n"
+    )
     print("| | full weights | LoRA | LoRA / full |")
     print("|---|---|---|---|")
-    for key, label in (("step_s", "learner step (s, median)"), ("peak_mib_updated", "peak RSS after updates (MiB)"),
-                       ("peak_mib_loaded", "peak RSS after loading (MiB)"), ("policy_bytes", "policy folder (MB)"),
-                       ("trainer_state_bytes", "trainer state (MB)"), ("copy_bytes", "one weight copy (MB)")):
+    for key, label in (
+        ("step_s", "learner step (s, median)"),
+        ("peak_mib_updated", "peak RSS after updates (MiB)"),
+        ("peak_mib_loaded", "peak RSS after loading (MiB)"),
+        ("policy_bytes", "policy folder (MB)"),
+        ("trainer_state_bytes", "trainer state (MB)"),
+        ("copy_bytes", "one weight copy (MB)"),
+    ):
         full, lora = summary[key]["full"], summary[key]["lora"]
         scale = 1e6 if key.endswith("bytes") else 1.0
         print(f"| {label} | {full / scale:.3g} | {lora / scale:.3g} | {lora / full:.3g} |")
@@ -152,10 +191,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(rows: list[dict]) -> dict:
     """Per measured key, the median over rounds of each variant."""
-    keys = ("step_s", "first_step_s", "peak_mib_loaded", "peak_mib_updated", "policy_bytes", "trainer_state_bytes",
-            "copy_bytes", "trainable")
-    return {k: {v: statistics.median(r[k] for r in rows if r["variant"] == v) for v in ("full", "lora")}
-            for k in keys}
+    keys = (
+        "step_s",
+        "first_step_s",
+        "peak_mib_loaded",
+        "peak_mib_updated",
+        "policy_bytes",
+        "trainer_state_bytes",
+        "copy_bytes",
+        "trainable",
+    )
+    return {k: {v: statistics.median(r[k] for r in rows if r["variant"] == v) for v in ("full", "lora")} for k in keys}
 
 
 if __name__ == "__main__":

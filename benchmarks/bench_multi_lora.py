@@ -69,8 +69,13 @@ def measure(args: argparse.Namespace) -> dict:
     for v in views:  # warm-up: the transposed weight copies are made on the first call
         v.generate([GenRequest(0, prompt, greedy)])
     loaded = _rss_mib()
-    out: dict = {"variant": args.variant, "agents": args.n, "memory_mib": round(loaded - before, 1),
-                 "load_s": round(load_s, 2), "clients": {}}
+    out: dict = {
+        "variant": args.variant,
+        "agents": args.n,
+        "memory_mib": round(loaded - before, 1),
+        "load_s": round(load_s, 2),
+        "clients": {},
+    }
     for clients in args.clients:
         out["clients"][str(clients)] = _load_phase(views, prompt, greedy, clients, args.seconds)
     if args.variant == "shared":  # adding one more agent while the most clients run (not counted above)
@@ -118,8 +123,11 @@ def _load_phase(views: list, prompt: list[int], params: object, clients: int, se
     for th in threads:
         th.join()
     wall = time.perf_counter() - t
-    return {"tokens_per_s": round(tokens[0] / wall, 1), "mean_latency_s": round(statistics.mean(lat), 3),
-            "requests": len(lat)}
+    return {
+        "tokens_per_s": round(tokens[0] / wall, 1),
+        "mean_latency_s": round(statistics.mean(lat), 3),
+        "requests": len(lat),
+    }
 
 
 def prepare(args: argparse.Namespace, workdir: Path) -> None:
@@ -133,8 +141,9 @@ def prepare(args: argparse.Namespace, workdir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (4 layers, hidden 256, made here), a registered name or a "
-                                                   "folder")
+    p.add_argument(
+        "--model", default="tiny", help="tiny (4 layers, hidden 256, made here), a registered name or a folder"
+    )
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 32])
     p.add_argument("--tokens", type=int, default=16)
@@ -154,10 +163,27 @@ def main(argv: list[str] | None = None) -> int:
         prepare(args, Path(tmp))
         for n in args.agents:
             for variant in ("shared", "separate"):
-                cmd = [sys.executable, "-m", "benchmarks.bench_multi_lora", "--variant", variant, "--n", str(n),
-                       "--workdir", tmp, "--model", args.model, "--tokens", str(args.tokens),
-                       "--seconds", str(args.seconds), "--threads", str(args.threads),
-                       "--clients", *map(str, args.clients)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.bench_multi_lora",
+                    "--variant",
+                    variant,
+                    "--n",
+                    str(n),
+                    "--workdir",
+                    tmp,
+                    "--model",
+                    args.model,
+                    "--tokens",
+                    str(args.tokens),
+                    "--seconds",
+                    str(args.seconds),
+                    "--threads",
+                    str(args.threads),
+                    "--clients",
+                    *map(str, args.clients),
+                ]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 print(json.dumps(rows[-1]), flush=True)
@@ -167,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio = {"agents": n, "memory_shared_over_separate": round(s["memory_mib"] / max(f["memory_mib"], 1e-9), 3)}
         for c in map(str, args.clients):
             ratio[f"throughput_shared_over_separate_c{c}"] = round(
-                s["clients"][c]["tokens_per_s"] / f["clients"][c]["tokens_per_s"], 2)
+                s["clients"][c]["tokens_per_s"] / f["clients"][c]["tokens_per_s"], 2
+            )
             ratio[f"latency_shared_over_separate_c{c}"] = round(
-                s["clients"][c]["mean_latency_s"] / f["clients"][c]["mean_latency_s"], 2)
+                s["clients"][c]["mean_latency_s"] / f["clients"][c]["mean_latency_s"], 2
+            )
         report["ratios"].append(ratio)
         print(json.dumps(ratio))
     if args.out:

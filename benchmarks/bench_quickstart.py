@@ -38,8 +38,18 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True)
     for name in STAGE_MARKERS:
         shutil.copy(Path(args.sft) / name, out / name)
-    cmd = [sys.executable, "-m", "arpo_algo.run.quickstart", "--output", str(out), "--seed", str(args.seed),
-           "--set", f"rollouts.hf.decode={json.dumps(mode)}", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "arpo_algo.run.quickstart",
+        "--output",
+        str(out),
+        "--seed",
+        str(args.seed),
+        "--set",
+        f"rollouts.hf.decode={json.dumps(mode)}",
+        "--no-progress",
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     for extra in args.set:
@@ -81,41 +91,60 @@ def table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
     cols = ("arpo_s", "generate_s", "update_s", "tokens_sampled", "evaluate_s", "eval_tokens")
     med = {m: {c: statistics.median([r[c] for r in runs if r["mode"] == m]) for c in cols} for m in modes}
     base = med[modes[0]]
-    lines = ["| decode | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
-             "| evaluation s | eval tokens | ARPO stage speed-up | generate tok/s ratio | evaluation speed-up "
-             "| accuracy before -> after | peak GB (ARPO, evaluation) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| decode | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
+        "| evaluation s | eval tokens | ARPO stage speed-up | generate tok/s ratio | evaluation speed-up "
+        "| accuracy before -> after | peak GB (ARPO, evaluation) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m in modes:
         f = med[m]
         rate = f["tokens_sampled"] / f["generate_s"] if f["generate_s"] else 0.0
         base_rate = base["tokens_sampled"] / base["generate_s"] if base["generate_s"] else 0.0
         acc = ", ".join(f"{r['before']:.3f} -> {r['after']:.3f}" for r in runs if r["mode"] == m)
-        peak = ", ".join(f"{r['peak_rss_gb'].get('arpo') or 0:.2f} / {r['peak_rss_gb'].get('evaluate') or 0:.2f}"
-                         for r in runs if r["mode"] == m)
-        lines.append(f"| {m} | {f['arpo_s']:.0f} | {f['generate_s']:.0f} | {f['update_s']:.0f} | "
-                     f"{f['tokens_sampled']:.0f} | {rate:.1f} | {f['evaluate_s']:.0f} | {f['eval_tokens']:.0f} | "
-                     f"{base['arpo_s'] / f['arpo_s']:.2f}x | {rate / base_rate if base_rate else 0.0:.2f}x | "
-                     f"{base['evaluate_s'] / f['evaluate_s']:.2f}x | {acc} | {peak} |")
+        peak = ", ".join(
+            f"{r['peak_rss_gb'].get('arpo') or 0:.2f} / {r['peak_rss_gb'].get('evaluate') or 0:.2f}"
+            for r in runs
+            if r["mode"] == m
+        )
+        lines.append(
+            f"| {m} | {f['arpo_s']:.0f} | {f['generate_s']:.0f} | {f['update_s']:.0f} | "
+            f"{f['tokens_sampled']:.0f} | {rate:.1f} | {f['evaluate_s']:.0f} | {f['eval_tokens']:.0f} | "
+            f"{base['arpo_s'] / f['arpo_s']:.2f}x | {rate / base_rate if base_rate else 0.0:.2f}x | "
+            f"{base['evaluate_s'] / f['evaluate_s']:.2f}x | {acc} | {peak} |"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_quickstart", description=__doc__.splitlines()[0])
     parser.add_argument("--sft", required=True, help="a quickstart output folder whose SFT stage is done")
-    parser.add_argument("--modes", nargs="+", default=["dynamic", "static"], choices=MODES,
-                        help="decode modes; ratios are to the first (default: dynamic static)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["dynamic", "static"],
+        choices=MODES,
+        help="decode modes; ratios are to the first (default: dynamic static)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="rounds over the modes, alternating their order")
     parser.add_argument("--seed", type=int, default=0, help="the RL stage's seed (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="an override of arpo_algo/run/recipes/quickstart.toml for every mode")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="an override of arpo_algo/run/recipes/quickstart.toml for every mode",
+    )
     parser.add_argument("--output", default="runs/bench_quickstart", help="folder of the runs (replaced per run)")
     parser.add_argument("--json", help="write the runs and the table here")
     args = parser.parse_args(argv)
     missing = [n for n in STAGE_MARKERS if not (Path(args.sft) / n).is_file()]
     if missing:
-        raise SystemExit(f"error: {args.sft} has no {', '.join(missing)}: pass a quickstart output folder whose SFT "
-                         "stage is done (python -m arpo_algo.run.quickstart writes one)")
+        raise SystemExit(
+            f"error: {args.sft} has no {', '.join(missing)}: pass a quickstart output folder whose SFT "
+            "stage is done (python -m arpo_algo.run.quickstart writes one)"
+        )
     if len(set(args.modes)) != len(args.modes) or args.rounds < 1:
         raise SystemExit("error: --modes must not repeat a mode and --rounds must be >= 1")
 
@@ -130,9 +159,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[bench_quickstart] round {r + 1}: decode={mode}", flush=True)
             res = run_mode(args, mode, Path(args.output) / f"{mode}_r{r + 1}")
             runs.append({"round": r + 1, **res})
-            print(f"[bench_quickstart]   ARPO {res['arpo_s']:.0f} s (generating {res['generate_s']:.0f} s, "
-                  f"{res['tokens_sampled']:.0f} tokens), evaluation {res['evaluate_s']:.0f} s, "
-                  f"accuracy {res['before']:.3f} -> {res['after']:.3f}", flush=True)
+            print(
+                f"[bench_quickstart]   ARPO {res['arpo_s']:.0f} s (generating {res['generate_s']:.0f} s, "
+                f"{res['tokens_sampled']:.0f} tokens), evaluation {res['evaluate_s']:.0f} s, "
+                f"accuracy {res['before']:.3f} -> {res['after']:.3f}",
+                flush=True,
+            )
     lines = table(runs, args.modes)
     print("\n".join(lines))
     result = {"machine": info, "modes": args.modes, "rounds": args.rounds, "runs": runs, "table": lines}

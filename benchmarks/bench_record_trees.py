@@ -47,12 +47,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="arpo-record-") as tmp:
-        cfg = (ARPOConfig()
-               .environment("arpo/ToolMath-v0", env_config={"levels": [1, 2], "max_tool_calls": 2})
-               .training(model_path=args.model, prompts_per_step=args.prompts, lr=2.5e-5, entropy_coef=0.01)
-               .tree(budget=args.budget, initial=max(1, args.budget // 2))
-               .llm_rollouts(max_response_tokens=args.max_response_tokens, record_path=str(Path(tmp) / "trees"),
-                             record_max_groups=None))
+        cfg = (
+            ARPOConfig()
+            .environment("arpo/ToolMath-v0", env_config={"levels": [1, 2], "max_tool_calls": 2})
+            .training(model_path=args.model, prompts_per_step=args.prompts, lr=2.5e-5, entropy_coef=0.01)
+            .tree(budget=args.budget, initial=max(1, args.budget // 2))
+            .llm_rollouts(
+                max_response_tokens=args.max_response_tokens,
+                record_path=str(Path(tmp) / "trees"),
+                record_max_groups=None,
+            )
+        )
         algo = cfg.build_algo()
         writer = algo.tree_writer
         spent: list[float] = []
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         algo._record_trees = timed_record
         order = ["on", "off", "off", "on"] * args.pairs
-        order = order[:2 * args.pairs]
+        order = order[: 2 * args.pairs]
         times: dict[str, list[float]] = {"on": [], "off": []}
         record_s = []
         try:
@@ -84,15 +89,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             algo.stop()
         sizes = [p.stat().st_size for p in (Path(tmp) / "trees").glob("iter_*.jsonl")]
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    res = {"model": args.model, "prompts": args.prompts, "budget": args.budget, "cpu": cpu_flags(),
-           "threads": args.threads, "iteration_s_with": on, "iteration_s_without": off, "ratio_with_over_without": on /
-           off, "record_s_median": statistics.median(record_s), "record_share": statistics.median(record_s) / on,
-           "chunk_bytes_median": statistics.median(sizes), "iterations": times, "record_s": record_s}
-    print(f"CPU flags: {res['cpu']}; {args.threads} torch threads; {args.model}, {args.prompts} prompts x "
-          f"{args.budget} trajectories")
+    res = {
+        "model": args.model,
+        "prompts": args.prompts,
+        "budget": args.budget,
+        "cpu": cpu_flags(),
+        "threads": args.threads,
+        "iteration_s_with": on,
+        "iteration_s_without": off,
+        "ratio_with_over_without": on / off,
+        "record_s_median": statistics.median(record_s),
+        "record_share": statistics.median(record_s) / on,
+        "chunk_bytes_median": statistics.median(sizes),
+        "iterations": times,
+        "record_s": record_s,
+    }
+    print(
+        f"CPU flags: {res['cpu']}; {args.threads} torch threads; {args.model}, {args.prompts} prompts x "
+        f"{args.budget} trajectories"
+    )
     print(f"iteration with recording {on:.3f} s, without {off:.3f} s: ratio {on / off:.3f}")
-    print(f"the writer itself: {res['record_s_median'] * 1e3:.1f} ms per iteration = "
-          f"{100 * res['record_share']:.2f}% of the iteration; chunk {res['chunk_bytes_median'] / 1e3:.0f} kB")
+    print(
+        f"the writer itself: {res['record_s_median'] * 1e3:.1f} ms per iteration = "
+        f"{100 * res['record_share']:.2f}% of the iteration; chunk {res['chunk_bytes_median'] / 1e3:.0f} kB"
+    )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
     return res

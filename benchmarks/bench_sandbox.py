@@ -30,8 +30,13 @@ def _cpu_flags() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="+", default=["bwrap", "docker"],
-                        choices=["subprocess", "bwrap", "docker"], help="the first one is the reference of the ratios")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["bwrap", "docker"],
+        choices=["subprocess", "bwrap", "docker"],
+        help="the first one is the reference of the ratios",
+    )
     parser.add_argument("--calls", type=int, default=20, help="calls per backend (after one warm-up call each)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -48,11 +53,22 @@ def main(argv: list[str] | None = None) -> dict:
             times[backend].append(time.perf_counter() - t0)
             assert not result.error and result.text == "332833500", result.text
     ref = statistics.median(times[args.backends[0]])
-    rows = {b: {"median_ms": 1e3 * statistics.median(t), "p90_ms": 1e3 * sorted(t)[int(0.9 * (len(t) - 1))],
-                "ratio_to_" + args.backends[0]: statistics.median(t) / ref,
-                "level": tools[b].isolation["level"]} for b, t in times.items()}
-    out = {"machine": platform.platform(), "cpu_flags": _cpu_flags(), "calls": args.calls,
-           "setup_s_all_backends": setup_s, "backends": rows}
+    rows = {
+        b: {
+            "median_ms": 1e3 * statistics.median(t),
+            "p90_ms": 1e3 * sorted(t)[int(0.9 * (len(t) - 1))],
+            "ratio_to_" + args.backends[0]: statistics.median(t) / ref,
+            "level": tools[b].isolation["level"],
+        }
+        for b, t in times.items()
+    }
+    out = {
+        "machine": platform.platform(),
+        "cpu_flags": _cpu_flags(),
+        "calls": args.calls,
+        "setup_s_all_backends": setup_s,
+        "backends": rows,
+    }
     ratio = "ratio_to_" + args.backends[0]
     print(f"| backend | level | median ms | p90 ms | {ratio} |\n|---|---|---|---|---|")
     for b, r in rows.items():

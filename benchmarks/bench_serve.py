@@ -35,9 +35,16 @@ import threading
 import time
 from typing import Any
 
-PROMPTS = ["Write a short poem about the sea.", "Explain what a prime number is.", "List three uses of Python.",
-           "Describe a cat in two sentences.", "What is the capital of France? Explain briefly.",
-           "Give advice for learning to cook.", "Summarise the water cycle.", "Why is the sky blue?"]
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a prime number is.",
+    "List three uses of Python.",
+    "Describe a cat in two sentences.",
+    "What is the capital of France? Explain briefly.",
+    "Give advice for learning to cook.",
+    "Summarise the water cycle.",
+    "Why is the sky blue?",
+]
 
 
 def _free_port() -> int:
@@ -50,13 +57,16 @@ def requests_for(level: int, per_client: int, toolmath_level: int | None = None)
     """``level * per_client`` seeded requests: the PROMPTS, or held-out ToolMath questions of one level (the env's
     messages, its system prompt included)."""
     if toolmath_level is None:
-        return [{"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "seed": i}
-                for i in range(level * per_client)]
+        return [
+            {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "seed": i}
+            for i in range(level * per_client)
+        ]
     from arpo_env.core import ToolTextEnv
 
     env = ToolTextEnv({"task": "toolmath", "levels": [toolmath_level], "split": "test", "tools": {"python": {}}})
-    return [{"messages": env.reset(options={"task_index": i})[1]["messages"], "seed": i}
-            for i in range(level * per_client)]
+    return [
+        {"messages": env.reset(options={"task_index": i})[1]["messages"], "seed": i} for i in range(level * per_client)
+    ]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -64,8 +74,9 @@ def pct(values: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def served(url: str, model: str, reqs: list[dict], clients: int, max_tokens: int,
-           key: str = "unused") -> dict[str, float]:
+def served(
+    url: str, model: str, reqs: list[dict], clients: int, max_tokens: int, key: str = "unused"
+) -> dict[str, float]:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
@@ -81,8 +92,9 @@ def served(url: str, model: str, reqs: list[dict], clients: int, max_tokens: int
                     return
                 _, r = todo.pop(0)
             t = time.perf_counter()
-            out = client.chat.completions.create(model=model, messages=r["messages"], seed=r["seed"],
-                                                 temperature=1.0, max_tokens=max_tokens)
+            out = client.chat.completions.create(
+                model=model, messages=r["messages"], seed=r["seed"], temperature=1.0, max_tokens=max_tokens
+            )
             with lock:
                 lat.append(time.perf_counter() - t)
                 tokens[0] += out.usage.completion_tokens
@@ -94,8 +106,15 @@ def served(url: str, model: str, reqs: list[dict], clients: int, max_tokens: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return {"requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall, "tokens": tokens[0],
-            "p50_s": statistics.median(lat), "p99_s": pct(lat, 0.99), "latencies": lat}
+    return {
+        "requests": len(reqs),
+        "wall_s": wall,
+        "req_per_s": len(reqs) / wall,
+        "tokens": tokens[0],
+        "p50_s": statistics.median(lat),
+        "p99_s": pct(lat, 0.99),
+        "latencies": lat,
+    }
 
 
 def in_process(agent: Any, reqs: list[dict], clients: int, max_tokens: int) -> dict[str, float]:
@@ -110,13 +129,30 @@ def in_process(agent: Any, reqs: list[dict], clients: int, max_tokens: int) -> d
     t0 = time.perf_counter()
     tokens = 0
     for i in range(0, len(reqs), clients):
-        jobs = [agent.prepare(parse_chat_request({"model": "m", "messages": r["messages"], "seed": r["seed"],
-                                                  "temperature": 1.0, "max_tokens": max_tokens}))
-                for r in reqs[i:i + clients]]
+        jobs = [
+            agent.prepare(
+                parse_chat_request(
+                    {
+                        "model": "m",
+                        "messages": r["messages"],
+                        "seed": r["seed"],
+                        "temperature": 1.0,
+                        "max_tokens": max_tokens,
+                    }
+                )
+            )
+            for r in reqs[i : i + clients]
+        ]
         sessions = [s for job in jobs for s in agent._sessions(job)]
         seeds = [functools.partial(choice_seed, job.seed, 0) for job in jobs]
-        traces = run_agents(agent.front.engine, sessions, [job.prompt for job in jobs], jobs[0].sampling,
-                            max_response_tokens=jobs[0].max_response_tokens, seeds=seeds)
+        traces = run_agents(
+            agent.front.engine,
+            sessions,
+            [job.prompt for job in jobs],
+            jobs[0].sampling,
+            max_response_tokens=jobs[0].max_response_tokens,
+            seeds=seeds,
+        )
         tokens += sum(len(t.response_ids) for t in traces)
     wall = time.perf_counter() - t0
     return {"requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall, "tokens": tokens}
@@ -135,10 +171,17 @@ def deploy(specs: list, port: int, threads: int, checks: bool, key_file: str) ->
 
     security = Security(key_file=key_file, port=port) if checks else Security(checks=False, port=port)
     serve.shutdown()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly",
-                controller_options=controller_options(security))
-    serve.run(build_app(specs, security, max_ongoing_requests=32, max_queued_requests=64, num_cpus=threads),
-              name="bench", route_prefix="/", blocking=False)
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        proxy_location="HeadOnly",
+        controller_options=controller_options(security),
+    )
+    serve.run(
+        build_app(specs, security, max_ongoing_requests=32, max_queued_requests=64, num_cpus=threads),
+        name="bench",
+        route_prefix="/",
+        blocking=False,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 600, read_key(key_file))
     return url, checks_in_place(url, checks)
@@ -163,8 +206,10 @@ def checks_in_place(url: str, checks: bool) -> dict[str, Any]:
         status, echoed = e.code, e.headers.get("x-request-id")
     seen = {"status": status, "gate": echoed != PROBE_ID}
     if seen != ({"status": 401, "gate": True} if checks else {"status": 200, "gate": False}):
-        raise RuntimeError(f"the side {'with' if checks else 'without'} the checks is not what it claims: a request "
-                           f"without the key got {status}, the gate {'is' if seen['gate'] else 'is not'} in place")
+        raise RuntimeError(
+            f"the side {'with' if checks else 'without'} the checks is not what it claims: a request "
+            f"without the key got {status}, the gate {'is' if seen['gate'] else 'is not'} in place"
+        )
     return seen
 
 
@@ -176,9 +221,10 @@ def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: lis
     walls: dict[str, dict[int, float]] = {m: dict.fromkeys(levels, 0.0) for m in ("on", "off")}
     sides: dict[str, dict[str, Any]] = {}
     for r in range(args.check_rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            url, sides["with" if mode == "on" else "without"] = deploy(specs, port, args.threads, mode == "on",
-                                                                       key_file)
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            url, sides["with" if mode == "on" else "without"] = deploy(
+                specs, port, args.threads, mode == "on", key_file
+            )
             for c, res in run_levels(url, key, reqs, levels, args).items():
                 pooled[mode][c] += res["latencies"]
                 walls[mode][c] += res["wall_s"]
@@ -187,10 +233,19 @@ def compare_checks(specs: list, port: int, key_file: str, reqs: Any, levels: lis
     for c in levels:
         p50 = {m: statistics.median(pooled[m][c]) for m in pooled}
         rps = {m: len(pooled[m][c]) / walls[m][c] for m in pooled}
-        out[c] = {"requests_each": len(pooled["on"][c]), "p50_s_with": p50["on"], "p50_s_without": p50["off"],
-                  "p50_ratio": p50["on"] / p50["off"], "req_per_s_with": rps["on"], "req_per_s_without": rps["off"]}
-        print(f"{c:>7} {p50['on']:9.4f} {p50['off']:9.4f} {p50['on'] / p50['off']:6.3f} {rps['on']:10.2f} "
-              f"{rps['off']:10.2f}", flush=True)
+        out[c] = {
+            "requests_each": len(pooled["on"][c]),
+            "p50_s_with": p50["on"],
+            "p50_s_without": p50["off"],
+            "p50_ratio": p50["on"] / p50["off"],
+            "req_per_s_with": rps["on"],
+            "req_per_s_without": rps["off"],
+        }
+        print(
+            f"{c:>7} {p50['on']:9.4f} {p50['off']:9.4f} {p50['on'] / p50['off']:6.3f} {rps['on']:10.2f} "
+            f"{rps['off']:10.2f}",
+            flush=True,
+        )
     return out
 
 
@@ -209,13 +264,31 @@ def checks_work_us(key_file: str, blocks: int = 20, per_block: int = 500) -> dic
     finally:
         del os.environ[proxy.SECURITY_ENV]
     guard.install(guard.Policy(security))
-    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": PROMPTS[0]}], "seed": 0,
-                       "temperature": 1.0, "max_tokens": 4}).encode()
-    headers = [(b"host", b"127.0.0.1:8000"), (b"authorization", f"Bearer {read_key(key_file)}".encode()),
-               (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"user-agent", b"OpenAI/Python"), (b"accept", b"application/json")]
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "headers": headers,
-             "query_string": b""}
+    body = json.dumps(
+        {
+            "model": "bench",
+            "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "seed": 0,
+            "temperature": 1.0,
+            "max_tokens": 4,
+        }
+    ).encode()
+    headers = [
+        (b"host", b"127.0.0.1:8000"),
+        (b"authorization", f"Bearer {read_key(key_file)}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"user-agent", b"OpenAI/Python"),
+        (b"accept", b"application/json"),
+    ]
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "root_path": "",
+        "headers": headers,
+        "query_string": b"",
+    }
     times: dict[str, list[float]] = {"with": [], "without": []}
     statuses: list[int] = []
 
@@ -228,7 +301,7 @@ def checks_work_us(key_file: str, blocks: int = 20, per_block: int = 500) -> dic
 
     async def run() -> None:
         for b in range(blocks):
-            for side in (("with", "without") if b % 2 == 0 else ("without", "with")):
+            for side in ("with", "without") if b % 2 == 0 else ("without", "with"):
                 app = gate if side == "with" else _answer_200
                 t = time.perf_counter()
                 for _ in range(per_block):
@@ -240,8 +313,11 @@ def checks_work_us(key_file: str, blocks: int = 20, per_block: int = 500) -> dic
         raise RuntimeError(f"the in-process check path did not answer 200: {sorted(set(statuses))}")
     out = {f"us_{side}": statistics.median(v) for side, v in times.items()}
     out["us_checks"] = out["us_with"] - out["us_without"]
-    print(f"in process, per request: {out['us_with']:.1f} us with the gate and the guard, {out['us_without']:.1f} us "
-          f"without ({out['us_checks']:.1f} us of checks)", flush=True)
+    print(
+        f"in process, per request: {out['us_with']:.1f} us with the gate and the guard, {out['us_without']:.1f} us "
+        f"without ({out['us_checks']:.1f} us of checks)",
+        flush=True,
+    )
     return out
 
 
@@ -275,14 +351,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=32, dest="max_tokens")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the replica and of the in-process run")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--toolmath-level", type=int, default=None, dest="toolmath_level",
-                   help="send held-out ToolMath questions of this level instead of the generic prompts")
-    p.add_argument("--compare-checks", action="store_true", dest="compare_checks",
-                   help="serve with and without the security checks and print the latency ratio")
-    p.add_argument("--check-rounds", type=int, default=2, dest="check_rounds",
-                   help="alternating passes per side with --compare-checks")
-    p.add_argument("--no-in-process", action="store_false", dest="in_process",
-                   help="skip the in-process baseline")
+    p.add_argument(
+        "--toolmath-level",
+        type=int,
+        default=None,
+        dest="toolmath_level",
+        help="send held-out ToolMath questions of this level instead of the generic prompts",
+    )
+    p.add_argument(
+        "--compare-checks",
+        action="store_true",
+        dest="compare_checks",
+        help="serve with and without the security checks and print the latency ratio",
+    )
+    p.add_argument(
+        "--check-rounds",
+        type=int,
+        default=2,
+        dest="check_rounds",
+        help="alternating passes per side with --compare-checks",
+    )
+    p.add_argument("--no-in-process", action="store_false", dest="in_process", help="skip the in-process baseline")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
@@ -308,17 +397,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cpus = max(os.cpu_count() or 2, args.threads)
     torch.set_num_threads(args.threads)
-    specs = build_specs([f"bench={args.model}"], tools="python", max_tokens=args.max_tokens, engine=args.engine,
-                        engine_settings={"max_batch_size": 32} if args.engine == "hf" else {})
+    specs = build_specs(
+        [f"bench={args.model}"],
+        tools="python",
+        max_tokens=args.max_tokens,
+        engine=args.engine,
+        engine_settings={"max_batch_size": 32} if args.engine == "hf" else {},
+    )
     reqs = functools.partial(requests_for, toolmath_level=args.toolmath_level)
     from arpo_algo.cli.serve import local_ray_options
 
     # Ray as `arpo serve` starts it on 127.0.0.1: its own listeners on loopback too
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **local_ray_options("127.0.0.1"))
     port = _free_port()
-    out: dict[str, Any] = {"model": args.model, "engine": args.engine, "toolmath_level": args.toolmath_level,
-                           "max_tokens": args.max_tokens, "threads": args.threads,
-                           "cpus": os.cpu_count(), "levels": {}}
+    out: dict[str, Any] = {
+        "model": args.model,
+        "engine": args.engine,
+        "toolmath_level": args.toolmath_level,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "levels": {},
+    }
     if args.compare_checks:
         out["checks"] = compare_checks(specs, port, key_file, reqs, levels, args)
         out["checks"]["in_process"] = checks_work_us(key_file)
@@ -346,8 +446,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'clients':>7} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'in-proc req/s':>13} {'ratio':>6}")
     for c, lvl in out["levels"].items():
         s = lvl["served"]
-        print(f"{c:>7} {s['req_per_s']:7.2f} {s['p50_s']:7.2f} {s['p99_s']:7.2f} "
-              f"{lvl['in_process']['req_per_s']:13.2f} {lvl['served_over_in_process']:6.2f}")
+        print(
+            f"{c:>7} {s['req_per_s']:7.2f} {s['p50_s']:7.2f} {s['p99_s']:7.2f} "
+            f"{lvl['in_process']['req_per_s']:13.2f} {lvl['served_over_in_process']:6.2f}"
+        )
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)

@@ -20,11 +20,18 @@ from arpo_env.tools import BM25Backend, CachedTool, PythonTool, SearchTool, Tool
 def _synthetic_docs(n: int, seed: int = 0, vocab_size: int = 20_000, words: int = 60) -> list[dict]:
     """Deterministic documents from a Zipf-like vocabulary of made-up words."""
     rng = random.Random(seed)
-    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
-             for _ in range(vocab_size)]
+    vocab = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(vocab_size)
+    ]
     weights = [1.0 / (rank + 1) for rank in range(vocab_size)]
-    return [{"id": str(i), "title": " ".join(rng.choices(vocab, weights, k=3)),
-             "text": " ".join(rng.choices(vocab, weights, k=words))} for i in range(n)], vocab
+    return [
+        {
+            "id": str(i),
+            "title": " ".join(rng.choices(vocab, weights, k=3)),
+            "text": " ".join(rng.choices(vocab, weights, k=words)),
+        }
+        for i in range(n)
+    ], vocab
 
 
 def bench_python(calls: int) -> dict:
@@ -37,8 +44,12 @@ def bench_python(calls: int) -> dict:
     results += tool.run_many([code] * (calls * 2), max_workers=8)
     concurrent = 2 * calls / (time.perf_counter() - start)
     errors = [r.text for r in results if r.error]
-    return {"python_calls_per_s_sequential": sequential, "python_calls_per_s_8_concurrent": concurrent,
-            "python_errors": len(errors), "python_first_error": errors[0][:300] if errors else None}
+    return {
+        "python_calls_per_s_sequential": sequential,
+        "python_calls_per_s_8_concurrent": concurrent,
+        "python_errors": len(errors),
+        "python_first_error": errors[0][:300] if errors else None,
+    }
 
 
 def bench_bm25(n_docs: int, queries: int) -> dict:
@@ -54,9 +65,12 @@ def bench_bm25(n_docs: int, queries: int) -> dict:
         assert not tool(query=query).error
         latencies.append(time.perf_counter() - t0)
     latencies.sort()
-    return {"bm25_docs": n_docs, "bm25_index_build_s": build,
-            "bm25_query_ms_median": 1e3 * statistics.median(latencies),
-            "bm25_query_ms_p95": 1e3 * latencies[int(0.95 * (len(latencies) - 1))]}
+    return {
+        "bm25_docs": n_docs,
+        "bm25_index_build_s": build,
+        "bm25_query_ms_median": 1e3 * statistics.median(latencies),
+        "bm25_query_ms_p95": 1e3 * latencies[int(0.95 * (len(latencies) - 1))],
+    }
 
 
 def bench_cache(lookups: int) -> dict:

@@ -26,9 +26,14 @@ from arpo_env.core import ToolTextEnv
 
 def run_one(engine: HFEngine, cfg: TreeConfig, tasks: list[int], args: argparse.Namespace) -> dict:
     """Sample one step with ``cfg``; per-group means of the economy numbers."""
-    sampler = TreeSampler(engine, lambda: ToolTextEnv(task="toolmath", levels=tuple(args.levels)), cfg,
-                          SamplingParams(temperature=args.temperature), max_response_tokens=args.max_response_tokens,
-                          seed=args.seed)
+    sampler = TreeSampler(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", levels=tuple(args.levels)),
+        cfg,
+        SamplingParams(temperature=args.temperature),
+        max_response_tokens=args.max_response_tokens,
+        seed=args.seed,
+    )
     t0 = time.perf_counter()
     groups, m = sampler.sample(tasks, step=0)
     wall = time.perf_counter() - t0
@@ -70,14 +75,18 @@ def main(argv: list[str] | None = None) -> dict:
         arpo = TreeConfig(budget=M, initial=M // 2, branch_factor=1, decision_rule=args.decision_rule)
         row = {"arpo": run_one(engine, arpo, tasks, args), "grpo": run_one(engine, TreeConfig.grpo(M), tasks, args)}
         a, g = row["arpo"], row["grpo"]
-        row["ratio_tool_calls"] = a["tool_calls_per_group"] / g["tool_calls_per_group"] if g["tool_calls_per_group"] \
-            else None
+        row["ratio_tool_calls"] = (
+            a["tool_calls_per_group"] / g["tool_calls_per_group"] if g["tool_calls_per_group"] else None
+        )
         row["ratio_tokens"] = a["tokens_generated_per_group"] / max(g["tokens_generated_per_group"], 1.0)
         results["budgets"][str(M)] = row
-        print(f"M={M:3d}  ARPO calls/group {a['tool_calls_per_group']:6.1f} tokens/group "
-              f"{a['tokens_generated_per_group']:7.0f} branches {a['branches_per_group']:4.1f} | GRPO calls/group "
-              f"{g['tool_calls_per_group']:6.1f} tokens/group {g['tokens_generated_per_group']:7.0f} | ratio calls "
-              f"{row['ratio_tool_calls']} tokens {row['ratio_tokens']:.2f}", flush=True)
+        print(
+            f"M={M:3d}  ARPO calls/group {a['tool_calls_per_group']:6.1f} tokens/group "
+            f"{a['tokens_generated_per_group']:7.0f} branches {a['branches_per_group']:4.1f} | GRPO calls/group "
+            f"{g['tool_calls_per_group']:6.1f} tokens/group {g['tokens_generated_per_group']:7.0f} | ratio calls "
+            f"{row['ratio_tool_calls']} tokens {row['ratio_tokens']:.2f}",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return results

@@ -39,28 +39,44 @@ import time
 from pathlib import Path
 from typing import Any
 
-TRL_MISSING = ("TRL is not installed; this benchmark needs it (benchmark-only extra): pip install -e \".[bench]\", or "
-               "pip install --target TRL_DIR --no-deps trl==1.16.* datasets dill xxhash multiprocess and "
-               "PYTHONPATH=TRL_DIR (any private folder)")
-TRL_SYSTEM = ("Solve the problem step by step. To compute, call the python tool; its printed output comes back to you. "
-              "Give the final answer as <answer>\\boxed{answer}</answer>.")
+TRL_MISSING = (
+    'TRL is not installed; this benchmark needs it (benchmark-only extra): pip install -e ".[bench]", or '
+    "pip install --target TRL_DIR --no-deps trl==1.16.* datasets dill xxhash multiprocess and "
+    "PYTHONPATH=TRL_DIR (any private folder)"
+)
+TRL_SYSTEM = (
+    "Solve the problem step by step. To compute, call the python tool; its printed output comes back to you. "
+    "Give the final answer as <answer>\\boxed{answer}</answer>."
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_trl_race", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="registered model name or local HF folder")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step (both sides)")
-    ap.add_argument("--generations", type=int, default=4,
-                    help="trajectories per prompt: TRL num_generations, ARPO tree budget M (even, >= 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
-                    help="response budget per trajectory (sampled + tool-result tokens) on both sides")
+    ap.add_argument(
+        "--generations",
+        type=int,
+        default=4,
+        help="trajectories per prompt: TRL num_generations, ARPO tree budget M (even, >= 2)",
+    )
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="response budget per trajectory (sampled + tool-result tokens) on both sides",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (ours then theirs, each round)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="ToolMath levels")
     ap.add_argument("--max-tool-calls", type=int, default=3, help="tool-call limit per trajectory (both sides)")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--kl-coef", type=float, default=0.001,
-                    help="k3 KL to the initial model on both sides (TRL beta). > 0 makes both sides run the whole "
-                         "update even when every reward is equal (ours skips an update without signal)")
+    ap.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.001,
+        help="k3 KL to the initial model on both sides (TRL beta). > 0 makes both sides run the whole "
+        "update even when every reward is equal (ours skips an update without signal)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
@@ -143,8 +159,9 @@ class ToolMathForTRL:
         return float(self.reward)
 
 
-def toolmath_reward(prompts: list[Any], completions: list[Any], environments: list[ToolMathForTRL],
-                    **_kwargs: Any) -> list[float]:
+def toolmath_reward(
+    prompts: list[Any], completions: list[Any], environments: list[ToolMathForTRL], **_kwargs: Any
+) -> list[float]:
     """TRL reward function: each rollout's env scores its final assistant message."""
     out = []
     for completion, env in zip(completions, environments, strict=True):
@@ -164,16 +181,41 @@ def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, A
     tokenizer.chat_template = qwen2_5_chat_template  # SmolLM2's template drops tool calls; same ChatML tokens
     tokenizer.padding_side = "left"
     ToolMathForTRL.config = env_config(args)
-    rows = [{"prompt": [{"role": "system", "content": TRL_SYSTEM}, {"role": "user", "content": t["question"]}],
-             "task_index": t["index"]} for t in tasks]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": TRL_SYSTEM}, {"role": "user", "content": t["question"]}],
+            "task_index": t["index"],
+        }
+        for t in tasks
+    ]
     config = GRPOConfig(
-        output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, fp16=False, seed=args.seed, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-        max_steps=args.rounds, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.01, max_grad_norm=1.0, beta=args.kl_coef, num_iterations=1, loss_type="dapo",
-        per_device_train_batch_size=args.generations, gradient_accumulation_steps=args.prompts,
-        num_generations=args.generations, max_completion_length=args.max_new_tokens,
-        max_tool_calling_iterations=args.max_tool_calls, temperature=1.0, top_p=1.0, shuffle_dataset=False,
+        output_dir=str(workdir / "trl"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=args.seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_steps=args.rounds,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=args.kl_coef,
+        num_iterations=1,
+        loss_type="dapo",
+        per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=args.prompts,
+        num_generations=args.generations,
+        max_completion_length=args.max_new_tokens,
+        max_tool_calling_iterations=args.max_tool_calls,
+        temperature=1.0,
+        top_p=1.0,
+        shuffle_dataset=False,
         gradient_checkpointing=False,  # TRL's default is True; ours does not checkpoint, so neither does TRL here
     )
 
@@ -184,9 +226,15 @@ def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, A
         def on_step_end(self, *_a, **_k):
             on_step("theirs", time.perf_counter() - self.t0)
 
-    return GRPOTrainer(model=str(model_dir), reward_funcs=toolmath_reward, args=config,
-                       train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                       environment_factory=ToolMathForTRL, callbacks=[StepTimer()])
+    return GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=toolmath_reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        environment_factory=ToolMathForTRL,
+        callbacks=[StepTimer()],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- our side
@@ -195,18 +243,32 @@ def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, A
 def build_ours(args: argparse.Namespace, model_dir: Path):
     from arpo_algo.algorithms import ARPOConfig
 
-    config = (ARPOConfig()
-              .environment(env="arpo/ToolMath-v0", env_config=env_config(args))
-              .training(model_path=str(model_dir), lr=args.lr, prompts_per_step=args.prompts, kl_coef=args.kl_coef,
-                        loss_agg="token_mean", grad_clip=1.0, weight_decay=0.01,
-                        old_logprobs="rollout",  # TRL with num_iterations=1 does not recompute them either
-                        # about TRL's micro-batch (per_device_train_batch_size = generations trajectories)
-                        micro_batch_tokens=args.generations * (args.max_new_tokens + 384))
-              .tree(budget=args.generations, initial=args.generations // 2, branch_factor=1)
-              .llm_rollouts(max_response_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
-                            hf={"max_batch_size": args.prompts * args.generations}, num_rollout_actors=0)
-              .evaluation(every=0)
-              .debugging(seed=args.seed))
+    config = (
+        ARPOConfig()
+        .environment(env="arpo/ToolMath-v0", env_config=env_config(args))
+        .training(
+            model_path=str(model_dir),
+            lr=args.lr,
+            prompts_per_step=args.prompts,
+            kl_coef=args.kl_coef,
+            loss_agg="token_mean",
+            grad_clip=1.0,
+            weight_decay=0.01,
+            old_logprobs="rollout",  # TRL with num_iterations=1 does not recompute them either
+            # about TRL's micro-batch (per_device_train_batch_size = generations trajectories)
+            micro_batch_tokens=args.generations * (args.max_new_tokens + 384),
+        )
+        .tree(budget=args.generations, initial=args.generations // 2, branch_factor=1)
+        .llm_rollouts(
+            max_response_tokens=args.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            hf={"max_batch_size": args.prompts * args.generations},
+            num_rollout_actors=0,
+        )
+        .evaluation(every=0)
+        .debugging(seed=args.seed)
+    )
     return config.build_algo()
 
 
@@ -217,12 +279,18 @@ def _ours_stats(result: dict[str, Any]) -> dict[str, float]:
     # The result nests each section: "rollout/branches" is result["rollout"]["branches"].
     rollout = result.get(MK.ROLLOUT.rstrip("/"), {})
     out = {k: float(result[k]) for k in (MK.TRAJECTORIES, MK.TOKENS_SAMPLED, MK.REWARD_MEAN) if k in result}
-    in_rollout = [name.removeprefix(MK.ROLLOUT) for name in (MK.RESPONSE_TOKENS, MK.TOOL_CALLS, MK.BRANCHES,
-                                                               MK.TIME_TOTAL)]
+    in_rollout = [
+        name.removeprefix(MK.ROLLOUT) for name in (MK.RESPONSE_TOKENS, MK.TOOL_CALLS, MK.BRANCHES, MK.TIME_TOTAL)
+    ]
     out.update({k: float(rollout[k]) for k in in_rollout if k in rollout})
     learner = result.get(LK.PREFIX.rstrip("/"), {})
-    out.update({f"learner_{k}": float(learner[k]) for k in (LK.SKIPPED_NO_SIGNAL, LK.UNIQUE_TOKENS, LK.MICRO_BATCHES)
-                if k in learner})
+    out.update(
+        {
+            f"learner_{k}": float(learner[k])
+            for k in (LK.SKIPPED_NO_SIGNAL, LK.UNIQUE_TOKENS, LK.MICRO_BATCHES)
+            if k in learner
+        }
+    )
     return out
 
 
@@ -243,10 +311,14 @@ def _prompt_tokens(model_dir: Path, trl_tokenizer: Any, task: dict[str, Any], ar
     trl_env = ToolMathForTRL()
     theirs = trl_tokenizer.apply_chat_template(
         [{"role": "system", "content": TRL_SYSTEM}, {"role": "user", "content": task["question"]}],
-        tools=[trl_env.python], tokenize=False, add_generation_prompt=True)
-    return {"ours": len(ours_tok(ours, add_special_tokens=False)["input_ids"]),
-            "theirs": len(trl_tokenizer(theirs, add_special_tokens=False)["input_ids"])}
-
+        tools=[trl_env.python],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return {
+        "ours": len(ours_tok(ours, add_special_tokens=False)["input_ids"]),
+        "theirs": len(trl_tokenizer(theirs, add_special_tokens=False)["input_ids"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -292,16 +364,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     med_ours, med_theirs = statistics.median(times["ours"]), statistics.median(times["theirs"])
     result = {
-        "setting": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "model_dir": str(model_dir), "torch_threads": torch.get_num_threads()},
-        "prompt_tokens_first_task": prompt_tokens, "seconds": times,
-        "median_ours_s": med_ours, "median_theirs_s": med_theirs,
+        "setting": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "model_dir": str(model_dir),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "prompt_tokens_first_task": prompt_tokens,
+        "seconds": times,
+        "median_ours_s": med_ours,
+        "median_theirs_s": med_theirs,
         "ratio_ours_over_theirs": med_ours / med_theirs,
         "ours_rollout": ours_stats,
         "theirs_logs": [{k: v for k, v in x.items() if isinstance(v, (int, float))} for x in trl_logs],
     }
-    print(f"\nper step, median of {args.rounds}: ours {med_ours:.1f} s, TRL GRPOTrainer {med_theirs:.1f} s, "
-          f"ours/theirs = {result['ratio_ours_over_theirs']:.2f} (goal <= 0.5)")
+    print(
+        f"\nper step, median of {args.rounds}: ours {med_ours:.1f} s, TRL GRPOTrainer {med_theirs:.1f} s, "
+        f"ours/theirs = {result['ratio_ours_over_theirs']:.2f} (goal <= 0.5)"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

@@ -51,15 +51,32 @@ def make_group(tok: Any, prompt: int, trajectories: int, iteration: int) -> tupl
         answer = ids(f"<answer>{prompt * iteration + t % 3}</answer>")
         resp, mask = shared + answer, mask0 + [1] * len(answer)
         solved = t % 3 == 0
-        trajs.append(Trajectory(t, resp, mask, [-0.3] * len(resp), [0.6 + 0.01 * t] * len(resp),
-                                reward=1.0 if solved else 0.0, finish_reason="answer",
-                                tool_calls=[{"tool": "python", "args": {"code": f"print({prompt} * {iteration})"}}],
-                                parent=None if t == 0 else 0, branch_point=None if t == 0 else len(shared),
-                                kind="initial" if t == 0 else "branch", node_ids=[0, t + 1], policy_version=iteration))
+        trajs.append(
+            Trajectory(
+                t,
+                resp,
+                mask,
+                [-0.3] * len(resp),
+                [0.6 + 0.01 * t] * len(resp),
+                reward=1.0 if solved else 0.0,
+                finish_reason="answer",
+                tool_calls=[{"tool": "python", "args": {"code": f"print({prompt} * {iteration})"}}],
+                parent=None if t == 0 else 0,
+                branch_point=None if t == 0 else len(shared),
+                kind="initial" if t == 0 else "branch",
+                node_ids=[0, t + 1],
+                policy_version=iteration,
+            )
+        )
         nodes.append(TreeNode(t + 1, 0, len(shared), len(resp), 1, iteration))
         advantages.append([1.0 if solved else -0.5] * len(resp))
-    g = Group(prompt, ids(f"Prompt {prompt}: what is {prompt} times {iteration}?"), trajs, nodes=nodes,
-              policy_version=iteration)
+    g = Group(
+        prompt,
+        ids(f"Prompt {prompt}: what is {prompt} times {iteration}?"),
+        trajs,
+        nodes=nodes,
+        policy_version=iteration,
+    )
     return g, advantages
 
 
@@ -81,15 +98,18 @@ class Viewer:
 
     def __init__(self, folder: Path, key: str, port: int) -> None:
         env = dict(os.environ, ARPO_VIEW_KEY=key, PYTHONPATH=os.getcwd())
-        self.proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(folder), "--host",
-                                      "127.0.0.1", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "arpo_algo.cli", "view", str(folder), "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
             try:
-                get_json(f"{self.url}/v1/index?since=1000000000", headers={"Authorization": f"Bearer {key}"},
-                         timeout=5)
+                get_json(f"{self.url}/v1/index?since=1000000000", headers={"Authorization": f"Bearer {key}"}, timeout=5)
                 return
             except HTTPJSONError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -111,13 +131,27 @@ def step(entries: list[dict], since: int) -> dict[str, Any]:
     from urllib.parse import urlsplit
 
     new = entries[since:]
-    rows = [{"path": urlsplit(e["url"]).path, "query": urlsplit(e["url"]).query, "type": e["type"],
-             "transfer_bytes": e["transfer"], "body_bytes": e["body"], "same_origin": e["same_origin"]} for e in new]
-    return {"requests": len(rows), "index_requests": sum(r["path"] == "/v1/index" for r in rows),
-            "group_requests": [r["query"] for r in rows if r["path"] == "/v1/group"],
-            "paths": sorted({r["path"] for r in rows}), "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
-            "all_same_origin": all(r["same_origin"] for r in rows),
-            "only_allowed_paths": all(r["path"] in ALLOWED for r in rows), "entries": rows}
+    rows = [
+        {
+            "path": urlsplit(e["url"]).path,
+            "query": urlsplit(e["url"]).query,
+            "type": e["type"],
+            "transfer_bytes": e["transfer"],
+            "body_bytes": e["body"],
+            "same_origin": e["same_origin"],
+        }
+        for e in new
+    ]
+    return {
+        "requests": len(rows),
+        "index_requests": sum(r["path"] == "/v1/index" for r in rows),
+        "group_requests": [r["query"] for r in rows if r["path"] == "/v1/group"],
+        "paths": sorted({r["path"] for r in rows}),
+        "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
+        "all_same_origin": all(r["same_origin"] for r in rows),
+        "only_allowed_paths": all(r["path"] in ALLOWED for r in rows),
+        "entries": rows,
+    }
 
 
 def measure(url: str, key: str, *, other_prompt: int, chromium: str, chromedriver: str, profile: str) -> dict:
@@ -128,23 +162,31 @@ def measure(url: str, key: str, *, other_prompt: int, chromium: str, chromedrive
     try:
         wd.open(f"{url}/#key={key}")
         wd.js("performance.setResourceTimingBufferSize(100000)")
-        wd.wait("return document.querySelectorAll('#tree .node').length > 0", timeout_s=120,
-                what="the page never drew a tree")
+        wd.wait(
+            "return document.querySelectorAll('#tree .node').length > 0",
+            timeout_s=120,
+            what="the page never drew a tree",
+        )
         first_it = int(wd.js("return document.getElementById('iteration').options[0].value"))
         last_it = int(wd.js("return [...document.getElementById('iteration').options].at(-1).value"))
         seen = wd.js(ENTRIES)
         out = {"first_load": step(seen, 0), "shown_iteration": last_it}
         n = len(seen)
-        wd.js(f"const s = document.getElementById('iteration'); s.value = '{first_it}'; "
-              "s.dispatchEvent(new Event('change'))")
-        wd.wait(f"return document.querySelector('#tree .meta').textContent.startsWith('iteration {first_it} ')",
-                timeout_s=60)
+        wd.js(
+            f"const s = document.getElementById('iteration'); s.value = '{first_it}'; "
+            "s.dispatchEvent(new Event('change'))"
+        )
+        wd.wait(
+            f"return document.querySelector('#tree .meta').textContent.startsWith('iteration {first_it} ')",
+            timeout_s=60,
+        )
         seen = wd.js(ENTRIES)
         out["switch_iteration"] = {**step(seen, n), "to": first_it}
         n = len(seen)
         wd.js(f"document.querySelector('.group-item[data-group=\"{other_prompt}\"]').click()")
-        wd.wait(f"return document.querySelector('#tree .meta').textContent.includes('prompt {other_prompt} ')",
-                timeout_s=60)
+        wd.wait(
+            f"return document.querySelector('#tree .meta').textContent.includes('prompt {other_prompt} ')", timeout_s=60
+        )
         out["open_prompt"] = {**step(wd.js(ENTRIES), n), "to": other_prompt}
         return out
     finally:
@@ -175,20 +217,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         key = secrets.token_urlsafe(24)
         viewer = Viewer(folder, key, free_port())
         try:
-            steps = measure(viewer.url, key, other_prompt=min(5, args.prompts - 1), chromium=chromium,
-                            chromedriver=chromedriver, profile=str(Path(tmp) / "profile"))
+            steps = measure(
+                viewer.url,
+                key,
+                other_prompt=min(5, args.prompts - 1),
+                chromium=chromium,
+                chromedriver=chromedriver,
+                profile=str(Path(tmp) / "profile"),
+            )
         finally:
             viewer.stop()
-    res = {"prompts": args.prompts, "trajectories": args.trajectories, "iterations": args.iterations,
-           "write_s": round(write_s, 2), "folder_bytes": disk, "index_bytes": index_bytes,
-           "date": time.strftime("%Y-%m-%d", time.gmtime()), **steps}
-    print(f"{args.prompts} prompts x {args.trajectories} trajectories x {args.iterations} iterations: written in "
-          f"{write_s:.1f} s, {disk / 1e6:.1f} MB on disk, index {index_bytes / 1e6:.2f} MB")
+    res = {
+        "prompts": args.prompts,
+        "trajectories": args.trajectories,
+        "iterations": args.iterations,
+        "write_s": round(write_s, 2),
+        "folder_bytes": disk,
+        "index_bytes": index_bytes,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        **steps,
+    }
+    print(
+        f"{args.prompts} prompts x {args.trajectories} trajectories x {args.iterations} iterations: written in "
+        f"{write_s:.1f} s, {disk / 1e6:.1f} MB on disk, index {index_bytes / 1e6:.2f} MB"
+    )
     for name in ("first_load", "switch_iteration", "open_prompt"):
         s = steps[name]
-        print(f"{name}: {s['requests']} requests ({', '.join(s['paths'])}), {s['transfer_bytes'] / 1e3:.1f} kB, "
-              f"groups {s['group_requests']}, index requests {s['index_requests']}, same origin: "
-              f"{s['all_same_origin']}")
+        print(
+            f"{name}: {s['requests']} requests ({', '.join(s['paths'])}), {s['transfer_bytes'] / 1e3:.1f} kB, "
+            f"groups {s['group_requests']}, index requests {s['index_requests']}, same origin: "
+            f"{s['all_same_origin']}"
+        )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
     return res

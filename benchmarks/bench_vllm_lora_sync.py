@@ -57,15 +57,28 @@ def measure(model: str, rank: int, repeats: int, kv_cache_gib: float) -> dict[st
                 if p.requires_grad:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.01)
         states.append({n: p.detach().clone() for n, p in hf.named_parameters() if p.requires_grad})
-    engine = VLLMEngine(path, dtype="float32", kv_cache_gib=kv_cache_gib, seed=0,
-                        lora={"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)})
+    engine = VLLMEngine(
+        path,
+        dtype="float32",
+        kv_cache_gib=kv_cache_gib,
+        seed=0,
+        lora={"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)},
+    )
     try:
         adapter = _pushes(engine, states)
     finally:
         engine.close()
-    return {"model": model, "rank": rank, "repeats": repeats,
-            "full_bytes": full[0], "full_seconds": full[1], "lora_bytes": adapter[0], "lora_seconds": adapter[1],
-            "bytes_ratio": adapter[0] / full[0], "seconds_ratio": adapter[1] / full[1]}
+    return {
+        "model": model,
+        "rank": rank,
+        "repeats": repeats,
+        "full_bytes": full[0],
+        "full_seconds": full[1],
+        "lora_bytes": adapter[0],
+        "lora_seconds": adapter[1],
+        "bytes_ratio": adapter[0] / full[0],
+        "seconds_ratio": adapter[1] / full[1],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

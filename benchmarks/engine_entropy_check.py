@@ -48,12 +48,23 @@ def main(argv: list[str] | None = None) -> int:
             same += 1
         d_ent += [abs(x - y) for x, y in zip(a.entropies[:same], b.entropies[:same])]
         d_lp += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same])]
-        rows.append({"tokens_hf": len(a.token_ids), "tokens_vllm": len(b.token_ids), "agree_for": same,
-                     "mean_entropy_hf": sum(a.entropies[:same]) / max(same, 1),
-                     "mean_entropy_vllm": sum(b.entropies[:same]) / max(same, 1)})
-    res = {"tokens_compared": len(d_ent), "entropy_abs_diff_max": max(d_ent, default=0.0),
-           "entropy_abs_diff_mean": sum(d_ent) / max(len(d_ent), 1), "logprob_abs_diff_max": max(d_lp, default=0.0),
-           "logprob_abs_diff_mean": sum(d_lp) / max(len(d_lp), 1), "per_prompt": rows}
+        rows.append(
+            {
+                "tokens_hf": len(a.token_ids),
+                "tokens_vllm": len(b.token_ids),
+                "agree_for": same,
+                "mean_entropy_hf": sum(a.entropies[:same]) / max(same, 1),
+                "mean_entropy_vllm": sum(b.entropies[:same]) / max(same, 1),
+            }
+        )
+    res = {
+        "tokens_compared": len(d_ent),
+        "entropy_abs_diff_max": max(d_ent, default=0.0),
+        "entropy_abs_diff_mean": sum(d_ent) / max(len(d_ent), 1),
+        "logprob_abs_diff_max": max(d_lp, default=0.0),
+        "logprob_abs_diff_mean": sum(d_lp) / max(len(d_lp), 1),
+        "per_prompt": rows,
+    }
     print(json.dumps(res, indent=1))
     return 0
 

@@ -30,19 +30,53 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     q = Path(args.quickstart)
     specs = {"sft": f"sft={q / 'sft'}", "arpo": args.arpo or f"arpo={q / 'arpo'}"}
     models = [specs[m] for m in args.models.split(",")]
-    common = ["--experiment", "quickstart", "--set", f"model.path={json.dumps(str(q / 'sft'))}", "--k", str(args.k),
-              "--temperature", "0.6", "--top-p", "0.95", "--items-per-call", str(args.items_per_call),
-              "--no-progress"] + (["--threads", str(args.threads)] if args.threads else [])
+    common = [
+        "--experiment",
+        "quickstart",
+        "--set",
+        f"model.path={json.dumps(str(q / 'sft'))}",
+        "--k",
+        str(args.k),
+        "--temperature",
+        "0.6",
+        "--top-p",
+        "0.95",
+        "--items-per-call",
+        str(args.items_per_call),
+        "--no-progress",
+    ] + (["--threads", str(args.threads)] if args.threads else [])
     out = Path(args.output)
-    return {"toolmath": ["eval", *models, "--data", "toolmath", "--limit", str(args.toolmath_limit), *common,
-                         "--output", str(out / "toolmath")],
-            "valid": ["eval", *models, "--data", "valid", "--limit", str(args.valid_limit), *common,
-                      "--output", str(out / "valid")]}
+    return {
+        "toolmath": [
+            "eval",
+            *models,
+            "--data",
+            "toolmath",
+            "--limit",
+            str(args.toolmath_limit),
+            *common,
+            "--output",
+            str(out / "toolmath"),
+        ],
+        "valid": [
+            "eval",
+            *models,
+            "--data",
+            "valid",
+            "--limit",
+            str(args.valid_limit),
+            *common,
+            "--output",
+            str(out / "valid"),
+        ],
+    }
 
 
 def table(out: Path) -> str:
-    lines = ["| data | model | items x K | wall time | pass@1 ± 95% CI | pass@K | tool calls / correct | "
-             "tokens / correct |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| data | model | items x K | wall time | pass@1 ± 95% CI | pass@K | tool calls / correct | tokens / correct |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     paired = []
     for name in ("toolmath", "valid"):
         f = out / name / "summary.json"
@@ -54,13 +88,21 @@ def table(out: Path) -> str:
             if not a.get(R.ITEMS):
                 continue
             k = a[R.K]
-            per_correct = ("n/a", "n/a") if a[R.TOOL_CALLS_PER_CORRECT] is None else (
-                f"{a[R.TOOL_CALLS_PER_CORRECT]:.2f}", f"{a[R.TOKENS_PER_CORRECT]:.0f}")
-            lines.append(f"| {name} | {model} | {a[R.ITEMS]} x {k} | {a[R.WALL_S_TOTAL] / 60:.1f} min | "
-                         f"{a[R.PASS_AT_1]:.3f} ± {a[R.PASS_AT_1_CI95]:.3f} | {a[R.PASS_AT.format(k)]:.3f} | "
-                         f"{per_correct[0]} | {per_correct[1]} |")
-        paired += [f"{name}: {p['b']} - {p['a']} = {p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['n']} items)"
-                   for p in s["paired"] if p["source"] == "all"]
+            per_correct = (
+                ("n/a", "n/a")
+                if a[R.TOOL_CALLS_PER_CORRECT] is None
+                else (f"{a[R.TOOL_CALLS_PER_CORRECT]:.2f}", f"{a[R.TOKENS_PER_CORRECT]:.0f}")
+            )
+            lines.append(
+                f"| {name} | {model} | {a[R.ITEMS]} x {k} | {a[R.WALL_S_TOTAL] / 60:.1f} min | "
+                f"{a[R.PASS_AT_1]:.3f} ± {a[R.PASS_AT_1_CI95]:.3f} | {a[R.PASS_AT.format(k)]:.3f} | "
+                f"{per_correct[0]} | {per_correct[1]} |"
+            )
+        paired += [
+            f"{name}: {p['b']} - {p['a']} = {p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] ({p['n']} items)"
+            for p in s["paired"]
+            if p["source"] == "all"
+        ]
     return "\n".join(lines + [""] + paired)
 
 

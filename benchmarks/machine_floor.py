@@ -41,14 +41,15 @@ def _best_seconds(fn, repeats: int, device: torch.device) -> float:  # noqa: ANN
     return best
 
 
-def gemm_flops(n: int | None = None, repeats: int = 5, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> float:
+def gemm_flops(
+    n: int | None = None, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
     """FLOP/s of an ``n x n`` matrix product in ``dtype`` (best of ``repeats``) on torch's current CPU threads or on
     the GPU (n defaults to 2048 on CPU, 8192 on a GPU: large enough to reach the peak)."""
     dev = torch.device(device)
     n = n or (8192 if dev.type == "cuda" else 2048)
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    return 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b), repeats, dev)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats, dev)
 
 
 def stream_bytes_per_s(mib: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
@@ -56,14 +57,16 @@ def stream_bytes_per_s(mib: int | None = None, repeats: int = 5, device: str = "
     GPU, whose L2 holds tens of MiB)."""
     dev = torch.device(device)
     mib = mib or (2048 if dev.type == "cuda" else 512)
-    x = torch.ones(mib * 2 ** 18, device=dev)
+    x = torch.ones(mib * 2**18, device=dev)
     return x.numel() * 4 / _best_seconds(lambda: x.sum(), repeats, dev)
 
 
 def probe(device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Both probes on ``device`` (GEMM in ``dtype``), as ``{"gemm_gflops", "stream_gbs"}``."""
-    return {"gemm_gflops": gemm_flops(device=device, dtype=dtype) / 1e9,
-            "stream_gbs": stream_bytes_per_s(device=device) / 1e9}
+    return {
+        "gemm_gflops": gemm_flops(device=device, dtype=dtype) / 1e9,
+        "stream_gbs": stream_bytes_per_s(device=device) / 1e9,
+    }
 
 
 def floor_tok_s(model: torch.nn.Module, batch: int, machine: dict[str, float]) -> tuple[float, str]:
@@ -90,21 +93,29 @@ def linear_seconds(rows: int, d_in: int, d_out: int, repeats: int = 50) -> dict[
     from torch.utils import mkldnn
 
     packed = mkldnn.to_mkldnn(torch.nn.Sequential(lin))[0]
-    calls = {"fp32 mm, transposed copy": lambda: torch.mm(x, wt),
-             "fp32 F.linear": lambda: torch.nn.functional.linear(x, w),
-             "fp32 oneDNN prepacked": lambda: packed(x),
-             "bf16 F.linear": lambda: torch.nn.functional.linear(xb, wb)}
+    calls = {
+        "fp32 mm, transposed copy": lambda: torch.mm(x, wt),
+        "fp32 F.linear": lambda: torch.nn.functional.linear(x, w),
+        "fp32 oneDNN prepacked": lambda: packed(x),
+        "bf16 F.linear": lambda: torch.nn.functional.linear(xb, wb),
+    }
     with torch.inference_mode():
-        return {name: _best_seconds(lambda f=f: [f() for _ in range(10)], repeats, dev) / 10
-                for name, f in calls.items()}
+        return {
+            name: _best_seconds(lambda f=f: [f() for _ in range(10)], repeats, dev) / 10 for name, f in calls.items()
+        }
 
 
 def _untimed_products(model: torch.nn.Module) -> list[str]:
     """Modules that run a matrix product in a step but are not plain ``nn.Linear`` (transformers' ``Conv1D``, LoRA or
     quantized subclasses of Linear): a floor that left them out would be too low."""
     plain = {id(m) for m in plain_linears(model)}
-    return sorted({type(m).__name__ for m in model.modules()
-                   if (isinstance(m, torch.nn.Linear) and id(m) not in plain) or type(m).__name__ == "Conv1D"})
+    return sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if (isinstance(m, torch.nn.Linear) and id(m) not in plain) or type(m).__name__ == "Conv1D"
+        }
+    )
 
 
 def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) -> tuple:
@@ -121,8 +132,10 @@ def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) ->
     ``nn.Linear`` layers (its floor would be too low)."""
     untimed = _untimed_products(model)
     if untimed:
-        raise ValueError(f"it runs matrix products in modules this floor does not time ({', '.join(untimed)}): only "
-                         f"plain torch.nn.Linear layers are timed, so its floor would be too low")
+        raise ValueError(
+            f"it runs matrix products in modules this floor does not time ({', '.join(untimed)}): only "
+            f"plain torch.nn.Linear layers are timed, so its floor would be too low"
+        )
     cfg = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
     layers = plain_linears(model)  # the layers the engine's CPU layout runs as products against transposed copies
@@ -133,21 +146,31 @@ def step_parts(model: torch.nn.Module, rows: int, columns: int, context: int) ->
     kv = [torch.ones(rows, heads, context + 1, head_dim, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
     if dtype.itemsize == 2 and head_dim % 2 == 0:
         kv = [t.view(torch.float32) for t in kv]
-    info = {"linear_layers": len(layers), "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-            "kv_bytes": sum(t[:, :, :columns].numel() * t.element_size() for t in kv)}
-    return (lambda: [torch.mm(inputs[w.shape[0]], w) for w in weights],
-            lambda: [t[:, :, :columns].sum() for t in kv], info)
+    info = {
+        "linear_layers": len(layers),
+        "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "kv_bytes": sum(t[:, :, :columns].numel() * t.element_size() for t in kv),
+    }
+    return (
+        lambda: [torch.mm(inputs[w.shape[0]], w) for w in weights],
+        lambda: [t[:, :, :columns].sum() for t in kv],
+        info,
+    )
 
 
-def step_parts_seconds(model: torch.nn.Module, rows: int, columns: int, context: int,
-                       repeats: int = 5) -> dict[str, float]:
+def step_parts_seconds(
+    model: torch.nn.Module, rows: int, columns: int, context: int, repeats: int = 5
+) -> dict[str, float]:
     """:func:`step_parts` timed alone on the CPU (best of ``repeats`` after a warm-up): seconds of ``products`` and of
     ``kv_read``, with the layer count and the bytes each reads."""
     products, kv_read, info = step_parts(model, rows, columns, context)
     dev = torch.device("cpu")
     with torch.inference_mode():
-        return {"products": _best_seconds(products, repeats, dev), "kv_read": _best_seconds(kv_read, repeats, dev),
-                **info}
+        return {
+            "products": _best_seconds(products, repeats, dev),
+            "kv_read": _best_seconds(kv_read, repeats, dev),
+            **info,
+        }
 
 
 def _step_floor(args: argparse.Namespace) -> dict:
@@ -170,30 +193,55 @@ def _step_floor(args: argparse.Namespace) -> dict:
     except ValueError as err:
         raise SystemExit(f"{args.step}: {err}") from None
     floor = t["products"] + t["kv_read"]
-    print(f"Decode step of {args.step}: {args.rows} rows, {args.columns} of {args.context} columns, {args.dtype}, "
-          f"{args.threads} threads\n")
+    print(
+        f"Decode step of {args.step}: {args.rows} rows, {args.columns} of {args.context} columns, {args.dtype}, "
+        f"{args.threads} threads\n"
+    )
     print("| part | ms | bytes read |\n|---|---|---|")
-    print(f"| matrix products ({t['linear_layers']} linear layers, transposed copies) | {t['products'] * 1e3:.1f} | "
-          f"{t['weight_bytes'] / 1e6:.0f} MB of weights |")
+    print(
+        f"| matrix products ({t['linear_layers']} linear layers, transposed copies) | {t['products'] * 1e3:.1f} | "
+        f"{t['weight_bytes'] / 1e6:.0f} MB of weights |"
+    )
     print(f"| reading the attended KV cache | {t['kv_read'] * 1e3:.1f} | {t['kv_bytes'] / 1e6:.0f} MB |")
     print(f"| both (everything else free) | {floor * 1e3:.1f} | at most {args.rows / floor:.0f} tok/s |\n", flush=True)
-    return {"step": args.step, "rows": args.rows, "columns": args.columns, "context": args.context,
-            "dtype": args.dtype, **t, "floor_tok_s": args.rows / floor}
+    return {
+        "step": args.step,
+        "rows": args.rows,
+        "columns": args.columns,
+        "context": args.context,
+        "dtype": args.dtype,
+        **t,
+        "floor_tok_s": args.rows / floor,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description="The machine's GEMM and bandwidth probes, and a decode step's matrix "
-                                             "products by every CPU route")
-    ap.add_argument("--linear", nargs="+", metavar="ROWSxINxOUT",
-                    help="products to time by every route (default 32x576x1536 when --step is not given)")
-    ap.add_argument("--step", metavar="MODEL", help="a model (name or folder) whose decode step's unskippable parts "
-                                                    "to time: all its matrix products and one read of the KV cache")
+    ap = argparse.ArgumentParser(
+        description="The machine's GEMM and bandwidth probes, and a decode step's matrix products by every CPU route"
+    )
+    ap.add_argument(
+        "--linear",
+        nargs="+",
+        metavar="ROWSxINxOUT",
+        help="products to time by every route (default 32x576x1536 when --step is not given)",
+    )
+    ap.add_argument(
+        "--step",
+        metavar="MODEL",
+        help="a model (name or folder) whose decode step's unskippable parts "
+        "to time: all its matrix products and one read of the KV cache",
+    )
     ap.add_argument("--rows", type=int, default=32, help="with --step: rows (requests) per step")
     ap.add_argument("--columns", type=int, default=144, help="with --step: KV columns a step attends")
-    ap.add_argument("--context", type=int, default=512, help="with --step: columns each slot buffer holds (the "
-                                                             "engine's static_cache_tokens; at least --columns)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --step: the weights' "
-                                                                                          "dtype")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=512,
+        help="with --step: columns each slot buffer holds (the engine's static_cache_tokens; at least --columns)",
+    )
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="with --step: the weights' dtype"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if min(args.rows, args.columns, args.threads) < 1:
@@ -214,8 +262,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _linear_table(shapes: list[tuple[int, int, int]], threads: int) -> list[dict]:
     """``--linear``: the machine's probes, then each product by every route."""
     machine = probe()
-    print(f"Machine ({threads} threads): float32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
-          f"{machine['stream_gbs']:.1f} GB/s\n")
+    print(
+        f"Machine ({threads} threads): float32 GEMM {machine['gemm_gflops']:.0f} GFLOP/s, streaming read "
+        f"{machine['stream_gbs']:.1f} GB/s\n"
+    )
     print("| rows x in x out | " + " | ".join(f"{r} ms" for r in ROUTES) + " | bf16 / best fp32 |")
     print("|---|" + "---|" * (len(ROUTES) + 1))
     rows = []
@@ -223,8 +273,12 @@ def _linear_table(shapes: list[tuple[int, int, int]], threads: int) -> list[dict
         t = linear_seconds(n, d_in, d_out)
         best32 = min(v for k, v in t.items() if k.startswith("fp32"))
         rows.append({"shape": [n, d_in, d_out], **t})
-        print(f"| {n} x {d_in} x {d_out} | " + " | ".join(f"{t[r] * 1e3:.3f}" for r in ROUTES)
-              + f" | {best32 / t['bf16 F.linear']:.2f}x faster |", flush=True)
+        print(
+            f"| {n} x {d_in} x {d_out} | "
+            + " | ".join(f"{t[r] * 1e3:.3f}" for r in ROUTES)
+            + f" | {best32 / t['bf16 F.linear']:.2f}x faster |",
+            flush=True,
+        )
     return rows
 
 

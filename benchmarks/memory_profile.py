@@ -29,7 +29,7 @@ LEARNER_DEFAULT_MICRO_BATCH = 8192  # LearnerConfig.micro_batch_tokens
 
 
 def peak_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,10 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
     ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
-    ap.add_argument("--release-before-update", action="store_true",
-                    help="rl: gc + malloc_trim (arpo_algo.run.quickstart.release_memory) before each update")
-    ap.add_argument("--keep-engine-caches", action="store_true",
-                    help="rl: keep the engine's transposed weight copies during the update (before engine.sleep())")
+    ap.add_argument(
+        "--release-before-update",
+        action="store_true",
+        help="rl: gc + malloc_trim (arpo_algo.run.quickstart.release_memory) before each update",
+    )
+    ap.add_argument(
+        "--keep-engine-caches",
+        action="store_true",
+        help="rl: keep the engine's transposed weight copies during the update (before engine.sleep())",
+    )
     ap.add_argument("--stage", choices=("rl", "sft"), default="rl")
     ap.add_argument("--batch-size", type=int, default=None, help="sft: sequences per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=None, help="sft: micro-batches per optimizer step")
@@ -65,17 +71,27 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
-    learner = Learner(args.model, LearnerConfig(lr=5e-5, micro_batch_tokens=args.micro_batch_tokens,
-                                                  gradient_checkpointing=args.gradient_checkpointing,
-                                                  head_chunk_tokens=args.head_chunk_tokens), seed=0)
+    learner = Learner(
+        args.model,
+        LearnerConfig(
+            lr=5e-5,
+            micro_batch_tokens=args.micro_batch_tokens,
+            gradient_checkpointing=args.gradient_checkpointing,
+            head_chunk_tokens=args.head_chunk_tokens,
+        ),
+        seed=0,
+    )
     rows.append(("learner loaded (fp32 weights + AdamW, no state yet)", peak_gb()))
     engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=16)
     rows.append(("HFEngine on the learner's module (transposed weight copies on CPU)", peak_gb()))
     rng = random.Random(0)
     vocab = learner.tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
-    reqs = [GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=i * 100 + j))
-            for i in range(args.prompts) for j in range(args.budget)]
+    reqs = [
+        GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=i * 100 + j))
+        for i in range(args.prompts)
+        for j in range(args.budget)
+    ]
     gens = engine.generate(reqs)
     rows.append((f"generated {len(reqs)} x {args.tokens} tokens (KV cache kept for reuse)", peak_gb()))
     groups = []
@@ -101,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("a second update", peak_gb()))
     for name, gb in rows:
         print(f"{gb:6.2f} GB  {name}")
-    print(json.dumps({"peak_gb": rows[-1][1], "unique_tokens": m[LK.UNIQUE_TOKENS], "time_s": time.time() - t0,
-                      "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
-                      "torch_threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "peak_gb": rows[-1][1],
+                "unique_tokens": m[LK.UNIQUE_TOKENS],
+                "time_s": time.time() - t0,
+                "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
     return 0
 
 
@@ -117,8 +141,12 @@ def profile_sft(args: argparse.Namespace) -> int:
 
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
-    flags = {"batch_size": args.batch_size, "grad_accum": args.grad_accum, "rows_per_forward": args.rows_per_forward,
-             "gradient_checkpointing": args.gradient_checkpointing or None}
+    flags = {
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "rows_per_forward": args.rows_per_forward,
+        "gradient_checkpointing": args.gradient_checkpointing or None,
+    }
     settings = {**SFT_SETTINGS, **{k: v for k, v in flags.items() if v is not None}}
     cfg = SFTConfig(model=args.model, progress=False, tensorboard=False, **settings)
     cfg.validate()
@@ -127,8 +155,8 @@ def profile_sft(args: argparse.Namespace) -> int:
     data, _ = build_dataset(tokenizer, load_examples(cfg), cfg.max_seq_len, cfg.truncation)
     opt, _ = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule="constant")
     rows.append(("model loaded, AdamW built (no state yet)", peak_gb()))
-    longest = sorted(data, key=lambda r: len(r[0]), reverse=True)[:cfg.batch_size * cfg.grad_accum]
-    micro = [longest[k:k + cfg.batch_size] for k in range(0, len(longest), cfg.batch_size)]
+    longest = sorted(data, key=lambda r: len(r[0]), reverse=True)[: cfg.batch_size * cfg.grad_accum]
+    micro = [longest[k : k + cfg.batch_size] for k in range(0, len(longest), cfg.batch_size)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.train()
     first: dict[str, float] = {}
@@ -138,15 +166,26 @@ def profile_sft(args: argparse.Namespace) -> int:
         first = first or {"loss": loss, "grad_norm": grad_norm, "tokens": n_tok}
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rows.append((f"SFT step {step} on the {len(longest)} longest rows "
-                     f"(up to {max(len(r[0]) for r in longest)} tokens)", peak_gb()))
+        rows.append(
+            (
+                f"SFT step {step} on the {len(longest)} longest rows (up to {max(len(r[0]) for r in longest)} tokens)",
+                peak_gb(),
+            )
+        )
     for name, gb in rows:
         print(f"{gb:6.2f} GB  {name}")
-    print(json.dumps({"peak_gb": rows[-1][1], "first_step": first, "time_s": round(time.time() - t0, 1),
-                      "settings": {k: getattr(cfg, k) for k in ("batch_size", "grad_accum", "max_seq_len")}
-                      | {"rows_per_forward": cfg.rows_per_forward,
-                         "gradient_checkpointing": cfg.gradient_checkpointing},
-                      "torch_threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "peak_gb": rows[-1][1],
+                "first_step": first,
+                "time_s": round(time.time() - t0, 1),
+                "settings": {k: getattr(cfg, k) for k in ("batch_size", "grad_accum", "max_seq_len")}
+                | {"rows_per_forward": cfg.rows_per_forward, "gradient_checkpointing": cfg.gradient_checkpointing},
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
     return 0
 
 

@@ -41,8 +41,12 @@ def namespace_rule() -> dict:
 
 def personality_rule() -> dict:
     """The rule for the one ``personality`` value that reproducible output sets."""
-    return {"names": ["personality"], "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": ADDR_NO_RANDOMIZE, "op": "SCMP_CMP_EQ"}], "comment": PERSONALITY_COMMENT}
+    return {
+        "names": ["personality"],
+        "action": "SCMP_ACT_ALLOW",
+        "args": [{"index": 0, "value": ADDR_NO_RANDOMIZE, "op": "SCMP_CMP_EQ"}],
+        "comment": PERSONALITY_COMMENT,
+    }
 
 
 def check_default(profile: dict) -> None:
@@ -50,8 +54,9 @@ def check_default(profile: dict) -> None:
     if not isinstance(profile, dict) or profile.get("defaultAction") != "SCMP_ACT_ERRNO":
         raise ValueError("not Docker's default seccomp profile: defaultAction must be SCMP_ACT_ERRNO")
     rules = profile.get("syscalls")
-    if not isinstance(rules, list) or not all(isinstance(r, dict) and isinstance(r.get("names"), list)
-                                              and isinstance(r.get("action"), str) for r in rules):
+    if not isinstance(rules, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("names"), list) and isinstance(r.get("action"), str) for r in rules
+    ):
         raise ValueError("not Docker's default seccomp profile: 'syscalls' must be a list of {names, action} rules")
     if any(r.get("comment") in (RULE_COMMENT, PERSONALITY_COMMENT) for r in rules):
         raise ValueError("the input already holds the arpo rule: give Docker's default, not this script's output")
@@ -86,8 +91,10 @@ def read_default(path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: seccomp_profile.py DOCKER_DEFAULT.json|golang-github-docker-docker-dev_VERSION.deb OUTPUT.json",
-              file=sys.stderr)
+        print(
+            "usage: seccomp_profile.py DOCKER_DEFAULT.json|golang-github-docker-docker-dev_VERSION.deb OUTPUT.json",
+            file=sys.stderr,
+        )
         return 2
     profile = with_namespaces(read_default(argv[0]))
     with open(argv[1], "w", encoding="utf-8") as f:

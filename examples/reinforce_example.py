@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         baseline = 0.9 * baseline + 0.1 * reward
         rewards.append(reward)
         if (episode + 1) % 10 == 0:
-            print(f"episode {episode + 1:4d}  mean reward (last 10) {np.mean(rewards[-10:]):.2f}  "
-                  f"p(tool_then_answer) {probs[-1]:.2f}")
+            print(
+                f"episode {episode + 1:4d}  mean reward (last 10) {np.mean(rewards[-10:]):.2f}  "
+                f"p(tool_then_answer) {probs[-1]:.2f}"
+            )
     env.close()
     final = np.exp(logits - logits.max())
     final /= final.sum()

@@ -76,10 +76,15 @@ def cli_page() -> str:
     from arpo_algo.cli.main import build_parser
 
     parser = build_parser()
-    lines = ["# Command line", "",
-             f"Generated from the argument parsers by `{COMMAND}`; do not edit by hand.", "",
-             "Every command prints errors caused by its input as one line plus a hint and exits with code 2; "
-             "`--verbose` (before the command) adds the traceback.", ""]
+    lines = [
+        "# Command line",
+        "",
+        f"Generated from the argument parsers by `{COMMAND}`; do not edit by hand.",
+        "",
+        "Every command prints errors caused by its input as one line plus a hint and exits with code 2; "
+        "`--verbose` (before the command) adds the traceback.",
+        "",
+    ]
     lines += _parser_section("arpo", parser, 2)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -110,7 +115,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
         if "Attributes:" not in lines:
             continue
         name = None
-        for line in lines[lines.index("Attributes:") + 1:]:
+        for line in lines[lines.index("Attributes:") + 1 :]:
             if line and not line.startswith(" "):
                 break
             stripped = line.strip()
@@ -174,10 +179,21 @@ def settings_rows() -> list[dict[str, Any]]:
     rows = []
     for dotted, tp, default, field in mod.setting_rows():
         owner = _owner(defaults, dotted)
-        variants = {algo.upper(): table[dotted] for algo, table in mod.VARIANT_DEFAULTS.items()
-                    if dotted in table and table[dotted] != default}
-        rows.append({"name": dotted, "type": _type_name(tp), "default": default, "variants": variants,
-                     "allowed": allowed_values(tp, owner, field.name), "doc": setting_doc(field, type(owner))})
+        variants = {
+            algo.upper(): table[dotted]
+            for algo, table in mod.VARIANT_DEFAULTS.items()
+            if dotted in table and table[dotted] != default
+        }
+        rows.append(
+            {
+                "name": dotted,
+                "type": _type_name(tp),
+                "default": default,
+                "variants": variants,
+                "allowed": allowed_values(tp, owner, field.name),
+                "doc": setting_doc(field, type(owner)),
+            }
+        )
     return rows
 
 
@@ -185,22 +201,34 @@ def settings_page() -> str:
     rows = settings_rows()
     missing = [r["name"] for r in rows if not r["doc"]]
     if missing:
-        raise SystemExit(f"settings without a sentence: {', '.join(missing)} (give each a setting(default, doc) "
-                         "or an Attributes: entry in its section's docstring)")
-    lines = ["# Settings", "",
-             f"Generated from the settings registry by `{COMMAND}`; do not edit by hand.", "",
-             "Each setting has one dotted name `section.key`: the key of an experiment file's `[section]` table, "
-             "the `--set section.key=value` override, the sweep knob, the key of a Tune or RLlib config dict, "
-             "`config.update_settings({\"section.key\": value})` and the attribute path `config.settings.section.key`. "
-             "An unknown name fails with the closest valid one. A default in brackets is that algorithm's own "
-             "(GRPO turns the tree sampler off; AEPO follows the released AEPO scripts).", ""]
+        raise SystemExit(
+            f"settings without a sentence: {', '.join(missing)} (give each a setting(default, doc) "
+            "or an Attributes: entry in its section's docstring)"
+        )
+    lines = [
+        "# Settings",
+        "",
+        f"Generated from the settings registry by `{COMMAND}`; do not edit by hand.",
+        "",
+        "Each setting has one dotted name `section.key`: the key of an experiment file's `[section]` table, "
+        "the `--set section.key=value` override, the sweep knob, the key of a Tune or RLlib config dict, "
+        '`config.update_settings({"section.key": value})` and the attribute path `config.settings.section.key`. '
+        "An unknown name fails with the closest valid one. A default in brackets is that algorithm's own "
+        "(GRPO turns the tree sampler off; AEPO follows the released AEPO scripts).",
+        "",
+    ]
     section = None
     for r in rows:
         sec = r["name"].rsplit(".", 1)[0]
         if sec != section:
             section = sec
-            lines += ["", f"## [{sec}]", "", "| setting | type | default | allowed | what it does |",
-                      "|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"## [{sec}]",
+                "",
+                "| setting | type | default | allowed | what it does |",
+                "|---|---|---|---|---|",
+            ]
         allowed = ", ".join(f"`{v}`" for v in r["allowed"]) if r["allowed"] else ""
         default = f"`{r['default']!r}`" + "".join(f" ({algo}: `{v!r}`)" for algo, v in r["variants"].items())
         lines.append(f"| `{r['name']}` | {r['type']} | {default} | {allowed} | {_cell(r['doc'])} |")

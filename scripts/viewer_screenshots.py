@@ -31,8 +31,11 @@ KEY = "screenshot-key-0123456789"
 
 def serve(*folders: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port", str(port)],
-                            env=dict(os.environ, ARPO_API_KEY=KEY), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port", str(port)],
+        env=dict(os.environ, ARPO_API_KEY=KEY),
+        stdout=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -92,8 +95,13 @@ def main() -> None:
             where = branch_after_tool(args.run)
             shoot_node(wd, args.run, where, args.out / "view-trees.png")
         if args.learner:
-            shoot_node(wd, args.learner, longest_tool_node(args.learner), args.out / "view-trees-learner.png",
-                       "learner_logprob")
+            shoot_node(
+                wd,
+                args.learner,
+                longest_tool_node(args.learner),
+                args.out / "view-trees-learner.png",
+                "learner_logprob",
+            )
         if args.compare:
             shoot_compare(wd, args)
     finally:
@@ -107,11 +115,15 @@ def shoot_node(wd: WebDriver, run: Path, where: tuple[int, int, int], out: Path,
     try:
         wd.open("about:blank")
         wd.open(f"{url}/#key={KEY}&it={it}&g={g}&n={n}")
-        wd.wait(f"return document.querySelector('#detail h3') && "
-                f"document.querySelector('#detail h3').textContent === 'node {n}'")
+        wd.wait(
+            f"return document.querySelector('#detail h3') && "
+            f"document.querySelector('#detail h3').textContent === 'node {n}'"
+        )
         if colour:
-            wd.js(f"const c = document.getElementById('colour'); c.value = '{colour}'; "
-                  "c.dispatchEvent(new Event('change'))")
+            wd.js(
+                f"const c = document.getElementById('colour'); c.value = '{colour}'; "
+                "c.dispatchEvent(new Event('change'))"
+            )
         time.sleep(0.5)
         save(wd.screenshot(), out)
     finally:
@@ -124,8 +136,12 @@ def longest_tool_node(folder: Path) -> tuple[int, int, int]:
     reader = TreeReader(folder)
     reader.refresh()
     it = max(reader.iterations)
-    cands = [(n["end"] - n["start"], g, n["id"]) for g in range(len(reader.iterations[it]["groups"]))
-             for n in reader.group(it, g)["nodes"] if any(r[0] == "tool" for r in n["text"])]
+    cands = [
+        (n["end"] - n["start"], g, n["id"])
+        for g in range(len(reader.iterations[it]["groups"]))
+        for n in reader.group(it, g)["nodes"]
+        if any(r[0] == "tool" for r in n["text"])
+    ]
     _, g, n = max(cands)
     return it, g, n
 

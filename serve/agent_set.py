@@ -63,9 +63,11 @@ class AgentSet:
             adapters = [s for s in (specs or self.specs) if s.base and s.fingerprint == spec.fingerprint]
             self.shared = SharedBase(spec.base, spec.fingerprint, spec.engine_settings, spec.engine, adapters)
         elif spec.base and spec.fingerprint != self.shared.fingerprint:
-            raise ConfigError(f"agent {spec.name!r} is an adapter of the base {spec.fingerprint[:12]}..., but this "
-                              f"replica's adapters run on the base {self.shared.fingerprint[:12]}...",
-                              hint="serve adapters of another base in their own deployment")
+            raise ConfigError(
+                f"agent {spec.name!r} is an adapter of the base {spec.fingerprint[:12]}..., but this "
+                f"replica's adapters run on the base {self.shared.fingerprint[:12]}...",
+                hint="serve adapters of another base in their own deployment",
+            )
         return self.shared.add(spec)
 
     def apply(self, specs: list[AgentSpec]) -> None:

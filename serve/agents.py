@@ -73,8 +73,10 @@ def resolve_source(source: str) -> tuple[str, Path]:
         folder, default = resolve_model_path(path_text), path_text  # raises naming the model
     name = name or default
     if not _NAME.match(name):
-        raise ConfigError(f"agent name {name!r} is not usable as a model name (letters, digits, . _ : - only)",
-                          hint="give one explicitly: NAME=PATH")
+        raise ConfigError(
+            f"agent name {name!r} is not usable as a model name (letters, digits, . _ : - only)",
+            hint="give one explicitly: NAME=PATH",
+        )
     return name, Path(folder)
 
 
@@ -94,11 +96,19 @@ def parse_tools(text: str | None) -> dict[str, Any] | None:
     return {name.strip(): {} for name in text.split(",") if name.strip()}
 
 
-def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool_calls: int | None = None,
-                engine: str = "hf", system_prompt: str | None = None, protocol: str | None = None,
-                max_tokens: int = 512, engine_settings: dict[str, Any] | None = None,
-                allow_unisolated_python: bool = False,
-                max_tokens_limit: int = MAX_TOKENS_LIMIT) -> list[AgentSpec]:
+def build_specs(
+    sources: list[str],
+    *,
+    tools: str | dict | None = None,
+    max_tool_calls: int | None = None,
+    engine: str = "hf",
+    system_prompt: str | None = None,
+    protocol: str | None = None,
+    max_tokens: int = 512,
+    engine_settings: dict[str, Any] | None = None,
+    allow_unisolated_python: bool = False,
+    max_tokens_limit: int = MAX_TOKENS_LIMIT,
+) -> list[AgentSpec]:
     """Specs for every source (the same tools and limits for each); names must be unique.
 
     A server-side Python tool must reach the sandbox's minimum isolation (no network, not the server's own user): it
@@ -114,23 +124,29 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > max_tokens_limit:
-        raise ConfigError(f"the default max_tokens ({max_tokens}) exceeds the ceiling max_tokens_limit "
-                          f"({max_tokens_limit})", hint="raise --max-tokens-limit or lower --max-tokens")
+        raise ConfigError(
+            f"the default max_tokens ({max_tokens}) exceeds the ceiling max_tokens_limit ({max_tokens_limit})",
+            hint="raise --max-tokens-limit or lower --max-tokens",
+        )
     session: dict[str, Any] = {}
     tool_spec = parse_tools(tools) if isinstance(tools, str) or tools is None else dict(tools)
-    for key, value in (("tools", tool_spec), ("max_tool_calls", max_tool_calls), ("system_prompt", system_prompt),
-                       ("protocol", protocol)):
+    for key, value in (
+        ("tools", tool_spec),
+        ("max_tool_calls", max_tool_calls),
+        ("system_prompt", system_prompt),
+        ("protocol", protocol),
+    ):
         if value is not None:
             session[key] = value
     tools_now = session.get("tools", {"python": {}})
     if isinstance(tools_now, dict) and "python" in tools_now:
         from arpo_env.tools.isolation_checks import require_python_isolation
 
-        record = require_python_isolation(tools_now["python"], allow_unisolated_python=allow_unisolated_python,
-                                          context="serve")
+        record = require_python_isolation(
+            tools_now["python"], allow_unisolated_python=allow_unisolated_python, context="serve"
+        )
         if allow_unisolated_python and not record["meets_minimum"]:
-            session["tools"] = {**tools_now, "python": {**(tools_now["python"] or {}),
-                                                         "allow_unisolated_python": True}}
+            session["tools"] = {**tools_now, "python": {**(tools_now["python"] or {}), "allow_unisolated_python": True}}
     _check_session(session)
     specs, seen = [], set()
     for src in sources:
@@ -144,9 +160,20 @@ def build_specs(sources: list[str], *, tools: str | dict | None = None, max_tool
         base, fingerprint = weights_identity(folder)
         if base and engine == "vllm":
             check_vllm_rank(name, folder)
-        specs.append(AgentSpec(name=name, model_path=str(folder), source=src, engine=engine,
-                               engine_settings=dict(engine_settings or {}), session=own, max_tokens=max_tokens,
-                               max_tokens_limit=max_tokens_limit, base=base, fingerprint=fingerprint))
+        specs.append(
+            AgentSpec(
+                name=name,
+                model_path=str(folder),
+                source=src,
+                engine=engine,
+                engine_settings=dict(engine_settings or {}),
+                session=own,
+                max_tokens=max_tokens,
+                max_tokens_limit=max_tokens_limit,
+                base=base,
+                fingerprint=fingerprint,
+            )
+        )
     check_one_base(specs)
     return specs
 
@@ -160,9 +187,10 @@ def check_vllm_rank(name: str, folder: Path) -> int:
     try:
         vllm_lora_rank(rank)
     except ConfigError as e:
-        raise ConfigError(f"agent {name!r}: {e.message}",
-                          hint="serve it with --engine hf, or merge it first (arpo export --merge) and serve the "
-                               "merged folder") from None
+        raise ConfigError(
+            f"agent {name!r}: {e.message}",
+            hint="serve it with --engine hf, or merge it first (arpo export --merge) and serve the merged folder",
+        ) from None
     return rank
 
 
@@ -198,11 +226,13 @@ def check_one_base(specs: list[AgentSpec]) -> None:
             by_base.setdefault(s.fingerprint, []).append(s.name)
     if len(by_base) > 1:
         (fa, na), (fb, nb) = list(by_base.items())[:2]
-        raise ConfigError(f"the LoRA adapters given were trained on different base models: {', '.join(na)} on "
-                          f"{fa[:12]}..., {', '.join(nb)} on {fb[:12]}... (weights fingerprints); one replica "
-                          "serves adapters of one base",
-                          hint="serve each base's adapters in their own deployment, or merge the odd ones "
-                               "(arpo export --merge) and serve them as full-weight agents")
+        raise ConfigError(
+            f"the LoRA adapters given were trained on different base models: {', '.join(na)} on "
+            f"{fa[:12]}..., {', '.join(nb)} on {fb[:12]}... (weights fingerprints); one replica "
+            "serves adapters of one base",
+            hint="serve each base's adapters in their own deployment, or merge the odd ones "
+            "(arpo export --merge) and serve them as full-weight agents",
+        )
 
 
 #: Session settings a trained policy's environment decides unless the command line does (one list with the writer's).
@@ -237,27 +267,40 @@ def trained_session(folder: Path, given: dict[str, Any]) -> dict[str, Any]:
     from arpo_env.session import SESSION_DEFAULTS
 
     protocol = given.get("protocol", SESSION_DEFAULTS["protocol"])
-    generic = {"system_prompt": f"the generic prompt of the {protocol!r} protocol",
-               "max_tool_calls": f"max_tool_calls {SESSION_DEFAULTS['max_tool_calls']}",
-               "protocol": f"protocol {protocol!r}"}
-    log.warning("%s records no training environment (no %s: not a policy folder arpo train wrote): serving it "
-                "with %s. If it was trained with other settings, pass %s", folder, POLICY_ENV_FILE,
-                ", ".join(generic[k] for k in missing),
-                ", ".join(f"--{k.replace('_', '-')}" for k in missing))
+    generic = {
+        "system_prompt": f"the generic prompt of the {protocol!r} protocol",
+        "max_tool_calls": f"max_tool_calls {SESSION_DEFAULTS['max_tool_calls']}",
+        "protocol": f"protocol {protocol!r}",
+    }
+    log.warning(
+        "%s records no training environment (no %s: not a policy folder arpo train wrote): serving it "
+        "with %s. If it was trained with other settings, pass %s",
+        folder,
+        POLICY_ENV_FILE,
+        ", ".join(generic[k] for k in missing),
+        ", ".join(f"--{k.replace('_', '-')}" for k in missing),
+    )
     return {}
 
 
-def _trained_defaults(folder: Path, trained: dict[str, Any], given: dict[str, Any],
-                      missing: list[str]) -> dict[str, Any]:
+def _trained_defaults(
+    folder: Path, trained: dict[str, Any], given: dict[str, Any], missing: list[str]
+) -> dict[str, Any]:
     """The trained values of the ``missing`` keys, but never a training prompt under another protocol than the one it
     was written for (it describes that protocol's tool format): that protocol's generic prompt instead, said once."""
     out = {k: trained[k] for k in missing if k in trained}
     if "system_prompt" in out and "protocol" in given and given["protocol"] != trained.get("protocol"):
         del out["system_prompt"]
-        log.warning("%s was trained with protocol %r and is served with --protocol %r: its training system prompt "
-                    "describes the %r format, so it gets the generic prompt of the %r protocol. Pass "
-                    "--system-prompt to choose one", folder, trained.get("protocol"), given["protocol"],
-                    trained.get("protocol"), given["protocol"])
+        log.warning(
+            "%s was trained with protocol %r and is served with --protocol %r: its training system prompt "
+            "describes the %r format, so it gets the generic prompt of the %r protocol. Pass "
+            "--system-prompt to choose one",
+            folder,
+            trained.get("protocol"),
+            given["protocol"],
+            trained.get("protocol"),
+            given["protocol"],
+        )
     return out
 
 
@@ -278,9 +321,11 @@ def check_engine(engine: str, settings: dict[str, Any]) -> None:
     known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in decided)
     for key in settings:
         if key not in known:
-            hint = ("vLLM schedules its own batches; drop max_batch_size with engine='vllm'"
-                    if engine == "vllm" and key == "max_batch_size" else
-                    f"settings of the {engine} engine: {', '.join(known)}")
+            hint = (
+                "vLLM schedules its own batches; drop max_batch_size with engine='vllm'"
+                if engine == "vllm" and key == "max_batch_size"
+                else f"settings of the {engine} engine: {', '.join(known)}"
+            )
             raise ConfigError(f"{key!r} is not a setting of the {engine} engine", hint=hint)
 
 
@@ -305,10 +350,15 @@ def specs_from_args(args: dict[str, Any]) -> list[AgentSpec]:
     if args.get("max_batch_size") is not None:
         engine_settings["max_batch_size"] = int(args["max_batch_size"])
     mtc = args.get("max_tool_calls")
-    return build_specs(list(models or []), tools=args.get("tools"), engine=str(args.get("engine", "hf")),
-                       max_tool_calls=int(mtc) if mtc not in (None, "") else None,
-                       system_prompt=args.get("system_prompt"), protocol=args.get("protocol"),
-                       max_tokens=int(args.get("max_tokens", 512)), engine_settings=engine_settings,
-                       max_tokens_limit=int(args.get("max_tokens_limit", MAX_TOKENS_LIMIT)),
-                       allow_unisolated_python=str(args.get("allow_unisolated_python", False)).lower()
-                       in ("1", "true", "yes"))
+    return build_specs(
+        list(models or []),
+        tools=args.get("tools"),
+        engine=str(args.get("engine", "hf")),
+        max_tool_calls=int(mtc) if mtc not in (None, "") else None,
+        system_prompt=args.get("system_prompt"),
+        protocol=args.get("protocol"),
+        max_tokens=int(args.get("max_tokens", 512)),
+        engine_settings=engine_settings,
+        max_tokens_limit=int(args.get("max_tokens_limit", MAX_TOKENS_LIMIT)),
+        allow_unisolated_python=str(args.get("allow_unisolated_python", False)).lower() in ("1", "true", "yes"),
+    )

@@ -51,12 +51,24 @@ from serve.schema import APIError, parse_chat_request
 
 PAGE = Path(__file__).with_name("static") / "index.html"
 #: Defaults of the deployment (``arpo serve`` and ``build`` arguments override them).
-DEFAULTS = {"num_replicas": 1, "max_ongoing_requests": 16, "max_queued_requests": 32, "retry_after_s": 1.0,
-            "num_cpus": 1.0}
+DEFAULTS = {
+    "num_replicas": 1,
+    "max_ongoing_requests": 16,
+    "max_queued_requests": 32,
+    "retry_after_s": 1.0,
+    "num_cpus": 1.0,
+}
 #: The documented autoscaling config (used with ``autoscale=true`` / ``--autoscale``): one replica per 8 ongoing
 #: requests, between 1 and 4 replicas, scale up after 5 s of load and down after 60 s idle.
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "upscale_delay_s": 5.0,
-               "downscale_delay_s": 60.0, "metrics_interval_s": 2.0, "look_back_period_s": 10.0}
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 8,
+    "upscale_delay_s": 5.0,
+    "downscale_delay_s": 60.0,
+    "metrics_interval_s": 2.0,
+    "look_back_period_s": 10.0,
+}
 #: How long a request past its deadline waits for its cancelled run to stop (its tool process killed, its engine rows
 #: dropped) before the 504 goes out anyway; normally a fraction of a second (the sandbox polls every 0.1 s).
 CANCEL_GRACE_S = 5.0
@@ -83,8 +95,12 @@ class Admission:
 
     async def enter(self) -> None:
         if self.slots.locked() and self.waiting >= self.waiting_limit:
-            raise APIError("the server is overloaded (every slot is busy and the queue is full); retry shortly",
-                           status=503, type="server_error", code="server_overloaded")
+            raise APIError(
+                "the server is overloaded (every slot is busy and the queue is full); retry shortly",
+                status=503,
+                type="server_error",
+                code="server_overloaded",
+            )
         self.waiting += 1
         try:
             await self.slots.acquire()
@@ -102,8 +118,12 @@ def _unavailable(what: str) -> APIError:
 def _internal(e: BaseException, where: str) -> APIError:
     """A server fault as an OpenAI-shaped 500: its type only (messages may name files); the log has the rest."""
     log.error("%s failed", where, exc_info=e)
-    return APIError(f"internal error ({type(e).__name__}) in {where}; the server log has the details", status=500,
-                    type="server_error", code="internal_error")
+    return APIError(
+        f"internal error ({type(e).__name__}) in {where}; the server log has the details",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )
 
 
 async def _stop(cancel: threading.Event, future: asyncio.Future) -> None:
@@ -138,9 +158,14 @@ def load_failure(e: BaseException) -> str:
 class AgentServer:
     """One replica: every agent's engine behind its batching front, and the HTTP routes."""
 
-    def __init__(self, specs: list[dict[str, Any]], max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"],
-                 security: dict[str, Any] | None = None, max_queued_requests: int = DEFAULTS["max_queued_requests"],
-                 retry_after_s: float = DEFAULTS["retry_after_s"]):
+    def __init__(
+        self,
+        specs: list[dict[str, Any]],
+        max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"],
+        security: dict[str, Any] | None = None,
+        max_queued_requests: int = DEFAULTS["max_queued_requests"],
+        retry_after_s: float = DEFAULTS["retry_after_s"],
+    ):
         from serve.metrics import ServeMetrics
 
         refuse_route_prefix()  # before anything is built: a replica under a prefix never serves
@@ -176,6 +201,7 @@ class AgentServer:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's live update (``user_config`` changed, the replica stays): see :meth:`AgentSet.apply`."""
+
         def apply() -> None:
             self.loaded.wait()
             if self.load_error:
@@ -214,12 +240,17 @@ class AgentServer:
 
     def _agent(self, name: str) -> Any:
         if not self.loaded.is_set():
-            raise APIError("the agents are still loading; retry shortly", status=503, type="server_error",
-                           code="loading")
+            raise APIError(
+                "the agents are still loading; retry shortly", status=503, type="server_error", code="loading"
+            )
         if name not in self.agents:
             known = ", ".join(sorted(self.agents)) or "none"
-            raise APIError(f"The model '{name}' does not exist (served: {known})", param="model", status=404,
-                           code="model_not_found")
+            raise APIError(
+                f"The model '{name}' does not exist (served: {known})",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
         agent = self.agents[name]
         if not agent.front.alive():
             raise _unavailable(f"the engine of '{name}' is not running")
@@ -243,10 +274,22 @@ class AgentServer:
     def models(self) -> JSONResponse:
         # Names only: a model's folder is the operator's business, not the client's.
         # The base by its weights fingerprint: which agents share one (adapters of it, or the base itself).
-        data = [{"id": s.name, "object": "model", "created": 0, "owned_by": "arpo",
-                 "arpo": {"engine": s.engine, "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
-                          "loaded": s.name in self.agents, "adapter": bool(s.base),
-                          "base": s.fingerprint or None}} for s in self.set.specs]
+        data = [
+            {
+                "id": s.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "arpo",
+                "arpo": {
+                    "engine": s.engine,
+                    "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
+                    "loaded": s.name in self.agents,
+                    "adapter": bool(s.base),
+                    "base": s.fingerprint or None,
+                },
+            }
+            for s in self.set.specs
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @api.post("/v1/agents")
@@ -257,8 +300,14 @@ class AgentServer:
         from serve.live import ask_owner, parse_change
 
         if self.policy.key is None:
-            return _error(APIError("changing the agents needs a server started with an API key", status=403,
-                                   type="invalid_request_error", code="forbidden"))
+            return _error(
+                APIError(
+                    "changing the agents needs a server started with an API key",
+                    status=403,
+                    type="invalid_request_error",
+                    code="forbidden",
+                )
+            )
         try:
             raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
             change = parse_change(json.loads(raw or b"null"))
@@ -324,9 +373,11 @@ class AgentServer:
         cancel = threading.Event()
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": req.model}
         if req.stream:
-            return StreamingResponse(self._stream(agent, job, cancel, meta, t0, deadline, self.admission.leave),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._stream(agent, job, cancel, meta, t0, deadline, self.admission.leave),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         future = loop.run_in_executor(self.pool, agent.run, job, cancel, None)
         try:
             result = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.0))
@@ -340,22 +391,34 @@ class AgentServer:
             self.metrics.request(model, str(err.status), time.perf_counter() - t0)
             return _error(err)
         self.metrics.finished(model, result, time.perf_counter() - t0)
-        return JSONResponse({**meta, "object": "chat.completion", "system_fingerprint": None,
-                             "choices": result["choices"], "usage": result["usage"]})
+        return JSONResponse(
+            {
+                **meta,
+                "object": "chat.completion",
+                "system_fingerprint": None,
+                "choices": result["choices"],
+                "usage": result["usage"],
+            }
+        )
 
     def _run_error(self, e: BaseException) -> APIError:
         if isinstance(e, asyncio.TimeoutError):
-            return APIError(f"the request took longer than the server's limit of {self.security.request_timeout_s:g} s"
-                            " (tool calls included); ask for fewer tokens or tool calls", status=504,
-                            type="server_error", code="timeout")
+            return APIError(
+                f"the request took longer than the server's limit of {self.security.request_timeout_s:g} s"
+                " (tool calls included); ask for fewer tokens or tool calls",
+                status=504,
+                type="server_error",
+                code="timeout",
+            )
         if isinstance(e, EngineDead):
             return _unavailable("the agent's engine stopped")
         if isinstance(e, APIError):
             return e
         return _internal(e, "the agent's run")
 
-    async def _stream(self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float, deadline: float,
-                      leave: Any):
+    async def _stream(
+        self, agent: Any, job: Any, cancel: threading.Event, meta: dict, t0: float, deadline: float, leave: Any
+    ):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -384,8 +447,9 @@ class AgentServer:
                 elif kind == "done":
                     delta: dict[str, Any] = {"arpo": {"type": "done", **payload["message"].get("arpo", {})}}
                     if payload["message"].get("tool_calls"):
-                        delta["tool_calls"] = [{"index": k, **c} for k, c in
-                                               enumerate(payload["message"]["tool_calls"])]
+                        delta["tool_calls"] = [
+                            {"index": k, **c} for k, c in enumerate(payload["message"]["tool_calls"])
+                        ]
                     yield chunk([{"index": i, "delta": delta, "finish_reason": payload["finish_reason"]}])
             result = future.result()
             if job.include_usage:
@@ -406,11 +470,17 @@ class AgentServer:
                 self.metrics.request(meta["model"], "499", time.perf_counter() - t0)
 
 
-def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int | None = None,
-                       max_queued_requests: int | None = None, retry_after_s: float | None = None,
-                       autoscale: bool = False, num_cpus: float | None = None,
-                       replica_resources: dict[str, float] | None = None,
-                       max_replicas_per_node: int | None = None) -> dict[str, Any]:
+def deployment_options(
+    *,
+    replicas: int | None = None,
+    max_ongoing_requests: int | None = None,
+    max_queued_requests: int | None = None,
+    retry_after_s: float | None = None,
+    autoscale: bool = False,
+    num_cpus: float | None = None,
+    replica_resources: dict[str, float] | None = None,
+    max_replicas_per_node: int | None = None,
+) -> dict[str, Any]:
     """Serve deployment options (``.options(**...)``): Serve's own concurrency and queue bound, set
     :data:`SERVE_HEADROOM` above the replica's :class:`Admission` (``max_ongoing_requests`` running,
     ``max_queued_requests`` waiting), its 503 + Retry-After as the backstop, autoscaling; ``replica_resources``
@@ -419,8 +489,9 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
     opts: dict[str, Any] = {
         "max_ongoing_requests": running + waiting + SERVE_HEADROOM,
         "max_queued_requests": waiting + SERVE_HEADROOM,
-        "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=retry_after_s
-                                                  if retry_after_s is not None else DEFAULTS["retry_after_s"]),
+        "backpressure_config": BackpressureConfig(
+            status_code=503, retry_after_s=retry_after_s if retry_after_s is not None else DEFAULTS["retry_after_s"]
+        ),
         "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None else DEFAULTS["num_cpus"]},
         "health_check_period_s": 10.0,
     }
@@ -440,12 +511,15 @@ def deployment_options(*, replicas: int | None = None, max_ongoing_requests: int
 def check_replica_resources(table: Any) -> dict[str, float]:
     """A replica's custom resources: a table of names to amounts > 0 (CPUs are ``num_cpus``, GPUs the engine's)."""
     if not isinstance(table, dict) or not table:
-        raise ConfigError(f"replica resources must be a non-empty table of custom resources, got {table!r}",
-                          hint='--replica-resources \'{"worker": 1}\'')
+        raise ConfigError(
+            f"replica resources must be a non-empty table of custom resources, got {table!r}",
+            hint="--replica-resources '{\"worker\": 1}'",
+        )
     for key, amount in table.items():
         if key.upper() in ("CPU", "GPU") or key in ("memory", "object_store_memory"):
-            raise ConfigError(f"replica resources: {key!r} is not a custom resource",
-                              hint="CPUs per replica are set by num_cpus")
+            raise ConfigError(
+                f"replica resources: {key!r} is not a custom resource", hint="CPUs per replica are set by num_cpus"
+            )
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
             raise ConfigError(f"replica resources: {key} must be a number > 0, got {amount!r}")
     return {k: float(v) for k, v in table.items()}
@@ -456,13 +530,15 @@ def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int 
     running = max_ongoing_requests or DEFAULTS["max_ongoing_requests"]
     waiting = max_queued_requests if max_queued_requests is not None else DEFAULTS["max_queued_requests"]
     if running < 1 or waiting < 0:
-        raise ConfigError(f"max_ongoing_requests must be >= 1 and max_queued_requests >= 0, got {running} and "
-                          f"{waiting}")
+        raise ConfigError(
+            f"max_ongoing_requests must be >= 1 and max_queued_requests >= 0, got {running} and {waiting}"
+        )
     return running, waiting
 
 
-def build_app(specs: list[AgentSpec], security: Security | None = None, user_config: dict[str, Any] | None = None,
-              **options: Any) -> Any:
+def build_app(
+    specs: list[AgentSpec], security: Security | None = None, user_config: dict[str, Any] | None = None, **options: Any
+) -> Any:
     """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
 
     ``security`` defaults to :class:`serve.guard.Security`'s defaults: loopback ``Host`` names on port 8000 and an
@@ -474,8 +550,13 @@ def build_app(specs: list[AgentSpec], security: Security | None = None, user_con
     opts = deployment_options(**options)
     running, waiting = admission_limits(options.get("max_ongoing_requests"), options.get("max_queued_requests"))
     retry = options.get("retry_after_s")
-    args = ([s.to_dict() for s in specs], running, security.to_dict(), waiting,
-            DEFAULTS["retry_after_s"] if retry is None else retry)
+    args = (
+        [s.to_dict() for s in specs],
+        running,
+        security.to_dict(),
+        waiting,
+        DEFAULTS["retry_after_s"] if retry is None else retry,
+    )
     deployment = AgentServer.options(**opts)
     if user_config is not None:  # the agents served live (reconfigure); ``specs`` are loaded first
         deployment = AgentServer.options(**opts, user_config=user_config)
@@ -497,16 +578,22 @@ def _flag(value: Any) -> bool:
 def security_from_args(args: dict[str, Any]) -> Security:
     """The :class:`Security` of ``serve run`` / config-file arguments. The key itself is never one of them."""
     if "api_key" in args:
-        raise ConfigError("the API key must not be a deployment argument (Serve shows and stores those)",
-                          hint="set ARPO_API_KEY in the environment of the Ray cluster, or name a key_file")
+        raise ConfigError(
+            "the API key must not be a deployment argument (Serve shows and stores those)",
+            hint="set ARPO_API_KEY in the environment of the Ray cluster, or name a key_file",
+        )
     hosts = args.get("allowed_hosts") or []
     if isinstance(hosts, str):
         hosts = [h.strip() for h in hosts.split(",") if h.strip()]
-    sec = Security(key_file=args.get("key_file") or None,
-                   allow_unauthenticated=_flag(args.get("allow_unauthenticated", False)),
-                   allowed_hosts=list(hosts), port=int(args.get("port", 8000)), tls=_flag(args.get("tls", False)),
-                   max_body_bytes=int(args.get("max_body_bytes", MAX_BODY_BYTES)),
-                   request_timeout_s=float(args.get("request_timeout_s", REQUEST_TIMEOUT_S)))
+    sec = Security(
+        key_file=args.get("key_file") or None,
+        allow_unauthenticated=_flag(args.get("allow_unauthenticated", False)),
+        allowed_hosts=list(hosts),
+        port=int(args.get("port", 8000)),
+        tls=_flag(args.get("tls", False)),
+        max_body_bytes=int(args.get("max_body_bytes", MAX_BODY_BYTES)),
+        request_timeout_s=float(args.get("request_timeout_s", REQUEST_TIMEOUT_S)),
+    )
     sec.key()  # fails here, naming the fix, rather than in every replica
     return sec
 
@@ -519,14 +606,29 @@ def build(args: dict[str, Any]) -> Any:
     ``key_file``, ``allow_unauthenticated``, ``allowed_hosts``, ``port``, ``tls``, ``max_body_bytes``,
     ``request_timeout_s`` (docs/security.md).
     """
+
     def num(key: str, cast: Any) -> Any:
         return cast(args[key]) if args.get(key) not in (None, "") else None
 
-    security_keys = {"key_file", "allow_unauthenticated", "allowed_hosts", "port", "tls", "max_body_bytes",
-                     "request_timeout_s", "api_key"}
+    security_keys = {
+        "key_file",
+        "allow_unauthenticated",
+        "allowed_hosts",
+        "port",
+        "tls",
+        "max_body_bytes",
+        "request_timeout_s",
+        "api_key",
+    }
     security = security_from_args(args)
     rest = {k: v for k, v in args.items() if k not in security_keys}
-    return build_app(specs_from_args(rest), security, replicas=num("replicas", int),
-                     max_ongoing_requests=num("max_ongoing_requests", int),
-                     max_queued_requests=num("max_queued_requests", int), retry_after_s=num("retry_after_s", float),
-                     autoscale=_flag(args.get("autoscale", False)), num_cpus=num("num_cpus", float))
+    return build_app(
+        specs_from_args(rest),
+        security,
+        replicas=num("replicas", int),
+        max_ongoing_requests=num("max_ongoing_requests", int),
+        max_queued_requests=num("max_queued_requests", int),
+        retry_after_s=num("retry_after_s", float),
+        autoscale=_flag(args.get("autoscale", False)),
+        num_cpus=num("num_cpus", float),
+    )

@@ -102,8 +102,9 @@ class BatchingEngine:
             raise box["error"]
         return box.get("value")
 
-    def submit(self, requests: list[GenRequest], on_token: Any = None,
-               cancel: threading.Event | None = None) -> list[Generation]:
+    def submit(
+        self, requests: list[GenRequest], on_token: Any = None, cancel: threading.Event | None = None
+    ) -> list[Generation]:
         """Queue ``requests`` for the next round and wait for their results (request ids are kept)."""
         call = _Call(list(requests), on_token, cancel)
         if not call.requests:
@@ -200,13 +201,20 @@ class BatchingEngine:
 
     def _round(self, live: list[_Call]) -> None:
         for c in live:  # explicit seeds: a replayed round must sample the same tokens
-            c.requests = [r if r.params.seed is not None else dataclasses.replace(
-                r, params=dataclasses.replace(r.params, seed=random.getrandbits(63))) for r in c.requests]
+            c.requests = [
+                r
+                if r.params.seed is not None
+                else dataclasses.replace(r, params=dataclasses.replace(r.params, seed=random.getrandbits(63)))
+                for r in c.requests
+            ]
         streamed: dict[tuple[int, int], int] = {}  # (call, request) -> tokens already handed to its on_token
         t0 = time.perf_counter()
         while live:
-            flat = [dataclasses.replace(r, request_id=(ci, j)) for ci, c in enumerate(live)
-                    for j, r in enumerate(c.requests)]
+            flat = [
+                dataclasses.replace(r, request_id=(ci, j))
+                for ci, c in enumerate(live)
+                for j, r in enumerate(c.requests)
+            ]
             seen: dict[tuple[int, int], int] = {}
 
             def on_token(rid: Any, token: int, live: list[_Call] = live, seen: dict = seen) -> None:

@@ -57,8 +57,10 @@ def read_key(key_file: str | None) -> str | None:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
         except OSError as e:
-            raise ConfigError(f"cannot read the API key file: {e.strerror}",
-                              hint="give a readable file holding the key (or set ARPO_API_KEY)") from None
+            raise ConfigError(
+                f"cannot read the API key file: {e.strerror}",
+                hint="give a readable file holding the key (or set ARPO_API_KEY)",
+            ) from None
         if not key:
             raise ConfigError("the API key file is empty", hint="write the key into it (one line)")
         return key
@@ -96,9 +98,11 @@ class Security:
         """The key this deployment enforces; raises :class:`ConfigError` when one is required and none is set."""
         key = read_key(self.key_file)
         if key is None and not self.allow_unauthenticated and self.checks:
-            raise ConfigError("no API key: set ARPO_API_KEY (or name a key file) before starting the server",
-                              hint="`export ARPO_API_KEY=$(openssl rand -hex 32)`; or, on a trusted machine only, "
-                                   "allow_unauthenticated: true")
+            raise ConfigError(
+                "no API key: set ARPO_API_KEY (or name a key file) before starting the server",
+                hint="`export ARPO_API_KEY=$(openssl rand -hex 32)`; or, on a trusted machine only, "
+                "allow_unauthenticated: true",
+            )
         return key
 
     def hosts(self) -> frozenset[str]:
@@ -120,13 +124,15 @@ class Security:
 def page_csp(html: str) -> str:
     """A Content-Security-Policy for the chat page: its own inline script and style (by hash) and same-origin
     fetches only; nothing may frame it."""
+
     def hashes(tag: str) -> str:
         blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
-                        for b in blocks)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
 
-    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-            "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return (
+        f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
 
 
 #: Routes reachable without the key: the chat page (it asks for the key itself) and the liveness probe.
@@ -151,8 +157,9 @@ class Refusal(Exception):
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
 
     def body(self) -> bytes:
-        return json.dumps({"error": {"message": self.message, "type": "invalid_request_error", "param": None,
-                                     "code": self.code}}).encode()
+        return json.dumps(
+            {"error": {"message": self.message, "type": "invalid_request_error", "param": None, "code": self.code}}
+        ).encode()
 
 
 class Policy:
@@ -177,31 +184,50 @@ class Policy:
     def check(self, method: str, path: str, headers: dict[str, str], root_path: str = "") -> None:
         """Raise :class:`Refusal` for a request that must not reach a route (``path``: the routed path)."""
         if root_path:
-            raise Refusal(500, "this application is served only at the root: deploy it with route_prefix '/' (a "
-                               f"prefix such as {root_path!r} is refused)", "route_prefix_refused")
+            raise Refusal(
+                500,
+                "this application is served only at the root: deploy it with route_prefix '/' (a "
+                f"prefix such as {root_path!r} is refused)",
+                "route_prefix_refused",
+            )
         host = headers.get("host", "").lower()
         if host not in self.hosts:
             # The accepted names are not listed: a rebinding page can read this answer.
-            raise Refusal(403, f"Host {host!r} is not served here: use localhost, 127.0.0.1 or a name the server "
-                               "allows (arpo serve --allowed-hosts)", "host_not_allowed")
+            raise Refusal(
+                403,
+                f"Host {host!r} is not served here: use localhost, 127.0.0.1 or a name the server "
+                "allows (arpo serve --allowed-hosts)",
+                "host_not_allowed",
+            )
         origin = headers.get("origin")
         if origin is not None and origin.lower() != f"{self.scheme}://{host}":
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
         if path not in self.open_paths and not self.authorized(headers):
-            raise Refusal(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
-                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            raise Refusal(
+                401,
+                "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
         if method == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json":
-                raise Refusal(415, f"the request body must be application/json, got {ctype or 'no Content-Type'!r}",
-                              "unsupported_media_type")
+                raise Refusal(
+                    415,
+                    f"the request body must be application/json, got {ctype or 'no Content-Type'!r}",
+                    "unsupported_media_type",
+                )
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
                 raise self.too_large()
 
     def too_slow(self) -> Refusal:
-        return Refusal(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", "request_timeout",
-                       {"Connection": "close"})
+        return Refusal(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+            "request_timeout",
+            {"Connection": "close"},
+        )
 
     def too_large(self) -> Refusal:
         return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large")
@@ -251,9 +277,17 @@ class Guard:
                 started = True
                 present = {k.lower() for k, _ in message.get("headers", [])}
                 extra = dict(COMMON_HEADERS, **{"Content-Security-Policy": API_CSP})
-                message = dict(message, headers=[*message.get("headers", []),
-                                                 *((k.lower().encode(), v.encode()) for k, v in extra.items()
-                                                   if k.lower().encode() not in present)])
+                message = dict(
+                    message,
+                    headers=[
+                        *message.get("headers", []),
+                        *(
+                            (k.lower().encode(), v.encode())
+                            for k, v in extra.items()
+                            if k.lower().encode() not in present
+                        ),
+                    ],
+                )
             await send(message)
 
         if not policy.enabled:
@@ -302,8 +336,11 @@ async def _refuse(policy: Policy, send: Any, r: Refusal) -> None:
 
 async def _send_refusal(send: Any, r: Refusal) -> None:
     body = r.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *((k.lower().encode(), v.encode()) for k, v in r.headers.items())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in r.headers.items()),
+    ]
     await send({"type": "http.response.start", "status": r.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -321,6 +358,7 @@ def refuse_route_prefix() -> None:
     details = _get_global_client().get_serve_details()
     prefix = ((details.get("applications") or {}).get(app) or {}).get("route_prefix")
     if prefix not in (None, "/"):
-        raise ConfigError(f"the arpo application {app!r} is deployed with route_prefix {prefix!r}: it is served only "
-                          "at the root", hint="set route_prefix: / in the Serve config (one arpo application per "
-                                              "Serve instance)")
+        raise ConfigError(
+            f"the arpo application {app!r} is deployed with route_prefix {prefix!r}: it is served only at the root",
+            hint="set route_prefix: / in the Serve config (one arpo application per Serve instance)",
+        )

@@ -69,8 +69,10 @@ def ask_owner(change: dict[str, list[str]]) -> dict:
     try:
         box = ray.get_actor(MAILBOX, namespace=NAMESPACE)
     except ValueError:
-        raise ConfigError("this deployment was not started by arpo serve, so nothing here can redeploy it",
-                          hint="with serve deploy, list the agents in the deployment's user_config") from None
+        raise ConfigError(
+            "this deployment was not started by arpo serve, so nothing here can redeploy it",
+            hint="with serve deploy, list the agents in the deployment's user_config",
+        ) from None
     i = ray.get(box.submit.remote(change))
     deadline = time.monotonic() + ANSWER_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -90,8 +92,9 @@ class Owner:
         deploy: ``deploy(specs)`` redeploys the application with these agents in its ``user_config``.
     """
 
-    def __init__(self, specs: list[Any], resolve: Callable[[list[str]], list[Any]],
-                 deploy: Callable[[list[Any]], None]) -> None:
+    def __init__(
+        self, specs: list[Any], resolve: Callable[[list[str]], list[Any]], deploy: Callable[[list[Any]], None]
+    ) -> None:
         self.specs, self.resolve, self.deploy = list(specs), resolve, deploy
         # On this process's own node, not soft: the mailbox lives exactly as long as its owner can read it, so a
         # lost worker node cannot take it (and with it this process and the whole deployment) down.

@@ -27,14 +27,21 @@ class ServeMetrics:
     """The four metrics above; one instance per replica."""
 
     def __init__(self) -> None:
-        self.requests = metrics.Counter("arpo_serve_requests_total", description="finished chat requests",
-                                        tag_keys=("model", "status"))
-        self.tokens = metrics.Counter("arpo_serve_tokens_total", description="prompt and completion tokens",
-                                      tag_keys=("model", "kind"))
-        self.tool_calls = metrics.Counter("arpo_serve_tool_calls_total", description="tool calls",
-                                          tag_keys=("model", "tool", "outcome"))
-        self.latency = metrics.Histogram("arpo_serve_request_latency_s", description="request latency (s)",
-                                         boundaries=LATENCY_BOUNDARIES, tag_keys=("model",))
+        self.requests = metrics.Counter(
+            "arpo_serve_requests_total", description="finished chat requests", tag_keys=("model", "status")
+        )
+        self.tokens = metrics.Counter(
+            "arpo_serve_tokens_total", description="prompt and completion tokens", tag_keys=("model", "kind")
+        )
+        self.tool_calls = metrics.Counter(
+            "arpo_serve_tool_calls_total", description="tool calls", tag_keys=("model", "tool", "outcome")
+        )
+        self.latency = metrics.Histogram(
+            "arpo_serve_request_latency_s",
+            description="request latency (s)",
+            boundaries=LATENCY_BOUNDARIES,
+            tag_keys=("model",),
+        )
 
     def request(self, model: str, status: str, seconds: float) -> None:
         self.requests.inc(1, tags={"model": model, "status": status})

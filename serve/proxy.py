@@ -100,9 +100,17 @@ class LostReplica:
             return
         body = error_body()
         if not state["started"]:
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", self.retry_after.encode()),
-                                    (b"x-content-type-options", b"nosniff")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", self.retry_after.encode()),
+                        (b"x-content-type-options", b"nosniff"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": json.dumps(body).encode()})
         elif state["sse"]:
             await send({"type": "http.response.body", "body": f"data: {json.dumps(body)}\n\n".encode()})
@@ -152,16 +160,25 @@ class Gate:
                 await send({"type": "websocket.close", "code": 1008, "reason": "only HTTP is served here"})
             return
         t0 = time.perf_counter()
-        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
-                                     if not k.lower().startswith(CLIENT_CONTROL_PREFIX)])
+        scope = dict(
+            scope, headers=[(k, v) for k, v in scope["headers"] if not k.lower().startswith(CLIENT_CONTROL_PREFIX)]
+        )
         try:
             headers = single_headers(scope["headers"])
             if self.policy is not None and self.policy.enabled:
                 self.policy.check(scope["method"], route_path(scope), headers, scope.get("root_path", ""))
             body = await asyncio.wait_for(self._body(receive, headers), BODY_TIMEOUT_S)
         except TimeoutError:
-            await self._refuse(send, Refusal(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
-                                             "request_timeout", {"Connection": "close"}), t0)
+            await self._refuse(
+                send,
+                Refusal(
+                    408,
+                    f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                    "request_timeout",
+                    {"Connection": "close"},
+                ),
+                t0,
+            )
             return
         except Refusal as r:
             await self._refuse(send, r, t0)
@@ -199,8 +216,9 @@ class Gate:
     def _too_large(self) -> Any:
         from serve.guard import Refusal
 
-        return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large",
-                       {"Connection": "close"})
+        return Refusal(
+            413, f"the request body exceeds {self.max_body} bytes", "request_too_large", {"Connection": "close"}
+        )
 
     async def _refuse(self, send: Any, r: Any, t0: float) -> None:
         from serve.guard import _send_refusal

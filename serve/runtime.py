@@ -70,15 +70,15 @@ class ServeSession:
     """A ``ToolSession`` plus what a request adds: the client's ``stop`` strings, client-side tool calls and the
     request's ``cancel`` event, under which its tool calls run (set: the sandboxed process is killed at once)."""
 
-    def __init__(self, inner: ToolSession, stop: list[str], client_tools: bool,
-                 cancel: threading.Event | None = None) -> None:
+    def __init__(
+        self, inner: ToolSession, stop: list[str], client_tools: bool, cancel: threading.Event | None = None
+    ) -> None:
         self.inner, self.user_stop, self.client_tools, self.cancel = inner, list(stop), client_tools, cancel
         self.client_call: tuple[str, dict] | None = None
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
-        return tuple(self.inner.stop_sequences) + tuple(s for s in self.user_stop
-                                                        if s not in self.inner.stop_sequences)
+        return tuple(self.inner.stop_sequences) + tuple(s for s in self.user_stop if s not in self.inner.stop_sequences)
 
     def step(self, action: str) -> SessionStep:
         if any(s in action for s in self.user_stop):
@@ -130,11 +130,11 @@ class TextStream:
         self._reset()
 
     def _advance(self, final: bool) -> None:
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        window = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        window = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
         if not final and (window.endswith("\ufffd") or len(window) <= len(before)):
             return  # an incomplete UTF-8 character (or no text yet): wait for the next token
-        self.text += window[len(before):]
+        self.text += window[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         self._push(final)
 
@@ -151,7 +151,7 @@ class TextStream:
             hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             end = len(text) - hold
         if end > self.sent:
-            self.out(text[self.sent:end])
+            self.out(text[self.sent : end])
             self.sent = end
         if self.sent > 4096 + self.longest_stop:  # what was sent is needed only as far back as a stop string reaches
             drop = self.sent - self.longest_stop
@@ -184,15 +184,18 @@ class Agent:
         limit = self.session.config["max_tool_calls"]
         per_choice = limit if req.max_tool_calls is None else min(limit, req.max_tool_calls)
         if req.n * per_choice > MAX_REQUEST_TOOL_CALLS:
-            raise APIError(f"n x tool calls per choice may be at most {MAX_REQUEST_TOOL_CALLS} per request, got "
-                           f"{req.n} x {per_choice}; lower 'n' or 'arpo.max_tool_calls'", param="n")
+            raise APIError(
+                f"n x tool calls per choice may be at most {MAX_REQUEST_TOOL_CALLS} per request, got "
+                f"{req.n} x {per_choice}; lower 'n' or 'arpo.max_tool_calls'",
+                param="n",
+            )
         msgs = req.messages
         if msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": self.session.system_prompt()}, *msgs]
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if not users:
             raise APIError("'messages' must contain a user message", param="messages")
-        head, tail = msgs[: users[-1] + 1], msgs[users[-1] + 1:]
+        head, tail = msgs[: users[-1] + 1], msgs[users[-1] + 1 :]
         ids = prompt_ids(self.tok, [{"role": m["role"], "content": m["content"]} for m in head])
         prior = 0
         for m in tail:  # a client-side tool round: the model's text, then the tool result, as in training
@@ -205,25 +208,41 @@ class Agent:
                 raise APIError(f"a {m['role']} message cannot follow the last user message", param="messages")
         ceiling = self.spec.max_tokens_limit
         if req.max_tokens is not None and req.max_tokens > ceiling:
-            raise APIError(f"'max_tokens' may be at most {ceiling} on this server, got {req.max_tokens}",
-                           param="max_tokens")
+            raise APIError(
+                f"'max_tokens' may be at most {ceiling} on this server, got {req.max_tokens}", param="max_tokens"
+            )
         ctx = self.max_context
         if ctx is not None and len(ids) >= ctx:
-            raise APIError(f"This model's maximum context length is {ctx} tokens; the messages take {len(ids)} "
-                           "tokens", param="messages", code="context_length_exceeded")
+            raise APIError(
+                f"This model's maximum context length is {ctx} tokens; the messages take {len(ids)} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if req.max_tokens is not None and ctx is not None and len(ids) + req.max_tokens > ctx:
-            raise APIError(f"This model's maximum context length is {ctx} tokens; you requested "
-                           f"{len(ids) + req.max_tokens} ({len(ids)} in the messages, {req.max_tokens} in the "
-                           "completion)", param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                f"This model's maximum context length is {ctx} tokens; you requested "
+                f"{len(ids) + req.max_tokens} ({len(ids)} in the messages, {req.max_tokens} in the "
+                "completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         budget = req.max_tokens or self.spec.max_tokens
         if ctx is not None:
             budget = min(budget, ctx - len(ids))
         with self._count:  # until run() ends: a removed agent is freed only once nothing of it runs
             self.running += 1
-        return Job(prompt=ids, n=req.n, max_response_tokens=budget,
-                   sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p), seed=req.seed,
-                   stop=req.stop, client_tools=req.tool_mode == "client", prior_tool_calls=prior,
-                   include_usage=req.include_usage, max_tool_calls=req.max_tool_calls)
+        return Job(
+            prompt=ids,
+            n=req.n,
+            max_response_tokens=budget,
+            sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p),
+            seed=req.seed,
+            stop=req.stop,
+            client_tools=req.tool_mode == "client",
+            prior_tool_calls=prior,
+            include_usage=req.include_usage,
+            max_tool_calls=req.max_tool_calls,
+        )
 
     # -------------------------------------------------------------------------------------------------- running
     def _sessions(self, job: Job, cancel: threading.Event | None = None) -> list[ServeSession]:
@@ -249,8 +268,9 @@ class Agent:
         from arpo_algo.rollout.agent_loop import run_agents
 
         sessions = self._sessions(job, cancel)
-        streams = [TextStream(self.tok, job.stop, functools.partial(emit, "delta", j) if emit else _drop)
-                   for j in range(job.n)]
+        streams = [
+            TextStream(self.tok, job.stop, functools.partial(emit, "delta", j) if emit else _drop) for j in range(job.n)
+        ]
         lock = threading.Lock()
 
         def on_token(i: int, token_id: int) -> None:
@@ -272,9 +292,16 @@ class Agent:
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
         try:
-            traces = run_agents(self.front.view(cancel, self.adapter), sessions, [list(job.prompt)] * job.n,
-                                job.sampling, max_response_tokens=job.max_response_tokens, seeds=seeds,
-                                on_event=on_event if emit else None, on_token=on_token if emit else None)
+            traces = run_agents(
+                self.front.view(cancel, self.adapter),
+                sessions,
+                [list(job.prompt)] * job.n,
+                job.sampling,
+                max_response_tokens=job.max_response_tokens,
+                seeds=seeds,
+                on_event=on_event if emit else None,
+                on_token=on_token if emit else None,
+            )
         finally:  # one persistent interpreter per choice, ended with the request (finished, failed or cancelled)
             for s in sessions:
                 s.inner.close()
@@ -291,9 +318,14 @@ class Agent:
                 emit("done", j, choice)
             choices.append(choice)
         completion = sum(len(t.response_ids) for t in traces)
-        return {"choices": choices, "usage": {"prompt_tokens": len(job.prompt) * job.n,
-                                              "completion_tokens": completion,
-                                              "total_tokens": len(job.prompt) * job.n + completion}}
+        return {
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(job.prompt) * job.n,
+                "completion_tokens": completion,
+                "total_tokens": len(job.prompt) * job.n + completion,
+            },
+        }
 
     def _content(self, trace: Any, job: Job) -> str:
         """The model's own text (tool results left out), cut at a client stop string: what the stream sent."""
@@ -312,14 +344,23 @@ class Agent:
     def _choice(self, j: int, trace: Any, sess: ServeSession, job: Job) -> dict[str, Any]:
         calls = [_jsonable(c) for c in trace.tool_calls]
         finish = "client_tool" if sess.client_call else trace.finish_reason
-        ext: dict[str, Any] = {"finish_reason": finish, "tool_calls": calls,
-                               "trajectory": self.tok.decode(trace.response_ids, skip_special_tokens=True),
-                               "response_ids": list(trace.response_ids), "trained_mask": list(trace.trained_mask)}
+        ext: dict[str, Any] = {
+            "finish_reason": finish,
+            "tool_calls": calls,
+            "trajectory": self.tok.decode(trace.response_ids, skip_special_tokens=True),
+            "response_ids": list(trace.response_ids),
+            "trained_mask": list(trace.trained_mask),
+        }
         message: dict[str, Any] = {"role": "assistant", "content": self._content(trace, job), "arpo": ext}
         if sess.client_call:
             tool, args = sess.client_call
-            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:20]}", "type": "function",
-                                      "function": {"name": tool, "arguments": json.dumps(args)}}]
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:20]}",
+                    "type": "function",
+                    "function": {"name": tool, "arguments": json.dumps(args)},
+                }
+            ]
         return {"index": j, "message": message, "finish_reason": FINISH.get(finish, "stop"), "logprobs": None}
 
 
@@ -335,24 +376,33 @@ class SharedBase:
     Invariant: the adapter names inside the engine are this object's own (``adapter_<n>``, never reused), so an
     agent removed and added again under its old name never meets the removed one's adapter or stored KV."""
 
-    def __init__(self, base: str, fingerprint: str, engine_settings: dict[str, Any], engine: str = "hf",
-                 adapters: list[AgentSpec] | None = None) -> None:
+    def __init__(
+        self,
+        base: str,
+        fingerprint: str,
+        engine_settings: dict[str, Any],
+        engine: str = "hf",
+        adapters: list[AgentSpec] | None = None,
+    ) -> None:
         self.fingerprint = fingerprint
         if engine == "vllm":
             from arpo_algo.models.lora import adapter_settings
             from arpo_algo.rollout.engines.vllm import VLLMEngine
 
             ranks = [adapter_settings(s.model_path)[0].rank for s in adapters or []]
-            self.engine: Any = VLLMEngine(base, adapters={}, max_loras=max(1, len(ranks)),
-                                          max_lora_rank=max(ranks or [1]), **engine_settings)
+            self.engine: Any = VLLMEngine(
+                base, adapters={}, max_loras=max(1, len(ranks)), max_lora_rank=max(ranks or [1]), **engine_settings
+            )
         else:
             from arpo_algo.rollout.engines.hf import HFEngine
 
             self.engine = HFEngine(base, adapters={}, **engine_settings)
         if self.engine.base_fingerprint != fingerprint:
-            raise ConfigError(f"the base model at {base} changed since the agents were resolved (weights "
-                              f"fingerprint {self.engine.base_fingerprint[:12]}..., expected {fingerprint[:12]}...)",
-                              hint="restore the base the adapters were trained on")
+            raise ConfigError(
+                f"the base model at {base} changed since the agents were resolved (weights "
+                f"fingerprint {self.engine.base_fingerprint[:12]}..., expected {fingerprint[:12]}...)",
+                hint="restore the base the adapters were trained on",
+            )
         self.front = BatchingEngine(self.engine)
         self._next = 0
 
@@ -379,9 +429,11 @@ def _same_tokenizer(spec: AgentSpec, tok: Any) -> None:
 
     own = AutoTokenizer.from_pretrained(spec.model_path)
     if own.get_vocab() != tok.get_vocab():
-        raise ConfigError(f"agent {spec.name!r}: its tokenizer differs from its base model's",
-                          hint="an adapter must keep its base's vocabulary; merge it (arpo export --merge) and "
-                               "serve the merged folder as a full-weight agent")
+        raise ConfigError(
+            f"agent {spec.name!r}: its tokenizer differs from its base model's",
+            hint="an adapter must keep its base's vocabulary; merge it (arpo export --merge) and "
+            "serve the merged folder as a full-weight agent",
+        )
 
 
 def _drop(_text: str) -> None:

@@ -27,19 +27,51 @@ MAX_DEPTH = 32
 MAX_REQUEST_TOOL_CALLS = 64
 TOOL_MODES = ("server", "client")
 #: Parameters we read.
-KNOWN = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
-         "stream", "stream_options", "tools", "tool_choice", "arpo"}
+KNOWN = {
+    "model",
+    "messages",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "arpo",
+}
 #: OpenAI parameters accepted and ignored (they do not change what this server computes, or only at defaults).
-IGNORED = {"user", "metadata", "store", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
-           "top_logprobs", "parallel_tool_calls", "service_tier", "response_format"}
+IGNORED = {
+    "user",
+    "metadata",
+    "store",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "service_tier",
+    "response_format",
+}
 ARPO_KEYS = {"tool_mode", "max_tool_calls"}
 
 
 class APIError(Exception):
     """A request the server refuses, with the HTTP status and the OpenAI error fields."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:  # noqa: A002
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:  # noqa: A002
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -84,8 +116,9 @@ def _int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise APIError(f"'{key}' must be an integer, got {json.dumps(v)}", param=key)
     if v < lo or (hi is not None and v > hi):
-        raise APIError(f"'{key}' must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}",
-                       param=key)
+        raise APIError(
+            f"'{key}' must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}", param=key
+        )
     return v
 
 
@@ -102,8 +135,9 @@ def _content(msg: dict, i: int, *, optional: bool) -> str | None:
         out = []
         for j, part in enumerate(c):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"'{where}[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}",
-                               param=f"{where}[{j}]")
+                raise APIError(
+                    f'\'{where}[{j}]\' must be a text part {{"type": "text", "text": ...}}', param=f"{where}[{j}]"
+                )
             out.append(part["text"])
         return "".join(out)
     raise APIError(f"'{where}' must be a string or a list of text parts, got {type(c).__name__}", param=where)
@@ -125,8 +159,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             raise APIError(f"'messages[{i}]' must be an object, got {type(m).__name__}", param=f"messages[{i}]")
         role = m.get("role")
         if role not in ROLES:
-            raise APIError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                           param=f"messages[{i}].role")
+            raise APIError(
+                f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                param=f"messages[{i}].role",
+            )
         role = "system" if role == "developer" else role
         content = _content(m, i, optional=role == "assistant" and bool(m.get("tool_calls")))
         msg: dict[str, Any] = {"role": role, "content": content or ""}
@@ -138,8 +174,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
             msg["tool_calls"] = m["tool_calls"]
         out.append(msg)
     if out[-1]["role"] == "assistant":
-        raise APIError("the last message must not be an assistant message (nothing to answer)",
-                       param=f"messages[{len(out) - 1}].role")
+        raise APIError(
+            "the last message must not be an assistant message (nothing to answer)",
+            param=f"messages[{len(out) - 1}].role",
+        )
     return out
 
 
@@ -179,11 +217,14 @@ def _tool_mode(body: dict, ext: dict) -> str:
         raise APIError("'tools' must be a list of tool definitions", param="tools")
     mode = ext.get("tool_mode", "client" if tools else "server")
     if mode not in TOOL_MODES:
-        raise APIError(f"'arpo.tool_mode' must be one of {', '.join(TOOL_MODES)}, got {json.dumps(mode)}",
-                       param="arpo.tool_mode")
+        raise APIError(
+            f"'arpo.tool_mode' must be one of {', '.join(TOOL_MODES)}, got {json.dumps(mode)}", param="arpo.tool_mode"
+        )
     if body.get("tool_choice") not in (None, "auto"):
-        raise APIError("'tool_choice' supports only \"auto\": a trained agent decides itself when to call its tools",
-                       param="tool_choice")
+        raise APIError(
+            "'tool_choice' supports only \"auto\": a trained agent decides itself when to call its tools",
+            param="tool_choice",
+        )
     return mode
 
 
@@ -204,8 +245,11 @@ def _plain_text(body: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise APIError("the request body holds a string that is not valid Unicode (a lone surrogate escape "
-                               "such as \\ud800)", param=None) from None
+                raise APIError(
+                    "the request body holds a string that is not valid Unicode (a lone surrogate escape "
+                    "such as \\ud800)",
+                    param=None,
+                ) from None
 
 
 def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRequest:
@@ -225,8 +269,7 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
     _unknown(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise APIError("'model' is required and must be a non-empty string (GET /v1/models lists them)",
-                       param="model")
+        raise APIError("'model' is required and must be a non-empty string (GET /v1/models lists them)", param="model")
     ext = body.get("arpo") or {}
     if not isinstance(ext, dict) or set(ext) - ARPO_KEYS:
         raise APIError(f"'arpo' must be an object with keys among {', '.join(sorted(ARPO_KEYS))}", param="arpo")
@@ -240,10 +283,16 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
     if max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", 1)
     return ChatRequest(
-        model=model, messages=_messages(body),
+        model=model,
+        messages=_messages(body),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        max_tokens=max_tokens, n=_int(body, "n", 1, max_n) or 1, stop=_stop(body),
-        seed=_int(body, "seed", -(2 ** 63), 2 ** 63 - 1), stream=stream,
-        include_usage=bool(opts.get("include_usage", False)), tool_mode=_tool_mode(body, ext),
-        max_tool_calls=_ext_int(ext, "max_tool_calls", 0, 64))
+        max_tokens=max_tokens,
+        n=_int(body, "n", 1, max_n) or 1,
+        stop=_stop(body),
+        seed=_int(body, "seed", -(2**63), 2**63 - 1),
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+        tool_mode=_tool_mode(body, ext),
+        max_tool_calls=_ext_int(ext, "max_tool_calls", 0, 64),
+    )

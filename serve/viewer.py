@@ -28,8 +28,10 @@ from arpo_base.errors import ArpoError
 from serve.guard import Guard, Policy, Security, install
 
 STATIC = Path(__file__).parent / "static"
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 class _Source:
@@ -69,8 +71,10 @@ def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: 
     if len(labels) == 2 and labels[0] == labels[1]:
         labels = [f"{x.reader.folder.parent.name}/{n}" for x, n in zip(sources, labels)]
     # the page and its two static files are open (they hold no data); every data route needs the key
-    policy = Policy(Security(allow_unauthenticated=True, allowed_hosts=allowed_hosts or [], port=port),
-                    open_paths=frozenset({"/", "/viewer.js", "/viewer.css"}))
+    policy = Policy(
+        Security(allow_unauthenticated=True, allowed_hosts=allowed_hosts or [], port=port),
+        open_paths=frozenset({"/", "/viewer.js", "/viewer.css"}),
+    )
     policy.key = key  # the viewer always has a key (given or generated): /v1 is never open
     install(policy)
 
@@ -82,6 +86,7 @@ def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: 
             if csp:
                 headers["Content-Security-Policy"] = csp
             return Response(body, media_type=ctype, headers=headers)
+
         return route
 
     def error(status: int, message: str) -> JSONResponse:
@@ -89,7 +94,7 @@ def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: 
 
     def side(request: Request) -> _Source | None:
         s = request.query_params.get("side", "0")
-        return sources[int(s)] if s in ("0", "1")[:len(sources)] else None
+        return sources[int(s)] if s in ("0", "1")[: len(sources)] else None
 
     def index(request: Request) -> JSONResponse:
         try:
@@ -116,13 +121,15 @@ def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: 
         except ValueError:
             return error(422, f"the recorded bytes of iteration {it}, group {gi} are not a record (cut short?)")
 
-    app = Starlette(routes=[
-        Route("/", static("viewer.html", "text/html; charset=utf-8", PAGE_CSP)),
-        Route("/viewer.js", static("viewer.js", "text/javascript; charset=utf-8")),
-        Route("/viewer.css", static("viewer.css", "text/css; charset=utf-8")),
-        Route("/v1/index", index),
-        Route("/v1/group", group),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/", static("viewer.html", "text/html; charset=utf-8", PAGE_CSP)),
+            Route("/viewer.js", static("viewer.js", "text/javascript; charset=utf-8")),
+            Route("/viewer.css", static("viewer.css", "text/css; charset=utf-8")),
+            Route("/v1/index", index),
+            Route("/v1/group", group),
+        ]
+    )
     return Guard(app)
 
 
@@ -142,13 +149,16 @@ def export_html(folder: str | Path, out: str | Path, iterations: list[int] | Non
     reader = TreeReader(folder)
     reader.refresh()
     if not reader.iterations:
-        raise ArpoError(f"{reader.folder} holds no complete iteration yet",
-                        hint="wait for the first iteration of the run to finish")
+        raise ArpoError(
+            f"{reader.folder} holds no complete iteration yet", hint="wait for the first iteration of the run to finish"
+        )
     chosen = iterations or [max(reader.iterations)]
     missing = [i for i in chosen if i not in reader.iterations]
     if missing:
-        raise ArpoError(f"iteration {missing[0]} is not recorded in {reader.folder}",
-                        hint=f"recorded: {', '.join(map(str, sorted(reader.iterations)))}")
+        raise ArpoError(
+            f"iteration {missing[0]} is not recorded in {reader.folder}",
+            hint=f"recorded: {', '.join(map(str, sorted(reader.iterations)))}",
+        )
     rows = [reader.iterations[i] for i in sorted(chosen)]
     groups = {}
     for row in rows:
@@ -160,12 +170,17 @@ def export_html(folder: str | Path, out: str | Path, iterations: list[int] | Non
     data = {"format": reader.format, "rows": rows, "groups": groups}
     js, css = (STATIC / "viewer.js").read_text(), (STATIC / "viewer.css").read_text()
     body = (STATIC / "viewer.html").read_text()
-    csp = (f"default-src 'none'; script-src {_sha(js)}; style-src {_sha(css)}; img-src data:; base-uri 'none'; "
-           "form-action 'none'")
-    head = (f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n<style>{css}</style>\n'
-            f'<script type="application/json" id="arpo-data">{_embed(data)}</script>')
+    csp = (
+        f"default-src 'none'; script-src {_sha(js)}; style-src {_sha(css)}; img-src data:; base-uri 'none'; "
+        "form-action 'none'"
+    )
+    head = (
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">\n<style>{css}</style>\n'
+        f'<script type="application/json" id="arpo-data">{_embed(data)}</script>'
+    )
     page = body.replace('<link rel="stylesheet" href="viewer.css">', head).replace(
-        '<script src="viewer.js"></script>', f"<script>{js}</script>")
+        '<script src="viewer.js"></script>', f"<script>{js}</script>"
+    )
     out = Path(out)
     out.write_text(page, encoding="utf-8")
     return out, [r["iteration"] for r in rows]
@@ -181,13 +196,16 @@ def check_port(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), port))
         except OSError as e:
-            raise ArpoError(f"cannot listen on {host}:{port}: {e.strerror}",
-                            hint="another program holds it (an earlier arpo view?): pick a port with --port") from None
+            raise ArpoError(
+                f"cannot listen on {host}:{port}: {e.strerror}",
+                hint="another program holds it (an earlier arpo view?): pick a port with --port",
+            ) from None
 
 
 def run(folder: str | Path | list, *, host: str, port: int, key: str, allowed_hosts: list[str] | None = None) -> None:
     """Serve the viewer (one folder, or two compared) until interrupted (uvicorn in this process)."""
     import uvicorn
 
-    uvicorn.run(build_app(folder, key, port=port, allowed_hosts=allowed_hosts), host=host, port=port,
-                log_level="warning")
+    uvicorn.run(
+        build_app(folder, key, port=port, allowed_hosts=allowed_hosts), host=host, port=port, log_level="warning"
+    )

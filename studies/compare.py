@@ -50,16 +50,51 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 RUN_RESULT = "compare_run.json"
 #: Per-iteration metrics averaged over a run's iterations (then over seeds) for the report's diagnostics table:
 #: what differs between configurations besides the outcome.
-DIAGNOSTICS = {"groups without reward variance": D.ZERO_VARIANCE_GROUP_FRAC,
-               "branches per group": D.BRANCHES_PER_GROUP, "fill-ups per group": D.FILLUPS_PER_GROUP,
-               "distinct trajectories per group": D.DISTINCT_TRAJECTORIES,
-               "trajectories with gradient": D.TRAJ_WITH_GRAD, "training reward": MK.TRAIN + MK.REWARD_MEAN,
-               "iteration time (s)": MK.TIMERS + "training_iteration",
-               "rollout tokens/s": MK.TRAIN + MK.TOKENS_PER_S, "learner update (s)": MK.TIMERS + "update_time"}
+DIAGNOSTICS = {
+    "groups without reward variance": D.ZERO_VARIANCE_GROUP_FRAC,
+    "branches per group": D.BRANCHES_PER_GROUP,
+    "fill-ups per group": D.FILLUPS_PER_GROUP,
+    "distinct trajectories per group": D.DISTINCT_TRAJECTORIES,
+    "trajectories with gradient": D.TRAJ_WITH_GRAD,
+    "training reward": MK.TRAIN + MK.REWARD_MEAN,
+    "iteration time (s)": MK.TIMERS + "training_iteration",
+    "rollout tokens/s": MK.TRAIN + MK.TOKENS_PER_S,
+    "learner update (s)": MK.TIMERS + "update_time",
+}
 EVAL_ACCURACY = MK.EVALUATION + MK.ACCURACY
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T95 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -79,8 +114,10 @@ def check_equal_budget(exps: dict[str, Any]) -> None:
         values = {name: get(e) for name, e in exps.items()}
         if len(set(map(repr, values.values()))) > 1:
             shown = ", ".join(f"{n}: {v}" for n, v in values.items())
-            raise ConfigError(f"--equal-budget: the configurations differ in {field} ({shown})",
-                              hint=f"set the same {field} in every file, or drop --equal-budget")
+            raise ConfigError(
+                f"--equal-budget: the configurations differ in {field} ({shown})",
+                hint=f"set the same {field} in every file, or drop --equal-budget",
+            )
 
 
 def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[str, Any]:
@@ -91,9 +128,13 @@ def run_one(file: str, overrides: list[str], out: Path, progress: bool) -> dict[
     exp = load_experiment(file, overrides)
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["arpo", "train", str(file), *sum((["--set", o] for o in overrides), []), "--output", str(out)]
-    (out / "rerun.json").write_text(json.dumps({"command": shlex.join(cmd), "file": str(file),
-                                                "overrides": overrides, "sections": exp.sections}, indent=2,
-                                               default=repr))
+    (out / "rerun.json").write_text(
+        json.dumps(
+            {"command": shlex.join(cmd), "file": str(file), "overrides": overrides, "sections": exp.sections},
+            indent=2,
+            default=repr,
+        )
+    )
     t0 = time.time()
     summary = train_experiment(exp, output=out, progress=progress)
     result = collect(out, summary["accuracy_before"], summary["accuracy_after"], time.time() - t0)
@@ -119,10 +160,18 @@ def collect(out: Path, before: float, after: float, time_s: float) -> dict[str, 
     for label, key in DIAGNOSTICS.items():
         xs = [r[key] for r in train if key in r]
         diag[label] = sum(xs) / len(xs) if xs else 0.0  # absent = never happened (e.g. no branch metric in GRPO)
-    return {"before": before, "after": after, "time_s": time_s, "tool_calls": calls, "tokens": tokens,
-            "curve": curve, "output": str(out), "diag": diag,
-            "zero_variance": [r.get(D.ZERO_VARIANCE_GROUP_FRAC) for r in train],
-            "skipped": sum(r.get(D.SKIPPED_NO_SIGNAL, 0.0) for r in train)}
+    return {
+        "before": before,
+        "after": after,
+        "time_s": time_s,
+        "tool_calls": calls,
+        "tokens": tokens,
+        "curve": curve,
+        "output": str(out),
+        "diag": diag,
+        "zero_variance": [r.get(D.ZERO_VARIANCE_GROUP_FRAC) for r in train],
+        "skipped": sum(r.get(D.SKIPPED_NO_SIGNAL, 0.0) for r in train),
+    }
 
 
 def finished_run(out: Path) -> dict[str, Any] | None:
@@ -146,51 +195,74 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         toks = [t for r in rs for t in r["tokens"]]
         best = [max([a for _, _, a in r["curve"]] + [r["after"]]) for r in rs]
         rep[name] = {
-            "seeds": sorted(seeds), "before": stats(before), "after": stats(after),
+            "seeds": sorted(seeds),
+            "before": stats(before),
+            "after": stats(after),
             "delta": stats([a - b for a, b in zip(after, before)]),
-            "improved": sum(a > b for a, b in zip(after, before)), "worse": sum(a < b for a, b in zip(after, before)),
-            "best": stats(best), "drop_from_best": stats([b - a for b, a in zip(best, after)]),
-            "tool_calls_per_step": sum(calls) / max(len(calls), 1), "tool_calls_total": sum(calls) / max(len(rs), 1),
-            "tokens_per_step": sum(toks) / max(len(toks), 1), "tokens_total": sum(toks) / max(len(rs), 1),
+            "improved": sum(a > b for a, b in zip(after, before)),
+            "worse": sum(a < b for a, b in zip(after, before)),
+            "best": stats(best),
+            "drop_from_best": stats([b - a for b, a in zip(best, after)]),
+            "tool_calls_per_step": sum(calls) / max(len(calls), 1),
+            "tool_calls_total": sum(calls) / max(len(rs), 1),
+            "tokens_per_step": sum(toks) / max(len(toks), 1),
+            "tokens_total": sum(toks) / max(len(rs), 1),
             "time_s": stats([r["time_s"] for r in rs])["mean"],
             "skipped_updates": sum(r["skipped"] for r in rs) / max(len(rs), 1),
             "diag": {k: sum(r["diag"][k] for r in rs) / len(rs) for k in DIAGNOSTICS},
-            "per_seed": {s: {"before": r["before"], "after": r["after"], "output": r["output"]}
-                         for s, r in seeds.items()},
+            "per_seed": {
+                s: {"before": r["before"], "after": r["after"], "output": r["output"]} for s, r in seeds.items()
+            },
         }
     return rep
 
 
-def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path,
-                 pairs: dict[str, Any] | None = None) -> Path:
+def write_report(
+    rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path, pairs: dict[str, Any] | None = None
+) -> Path:
     def f(s: dict[str, float]) -> str:
         return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% CI ± {s['ci95']:.3f})"
 
-    lines = ["| configuration | seeds | before | after | after - before | improved / worse | best during the run | "
-             "best - after | tool calls per step (total) | tokens per step (total) | skipped updates | wall time per "
-             "run |", "|" + "---|" * 12]
+    lines = [
+        "| configuration | seeds | before | after | after - before | improved / worse | best during the run | "
+        "best - after | tool calls per step (total) | tokens per step (total) | skipped updates | wall time per "
+        "run |",
+        "|" + "---|" * 12,
+    ]
     for name, r in rep.items():
-        lines.append(f"| {name} | {len(r['seeds'])} | {f(r['before'])} | {f(r['after'])} | {f(r['delta'])} | "
-                     f"{r['improved']} / {r['worse']} | {r['best']['mean']:.3f} ± {r['best']['sd']:.3f} | "
-                     f"{r['drop_from_best']['mean']:.3f} ± {r['drop_from_best']['sd']:.3f} | "
-                     f"{r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
-                     f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
-                     f"{r['time_s']:.0f} s |")
-    lines += ["", "Diagnostics, mean over iterations and seeds:", "",
-              "| configuration | " + " | ".join(DIAGNOSTICS) + " |", "|" + "---|" * (len(DIAGNOSTICS) + 1)]
+        lines.append(
+            f"| {name} | {len(r['seeds'])} | {f(r['before'])} | {f(r['after'])} | {f(r['delta'])} | "
+            f"{r['improved']} / {r['worse']} | {r['best']['mean']:.3f} ± {r['best']['sd']:.3f} | "
+            f"{r['drop_from_best']['mean']:.3f} ± {r['drop_from_best']['sd']:.3f} | "
+            f"{r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
+            f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
+            f"{r['time_s']:.0f} s |"
+        )
+    lines += [
+        "",
+        "Diagnostics, mean over iterations and seeds:",
+        "",
+        "| configuration | " + " | ".join(DIAGNOSTICS) + " |",
+        "|" + "---|" * (len(DIAGNOSTICS) + 1),
+    ]
     for name, r in rep.items():
         lines.append(f"| {name} | " + " | ".join(f"{r['diag'][k]:.2f}" for k in DIAGNOSTICS) + " |")
     if pairs:
-        lines += ["", "Final accuracy minus the baseline's, paired by seed:", "",
-                  "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | exact Wilcoxon p "
-                  "| per seed |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Final accuracy minus the baseline's, paired by seed:",
+            "",
+            "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | exact Wilcoxon p | per seed |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, p in pairs.items():
             per = ", ".join(f"{s}: {d:+.3f}" for s, d in p["per_seed"].items())
-            lines.append(f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} "
-                         f"| {p['wilcoxon_p']:.3f} | {per} |")
+            lines.append(
+                f"| {name} | {len(p['seeds'])} | {f(p['diff'])} | {p['better']} / {p['worse']} "
+                f"| {p['wilcoxon_p']:.3f} | {per} |"
+            )
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "report.json").write_text(json.dumps({"summary": rep, "paired": pairs, "runs": runs}, indent=2,
-                                                default=str))
+    (out / "report.json").write_text(json.dumps({"summary": rep, "paired": pairs, "runs": runs}, indent=2, default=str))
     try:
         import matplotlib
 
@@ -198,8 +270,10 @@ def write_report(rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]]
         import matplotlib.pyplot as plt
     except ImportError:  # plots are optional
         return out / "report.md"
-    for xi, label, fname in ((0, "iteration", "accuracy_vs_iteration.png"),
-                             (1, "cumulative tool calls", "accuracy_vs_tool_calls.png")):
+    for xi, label, fname in (
+        (0, "iteration", "accuracy_vs_iteration.png"),
+        (1, "cumulative tool calls", "accuracy_vs_tool_calls.png"),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, seeds in runs.items():
             curves = [r["curve"] for r in seeds.values() if r["curve"]]
@@ -227,13 +301,23 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
 
     flags = sorted(f for f, present in cpu_features().items() if present)
     seeds = {len(r["seeds"]) for r in rep.values()}
-    ref = {"num_seeds": max(seeds), "sft_seed": 0, "command": "python -m studies.compare " + shlex.join(argv),
-           "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), "
-                      f"{time.strftime('%Y-%m-%d')}",
-           "configurations": {name.removeprefix("compare_"): {
-               "seeds": len(r["seeds"]), "before": r["before"]["mean"], "after_mean": r["after"]["mean"],
-               "after_sd": r["after"]["sd"], "improved": r["improved"], "worse": r["worse"]}
-               for name, r in rep.items()}}
+    ref = {
+        "num_seeds": max(seeds),
+        "sft_seed": 0,
+        "command": "python -m studies.compare " + shlex.join(argv),
+        "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), {time.strftime('%Y-%m-%d')}",
+        "configurations": {
+            name.removeprefix("compare_"): {
+                "seeds": len(r["seeds"]),
+                "before": r["before"]["mean"],
+                "after_mean": r["after"]["mean"],
+                "after_sd": r["after"]["sd"],
+                "improved": r["improved"],
+                "worse": r["worse"],
+            }
+            for name, r in rep.items()
+        },
+    }
     path.write_text(json.dumps(ref, indent=2) + "\n")
 
 
@@ -244,8 +328,10 @@ def train_all(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
     if not args.experiments or args.sft is None:
         raise ConfigError("training needs experiment files and --sft (or --report-only to report finished runs)")
     if args.name is not None and (len(args.experiments) != 1 or not _SAFE_NAME.fullmatch(args.name)):
-        raise ConfigError(f"--name {args.name!r} needs exactly one experiment file and a folder name made of "
-                          f"letters, digits and . _ + - (got {len(args.experiments)} files)")
+        raise ConfigError(
+            f"--name {args.name!r} needs exactly one experiment file and a folder name made of "
+            f"letters, digits and . _ + - (got {len(args.experiments)} files)"
+        )
     common = [f"model.path={json.dumps(str(args.sft))}", *args.set]
     if args.eval_every is not None:
         common.append(f"evaluation.every={args.eval_every}")
@@ -266,7 +352,8 @@ def train_all(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
                 done = run_one(file, [*common, f"experiment.seed={seed}"], out, not args.no_progress)
             runs[name][seed] = done
             (args.output / f"partial_{'_'.join(names)}_{'_'.join(map(str, seeds))}.json").write_text(
-                json.dumps(summarize(runs), indent=2, default=str))
+                json.dumps(summarize(runs), indent=2, default=str)
+            )
     return runs
 
 
@@ -312,7 +399,7 @@ def wilcoxon(diffs: list[float]) -> tuple[float, int]:
     w_plus = sum(r for r, x in zip(ranks, d) if x > 0)
     extreme = min(w_plus, total - w_plus)
     tail = sum(counts[: extreme + 1])
-    return min(1.0, 2 * tail / 2 ** n), n
+    return min(1.0, 2 * tail / 2**n), n
 
 
 def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
@@ -324,9 +411,14 @@ def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
         common = [s for s in r["per_seed"] if s in base and name != baseline]
         if common:
             d = [r["per_seed"][s]["after"] - base[s]["after"] for s in common]
-            out[name] = {"seeds": common, "diff": stats(d), "better": sum(x > 0 for x in d),
-                         "worse": sum(x < 0 for x in d), "wilcoxon_p": wilcoxon(d)[0],
-                         "per_seed": dict(zip(common, d))}
+            out[name] = {
+                "seeds": common,
+                "diff": stats(d),
+                "better": sum(x > 0 for x in d),
+                "worse": sum(x < 0 for x in d),
+                "wilcoxon_p": wilcoxon(d)[0],
+                "per_seed": dict(zip(common, d)),
+            }
     return out
 
 
@@ -339,21 +431,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (report: every finished seed)")
     ap.add_argument("--output", type=Path, default=Path("runs/compare"))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, all runs")
-    ap.add_argument("--name", default=None, help="with one experiment file: the configuration's name (its folder "
-                    "under --output) instead of the file's, e.g. for a variant made with --set")
-    ap.add_argument("--baseline", default=None, metavar="NAME",
-                    help="also report every other configuration's per-seed difference in final accuracy to this one")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="with one experiment file: the configuration's name (its folder "
+        "under --output) instead of the file's, e.g. for a variant made with --set",
+    )
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        metavar="NAME",
+        help="also report every other configuration's per-seed difference in final accuracy to this one",
+    )
     ap.add_argument("--eval-every", type=int, default=None, help="evaluation.every of every run")
     ap.add_argument("--equal-budget", action="store_true", help="refuse configurations that differ in budget")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads of this process (1 per process when several run side by side)")
-    ap.add_argument("--reference", type=Path, default=None, metavar="JSON",
-                    help="also write the per-configuration distribution over seeds that the quickstart prints beside "
-                         "its own result (arpo_algo/run/recipes/quickstart_reference.json)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="train nothing: report every configuration with finished runs under --output (several "
-                         "comparison processes may share one --output, each with its own --seeds or --name)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of this process (1 per process when several run side by side)",
+    )
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="also write the per-configuration distribution over seeds that the quickstart prints beside "
+        "its own result (arpo_algo/run/recipes/quickstart_reference.json)",
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: report every configuration with finished runs under --output (several "
+        "comparison processes may share one --output, each with its own --seeds or --name)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -362,8 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = finished_runs(args.output, args.seeds) if args.report_only else train_all(args)
         if args.baseline is not None and args.baseline not in runs:
-            raise ConfigError(f"--baseline {args.baseline!r} is not a configuration with finished runs under "
-                              f"{args.output} (there: {', '.join(runs) or 'none'})")
+            raise ConfigError(
+                f"--baseline {args.baseline!r} is not a configuration with finished runs under "
+                f"{args.output} (there: {', '.join(runs) or 'none'})"
+            )
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
         return 2

@@ -98,8 +98,9 @@ def env_factory(data: str, prompts: int) -> Any:
     return functools.partial(make_eval_env, loaded.env_id, loaded.env_config, loaded.items)
 
 
-def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, seed: int,
-                data: str = "toolmath") -> Path:
+def sample_dump(
+    model: str, prompts: int, budget: int, tokens: int, out: Path, seed: int, data: str = "toolmath"
+) -> Path:
     """Sample GRPO groups (independent trajectories, temperature 1) with ``model`` on ``data`` and dump them."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.models import resolve_model_path
@@ -112,8 +113,14 @@ def sample_dump(model: str, prompts: int, budget: int, tokens: int, out: Path, s
     dump = out / "trees.jsonl"
     dump.unlink(missing_ok=True)
     engine = HFEngine(str(resolve_model_path(model)), seed=seed)
-    s = TreeSampler(engine, make_env, TreeConfig.grpo(budget),
-                    SamplingParams(temperature=1.0), max_response_tokens=tokens, seed=seed)
+    s = TreeSampler(
+        engine,
+        make_env,
+        TreeConfig.grpo(budget),
+        SamplingParams(temperature=1.0),
+        max_response_tokens=tokens,
+        seed=seed,
+    )
     groups, _ = s.sample(list(range(prompts)), step=0)
     s.close()
     dump.write_text("".join(g.to_json() + "\n" for g in groups), encoding="utf-8")
@@ -124,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dumps", nargs="*", type=Path, help="trees.jsonl files")
     ap.add_argument("--sample", metavar="MODEL", help="first sample fresh GRPO groups with MODEL on ToolMath level 3")
-    ap.add_argument("--data", default="toolmath",
-                    help="with --sample: toolmath (level 3, default) or an `arpo eval --data` set such as valid")
+    ap.add_argument(
+        "--data",
+        default="toolmath",
+        help="with --sample: toolmath (level 3, default) or an `arpo eval --data` set such as valid",
+    )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--budget", type=int, default=4)
     ap.add_argument("--max-response-tokens", type=int, default=192)
@@ -135,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=Path("runs/f1"))
     args = ap.parse_args(argv)
     if args.sample:
-        args.dumps.append(sample_dump(args.sample, args.prompts, args.budget, args.max_response_tokens, args.output,
-                                      args.seed, args.data))
+        args.dumps.append(
+            sample_dump(
+                args.sample, args.prompts, args.budget, args.max_response_tokens, args.output, args.seed, args.data
+            )
+        )
     by_off, first = collect(args.dumps, args.window, set(args.iterations) if args.iterations is not None else None)
     if not by_off:
         print("error: no tool results in these dumps", file=sys.stderr)
@@ -147,15 +160,27 @@ def main(argv: list[str] | None = None) -> int:
         m = sum(xs) / len(xs)
         sd = math.sqrt(sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1))
         rows[k] = {"mean": m, "sd": sd, "n": len(xs)}
-    rises = [r for p in args.dumps for line in p.read_text().splitlines() for t in json.loads(line)["trajectories"]
-             if t.get("parent") is None for r in paper_rule_rises(t)]
+    rises = [
+        r
+        for p in args.dumps
+        for line in p.read_text().splitlines()
+        for t in json.loads(line)["trajectories"]
+        if t.get("parent") is None
+        for r in paper_rule_rises(t)
+    ]
     base = sum(first) / len(first) if first else math.nan
     before = [r["mean"] for k, r in rows.items() if -10 <= k < 0]
     after = [r["mean"] for k, r in rows.items() if 0 <= k < 10]
-    res = {"offsets": rows, "first_turn_mean": base, "mean_10_before": sum(before) / max(len(before), 1),
-           "mean_10_after": sum(after) / max(len(after), 1), "dumps": [str(p) for p in args.dumps],
-           "iterations": args.iterations, "tool_results": len(rises),
-           "paper_rule_rise_rate": sum(rises) / len(rises) if rises else math.nan}
+    res = {
+        "offsets": rows,
+        "first_turn_mean": base,
+        "mean_10_before": sum(before) / max(len(before), 1),
+        "mean_10_after": sum(after) / max(len(after), 1),
+        "dumps": [str(p) for p in args.dumps],
+        "iterations": args.iterations,
+        "tool_results": len(rises),
+        "paper_rule_rise_rate": sum(rises) / len(rises) if rises else math.nan,
+    }
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "f1.json").write_text(json.dumps(res, indent=2))
     try:
@@ -177,8 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         plt.close(fig)
     except ImportError:
         pass
-    print(json.dumps({k: res[k] for k in ("first_turn_mean", "mean_10_before", "mean_10_after", "tool_results",
-                                          "paper_rule_rise_rate")}))
+    print(
+        json.dumps(
+            {
+                k: res[k]
+                for k in ("first_turn_mean", "mean_10_before", "mean_10_after", "tool_results", "paper_rule_rise_rate")
+            }
+        )
+    )
     return 0
 
 

@@ -42,9 +42,18 @@ ARMS: dict[str, tuple[str, bool]] = {
 BASELINE = "stateless"
 #: The quickstart's cold start with level 5 in place of level 3: the easy levels teach the tool format, level 5 the
 #: two-call form each arm is trained on.
-SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 192, "levels": [1, 2, 5], "epochs": 1,
-                                "lr": 2e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5,
-                                "rows_per_forward": 4, "gradient_checkpointing": True}
+SFT_SETTINGS: dict[str, Any] = {
+    "data": "toolmath",
+    "num_examples": 192,
+    "levels": [1, 2, 5],
+    "epochs": 1,
+    "lr": 2e-4,
+    "batch_size": 8,
+    "max_seq_len": 512,
+    "log_every": 5,
+    "rows_per_forward": 4,
+    "gradient_checkpointing": True,
+}
 SFT_MARKER = "study_sft.json"
 #: SFT settings each arm's stage sets itself (see sft_arm).
 STUDY_SFT_KEYS = ("persistent_python", "model", "seed", "output_dir", "progress")
@@ -60,10 +69,16 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"--sft-set {item!r} is not KEY=VALUE", hint="e.g. --sft-set num_examples=256")
         if key in STUDY_SFT_KEYS:
-            raise ConfigError(f"--sft-set {key} is set by the study itself", hint={
-                "persistent_python": "each arm's SFT uses its own form of the demonstrations",
-                "model": "use --model", "seed": "use --sft-seed", "output_dir": "use --output",
-                "progress": "use --no-progress"}[key])
+            raise ConfigError(
+                f"--sft-set {key} is set by the study itself",
+                hint={
+                    "persistent_python": "each arm's SFT uses its own form of the demonstrations",
+                    "model": "use --model",
+                    "seed": "use --sft-seed",
+                    "output_dir": "use --output",
+                    "progress": "use --no-progress",
+                }[key],
+            )
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -89,18 +104,30 @@ def sft_arm(arm: str, out: Path, model: str, seed: int, extra: dict[str, Any], p
     if marker.is_file():
         done = json.loads(marker.read_text())
         if done.get("inputs") != inputs:
-            raise ConfigError(f"{folder} holds the {arm} arm's SFT checkpoint made with {done.get('inputs')}; this "
-                              f"run asks for {inputs}", hint="give this study its own --output folder, or run it "
-                              "with the settings that made the checkpoint")
+            raise ConfigError(
+                f"{folder} holds the {arm} arm's SFT checkpoint made with {done.get('inputs')}; this "
+                f"run asks for {inputs}",
+                hint="give this study its own --output folder, or run it with the settings that made the checkpoint",
+            )
         print(f"[stateful] {arm}: SFT done earlier with the same settings ({folder})", flush=True)
         return str(folder)
-    print(f"[stateful] {arm}: SFT on {'persistent' if ARMS[arm][1] else 'rebuild'}-form demonstrations ...",
-          flush=True)
-    cfg = SFTConfig.from_dict({**settings, "model": model, "output_dir": str(folder), "seed": seed,
-                               "progress": progress})
+    print(f"[stateful] {arm}: SFT on {'persistent' if ARMS[arm][1] else 'rebuild'}-form demonstrations ...", flush=True)
+    cfg = SFTConfig.from_dict(
+        {**settings, "model": model, "output_dir": str(folder), "seed": seed, "progress": progress}
+    )
     m = run_sft(cfg)
-    marker.write_text(json.dumps({"inputs": inputs, "first_loss": m["first_loss"], "final_loss": m["final_loss"],
-                                  "steps": m["steps"], "time_s": m["time_s"]}, indent=2))
+    marker.write_text(
+        json.dumps(
+            {
+                "inputs": inputs,
+                "first_loss": m["first_loss"],
+                "final_loss": m["final_loss"],
+                "steps": m["steps"],
+                "time_s": m["time_s"],
+            },
+            indent=2,
+        )
+    )
     return str(folder)
 
 
@@ -130,13 +157,16 @@ def interpreter_figures(run_dir: str) -> dict[str, float] | None:
     if not rows:
         return None
     forks = sum(r["rollout/interpreter_forks"] for r in rows)
-    return {"forks_per_step": forks / len(rows),
-            "fork_ms": sum(r["rollout/interpreter_fork_ms_total"] for r in rows) / forks if forks else 0.0,
-            "forks_failed": sum(r["rollout/interpreter_forks_failed"] for r in rows),
-            "interpreters_peak": max(r["rollout/interpreters_peak"] for r in rows),
-            # nan where a step could not read its sandboxes' memory (the metric is absent then, never a low guess)
-            "pss_mib_peak": max(r.get("rollout/interpreter_pss_mib_peak", math.nan) for r in rows)
-            if all("rollout/interpreter_pss_mib_peak" in r for r in rows) else math.nan}
+    return {
+        "forks_per_step": forks / len(rows),
+        "fork_ms": sum(r["rollout/interpreter_fork_ms_total"] for r in rows) / forks if forks else 0.0,
+        "forks_failed": sum(r["rollout/interpreter_forks_failed"] for r in rows),
+        "interpreters_peak": max(r["rollout/interpreters_peak"] for r in rows),
+        # nan where a step could not read its sandboxes' memory (the metric is absent then, never a low guess)
+        "pss_mib_peak": max(r.get("rollout/interpreter_pss_mib_peak", math.nan) for r in rows)
+        if all("rollout/interpreter_pss_mib_peak" in r for r in rows)
+        else math.nan,
+    }
 
 
 def _mean(xs: list[float | None]) -> str:
@@ -147,31 +177,45 @@ def _mean(xs: list[float | None]) -> str:
 def stateful_section(runs: dict[str, dict[int, dict[str, Any]]], rep: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The study's own table (cost per solved task) and paired test, as markdown and as JSON."""
     cost = {arm: {s: per_solved(r["output"]) for s, r in seeds.items()} for arm, seeds in runs.items()}
-    lines = ["", "Held-out cost per solved task, mean over seeds (seeds that solved any):", "",
-             "| arm | tool calls before | tool calls after | generated tokens before | generated tokens after |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "Held-out cost per solved task, mean over seeds (seeds that solved any):",
+        "",
+        "| arm | tool calls before | tool calls after | generated tokens before | generated tokens after |",
+        "|---|---|---|---|---|",
+    ]
     for arm, seeds in cost.items():
-        col = {k: [c[k] for c in seeds.values()] for k in ("calls_before", "calls_after", "tokens_before",
-                                                           "tokens_after")}
+        col = {
+            k: [c[k] for c in seeds.values()] for k in ("calls_before", "calls_after", "tokens_before", "tokens_after")
+        }
         lines.append(f"| {arm} | " + " | ".join(_mean(v) for v in col.values()) + " |")
     figs = {arm: {s: interpreter_figures(r["output"]) for s, r in seeds.items()} for arm, seeds in runs.items()}
-    lines += ["", "Persistent interpreters during training (steps that started any), mean over seeds:", "",
-              "| arm | forks per step | fork ms | forks failed | most live at once | peak summed PSS (MiB) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Persistent interpreters during training (steps that started any), mean over seeds:",
+        "",
+        "| arm | forks per step | fork ms | forks failed | most live at once | peak summed PSS (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for arm, seeds in figs.items():
         kept = [f for f in seeds.values() if f is not None]
-        cells = [f"{sum(f[k] for f in kept) / len(kept):.1f}" if kept else "none"
-                 for k in ("forks_per_step", "fork_ms", "forks_failed", "interpreters_peak", "pss_mib_peak")]
+        cells = [
+            f"{sum(f[k] for f in kept) / len(kept):.1f}" if kept else "none"
+            for k in ("forks_per_step", "fork_ms", "forks_failed", "interpreters_peak", "pss_mib_peak")
+        ]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     pairs = C.paired(rep, BASELINE) if BASELINE in rep else {}
     test: dict[str, Any] = {}
     for arm, p in pairs.items():
         p_value, n_used = p["wilcoxon_p"], sum(abs(d) > 1e-12 for d in p["per_seed"].values())
         test[arm] = {"wilcoxon_p": p_value, "nonzero_pairs": n_used}
-        lines += ["", f"{arm} minus {BASELINE}, final held-out accuracy paired by seed: "
-                  f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% CI ± {p['diff']['ci95']:.3f}), "
-                  f"better / worse {p['better']} / {p['worse']} of {len(p['seeds'])}, two-sided Wilcoxon "
-                  f"signed-rank p = {p_value:.3f} ({n_used} non-zero pairs)."]
+        lines += [
+            "",
+            f"{arm} minus {BASELINE}, final held-out accuracy paired by seed: "
+            f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% CI ± {p['diff']['ci95']:.3f}), "
+            f"better / worse {p['better']} / {p['worse']} of {len(p['seeds'])}, two-sided Wilcoxon "
+            f"signed-rank p = {p_value:.3f} ({n_used} non-zero pairs).",
+        ]
     return "\n".join(lines) + "\n", {"cost_per_solved": cost, "interpreters": figs, "paired": pairs, "test": test}
 
 
@@ -189,8 +233,9 @@ def train(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
             out = args.output / arm / f"seed_{seed}"
             done = C.finished_run(out)
             if done is None:
-                done = C.run_one(str(ROOT / ARMS[arm][0]), [*common[arm], f"experiment.seed={seed}"], out,
-                                 not args.no_progress)
+                done = C.run_one(
+                    str(ROOT / ARMS[arm][0]), [*common[arm], f"experiment.seed={seed}"], out, not args.no_progress
+                )
             runs[arm][seed] = done
     return runs
 
@@ -201,14 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, default=Path("runs/stateful"))
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the base model both arms' SFT starts from")
     ap.add_argument("--sft-seed", type=int, default=0, help="the seed of both SFT stages")
-    ap.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="an SFT setting of both arms (arpo sft's keys), e.g. num_examples=256")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="an RL override of every run")
+    ap.add_argument(
+        "--sft-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an SFT setting of both arms (arpo sft's keys), e.g. num_examples=256",
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="an RL override of every run"
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads of this process")
-    ap.add_argument("--report-only", action="store_true",
-                    help="train nothing: report the finished runs under --output")
+    ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs under --output")
     args = ap.parse_args(argv)
     if args.threads:
         import torch

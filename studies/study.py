@@ -47,8 +47,8 @@ from studies.compare import collect
 from studies.study_report import planned_test, power_mde, report
 
 ROOT = Path(__file__).resolve().parent.parent
-EVAL = ["evaluation.every=1", "evaluation.num_prompts=128", "evaluation.split=\"test\""]
-QS_EVAL = ["evaluation.every=6", "evaluation.num_prompts=128", "evaluation.split=\"test\""]  # before and after
+EVAL = ["evaluation.every=1", "evaluation.num_prompts=128", 'evaluation.split="test"']
+QS_EVAL = ["evaluation.every=6", "evaluation.num_prompts=128", 'evaluation.split="test"']  # before and after
 QUICKSTART = "arpo_algo/run/recipes/quickstart.toml"
 #: arm -> (experiment file, overrides). The M = 8 / N = 4 budget: 4 prompts per step, 6 iterations.
 ARMS: dict[str, tuple[str, list[str]]] = {
@@ -62,37 +62,55 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # asynchronous rollouts against synchronous ones at the quickstart budget: both sample on one rollout actor, so
     # the pipeline's staleness is the only difference between the arms
     "qs_sync": (QUICKSTART, ["rollouts.num_rollout_actors=1", *QS_EVAL]),
-    "qs_async": (QUICKSTART, ["rollouts.num_rollout_actors=1", "rollouts.asynchronous=true",
-                                                 *QS_EVAL]),
+    "qs_async": (QUICKSTART, ["rollouts.num_rollout_actors=1", "rollouts.asynchronous=true", *QS_EVAL]),
 }
 #: The training code a record depends on; its git tree hashes make the record's ``code``.
-CODE_PATHS = ("arpo_algo", "arpo_env", "arpo_base", "pyproject.toml", "experiments/comparisons/compare_arpo_m8.toml",
-              "experiments/comparisons/compare_grpo_m8.toml", "experiments/comparisons/compare_aepo_m8.toml")
-PLAN = {"primary": "two-sided Wilcoxon signed-rank test (zero differences dropped, exact null distribution with "
-                   "average ranks for ties) on paired final held-out accuracy, ARPO - GRPO",
-        "pairs": 16, "alpha": 0.05, "aepo_seeds": 8, "eval_tasks": 128,
-        "pilot_sd": 0.246}  # sd of the paired differences of the 5-seed pilot at M = 8 (docs/results/budget-m8.md)
+CODE_PATHS = (
+    "arpo_algo",
+    "arpo_env",
+    "arpo_base",
+    "pyproject.toml",
+    "experiments/comparisons/compare_arpo_m8.toml",
+    "experiments/comparisons/compare_grpo_m8.toml",
+    "experiments/comparisons/compare_aepo_m8.toml",
+)
+PLAN = {
+    "primary": "two-sided Wilcoxon signed-rank test (zero differences dropped, exact null distribution with "
+    "average ranks for ties) on paired final held-out accuracy, ARPO - GRPO",
+    "pairs": 16,
+    "alpha": 0.05,
+    "aepo_seeds": 8,
+    "eval_tasks": 128,
+    "pilot_sd": 0.246,
+}  # sd of the paired differences of the 5-seed pilot at M = 8 (docs/results/budget-m8.md)
 #: Departures from ``PLAN``, dated and recorded before any run or analysis that depends on them. The primary test is
 #: run at the last entry's ``pairs`` over the first that many paired seeds; the plan itself is never edited.
 DEVIATIONS: tuple[dict[str, Any], ...] = (
-    {"date": "2026-11-28", "pairs": 14, "aepo_seeds": 0,
-     "reason": "the study stops at 14 pairs (seeds 0-13) for a hardware reason: its SFT checkpoint is rebuilt bit "
-               "for bit only on the kind of CPU that made it, so the remaining pairs cannot come from the same "
-               "checkpoint elsewhere. The planned test is reported at n = 14, with its power; the AEPO seeds are "
-               "not run. Pairs from a new SFT checkpoint may only be added as a labelled side analysis, in blocks."},
+    {
+        "date": "2026-11-28",
+        "pairs": 14,
+        "aepo_seeds": 0,
+        "reason": "the study stops at 14 pairs (seeds 0-13) for a hardware reason: its SFT checkpoint is rebuilt bit "
+        "for bit only on the kind of CPU that made it, so the remaining pairs cannot come from the same "
+        "checkpoint elsewhere. The planned test is reported at n = 14, with its power; the AEPO seeds are "
+        "not run. Pairs from a new SFT checkpoint may only be added as a labelled side analysis, in blocks.",
+    },
 )
 
 
 def code_hash(allow_dirty: bool = False) -> tuple[str, str]:
     """(hash of the training code's git trees at HEAD, HEAD's commit); ConfigError if that code has local edits
     (``allow_dirty``: only for a dry run, which writes no record)."""
+
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
     dirty = git("status", "--porcelain", "--", *CODE_PATHS)
     if dirty and not allow_dirty:
-        raise ConfigError(f"the training code has uncommitted changes:\n{dirty}",
-                          hint="a study's records must come from one commit: run it from a clean checkout")
+        raise ConfigError(
+            f"the training code has uncommitted changes:\n{dirty}",
+            hint="a study's records must come from one commit: run it from a clean checkout",
+        )
     trees = [git("rev-parse", f"HEAD:{p}") for p in CODE_PATHS]
     return hashlib.sha256(" ".join(trees).encode()).hexdigest()[:16], git("rev-parse", "HEAD")
 
@@ -114,8 +132,11 @@ def machine() -> dict[str, Any]:
     from arpo_algo.rollout.engines.vllm_support import cpu_features
 
     flags = sorted(f for f, present in cpu_features().items() if present)
-    return {"cpu": f"{platform.machine()} {'/'.join(flags) or 'no vector flags'}", "torch": torch.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "cpu": f"{platform.machine()} {'/'.join(flags) or 'no vector flags'}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -141,23 +162,33 @@ def run_arm(arm: str, seed: int, sft: Path, out: Path, progress: bool) -> dict[s
     from arpo_algo.run.experiment import load_experiment
 
     file, overrides = ARMS[arm]
-    exp = load_experiment(str(ROOT / file), [f"model.path={json.dumps(str(sft))}", *overrides,
-                                              f"experiment.seed={seed}"])
+    exp = load_experiment(
+        str(ROOT / file), [f"model.path={json.dumps(str(sft))}", *overrides, f"experiment.seed={seed}"]
+    )
     resumed = bool(list_checkpoints(out / "checkpoints"))
     t0 = time.time()
-    summary = train_experiment(exp, output=None if resumed else out, resume=out if resumed else None,
-                               progress=progress)
+    summary = train_experiment(exp, output=None if resumed else out, resume=out if resumed else None, progress=progress)
     got = collect(out, summary["accuracy_before"], summary["accuracy_after"], time.time() - t0)
     rows = {r["iteration"]: r for r in read_metrics(out / "metrics.jsonl")}
-    curve = [[it, calls, sum(rows[i].get(MK.TOKENS_GENERATED, 0.0) for i in rows if 0 < i <= it), acc]
-             for it, calls, acc in got["curve"]]  # (iteration, cumulative tool calls, cumulative tokens, accuracy)
+    curve = [
+        [it, calls, sum(rows[i].get(MK.TOKENS_GENERATED, 0.0) for i in rows if 0 < i <= it), acc]
+        for it, calls, acc in got["curve"]
+    ]  # (iteration, cumulative tool calls, cumulative tokens, accuracy)
     train = [r for i, r in sorted(rows.items()) if i > 0]
-    return {"before": got["before"], "after": got["after"], "curve": curve, "tool_calls": got["tool_calls"],
-            "tokens": got["tokens"], "branches_per_group": _mean(r.get(D.BRANCHES_PER_GROUP, 0.0) for r in train),
-            "clip_frac": _mean(r.get(D.CLIP_FRAC, 0.0) for r in train),
-            "zero_variance": _mean(r.get(D.ZERO_VARIANCE_GROUP_FRAC, 0.0) for r in train),
-            "staleness_max": max((r.get(MK.STALENESS_MAX, 0.0) for r in train), default=0.0),
-            "skipped": got["skipped"], "time_s": round(got["time_s"], 1), "resumed": resumed}
+    return {
+        "before": got["before"],
+        "after": got["after"],
+        "curve": curve,
+        "tool_calls": got["tool_calls"],
+        "tokens": got["tokens"],
+        "branches_per_group": _mean(r.get(D.BRANCHES_PER_GROUP, 0.0) for r in train),
+        "clip_frac": _mean(r.get(D.CLIP_FRAC, 0.0) for r in train),
+        "zero_variance": _mean(r.get(D.ZERO_VARIANCE_GROUP_FRAC, 0.0) for r in train),
+        "staleness_max": max((r.get(MK.STALENESS_MAX, 0.0) for r in train), default=0.0),
+        "skipped": got["skipped"],
+        "time_s": round(got["time_s"], 1),
+        "resumed": resumed,
+    }
 
 
 def _mean(xs: Any) -> float:
@@ -165,8 +196,9 @@ def _mean(xs: Any) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def check_block(records: list[dict[str, Any]], block: int, sft_seed: int, sft_hash: str, arms: list[str],
-                seeds: list[int]) -> None:
+def check_block(
+    records: list[dict[str, Any]], block: int, sft_seed: int, sft_hash: str, arms: list[str], seeds: list[int]
+) -> None:
     """Refuse a block run that would break a block's invariants: every (arm, seed) of a block comes from the block's
     own SFT checkpoint (its own SFT seed and weights' hash, shared with no other block) on one kind of machine, and
     one invocation runs the block's whole design (every arm of every seed), so no block is split across checkpoints,
@@ -176,17 +208,23 @@ def check_block(records: list[dict[str, Any]], block: int, sft_seed: int, sft_ha
         b = r.get("block")
         if b is None:
             if r["sft"] == sft_hash:
-                raise ConfigError(f"block {block}'s SFT checkpoint {sft_hash} is the main study's",
-                                  hint="a block starts from its own SFT checkpoint: build one with another --sft-seed")
+                raise ConfigError(
+                    f"block {block}'s SFT checkpoint {sft_hash} is the main study's",
+                    hint="a block starts from its own SFT checkpoint: build one with another --sft-seed",
+                )
         elif b["id"] != block and (b["sft_seed"] == sft_seed or r["sft"] == sft_hash):
-            raise ConfigError(f"block {b['id']} already uses SFT seed {b['sft_seed']} (hash {r['sft']}); block "
-                              f"{block} would use SFT seed {sft_seed} (hash {sft_hash})",
-                              hint="each block has its own SFT seed and checkpoint")
+            raise ConfigError(
+                f"block {b['id']} already uses SFT seed {b['sft_seed']} (hash {r['sft']}); block "
+                f"{block} would use SFT seed {sft_seed} (hash {sft_hash})",
+                hint="each block has its own SFT seed and checkpoint",
+            )
         elif b["id"] == block and (b["sft_seed"], {"arms": b["arms"], "seeds": b["seeds"]}) != (sft_seed, design):
-            raise ConfigError(f"block {block} was started as SFT seed {b['sft_seed']}, arms {' '.join(b['arms'])}, "
-                              f"seeds {b['seeds']}; this run asks for SFT seed {sft_seed}, arms {' '.join(arms)}, "
-                              f"seeds {sorted(seeds)}",
-                              hint="a partial block is refused: run the block's whole design in one invocation")
+            raise ConfigError(
+                f"block {block} was started as SFT seed {b['sft_seed']}, arms {' '.join(b['arms'])}, "
+                f"seeds {b['seeds']}; this run asks for SFT seed {sft_seed}, arms {' '.join(arms)}, "
+                f"seeds {sorted(seeds)}",
+                hint="a partial block is refused: run the block's whole design in one invocation",
+            )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -194,8 +232,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if arm not in ARMS:
             raise ConfigError(f"unknown arm {arm!r}", hint=f"one of {', '.join(ARMS)}")
     if (args.block is None) != (args.sft_seed is None):
-        raise ConfigError("--block and --sft-seed go together", hint="a block is named by its number and the SFT "
-                          "seed its checkpoint was built with (python -m arpo_algo.run.quickstart --sft-seed S)")
+        raise ConfigError(
+            "--block and --sft-seed go together",
+            hint="a block is named by its number and the SFT "
+            "seed its checkpoint was built with (python -m arpo_algo.run.quickstart --sft-seed S)",
+        )
     code, commit = code_hash(allow_dirty=args.dry_run)
     sft_hash, here = file_hash(args.sft), machine()
     records = read_records(args.records)
@@ -209,16 +250,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     for r in peers[:1]:
         for key, mine in (("code", code), ("sft", sft_hash), ("cpu", here["cpu"]), ("torch", here["torch"])):
             if r[key] != mine:
-                raise ConfigError(f"the records in {args.records} come from {key} {r[key]}, this run would be "
-                                  f"{mine}", hint="continue the study from its pinned commit, SFT checkpoint and "
-                                  "kind of CPU (see the records' first line), or start a new records file")
+                raise ConfigError(
+                    f"the records in {args.records} come from {key} {r[key]}, this run would be {mine}",
+                    hint="continue the study from its pinned commit, SFT checkpoint and "
+                    "kind of CPU (see the records' first line), or start a new records file",
+                )
     done = {(r["arm"], r["seed"]) for r in peers}
     if args.block is not None:
         args.output = args.output / f"block_{args.block}"
     if args.dry_run:
         todo = [(arm, seed) for seed in seeds for arm in args.arms if (arm, seed) not in done]
-        print(f"[study] dry run: {len(todo)} run(s) from SFT {sft_hash} on {here['cpu']}, code {code}"
-              + ("" if args.block is None else f", block {args.block} (SFT seed {args.sft_seed})"), flush=True)
+        print(
+            f"[study] dry run: {len(todo)} run(s) from SFT {sft_hash} on {here['cpu']}, code {code}"
+            + ("" if args.block is None else f", block {args.block} (SFT seed {args.sft_seed})"),
+            flush=True,
+        )
         for arm, seed in todo:
             print(f"[study] would run {arm} seed {seed} into {args.output / arm / f'seed_{seed}'}", flush=True)
         return 0
@@ -226,29 +272,48 @@ def cmd_run(args: argparse.Namespace) -> int:
         folder = args.output / arm / f"seed_{seed}"
         # result.json: the run finished (a live run of the same seed in this folder, from another records file,
         # has none yet)
-        if arm in args.arms and not args.keep_checkpoints and (folder / "checkpoints").is_dir() and \
-                (folder / "result.json").is_file():
+        if (
+            arm in args.arms
+            and not args.keep_checkpoints
+            and (folder / "checkpoints").is_dir()
+            and (folder / "result.json").is_file()
+        ):
             freed = drop_checkpoints(folder)
-            print(f"[study] {arm} seed {seed} is recorded: dropped its checkpoints ({freed / 2**30:.1f} GiB)",
-                  flush=True)
-    block = None if args.block is None else {"id": args.block, "sft_seed": args.sft_seed, "arms": sorted(args.arms),
-                                             "seeds": sorted(seeds)}
+            print(
+                f"[study] {arm} seed {seed} is recorded: dropped its checkpoints ({freed / 2**30:.1f} GiB)", flush=True
+            )
+    block = (
+        None
+        if args.block is None
+        else {"id": args.block, "sft_seed": args.sft_seed, "arms": sorted(args.arms), "seeds": sorted(seeds)}
+    )
     for seed in seeds:
         for arm in args.arms:
             if (arm, seed) in done:
                 continue
             print(f"[study] {arm} seed {seed} ...", flush=True)
             got = run_arm(arm, seed, args.sft.resolve(), args.output / arm / f"seed_{seed}", not args.no_progress)
-            rec = {"arm": arm, "seed": seed, "code": code, "commit": commit, "sft": sft_hash, **here,
-                   "threads": args.threads, "date": time.strftime("%Y-%m-%d"), **got}
+            rec = {
+                "arm": arm,
+                "seed": seed,
+                "code": code,
+                "commit": commit,
+                "sft": sft_hash,
+                **here,
+                "threads": args.threads,
+                "date": time.strftime("%Y-%m-%d"),
+                **got,
+            }
             if block is not None:
                 rec["block"] = block
             with args.records.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 os.fsync(f.fileno())  # the record is on disk before its run's checkpoints may go
-            print(f"[study] {arm} seed {seed}: {got['before']:.3f} -> {got['after']:.3f} in {got['time_s']:.0f} s",
-                  flush=True)
+            print(
+                f"[study] {arm} seed {seed}: {got['before']:.3f} -> {got['after']:.3f} in {got['time_s']:.0f} s",
+                flush=True,
+            )
             if not args.keep_checkpoints:
                 freed = drop_checkpoints(args.output / arm / f"seed_{seed}")
                 print(f"[study] {arm} seed {seed}: dropped its checkpoints ({freed / 2**30:.1f} GiB)", flush=True)
@@ -271,10 +336,12 @@ def drop_checkpoints(out: Path) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     mde = power_mde(PLAN["pairs"], PLAN["pilot_sd"], PLAN["alpha"])
-    print(f"primary test: {PLAN['primary']}\nn = {PLAN['pairs']} pairs, alpha = {PLAN['alpha']}; AEPO over "
-          f"{PLAN['aepo_seeds']} seeds; held-out accuracy on {PLAN['eval_tasks']} test tasks after every iteration\n"
-          f"power: with paired differences of sd {PLAN['pilot_sd']} (the pilot), {PLAN['pairs']} pairs detect a mean "
-          f"difference of {mde:.2f} with 80% power (Wilcoxon, simulated)")
+    print(
+        f"primary test: {PLAN['primary']}\nn = {PLAN['pairs']} pairs, alpha = {PLAN['alpha']}; AEPO over "
+        f"{PLAN['aepo_seeds']} seeds; held-out accuracy on {PLAN['eval_tasks']} test tasks after every iteration\n"
+        f"power: with paired differences of sd {PLAN['pilot_sd']} (the pilot), {PLAN['pairs']} pairs detect a mean "
+        f"difference of {mde:.2f} with 80% power (Wilcoxon, simulated)"
+    )
     for arm, (file, overrides) in ARMS.items():
         print(f"arm {arm}: {file} --set {' --set '.join(overrides)}")
     for d in DEVIATIONS:
@@ -292,12 +359,15 @@ def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, A
     for bid, rs in sorted(blocks.items()):
         design = rs[0]["block"]
         have = {(r["arm"], r["seed"]) for r in rs}
-        missing = [f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"]
-                   if (arm, seed) not in have]
+        missing = [
+            f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"] if (arm, seed) not in have
+        ]
         if missing:
-            raise ConfigError(f"block {bid} is partial: no record of {', '.join(missing)}",
-                              hint=f"finish it (python -m studies.study run {' '.join(design['arms'])} --block "
-                                   f"{bid} --sft-seed {design['sft_seed']} ...) before reporting")
+            raise ConfigError(
+                f"block {bid} is partial: no record of {', '.join(missing)}",
+                hint=f"finish it (python -m studies.study run {' '.join(design['arms'])} --block "
+                f"{bid} --sft-seed {design['sft_seed']} ...) before reporting",
+            )
     return blocks
 
 
@@ -308,25 +378,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.arms:
         unknown = sorted(set(args.arms) - {r["arm"] for r in records})
         if unknown:
-            raise ConfigError(f"no record of the arm(s) {', '.join(unknown)} in {args.records}",
-                              hint=f"--arms takes some of {', '.join(sorted({r['arm'] for r in records}))}")
+            raise ConfigError(
+                f"no record of the arm(s) {', '.join(unknown)} in {args.records}",
+                hint=f"--arms takes some of {', '.join(sorted({r['arm'] for r in records}))}",
+            )
         records = [r for r in records if r["arm"] in args.arms]
     if records and args.baseline not in {r["arm"] for r in records}:
-        raise ConfigError(f"no record of the baseline arm {args.baseline!r} in {args.records}",
-                          hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}")
+        raise ConfigError(
+            f"no record of the baseline arm {args.baseline!r} in {args.records}",
+            hint=f"--baseline is one of {', '.join(sorted({r['arm'] for r in records}))}",
+        )
     arms = {r["arm"] for r in records}
     if {"arpo", "grpo"} <= arms:
         dev = DEVIATIONS[-1] if DEVIATIONS else {"pairs": PLAN["pairs"], "aepo_seeds": PLAN["aepo_seeds"]}
         effect = power_mde(PLAN["pairs"], PLAN["pilot_sd"], PLAN["alpha"])  # the effect the plan was sized for
-        print(planned_test(records, dev["pairs"], PLAN["alpha"], effect, PLAN["pilot_sd"], PLAN["pairs"],
-                           dev["aepo_seeds"], PLAN["aepo_seeds"]) + "\n")
+        print(
+            planned_test(
+                records,
+                dev["pairs"],
+                PLAN["alpha"],
+                effect,
+                PLAN["pilot_sd"],
+                PLAN["pairs"],
+                dev["aepo_seeds"],
+                PLAN["aepo_seeds"],
+            )
+            + "\n"
+        )
     print(report(records, args.figures, baseline=args.baseline))
     for bid, rs in sorted(blocks.items()):
         rs = [r for r in rs if not args.arms or r["arm"] in args.arms]
         if not rs:
             continue
-        print(f"\nSide analysis, not the planned test: block {bid} (SFT seed {rs[0]['block']['sft_seed']}, "
-              f"SFT {rs[0]['sft']}), paired within the block\n")
+        print(
+            f"\nSide analysis, not the planned test: block {bid} (SFT seed {rs[0]['block']['sft_seed']}, "
+            f"SFT {rs[0]['sft']}), paired within the block\n"
+        )
         print(report(rs, baseline=args.baseline))
     return 0
 
@@ -342,21 +429,36 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--records", type=Path, default=ROOT / "studies" / "study_records.jsonl")
     run.add_argument("--output", type=Path, default=Path("runs/study"), help="run folders (not kept)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 per process side by side)")
-    run.add_argument("--block", type=int, default=None,
-                     help="run a labelled block of pairs from its own SFT checkpoint (with --sft-seed): every arm "
-                          "and seed of the block, here, in this one invocation")
-    run.add_argument("--sft-seed", type=int, default=None, help="the SFT seed the block's --sft checkpoint was built "
-                                                                 "with (python -m arpo_algo.run.quickstart --sft-seed)")
+    run.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help="run a labelled block of pairs from its own SFT checkpoint (with --sft-seed): every arm "
+        "and seed of the block, here, in this one invocation",
+    )
+    run.add_argument(
+        "--sft-seed",
+        type=int,
+        default=None,
+        help="the SFT seed the block's --sft checkpoint was built with (python -m arpo_algo.run.quickstart --sft-seed)",
+    )
     run.add_argument("--dry-run", action="store_true", help="check everything and list the runs; write nothing")
     run.add_argument("--no-progress", action="store_true")
-    run.add_argument("--keep-checkpoints", action="store_true",
-                     help="keep each finished run's checkpoints (default: deleted once its record is written)")
+    run.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's checkpoints (default: deleted once its record is written)",
+    )
     rep = sub.add_parser("report", help="the tables (and figures) from the records")
     rep.add_argument("--records", type=Path, default=ROOT / "studies" / "study_records.jsonl")
     rep.add_argument("--figures", type=Path, default=None, help="write the plots into this folder")
     rep.add_argument("--baseline", default="grpo", help="the arm the others are paired against (default grpo)")
-    rep.add_argument("--arms", nargs="+", default=None,
-                     help="only these arms in the tables and figures (default: every arm recorded)")
+    rep.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        help="only these arms in the tables and figures (default: every arm recorded)",
+    )
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
         import torch

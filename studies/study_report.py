@@ -79,12 +79,12 @@ def hodges_lehmann(diffs: list[float], alpha: float = 0.05) -> tuple[float, floa
     m = len(walsh)
     est = statistics.median(walsh)
     counts, c, cum = _null_counts(n), -1, 0
-    while cum + counts[c + 1] <= alpha / 2 * 2 ** n:
+    while cum + counts[c + 1] <= alpha / 2 * 2**n:
         c += 1
         cum += counts[c]
     if c < 0:  # too few pairs for any interval at this level
         return est, -math.inf, math.inf, 1.0
-    return est, walsh[c], walsh[m - 1 - c], 1 - 2 * cum / 2 ** n
+    return est, walsh[c], walsh[m - 1 - c], 1 - 2 * cum / 2**n
 
 
 def power(draw: Any, n: int, alpha: float = 0.05, sims: int = 2000, seed: int = 0) -> float:
@@ -94,8 +94,17 @@ def power(draw: Any, n: int, alpha: float = 0.05, sims: int = 2000, seed: int = 
     return sum(wilcoxon([draw(rng) for _ in range(n)])[0] < alpha for _ in range(sims)) / sims
 
 
-def planned_test(records: list[dict[str, Any]], pairs: int, alpha: float, effect: float, sd: float,
-                 planned_pairs: int, aepo_seeds: int, planned_aepo: int, sims: int = 2000) -> str:
+def planned_test(
+    records: list[dict[str, Any]],
+    pairs: int,
+    alpha: float,
+    effect: float,
+    sd: float,
+    planned_pairs: int,
+    aepo_seeds: int,
+    planned_aepo: int,
+    sims: int = 2000,
+) -> str:
     """The study's primary test, ARPO - GRPO on the final held-out accuracy of the first ``pairs`` seeds recorded
     in both arms, as the plan fixes it, with the Hodges-Lehmann estimate, its exact interval and the power the test
     had: at the planned effect (normal differences of mean ``effect`` and sd ``sd``) and by resampling the observed
@@ -104,8 +113,10 @@ def planned_test(records: list[dict[str, Any]], pairs: int, alpha: float, effect
     arpo, grpo = arms.get("arpo", {}), arms.get("grpo", {})
     seeds = sorted(s for s in arpo if s in grpo)[:pairs]
     aepo = len(arms.get("aepo", {}))
-    lines = [f"Primary test (the plan at n = {pairs} pairs after its recorded deviation; planned {planned_pairs}): "
-             f"two-sided exact Wilcoxon signed-rank, ARPO - GRPO, final held-out accuracy, alpha = {alpha}"]
+    lines = [
+        f"Primary test (the plan at n = {pairs} pairs after its recorded deviation; planned {planned_pairs}): "
+        f"two-sided exact Wilcoxon signed-rank, ARPO - GRPO, final held-out accuracy, alpha = {alpha}"
+    ]
     if len(seeds) < pairs:
         return "\n".join(lines + [f"not run: {len(seeds)} of {pairs} pairs recorded"])
     d = [arpo[s]["after"] - grpo[s]["after"] for s in seeds]
@@ -126,7 +137,8 @@ def planned_test(records: list[dict[str, Any]], pairs: int, alpha: float, effect
         f"power of this test at n = {pairs} (exact Wilcoxon, {sims} seeded simulations): {at_plan:.2f} at the "
         f"planned effect (normal differences, mean {effect}, sd {sd}; {at_plan_full:.2f} at the planned "
         f"n = {planned_pairs}); {resampled:.2f} when the {pairs} observed differences are resampled with replacement",
-        f"AEPO: {aepo} of {planned_aepo} planned seeds run" + (" (not run)" if aepo == 0 else "")
+        f"AEPO: {aepo} of {planned_aepo} planned seeds run"
+        + (" (not run)" if aepo == 0 else "")
         + (f"; the deviation fixes {aepo_seeds}" if aepo_seeds != planned_aepo else ""),
     ]
     return "\n".join(lines)
@@ -136,28 +148,38 @@ def report(records: list[dict[str, Any]], figures: Path | None = None, baseline:
     if not records:
         return "no records yet"
     arms = by_arm(records)
-    lines = [f"records: {len(records)}; code {records[0]['code']} (commit {records[0]['commit'][:10]}), SFT "
-             f"{records[0]['sft']}, {records[0]['cpu']}, torch {records[0]['torch']}", "",
-             "| arm | seeds | before | final (mean ± sd, 95% CI) | improved / worse | branches per group | "
-             "clip fraction | tool calls per run | wall time per run |", "|" + "---|" * 9]
+    lines = [
+        f"records: {len(records)}; code {records[0]['code']} (commit {records[0]['commit'][:10]}), SFT "
+        f"{records[0]['sft']}, {records[0]['cpu']}, torch {records[0]['torch']}",
+        "",
+        "| arm | seeds | before | final (mean ± sd, 95% CI) | improved / worse | branches per group | "
+        "clip fraction | tool calls per run | wall time per run |",
+        "|" + "---|" * 9,
+    ]
     for arm, seeds in arms.items():
         rs = list(seeds.values())
-        lines.append(f"| {arm} | {len(rs)} | {rs[0]['before']:.3f} | {_ci([r['after'] for r in rs])} | "
-                     f"{sum(r['after'] > r['before'] for r in rs)} / {sum(r['after'] < r['before'] for r in rs)} | "
-                     f"{stats([r['branches_per_group'] for r in rs])['mean']:.2f} | "
-                     f"{stats([r['clip_frac'] for r in rs])['mean']:.4f} | "
-                     f"{stats([sum(r['tool_calls']) for r in rs])['mean']:.0f} | "
-                     f"{stats([r['time_s'] for r in rs])['mean']:.0f} s |")
+        lines.append(
+            f"| {arm} | {len(rs)} | {rs[0]['before']:.3f} | {_ci([r['after'] for r in rs])} | "
+            f"{sum(r['after'] > r['before'] for r in rs)} / {sum(r['after'] < r['before'] for r in rs)} | "
+            f"{stats([r['branches_per_group'] for r in rs])['mean']:.2f} | "
+            f"{stats([r['clip_frac'] for r in rs])['mean']:.4f} | "
+            f"{stats([sum(r['tool_calls']) for r in rs])['mean']:.0f} | "
+            f"{stats([r['time_s'] for r in rs])['mean']:.0f} s |"
+        )
     base = arms.get(baseline, {})
     if base:
         name = baseline.upper()
-        lines += ["", f"Paired by seed against {name} (final accuracy difference). Reach: the first evaluation at "
-                  f"or above {name}'s mean final accuracy over the same seeds (the target); tool calls and tokens "
-                  "are means ± sd over the seeds that reach it, the iteration a median; the {name} row is measured "
-                  "against its own mean.".replace("{name}", name), "",
-                  "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
-                  "pairs) | target | reach it | iteration (median) | tool calls to reach | tokens to reach |",
-                  "|" + "---|" * 10]
+        lines += [
+            "",
+            f"Paired by seed against {name} (final accuracy difference). Reach: the first evaluation at "
+            f"or above {name}'s mean final accuracy over the same seeds (the target); tool calls and tokens "
+            "are means ± sd over the seeds that reach it, the iteration a median; the {name} row is measured "
+            "against its own mean.".replace("{name}", name),
+            "",
+            "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
+            "pairs) | target | reach it | iteration (median) | tool calls to reach | tokens to reach |",
+            "|" + "---|" * 10,
+        ]
         for arm, seeds in arms.items():
             # The target and the reach are taken over the same seeds: the paired ones (all of the baseline's for
             # its own row), so an arm with fewer seeds is not measured against other seeds' accuracy.
@@ -175,9 +197,11 @@ def report(records: list[dict[str, Any]], figures: Path | None = None, baseline:
                 tally = f"{sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} / {sum(x == 0 for x in d)}"
                 p, nz = wilcoxon(d)
                 wil = f"{p:.4f} ({nz})"
-            lines.append(f"| {arm} | {pairs} | {diff} | {tally} | {wil} | {target:.3f} | {len(got)} of "
-                         f"{len(common)} | {statistics.median(its) if its else '-'} | "
-                         f"{_ci(calls) if calls else '-'} | {_ci(toks) if toks else '-'} |")
+            lines.append(
+                f"| {arm} | {pairs} | {diff} | {tally} | {wil} | {target:.3f} | {len(got)} of "
+                f"{len(common)} | {statistics.median(its) if its else '-'} | "
+                f"{_ci(calls) if calls else '-'} | {_ci(toks) if toks else '-'} |"
+            )
     lines += ["", "Held-out accuracy per seed after each iteration:", "", "| arm | seed | curve |", "|---|---|---|"]
     for arm, seeds in arms.items():
         for s, r in seeds.items():
@@ -195,8 +219,10 @@ def plot(arms: dict[str, dict[int, dict[str, Any]]], folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    for xi, label, name in ((1, "cumulative tool calls", "study_accuracy_vs_tool_calls.png"),
-                            (0, "iteration", "study_accuracy_vs_iteration.png")):
+    for xi, label, name in (
+        (1, "cumulative tool calls", "study_accuracy_vs_tool_calls.png"),
+        (0, "iteration", "study_accuracy_vs_iteration.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k, (arm, seeds) in enumerate(arms.items()):
             color = f"C{k}"
@@ -204,9 +230,14 @@ def plot(arms: dict[str, dict[int, dict[str, Any]]], folder: Path) -> None:
             for c in curves:
                 ax.plot([p[xi] for p in c], [p[3] for p in c], color=color, alpha=0.25, linewidth=0.7)
             n = min(len(c) for c in curves)
-            ax.plot([sum(c[i][xi] for c in curves) / len(curves) for i in range(n)],
-                    [sum(c[i][3] for c in curves) / len(curves) for i in range(n)], color=color, linewidth=2.2,
-                    marker="o", label=f"{arm.upper()} (mean of {len(curves)} seeds)")
+            ax.plot(
+                [sum(c[i][xi] for c in curves) / len(curves) for i in range(n)],
+                [sum(c[i][3] for c in curves) / len(curves) for i in range(n)],
+                color=color,
+                linewidth=2.2,
+                marker="o",
+                label=f"{arm.upper()} (mean of {len(curves)} seeds)",
+            )
         ax.set_xlabel(label)
         ax.set_ylabel("held-out accuracy (128 test tasks)")
         ax.legend()

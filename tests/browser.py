@@ -39,8 +39,9 @@ class WebDriver:
 
     def __init__(self, chromedriver: str, chromium: str, profile: str, size: str = "1300,850") -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([chromedriver, f"--port={self.port}"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [chromedriver, f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -51,9 +52,23 @@ class WebDriver:
                     self.proc.terminate()
                     raise
                 time.sleep(0.2)
-        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": chromium, "args": [
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--window-size={size}",
-            f"--user-data-dir={profile}"]}}}}
+        caps = {
+            "capabilities": {
+                "alwaysMatch": {
+                    "goog:chromeOptions": {
+                        "binary": chromium,
+                        "args": [
+                            "--headless",
+                            "--no-sandbox",
+                            "--disable-gpu",
+                            "--disable-dev-shm-usage",
+                            f"--window-size={size}",
+                            f"--user-data-dir={profile}",
+                        ],
+                    }
+                }
+            }
+        }
         self.session = self.call("POST", "/session", caps)["sessionId"]
 
     def call(self, method: str, path: str, body: dict | None = None) -> Any:

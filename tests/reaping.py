@@ -26,10 +26,13 @@ def pytest_sessionfinish(session, exitstatus):
     left = unreaped()
     if not left:
         return
-    lines = [f"{z}; first seen after {_FIRST_SEEN.get(z.pid, 'a fixture teardown at the end of the session')}"
-             for z in left]
-    message = "processes left unreaped at the end of the suite (each parent must wait for its child):\n  " + \
-              "\n  ".join(lines)
+    lines = [
+        f"{z}; first seen after {_FIRST_SEEN.get(z.pid, 'a fixture teardown at the end of the session')}" for z in left
+    ]
+    message = (
+        "processes left unreaped at the end of the suite (each parent must wait for its child):\n  "
+        + "\n  ".join(lines)
+    )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")

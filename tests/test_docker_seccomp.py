@@ -30,15 +30,22 @@ def _module():
 def _default_like() -> dict:
     """The shape of Docker's default: deny by default, plain rules, and the namespace calls only with CAP_SYS_ADMIN."""
     return {
-        "defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1,
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": 1,
         "archMap": [{"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86", "SCMP_ARCH_X32"]}],
         "syscalls": [
             {"names": ["read", "write", "execve", "exit_group"], "action": "SCMP_ACT_ALLOW"},
-            {"names": ["clone", "mount", "setns", "umount2", "unshare"], "action": "SCMP_ACT_ALLOW",
-             "includes": {"caps": ["CAP_SYS_ADMIN"]}},
-            {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-             "args": [{"index": 0, "value": 2114060288, "op": "SCMP_CMP_MASKED_EQ"}],
-             "excludes": {"caps": ["CAP_SYS_ADMIN"]}},
+            {
+                "names": ["clone", "mount", "setns", "umount2", "unshare"],
+                "action": "SCMP_ACT_ALLOW",
+                "includes": {"caps": ["CAP_SYS_ADMIN"]},
+            },
+            {
+                "names": ["clone"],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": 0, "value": 2114060288, "op": "SCMP_CMP_MASKED_EQ"}],
+                "excludes": {"caps": ["CAP_SYS_ADMIN"]},
+            },
         ],
     }
 
@@ -49,8 +56,9 @@ def test_profile_adds_only_the_namespace_calls_and_one_personality_value(tmp_pat
     src.write_text(json.dumps(default))
     subprocess.run([sys.executable, str(SCRIPT), str(src), str(out)], check=True)
     profile = json.loads(out.read_text())
-    assert {k: v for k, v in profile.items() if k != "syscalls"} == {k: v for k, v in default.items()
-                                                                     if k != "syscalls"}
+    assert {k: v for k, v in profile.items() if k != "syscalls"} == {
+        k: v for k, v in default.items() if k != "syscalls"
+    }
     assert profile["syscalls"][:-2] == default["syscalls"]  # Docker's rules unchanged, in order
     added, personality = profile["syscalls"][-2:]
     assert set(added) == {"names", "action", "comment"} and added["action"] == "SCMP_ACT_ALLOW"
@@ -88,10 +96,12 @@ def test_image_ships_bwrap_and_the_documented_run_command_grants_no_privilege():
 
 # Run inside the container by the image's own python, with the checkout and this environment's packages mounted
 # read-only: the tool must choose bwrap, reach "filesystem" and keep reproducible output (ADDR_NO_RANDOMIZE set).
-INSIDE = ("import json, os\nfrom arpo_env.tools.python_tool import PythonTool\nt = PythonTool(timeout_s=20)\n"
-          "r = t(\"import os\\nprint(os.getuid(), open('/proc/self/personality').read().strip())\")\n"
-          "print(json.dumps({'uid': os.getuid(), 'backend': t.backend, 'level': t.isolation['level'],"
-          " 'reproducible': t.reproducible_output, 'out': r.text, 'error': r.error}))")
+INSIDE = (
+    "import json, os\nfrom arpo_env.tools.python_tool import PythonTool\nt = PythonTool(timeout_s=20)\n"
+    "r = t(\"import os\\nprint(os.getuid(), open('/proc/self/personality').read().strip())\")\n"
+    "print(json.dumps({'uid': os.getuid(), 'backend': t.backend, 'level': t.isolation['level'],"
+    " 'reproducible': t.reproducible_output, 'out': r.text, 'error': r.error}))"
+)
 
 
 def test_bwrap_starts_in_a_container_with_the_profile_derived_from_debians_package(tmp_path):
@@ -107,8 +117,10 @@ def test_bwrap_starts_in_a_container_with_the_profile_derived_from_debians_packa
     deb = os.environ.get("ARPO_DOCKER_PROFILE_DEB")
     problem = docker_backend_problem() or (None if shutil.which("docker") else "the docker command is missing")
     if not problem and not (deb and os.path.isfile(deb)):
-        problem = ("no golang-github-docker-docker-dev package (ARPO_DOCKER_PROFILE_DEB names it; "
-                   "`apt-get download golang-github-docker-docker-dev`)")
+        problem = (
+            "no golang-github-docker-docker-dev package (ARPO_DOCKER_PROFILE_DEB names it; "
+            "`apt-get download golang-github-docker-docker-dev`)"
+        )
     if problem:
         if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
             pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but {problem}; scripts/test sets it up")
@@ -116,12 +128,44 @@ def test_bwrap_starts_in_a_container_with_the_profile_derived_from_debians_packa
     profile = tmp_path / "arpo-seccomp.json"
     subprocess.run([sys.executable, str(SCRIPT), deb, str(profile)], check=True)
     site = sysconfig.get_paths()["purelib"]
-    cmd = ["docker", "run", "--rm", "--user", f"{USER_ID}:{USER_ID}", "--read-only", "--tmpfs", "/tmp",
-           "--network", "none", "--security-opt", f"seccomp={profile}", "--security-opt", "apparmor=unconfined",
-           "--security-opt", "systempaths=unconfined", "-v", f"{REPO}:/src:ro", "-v", f"{site}:/site:ro",
-           "-e", "PYTHONPATH=/src:/site", "-e", "HOME=/tmp", DEFAULT_IMAGE, "python", "-c", INSIDE]
+    cmd = [
+        "docker",
+        "run",
+        "--rm",
+        "--user",
+        f"{USER_ID}:{USER_ID}",
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--network",
+        "none",
+        "--security-opt",
+        f"seccomp={profile}",
+        "--security-opt",
+        "apparmor=unconfined",
+        "--security-opt",
+        "systempaths=unconfined",
+        "-v",
+        f"{REPO}:/src:ro",
+        "-v",
+        f"{site}:/site:ro",
+        "-e",
+        "PYTHONPATH=/src:/site",
+        "-e",
+        "HOME=/tmp",
+        DEFAULT_IMAGE,
+        "python",
+        "-c",
+        INSIDE,
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     facts = json.loads(run.stdout.strip().splitlines()[-1])
-    assert facts == {"uid": USER_ID, "backend": "bwrap", "level": "filesystem", "reproducible": True,
-                     "out": f"{USER_ID} 00040000", "error": False}, facts
+    assert facts == {
+        "uid": USER_ID,
+        "backend": "bwrap",
+        "level": "filesystem",
+        "reproducible": True,
+        "out": f"{USER_ID} 00040000",
+        "error": False,
+    }, facts

@@ -14,14 +14,36 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-CODE_DIRS = ("arpo_base", "arpo_env", "arpo_algo", "serve", "experiments", "benchmarks", "studies", "examples", "tests",
-             "scripts", "docker")
+CODE_DIRS = (
+    "arpo_base",
+    "arpo_env",
+    "arpo_algo",
+    "serve",
+    "experiments",
+    "benchmarks",
+    "studies",
+    "examples",
+    "tests",
+    "scripts",
+    "docker",
+)
 CODE_SUFFIXES = {".py", ".toml", ".yaml", ".yml", ".sh", ""}
 #: A citation of a documentation page from code: ``docs/concepts/arpo.md#limit-eos``.
 DOC_REF = re.compile(r"(?<![\w/.])docs/([\w./-]+\.md)(?:#([\w-]+))?")
 #: Notes kept outside the repository; code that cites them sends a reader to something they cannot open.
-OUTSIDE = re.compile("|".join(["ARPO" + "_SPEC", "RAY" + "_NOTES", "GPU" + "_NOTES", "VLLM_CPU" + "_NOTES",
-                               r"\.\./shared/" + "docs", r"\bSTYLE" + r"\.md", r"\bPEERS" + r"\.md"]))
+OUTSIDE = re.compile(
+    "|".join(
+        [
+            "ARPO" + "_SPEC",
+            "RAY" + "_NOTES",
+            "GPU" + "_NOTES",
+            "VLLM_CPU" + "_NOTES",
+            r"\.\./shared/" + "docs",
+            r"\bSTYLE" + r"\.md",
+            r"\bPEERS" + r"\.md",
+        ]
+    )
+)
 #: A bare section sign cites a section of such a note; a paper's section is cited with the paper (DAPO, arXiv id).
 BARE_SECTION = re.compile(r"\u00a7\s?\d")
 PAPER = re.compile(r"DAPO|arXiv")
@@ -60,7 +82,8 @@ def anchors(page: Path) -> set[str]:
 def test_slug_follows_mkdocs_rules():
     assert slug("Limit EOS") == "limit-eos"
     assert slug("The learner on a GPU: precision, tree attention, determinism") == (
-        "the-learner-on-a-gpu-precision-tree-attention-determinism")
+        "the-learner-on-a-gpu-precision-tree-attention-determinism"
+    )
     assert slug("`arpo tune` sweeps") == "arpo-tune-sweeps"
 
 
@@ -77,14 +100,17 @@ def test_site_builds_strictly(tmp_path):
 
 
 def test_generated_reference_pages_match_the_code():
-    proc = subprocess.run([sys.executable, "scripts/gen_reference.py", "--check"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "scripts/gen_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr.strip() or "regenerate with: python scripts/gen_reference.py"
 
 
 def test_every_setting_has_a_sentence_and_the_page_lists_every_setting():
-    script = ("import sys; sys.path.insert(0, 'scripts'); import gen_reference as g; "
-              "print('\\n'.join(f\"{r['name']} {int(bool(r['doc']))}\" for r in g.settings_rows()))")
+    script = (
+        "import sys; sys.path.insert(0, 'scripts'); import gen_reference as g; "
+        "print('\\n'.join(f\"{r['name']} {int(bool(r['doc']))}\" for r in g.settings_rows()))"
+    )
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = dict(line.split() for line in proc.stdout.splitlines())
@@ -100,9 +126,11 @@ def test_settings_page_shows_each_algorithms_own_defaults():
     from arpo_algo.algorithms.settings import Settings
 
     base = Settings().flat()
-    rows = {line.split(" | ")[0].strip("| `"): line
-            for line in (DOCS / "reference" / "settings.md").read_text(encoding="utf-8").splitlines()
-            if line.startswith("| `")}
+    rows = {
+        line.split(" | ")[0].strip("| `"): line
+        for line in (DOCS / "reference" / "settings.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `")
+    }
     shown = 0
     for cls in (ARPOConfig, GRPOConfig, AEPOConfig):
         for name, value in cls().settings.flat().items():
@@ -199,8 +227,11 @@ def test_sections_and_words_are_counted_as_a_reader_sees_them():
 @pytest.mark.parametrize("page", sorted(p.name for p in (DOCS / "howto").glob("*.md")))
 def test_howto_sections_are_short_enough_to_scan(page):
     text = (DOCS / "howto" / page).read_text(encoding="utf-8")
-    long = [f"{heading!r}: {n} words" for heading, lines in sections(text)
-            if (n := word_count("\n".join(lines))) > HOWTO_SECTION_WORDS]
+    long = [
+        f"{heading!r}: {n} words"
+        for heading, lines in sections(text)
+        if (n := word_count("\n".join(lines))) > HOWTO_SECTION_WORDS
+    ]
     assert not long, f"docs/howto/{page}: split these sections under headings:\n" + "\n".join(long)
 
 

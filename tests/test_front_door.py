@@ -59,8 +59,15 @@ def blocks(document: str) -> list[Block]:
         while j < len(lines) and lines[j].rstrip() != "```":
             j += 1
         before = DIRECTIVE.match(lines[start - 1].strip()) if start else None
-        found.append(Block(document, start + 1, m.group(1).lower(), "\n".join(lines[start + 1:j]),
-                           before.group(1) if before else None))
+        found.append(
+            Block(
+                document,
+                start + 1,
+                m.group(1).lower(),
+                "\n".join(lines[start + 1 : j]),
+                before.group(1) if before else None,
+            )
+        )
         i = j + 1
     return found
 
@@ -68,27 +75,40 @@ def blocks(document: str) -> list[Block]:
 def test_the_block_reader_sees_marks_languages_and_lines(tmp_path, monkeypatch):
     """The parser itself (guards against a tier that silently runs nothing)."""
     doc = tmp_path / "doc.md"
-    doc.write_text("text\n```bash\necho a\n```\n<!-- docs-test: skip (why) -->\n```python\nx = 1\n```\n"
-                   "<!-- docs-test: server (s) -->\n```bash\nsleep 1\n```\n```text\nfigure\n```\n")
+    doc.write_text(
+        "text\n```bash\necho a\n```\n<!-- docs-test: skip (why) -->\n```python\nx = 1\n```\n"
+        "<!-- docs-test: server (s) -->\n```bash\nsleep 1\n```\n```text\nfigure\n```\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     got = [(b.line, b.lang, b.code, b.mark) for b in blocks("doc.md")]
-    assert got == [(2, "bash", "echo a", None), (6, "python", "x = 1", "skip"), (10, "bash", "sleep 1", "server"),
-                   (13, "text", "figure", None)]
+    assert got == [
+        (2, "bash", "echo a", None),
+        (6, "python", "x = 1", "skip"),
+        (10, "bash", "sleep 1", "server"),
+        (13, "text", "figure", None),
+    ]
 
 
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_every_runnable_block_runs_or_says_why_not(document):
-    bad = [f"{document}:{b.line} ({b.lang})" for b in blocks(document)
-           if b.lang in RUNNABLE and b.mark is None and b.lang not in ("bash", "sh", "shell", "console")]
+    bad = [
+        f"{document}:{b.line} ({b.lang})"
+        for b in blocks(document)
+        if b.lang in RUNNABLE and b.mark is None and b.lang not in ("bash", "sh", "shell", "console")
+    ]
     assert not bad, f"blocks that are neither run by the tier nor marked '<!-- docs-test: skip (why) -->': {bad}"
     assert [b for b in blocks(document) if b.lang in RUNNABLE and b.mark != "skip"], "the tier would run nothing"
 
 
 def _environment(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARPO_")}
-    env.update(ARPO_HOME=str(home), ARPO_SMOKE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-               PATH=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))))
+    env.update(
+        ARPO_HOME=str(home),
+        ARPO_SMOKE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        PATH=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+    )
     return env
 
 
@@ -106,9 +126,15 @@ class Server:
 
     def __init__(self, block: Block, cwd: Path, env: dict[str, str]) -> None:
         self.block, self.output, self.ready = block, [], threading.Event()
-        self.proc = subprocess.Popen(["bash", "-c", f"exec {block.code.strip()}"], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", f"exec {block.code.strip()}"],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -123,8 +149,11 @@ class Server:
             self.ready.wait(1)
         if not self.ready.is_set():
             self.stop()
-            pytest.fail(f"{self.block.document}:{self.block.line}: the server did not become ready "
-                        f"(exit {self.proc.returncode}):\n{''.join(self.output)[-4000:]}", pytrace=False)
+            pytest.fail(
+                f"{self.block.document}:{self.block.line}: the server did not become ready "
+                f"(exit {self.proc.returncode}):\n{''.join(self.output)[-4000:]}",
+                pytrace=False,
+            )
 
     def stop(self) -> None:
         """Ctrl-C, as a user would; then the whole process group (Ray's processes included) by force."""
@@ -159,12 +188,21 @@ def test_the_documents_commands_run_as_written(document, tiny_model_dir, tmp_pat
                 ran.append(block.code)
                 continue
             t0 = time.monotonic()
-            proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=work, env=env,
-                                  capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+            proc = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", block.code],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=BLOCK_TIMEOUT_S,
+            )
             print(f"{document}:{block.line}: {time.monotonic() - t0:.1f} s")
             if proc.returncode != 0:
-                pytest.fail(f"{document}:{block.line}: exit {proc.returncode}\n$ {block.code}\n"
-                            f"{(proc.stdout + proc.stderr)[-4000:]}", pytrace=False)
+                pytest.fail(
+                    f"{document}:{block.line}: exit {proc.returncode}\n$ {block.code}\n"
+                    f"{(proc.stdout + proc.stderr)[-4000:]}",
+                    pytrace=False,
+                )
             ran.append(block.code)
     finally:
         for server in servers:

@@ -80,6 +80,7 @@ def test_dockerfile_installs_arpo_with_gpu_extras_as_a_non_root_user_and_bakes_n
 
 def _dockerignored(path: str, patterns: list[str]) -> bool:
     """Docker's rule: a path is excluded when a pattern matches it or one of its parent folders (no negations)."""
+
     def regex(p: str) -> re.Pattern:
         out = re.escape(p).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*")
         return re.compile(out.replace(r"\?", "[^/]") + "$")
@@ -90,16 +91,35 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_runs_caches_venvs_and_weights_out_but_not_the_code():
-    patterns = [x.strip() for x in (REPO / ".dockerignore").read_text().splitlines()
-                if x.strip() and not x.startswith("#")]
+    patterns = [
+        x.strip() for x in (REPO / ".dockerignore").read_text().splitlines() if x.strip() and not x.startswith("#")
+    ]
     assert not any(p.startswith("!") for p in patterns)
-    for path in ("runs/quickstart/metrics.jsonl", ".venv/bin/python", ".venv-vllm/lib/x.py", "tune_results/a/b",
-                 "arpo_algo/__pycache__/x.pyc", "weights/model.safetensors", "x/model.gguf", ".git/HEAD",
-                 ".arpo/models/smollm2/model.safetensors", "data/train.parquet", "models/Qwen3-8B/config.json",
-                 ".pytest_cache/v", ".ruff_cache/x"):
+    for path in (
+        "runs/quickstart/metrics.jsonl",
+        ".venv/bin/python",
+        ".venv-vllm/lib/x.py",
+        "tune_results/a/b",
+        "arpo_algo/__pycache__/x.pyc",
+        "weights/model.safetensors",
+        "x/model.gguf",
+        ".git/HEAD",
+        ".arpo/models/smollm2/model.safetensors",
+        "data/train.parquet",
+        "models/Qwen3-8B/config.json",
+        ".pytest_cache/v",
+        ".ruff_cache/x",
+    ):
         assert _dockerignored(path, patterns), path
-    for path in ("pyproject.toml", "README.md", "arpo_algo/models/store.py", "arpo_env/data.py",
-                 "experiments/gpu/gpu_reasoning_qwen25_7b.toml", "scripts/quickstart", "serve/__init__.py"):
+    for path in (
+        "pyproject.toml",
+        "README.md",
+        "arpo_algo/models/store.py",
+        "arpo_env/data.py",
+        "experiments/gpu/gpu_reasoning_qwen25_7b.toml",
+        "scripts/quickstart",
+        "serve/__init__.py",
+    ):
         assert not _dockerignored(path, patterns), path
 
 
@@ -158,10 +178,19 @@ def test_parameter_formula_matches_real_models():
 
     from arpo_algo.run.estimate_gpu import parameters
 
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=96, vocab_size=300)
-    for cfg in (Qwen2Config(**common, tie_word_embeddings=False), Qwen3Config(**common, head_dim=24),
-                LlamaConfig(**common, tie_word_embeddings=True)):
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=300,
+    )
+    for cfg in (
+        Qwen2Config(**common, tie_word_embeddings=False),
+        Qwen3Config(**common, head_dim=24),
+        LlamaConfig(**common, tie_word_embeddings=True),
+    ):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
         assert parameters(cfg.to_dict()) == sum(p.numel() for p in model.parameters()), type(cfg).__name__

@@ -42,8 +42,15 @@ SCRIPT_FOLDERS = ("benchmarks", "studies", "examples", "experiments")
 #: so a module is never squeezed to fit.
 MAX_LINES = 400
 #: Tokens that carry no code of their own: a line holding only these is blank or comment-only.
-_NO_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
-            tokenize.ENCODING}
+_NO_CODE = {
+    tokenize.COMMENT,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+    tokenize.ENCODING,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -111,17 +118,22 @@ def test_imports_follow_the_room_order():
                 continue
             theirs = _room(name)
             if theirs is not None and theirs > mine:
-                bad.append(f"{path.relative_to(REPO)}:{line} imports {name} "
-                           f"({ROOMS[theirs]} comes after {ROOMS[mine]})")
+                bad.append(
+                    f"{path.relative_to(REPO)}:{line} imports {name} ({ROOMS[theirs]} comes after {ROOMS[mine]})"
+                )
     assert not bad, "imports against the room order:\n" + "\n".join(bad)
 
 
 def test_serve_does_not_import_the_training_driver():
     """The server reads checkpoints and models from the rooms below; it never pulls in the training driver (a
     replica would otherwise import the whole run machinery)."""
-    bad = [f"{path.relative_to(REPO)}:{line} imports {name}"
-           for mod, path in _modules().items() if mod == "serve" or mod.startswith("serve.")
-           for name, line in _imports(path, mod) if name == "arpo_algo.run" or name.startswith("arpo_algo.run.")]
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for mod, path in _modules().items()
+        if mod == "serve" or mod.startswith("serve.")
+        for name, line in _imports(path, mod)
+        if name == "arpo_algo.run" or name.startswith("arpo_algo.run.")
+    ]
     assert not bad, "serve imports from arpo_algo.run:\n" + "\n".join(bad)
 
 
@@ -139,7 +151,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(edges[m]):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -158,8 +170,11 @@ def logical_lines(source: str) -> int:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 docstrings.update(range(first.lineno, first.end_lineno + 1))
     code: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -169,8 +184,11 @@ def logical_lines(source: str) -> int:
 
 
 def test_no_module_over_the_line_limit():
-    long = [f"{p.relative_to(REPO)}: {n} logical lines" for p in _modules().values()
-            if (n := logical_lines(p.read_text(encoding="utf-8"))) > MAX_LINES]
+    long = [
+        f"{p.relative_to(REPO)}: {n} logical lines"
+        for p in _modules().values()
+        if (n := logical_lines(p.read_text(encoding="utf-8"))) > MAX_LINES
+    ]
     assert not long, f"modules over {MAX_LINES} logical lines:\n" + "\n".join(long)
 
 
@@ -233,16 +251,23 @@ def test_only_a_scripts_own_tests_import_it():
     for mod, path in _modules().items():
         if mod.split(".")[0] in SCRIPT_FOLDERS:
             continue
-        bad += [f"{path.relative_to(REPO)}:{line} imports {name}" for name, line in _imports(path, mod)
-                if name.split(".")[0] in SCRIPT_FOLDERS]
+        bad += [
+            f"{path.relative_to(REPO)}:{line} imports {name}"
+            for name, line in _imports(path, mod)
+            if name.split(".")[0] in SCRIPT_FOLDERS
+        ]
     assert not bad, "imports of script folders outside their own tests:\n" + "\n".join(bad)
 
 
 def test_experiments_holds_experiment_files_in_groups():
     """experiments/ is a library of experiment and sweep files, one group per subfolder, and nothing else."""
-    stray = [p.relative_to(REPO).as_posix() for p in (REPO / "experiments").rglob("*") if p.is_file()
-             and not (p.suffix == ".toml" and p.parent.parent == REPO / "experiments")
-             and p != REPO / "experiments" / "README.md"]
+    stray = [
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "experiments").rglob("*")
+        if p.is_file()
+        and not (p.suffix == ".toml" and p.parent.parent == REPO / "experiments")
+        and p != REPO / "experiments" / "README.md"
+    ]
     assert not stray, f"not an experiment file in a group folder: {stray}"
     readme = (REPO / "experiments" / "README.md").read_text(encoding="utf-8")
     groups = sorted(p.name for p in (REPO / "experiments").iterdir() if p.is_dir())

@@ -18,7 +18,12 @@ CHECKED = ("arpo_base", "arpo_env", "arpo_algo", "serve", "benchmarks", "studies
 def test_ruff_finds_nothing():
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff is not installed (it is in the dev extra: pip install -e '.[dev]')")
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", *CHECKED],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", *CHECKED],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0:
         pytest.fail(f"ruff check found problems:\n{proc.stdout}{proc.stderr}", pytrace=False)

@@ -13,7 +13,7 @@ from arpo_algo.run import quickstart
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM / clear_refs are Linux /proc features")
 def test_peak_rss_is_reset_per_stage():
     big = bytearray(300 * 2**20)  # 300 MB resident
-    big[:: 4096] = b"x" * len(big[:: 4096])
+    big[::4096] = b"x" * len(big[::4096])
     with_big = quickstart.peak_rss_gb()
     del big
     assert quickstart.reset_peak_rss()
@@ -51,10 +51,16 @@ def test_quickstart_sft_settings_are_valid_and_only_change_memory():
 
 
 def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grpo(tmp_path, monkeypatch):
-    ref = {"num_seeds": 5, "sft_seed": 0, "command": "cmd", "machine": "m",
-           "configurations": {"arpo": {"before": 0.25, "after_mean": 0.30, "after_sd": 0.02, "improved": 4, "worse": 1},
-                              "grpo": {"before": 0.25, "after_mean": 0.31, "after_sd": 0.03, "improved": 5,
-                                       "worse": 0}}}
+    ref = {
+        "num_seeds": 5,
+        "sft_seed": 0,
+        "command": "cmd",
+        "machine": "m",
+        "configurations": {
+            "arpo": {"before": 0.25, "after_mean": 0.30, "after_sd": 0.02, "improved": 4, "worse": 1},
+            "grpo": {"before": 0.25, "after_mean": 0.31, "after_sd": 0.03, "improved": 5, "worse": 0},
+        },
+    }
     path = tmp_path / "ref.json"
     path.write_text(json.dumps(ref))
     monkeypatch.setattr(quickstart, "REFERENCE", path)

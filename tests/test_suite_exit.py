@@ -20,14 +20,25 @@ REPO = Path(__file__).resolve().parents[1]
 CRASH_AT_EXIT = "ctypes.CDLL(None).__cxa_atexit(ctypes.c_void_p(8), None, None)"
 
 
-def _run(tmp_path: Path, body: str, hard_exit: bool, conftest: str = "",
-         args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, body: str, hard_exit: bool, conftest: str = "", args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_cmdline_main  # noqa: F401\n" + conftest)
     (tmp_path / "test_case.py").write_text(f"import ctypes\nimport warnings\n\n\ndef test_case():\n    {body}\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1",
-           "ARPO_TEST_HARD_EXIT": "1" if hard_exit else "0"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_case.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONFAULTHANDLER": "1",
+        "ARPO_TEST_HARD_EXIT": "1" if hard_exit else "0",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_case.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_crash_after_the_report_no_longer_fails_a_passing_run(tmp_path):
@@ -40,14 +51,22 @@ def test_a_crash_after_the_report_no_longer_fails_a_passing_run(tmp_path):
 LATE_ERROR = "def pytest_terminal_summary(terminalreporter):\n    raise RuntimeError('late')\n"
 
 
-@pytest.mark.parametrize("body, conftest, args, status", [
-    (f"{CRASH_AT_EXIT}; assert False", "", (), 1),                        # a failure stays a failure
-    ("warnings.warn('w')", "", ("--max-warnings", "0"), 6),               # a status set after the session
-    (CRASH_AT_EXIT, "import pytest\n\n\ndef pytest_terminal_summary():\n"
-     "    pytest.exit('stop', returncode=3)\n", (), 3),                  # pytest.exit in a summary hook
-    ("pass", LATE_ERROR, (), 1),                                          # an error in a late hook: the usual exit
-    ("ctypes.string_at(0)", "", (), -signal.SIGSEGV),                     # a crash inside a test is not caught
-], ids=["failure", "max-warnings", "exit-in-summary", "late-hook-error", "crash-in-test"])
+@pytest.mark.parametrize(
+    "body, conftest, args, status",
+    [
+        (f"{CRASH_AT_EXIT}; assert False", "", (), 1),  # a failure stays a failure
+        ("warnings.warn('w')", "", ("--max-warnings", "0"), 6),  # a status set after the session
+        (
+            CRASH_AT_EXIT,
+            "import pytest\n\n\ndef pytest_terminal_summary():\n    pytest.exit('stop', returncode=3)\n",
+            (),
+            3,
+        ),  # pytest.exit in a summary hook
+        ("pass", LATE_ERROR, (), 1),  # an error in a late hook: the usual exit
+        ("ctypes.string_at(0)", "", (), -signal.SIGSEGV),  # a crash inside a test is not caught
+    ],
+    ids=["failure", "max-warnings", "exit-in-summary", "late-hook-error", "crash-in-test"],
+)
 def test_the_hard_exit_hides_no_failure(tmp_path, body, conftest, args, status):
     result = _run(tmp_path, body, hard_exit=True, conftest=conftest, args=args)
     assert result.returncode == status, result.stdout + result.stderr

@@ -24,8 +24,14 @@ def _run(tmp_path: Path, env: dict[str, str]) -> str:
     probe = REPO / "tests" / f"test_probe_home_{os.getpid()}.py"  # inside tests/ so that conftest.py applies
     probe.write_text(PROBE)
     try:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(probe)],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(probe)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         probe.unlink()
     assert out.returncode == 0, out.stdout + out.stderr

@@ -21,12 +21,22 @@ pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "", *sys.ar
 
 
 def test_tiers_follow_the_rule():
-    files = ["tests/arpo_algo/train/test_learner.py", "tests/arpo_algo/rollout/test_vllm_engine.py",
-             "tests/arpo_algo/cli/test_cli.py", "tests/multinode/test_train_multinode.py"]
-    out = subprocess.run([sys.executable, "-c", COLLECT, *files], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    files = [
+        "tests/arpo_algo/train/test_learner.py",
+        "tests/arpo_algo/rollout/test_vllm_engine.py",
+        "tests/arpo_algo/cli/test_cli.py",
+        "tests/multinode/test_train_multinode.py",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", COLLECT, *files],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     line = next(x for x in out.stdout.splitlines() if x.startswith("TIERS "))
-    tiers = json.loads(line[len("TIERS "):])
+    tiers = json.loads(line[len("TIERS ") :])
     assert tiers["test_config_validation"] == ["unit"]  # no model, no Ray, no subprocess
     assert tiers["test_state_round_trip_is_bit_equal"] == ["integration"]  # loads the tiny model (a fixture)
     assert tiers["test_version"] == ["integration"]  # the CLI in a subprocess (an integration module)

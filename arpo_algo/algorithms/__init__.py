@@ -15,5 +15,14 @@ from arpo_algo.algorithms.grpo import GRPO, GRPOConfig
 CONFIG_CLASSES: dict[str, type[ARPOConfig]] = {"arpo": ARPOConfig, "aepo": AEPOConfig, "grpo": GRPOConfig}
 ALGORITHMS: dict[str, type[ARPO]] = {"arpo": ARPO, "aepo": AEPO, "grpo": GRPO}
 
-__all__ = ["AEPO", "ALGORITHMS", "ARPO", "CONFIG_CLASSES", "GRPO", "AEPOConfig", "ARPOConfig", "AgenticRLConfig",
-           "GRPOConfig"]
+__all__ = [
+    "AEPO",
+    "ALGORITHMS",
+    "ARPO",
+    "CONFIG_CLASSES",
+    "GRPO",
+    "AEPOConfig",
+    "ARPOConfig",
+    "AgenticRLConfig",
+    "GRPOConfig",
+]

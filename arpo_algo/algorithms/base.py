@@ -82,10 +82,12 @@ def _check_main_placement(main_resources: dict[str, float]) -> None:
     import ray
 
     if main_resources and not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
-        raise ConfigError(f"backend.main_resources = {main_resources} places a Tune trial's process, but this "
-                          "Algorithm runs in the driver, which stays on the node where it was started",
-                          hint="start the run on the node you want it on and leave main_resources empty, or run "
-                               "it as a trial of arpo tune")
+        raise ConfigError(
+            f"backend.main_resources = {main_resources} places a Tune trial's process, but this "
+            "Algorithm runs in the driver, which stays on the node where it was started",
+            hint="start the run on the node you want it on and leave main_resources empty, or run "
+            "it as a trial of arpo tune",
+        )
 
 
 class AgenticRLAlgorithm(Algorithm):
@@ -126,8 +128,14 @@ class AgenticRLAlgorithm(Algorithm):
             self._ensure_ray()
         # The mismatch alarm's levels follow the sampler's dtype as well as the learner's precision.
         training = settings.training.for_sampler(settings.rollouts.dtype, settings.rollouts.device)
-        self.learner = build_backend(model_path, training, settings.backend, device=settings.rollouts.device,
-                                     seed=cfg.seed, lora=settings.model.lora)
+        self.learner = build_backend(
+            model_path,
+            training,
+            settings.backend,
+            device=settings.rollouts.device,
+            seed=cfg.seed,
+            lora=settings.model.lora,
+        )
         self.policy = PolicyComponent(self.learner)
         self.tree_config = settings.tree
         self._train_env = env_creator(cfg)
@@ -135,8 +143,11 @@ class AgenticRLAlgorithm(Algorithm):
         env = self._train_env()
         self.prompts = PromptIterator(env.num_tasks, cfg.seed)
         if settings.training.prompts_per_step > env.num_tasks:  # a step draws distinct tasks
-            raise ConfigError(f"training.prompts_per_step = {settings.training.prompts_per_step} exceeds the "
-                              f"{env.num_tasks} tasks of the training split", hint="lower training.prompts_per_step")
+            raise ConfigError(
+                f"training.prompts_per_step = {settings.training.prompts_per_step} exceeds the "
+                f"{env.num_tasks} tasks of the training split",
+                hint="lower training.prompts_per_step",
+            )
         # what every policy folder this run writes records for serving (the env it was trained in decides them)
         self.served_defaults = served_defaults(env)
         self.engine = self._build_engine(model_path)
@@ -157,22 +168,32 @@ class AgenticRLAlgorithm(Algorithm):
         cfg = self.config
         rollouts = cfg.settings.rollouts
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
-        settings: dict[str, Any] = dict(rollouts.engine_config.engine_kwargs(), entropy_method=entropy,
-                                        seed=cfg.seed, dtype=rollouts.dtype)
+        settings: dict[str, Any] = dict(
+            rollouts.engine_config.engine_kwargs(), entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
+        )
         if rollouts.engine == "hf":
             if not self._engine_owns_weights():
-                return build_engine("hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer,
-                                    **settings)
+                return build_engine(
+                    "hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
+                )
             settings["device"] = rollouts.device
         lora = cfg.settings.model.lora
         if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
-            settings["lora"] = {"rank": lora.rank, "alpha": lora.alpha,
-                                "target_modules": list(self.learner.lora_targets)}
+            settings["lora"] = {
+                "rank": lora.rank,
+                "alpha": lora.alpha,
+                "target_modules": list(self.learner.lora_targets),
+            }
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
-        return build_engine(rollouts.engine, model_or_path=str(model_path), num_actors=rollouts.num_rollout_actors,
-                            num_cpus_per_actor=rollouts.num_cpus_per_rollout_actor,
-                            actor_resources=rollouts.actor_resources, **settings)
+        return build_engine(
+            rollouts.engine,
+            model_or_path=str(model_path),
+            num_actors=rollouts.num_rollout_actors,
+            num_cpus_per_actor=rollouts.num_cpus_per_rollout_actor,
+            actor_resources=rollouts.actor_resources,
+            **settings,
+        )
 
     def _ensure_ray(self) -> None:
         """Start Ray sized to this config unless it runs (started here, so stopped by cleanup(); a Tune trial finds
@@ -208,8 +229,9 @@ class AgenticRLAlgorithm(Algorithm):
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=False)
 
-        return TreeWriter(folder, decode, source="train", max_groups=rollouts.record_max_groups,
-                          every=rollouts.record_every)
+        return TreeWriter(
+            folder, decode, source="train", max_groups=rollouts.record_max_groups, every=rollouts.record_every
+        )
 
     def _record_trees(self, iteration: int, groups: list[Any]) -> None:
         """Record the groups this iteration trained on, with the advantages the learner's estimator gave them."""
@@ -218,12 +240,12 @@ class AgenticRLAlgorithm(Algorithm):
         writer = self.tree_writer
         if writer is None or iteration % writer.every:
             return
-        chosen = groups if writer.max_groups is None else groups[:writer.max_groups]
+        chosen = groups if writer.max_groups is None else groups[: writer.max_groups]
         # the learner's pre-step log-probs of this update, per sequence in group order (absent on a remote learner)
         scored, learner = getattr(self.learner, "scored_logprobs", None), None
         if scored is not None and len(scored) == sum(len(g.trajectories) for g in groups):
             it = iter(scored)
-            learner = [[next(it) for _ in g.trajectories] for g in groups][:len(chosen)]
+            learner = [[next(it) for _ in g.trajectories] for g in groups][: len(chosen)]
         with self.metrics.log_time((MK.TIMERS.rstrip("/"), MK.RECORD_TIME)):
             writer.record(iteration, chosen, token_advantages(chosen, self.config.settings.training), learner)
 
@@ -256,8 +278,11 @@ class AgenticRLAlgorithm(Algorithm):
             self.engine.sleep()  # and weight copies; vLLM: GPU with sleep_between_rollouts only)
         t1 = time.perf_counter()
         with self.metrics.log_time((timers, MK.UPDATE_TIME)):
-            learn = self.learner.update(groups) if behaviour is None else self.learner.update(
-                groups, behaviour_weights=behaviour)
+            learn = (
+                self.learner.update(groups)
+                if behaviour is None
+                else self.learner.update(groups, behaviour_weights=behaviour)
+            )
         t2 = time.perf_counter()
         if pipe is not None and pipe.max_staleness == 0:  # sampled under the version this update produced
             self._start_next(version + 1, timers)
@@ -284,8 +309,15 @@ class AgenticRLAlgorithm(Algorithm):
 
     def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:
         training = self.config.settings.training
-        return sample_groups(self.sampler, self.prompts, indices, step, dynamic=training.dynamic_sampling,
-                             max_rounds=training.dynamic_sampling_max_rounds, policy_version=version)
+        return sample_groups(
+            self.sampler,
+            self.prompts,
+            indices,
+            step,
+            dynamic=training.dynamic_sampling,
+            max_rounds=training.dynamic_sampling_max_rounds,
+            policy_version=version,
+        )
 
     def _sample_batch(self, indices: list[int], version: int) -> Any:
         from arpo_algo.algorithms.pipeline import Batch
@@ -323,8 +355,9 @@ class AgenticRLAlgorithm(Algorithm):
         stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
         if "weight_push_bytes" in stats:
             for key, value in (("weight_push_bytes", stats["weight_push_bytes"]), ("weight_push_seconds", seconds)):
-                self.metrics.log_value(tuple(f"{MK.ROLLOUT}engine/{key}".split("/")), float(value),
-                                       reduce="mean", window=1)
+                self.metrics.log_value(
+                    tuple(f"{MK.ROLLOUT}engine/{key}".split("/")), float(value), reduce="mean", window=1
+                )
 
     def _sync_weights(self) -> None:
         """The in-process HF engine shares a local learner's module (nothing to copy, but it is told the weights
@@ -360,8 +393,10 @@ class AgenticRLAlgorithm(Algorithm):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("arpo_checkpoint_format") != CHECKPOINT_FORMAT:
-            raise ArpoError(f"incompatible algorithm state: format {state.get('arpo_checkpoint_format')!r}, this "
-                            f"arpo reads format {CHECKPOINT_FORMAT}")
+            raise ArpoError(
+                f"incompatible algorithm state: format {state.get('arpo_checkpoint_format')!r}, this "
+                f"arpo reads format {CHECKPOINT_FORMAT}"
+            )
         self._discard_in_flight()
         if POLICY_DIR in state:
             self.policy.set_state(state[POLICY_DIR])
@@ -377,8 +412,9 @@ class AgenticRLAlgorithm(Algorithm):
 
     def get_metadata(self) -> dict[str, Any]:
         meta = super().get_metadata()
-        meta.update(arpo_version=__version__, arpo_checkpoint_format=CHECKPOINT_FORMAT,
-                    arpo_algorithm=type(self).__name__)
+        meta.update(
+            arpo_version=__version__, arpo_checkpoint_format=CHECKPOINT_FORMAT, arpo_algorithm=type(self).__name__
+        )
         return meta
 
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:  # type: ignore

@@ -80,9 +80,10 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     try:
         return from_tensor_safe(torch.load(path, weights_only=True))
     except pickle.UnpicklingError as e:
-        raise ArpoError(f"{path} holds objects other than tensors and plain values; it was not loaded",
-                        hint="a checkpoint arpo wrote never does: the file was replaced or written by other "
-                             "code") from e
+        raise ArpoError(
+            f"{path} holds objects other than tensors and plain values; it was not loaded",
+            hint="a checkpoint arpo wrote never does: the file was replaced or written by other code",
+        ) from e
 
 
 # -------------------------------------------------------------------------------------------------------- writing
@@ -119,9 +120,17 @@ def fsync_dir(folder: Path) -> None:
 def _write_state(path: Path, config: Any, **state: Any) -> None:
     """The checkpoint's JSON (format, version, ``state`` and the settings it was trained with), then fsync the
     whole folder: the one writer of the marker, for new checkpoints and converted ones alike."""
-    state = {"arpo_checkpoint_format": CHECKPOINT_FORMAT, "arpo_version": __version__, **state,
-             "config": {"env": config.env, "env_config": dict(config.env_config), "seed": config.seed,
-                        "settings": config.settings.sections()}}
+    state = {
+        "arpo_checkpoint_format": CHECKPOINT_FORMAT,
+        "arpo_version": __version__,
+        **state,
+        "config": {
+            "env": config.env,
+            "env_config": dict(config.env_config),
+            "seed": config.seed,
+            "settings": config.settings.sections(),
+        },
+    }
     text = json.dumps(state, indent=1, default=_json_value, allow_nan=True)
     (path / CHECKPOINT_MARKER).write_text(text, encoding="utf-8")
     fsync_tree(path)
@@ -133,8 +142,14 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     algo.policy.save_to_path(path / POLICY_DIR)
     write_policy_env(path / POLICY_DIR, algo.config.env, algo.config.env_config, algo.served_defaults)
-    _write_state(path, algo.config, algorithm=type(algo).__name__, iteration=algo.iteration,
-                 prompts=algo.data_position(), metrics_logger=algo.metrics.get_state())
+    _write_state(
+        path,
+        algo.config,
+        algorithm=type(algo).__name__,
+        iteration=algo.iteration,
+        prompts=algo.data_position(),
+        metrics_logger=algo.metrics.get_state(),
+    )
     return path
 
 
@@ -146,17 +161,21 @@ def read_checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(getattr(path, "path", path))
     marker = path / CHECKPOINT_MARKER
     if not marker.is_file():
-        raise ArpoError(f"{path} is not an arpo checkpoint (no {CHECKPOINT_MARKER})",
-                        hint="pass a folder like <run>/checkpoints/iter_000010")
+        raise ArpoError(
+            f"{path} is not an arpo checkpoint (no {CHECKPOINT_MARKER})",
+            hint="pass a folder like <run>/checkpoints/iter_000010",
+        )
     try:
         state = json.loads(marker.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArpoError(f"{marker} is not valid JSON: {e}", hint="the checkpoint is damaged; use an earlier one") from e
     fmt = state.get("arpo_checkpoint_format")
     if fmt != CHECKPOINT_FORMAT:
-        raise ArpoError(f"incompatible checkpoint: {path} has format {fmt!r} (arpo {state.get('arpo_version')}), "
-                        f"this arpo ({__version__}) reads format {CHECKPOINT_FORMAT}",
-                        hint="resume with the arpo version that wrote it, or start a new run from its policy/ folder")
+        raise ArpoError(
+            f"incompatible checkpoint: {path} has format {fmt!r} (arpo {state.get('arpo_version')}), "
+            f"this arpo ({__version__}) reads format {CHECKPOINT_FORMAT}",
+            hint="resume with the arpo version that wrote it, or start a new run from its policy/ folder",
+        )
     return state
 
 
@@ -166,8 +185,10 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
     path = Path(getattr(path, "path", path))
     state = read_checkpoint_state(path)
     if state["algorithm"] != type(algo).__name__:
-        raise ArpoError(f"{path} was written by {state['algorithm']}, not {type(algo).__name__}",
-                        hint=f"resume it with [experiment] algorithm = {state['algorithm'].lower()!r}")
+        raise ArpoError(
+            f"{path} was written by {state['algorithm']}, not {type(algo).__name__}",
+            hint=f"resume it with [experiment] algorithm = {state['algorithm'].lower()!r}",
+        )
     algo.policy.restore_from_path(path / POLICY_DIR)  # the engine is synced before its next use, as after updates
     algo.metrics.set_state(state["metrics_logger"])
     algo._iteration = int(state["iteration"])
@@ -176,17 +197,23 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
 
 #: Python tool settings that name code to run or weaken its sandbox: a folder's files never set them (its reader's
 #: own settings do), so reading a folder someone else wrote can never pick the interpreter, image or sandbox.
-CODE_SETTINGS = {"python_executable": "the interpreter the model's code runs in",
-                 "docker_image": "the Docker image the model's code runs in",
-                 "backend": "the sandbox backend", "scratch_root": "where the sandbox's scratch folders go",
-                 "allow_unisolated_python": "the unisolated opt-in", "namespaces": "the sandbox's namespaces",
-                 "uid_base": "the uids the model's code runs as (every process of such a uid is killed after a call)"}
+CODE_SETTINGS = {
+    "python_executable": "the interpreter the model's code runs in",
+    "docker_image": "the Docker image the model's code runs in",
+    "backend": "the sandbox backend",
+    "scratch_root": "where the sandbox's scratch folders go",
+    "allow_unisolated_python": "the unisolated opt-in",
+    "namespaces": "the sandbox's namespaces",
+    "uid_base": "the uids the model's code runs as (every process of such a uid is killed after a call)",
+}
 #: Settings of the other tools that send secrets or write files where a record says: refused from a folder likewise
 #: (None: the whole section).
-WRITE_SETTINGS = {("search", "url"): "the search endpoint the key is sent to",
-                  ("search", "api_key_env"): "the variable whose secret is sent as the search key",
-                  ("search", "index_dir"): "a folder the search index is written to",
-                  ("cache", None): "a file the tool cache writes"}
+WRITE_SETTINGS = {
+    ("search", "url"): "the search endpoint the key is sent to",
+    ("search", "api_key_env"): "the variable whose secret is sent as the search key",
+    ("search", "index_dir"): "a folder the search index is written to",
+    ("cache", None): "a file the tool cache writes",
+}
 
 
 def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: dict[str, str]) -> None:
@@ -198,8 +225,11 @@ def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: d
 
     Invariant: a folder's files are data; what runs, and in which sandbox, is chosen by whoever reads it."""
     if not isinstance(env_id, str) or ":" in env_id:
-        raise ArpoError(f"{where}: the recorded environment id {env_id!r} names a module to import; a folder's files "
-                        "may not choose code to run", hint=f"registered ids only; {flags['env']}")
+        raise ArpoError(
+            f"{where}: the recorded environment id {env_id!r} names a module to import; a folder's files "
+            "may not choose code to run",
+            hint=f"registered ids only; {flags['env']}",
+        )
     tools = env_config.get("tools") if isinstance(env_config, dict) else None
     tools = tools if isinstance(tools, dict) else {}
     refused = [(("python", key), what) for key, what in CODE_SETTINGS.items()] + list(WRITE_SETTINGS.items())
@@ -208,17 +238,21 @@ def refuse_code_references(env_id: Any, env_config: Any, where: str, *, flags: d
         if isinstance(table, dict) and (key is None or key in table):
             name = tool if key is None else f"{tool}.{key}"
             flag = flags.get(key) or flags["tool"].format(key=name)
-            raise ArpoError(f"{where}: the recorded setting tools.{name} ({what}) is refused: a folder's files may "
-                            "not choose the code that runs, its sandbox, where secrets go or where files are written",
-                            hint=f"set it yourself if you mean it: {flag}")
+            raise ArpoError(
+                f"{where}: the recorded setting tools.{name} ({what}) is refused: a folder's files may "
+                "not choose the code that runs, its sandbox, where secrets go or where files are written",
+                hint=f"set it yourself if you mean it: {flag}",
+            )
 
 
 #: How ``from_checkpoint``'s caller sets what a checkpoint may not (:func:`refuse_code_references`).
-RESTORE_FLAGS = {"env": "build the Algorithm from your own config (the experiment file's [env] id, or --set env.id=ID) "
-                        "and restore the checkpoint into it (arpo train EXPERIMENT --resume RUN)",
-                 "tool": "--set env.tools.{key}=VALUE (or the same key under [env.tools] in the experiment file), "
-                         "then arpo train EXPERIMENT --resume RUN",
-                 "allow_unisolated_python": "arpo train EXPERIMENT --resume RUN --allow-unisolated-python"}
+RESTORE_FLAGS = {
+    "env": "build the Algorithm from your own config (the experiment file's [env] id, or --set env.id=ID) "
+    "and restore the checkpoint into it (arpo train EXPERIMENT --resume RUN)",
+    "tool": "--set env.tools.{key}=VALUE (or the same key under [env.tools] in the experiment file), "
+    "then arpo train EXPERIMENT --resume RUN",
+    "allow_unisolated_python": "arpo train EXPERIMENT --resume RUN --allow-unisolated-python",
+}
 
 
 def config_from_state(state: dict[str, Any], config_cls: type, where: str = "checkpoint") -> Any:

@@ -42,9 +42,11 @@ class PromptIterator:
         permutation; a task skipped as a repeat comes first in a later call)."""
         taken = set(exclude)
         if k + len(taken) > self.num_tasks:
-            raise ConfigError(f"{k} distinct tasks are asked for in one step (besides {len(taken)} already drawn), "
-                              f"the training split has {self.num_tasks}",
-                              hint="lower training.prompts_per_step to at most the number of training tasks")
+            raise ConfigError(
+                f"{k} distinct tasks are asked for in one step (besides {len(taken)} already drawn), "
+                f"the training split has {self.num_tasks}",
+                hint="lower training.prompts_per_step to at most the number of training tasks",
+            )
         out: list[int] = []
         carry, self.carry = self.carry, []
         for i in carry:
@@ -68,13 +70,20 @@ class PromptIterator:
         return out
 
     def get_state(self) -> dict[str, Any]:
-        return {"num_tasks": self.num_tasks, "seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "carry": list(self.carry)}
+        return {
+            "num_tasks": self.num_tasks,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "carry": list(self.carry),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state["num_tasks"] != self.num_tasks:
-            raise ArpoError(f"the checkpoint was trained on {state['num_tasks']} tasks, this run has "
-                            f"{self.num_tasks}", hint="resume with the same env config (split, data)")
+            raise ArpoError(
+                f"the checkpoint was trained on {state['num_tasks']} tasks, this run has {self.num_tasks}",
+                hint="resume with the same env config (split, data)",
+            )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self.carry = list(state["carry"])
 
@@ -91,8 +100,10 @@ def make_env(env_id: str, env_config: dict[str, Any], overrides: dict[str, Any] 
     try:
         env = gym.make(env_id, config={**env_config, **(overrides or {})}, disable_env_checker=True)
     except gym.error.Error as e:
-        raise ConfigError(f"environment {env_id!r} cannot be made: {e}",
-                          hint=f"registered arpo environments: {', '.join(arpo_env.ENV_IDS)}") from e
+        raise ConfigError(
+            f"environment {env_id!r} cannot be made: {e}",
+            hint=f"registered arpo environments: {', '.join(arpo_env.ENV_IDS)}",
+        ) from e
     return env.unwrapped
 
 
@@ -121,10 +132,15 @@ def resource_bundles(config: Any) -> list[dict[str, float]]:
         gpu = 1.0 - workers[0].get("GPU", 0.0) if workers and backend.learner_placement == "colocated" else 1.0
     from arpo_algo.rollout.config import per_actor
 
-    main = {"CPU": float(config.num_cpus_for_main_process), "GPU": gpu,
-            **{k: float(v) for k, v in backend.main_resources.items()}}
-    actors = [{"CPU": float(rollouts.num_cpus_per_rollout_actor), **custom}
-              for custom in per_actor(rollouts.actor_resources, rollouts.num_rollout_actors)]
+    main = {
+        "CPU": float(config.num_cpus_for_main_process),
+        "GPU": gpu,
+        **{k: float(v) for k, v in backend.main_resources.items()},
+    }
+    actors = [
+        {"CPU": float(rollouts.num_cpus_per_rollout_actor), **custom}
+        for custom in per_actor(rollouts.actor_resources, rollouts.num_rollout_actors)
+    ]
     return [main] + workers + actors
 
 
@@ -140,22 +156,31 @@ def check_resources_feasible(bundles: list[dict[str, float]], learner_workers: i
     need_cpu = sum(b.get("CPU", 0.0) for b in bundles)
     need_gpu = sum(b.get("GPU", 0.0) for b in bundles)
     have, where = cluster_resources()
-    ranks, actors = bundles[1:1 + learner_workers], bundles[1 + learner_workers:]
+    ranks, actors = bundles[1 : 1 + learner_workers], bundles[1 + learner_workers :]
     parts = [f"{bundles[0]['CPU']:g} for the main process"]
     if ranks:
         parts.append(f"{len(ranks)} learner worker(s) x {ranks[0]['CPU']:g}")
     parts.append(f"{len(actors)} rollout actor(s) x {actors[0]['CPU'] if actors else 0:g}")
     gpu_parts = f"{bundles[0].get('GPU', 0.0):g} for the main process" + (
-        f" + {len(ranks)} learner worker(s) x {ranks[0].get('GPU', 0.0):g}" if ranks else "")
+        f" + {len(ranks)} learner worker(s) x {ranks[0].get('GPU', 0.0):g}" if ranks else ""
+    )
     check_custom_feasible(bundles, have, where)
     if need_cpu <= have["CPU"] and need_gpu <= have["GPU"] + 1e-9:
         return
-    hint = ("lower rollouts.num_rollout_actors / rollouts.num_cpus_per_rollout_actor or backend.learner_workers / "
-            "backend.learner_cpus_per_worker, or give Ray more CPUs") if need_cpu > have["CPU"] else (
-        "use rollouts.device = 'cpu' on this machine, or fewer backend.learner_workers")
-    raise ConfigError(f"this ARPO config needs {need_cpu:g} CPUs ({' + '.join(parts)}) and {need_gpu:g} GPU(s) "
-                      f"({gpu_parts}; device={'cuda' if need_gpu else 'cpu'!r}) but {where} has {have['CPU']:g} "
-                      f"CPUs and {have['GPU']:g} GPU(s)", hint=hint)
+    hint = (
+        (
+            "lower rollouts.num_rollout_actors / rollouts.num_cpus_per_rollout_actor or backend.learner_workers / "
+            "backend.learner_cpus_per_worker, or give Ray more CPUs"
+        )
+        if need_cpu > have["CPU"]
+        else ("use rollouts.device = 'cpu' on this machine, or fewer backend.learner_workers")
+    )
+    raise ConfigError(
+        f"this ARPO config needs {need_cpu:g} CPUs ({' + '.join(parts)}) and {need_gpu:g} GPU(s) "
+        f"({gpu_parts}; device={'cuda' if need_gpu else 'cpu'!r}) but {where} has {have['CPU']:g} "
+        f"CPUs and {have['GPU']:g} GPU(s)",
+        hint=hint,
+    )
 
 
 SETTINGS_NAMES = "rollouts.actor_resources / backend.worker_resources / backend.main_resources"
@@ -174,13 +199,18 @@ def check_custom_feasible(bundles: list[dict[str, float]], have: dict[str, float
     short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
     if not short:
         return
-    offered = {k: v for k, v in sorted(have.items()) if k not in ("CPU", "GPU", "memory", "object_store_memory")
-               and not k.startswith("node:")}
+    offered = {
+        k: v
+        for k, v in sorted(have.items())
+        if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")
+    }
     missing = ", ".join(f"{k} = {v:g} ({where} has {have.get(k, 0.0):g})" for k, v in sorted(short.items()))
-    raise ConfigError(f"the placement cannot be satisfied: {SETTINGS_NAMES} ask for {missing}; the custom resources "
-                      f"{where} offers: {offered or 'none'}",
-                      hint="start nodes that offer them (ray start --resources='{\"node_a\": 1}') and set "
-                           "RAY_ADDRESS to the cluster, or change the tables")
+    raise ConfigError(
+        f"the placement cannot be satisfied: {SETTINGS_NAMES} ask for {missing}; the custom resources "
+        f"{where} offers: {offered or 'none'}",
+        hint="start nodes that offer them (ray start --resources='{\"node_a\": 1}') and set "
+        "RAY_ADDRESS to the cluster, or change the tables",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- policy component

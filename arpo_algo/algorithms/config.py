@@ -126,15 +126,19 @@ class AgenticRLConfig(AlgorithmConfig):
         for key, value in config_dict.items():
             if key in _REPLACED_RLLIB:
                 new = _REPLACED_RLLIB[key]
-                raise ConfigError(f"{where}: {key!r} is RLlib's; ARPO's setting is {new!r}",
-                                  hint=f"use the dotted name {new}")
+                raise ConfigError(
+                    f"{where}: {key!r} is RLlib's; ARPO's setting is {new!r}", hint=f"use the dotted name {new}"
+                )
             if "." in key:
                 ours[key] = value
             elif key not in known and self._translate_special_keys(key, warn_deprecated=False) not in known:
                 near = closest(key, known)
-                raise ConfigError(f"{where}: unknown key {key!r}", hint=f"did you mean {near!r}?" if near else
-                                  "ARPO settings are dotted names such as 'tree.tau' (ARPOConfig().to_dict() lists "
-                                  "them all)")
+                raise ConfigError(
+                    f"{where}: unknown key {key!r}",
+                    hint=f"did you mean {near!r}?"
+                    if near
+                    else "ARPO settings are dotted names such as 'tree.tau' (ARPOConfig().to_dict() lists them all)",
+                )
             elif key in _RLLIB_TRAINING_DICT_KEYS:
                 # RLlib routes these through .training(), which ARPO keeps for its own settings; they have no effect
                 # on ARPO, so they are stored as plain attributes (as RLlib's own training() would).
@@ -154,13 +158,20 @@ class AgenticRLConfig(AlgorithmConfig):
         if self.env is None:
             raise ConfigError("no environment set", hint='config.environment("arpo/ToolMath-v0", env_config={...})')
         if self.num_learners > 0:
-            raise ConfigError("num_learners > 0 is not supported: ARPO owns its learner in the main process",
-                              hint="leave num_learners at 0; use backend(learner_backend='ddp') for data parallel")
+            raise ConfigError(
+                "num_learners > 0 is not supported: ARPO owns its learner in the main process",
+                hint="leave num_learners at 0; use backend(learner_backend='ddp') for data parallel",
+            )
         for key, value in self.settings.flat().items():
             if _is_search_space(value):
-                raise ConfigError(f"{key} is still a Tune search space ({value!r})",
-                                  hint="pass the config to tune.Tuner(param_space=...) instead of building it")
+                raise ConfigError(
+                    f"{key} is still a Tune search space ({value!r})",
+                    hint="pass the config to tune.Tuner(param_space=...) instead of building it",
+                )
         if (self.evaluation_interval or 0) != self.settings.evaluation.every:
-            raise ConfigError(f"evaluation_interval={self.evaluation_interval!r} disagrees with evaluation.every="
-                              f"{self.settings.evaluation.every}", hint="set it with .evaluation(every=N)")
+            raise ConfigError(
+                f"evaluation_interval={self.evaluation_interval!r} disagrees with evaluation.every="
+                f"{self.settings.evaluation.every}",
+                hint="set it with .evaluation(every=N)",
+            )
         self.settings.validate()

@@ -45,8 +45,9 @@ class RolloutPipeline:
         max_staleness: 0 or 1 (:class:`arpo_algo.rollout.config.RolloutsConfig`).
     """
 
-    def __init__(self, sample: Callable[[list[int], int, int], tuple[list[Any], dict[str, float]]],
-                 max_staleness: int) -> None:
+    def __init__(
+        self, sample: Callable[[list[int], int, int], tuple[list[Any], dict[str, float]]], max_staleness: int
+    ) -> None:
         self._sample = sample
         self.max_staleness = max_staleness
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-rollouts")
@@ -68,8 +69,14 @@ class RolloutPipeline:
         """Sample in this thread (the first iteration: nothing was started before it)."""
         return self._run(indices, step, version)
 
-    def start(self, indices: list[int], step: int, version: int, prompts_before: dict[str, int],
-              snapshot: dict[str, Any] | None) -> None:
+    def start(
+        self,
+        indices: list[int],
+        step: int,
+        version: int,
+        prompts_before: dict[str, int],
+        snapshot: dict[str, Any] | None,
+    ) -> None:
         """Start sampling ``indices`` under ``version`` (its weights are already on the engine); ``prompts_before``:
         the data position before these prompts were drawn; ``snapshot``: those weights, kept while the batch may be
         trained on by a later version (None when it cannot be: staleness 0)."""

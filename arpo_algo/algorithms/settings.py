@@ -43,9 +43,11 @@ class ModelConfig:
     """``[model]``: the policy to train."""
 
     path: str | None = setting(
-        None, "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required.")
-    lora: LoraSettings = field(default_factory=LoraSettings,
-                               metadata={"doc": "[model.lora]: train low-rank adapters on the frozen base."})
+        None, "Policy to train: a local Hugging Face folder or a registered name (`arpo model list`). Required."
+    )
+    lora: LoraSettings = field(
+        default_factory=LoraSettings, metadata={"doc": "[model.lora]: train low-rank adapters on the frozen base."}
+    )
 
 
 #: The sections of :class:`Settings`, in experiment-file order.
@@ -59,9 +61,15 @@ VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0},
     # AEPO's entropy-balanced clip acts only through the ratio, so AEPO takes several optimizer steps per batch:
     # mini_batches unset = min(8, prompts_per_step), derived from the run's own prompts per step
-    "aepo": {"tree.aepo_penalty": 0.05, "training.entropy_balanced_clip": True, "training.entropy_advantage": True,
-             "tree.aepo_premonitor": False, "training.mini_batches": None},
+    "aepo": {
+        "tree.aepo_penalty": 0.05,
+        "training.entropy_balanced_clip": True,
+        "training.entropy_advantage": True,
+        "tree.aepo_premonitor": False,
+        "training.mini_batches": None,
+    },
 }
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -80,8 +88,9 @@ class Settings:
         :data:`VARIANT_DEFAULTS`."""
         return cls(tree=TreeConfig(mode=variant)).update(VARIANT_DEFAULTS.get(variant, {}), f"{variant} defaults")
 
-    def update(self, values: Mapping[str, Any], where: str = "settings", *,
-               placeholder: Callable[[Any], bool] | None = None) -> Settings:
+    def update(
+        self, values: Mapping[str, Any], where: str = "settings", *, placeholder: Callable[[Any], bool] | None = None
+    ) -> Settings:
         """A copy with ``values`` applied: dotted names (``{"tree.tau": 0.5, "rollouts.hf.decode": "static"}``) or
         section tables (``{"tree": {"tau": 0.5}}``), keys and types checked (``placeholder``: see
         :func:`arpo_base.options.update_dataclass`)."""
@@ -100,11 +109,14 @@ class Settings:
         changes = {}
         for section, table in tables.items():
             if section == "tree" and "mode" in table:
-                raise ConfigError(f"{where}: tree.mode is the algorithm, not a setting",
-                                  hint='pick it with [experiment] algorithm = "arpo" | "aepo" | "grpo" '
-                                       "(or ARPOConfig / AEPOConfig / GRPOConfig)")
-            changes[section] = update_dataclass(getattr(self, section), table, f"{where}: [{section}]",
-                                                placeholder=placeholder)
+                raise ConfigError(
+                    f"{where}: tree.mode is the algorithm, not a setting",
+                    hint='pick it with [experiment] algorithm = "arpo" | "aepo" | "grpo" '
+                    "(or ARPOConfig / AEPOConfig / GRPOConfig)",
+                )
+            changes[section] = update_dataclass(
+                getattr(self, section), table, f"{where}: [{section}]", placeholder=placeholder
+            )
         return dataclasses.replace(self, **changes)
 
     def flat(self) -> dict[str, Any]:
@@ -125,17 +137,22 @@ class Settings:
     def validate(self) -> None:
         """Each section's own checks, then the checks across sections."""
         if self.model.path is None:
-            raise ConfigError("model.path is not set",
-                              hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)")
+            raise ConfigError(
+                "model.path is not set",
+                hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)",
+            )
         if self.model.lora.enabled and self.rollouts.engine == "vllm":
             vllm_lora_rank(self.model.lora.rank)  # a rank vLLM cannot serve (0 too), refused naming the ones it can
         if self.rollouts.engine == "vllm" and isinstance(self.model.path, str) and is_adapter_folder(self.model.path):
             # Invariant: vLLM samples from the weights the learner starts from; the learner merges an adapter
             # folder into its base, which vLLM cannot load as a model, so this is refused before the learner loads.
-            raise ConfigError(f"model.path {self.model.path} is a LoRA adapter folder, which the vLLM engine cannot "
-                              "load as its model", hint="merge it first (arpo export --merge <folder> --output "
-                                                        "<merged>) and train from the merged folder, or use "
-                                                        "rollouts.engine = 'hf'")
+            raise ConfigError(
+                f"model.path {self.model.path} is a LoRA adapter folder, which the vLLM engine cannot "
+                "load as its model",
+                hint="merge it first (arpo export --merge <folder> --output "
+                "<merged>) and train from the merged folder, or use "
+                "rollouts.engine = 'hf'",
+            )
         self.model.lora.validate(rl=True, where="[model.lora]")
         if self.model.lora.enabled:
             _check_lora(self)
@@ -146,29 +163,39 @@ class Settings:
         self.evaluation.validate()
         self.backend.check_device(self.rollouts.device)
         if self.rollouts.engine == "vllm" and self.tree.entropy_method != "topk_sum_lnV":
-            raise ConfigError(f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
-                              "returns only top-k logprobs, so the full entropy is not available",
-                              hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'")
+            raise ConfigError(
+                f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
+                "returns only top-k logprobs, so the full entropy is not available",
+                hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'",
+            )
         rollouts = self.rollouts
-        if rollouts.engine == "hf" and rollouts.num_rollout_actors == 0 and not self.backend.distributed \
-                and rollouts.dtype != "float32":
+        if (
+            rollouts.engine == "hf"
+            and rollouts.num_rollout_actors == 0
+            and not self.backend.distributed
+            and rollouts.dtype != "float32"
+        ):
             # Invariant: the in-process HF engine over the local learner samples from the very module the learner
             # trains (no copy, no push), and that module is float32. A ddp/deepspeed learner keeps its modules in
             # its rank actors, so there the in-process engine loads its own copy, in any dtype, and gets rank 0's
             # weights pushed after each update.
-            raise ConfigError(f"rollouts.dtype={rollouts.dtype!r} with in-process rollouts and the local learner: the "
-                              "in-process HF engine shares the learner's float32 module, so it cannot run in "
-                              "another dtype",
-                              hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
-                                   " or give the engine its own copy: rollout actors (num_rollout_actors > 0), "
-                                   "engine = 'vllm', or backend.learner_backend = 'ddp' / 'deepspeed'")
+            raise ConfigError(
+                f"rollouts.dtype={rollouts.dtype!r} with in-process rollouts and the local learner: the "
+                "in-process HF engine shares the learner's float32 module, so it cannot run in "
+                "another dtype",
+                hint="keep dtype = 'float32' (training.precision sets the learner's compute precision),"
+                " or give the engine its own copy: rollout actors (num_rollout_actors > 0), "
+                "engine = 'vllm', or backend.learner_backend = 'ddp' / 'deepspeed'",
+            )
         if self.rollouts.engine == "vllm" and self.tree.topk_logprobs > VLLM_MAX_LOGPROBS:
             # Invariant: every rollout request can be served; vLLM refuses a request for more top logprobs than the
             # max_logprobs its engine was built with, which would fail the first rollout after the model loaded.
-            raise ConfigError(f"tree.topk_logprobs={self.tree.topk_logprobs} is more than the vLLM engine returns: "
-                              f"it is built with at most {VLLM_MAX_LOGPROBS} logprobs per token",
-                              hint=f"lower tree.topk_logprobs to at most {VLLM_MAX_LOGPROBS} (the reference uses 10),"
-                                   " or use rollouts.engine = 'hf' (up to the whole vocabulary)")
+            raise ConfigError(
+                f"tree.topk_logprobs={self.tree.topk_logprobs} is more than the vLLM engine returns: "
+                f"it is built with at most {VLLM_MAX_LOGPROBS} logprobs per token",
+                hint=f"lower tree.topk_logprobs to at most {VLLM_MAX_LOGPROBS} (the reference uses 10),"
+                " or use rollouts.engine = 'hf' (up to the whole vocabulary)",
+            )
         if self.rollouts.asynchronous:
             _check_asynchronous(self)
         _check_ratio_options(self)
@@ -183,10 +210,16 @@ def _check_lora(settings: Settings) -> None:
     fixed-shape decoders) is refused until it does."""
     r, b = settings.rollouts, settings.backend
     refusals = [
-        (b.learner_backend == "deepspeed", "backend.learner_backend = 'deepspeed' (its ZeRO partitioning is not "
-         "wired to the adapter yet)", "use learner_backend = 'local' or 'ddp'"),
-        (r.hf.decode in ("static", "cuda_graph", "compiled"), f"rollouts.hf.decode = {r.hf.decode!r} (the "
-         "fixed-shape decode step does not apply adapters)", "use decode = 'dynamic' or 'auto'"),
+        (
+            b.learner_backend == "deepspeed",
+            "backend.learner_backend = 'deepspeed' (its ZeRO partitioning is not wired to the adapter yet)",
+            "use learner_backend = 'local' or 'ddp'",
+        ),
+        (
+            r.hf.decode in ("static", "cuda_graph", "compiled"),
+            f"rollouts.hf.decode = {r.hf.decode!r} (the fixed-shape decode step does not apply adapters)",
+            "use decode = 'dynamic' or 'auto'",
+        ),
     ]
     for refused, what, hint in refusals:
         if refused:
@@ -211,25 +244,32 @@ def _check_ratio_options(settings: Settings) -> None:
     if t.clip_c != defaults.clip_c:
         inert.append(f"training.clip_c = {t.clip_c} (the dual clip's bound)")
     if inert:
-        raise ConfigError(f"{'; '.join(inert)} would do nothing: with training.ppo_epochs x training.mini_batches = 1,"
-                          " old log-probs recomputed and no stale batch, the ratio is exactly 1, so no clip acts",
-                          hint=f"take several optimizer steps per batch: training.mini_batches = "
-                               f"{min(8, t.prompts_per_step)} (at most prompts_per_step), or training.ppo_epochs "
-                               "> 1; or remove the option")
+        raise ConfigError(
+            f"{'; '.join(inert)} would do nothing: with training.ppo_epochs x training.mini_batches = 1,"
+            " old log-probs recomputed and no stale batch, the ratio is exactly 1, so no clip acts",
+            hint=f"take several optimizer steps per batch: training.mini_batches = "
+            f"{min(8, t.prompts_per_step)} (at most prompts_per_step), or training.ppo_epochs "
+            "> 1; or remove the option",
+        )
 
 
 def _check_asynchronous(settings: Settings) -> None:
     """Asynchronous rollouts across sections: each refusal is a combination whose invariant the pipeline cannot keep
     (a batch is drawn before the update it overlaps, and scored under the version that sampled it)."""
     if settings.training.dynamic_sampling:
-        raise ConfigError("rollouts.asynchronous with training.dynamic_sampling: dynamic sampling decides after a "
-                          "round whether to draw more prompts, so the next batch's prompts are not known before the "
-                          "update it would overlap",
-                          hint="turn one of them off")
+        raise ConfigError(
+            "rollouts.asynchronous with training.dynamic_sampling: dynamic sampling decides after a "
+            "round whether to draw more prompts, so the next batch's prompts are not known before the "
+            "update it would overlap",
+            hint="turn one of them off",
+        )
     if settings.backend.distributed:
-        raise ConfigError(f"rollouts.asynchronous with backend.learner_backend={settings.backend.learner_backend!r}:"
-                          " a stale batch is scored under the weights that sampled it, which only the local learner "
-                          "can swap in", hint="use learner_backend = 'local', or asynchronous = false")
+        raise ConfigError(
+            f"rollouts.asynchronous with backend.learner_backend={settings.backend.learner_backend!r}:"
+            " a stale batch is scored under the weights that sampled it, which only the local learner "
+            "can swap in",
+            hint="use learner_backend = 'local', or asynchronous = false",
+        )
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:

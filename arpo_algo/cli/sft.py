@@ -20,8 +20,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
             raise ArpoError(f"SFT config file not found: {path}")
         values = read_toml(path)
     values = apply_overrides(values, args.set or [])  # SFTConfig has no sections: --set key=value
-    flags = {"model": args.model, "data": args.data, "output_dir": args.output, "epochs": args.epochs,
-             "num_examples": args.num_examples, "max_steps": args.max_steps}
+    flags = {
+        "model": args.model,
+        "data": args.data,
+        "output_dir": args.output,
+        "epochs": args.epochs,
+        "num_examples": args.num_examples,
+        "max_steps": args.max_steps,
+    }
     values.update({k: v for k, v in flags.items() if v is not None})
     from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig
@@ -46,13 +52,20 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``arpo sft`` to the main parser's subcommands."""
-    p = sub.add_parser("sft", help="cold-start SFT on tool-use demonstrations (tool results masked)",
-                       description="Supervised fine-tuning on ToolMath demonstrations or a sharegpt/alpaca file; "
-                                   "writes a plain HF folder that `arpo train` can start from.")
+    p = sub.add_parser(
+        "sft",
+        help="cold-start SFT on tool-use demonstrations (tool results masked)",
+        description="Supervised fine-tuning on ToolMath demonstrations or a sharegpt/alpaca file; "
+        "writes a plain HF folder that `arpo train` can start from.",
+    )
     p.add_argument("--config", help="TOML file whose top-level keys are SFTConfig fields")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set lr=1e-5 (no section: SFTConfig is flat; the value is "
-                        "TOML, a bare word is a string; repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set lr=1e-5 (no section: SFTConfig is flat; the value is "
+        "TOML, a bare word is a string; repeatable)",
+    )
     p.add_argument("--model", help="registered model name or local HF folder")
     p.add_argument("--data", help='"toolmath" or a sharegpt/alpaca JSON/JSONL file')
     p.add_argument("--output", help="output folder (the HF checkpoint)")

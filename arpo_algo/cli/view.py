@@ -21,8 +21,10 @@ def cmd_view(args: argparse.Namespace) -> int:
     from serve.viewer import check_port, export_html, run
 
     if len(args.path) > 2:
-        raise ArpoError(f"arpo view compares at most two tree folders, got {len(args.path)}",
-                        hint="arpo view A B: the same prompts of two evaluations, checkpoints or runs side by side")
+        raise ArpoError(
+            f"arpo view compares at most two tree folders, got {len(args.path)}",
+            hint="arpo view A B: the same prompts of two evaluations, checkpoints or runs side by side",
+        )
     # refuses a folder without trees or of a newer format, before anything starts
     readers = [TreeReader(p) for p in args.path]
     reader = readers[0]
@@ -38,9 +40,11 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise ArpoError(f"--port must be in 1..65535, got {args.port}")
     hosts = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
     if not is_loopback(args.host) and not hosts:
-        raise ArpoError(f"listening on {args.host} needs --allowed-hosts: the host names a browser uses to reach "
-                        "this viewer (the Host header of any other name is refused)",
-                        hint="e.g. --allowed-hosts gpu1.example.org; or keep the default 127.0.0.1")
+        raise ArpoError(
+            f"listening on {args.host} needs --allowed-hosts: the host names a browser uses to reach "
+            "this viewer (the Host header of any other name is refused)",
+            hint="e.g. --allowed-hosts gpu1.example.org; or keep the default 127.0.0.1",
+        )
     check_port(args.host, args.port)
     chosen = read_key(args.api_key_file) if args.api_key_file else os.environ.get(VIEW_KEY_ENV, "").strip() or None
     key = chosen or secrets.token_urlsafe(24)
@@ -51,8 +55,12 @@ def cmd_view(args: argparse.Namespace) -> int:
     fragment = "#key=<your key>" if chosen else f"#key={key}"
     print(f"viewing {what} at http://{shown}:{args.port}/{fragment}", flush=True)
     if not is_loopback(args.host):
-        print("warning: the key and the trees cross the network in clear text (HTTP); use an SSH tunnel to a "
-              "loopback viewer on an untrusted network", file=sys.stderr, flush=True)
+        print(
+            "warning: the key and the trees cross the network in clear text (HTTP); use an SSH tunnel to a "
+            "loopback viewer on an untrusted network",
+            file=sys.stderr,
+            flush=True,
+        )
     print("(Ctrl-C stops the viewer)", file=sys.stderr, flush=True)
     run([r.folder for r in readers], host=args.host, port=args.port, key=key, allowed_hosts=hosts)
     return 0
@@ -68,18 +76,37 @@ def _iterations(text: str) -> list[int]:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``arpo view``."""
     p = sub.add_parser("view", help="browse a run's rollout trees (live while it trains), or --export one HTML file")
-    p.add_argument("path", type=Path, nargs="+", metavar="PATH",
-                   help="a run folder (arpo train --output), an evaluation's (arpo eval --output) or a trees/ folder; "
-                        "two: the same prompts of both side by side")
+    p.add_argument(
+        "path",
+        type=Path,
+        nargs="+",
+        metavar="PATH",
+        help="a run folder (arpo train --output), an evaluation's (arpo eval --output) or a trees/ folder; "
+        "two: the same prompts of both side by side",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated host names browsers use to reach a non-loopback --host")
-    p.add_argument("--api-key-file", default=None,
-                   help="a file holding the key the page must send (default: ARPO_VIEW_KEY, else a new random one, "
-                        "printed in the address)")
-    p.add_argument("--export", type=Path, default=None, metavar="OUT.html",
-                   help="write one self-contained HTML file instead of serving")
-    p.add_argument("--iteration", type=_iterations, default=None, metavar="N[,M...]",
-                   help="with --export: the iterations to include (default: the last recorded)")
+    p.add_argument(
+        "--allowed-hosts", default=None, help="comma-separated host names browsers use to reach a non-loopback --host"
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file holding the key the page must send (default: ARPO_VIEW_KEY, else a new random one, "
+        "printed in the address)",
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="OUT.html",
+        help="write one self-contained HTML file instead of serving",
+    )
+    p.add_argument(
+        "--iteration",
+        type=_iterations,
+        default=None,
+        metavar="N[,M...]",
+        help="with --export: the iterations to include (default: the last recorded)",
+    )
     p.set_defaults(func=cmd_view)

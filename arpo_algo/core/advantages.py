@@ -51,6 +51,7 @@ def rewards_have_spread(rewards: Sequence[float], tol: float = REWARD_SPREAD_TOL
         return abs(rs[0]) > tol * scale
     return max(rs) - min(rs) > tol * scale
 
+
 #: Advantage estimators by name (``learner.advantage``). Each is
 #: ``fn(prompt_ids, responses, trained_masks, rewards, *, norm_by_std) -> TokenAdvantages``: an advantage and a count
 #: weight for every response token of every trajectory of one group. Metadata ``merge_shared=True`` tells the learner
@@ -160,8 +161,9 @@ def build_token_trie(sequences: list[list[int]]) -> TokenTrie:
     return trie
 
 
-def tree_token_owners(parents: list[int | None], branch_points: list[int | None],
-                      lengths: list[int]) -> list[list[int]]:
+def tree_token_owners(
+    parents: list[int | None], branch_points: list[int | None], lengths: list[int]
+) -> list[list[int]]:
     """Per trajectory and response position, the trajectory that sampled that token: a branch's tokens before its
     branch point belong to its parent's (recursively), every other token to the trajectory itself."""
     owners: list[list[int]] = []
@@ -176,9 +178,13 @@ def tree_token_owners(parents: list[int | None], branch_points: list[int | None]
     return owners
 
 
-def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_masks: list[list[int]],
-                     advantages: list[float], owners: list[list[int]] | None = None
-                     ) -> tuple[list[list[float]], list[list[int]]]:
+def hard_attribution(
+    prompt_ids: list[int],
+    responses: list[list[int]],
+    trained_masks: list[list[int]],
+    advantages: list[float],
+    owners: list[list[int]] | None = None,
+) -> tuple[list[list[float]], list[list[int]]]:
     """Hard advantage attribution over the token trie of one group.
 
     A trained token that d trajectories share (same prompt + response prefix, trained in each of them) gets the mean
@@ -220,29 +226,42 @@ def hard_attribution(prompt_ids: list[int], responses: list[list[int]], trained_
 
 
 @register_advantage("grpo")
-def soft_attribution(prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                     trained_masks: Sequence[Sequence[int]], rewards: Sequence[float], *,
-                     norm_by_std: bool = True) -> TokenAdvantages:
+def soft_attribution(
+    prompt_ids: Sequence[int],
+    responses: Sequence[Sequence[int]],
+    trained_masks: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    *,
+    norm_by_std: bool = True,
+) -> TokenAdvantages:
     """GRPO over the whole tree (soft attribution): every token gets its trajectory's advantage, weight 1."""
     adv = grpo_advantages(list(rewards), norm_by_std=norm_by_std)
     return TokenAdvantages([[a] * len(r) for a, r in zip(adv, responses)], [[1.0] * len(r) for r in responses])
 
 
 @register_advantage("hard", merge_shared=True)
-def hard_attribution_advantages(prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                                trained_masks: Sequence[Sequence[int]], rewards: Sequence[float], *,
-                                norm_by_std: bool = True, owners: list[list[int]] | None = None) -> TokenAdvantages:
+def hard_attribution_advantages(
+    prompt_ids: Sequence[int],
+    responses: Sequence[Sequence[int]],
+    trained_masks: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    *,
+    norm_by_std: bool = True,
+    owners: list[list[int]] | None = None,
+) -> TokenAdvantages:
     """Hard attribution (:func:`hard_attribution` over GRPO advantages): a shared token counts once. ``owners``
     (:func:`tree_token_owners`) restricts sharing to tokens shared by branching (scope "tree")."""
     adv = grpo_advantages(list(rewards), norm_by_std=norm_by_std)
-    tok_adv, mult = hard_attribution(list(prompt_ids), [list(r) for r in responses],
-                                     [list(m) for m in trained_masks], adv, owners)
+    tok_adv, mult = hard_attribution(
+        list(prompt_ids), [list(r) for r in responses], [list(m) for m in trained_masks], adv, owners
+    )
     return TokenAdvantages(tok_adv, [[1.0 / d if d else 0.0 for d in m] for m in mult])
 
 
 @register_advantage_shaper("entropy_aware")
-def entropy_aware_advantages(adv, entropy, weight, group, num_groups: int, *, coef: float = 0.2,
-                             min_multiplier: float | None = None):
+def entropy_aware_advantages(
+    adv, entropy, weight, group, num_groups: int, *, coef: float = 0.2, min_multiplier: float | None = None
+):
     """AEPO's entropy-aware advantage ``A·(1 + coef·z)`` with ``z`` the per-group z-score of the token entropy.
 
     ``z = (H - mean) / std`` over the group's trained tokens, each token weighted by ``weight`` (1 per trajectory

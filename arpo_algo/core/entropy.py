@@ -80,8 +80,9 @@ def full_sum_lnV(entropies: Sequence[float], top_logprobs: object, k: int, vocab
 
 
 @register_entropy("topk_sum_lnV")
-def topk_segment(entropies: Sequence[float], top_logprobs: Sequence[TopLogprobs] | None, k: int,
-                 vocab_size: int) -> float:
+def topk_segment(
+    entropies: Sequence[float], top_logprobs: Sequence[TopLogprobs] | None, k: int, vocab_size: int
+) -> float:
     """The reference estimator (:func:`topk_sum_lnV`); needs the engine's top-k logprobs."""
     if top_logprobs is None:
         raise ConfigError("entropy_method='topk_sum_lnV' needs top_logprobs from the engine (logprobs_topk > 0)")

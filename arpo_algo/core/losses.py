@@ -37,9 +37,16 @@ class PolicyLossOut:
     dual_clipped: torch.Tensor
 
 
-def dual_clip_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_low: float = 0.2,
-                          clip_high: float = 0.2, clip_c: float = 3.0,
-                          entropy_balanced: bool = False) -> PolicyLossOut:
+def dual_clip_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    entropy_balanced: bool = False,
+) -> PolicyLossOut:
     """Dual-clip PPO per token (reference ``compute_policy_loss``), optionally with AEPO's stop-gradient upper bound.
 
     ``L = max(-A·r, -A·clip(r, 1-ε_l, 1+ε_h))``, and for ``A < 0`` additionally ``min(L, -A·c)``.
@@ -75,8 +82,7 @@ def dual_clip_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
     clipped = (l2 > l1).detach()
     clipped_grad = clipped & (adv > 0) & (ratio.detach() > hi) if entropy_balanced else torch.zeros_like(clipped)
     dual = (neg & (l3 < loss1)).detach()
-    return PolicyLossOut(loss=loss, ratio=ratio.detach(), clipped=clipped, clipped_grad=clipped_grad,
-                         dual_clipped=dual)
+    return PolicyLossOut(loss=loss, ratio=ratio.detach(), clipped=clipped, clipped_grad=clipped_grad, dual_clipped=dual)
 
 
 #: Policy losses by name (``learner.policy_loss``). Each is ``fn(logp, old_logp, adv, settings) -> PolicyLossOut``
@@ -89,8 +95,15 @@ register_policy_loss = POLICY_LOSSES.register
 def dual_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, settings: Any) -> PolicyLossOut:
     """:func:`dual_clip_policy_loss` with the settings' ``clip_low``, ``clip_high``, ``clip_c`` and
     ``entropy_balanced_clip`` (AEPO's stop-gradient upper bound)."""
-    return dual_clip_policy_loss(logp, old_logp, adv, clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                 clip_c=settings.clip_c, entropy_balanced=settings.entropy_balanced_clip)
+    return dual_clip_policy_loss(
+        logp,
+        old_logp,
+        adv,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        clip_c=settings.clip_c,
+        entropy_balanced=settings.entropy_balanced_clip,
+    )
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -58,5 +58,6 @@ class Registry(dict[str, Callable[..., Any]]):
         if not isinstance(name, str) or name not in self:
             near = closest(name, self) if isinstance(name, str) else None
             hint = (f"did you mean {near!r}? " if near else "") + f"registered: {', '.join(self)}"
-            raise ConfigError(f"{where}: {self.option.split('.')[-1]}={name!r} is not a registered {self.kind}",
-                              hint=hint)
+            raise ConfigError(
+                f"{where}: {self.option.split('.')[-1]}={name!r} is not a registered {self.kind}", hint=hint
+            )

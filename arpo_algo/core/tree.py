@@ -154,19 +154,29 @@ class TreeConfig:
         def bad(msg: str, hint: str | None = None) -> None:
             raise ConfigError(f"tree config: {msg}", hint=hint)
 
-        for name, allowed in (("mode", MODES), ("decision_rule", DECISION_RULES), ("fillup", FILLUPS),
-                              ("entropy_method", tuple(SEGMENT_ENTROPIES)), ("aepo_penalty_scope", PENALTY_SCOPES)):
+        for name, allowed in (
+            ("mode", MODES),
+            ("decision_rule", DECISION_RULES),
+            ("fillup", FILLUPS),
+            ("entropy_method", tuple(SEGMENT_ENTROPIES)),
+            ("aepo_penalty_scope", PENALTY_SCOPES),
+        ):
             check_choice(name, getattr(self, name), allowed, "tree config")
         if self.budget < 1:
             bad(f"budget (M) must be >= 1, got {self.budget}")
         if not 1 <= self.initial <= self.budget:
-            bad(f"initial (N={self.initial}) must be between 1 and budget (M={self.budget})",
-                hint="N initial samples are taken from the budget of M trajectories per prompt")
+            bad(
+                f"initial (N={self.initial}) must be between 1 and budget (M={self.budget})",
+                hint="N initial samples are taken from the budget of M trajectories per prompt",
+            )
         if self.branch_factor < 0:
             bad(f"branch_factor (Z) must be >= 0, got {self.branch_factor}")
         if self.mode == "grpo" and (self.branch_factor != 0 or self.initial != self.budget):
-            bad(f"mode='grpo' samples M independent trajectories: needs branch_factor=0 and initial=budget "
-                f"(got Z={self.branch_factor}, N={self.initial}, M={self.budget})", hint="use TreeConfig.grpo(M)")
+            bad(
+                f"mode='grpo' samples M independent trajectories: needs branch_factor=0 and initial=budget "
+                f"(got Z={self.branch_factor}, N={self.initial}, M={self.budget})",
+                hint="use TreeConfig.grpo(M)",
+            )
         for name in ("alpha", "tau"):
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0):
@@ -178,8 +188,10 @@ class TreeConfig:
         if self.entropy_method == "topk_sum_lnV" and self.topk_logprobs < 1:
             bad(f"entropy_method='topk_sum_lnV' needs topk_logprobs >= 1, got {self.topk_logprobs}")
         if self.max_depth is not None and self.max_depth < 1:
-            bad(f"max_depth must be None (unbounded) or >= 1, got {self.max_depth}",
-                hint="to disable branching set branch_factor=0")
+            bad(
+                f"max_depth must be None (unbounded) or >= 1, got {self.max_depth}",
+                hint="to disable branching set branch_factor=0",
+            )
         if not 0.0 <= self.aepo_penalty <= 1.0:
             bad(f"aepo_penalty must be in [0, 1], got {self.aepo_penalty}")
         if not 0 <= self.min_roots <= self.budget:
@@ -209,8 +221,13 @@ def branch_rng(seed: int, step: int, prompt_index: int) -> random.Random:
 
 
 # --------------------------------------------------------------------------------------------------------- entropy
-def segment_entropy(entropies: Sequence[float], top_logprobs: Sequence[Sequence[tuple[int, float]]] | None,
-                    method: str, k: int, vocab_size: int) -> float:
+def segment_entropy(
+    entropies: Sequence[float],
+    top_logprobs: Sequence[Sequence[tuple[int, float]]] | None,
+    method: str,
+    k: int,
+    vocab_size: int,
+) -> float:
     """The entropy value the branch rule sees for one generated segment (its first ``k`` tokens).
 
     Args:
@@ -264,8 +281,9 @@ def reference_decision(cfg: TreeConfig, delta_h: float, consecutive: int, u: flo
     return min(1.0, max(0.0, u - cfg.beta * delta_h)) <= cfg.alpha
 
 
-def num_branches(cfg: TreeConfig, delta_h: float, depth: int, consecutive: int, free: int,
-                 rng: random.Random | None) -> int:
+def num_branches(
+    cfg: TreeConfig, delta_h: float, depth: int, consecutive: int, free: int, rng: random.Random | None
+) -> int:
     """How many clones one candidate makes at one tool result.
 
     Args:
@@ -299,8 +317,9 @@ def fillup_count(cfg: TreeConfig, count: int, has_active: bool) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------- tree
-def build_tree(parents: Sequence[int | None], branch_points: Sequence[int | None],
-               lengths: Sequence[int]) -> tuple[list[TreeNode], list[list[int]]]:
+def build_tree(
+    parents: Sequence[int | None], branch_points: Sequence[int | None], lengths: Sequence[int]
+) -> tuple[list[TreeNode], list[list[int]]]:
     """The sampling tree of one group from each trajectory's parent, branch point and response length.
 
     Node 0 is the root (the prompt, an empty token run). Each trajectory's own tokens ``[branch_point, length)`` are

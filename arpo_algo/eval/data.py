@@ -28,9 +28,13 @@ from arpo_base.errors import ConfigError, MissingDataError
 #: Reference files of a train split: ``--data`` may score them, labelled "train", never as a test split.
 TRAIN_SETS = ("train_10k", "hard_search_1k")
 #: Reference file stem -> the environment it runs in.
-REFERENCE_SETS = {"valid": "arpo/Reasoning-v0", "train_10k": "arpo/Reasoning-v0",
-                  "gaia_test": "arpo/DeepSearch-v0", "hle_test": "arpo/DeepSearch-v0",
-                  "hard_search_1k": "arpo/DeepSearch-v0"}
+REFERENCE_SETS = {
+    "valid": "arpo/Reasoning-v0",
+    "train_10k": "arpo/Reasoning-v0",
+    "gaia_test": "arpo/DeepSearch-v0",
+    "hle_test": "arpo/DeepSearch-v0",
+    "hard_search_1k": "arpo/DeepSearch-v0",
+}
 ENV_ALIASES = {"toolmath": "arpo/ToolMath-v0", "reasoning": "arpo/Reasoning-v0", "deepsearch": "arpo/DeepSearch-v0"}
 QUESTION_COLUMNS = ("question", "prompt", "problem", "input")
 ANSWER_COLUMNS = ("answer", "ground_truth", "solution", "target", "reward_model")
@@ -81,8 +85,9 @@ def make_eval_env(env_id: str, env_config: dict[str, Any], items: list[dict[str,
     try:
         env = gym.make(env_id, config=dict(env_config), disable_env_checker=True).unwrapped
     except gym.error.Error as e:
-        raise ConfigError(f"environment {env_id!r} cannot be made: {e}",
-                          hint=f"registered: {', '.join(arpo_env.ENV_IDS)}") from e
+        raise ConfigError(
+            f"environment {env_id!r} cannot be made: {e}", hint=f"registered: {', '.join(arpo_env.ENV_IDS)}"
+        ) from e
     env.tasks = TaskList(items, getattr(env.tasks, "system_prompt", None))
     return env
 
@@ -104,19 +109,33 @@ def _has_truth(gt: Any) -> bool:
     return str(gt).strip() != ""
 
 
-def _finish(tasks: list[dict[str, Any]], env_id: str, env_config: dict[str, Any], description: str,
-            limit: int | None, columns: dict[str, Any] | None = None) -> EvalData:
+def _finish(
+    tasks: list[dict[str, Any]],
+    env_id: str,
+    env_config: dict[str, Any],
+    description: str,
+    limit: int | None,
+    columns: dict[str, Any] | None = None,
+) -> EvalData:
     kept = [t for t in tasks if _has_truth(t.get("ground_truth"))]
     skipped = len(tasks) - len(kept)
     if not kept:
-        raise ConfigError(f"{description}: none of the {len(tasks)} items has a ground truth",
-                          hint="give every item an answer (column 'answer' or 'ground_truth')")
+        raise ConfigError(
+            f"{description}: none of the {len(tasks)} items has a ground truth",
+            hint="give every item an answer (column 'answer' or 'ground_truth')",
+        )
     if limit is not None:
         if limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {limit}")
         kept = kept[:limit]
-    return EvalData(items=kept, env_id=env_id, env_config=env_config, description=description, skipped=skipped,
-                    columns=columns or {})
+    return EvalData(
+        items=kept,
+        env_id=env_id,
+        env_config=env_config,
+        description=description,
+        skipped=skipped,
+        columns=columns or {},
+    )
 
 
 def _env_tasks(env_id: str, env_config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -146,8 +165,14 @@ def data_env_id(data: str, env: str | None = None) -> str:
     return ENV_ALIASES.get(env or "", env or DEFAULT_FILE_ENV)
 
 
-def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, env: str | None = None,
-                   env_config: dict[str, Any] | None = None) -> EvalData:
+def load_eval_data(
+    data: str,
+    *,
+    split: str = "test",
+    limit: int | None = None,
+    env: str | None = None,
+    env_config: dict[str, Any] | None = None,
+) -> EvalData:
     """Load ``--data`` (see the module docstring); ``limit`` keeps the first N items that have a ground truth."""
     overrides = dict(env_config or {})
     env_id = data_env_id(data, env)
@@ -157,21 +182,26 @@ def load_eval_data(data: str, *, split: str = "test", limit: int | None = None, 
     if data in REFERENCE_SETS:
         split = "train" if data in TRAIN_SETS else "test"  # a training file is scored as what it is
         if "data_files" in overrides:
-            raise ConfigError(f"--data {data!r} is the reference file {data}.parquet, and data_files in the env "
-                              f"settings ({overrides['data_files']!r}) would replace it",
-                              hint="drop data_files, or pass the file itself as --data")
+            raise ConfigError(
+                f"--data {data!r} is the reference file {data}.parquet, and data_files in the env "
+                f"settings ({overrides['data_files']!r}) would replace it",
+                hint="drop data_files, or pass the file itself as --data",
+            )
         cfg = {**overrides, "data_files": {split: [f"{data}.parquet"]}, "split": split}
         return _finish(_env_tasks(env_id, cfg), env_id, cfg, f"reference set {data} ({env_id})", limit)
     path = Path(data).expanduser()
     if not path.exists():
-        raise MissingDataError(f"--data {data!r}: no such file, and not a known set",
-                               hint="use toolmath, valid, gaia_test, hle_test, train_10k, hard_search_1k, an env id "
-                                    "(arpo/ToolMath-v0), or a .jsonl/.parquet file")
+        raise MissingDataError(
+            f"--data {data!r}: no such file, and not a known set",
+            hint="use toolmath, valid, gaia_test, hle_test, train_10k, hard_search_1k, an env id "
+            "(arpo/ToolMath-v0), or a .jsonl/.parquet file",
+        )
     rows = read_rows(path)
     tasks, columns = rows_to_tasks(rows, path)
     cols = ", ".join(f"{k}={v}" for k, v in columns.items() if k != "ignored")
     desc = f"{path.name} ({len(rows)} rows; columns {cols}" + (
-        f"; ignored {', '.join(columns['ignored'])})" if columns.get("ignored") else ")")
+        f"; ignored {', '.join(columns['ignored'])})" if columns.get("ignored") else ")"
+    )
     return _finish(tasks, env_id, {"split": "test", **overrides}, desc, limit, columns)
 
 
@@ -216,8 +246,10 @@ def _pick(columns: set[str], candidates: tuple[str, ...], what: str, path: Path)
     for c in candidates:
         if c in columns:
             return c
-    raise ConfigError(f"{path}: no {what} column (looked for {', '.join(candidates)}; "
-                      f"found {', '.join(sorted(columns))})", hint=f"rename the {what} column to {candidates[0]!r}")
+    raise ConfigError(
+        f"{path}: no {what} column (looked for {', '.join(candidates)}; found {', '.join(sorted(columns))})",
+        hint=f"rename the {what} column to {candidates[0]!r}",
+    )
 
 
 def _question(value: Any) -> tuple[str, str | None]:
@@ -254,9 +286,13 @@ def rows_to_tasks(rows: list[dict[str, Any]], path: Path) -> tuple[list[dict[str
             question, system = _question(row.get(q_col))
         except ValueError as e:
             raise ConfigError(f"{path}: row {i + 1}, column {q_col!r}: {e}") from None
-        task = {"id": str(row.get("id", f"{path.stem}-{i}")), "question": question,
-                "ground_truth": _answer(row.get(a_col)), "reward_kwargs": {},
-                "source": str(row.get("data_source") or path.stem)}
+        task = {
+            "id": str(row.get("id", f"{path.stem}-{i}")),
+            "question": question,
+            "ground_truth": _answer(row.get(a_col)),
+            "reward_kwargs": {},
+            "source": str(row.get("data_source") or path.stem),
+        }
         if system:
             task["system"] = system
         tasks.append(task)

@@ -42,8 +42,17 @@ from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_base.http import HTTPJSONError, bearer, request
 
-STANDARD_MESSAGE_KEYS = {"role", "content", "tool_calls", "refusal", "annotations", "audio", "function_call",
-                         "reasoning_content", "reasoning"}
+STANDARD_MESSAGE_KEYS = {
+    "role",
+    "content",
+    "tool_calls",
+    "refusal",
+    "annotations",
+    "audio",
+    "function_call",
+    "reasoning_content",
+    "reasoning",
+}
 
 
 def _base(url: str) -> str:
@@ -61,9 +70,10 @@ def served_models(url: str, *, timeout: float = 5.0, api_key: str | None = None)
     try:
         data = _request(_base(url) + "/models", None, timeout, api_key)
     except HTTPJSONError as e:
-        raise ArpoError(f"endpoint {url} is unreachable ({e.reason})",
-                        hint="start the server first (e.g. `arpo serve MODEL`) and pass its base URL, "
-                             "like http://127.0.0.1:8000") from None
+        raise ArpoError(
+            f"endpoint {url} is unreachable ({e.reason})",
+            hint="start the server first (e.g. `arpo serve MODEL`) and pass its base URL, like http://127.0.0.1:8000",
+        ) from None
     return [m for m in data.get("data") or [] if isinstance(m, dict)]
 
 
@@ -100,8 +110,17 @@ def _server_trace(message: dict[str, Any]) -> list[dict[str, Any]] | None:
 class EndpointAgent:
     """Runs one conversation of an environment against an OpenAI-compatible server (see the module docstring)."""
 
-    def __init__(self, url: str, model: str, settings: EvalSettings, *, timeout_s: float = 300.0,
-                 api_key: str | None = None, server_tools: bool = False, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        settings: EvalSettings,
+        *,
+        timeout_s: float = 300.0,
+        api_key: str | None = None,
+        server_tools: bool = False,
+        tokenizer: Any = None,
+    ) -> None:
         self.url, self.model, self.settings = _base(url) + "/chat/completions", model, settings
         self.timeout_s, self.api_key = timeout_s, api_key
         #: The server runs the tools (``arpo serve``): the environment's tool-call tags are not sent as stop
@@ -114,7 +133,8 @@ class EndpointAgent:
                 f"evaluating {model!r} through {url} runs its tools here, and their results count against "
                 f"--max-response-tokens ({settings.max_response_tokens}) as in a local run: that needs the served "
                 "model's tokenizer",
-                hint="pass --tokenizer with the served model's folder or registered name")
+                hint="pass --tokenizer with the served model's folder or registered name",
+            )
 
     def _result_tokens(self, text: str) -> int:
         """Tokens a tool result adds to the response, as the rollout appends it (tokenized on its own)."""
@@ -133,13 +153,22 @@ class EndpointAgent:
             return int(usage["completion_tokens"])
         if self.tokenizer is not None:
             return len(self.tokenizer(sampled, add_special_tokens=False)["input_ids"]) + int(ended_by_eos)
-        raise ArpoError(f"{self.url} reported no usage.completion_tokens, so the response budget cannot be counted",
-                        hint="pass --tokenizer with the served model's folder: the replies are then counted with it")
+        raise ArpoError(
+            f"{self.url} reported no usage.completion_tokens, so the response budget cannot be counted",
+            hint="pass --tokenizer with the served model's folder: the replies are then counted with it",
+        )
 
-    def _call(self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int,
-              cont: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.settings.temperature,
-                                "top_p": self.settings.top_p, "max_tokens": max_tokens, "seed": seed}
+    def _call(
+        self, messages: list[dict[str, Any]], stops: tuple[str, ...], max_tokens: int, seed: int, cont: bool
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.settings.temperature,
+            "top_p": self.settings.top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
         if stops and not self.server_tools:
             body["stop"] = list(stops)
         if cont:
@@ -179,8 +208,9 @@ class EndpointAgent:
             # taken to have stopped on its closing tag.
             by_eos = stopped and "stop_reason" in choice and not isinstance(choice["stop_reason"], str)
             action = _close_stop(text, stops) if stopped and not by_eos else text
-            completion = self._completion_tokens(reply, text, action,
-                                                 by_eos or (stopped and action == text and not msg.get("tool_calls")))
+            completion = self._completion_tokens(
+                reply, text, action, by_eos or (stopped and action == text and not msg.get("tool_calls"))
+            )
             tokens += completion
             generated += completion
             trace = _server_trace(msg)
@@ -192,11 +222,20 @@ class EndpointAgent:
                     generated += sum(1 for m in mask if m) - completion
                 server_side = True
                 # the server's agent ran the rollout's own loop: its label is the run's
-                end = ext.get("finish_reason") if ext.get("finish_reason") in FINISH_REASONS else (
-                    "length" if tokens >= s.max_response_tokens else "eos")
-                calls += [{"tool": c.get("tool"), "args": c.get("args") or c.get("arguments"),
-                           "output": c.get("output") or c.get("result"), "error": c.get("error", False)}
-                          for c in trace]
+                end = (
+                    ext.get("finish_reason")
+                    if ext.get("finish_reason") in FINISH_REASONS
+                    else ("length" if tokens >= s.max_response_tokens else "eos")
+                )
+                calls += [
+                    {
+                        "tool": c.get("tool"),
+                        "args": c.get("args") or c.get("arguments"),
+                        "output": c.get("output") or c.get("result"),
+                        "error": c.get("error", False),
+                    }
+                    for c in trace
+                ]
                 break
             if msg.get("tool_calls"):
                 response += text
@@ -212,10 +251,16 @@ class EndpointAgent:
                 break
             obs, reward, term, trunc, step_info = env.step(action)
             if step_info.get("tool_calls", 0) > len(calls):
-                calls.append({"tool": step_info["tool"], "args": step_info.get("args"),
-                              "output": step_info.get("tool_output"), "error": step_info.get("tool_error", False),
-                              "latency_s": step_info.get("latency_s", 0.0),
-                              "cache_hit": step_info.get("cache_hit", False)})
+                calls.append(
+                    {
+                        "tool": step_info["tool"],
+                        "args": step_info.get("args"),
+                        "output": step_info.get("tool_output"),
+                        "error": step_info.get("tool_error", False),
+                        "latency_s": step_info.get("latency_s", 0.0),
+                        "cache_hit": step_info.get("cache_hit", False),
+                    }
+                )
             if by_eos and not (term or trunc):  # as the rollout: a turn the EOS closed ends the run, no result added
                 response += action
                 end, eos_end = "eos", True
@@ -241,12 +286,18 @@ class EndpointAgent:
                 finish = "answer"
             else:
                 finish = end or ("length" if tokens >= s.max_response_tokens else "turn_limit")
-        return {"text": response, "reward": float(reward), "reward_info": reward_info,
-                "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)), "finish_reason": finish,
-                "tool_calls": calls, "generated_tokens": generated,
-                # a result that crosses the budget ends the run there, as the rollout truncates its response
-                "response_tokens": min(tokens, s.max_response_tokens),
-                "server_side_tools": server_side}
+        return {
+            "text": response,
+            "reward": float(reward),
+            "reward_info": reward_info,
+            "correct": is_correct(types.SimpleNamespace(reward_info=reward_info)),
+            "finish_reason": finish,
+            "tool_calls": calls,
+            "generated_tokens": generated,
+            # a result that crosses the budget ends the run there, as the rollout truncates its response
+            "response_tokens": min(tokens, s.max_response_tokens),
+            "server_side_tools": server_side,
+        }
 
     def _run_tool(self, env: Any, call: dict[str, Any], calls: list[dict[str, Any]]) -> str:
         fn = call.get("function") or {}
@@ -265,10 +316,18 @@ class EndpointAgent:
         return text
 
 
-def run_endpoint(agent: EndpointAgent, env_creator: Callable[[], Any], items: list[dict[str, Any]], *,
-                 model: str, out_file: Path, skip: set[str], recorded: dict[str, set[int]] | None = None,
-                 score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 on_item: Callable[[list[dict[str, Any]]], None] | None = None) -> int:
+def run_endpoint(
+    agent: EndpointAgent,
+    env_creator: Callable[[], Any],
+    items: list[dict[str, Any]],
+    *,
+    model: str,
+    out_file: Path,
+    skip: set[str],
+    recorded: dict[str, set[int]] | None = None,
+    score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    on_item: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> int:
     """K runs of every item not in ``skip`` through the server (less the runs ``recorded`` per item id); appends
     records per item; returns items run."""
     todo = [i for i, it in enumerate(items) if it["id"] not in skip]

@@ -51,16 +51,31 @@ def eval_settings(cfg: Any) -> EvalSettings:
     """THE mapping from an ARPOConfig to evaluation settings; training's evaluate(), the quickstart and ``arpo eval
     --experiment`` all use it, so no caller can drop a setting (top_p, tool_workers and prompt_overflow once were)."""
     evaluation, rollouts = cfg.settings.evaluation, cfg.settings.rollouts
-    return EvalSettings(num_prompts=evaluation.num_prompts, samples=evaluation.samples,
-                        temperature=evaluation.temperature,
-                        max_response_tokens=evaluation.max_response_tokens or rollouts.max_response_tokens,
-                        top_p=evaluation.top_p, tool_workers=rollouts.tool_workers,
-                        prompt_overflow=rollouts.prompt_overflow, seed=cfg.seed)
+    return EvalSettings(
+        num_prompts=evaluation.num_prompts,
+        samples=evaluation.samples,
+        temperature=evaluation.temperature,
+        max_response_tokens=evaluation.max_response_tokens or rollouts.max_response_tokens,
+        top_p=evaluation.top_p,
+        tool_workers=rollouts.tool_workers,
+        prompt_overflow=rollouts.prompt_overflow,
+        seed=cfg.seed,
+    )
 
 
-def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts: int | None, samples: int,
-                    temperature: float, max_response_tokens: int, top_p: float = 1.0, tool_workers: int = 8,
-                    prompt_overflow: str = "error", seed: int = 0) -> dict[str, float]:
+def evaluate_engine(
+    engine: Any,
+    env_creator: Callable[[], Any],
+    *,
+    num_prompts: int | None,
+    samples: int,
+    temperature: float,
+    max_response_tokens: int,
+    top_p: float = 1.0,
+    tool_workers: int = 8,
+    prompt_overflow: str = "error",
+    seed: int = 0,
+) -> dict[str, float]:
     """Run the held-out protocol with any rollout engine and return flat metrics.
 
     Args:
@@ -82,11 +97,19 @@ def evaluate_engine(engine: Any, env_creator: Callable[[], Any], *, num_prompts:
     t0 = time.perf_counter()
     env = env_creator()
     total = env.num_tasks if num_prompts is None else min(num_prompts, env.num_tasks)
-    sampling = SamplingParams(max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
-                              stop=tuple(env.stop_sequences))
-    sampler = TreeSampler(engine, env_creator, TreeConfig.grpo(samples), sampling,
-                          max_response_tokens=max_response_tokens, tool_workers=tool_workers,
-                          prompt_overflow=prompt_overflow, seed=seed)
+    sampling = SamplingParams(
+        max_new_tokens=max_response_tokens, temperature=temperature, top_p=top_p, stop=tuple(env.stop_sequences)
+    )
+    sampler = TreeSampler(
+        engine,
+        env_creator,
+        TreeConfig.grpo(samples),
+        sampling,
+        max_response_tokens=max_response_tokens,
+        tool_workers=tool_workers,
+        prompt_overflow=prompt_overflow,
+        seed=seed,
+    )
     groups: list[Group] = []
     try:
         for start in range(0, total, EVAL_CHUNK):

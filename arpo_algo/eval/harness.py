@@ -32,8 +32,17 @@ from arpo_algo.eval.runner import (
 from arpo_base.errors import ArpoError, ConfigError
 
 CONFIG_FILE = "eval_config.json"
-PROTOCOL_KEYS = ("data", "env_id", "env_config", "samples", "temperature", "top_p", "seed", "max_response_tokens",
-                 "judge_rule")
+PROTOCOL_KEYS = (
+    "data",
+    "env_id",
+    "env_config",
+    "samples",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_response_tokens",
+    "judge_rule",
+)
 #: What an endpoint run's response budget counts: an endpoint evaluation is not resumed in a folder whose endpoint
 #: runs were counted by another rule (before this one: the generated tokens only, and no such key).
 ENDPOINT_BUDGET = "generated tokens and tool results"
@@ -87,9 +96,11 @@ def load_tokenizer(spec: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"--tokenizer {spec!r}: no tokenizer loads from {path} ({str(e).splitlines()[0]})",
-                          hint="name the served model's folder (it holds tokenizer.json or tokenizer_config.json) "
-                               "or its registered name") from None
+        raise ConfigError(
+            f"--tokenizer {spec!r}: no tokenizer loads from {path} ({str(e).splitlines()[0]})",
+            hint="name the served model's folder (it holds tokenizer.json or tokenizer_config.json) "
+            "or its registered name",
+        ) from None
 
 
 def tree_writer(out: Path, label: str, tok: Any) -> Any:
@@ -97,8 +108,10 @@ def tree_writer(out: Path, label: str, tok: Any) -> Any:
     from arpo_algo.eval.trees import FOLDER, TreeWriter
 
     if not label or label in (".", "..") or "/" in label or "\\" in label:
-        raise ConfigError(f"the model label {label!r} cannot name its tree folder",
-                          hint="give a plain label: LABEL=PATH, or --no-trees")
+        raise ConfigError(
+            f"the model label {label!r} cannot name its tree folder",
+            hint="give a plain label: LABEL=PATH, or --no-trees",
+        )
     return TreeWriter(out / FOLDER / label, lambda ids: tok.decode(ids, skip_special_tokens=False), source="eval")
 
 
@@ -106,14 +119,22 @@ def _check_protocol(out: Path, record: dict[str, Any]) -> None:
     cfg_file = out / CONFIG_FILE
     if cfg_file.is_file():
         old = json.loads(cfg_file.read_text())
-        diff = [k for k in PROTOCOL_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(record.get(k),
-                                                                                                 sort_keys=True)]
-        if old.get("endpoint") and record.get("endpoint") and \
-                old.get("endpoint_budget") != record.get("endpoint_budget"):
+        diff = [
+            k
+            for k in PROTOCOL_KEYS
+            if json.dumps(old.get(k), sort_keys=True) != json.dumps(record.get(k), sort_keys=True)
+        ]
+        if (
+            old.get("endpoint")
+            and record.get("endpoint")
+            and old.get("endpoint_budget") != record.get("endpoint_budget")
+        ):
             diff.append("endpoint_budget")  # a local model beside an endpoint in one folder stays allowed
         if diff and (out / SAMPLES_FILE).is_file():
-            raise ArpoError(f"{out} holds an evaluation with a different protocol ({', '.join(diff)} differ)",
-                            hint="use a new --output folder, or the same settings to resume")
+            raise ArpoError(
+                f"{out} holds an evaluation with a different protocol ({', '.join(diff)} differ)",
+                hint="use a new --output folder, or the same settings to resume",
+            )
     out.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(json.dumps(record, indent=2, default=str))
 
@@ -141,11 +162,26 @@ class Progress:
             self.bar.close()
 
 
-def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Path, *, data_name: str,
-             engine: str = "hf", endpoint: str | None = None, endpoint_model: str | None = None,
-             tokenizer: str | None = None, judge: Any = None, items_per_call: int = 1, max_batch_size: int = 16,
-             device: str = "cpu", progress: bool = True, charts: bool = True, record_trees: bool = True,
-             log=print) -> dict[str, Any]:
+def run_eval(
+    models: list[str],
+    data: EvalData,
+    settings: EvalSettings,
+    out: Path,
+    *,
+    data_name: str,
+    engine: str = "hf",
+    endpoint: str | None = None,
+    endpoint_model: str | None = None,
+    tokenizer: str | None = None,
+    judge: Any = None,
+    items_per_call: int = 1,
+    max_batch_size: int = 16,
+    device: str = "cpu",
+    progress: bool = True,
+    charts: bool = True,
+    record_trees: bool = True,
+    log=print,
+) -> dict[str, Any]:
     """Evaluate every model (or the endpoint) on ``data`` and write the reports; returns ``summary.json``'s body.
     With ``record_trees`` each local model's runs are recorded as rollout trees in ``out/trees/LABEL``
     (:mod:`arpo_algo.eval.trees`; ``arpo view``); an endpoint returns text, not tokens, so it records none."""
@@ -156,8 +192,10 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
     if not endpoint and not models:
         raise ConfigError("nothing to evaluate", hint="name at least one model/checkpoint, or --endpoint URL")
     if tokenizer and not endpoint:
-        raise ConfigError("--tokenizer is for --endpoint (a local model brings its own tokenizer)",
-                          hint="drop --tokenizer, or evaluate through --endpoint URL")
+        raise ConfigError(
+            "--tokenizer is for --endpoint (a local model brings its own tokenizer)",
+            hint="drop --tokenizer, or evaluate through --endpoint URL",
+        )
     entries = served_models(endpoint) if endpoint else []
     served = [m.get("id", "") for m in entries]
     specs = [resolve_model(m) for m in models]
@@ -166,18 +204,32 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         name = endpoint_model or (served[0] if served else "default")
         specs = [(f"{name}@endpoint", None)]
         # built before anything is written: an endpoint it cannot budget like a local run is refused up front
-        agent = EndpointAgent(endpoint, name, settings, server_tools=runs_tools_itself(entries, name),
-                              tokenizer=load_tokenizer(tokenizer) if tokenizer else None)
+        agent = EndpointAgent(
+            endpoint,
+            name,
+            settings,
+            server_tools=runs_tools_itself(entries, name),
+            tokenizer=load_tokenizer(tokenizer) if tokenizer else None,
+        )
     labels = [s[0] for s in specs]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two models share the label {labels}", hint="name them: LABEL=PATH")
-    record = {"data": data_name, "data_description": data.description, "env_id": data.env_id,
-              "env_config": data.env_config, **dataclasses.asdict(settings),
-              "judge_rule": getattr(judge, "rule", None), "models": labels, "endpoint": endpoint,
-              "endpoint_budget": ENDPOINT_BUDGET if endpoint else None}
+    record = {
+        "data": data_name,
+        "data_description": data.description,
+        "env_id": data.env_id,
+        "env_config": data.env_config,
+        **dataclasses.asdict(settings),
+        "judge_rule": getattr(judge, "rule", None),
+        "models": labels,
+        "endpoint": endpoint,
+        "endpoint_budget": ENDPOINT_BUDGET if endpoint else None,
+    }
     _check_protocol(out, record)
-    log(f"[eval] data: {data.description}; {len(data.items)} items"
-        + (f" ({data.skipped} skipped: no ground truth)" if data.skipped else ""))
+    log(
+        f"[eval] data: {data.description}; {len(data.items)} items"
+        + (f" ({data.skipped} skipped: no ground truth)" if data.skipped else "")
+    )
     creator = functools.partial(make_eval_env, data.env_id, data.env_config, data.items)
     samples = out / SAMPLES_FILE
     repair_tail(samples)
@@ -193,14 +245,34 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         t0 = time.perf_counter()
         try:
             if agent is not None:
-                run_endpoint(agent, creator, data.items, model=label, out_file=samples, skip=skip,
-                             recorded=recorded, score=score, on_item=bar)
+                run_endpoint(
+                    agent,
+                    creator,
+                    data.items,
+                    model=label,
+                    out_file=samples,
+                    skip=skip,
+                    recorded=recorded,
+                    score=score,
+                    on_item=bar,
+                )
             elif len(skip) < len(data.items):
                 eng = build_engine(engine, path, max_batch_size=max_batch_size, device=device, seed=settings.seed)
                 try:
-                    run_engine(eng, creator, data.items, settings, model=label, out_file=samples, skip=skip,
-                               items_per_call=items_per_call, recorded=recorded, score=score, on_item=bar,
-                               trees=tree_writer(out, label, eng.tokenizer) if record_trees else None)
+                    run_engine(
+                        eng,
+                        creator,
+                        data.items,
+                        settings,
+                        model=label,
+                        out_file=samples,
+                        skip=skip,
+                        items_per_call=items_per_call,
+                        recorded=recorded,
+                        score=score,
+                        on_item=bar,
+                        trees=tree_writer(out, label, eng.tokenizer) if record_trees else None,
+                    )
                 finally:
                     close = getattr(eng, "close", None)
                     if close:
@@ -211,10 +283,17 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
     ids = {it["id"] for it in data.items}
     rows, dropped = unique_runs([r for r in read_samples(samples) if r["model"] in labels and r["item_id"] in ids])
     if dropped:
-        log(f"[eval] {samples} records {dropped} run(s) twice (same model, item and run); the first record of each "
-            "is counted, the later ones are ignored")
-    header = {**record, "items": len(data.items), "skipped_no_ground_truth": data.skipped,
-              "columns": data.columns, "wall_s_this_run": times}
+        log(
+            f"[eval] {samples} records {dropped} run(s) twice (same model, item and run); the first record of each "
+            "is counted, the later ones are ignored"
+        )
+    header = {
+        **record,
+        "items": len(data.items),
+        "skipped_no_ground_truth": data.skipped,
+        "columns": data.columns,
+        "wall_s_this_run": times,
+    }
     if judge is not None:
         header["judge"] = judge.stats()
     body = write_reports(out, rows, labels, header, charts=charts)
@@ -222,8 +301,10 @@ def run_eval(models: list[str], data: EvalData, settings: EvalSettings, out: Pat
         s = summarize_rows([r for r in rows if r["model"] == label])
         if s.get(R.ITEMS):
             k = s[R.K]
-            log(f"[eval] {label}: pass@1 {s[R.PASS_AT_1]:.3f} ± {s[R.PASS_AT_1_CI95]:.3f}  "
+            log(
+                f"[eval] {label}: pass@1 {s[R.PASS_AT_1]:.3f} ± {s[R.PASS_AT_1_CI95]:.3f}  "
                 + (f"pass@{k} {s[R.PASS_AT.format(k)]:.3f}  " if k > 1 else "")
-                + f"tool calls/run {s[R.TOOL_CALLS_PER_RUN]:.2f}  tokens/run {s[R.TOKENS_PER_RUN]:.0f}")
+                + f"tool calls/run {s[R.TOOL_CALLS_PER_RUN]:.2f}  tokens/run {s[R.TOKENS_PER_RUN]:.0f}"
+            )
     log(f"[eval] reports: {out / 'summary.md'}")
     return body

@@ -60,8 +60,18 @@ class Judge:
         api_key: Sent as a Bearer token when given.
     """
 
-    def __init__(self, url: str, *, model: str | None = None, cache_dir: Path, rule: str = "reference",
-                 retries: int = 3, backoff_s: float = 1.0, timeout_s: float = 60.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        cache_dir: Path,
+        rule: str = "reference",
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+    ) -> None:
         if rule not in JUDGE_RULES:
             raise ConfigError(f"--judge-rule must be one of {JUDGE_RULES}, got {rule!r}")
         base = url.rstrip("/")
@@ -102,8 +112,12 @@ class Judge:
                     if key in self.cache:
                         self.cache_hits += 1
                         return self.cache[key]
-                body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                        "temperature": 0.0, "max_tokens": 16}
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "temperature": 0.0,
+                    "max_tokens": 16,
+                }
                 reply = self._post("/chat/completions", body)["choices"][0]["message"]["content"] or ""
                 with self._lock:
                     self.calls += 1
@@ -113,7 +127,7 @@ class Judge:
                 return reply
             except (OSError, KeyError, IndexError, ValueError, TypeError):  # HTTPJSONError is an OSError
                 if attempt < self.retries:
-                    time.sleep(self.backoff_s * 2 ** attempt)
+                    time.sleep(self.backoff_s * 2**attempt)
         with self._lock:
             self.failures += 1
         return None
@@ -135,5 +149,10 @@ class Judge:
         return record
 
     def stats(self) -> dict[str, Any]:
-        return {"judge_calls": self.calls, "judge_cache_hits": self.cache_hits, "judge_failures": self.failures,
-                "judge_rule": self.rule, "judge_model": self.model}
+        return {
+            "judge_calls": self.calls,
+            "judge_cache_hits": self.cache_hits,
+            "judge_failures": self.failures,
+            "judge_rule": self.rule,
+            "judge_model": self.model,
+        }

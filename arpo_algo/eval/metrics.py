@@ -74,8 +74,9 @@ def mean_ci(values: Sequence[float]) -> dict[str, float]:
     return {"mean": m, "ci95": Z95 * math.sqrt(var / n), "n": n}
 
 
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, samples: int = BOOTSTRAP_SAMPLES,
-                     seed: int = 0) -> dict[str, Any]:
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, Any]:
     """Mean of ``b - a`` over paired items with a seeded bootstrap 95% interval and P(diff <= 0) under resampling."""
     if len(a) != len(b):
         raise ValueError(f"paired_bootstrap needs equal lengths, got {len(a)} and {len(b)}")

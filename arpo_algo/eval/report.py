@@ -64,18 +64,32 @@ def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tool_calls = sum(r["num_tool_calls"] for r in runs)
     tokens = sum(r["generated_tokens"] for r in runs)
     out: dict[str, Any] = {
-        ITEMS: len(items), K: k_max, "runs": len(runs),
-        PASS_AT_1: ci["mean"], PASS_AT_1_CI95: ci["ci95"],
+        ITEMS: len(items),
+        K: k_max,
+        "runs": len(runs),
+        PASS_AT_1: ci["mean"],
+        PASS_AT_1_CI95: ci["ci95"],
         **{PASS_AT.format(k): mean_pass_at_k(correct, k) for k in range(2, k_max + 1)},
-        **{MAJ_AT.format(k): _mean([float(maj_vote([r.get("answer_norm") for r in rs], [bool(r["correct"]) for r in rs],
-                                             k)[1]) for rs in items.values()]) for k in range(1, k_max + 1)},
-        EXACT_MATCH: _mean([r["exact_match"] for r in runs]), F1: _mean([r["f1"] for r in runs]),
-        MATH_EQUIV: _mean([r["math_equiv"] for r in runs]), "reward": _mean([r["reward"] for r in runs]),
-        "correct_runs": n_correct, TOOL_CALLS_PER_RUN: tool_calls / len(runs),
+        **{
+            MAJ_AT.format(k): _mean(
+                [
+                    float(maj_vote([r.get("answer_norm") for r in rs], [bool(r["correct"]) for r in rs], k)[1])
+                    for rs in items.values()
+                ]
+            )
+            for k in range(1, k_max + 1)
+        },
+        EXACT_MATCH: _mean([r["exact_match"] for r in runs]),
+        F1: _mean([r["f1"] for r in runs]),
+        MATH_EQUIV: _mean([r["math_equiv"] for r in runs]),
+        "reward": _mean([r["reward"] for r in runs]),
+        "correct_runs": n_correct,
+        TOOL_CALLS_PER_RUN: tool_calls / len(runs),
         TOKENS_PER_RUN: tokens / len(runs),
         WALL_S_PER_ITEM: _mean([rs[0]["wall_s"] for rs in items.values()]),
         WALL_S_TOTAL: sum(rs[0]["wall_s"] for rs in items.values()),
-        "tool_calls_total": tool_calls, "tokens_total": tokens,
+        "tool_calls_total": tool_calls,
+        "tokens_total": tokens,
         TOOL_CALLS_PER_CORRECT: tool_calls / n_correct if n_correct else None,
         TOKENS_PER_CORRECT: tokens / n_correct if n_correct else None,
         "finish_reasons": dict(Counter(r["finish_reason"] for r in runs)),
@@ -137,25 +151,54 @@ def render_markdown(summary: dict[str, Any], header: dict[str, Any]) -> str:
     for src in sources:
         stats = [summary["models"][m].get(src, {}) for m in models]
         k = max((s.get(K, 1) for s in stats), default=1)
-        cols = ["model", "items", "pass@1 (95% CI)", *[f"pass@{j}" for j in range(2, k + 1)], f"maj@{k}", "EM",
-                "F1", "math", "tool calls/run", "tokens/run", "tool calls/correct", "tokens/correct", "s/item"]
+        cols = [
+            "model",
+            "items",
+            "pass@1 (95% CI)",
+            *[f"pass@{j}" for j in range(2, k + 1)],
+            f"maj@{k}",
+            "EM",
+            "F1",
+            "math",
+            "tool calls/run",
+            "tokens/run",
+            "tool calls/correct",
+            "tokens/correct",
+            "s/item",
+        ]
         lines += ["", f"## {src}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for m, s in zip(models, stats):
             if not s.get(ITEMS):
                 continue
-            row = [m, str(s[ITEMS]), f"{_fmt(s[PASS_AT_1])} ± {_fmt(s[PASS_AT_1_CI95])}",
-                   *[_fmt(s.get(PASS_AT.format(j))) for j in range(2, k + 1)], _fmt(s.get(MAJ_AT.format(k))),
-                   _fmt(s[EXACT_MATCH]), _fmt(s[F1]), _fmt(s[MATH_EQUIV]),
-                   f"{s[TOOL_CALLS_PER_RUN]:.2f}", f"{s[TOKENS_PER_RUN]:.0f}",
-                   _fmt(s[TOOL_CALLS_PER_CORRECT], pct=False), _fmt(s[TOKENS_PER_CORRECT], pct=False),
-                   f"{s[WALL_S_PER_ITEM]:.1f}"]
+            row = [
+                m,
+                str(s[ITEMS]),
+                f"{_fmt(s[PASS_AT_1])} ± {_fmt(s[PASS_AT_1_CI95])}",
+                *[_fmt(s.get(PASS_AT.format(j))) for j in range(2, k + 1)],
+                _fmt(s.get(MAJ_AT.format(k))),
+                _fmt(s[EXACT_MATCH]),
+                _fmt(s[F1]),
+                _fmt(s[MATH_EQUIV]),
+                f"{s[TOOL_CALLS_PER_RUN]:.2f}",
+                f"{s[TOKENS_PER_RUN]:.0f}",
+                _fmt(s[TOOL_CALLS_PER_CORRECT], pct=False),
+                _fmt(s[TOKENS_PER_CORRECT], pct=False),
+                f"{s[WALL_S_PER_ITEM]:.1f}",
+            ]
             lines.append("| " + " | ".join(row) + " |")
     if summary["paired"]:
-        lines += ["", "## Paired difference (pass@1, b - a, same items and seeds; bootstrap 95% CI over items)", "",
-                  "| a | b | source | items | diff | 95% CI |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Paired difference (pass@1, b - a, same items and seeds; bootstrap 95% CI over items)",
+            "",
+            "| a | b | source | items | diff | 95% CI |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in summary["paired"]:
-            lines.append(f"| {p['a']} | {p['b']} | {p['source']} | {p['n']} | {100 * p['diff']:+.1f} | "
-                         f"[{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] |")
+            lines.append(
+                f"| {p['a']} | {p['b']} | {p['source']} | {p['n']} | {100 * p['diff']:+.1f} | "
+                f"[{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}] |"
+            )
     lines.append("")
     return "\n".join(lines)
 
@@ -200,8 +243,9 @@ def plot_charts(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Pa
     return paths
 
 
-def write_reports(out_dir: Path, rows: list[dict[str, Any]], models: list[str], header: dict[str, Any],
-                  *, charts: bool = True) -> dict[str, Any]:
+def write_reports(
+    out_dir: Path, rows: list[dict[str, Any]], models: list[str], header: dict[str, Any], *, charts: bool = True
+) -> dict[str, Any]:
     """Write summary.json, summary.md and the charts; returns the summary."""
     summary = summarize(rows, models, seed=int(header.get("seed", 0)))
     body = {**header, **summary}

@@ -53,7 +53,7 @@ def repair_tail(path: Path) -> None:
         return
     data = path.read_bytes()
     if not data.endswith(b"\n"):
-        path.write_bytes(data[:data.rfind(b"\n") + 1])
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def recorded_runs(rows: Iterable[dict[str, Any]], model: str) -> dict[str, set[int]]:
@@ -97,25 +97,58 @@ def vote_key(answer: str | None) -> str | None:
 def rule_scores(text: str, ground_truth: Any, reward_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Exact match, token F1 and math equivalence of a response's extracted answer (arpo_env's scorers)."""
     answer = extract_answer(text)
-    return {"answer": answer, "answer_norm": vote_key(answer),
-            "exact_match": float(exact_match(text, ground_truth)[0] >= 1.0),
-            "f1": max(0.0, float(f1(text, ground_truth)[0])),
-            "math_equiv": float(math_equiv(text, ground_truth, **reward_kwargs)[0] >= 1.0)}
+    return {
+        "answer": answer,
+        "answer_norm": vote_key(answer),
+        "exact_match": float(exact_match(text, ground_truth)[0] >= 1.0),
+        "f1": max(0.0, float(f1(text, ground_truth)[0])),
+        "math_equiv": float(math_equiv(text, ground_truth, **reward_kwargs)[0] >= 1.0),
+    }
 
 
-def make_record(model: str, item: dict[str, Any], index: int, run: int, *, text: str, reward: float,
-                reward_info: dict[str, Any], correct: bool, finish_reason: str, tool_calls: list[dict[str, Any]],
-                generated_tokens: int, response_tokens: int, wall_s: float, **extra: Any) -> dict[str, Any]:
+def make_record(
+    model: str,
+    item: dict[str, Any],
+    index: int,
+    run: int,
+    *,
+    text: str,
+    reward: float,
+    reward_info: dict[str, Any],
+    correct: bool,
+    finish_reason: str,
+    tool_calls: list[dict[str, Any]],
+    generated_tokens: int,
+    response_tokens: int,
+    wall_s: float,
+    **extra: Any,
+) -> dict[str, Any]:
     """One line of ``samples.jsonl``: trajectory, tool calls, scores and costs of one run."""
     scores = rule_scores(text, item["ground_truth"], item.get("reward_kwargs") or {})
-    return {"model": model, "item_id": item["id"], "index": index, "run": run, "source": item.get("source", ""),
-            "question": item["question"], "ground_truth": item["ground_truth"], "response": text,
-            "finish_reason": finish_reason, "reward": float(reward), "reward_info": reward_info,
-            "correct_rule": bool(correct), "correct": bool(correct), **scores,
-            "tool_calls": [{k: c.get(k) for k in ("tool", "args", "output", "error", "latency_s", "cache_hit")}
-                           for c in tool_calls],
-            "num_tool_calls": len(tool_calls), "generated_tokens": int(generated_tokens),
-            "response_tokens": int(response_tokens), "wall_s": round(wall_s, 4), **extra}
+    return {
+        "model": model,
+        "item_id": item["id"],
+        "index": index,
+        "run": run,
+        "source": item.get("source", ""),
+        "question": item["question"],
+        "ground_truth": item["ground_truth"],
+        "response": text,
+        "finish_reason": finish_reason,
+        "reward": float(reward),
+        "reward_info": reward_info,
+        "correct_rule": bool(correct),
+        "correct": bool(correct),
+        **scores,
+        "tool_calls": [
+            {k: c.get(k) for k in ("tool", "args", "output", "error", "latency_s", "cache_hit")} for c in tool_calls
+        ],
+        "num_tool_calls": len(tool_calls),
+        "generated_tokens": int(generated_tokens),
+        "response_tokens": int(response_tokens),
+        "wall_s": round(wall_s, 4),
+        **extra,
+    }
 
 
 def missing_runs(recorded: dict[str, set[int]] | None, item_id: str, k: int) -> list[int]:
@@ -127,7 +160,7 @@ def missing_runs(recorded: dict[str, set[int]] | None, item_id: str, k: int) -> 
 
 def _chunks(seq: list[int], n: int) -> Iterable[list[int]]:
     for i in range(0, len(seq), n):
-        yield seq[i:i + n]
+        yield seq[i : i + n]
 
 
 def _seed(base: int, index: int, run: int, n: int) -> int:
@@ -142,9 +175,11 @@ def _fit_prompt(ids: list[int], limit: int | None, settings: EvalSettings, item:
     if limit is None or len(ids) <= limit:
         return ids
     if settings.prompt_overflow == "error":
-        raise ArpoError(f"the prompt of item {item['id']} has {len(ids)} tokens, more than the {limit} allowed "
-                        f"(context minus max_response_tokens={settings.max_response_tokens})",
-                        hint="lower --max-response-tokens, or use an experiment with prompt_overflow='left_truncate'")
+        raise ArpoError(
+            f"the prompt of item {item['id']} has {len(ids)} tokens, more than the {limit} allowed "
+            f"(context minus max_response_tokens={settings.max_response_tokens})",
+            hint="lower --max-response-tokens, or use an experiment with prompt_overflow='left_truncate'",
+        )
     return ids[-limit:]
 
 
@@ -155,11 +190,21 @@ def env_reward(env: Any, item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(score), {"reward_name": env.config["reward"], "score": float(score), **breakdown}
 
 
-def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str, Any]], settings: EvalSettings,
-               *, model: str, out_file: Path, skip: set[str], items_per_call: int = 1,
-               recorded: dict[str, set[int]] | None = None,
-               score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-               on_item: Callable[[list[dict[str, Any]]], None] | None = None, trees: Any = None) -> int:
+def run_engine(
+    engine: Any,
+    env_creator: Callable[[], Any],
+    items: list[dict[str, Any]],
+    settings: EvalSettings,
+    *,
+    model: str,
+    out_file: Path,
+    skip: set[str],
+    items_per_call: int = 1,
+    recorded: dict[str, set[int]] | None = None,
+    score: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    on_item: Callable[[list[dict[str, Any]]], None] | None = None,
+    trees: Any = None,
+) -> int:
     """Run ``settings.samples`` conversations of every item not in ``skip`` and append their records; returns the
     number of items run.
 
@@ -206,9 +251,15 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
                 prompts.append(ids)
                 seeds.append(functools.partial(_seed, settings.seed, idx, run))
                 where.append((idx, run))
-        traces = run_agents(engine, [e.session for e in envs], prompts, sampling,
-                            max_response_tokens=settings.max_response_tokens, seeds=seeds,
-                            tool_workers=settings.tool_workers)
+        traces = run_agents(
+            engine,
+            [e.session for e in envs],
+            prompts,
+            sampling,
+            max_response_tokens=settings.max_response_tokens,
+            seeds=seeds,
+            tool_workers=settings.tool_workers,
+        )
         wall = (time.perf_counter() - t0) / len(chunk)
         by_item: dict[int, list[dict[str, Any]]] = {}
         runs_of: dict[int, list[tuple[int, Any, tuple[float, dict[str, Any]]]]] = {}
@@ -217,11 +268,22 @@ def run_engine(engine: Any, env_creator: Callable[[], Any], items: list[dict[str
             runs_of.setdefault(idx, []).append((run, tr, (reward, info)))
             if tr.error:
                 info["engine_error"] = tr.error
-            rec = make_record(model, items[idx], idx, run, text=tr.text, reward=reward, reward_info=info,
-                              correct=is_correct(types.SimpleNamespace(reward_info=info)),
-                              finish_reason=tr.finish_reason, tool_calls=tr.tool_calls,
-                              generated_tokens=sum(tr.trained_mask), response_tokens=len(tr.response_ids),
-                              wall_s=wall, prompt_tokens=len(tr.prompt_ids))
+            rec = make_record(
+                model,
+                items[idx],
+                idx,
+                run,
+                text=tr.text,
+                reward=reward,
+                reward_info=info,
+                correct=is_correct(types.SimpleNamespace(reward_info=info)),
+                finish_reason=tr.finish_reason,
+                tool_calls=tr.tool_calls,
+                generated_tokens=sum(tr.trained_mask),
+                response_tokens=len(tr.response_ids),
+                wall_s=wall,
+                prompt_tokens=len(tr.prompt_ids),
+            )
             by_item.setdefault(idx, []).append(score(rec) if score else rec)
         for env in envs:  # scored: their persistent interpreters (if any) end here
             env.close()

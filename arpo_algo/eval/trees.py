@@ -102,8 +102,14 @@ def _shared_filled(g: Any, through: dict[int, list[int]], learner: list[list[flo
     return out
 
 
-def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: list[list[float]] | None,
-                 learner: list[list[float]] | None = None) -> dict:
+def group_record(
+    g: Any,
+    iteration: int,
+    index: int,
+    decode: Any,
+    advantages: list[list[float]] | None,
+    learner: list[list[float]] | None = None,
+) -> dict:
     """One group as the JSON object a chunk line holds (see the module docstring); ``learner``: per trajectory, the
     learner's log-prob of each response token (NaN where it scored none), or None (not recorded)."""
     trajs = {t.traj_id: t for t in g.trajectories}
@@ -120,43 +126,82 @@ def group_record(g: Any, iteration: int, index: int, decode: Any, advantages: li
     nodes = []
     for n in g.nodes:
         owner = trajs[through[n.node_id][0]]
-        ids, mask = owner.response_ids[n.start:n.end], owner.trained_mask[n.start:n.end]
-        node: dict[str, Any] = {"id": n.node_id, "parent": n.parent, "start": n.start, "end": n.end, "depth": n.depth,
-                                "policy_version": n.policy_version, "text": _runs(ids, mask, decode),
-                                "trajectories": through[n.node_id]}
+        ids, mask = owner.response_ids[n.start : n.end], owner.trained_mask[n.start : n.end]
+        node: dict[str, Any] = {
+            "id": n.node_id,
+            "parent": n.parent,
+            "start": n.start,
+            "end": n.end,
+            "depth": n.depth,
+            "policy_version": n.policy_version,
+            "text": _runs(ids, mask, decode),
+            "trajectories": through[n.node_id],
+        }
         if adv:
-            vals = [a for tid in through[n.node_id]
-                    for a, m in zip(adv[tid][n.start:n.end], trajs[tid].trained_mask[n.start:n.end]) if m]
+            vals = [
+                a
+                for tid in through[n.node_id]
+                for a, m in zip(adv[tid][n.start : n.end], trajs[tid].trained_mask[n.start : n.end])
+                if m
+            ]
             node["advantage"] = _mean(vals)
         kids = children.get(n.node_id, [])
         if len(kids) > 1 and n.end > 0:  # the empty root's children are independent samples, not a branch
-            before = [e for e, m in zip(owner.entropies[:n.end], owner.trained_mask[:n.end]) if m][-K:]
+            before = [e for e, m in zip(owner.entropies[: n.end], owner.trained_mask[: n.end]) if m][-K:]
             after = []
             for c in kids:
                 t = trajs[through[c][0]]
                 s = start_of[c]
                 after.append(_mean([e for e, m in zip(t.entropies[s:], t.trained_mask[s:]) if m][:K]))
-            node["branch"] = {"entropy_before": _mean(before), "entropy_after": after, "children": kids,
-                              "decisions": [_clean(d) for d in decisions if d["branches"] and d["at"] == n.end
-                                            and d["trajectory"] in through[n.node_id]]}
+            node["branch"] = {
+                "entropy_before": _mean(before),
+                "entropy_after": after,
+                "children": kids,
+                "decisions": [
+                    _clean(d)
+                    for d in decisions
+                    if d["branches"] and d["at"] == n.end and d["trajectory"] in through[n.node_id]
+                ],
+            }
         nodes.append(node)
     if learner is not None:
         learner = _shared_filled(g, through, learner)
     out_trajs = []
     for k, t in enumerate(g.trajectories):
-        out_trajs.append({
-            "id": t.traj_id, "kind": t.kind, "parent": t.parent, "branch_point": t.branch_point,
-            "node_ids": t.node_ids, "reward": _r(t.reward), "reward_info": _clean(t.reward_info),
-            "finish_reason": t.finish_reason, "tool_calls": _clean(t.tool_calls), "policy_version": t.policy_version,
-            "response_ids": t.response_ids, "trained_mask": t.trained_mask,
-            "sampled_logprobs": _rounded(t.old_logprobs), "entropies": _rounded(t.entropies),
-            "learner_logprobs": _rounded(learner[k]) if learner is not None else None,
-            "advantages": _rounded(adv[t.traj_id]) if adv else None,
-            "segment_entropy": _rounded(t.segment_entropy)})
-    return {"iteration": iteration, "group": index, "prompt_index": g.prompt_index,
-            "policy_version": g.policy_version, "task": _clean(g.task), "prompt": decode(g.prompt_ids),
-            "prompt_ids": g.prompt_ids, "metrics": _clean(g.metrics), "nodes": nodes, "trajectories": out_trajs,
-            "decisions": _clean(decisions)}
+        out_trajs.append(
+            {
+                "id": t.traj_id,
+                "kind": t.kind,
+                "parent": t.parent,
+                "branch_point": t.branch_point,
+                "node_ids": t.node_ids,
+                "reward": _r(t.reward),
+                "reward_info": _clean(t.reward_info),
+                "finish_reason": t.finish_reason,
+                "tool_calls": _clean(t.tool_calls),
+                "policy_version": t.policy_version,
+                "response_ids": t.response_ids,
+                "trained_mask": t.trained_mask,
+                "sampled_logprobs": _rounded(t.old_logprobs),
+                "entropies": _rounded(t.entropies),
+                "learner_logprobs": _rounded(learner[k]) if learner is not None else None,
+                "advantages": _rounded(adv[t.traj_id]) if adv else None,
+                "segment_entropy": _rounded(t.segment_entropy),
+            }
+        )
+    return {
+        "iteration": iteration,
+        "group": index,
+        "prompt_index": g.prompt_index,
+        "policy_version": g.policy_version,
+        "task": _clean(g.task),
+        "prompt": decode(g.prompt_ids),
+        "prompt_ids": g.prompt_ids,
+        "metrics": _clean(g.metrics),
+        "nodes": nodes,
+        "trajectories": out_trajs,
+        "decisions": _clean(decisions),
+    }
 
 
 def eval_group(index: int, item: dict, runs: list[int], traces: list[Any], rewards: list[tuple[float, dict]]) -> Any:
@@ -168,9 +213,21 @@ def eval_group(index: int, item: dict, runs: list[int], traces: list[Any], rewar
     trajs, nodes = [], [TreeNode(0, None, 0, 0, 0, None)]
     for k, (run, tr, (reward, info)) in enumerate(zip(runs, traces, rewards)):
         nodes.append(TreeNode(k + 1, 0, 0, len(tr.response_ids), 1, None))
-        trajs.append(Trajectory(run, list(tr.response_ids), list(tr.trained_mask), list(tr.logprobs),
-                                list(tr.entropies), reward=reward, reward_info=info, tool_calls=tr.tool_calls,
-                                node_ids=[0, k + 1], finish_reason=tr.finish_reason, unsampled=list(tr.unsampled)))
+        trajs.append(
+            Trajectory(
+                run,
+                list(tr.response_ids),
+                list(tr.trained_mask),
+                list(tr.logprobs),
+                list(tr.entropies),
+                reward=reward,
+                reward_info=info,
+                tool_calls=tr.tool_calls,
+                node_ids=[0, k + 1],
+                finish_reason=tr.finish_reason,
+                unsampled=list(tr.unsampled),
+            )
+        )
     task = {"item_id": item["id"], "question": item["question"], "ground_truth": item["ground_truth"]}
     return Group(index, list(traces[0].prompt_ids), trajs, task=task, nodes=nodes)
 
@@ -185,9 +242,14 @@ def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]
     out = []
     for g in groups:
         extra = {"owners": tree_owners(g)} if training.advantage == "hard" and training.hard_scope == "tree" else {}
-        tok = estimator(g.prompt_ids, [t.response_ids for t in g.trajectories],
-                        [t.trained_mask for t in g.trajectories], g.rewards, norm_by_std=training.norm_adv_by_std,
-                        **extra)
+        tok = estimator(
+            g.prompt_ids,
+            [t.response_ids for t in g.trajectories],
+            [t.trained_mask for t in g.trajectories],
+            g.rewards,
+            norm_by_std=training.norm_adv_by_std,
+            **extra,
+        )
         out.append([list(a) for a in tok.advantages])
     return out
 
@@ -196,13 +258,19 @@ def summary(rec: dict) -> dict:
     """What the index keeps of a group: counts for the page's list and the filters."""
     rewards = [t["reward"] or 0.0 for t in rec["trajectories"]]
     parents = {n["parent"] for n in rec["nodes"]}
-    return {"prompt_index": rec["prompt_index"], "policy_version": rec["policy_version"],
-            "trajectories": len(rewards), "nodes": len(rec["nodes"]),
-            "leaves": sum(n["id"] not in parents for n in rec["nodes"]),
-            "branch_points": sum("branch" in n for n in rec["nodes"]),
-            "solved": sum(r > SOLVED for r in rewards), "failed": sum(r <= SOLVED for r in rewards),
-            "tool_limit": sum(t["finish_reason"] == "tool_limit" for t in rec["trajectories"]),
-            "reward_mean": _mean(rewards), "prompt": rec["prompt"][-160:]}
+    return {
+        "prompt_index": rec["prompt_index"],
+        "policy_version": rec["policy_version"],
+        "trajectories": len(rewards),
+        "nodes": len(rec["nodes"]),
+        "leaves": sum(n["id"] not in parents for n in rec["nodes"]),
+        "branch_points": sum("branch" in n for n in rec["nodes"]),
+        "solved": sum(r > SOLVED for r in rewards),
+        "failed": sum(r <= SOLVED for r in rewards),
+        "tool_limit": sum(t["finish_reason"] == "tool_limit" for t in rec["trajectories"]),
+        "reward_mean": _mean(rewards),
+        "prompt": rec["prompt"][-160:],
+    }
 
 
 def start_folder(folder: str | os.PathLike, source: str = "train") -> Path:
@@ -227,35 +295,59 @@ class TreeWriter:
         every: Record every n-th iteration (1: all).
     """
 
-    def __init__(self, folder: str | os.PathLike, decode: Any, *, source: str = "train", max_groups: int | None = None,
-                 every: int = 1) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        decode: Any,
+        *,
+        source: str = "train",
+        max_groups: int | None = None,
+        every: int = 1,
+    ) -> None:
         self.folder = start_folder(folder, source)
         self.decode, self.max_groups, self.every = decode, max_groups, max(1, every)
 
-    def record(self, iteration: int, groups: list[Any], advantages: list[list[list[float]]] | None = None,
-               learner: list[list[list[float]]] | None = None) -> bool:
+    def record(
+        self,
+        iteration: int,
+        groups: list[Any],
+        advantages: list[list[list[float]]] | None = None,
+        learner: list[list[list[float]]] | None = None,
+    ) -> bool:
         """Write ``iteration``'s groups (``advantages``, ``learner``: per group, per trajectory, per token: the
         advantages and the learner's log-probs); False if skipped."""
         if iteration % self.every:
             return False
         t0 = time.perf_counter()
-        chosen = groups if self.max_groups is None else groups[:self.max_groups]
+        chosen = groups if self.max_groups is None else groups[: self.max_groups]
         if advantages is not None:
-            advantages = advantages[:len(chosen)]
+            advantages = advantages[: len(chosen)]
         name = f"iter_{iteration:06d}.jsonl"
         entries, offset = [], 0
         with open(self.folder / name, "wb") as f:
             for i, g in enumerate(chosen):
-                rec = group_record(g, iteration, i, self.decode, advantages[i] if advantages is not None else None,
-                                   learner[i] if learner is not None else None)
+                rec = group_record(
+                    g,
+                    iteration,
+                    i,
+                    self.decode,
+                    advantages[i] if advantages is not None else None,
+                    learner[i] if learner is not None else None,
+                )
                 line = (json.dumps(rec, allow_nan=False) + "\n").encode()
                 f.write(line)
                 entries.append({"offset": offset, "length": len(line), **summary(rec)})
                 offset += len(line)
             f.flush()
             os.fsync(f.fileno())
-        row = {"iteration": iteration, "chunk": name, "sampled_groups": len(groups), "time": time.time(),
-               "record_s": round(time.perf_counter() - t0, 4), "groups": entries}
+        row = {
+            "iteration": iteration,
+            "chunk": name,
+            "sampled_groups": len(groups),
+            "time": time.time(),
+            "record_s": round(time.perf_counter() - t0, 4),
+            "groups": entries,
+        }
         with open(self.folder / INDEX, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         return True
@@ -275,11 +367,15 @@ def find_folder(path: str | os.PathLike) -> Path:
         return models[0]
     if models:
         names = ", ".join(d.name for d in models)
-        raise ArpoError(f"{p} holds the trees of several evaluated models ({names}): name one",
-                        hint=f"e.g. arpo view {models[0]}, or compare two: arpo view {models[0]} {models[1]}")
-    raise ArpoError(f"{p} holds no rollout trees (no {FOLDER}/format.json)",
-                    hint="training records them by default: run `arpo train EXPERIMENT --output FOLDER` "
-                         "(rollouts.record_trees = true) and view FOLDER")
+        raise ArpoError(
+            f"{p} holds the trees of several evaluated models ({names}): name one",
+            hint=f"e.g. arpo view {models[0]}, or compare two: arpo view {models[0]} {models[1]}",
+        )
+    raise ArpoError(
+        f"{p} holds no rollout trees (no {FOLDER}/format.json)",
+        hint="training records them by default: run `arpo train EXPERIMENT --output FOLDER` "
+        "(rollouts.record_trees = true) and view FOLDER",
+    )
 
 
 def _whole(*values: object) -> bool:
@@ -299,8 +395,11 @@ class TreeReader:
         if not isinstance(fmt, dict) or fmt.get("format") != FORMAT or not isinstance(fmt.get("version"), int):
             raise ArpoError(f"{self.folder} is not an arpo tree folder (format.json says {fmt!r})")
         if fmt["version"] > VERSION:
-            raise ArpoError(f"{self.folder} holds trees in format version {fmt['version']}; this arpo reads up to "
-                            f"version {VERSION}", hint="upgrade arpo to view them")
+            raise ArpoError(
+                f"{self.folder} holds trees in format version {fmt['version']}; this arpo reads up to "
+                f"version {VERSION}",
+                hint="upgrade arpo to view them",
+            )
         self.format = fmt
         self._pos = 0  # bytes of index.jsonl consumed (whole lines only)
         self.iterations: dict[int, dict] = {}

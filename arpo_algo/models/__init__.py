@@ -14,5 +14,17 @@ from arpo_algo.models.store import (
 )
 from arpo_algo.models.tiny import CHATML_TEMPLATE, build_tiny_adapter, build_tiny_model, byte_tokenizer
 
-__all__ = ["CHATML_TEMPLATE", "REGISTRY", "ModelSource", "build_tiny_adapter", "build_tiny_model", "byte_tokenizer",
-           "is_pulled", "list_models", "load_gguf", "model_dir", "pull", "resolve_model_path"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "REGISTRY",
+    "ModelSource",
+    "build_tiny_adapter",
+    "build_tiny_model",
+    "byte_tokenizer",
+    "is_pulled",
+    "list_models",
+    "load_gguf",
+    "model_dir",
+    "pull",
+    "resolve_model_path",
+]

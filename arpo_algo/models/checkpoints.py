@@ -24,16 +24,21 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Completed checkpoints under ``ckpt_root``, oldest first (half-written ``.tmp`` folders are ignored)."""
     if not ckpt_root.is_dir():
         return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-             and (p / CHECKPOINT_MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    found = [
+        p
+        for p in ckpt_root.iterdir()
+        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / CHECKPOINT_MARKER).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
 #: The keys of the ``config.json`` that ``arpo train`` writes into a run folder (the resolved experiment).
 RUN_RECORD_KEYS = frozenset({"experiment", "settings", "arpo_version"})
 #: What a folder given as a model source must be, said in every refusal.
-EXPECTED = ("a model folder (config.json with a model_type, as save_pretrained writes it), a training checkpoint "
-            "(arpo_checkpoint.json and policy/) or a run folder (the config.json and checkpoints/ arpo train writes)")
+EXPECTED = (
+    "a model folder (config.json with a model_type, as save_pretrained writes it), a training checkpoint "
+    "(arpo_checkpoint.json and policy/) or a run folder (the config.json and checkpoints/ arpo train writes)"
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +74,16 @@ def policy_source(path: Path) -> PolicySource:
     :class:`~arpo_base.errors.ConfigError` for a folder that is none of them or more than one, and for a run or
     checkpoint with no finished policy in it."""
     config_keys = _json_keys(path / "config.json")
-    kinds = [kind for kind, found in (("run", RUN_RECORD_KEYS <= config_keys),
-                                      ("checkpoint", (path / CHECKPOINT_MARKER).is_file()),
-                                      ("model", "model_type" in config_keys),
-                                      ("adapter", _is_adapter(path))) if found]
+    kinds = [
+        kind
+        for kind, found in (
+            ("run", RUN_RECORD_KEYS <= config_keys),
+            ("checkpoint", (path / CHECKPOINT_MARKER).is_file()),
+            ("model", "model_type" in config_keys),
+            ("adapter", _is_adapter(path)),
+        )
+        if found
+    ]
     if len(kinds) != 1:
         what = f"looks like both a {' and a '.join(kinds)}" if kinds else "is not a model source"
         raise ConfigError(f"{path} {what}", hint=f"pass {EXPECTED}")
@@ -84,8 +95,10 @@ def policy_source(path: Path) -> PolicySource:
     if kinds == ["run"]:
         found = list_checkpoints(path / "checkpoints")
         if not found:
-            raise ConfigError(f"{path} is a run folder with no finished checkpoint under checkpoints/",
-                              hint="let the run write one (experiment.checkpoint_every), or pass a model folder")
+            raise ConfigError(
+                f"{path} is a run folder with no finished checkpoint under checkpoints/",
+                hint="let the run write one (experiment.checkpoint_every), or pass a model folder",
+            )
         return PolicySource("run", _checkpoint_policy(found[-1]), path.name)
     run = path.parent.parent if path.parent.name == "checkpoints" else path
     return PolicySource("checkpoint", _checkpoint_policy(path), run.name)
@@ -93,8 +106,9 @@ def policy_source(path: Path) -> PolicySource:
 
 def _is_adapter(path: Path) -> bool:
     """A LoRA adapter folder (:mod:`arpo_algo.models.lora`; its readers check it against its base)."""
-    return any((path / name).is_file() for name in ("arpo_adapter.json", "adapter_config.json",
-                                                    "adapter_model.safetensors"))
+    return any(
+        (path / name).is_file() for name in ("arpo_adapter.json", "adapter_config.json", "adapter_model.safetensors")
+    )
 
 
 def _check_adapter(path: Path) -> None:
@@ -111,6 +125,8 @@ def _checkpoint_policy(checkpoint: Path) -> Path:
         _check_adapter(policy)
         return policy
     if "model_type" not in _json_keys(policy / "config.json"):
-        raise ConfigError(f"{checkpoint} is a checkpoint without a model in policy/",
-                          hint="the checkpoint is damaged; use an earlier one")
+        raise ConfigError(
+            f"{checkpoint} is a checkpoint without a model in policy/",
+            hint="the checkpoint is damaged; use an earlier one",
+        )
     return policy

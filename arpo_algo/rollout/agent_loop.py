@@ -69,8 +69,9 @@ class Conversation:
     def request(self, request_id: Any, prompt_ids: list[int], params: SamplingParams) -> GenRequest:
         """The next engine request: the whole context, with this conversation's last cache key as prefix hint."""
         self.n_requests += 1
-        return GenRequest(request_id=request_id, token_ids=prompt_ids + self.response, params=params,
-                          prefix_key=self.cache_key)
+        return GenRequest(
+            request_id=request_id, token_ids=prompt_ids + self.response, params=params, prefix_key=self.cache_key
+        )
 
 
 @dataclasses.dataclass
@@ -98,8 +99,14 @@ class Turn:
 
 
 def _call_record(tool: Any, args: Any, output: Any, error: Any, latency_s: Any, cache_hit: Any) -> dict[str, Any]:
-    return {"tool": tool, "args": dict(args or {}), "output": output, "error": bool(error),
-            "latency_s": float(latency_s or 0.0), "cache_hit": bool(cache_hit)}
+    return {
+        "tool": tool,
+        "args": dict(args or {}),
+        "output": output,
+        "error": bool(error),
+        "latency_s": float(latency_s or 0.0),
+        "cache_hit": bool(cache_hit),
+    }
 
 
 def turn_from_env(result: tuple, calls_so_far: int) -> Turn:
@@ -108,10 +115,24 @@ def turn_from_env(result: tuple, calls_so_far: int) -> Turn:
     obs, reward, terminated, truncated, info = result
     call = None
     if info.get("tool_calls", 0) > calls_so_far:
-        call = _call_record(info["tool"], info.get("args"), info.get("tool_output"), info.get("tool_error"),
-                            info.get("latency_s"), info.get("cache_hit"))
-    return Turn(obs, bool(terminated or truncated), bool(truncated), str(info.get("kind", "")),
-                bool(info.get("append_eos")), call, float(reward), dict(info.get("reward_info", {})))
+        call = _call_record(
+            info["tool"],
+            info.get("args"),
+            info.get("tool_output"),
+            info.get("tool_error"),
+            info.get("latency_s"),
+            info.get("cache_hit"),
+        )
+    return Turn(
+        obs,
+        bool(terminated or truncated),
+        bool(truncated),
+        str(info.get("kind", "")),
+        bool(info.get("append_eos")),
+        call,
+        float(reward),
+        dict(info.get("reward_info", {})),
+    )
 
 
 def turn_from_session(st: Any) -> Turn:
@@ -136,7 +157,7 @@ def absorb(conv: Conversation, gen: Generation) -> int:
 
 def action_text(tokenizer: Any, conv: Conversation, eos_id: int | None) -> str:
     """The current turn's text as the environment sees it (a trailing EOS dropped, special tokens kept)."""
-    ids = conv.response[conv.turn_start:]
+    ids = conv.response[conv.turn_start :]
     return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
 
 
@@ -157,9 +178,16 @@ def finish_reason(turn: Turn, conv: Conversation) -> str:
     return "length" if conv.last_finish == "length" else "eos"
 
 
-def apply_turn(conv: Conversation, turn: Turn, tokenizer: Any, eos_id: int | None, *, max_response_tokens: int,
-               train_eos: bool = True,
-               before_observation: Callable[[Conversation], None] | None = None) -> tuple[str, str]:
+def apply_turn(
+    conv: Conversation,
+    turn: Turn,
+    tokenizer: Any,
+    eos_id: int | None,
+    *,
+    max_response_tokens: int,
+    train_eos: bool = True,
+    before_observation: Callable[[Conversation], None] | None = None,
+) -> tuple[str, str]:
     """Apply one step's outcome to the token stream; returns ``(status, finish_reason)``.
 
     status: "continue" (the observation was appended, masked; the next turn starts), "finished" (the environment
@@ -226,10 +254,18 @@ class AgentTrace:
     unsampled: list[int] = dataclasses.field(default_factory=list)  # positions appended without sampling
 
 
-def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampling: SamplingParams, *,
-               max_response_tokens: int, seeds: list[Callable[[int], int | None]] | None = None,
-               on_event: EventCallback | None = None, on_token: Callable[[int, int], None] | None = None,
-               tool_workers: int = 1) -> list[AgentTrace]:
+def run_agents(
+    engine: Any,
+    sessions: list[Any],
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    *,
+    max_response_tokens: int,
+    seeds: list[Callable[[int], int | None]] | None = None,
+    on_event: EventCallback | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    tool_workers: int = 1,
+) -> list[AgentTrace]:
     """Run many conversations to the end, batched: one ``engine.generate`` call per round for all live ones.
 
     Args:
@@ -252,16 +288,19 @@ def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampl
     emit = on_event or (lambda i, e: None)
     stream = (lambda rid, t: on_token(rid[0], t)) if on_token is not None else None
     keys: set[Any] = set()
-    pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-agents") if tool_workers > 1 \
-        else None
+    pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-agents") if tool_workers > 1 else None
     try:
         while live := [i for i, c in enumerate(convs) if not c.done]:
             reqs = []
             for i in live:
                 c = convs[i]
                 seed = seeds[i](c.n_requests) if seeds is not None else sampling.seed
-                params = dataclasses.replace(sampling, max_new_tokens=max_response_tokens - len(c.response),
-                                             stop=tuple(sessions[i].stop_sequences), seed=seed)
+                params = dataclasses.replace(
+                    sampling,
+                    max_new_tokens=max_response_tokens - len(c.response),
+                    stop=tuple(sessions[i].stop_sequences),
+                    seed=seed,
+                )
                 reqs.append(c.request((i, c.n_requests), prompts[i], params))
             gens = engine.generate(reqs, on_token=stream)
             for i, gen in zip(live, gens):
@@ -271,8 +310,11 @@ def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampl
             actions = [action_text(tok, convs[i], eos_id) for i in live]
             for i, a in zip(live, actions):
                 emit(i, {"type": "text", "text": a})
-            steps = list(pool.map(safe_call, [sessions[i].step for i in live], actions) if pool
-                         else map(safe_call, [sessions[i].step for i in live], actions))
+            steps = list(
+                pool.map(safe_call, [sessions[i].step for i in live], actions)
+                if pool
+                else map(safe_call, [sessions[i].step for i in live], actions)
+            )
             for i, st in zip(live, steps):
                 _apply_session_step(convs[i], st, i, tok, eos_id, max_response_tokens, emit)
     finally:
@@ -280,13 +322,26 @@ def run_agents(engine: Any, sessions: list[Any], prompts: list[list[int]], sampl
             pool.shutdown(wait=True)
         if keys:
             engine.release(sorted(keys, key=str))
-    return [AgentTrace(p, c.response, c.mask, c.logprobs, c.entropies, c.tool_calls, c.finish_reason,
-                       tok.decode(c.response, skip_special_tokens=True), c.engine_error, list(c.unsampled))
-            for p, c in zip(prompts, convs)]
+    return [
+        AgentTrace(
+            p,
+            c.response,
+            c.mask,
+            c.logprobs,
+            c.entropies,
+            c.tool_calls,
+            c.finish_reason,
+            tok.decode(c.response, skip_special_tokens=True),
+            c.engine_error,
+            list(c.unsampled),
+        )
+        for p, c in zip(prompts, convs)
+    ]
 
 
-def _apply_session_step(c: Conversation, st: Any, i: int, tok: Any, eos_id: int | None, max_response_tokens: int,
-                        emit: EventCallback) -> None:
+def _apply_session_step(
+    c: Conversation, st: Any, i: int, tok: Any, eos_id: int | None, max_response_tokens: int, emit: EventCallback
+) -> None:
     if isinstance(st, BaseException):  # the session contract says never; if it happens, end this one only
         c.done, c.finish_reason, c.engine_error = True, "error", f"session step failed: {st!r}"
     else:

@@ -14,8 +14,9 @@ from typing import Any
 
 def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """The prompt: ``apply_chat_template(messages, add_generation_prompt=True)`` as a list of token ids."""
-    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 def observation_ids(tokenizer: Any, text: str) -> list[int]:

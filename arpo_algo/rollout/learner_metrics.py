@@ -22,8 +22,17 @@ CLIP_FRAC_DUAL = "clip_frac_dual"
 ENTROPY = "entropy"  # the learner's token-mean entropy (sum-normalised as the loss)
 RATIO_MEAN = "ratio_mean"
 #: The per-token sums above, in the order the learner accumulates them.
-STEP_SUMS = (LOSS_POLICY, LOSS_KL, LOSS_ENTROPY_BONUS, LOSS_TOTAL, CLIP_FRAC, CLIP_FRAC_GRAD, CLIP_FRAC_DUAL, ENTROPY,
-             RATIO_MEAN)
+STEP_SUMS = (
+    LOSS_POLICY,
+    LOSS_KL,
+    LOSS_ENTROPY_BONUS,
+    LOSS_TOTAL,
+    CLIP_FRAC,
+    CLIP_FRAC_GRAD,
+    CLIP_FRAC_DUAL,
+    ENTROPY,
+    RATIO_MEAN,
+)
 
 # The mismatch alarm: the sampler's log-probs against the learner's for the same tokens, before any optimizer step of
 # the update (the policy version that sampled them), over the sampled trained tokens; global over data-parallel ranks.

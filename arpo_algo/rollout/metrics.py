@@ -109,8 +109,13 @@ def is_correct(traj: Any) -> bool:
     return False
 
 
-def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str, float] | None = None,
-              timers: dict[str, float] | None = None) -> dict[str, float]:
+def summarize(
+    groups: list,
+    *,
+    paths: Iterable[Any] = (),
+    engine_stats: dict[str, float] | None = None,
+    timers: dict[str, float] | None = None,
+) -> dict[str, float]:
     """All metrics of a list of :class:`~arpo_algo.rollout.types.Group` (see the module docstring for the names).
 
     Args:
@@ -124,19 +129,21 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
     trajs = [t for g in groups for t in g.trajectories]
     n = len(trajs)
     out = _quality(groups, trajs)
-    out.update({
-        TOOL_CALLS: sum(g.metrics.get(GROUP_TOOL_CALLS, 0.0) for g in groups),
-        BRANCHES: sum(g.metrics.get(GROUP_BRANCHES, 0.0) for g in groups),
-        FILLUPS: sum(g.metrics.get(GROUP_FILLUPS, 0.0) for g in groups),
-        INITIAL_SAMPLES: mean(g.metrics.get(GROUP_INITIAL_SAMPLES, 0.0) for g in groups),
-        MAX_DEPTH: max((g.metrics.get(GROUP_MAX_DEPTH, 0.0) for g in groups), default=0.0),
-        RESPONSE_TOKENS: float(sum(len(t.response_ids) for t in trajs)),
-        ENTROPY_BEFORE_TOOL: mean(x for p in paths for x in p.ent_before),
-        ENTROPY_AFTER_TOOL: mean(x for p in paths for x in p.ent_after),
-        ENGINE_ERRORS: float(sum(t.finish_reason == "error" and "engine_error" in t.reward_info for t in trajs)),
-        ENV_ERRORS: float(sum("env_error" in t.reward_info for t in trajs)),
-        TOOL_CACHE_HIT_RATE: mean(float(c.get("cache_hit", False)) for t in trajs for c in t.tool_calls),
-    })
+    out.update(
+        {
+            TOOL_CALLS: sum(g.metrics.get(GROUP_TOOL_CALLS, 0.0) for g in groups),
+            BRANCHES: sum(g.metrics.get(GROUP_BRANCHES, 0.0) for g in groups),
+            FILLUPS: sum(g.metrics.get(GROUP_FILLUPS, 0.0) for g in groups),
+            INITIAL_SAMPLES: mean(g.metrics.get(GROUP_INITIAL_SAMPLES, 0.0) for g in groups),
+            MAX_DEPTH: max((g.metrics.get(GROUP_MAX_DEPTH, 0.0) for g in groups), default=0.0),
+            RESPONSE_TOKENS: float(sum(len(t.response_ids) for t in trajs)),
+            ENTROPY_BEFORE_TOOL: mean(x for p in paths for x in p.ent_before),
+            ENTROPY_AFTER_TOOL: mean(x for p in paths for x in p.ent_after),
+            ENGINE_ERRORS: float(sum(t.finish_reason == "error" and "engine_error" in t.reward_info for t in trajs)),
+            ENV_ERRORS: float(sum("env_error" in t.reward_info for t in trajs)),
+            TOOL_CACHE_HIT_RATE: mean(float(c.get("cache_hit", False)) for t in trajs for c in t.tool_calls),
+        }
+    )
     for g in groups:
         for k, v in g.metrics.items():
             if k.startswith(GROUP_BRANCHES_AT_DEPTH.format("")):
@@ -148,8 +155,9 @@ def summarize(groups: list, *, paths: Iterable[Any] = (), engine_stats: dict[str
         out[FINISH.format(r or "unknown")] = k / n
     if engine_stats is not None:
         gen = engine_stats.get("generated_tokens")
-        out[TOKENS_GENERATED] = float(gen) if gen is not None else sum(g.metrics.get(GROUP_TOKENS_GENERATED, 0.0)
-                                                                        for g in groups)
+        out[TOKENS_GENERATED] = (
+            float(gen) if gen is not None else sum(g.metrics.get(GROUP_TOKENS_GENERATED, 0.0) for g in groups)
+        )
         prefilled, reused = engine_stats.get("prefill_tokens", 0.0), engine_stats.get("reused_tokens", 0.0)
         out[TOKENS_PREFILLED], out[TOKENS_REUSED] = prefilled, reused
         out[KV_REUSE_RATE] = reused / (reused + prefilled) if reused + prefilled else 0.0

@@ -75,18 +75,29 @@ class TreeSampler:
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
     """
 
-    def __init__(self, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
-                 sampling: SamplingParams, max_response_tokens: int, tool_workers: int = 8,
-                 prompt_overflow: str = "error", max_prompt_tokens: int | None = None,
-                 train_tool_limit_eos: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        env_creator: Callable[[], Any],
+        tree: T.TreeConfig,
+        sampling: SamplingParams,
+        max_response_tokens: int,
+        tool_workers: int = 8,
+        prompt_overflow: str = "error",
+        max_prompt_tokens: int | None = None,
+        train_tool_limit_eos: bool = True,
+        seed: int = 0,
+    ) -> None:
         tree.validate()
         limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
         if limit is not None and tree.topk_logprobs > limit:
             # Invariant: every request the tree asks for is servable; an engine refuses more logprobs per token than
             # its max_logprobs, so each trajectory would end in an engine error instead of being sampled.
-            raise ConfigError(f"tree.topk_logprobs={tree.topk_logprobs} is more than this rollout engine returns "
-                              f"(at most {limit} logprobs per token)",
-                              hint=f"lower tree.topk_logprobs to at most {limit} (the reference uses 10)")
+            raise ConfigError(
+                f"tree.topk_logprobs={tree.topk_logprobs} is more than this rollout engine returns "
+                f"(at most {limit} logprobs per token)",
+                hint=f"lower tree.topk_logprobs to at most {limit} (the reference uses 10)",
+            )
         if prompt_overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"prompt_overflow={prompt_overflow!r} is not one of {OVERFLOW_POLICIES}")
         if max_response_tokens < 1 or tool_workers < 1:
@@ -108,24 +119,45 @@ class TreeSampler:
         self._keys: set[Any] = set()
         self._batch_index = 0
 
-
     @classmethod
-    def from_config(cls, engine: RolloutEngine, env_creator: Callable[[], Any], tree: T.TreeConfig,
-                    rollouts: RolloutsConfig, *, seed: int = 0) -> TreeSampler:
+    def from_config(
+        cls,
+        engine: RolloutEngine,
+        env_creator: Callable[[], Any],
+        tree: T.TreeConfig,
+        rollouts: RolloutsConfig,
+        *,
+        seed: int = 0,
+    ) -> TreeSampler:
         """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
         env = env_creator()
-        sampling = SamplingParams(max_new_tokens=rollouts.max_response_tokens, temperature=rollouts.temperature,
-                                  top_p=rollouts.top_p, top_k=rollouts.top_k, stop=tuple(env.stop_sequences))
-        return cls(engine, env_creator, tree, sampling, max_response_tokens=rollouts.max_response_tokens,
-                   tool_workers=rollouts.tool_workers, prompt_overflow=rollouts.prompt_overflow,
-                   train_tool_limit_eos=rollouts.train_tool_limit_eos, seed=seed)
+        sampling = SamplingParams(
+            max_new_tokens=rollouts.max_response_tokens,
+            temperature=rollouts.temperature,
+            top_p=rollouts.top_p,
+            top_k=rollouts.top_k,
+            stop=tuple(env.stop_sequences),
+        )
+        return cls(
+            engine,
+            env_creator,
+            tree,
+            sampling,
+            max_response_tokens=rollouts.max_response_tokens,
+            tool_workers=rollouts.tool_workers,
+            prompt_overflow=rollouts.prompt_overflow,
+            train_tool_limit_eos=rollouts.train_tool_limit_eos,
+            seed=seed,
+        )
+
     def close(self) -> None:
         """Stop the tool thread pool."""
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------------ public API
-    def sample(self, task_indices: list[int], step: int,
-               policy_version: int | None = None) -> tuple[list[Group], dict[str, float]]:
+    def sample(
+        self, task_indices: list[int], step: int, policy_version: int | None = None
+    ) -> tuple[list[Group], dict[str, float]]:
         """Grow one tree per task; returns the groups (in ``task_indices`` order) and the step's rollout metrics.
 
         ``policy_version``: the version of the weights the engine holds; every group, node and trajectory records it
@@ -150,8 +182,9 @@ class TreeSampler:
         self.engine.release(sorted(self._keys, key=str))
         groups = [assemble_group(ps, step, policy_version) for ps in prompts]
         self._timers[MK.TIMER_TOTAL] = time.perf_counter() - t0
-        metrics = MK.summarize(groups, paths=[p for ps in prompts for p in ps.paths],
-                               engine_stats=self.engine.stats(), timers=self._timers)
+        metrics = MK.summarize(
+            groups, paths=[p for ps in prompts for p in ps.paths], engine_stats=self.engine.stats(), timers=self._timers
+        )
         from arpo_env.tools.interpreter import interpreter_metrics
 
         metrics.update(interpreter_metrics())  # persistent interpreters' forks, count and memory ({} without them)
@@ -161,20 +194,29 @@ class TreeSampler:
     def _new_prompt(self, task_index: int, step: int) -> PromptState:
         env = self.env_creator()
         if not callable(getattr(env, "clone", None)):
-            raise ConfigError(f"env_creator returned {type(env).__name__}, which has no clone()",
-                              hint="return arpo_env.ToolTextEnv(...) or gym.make(id).unwrapped")
+            raise ConfigError(
+                f"env_creator returned {type(env).__name__}, which has no clone()",
+                hint="return arpo_env.ToolTextEnv(...) or gym.make(id).unwrapped",
+            )
         _, info = env.reset(options={"task_index": task_index})
         ids = layout.prompt_ids(self.tok, info["messages"])
         limit = self.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             if self.prompt_overflow == "error":
-                raise ArpoError(f"prompt of task {task_index} has {len(ids)} tokens, more than the {limit} allowed "
-                                f"(context minus max_response_tokens={self.max_response_tokens})",
-                                hint="shorten the prompt, lower max_response_tokens, or set "
-                                     "prompt_overflow='left_truncate'")
+                raise ArpoError(
+                    f"prompt of task {task_index} has {len(ids)} tokens, more than the {limit} allowed "
+                    f"(context minus max_response_tokens={self.max_response_tokens})",
+                    hint="shorten the prompt, lower max_response_tokens, or set prompt_overflow='left_truncate'",
+                )
             ids = ids[-limit:]
-        return PromptState(task_index=task_index, prompt_ids=ids, template=env, task=dict(info["task"]),
-                           step=step, rng=T.branch_rng(self.seed, step, task_index))
+        return PromptState(
+            task_index=task_index,
+            prompt_ids=ids,
+            template=env,
+            task=dict(info["task"]),
+            step=step,
+            rng=T.branch_rng(self.seed, step, task_index),
+        )
 
     def _spawn(self, ps: PromptState, kind: str) -> Path:
         p = Path(tid=len(ps.paths), batch_index=self._batch_index, env=ps.template.clone(), kind=kind)
@@ -230,21 +272,24 @@ class TreeSampler:
     def _request(self, ps: PromptState, p: Path, cfg: T.TreeConfig) -> GenRequest:
         room = self.max_response_tokens - len(p.response)
         params = dataclasses.replace(
-            self.sampling, max_new_tokens=min(room, cfg.entropy_tokens) if p.lookahead else room,
+            self.sampling,
+            max_new_tokens=min(room, cfg.entropy_tokens) if p.lookahead else room,
             stop=tuple(p.env.stop_sequences),
             seed=self._path_seed(ps, p),
-            logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else self.sampling.logprobs_topk)
+            logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else self.sampling.logprobs_topk,
+        )
         return p.request((ps.task_index, p.tid, p.n_requests + 1), ps.prompt_ids, params)
 
-    def _absorb(self, ps: PromptState, p: Path, gen: Generation, cfg: T.TreeConfig,
-                to_step: list, lookaheads: list) -> None:
+    def _absorb(
+        self, ps: PromptState, p: Path, gen: Generation, cfg: T.TreeConfig, to_step: list, lookaheads: list
+    ) -> None:
         """Append one generation to its path and sort the path: continue, look-ahead decision, or env step."""
         start = absorb(p, gen)
         if gen.cache_key is not None:
             self._keys.add(gen.cache_key)
         was_lookahead, p.lookahead = p.lookahead, False
         if start > p.turn_start and gen.finish_reason != "error":  # a continuation: a stop may span the boundary
-            cut = first_stop_end(self.tok, p.response[p.turn_start:], start - p.turn_start, p.env.stop_sequences)
+            cut = first_stop_end(self.tok, p.response[p.turn_start :], start - p.turn_start, p.env.stop_sequences)
             if cut is not None and p.turn_start + cut < len(p.response):
                 p.truncate(p.turn_start + cut)  # see arpo_algo.rollout.stops
                 p.cache_key, p.last_finish = p.prev_key, "stop"
@@ -254,8 +299,9 @@ class TreeSampler:
             to_step.append((ps, p))
             return
         if p.turn_start == start:  # a turn's first generation is the segment the entropy rule measures
-            h = T.segment_entropy(gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens,
-                                  self.vocab_size)
+            h = T.segment_entropy(
+                gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens, self.vocab_size
+            )
             p.record_turn_entropy(h, cfg, self._stale, list(gen.entropies[: cfg.entropy_tokens]))
         if was_lookahead:
             lookaheads.append((ps, p, start))
@@ -272,13 +318,31 @@ class TreeSampler:
         roots = sum(q.parent is None for q in ps.paths)
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
         draws: list[float] = []
-        n = T.num_branches(cfg, p.turn_h - p.h_init, p.depth, scope_l, free,
-                           _RecordedRandom(ps.rng, draws) if ps.rng is not None else None)
+        n = T.num_branches(
+            cfg,
+            p.turn_h - p.h_init,
+            p.depth,
+            scope_l,
+            free,
+            _RecordedRandom(ps.rng, draws) if ps.rng is not None else None,
+        )
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
-            ps.decisions.append({"trajectory": p.tid, "at": bp, "h_init": p.h_init, "h_now": p.turn_h,
-                                 "penalty_l": scope_l, "rule": cfg.decision_rule, "alpha": cfg.alpha,
-                                 "beta": cfg.beta, "tau": cfg.tau, "draws": draws, "branches": n})
+            ps.decisions.append(
+                {
+                    "trajectory": p.tid,
+                    "at": bp,
+                    "h_init": p.h_init,
+                    "h_now": p.turn_h,
+                    "penalty_l": scope_l,
+                    "rule": cfg.decision_rule,
+                    "alpha": cfg.alpha,
+                    "beta": cfg.beta,
+                    "tau": cfg.tau,
+                    "draws": draws,
+                    "branches": n,
+                }
+            )
         p.consecutive = p.consecutive + 1 if n else 0
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):
@@ -307,23 +371,45 @@ class TreeSampler:
         """AEPO reference pre-monitoring: an ``H_root`` probe, then one extra, discarded full trajectory per prompt
         whose mean segment entropy is ``H_tool``. Its tokens and tool calls count in the step's metrics."""
         cfg = self.cfg
-        reqs = [GenRequest(("premonitor", ps.task_index), ps.prompt_ids, dataclasses.replace(
-            self.sampling, max_new_tokens=cfg.aepo_premonitor_tokens, stop=tuple(ps.template.stop_sequences),
-            seed=T.derive_seed(self.seed, step, ps.task_index, "root"),
-            logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else 0)) for ps in prompts]
+        reqs = [
+            GenRequest(
+                ("premonitor", ps.task_index),
+                ps.prompt_ids,
+                dataclasses.replace(
+                    self.sampling,
+                    max_new_tokens=cfg.aepo_premonitor_tokens,
+                    stop=tuple(ps.template.stop_sequences),
+                    seed=T.derive_seed(self.seed, step, ps.task_index, "root"),
+                    logprobs_topk=cfg.topk_logprobs if cfg.entropy_method == "topk_sum_lnV" else 0,
+                ),
+            )
+            for ps in prompts
+        ]
         t = time.perf_counter()
         gens = self.engine.generate(reqs)
         self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
-        probe_cfg = dataclasses.replace(cfg, mode="grpo", budget=1, initial=1, branch_factor=0,
-                                        aepo_premonitor_keep=False, decision_rule="reference")
-        shadows = [dataclasses.replace(ps, paths=[], count=0, branches_by_depth=Counter(), decisions=[],
-                                       task_index=ps.task_index) for ps in prompts]
+        probe_cfg = dataclasses.replace(
+            cfg,
+            mode="grpo",
+            budget=1,
+            initial=1,
+            branch_factor=0,
+            aepo_premonitor_keep=False,
+            decision_rule="reference",
+        )
+        shadows = [
+            dataclasses.replace(
+                ps, paths=[], count=0, branches_by_depth=Counter(), decisions=[], task_index=ps.task_index
+            )
+            for ps in prompts
+        ]
         for sh in shadows:
             self._spawn(sh, "premonitor")
         self._run(shadows, probe_cfg)
         for ps, sh, gen in zip(prompts, shadows, gens):
-            h_root = T.segment_entropy(gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens,
-                                       self.vocab_size)
+            h_root = T.segment_entropy(
+                gen.entropies, gen.top_logprobs, cfg.entropy_method, cfg.entropy_tokens, self.vocab_size
+            )
             segs = sh.paths[0].segment_entropy
             ps.m = T.aepo_initial_samples(cfg.budget, h_root, sum(segs) / len(segs) if segs else h_root)
             ps.premonitor_tool_calls = len(sh.paths[0].tool_calls)
@@ -354,11 +440,19 @@ class TreeSampler:
             return False
         turn = turn_from_env(res, len(p.tool_calls))
         k = cfg.entropy_tokens
-        def entropy_before(c: Any) -> None:
-            c.ent_before.append(MK.mean(c.entropies[max(c.turn_start, len(c.entropies) - k):]))
 
-        status, reason = apply_turn(p, turn, self.tok, self.eos_id, max_response_tokens=self.max_response_tokens,
-                                    train_eos=self.train_tool_limit_eos, before_observation=entropy_before)
+        def entropy_before(c: Any) -> None:
+            c.ent_before.append(MK.mean(c.entropies[max(c.turn_start, len(c.entropies) - k) :]))
+
+        status, reason = apply_turn(
+            p,
+            turn,
+            self.tok,
+            self.eos_id,
+            max_response_tokens=self.max_response_tokens,
+            train_eos=self.train_tool_limit_eos,
+            before_observation=entropy_before,
+        )
         if status == "finished":
             p.finish(reason, turn.reward, turn.reward_info)
             return False

@@ -35,7 +35,7 @@ def first_stop_end(tokenizer: Any, turn_ids: Sequence[int], n_checked: int, stop
         return None
     width = max(len(s.encode()) for s in stops) + 1  # every token is >= 1 byte: this tail window covers any stop
     for j in range(n_checked + 1, len(ids) + 1):
-        tail = tokenizer.decode(ids[max(0, j - width):j], skip_special_tokens=False)
+        tail = tokenizer.decode(ids[max(0, j - width) : j], skip_special_tokens=False)
         if any(s in tail for s in stops):
             return j
     return None

@@ -17,8 +17,17 @@ import torch
 from arpo_algo.rollout.types import Group, Trajectory
 
 
-def make_group(rng: random.Random, vocab: int, index: int, *, prompt_len: int = 120, prefix_len: int = 80,
-               width: int = 4, children: int = 2, branch: tuple[int, int] = (40, 80)) -> Group:
+def make_group(
+    rng: random.Random,
+    vocab: int,
+    index: int,
+    *,
+    prompt_len: int = 120,
+    prefix_len: int = 80,
+    width: int = 4,
+    children: int = 2,
+    branch: tuple[int, int] = (40, 80),
+) -> Group:
     """One branched tree: shared prompt + prefix, ``width`` depth-1 branches, ``children`` leaves under each."""
     ids = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     prompt = ids(prompt_len)
@@ -34,8 +43,16 @@ def make_group(rng: random.Random, vocab: int, index: int, *, prompt_len: int = 
             resp = prefix + b1 + b2
             mask = prefix_mask + [1] * (len(b1) + len(b2))
             old = [-2.0 - 0.01 * (t % 7) if m else 0.0 for t, m in enumerate(mask)]
-            trajs.append(Trajectory(traj_id=len(trajs), response_ids=resp, trained_mask=mask, old_logprobs=old,
-                                    entropies=[0.0] * len(resp), reward=float(rng.random() < 0.5)))
+            trajs.append(
+                Trajectory(
+                    traj_id=len(trajs),
+                    response_ids=resp,
+                    trained_mask=mask,
+                    old_logprobs=old,
+                    entropies=[0.0] * len(resp),
+                    reward=float(rng.random() < 0.5),
+                )
+            )
     return Group(prompt_index=index, prompt_ids=prompt, trajectories=trajs)
 
 
@@ -48,7 +65,7 @@ SEGMENT, SEGMENTS, TOOL_TOKENS = 80, 5, 6
 def _logprobs(model: Any, prompt: list[int], response: list[int]) -> list[float]:
     """The model's log-prob of every response token given everything before it (eval mode, float32)."""
     ids = torch.tensor([prompt + response])
-    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
 
 
@@ -86,21 +103,33 @@ def clean_groups(model: Any, *, seed: int, num_groups: int = 4, branches: int = 
         for j, (resp, mask, parent, branch_point) in enumerate(trajs):
             lp = _logprobs(model, prompt, resp)
             old = [x if m else 0.0 for x, m in zip(lp, mask)]
-            out.append(Trajectory(traj_id=j, response_ids=resp, trained_mask=mask, old_logprobs=old,
-                                  entropies=[0.0] * len(resp), reward=float(j % 2), parent=parent,
-                                  branch_point=branch_point, kind="initial" if parent is None else "branch"))
+            out.append(
+                Trajectory(
+                    traj_id=j,
+                    response_ids=resp,
+                    trained_mask=mask,
+                    old_logprobs=old,
+                    entropies=[0.0] * len(resp),
+                    reward=float(j % 2),
+                    parent=parent,
+                    branch_point=branch_point,
+                    kind="initial" if parent is None else "branch",
+                )
+            )
         groups.append(Group(prompt_index=gi, prompt_ids=prompt, trajectories=out))
     return groups
 
 
 def plant_tool_first_token(groups: list[Group], nats: float = 1.0) -> list[Group]:
     """A ``nats`` error on the sampler's log-prob of the first token after each tool result."""
+
     def fault(t: Trajectory) -> Trajectory:
         old = list(t.old_logprobs)
         for i in range(1, len(old)):
             if t.trained_mask[i] and not t.trained_mask[i - 1]:
                 old[i] -= nats
         return replace(t, old_logprobs=old)
+
     return [replace(g, trajectories=[fault(t) for t in g.trajectories]) for g in groups]
 
 

@@ -59,19 +59,44 @@ class Path(Conversation):
             self.h_init = stale.setdefault(self.batch_index, h) if cfg.legacy_stale_baseline else h
 
     def copy_prefix(self, bp: int, tid: int, batch_index: int, env: Any, key: Any) -> Path:
-        return Path(tid=tid, batch_index=batch_index, env=env, kind="branch", response=self.response[:bp],
-                    mask=self.mask[:bp], logprobs=self.logprobs[:bp], entropies=self.entropies[:bp],
-                    tool_calls=[dict(c) for c in self.tool_calls], inherited_calls=len(self.tool_calls),
-                    parent=self.tid, branch_point=bp,
-                    depth=self.depth + 1, consecutive=self.consecutive, h_init=self.h_init, turn_start=bp,
-                    cache_key=key, unsampled=[i for i in self.unsampled if i < bp])
+        return Path(
+            tid=tid,
+            batch_index=batch_index,
+            env=env,
+            kind="branch",
+            response=self.response[:bp],
+            mask=self.mask[:bp],
+            logprobs=self.logprobs[:bp],
+            entropies=self.entropies[:bp],
+            tool_calls=[dict(c) for c in self.tool_calls],
+            inherited_calls=len(self.tool_calls),
+            parent=self.tid,
+            branch_point=bp,
+            depth=self.depth + 1,
+            consecutive=self.consecutive,
+            h_init=self.h_init,
+            turn_start=bp,
+            cache_key=key,
+            unsampled=[i for i in self.unsampled if i < bp],
+        )
 
     def to_trajectory(self) -> Trajectory:
-        return Trajectory(traj_id=self.tid, response_ids=self.response, trained_mask=self.mask,
-                          old_logprobs=self.logprobs, entropies=self.entropies, reward=self.reward,
-                          reward_info=self.reward_info, tool_calls=self.tool_calls, parent=self.parent,
-                          branch_point=self.branch_point, kind=self.kind, finish_reason=self.finish_reason,
-                          segment_entropy=self.segment_entropy, unsampled=list(self.unsampled))
+        return Trajectory(
+            traj_id=self.tid,
+            response_ids=self.response,
+            trained_mask=self.mask,
+            old_logprobs=self.logprobs,
+            entropies=self.entropies,
+            reward=self.reward,
+            reward_info=self.reward_info,
+            tool_calls=self.tool_calls,
+            parent=self.parent,
+            branch_point=self.branch_point,
+            kind=self.kind,
+            finish_reason=self.finish_reason,
+            segment_entropy=self.segment_entropy,
+            unsampled=list(self.unsampled),
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,21 +124,32 @@ def assemble_group(ps: PromptState, step: int, policy_version: int | None = None
     """The finished tree of one prompt as a :class:`Group` (nodes built by :func:`arpo_algo.core.tree.build_tree`);
     the tree, each node and each trajectory carry ``policy_version`` (a tree is sampled under one version)."""
     trajs = [p.to_trajectory() for p in ps.paths]
-    nodes, node_ids = T.build_tree([t.parent for t in trajs], [t.branch_point for t in trajs],
-                                   [len(t.response_ids) for t in trajs])
+    nodes, node_ids = T.build_tree(
+        [t.parent for t in trajs], [t.branch_point for t in trajs], [len(t.response_ids) for t in trajs]
+    )
     for t, ids in zip(trajs, node_ids):
         t.node_ids, t.policy_version = ids, policy_version
     for node in nodes:
         node.policy_version = policy_version
     # Tool calls made on a shared prefix happened once; count each path's calls after its branch point only.
     own_calls = sum(len(p.tool_calls) - p.inherited_calls for p in ps.paths)
-    metrics = {MK.GROUP_STEP: float(step),
-               MK.GROUP_TOKENS_GENERATED: float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
-               MK.GROUP_TOOL_CALLS: float(own_calls + ps.premonitor_tool_calls),
-               MK.GROUP_INITIAL_SAMPLES: float(sum(p.kind == "initial" for p in ps.paths)),
-               MK.GROUP_FILLUPS: float(sum(p.kind == "fillup" for p in ps.paths)),
-               MK.GROUP_BRANCHES: float(sum(ps.branches_by_depth.values())),
-               MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
-               **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())}}
-    return Group(prompt_index=ps.task_index, prompt_ids=ps.prompt_ids, trajectories=trajs, task=ps.task,
-                 nodes=nodes, metrics=metrics, policy_version=policy_version, decisions=ps.decisions)
+    metrics = {
+        MK.GROUP_STEP: float(step),
+        MK.GROUP_TOKENS_GENERATED: float(sum(p.generated for p in ps.paths) + ps.premonitor_tokens),
+        MK.GROUP_TOOL_CALLS: float(own_calls + ps.premonitor_tool_calls),
+        MK.GROUP_INITIAL_SAMPLES: float(sum(p.kind == "initial" for p in ps.paths)),
+        MK.GROUP_FILLUPS: float(sum(p.kind == "fillup" for p in ps.paths)),
+        MK.GROUP_BRANCHES: float(sum(ps.branches_by_depth.values())),
+        MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
+        **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())},
+    }
+    return Group(
+        prompt_index=ps.task_index,
+        prompt_ids=ps.prompt_ids,
+        trajectories=trajs,
+        task=ps.task,
+        nodes=nodes,
+        metrics=metrics,
+        policy_version=policy_version,
+        decisions=ps.decisions,
+    )

@@ -63,8 +63,9 @@ class Trajectory:
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if any(not 0 <= i < n for i in self.unsampled):
-            raise ValueError(f"trajectory {self.traj_id}: unsampled positions {self.unsampled} outside the response "
-                             f"({n} tokens)")
+            raise ValueError(
+                f"trajectory {self.traj_id}: unsampled positions {self.unsampled} outside the response ({n} tokens)"
+            )
         if not (len(self.trained_mask) == len(self.old_logprobs) == len(self.entropies) == n):
             raise ValueError(
                 f"trajectory {self.traj_id}: response_ids ({n}), trained_mask ({len(self.trained_mask)}), "

@@ -39,8 +39,17 @@ from arpo_base.errors import ArpoError
 
 #: Result sections written to TensorBoard and metrics.jsonl (plus the top-level training summary keys).
 LOGGED_SECTIONS = tuple(s.rstrip("/") for s in (MK.ROLLOUT, LK.PREFIX, MK.TIMERS, MK.EVALUATION)) + ("data", "diag")
-SUMMARY_KEYS = (MK.REWARD_MEAN, MK.REWARD_MAX, MK.ACCURACY, MK.TOOL_CALLS_PER_TRAJ, MK.RESPONSE_LEN, MK.TOKENS_SAMPLED,
-                MK.TOKENS_PER_S, MK.UPDATE_TOKENS_PER_S, MK.NAN_UPDATES_SKIPPED)
+SUMMARY_KEYS = (
+    MK.REWARD_MEAN,
+    MK.REWARD_MAX,
+    MK.ACCURACY,
+    MK.TOOL_CALLS_PER_TRAJ,
+    MK.RESPONSE_LEN,
+    MK.TOKENS_SAMPLED,
+    MK.TOKENS_PER_S,
+    MK.UPDATE_TOKENS_PER_S,
+    MK.NAN_UPDATES_SKIPPED,
+)
 #: The two curves of a run: training reward and held-out accuracy, as metrics.jsonl names them.
 TRAIN_REWARD, EVAL_ACCURACY = MK.TRAIN + MK.REWARD_MEAN, MK.EVALUATION + MK.ACCURACY
 
@@ -89,9 +98,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             if i == len(lines) - 1:
                 logging.getLogger(__name__).warning("%s: dropped a torn last line (%d characters)", path, len(line))
                 break
-            raise ArpoError(f"{path}: line {i + 1} is not valid JSON ({e})",
-                            hint="only the last line can be torn by a killed run; fix or remove the damaged "
-                                 "line") from e
+            raise ArpoError(
+                f"{path}: line {i + 1} is not valid JSON ({e})",
+                hint="only the last line can be torn by a killed run; fix or remove the damaged line",
+            ) from e
     return rows
 
 
@@ -156,9 +166,15 @@ def _write_config(exp: Any, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(record, indent=2, default=repr))
 
 
-def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str | Path | None = None,
-                     progress: bool = True, evaluate_first: bool = True,
-                     allow_unisolated_python: bool = False) -> dict[str, Any]:
+def train_experiment(
+    exp: Any,
+    *,
+    output: str | Path | None = None,
+    resume: str | Path | None = None,
+    progress: bool = True,
+    evaluate_first: bool = True,
+    allow_unisolated_python: bool = False,
+) -> dict[str, Any]:
     """Run ``exp`` (an :class:`arpo_algo.run.experiment.Experiment`) to ``exp.run.iterations`` iterations.
 
     Args:
@@ -178,8 +194,10 @@ def train_experiment(exp: Any, *, output: str | Path | None = None, resume: str 
     remove_stale_temporaries(ckpt_root)
     existing = list_checkpoints(ckpt_root)
     if resume is None and existing:
-        raise ArpoError(f"{out} already holds checkpoints ({existing[-1].name})",
-                        hint=f"continue it with --resume {out}, or pass another --output")
+        raise ArpoError(
+            f"{out} already holds checkpoints ({existing[-1].name})",
+            hint=f"continue it with --resume {out}, or pass another --output",
+        )
     if resume is not None and not existing:
         raise ArpoError(f"nothing to resume: {ckpt_root} holds no checkpoint")
     out.mkdir(parents=True, exist_ok=True)
@@ -217,8 +235,9 @@ def _build(exp: Any, checkpoint: Path | None) -> Any:
     return algo
 
 
-def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: bool,
-         evaluate_first: bool) -> dict[str, Any]:
+def _run(
+    exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: bool, evaluate_first: bool
+) -> dict[str, Any]:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm.auto import tqdm
 
@@ -252,11 +271,15 @@ def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: b
                     raise
                 failed = algo.iteration + 1
                 _stop_quietly(algo)
-                resumed = int(last_ckpt.name[len(CHECKPOINT_PREFIX):]) if last_ckpt else 0
+                resumed = int(last_ckpt.name[len(CHECKPOINT_PREFIX) :]) if last_ckpt else 0
                 logging.getLogger(__name__).warning(
-                    "iteration %d lost a Ray node or actor (%s); restart %d of %d from %s", failed,
-                    describe(e), len(restarts) + 1, exp.run.max_restarts,
-                    last_ckpt.name if last_ckpt else "the initial weights")
+                    "iteration %d lost a Ray node or actor (%s); restart %d of %d from %s",
+                    failed,
+                    describe(e),
+                    len(restarts) + 1,
+                    exp.run.max_restarts,
+                    last_ckpt.name if last_ckpt else "the initial weights",
+                )
                 history = record_restart(restarts, history, failed, resumed, e)
                 metrics_file.write_text("".join(json.dumps(h) + "\n" for h in history))
                 wait_for_resources(exp.config, exp.run.restart_wait_s)
@@ -267,8 +290,9 @@ def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: b
                 continue
             _record(history, metrics_file, writer, algo.iteration, scalars)
             bar.update(1)
-            bar.set_postfix({k.split("/")[-1]: f"{scalars[k]:.3f}" for k in
-                             (TRAIN_REWARD, EVAL_ACCURACY) if k in scalars})
+            bar.set_postfix(
+                {k.split("/")[-1]: f"{scalars[k]:.3f}" for k in (TRAIN_REWARD, EVAL_ACCURACY) if k in scalars}
+            )
         bar.close()
     finally:
         writer.close()
@@ -276,13 +300,20 @@ def _run(exp: Any, out: Path, ckpt_root: Path, existing: list[Path], progress: b
     curve = plot_learning_curve(history, out / "learning_curve.png")
     evals = [h for h in history if EVAL_ACCURACY in h]
     summary = {
-        "name": exp.run.name, "algorithm": exp.run.algorithm, "seed": exp.run.seed, "iterations": iterations,
-        "output": str(out), "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "policy": str(last_ckpt / "policy") if last_ckpt else None, "learning_curve": str(curve),
+        "name": exp.run.name,
+        "algorithm": exp.run.algorithm,
+        "seed": exp.run.seed,
+        "iterations": iterations,
+        "output": str(out),
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "policy": str(last_ckpt / "policy") if last_ckpt else None,
+        "learning_curve": str(curve),
         "accuracy_before": evals[0][EVAL_ACCURACY] if evals and evals[0]["iteration"] == 0 else None,
         "accuracy_after": evals[-1][EVAL_ACCURACY] if evals else None,
-        "final": history[-1] if history else {}, "time_s": round(time.time() - t_start, 1),
-        "run": dataclasses.asdict(exp.run), "restarts": restarts,
+        "final": history[-1] if history else {},
+        "time_s": round(time.time() - t_start, 1),
+        "run": dataclasses.asdict(exp.run),
+        "restarts": restarts,
         "rerun_iterations": sum(len(r["rerun_iterations"]) for r in restarts),
     }
     return summary

@@ -36,10 +36,14 @@ from typing import Any
 #: Inputs, each with its source. "measured": on one H100 80GB (the GPU notes' learner and decode tables).
 INPUTS: dict[str, tuple[float, str]] = {
     "matmul_ceiling_tflops": (773.0, "measured: bf16 8192x8192 GEMM, H100 80GB (docs/results/gpu-h100.md#learner)"),
-    "learner_tflops_bf16": (170.0, "measured: 1.5B shape, bf16 autocast, forward+backward, 22% MFU "
-                                   "(docs/results/gpu-h100.md#learner)"),
-    "learner_tflops_fp32": (41.0, "measured: 1.5B shape, fp32, forward+backward, 5% MFU "
-                                  "(docs/results/gpu-h100.md#learner)"),
+    "learner_tflops_bf16": (
+        170.0,
+        "measured: 1.5B shape, bf16 autocast, forward+backward, 22% MFU (docs/results/gpu-h100.md#learner)",
+    ),
+    "learner_tflops_fp32": (
+        41.0,
+        "measured: 1.5B shape, fp32, forward+backward, 5% MFU (docs/results/gpu-h100.md#learner)",
+    ),
     "gpu_memory_gb": (80.0, "the GPU of docs/results/gpu-h100.md (H100 80GB); override with --gpu-memory-gb"),
     "hbm_tb_per_s": (3.35, "spec, NOT measured: H100 SXM HBM3 bandwidth from NVIDIA's data sheet"),
     "decode_bandwidth_efficiency": (0.6, "assumption, NOT measured: share of HBM bandwidth a vLLM decode step uses"),
@@ -52,12 +56,27 @@ MICRO_TOKENS_DUP, MICRO_TOKENS_DEDUP = 10280 / 4, 3713 / 4
 
 #: Public architecture figures (each model's config.json), used when [model] path is not a local folder.
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "Qwen2.5-7B-Instruct": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                            "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-                            "tie_word_embeddings": False, "model_type": "qwen2"},
-    "Qwen3-8B": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
-                 "model_type": "qwen3"},
+    "Qwen2.5-7B-Instruct": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "model_type": "qwen2",
+    },
+    "Qwen3-8B": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "model_type": "qwen3",
+    },
 }
 GB = 1e9
 
@@ -82,8 +101,10 @@ def architecture(model_path: str) -> tuple[str, dict[str, Any]]:
         return f"built-in figures for {p.name} (its public config.json)", KNOWN_MODELS[p.name]
     from arpo_base.errors import ConfigError
 
-    raise ConfigError(f"no architecture for model {model_path!r}: not a folder with config.json, not one of "
-                      f"{sorted(KNOWN_MODELS)}", hint="pass --set model.path=<local HF folder>")
+    raise ConfigError(
+        f"no architecture for model {model_path!r}: not a folder with config.json, not one of {sorted(KNOWN_MODELS)}",
+        hint="pass --set model.path=<local HF folder>",
+    )
 
 
 def parameters(c: dict[str, Any]) -> int:
@@ -98,9 +119,17 @@ def parameters(c: dict[str, Any]) -> int:
     return V * h * (1 if c.get("tie_word_embeddings") else 2) + L * layer + h
 
 
-def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None = None, response_fill: float = 0.5,
-             vllm_memory_fraction: float = 0.5, prompt_tokens: int = 1024,
-             model_path: str | None = None) -> dict[str, Any]:
+def estimate(
+    recipe: str,
+    *,
+    gpus: int,
+    zero: int,
+    gpu_memory_gb: float | None = None,
+    response_fill: float = 0.5,
+    vllm_memory_fraction: float = 0.5,
+    prompt_tokens: int = 1024,
+    model_path: str | None = None,
+) -> dict[str, Any]:
     """Per-GPU memory (GB) and step time (s) of ``recipe`` (``model_path`` replaces its [model] path); see the
     module docstring for the model."""
     from arpo_algo.run.experiment import load_experiment
@@ -149,22 +178,41 @@ def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None =
     rollout_s = rounds * response * decode_step_s
 
     return {
-        "recipe": str(exp.source), "model": s.model.path, "architecture_source": source,
-        "parameters_billion": P / 1e9, "gpus": gpus, "zero_stage": zero, "gpu_memory_gb": mem_gb,
-        "precision": "bf16 autocast, fp32 master weights" if bf16 else "fp32", "gradient_checkpointing": checkpointing,
-        "assumptions": {"response_fill": response_fill, "prompt_tokens": prompt_tokens,
-                        "vllm_memory_fraction": vllm_memory_fraction},
-        "memory_gb_per_gpu": {"weights_fp32": weights / GB, "grads_fp32": grads / GB, "adam_fp32": adam / GB,
-                              "activations": activations / GB, "kl_reference": ref / GB,
-                              "learner_total": learner / GB, "vllm_weights_bf16": engine_weights / GB,
-                              "vllm_kv_budget": kv_budget / GB,
-                              "colocated_total_engine_awake": learner / GB + vllm_memory_fraction * mem_gb,
-                              "colocated_total_engine_asleep": learner / GB + engine_weights / GB},
-        "fits": {"learner_alone": learner / GB <= mem_gb,
-                 "colocated_engine_awake": learner / GB + vllm_memory_fraction * mem_gb <= mem_gb},
+        "recipe": str(exp.source),
+        "model": s.model.path,
+        "architecture_source": source,
+        "parameters_billion": P / 1e9,
+        "gpus": gpus,
+        "zero_stage": zero,
+        "gpu_memory_gb": mem_gb,
+        "precision": "bf16 autocast, fp32 master weights" if bf16 else "fp32",
+        "gradient_checkpointing": checkpointing,
+        "assumptions": {
+            "response_fill": response_fill,
+            "prompt_tokens": prompt_tokens,
+            "vllm_memory_fraction": vllm_memory_fraction,
+        },
+        "memory_gb_per_gpu": {
+            "weights_fp32": weights / GB,
+            "grads_fp32": grads / GB,
+            "adam_fp32": adam / GB,
+            "activations": activations / GB,
+            "kl_reference": ref / GB,
+            "learner_total": learner / GB,
+            "vllm_weights_bf16": engine_weights / GB,
+            "vllm_kv_budget": kv_budget / GB,
+            "colocated_total_engine_awake": learner / GB + vllm_memory_fraction * mem_gb,
+            "colocated_total_engine_asleep": learner / GB + engine_weights / GB,
+        },
+        "fits": {
+            "learner_alone": learner / GB <= mem_gb,
+            "colocated_engine_awake": learner / GB + vllm_memory_fraction * mem_gb <= mem_gb,
+        },
         "activation_fit_bytes_per_token": {"a_per_layer_hidden": a, "b_per_vocab": b, "per_token": per_token},
-        "kv_bytes_per_token": kv_per_token, "sequences_in_kv_per_engine": fit_seqs,
-        "trajectories_per_step": trajectories, "trained_tokens_per_step": trained,
+        "kv_bytes_per_token": kv_per_token,
+        "sequences_in_kv_per_engine": fit_seqs,
+        "trajectories_per_step": trajectories,
+        "trained_tokens_per_step": trained,
         "step_time_s": {"rollout_decode": rollout_s, "learner": learner_s, "total": rollout_s + learner_s},
         "inputs": {k: {"value": v, "source": s} for k, (v, s) in INPUTS.items()},
     }
@@ -173,18 +221,24 @@ def estimate(recipe: str, *, gpus: int, zero: int, gpu_memory_gb: float | None =
 def _print(r: dict[str, Any]) -> None:
     print(f"ESTIMATE (not a measurement) for {r['recipe']}")
     print(f"  model {r['model']}: {r['parameters_billion']:.2f}B parameters ({r['architecture_source']})")
-    print(f"  {r['gpus']} GPU(s) of {r['gpu_memory_gb']:.0f} GB, ZeRO stage {r['zero_stage']}, {r['precision']}, "
-          f"gradient checkpointing {r['gradient_checkpointing']}; assumptions {r['assumptions']}")
+    print(
+        f"  {r['gpus']} GPU(s) of {r['gpu_memory_gb']:.0f} GB, ZeRO stage {r['zero_stage']}, {r['precision']}, "
+        f"gradient checkpointing {r['gradient_checkpointing']}; assumptions {r['assumptions']}"
+    )
     print("  memory per GPU (GB):")
     for k, v in r["memory_gb_per_gpu"].items():
         print(f"    {k:<32} {v:9.1f}")
     print(f"  fits: {r['fits']}")
-    print(f"  KV cache: {r['kv_bytes_per_token'] / 1024:.0f} KiB/token, {r['sequences_in_kv_per_engine']} full-length "
-          f"sequences per engine; {r['trajectories_per_step']} trajectories, "
-          f"{r['trained_tokens_per_step'] / 1e6:.2f}M trained tokens per step")
+    print(
+        f"  KV cache: {r['kv_bytes_per_token'] / 1024:.0f} KiB/token, {r['sequences_in_kv_per_engine']} full-length "
+        f"sequences per engine; {r['trajectories_per_step']} trajectories, "
+        f"{r['trained_tokens_per_step'] / 1e6:.2f}M trained tokens per step"
+    )
     t = r["step_time_s"]
-    print(f"  step time (s): rollout decode {t['rollout_decode']:.0f}, learner {t['learner']:.0f}, "
-          f"total {t['total']:.0f} (tool calls, prefill, ZeRO communication and weight sync not included)")
+    print(
+        f"  step time (s): rollout decode {t['rollout_decode']:.0f}, learner {t['learner']:.0f}, "
+        f"total {t['total']:.0f} (tool calls, prefill, ZeRO communication and weight sync not included)"
+    )
     print("  inputs:")
     for k, v in r["inputs"].items():
         print(f"    {k} = {v['value']}  [{v['source']}]")
@@ -196,11 +250,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gpus", type=int, default=8, help="GPUs the learner is sharded over (reference: 8)")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=3, help="DeepSpeed ZeRO stage (0 = none)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None, help="memory of one GPU (default 80, H100)")
-    ap.add_argument("--response-fill", type=float, default=0.5,
-                    help="assumed mean response length as a share of max_response_tokens")
+    ap.add_argument(
+        "--response-fill",
+        type=float,
+        default=0.5,
+        help="assumed mean response length as a share of max_response_tokens",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="assumed prompt length")
-    ap.add_argument("--vllm-memory-fraction", type=float, default=0.5,
-                    help="share of a GPU the colocated vLLM engine may take (VLLMEngine default 0.5)")
+    ap.add_argument(
+        "--vllm-memory-fraction",
+        type=float,
+        default=0.5,
+        help="share of a GPU the colocated vLLM engine may take (VLLMEngine default 0.5)",
+    )
     ap.add_argument("--model", default=None, help="a local HF folder replacing the recipe's [model] path")
     ap.add_argument("--json", type=Path, default=None, help="also write the estimate here")
     args = ap.parse_args(argv)
@@ -208,9 +270,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--gpus must be >= 1, got {args.gpus}")
     if not 0 < args.response_fill <= 1 or not 0 < args.vllm_memory_fraction < 1:
         ap.error("--response-fill must be in (0, 1] and --vllm-memory-fraction in (0, 1)")
-    r = estimate(args.recipe, gpus=args.gpus, zero=args.zero, gpu_memory_gb=args.gpu_memory_gb,
-                 response_fill=args.response_fill, vllm_memory_fraction=args.vllm_memory_fraction,
-                 prompt_tokens=args.prompt_tokens, model_path=args.model)
+    r = estimate(
+        args.recipe,
+        gpus=args.gpus,
+        zero=args.zero,
+        gpu_memory_gb=args.gpu_memory_gb,
+        response_fill=args.response_fill,
+        vllm_memory_fraction=args.vllm_memory_fraction,
+        prompt_tokens=args.prompt_tokens,
+        model_path=args.model,
+    )
     _print(r)
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))

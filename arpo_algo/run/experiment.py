@@ -50,8 +50,16 @@ from arpo_base.options import (
 )
 from arpo_base.paths import source_checkout
 
-__all__ = ["SECTIONS", "Experiment", "ExperimentConfig", "build_config", "experiment_dirs", "experiment_record",
-           "load_experiment", "resolve_experiment_path"]
+__all__ = [
+    "SECTIONS",
+    "Experiment",
+    "ExperimentConfig",
+    "build_config",
+    "experiment_dirs",
+    "experiment_record",
+    "load_experiment",
+    "resolve_experiment_path",
+]
 
 #: The source checkout's experiments/ folder (None in a wheel install, which has no checkout).
 _CHECKOUT = source_checkout(Path(__file__).resolve().parents[1])
@@ -156,19 +164,27 @@ def resolve_experiment_path(name_or_path: str | Path) -> Path:
         for d in dirs:
             found = _files_named(d, name)
             if len(found) > 1:
-                raise ArpoError(f"experiment {name!r} is ambiguous: {' and '.join(str(f) for f in found)} both "
-                                "have that name", hint="pass the file's path instead of its name, or rename one")
+                raise ArpoError(
+                    f"experiment {name!r} is ambiguous: {' and '.join(str(f) for f in found)} both have that name",
+                    hint="pass the file's path instead of its name, or rename one",
+                )
             if found:
                 return found[0]
     known = sorted({f.stem for d in dirs if d.is_dir() for f in d.rglob("*.toml")})
     searched = ", ".join(str(d) for d in dirs)
-    hint = (f"known experiments: {', '.join(known)}; for a file elsewhere pass its path, or add its folder to "
-            f"{EXPERIMENTS_ENV}")
+    hint = (
+        f"known experiments: {', '.join(known)}; for a file elsewhere pass its path, or add its folder to "
+        f"{EXPERIMENTS_ENV}"
+    )
     raise ArpoError(f"experiment {name!r} not found: neither a file nor <name>.toml under {searched}", hint=hint)
 
 
-def load_experiment(name_or_path: str | Path | None = None, overrides: list[str] | None = None, *,
-                    sections: dict[str, dict[str, Any]] | None = None) -> Experiment:
+def load_experiment(
+    name_or_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    sections: dict[str, dict[str, Any]] | None = None,
+) -> Experiment:
     """Read an experiment file (or take ``sections`` directly), apply ``--set`` overrides, build the config.
 
     Raises:

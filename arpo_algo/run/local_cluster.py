@@ -30,11 +30,13 @@ OBJECT_STORE_BYTES = 100 * 1024 * 1024
 START_TIMEOUT_S = 120
 #: ``ray start`` rewrites 127.0.0.1 (as a node address and in ``--address``) to the host's outward address; the
 #: nodes run it with that rewrite disabled so every node, and the GCS, listen on loopback only.
-RAY_START = ("import sys, ray._private.services as s\n"
-             "s.resolve_ip_for_localhost = lambda host: host\n"
-             "from ray.scripts.scripts import main\n"
-             "sys.argv[0] = 'ray'\n"
-             "main()\n")
+RAY_START = (
+    "import sys, ray._private.services as s\n"
+    "s.resolve_ip_for_localhost = lambda host: host\n"
+    "from ray.scripts.scripts import main\n"
+    "sys.argv[0] = 'ray'\n"
+    "main()\n"
+)
 #: A driver's switch for the same rewrite: off, ``RAY_ADDRESS=127.0.0.1:port`` stays on loopback. (A ``ray start``
 #: of a worker node refuses to run with it off, hence RAY_START.)
 LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -112,26 +114,52 @@ class LocalCluster:
         """The environment of a driver joining the cluster (``RAY_ADDRESS``), or of the nodes' processes."""
         repo = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-        return {**os.environ, "PYTHONPATH": path, "RAY_ADDRESS": self.address, "RAY_TMPDIR": str(self.root),
-                "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo",
-                "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                # Ray runs its workers at nice 15 by default; here they keep the driver's priority, so a timing of
-                # actors against the driver compares like with like on a machine shared with other jobs
-                **({"RAY_worker_niceness": "0"} if node else {LOOPBACK_ONLY: "0"})}
+        return {
+            **os.environ,
+            "PYTHONPATH": path,
+            "RAY_ADDRESS": self.address,
+            "RAY_TMPDIR": str(self.root),
+            "OMP_NUM_THREADS": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "RAY_DEDUP_LOGS": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            # Ray runs its workers at nice 15 by default; here they keep the driver's priority, so a timing of
+            # actors against the driver compares like with like on a machine shared with other jobs
+            **({"RAY_worker_niceness": "0"} if node else {LOOPBACK_ONLY: "0"}),
+        }
 
     def _start(self, name: str, args: list[str], num_cpus: int, resources: dict[str, float]) -> Node:
         log = self.root / f"{name}.log"
         agent, agent_grpc, metrics, runtime_env, manager, objects = free_ports(6)
-        cmd = [sys.executable, "-c", RAY_START, "start", "--block", "--disable-usage-stats",
-               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
-               f"--resources={json.dumps(resources)}", f"--object-store-memory={OBJECT_STORE_BYTES}",
-               f"--temp-dir={self.temp_dir}", f"--dashboard-agent-listen-port={agent}",
-               f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-               f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={manager}",
-               f"--object-manager-port={objects}", "--min-worker-port=0", "--max-worker-port=0", *args]
+        cmd = [
+            sys.executable,
+            "-c",
+            RAY_START,
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps(resources)}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            f"--temp-dir={self.temp_dir}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--node-manager-port={manager}",
+            f"--object-manager-port={objects}",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            *args,
+        ]
         with log.open("w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(node=True),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env(node=True), start_new_session=True
+            )
         node = Node(name, resources, num_cpus, proc, log)
         self.nodes[name] = node
         return node
@@ -139,11 +167,24 @@ class LocalCluster:
     def start_head(self, num_cpus: int = 1, resources: dict[str, float] | None = None) -> Node:
         self.root.mkdir(parents=True, exist_ok=True)
         self.port, client = free_ports(2)
-        system = {"health_check_period_ms": HEALTH_PERIOD_MS, "health_check_failure_threshold": HEALTH_FAILURES,
-                  "health_check_timeout_ms": HEALTH_PERIOD_MS, "health_check_initial_delay_ms": 0}
-        return self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=false",
-                                    f"--ray-client-server-port={client}", f"--system-config={json.dumps(system)}"],
-                           num_cpus, resources or {"head": 1.0})
+        system = {
+            "health_check_period_ms": HEALTH_PERIOD_MS,
+            "health_check_failure_threshold": HEALTH_FAILURES,
+            "health_check_timeout_ms": HEALTH_PERIOD_MS,
+            "health_check_initial_delay_ms": 0,
+        }
+        return self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={client}",
+                f"--system-config={json.dumps(system)}",
+            ],
+            num_cpus,
+            resources or {"head": 1.0},
+        )
 
     def start(self, workers: dict[str, dict[str, float]], worker_cpus: int) -> None:
         """Head, then each worker with its resources, one at a time (nodes starting together race for socket
@@ -179,8 +220,7 @@ class LocalCluster:
     def resources(self) -> dict[str, float]:
         """``ray.cluster_resources()`` read by a short-lived driver (the test process never joins the cluster)."""
         code = "import json, ray; ray.init(log_to_driver=False); print('RES' + json.dumps(ray.cluster_resources()))"
-        out = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True, timeout=120)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RES")), None)
         if line is None:
             raise RuntimeError(f"cannot read the cluster's resources:\n{out.stderr[-3000:]}")

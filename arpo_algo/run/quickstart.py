@@ -42,9 +42,18 @@ MODEL = "smollm2-135m-instruct"
 #: ``rows_per_forward`` and ``gradient_checkpointing`` change only the memory (same batches, loss and gradients up to
 #: float rounding): the worst step peaks at 3.66 GB instead of 6.64 GB (``python -m benchmarks.memory_profile --stage
 #: sft``, docs/results/index.md).
-SFT_SETTINGS: dict[str, Any] = {"data": "toolmath", "num_examples": 192, "levels": [1, 2, 3], "epochs": 1,
-                                "lr": 2e-4, "batch_size": 8, "max_seq_len": 512, "log_every": 5,
-                                "rows_per_forward": 4, "gradient_checkpointing": True}
+SFT_SETTINGS: dict[str, Any] = {
+    "data": "toolmath",
+    "num_examples": 192,
+    "levels": [1, 2, 3],
+    "epochs": 1,
+    "lr": 2e-4,
+    "batch_size": 8,
+    "max_seq_len": 512,
+    "log_every": 5,
+    "rows_per_forward": 4,
+    "gradient_checkpointing": True,
+}
 
 
 #: The quickstart's experiment file and its multi-seed reference figures, shipped with the package.
@@ -95,8 +104,9 @@ def _status_gb(field: str) -> float | None:
     return None
 
 
-def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]],
-              inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_stage(
+    out: Path, name: str, fn: Callable[[], dict[str, Any]], inputs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run ``fn`` once: its JSON result is kept in a marker file and returned again on later runs with the same
     ``inputs`` (the arguments the stage's result depends on); a later run with other inputs is refused.
 
@@ -116,8 +126,10 @@ def run_stage(out: Path, name: str, fn: Callable[[], dict[str, Any]],
         except json.JSONDecodeError:
             done = {}
         if done.get("inputs") != inputs:
-            raise ConfigError(f"{out} holds the quickstart's {name} stage done with {done.get('inputs')}; this run "
-                              f"asks for {inputs}", hint="give this run its own --output folder (or delete that one)")
+            raise ConfigError(
+                f"{out} holds the quickstart's {name} stage done with {done.get('inputs')}; this run asks for {inputs}",
+                hint="give this run its own --output folder (or delete that one)",
+            )
         print(f"[quickstart] {name}: done earlier with the same arguments, skipping ({marker})", flush=True)
         return done
     print(f"[quickstart] {name} ...", flush=True)
@@ -178,8 +190,10 @@ def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: i
     from arpo_algo.run.driver import EVAL_ACCURACY, plot_learning_curve, read_metrics
 
     history = read_metrics(Path(rl["learning_curve"]).with_name("metrics.jsonl"))
-    history += [{"iteration": 0, EVAL_ACCURACY: ev["before"]["accuracy"]},
-                {"iteration": iterations, EVAL_ACCURACY: ev["after"]["accuracy"]}]
+    history += [
+        {"iteration": 0, EVAL_ACCURACY: ev["before"]["accuracy"]},
+        {"iteration": iterations, EVAL_ACCURACY: ev["after"]["accuracy"]},
+    ]
     plot_learning_curve(sorted(history, key=lambda h: h["iteration"]), Path(rl["learning_curve"]))
 
 
@@ -200,8 +214,11 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     for name, path in (("before", sft_dir), ("after", policy_dir)):
         engine = HFEngine(path, **rollouts.hf.engine_kwargs(), device=rollouts.device, seed=cfg.seed)
         out[name] = {**evaluate_engine(engine, creator, **settings), "decode": engine.decode}
-        print(f"[quickstart]   {name}: accuracy {out[name]['accuracy']:.3f} "
-              f"({out[name]['num_tasks']:.0f} held-out tasks)", flush=True)
+        print(
+            f"[quickstart]   {name}: accuracy {out[name]['accuracy']:.3f} "
+            f"({out[name]['num_tasks']:.0f} held-out tasks)",
+            flush=True,
+        )
     return out
 
 
@@ -221,20 +238,26 @@ def reference_line(summary: dict[str, Any]) -> str:
     if not REFERENCE.is_file():
         return "multi-seed reference: none recorded (arpo_algo/run/recipes/quickstart_reference.json)"
     ref = json.loads(REFERENCE.read_text())
-    lines = [f"this seed: {summary['accuracy_before_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
-             f"measured over {ref['num_seeds']} RL seeds from the SFT seed {ref['sft_seed']} checkpoint "
-             f"({ref['machine']}; {ref['command']}):"]
+    lines = [
+        f"this seed: {summary['accuracy_before_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
+        f"measured over {ref['num_seeds']} RL seeds from the SFT seed {ref['sft_seed']} checkpoint "
+        f"({ref['machine']}; {ref['command']}):"
+    ]
     for name, r in ref["configurations"].items():
-        lines.append(f"  {name:>5}: before {r['before']:.3f}, after {r['after_mean']:.3f} ± {r['after_sd']:.3f} "
-                     f"(sd), improved on {r['improved']} of {r.get('seeds', ref['num_seeds'])} seeds, "
-                     f"worse on {r['worse']}")
+        lines.append(
+            f"  {name:>5}: before {r['before']:.3f}, after {r['after_mean']:.3f} ± {r['after_sd']:.3f} "
+            f"(sd), improved on {r['improved']} of {r.get('seeds', ref['num_seeds'])} seeds, "
+            f"worse on {r['worse']}"
+        )
     cfgs = ref["configurations"]
     if "arpo" in cfgs and "grpo" in cfgs:
         a, g = cfgs["arpo"], cfgs["grpo"]
         beats = a["after_mean"] - a["after_sd"] > g["after_mean"] + g["after_sd"]
-        lines.append(f"  ARPO {'beats' if beats else 'does not beat'} GRPO at this size "
-                     f"({a['after_mean']:.3f} ± {a['after_sd']:.3f} against "
-                     f"{g['after_mean']:.3f} ± {g['after_sd']:.3f})")
+        lines.append(
+            f"  ARPO {'beats' if beats else 'does not beat'} GRPO at this size "
+            f"({a['after_mean']:.3f} ± {a['after_sd']:.3f} against "
+            f"{g['after_mean']:.3f} ± {g['after_sd']:.3f})"
+        )
     if ref.get("note"):
         lines.append(f"  {ref['note']}")
     return "\n".join(lines)
@@ -244,12 +267,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The quickstart's options (shared by ``arpo quickstart`` and ``python -m arpo_algo.run.quickstart``)."""
     parser.add_argument("--output", default="runs/quickstart", help="output folder (default runs/quickstart)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the RL stage (default 0)")
-    parser.add_argument("--sft-seed", type=int, default=0,
-                        help="seed of the SFT stage (default 0: every RL seed starts from the same checkpoint)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a setting of the quickstart experiment (arpo_algo/run/recipes/quickstart.toml)")
+    parser.add_argument(
+        "--sft-seed",
+        type=int,
+        default=0,
+        help="seed of the SFT stage (default 0: every RL seed starts from the same checkpoint)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a setting of the quickstart experiment (arpo_algo/run/recipes/quickstart.toml)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -268,8 +304,7 @@ def run(args: argparse.Namespace) -> int:
     sft_inputs = stage_inputs("sft", args.sft_seed)
     rl_inputs = {**sft_inputs, "seed": args.seed, "set": list(args.set)}
     pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
-    sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress),
-                    sft_inputs)
+    sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress), sft_inputs)
     exp = load_rl_experiment(sft["path"], args.seed, args.set)
     rl = run_stage(out, "arpo", functools.partial(stage_arpo, out, exp, progress), rl_inputs)
     ev = run_stage(out, "evaluate", functools.partial(stage_evaluate, exp, sft["path"], rl["policy"]), rl_inputs)
@@ -277,21 +312,33 @@ def run(args: argparse.Namespace) -> int:
     export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"]), rl_inputs)
     stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
-        "accuracy_before_sft": ev["before"]["accuracy"], "accuracy_after_arpo": ev["after"]["accuracy"],
-        "seed": args.seed, "sft_seed": args.sft_seed, "eval": ev["settings"], "before": ev["before"],
+        "accuracy_before_sft": ev["before"]["accuracy"],
+        "accuracy_after_arpo": ev["after"]["accuracy"],
+        "seed": args.seed,
+        "sft_seed": args.sft_seed,
+        "eval": ev["settings"],
+        "before": ev["before"],
         "after": ev["after"],
-        "paths": {"output": str(out), "sft": sft["path"], "arpo_run": str(out / "arpo"),
-                  "checkpoint": rl["checkpoint"], "policy": export["path"], "learning_curve": rl["learning_curve"]},
+        "paths": {
+            "output": str(out),
+            "sft": sft["path"],
+            "arpo_run": str(out / "arpo"),
+            "checkpoint": rl["checkpoint"],
+            "policy": export["path"],
+            "learning_curve": rl["learning_curve"],
+        },
         "stage_times_s": {k: v["stage_time_s"] for k, v in stages.items()},
         "peak_rss_gb": {k: v.get("peak_rss_gb") for k, v in stages.items()},
         "this_run_s": round(time.time() - t0, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== arpo quickstart ===")
-    print(f"held-out accuracy  SFT checkpoint: {summary['accuracy_before_sft']:.3f}   "
-          f"after ARPO: {summary['accuracy_after_arpo']:.3f}   "
-          f"({ev['before']['num_tasks']:.0f} tasks, {ev['settings']['split']} split, "
-          f"temperature {ev['settings']['temperature']})")
+    print(
+        f"held-out accuracy  SFT checkpoint: {summary['accuracy_before_sft']:.3f}   "
+        f"after ARPO: {summary['accuracy_after_arpo']:.3f}   "
+        f"({ev['before']['num_tasks']:.0f} tasks, {ev['settings']['split']} split, "
+        f"temperature {ev['settings']['temperature']})"
+    )
     print(f"seed {args.seed} (SFT seed {args.sft_seed})   stage times (s): {summary['stage_times_s']}")
     print(f"peak resident memory per stage (GB): {summary['peak_rss_gb']}")
     print(reference_line(summary))
@@ -299,7 +346,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"learning curve:    {rl['learning_curve']}")
     print(f"summary:           {out / 'summary.json'}")
     return 0
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,13 @@ from arpo_base.errors import ArpoError
 log = logging.getLogger(__name__)
 
 #: Words of a collective's error when its peer process died (gloo: the TCP pair was closed or reset).
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
-             "timed out in call to")
+PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "timed out in call to",
+)
 POLL_S = 2.0
 
 
@@ -32,8 +37,15 @@ def is_node_loss(error: BaseException) -> bool:
     """True for the errors that a lost node or actor causes (see the module docstring)."""
     import ray.exceptions as rx
 
-    lost = (rx.ActorDiedError, rx.ActorUnavailableError, rx.NodeDiedError, rx.ObjectLostError, rx.OwnerDiedError,
-            rx.WorkerCrashedError, rx.RayActorError)
+    lost = (
+        rx.ActorDiedError,
+        rx.ActorUnavailableError,
+        rx.NodeDiedError,
+        rx.ObjectLostError,
+        rx.OwnerDiedError,
+        rx.WorkerCrashedError,
+        rx.RayActorError,
+    )
     if isinstance(error, lost):
         return True
     if isinstance(error, rx.RayTaskError):
@@ -64,10 +76,17 @@ def placement(algo: Any) -> dict[str, Any]:
         return {}
     ranks = list(getattr(algo.learner, "rank_nodes", []))
     actors = algo.engine.node_ids() if hasattr(algo.engine, "node_ids") else []
-    nodes = {n["NodeID"]: {k: v for k, v in n["Resources"].items() if not k.startswith("node:")}
-             for n in ray.nodes() if n.get("Alive")}
-    return {"driver": ray.get_runtime_context().get_node_id(), "learner_ranks": ranks, "rollout_actors": actors,
-            "nodes": nodes}
+    nodes = {
+        n["NodeID"]: {k: v for k, v in n["Resources"].items() if not k.startswith("node:")}
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+    return {
+        "driver": ray.get_runtime_context().get_node_id(),
+        "learner_ranks": ranks,
+        "rollout_actors": actors,
+        "nodes": nodes,
+    }
 
 
 def wait_for_resources(config: Any, timeout_s: float) -> None:
@@ -88,9 +107,11 @@ def wait_for_resources(config: Any, timeout_s: float) -> None:
         if not short or not ray.is_initialized():
             return
         if time.monotonic() > deadline:
-            raise ArpoError(f"the cluster did not offer the run's resources again within {timeout_s:g}s after a "
-                            f"node was lost: missing {short}",
-                            hint="bring the node (or one with the same --resources) back and --resume the run")
+            raise ArpoError(
+                f"the cluster did not offer the run's resources again within {timeout_s:g}s after a "
+                f"node was lost: missing {short}",
+                hint="bring the node (or one with the same --resources) back and --resume the run",
+            )
         time.sleep(POLL_S)
 
 
@@ -101,11 +122,13 @@ def describe(error: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[-1][:300] if lines else ''}"
 
 
-def record_restart(restarts: list[dict[str, Any]], history: list[dict[str, Any]], failed: int, resumed: int,
-                   error: BaseException) -> list[dict[str, Any]]:
+def record_restart(
+    restarts: list[dict[str, Any]], history: list[dict[str, Any]], failed: int, resumed: int, error: BaseException
+) -> list[dict[str, Any]]:
     """Add one restart to ``restarts``; returns the history rows the restored checkpoint covers (later rows are
     re-run and written again)."""
     rerun = sorted({h["iteration"] for h in history if h["iteration"] > resumed} | {failed})
-    restarts.append({"failed_iteration": failed, "resumed_from": resumed, "rerun_iterations": rerun,
-                     "error": describe(error)})
+    restarts.append(
+        {"failed_iteration": failed, "resumed_from": resumed, "rerun_iterations": rerun, "error": describe(error)}
+    )
     return [h for h in history if h["iteration"] <= resumed]

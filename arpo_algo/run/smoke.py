@@ -26,8 +26,9 @@ def smoke() -> bool:
     if value not in ("", "0", "1"):
         from arpo_base.errors import ConfigError
 
-        raise ConfigError(f"{SMOKE_ENV}={value!r} is neither 1 (smallest budgets) nor 0 (off)",
-                          hint=f"set {SMOKE_ENV}=1 or unset it")
+        raise ConfigError(
+            f"{SMOKE_ENV}={value!r} is neither 1 (smallest budgets) nor 0 (off)", hint=f"set {SMOKE_ENV}=1 or unset it"
+        )
     return value == "1"
 
 
@@ -39,8 +40,11 @@ def announce(what: str) -> None:
     kind = what.split()[0]
     if kind not in _announced:
         _announced.add(kind)
-        print(f"[arpo] {SMOKE_ENV} is set: {what} at the smallest budget (a wiring check; its numbers mean nothing)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[arpo] {SMOKE_ENV} is set: {what} at the smallest budget (a wiring check; its numbers mean nothing)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def experiment_budget(settings: Any) -> dict[str, Any]:
@@ -50,9 +54,12 @@ def experiment_budget(settings: Any) -> dict[str, Any]:
     t, r, e = settings.training, settings.rollouts, settings.evaluation
     prompts = min(t.prompts_per_step, PROMPTS)
     mini_batches = None if t.mini_batches is None else min(t.mini_batches, prompts)  # None: derived from prompts
-    return {"training.prompts_per_step": prompts, "training.mini_batches": mini_batches,
-            "rollouts.max_response_tokens": min(r.max_response_tokens, RESPONSE_TOKENS),
-            "evaluation.num_prompts": min(e.num_prompts or EVAL_TASKS, EVAL_TASKS)}
+    return {
+        "training.prompts_per_step": prompts,
+        "training.mini_batches": mini_batches,
+        "rollouts.max_response_tokens": min(r.max_response_tokens, RESPONSE_TOKENS),
+        "evaluation.num_prompts": min(e.num_prompts or EVAL_TASKS, EVAL_TASKS),
+    }
 
 
 def sweep_budget() -> dict[str, Any]:

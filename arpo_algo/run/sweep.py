@@ -53,8 +53,18 @@ DISTRIBUTIONS = ("uniform", "loguniform", "quniform", "randint", "choice", "grid
 SEARCHES = ("optuna", "grid", "random")
 SCHEDULERS = ("asha", "none")
 #: Tree knobs that mean nothing to GRPO (dropped from its space).
-BRANCHING_KNOBS = ("initial", "branch_factor", "alpha", "beta", "tau", "entropy_tokens", "entropy_method",
-                   "decision_rule", "fillup", "max_depth")
+BRANCHING_KNOBS = (
+    "initial",
+    "branch_factor",
+    "alpha",
+    "beta",
+    "tau",
+    "entropy_tokens",
+    "entropy_method",
+    "decision_rule",
+    "fillup",
+    "max_depth",
+)
 
 
 @dataclass
@@ -80,10 +90,25 @@ class SweepSettings:
     checkpoint_every: int = 1
 
 
-_TYPES = {"experiment": str, "name": str, "output": str, "metric": str, "mode": str, "objectives": dict,
-          "num_samples": int, "max_concurrent": int, "iterations": int, "seed": int, "search": str, "scheduler": str,
-          "grace_period": int, "reduction_factor": int, "resources_per_trial": dict, "max_failures": int,
-          "checkpoint_every": int}
+_TYPES = {
+    "experiment": str,
+    "name": str,
+    "output": str,
+    "metric": str,
+    "mode": str,
+    "objectives": dict,
+    "num_samples": int,
+    "max_concurrent": int,
+    "iterations": int,
+    "seed": int,
+    "search": str,
+    "scheduler": str,
+    "grace_period": int,
+    "reduction_factor": int,
+    "resources_per_trial": dict,
+    "max_failures": int,
+    "checkpoint_every": int,
+}
 
 
 @dataclass
@@ -104,9 +129,14 @@ class Knob:
         from ray import tune
 
         a = self.args
-        return {"uniform": lambda: tune.uniform(a[0], a[1]), "loguniform": lambda: tune.loguniform(a[0], a[1]),
-                "quniform": lambda: tune.quniform(a[0], a[1], a[2]), "randint": lambda: tune.randint(a[0], a[1] + 1),
-                "choice": lambda: tune.choice(list(a)), "grid": lambda: tune.grid_search(list(a))}[self.dist]()
+        return {
+            "uniform": lambda: tune.uniform(a[0], a[1]),
+            "loguniform": lambda: tune.loguniform(a[0], a[1]),
+            "quniform": lambda: tune.quniform(a[0], a[1], a[2]),
+            "randint": lambda: tune.randint(a[0], a[1] + 1),
+            "choice": lambda: tune.choice(list(a)),
+            "grid": lambda: tune.grid_search(list(a)),
+        }[self.dist]()
 
     def describe(self) -> str:
         return f"{self.key} ~ {self.dist}{self.args}"
@@ -190,8 +220,10 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
         if section == "sweep":
             body[key] = value
         elif section == "space":
-            raise ConfigError(f"--set {item!r}: the space is set in the sweep file",
-                              hint="override a base setting (section.key=value) or a sweep setting (sweep.key=...)")
+            raise ConfigError(
+                f"--set {item!r}: the space is set in the sweep file",
+                hint="override a base setting (section.key=value) or a sweep setting (sweep.key=...)",
+            )
         else:
             base_over.append(item)
     if smoke.smoke():
@@ -216,8 +248,10 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
     for knob in knobs:
         if knob.key == "experiment.algorithm":
             if knob.dist != "grid":
-                raise ConfigError(f"{where}: [space] experiment.algorithm must be a grid (each algorithm is its own "
-                                  "Tune experiment)", hint='"experiment.algorithm" = {grid = ["arpo", "grpo"]}')
+                raise ConfigError(
+                    f"{where}: [space] experiment.algorithm must be a grid (each algorithm is its own Tune experiment)",
+                    hint='"experiment.algorithm" = {grid = ["arpo", "grpo"]}',
+                )
             algorithms = list(knob.args)
     sweep = Sweep(settings, source, base_path, sections, knobs, algorithms, notes)
     _check_search(sweep, where)
@@ -237,8 +271,9 @@ def _settings(body: dict[str, Any], source: Path, where: str) -> SweepSettings:
     if s.search == "grid" and "num_samples" not in body:
         s.num_samples = 1  # a grid runs each point once unless repeats are asked for
     if not s.experiment:
-        raise ConfigError(f"{where}: [sweep] experiment (the base experiment) is missing",
-                          hint='[sweep]\nexperiment = "quickstart"')
+        raise ConfigError(
+            f"{where}: [sweep] experiment (the base experiment) is missing", hint='[sweep]\nexperiment = "quickstart"'
+        )
     for key, allowed in (("mode", ("max", "min")), ("search", SEARCHES), ("scheduler", SCHEDULERS)):
         if getattr(s, key) not in allowed:
             raise unknown_key_error(getattr(s, key), allowed, f"{where}: [sweep] {key}")
@@ -251,7 +286,7 @@ def _settings(body: dict[str, Any], source: Path, where: str) -> SweepSettings:
         raise ConfigError(f"{where}: [sweep] max_failures and checkpoint_every must be >= 0")
     for metric, mode in s.objectives.items():
         if mode not in ("max", "min"):
-            raise ConfigError(f"{where}: [sweep] objectives.{metric} must be \"max\" or \"min\", got {mode!r}")
+            raise ConfigError(f'{where}: [sweep] objectives.{metric} must be "max" or "min", got {mode!r}')
     if s.objectives:
         s.metric, s.mode = next(iter(s.objectives.items()))
     return s
@@ -275,8 +310,10 @@ def _beam_override(item: str, notes: list[str]) -> str:
     section, key, value = parse_override(item, SECTIONS)
     if (section, key) != ("tree", "beam_size"):
         return item
-    notes.append(f"tree.beam_size={value} is the reference code's name: using tree.branch_factor={value - 1} "
-                 "(beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)")
+    notes.append(
+        f"tree.beam_size={value} is the reference code's name: using tree.branch_factor={value - 1} "
+        "(beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)"
+    )
     return f"tree.branch_factor={value - 1}"
 
 
@@ -299,8 +336,9 @@ def _knob(key: str, spec: Any, where: str, notes: list[str]) -> Knob:
             hint = "iterations are set by [sweep] iterations"
         raise ConfigError(f"{at}: unknown key {name!r}", hint=hint)
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise ConfigError(f"{at}: expected one distribution {{name = [...]}}",
-                          hint=f"one of {', '.join(DISTRIBUTIONS)}")
+        raise ConfigError(
+            f"{at}: expected one distribution {{name = [...]}}", hint=f"one of {', '.join(DISTRIBUTIONS)}"
+        )
     dist, args = next(iter(spec.items()))
     if dist not in DISTRIBUTIONS:
         raise unknown_key_error(dist, DISTRIBUTIONS, f"{at}: distribution")
@@ -330,8 +368,10 @@ def _knob(key: str, spec: Any, where: str, notes: list[str]) -> Knob:
         if any(not isinstance(a, int) or a < 1 for a in args):
             raise ConfigError(f"{at}: beam_size values must be integers >= 1, got {args}")
         new = [a - 1 for a in args]
-        notes.append(f"tree.beam_size {dist}{args} is the reference code's name: sweeping tree.branch_factor "
-                     f"{dist}{new} (beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)")
+        notes.append(
+            f"tree.beam_size {dist}{args} is the reference code's name: sweeping tree.branch_factor "
+            f"{dist}{new} (beam_size = branch_factor + 1, docs/concepts/arpo.md#branching-parameters)"
+        )
         return Knob("tree.branch_factor", dist, new)
     return Knob(key, dist, list(args))
 
@@ -340,16 +380,18 @@ def _check_search(sweep: Sweep, where: str) -> None:
     s = sweep.settings
     grids = [k.key for k in sweep.knobs if k.dist == "grid" and k.key != "experiment.algorithm"]
     if s.search == "optuna" and grids:
-        raise ConfigError(f"{where}: [space] {grids[0]} is a grid, which Optuna cannot search",
-                          hint='use {choice = [...]} with search = "optuna", or search = "random"/"grid"')
+        raise ConfigError(
+            f"{where}: [space] {grids[0]} is a grid, which Optuna cannot search",
+            hint='use {choice = [...]} with search = "optuna", or search = "random"/"grid"',
+        )
     if s.search == "grid":
         bad = [k.key for k in sweep.knobs if k.dist not in ("grid", "choice")]
         if bad:
-            raise ConfigError(f"{where}: search = \"grid\" needs grid or choice knobs; {bad[0]} is a range")
+            raise ConfigError(f'{where}: search = "grid" needs grid or choice knobs; {bad[0]} is a range')
         for k in sweep.knobs:
             k.dist = "grid"
     if s.objectives and (s.search != "optuna" or len(s.objectives) < 2):
-        raise ConfigError(f"{where}: [sweep] objectives (multi-objective) needs search = \"optuna\" and >= 2 metrics")
+        raise ConfigError(f'{where}: [sweep] objectives (multi-objective) needs search = "optuna" and >= 2 metrics')
     if sweep.settings.output is None:
         sweep.settings.output = f"runs/tune/{s.name}"
 
@@ -367,8 +409,13 @@ def field_path(knob_key: str) -> tuple[str, ...]:
 
 def describe(sweep: Sweep) -> dict[str, Any]:
     """What ``--dry-run`` prints: the resolved space, the trial count per algorithm, settings and notes."""
-    return {"sweep": str(sweep.source), "base": str(sweep.base_path), "output": str(sweep.output_dir),
-            "settings": dataclasses.asdict(sweep.settings),
-            "space": {a: [k.describe() for k in sweep.knobs_for(a)] for a in sweep.algorithms},
-            "trials": {a: sweep.num_trials(a) for a in sweep.algorithms},
-            "total_trials": sum(sweep.num_trials(a) for a in sweep.algorithms), "notes": sweep.notes}
+    return {
+        "sweep": str(sweep.source),
+        "base": str(sweep.base_path),
+        "output": str(sweep.output_dir),
+        "settings": dataclasses.asdict(sweep.settings),
+        "space": {a: [k.describe() for k in sweep.knobs_for(a)] for a in sweep.algorithms},
+        "trials": {a: sweep.num_trials(a) for a in sweep.algorithms},
+        "total_trials": sum(sweep.num_trials(a) for a in sweep.algorithms),
+        "notes": sweep.notes,
+    }

@@ -42,8 +42,11 @@ def pareto_front(points: list[tuple[float, float]], mode: str = "max") -> list[i
     sign = 1.0 if mode == "max" else -1.0
     front = []
     for i, (m, c) in enumerate(points):
-        dominated = any(sign * m2 >= sign * m and c2 <= c and (sign * m2 > sign * m or c2 < c)
-                        for j, (m2, c2) in enumerate(points) if j != i)
+        dominated = any(
+            sign * m2 >= sign * m and c2 <= c and (sign * m2 > sign * m or c2 < c)
+            for j, (m2, c2) in enumerate(points)
+            if j != i
+        )
         if not dominated:
             front.append(i)
     return sorted(front, key=lambda i: (points[i][1], -sign * points[i][0]))
@@ -57,23 +60,34 @@ def trial_rows(sweep: Sweep, trials: list[dict[str, Any]]) -> list[dict[str, Any
         last, hist = t["last"], t["history"]
         iters = int(last.get("training_iteration", 0) or 0)
         calls = last.get(MK.EVALUATION + MK.TOOL_CALLS_PER_TRAJ, last.get(MK.TOOL_CALLS_PER_TRAJ))
-        row = {"trial": Path(t["path"]).name, "algorithm": t["algorithm"],
-               **{k: t["knobs"].get(k) for k in _knob_keys(sweep)},
-               "status": "error" if t["error"] else ("stopped" if iters < s.iterations else "done"),
-               "iterations": iters, "stopped_early": bool(not t["error"] and iters < s.iterations),
-               s.metric: last.get(s.metric), "tool_calls": calls,
-               "tokens": sum(float(h.get(MK.TOKENS_SAMPLED, 0) or 0) for h in hist),
-               "train_reward": _mean([h.get(MK.REWARD_MEAN) for h in hist]),
-               "wall_s": round(float(last.get("time_total_s", 0) or 0), 1), "error": t["error"] or ""}
+        row = {
+            "trial": Path(t["path"]).name,
+            "algorithm": t["algorithm"],
+            **{k: t["knobs"].get(k) for k in _knob_keys(sweep)},
+            "status": "error" if t["error"] else ("stopped" if iters < s.iterations else "done"),
+            "iterations": iters,
+            "stopped_early": bool(not t["error"] and iters < s.iterations),
+            s.metric: last.get(s.metric),
+            "tool_calls": calls,
+            "tokens": sum(float(h.get(MK.TOKENS_SAMPLED, 0) or 0) for h in hist),
+            "train_reward": _mean([h.get(MK.REWARD_MEAN) for h in hist]),
+            "wall_s": round(float(last.get("time_total_s", 0) or 0), 1),
+            "error": t["error"] or "",
+        }
         for extra in sweep.objectives:
             row.setdefault(extra, last.get(extra))
         rows.append(row)
     sign = -1.0 if s.mode == "max" else 1.0
     # a tie on the metric (a held-out accuracy over a few dozen tasks ties often) goes to the trial that earned more
     # reward while training, over all its iterations
-    rows.sort(key=lambda r: (r["status"] == "error", r[s.metric] is None,
-                             sign * r[s.metric] if isinstance(r[s.metric], (int, float)) else 0.0,
-                             -r["train_reward"] if r["train_reward"] is not None else math.inf))
+    rows.sort(
+        key=lambda r: (
+            r["status"] == "error",
+            r[s.metric] is None,
+            sign * r[s.metric] if isinstance(r[s.metric], (int, float)) else 0.0,
+            -r["train_reward"] if r["train_reward"] is not None else math.inf,
+        )
+    )
     return rows
 
 
@@ -113,9 +127,18 @@ def config_summary(sweep: Sweep, rows: list[dict[str, Any]]) -> list[dict[str, A
     for members in groups.values():
         stats = seed_stats([float(r[s.metric]) for r in members])
         calls = [float(r["tool_calls"]) for r in members if isinstance(r["tool_calls"], (int, float))]
-        out.append({"algorithm": members[0]["algorithm"], **{k: members[0][k] for k in keys},
-                    "seeds": stats["n"], "mean": stats["mean"], "sd": stats["sd"], "ci95_low": stats["ci_low"],
-                    "ci95_high": stats["ci_high"], "tool_calls_mean": sum(calls) / len(calls) if calls else None})
+        out.append(
+            {
+                "algorithm": members[0]["algorithm"],
+                **{k: members[0][k] for k in keys},
+                "seeds": stats["n"],
+                "mean": stats["mean"],
+                "sd": stats["sd"],
+                "ci95_low": stats["ci_low"],
+                "ci95_high": stats["ci_high"],
+                "tool_calls_mean": sum(calls) / len(calls) if calls else None,
+            }
+        )
     sign = -1.0 if s.mode == "max" else 1.0
     return sorted(out, key=lambda r: sign * r["mean"])
 
@@ -131,9 +154,11 @@ def write_best_toml(sweep: Sweep, row: dict[str, Any], path: Path) -> Path:
     sections = sweep.sections_for(row["algorithm"], point)
     sections["experiment"]["name"] = f"{sweep.settings.name}_best"
     sections["experiment"].pop("output", None)
-    header = (f"Best configuration of sweep {sweep.source} (trial {row['trial']}: {sweep.settings.metric} = "
-              f"{_cell(row[sweep.settings.metric])} after {row['iterations']} iterations).\n"
-              f"Base experiment: {sweep.base_path}. Train it: arpo train {path}")
+    header = (
+        f"Best configuration of sweep {sweep.source} (trial {row['trial']}: {sweep.settings.metric} = "
+        f"{_cell(row[sweep.settings.metric])} after {row['iterations']} iterations).\n"
+        f"Base experiment: {sweep.base_path}. Train it: arpo train {path}"
+    )
     path.write_text(to_toml(sections, header), encoding="utf-8")
     return path
 
@@ -148,33 +173,62 @@ def write_reports(sweep: Sweep, trials: list[dict[str, Any]], wall_s: float) -> 
             writer.writeheader()
             writer.writerows(rows)
     columns = list(rows[0]) if rows else []
-    (root / "results.md").write_text(f"# Sweep {s.name}: {len(rows)} trials, sorted by {s.metric} ({s.mode})\n\n"
-                                     + markdown_table(rows, columns))
+    (root / "results.md").write_text(
+        f"# Sweep {s.name}: {len(rows)} trials, sorted by {s.metric} ({s.mode})\n\n" + markdown_table(rows, columns)
+    )
     configs = config_summary(sweep, rows)
-    ok = [r for r in rows if r["status"] != "error" and isinstance(r[s.metric], (int, float))
-          and isinstance(r["tool_calls"], (int, float))]
+    ok = [
+        r
+        for r in rows
+        if r["status"] != "error"
+        and isinstance(r[s.metric], (int, float))
+        and isinstance(r["tool_calls"], (int, float))
+    ]
     front = [ok[i] for i in pareto_front([(float(r[s.metric]), float(r["tool_calls"])) for r in ok], s.mode)]
     best = best_row(sweep, rows)
     knob_cols = ["trial", "algorithm", *_knob_keys(sweep)]
-    text = [f"# Sweep {s.name}", "", f"Base experiment `{sweep.base_path.name}`; metric `{s.metric}` ({s.mode}); "
-            f"{len(rows)} trials ({sum(r['stopped_early'] for r in rows)} stopped early by ASHA, "
-            f"{sum(r['status'] == 'error' for r in rows)} failed); wall time {wall_s:.0f} s.", "",
-            "## Per configuration over seeds (mean, sample sd, 95% Student-t CI)", "",
-            markdown_table(configs) if configs else "(no finished trial)", "",
-            f"## Pareto front: {s.metric} against tool calls per problem", "",
-            markdown_table(front, [*knob_cols, s.metric, "tool_calls"]) if front else "(no finished trial)"]
+    text = [
+        f"# Sweep {s.name}",
+        "",
+        f"Base experiment `{sweep.base_path.name}`; metric `{s.metric}` ({s.mode}); "
+        f"{len(rows)} trials ({sum(r['stopped_early'] for r in rows)} stopped early by ASHA, "
+        f"{sum(r['status'] == 'error' for r in rows)} failed); wall time {wall_s:.0f} s.",
+        "",
+        "## Per configuration over seeds (mean, sample sd, 95% Student-t CI)",
+        "",
+        markdown_table(configs) if configs else "(no finished trial)",
+        "",
+        f"## Pareto front: {s.metric} against tool calls per problem",
+        "",
+        markdown_table(front, [*knob_cols, s.metric, "tool_calls"]) if front else "(no finished trial)",
+    ]
     if sweep.notes:
         text += ["", "## Notes", "", *[f"- {n}" for n in sweep.notes]]
     best_path = write_best_toml(sweep, best, root / "best.toml") if best else None
     if best:
-        text += ["", "## Best trial", "", markdown_table([best], [*knob_cols, s.metric, "tool_calls", "iterations"]),
-                 f"`arpo train {best_path}` trains it."]
+        text += [
+            "",
+            "## Best trial",
+            "",
+            markdown_table([best], [*knob_cols, s.metric, "tool_calls", "iterations"]),
+            f"`arpo train {best_path}` trains it.",
+        ]
     (root / "summary.md").write_text("\n".join(text) + "\n")
     plots = _plots(sweep, rows, trials, root)
-    summary = {"name": s.name, "output": str(root), "metric": s.metric, "mode": s.mode, "wall_s": round(wall_s, 1),
-               "trials": len(rows), "stopped_early": sum(r["stopped_early"] for r in rows),
-               "failed": sum(r["status"] == "error" for r in rows), "best": best,
-               "best_toml": str(best_path) if best_path else None, "plots": plots, "notes": sweep.notes}
+    summary = {
+        "name": s.name,
+        "output": str(root),
+        "metric": s.metric,
+        "mode": s.mode,
+        "wall_s": round(wall_s, 1),
+        "trials": len(rows),
+        "stopped_early": sum(r["stopped_early"] for r in rows),
+        "failed": sum(r["status"] == "error" for r in rows),
+        "best": best,
+        "best_toml": str(best_path) if best_path else None,
+        "plots": plots,
+        "notes": sweep.notes,
+    }
     (root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -209,8 +263,11 @@ def _plots(sweep: Sweep, rows: list[dict[str, Any]], trials: list[dict[str, Any]
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = 0
     for t in trials:
-        pts = [(h.get("training_iteration"), h.get(s.metric)) for h in t["history"]
-               if isinstance(h.get(s.metric), (int, float)) and not math.isnan(h.get(s.metric))]
+        pts = [
+            (h.get("training_iteration"), h.get(s.metric))
+            for h in t["history"]
+            if isinstance(h.get(s.metric), (int, float)) and not math.isnan(h.get(s.metric))
+        ]
         if pts:
             ax.plot(*zip(*pts), "o-", label=Path(t["path"]).name, alpha=0.8)
             plotted += 1
@@ -258,8 +315,9 @@ def _importances(sweep: Sweep, rows: list[dict[str, Any]]) -> dict[str, float]:
         for r in rows:
             params = {k: r[k] for k in dists if r.get(k) is not None}
             if len(params) == len(dists):
-                study.add_trial(optuna.trial.create_trial(params=params, distributions=dists,
-                                                          value=float(r[sweep.settings.metric])))
+                study.add_trial(
+                    optuna.trial.create_trial(params=params, distributions=dists, value=float(r[sweep.settings.metric]))
+                )
         if len(study.trials) < 2:
             return {}
         return dict(optuna.importance.get_param_importances(study))

@@ -37,8 +37,9 @@ def start_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.ERROR)
+        ray.init(
+            num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+        )
 
 
 def param_space(sweep: Sweep, algorithm: str) -> dict[str, Any]:
@@ -127,8 +128,11 @@ class SweepMonitor:
             metric = _flat(last).get(s.metric)
             early = " (stopped early by ASHA)" if iters < s.iterations else ""
             state = f"{s.metric}={_fmt(metric)} after {iters} it{early}"
-        print(f"[tune] {self.algorithm} trial {self.done}/{self.total} {trial.trial_id}: {shown} -> {state} "
-              f"({last.get('time_total_s', 0):.0f} s)", flush=True)
+        print(
+            f"[tune] {self.algorithm} trial {self.done}/{self.total} {trial.trial_id}: {shown} -> {state} "
+            f"({last.get('time_total_s', 0):.0f} s)",
+            flush=True,
+        )
         first = min(2, self.total)
         signatures = {e.splitlines()[-1] if e else "" for e in self.errors}  # the exception line, no actor ids
         if error is not None and len(self.errors) >= first and len(signatures) == 1 and not self.reported:
@@ -173,11 +177,16 @@ def check_own_tune_state(path: Path) -> None:
             continue
         st = item.lstat()
         if stat.S_ISLNK(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
-            who = "a link" if stat.S_ISLNK(st.st_mode) else (
-                f"owned by uid {st.st_uid}" if st.st_uid != me else "writable by other users")
-            raise ArpoError(f"{item} is {who}: restoring the sweep in {path} would unpickle Tune's state from it, and "
-                            "Tune's state is code", hint="resume or report only sweeps you ran yourself; run the "
-                                                         "sweep again into a new --output")
+            who = (
+                "a link"
+                if stat.S_ISLNK(st.st_mode)
+                else (f"owned by uid {st.st_uid}" if st.st_uid != me else "writable by other users")
+            )
+            raise ArpoError(
+                f"{item} is {who}: restoring the sweep in {path} would unpickle Tune's state from it, and "
+                "Tune's state is code",
+                hint="resume or report only sweeps you ran yourself; run the sweep again into a new --output",
+            )
 
 
 def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: bool) -> Any:
@@ -195,11 +204,20 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
     storage = str(sweep.output_dir.resolve())
     trainable = ALGORITHMS[algorithm]
     run_config = tune.RunConfig(
-        name=algorithm, storage_path=storage, stop=monitor.stopper, verbose=0, callbacks=[monitor.callback],
+        name=algorithm,
+        storage_path=storage,
+        stop=monitor.stopper,
+        verbose=0,
+        callbacks=[monitor.callback],
         failure_config=tune.FailureConfig(max_failures=s.max_failures),
         checkpoint_config=tune.CheckpointConfig(
-            num_to_keep=1, checkpoint_frequency=s.checkpoint_every, checkpoint_at_end=True,
-            checkpoint_score_attribute=s.metric if ranked else None, checkpoint_score_order=s.mode))
+            num_to_keep=1,
+            checkpoint_frequency=s.checkpoint_every,
+            checkpoint_at_end=True,
+            checkpoint_score_attribute=s.metric if ranked else None,
+            checkpoint_score_order=s.mode,
+        ),
+    )
     path = Path(storage) / algorithm
     if resume and tune.Tuner.can_restore(str(path)):
         check_own_tune_state(path)
@@ -212,23 +230,37 @@ def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: boo
     if s.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        search = OptunaSearch(metric=list(objectives) if multi else None, mode=list(objectives.values()) if multi
-                              else None, seed=s.seed)
+        search = OptunaSearch(
+            metric=list(objectives) if multi else None, mode=list(objectives.values()) if multi else None, seed=s.seed
+        )
     else:
         # Tune ignores max_concurrent_trials when the search is a generator it did not build: the limit is set here
         search = BasicVariantGenerator(random_state=s.seed, max_concurrent=s.max_concurrent or 0)
-    scheduler = (ASHAScheduler(time_attr="training_iteration", max_t=s.iterations, grace_period=s.grace_period,
-                               reduction_factor=s.reduction_factor, metric=s.metric if multi else None,
-                               mode=s.mode if multi else None)
-                 if s.scheduler == "asha" else FIFOScheduler())
+    scheduler = (
+        ASHAScheduler(
+            time_attr="training_iteration",
+            max_t=s.iterations,
+            grace_period=s.grace_period,
+            reduction_factor=s.reduction_factor,
+            metric=s.metric if multi else None,
+            mode=s.mode if multi else None,
+        )
+        if s.scheduler == "asha"
+        else FIFOScheduler()
+    )
     tune_config = tune.TuneConfig(
-        metric=None if multi or not ranked else s.metric, mode=None if multi or not ranked else s.mode,
-        search_alg=search, scheduler=scheduler,
-        num_samples=s.num_samples, max_concurrent_trials=s.max_concurrent,
+        metric=None if multi or not ranked else s.metric,
+        mode=None if multi or not ranked else s.mode,
+        search_alg=search,
+        scheduler=scheduler,
+        num_samples=s.num_samples,
+        max_concurrent_trials=s.max_concurrent,
         trial_name_creator=lambda t: f"{algorithm}_{t.trial_id}",
-        trial_dirname_creator=lambda t: f"{algorithm}_{t.trial_id}")
-    return tune.Tuner(trainable, param_space=param_space(sweep, algorithm), tune_config=tune_config,
-                      run_config=run_config)
+        trial_dirname_creator=lambda t: f"{algorithm}_{t.trial_id}",
+    )
+    return tune.Tuner(
+        trainable, param_space=param_space(sweep, algorithm), tune_config=tune_config, run_config=run_config
+    )
 
 
 def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
@@ -241,8 +273,10 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
 
     root = sweep.output_dir
     if not resume and any((root / a).is_dir() for a in sweep.algorithms):
-        raise ArpoError(f"{root} already holds this sweep", hint="continue it with --resume (same --output), or "
-                                                                  "pass another --output")
+        raise ArpoError(
+            f"{root} already holds this sweep",
+            hint="continue it with --resume (same --output), or pass another --output",
+        )
     root.mkdir(parents=True, exist_ok=True)
     from arpo_algo.run.driver import require_sandbox
 
@@ -262,14 +296,17 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
             results = tuner.fit()
         except Exception as e:  # noqa: BLE001 - FailFast (possibly wrapped by Tune), or Tune itself gave up
             if monitor.fail_fast is None:
-                raise ArpoError(f"Ray Tune stopped the {algorithm} sweep: {str(e).splitlines()[0][:300]}",
-                                hint=f"finished trials are kept: continue with arpo tune {sweep.source} "
-                                     f"--output {root} --resume") from e
+                raise ArpoError(
+                    f"Ray Tune stopped the {algorithm} sweep: {str(e).splitlines()[0][:300]}",
+                    hint=f"finished trials are kept: continue with arpo tune {sweep.source} --output {root} --resume",
+                ) from e
         if monitor.fail_fast is not None:
-            raise ArpoError(f"every trial of the {algorithm} sweep failed the same way before reporting a "
-                            f"result; stopped.\n{monitor.fail_fast}",
-                            hint=f"the base experiment fails on its own: try `arpo train {sweep.base_path}` "
-                                 f"(tracebacks: {root / algorithm}/*/error.txt)")
+            raise ArpoError(
+                f"every trial of the {algorithm} sweep failed the same way before reporting a "
+                f"result; stopped.\n{monitor.fail_fast}",
+                hint=f"the base experiment fails on its own: try `arpo train {sweep.base_path}` "
+                f"(tracebacks: {root / algorithm}/*/error.txt)",
+            )
         trials += collect_trials(sweep, algorithm, results)
         # Ctrl-C: Tune saves its state and returns (stopping running trials); a trial that never ended (per our
         # ledger, over every run of this sweep) or one the searcher had not created yet means it is not done.
@@ -278,8 +315,11 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> dict[str, Any]:
         unfinished = len({t["trial_id"] for t in trials if t["algorithm"] == algorithm} - ended)
         unfinished += max(0, total - len(results))
         if unfinished:
-            print(f"[tune] interrupted with {unfinished} unfinished trial(s); continue with: arpo tune "
-                  f"{sweep.source} --output {root} --resume", flush=True)
+            print(
+                f"[tune] interrupted with {unfinished} unfinished trial(s); continue with: arpo tune "
+                f"{sweep.source} --output {root} --resume",
+                flush=True,
+            )
             return {"interrupted": True, "output": str(root)}
     summary = write_reports(sweep, trials, wall_s=time.time() - t0)
     return summary
@@ -317,7 +357,7 @@ def collect_trials(sweep: Sweep, algorithm: str, results: Any) -> list[dict[str,
     by_id = {t.trial_id: t for t in analysis.trials}
     for result in results:
         trial_path = Path(result.path)
-        trial_id = trial_path.name[len(algorithm) + 1:]
+        trial_id = trial_path.name[len(algorithm) + 1 :]
         trial = by_id.get(trial_id)
         history = result.metrics_dataframe
         rows = history.to_dict("records") if history is not None else []
@@ -325,10 +365,18 @@ def collect_trials(sweep: Sweep, algorithm: str, results: Any) -> list[dict[str,
         error = None
         if result.error is not None:
             error = error_text(trial) if trial is not None else str(result.error)
-        records.append({
-            "algorithm": algorithm, "trial_id": trial_id, "path": str(trial_path),
-            "status": trial.status if trial is not None else ("ERROR" if error else "TERMINATED"),
-            "knobs": knob_values(sweep, algorithm, result.config or {}), "config": result.config or {},
-            "last": _flat(last), "history": rows, "error": error,
-            "checkpoint": str(result.checkpoint.path) if result.checkpoint else None})
+        records.append(
+            {
+                "algorithm": algorithm,
+                "trial_id": trial_id,
+                "path": str(trial_path),
+                "status": trial.status if trial is not None else ("ERROR" if error else "TERMINATED"),
+                "knobs": knob_values(sweep, algorithm, result.config or {}),
+                "config": result.config or {},
+                "last": _flat(last),
+                "history": rows,
+                "error": error,
+                "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
+            }
+        )
     return records

@@ -49,5 +49,3 @@ class LearnerBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: only backends with workers have something to stop
         """Stop the workers, if any (idempotent)."""
-
-

@@ -80,13 +80,17 @@ class BackendConfig:
         check_choice("deepspeed_stage", self.deepspeed_stage, (2, 3), "backend")
         check_choice("deepspeed_offload", self.deepspeed_offload, OFFLOADS, "backend")
         if self.deepspeed_offload != "none" and self.learner_backend != "deepspeed":
-            raise ConfigError(f"backend.deepspeed_offload={self.deepspeed_offload!r} with learner_backend="
-                              f"{self.learner_backend!r}: only the deepspeed backend offloads",
-                              hint="set learner_backend='deepspeed', or leave deepspeed_offload='none'")
+            raise ConfigError(
+                f"backend.deepspeed_offload={self.deepspeed_offload!r} with learner_backend="
+                f"{self.learner_backend!r}: only the deepspeed backend offloads",
+                hint="set learner_backend='deepspeed', or leave deepspeed_offload='none'",
+            )
         if self.deepspeed_offload == "optimizer_and_parameters" and self.deepspeed_stage != 3:
-            raise ConfigError(f"backend.deepspeed_offload='optimizer_and_parameters' needs deepspeed_stage=3 (got "
-                              f"{self.deepspeed_stage}): ZeRO-2 keeps every parameter on each rank's GPU",
-                              hint="set deepspeed_stage=3, or deepspeed_offload='optimizer'")
+            raise ConfigError(
+                f"backend.deepspeed_offload='optimizer_and_parameters' needs deepspeed_stage=3 (got "
+                f"{self.deepspeed_stage}): ZeRO-2 keeps every parameter on each rank's GPU",
+                hint="set deepspeed_stage=3, or deepspeed_offload='optimizer'",
+            )
         if self.learner_workers < 1:
             raise ConfigError(f"backend.learner_workers must be >= 1, got {self.learner_workers}")
         if not self.collective_timeout_s > 0:
@@ -94,32 +98,45 @@ class BackendConfig:
         if self.learner_cpus_per_worker <= 0:
             raise ConfigError(f"backend.learner_cpus_per_worker must be > 0, got {self.learner_cpus_per_worker}")
         if self.learner_gpus_per_worker is not None and not self.learner_gpus_per_worker > 0:
-            raise ConfigError(f"backend.learner_gpus_per_worker must be > 0 or None, got "
-                              f"{self.learner_gpus_per_worker}")
+            raise ConfigError(
+                f"backend.learner_gpus_per_worker must be > 0 or None, got {self.learner_gpus_per_worker}"
+            )
         from arpo_algo.rollout.config import check_custom_resources
 
-        check_custom_resources("backend.worker_resources", self.worker_resources, self.learner_workers,
-                               "backend.learner_workers")
-        check_custom_resources("backend.main_resources", (self.main_resources,) if self.main_resources else (), 1,
-                               "one main process")
+        check_custom_resources(
+            "backend.worker_resources", self.worker_resources, self.learner_workers, "backend.learner_workers"
+        )
+        check_custom_resources(
+            "backend.main_resources", (self.main_resources,) if self.main_resources else (), 1, "one main process"
+        )
         if not self.distributed:
-            changed = [k for k, v in (("learner_workers", self.learner_workers != 1),
-                                      ("worker_resources", bool(self.worker_resources)),
-                                      ("collective_timeout_s", self.collective_timeout_s != 1800.0),
-                                      ("learner_placement", self.learner_placement != "split"),
-                                      ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
-                                      ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0)) if v]
+            changed = [
+                k
+                for k, v in (
+                    ("learner_workers", self.learner_workers != 1),
+                    ("worker_resources", bool(self.worker_resources)),
+                    ("collective_timeout_s", self.collective_timeout_s != 1800.0),
+                    ("learner_placement", self.learner_placement != "split"),
+                    ("learner_gpus_per_worker", self.learner_gpus_per_worker is not None),
+                    ("learner_cpus_per_worker", self.learner_cpus_per_worker != 1.0),
+                )
+                if v
+            ]
             if changed:
-                raise ConfigError(f"backend.{changed[0]} is set but learner_backend='local' runs one learner in "
-                                  "the main process", hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)")
+                raise ConfigError(
+                    f"backend.{changed[0]} is set but learner_backend='local' runs one learner in the main process",
+                    hint="set learner_backend='ddp' (or 'deepspeed' on GPUs)",
+                )
 
     def check_device(self, device: str) -> None:
         """The device-dependent checks (offload only from GPUs; GPU shares only on GPUs and as the placement
         allows)."""
         if self.deepspeed_offload != "none" and device != "cuda":
-            raise ConfigError(f"backend.deepspeed_offload={self.deepspeed_offload!r} with device={device!r}: the "
-                              "learner already runs in CPU memory, so offloading to it would move nothing",
-                              hint="leave deepspeed_offload='none' on CPU (it is for rollouts.device='cuda')")
+            raise ConfigError(
+                f"backend.deepspeed_offload={self.deepspeed_offload!r} with device={device!r}: the "
+                "learner already runs in CPU memory, so offloading to it would move nothing",
+                hint="leave deepspeed_offload='none' on CPU (it is for rollouts.device='cuda')",
+            )
         if self.learner_backend == "deepspeed":
             require_deepspeed()
         self.gpus_per_worker(device)
@@ -129,18 +146,24 @@ class BackendConfig:
         g = self.learner_gpus_per_worker
         if device != "cuda":
             if g is not None:
-                raise ConfigError(f"backend.learner_gpus_per_worker={g} with device={device!r}",
-                                  hint="GPU shares need rollouts.device='cuda'; leave it unset on CPU")
+                raise ConfigError(
+                    f"backend.learner_gpus_per_worker={g} with device={device!r}",
+                    hint="GPU shares need rollouts.device='cuda'; leave it unset on CPU",
+                )
             return 0.0
         g = 1.0 if g is None else float(g)
         if self.learner_placement == "split" and g != 1.0:
-            raise ConfigError(f"backend.learner_gpus_per_worker={g} with learner_placement='split': a data-parallel "
-                              "rank drives exactly one GPU of its own",
-                              hint="leave it unset (1), or use learner_placement='colocated' with a share < 1")
+            raise ConfigError(
+                f"backend.learner_gpus_per_worker={g} with learner_placement='split': a data-parallel "
+                "rank drives exactly one GPU of its own",
+                hint="leave it unset (1), or use learner_placement='colocated' with a share < 1",
+            )
         if self.learner_placement == "colocated" and g >= 1.0:
-            raise ConfigError(f"backend.learner_gpus_per_worker={g} with learner_placement='colocated' leaves no "
-                              "share of the GPU for the rollout engine",
-                              hint="use a share such as 0.5, or learner_placement='split'")
+            raise ConfigError(
+                f"backend.learner_gpus_per_worker={g} with learner_placement='colocated' leaves no "
+                "share of the GPU for the rollout engine",
+                hint="use a share such as 0.5, or learner_placement='split'",
+            )
         return g
 
     def worker_bundles(self, device: str) -> list[dict[str, float]]:
@@ -161,8 +184,10 @@ def require_deepspeed() -> None:
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("learner_backend='deepspeed' needs the deepspeed package, which is not installed",
-                          hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'")
+        raise ConfigError(
+            "learner_backend='deepspeed' needs the deepspeed package, which is not installed",
+            hint="pip install 'arpo[deepspeed]' (the deepspeed extra), or use learner_backend='ddp'",
+        )
 
 
 def cluster_resources() -> tuple[dict[str, float], str]:
@@ -177,8 +202,9 @@ def cluster_resources() -> tuple[dict[str, float], str]:
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}, "this machine"
 
 
-def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float] | None = None,
-                    others_label: str = "the rest") -> None:
+def check_placement(
+    cfg: BackendConfig, device: str, *, others: dict[str, float] | None = None, others_label: str = "the rest"
+) -> None:
     """Refuse, before any worker starts, a learner that the cluster cannot hold.
 
     Args:
@@ -197,15 +223,22 @@ def check_placement(cfg: BackendConfig, device: str, *, others: dict[str, float]
     others = others or {}
     need = {k: sum(b.get(k, 0.0) for b in bundles) + float(others.get(k, 0.0)) for k in ("CPU", "GPU")}
     have, where = cluster_resources()
-    asked = (f"learner_backend={cfg.learner_backend!r}, learner_placement={cfg.learner_placement!r}, device="
-             f"{device!r}: {len(bundles)} learner worker(s) x {bundles[0] if bundles else {}} + "
-             f"{ {k: float(v) for k, v in others.items() if v} } for {others_label} = {need['GPU']:g} GPU(s), "
-             f"{need['CPU']:g} CPU(s)")
+    asked = (
+        f"learner_backend={cfg.learner_backend!r}, learner_placement={cfg.learner_placement!r}, device="
+        f"{device!r}: {len(bundles)} learner worker(s) x {bundles[0] if bundles else {}} + "
+        f"{ {k: float(v) for k, v in others.items() if v} } for {others_label} = {need['GPU']:g} GPU(s), "
+        f"{need['CPU']:g} CPU(s)"
+    )
     exists = f"{where} has {have['GPU']:g} GPU(s), {have['CPU']:g} CPU(s)"
-    hint = ("lower backend.learner_workers / backend.learner_cpus_per_worker, use rollouts.device='cpu', or start "
-            "Ray on a bigger cluster")
+    hint = (
+        "lower backend.learner_workers / backend.learner_cpus_per_worker, use rollouts.device='cpu', or start "
+        "Ray on a bigger cluster"
+    )
     if need["GPU"] > have["GPU"] + 1e-9 or need["CPU"] > have["CPU"] + 1e-9:
         raise ConfigError(f"the learner placement cannot be satisfied: asked {asked}; {exists}", hint=hint)
     if device == "cuda" and bundles and len(bundles) > have["GPU"]:
-        raise ConfigError(f"{len(bundles)} data-parallel ranks need {len(bundles)} distinct GPUs (NCCL cannot put "
-                          f"two ranks on one device); asked {asked}; {exists}", hint=hint)
+        raise ConfigError(
+            f"{len(bundles)} data-parallel ranks need {len(bundles)} distinct GPUs (NCCL cannot put "
+            f"two ranks on one device); asked {asked}; {exists}",
+            hint=hint,
+        )

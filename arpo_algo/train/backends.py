@@ -42,8 +42,15 @@ class LocalLearner(Learner, LearnerBackend):
         load_into_learner(self, path)
 
 
-def build_backend(model_path: str | Path, config: LearnerConfig, backend: BackendConfig | None = None, *,
-                  device: str = "cpu", seed: int = 0, lora: LoraSettings | None = None) -> LearnerBackend:
+def build_backend(
+    model_path: str | Path,
+    config: LearnerConfig,
+    backend: BackendConfig | None = None,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    lora: LoraSettings | None = None,
+) -> LearnerBackend:
     """The learner backend ``backend.learner_backend`` names, placement checked before any worker starts.
 
     Raises:
@@ -58,8 +65,11 @@ def build_backend(model_path: str | Path, config: LearnerConfig, backend: Backen
 
         return DDPBackend(model_path, config, backend, device=device, seed=seed, lora=lora)
     if lora is not None and lora.enabled:
-        raise ConfigError("model.lora.enabled with backend.learner_backend = 'deepspeed': its ZeRO partitioning is "
-                          "not wired to the adapter yet", hint="use learner_backend = 'local' or 'ddp'")
+        raise ConfigError(
+            "model.lora.enabled with backend.learner_backend = 'deepspeed': its ZeRO partitioning is "
+            "not wired to the adapter yet",
+            hint="use learner_backend = 'local' or 'ddp'",
+        )
     from arpo_algo.train.deepspeed_learner import DeepSpeedBackend
 
     return DeepSpeedBackend(model_path, config, backend, device=device, seed=seed)

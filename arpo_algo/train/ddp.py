@@ -108,7 +108,7 @@ def sum_gradients(params: list[torch.nn.Parameter], device: torch.device, bucket
         offset = 0
         for p in chunk:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
         chunk.clear()
 
@@ -140,11 +140,25 @@ class LearnerWorker:
             s.bind(("", 0))
             port = s.getsockname()[1]
         ctx = ray.get_runtime_context()
-        return {"ip": ray.util.get_node_ip_address(), "port": port, "node": ctx.get_node_id(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "port": port,
+            "node": ctx.get_node_id(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
 
-    def setup(self, init_method: str, dist_backend: str, learner_cls: type, model_path: str, config: LearnerConfig,
-              device: str, seed: int, timeout_s: float = 1800.0, lora: Any = None) -> None:
+    def setup(
+        self,
+        init_method: str,
+        dist_backend: str,
+        learner_cls: type,
+        model_path: str,
+        config: LearnerConfig,
+        device: str,
+        seed: int,
+        timeout_s: float = 1800.0,
+        lora: Any = None,
+    ) -> None:
         import torch.distributed as dist
 
         if device == "cuda":
@@ -152,10 +166,16 @@ class LearnerWorker:
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         # The variables a launcher (torchrun, deepspeed) gives each rank, which DeepSpeed reads and asserts:
         # LOCAL_RANK is the index of this rank's device among those Ray exposes to it (its one GPU, or the CPU).
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=host,
-                          MASTER_PORT=port)
-        dist.init_process_group(dist_backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=port
+        )
+        dist.init_process_group(
+            dist_backend,
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         # every rank seeds before injecting the adapter, so the replicas start from the same adapter weights
         extra = {"lora": lora} if lora is not None else {}
         self.learner = learner_cls(model_path, config, device=device, seed=seed, **extra)
@@ -234,8 +254,16 @@ class DDPBackend(LearnerBackend):
     learner_cls: type = DistributedLearner
     kind = "ddp"
 
-    def __init__(self, model_path: str | Path, config: LearnerConfig, backend: BackendConfig, *,
-                 device: str = "cpu", seed: int = 0, lora: Any = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: LearnerConfig,
+        backend: BackendConfig,
+        *,
+        device: str = "cpu",
+        seed: int = 0,
+        lora: Any = None,
+    ) -> None:
         import ray
         from transformers import AutoTokenizer
 
@@ -244,8 +272,10 @@ class DDPBackend(LearnerBackend):
         config.validate()
         self._check_available(config, backend)
         if not ray.is_initialized():
-            raise ConfigError(f"learner_backend={self.kind!r} needs a running Ray cluster",
-                              hint="call ray.init() first (ARPO's Algorithm starts Ray itself when needed)")
+            raise ConfigError(
+                f"learner_backend={self.kind!r} needs a running Ray cluster",
+                hint="call ray.init() first (ARPO's Algorithm starts Ray itself when needed)",
+            )
         check_placement(backend, device)
         self.config, self.backend, self.step, self.seed, self._workers = config, backend, 0, seed, []
         self.rank_nodes: list[str] = []
@@ -263,8 +293,10 @@ class DDPBackend(LearnerBackend):
         actor = ray.remote(num_cpus=backend.learner_cpus_per_worker, num_gpus=gpus)(LearnerWorker)
         from arpo_algo.rollout.config import per_actor
 
-        self._workers = [actor.options(resources=res).remote(rank, n) if res else actor.remote(rank, n)
-                         for rank, res in enumerate(per_actor(backend.worker_resources, n))]
+        self._workers = [
+            actor.options(resources=res).remote(rank, n) if res else actor.remote(rank, n)
+            for rank, res in enumerate(per_actor(backend.worker_resources, n))
+        ]
         try:
             ends = ray.get([w.endpoint.remote() for w in self._workers])
             #: The Ray node of each rank, in rank order (where ``backend.worker_resources`` placed them).
@@ -273,9 +305,22 @@ class DDPBackend(LearnerBackend):
             host = "127.0.0.1" if len({e["node"] for e in ends}) == 1 else ends[0]["ip"]
             init = f"tcp://{host}:{ends[0]['port']}"
             dist_backend = "nccl" if device == "cuda" else "gloo"
-            ray.get([w.setup.remote(init, dist_backend, self.learner_cls, path, config, device, seed,
-                                    backend.collective_timeout_s, lora)
-                     for w in self._workers])
+            ray.get(
+                [
+                    w.setup.remote(
+                        init,
+                        dist_backend,
+                        self.learner_cls,
+                        path,
+                        config,
+                        device,
+                        seed,
+                        backend.collective_timeout_s,
+                        lora,
+                    )
+                    for w in self._workers
+                ]
+            )
         except BaseException:
             self.close()
             raise
@@ -291,10 +336,11 @@ class DDPBackend(LearnerBackend):
         for rank, e in enumerate(ends):
             for gpu in e["gpus"]:
                 if (e["node"], gpu) in seen:
-                    raise ConfigError(f"Ray placed learner ranks {seen[e['node'], gpu]} and {rank} on the same GPU "
-                                      f"({gpu}); NCCL needs one device per rank",
-                                      hint="learner_placement='split', or a colocated share that Ray cannot pack "
-                                           "twice onto one GPU")
+                    raise ConfigError(
+                        f"Ray placed learner ranks {seen[e['node'], gpu]} and {rank} on the same GPU "
+                        f"({gpu}); NCCL needs one device per rank",
+                        hint="learner_placement='split', or a colocated share that Ray cannot pack twice onto one GPU",
+                    )
                 seen[e["node"], gpu] = rank
 
     @property
@@ -316,13 +362,18 @@ class DDPBackend(LearnerBackend):
             for r, share in enumerate(split_groups([costs[i] for i in part], ranks)):
                 rank_parts[r].append(list(range(len(rank_groups[r]), len(rank_groups[r]) + len(share))))
                 rank_groups[r].extend(part[j] for j in share)
-        per_rank = ray.get([w.update.remote([groups[i] for i in mine], parts)
-                            for w, mine, parts in zip(self._workers, rank_groups, rank_parts)])
+        per_rank = ray.get(
+            [
+                w.update.remote([groups[i] for i in mine], parts)
+                for w, mine, parts in zip(self._workers, rank_groups, rank_parts)
+            ]
+        )
         self.last_rank_metrics = [dict(m) for m in per_rank]
         out = combine_metrics(per_rank)
         out[LK.LEARNER_WORKERS] = float(ranks)
         out[LK.RANK_TOKEN_IMBALANCE] = max(sum(costs[i] for i in mine) for mine in rank_groups) / max(
-            sum(costs) / ranks, 1)
+            sum(costs) / ranks, 1
+        )
         self.step = int(out.get(LK.STEP, self.step))
         return out
 

@@ -65,8 +65,11 @@ def import_deepspeed(device: str) -> Any:
 
     got = get_accelerator().device_name()
     if got != os.environ["DS_ACCELERATOR"]:
-        raise ArpoError(f"DeepSpeed's accelerator in this process is {got!r}, not {os.environ['DS_ACCELERATOR']!r} "
-                        f"as device={device!r} needs", hint="run the learner ranks in fresh processes")
+        raise ArpoError(
+            f"DeepSpeed's accelerator in this process is {got!r}, not {os.environ['DS_ACCELERATOR']!r} "
+            f"as device={device!r} needs",
+            hint="run the learner ranks in fresh processes",
+        )
     return deepspeed
 
 
@@ -84,15 +87,18 @@ class _EngineView:
         return getattr(self.engine.module, name)
 
 
-def deepspeed_config(config: LearnerConfig, stage: int, *, bf16: bool = False, offload: str = "none"
-                     ) -> dict[str, Any]:
+def deepspeed_config(config: LearnerConfig, stage: int, *, bf16: bool = False, offload: str = "none") -> dict[str, Any]:
     """The DeepSpeed config for one rank: ZeRO ``stage``, bf16 when ``bf16`` (the learner's resolved
     ``training.precision``; else fp32), one packed micro-batch per pass, arpo's clipping, ZeRO-Offload as
     ``offload`` (``BackendConfig.deepspeed_offload``). Every key is set explicitly (no DeepSpeed "auto" values)."""
     if stage not in (2, 3):
         raise ConfigError(f"deepspeed_stage must be 2 or 3, got {stage}")
-    zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
-                            "reduce_bucket_size": 5e7}
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+    }
     if stage == 3:
         zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=1e5)
     extra: dict[str, Any] = {}
@@ -101,9 +107,10 @@ def deepspeed_config(config: LearnerConfig, stage: int, *, bf16: bool = False, o
         if offload == "optimizer_and_parameters":
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         extra["zero_force_ds_cpu_optimizer"] = False  # arpo's torch AdamW steps the offloaded state
-    return {**extra,
+    return {
+        **extra,
         "train_micro_batch_size_per_gpu": 1,  # one packed micro-batch (whole groups, <= micro_batch_tokens)
-        "gradient_accumulation_steps": 1,     # nominal: the learner sets the boundary itself
+        "gradient_accumulation_steps": 1,  # nominal: the learner sets the boundary itself
         "gradient_clipping": float(config.grad_clip),
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
@@ -117,11 +124,21 @@ def deepspeed_config(config: LearnerConfig, stage: int, *, bf16: bool = False, o
 class DeepSpeedLearner(DistributedLearner):
     """A rank's learner with the model inside a DeepSpeed engine (see the module docstring)."""
 
-    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cuda", seed: int = 0, *,
-                 stage: int = 2, offload: str = "none") -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: LearnerConfig,
+        device: str = "cuda",
+        seed: int = 0,
+        *,
+        stage: int = 2,
+        offload: str = "none",
+    ) -> None:
         if config.head_chunk_tokens:  # its chunked head calls the model body directly, past the engine's hooks
-            raise ConfigError("learner.head_chunk_tokens is not supported by the deepspeed backend",
-                              hint="leave training.head_chunk_tokens unset, or use the local or ddp backend")
+            raise ConfigError(
+                "learner.head_chunk_tokens is not supported by the deepspeed backend",
+                hint="leave training.head_chunk_tokens unset, or use the local or ddp backend",
+            )
         import torch.distributed as dist
 
         deepspeed = import_deepspeed(device)
@@ -129,13 +146,16 @@ class DeepSpeedLearner(DistributedLearner):
         self.stage, self.world_size = stage, dist.get_world_size()
         self.measures_param_change = stage != 3  # ZeRO-3 parameters are shards, gathered and freed around passes
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer,
+            model=self.model,
+            optimizer=self.optimizer,
             config=deepspeed_config(config, stage, bf16=self.precision == "bf16", offload=offload),
-            dist_init_required=False)
+            dist_init_required=False,
+        )
         self.model = _EngineView(self.engine)
         pad = self.pad_id
         self._pad_batch = build_padded_batch([SeqSpec(0, 0, [pad], [pad], [1], [0.0], [1.0], [0.0])], pad).to(
-            self.device)
+            self.device
+        )
 
     def _pad_pass(self) -> torch.Tensor:
         """One forward through the engine over the one-token batch (the same modules, so the same collectives)."""
@@ -181,8 +201,10 @@ class DeepSpeedLearner(DistributedLearner):
             norm = self.engine.get_global_grad_norm()
             acc[LK.GRAD_NORM] = float(norm) if norm is not None else 0.0
             if not math.isfinite(acc[LK.GRAD_NORM]):
-                raise ArpoError("DeepSpeed stepped on a non-finite gradient norm",
-                                hint="check the rewards for NaN, lower the learning rate, or disable bf16")
+                raise ArpoError(
+                    "DeepSpeed stepped on a non-finite gradient norm",
+                    hint="check the rewards for NaN, lower the learning rate, or disable bf16",
+                )
         return acc
 
     def _gathered(self):
@@ -235,8 +257,10 @@ class DeepSpeedLearner(DistributedLearner):
         # Not DeepSpeed's own state_dict: it holds objects (its loss scaler, enums, slice mappings) that a
         # checkpoint, read as data only, refuses. This rank's shard is AdamW's state over the flat fp32 partitions
         # plus those partitions themselves: tensors and plain values.
-        return {"adamw": self.optimizer.optimizer.state_dict(),
-                "fp32": [t.detach().clone() for t in self._fp32_shards()]}
+        return {
+            "adamw": self.optimizer.optimizer.state_dict(),
+            "fp32": [t.detach().clone() for t in self._fp32_shards()],
+        }
 
     def _load_optimizer_state(self, state: Any) -> None:
         import torch.distributed as dist
@@ -244,8 +268,10 @@ class DeepSpeedLearner(DistributedLearner):
         mine = state[dist.get_rank()]  # every rank's shard, in rank order (DeepSpeedBackend.get_state)
         shards = self._fp32_shards()
         if [t.shape for t in mine["fp32"]] != [t.shape for t in shards]:
-            raise ArpoError("this learner state's optimizer shards do not match this model's partitions",
-                            hint="resume with the model, ZeRO stage and learner_workers that wrote the checkpoint")
+            raise ArpoError(
+                "this learner state's optimizer shards do not match this model's partitions",
+                hint="resume with the model, ZeRO stage and learner_workers that wrote the checkpoint",
+            )
         self.optimizer.optimizer.load_state_dict(mine["adamw"])
         with torch.no_grad():
             for t, saved in zip(shards, mine["fp32"]):
@@ -254,12 +280,16 @@ class DeepSpeedLearner(DistributedLearner):
     def set_state(self, state: dict[str, Any]) -> None:
         meta = state.get("deepspeed")
         if meta != {"stage": self.stage, "world_size": self.world_size}:
-            raise ArpoError(f"this learner state was written by {meta or 'a non-DeepSpeed backend'}; this run is "
-                            f"DeepSpeed ZeRO-{self.stage} on {self.world_size} ranks",
-                            hint="resume with the backend, ZeRO stage and learner_workers that wrote the checkpoint")
+            raise ArpoError(
+                f"this learner state was written by {meta or 'a non-DeepSpeed backend'}; this run is "
+                f"DeepSpeed ZeRO-{self.stage} on {self.world_size} ranks",
+                hint="resume with the backend, ZeRO stage and learner_workers that wrote the checkpoint",
+            )
         if "model" in state:
-            raise ArpoError("restoring weights through set_state is not supported under DeepSpeed",
-                            hint="weights come back through load_pretrained (the checkpoint's policy/ folder)")
+            raise ArpoError(
+                "restoring weights through set_state is not supported under DeepSpeed",
+                hint="weights come back through load_pretrained (the checkpoint's policy/ folder)",
+            )
         super().set_state(state)  # each rank takes its own shard of the list (_load_optimizer_state)
 
 
@@ -268,10 +298,18 @@ class DeepSpeedBackend(DDPBackend):
 
     kind = "deepspeed"
 
-    def __init__(self, model_path: str | Path, config: LearnerConfig, backend: BackendConfig, *,
-                 device: str = "cuda", seed: int = 0) -> None:
-        self.learner_cls = functools.partial(DeepSpeedLearner, stage=backend.deepspeed_stage,
-                                             offload=backend.deepspeed_offload)
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: LearnerConfig,
+        backend: BackendConfig,
+        *,
+        device: str = "cuda",
+        seed: int = 0,
+    ) -> None:
+        self.learner_cls = functools.partial(
+            DeepSpeedLearner, stage=backend.deepspeed_stage, offload=backend.deepspeed_offload
+        )
         super().__init__(model_path, config, backend, device=device, seed=seed)
 
     def _check_available(self, config: LearnerConfig, backend: BackendConfig) -> None:
@@ -297,8 +335,10 @@ def build_cpu_extension() -> Path:
     from deepspeed.comm.torch import build_shm_op
 
     if build_shm_op() is None:
-        raise ArpoError("DeepSpeed has no CPU communication extension for this machine",
-                        hint="check g++ and ninja are installed (pip install ninja), then run this again")
+        raise ArpoError(
+            "DeepSpeed has no CPU communication extension for this machine",
+            hint="check g++ and ninja are installed (pip install ninja), then run this again",
+        )
     return extensions_dir()
 
 

@@ -48,15 +48,16 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
         return "bf16" if on_gpu and _native_bf16() else "fp32"
     if precision == "bf16" and on_gpu and not _native_bf16():
-        raise ConfigError("learner.precision='bf16' but this GPU has no native bfloat16 "
-                          "(torch.cuda.is_bf16_supported(including_emulation=False) is False; it needs compute "
-                          "capability 8.0 or newer)",
-                          hint="use precision='fp32' (or 'auto', which picks fp32 on this GPU)")
+        raise ConfigError(
+            "learner.precision='bf16' but this GPU has no native bfloat16 "
+            "(torch.cuda.is_bf16_supported(including_emulation=False) is False; it needs compute "
+            "capability 8.0 or newer)",
+            hint="use precision='fp32' (or 'auto', which picks fp32 on this GPU)",
+        )
     return precision
 
 
-def resolve_tree_attention(choice: str, device: torch.device, *, attn_implementation: str,
-                           deterministic: bool) -> str:
+def resolve_tree_attention(choice: str, device: torch.device, *, attn_implementation: str, deterministic: bool) -> str:
     """``"dense"`` or ``"flex"``: how the packed tree is attended on ``device``.
 
     Raises:
@@ -65,9 +66,11 @@ def resolve_tree_attention(choice: str, device: torch.device, *, attn_implementa
     if choice not in TREE_ATTENTIONS:
         raise ConfigError(f"learner.tree_attention={choice!r} is not one of {', '.join(map(repr, TREE_ATTENTIONS))}")
     if choice == "flex" and device.type != "cuda":
-        raise ConfigError(f"learner.tree_attention='flex' on device {device.type!r}: FlexAttention has no backward "
-                          f"pass there in torch {torch.__version__.split('+')[0]}",
-                          hint="use tree_attention='dense' (or 'auto', which picks dense off CUDA)")
+        raise ConfigError(
+            f"learner.tree_attention='flex' on device {device.type!r}: FlexAttention has no backward "
+            f"pass there in torch {torch.__version__.split('+')[0]}",
+            hint="use tree_attention='dense' (or 'auto', which picks dense off CUDA)",
+        )
     if choice == "auto":
         return "flex" if device.type == "cuda" and attn_implementation == "sdpa" and not deterministic else "dense"
     return choice
@@ -89,9 +92,11 @@ def make_deterministic() -> None:
     if current is None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = _CUBLAS_DETERMINISTIC[0]
     elif current not in _CUBLAS_DETERMINISTIC:
-        raise ConfigError(f"learner.deterministic=True but CUBLAS_WORKSPACE_CONFIG={current!r}, which leaves cuBLAS "
-                          "non-deterministic",
-                          hint=f"unset it or set it to {' or '.join(_CUBLAS_DETERMINISTIC)}")
+        raise ConfigError(
+            f"learner.deterministic=True but CUBLAS_WORKSPACE_CONFIG={current!r}, which leaves cuBLAS "
+            "non-deterministic",
+            hint=f"unset it or set it to {' or '.join(_CUBLAS_DETERMINISTIC)}",
+        )
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

@@ -144,8 +144,14 @@ class Learner:
     #: Whether ``param_change_norm`` is measured (not where this process holds only a shard of each parameter).
     measures_param_change = True
 
-    def __init__(self, model_path: str | Path, config: LearnerConfig, device: str = "cpu", seed: int = 0,
-                 lora: LoraSettings | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: LearnerConfig,
+        device: str = "cpu",
+        seed: int = 0,
+        lora: LoraSettings | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         from arpo_algo.models import resolve_model_path
@@ -157,9 +163,12 @@ class Learner:
             make_deterministic()
         #: The resolved device choices: "fp32"/"bf16" and "dense"/"flex" (module device_setup).
         self.precision = resolve_precision(config.precision, self.device)
-        self.tree_attention = resolve_tree_attention(config.tree_attention, self.device,
-                                                     attn_implementation=config.attn_implementation,
-                                                     deterministic=config.deterministic)
+        self.tree_attention = resolve_tree_attention(
+            config.tree_attention,
+            self.device,
+            attn_implementation=config.attn_implementation,
+            deterministic=config.deterministic,
+        )
         self.seed = seed
         torch.manual_seed(seed)
         random.seed(seed)
@@ -191,8 +200,13 @@ class Learner:
             self.ref_model = load_policy_model(path, merge=True, no_dropout=True, **load).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, lr=config.lr, weight_decay=config.weight_decay, schedule=config.lr_schedule,
-            warmup_steps=config.warmup_steps, total_steps=config.schedule_steps)
+            self.model,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            schedule=config.lr_schedule,
+            warmup_steps=config.warmup_steps,
+            total_steps=config.schedule_steps,
+        )
         self.step = 0
         self.nan_streak = 0
         self.skipped_total = 0
@@ -213,15 +227,27 @@ class Learner:
             masks = [t.trained_mask for t in g.trajectories]
             for ids in [g.prompt_ids, *responses]:
                 if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-                    raise ArpoError(f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
-                                    hint="the rollout used a different tokenizer than the learner's model")
+                    raise ArpoError(
+                        f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
+                        hint="the rollout used a different tokenizer than the learner's model",
+                    )
             extra = {"owners": tree_owners(g)} if cfg.advantage == "hard" and cfg.hard_scope == "tree" else {}
             tok = estimator(g.prompt_ids, responses, masks, g.rewards, norm_by_std=cfg.norm_adv_by_std, **extra)
             specs = []
             for j, t in enumerate(g.trajectories):
-                specs.append(SeqSpec(gi, seq, list(g.prompt_ids), list(t.response_ids), list(t.trained_mask),
-                                     list(tok.advantages[j]), list(tok.weights[j]), list(t.old_logprobs),
-                                     tuple(t.unsampled)))
+                specs.append(
+                    SeqSpec(
+                        gi,
+                        seq,
+                        list(g.prompt_ids),
+                        list(t.response_ids),
+                        list(t.trained_mask),
+                        list(tok.advantages[j]),
+                        list(tok.weights[j]),
+                        list(t.old_logprobs),
+                        tuple(t.unsampled),
+                    )
+                )
                 seq += 1
             out.append(specs)
         return out
@@ -273,19 +299,29 @@ class Learner:
             return [b.pair_weight / max(total, 1e-12) for b in batches]
         if self.config.loss_agg == "dr_grpo":  # token sum / (sequences x a constant): no length normalisation
             n = self._all_sum(len({s for b in batches for s in b.pair_seq.tolist()})) * (
-                self.config.dr_grpo_tokens or self._all_max(self._max_resp))
+                self.config.dr_grpo_tokens or self._all_max(self._max_resp)
+            )
             return [b.pair_weight / float(max(n, 1)) for b in batches]
         per_seq: dict[int, float] = {}
         for b in batches:
             for s, w in zip(b.pair_seq.tolist(), b.pair_weight.tolist()):
                 per_seq[s] = per_seq.get(s, 0.0) + w
         n_seq = self._all_sum(len(per_seq))
-        return [b.pair_weight / torch.tensor([per_seq[s] * n_seq for s in b.pair_seq.tolist()],
-                                             dtype=torch.float32, device=b.pair_weight.device) for b in batches]
+        return [
+            b.pair_weight
+            / torch.tensor(
+                [per_seq[s] * n_seq for s in b.pair_seq.tolist()], dtype=torch.float32, device=b.pair_weight.device
+            )
+            for b in batches
+        ]
 
     # ------------------------------------------------------------------ the update
-    def update(self, groups: list[Group], behaviour_weights: dict[str, torch.Tensor] | None = None,
-               parts: list[list[int]] | None = None) -> dict[str, float]:
+    def update(
+        self,
+        groups: list[Group],
+        behaviour_weights: dict[str, torch.Tensor] | None = None,
+        parts: list[list[int]] | None = None,
+    ) -> dict[str, float]:
         """``ppo_epochs`` x mini-batches optimizer steps on ``groups``; returns metrics (see module docstring for the
         loss).
 
@@ -316,19 +352,32 @@ class Learner:
             current = self._score(self.model, batches)
         # what the tree recorder may read of this update (the same pre-step log-probs): kept as tensors, laid out per
         # token only when read (scored_logprobs), so an update the recorder skips pays nothing for it
-        self._scored = ([(b.pair_seq, b.pair_pos, cur) for b, cur in zip(batches, current) if b.pair_pos is not None],
-                        [len(s.response) for s in seqs])
+        self._scored = (
+            [(b.pair_seq, b.pair_pos, cur) for b, cur in zip(batches, current) if b.pair_pos is not None],
+            [len(s.response) for s in seqs],
+        )
         mismatch = self._rollout_mismatch(batches, current)
         no_loss_without_signal = cfg.kl_coef == 0 and cfg.entropy_coef == 0
         if not signal and no_loss_without_signal:
-            return {**base, **mismatch, LK.SKIPPED_NO_SIGNAL: 1.0, LK.SKIPPED_NAN: 0.0, LK.GRAD_NORM: 0.0,
-                    LK.PARAM_CHANGE_NORM: 0.0, LK.LR: self.optimizer.param_groups[0]["lr"], LK.STEP: float(self.step),
-                    LK.OPTIMIZER_STEPS: 0.0}
+            return {
+                **base,
+                **mismatch,
+                LK.SKIPPED_NO_SIGNAL: 1.0,
+                LK.SKIPPED_NAN: 0.0,
+                LK.GRAD_NORM: 0.0,
+                LK.PARAM_CHANGE_NORM: 0.0,
+                LK.LR: self.optimizer.param_groups[0]["lr"],
+                LK.STEP: float(self.step),
+                LK.OPTIMIZER_STEPS: 0.0,
+            }
         self._max_resp = max((len(s.response) for s in seqs), default=0)
         norms = [self._pair_norm(mb) for mb in mbs]  # each step's loss is its own mini-batch's aggregate
         # A mini-batch without signal takes no step (AdamW would replay its moments), on every rank alike.
-        steps_with_signal = [not no_loss_without_signal or self._all_sum(float(signal_stats(
-            [s for i in part for s in per_group[i]])[0])) > 0 for part in parts]
+        steps_with_signal = [
+            not no_loss_without_signal
+            or self._all_sum(float(signal_stats([s for i in part for s in per_group[i]])[0])) > 0
+            for part in parts
+        ]
         self.model.train()
         try:
             if cfg.old_logprobs == "recompute":
@@ -363,17 +412,28 @@ class Learner:
             self.nan_streak += 1
             self.skipped_total += 1
             if self.nan_streak >= cfg.max_nan_updates:
-                raise ArpoError(f"{self.nan_streak} consecutive updates had a non-finite (NaN/inf) loss or gradient "
-                                f"norm; stopping instead of training on garbage",
-                                hint="check the rewards for NaN, lower the learning rate, or set precision='fp32'")
+                raise ArpoError(
+                    f"{self.nan_streak} consecutive updates had a non-finite (NaN/inf) loss or gradient "
+                    f"norm; stopping instead of training on garbage",
+                    hint="check the rewards for NaN, lower the learning rate, or set precision='fp32'",
+                )
         else:
             self.nan_streak = 0
         if LK.LR not in totals:  # skipped: report the rate the step would have used
             totals[LK.LR] = self.optimizer.param_groups[0]["lr"]
-        totals.update({LK.PARAM_CHANGE_NORM: 0.0, **totals, **base, **mismatch, LK.SKIPPED_NAN: float(skipped),
-                       LK.UNIQUE_TOKENS: float(sum(b.num_tokens for b in batches)),
-                       LK.MICRO_BATCHES: float(len(batches)), LK.STEP: float(self.step),
-                       LK.OPTIMIZER_STEPS: float(taken)})
+        totals.update(
+            {
+                LK.PARAM_CHANGE_NORM: 0.0,
+                **totals,
+                **base,
+                **mismatch,
+                LK.SKIPPED_NAN: float(skipped),
+                LK.UNIQUE_TOKENS: float(sum(b.num_tokens for b in batches)),
+                LK.MICRO_BATCHES: float(len(batches)),
+                LK.STEP: float(self.step),
+                LK.OPTIMIZER_STEPS: float(taken),
+            }
+        )
         return totals
 
     @contextmanager
@@ -387,8 +447,10 @@ class Learner:
         strict = self.lora is None  # with LoRA the frozen base is the same in every version: adapters only
         if not strict and set(weights) != set(own):
             # a partial load would score part of the batch under the current adapter and call it the old one
-            raise ArpoError(f"behaviour weights hold {len(weights)} tensors, the adapter {len(own)}: "
-                            f"{sorted(set(weights) ^ set(own))[:3]} differ")
+            raise ArpoError(
+                f"behaviour weights hold {len(weights)} tensors, the adapter {len(own)}: "
+                f"{sorted(set(weights) ^ set(own))[:3]} differ"
+            )
         try:
             self.model.load_state_dict(weights, strict=strict)
             yield
@@ -431,13 +493,33 @@ class Learner:
         # each trajectory is scored on one rank, whole: the worst is the largest over ranks
         traj_max = self._all_max(max((k / max(w, 1e-12) for k, w in sums.traj_kl.values()), default=0.0))
         tail_frac = self._all_sum(sums.tail) / max(count, 1)
-        self._kl_history, growing = judge(self.config, self.precision, self._kl_history, kl=kl, worst=worst,
-                                          count=count, bad=bad, tail_frac=tail_frac, traj_max=traj_max)
-        return {LK.KL_ROLLOUT: kl, LK.LOGPROB_DIFF_MAX: worst, LK.LOGPROB_TAIL_FRAC: tail_frac,
-                LK.KL_ROLLOUT_TRAJ_MAX: traj_max, LK.KL_ROLLOUT_GROWING: float(growing)}
+        self._kl_history, growing = judge(
+            self.config,
+            self.precision,
+            self._kl_history,
+            kl=kl,
+            worst=worst,
+            count=count,
+            bad=bad,
+            tail_frac=tail_frac,
+            traj_max=traj_max,
+        )
+        return {
+            LK.KL_ROLLOUT: kl,
+            LK.LOGPROB_DIFF_MAX: worst,
+            LK.LOGPROB_TAIL_FRAC: tail_frac,
+            LK.KL_ROLLOUT_TRAJ_MAX: traj_max,
+            LK.KL_ROLLOUT_GROWING: float(growing),
+        }
 
-    def _epoch(self, batches: list[TokenBatch], norms: list[torch.Tensor], old: list[torch.Tensor],
-               ref: list[torch.Tensor] | None, num_groups: int) -> dict[str, float] | None:
+    def _epoch(
+        self,
+        batches: list[TokenBatch],
+        norms: list[torch.Tensor],
+        old: list[torch.Tensor],
+        ref: list[torch.Tensor] | None,
+        num_groups: int,
+    ) -> dict[str, float] | None:
         """One accumulated optimizer step; None (and no step) when the loss or gradient is not finite."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
@@ -449,15 +531,26 @@ class Learner:
         self._before_micro_batches(len(batches))
         for i, b in enumerate(batches):
             with self.autocast():
-                lp_u, ent_u = forward_token_stats(self.model, b, with_entropy=True,
-                                                  entropy_grad=cfg.entropy_coef > 0, head_chunk=cfg.head_chunk_tokens)
+                lp_u, ent_u = forward_token_stats(
+                    self.model,
+                    b,
+                    with_entropy=True,
+                    entropy_grad=cfg.entropy_coef > 0,
+                    head_chunk=cfg.head_chunk_tokens,
+                )
             lp = lp_u[b.pair_node]
             ent = ent_u[b.pair_node]
             adv = b.pair_adv
             if cfg.entropy_advantage:
                 adv, _ = ADVANTAGE_SHAPERS.lookup("entropy_aware")(
-                    adv, ent, b.pair_weight, b.pair_group, num_groups, coef=cfg.entropy_advantage_coef,
-                    min_multiplier=cfg.entropy_advantage_clip)
+                    adv,
+                    ent,
+                    b.pair_weight,
+                    b.pair_group,
+                    num_groups,
+                    coef=cfg.entropy_advantage_coef,
+                    min_multiplier=cfg.entropy_advantage_clip,
+                )
             out = POLICY_LOSSES.lookup(cfg.policy_loss)(lp, old[i], adv, cfg)
             w = norms[i]
             policy = (w * out.loss).sum()
@@ -497,8 +590,11 @@ class Learner:
         acc[LK.LR] = self.optimizer.param_groups[0]["lr"]
         before = [p.detach().clone() for p in params] if self.measures_param_change else None
         self._optimizer_step()
-        acc[LK.PARAM_CHANGE_NORM] = 0.0 if before is None else math.sqrt(
-            sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        acc[LK.PARAM_CHANGE_NORM] = (
+            0.0
+            if before is None
+            else math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before)))
+        )
         self.scheduler.step()
         self.step += 1
         return acc
@@ -543,9 +639,15 @@ class Learner:
 
     def get_state(self, *, include_model: bool = False) -> dict[str, Any]:
         """Optimizer, scheduler, step counters and RNG states (weights: :meth:`save_pretrained`, or include_model)."""
-        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(),
-                 "step": self.step, "nan_streak": self.nan_streak, "skipped_total": self.skipped_total,
-                 "rng": _rng_state(), "config": asdict(self.config)}
+        state = {
+            "optimizer": self._optimizer_state(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "nan_streak": self.nan_streak,
+            "skipped_total": self.skipped_total,
+            "rng": _rng_state(),
+            "config": asdict(self.config),
+        }
         if include_model:
             state["model"] = {k: v.detach().clone() for k, v in self.trainable_state().items()}
         return state

@@ -21,9 +21,11 @@ MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16_sampler": (1e-3, 1e-2), "bf16": (
 #: worst trajectory's k3 KL (``learner/kl_rollout_traj_max``). In fp32 a correct engine gives no such token and a
 #: trajectory KL at rounding level (about 1e-14 on the tests' tiny model); the bf16 levels are not measured on
 #: models larger than the tests'.
-TAIL_LEVELS = {"fp32": {"frac": (1e-3, 5e-3), "traj": (1e-4, 1e-3)},
-               "bf16_sampler": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
-               "bf16": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)}}
+TAIL_LEVELS = {
+    "fp32": {"frac": (1e-3, 5e-3), "traj": (1e-4, 1e-3)},
+    "bf16_sampler": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
+    "bf16": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
+}
 #: kl_rollout counts as growing when each of the last GROWTH_WINDOW updates is above the one before and the last is
 #: more than GROWTH_FACTOR times the first of the window.
 GROWTH_WINDOW, GROWTH_FACTOR = 3, 3.0
@@ -163,34 +165,63 @@ class LearnerConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid setting."""
-        choices = {"lr_schedule": SCHEDULES, "loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
-                   "hard_scope": ("tree", "tokens"), "old_logprobs": ("recompute", "rollout"),
-                   "attn_implementation": ("sdpa", "eager"), "precision": PRECISIONS,
-                   "tree_attention": TREE_ATTENTIONS}
+        choices = {
+            "lr_schedule": SCHEDULES,
+            "loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
+            "hard_scope": ("tree", "tokens"),
+            "old_logprobs": ("recompute", "rollout"),
+            "attn_implementation": ("sdpa", "eager"),
+            "precision": PRECISIONS,
+            "tree_attention": TREE_ATTENTIONS,
+        }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed, "training")
         ADVANTAGES.check(self.advantage, "training")
         POLICY_LOSSES.check(self.policy_loss, "training")
-        positive = {"lr": self.lr, "ppo_epochs": self.ppo_epochs, "mini_batches": self.mini_batch_count,
-                    "micro_batch_tokens": self.micro_batch_tokens, "max_nan_updates": self.max_nan_updates}
+        positive = {
+            "lr": self.lr,
+            "ppo_epochs": self.ppo_epochs,
+            "mini_batches": self.mini_batch_count,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "max_nan_updates": self.max_nan_updates,
+        }
         if self.head_chunk_tokens is not None:
             positive["head_chunk_tokens"] = self.head_chunk_tokens
         for key, val in positive.items():
             if val is None or not val > 0:
                 raise ConfigError(f"training.{key} must be > 0, got {val!r}")
-        for key in ("weight_decay", "warmup_steps", "grad_clip", "clip_low", "clip_high", "kl_coef", "entropy_coef",
-                    "dr_grpo_tokens"):
+        for key in (
+            "weight_decay",
+            "warmup_steps",
+            "grad_clip",
+            "clip_low",
+            "clip_high",
+            "kl_coef",
+            "entropy_coef",
+            "dr_grpo_tokens",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"training.{key} must be >= 0, got {getattr(self, key)!r}")
-        for key in ("kl_rollout_warn", "kl_rollout_stop", "tail_frac_warn", "tail_frac_stop", "traj_kl_warn",
-                    "traj_kl_stop"):
+        for key in (
+            "kl_rollout_warn",
+            "kl_rollout_stop",
+            "tail_frac_warn",
+            "tail_frac_stop",
+            "traj_kl_warn",
+            "traj_kl_stop",
+        ):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ConfigError(f"training.{key} must be > 0 (or None: by precision), got {getattr(self, key)!r}")
-        for w, s in (("kl_rollout_warn", "kl_rollout_stop"), ("tail_frac_warn", "tail_frac_stop"),
-                     ("traj_kl_warn", "traj_kl_stop")):
+        for w, s in (
+            ("kl_rollout_warn", "kl_rollout_stop"),
+            ("tail_frac_warn", "tail_frac_stop"),
+            ("traj_kl_warn", "traj_kl_stop"),
+        ):
             if None not in (getattr(self, w), getattr(self, s)) and getattr(self, w) > getattr(self, s):
-                raise ConfigError(f"training.{w}={getattr(self, w)} is above {s}={getattr(self, s)}",
-                                  hint="the warning level must not exceed the stop level")
+                raise ConfigError(
+                    f"training.{w}={getattr(self, w)} is above {s}={getattr(self, s)}",
+                    hint="the warning level must not exceed the stop level",
+                )
         if not self.tail_logprob_diff > 0:
             raise ConfigError(f"training.tail_logprob_diff must be > 0 (nats), got {self.tail_logprob_diff!r}")
         if self.schedule_iterations is not None and self.schedule_iterations < 1:
@@ -201,12 +232,17 @@ class LearnerConfig:
         if self.clip_c <= 1:
             raise ConfigError(f"training.clip_c must be > 1 (dual clip), got {self.clip_c}")
         if self.tree_attention == "flex" and self.attn_implementation != "sdpa":
-            raise ConfigError(f"training.tree_attention='flex' with attn_implementation={self.attn_implementation!r}: "
-                              "the flex model runs every other attention call (padded batches, decoding) through "
-                              "SDPA", hint="set attn_implementation='sdpa', or tree_attention='dense'")
+            raise ConfigError(
+                f"training.tree_attention='flex' with attn_implementation={self.attn_implementation!r}: "
+                "the flex model runs every other attention call (padded batches, decoding) through "
+                "SDPA",
+                hint="set attn_implementation='sdpa', or tree_attention='dense'",
+            )
         if ADVANTAGES.meta.get(self.advantage, {}).get("merge_shared") and self.loss_agg == "seq_mean":
-            raise ConfigError(f"training.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
-                              hint="a shared token counted once belongs to no single sequence; use 'token_mean'")
+            raise ConfigError(
+                f"training.loss_agg='seq_mean' is undefined with advantage={self.advantage!r}",
+                hint="a shared token counted once belongs to no single sequence; use 'token_mean'",
+            )
 
     def mismatch_levels(self, precision: str) -> tuple[float, float]:
         """The (warn, stop) levels of the mismatch alarm for a learner running in ``precision`` ("fp32"/"bf16", or
@@ -221,8 +257,10 @@ class LearnerConfig:
         """The (warn, stop) levels of the tail statistics ("frac", "traj") for ``precision``, as
         :meth:`mismatch_levels`."""
         out = {}
-        for name, (w_key, s_key) in {"frac": ("tail_frac_warn", "tail_frac_stop"),
-                                     "traj": ("traj_kl_warn", "traj_kl_stop")}.items():
+        for name, (w_key, s_key) in {
+            "frac": ("tail_frac_warn", "tail_frac_stop"),
+            "traj": ("traj_kl_warn", "traj_kl_stop"),
+        }.items():
             warn, stop = TAIL_LEVELS[precision][name]
             stop = getattr(self, s_key) if getattr(self, s_key) is not None else stop
             warn = getattr(self, w_key) if getattr(self, w_key) is not None else min(warn, stop)
@@ -242,8 +280,15 @@ class LearnerConfig:
             return self
         warn, stop = self.mismatch_levels("bf16_sampler")
         tail = self.tail_levels("bf16_sampler")
-        return replace(self, kl_rollout_warn=warn, kl_rollout_stop=stop, tail_frac_warn=tail["frac"][0],
-                       tail_frac_stop=tail["frac"][1], traj_kl_warn=tail["traj"][0], traj_kl_stop=tail["traj"][1])
+        return replace(
+            self,
+            kl_rollout_warn=warn,
+            kl_rollout_stop=stop,
+            tail_frac_warn=tail["frac"][0],
+            tail_frac_stop=tail["frac"][1],
+            traj_kl_warn=tail["traj"][0],
+            traj_kl_stop=tail["traj"][1],
+        )
 
     @property
     def schedule_steps(self) -> int | None:
@@ -274,10 +319,13 @@ class TrainingConfig(LearnerConfig):
     iteration samples. The learner receives this object as it is and reads its own fields."""
 
     prompts_per_step: int = setting(
-        4, "Prompts per training iteration; each yields one group of tree.budget trajectories (reference: 128).")
+        4, "Prompts per training iteration; each yields one group of tree.budget trajectories (reference: 128)."
+    )
     dynamic_sampling: bool = setting(
-        False, "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
-        "batch is full. Off: the paper's and the reference's behaviour.")
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the "
+        "batch is full. Off: the paper's and the reference's behaviour.",
+    )
     dynamic_sampling_max_rounds: int = setting(3, "Cap of sampling rounds per iteration with dynamic_sampling.")
 
     @property
@@ -290,11 +338,13 @@ class TrainingConfig(LearnerConfig):
         if self.prompts_per_step < 1:
             raise ConfigError(f"training.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.mini_batch_count > self.prompts_per_step:
-            raise ConfigError(f"training.mini_batches={self.mini_batches} is more than prompts_per_step="
-                              f"{self.prompts_per_step}",
-                              hint="each mini-batch needs at least one group (one prompt): set "
-                                   f"training.mini_batches <= {self.prompts_per_step}, or leave it unset under AEPO "
-                                   "(its default is min(8, prompts_per_step))")
+            raise ConfigError(
+                f"training.mini_batches={self.mini_batches} is more than prompts_per_step={self.prompts_per_step}",
+                hint="each mini-batch needs at least one group (one prompt): set "
+                f"training.mini_batches <= {self.prompts_per_step}, or leave it unset under AEPO "
+                "(its default is min(8, prompts_per_step))",
+            )
         if self.dynamic_sampling_max_rounds < 1:
-            raise ConfigError(f"training.dynamic_sampling_max_rounds must be >= 1, got "
-                              f"{self.dynamic_sampling_max_rounds}")
+            raise ConfigError(
+                f"training.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}"
+            )

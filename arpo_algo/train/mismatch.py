@@ -75,28 +75,47 @@ def per_token(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], leng
     return out
 
 
-def judge(cfg: Any, precision: str, history: list[float], *, kl: float, worst: float, count: int, bad: int,
-          tail_frac: float, traj_max: float) -> tuple[list[float], bool]:
+def judge(
+    cfg: Any,
+    precision: str,
+    history: list[float],
+    *,
+    kl: float,
+    worst: float,
+    count: int,
+    bad: int,
+    tail_frac: float,
+    traj_max: float,
+) -> tuple[list[float], bool]:
     """Raise or warn on the reduced statistics; returns the updated ``kl_rollout`` history and whether it grows."""
     if bad:  # an engine that returns NaN must not read as perfect agreement (kl_rollout = 0): a mismatch
         log.error("the rollout engine returned %d non-finite log-prob(s) for %d sampled tokens", bad, bad + count)
-        raise ArpoError(f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
-                        f"tokens: the sampler and the learner disagree; stopping before training on it",
-                        hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
-                             "check rollouts.dtype and the engine; a token appended without sampling must be "
-                             "listed in Trajectory.unsampled")
+        raise ArpoError(
+            f"the rollout engine returned {bad} non-finite log-prob(s) for {bad + count} sampled "
+            f"tokens: the sampler and the learner disagree; stopping before training on it",
+            hint="the engine's log-probs are broken (overflow in its precision, or a kernel fault); "
+            "check rollouts.dtype and the engine; a token appended without sampling must be "
+            "listed in Trajectory.unsampled",
+        )
     warn, stop = cfg.mismatch_levels(precision)
     tails = cfg.tail_levels(precision)
-    what = (f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
-            f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}, "
-            f"{tail_frac:.3g} of the tokens differ by more than {cfg.tail_logprob_diff:g} nats, the worst "
-            f"trajectory's KL = {traj_max:.3g}")
-    causes = ("usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
-              "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
-              "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
-              "log-prob")
-    checks = (("kl_rollout", kl, warn, stop), ("tail_frac", tail_frac, *tails["frac"]),
-              ("traj_kl", traj_max, *tails["traj"]))
+    what = (
+        f"the sampler's log-probs disagree with the learner's for the same {count} tokens before any "
+        f"update: KL(sampler || learner) = {kl:.3g} (k3), max |log-prob difference| = {worst:.3g}, "
+        f"{tail_frac:.3g} of the tokens differ by more than {cfg.tail_logprob_diff:g} nats, the worst "
+        f"trajectory's KL = {traj_max:.3g}"
+    )
+    causes = (
+        "usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
+        "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
+        "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
+        "log-prob"
+    )
+    checks = (
+        ("kl_rollout", kl, warn, stop),
+        ("tail_frac", tail_frac, *tails["frac"]),
+        ("traj_kl", traj_max, *tails["traj"]),
+    )
     above_stop = [f"training.{name}_stop = {s:g}" for name, v, _, s in checks if v > s]
     if above_stop:
         raise ArpoError(f"{what}; above {', '.join(above_stop)}, stopping before training on it", hint=causes)
@@ -105,11 +124,21 @@ def judge(cfg: Any, precision: str, history: list[float], *, kl: float, worst: f
         log.warning("%s (above %s); %s", what, ", ".join(above_warn), causes)
     # Growth: a fault that builds up (a cache or weight copy drifting) warns before it reaches a level. Growth
     # below a tenth of the warning level is rounding noise, which rises three times in a row by chance.
-    h = (history + [kl])[-(GROWTH_WINDOW + 1):]
-    growing = (len(h) == GROWTH_WINDOW + 1 and all(b > a for a, b in zip(h, h[1:]))
-               and h[-1] > GROWTH_FACTOR * h[0] and h[-1] > warn / 10)
+    h = (history + [kl])[-(GROWTH_WINDOW + 1) :]
+    growing = (
+        len(h) == GROWTH_WINDOW + 1
+        and all(b > a for a, b in zip(h, h[1:]))
+        and h[-1] > GROWTH_FACTOR * h[0]
+        and h[-1] > warn / 10
+    )
     if growing:
-        log.warning("kl_rollout rose over each of the last %d updates, %s -> %s (more than %gx): the sampler "
-                    "and the learner are drifting apart; %s", GROWTH_WINDOW,
-                    " -> ".join(f"{x:.3g}" for x in h[:-1]), f"{h[-1]:.3g}", GROWTH_FACTOR, causes)
+        log.warning(
+            "kl_rollout rose over each of the last %d updates, %s -> %s (more than %gx): the sampler "
+            "and the learner are drifting apart; %s",
+            GROWTH_WINDOW,
+            " -> ".join(f"{x:.3g}" for x in h[:-1]),
+            f"{h[-1]:.3g}",
+            GROWTH_FACTOR,
+            causes,
+        )
     return h, growing

@@ -53,27 +53,40 @@ def check_schedule(schedule: str, warmup_steps: int, total_steps: int | None, wh
         raise ConfigError(f"{where}: total_steps must be >= 1 or None, got {total_steps}")
     if schedule in DECAYING:
         if total_steps is None:
-            raise ConfigError(f"{where}: lr_schedule={schedule!r} decays to 0 at total_steps, which is not set",
-                              hint="set total_steps to the number of optimizer steps of the run, or "
-                                   "schedule_iterations to its iterations (arpo train and arpo tune set it from "
-                                   "[experiment] iterations), or use lr_schedule='constant'")
+            raise ConfigError(
+                f"{where}: lr_schedule={schedule!r} decays to 0 at total_steps, which is not set",
+                hint="set total_steps to the number of optimizer steps of the run, or "
+                "schedule_iterations to its iterations (arpo train and arpo tune set it from "
+                "[experiment] iterations), or use lr_schedule='constant'",
+            )
         if total_steps <= warmup_steps:
-            raise ConfigError(f"{where}: lr_schedule={schedule!r} with total_steps={total_steps} <= "
-                              f"warmup_steps={warmup_steps}: the rate would never decay after warm-up",
-                              hint="total_steps counts every optimizer step of the run, warm-up included")
+            raise ConfigError(
+                f"{where}: lr_schedule={schedule!r} with total_steps={total_steps} <= "
+                f"warmup_steps={warmup_steps}: the rate would never decay after warm-up",
+                hint="total_steps counts every optimizer step of the run, warm-up included",
+            )
 
 
 def _fused_ok(params: list[torch.nn.Parameter]) -> bool:
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = {p.device.type for p in params}
-    return len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices()) and all(
-        p.is_floating_point() for p in params)
+    return (
+        len(devices) == 1
+        and devices <= set(_get_fused_kernels_supported_devices())
+        and all(p.is_floating_point() for p in params)
+    )
 
 
-def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: str = "constant",
-                    warmup_steps: int = 0,
-                    total_steps: int | None = None) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters (decay on >= 2-D ones) plus a LambdaLR implementing :func:`lr_multiplier`.
 
     Raises:
@@ -88,5 +101,6 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, s
     fused = _fused_ok(params)
     opt = torch.optim.AdamW(groups, lr=lr, fused=True if fused else None)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_multiplier(s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps))
+        opt, lambda s: lr_multiplier(s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps)
+    )
     return opt, sched

@@ -130,12 +130,25 @@ class SFTConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             check_type(f.name, getattr(self, f.name), hints[f.name], "sft config")
-        choices = {"data_format": ("auto", "sharegpt", "alpaca"), "lr_schedule": SCHEDULES,
-                   "truncation": ("drop", "truncate"), "device": ("auto", "cpu", "cuda")}
+        choices = {
+            "data_format": ("auto", "sharegpt", "alpaca"),
+            "lr_schedule": SCHEDULES,
+            "truncation": ("drop", "truncate"),
+            "device": ("auto", "cpu", "cuda"),
+        }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed, "sft config")
-        positive = ("epochs", "lr", "batch_size", "grad_accum", "max_seq_len", "log_every", "num_examples",
-                    "max_steps", "rows_per_forward")
+        positive = (
+            "epochs",
+            "lr",
+            "batch_size",
+            "grad_accum",
+            "max_seq_len",
+            "log_every",
+            "num_examples",
+            "max_steps",
+            "rows_per_forward",
+        )
         for key in positive:
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -143,11 +156,16 @@ class SFTConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"sft config: warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.model:
-            raise ConfigError("sft config: model is empty", hint="give a registered name (pull it with "
-                              "`arpo model pull smollm2-135m-instruct`) or a local HF folder")
+            raise ConfigError(
+                "sft config: model is empty",
+                hint="give a registered name (pull it with "
+                "`arpo model pull smollm2-135m-instruct`) or a local HF folder",
+            )
         if self.persistent_python and self.data != "toolmath":
-            raise ConfigError("sft config: persistent_python applies to the generated ToolMath demonstrations only",
-                              hint="set data = \"toolmath\", or drop persistent_python")
+            raise ConfigError(
+                "sft config: persistent_python applies to the generated ToolMath demonstrations only",
+                hint='set data = "toolmath", or drop persistent_python',
+            )
         self.lora_settings()
 
     @classmethod
@@ -166,9 +184,12 @@ def _batches(rows: list, batch_size: int, rng: random.Random, group_by_length: b
     rng.shuffle(order)
     if group_by_length:  # sort within windows of 16 batches so rows of similar length share a batch (less padding)
         window = 16 * batch_size
-        order = [i for k in range(0, len(order), window)
-                 for i in sorted(order[k:k + window], key=lambda i: len(rows[i][0]))]
-    batches = [[rows[i] for i in order[k:k + batch_size]] for k in range(0, len(order), batch_size)]
+        order = [
+            i
+            for k in range(0, len(order), window)
+            for i in sorted(order[k : k + window], key=lambda i: len(rows[i][0]))
+        ]
+    batches = [[rows[i] for i in order[k : k + batch_size]] for k in range(0, len(order), batch_size)]
     if group_by_length:
         rng.shuffle(batches)
     return batches
@@ -182,9 +203,9 @@ def _collate(batch: list, pad_id: int, device: Any) -> tuple[Any, Any, Any]:
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for r, (x, y) in enumerate(batch):
-        ids[r, :len(x)] = torch.tensor(x)
-        labels[r, :len(y)] = torch.tensor(y)
-        mask[r, :len(x)] = 1
+        ids[r, : len(x)] = torch.tensor(x)
+        labels[r, : len(y)] = torch.tensor(y)
+        mask[r, : len(x)] = 1
     return ids.to(device), labels.to(device), mask.to(device)
 
 
@@ -198,8 +219,11 @@ def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
     path = resolve_model_path(cfg.model)
     lora = cfg.lora_settings()
     targets = resolve_targets(lora, path) if lora is not None else ()  # from the config: before any weight loads
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("sft config: device='cuda' but no CUDA GPU is available", hint='use device="auto"')
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -211,8 +235,9 @@ def _load_model(cfg: SFTConfig) -> tuple[Any, Any, Any]:
     return model, tokenizer, device
 
 
-def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: bool,
-                rows_per_forward: int | None = None) -> tuple[float, int]:
+def _train_step(
+    model: Any, micro: list[list], pad_id: int, device: Any, bf16: bool, rows_per_forward: int | None = None
+) -> tuple[float, int]:
     """Forward/backward over one optimizer step's micro-batches, each in passes of at most ``rows_per_forward`` rows;
     loss = mean over all their trained tokens."""
     import torch
@@ -220,8 +245,11 @@ def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: b
 
     n_tokens = sum(sum(1 for lab in y[1:] if lab != -100) for batch in micro for _, y in batch)
     total = 0.0
-    passes = [batch[k:k + (rows_per_forward or len(batch))] for batch in micro
-              for k in range(0, len(batch), rows_per_forward or len(batch))]
+    passes = [
+        batch[k : k + (rows_per_forward or len(batch))]
+        for batch in micro
+        for k in range(0, len(batch), rows_per_forward or len(batch))
+    ]
     for batch in passes:
         ids, labels, mask = _collate(batch, pad_id, device)
         # Causal shift: position t predicts token t+1. Only trained positions go through the LM head, so the full
@@ -229,8 +257,9 @@ def _train_step(model: Any, micro: list[list], pad_id: int, device: Any, bf16: b
         target = labels[:, 1:]
         keep = target != -100
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            hidden = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=mask,
-                                                               use_cache=False).last_hidden_state
+            hidden = getattr(model, model.base_model_prefix)(
+                input_ids=ids, attention_mask=mask, use_cache=False
+            ).last_hidden_state
             logits = model.get_output_embeddings()(hidden[:, :-1][keep])
         loss_sum = F.cross_entropy(logits.float(), target[keep], reduction="sum")
         (loss_sum / n_tokens).backward()
@@ -259,8 +288,14 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     per_step = cfg.batch_size * cfg.grad_accum
     total_steps = cfg.epochs * math.ceil(len(rows) / per_step)
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
-    opt, sched = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=cfg.lr_schedule,
-                                 warmup_steps=int(cfg.warmup_ratio * total_steps), total_steps=total_steps)
+    opt, sched = build_optimizer(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        schedule=cfg.lr_schedule,
+        warmup_steps=int(cfg.warmup_ratio * total_steps),
+        total_steps=total_steps,
+    )
     out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     writer = None
@@ -278,8 +313,9 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
         for k in range(0, len(batches), cfg.grad_accum):
             if step >= total_steps:
                 break
-            loss, n_tok = _train_step(model, batches[k:k + cfg.grad_accum], pad_id, device, cfg.bf16,
-                                      cfg.rows_per_forward)
+            loss, n_tok = _train_step(
+                model, batches[k : k + cfg.grad_accum], pad_id, device, cfg.bf16, cfg.rows_per_forward
+            )
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             lr = sched.get_last_lr()[0]
             opt.step()
@@ -300,9 +336,18 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
 
     _save(model, tokenizer, out, base=resolve_model_path(cfg.model) if cfg.lora_settings() else None)
     tail = [h["loss"] for h in history[-10:]]
-    metrics = {"final_loss": sum(tail) / len(tail), "first_loss": history[0]["loss"], "steps": step,
-               "tokens_trained": tokens_trained, "time_s": round(time.time() - start, 2), "output_dir": str(out),
-               "device": str(device), "counts": counts, "config": dataclasses.asdict(cfg), "history": history}
+    metrics = {
+        "final_loss": sum(tail) / len(tail),
+        "first_loss": history[0]["loss"],
+        "steps": step,
+        "tokens_trained": tokens_trained,
+        "time_s": round(time.time() - start, 2),
+        "output_dir": str(out),
+        "device": str(device),
+        "counts": counts,
+        "config": dataclasses.asdict(cfg),
+        "history": history,
+    }
     (out / "sft_metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 

@@ -39,7 +39,7 @@ def split_inline_results(text: str) -> list[Segment]:
     pos = 0
     for m in _RESULT_SPAN.finditer(text):
         if m.start() > pos:
-            segments.append((text[pos:m.start()], True))
+            segments.append((text[pos : m.start()], True))
         segments.append((m.group(0), False))
         pos = m.end()
     rest = text[pos:]
@@ -57,8 +57,16 @@ def _role(turn: dict, i: int) -> tuple[str, str]:
         role, value = turn["role"], turn["content"]
     else:
         raise ValueError(f"turn {i} has neither from/value nor role/content keys (keys: {sorted(turn)})")
-    mapped = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-              "observation": "observation", "tool": "observation", "function_call": "function_call"}
+    mapped = {
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "assistant": "assistant",
+        "system": "system",
+        "observation": "observation",
+        "tool": "observation",
+        "function_call": "function_call",
+    }
     if role not in mapped or not isinstance(value, str):
         raise ValueError(f"turn {i}: unknown role {role!r} or non-string value")
     return mapped[role], value
@@ -78,9 +86,9 @@ def parse_sharegpt(record: dict) -> tuple[list[dict[str, str]], list[Segment]]:
     last_user = max((i for i, (r, _) in enumerate(parsed) if r == "user"), default=None)
     if last_user is None:
         raise ValueError("sharegpt record has no human turn")
-    for role, value in parsed[:last_user + 1]:  # history: plain chat messages, all masked
+    for role, value in parsed[: last_user + 1]:  # history: plain chat messages, all masked
         messages.append({"role": "assistant" if role in ("function_call", "observation") else role, "content": value})
-    reply = parsed[last_user + 1:]
+    reply = parsed[last_user + 1 :]
     if not reply or reply[-1][0] != "assistant":
         raise ValueError("sharegpt record must end with a gpt turn after its last human turn")
     segments: list[Segment] = []
@@ -140,9 +148,10 @@ def load_file_examples(path: str | Path, data_format: str = "auto", limit: int |
     records = records[:limit] if limit else records
     fmt = detect_format(records[0]) if data_format == "auto" else data_format
     if fmt is None:
-        raise ConfigError(f"{path}: record 0 is in no known SFT format: {json.dumps(records[0])[:200]}",
-                          hint="sharegpt records have a 'conversations' list; alpaca records have "
-                               "'instruction' and 'output'")
+        raise ConfigError(
+            f"{path}: record 0 is in no known SFT format: {json.dumps(records[0])[:200]}",
+            hint="sharegpt records have a 'conversations' list; alpaca records have 'instruction' and 'output'",
+        )
     parse = parse_sharegpt if fmt == "sharegpt" else parse_alpaca
     out = []
     for i, rec in enumerate(records):
@@ -151,8 +160,9 @@ def load_file_examples(path: str | Path, data_format: str = "auto", limit: int |
                 raise ValueError("record is not a JSON object")
             messages, segments = parse(rec)
         except ValueError as e:
-            raise ConfigError(f"{path}: record {i} is not valid {fmt}: {e}",
-                              hint=f"record {i}: {json.dumps(rec)[:200]}") from e
+            raise ConfigError(
+                f"{path}: record {i} is not valid {fmt}: {e}", hint=f"record {i}: {json.dumps(rec)[:200]}"
+            ) from e
         out.append(SFTExample(messages, segments, source=f"{path.name}[{i}]"))
     return out
 
@@ -169,8 +179,10 @@ def load_examples(cfg: Any) -> list[SFTExample]:
     if cfg.persistent_python:  # replayed through a persistent interpreter, in the form that relies on it
         kwargs["env_config"] = {"tools": {"python": {"persistent": True}}}
     demos = toolmath_demonstrations(cfg.num_examples or 256, **kwargs)
-    return [SFTExample(list(d["messages"]), [(t, bool(m)) for t, m in d["segments"]], source=f"toolmath[{i}]")
-            for i, d in enumerate(demos)]
+    return [
+        SFTExample(list(d["messages"]), [(t, bool(m)) for t, m in d["segments"]], source=f"toolmath[{i}]")
+        for i, d in enumerate(demos)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- tokenize
@@ -186,15 +198,18 @@ def tokenize_example(tokenizer: Any, ex: SFTExample) -> tuple[list[int], list[in
         ids += seg
         labels += seg if trained else [-100] * len(seg)
     if tokenizer.eos_token_id is None:
-        raise ArpoError("the tokenizer has no eos_token, so SFT cannot teach the model to stop",
-                        hint="set eos_token in the model folder's tokenizer_config.json")
+        raise ArpoError(
+            "the tokenizer has no eos_token, so SFT cannot teach the model to stop",
+            hint="set eos_token in the model folder's tokenizer_config.json",
+        )
     ids.append(tokenizer.eos_token_id)
     labels.append(tokenizer.eos_token_id)
     return ids, labels
 
 
-def build_dataset(tokenizer: Any, examples: list[SFTExample], max_seq_len: int,
-                  truncation: str) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
+def build_dataset(
+    tokenizer: Any, examples: list[SFTExample], max_seq_len: int, truncation: str
+) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
     """Tokenize all examples and apply the length policy; returns (rows, counts)."""
     rows, counts = [], {"examples": len(examples), "dropped_too_long": 0, "truncated": 0, "dropped_no_target": 0}
     for ex in examples:
@@ -210,7 +225,9 @@ def build_dataset(tokenizer: Any, examples: list[SFTExample], max_seq_len: int,
             continue
         rows.append((ids, labels))
     if not rows:
-        raise ConfigError(f"no SFT example fits max_seq_len={max_seq_len} ({counts})",
-                          hint="raise max_seq_len or use truncation=\"truncate\"")
+        raise ConfigError(
+            f"no SFT example fits max_seq_len={max_seq_len} ({counts})",
+            hint='raise max_seq_len or use truncation="truncate"',
+        )
     counts["kept"] = len(rows)
     return rows, counts

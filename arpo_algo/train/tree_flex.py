@@ -29,8 +29,15 @@ import torch
 
 from arpo_base.errors import ConfigError
 
-__all__ = ["BLOCK", "FLEX_TREE_IMPL", "preorder_spans", "register", "tree_block_mask", "tree_dense_mask",
-           "tree_flex_attention"]
+__all__ = [
+    "BLOCK",
+    "FLEX_TREE_IMPL",
+    "preorder_spans",
+    "register",
+    "tree_block_mask",
+    "tree_dense_mask",
+    "tree_flex_attention",
+]
 
 #: The attention implementation name the learner loads its model with for ``tree_attention="flex"``.
 FLEX_TREE_IMPL = "arpo_tree_flex"
@@ -93,7 +100,7 @@ def tree_block_mask(pre: torch.Tensor, end: torch.Tensor, *, chunk_elements: int
     rows = max(1, chunk_elements // (nb * BLOCK * BLOCK))
     any_tiles, full_tiles = [], []
     for start in range(0, nb, rows):
-        q = pre_p[start * BLOCK:(start + rows) * BLOCK, None]
+        q = pre_p[start * BLOCK : (start + rows) * BLOCK, None]
         tiles = ((pre_p[None, :] <= q) & (q < end_p[None, :])).view(-1, BLOCK, nb, BLOCK)
         any_tiles.append(tiles.any(dim=3).any(dim=1))
         full_tiles.append(tiles.all(dim=3).all(dim=1))
@@ -109,8 +116,9 @@ def tree_block_mask(pre: torch.Tensor, end: torch.Tensor, *, chunk_elements: int
 
     kv_num, kv_idx = table(partial)
     full_num, full_idx = table(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(n, n))
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(n, n)
+    )
 
 
 def _flex(device_type: str) -> Any:
@@ -124,9 +132,16 @@ def _flex(device_type: str) -> Any:
     return _compiled_flex
 
 
-def tree_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+def tree_flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: FlexAttention for a ``BlockMask``, transformers' SDPA for anything else.
 
     Args:
@@ -139,13 +154,17 @@ def tree_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout > 0:
-        raise ConfigError(f"tree_attention='flex' cannot apply attention dropout ({dropout})",
-                          hint="set the model's attention_dropout to 0, or tree_attention='dense'")
-    out = _flex(query.device.type)(query, key, value, block_mask=attention_mask, scale=scaling,
-                                   enable_gqa=query.shape[1] != key.shape[1])
+        raise ConfigError(
+            f"tree_attention='flex' cannot apply attention dropout ({dropout})",
+            hint="set the model's attention_dropout to 0, or tree_attention='dense'",
+        )
+    out = _flex(query.device.type)(
+        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

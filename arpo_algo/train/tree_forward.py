@@ -64,25 +64,25 @@ class SeqSpec:
 class TokenBatch:
     """Model inputs plus the index tables that turn kept logits into per-pair loss inputs."""
 
-    input_ids: torch.Tensor           # [B, L]
+    input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor | None  # [B, L] (padded); None for the packed tree (see tree_pre/tree_end)
     position_ids: torch.Tensor | None  # [1, N] trie depth for the packed tree
-    keep: torch.Tensor                # [K] positions whose logits are needed
-    node_b: torch.Tensor              # [U] batch row of each unique prediction
-    node_row: torch.Tensor            # [U] index into ``keep``
-    node_tok: torch.Tensor            # [U] predicted token id
-    pair_node: torch.Tensor           # [P] index into U
-    pair_adv: torch.Tensor            # [P]
-    pair_weight: torch.Tensor         # [P]
-    pair_old_logp: torch.Tensor       # [P]
-    pair_seq: torch.Tensor            # [P]
-    pair_group: torch.Tensor          # [P]
-    pair_sampled: torch.Tensor        # [P] bool: the engine sampled the token (False: appended, e.g. the limit EOS)
-    num_tokens: int                   # tokens run through the model (no padding)
+    keep: torch.Tensor  # [K] positions whose logits are needed
+    node_b: torch.Tensor  # [U] batch row of each unique prediction
+    node_row: torch.Tensor  # [U] index into ``keep``
+    node_tok: torch.Tensor  # [U] predicted token id
+    pair_node: torch.Tensor  # [P] index into U
+    pair_adv: torch.Tensor  # [P]
+    pair_weight: torch.Tensor  # [P]
+    pair_old_logp: torch.Tensor  # [P]
+    pair_seq: torch.Tensor  # [P]
+    pair_group: torch.Tensor  # [P]
+    pair_sampled: torch.Tensor  # [P] bool: the engine sampled the token (False: appended, e.g. the limit EOS)
+    num_tokens: int  # tokens run through the model (no padding)
     pair_pos: torch.Tensor | None = None  # [P] the pair's response position in its sequence (the tree recorder)
     tree_pre: torch.Tensor | None = None  # [N] preorder number of each packed node (packed tree only)
     tree_end: torch.Tensor | None = None  # [N] preorder end of each node's subtree (packed tree only)
-    block_mask: Any = None            # the FlexAttention BlockMask, built on first use (attention_mask_for)
+    block_mask: Any = None  # the FlexAttention BlockMask, built on first use (attention_mask_for)
 
     def to(self, device: torch.device | str) -> TokenBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -97,17 +97,24 @@ def _check(specs: list[SeqSpec]) -> None:
         raise ArpoError("empty micro-batch: no trajectories to train on")
     for s in specs:
         if not s.prompt:
-            raise ArpoError(f"sequence {s.seq} (group {s.group}) has an empty prompt",
-                            hint="the first response token is predicted from the prompt; tokenize the chat prompt")
+            raise ArpoError(
+                f"sequence {s.seq} (group {s.group}) has an empty prompt",
+                hint="the first response token is predicted from the prompt; tokenize the chat prompt",
+            )
 
 
 def _pair_tensors(rows: list[tuple[int, float, float, float, int, int, bool, int]]) -> dict[str, torch.Tensor]:
     node, adv, w, old, seq, grp, sampled, pos = zip(*rows) if rows else ((),) * 8
-    return {"pair_node": torch.tensor(node, dtype=torch.long), "pair_adv": torch.tensor(adv, dtype=torch.float32),
-            "pair_weight": torch.tensor(w, dtype=torch.float32),
-            "pair_old_logp": torch.tensor(old, dtype=torch.float32), "pair_seq": torch.tensor(seq, dtype=torch.long),
-            "pair_group": torch.tensor(grp, dtype=torch.long), "pair_sampled": torch.tensor(sampled, dtype=torch.bool),
-            "pair_pos": torch.tensor(pos, dtype=torch.long)}
+    return {
+        "pair_node": torch.tensor(node, dtype=torch.long),
+        "pair_adv": torch.tensor(adv, dtype=torch.float32),
+        "pair_weight": torch.tensor(w, dtype=torch.float32),
+        "pair_old_logp": torch.tensor(old, dtype=torch.float32),
+        "pair_seq": torch.tensor(seq, dtype=torch.long),
+        "pair_group": torch.tensor(grp, dtype=torch.long),
+        "pair_sampled": torch.tensor(sampled, dtype=torch.bool),
+        "pair_pos": torch.tensor(pos, dtype=torch.long),
+    }
 
 
 def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
@@ -130,11 +137,20 @@ def build_padded_batch(specs: list[SeqSpec], pad_id: int) -> TokenBatch:
                 nb.append(b)
                 nr.append(p + t - 1 - start)
                 nt.append(s.response[t])
-                pairs.append((len(pairs), s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group,
-                              t not in s.unsampled, t))
-    return TokenBatch(input_ids=ids, attention_mask=att, position_ids=None, keep=keep,
-                      node_b=torch.tensor(nb, dtype=torch.long), node_row=torch.tensor(nr, dtype=torch.long),
-                      node_tok=torch.tensor(nt, dtype=torch.long), num_tokens=int(att.sum()), **_pair_tensors(pairs))
+                pairs.append(
+                    (len(pairs), s.adv[t], s.weight[t], s.old_logp[t], s.seq, s.group, t not in s.unsampled, t)
+                )
+    return TokenBatch(
+        input_ids=ids,
+        attention_mask=att,
+        position_ids=None,
+        keep=keep,
+        node_b=torch.tensor(nb, dtype=torch.long),
+        node_row=torch.tensor(nr, dtype=torch.long),
+        node_tok=torch.tensor(nt, dtype=torch.long),
+        num_tokens=int(att.sum()),
+        **_pair_tensors(pairs),
+    )
 
 
 def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> TokenBatch:
@@ -175,13 +191,18 @@ def build_dedup_batch(specs: list[SeqSpec], *, merge_shared: bool = False) -> To
     row_of = {v: i for i, v in enumerate(parents)}
     keep = torch.tensor(parents if parents else [0], dtype=torch.long)
     return TokenBatch(
-        input_ids=torch.tensor([trie.token], dtype=torch.long), attention_mask=None,
-        position_ids=torch.tensor([trie.depth], dtype=torch.long), keep=keep,
+        input_ids=torch.tensor([trie.token], dtype=torch.long),
+        attention_mask=None,
+        position_ids=torch.tensor([trie.depth], dtype=torch.long),
+        keep=keep,
         node_b=torch.zeros(len(nodes), dtype=torch.long),
         node_row=torch.tensor([row_of[trie.parent[v]] for v in nodes], dtype=torch.long),
-        node_tok=torch.tensor([trie.token[v] for v in nodes], dtype=torch.long), num_tokens=n,
-        tree_pre=torch.tensor(pre, dtype=torch.long), tree_end=torch.tensor(end, dtype=torch.long),
-        **_pair_tensors(pairs))
+        node_tok=torch.tensor([trie.token[v] for v in nodes], dtype=torch.long),
+        num_tokens=n,
+        tree_pre=torch.tensor(pre, dtype=torch.long),
+        tree_end=torch.tensor(end, dtype=torch.long),
+        **_pair_tensors(pairs),
+    )
 
 
 def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> Any:
@@ -200,8 +221,10 @@ def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> Any:
             batch.block_mask = tree_block_mask(batch.tree_pre, batch.tree_end)
         return batch.block_mask
     if impl not in ("sdpa", "eager"):
-        raise ConfigError(f"attn_implementation={impl!r} cannot take the tree attention mask of dedup_prefix=True",
-                          hint="load the model with attn_implementation='sdpa' or 'eager', or set dedup_prefix=False")
+        raise ConfigError(
+            f"attn_implementation={impl!r} cannot take the tree attention mask of dedup_prefix=True",
+            hint="load the model with attn_implementation='sdpa' or 'eager', or set dedup_prefix=False",
+        )
     mask = tree_dense_mask(batch.tree_pre, batch.tree_end)[None, None]
     if impl == "sdpa":
         return mask
@@ -209,9 +232,14 @@ def attention_mask_for(model: torch.nn.Module, batch: TokenBatch) -> Any:
     return torch.where(mask, zero, torch.finfo(torch.float32).min)
 
 
-def forward_token_stats(model: torch.nn.Module, batch: TokenBatch, *, with_entropy: bool,
-                        entropy_grad: bool = True, head_chunk: int | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_token_stats(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    *,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    head_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model once and return each unique prediction's log-prob (and full-vocabulary entropy), in fp32.
 
     Only the kept positions go through the LM head (``logits_to_keep`` with an index tensor), which matters with
@@ -227,13 +255,19 @@ def forward_token_stats(model: torch.nn.Module, batch: TokenBatch, *, with_entro
     """
     if head_chunk:
         return _chunked_head_stats(model, batch, with_entropy, entropy_grad, head_chunk)
-    out = model(input_ids=batch.input_ids, attention_mask=attention_mask_for(model, batch),
-                position_ids=batch.position_ids, logits_to_keep=batch.keep, use_cache=False)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=attention_mask_for(model, batch),
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.keep,
+        use_cache=False,
+    )
     return _head_stats(out.logits[batch.node_b, batch.node_row], batch.node_tok, with_entropy, entropy_grad)
 
 
-def _head_stats(logits: torch.Tensor, tok: torch.Tensor, with_entropy: bool,
-                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _head_stats(
+    logits: torch.Tensor, tok: torch.Tensor, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     lp = logprobs.gather(1, tok[:, None]).squeeze(1)
     if not with_entropy:
@@ -243,17 +277,25 @@ def _head_stats(logits: torch.Tensor, tok: torch.Tensor, with_entropy: bool,
     return lp, ent
 
 
-def _chunked_head_stats(model: torch.nn.Module, batch: TokenBatch, with_entropy: bool, entropy_grad: bool,
-                        chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunked_head_stats(
+    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool, entropy_grad: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     from torch.utils.checkpoint import checkpoint
 
     for name in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, name, None) is not None:
-            raise ConfigError(f"learner.head_chunk_tokens: the model's logits are not its plain LM head output "
-                              f"(config.{name} is set)", hint="leave head_chunk_tokens unset for this model")
+            raise ConfigError(
+                f"learner.head_chunk_tokens: the model's logits are not its plain LM head output "
+                f"(config.{name} is set)",
+                hint="leave head_chunk_tokens unset for this model",
+            )
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=batch.input_ids, attention_mask=attention_mask_for(model, batch),
-                  position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    hidden = body(
+        input_ids=batch.input_ids,
+        attention_mask=attention_mask_for(model, batch),
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state
     rows = hidden[batch.node_b, batch.keep[batch.node_row]]  # [U, H]: the hidden state under each kept logit row
     head = model.get_output_embeddings()
 
@@ -261,7 +303,9 @@ def _chunked_head_stats(model: torch.nn.Module, batch: TokenBatch, with_entropy:
         lp, ent = _head_stats(head(h), tok, with_entropy, entropy_grad)
         return (lp,) if ent is None else (lp, ent)
 
-    parts = [checkpoint(stats, h, tok, use_reentrant=False) if torch.is_grad_enabled() else stats(h, tok)
-             for h, tok in zip(rows.split(chunk), batch.node_tok.split(chunk), strict=True)]
+    parts = [
+        checkpoint(stats, h, tok, use_reentrant=False) if torch.is_grad_enabled() else stats(h, tok)
+        for h, tok in zip(rows.split(chunk), batch.node_tok.split(chunk), strict=True)
+    ]
     lp = torch.cat([p[0] for p in parts])
     return lp, (torch.cat([p[1] for p in parts]) if with_entropy else None)

@@ -19,12 +19,16 @@ def signal_stats(seqs: list[Any]) -> tuple[bool, dict[str, float]]:
     return any(with_grad), {
         LK.TOKENS: float(sum(len(s.prompt) + len(s.response) for s in seqs)),
         LK.TRAINED_TOKENS: float(sum(sum(s.trained) for s in seqs)),
-        LK.TRAJ_WITH_GRAD_FRAC: sum(with_grad) / max(len(seqs), 1), LK.SKIPPED_NO_SIGNAL: 0.0,
-        LK.ADV_MEAN: mean, LK.ADV_SD: sd}
+        LK.TRAJ_WITH_GRAD_FRAC: sum(with_grad) / max(len(seqs), 1),
+        LK.SKIPPED_NO_SIGNAL: 0.0,
+        LK.ADV_MEAN: mean,
+        LK.ADV_SD: sd,
+    }
 
 
 def tree_owners(group: Any) -> list[list[int]]:
     """Per trajectory and response token, the trajectory that sampled it (hard attribution's "tree" scope)."""
     trajs = group.trajectories
-    return tree_token_owners([t.parent for t in trajs], [t.branch_point for t in trajs],
-                             [len(t.response_ids) for t in trajs])
+    return tree_token_owners(
+        [t.parent for t in trajs], [t.branch_point for t in trajs], [len(t.response_ids) for t in trajs]
+    )

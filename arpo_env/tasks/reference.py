@@ -37,18 +37,21 @@ def _same_file(a: Path | str, b: Path | str) -> bool:
     return hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
 
 
-def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]] | None,
-                data_dir: str | None = None) -> tuple[str, ...]:
+def split_files(
+    family: str, split: str, data_files: Mapping[str, Sequence[str]] | None, data_dir: str | None = None
+) -> tuple[str, ...]:
     """The files ``split`` reads. Invariant: the test split never reads a file of the train split, whatever the
     names: files are compared as what they resolve to in ``data_dir`` (the same file, or the same bytes)."""
     defaults = SPLIT_FILES[family]
     if data_files is None:
         return defaults[split]
     if isinstance(data_files, str) or not isinstance(data_files, Mapping):
-        raise ConfigError(f"data_files={data_files!r} names no split: every split (training and the held-out test) "
-                          "would read the same files",
-                          hint='give the files per split, e.g. data_files = {train = ["mine_train.parquet"], '
-                               'test = ["mine_test.parquet"]}')
+        raise ConfigError(
+            f"data_files={data_files!r} names no split: every split (training and the held-out test) "
+            "would read the same files",
+            hint='give the files per split, e.g. data_files = {train = ["mine_train.parquet"], '
+            'test = ["mine_test.parquet"]}',
+        )
     unknown = sorted(set(data_files) - set(defaults))
     if unknown:
         raise ConfigError(f"data_files: unknown split {unknown[0]!r}; splits are {sorted(defaults)}")
@@ -56,8 +59,10 @@ def split_files(family: str, split: str, data_files: Mapping[str, Sequence[str]]
     train = [_resolved(name, data_dir) for name in chosen["train"]]
     shared = sorted(name for name in chosen["test"] if any(_same_file(_resolved(name, data_dir), t) for t in train))
     if shared:
-        raise ConfigError(f"data_files: {shared} would be read by both the train and the test split",
-                          hint="the held-out split must not contain training files")
+        raise ConfigError(
+            f"data_files: {shared} would be read by both the train and the test split",
+            hint="the held-out split must not contain training files",
+        )
     return chosen[split]
 
 

@@ -55,12 +55,15 @@ _REFERENCE_KEYS = {"data_dir": None, "data_files": None, "keep_boxed_bug": False
 
 #: task name -> its spec.
 TASKS: dict[str, TaskSpec] = {
-    "toolmath": TaskSpec("arpo/ToolMath-v0", ("python",), "math_equiv", 4, _toolmath,
-                         {"levels": (1, 2, 3), "num_tasks": None}),
-    "reasoning": TaskSpec("arpo/Reasoning-v0", ("python", "search"), "arpo_reference", 3, _reference,
-                          _REFERENCE_KEYS, data_backed=True),
-    "deepsearch": TaskSpec("arpo/DeepSearch-v0", ("python", "search"), "arpo_reference", 6, _reference,
-                           _REFERENCE_KEYS, data_backed=True),
+    "toolmath": TaskSpec(
+        "arpo/ToolMath-v0", ("python",), "math_equiv", 4, _toolmath, {"levels": (1, 2, 3), "num_tasks": None}
+    ),
+    "reasoning": TaskSpec(
+        "arpo/Reasoning-v0", ("python", "search"), "arpo_reference", 3, _reference, _REFERENCE_KEYS, data_backed=True
+    ),
+    "deepsearch": TaskSpec(
+        "arpo/DeepSearch-v0", ("python", "search"), "arpo_reference", 6, _reference, _REFERENCE_KEYS, data_backed=True
+    ),
 }
 
 

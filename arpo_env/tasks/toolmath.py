@@ -56,8 +56,16 @@ class Problem:
 
 def _evaluate(expr: str) -> str:
     # Our own generated expressions only (no user input), evaluated the way `print(expr)` would show them.
-    safe = {"__builtins__": {}, "round": round, "sum": sum, "int": int, "str": str, "len": len, "max": max,
-            "range": range}
+    safe = {
+        "__builtins__": {},
+        "round": round,
+        "sum": sum,
+        "int": int,
+        "str": str,
+        "len": len,
+        "max": max,
+        "range": range,
+    }
     return str(eval(expr, safe))
 
 
@@ -89,20 +97,30 @@ def _level2(r: random.Random) -> Problem:
         expr = f"round({p}*(1+{up}/100)*(1-{down}/100), 2)"
     elif kind == "interest":
         p, rate, years = r.randint(5, 90) * 100, r.randint(2, 9), r.randint(3, 15)
-        q = (f"{p} dollars earn {rate}% interest per year, compounded yearly. What is the balance after {years} years? "
-             "Round to 2 decimals.")
+        q = (
+            f"{p} dollars earn {rate}% interest per year, compounded yearly. What is the balance after {years} years? "
+            "Round to 2 decimals."
+        )
         expr = f"round({p}*(1+{rate}/100)**{years}, 2)"
     elif kind == "convert":
-        unit, factor, target = r.choice([("miles", 1.609344, "kilometers"), ("pounds", 0.45359237, "kilograms"),
-                                         ("inches", 2.54, "centimeters"), ("gallons", 3.785411784, "liters")])
+        unit, factor, target = r.choice(
+            [
+                ("miles", 1.609344, "kilometers"),
+                ("pounds", 0.45359237, "kilograms"),
+                ("inches", 2.54, "centimeters"),
+                ("gallons", 3.785411784, "liters"),
+            ]
+        )
         x = r.randint(11, 999)
         one = unit[:-1] if unit != "inches" else "inch"
         q = f"Convert {x} {unit} to {target} (1 {one} = {factor} {target}). Round to 2 decimals."
         expr = f"round({x}*{factor}, 2)"
     else:
         d1, t1, d2, t2 = r.randint(40, 400), r.randint(2, 9) / 2, r.randint(40, 400), r.randint(2, 9) / 2
-        q = (f"A car drives {d1} km in {t1} hours, then {d2} km in {t2} hours. What is its average speed in km/h? "
-             "Round to 2 decimals.")
+        q = (
+            f"A car drives {d1} km in {t1} hours, then {d2} km in {t2} hours. What is its average speed in km/h? "
+            "Round to 2 decimals."
+        )
         expr = f"round(({d1}+{d2})/({t1}+{t2}), 2)"
     return Problem(q, [("I compute it with Python.", lambda _o, e=expr: e)], 0.01, kind, 2)
 
@@ -122,8 +140,10 @@ def _level3(r: random.Random) -> Problem:
         ]
         return Problem(q, steps, 0.0, kind, 3)
     p, rate, years, tax = r.randint(5, 90) * 100, r.randint(2, 9), r.randint(3, 15), r.choice([10, 15, 20, 25, 30])
-    q = (f"{p} dollars grow by {rate}% per year for {years} years, compounded yearly. Then {tax}% of the gain is "
-         "paid as tax. What is left? Round to 2 decimals.")
+    q = (
+        f"{p} dollars grow by {rate}% per year for {years} years, compounded yearly. Then {tax}% of the gain is "
+        "paid as tax. What is left? Round to 2 decimals."
+    )
     steps = [
         ("First the balance before tax.", lambda _o: f"round({p}*(1+{rate}/100)**{years}, 2)"),
         ("Now subtract the tax on the gain.", lambda o: f"round({o[-1]} - {tax}/100*({o[-1]}-{p}), 2)"),
@@ -146,8 +166,10 @@ def _level5(r: random.Random) -> Problem:
     a, b, m = r.randint(3, 97), r.randint(3, 97), r.choice([9973, 10007, 65521, 99991])
     k, d = r.randint(300, 900), r.randint(3, 9)
     build = f"[({a}*i*i + {b}*i) % {m} for i in range({k})]"
-    q = (f"Let L be the list of (({a}·i² + {b}·i) mod {m}) for i = 0, 1, ..., {k - 1}, and M the largest element of "
-         f"L. What is L[0] + L[{d}] + L[{2 * d}] + ... (every element at a position divisible by {d}), modulo M?")
+    q = (
+        f"Let L be the list of (({a}·i² + {b}·i) mod {m}) for i = 0, 1, ..., {k - 1}, and M the largest element of "
+        f"L. What is L[0] + L[{d}] + L[{2 * d}] + ... (every element at a position divisible by {d}), modulo M?"
+    )
     first = ("First I build L and find M.", lambda _o: f"max(L := {build})")
     then = f"Now every element at a position divisible by {d}, summed, modulo M; "
     steps: list[Step] = [first, (then + "I rebuild L.", lambda o: f"sum({build}[::{d}]) % {o[-1]}")]
@@ -164,7 +186,7 @@ def make_problem(g: int, level: int) -> Problem:
 
 
 def split_of(question: str) -> str:
-    """"test" for ~10% of question texts (by SHA-256), "train" for the rest."""
+    """ "test" for ~10% of question texts (by SHA-256), "train" for the rest."""
     h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") / 2**64
     return "test" if h < TEST_FRACTION else "train"
 

@@ -32,9 +32,25 @@ from arpo_env.tools.search import (
 )
 
 __all__ = [
-    "BM25Backend", "CachedTool", "PythonTool", "ReplayBackend", "SandboxError", "SearchBackend", "SearchError",
-    "SearchTool", "Tool", "ToolCache", "ToolResult", "WebBackend", "build_tools", "cache_key", "format_snippets",
-    "function_schema", "require_env_python_isolation", "require_python_isolation", "sandbox_capabilities",
+    "BM25Backend",
+    "CachedTool",
+    "PythonTool",
+    "ReplayBackend",
+    "SandboxError",
+    "SearchBackend",
+    "SearchError",
+    "SearchTool",
+    "Tool",
+    "ToolCache",
+    "ToolResult",
+    "WebBackend",
+    "build_tools",
+    "cache_key",
+    "format_snippets",
+    "function_schema",
+    "require_env_python_isolation",
+    "require_python_isolation",
+    "sandbox_capabilities",
     "set_max_concurrency",
 ]
 
@@ -89,9 +105,11 @@ def build_tools(spec: dict) -> dict[str, Tool]:
             raise ConfigError("tools.cache needs a 'path' key (an SQLite file)")
         cache = ToolCache(**spec["cache"])
         if cache.mode != "off" and getattr(tools.get("python"), "persistent", False):
-            raise ConfigError("tools.cache cannot hold a persistent python tool's results: a call's output depends "
-                              "on the calls before it", hint="set tools.cache.mode = \"off\", or "
-                                                             "tools.python.persistent = false")
+            raise ConfigError(
+                "tools.cache cannot hold a persistent python tool's results: a call's output depends "
+                "on the calls before it",
+                hint='set tools.cache.mode = "off", or tools.python.persistent = false',
+            )
         if cache.mode != "off":
             tools = {name: CachedTool(tool, cache) for name, tool in tools.items()}
     return tools

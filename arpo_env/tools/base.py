@@ -112,8 +112,11 @@ def tolerant_call(method: Callable[..., ToolResult]) -> Callable[..., ToolResult
             signature.bind(self, *args, **kwargs)
         except TypeError as exc:
             expected = ", ".join(p for p in signature.parameters if p != "self")
-            return ToolResult(text=f"Invalid arguments for {self.name}: {exc}. Expected: {expected}.", error=True,
-                              meta={"invalid_arguments": True})
+            return ToolResult(
+                text=f"Invalid arguments for {self.name}: {exc}. Expected: {expected}.",
+                error=True,
+                meta={"invalid_arguments": True},
+            )
         return method(self, *args, **kwargs)
 
     return wrapper

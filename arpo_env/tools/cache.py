@@ -45,8 +45,9 @@ def cache_key(tool: str, args: dict) -> str:
 class ToolCache:
     """The on-disk cache. One instance may be used from many threads; many processes may open the same file."""
 
-    def __init__(self, path: str | os.PathLike, mode: str = "read_write", on_miss: str = "run",
-                 busy_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, path: str | os.PathLike, mode: str = "read_write", on_miss: str = "run", busy_timeout_s: float = 30.0
+    ) -> None:
         """Open (and create, in ``read_write`` mode) the cache file.
 
         Args:
@@ -76,8 +77,7 @@ class ToolCache:
         conn = getattr(self._local, "conn", None)
         if conn is None or self._local.pid != os.getpid():
             if self.mode == "read_only":
-                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
-                                       timeout=self.busy_timeout_s)
+                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=self.busy_timeout_s)
             else:
                 conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s)
                 conn.execute("PRAGMA journal_mode=WAL")
@@ -94,8 +94,7 @@ class ToolCache:
         """The cached result of ``tool(**args)`` (``cache_hit=True``), or None. Counts a hit or a miss."""
         if self.mode == "off":
             return None
-        row = self._conn().execute("SELECT text, meta FROM results WHERE key = ?",
-                                   (cache_key(tool, args),)).fetchone()
+        row = self._conn().execute("SELECT text, meta FROM results WHERE key = ?", (cache_key(tool, args),)).fetchone()
         if row is None:
             self._count("misses")
             return None
@@ -114,8 +113,18 @@ class ToolCache:
         with conn:  # one transaction: all rows or none
             conn.executemany(
                 "INSERT OR REPLACE INTO results (key, tool, args, text, meta, created) VALUES (?, ?, ?, ?, ?, ?)",
-                [(cache_key(t, a), t, json.dumps(a, sort_keys=True, ensure_ascii=False), text,
-                  json.dumps(meta, default=str), time.time()) for t, a, text, meta in rows])
+                [
+                    (
+                        cache_key(t, a),
+                        t,
+                        json.dumps(a, sort_keys=True, ensure_ascii=False),
+                        text,
+                        json.dumps(meta, default=str),
+                        time.time(),
+                    )
+                    for t, a, text, meta in rows
+                ],
+            )
         self._count("writes", len(rows))
 
     def stats(self) -> dict[str, Any]:
@@ -143,8 +152,9 @@ class ToolCache:
     def export_reference_json(self, path: str | os.PathLike, tool: str = "search") -> int:
         """Write all results of ``tool`` called with a single ``query`` argument as a reference-format JSON file."""
         out: dict[str, str] = {}
-        for args, text in self._conn().execute("SELECT args, text FROM results WHERE tool = ? ORDER BY created",
-                                               (tool,)):
+        for args, text in self._conn().execute(
+            "SELECT args, text FROM results WHERE tool = ? ORDER BY created", (tool,)
+        ):
             parsed = json.loads(args)
             if set(parsed) == {"query"}:
                 out[parsed["query"]] = text
@@ -194,9 +204,13 @@ class CachedTool:
             hit.latency_s = time.monotonic() - start
             return hit
         if self.cache.mode == "read_only" and self.cache.on_miss == "error":
-            return ToolResult(text=f"Not in the tool cache (read_only mode, on_miss='error'): {self.name} call "
-                                   f"{json.dumps(args, ensure_ascii=False)[:200]}", error=True,
-                              latency_s=time.monotonic() - start, meta={"cache_miss": True})
+            return ToolResult(
+                text=f"Not in the tool cache (read_only mode, on_miss='error'): {self.name} call "
+                f"{json.dumps(args, ensure_ascii=False)[:200]}",
+                error=True,
+                latency_s=time.monotonic() - start,
+                meta={"cache_miss": True},
+            )
         result = self.tool(**kwargs)
         try:
             self.cache.put(self.name, args, result)

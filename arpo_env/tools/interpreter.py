@@ -55,8 +55,10 @@ from arpo_env.tools.sandbox import (
 #: An interpreter's lifetime CPU budget, in calls' worth of ``cpu_s`` (each call gets ``cpu_s`` more than it used).
 LIFETIME_CPU_CALLS = 64
 #: What the model reads when its interpreter ended: the state is gone, and the next call says so by working fresh.
-STATE_LOST = ("The Python interpreter was stopped: its variables, imports and files are lost; the next call starts "
-              "a fresh interpreter.")
+STATE_LOST = (
+    "The Python interpreter was stopped: its variables, imports and files are lost; the next call starts "
+    "a fresh interpreter."
+)
 _START_TIMEOUT_S = 60.0
 _LIVE = {"n": 0}
 # Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, forks that could not be
@@ -91,10 +93,13 @@ def interpreter_metrics() -> dict[str, float]:
         _STATS.update(forks=0, fork_s=0.0, failed=0, peak=_LIVE["n"], pss=0)
     if not stats["peak"] and not stats["failed"]:
         return {}
-    out = {"rollout/interpreter_forks": float(stats["forks"]), "rollout/interpreters_peak": float(stats["peak"]),
-           "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0,
-           "rollout/interpreter_fork_ms_total": 1e3 * stats["fork_s"],
-           "rollout/interpreter_forks_failed": float(stats["failed"])}
+    out = {
+        "rollout/interpreter_forks": float(stats["forks"]),
+        "rollout/interpreters_peak": float(stats["peak"]),
+        "rollout/interpreter_fork_ms": 1e3 * stats["fork_s"] / stats["forks"] if stats["forks"] else 0.0,
+        "rollout/interpreter_fork_ms_total": 1e3 * stats["fork_s"],
+        "rollout/interpreter_forks_failed": float(stats["failed"]),
+    }
     if stats["pss"] is not None:  # None: a sandbox's memory could not be read this step
         out["rollout/interpreter_pss_mib_peak"] = stats["pss"] / (1 << 20)
     return out
@@ -135,8 +140,11 @@ class _Tree:
         self.uid = uid_pool(t.uid_base).get() if t._uid_drop else None
         if self.uid is not None:
             os.chown(self.scratch, self.uid, self.uid)
-        prefix = bwrap_prefix(self.scratch, interpreter_paths(t.python_executable), t.disk_mb) \
-            if t.backend == "bwrap" else []
+        prefix = (
+            bwrap_prefix(self.scratch, interpreter_paths(t.python_executable), t.disk_mb)
+            if t.backend == "bwrap"
+            else []
+        )
         if self.uid is not None and call_cgroups_available():  # one group for the whole tree
             self.group = CallCgroup(self.uid, t.memory_mb << 20, t.max_procs)
             prefix = [*self.group.join_prefix(), *prefix]
@@ -147,14 +155,34 @@ class _Tree:
         host, child = socket.socketpair()
         cfg = t._config(self.uid, None, None, self.scratch)
         cfg["limits"]["RLIMIT_CPU"] = max(1, int(t.cpu_s + 0.999)) * LIFETIME_CPU_CALLS
-        cfg["persistent"] = {"fd": child.fileno(), "cpu_s": max(1, int(t.cpu_s + 0.999)), "root": self.scratch,
-                             "copy_bytes": t.fork_copy_mb << 20}
-        cmd = [*prefix, *t._no_aslr, t.python_executable, *flags, *(["-S"] if t.no_site else []), "-c",
-               SETUP + LOOP, json.dumps(cfg)]
+        cfg["persistent"] = {
+            "fd": child.fileno(),
+            "cpu_s": max(1, int(t.cpu_s + 0.999)),
+            "root": self.scratch,
+            "copy_bytes": t.fork_copy_mb << 20,
+        }
+        cmd = [
+            *prefix,
+            *t._no_aslr,
+            t.python_executable,
+            *flags,
+            *(["-S"] if t.no_site else []),
+            "-c",
+            SETUP + LOOP,
+            json.dumps(cfg),
+        ]
         try:  # only the start on the launcher thread; the caller's thread waits for READY (starts run in parallel)
-            self.proc = _LAUNCHER.submit(subprocess.Popen, cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True,
-                                         pass_fds=(child.fileno(),)).result()
+            self.proc = _LAUNCHER.submit(
+                subprocess.Popen,
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self.scratch,
+                env=env,
+                start_new_session=True,
+                pass_fds=(child.fileno(),),
+            ).result()
         finally:
             child.close()
         self.ctl = host
@@ -170,9 +198,10 @@ class _Tree:
         if got != READY:
             self._kill_all()
             tail = self.proc.stderr.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
-            raise SandboxError(f"the persistent Python interpreter's sandbox failed to start: {tail}",
-                               hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each "
-                                    "backend needs")
+            raise SandboxError(
+                f"the persistent Python interpreter's sandbox failed to start: {tail}",
+                hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend needs",
+            )
 
     def branch(self, parent: _Branch | None) -> _Branch:
         """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote."""
@@ -213,9 +242,11 @@ class _Tree:
                 os.close(fd)
             host.close()
             why = (second or first or {}).get("error", "the interpreter did not answer")
-            raise ForkError(f"the Python interpreter could not be forked: {why}",
-                            hint="fewer branches per trajectory, a smaller working folder (tools.python.fork_copy_mb)"
-                                 ", or a larger tools.python.max_procs / memory_mb")
+            raise ForkError(
+                f"the Python interpreter could not be forked: {why}",
+                hint="fewer branches per trajectory, a smaller working folder (tools.python.fork_copy_mb)"
+                ", or a larger tools.python.max_procs / memory_mb",
+            )
         took = time.monotonic() - t0
         if parent is not None:
             with _LIVE_LOCK:
@@ -277,10 +308,12 @@ class _Tree:
 def _reserve(cap: int) -> None:
     with _LIVE_LOCK:
         if _LIVE["n"] >= cap:
-            raise ForkError(f"{_LIVE['n']} persistent Python interpreters are live in this process, the most "
-                            f"tools.python.max_interpreters ({cap}) allows",
-                            hint="fewer trajectories or branches at once, or raise tools.python.max_interpreters "
-                                 "(each interpreter holds 10-30 MB)")
+            raise ForkError(
+                f"{_LIVE['n']} persistent Python interpreters are live in this process, the most "
+                f"tools.python.max_interpreters ({cap}) allows",
+                hint="fewer trajectories or branches at once, or raise tools.python.max_interpreters "
+                "(each interpreter holds 10-30 MB)",
+            )
         _LIVE["n"] += 1
         _STATS["peak"] = max(_STATS["peak"], _LIVE["n"])
 
@@ -415,14 +448,18 @@ class Interpreter:
             out, err, rc, status = self._slot.branch.run(code)
         if status == "cancelled":
             self._slot.close()
-            raise ToolCancelled(f"the call was cancelled after {time.monotonic() - start:.1f} s; its interpreter "
-                                "was killed")
+            raise ToolCancelled(
+                f"the call was cancelled after {time.monotonic() - start:.1f} s; its interpreter was killed"
+            )
         if status == "ended":
             self._slot.close()
             body, _ = truncate_text(err.decode("utf-8", "replace").strip(), self.tool.max_output_chars)
-            result = ToolResult(text=(body + "\n" if body else "") + "The interpreter ended during this call (it "
-                                "exited, crashed or was killed for exceeding a resource limit).", error=True,
-                                meta={"returncode": None, "timed_out": False, "truncated": False})
+            result = ToolResult(
+                text=(body + "\n" if body else "") + "The interpreter ended during this call (it "
+                "exited, crashed or was killed for exceeding a resource limit).",
+                error=True,
+                meta={"returncode": None, "timed_out": False, "truncated": False},
+            )
         else:
             result = self.tool._result(out, err, rc, status)
             if status != "ok":
@@ -430,9 +467,14 @@ class Interpreter:
         if self._slot.branch is None:
             result.text += "\n" + STATE_LOST
         result.latency_s = time.monotonic() - start
-        result.meta.update(persistent=True, interpreter_lost=self._slot.branch is None, fresh_interpreter=fresh,
-                           network_isolated=self.tool.isolation["network_isolation"],
-                           isolation_level=self.tool.isolation["level"], backend=self.tool.backend)
+        result.meta.update(
+            persistent=True,
+            interpreter_lost=self._slot.branch is None,
+            fresh_interpreter=fresh,
+            network_isolated=self.tool.isolation["network_isolation"],
+            isolation_level=self.tool.isolation["level"],
+            backend=self.tool.backend,
+        )
         return result
 
     def fork(self) -> Interpreter:

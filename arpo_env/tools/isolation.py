@@ -24,9 +24,11 @@ from arpo_base.errors import ConfigError
 
 LEVELS = ("unisolated", "process", "filesystem")
 MIN_LEVEL = "process"
-OPT_IN_HINT = ("install bubblewrap (apt-get install bubblewrap) or run as root so each call gets its own uid; or "
-               "accept running the model's code unisolated with allow_unisolated_python=True "
-               "(CLI: --allow-unisolated-python)")
+OPT_IN_HINT = (
+    "install bubblewrap (apt-get install bubblewrap) or run as root so each call gets its own uid; or "
+    "accept running the model's code unisolated with allow_unisolated_python=True "
+    "(CLI: --allow-unisolated-python)"
+)
 
 
 PUBLIC_ATTEMPT = "read a world-readable host file"
@@ -45,8 +47,9 @@ def failed(result: str) -> bool:
 def level_of(backend: str, facts: dict, host_uid: int) -> str:
     """The level that the self-test's ``facts`` prove: its attempts, its network interfaces and whether its user
     namespace maps its uid (``host_uid``: the server's, kept for the callers' signature)."""
-    held = all(failed(r) for name, r in facts["attempts"].items()
-               if name not in (PUBLIC_ATTEMPT, "create a user namespace"))
+    held = all(
+        failed(r) for name, r in facts["attempts"].items() if name not in (PUBLIC_ATTEMPT, "create a user namespace")
+    )
     if not (held and network_isolated(facts)) or facts["userns"] != "mapped":
         return "unisolated"
     if not failed(facts["attempts"][PUBLIC_ATTEMPT]) or backend not in ("bwrap", "docker"):
@@ -64,8 +67,11 @@ def describe(backend: str, facts: dict, uid: int | None, host_uid: int) -> str:
     parts = [f"backend {backend}"]
     no_network = network_isolated(facts)
     canary_visible = not failed(facts["attempts"][PUBLIC_ATTEMPT])
-    parts.append("network namespace (no network, 127.0.0.1 included)" if no_network
-                 else "NETWORK REACHABLE (no network namespace)")
+    parts.append(
+        "network namespace (no network, 127.0.0.1 included)"
+        if no_network
+        else "NETWORK REACHABLE (no network namespace)"
+    )
     if uid is not None:
         parts.append(f"per-call uid from {uid}")
     elif facts["userns"] != "mapped":
@@ -96,10 +102,14 @@ def check_level(record: dict, allow_unisolated_python: bool, require_network_iso
     """The tool's own refusal at construction: below :data:`MIN_LEVEL` without the opt-in, or without network
     isolation while it is required (:func:`network_required`)."""
     if network_required(allow_unisolated_python, require_network_isolation) and not record["network_isolation"]:
-        raise ConfigError("the Python tool's sandbox has no network isolation, which is required: "
-                          + record["detail"], hint="allow_unisolated_python=True (CLI: --allow-unisolated-python) "
-                          "runs the model's code with network access, unless require_network_isolation=True")
+        raise ConfigError(
+            "the Python tool's sandbox has no network isolation, which is required: " + record["detail"],
+            hint="allow_unisolated_python=True (CLI: --allow-unisolated-python) "
+            "runs the model's code with network access, unless require_network_isolation=True",
+        )
     if not at_least(record["level"]) and not allow_unisolated_python:
-        raise ConfigError(f"the Python tool's sandbox reaches level {record['level']!r}, below the minimum "
-                          f"{MIN_LEVEL!r} (no network and not the server's own user): {record['detail']}",
-                          hint=OPT_IN_HINT)
+        raise ConfigError(
+            f"the Python tool's sandbox reaches level {record['level']!r}, below the minimum "
+            f"{MIN_LEVEL!r} (no network and not the server's own user): {record['detail']}",
+            hint=OPT_IN_HINT,
+        )

@@ -18,8 +18,9 @@ _WARNED: set[tuple[str, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
 
-def require_python_isolation(python_spec: dict | None = None, *, allow_unisolated_python: bool = False,
-                             context: str = "training") -> dict[str, Any]:
+def require_python_isolation(
+    python_spec: dict | None = None, *, allow_unisolated_python: bool = False, context: str = "training"
+) -> dict[str, Any]:
     """Build the Python tool of ``python_spec`` (its self-test runs) and require :data:`MIN_LEVEL`.
 
     Call it once at start-up (training driver, server); write the returned record into the run folder.
@@ -43,22 +44,28 @@ def require_python_isolation(python_spec: dict | None = None, *, allow_unisolate
     record = dict(PythonTool(**spec).isolation)
     ok = at_least(record["level"])
     if not ok and not allowed:
-        raise ConfigError(f"{context}: the Python tool's sandbox reaches level {record['level']!r}, below the "
-                          f"minimum {MIN_LEVEL!r} (no network and not the server's own user): {record['detail']}",
-                          hint=OPT_IN_HINT)
+        raise ConfigError(
+            f"{context}: the Python tool's sandbox reaches level {record['level']!r}, below the "
+            f"minimum {MIN_LEVEL!r} (no network and not the server's own user): {record['detail']}",
+            hint=OPT_IN_HINT,
+        )
     if not ok:
         with _WARNED_LOCK:
             first = (context, record["level"]) not in _WARNED
             _WARNED.add((context, record["level"]))
         if first:
-            _log.warning("%s: the Python tool runs the model's code UNISOLATED (allow_unisolated_python): %s",
-                         context, record["detail"])
+            _log.warning(
+                "%s: the Python tool runs the model's code UNISOLATED (allow_unisolated_python): %s",
+                context,
+                record["detail"],
+            )
     record.update(minimum=MIN_LEVEL, meets_minimum=ok, allowed_unisolated=not ok)
     return record
 
 
-def require_env_python_isolation(env_config: dict, *, allow_unisolated_python: bool = False,
-                                 context: str = "training") -> dict | None:
+def require_env_python_isolation(
+    env_config: dict, *, allow_unisolated_python: bool = False, context: str = "training"
+) -> dict | None:
     """:func:`require_python_isolation` for the Python tool an environment config builds (its ``tools.python``
     section, or the task's default tools); None when it builds no Python tool.
 

@@ -25,7 +25,7 @@ def tree_pss(roots: Iterable[int]) -> int | None:
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm)": the state, then the parent's pid
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "(comm)": the state, then the parent's pid
         children.setdefault(ppid, []).append(int(name))
     total = 0
     while todo:

@@ -75,13 +75,22 @@ def sandbox_capabilities(backend: str = "auto") -> dict:
     """The isolation a default ``PythonTool(backend=backend)`` reaches here (its :attr:`PythonTool.isolation`), or
     ``{"backend", "available": False, "level": None, "detail": reason}`` when its sandbox does not work."""
     try:
-        return dict(PythonTool(backend=backend, allow_unisolated_python=True, require_network_isolation=False)
-                    .isolation)
+        return dict(
+            PythonTool(backend=backend, allow_unisolated_python=True, require_network_isolation=False).isolation
+        )
     except ConfigError as exc:
         if backend not in _BACKENDS:
             raise
-        return {"backend": backend, "available": False, "level": None, "network_isolation": False,
-                "uid_drop": False, "separate_user": False, "private_filesystem": False, "detail": str(exc)}
+        return {
+            "backend": backend,
+            "available": False,
+            "level": None,
+            "network_isolation": False,
+            "uid_drop": False,
+            "separate_user": False,
+            "private_filesystem": False,
+            "detail": str(exc),
+        }
 
 
 class PythonTool:
@@ -89,14 +98,31 @@ class PythonTool:
 
     name = "python"
 
-    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: float | None = None,
-                 max_output_chars: int = 10_000, max_procs: int = 32, max_file_mb: int = 64,
-                 max_code_chars: int = 100_000, backend: str = "auto", echo_last_expr: bool = True,
-                 require_network_isolation: bool | None = None, python_executable: str | None = None,
-                 no_site: bool = False, uid_base: int = 62_000, scratch_root: str | None = None,
-                 docker_image: str = DEFAULT_IMAGE, reproducible_output: bool = True,
-                 allow_unisolated_python: bool = False, namespaces: bool = True, disk_mb: int = 64,
-                 persistent: bool = False, max_interpreters: int = 64, fork_copy_mb: int = 16) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        memory_mb: int = 512,
+        cpu_s: float | None = None,
+        max_output_chars: int = 10_000,
+        max_procs: int = 32,
+        max_file_mb: int = 64,
+        max_code_chars: int = 100_000,
+        backend: str = "auto",
+        echo_last_expr: bool = True,
+        require_network_isolation: bool | None = None,
+        python_executable: str | None = None,
+        no_site: bool = False,
+        uid_base: int = 62_000,
+        scratch_root: str | None = None,
+        docker_image: str = DEFAULT_IMAGE,
+        reproducible_output: bool = True,
+        allow_unisolated_python: bool = False,
+        namespaces: bool = True,
+        disk_mb: int = 64,
+        persistent: bool = False,
+        max_interpreters: int = 64,
+        fork_copy_mb: int = 16,
+    ) -> None:
         """Configure the sandbox and prove it works: a trivial program runs under it before the first call.
 
         Args:
@@ -134,29 +160,41 @@ class PythonTool:
             max_interpreters: The most persistent interpreters live at once in this process (every tool together).
             fork_copy_mb: The largest working folder a fork copies; a larger one makes the fork fail.
         """
-        for key, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_chars", max_output_chars),
-                           ("max_procs", max_procs), ("max_file_mb", max_file_mb), ("max_code_chars", max_code_chars),
-                           ("disk_mb", disk_mb), ("max_interpreters", max_interpreters),
-                           ("fork_copy_mb", fork_copy_mb)):
+        for key, value in (
+            ("timeout_s", timeout_s),
+            ("memory_mb", memory_mb),
+            ("max_output_chars", max_output_chars),
+            ("max_procs", max_procs),
+            ("max_file_mb", max_file_mb),
+            ("max_code_chars", max_code_chars),
+            ("disk_mb", disk_mb),
+            ("max_interpreters", max_interpreters),
+            ("fork_copy_mb", fork_copy_mb),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"python tool setting '{key}' must be a positive number, got {value!r}")
-        for key, value in (("reproducible_output", reproducible_output), ("namespaces", namespaces),
-                           ("persistent", persistent),
-                           ("allow_unisolated_python", allow_unisolated_python),
-                           ("require_network_isolation", True if require_network_isolation is None
-                            else require_network_isolation)):
+        for key, value in (
+            ("reproducible_output", reproducible_output),
+            ("namespaces", namespaces),
+            ("persistent", persistent),
+            ("allow_unisolated_python", allow_unisolated_python),
+            ("require_network_isolation", True if require_network_isolation is None else require_network_isolation),
+        ):
             if not isinstance(value, bool):
                 raise ConfigError(f"python tool setting '{key}' must be true or false, got {value!r}")
         if backend not in _BACKENDS:
             raise ConfigError(f"unknown python sandbox backend {backend!r}; choose one of {_BACKENDS}")
         if not isinstance(docker_image, str) or not docker_image.strip():
-            raise ConfigError(f"python tool setting 'docker_image' must be an image name, got {docker_image!r}",
-                              hint=f"the default is {DEFAULT_IMAGE} (arpo sandbox build-image)")
+            raise ConfigError(
+                f"python tool setting 'docker_image' must be an image name, got {docker_image!r}",
+                hint=f"the default is {DEFAULT_IMAGE} (arpo sandbox build-image)",
+            )
         if persistent and backend == "docker":
-            raise ConfigError("python tool setting 'persistent' is not supported by the docker backend: a container "
-                              "per call cannot keep an interpreter between calls",
-                              hint="use backend = \"bwrap\" (or \"auto\") for persistent interpreters, or "
-                                   "persistent = false")
+            raise ConfigError(
+                "python tool setting 'persistent' is not supported by the docker backend: a container "
+                "per call cannot keep an interpreter between calls",
+                hint='use backend = "bwrap" (or "auto") for persistent interpreters, or persistent = false',
+            )
         self.persistent, self.max_interpreters, self.fork_copy_mb = persistent, int(max_interpreters), int(fork_copy_mb)
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s + 1)
@@ -171,7 +209,8 @@ class PythonTool:
         # As root every call runs under its own unprivileged uid (never root: it would read and kill anything).
         self._uid_drop = os.geteuid() == 0 and backend != "docker"
         self.isolation = self._choose_backend(
-            backend, not network_required(allow_unisolated_python, require_network_isolation))
+            backend, not network_required(allow_unisolated_python, require_network_isolation)
+        )
         self.backend, self._net = self.isolation["backend"], self.isolation.pop("_net")
         check_level(self.isolation, allow_unisolated_python, require_network_isolation)
 
@@ -187,24 +226,39 @@ class PythonTool:
                     return self._self_test("bwrap", net=False)
                 except SandboxError as exc:
                     note = f" (auto: bwrap is installed but failed: {exc.message})"
-                    _log.warning("python tool: bwrap is installed but failed its self-test, using the subprocess "
-                                 "backend: %s", exc.message)
+                    _log.warning(
+                        "python tool: bwrap is installed but failed its self-test, using the subprocess backend: %s",
+                        exc.message,
+                    )
             else:
                 note = " (auto: bwrap is not installed)"
         try:
             record = self._self_test(backend, net=backend == "subprocess" and self.namespaces)
         except SandboxError as exc:
             if not (backend == "subprocess" and may_drop_network):
-                raise ConfigError(f"python sandbox backend {backend!r} does not work here: {exc.message}"
-                                  + note, hint=exc.hint or "install bubblewrap, or see docs/sandbox.md") from exc
+                raise ConfigError(
+                    f"python sandbox backend {backend!r} does not work here: {exc.message}" + note,
+                    hint=exc.hint or "install bubblewrap, or see docs/sandbox.md",
+                ) from exc
             record = self._self_test(backend, net=False)  # explicitly allowed: unisolated and network reachable
         record["detail"] += note
         return record
 
     def _self_test(self, backend: str, net: bool) -> dict:
         """Run a trivial program under the exact command line calls use; cached per configuration."""
-        key = (backend, net, self.python_executable, self.no_site, self.reproducible_output, tuple(self._no_aslr),
-               self.scratch_root, self.uid_base, self.docker_image, self._uid_drop, os.geteuid())
+        key = (
+            backend,
+            net,
+            self.python_executable,
+            self.no_site,
+            self.reproducible_output,
+            tuple(self._no_aslr),
+            self.scratch_root,
+            self.uid_base,
+            self.docker_image,
+            self._uid_drop,
+            os.geteuid(),
+        )
         self.backend, self._net = backend, net
         with _SELF_TESTS_LOCK:
             if key in _SELF_TESTS:
@@ -219,9 +273,11 @@ class PythonTool:
             os.chmod(planted, 0o755)
             token = os.urandom(8).hex()
             files = {}
-            for name, rel, mode in (("read a world-readable host file", "public", 0o644),
-                                    ("read a 0600 file of the server's user", "private", 0o600),
-                                    ("read a file in a 0700 folder of the server's user", "closed/file", 0o644)):
+            for name, rel, mode in (
+                ("read a world-readable host file", "public", 0o644),
+                ("read a 0600 file of the server's user", "private", 0o600),
+                ("read a file in a 0700 folder of the server's user", "closed/file", 0o644),
+            ):
                 path = os.path.join(planted, rel)
                 if "/" in rel:
                     os.mkdir(os.path.dirname(path), 0o700)
@@ -246,14 +302,20 @@ class PythonTool:
             raise SandboxError(f"the sandbox self-test printed no report: {out[-300:]!r}") from exc
         uid = self.uid_base if self._uid_drop else None
         level = level_of(backend, facts, os.geteuid())
-        record = {"backend": backend, "available": True, "level": level,
-                  "network_isolation": network_isolated(facts),
-                  "separate_user": facts["uid"] != os.geteuid() and facts["userns"] == "mapped",
-                  "uid_drop": uid is not None,
-                  "private_tmp": facts["attempts"]["read a world-readable host file"] != "read",
-                  "private_filesystem": level == "filesystem", "attempts": facts["attempts"],
-                  "resource_limits": self._limits_mechanism(backend),
-                  "detail": describe(backend, facts, uid, os.geteuid()), "_net": net}
+        record = {
+            "backend": backend,
+            "available": True,
+            "level": level,
+            "network_isolation": network_isolated(facts),
+            "separate_user": facts["uid"] != os.geteuid() and facts["userns"] == "mapped",
+            "uid_drop": uid is not None,
+            "private_tmp": facts["attempts"]["read a world-readable host file"] != "read",
+            "private_filesystem": level == "filesystem",
+            "attempts": facts["attempts"],
+            "resource_limits": self._limits_mechanism(backend),
+            "detail": describe(backend, facts, uid, os.geteuid()),
+            "_net": net,
+        }
         with _SELF_TESTS_LOCK:
             _SELF_TESTS[key] = record
         return dict(record)
@@ -270,9 +332,11 @@ class PythonTool:
             code: Python source. A final bare expression is printed, as in a REPL.
         """
         if self.persistent:  # the state lives in a trajectory's interpreter: a bare call has none to use
-            raise ArpoError("a persistent python tool runs code in a trajectory's interpreter, not in a bare call",
-                            hint="call tool.open_interpreter() and run code through it (ToolSession and ToolTextEnv "
-                                 "do), or set persistent = false")
+            raise ArpoError(
+                "a persistent python tool runs code in a trajectory's interpreter, not in a bare call",
+                hint="call tool.open_interpreter() and run code through it (ToolSession and ToolTextEnv "
+                "do), or set persistent = false",
+            )
         start = time.monotonic()
         problem = check_text_arg(code, "code", self.max_code_chars)
         if problem:
@@ -284,8 +348,9 @@ class PythonTool:
                 run = self._run_docker if self.backend == "docker" else self._run_process
                 out, err, returncode, status = run(code)
                 if status == "cancelled":
-                    raise ToolCancelled(f"the call was cancelled after {time.monotonic() - start:.1f} s; its "
-                                        "process was killed")
+                    raise ToolCancelled(
+                        f"the call was cancelled after {time.monotonic() - start:.1f} s; its process was killed"
+                    )
                 result = self._result(out, err, returncode, status)
             except ArpoError:  # SandboxError or no free uid (the sandbox failed, not the code), ToolCancelled: raised
                 raise
@@ -319,13 +384,22 @@ class PythonTool:
             return "the container's memory and PID limits (all of the call's processes together)"
         if self._uid_drop and call_cgroups_available():
             return "cgroup v1 memory and pids controllers, one group per call (all of its processes together)"
-        return ("rlimits: RLIMIT_AS per process, RLIMIT_NPROC per uid" if self._uid_drop or backend == "bwrap"
-                else "rlimits: RLIMIT_AS per process (no process cap)")
+        return (
+            "rlimits: RLIMIT_AS per process, RLIMIT_NPROC per uid"
+            if self._uid_drop or backend == "bwrap"
+            else "rlimits: RLIMIT_AS per process (no process cap)"
+        )
 
-    def _config(self, uid: int | None, code_file: str | None, probe: dict | None = None,
-                scratch: str = "") -> dict[str, Any]:
-        limits = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": max(1, int(self.cpu_s + 0.999)),
-                  "RLIMIT_FSIZE": self.max_file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
+    def _config(
+        self, uid: int | None, code_file: str | None, probe: dict | None = None, scratch: str = ""
+    ) -> dict[str, Any]:
+        limits = {
+            "RLIMIT_AS": self.memory_mb << 20,
+            "RLIMIT_CPU": max(1, int(self.cpu_s + 0.999)),
+            "RLIMIT_FSIZE": self.max_file_mb << 20,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_NOFILE": 256,
+        }
         net = self._net and self.backend == "subprocess"
         userns = os.geteuid() != 0 and (net or self.backend == "bwrap")
         # RLIMIT_NPROC counts all processes of a (user namespace, uid): only meaningful for the per-call uid, or
@@ -337,11 +411,21 @@ class PythonTool:
         # The self-test's planted folder is exposed like any host folder outside the private ones, so its attempts
         # test the uid's rights, not a mount that hides the files.
         expose = [*interpreter_paths(self.python_executable), *([probe["dir"]] if probe else [])]
-        mounts = {"expose": expose, "private": list(PRIVATE_DIRS), "keep": [scratch]} if uid is not None and net \
-            else None
-        return {"code_file": code_file, "net": net, "uid": uid, "limits": limits, "probe": probe,
-                "echo": self.echo_last_expr, "mounts": mounts, "disk_kb": self.disk_mb << 10, "no_userns": True,
-                "own_dir": scratch if self.backend == "bwrap" and uid is not None else None}
+        mounts = (
+            {"expose": expose, "private": list(PRIVATE_DIRS), "keep": [scratch]} if uid is not None and net else None
+        )
+        return {
+            "code_file": code_file,
+            "net": net,
+            "uid": uid,
+            "limits": limits,
+            "probe": probe,
+            "echo": self.echo_last_expr,
+            "mounts": mounts,
+            "disk_kb": self.disk_mb << 10,
+            "no_userns": True,
+            "own_dir": scratch if self.backend == "bwrap" and uid is not None else None,
+        }
 
     def _run_process(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
         uid = uid_pool(self.uid_base).get() if self._uid_drop else None
@@ -350,8 +434,11 @@ class PythonTool:
         try:
             if uid is not None:
                 os.chown(scratch, uid, uid)
-            prefix = bwrap_prefix(scratch, interpreter_paths(self.python_executable), self.disk_mb) \
-                if self.backend == "bwrap" else []
+            prefix = (
+                bwrap_prefix(scratch, interpreter_paths(self.python_executable), self.disk_mb)
+                if self.backend == "bwrap"
+                else []
+            )
             if uid is not None and call_cgroups_available():
                 # The call's group, joined before anything of the call runs: memory (tmpfs pages included) and
                 # process count are bounded for all its processes together.
@@ -363,10 +450,24 @@ class PythonTool:
             else:
                 flags = ["-I"]
             flags += ["-S"] if self.no_site else []
-            cmd = [*prefix, *self._no_aslr, self.python_executable, *flags, "-c", BOOTSTRAP,
-                   json.dumps(self._config(uid, None, probe, scratch))]
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=scratch, env=env, start_new_session=True)
+            cmd = [
+                *prefix,
+                *self._no_aslr,
+                self.python_executable,
+                *flags,
+                "-c",
+                BOOTSTRAP,
+                json.dumps(self._config(uid, None, probe, scratch)),
+            ]
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=scratch,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 proc.stdin.write(code.encode("utf-8", "replace"))
                 proc.stdin.close()
@@ -476,10 +577,18 @@ class PythonTool:
     def _run_docker(self, code: str, probe: dict | None = None) -> tuple[bytes, bytes, int | None, str]:
         # The self-test checks the image first: a missing one is named with the command that builds it.
         out, err, returncode, status = run_container(
-            self.docker_image, ["python", "-I", "-c", BOOTSTRAP, json.dumps(self._config(None, CODE_FILE, probe))],
-            code, memory_mb=self.memory_mb, max_procs=self.max_procs, disk_mb=self.disk_mb, timeout_s=self.timeout_s,
-            max_output_chars=self.max_output_chars, environment=child_env("/scratch"), scratch_root=self.scratch_root,
-            check_image=probe is not None)
+            self.docker_image,
+            ["python", "-I", "-c", BOOTSTRAP, json.dumps(self._config(None, CODE_FILE, probe))],
+            code,
+            memory_mb=self.memory_mb,
+            max_procs=self.max_procs,
+            disk_mb=self.disk_mb,
+            timeout_s=self.timeout_s,
+            max_output_chars=self.max_output_chars,
+            environment=child_env("/scratch"),
+            scratch_root=self.scratch_root,
+            check_image=probe is not None,
+        )
         if status == "cancelled":  # killed, perhaps before the sandbox was ready: not the sandbox's failure
             return out, err, returncode, status
         return (*_strip_ready(out, err, returncode, status), returncode, status)
@@ -489,9 +598,10 @@ def _strip_ready(out: bytes, err: bytes, returncode: int | None, status: str) ->
     """Remove the bootstrap's READY mark from stdout; without it the sandbox itself failed (SandboxError), since the
     model's code only runs after the mark is written."""
     if out.startswith(READY):
-        return out[len(READY):], err
+        return out[len(READY) :], err
     what = "timed out before the sandbox was ready" if status == "timeout" else f"exited with code {returncode}"
     tail = err.decode("utf-8", "replace").strip()[-800:] or "(no error output)"
-    raise SandboxError(f"the Python tool's sandbox failed to start ({what}): {tail}",
-                       hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend "
-                            "needs")
+    raise SandboxError(
+        f"the Python tool's sandbox failed to start ({what}): {tail}",
+        hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend needs",
+    )

@@ -175,7 +175,9 @@ if cfg["probe"]:
     print(json.dumps({"uid": os.getuid(), "ifaces": sorted(n for _, n in socket.if_nameindex()),
                       "userns": attempt(userns), "attempts": res})); sys.exit(0)
 """.replace("READY", repr(READY))
-BOOTSTRAP = SETUP + r"""
+BOOTSTRAP = (
+    SETUP
+    + r"""
 def _main(src, echo):
     try:
         tree = ast.parse(src, "<string>")
@@ -196,6 +198,7 @@ def _main(src, echo):
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next); sys.exit(1)
 _main(src, cfg["echo"])
 """
+)
 
 _BACKENDS = ("auto", "subprocess", "bwrap", "docker")
 _MAX_SANDBOXES = threading.BoundedSemaphore(max(4, 2 * (os.cpu_count() or 1)))
@@ -244,9 +247,11 @@ PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # Read-only system folders the dynamic loader and the interpreter need; symlinks (merged /usr) stay symlinks.
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _LOADER_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
-_PATHS_SCRIPT = ("import json, os, site, sys\n"
-                 "print(json.dumps([os.path.realpath(sys.executable), sys.prefix, sys.exec_prefix, sys.base_prefix,"
-                 " sys.base_exec_prefix, *site.getsitepackages()]))")
+_PATHS_SCRIPT = (
+    "import json, os, site, sys\n"
+    "print(json.dumps([os.path.realpath(sys.executable), sys.prefix, sys.exec_prefix, sys.base_prefix,"
+    " sys.base_exec_prefix, *site.getsitepackages()]))"
+)
 
 
 @functools.lru_cache(maxsize=16)
@@ -254,14 +259,24 @@ def interpreter_paths(executable: str) -> tuple[str, ...]:
     """The folders ``executable`` needs, resolved: its prefixes and site folders and the folders of the command and of
     its resolved binary; nested ones dropped. Asked of the interpreter itself (a venv knows its base)."""
     try:
-        proc = subprocess.run([executable, "-I", "-c", _PATHS_SCRIPT], capture_output=True, text=True, timeout=60,
-                              env=child_env("/"), cwd="/")
+        proc = subprocess.run(
+            [executable, "-I", "-c", _PATHS_SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env("/"),
+            cwd="/",
+        )
     except OSError as exc:
-        raise SandboxError(f"cannot run the python tool's interpreter {executable}: {exc}",
-                           hint="set tools.python.python_executable to an existing interpreter") from exc
+        raise SandboxError(
+            f"cannot run the python tool's interpreter {executable}: {exc}",
+            hint="set tools.python.python_executable to an existing interpreter",
+        ) from exc
     if proc.returncode != 0:
-        raise SandboxError(f"the python tool's interpreter {executable} failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-500:]}", hint="check tools.python.python_executable")
+        raise SandboxError(
+            f"the python tool's interpreter {executable} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}",
+            hint="check tools.python.python_executable",
+        )
     real_exe, *dirs = json.loads(proc.stdout)
     dirs += [os.path.dirname(real_exe), os.path.dirname(os.path.abspath(executable))]
     found = sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
@@ -276,8 +291,9 @@ def interpreter_paths(executable: str) -> tuple[str, ...]:
 def bwrap_disables_userns() -> bool:
     """Whether the installed bwrap has ``--disable-userns`` (bubblewrap 0.8 and later)."""
     try:
-        return "--disable-userns" in subprocess.run(["bwrap", "--help"], capture_output=True, text=True,
-                                                    timeout=30).stdout
+        return (
+            "--disable-userns" in subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30).stdout
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -289,8 +305,16 @@ def bwrap_prefix(scratch: str, python_paths: tuple[str, ...], disk_mb: int = 64)
     root there is no user namespace (it would map the code to host root; the bootstrap drops to the sandbox uid).
     The writable folders (``/tmp``, ``/dev/shm``, the scratch folder) are tmpfs of ``disk_mb`` each."""
     size = str(disk_mb << 20)
-    args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
-            "--unshare-uts", "--unshare-cgroup-try"]
+    args = [
+        "bwrap",
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+    ]
     if os.geteuid() != 0:
         args.append("--unshare-user")
         if bwrap_disables_userns():  # besides the bootstrap's seccomp filter
@@ -304,8 +328,24 @@ def bwrap_prefix(scratch: str, python_paths: tuple[str, ...], disk_mb: int = 64)
             system.append(d)
     for f in _LOADER_FILES:
         args += ["--ro-bind-try", f, f]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "01777", "--size", size, "--tmpfs", "/dev/shm",
-             "--perms", "01777", "--size", size, "--tmpfs", "/tmp"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "01777",
+        "--size",
+        size,
+        "--tmpfs",
+        "/dev/shm",
+        "--perms",
+        "01777",
+        "--size",
+        size,
+        "--tmpfs",
+        "/tmp",
+    ]
     made = {"/", "/tmp", "/dev", "/dev/shm", "/proc"}
 
     def parents(path: str) -> list[str]:
@@ -327,5 +367,12 @@ def bwrap_prefix(scratch: str, python_paths: tuple[str, ...], disk_mb: int = 64)
 
 def child_env(scratch: str) -> dict[str, str]:
     # Nothing is inherited from the host; thread counts are pinned so numeric libraries fit the memory limit.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch,
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LC_ALL": "C.UTF-8",
+        "HOME": scratch,
+        "TMPDIR": scratch,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }

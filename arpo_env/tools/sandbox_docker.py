@@ -51,8 +51,10 @@ def docker_client():
         client = from_env()
         client.ping()
     except Exception as exc:
-        raise SandboxError(f"no Docker engine answers ({type(exc).__name__}: {str(exc)[:200]})",
-                           hint="start the engine (dockerd, `systemctl start docker`) or set DOCKER_HOST") from exc
+        raise SandboxError(
+            f"no Docker engine answers ({type(exc).__name__}: {str(exc)[:200]})",
+            hint="start the engine (dockerd, `systemctl start docker`) or set DOCKER_HOST",
+        ) from exc
     return client
 
 
@@ -73,14 +75,24 @@ def require_image(client, image: str) -> None:
     if image == DEFAULT_IMAGE:
         hint = f"build it from this machine's Debian package sources: {BUILD_COMMAND}"
     else:
-        hint = (f"pull or build it (`docker pull {image}`), or use the default image {DEFAULT_IMAGE} "
-                f"({BUILD_COMMAND})")
+        hint = f"pull or build it (`docker pull {image}`), or use the default image {DEFAULT_IMAGE} ({BUILD_COMMAND})"
     raise SandboxError(f"the Docker sandbox image {image!r} is not in the local engine", hint=hint)
 
 
-def run_container(image: str, command: list[str], code: str, *, memory_mb: int, max_procs: int, disk_mb: int,
-                  timeout_s: float, max_output_chars: int, environment: dict[str, str], scratch_root: str | None = None,
-                  check_image: bool = False) -> tuple[bytes, bytes, int | None, str]:
+def run_container(
+    image: str,
+    command: list[str],
+    code: str,
+    *,
+    memory_mb: int,
+    max_procs: int,
+    disk_mb: int,
+    timeout_s: float,
+    max_output_chars: int,
+    environment: dict[str, str],
+    scratch_root: str | None = None,
+    check_image: bool = False,
+) -> tuple[bytes, bytes, int | None, str]:
     """Run ``command`` in a fresh container of ``image`` with ``code`` at :data:`CODE_FILE`; return its stdout,
     stderr, exit code and status: "ok"; or "timeout", "cancelled", "flood" with the container killed and code None.
 
@@ -105,19 +117,33 @@ def run_container(image: str, command: list[str], code: str, *, memory_mb: int, 
         nobody, size = pwd.getpwnam("nobody"), f"{disk_mb}m"
         # create + start, never containers.run: run pulls a missing image from a registry by itself.
         container = client.containers.create(
-            image, command, network_mode="none", mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m",
-            pids_limit=max_procs, read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-            user=f"{nobody.pw_uid}:{nobody.pw_gid}", working_dir="/scratch",
-            tmpfs={"/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
-                   "/tmp": f"size={size},mode=1777"}, shm_size=disk_mb << 20,
-            volumes={codedir: {"bind": os.path.dirname(CODE_FILE), "mode": "ro"}}, environment=environment,
-            log_config=docker.types.LogConfig(type=docker.types.LogConfig.types.NONE))
+            image,
+            command,
+            network_mode="none",
+            mem_limit=f"{memory_mb}m",
+            memswap_limit=f"{memory_mb}m",
+            pids_limit=max_procs,
+            read_only=True,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            user=f"{nobody.pw_uid}:{nobody.pw_gid}",
+            working_dir="/scratch",
+            tmpfs={
+                "/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
+                "/tmp": f"size={size},mode=1777",
+            },
+            shm_size=disk_mb << 20,
+            volumes={codedir: {"bind": os.path.dirname(CODE_FILE), "mode": "ro"}},
+            environment=environment,
+            log_config=docker.types.LogConfig(type=docker.types.LogConfig.types.NONE),
+        )
         # Attached before it starts: nothing it writes is missed, the READY mark included.
         stream = container.attach(stdout=True, stderr=True, stream=True, demux=True)
         try:
             container.start()
-            return _collect(container, stream, timeout_s, 4 * max_output_chars + 1024,
-                            max(1 << 20, 16 * max_output_chars))
+            return _collect(
+                container, stream, timeout_s, 4 * max_output_chars + 1024, max(1 << 20, 16 * max_output_chars)
+            )
         finally:
             stream.close()
     finally:
@@ -128,8 +154,9 @@ def run_container(image: str, command: list[str], code: str, *, memory_mb: int, 
         shutil.rmtree(codedir, ignore_errors=True)
 
 
-def _collect(container: Any, stream: Any, timeout_s: float, keep: int,
-             flood: int) -> tuple[bytes, bytes, int | None, str]:
+def _collect(
+    container: Any, stream: Any, timeout_s: float, keep: int, flood: int
+) -> tuple[bytes, bytes, int | None, str]:
     """Read the container's output while waiting for it: its streams (``keep`` bytes of each), exit code and status;
     killed at the deadline, at the calling thread's cancel event (watched every 0.1 s as the other backends do) or
     after ``flood`` bytes of output."""
@@ -191,8 +218,11 @@ def image_status(image: str = DEFAULT_IMAGE) -> dict:
         present = image_present(client, image)
     finally:
         client.close()
-    return {"image": image, "present": present,
-            "detail": "in the local engine" if present else f"missing: {BUILD_COMMAND}"}
+    return {
+        "image": image,
+        "present": present,
+        "detail": "in the local engine" if present else f"missing: {BUILD_COMMAND}",
+    }
 
 
 def docker_backend_problem(image: str = DEFAULT_IMAGE) -> str | None:
@@ -225,9 +255,11 @@ def _os_codename(os_release: str) -> str | None:
 def _source_entries(apt_dir: str) -> list[dict]:
     """The ``deb`` entries of apt's source lists, in apt's order: one-line ``.list`` files and deb822 ``.sources``."""
     entries: list[dict] = []
-    files = [os.path.join(apt_dir, "sources.list"),
-             *sorted(glob.glob(os.path.join(apt_dir, "sources.list.d", "*.list"))),
-             *sorted(glob.glob(os.path.join(apt_dir, "sources.list.d", "*.sources")))]
+    files = [
+        os.path.join(apt_dir, "sources.list"),
+        *sorted(glob.glob(os.path.join(apt_dir, "sources.list.d", "*.list"))),
+        *sorted(glob.glob(os.path.join(apt_dir, "sources.list.d", "*.sources"))),
+    ]
     for path in files:
         try:
             with open(path, encoding="utf-8") as f:
@@ -244,8 +276,13 @@ def _source_entries(apt_dir: str) -> list[dict]:
                     fields[key.strip().lower()] = value.strip()
                 if "deb" in fields.get("types", "").split() and fields.get("enabled", "yes").lower() != "no":
                     for uri in fields.get("uris", "").split():
-                        entries.append({"uri": uri, "suites": fields.get("suites", "").split(),
-                                        "components": fields.get("components", "").split()})
+                        entries.append(
+                            {
+                                "uri": uri,
+                                "suites": fields.get("suites", "").split(),
+                                "components": fields.get("components", "").split(),
+                            }
+                        )
         else:
             for line in text.splitlines():
                 words = re.sub(r"\[[^\]]*\]", " ", line.split("#", 1)[0]).split()  # options: [arch=amd64 ...]
@@ -260,17 +297,26 @@ def debian_source(apt_dir: str = "/etc/apt", os_release: str = "/etc/os-release"
     ConfigError when the machine names none (not Debian, no such source): the hint says how to name one."""
     suite = _os_codename(os_release)
     if suite is None:
-        raise ConfigError(f"cannot tell this machine's Debian release: {os_release} has no VERSION_CODENAME",
-                          hint="name them: --suite bookworm --mirror http://deb.debian.org/debian")
+        raise ConfigError(
+            f"cannot tell this machine's Debian release: {os_release} has no VERSION_CODENAME",
+            hint="name them: --suite bookworm --mirror http://deb.debian.org/debian",
+        )
     for entry in _source_entries(apt_dir):
         if suite in entry["suites"] and "main" in entry["components"] and entry["uri"].startswith(("http", "file:")):
             return entry["uri"], suite
-    raise ConfigError(f"no apt source of {apt_dir} serves '{suite} main' (the release this machine runs)",
-                      hint="name a Debian mirror: --mirror URL (and --suite NAME)")
+    raise ConfigError(
+        f"no apt source of {apt_dir} serves '{suite} main' (the release this machine runs)",
+        hint="name a Debian mirror: --mirror URL (and --suite NAME)",
+    )
 
 
-def build_image(tag: str = DEFAULT_IMAGE, mirror: str | None = None, suite: str | None = None,
-                rebuild: bool = False, log: Callable[[str], None] = print) -> dict:
+def build_image(
+    tag: str = DEFAULT_IMAGE,
+    mirror: str | None = None,
+    suite: str | None = None,
+    rebuild: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Build ``tag`` from Debian packages and import it into the local engine; reuse it when present (unless
     ``rebuild``). Returns ``{"image", "built", "seconds", "size_mb", "mirror", "suite"}``.
 
@@ -281,8 +327,10 @@ def build_image(tag: str = DEFAULT_IMAGE, mirror: str | None = None, suite: str 
             log(f"{tag} is already in the local engine (--rebuild builds it again)")
             return {"image": tag, "built": False, **_size(client, tag)}
         if os.geteuid() != 0:
-            raise SandboxError("building the sandbox image needs root (debootstrap creates device nodes and "
-                               "file owners)", hint=f"run `sudo {BUILD_COMMAND}`")
+            raise SandboxError(
+                "building the sandbox image needs root (debootstrap creates device nodes and file owners)",
+                hint=f"run `sudo {BUILD_COMMAND}`",
+            )
         if shutil.which("debootstrap") is None:
             raise SandboxError("debootstrap is not installed", hint="apt-get install debootstrap")
         if mirror is None or suite is None:
@@ -299,8 +347,10 @@ def build_image(tag: str = DEFAULT_IMAGE, mirror: str | None = None, suite: str 
                 if rc != 0:
                     out.seek(0)
                     tail = "".join(out.readlines()[-15:]).strip()
-                    raise SandboxError(f"debootstrap failed (exit {rc}):\n{tail}",
-                                       hint="check the mirror (--mirror URL) and the network to it")
+                    raise SandboxError(
+                        f"debootstrap failed (exit {rc}):\n{tail}",
+                        hint="check the mirror (--mirror URL) and the network to it",
+                    )
             _finish_root(root)
             log(f"importing into the local engine as {tag} ...")
             _import(client, root, tag, mirror, suite)
@@ -308,8 +358,14 @@ def build_image(tag: str = DEFAULT_IMAGE, mirror: str | None = None, suite: str 
             _unmount_below(work)  # a debootstrap that failed half-way leaves /proc mounted in the new root
             shutil.rmtree(work, ignore_errors=True)
         seconds = time.monotonic() - start
-        info = {"image": tag, "built": True, "seconds": round(seconds, 1), **_size(client, tag), "mirror": mirror,
-                "suite": suite}
+        info = {
+            "image": tag,
+            "built": True,
+            "seconds": round(seconds, 1),
+            **_size(client, tag),
+            "mirror": mirror,
+            "suite": suite,
+        }
         log(f"built {tag} in {seconds:.0f} s ({info['size_mb']} MB)")
         return info
     finally:
@@ -334,8 +390,11 @@ def _finish_root(root: str) -> None:
             os.unlink(path)
     shutil.rmtree(os.path.join(root, "var/lib/apt/lists"), ignore_errors=True)
     os.makedirs(os.path.join(root, "var/lib/apt/lists/partial"), exist_ok=True)
-    for name, line in (("passwd", f"{USER}:x:{USER_ID}:{USER_ID}::/home/{USER}:/bin/sh\n"),
-                       ("group", f"{USER}:x:{USER_ID}:\n"), ("shadow", f"{USER}:!:19000::::::\n")):
+    for name, line in (
+        ("passwd", f"{USER}:x:{USER_ID}:{USER_ID}::/home/{USER}:/bin/sh\n"),
+        ("group", f"{USER}:x:{USER_ID}:\n"),
+        ("shadow", f"{USER}:!:19000::::::\n"),
+    ):
         with open(os.path.join(root, "etc", name), "a", encoding="utf-8") as f:
             f.write(line)
     home = os.path.join(root, "home", USER)
@@ -345,8 +404,10 @@ def _finish_root(root: str) -> None:
 
 def _import(client, root: str, tag: str, mirror: str, suite: str) -> None:
     repository, _, version = tag.rpartition(":") if ":" in tag.split("/")[-1] else (tag, "", "latest")
-    changes = [f"ENV PATH={PATH}", f'LABEL org.arpo.sandbox.recipe="{RECIPE}" org.arpo.sandbox.suite="{suite}" '
-               f'org.arpo.sandbox.mirror="{mirror}"']
+    changes = [
+        f"ENV PATH={PATH}",
+        f'LABEL org.arpo.sandbox.recipe="{RECIPE}" org.arpo.sandbox.suite="{suite}" org.arpo.sandbox.mirror="{mirror}"',
+    ]
     tar = subprocess.Popen(["tar", "-C", root, "--numeric-owner", "-cf", "-", "."], stdout=subprocess.PIPE)
     try:
         client.api.import_image_from_stream(tar.stdout, repository=repository, tag=version, changes=changes)

@@ -43,21 +43,30 @@ def private_runtime_dir(path: str = RUNTIME_DIR) -> int:
             try:
                 nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except OSError as exc:  # ELOOP / ENOTDIR: a symbolic link or a file planted in its place
-                raise SandboxError(f"the sandbox's runtime folder {path}: {'/' + '/'.join(parts[:i + 1])} is not a "
-                                   f"folder ({exc.strerror})", hint=f"remove it; {path} is made by the server") \
-                    from exc
+                raise SandboxError(
+                    f"the sandbox's runtime folder {path}: {'/' + '/'.join(parts[: i + 1])} is not a "
+                    f"folder ({exc.strerror})",
+                    hint=f"remove it; {path} is made by the server",
+                ) from exc
             os.close(fd)
             fd = nxt
             st = os.fstat(fd)
-            bad = (st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and
-                                                                                      not last))
-                   or (last and (st.st_uid != os.geteuid() or st.st_mode & 0o077)))
+            bad = (
+                st.st_uid not in (0, os.geteuid())
+                or (st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and not last))
+                or (last and (st.st_uid != os.geteuid() or st.st_mode & 0o077))
+            )
             if bad:
-                raise SandboxError(f"the sandbox's runtime folder {path}: {'/' + '/'.join(parts[:i + 1])} is owned by "
-                                   f"uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}; it must be "
-                                   + ("this user's own and private (0700)" if last else
-                                      "root's or this user's and writable by no one else, or sticky"),
-                                   hint="another local user may have created it first: remove it and restart")
+                raise SandboxError(
+                    f"the sandbox's runtime folder {path}: {'/' + '/'.join(parts[: i + 1])} is owned by "
+                    f"uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}; it must be "
+                    + (
+                        "this user's own and private (0700)"
+                        if last
+                        else "root's or this user's and writable by no one else, or sticky"
+                    ),
+                    hint="another local user may have created it first: remove it and restart",
+                )
         return fd
     except BaseException:
         os.close(fd)
@@ -75,8 +84,7 @@ class UidLeases:
     to ``timeout_s``) when every uid is leased.
     """
 
-    def __init__(self, uid_base: int, size: int = 256, timeout_s: float = 60.0,
-                 runtime_dir: str = RUNTIME_DIR) -> None:
+    def __init__(self, uid_base: int, size: int = 256, timeout_s: float = 60.0, runtime_dir: str = RUNTIME_DIR) -> None:
         self.uids = range(check_uid_base(uid_base), uid_base + size)
         self.timeout_s = timeout_s
         self._held: dict[int, int] = {}  # uid -> lock fd
@@ -107,22 +115,29 @@ class UidLeases:
                     self._next = (self._next + i + 1) % n
                     return uid
             if time.monotonic() > deadline:
-                raise ArpoError(f"no free sandbox uid in {self.uids.start}..{self.uids.stop - 1} after "
-                                f"{self.timeout_s:g} s", hint="fewer concurrent Python tool calls on this host")
+                raise ArpoError(
+                    f"no free sandbox uid in {self.uids.start}..{self.uids.stop - 1} after {self.timeout_s:g} s",
+                    hint="fewer concurrent Python tool calls on this host",
+                )
             time.sleep(0.02)
 
     def _open_lock(self, uid: int) -> int:
         try:
-            fd = os.open(f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=self._dir_fd)
+            fd = os.open(
+                f"{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd
+            )
         except OSError as exc:  # ELOOP: a symbolic link in place of the lock file
-            raise SandboxError(f"the sandbox uid lock {self.path}/{uid}.lock cannot be opened safely: {exc.strerror}",
-                               hint=f"remove {self.path}; it is made by the server") from exc
+            raise SandboxError(
+                f"the sandbox uid lock {self.path}/{uid}.lock cannot be opened safely: {exc.strerror}",
+                hint=f"remove {self.path}; it is made by the server",
+            ) from exc
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             os.close(fd)
-            raise SandboxError(f"the sandbox uid lock {self.path}/{uid}.lock is not this user's regular file",
-                               hint=f"remove {self.path}; it is made by the server")
+            raise SandboxError(
+                f"the sandbox uid lock {self.path}/{uid}.lock is not this user's regular file",
+                hint=f"remove {self.path}; it is made by the server",
+            )
         return fd
 
     def put(self, uid: int) -> None:
@@ -149,14 +164,20 @@ def check_uid_base(uid_base: object) -> int:
     if isinstance(uid_base, bool) or not isinstance(uid_base, int):
         raise ConfigError(f"python tool setting 'uid_base' must be an integer uid, got {uid_base!r}")
     if not MIN_UID_BASE <= uid_base <= 2**31 - 1 - POOL_SIZE:
-        raise ConfigError(f"python tool setting 'uid_base' = {uid_base} is outside {MIN_UID_BASE}.."
-                          f"{2**31 - 1 - POOL_SIZE}: each call runs as a uid of [uid_base, uid_base + {POOL_SIZE}) and "
-                          "every process of that uid is killed when the call ends", hint="leave the default (62000)")
+        raise ConfigError(
+            f"python tool setting 'uid_base' = {uid_base} is outside {MIN_UID_BASE}.."
+            f"{2**31 - 1 - POOL_SIZE}: each call runs as a uid of [uid_base, uid_base + {POOL_SIZE}) and "
+            "every process of that uid is killed when the call ends",
+            hint="leave the default (62000)",
+        )
     named = sorted(u.pw_uid for u in pwd.getpwall() if uid_base <= u.pw_uid < uid_base + POOL_SIZE)
     if named:
-        raise ConfigError(f"python tool setting 'uid_base' = {uid_base}: its pool holds uid {named[0]} "
-                          f"({pwd.getpwuid(named[0]).pw_name}), a user of this host whose processes a finished call "
-                          "would kill", hint=f"choose a range of {POOL_SIZE} uids no user has")
+        raise ConfigError(
+            f"python tool setting 'uid_base' = {uid_base}: its pool holds uid {named[0]} "
+            f"({pwd.getpwuid(named[0]).pw_name}), a user of this host whose processes a finished call "
+            "would kill",
+            hint=f"choose a range of {POOL_SIZE} uids no user has",
+        )
     return uid_base
 
 
@@ -264,8 +285,14 @@ class CallCgroup:
 
     def join_prefix(self) -> list[str]:
         """A command line prefix that moves itself into both groups, then runs the rest."""
-        return ["/bin/sh", "-c", 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"', "arpo-sandbox-join",
-                os.path.join(self.paths["memory"], "cgroup.procs"), os.path.join(self.paths["pids"], "cgroup.procs")]
+        return [
+            "/bin/sh",
+            "-c",
+            'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"',
+            "arpo-sandbox-join",
+            os.path.join(self.paths["memory"], "cgroup.procs"),
+            os.path.join(self.paths["pids"], "cgroup.procs"),
+        ]
 
     @staticmethod
     def _empty(path: str) -> None:

@@ -63,8 +63,9 @@ class SearchTool:
 
     name = "search"
 
-    def __init__(self, backend: SearchBackend, max_results: int = 10, result_length: int = 1000,
-                 max_query_chars: int = 2000) -> None:
+    def __init__(
+        self, backend: SearchBackend, max_results: int = 10, result_length: int = 1000, max_query_chars: int = 2000
+    ) -> None:
         """Wrap a backend.
 
         Args:
@@ -73,8 +74,11 @@ class SearchTool:
             result_length: Characters kept per snippet (reference: 1000).
             max_query_chars: Longer queries are rejected without searching.
         """
-        for key, value in (("max_results", max_results), ("result_length", result_length),
-                           ("max_query_chars", max_query_chars)):
+        for key, value in (
+            ("max_results", max_results),
+            ("result_length", result_length),
+            ("max_query_chars", max_query_chars),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"search tool setting '{key}' must be a positive integer, got {value!r}")
         self.backend, self.max_results, self.result_length = backend, max_results, result_length
@@ -107,8 +111,9 @@ class SearchTool:
         except SearchError as exc:
             return ToolResult(text=str(exc), error=True, latency_s=time.monotonic() - start)
         except Exception as exc:  # a backend bug must not stop a rollout; the type name is enough to debug
-            return ToolResult(text=f"Search failed: {type(exc).__name__}", error=True,
-                              latency_s=time.monotonic() - start)
+            return ToolResult(
+                text=f"Search failed: {type(exc).__name__}", error=True, latency_s=time.monotonic() - start
+            )
         text = found if isinstance(found, str) else format_snippets(found, self.max_results, self.result_length)
         return ToolResult(text=text, latency_s=time.monotonic() - start, meta={"no_results": text == NO_RESULTS})
 
@@ -135,8 +140,13 @@ def load_documents(path: str | os.PathLike) -> list[dict]:
 class BM25Backend:
     """Offline search: BM25 (``bm25s``) over a local corpus; a snippet is ``"{title}: {text}"``."""
 
-    def __init__(self, corpus_path: str | os.PathLike | None = None, documents: list[dict] | None = None,
-                 index_dir: str | os.PathLike | None = None, top_k: int = 10) -> None:
+    def __init__(
+        self,
+        corpus_path: str | os.PathLike | None = None,
+        documents: list[dict] | None = None,
+        index_dir: str | os.PathLike | None = None,
+        top_k: int = 10,
+    ) -> None:
         """Build (or load from ``index_dir``) the index.
 
         Args:
@@ -155,8 +165,10 @@ class BM25Backend:
         if index_dir is not None and (Path(index_dir) / "params.index.json").exists():
             self._index = bm25s.BM25.load(str(index_dir))
             if self._index.scores["num_docs"] != len(docs):
-                raise ConfigError(f"BM25 index in {index_dir} has {self._index.scores['num_docs']} documents, "
-                                  f"the corpus has {len(docs)}; delete the folder to rebuild it")
+                raise ConfigError(
+                    f"BM25 index in {index_dir} has {self._index.scores['num_docs']} documents, "
+                    f"the corpus has {len(docs)}; delete the folder to rebuild it"
+                )
         else:
             self._index = bm25s.BM25()
             tokens = bm25s.tokenize(self._snippets, stopwords="en", show_progress=False)
@@ -203,8 +215,11 @@ class ReplayBackend:
     def search(self, query: str) -> str:
         """Look the query up as is, then with the ``"search query: "`` prefix added or removed."""
         query = clean_query(query)
-        alternatives = [query, query[len(QUERY_PREFIX):].strip()] if query.startswith(QUERY_PREFIX) else [
-            query, QUERY_PREFIX + query]
+        alternatives = (
+            [query, query[len(QUERY_PREFIX) :].strip()]
+            if query.startswith(QUERY_PREFIX)
+            else [query, QUERY_PREFIX + query]
+        )
         for key in alternatives:
             if key in self.entries:
                 return self.entries[key]
@@ -219,9 +234,18 @@ class WebBackend:
     (or ``organic[*].description``), for self-hosted search services.
     """
 
-    def __init__(self, url: str = "https://api.brightdata.com/request", api_key_env: str = "ARPO_SEARCH_API_KEY",
-                 provider: str = "brightdata", zone: str = "serp_api1", location: str = "us",
-                 timeout_s: float = 20.0, retries: int = 3, backoff_s: float = 1.0, num: int = 10) -> None:
+    def __init__(
+        self,
+        url: str = "https://api.brightdata.com/request",
+        api_key_env: str = "ARPO_SEARCH_API_KEY",
+        provider: str = "brightdata",
+        zone: str = "serp_api1",
+        location: str = "us",
+        timeout_s: float = 20.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        num: int = 10,
+    ) -> None:
         """Configure the endpoint.
 
         Args:
@@ -238,8 +262,10 @@ class WebBackend:
         if provider not in ("brightdata", "json"):
             raise ConfigError(f"unknown web search provider {provider!r}; choose 'brightdata' or 'json'")
         if not os.environ.get(api_key_env):
-            raise ConfigError(f"web search needs an API key in the environment variable {api_key_env}",
-                              hint=f"export {api_key_env}=... or use the 'bm25' or 'replay' search backend")
+            raise ConfigError(
+                f"web search needs an API key in the environment variable {api_key_env}",
+                hint=f"export {api_key_env}=... or use the 'bm25' or 'replay' search backend",
+            )
         if retries < 1 or timeout_s <= 0:
             raise ConfigError("web search needs retries >= 1 and timeout_s > 0")
         self.url, self.api_key_env, self.provider, self.zone, self.location = url, api_key_env, provider, zone, location
@@ -251,7 +277,8 @@ class WebBackend:
         lang = "zh" if re.search(r"[\u4e00-\u9fff]", query) else "en"
         mkt = "zh-CN" if lang == "zh" else "en-US"
         bing = "https://www.bing.com/search?" + urllib.parse.urlencode(
-            {"q": query, "mkt": mkt, "setLang": lang, "brd_json": 1, "cc": self.location})
+            {"q": query, "mkt": mkt, "setLang": lang, "brd_json": 1, "cc": self.location}
+        )
         return {"zone": self.zone, "url": bing, "format": "raw"}
 
     def search(self, query: str) -> list[str]:

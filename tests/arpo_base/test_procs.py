@@ -28,10 +28,12 @@ def _zombie_child() -> subprocess.Popen:
 
 
 #: A parent that starts a child which ends at once, never waits for it, and sleeps: a zombie one level down.
-NEGLECTFUL_PARENT = ("import subprocess, sys, time\n"
-                     "p = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
-                     "print(p.pid, flush=True)\n"
-                     "time.sleep(60)\n")
+NEGLECTFUL_PARENT = (
+    "import subprocess, sys, time\n"
+    "p = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+    "print(p.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
 
 
 @pytest.fixture
@@ -59,8 +61,9 @@ def test_a_zombie_child_is_counted_as_ended_by_every_census(zombie):
 def test_a_zombie_below_a_cluster_node_is_not_part_of_its_family():
     from arpo_algo.run.local_cluster import Node
 
-    parent = subprocess.Popen([sys.executable, "-c", NEGLECTFUL_PARENT], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", NEGLECTFUL_PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         child = psutil.Process(int(parent.stdout.readline()))
         deadline = time.monotonic() + 30
@@ -94,15 +97,30 @@ def test_the_suite_fails_naming_the_parent_of_a_child_left_unreaped(tmp_path):
         "    KEEP.append(subprocess.Popen([sys.executable, '-c', 'pass']))\n"
         "    time.sleep(1)\n\n\n"
         "def test_after():\n"
-        "    pass\n")
+        "    pass\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "ARPO_TEST_HARD_EXIT": "0"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 1 and "2 passed" in out, out
     assert "left unreaped" in out and "child of pid " in out and "test_case.py::test_leaves_a_zombie" in out, out
-    (tmp_path / "test_case.py").write_text("import subprocess, sys\n\n\ndef test_waits():\n"
-                                           "    subprocess.run([sys.executable, '-c', 'pass'], check=True)\n")
-    clean = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    (tmp_path / "test_case.py").write_text(
+        "import subprocess, sys\n\n\ndef test_waits():\n"
+        "    subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+    )
+    clean = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert clean.returncode == 0 and "left unreaped" not in clean.stdout, clean.stdout + clean.stderr

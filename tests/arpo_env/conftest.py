@@ -26,8 +26,10 @@ def need_docker() -> None:
     problem = docker_backend_problem()
     if problem:
         if os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
-                        "installs the engine and builds the image")
+            pytest.fail(
+                f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test "
+                "installs the engine and builds the image"
+            )
         pytest.skip(problem)
 
 

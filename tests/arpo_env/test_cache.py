@@ -79,16 +79,21 @@ def test_reference_json_round_trip(tmp_path, shared_data):
     # The imported cache serves the search tool with no backend data at all (empty replay file).
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
-    tool = CachedTool(SearchTool(ReplayBackend(empty)), ToolCache(tmp_path / "c.sqlite", mode="read_only",
-                                                                   on_miss="error"))
+    tool = CachedTool(
+        SearchTool(ReplayBackend(empty)), ToolCache(tmp_path / "c.sqlite", mode="read_only", on_miss="error")
+    )
     key = next(iter(raw))
     hit = tool(query=f"  {key} ")
     assert hit.cache_hit and hit.text == raw[key]
 
 
 def test_build_tools_with_cache(tmp_path, shared_data):
-    tools = build_tools({"search": {"backend": "replay", "cache_json": str(shared_data / "search_cache.json")},
-                         "cache": {"path": str(tmp_path / "t.sqlite"), "mode": "read_write"}})
+    tools = build_tools(
+        {
+            "search": {"backend": "replay", "cache_json": str(shared_data / "search_cache.json")},
+            "cache": {"path": str(tmp_path / "t.sqlite"), "mode": "read_write"},
+        }
+    )
     query = next(iter(json.loads((shared_data / "search_cache.json").read_text())))
     assert not tools["search"](query=query).cache_hit and tools["search"](query=query).cache_hit
     with pytest.raises(ConfigError, match="tools.cache: unknown key 'size'"):

@@ -116,21 +116,26 @@ def test_siblings_start_from_the_parent_and_never_see_each_other(tool):
 
 def test_fork_with_an_open_file_and_a_large_array(tool):
     s = _session(tool)
-    _run(s, "big = bytearray(range(256)) * (40 << 12)\nw = open('log.txt', 'w')\nw.write('head;')\n"
-            "open('data.txt', 'w').write('0123456789')\nr = open('data.txt')\nr.read(3)")
+    _run(
+        s,
+        "big = bytearray(range(256)) * (40 << 12)\nw = open('log.txt', 'w')\nw.write('head;')\n"
+        "open('data.txt', 'w').write('0123456789')\nr = open('data.txt')\nr.read(3)",
+    )
     a, b = s.clone(), s.clone()
     # Each child's descriptors point at its own copy: its own offset, its own content, the parent's unflushed buffer.
-    assert _run(a, "w.write('A'); w.flush()\nprint(r.read(2), len(big), big[-1], open('log.txt').read())") \
+    assert (
+        _run(a, "w.write('A'); w.flush()\nprint(r.read(2), len(big), big[-1], open('log.txt').read())")
         == "34 41943040 255 head;A"
-    assert _run(b, "w.write('B'); w.flush()\nprint(r.read(2), big[12345], open('log.txt').read())") \
-        == "34 57 head;B"
+    )
+    assert _run(b, "w.write('B'); w.flush()\nprint(r.read(2), big[12345], open('log.txt').read())") == "34 57 head;B"
     assert _run(s, "w.flush()\nprint(r.read(), open('log.txt').read())") == "3456789 head;"
     for x in (s, a, b):
         x.close()
 
 
-@pytest.mark.parametrize("end", ["import time\ntime.sleep(30)", "import os\nos._exit(3)",
-                                 "import ctypes\nctypes.string_at(0)"])
+@pytest.mark.parametrize(
+    "end", ["import time\ntime.sleep(30)", "import os\nos._exit(3)", "import ctypes\nctypes.string_at(0)"]
+)
 def test_a_branch_that_times_out_or_crashes_leaves_the_others_working(tool, end):
     s = _session(tool)
     _run(s, "x = 7")
@@ -148,8 +153,10 @@ def test_a_branch_that_times_out_or_crashes_leaves_the_others_working(tool, end)
 def test_nothing_survives_the_trajectory(tool):
     """A daemon that leaves the process group and double-forks ends with its trajectory (checked by the fixture),
     at the trajectory's end (an answer), reset and close."""
-    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(300)\n"
-              "    os._exit(0)\nprint('started')")
+    daemon = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(300)\n"
+        "    os._exit(0)\nprint('started')"
+    )
     env = ToolTextEnv(task="toolmath", tools={"python": tool}, max_tool_calls=8)
     env.reset(seed=0)
     assert "started" in env.step(f"<python>{daemon}</python>")[0]
@@ -180,10 +187,12 @@ def test_a_cancelled_call_ends_its_interpreter(tool):
 def test_one_trajectory_cannot_read_another_trajectorys_state(tool):
     a, b = _session(tool), _session(tool)
     where = _run(a, "import os\nsecret = 'arpo-secret-91'\nopen('s.txt', 'w').write(secret)\nprint(os.getcwd())")
-    probe = (f"import os\nfound = []\ntry:\n    found.append(open({where + '/s.txt'!r}).read())\nexcept OSError as e:\n"
-             "    found.append(type(e).__name__)\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
-             "    try:\n        found.append(open(f'/proc/{pid}/cmdline').read())\n    except OSError:\n        pass\n"
-             "print(any('arpo-secret-91' in f for f in found), found[0])")
+    probe = (
+        f"import os\nfound = []\ntry:\n    found.append(open({where + '/s.txt'!r}).read())\nexcept OSError as e:\n"
+        "    found.append(type(e).__name__)\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n        found.append(open(f'/proc/{pid}/cmdline').read())\n    except OSError:\n        pass\n"
+        "print(any('arpo-secret-91' in f for f in found), found[0])"
+    )
     assert _run(b, probe).startswith("False ")
     a.close()
     b.close()
@@ -259,11 +268,13 @@ def test_the_sandbox_holds_in_a_persistent_interpreter_and_its_forks(tool, tmp_p
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    attempts = (f"import ctypes, os, socket\nout = []\ntry:\n    out.append(open({str(secret)!r}).read())\n"
-                "except OSError as e:\n    out.append(type(e).__name__)\ntry:\n"
-                f"    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=2)\n"
-                "    out.append('connected')\nexcept OSError as e:\n    out.append(type(e).__name__)\n"
-                "out.append(ctypes.CDLL(None).unshare(0x10000000))\nprint(out)")
+    attempts = (
+        f"import ctypes, os, socket\nout = []\ntry:\n    out.append(open({str(secret)!r}).read())\n"
+        "except OSError as e:\n    out.append(type(e).__name__)\ntry:\n"
+        f"    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=2)\n"
+        "    out.append('connected')\nexcept OSError as e:\n    out.append(type(e).__name__)\n"
+        "out.append(ctypes.CDLL(None).unshare(0x10000000))\nprint(out)"
+    )
     s = _session(tool)
     fork = None
     try:
@@ -285,8 +296,10 @@ def test_a_forged_reply_on_the_control_socket_ends_only_that_interpreter(tool):
     s = _session(tool)
     _run(s, "x = 5")
     sibling = s.clone()
-    forge = ("import os, socket\nfor fd in range(3, 64):\n    try:\n        sk = socket.socket(fileno=os.dup(fd))\n"
-             "        sk.sendall(b'\\x00\\x00\\x00\\x05junk!')\n    except OSError:\n        pass")
+    forge = (
+        "import os, socket\nfor fd in range(3, 64):\n    try:\n        sk = socket.socket(fileno=os.dup(fd))\n"
+        "        sk.sendall(b'\\x00\\x00\\x00\\x05junk!')\n    except OSError:\n        pass"
+    )
     st = s.step(f"<python>{forge}</python>")
     assert st.tool_error and st.tool_meta["interpreter_lost"], st.tool_output
     assert _run(sibling, "x") == "5"

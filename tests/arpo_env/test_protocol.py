@@ -65,11 +65,18 @@ def test_boxed_bug_round_trip():
 
 
 SCHEMAS = [
-    {"type": "function", "function": {"name": "python", "description": "run code",
-                                      "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
-                                                     "required": ["code"]}}},
-    {"name": "search", "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                                      "required": ["query"]}},
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "run code",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
+    {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
 ]
 
 

@@ -22,8 +22,16 @@ OPT_IN = {"allow_unisolated_python": os.geteuid() != 0}
 
 @pytest.fixture(scope="module")
 def tool(tmp_path_factory) -> PythonTool:
-    return PythonTool(timeout_s=TIMEOUT, memory_mb=256, max_output_chars=2000, max_procs=16, max_file_mb=8,
-                      backend="subprocess", scratch_root=str(tmp_path_factory.mktemp("scratch")), **OPT_IN)
+    return PythonTool(
+        timeout_s=TIMEOUT,
+        memory_mb=256,
+        max_output_chars=2000,
+        max_procs=16,
+        max_file_mb=8,
+        backend="subprocess",
+        scratch_root=str(tmp_path_factory.mktemp("scratch")),
+        **OPT_IN,
+    )
 
 
 def _bounded(tool: PythonTool, code: str, slack: float = 3.0):
@@ -86,8 +94,10 @@ def test_output_is_reproducible_across_calls(tool, tmp_path):
         assert len(outputs) == 1, outputs
     else:  # the hash seed is still fixed
         assert len({o.splitlines()[0] for o in outputs}) == 1, outputs
-    assert tool("import sys\nprint(sys.flags.no_user_site, sys.flags.safe_path, sys.flags.hash_randomization)").text \
-        == "1 True 0"  # -s -P with a clean environment: the same isolation as -I, hash seed fixed
+    assert (
+        tool("import sys\nprint(sys.flags.no_user_site, sys.flags.safe_path, sys.flags.hash_randomization)").text
+        == "1 True 0"
+    )  # -s -P with a clean environment: the same isolation as -I, hash seed fixed
     randomized = PythonTool(backend="subprocess", reproducible_output=False, scratch_root=str(tmp_path), **OPT_IN)
     assert len({randomized(code).text for _ in range(3)}) > 1
     with pytest.raises(ConfigError, match="reproducible_output"):
@@ -134,9 +144,11 @@ def test_escaped_background_processes_are_killed(tool, tmp_path):
     # A daemon that leaves the process group must not outlive the call (the scratch dir is gone afterwards).
     # It reports its pid first, so the check looks at exactly that process (other processes on the host may run
     # sandboxes of their own at the same time).
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    open('pid.tmp', 'w').write(str(os.getpid()))\n"
-            "    os.rename('pid.tmp', 'pid')\n    time.sleep(30)\n    os._exit(0)\n"
-            "while not os.path.exists('pid'):\n    time.sleep(0.01)\nprint(open('pid').read())")
+    code = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    open('pid.tmp', 'w').write(str(os.getpid()))\n"
+        "    os.rename('pid.tmp', 'pid')\n    time.sleep(30)\n    os._exit(0)\n"
+        "while not os.path.exists('pid'):\n    time.sleep(0.01)\nprint(open('pid').read())"
+    )
     result = _bounded(tool, code)
     assert not result.error
     pid = int(result.text.strip().splitlines()[-1])
@@ -179,8 +191,9 @@ def test_a_cancelled_call_is_killed_then_and_raises(tmp_path):
 
     worker = threading.Thread(target=call)
     worker.start()
-    while not (found := _processes_of(range(63_000, 63_256) if os.geteuid() == 0 else [os.geteuid()],
-                                      "arpo-sandbox-ready")):
+    while not (
+        found := _processes_of(range(63_000, 63_256) if os.geteuid() == 0 else [os.geteuid()], "arpo-sandbox-ready")
+    ):
         assert worker.is_alive(), outcome
         time.sleep(0.05)
     pid = found[0]
@@ -210,8 +223,9 @@ def test_network_is_isolated_or_reported(tool):
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        result = _bounded(tool, f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                                "print('connected')")
+        result = _bounded(
+            tool, f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        )
     finally:
         server.close()
     assert result.meta["network_isolated"] is CAPS["network_isolation"]
@@ -282,15 +296,19 @@ def _docker_reason() -> str | None:
         from docker import from_env  # noqa: F401
     except ImportError:
         if os.environ.get("ARPO_REQUIRE_DOCKER_PY") == "1":
-            pytest.fail("ARPO_REQUIRE_DOCKER_PY=1 (CI) but the docker Python package is not installed: scripts/test "
-                        "installs the docker extra")
+            pytest.fail(
+                "ARPO_REQUIRE_DOCKER_PY=1 (CI) but the docker Python package is not installed: scripts/test "
+                "installs the docker extra"
+            )
         return "the docker python package is not installed (pip install 'arpo[docker]')"
     from arpo_env.tools.sandbox_docker import docker_backend_problem
 
     problem = docker_backend_problem()
     if problem and os.environ.get("ARPO_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test installs "
-                    "the engine and builds the image")
+        pytest.fail(
+            f"ARPO_REQUIRE_DOCKER=1 (CI) but the Docker backend cannot run: {problem}; scripts/test installs "
+            "the engine and builds the image"
+        )
     return problem
 
 
@@ -360,8 +378,13 @@ def test_a_cancelled_docker_call_is_killed_then_and_raises():
     worker.start()
     try:
         # The code has started once its file is in the container's scratch folder.
-        while not (mine := [c for c in client.containers.list() if c.id not in before
-                            and c.exec_run(["test", "-e", "/scratch/started"]).exit_code == 0]):
+        while not (
+            mine := [
+                c
+                for c in client.containers.list()
+                if c.id not in before and c.exec_run(["test", "-e", "/scratch/started"]).exit_code == 0
+            ]
+        ):
             assert worker.is_alive(), outcome
             time.sleep(0.1)
         start = time.monotonic()
@@ -385,9 +408,16 @@ def test_sandbox_uids_are_leased_across_processes():
     from arpo_env.tools.sandbox import UidLeases
 
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom arpo_env.tools.sandbox import UidLeases\n"
-         "print(UidLeases(61_000, size=2).get(), flush=True)\nsys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom arpo_env.tools.sandbox import UidLeases\n"
+            "print(UidLeases(61_000, size=2).get(), flush=True)\nsys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     leases = UidLeases(61_000, size=2, timeout_s=0.5)
     try:
         theirs = int(child.stdout.readline())

@@ -28,7 +28,7 @@ def test_reference_episode_with_replayed_search_scores_like_reference(shared_dat
     env = ToolTextEnv(task="reasoning", split="test", data_dir=str(shared_data))
     _q, info = env.reset(options={"task_index": 0})
     gt = info["task"]["ground_truth"]
-    obs, *_ , step_info = env.step("<think>look it up</think> <search> Amy Smart film debut Campfire Tales </search>")
+    obs, *_, step_info = env.step("<think>look it up</think> <search> Amy Smart film debut Campfire Tales </search>")
     assert obs.startswith(" <result>\nPage 1:") and step_info["tool"] == "search"
     env.step("<think>check</think> <python>print(1)</python>")
     _o, reward, terminated, _t, info = env.step(f"<think>so</think> <answer>\\boxed{{{gt}}}</answer>")
@@ -40,8 +40,9 @@ def test_deepsearch_splits_and_limit(shared_data):
     test = gym.make("arpo/DeepSearch-v0", split="test", data_dir=str(shared_data)).unwrapped
     assert (train.num_tasks, test.num_tasks) == (1071, 203)
     assert train.config["max_tool_calls"] == 6 and train.config["reward"] == "arpo_reference"
-    hle = ToolTextEnv(task="deepsearch", split="test", data_files={"test": ["hle_test.parquet"]},
-                      data_dir=str(shared_data))
+    hle = ToolTextEnv(
+        task="deepsearch", split="test", data_files={"test": ["hle_test.parquet"]}, data_dir=str(shared_data)
+    )
     assert hle.num_tasks == 100
 
 
@@ -110,5 +111,9 @@ def test_data_files_are_given_per_split_and_never_shared_with_the_test_split(tmp
     with pytest.raises(ConfigError, match="unknown split 'valid'"):
         ToolTextEnv(task="reasoning", data_files={"valid": ["x.parquet"]}, data_dir=str(tmp_path))
     with pytest.raises(MissingDataError, match="mine_test.parquet"):  # the test split reads its own file
-        ToolTextEnv(task="reasoning", split="test", data_dir=str(tmp_path),
-                    data_files={"train": ["mine.parquet"], "test": ["mine_test.parquet"]})
+        ToolTextEnv(
+            task="reasoning",
+            split="test",
+            data_dir=str(tmp_path),
+            data_files={"train": ["mine.parquet"], "test": ["mine_test.parquet"]},
+        )

@@ -12,8 +12,16 @@ from arpo_env.tasks.registry import TASKS, TaskSpec, register_task
 
 
 def _two_sums(cfg):
-    return [{"id": f"s{i}", "question": f"What is {i} + {cfg['offset']}?", "ground_truth": str(i + cfg["offset"]),
-             "split": cfg["split"], "reward_kwargs": {}} for i in range(2)]
+    return [
+        {
+            "id": f"s{i}",
+            "question": f"What is {i} + {cfg['offset']}?",
+            "ground_truth": str(i + cfg["offset"]),
+            "split": cfg["split"],
+            "reward_kwargs": {},
+        }
+        for i in range(2)
+    ]
 
 
 def test_a_new_task_touches_one_place():

@@ -13,8 +13,10 @@ from arpo_env.rewards import REWARDS, arpo_reference, extract_answer, math_equiv
 
 
 def _answer(a: str, tools: str = "") -> str:
-    return (f"<think>reasoning</think>{tools}<think>done</think> "
-            f"<answer> The final answer is \\[ \\boxed{{{a}}} \\] </answer>")
+    return (
+        f"<think>reasoning</think>{tools}<think>done</think> "
+        f"<answer> The final answer is \\[ \\boxed{{{a}}} \\] </answer>"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,27 @@ def _apt(tmp_path, sources: dict[str, str], codename: str = "bookworm") -> tuple
 
 
 def test_the_mirror_comes_from_apts_own_sources(tmp_path):
-    deb822 = ("Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n"
-              "Components: main\n\nTypes: deb-src deb\nURIs: http://mirror.example/debian\n"
-              "Suites: bookworm bookworm-updates\nComponents: main contrib\nSigned-By: /usr/share/keyrings/k.gpg\n")
-    assert debian_source(*_apt(tmp_path, {"sources.list.d/debian.sources": deb822})) == \
-        ("http://mirror.example/debian", "bookworm")
+    deb822 = (
+        "Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n"
+        "Components: main\n\nTypes: deb-src deb\nURIs: http://mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main contrib\nSigned-By: /usr/share/keyrings/k.gpg\n"
+    )
+    assert debian_source(*_apt(tmp_path, {"sources.list.d/debian.sources": deb822})) == (
+        "http://mirror.example/debian",
+        "bookworm",
+    )
     one_line = "# old style\ndeb [arch=amd64 signed-by=/k.gpg] http://other.example/debian bookworm main\n"
     # sources.list comes first, as apt reads it; a disabled file (not .list/.sources) is not read
-    found = debian_source(*_apt(tmp_path / "b", {"sources.list": one_line, "sources.list.d/debian.sources": deb822,
-                                                   "sources.list.d/x.list.disabled": "deb http://no/ bookworm main"}))
+    found = debian_source(
+        *_apt(
+            tmp_path / "b",
+            {
+                "sources.list": one_line,
+                "sources.list.d/debian.sources": deb822,
+                "sources.list.d/x.list.disabled": "deb http://no/ bookworm main",
+            },
+        )
+    )
     assert found == ("http://other.example/debian", "bookworm")
 
 
@@ -59,16 +71,24 @@ def _docker_ready() -> None:
 def test_build_image_reuses_the_image_and_doctor_reports_it():
     _docker_ready()
     env = {**os.environ, "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, "-m", "arpo_algo.cli.main", "sandbox", "build-image", "--json"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "arpo_algo.cli.main", "sandbox", "build-image", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.splitlines()[-1])
     assert (info["image"], info["built"]) == (DEFAULT_IMAGE, False) and info["size_mb"] > 10, info
     assert "already in the local engine" in out.stdout
     from arpo_algo.cli.doctor import doctor_report
 
-    assert doctor_report()["docker_sandbox_image"] == image_status() == \
-        {"image": DEFAULT_IMAGE, "present": True, "detail": "in the local engine"}
+    assert (
+        doctor_report()["docker_sandbox_image"]
+        == image_status()
+        == {"image": DEFAULT_IMAGE, "present": True, "detail": "in the local engine"}
+    )
 
 
 def test_the_docker_backend_defaults_to_the_versioned_image():
@@ -91,10 +111,25 @@ def test_a_failed_build_is_one_clear_error_and_leaves_nothing_behind():
             pytest.fail("ARPO_REQUIRE_DOCKER=1 (CI) but the image cannot be built here (root and debootstrap)")
         pytest.skip("building the image needs root and debootstrap")
     before = {p for p in os.listdir("/var/tmp") if p.startswith("arpo-sandbox-image-")}
-    out = subprocess.run([sys.executable, "-m", "arpo_algo.cli.main", "sandbox", "build-image", "--tag",
-                          "arpo-sandbox:unreachable-mirror", "--mirror", "http://127.0.0.1:9/debian", "--suite",
-                          "bookworm"], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arpo_algo.cli.main",
+            "sandbox",
+            "build-image",
+            "--tag",
+            "arpo-sandbox:unreachable-mirror",
+            "--mirror",
+            "http://127.0.0.1:9/debian",
+            "--suite",
+            "bookworm",
+        ],
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "error: debootstrap failed" in out.stderr, out.stderr
     assert "hint: check the mirror" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert {p for p in os.listdir("/var/tmp") if p.startswith("arpo-sandbox-image-")} == before

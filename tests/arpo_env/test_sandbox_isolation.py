@@ -90,10 +90,12 @@ def test_cannot_read_another_process_environment(tool):
     try:
         code = f"print(open('/proc/{other.pid}/environ', 'rb').read())"
         _assert_denied(tool(code), "PermissionError", "FileNotFoundError")
-        _assert_denied(tool(f"print(open('/proc/{os.getpid()}/environ', 'rb').read())"), "PermissionError",
-                       "FileNotFoundError")
-        listed = tool(f"import os\nprint(os.path.exists('/proc/{other.pid}'))\n"
-                      f"print(open('/proc/{other.pid}/cmdline').read())")
+        _assert_denied(
+            tool(f"print(open('/proc/{os.getpid()}/environ', 'rb').read())"), "PermissionError", "FileNotFoundError"
+        )
+        listed = tool(
+            f"import os\nprint(os.path.exists('/proc/{other.pid}'))\nprint(open('/proc/{other.pid}/cmdline').read())"
+        )
         assert listed.error and "False" in listed.meta["stdout"] and "time.sleep" not in listed.text, listed
     finally:
         other.kill()
@@ -130,8 +132,12 @@ def test_cannot_connect_to_a_local_port(tool):
 def test_cannot_write_outside_scratch(tool, host_dir):
     os.chmod(host_dir, 0o1777)  # writable by anyone on the host
     targets = [os.path.join(host_dir, "x"), "/var/tmp/arpo-sandbox-write-test", "/dev/shm/arpo-sandbox-write-test"]
-    code = "\n".join(f"try:\n    open({t!r}, 'w').write('x')\nexcept OSError as e:\n    print(type(e).__name__)"
-                     for t in targets) + "\nopen('here.txt', 'w').write('ok')\nprint(open('here.txt').read())"
+    code = (
+        "\n".join(
+            f"try:\n    open({t!r}, 'w').write('x')\nexcept OSError as e:\n    print(type(e).__name__)" for t in targets
+        )
+        + "\nopen('here.txt', 'w').write('ok')\nprint(open('here.txt').read())"
+    )
     result = tool(code)
     try:
         assert not result.error and result.text.splitlines()[-1] == "ok", result.text
@@ -145,8 +151,10 @@ def test_cannot_write_outside_scratch(tool, host_dir):
 def test_private_tmp(tool):
     host_tmp = tempfile.mkdtemp(prefix="arpo-host-tmp-", dir="/tmp")
     os.chmod(host_tmp, 0o755)
-    code = (f"import os\nprint(os.path.exists({host_tmp!r}))\nopen('/tmp/mine.txt', 'w').write('mine')\n"
-            "open('/dev/shm/mine.txt', 'w').write('mine')\nprint(open('/tmp/mine.txt').read())")
+    code = (
+        f"import os\nprint(os.path.exists({host_tmp!r}))\nopen('/tmp/mine.txt', 'w').write('mine')\n"
+        "open('/dev/shm/mine.txt', 'w').write('mine')\nprint(open('/tmp/mine.txt').read())"
+    )
     try:
         result = tool(code)
     finally:
@@ -202,8 +210,9 @@ def test_downgrade_is_refused_without_the_opt_in(caplog):
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     try:  # the level is stated truthfully: this sandbox does reach the host's loopback
-        result = tool(f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
-                      "print('connected')")
+        result = tool(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\nprint('connected')"
+        )
     finally:
         server.close()
     assert (result.text, result.meta["isolation_level"]) == ("connected", "unisolated")
@@ -291,8 +300,14 @@ def test_a_user_namespace_without_a_mapped_uid_is_unisolated(tmp_path):
 
 def _as_nobody(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     setpriv = shutil.which("setpriv") or "setpriv"
-    return subprocess.run([setpriv, "--reuid=4243", "--regid=4243", "--clear-groups", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(__file__))
+    return subprocess.run(
+        [setpriv, "--reuid=4243", "--regid=4243", "--clear-groups", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.path.dirname(__file__),
+    )
 
 
 def test_the_battery_as_an_unprivileged_user(tmp_path):
@@ -307,31 +322,72 @@ def test_the_battery_as_an_unprivileged_user(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(os.path.dirname(here))
     os.chmod(tmp_path, 0o1777)
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path),
-           "TMPDIR": str(tmp_path), "PYTHONPATH": repo, "LC_ALL": "C.UTF-8", "ARPO_REQUIRE_BWRAP": "1",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": repo,
+        "LC_ALL": "C.UTF-8",
+        "ARPO_REQUIRE_BWRAP": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     # Through /bin/sh: the interpreter is looked up and run with that uid's rights, as the tool will run it.
-    probe = _as_nobody(["/bin/sh", "-c", f'exec "$0" -c "import arpo_env.tools.python_tool, pytest, os; '
-                        f'os.listdir({here!r})"', sys.executable], env, 120)
+    probe = _as_nobody(
+        [
+            "/bin/sh",
+            "-c",
+            f'exec "$0" -c "import arpo_env.tools.python_tool, pytest, os; os.listdir({here!r})"',
+            sys.executable,
+        ],
+        env,
+        120,
+    )
     if probe.returncode != 0:
-        pytest.fail("uid 4243 cannot read the checkout or the environment (the battery must run as an "
-                    f"unprivileged user): {probe.stderr.strip()[-800:]}")
-    battery = _as_nobody([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                          os.path.join(here, "test_sandbox_isolation.py"), os.path.join(here, "test_sandbox_limits.py"),
-                          "-k", "not unprivileged_user", "-rs"], env, 600)
+        pytest.fail(
+            "uid 4243 cannot read the checkout or the environment (the battery must run as an "
+            f"unprivileged user): {probe.stderr.strip()[-800:]}"
+        )
+    battery = _as_nobody(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            os.path.join(here, "test_sandbox_isolation.py"),
+            os.path.join(here, "test_sandbox_limits.py"),
+            "-k",
+            "not unprivileged_user",
+            "-rs",
+        ],
+        env,
+        600,
+    )
     assert battery.returncode == 0, battery.stdout[-4000:] + battery.stderr[-2000:]
     # Without bwrap: a PATH holding only the interpreter; the subprocess backend's unmapped user namespace is refused.
     bare = tmp_path / "bin"
     bare.mkdir()
     os.symlink(sys.executable, bare / "python")
-    refused = _as_nobody([sys.executable, "-c", (
-        "from arpo_base.errors import ConfigError\n"
-        "from arpo_env.tools.python_tool import PythonTool\n"
-        "for backend in ('auto', 'subprocess', 'bwrap'):\n"
-        "    try:\n        PythonTool(timeout_s=10, backend=backend)\n        print(backend, 'ACCEPTED')\n"
-        "    except ConfigError as e:\n        print(backend, 'refused:', e.message.splitlines()[0])\n")],
-        {**env, "PATH": str(bare)}, 120)
+    refused = _as_nobody(
+        [
+            sys.executable,
+            "-c",
+            (
+                "from arpo_base.errors import ConfigError\n"
+                "from arpo_env.tools.python_tool import PythonTool\n"
+                "for backend in ('auto', 'subprocess', 'bwrap'):\n"
+                "    try:\n        PythonTool(timeout_s=10, backend=backend)\n        print(backend, 'ACCEPTED')\n"
+                "    except ConfigError as e:\n        print(backend, 'refused:', e.message.splitlines()[0])\n"
+            ),
+        ],
+        {**env, "PATH": str(bare)},
+        120,
+    )
     lines = refused.stdout.splitlines()
-    assert refused.returncode == 0 and len(lines) == 3 and all(" refused: " in line for line in lines), \
+    assert refused.returncode == 0 and len(lines) == 3 and all(" refused: " in line for line in lines), (
         refused.stdout + refused.stderr
+    )
     assert "below the minimum 'process'" in lines[0] and "bwrap is not installed" in lines[2], lines

@@ -20,9 +20,11 @@ MIB = 1 << 20
 
 
 # Writes 1 MiB blocks to `path` until an error stops it; prints how many MiB made it and what stopped it.
-FILL = ("import os\nn = 0\nblock = os.urandom(1 << 20)\ntry:\n    with open({path!r}, 'wb', buffering=0) as f:\n"
-        "        while n < {limit}:\n            f.write(block); n += 1\nexcept OSError as e:\n"
-        "    print('stopped', e.strerror)\nprint('wrote', n)")
+FILL = (
+    "import os\nn = 0\nblock = os.urandom(1 << 20)\ntry:\n    with open({path!r}, 'wb', buffering=0) as f:\n"
+    "        while n < {limit}:\n            f.write(block); n += 1\nexcept OSError as e:\n"
+    "    print('stopped', e.strerror)\nprint('wrote', n)"
+)
 
 
 def _written(result) -> int:
@@ -58,10 +60,12 @@ def test_processes_share_one_memory_limit(backend):
     if backend != "docker" and not (AS_ROOT and call_cgroups_available()):
         pytest.skip("no cgroup v1 memory controller for the calls here; each process has its own RLIMIT_AS")
     tool = PythonTool(timeout_s=20, backend=backend, memory_mb=128)
-    code = ("import os, time\nkids = []\nfor i in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        b = bytearray(48 << 20)\n        for j in range(0, len(b), 4096): b[j] = 1\n"
-            "        time.sleep(1); os._exit(0)\n    kids.append(pid)\nok = 0\nfor pid in kids:\n"
-            "    _, status = os.waitpid(pid, 0)\n    ok += status == 0\nprint('survived', ok)")
+    code = (
+        "import os, time\nkids = []\nfor i in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        b = bytearray(48 << 20)\n        for j in range(0, len(b), 4096): b[j] = 1\n"
+        "        time.sleep(1); os._exit(0)\n    kids.append(pid)\nok = 0\nfor pid in kids:\n"
+        "    _, status = os.waitpid(pid, 0)\n    ok += status == 0\nprint('survived', ok)"
+    )
     result = tool(code)
     survived = [int(line.split()[1]) for line in result.text.splitlines() if line.startswith("survived ")]
     assert not survived or survived[0] * 48 < 128, result.text
@@ -70,9 +74,11 @@ def test_processes_share_one_memory_limit(backend):
 def test_a_fork_flood_stops_at_the_cap(backend):
     """Processes that keep forking (and keep living): the call never holds more than max_procs processes."""
     tool = PythonTool(timeout_s=20, backend=backend, max_procs=12)
-    code = ("import os, time\nn = 1\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
-            "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', e)\n"
-            "print('processes', n)")
+    code = (
+        "import os, time\nn = 1\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+        "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', e)\n"
+        "print('processes', n)"
+    )
     result = tool(code)
     assert "stopped" in result.text and "Resource temporarily unavailable" in result.text, result.text
     n = int(result.text.split("processes ")[1].split()[0])
@@ -82,9 +88,11 @@ def test_a_fork_flood_stops_at_the_cap(backend):
 
 def test_no_user_namespace_inside(backend):
     tool = PythonTool(timeout_s=20, backend=backend)
-    result = tool("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                  "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))\n"
-                  "print(os.system('unshare -U true 2>/dev/null') != 0)")
+    result = tool(
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))\n"
+        "print(os.system('unshare -U true 2>/dev/null') != 0)"
+    )
     assert result.text.splitlines() == ["-1 Operation not permitted", "True"], result.text
     assert tool.isolation["attempts"]["create a user namespace"] == "Operation not permitted"
 
@@ -134,12 +142,14 @@ def test_the_uid_pool_refuses_symbolic_links(tmp_path):
 
 # Starts the setuid-root program `su`, waits for its first words (its password prompt, or that it knows no root user
 # where the sandbox has no /etc/passwd): it has started then, and its status keeps its credentials until it is reaped.
-SETUID = ("import shutil, subprocess\nsu = shutil.which('su') or '/bin/su'\n"
-          "p = subprocess.Popen([su, 'root', '-c', 'id'], stdin=subprocess.PIPE, stdout=subprocess.PIPE,"
-          " stderr=subprocess.PIPE)\nprint('said', p.stderr.read(4).decode())\n"
-          "with open('/proc/%d/status' % p.pid) as f:\n"
-          "    print(''.join(l for l in f if l.startswith(('Uid:', 'CapEff:', 'CapBnd:', 'NoNewPrivs:'))))\n"
-          "p.kill()\np.wait()\nprint('reaped')")
+SETUID = (
+    "import shutil, subprocess\nsu = shutil.which('su') or '/bin/su'\n"
+    "p = subprocess.Popen([su, 'root', '-c', 'id'], stdin=subprocess.PIPE, stdout=subprocess.PIPE,"
+    " stderr=subprocess.PIPE)\nprint('said', p.stderr.read(4).decode())\n"
+    "with open('/proc/%d/status' % p.pid) as f:\n"
+    "    print(''.join(l for l in f if l.startswith(('Uid:', 'CapEff:', 'CapBnd:', 'NoNewPrivs:'))))\n"
+    "p.kill()\np.wait()\nprint('reaped')"
+)
 
 
 def test_a_setuid_program_gains_nothing(backend):

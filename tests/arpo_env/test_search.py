@@ -75,7 +75,7 @@ def test_replay_real_cache(shared_data):
     prefixed = next(k for k in raw if k.startswith("search query: "))
     assert tool(query=plain).text == raw[plain]
     assert tool(query=f' "{plain}" ').text == raw[plain]  # reference cleaning: strip, drop quotes
-    assert tool(query=prefixed[len("search query: "):]).text == raw[prefixed]  # prefix added on lookup
+    assert tool(query=prefixed[len("search query: ") :]).text == raw[prefixed]  # prefix added on lookup
     miss = tool(query="a query nobody ever searched for 12345")
     assert miss.error and "not in the offline search cache" in miss.text
     hits = sum(not tool(query=k).error for k in list(raw)[:200])
@@ -96,8 +96,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if action == "slow":
             time.sleep(1.5)
-        payload = {"organic": [{"description": "first result"}, {"description": ""}, {"description": "second"},
-                               {"description": "first result"}]}
+        payload = {
+            "organic": [
+                {"description": "first result"},
+                {"description": ""},
+                {"description": "second"},
+                {"description": "first result"},
+            ]
+        }
         data = json.dumps(payload).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -136,18 +142,23 @@ def test_web_backend_success_and_key_handling(server, monkeypatch):
 def test_web_backend_retries_then_succeeds(server, monkeypatch):
     monkeypatch.setenv("ARPO_TEST_SEARCH_KEY", "sk-secret-123")
     _Handler.plan = ["500", "500"]
-    tool = SearchTool(WebBackend(url=server, api_key_env="ARPO_TEST_SEARCH_KEY", provider="json", retries=3,
-                                 timeout_s=1.0, backoff_s=0.05))
+    tool = SearchTool(
+        WebBackend(
+            url=server, api_key_env="ARPO_TEST_SEARCH_KEY", provider="json", retries=3, timeout_s=1.0, backoff_s=0.05
+        )
+    )
     result = tool(query="anything")
-    assert not result.error and len(_Handler.calls) == 3 and _Handler.calls[0]["body"] == {"query": "anything",
-                                                                                           "num": 10}
+    assert (
+        not result.error and len(_Handler.calls) == 3 and _Handler.calls[0]["body"] == {"query": "anything", "num": 10}
+    )
 
 
 def test_web_backend_timeout_and_failure_hide_key(server, monkeypatch):
     monkeypatch.setenv("ARPO_TEST_SEARCH_KEY", "sk-secret-123")
     _Handler.plan = ["slow", "slow"]
-    tool = SearchTool(WebBackend(url=server, api_key_env="ARPO_TEST_SEARCH_KEY", retries=2, timeout_s=0.3,
-                                 backoff_s=0.05))
+    tool = SearchTool(
+        WebBackend(url=server, api_key_env="ARPO_TEST_SEARCH_KEY", retries=2, timeout_s=0.3, backoff_s=0.05)
+    )
     result = tool(query="slow query")
     assert result.error and "timeout after 2 attempt(s)" in result.text and "sk-secret" not in result.text
     _Handler.plan = ["500"] * 3

@@ -14,8 +14,13 @@ CALL = "<think>t</think>\n<python>print(6 * 7)</python>"
 def test_tool_call_then_answer():
     s = ToolSession()
     st = s.step(CALL)
-    assert (st.kind, st.action_kind, st.done, st.tool, st.tool_output.strip()) == ("tool", "tool_call", False,
-                                                                                    "python", "42")
+    assert (st.kind, st.action_kind, st.done, st.tool, st.tool_output.strip()) == (
+        "tool",
+        "tool_call",
+        False,
+        "python",
+        "42",
+    )
     assert st.observation == " <result>\n42\n</result>" and st.counts["tool_calls"] == 1
     end = s.step("<answer>\\boxed{42}</answer>")
     assert end.kind == "answer" and end.done and end.observation == "" and s.done

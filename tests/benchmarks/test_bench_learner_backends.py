@@ -19,8 +19,9 @@ def test_every_backend_steps_and_each_rank_reports_its_peak(tiny_model_dir, tmp_
 
     if ray.is_initialized():  # the benchmark starts its own two-CPU Ray
         ray.shutdown()
-    out = bench_learner_backends.main(["--model", str(tiny_model_dir), "--groups", "2", "--steps", "1",
-                                       "--out", str(tmp_path / "r.json")])
+    out = bench_learner_backends.main(
+        ["--model", str(tiny_model_dir), "--groups", "2", "--steps", "1", "--out", str(tmp_path / "r.json")]
+    )
     assert json.loads((tmp_path / "r.json").read_text()) == out
     assert list(out["backends"]) == ["local", "ddp", "zero2", "zero3"] and "CPUs" in out["machine"]
     for name, row in out["backends"].items():

@@ -36,8 +36,11 @@ def test_trl_adapter_runs_tools_and_scores_through_the_gymnasium_env():
     env.reset(task_index=3, prompt=[{"role": "user", "content": "ignored"}])
     task = env.env._task
     assert env.python("print(6 * 7)") == "42" and env.tool_calls == 1
-    right = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "42"},
-             {"role": "assistant", "content": f"<answer>\\boxed{{{task['ground_truth']}}}</answer>"}]
+    right = [
+        {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": f"<answer>\\boxed{{{task['ground_truth']}}}</answer>"},
+    ]
     assert toolmath_reward([None], [right], [env]) == [1.0]
     env.reset(task_index=3)
     assert toolmath_reward([None], [[{"role": "assistant", "content": "<answer>\\boxed{-1}</answer>"}]], [env]) == [0.0]

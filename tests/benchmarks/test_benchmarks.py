@@ -13,9 +13,12 @@ from benchmarks import bench_engine
 def test_generate_baseline_returns_what_the_engine_returns(tiny_model_dir):
     eng = HFEngine(tiny_model_dir)
     base = bench_engine.GenerateEngine(eng.model, eng.tokenizer, batch=2, eos=eng.eos_ids)
-    reqs = [GenRequest(i, eng.tokenizer.encode("q" * (3 + i)), SamplingParams(max_new_tokens=6 + 4 * i, seed=i,
-                                                                               stop=("zz",)))
-            for i in range(3)]
+    reqs = [
+        GenRequest(
+            i, eng.tokenizer.encode("q" * (3 + i)), SamplingParams(max_new_tokens=6 + 4 * i, seed=i, stop=("zz",))
+        )
+        for i in range(3)
+    ]
     gens = base.generate(reqs)
     assert [g.request_id for g in gens] == [0, 1, 2]
     for req, gen in zip(reqs, gens):
@@ -23,7 +26,7 @@ def test_generate_baseline_returns_what_the_engine_returns(tiny_model_dir):
         assert gen.finish_reason in ("eos", "stop", "length")
         with torch.no_grad():  # logprobs and entropies from raw logits, as the engine computes them
             logits = eng.model(torch.tensor([req.token_ids + gen.token_ids])).logits[0].float()
-        logp = torch.log_softmax(logits[len(req.token_ids) - 1:-1], -1)
+        logp = torch.log_softmax(logits[len(req.token_ids) - 1 : -1], -1)
         expect = logp[torch.arange(len(gen.token_ids)), torch.tensor(gen.token_ids)]
         assert torch.allclose(expect, torch.tensor(gen.logprobs), atol=1e-4)
         assert torch.allclose(-(logp.exp() * logp).sum(-1), torch.tensor(gen.entropies), atol=1e-4)
@@ -34,9 +37,24 @@ def test_generate_baseline_returns_what_the_engine_returns(tiny_model_dir):
 @pytest.mark.timeout(300)
 def test_bench_engine_runs_all_scenarios(tiny_model_dir, tmp_path):
     out = tmp_path / "engine.json"
-    result = bench_engine.main(["--model", str(tiny_model_dir), "--requests", "4", "--batch", "2",
-                                "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
-                                "--rollout-model", str(tiny_model_dir), "--rollout-prompts", "1", "--out", str(out)])
+    result = bench_engine.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--requests",
+            "4",
+            "--batch",
+            "2",
+            "--threads",
+            str(torch.get_num_threads()),  # main() sets it process-wide
+            "--rollout-model",
+            str(tiny_model_dir),
+            "--rollout-prompts",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert set(result["scenarios"]) == {"refill", "tool_continuation", "rollout"}
     for row in result["scenarios"].values():
         assert row["engine_tokens"] > 0 and row["generate_tokens"] > 0 and row["ratio"] > 0
@@ -47,8 +65,20 @@ def test_bench_dedup_runs_through_the_public_learner_api(tiny_model_dir, tmp_pat
     """bench_dedup times the learner's own micro-batches (Learner.prepare_batches, no private members)."""
     from benchmarks import bench_dedup
 
-    result = bench_dedup.main(["--model", str(tiny_model_dir), "--groups", "1", "--repeats", "1",
-                               "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "d.json")])
+    result = bench_dedup.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--groups",
+            "1",
+            "--repeats",
+            "1",
+            "--threads",
+            str(torch.get_num_threads()),
+            "--out",
+            str(tmp_path / "d.json"),
+        ]
+    )
     assert (tmp_path / "d.json").exists() and result
 
 
@@ -56,9 +86,26 @@ def test_bench_dedup_reports_mfu_against_a_ceiling_of_the_same_run(tmp_path):
     """--shape builds a random model (no download); --precision reaches the learner; MFU = model rate / ceiling."""
     from benchmarks import bench_dedup
 
-    result = bench_dedup.main(["--shape", "tiny", "--device", "cpu", "--precision", "bf16", "--tree-attention",
-                               "dense", "--groups", "1", "--repeats", "1", "--ceiling-size", "256",
-                               "--threads", str(torch.get_num_threads())])
+    result = bench_dedup.main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--precision",
+            "bf16",
+            "--tree-attention",
+            "dense",
+            "--groups",
+            "1",
+            "--repeats",
+            "1",
+            "--ceiling-size",
+            "256",
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+    )
     assert result["precision"] == "bf16" and result["tree_attention"] == "dense"
     assert result["matmul_ceiling"]["dtype"] == "bfloat16" and result["matmul_ceiling"]["tflops"] > 0
     for path in ("duplicated", "deduplicated"):
@@ -71,10 +118,30 @@ def test_bench_dedup_reports_mfu_against_a_ceiling_of_the_same_run(tmp_path):
 def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys):
     """The decode-mode comparison (item 4 of bench_engine): every mode runs, static reports its floor and its
     profile."""
-    result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
-                                "--decode-batches", "2", "--new-tokens", "6", "--static-cache-tokens", "2048",
-                                "--threads", str(torch.get_num_threads()), "--profile", "2",
-                                "--dtype", "float32", "bfloat16", "--out", str(tmp_path / "d.json")])
+    result = bench_engine.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--decode",
+            "dynamic",
+            "static",
+            "--decode-batches",
+            "2",
+            "--new-tokens",
+            "6",
+            "--static-cache-tokens",
+            "2048",
+            "--threads",
+            str(torch.get_num_threads()),
+            "--profile",
+            "2",
+            "--dtype",
+            "float32",
+            "bfloat16",
+            "--out",
+            str(tmp_path / "d.json"),
+        ]
+    )
     printed = capsys.readouterr().out
     # one profile, of the fixed-shape mode only, naming the step's matrix products
     assert printed.count("Profile of 2 bare steps") == 2 and "decode=static, batch 2" in printed  # one per dtype
@@ -82,7 +149,11 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys
     # both dtypes in one run, each with its own probe and its own dynamic reference
     assert set(result["machine"]) == {"float32", "bfloat16"}
     assert [(r["dtype"], r["decode"]) for r in result["decode"]] == [
-        ("float32", "dynamic"), ("float32", "static"), ("bfloat16", "dynamic"), ("bfloat16", "static")]
+        ("float32", "dynamic"),
+        ("float32", "static"),
+        ("bfloat16", "dynamic"),
+        ("bfloat16", "static"),
+    ]
     assert result["decode"][2]["vs_dynamic"] == 1.0
     rows = {r["decode"]: r for r in result["decode"] if r["dtype"] == "float32"}
     assert set(rows) == {"dynamic", "static"} and rows["dynamic"]["vs_dynamic"] == 1.0
@@ -99,9 +170,25 @@ def test_bench_engine_decode_modes_side_by_side(tiny_model_dir, tmp_path, capsys
 
 def test_bench_engine_decode_modes_on_the_rollout_scenario(tiny_model_dir, capsys):
     """--decode-rollout: every mode runs the same real ARPO sampling step (Python tool, tree) and gets its row."""
-    result = bench_engine.main(["--model", str(tiny_model_dir), "--decode", "dynamic", "static",
-                                "--decode-batches", "4", "--new-tokens", "4", "--static-cache-tokens", "4096",
-                                "--threads", str(torch.get_num_threads()), "--decode-rollout", "1"])
+    result = bench_engine.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--decode",
+            "dynamic",
+            "static",
+            "--decode-batches",
+            "4",
+            "--new-tokens",
+            "4",
+            "--static-cache-tokens",
+            "4096",
+            "--threads",
+            str(torch.get_num_threads()),
+            "--decode-rollout",
+            "1",
+        ]
+    )
     rollout = {r["decode"]: r for r in result["decode"] if r["batch"] == "rollout"}
     assert set(rollout) == {"dynamic", "static"} and rollout["dynamic"]["vs_dynamic"] == 1.0
     assert all(r["tok_s"] > 0 and r["slots"] == 4 and r["of_hw_floor"] > 0 for r in rollout.values())
@@ -114,8 +201,20 @@ def test_bench_engine_push_only_times_vllm_weight_pushes(tmp_path):
     from arpo_algo.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
-    result = bench_engine.main(["--model", str(model), "--vllm", "--push-only", "--push-repeats", "2",
-                                "--kv-cache-gib", "0.25", "--threads", str(torch.get_num_threads())])
+    result = bench_engine.main(
+        [
+            "--model",
+            str(model),
+            "--vllm",
+            "--push-only",
+            "--push-repeats",
+            "2",
+            "--kv-cache-gib",
+            "0.25",
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+    )
     assert result["dtype"] == "float32" and len(result["weight_push_s"]) == 2
     assert all(s > 0 for s in result["weight_push_s"]) and result["greedy_unchanged"] is True
     assert result["pushed_mib"] == pytest.approx(result["params"] * 4 / 2**20, rel=0.2)  # + the tied head's copy
@@ -129,8 +228,19 @@ def test_bench_engine_vllm_side_runs_both_engines_in_the_chosen_dtype(tmp_path):
     from arpo_algo.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", num_layers=2, hidden_size=256, seed=0)  # 64-dim heads for vLLM
-    result = bench_engine.main(["--model", str(model), "--vllm", "--vllm-batches", "2", "--vllm-dtype", "bfloat16",
-                                "--threads", str(torch.get_num_threads())])
+    result = bench_engine.main(
+        [
+            "--model",
+            str(model),
+            "--vllm",
+            "--vllm-batches",
+            "2",
+            "--vllm-dtype",
+            "bfloat16",
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+    )
     assert result["dtype"] == "bfloat16"
     assert set(result["rows"]) == {"refill@2", "tool_continuation@2", "rollout@2"}
     for row in result["rows"].values():
@@ -143,10 +253,26 @@ def test_bench_engine_vllm_side_runs_both_engines_in_the_chosen_dtype(tmp_path):
 def test_bench_async_times_both_modes_with_a_rollout_actor(tiny_model_dir, tmp_path):
     from benchmarks import bench_async
 
-    result = bench_async.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2",
-                               "--max-response-tokens", "8", "--warmup", "1", "--iterations", "1",
-                               "--threads", str(torch.get_num_threads()),  # main() sets it process-wide
-                               "--out", str(tmp_path / "a.json")])
+    result = bench_async.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            "1",
+            "--budget",
+            "2",
+            "--max-response-tokens",
+            "8",
+            "--warmup",
+            "1",
+            "--iterations",
+            "1",
+            "--threads",
+            str(torch.get_num_threads()),  # main() sets it process-wide
+            "--out",
+            str(tmp_path / "a.json"),
+        ]
+    )
     assert result["ratio_sync_over_async"] > 0 and (tmp_path / "a.json").is_file()
     (sync,), (asyn,) = result["runs"]["sync"], result["runs"]["async"]
     assert sync["iterations"][0]["staleness_max"] == 0.0 and asyn["iterations"][0]["staleness_max"] == 1.0
@@ -187,13 +313,18 @@ def test_machine_floor_times_a_models_step_parts(tiny_model_dir, tmp_path, capsy
     assert [s.item() for s in kv16()] == [pytest.approx(per_buffer / 2 * word)] * (2 * cfg.num_hidden_layers)
     assert info16["kv_bytes"] == info["kv_bytes"] // 2
 
-    [row] = machine_floor.main(["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--context", "40",
-                                "--threads", "1"])
+    [row] = machine_floor.main(
+        ["--step", str(tiny_model_dir), "--rows", "4", "--columns", "16", "--context", "40", "--threads", "1"]
+    )
     assert row["linear_layers"] == len(linears) and row["kv_bytes"] == info["kv_bytes"]
     assert row["floor_tok_s"] == pytest.approx(4 / (row["products"] + row["kv_read"]))
     assert "| both (everything else free) |" in capsys.readouterr().out
-    for argv, message in ((["--linear", "4x64"], "ROWSxINxOUT"), (["--rows", "0"], None),
-                          (["--columns", "64", "--context", "32"], None), (["--threads", "0"], None)):
+    for argv, message in (
+        (["--linear", "4x64"], "ROWSxINxOUT"),
+        (["--rows", "0"], None),
+        (["--columns", "64", "--context", "32"], None),
+        (["--threads", "0"], None),
+    ):
         with pytest.raises(SystemExit) as err:
             machine_floor.main(["--step", str(tiny_model_dir), *argv])
         if message is None:  # argparse's refusal: usage and the reason on stderr, exit code 2
@@ -229,12 +360,30 @@ def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_d
 
     for name in bench_quickstart.STAGE_MARKERS:  # an SFT stage "done" whose checkpoint is the tiny model
         stage = name.removeprefix(".stage_").removesuffix(".json")
-        (sft / name).write_text(json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0,
-                                            "inputs": stage_inputs(stage)}))
-    result = bench_quickstart.main(["--sft", str(sft), "--modes", "dynamic", "static", "--threads", "1",
-                                    "--output", str(tmp_path / "runs"), "--set", "experiment.iterations=1",
-                                    "--set", "evaluation.num_prompts=2", "--set", "rollouts.max_response_tokens=16",
-                                    "--set", "training.prompts_per_step=1"])
+        (sft / name).write_text(
+            json.dumps({"path": str(tiny_model_dir), "stage_time_s": 0.0, "inputs": stage_inputs(stage)})
+        )
+    result = bench_quickstart.main(
+        [
+            "--sft",
+            str(sft),
+            "--modes",
+            "dynamic",
+            "static",
+            "--threads",
+            "1",
+            "--output",
+            str(tmp_path / "runs"),
+            "--set",
+            "experiment.iterations=1",
+            "--set",
+            "evaluation.num_prompts=2",
+            "--set",
+            "rollouts.max_response_tokens=16",
+            "--set",
+            "training.prompts_per_step=1",
+        ]
+    )
     runs = {r["mode"]: r for r in result["runs"]}
     assert set(runs) == {"dynamic", "static"}
     for mode, r in runs.items():
@@ -265,8 +414,24 @@ def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model
     for pkg in ("arpo_algo", "arpo_base", "arpo_env"):
         shutil.copytree(repo / pkg, other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     args = ["--model", str(tiny_model_dir), "--batch", "2", "--new-tokens", "4", "--rounds", "1", "--threads", "1"]
-    out = ab_decode.main(["--trees", str(other), str(repo), "--dtype", "float32", "bfloat16", "--decode", "static",
-                          "dynamic", *args, "--static-cache-tokens", "2048", "--out", str(tmp_path / "ab.json")])
+    out = ab_decode.main(
+        [
+            "--trees",
+            str(other),
+            str(repo),
+            "--dtype",
+            "float32",
+            "bfloat16",
+            "--decode",
+            "static",
+            "dynamic",
+            *args,
+            "--static-cache-tokens",
+            "2048",
+            "--out",
+            str(tmp_path / "ab.json"),
+        ]
+    )
     labels = [f"{other} float32 static", f"{repo} bfloat16 dynamic"]
     assert list(out["summary"]) == labels and out["summary"][labels[0]]["vs_first"] == 1.0
     for label, tree in zip(labels, (other, repo)):
@@ -312,9 +477,26 @@ def test_bench_sandbox_times_the_backends_side_by_side(tmp_path, capsys):
 def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path):
     from benchmarks import bench_record_trees
 
-    res = bench_record_trees.main(["--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2", "--pairs",
-                                   "1", "--warmup", "0", "--max-response-tokens", "8", "--threads", "1",
-                                   "--out", str(tmp_path / "r.json")])
+    res = bench_record_trees.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            "1",
+            "--budget",
+            "2",
+            "--pairs",
+            "1",
+            "--warmup",
+            "0",
+            "--max-response-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert len(res["iterations"]["on"]) == len(res["iterations"]["off"]) == 1
     assert res["record_s"][0] > 0 and res["chunk_bytes_median"] > 0 and 0 < res["record_share"] < 1
 
@@ -326,9 +508,31 @@ def test_bench_lora_compares_both_variants(tiny_model_dir, tmp_path):
     from benchmarks import bench_lora
 
     out = tmp_path / "lora.json"
-    assert bench_lora.main(["--model", str(tiny_model_dir), "--rank", "4", "--rounds", "1", "--steps", "1",
-                            "--prompts", "2", "--budget", "2", "--tokens", "8", "--prompt-tokens", "8",
-                            "--out", str(out)]) == 0
+    assert (
+        bench_lora.main(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--rank",
+                "4",
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+                "--prompts",
+                "2",
+                "--budget",
+                "2",
+                "--tokens",
+                "8",
+                "--prompt-tokens",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(out.read_text())["summary"]
     trainable, copy = summary["trainable"], summary["copy_bytes"]
     assert 0 < trainable["lora"] < trainable["full"]
@@ -358,8 +562,24 @@ def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch)
     if ray.is_initialized():
         ray.shutdown()
     out = tmp_path / "serve.json"
-    res = bench_serve.main(["--model", "tiny", "--compare-checks", "--check-rounds", "1", "--clients", "1,2",
-                            "--requests-per-client", "1", "--max-tokens", "2", "--no-in-process", "--out", str(out)])
+    res = bench_serve.main(
+        [
+            "--model",
+            "tiny",
+            "--compare-checks",
+            "--check-rounds",
+            "1",
+            "--clients",
+            "1,2",
+            "--requests-per-client",
+            "1",
+            "--max-tokens",
+            "2",
+            "--no-in-process",
+            "--out",
+            str(out),
+        ]
+    )
     assert res["checks"]["sides"] == {"with": {"status": 401, "gate": True}, "without": {"status": 200, "gate": False}}
     for c in (1, 2):
         side = res["checks"][c]
@@ -376,8 +596,26 @@ def test_bench_multi_lora_runs_both_variants_per_agent_count(tmp_path):
     from benchmarks import bench_multi_lora
 
     out = tmp_path / "multi.json"
-    assert bench_multi_lora.main(["--agents", "2", "--clients", "1", "2", "--seconds", "0.5", "--tokens", "2",
-                                  "--rank", "4", "--out", str(out)]) == 0
+    assert (
+        bench_multi_lora.main(
+            [
+                "--agents",
+                "2",
+                "--clients",
+                "1",
+                "2",
+                "--seconds",
+                "0.5",
+                "--tokens",
+                "2",
+                "--rank",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     shared, separate = [next(r for r in report["rows"] if r["variant"] == v) for v in ("shared", "separate")]
     assert shared["clients"]["2"]["requests"] > 0 and separate["clients"]["1"]["tokens_per_s"] > 0
@@ -393,8 +631,9 @@ def test_bench_viewer_requests_counts_only_the_page_the_index_and_the_groups_sho
     from tests.browser import find_browser
 
     find_browser()
-    res = bench_viewer_requests.main(["--prompts", "4", "--trajectories", "4", "--iterations", "3",
-                                      "--out", str(tmp_path / "r.json")])
+    res = bench_viewer_requests.main(
+        ["--prompts", "4", "--trajectories", "4", "--iterations", "3", "--out", str(tmp_path / "r.json")]
+    )
     assert (tmp_path / "r.json").is_file() and res["folder_bytes"] > res["index_bytes"] > 0
     first, switch, prompt = res["first_load"], res["switch_iteration"], res["open_prompt"]
     for s in (first, switch, prompt):

@@ -29,10 +29,31 @@ def cluster_processes() -> set[int]:
 def test_bench_async_samples_on_a_worker_node_and_learns_in_the_driver(tiny_model_dir, tmp_path):
     before = cluster_processes()
     out = tmp_path / "a.json"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_async", "--local-cluster",
-                             "--model", str(tiny_model_dir), "--prompts", "1", "--budget", "2",
-                             "--max-response-tokens", "8", "--warmup", "1", "--iterations", "1", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_async",
+            "--local-cluster",
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            "1",
+            "--budget",
+            "2",
+            "--max-response-tokens",
+            "8",
+            "--warmup",
+            "1",
+            "--iterations",
+            "1",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = proc.communicate(timeout=300)
     finally:

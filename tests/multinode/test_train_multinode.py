@@ -14,8 +14,9 @@ from tests.multinode.background import Background
 RUN_TIMEOUT_S = 420
 
 
-def write_experiment(tmp_path, model_dir, iterations: int, worker_resources: str, prompts: int = 2,
-                     tokens: int = 8) -> str:
+def write_experiment(
+    tmp_path, model_dir, iterations: int, worker_resources: str, prompts: int = 2, tokens: int = 8
+) -> str:
     p = tmp_path / "mn.toml"
     p.write_text(f"""
 [experiment]
@@ -121,8 +122,7 @@ def test_worker_node_lost_mid_iteration(cluster, tiny_model_dir, tmp_path):
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not first.is_dir() and run.running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert first.is_dir(), (f"no checkpoint ({'exited' if not run.running() else 'in time'})\n"
-                                f"{run.output()[-5000:]}")
+        assert first.is_dir(), f"no checkpoint ({'exited' if not run.running() else 'in time'})\n{run.output()[-5000:]}"
         # iteration 2 starts as soon as checkpoint 1 is published; rank 1 and any rollout actor on b die with it
         cluster.nodes["b"].kill()
         # a replacement node with the same resources joins, as a cluster manager would bring one up

@@ -68,7 +68,7 @@ every = 0
     p = tmp_path / "mn_sweep.toml"
     p.write_text(f"""
 [sweep]
-experiment = "{tmp_path / 'base.toml'}"
+experiment = "{tmp_path / "base.toml"}"
 search = "grid"
 scheduler = "none"
 iterations = {ITERATIONS}
@@ -136,7 +136,8 @@ def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluste
             time.sleep(0.2)
         assert trial_a is not None and len(iterations(trial_a)) >= 2, (
             f"no second result from the node_a trial ({'exited' if not run.running() else 'in time'})\n"
-            f"{run.output()[-5000:]}")
+            f"{run.output()[-5000:]}"
+        )
         done_before_kill = iterations(trial_a)
         # the trial's own process (the Algorithm and its learner) runs on the node offering node_a: it dies with it
         [node_a] = [n for n in cluster.nodes.values() if n.alive and "node_a" in n.resources]
@@ -157,12 +158,15 @@ def test_tune_trials_on_two_nodes_and_one_restored_after_its_node_is_lost(cluste
     assert not (trials["node_b"] / "error.txt").exists()  # the other node's trial ran through untouched
     rows_a = [json.loads(x) for x in (trials["node_a"] / "result.json").read_text().splitlines() if x.strip()]
     assert (trials["node_a"] / "error.txt").is_file(), (  # it failed once with its node...
-        f"the node was lost after the trial ended: {done_before_kill}\n{output[-3000:]}")
+        f"the node was lost after the trial ended: {done_before_kill}\n{output[-3000:]}"
+    )
     # ... and Tune restored it from its last checkpoint (not from scratch) in a new process, then it finished
     assert sorted({r["training_iteration"] for r in rows_a}) == list(range(1, ITERATIONS + 1))
     assert len({r["pid"] for r in rows_a}) == 2
     assert any(r["iterations_since_restore"] == 1 and r["training_iteration"] > 1 for r in rows_a), (
-        done_before_kill, [(r["training_iteration"], r["iterations_since_restore"], r["pid"]) for r in rows_a])
+        done_before_kill,
+        [(r["training_iteration"], r["iterations_since_restore"], r["pid"]) for r in rows_a],
+    )
     assert rows[trials["node_a"].name]["iterations"] == str(ITERATIONS)
 
 
@@ -177,19 +181,37 @@ REPLICA = "ServeReplica:arpo:arpo_agents"
 
 
 def serve_cmd(cluster, model_dir, port: int, resources: str) -> list[str]:
-    return [sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model_dir}", "--port", str(port),
-            "--replicas", "2", "--replica-resources", resources, "--max-replicas-per-node", "1", "--max-tokens", "8",
-            "--ready-timeout", str(START_TIMEOUT_S)]
+    return [
+        sys.executable,
+        "-m",
+        "arpo_algo.cli",
+        "serve",
+        f"tiny={model_dir}",
+        "--port",
+        str(port),
+        "--replicas",
+        "2",
+        "--replica-resources",
+        resources,
+        "--max-replicas-per-node",
+        "1",
+        "--max-tokens",
+        "8",
+        "--ready-timeout",
+        str(START_TIMEOUT_S),
+    ]
 
 
 def actor_nodes(cluster, class_name: str) -> list[dict]:
     """The custom resources of the node of every live actor whose class name holds ``class_name``, read by a
     short-lived driver from the GCS."""
-    code = ("import json, ray, ray._private.state as st; ray.init(log_to_driver=False)\n"
-            "nodes = {n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}\n"
-            f"out = [nodes.get(a['Address']['NodeID'], {{}}) for a in st.actors().values() if a['State'] == 'ALIVE'"
-            f" and '{class_name}' in a['ActorClassName']]\n"
-            "print('REP' + json.dumps(out))")
+    code = (
+        "import json, ray, ray._private.state as st; ray.init(log_to_driver=False)\n"
+        "nodes = {n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}\n"
+        f"out = [nodes.get(a['Address']['NodeID'], {{}}) for a in st.actors().values() if a['State'] == 'ALIVE'"
+        f" and '{class_name}' in a['ActorClassName']]\n"
+        "print('REP' + json.dumps(out))"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=cluster.env(), capture_output=True, text=True, timeout=120)
     line = next((x for x in r.stdout.splitlines() if x.startswith("REP")), None)
     assert line is not None, r.stderr[-3000:]
@@ -198,8 +220,9 @@ def actor_nodes(cluster, class_name: str) -> list[dict]:
 
 def chat(port: int) -> tuple[int, str | None, str]:
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "1+1?"}], "max_tokens": 8}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
             return r.status, None, ""
@@ -219,8 +242,13 @@ def wait_for_statuses(statuses: list, n: int) -> None:
 
 def test_replicas_the_cluster_cannot_place_are_refused(cluster, tiny_model_dir):
     [port] = free_ports(1)
-    r = subprocess.run(serve_cmd(cluster, tiny_model_dir, port, '{"node_c": 1}'), env=cluster.env(),
-                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    r = subprocess.run(
+        serve_cmd(cluster, tiny_model_dir, port, '{"node_c": 1}'),
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "node_c = 2 (the Ray cluster has 0)" in r.stderr and "--replica-resources" in r.stderr
     assert "Traceback" not in r.stderr and "serving" not in r.stdout
@@ -228,8 +256,9 @@ def test_replicas_the_cluster_cannot_place_are_refused(cluster, tiny_model_dir):
 
 def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model_dir, tmp_path):
     [port] = free_ports(1)
-    served = Background(serve_cmd(cluster, tiny_model_dir, port, '{"worker": 1}'), cluster.env(),
-                        tmp_path / "serve.log")
+    served = Background(
+        serve_cmd(cluster, tiny_model_dir, port, '{"worker": 1}'), cluster.env(), tmp_path / "serve.log"
+    )
     statuses: list[tuple[int, str | None, str]] = []
     stop = threading.Event()
 
@@ -239,11 +268,15 @@ def test_serve_two_replicas_on_two_nodes_survive_a_lost_node(cluster, tiny_model
 
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while served.running() and time.monotonic() < deadline and not any(
-                x.startswith("serving") for x in served.output().splitlines()):
+        while (
+            served.running()
+            and time.monotonic() < deadline
+            and not any(x.startswith("serving") for x in served.output().splitlines())
+        ):
             time.sleep(0.5)
         assert any(x.startswith("serving") for x in served.output().splitlines()), (
-            f"not serving ({'exited' if not served.running() else 'in time'})\n{served.output()[-5000:]}")
+            f"not serving ({'exited' if not served.running() else 'in time'})\n{served.output()[-5000:]}"
+        )
         where = actor_nodes(cluster, REPLICA)
         assert sorted(n for w in where for n in w) == ["node_a", "node_b"], where  # one per worker, none on the head
         # the agents' mailbox lives beside its owner (arpo serve, on the head): losing a worker cannot take it

@@ -31,6 +31,7 @@ def free_port() -> int:
 
 def server_fixture(*, sleeper: bool) -> Any:
     """A module-scoped ``server`` fixture of :func:`start_server` (assign it to ``server`` in a test module)."""
+
     @pytest.fixture(scope="module")
     def server(tmp_path_factory: Any) -> Iterator[dict]:
         yield from start_server(tmp_path_factory, sleeper=sleeper)
@@ -65,8 +66,13 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
         ray.shutdown()
     # Ray as `arpo serve` starts it on loopback: its listeners on loopback, its token file private
     saved[RAY_LOOPBACK_ENV] = os.environ.get(RAY_LOOPBACK_ENV)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             **local_ray_options("127.0.0.1"))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        **local_ray_options("127.0.0.1"),
+    )
     private_token_file()
     security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
     # the proxy's gate as `arpo serve` installs it
@@ -76,11 +82,16 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     sandboxes.mkdir()
     if sleeper:
         tools = json.dumps({"python": {"timeout_s": 30, "scratch_root": str(sandboxes)}})
-        specs += build_specs([f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM,
-                             max_tokens=64)
+        specs += build_specs(
+            [f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM, max_tokens=64
+        )
         specs += build_specs([f"broken={broken_model(root)}"], tools="python", max_tokens=4)
-    serve.run(build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8), name=APP, route_prefix="/",
-              blocking=False)
+    serve.run(
+        build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8),
+        name=APP,
+        route_prefix="/",
+        blocking=False,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, 300, KEY)
     yield {"url": url, "port": port, "model": model, "metrics_port": metrics_port, "sandboxes": sandboxes}
@@ -99,16 +110,37 @@ def sleeper_model(root):
     from arpo_algo.train.sft import run_sft
 
     data = root / "sleep.json"
-    data.write_text(json.dumps([{"conversations": [{"from": "system", "value": SYSTEM},
-                                                   {"from": "human", "value": "Sleep."},
-                                                   {"from": "gpt", "value": SLEEP_CALL}]}]))
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "system", "value": SYSTEM},
+                        {"from": "human", "value": "Sleep."},
+                        {"from": "gpt", "value": SLEEP_CALL},
+                    ]
+                }
+            ]
+        )
+    )
     base = build_tiny_model(root / "sleeper_base", num_layers=2, hidden_size=64, seed=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run_sft({"model": str(base), "data": str(data), "epochs": 100, "batch_size": 1, "lr": 5e-3,
-                 "lr_schedule": "constant", "warmup_ratio": 0.0, "output_dir": str(root / "sleeper"),
-                 "progress": False, "tensorboard": False})
+        run_sft(
+            {
+                "model": str(base),
+                "data": str(data),
+                "epochs": 100,
+                "batch_size": 1,
+                "lr": 5e-3,
+                "lr_schedule": "constant",
+                "warmup_ratio": 0.0,
+                "output_dir": str(root / "sleeper"),
+                "progress": False,
+                "tensorboard": False,
+            }
+        )
     finally:
         torch.set_num_threads(threads)
     return root / "sleeper"
@@ -128,8 +160,9 @@ def broken_model(root):
     return folder
 
 
-def request(srv: dict, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-            timeout: float = 120) -> tuple[int, dict, Any]:
+def request(
+    srv: dict, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120
+) -> tuple[int, dict, Any]:
     """One raw HTTP request (http.client sends exactly the headers given, plus Host unless given)."""
     conn = http.client.HTTPConnection("127.0.0.1", srv["port"], timeout=timeout)
     hdrs = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}

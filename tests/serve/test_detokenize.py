@@ -29,8 +29,12 @@ class CountingTokenizer:
         return self.inner.decode(ids, **kw)
 
 
-TEXTS = ["plain ascii text, with <python>print(1)</python> in it", "accents: é à ü, and ß", "emoji 🙂🚀 and 漢字 mixed",
-         "STOP early? no, only later: the end STOP here"]
+TEXTS = [
+    "plain ascii text, with <python>print(1)</python> in it",
+    "accents: é à ü, and ß",
+    "emoji 🙂🚀 and 漢字 mixed",
+    "STOP early? no, only later: the end STOP here",
+]
 
 
 def _stream(tok, ids, stop, segments=()):

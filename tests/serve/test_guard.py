@@ -44,8 +44,12 @@ def test_v1_needs_the_key_and_health_says_only_up(server):
     assert_openai_error(out, "invalid_api_key")
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in good.models.list().data] == ["tiny"]
-    assert good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                        max_tokens=2).choices[0].message.content is not None
+    assert (
+        good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        .choices[0]
+        .message.content
+        is not None
+    )
     assert request(server, "GET", "/health", headers={"Authorization": None})[2] == {"status": "ok"}
     assert request(server, "GET", "/health")[2] == {"status": "ok", "models": ["tiny"]}
     status, headers, page = request(server, "GET", "/", headers={"Authorization": None})
@@ -299,11 +303,19 @@ def test_a_security_header_given_twice_is_refused(server):
     host = b"Host: 127.0.0.1:%d" % port
     body = json.dumps(chat_body()).encode()
     ctype = b"Content-Type: application/json"
-    cases = {"host": [b"GET /v1/models HTTP/1.1", b"Host: evil.example", host, good],
-             "authorization": [b"GET /v1/models HTTP/1.1", host, b"Authorization: Bearer nope", good],
-             "origin": [b"POST /v1/chat/completions HTTP/1.1", host, good, ctype,
-                        b"Origin: http://127.0.0.1:%d" % port, b"Origin: http://evil.example"],
-             "content-type": [b"POST /v1/chat/completions HTTP/1.1", host, good, b"Content-Type: text/plain", ctype]}
+    cases = {
+        "host": [b"GET /v1/models HTTP/1.1", b"Host: evil.example", host, good],
+        "authorization": [b"GET /v1/models HTTP/1.1", host, b"Authorization: Bearer nope", good],
+        "origin": [
+            b"POST /v1/chat/completions HTTP/1.1",
+            host,
+            good,
+            ctype,
+            b"Origin: http://127.0.0.1:%d" % port,
+            b"Origin: http://evil.example",
+        ],
+        "content-type": [b"POST /v1/chat/completions HTTP/1.1", host, good, b"Content-Type: text/plain", ctype],
+    }
     for name, lines in cases.items():
         status, out = raw(server, b"\r\n".join(lines), body if lines[0].startswith(b"POST") else b"")
         assert status == 400, (name, out)
@@ -345,10 +357,21 @@ def test_non_http_scopes_are_refused_before_the_app(where, monkeypatch):
 def test_bodies_that_are_not_plain_json_text_are_400(server):
     """A lone surrogate escape and nesting deeper than the parser's recursion: client mistakes, answered 400."""
     lone = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
-    deep = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 200_000 \
-        + b"]" * 200_000 + b"}"
-    for body in (lone, deep, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": '
-                 + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"):
+    deep = (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "metadata": '
+        + b"[" * 200_000
+        + b"]" * 200_000
+        + b"}"
+    )
+    for body in (
+        lone,
+        deep,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": '
+        + b'{"a": ' * 40
+        + b"1"
+        + b"}" * 40
+        + b"}",
+    ):
         status, _, out = post_chat(server, body)
         assert status == 400, (body[:80], out)
         assert_openai_error(out)
@@ -371,9 +394,11 @@ def test_idle_sockets_with_the_timeout_off_header_lock_nobody_out(server):
 
     from serve.guard import BODY_TIMEOUT_S
 
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\nx-request-timeout-seconds: 0\r\n"
-            b"x-request-disconnect-disabled: ?1\r\n\r\n" % (server["port"], KEY.encode()))
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\nx-request-timeout-seconds: 0\r\n"
+        b"x-request-disconnect-disabled: ?1\r\n\r\n" % (server["port"], KEY.encode())
+    )
     idle = [socket.create_connection(("127.0.0.1", server["port"]), timeout=60) for _ in range(20)]
     try:
         for s in idle:
@@ -404,9 +429,10 @@ def test_an_oversized_chunked_body_is_cut_at_the_limit(server):
     def push() -> None:
         piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
         try:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
-                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-                      % (server["port"], KEY.encode()))
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" % (server["port"], KEY.encode())
+            )
             for _ in range(256):
                 s.sendall(piece)
                 sent[0] += 1 << 20
@@ -445,8 +471,11 @@ def test_ray_started_for_a_loopback_server_listens_on_loopback_only(server):
 
     for p in descendants():
         try:
-            listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
-                          if c.status == psutil.CONN_LISTEN]
+            listening += [
+                (p.name(), c.laddr.ip, c.laddr.port)
+                for c in p.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            ]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     ports = {port for _, _, port in listening}

@@ -51,8 +51,11 @@ def test_body_without_length_is_cut_at_the_limit(server):
     conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=120)
     try:
         conn.putrequest("POST", "/v1/chat/completions")
-        for k, v in (("Authorization", f"Bearer {KEY}"), ("Content-Type", "application/json"),
-                     ("Transfer-Encoding", "chunked")):
+        for k, v in (
+            ("Authorization", f"Bearer {KEY}"),
+            ("Content-Type", "application/json"),
+            ("Transfer-Encoding", "chunked"),
+        ):
             conn.putheader(k, v)
         conn.endheaders()
         piece = b" " * (1 << 20)
@@ -74,9 +77,10 @@ def test_others_are_answered_while_an_oversized_request_is_refused(server):
     """A client that announces a 1 GiB body and trickles it does not hold up anyone else."""
     sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{"
-                     % (server["port"], KEY.encode(), 1 << 30))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % (server["port"], KEY.encode(), 1 << 30)
+        )
         t0 = time.monotonic()
         status, _, out = post_chat(server, chat_body(), timeout=60)
         assert status == 200 and time.monotonic() - t0 < 30, out
@@ -191,8 +195,7 @@ def test_deadline_kills_the_running_tool_call_answers_504_and_counts_it_once(ser
     """The sleeper agent's tool call sleeps 30 s, past the request's 5 s deadline: the request gets the deadline's
     504 (in-band for a stream), and by then the sleeping sandbox process is killed and its scratch folder removed,
     not left to run to the tool's own 30 s timeout. Each such request is counted once as 504."""
-    long = {"model": "sleeper", "messages": [{"role": "user", "content": "Sleep."}], "temperature": 0,
-            "max_tokens": 64}
+    long = {"model": "sleeper", "messages": [{"role": "user", "content": "Sleep."}], "temperature": 0, "max_tokens": 64}
     before = settled_counts(server)
     (status, _, out), seen = run_watching_sandboxes(server, lambda: post_chat(server, long))
     assert status == 504, (status, out)
@@ -203,8 +206,12 @@ def test_deadline_kills_the_running_tool_call_answers_504_and_counts_it_once(ser
 
     def stream() -> list[str]:
         conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({**long, "stream": True}),
-                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps({**long, "stream": True}),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )
         events = [ln[6:] for ln in conn.getresponse().read().decode().split("\n\n") if ln.startswith("data: ")]
         conn.close()
         return events
@@ -240,8 +247,12 @@ def test_engine_error_is_an_openai_500_for_that_request_only(server):
         client.chat.completions.create(**bad)
     assert e.value.status_code == 500 and e.value.body["code"] == "internal_error", e.value.body
     conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({**bad, "stream": True}),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps({**bad, "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     events = [ln[6:] for ln in conn.getresponse().read().decode().split("\n\n") if ln.startswith("data: ")]
     conn.close()
     assert json.loads(events[-1])["error"]["code"] == "internal_error", events
@@ -264,8 +275,12 @@ def test_stopped_engine_fails_health_answers_503_and_is_replaced(server):
 
     conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
     long = {**chat_body(max_tokens=2000, temperature=0), "stream": True}  # greedy: this model runs long
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(long),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps(long),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     assert r.status == 200
     while not re.search(rb'"content": "[^"]', r.readline()):

@@ -41,11 +41,14 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi_lora")
     base = build_tiny_model(root / "base", num_layers=2, hidden_size=64, seed=0)
     other = build_tiny_model(root / "other", num_layers=2, hidden_size=64, seed=9)
-    return {"base": base, "other": other,
-            "a": build_tiny_adapter(base, root / "a", rank=4, seed=1),
-            "b": build_tiny_adapter(base, root / "b", rank=8, seed=2),
-            "c": build_tiny_adapter(base, root / "c", rank=4, seed=3),
-            "x": build_tiny_adapter(other, root / "x", rank=4, seed=4)}
+    return {
+        "base": base,
+        "other": other,
+        "a": build_tiny_adapter(base, root / "a", rank=4, seed=1),
+        "b": build_tiny_adapter(base, root / "b", rank=8, seed=2),
+        "c": build_tiny_adapter(base, root / "c", rank=4, seed=3),
+        "x": build_tiny_adapter(other, root / "x", rank=4, seed=4),
+    }
 
 
 def _specs(folders, names):
@@ -55,8 +58,9 @@ def _specs(folders, names):
     specs = []
     for name in names:
         folder = folders[name if name in folders else "base"]
-        specs += build_specs([f"{name}={folder}"], max_tokens=16, max_tokens_limit=4096,
-                             system_prompt=prompts.get(name), **SESSION)
+        specs += build_specs(
+            [f"{name}={folder}"], max_tokens=16, max_tokens_limit=4096, system_prompt=prompts.get(name), **SESSION
+        )
     return specs
 
 
@@ -74,8 +78,12 @@ def server(folders, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # replicas import this checkout
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY)
@@ -83,9 +91,12 @@ def server(folders, tmp_path_factory):
     first = _specs(folders, ["a", "b", "plain", "other"])
 
     def deploy(specs):
-        serve.run(build_app(first, keyed, user_config={"agents": [s.to_dict() for s in specs]},
-                            max_ongoing_requests=8),
-                  name="arpo", route_prefix="/", blocking=False)
+        serve.run(
+            build_app(first, keyed, user_config={"agents": [s.to_dict() for s in specs]}, max_ongoing_requests=8),
+            name="arpo",
+            route_prefix="/",
+            blocking=False,
+        )
 
     deploy(first)
     url = f"http://127.0.0.1:{port}"
@@ -113,8 +124,11 @@ def _alone(spec):
 
     agent = Agent(spec)
     try:
-        job = agent.prepare(parse_chat_request(json.dumps(
-            {"model": spec.name, "messages": PROMPT, "temperature": 0, "max_tokens": 16}).encode()))
+        job = agent.prepare(
+            parse_chat_request(
+                json.dumps({"model": spec.name, "messages": PROMPT, "temperature": 0, "max_tokens": 16}).encode()
+            )
+        )
         return agent.run(job, th.Event())["choices"][0]["message"]["arpo"]["response_ids"]
     finally:
         agent.front.close()
@@ -148,8 +162,9 @@ def test_models_name_each_agents_base_by_fingerprint_not_path(server, folders):
 
 
 def _stream(url, model, max_tokens, result):
-    body = json.dumps({"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": model, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens, "stream": True}
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json", **AUTH})
     chunks = []
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -191,8 +206,9 @@ def test_live_update_adds_and_removes_agents_without_restarting_the_replica(serv
         time.sleep(0.2)
     for name, s in streams.items():
         assert s["chunks"][-1] == "[DONE]", (name, s["chunks"][-3:])
-        finish = [json.loads(c)["choices"][0]["finish_reason"] for c in s["chunks"][:-1]
-                  if json.loads(c).get("choices")]
+        finish = [
+            json.loads(c)["choices"][0]["finish_reason"] for c in s["chunks"][:-1] if json.loads(c).get("choices")
+        ]
         assert finish[-1] == "length", name  # the whole stream, not cut short by the update
         assert s["ended"] > t0, name
         assert s["ended"] > updated, name  # still running when the update was done
@@ -227,8 +243,9 @@ def test_arpo_serve_users_change_the_agents_with_the_key(server, folders):
             request("POST", f"{url}/v1/agents", {"add": [f"a={folders['c']}"]}, headers=AUTH, timeout=300)
         assert e.value.status == 400 and "two agents are named 'a'" in e.value.data["error"]["message"]
         assert {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]} == served
-        out = request("POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"], "remove": ["other"]},
-                      headers=AUTH, timeout=300).data
+        out = request(
+            "POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"], "remove": ["other"]}, headers=AUTH, timeout=300
+        ).data
         assert sorted(out["models"]) == sorted(served - {"other"} | {"d"})
         assert _chat(url, "d")["choices"][0]["message"]["arpo"]["response_ids"]
     finally:
@@ -264,8 +281,9 @@ def test_a_deployments_user_config_names_its_agents(folders):
 
     specs = _specs(folders, ["a", "plain"])
     assert agents_from_config({"agents": [s.to_dict() for s in specs]}) == specs
-    listed = agents_from_config({"models": f"a={folders['a']},plain={folders['base']}", "tools": "python",
-                                 "max_tool_calls": "0"})
+    listed = agents_from_config(
+        {"models": f"a={folders['a']},plain={folders['base']}", "tools": "python", "max_tool_calls": "0"}
+    )
     assert [(s.name, bool(s.base)) for s in listed] == [("a", True), ("plain", False)]
     with pytest.raises(ConfigError, match="unknown keys"):
         agents_from_config({"agents": [], "models": "x"})

@@ -27,10 +27,13 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi_lora_vllm")
     # head_dim 64: vLLM's CPU attention kernels do not take the 16-dim heads of the default tiny model
     base = build_tiny_model(root / "base", num_layers=2, hidden_size=256, seed=0)
-    return {"base": base, "a": build_tiny_adapter(base, root / "a", rank=4, seed=1),
-            "b": build_tiny_adapter(base, root / "b", rank=8, seed=2),
-            "c": build_tiny_adapter(base, root / "c", rank=4, seed=5),
-            "wide": build_tiny_adapter(base, root / "wide", rank=16, seed=3)}
+    return {
+        "base": base,
+        "a": build_tiny_adapter(base, root / "a", rank=4, seed=1),
+        "b": build_tiny_adapter(base, root / "b", rank=8, seed=2),
+        "c": build_tiny_adapter(base, root / "c", rank=4, seed=5),
+        "wide": build_tiny_adapter(base, root / "wide", rank=16, seed=3),
+    }
 
 
 def _specs(folders, names, engine="vllm"):
@@ -65,8 +68,9 @@ def test_adapter_agents_share_one_vllm_base_and_answer_as_each_alone(agent_set, 
     assert engine.llm.llm_engine.vllm_config.lora_config.max_loras == 2  # one LoRA slot per adapter agent
     alone = {name: _answer(agent_set.agents[name]) for name in ("a", "b")}
     together: dict[str, list[int]] = {}
-    threads = [threading.Thread(target=lambda n=n: together.__setitem__(n, _answer(agent_set.agents[n])))
-               for n in ("a", "b")]
+    threads = [
+        threading.Thread(target=lambda n=n: together.__setitem__(n, _answer(agent_set.agents[n]))) for n in ("a", "b")
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -96,8 +100,10 @@ def test_an_agent_added_live_beyond_max_loras_is_served(agent_set, folders):
     assert agent_set.agents["c"].front is agent_set.shared.front
     alone_c = _answer(agent_set.agents["c"])
     together: dict[str, list[int]] = {}
-    threads = [threading.Thread(target=lambda n=n: together.__setitem__(n, _answer(agent_set.agents[n])))
-               for n in ("a", "b", "c")]
+    threads = [
+        threading.Thread(target=lambda n=n: together.__setitem__(n, _answer(agent_set.agents[n])))
+        for n in ("a", "b", "c")
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -24,11 +24,12 @@ def _plant(tmp_path, kind: str) -> tuple[str, dict]:
     env_id, python = "arpo/ToolMath-v0", {}
     if kind == "module":
         (tmp_path / "planted_env.py").write_text(
-            f"open({str(marker)!r}, 'w').write('imported')\nimport gymnasium\nclass Env(gymnasium.Env):\n    pass\n")
+            f"open({str(marker)!r}, 'w').write('imported')\nimport gymnasium\nclass Env(gymnasium.Env):\n    pass\n"
+        )
         env_id = "planted_env:Env"
     elif kind == "python_executable":
         script = tmp_path / "python"
-        script.write_text(f"#!/bin/sh\ntouch {marker}\nexec {sys.executable} \"$@\"\n")
+        script.write_text(f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n')
         script.chmod(0o755)
         python = {"python_executable": str(script)}
     elif kind == "docker_image":
@@ -44,8 +45,11 @@ def _plant(tmp_path, kind: str) -> tuple[str, dict]:
     elif kind == "uid_base":  # root as the sandbox's uid: a finished call would kill every root process
         python = {"uid_base": 0}
     elif kind == "search.url":  # a secret of the reader's environment sent to the record's endpoint
-        return env_id, {"levels": [1], "max_tool_calls": 1, "tools": {"search": {
-            "backend": "web", "url": "http://127.0.0.1:9/collect", "api_key_env": "HOME"}}}
+        return env_id, {
+            "levels": [1],
+            "max_tool_calls": 1,
+            "tools": {"search": {"backend": "web", "url": "http://127.0.0.1:9/collect", "api_key_env": "HOME"}},
+        }
     elif kind == "cache":  # a file written where the record says
         return env_id, {"levels": [1], "max_tool_calls": 1, "tools": {"cache": {"path": str(marker)}}}
     return env_id, {"levels": [1], "max_tool_calls": 1, "tools": {"python": python}}
@@ -54,9 +58,15 @@ def _plant(tmp_path, kind: str) -> tuple[str, dict]:
 def _checkpoint(tmp_path, env_id: str, env_config: dict):
     ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"
     (ckpt / "policy").mkdir(parents=True)
-    (ckpt / CHECKPOINT_MARKER).write_text(json.dumps({
-        "arpo_checkpoint_format": CHECKPOINT_FORMAT, "algorithm": "ARPO",
-        "config": {"env": env_id, "env_config": env_config, "seed": 0, "settings": {}}}))
+    (ckpt / CHECKPOINT_MARKER).write_text(
+        json.dumps(
+            {
+                "arpo_checkpoint_format": CHECKPOINT_FORMAT,
+                "algorithm": "ARPO",
+                "config": {"env": env_id, "env_config": env_config, "seed": 0, "settings": {}},
+            }
+        )
+    )
     return ckpt
 
 
@@ -80,8 +90,9 @@ def test_serving_a_checkpoint_never_rebuilds_its_recorded_environment(tmp_path, 
     assert not (tmp_path / "scratch").exists()
 
 
-@pytest.mark.parametrize("kind", ["module", "python_executable", "allow_unisolated_python", "uid_base", "search.url",
-                                  "cache"])
+@pytest.mark.parametrize(
+    "kind", ["module", "python_executable", "allow_unisolated_python", "uid_base", "search.url", "cache"]
+)
 def test_from_checkpoint_refuses_a_record_that_names_code(tmp_path, monkeypatch, kind):
     from arpo_algo.algorithms import ARPO
 

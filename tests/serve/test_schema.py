@@ -25,51 +25,79 @@ def err(body) -> APIError:
 
 
 def test_valid_request_defaults_and_fields():
-    r = parse_chat_request(json.dumps({**OK, "temperature": 0, "top_p": 0.5, "max_tokens": 7, "n": 3,
-                                       "stop": "x", "seed": 5, "stream": True,
-                                       "stream_options": {"include_usage": True}, "user": "ignored"}))
-    assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.seed, r.stream, r.include_usage) == \
-        (0.0, 0.5, 7, 3, ["x"], 5, True, True)
+    r = parse_chat_request(
+        json.dumps(
+            {
+                **OK,
+                "temperature": 0,
+                "top_p": 0.5,
+                "max_tokens": 7,
+                "n": 3,
+                "stop": "x",
+                "seed": 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "user": "ignored",
+            }
+        )
+    )
+    assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.seed, r.stream, r.include_usage) == (
+        0.0,
+        0.5,
+        7,
+        3,
+        ["x"],
+        5,
+        True,
+        True,
+    )
     r = parse_chat_request(OK)
     assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.tool_mode) == (1.0, 1.0, None, 1, [], "server")
     assert parse_chat_request({**OK, "tools": [{"type": "function"}]}).tool_mode == "client"
-    parts = {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                             {"type": "text", "text": "b"}]}]}
+    parts = {
+        **OK,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    }
     assert parse_chat_request(parts).messages[0]["content"] == "ab"
 
 
-@pytest.mark.parametrize("body, param", [
-    (b"{not json", None),
-    ([1, 2], None),
-    ({"messages": OK["messages"]}, "model"),
-    ({"model": "m"}, "messages"),
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": "hi"}, "messages"),
-    ({"model": "m", "messages": ["hi"]}, "messages[0]"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-     "messages[1].role"),
-    ({**OK, "temperature": "hot"}, "temperature"),
-    ({**OK, "temperature": 2.5}, "temperature"),
-    ({**OK, "temperature": True}, "temperature"),
-    ({**OK, "top_p": 0}, "top_p"),
-    ({**OK, "top_p": 1.5}, "top_p"),
-    ({**OK, "max_tokens": 0}, "max_tokens"),
-    ({**OK, "max_tokens": 1.5}, "max_tokens"),
-    ({**OK, "n": 0}, "n"),
-    ({**OK, "n": 1000}, "n"),
-    ({**OK, "stop": ["a", ""]}, "stop"),
-    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({**OK, "seed": "x"}, "seed"),
-    ({**OK, "stream": "yes"}, "stream"),
-    ({**OK, "temprature": 1}, "temprature"),
-    ({**OK, "tool_choice": "required"}, "tool_choice"),
-    ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
-    ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
-    ({**OK, "arpo": {"colour": 1}}, "arpo"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        ([1, 2], None),
+        ({"messages": OK["messages"]}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": ["hi"]}, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "messages[1].role",
+        ),
+        ({**OK, "temperature": "hot"}, "temperature"),
+        ({**OK, "temperature": 2.5}, "temperature"),
+        ({**OK, "temperature": True}, "temperature"),
+        ({**OK, "top_p": 0}, "top_p"),
+        ({**OK, "top_p": 1.5}, "top_p"),
+        ({**OK, "max_tokens": 0}, "max_tokens"),
+        ({**OK, "max_tokens": 1.5}, "max_tokens"),
+        ({**OK, "n": 0}, "n"),
+        ({**OK, "n": 1000}, "n"),
+        ({**OK, "stop": ["a", ""]}, "stop"),
+        ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**OK, "seed": "x"}, "seed"),
+        ({**OK, "stream": "yes"}, "stream"),
+        ({**OK, "temprature": 1}, "temprature"),
+        ({**OK, "tool_choice": "required"}, "tool_choice"),
+        ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
+        ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
+        ({**OK, "arpo": {"colour": 1}}, "arpo"),
+    ],
+)
 def test_bad_inputs_name_the_field(body, param):
     e = err(body)
     assert e.param == param
@@ -96,8 +124,10 @@ def test_sources_model_checkpoint_and_run_folder(tmp_path):
         (ck / "policy" / "config.json").write_text(MODEL_CONFIG)
         (ck / "arpo_checkpoint.json").write_text("{}")
     assert resolve_source(str(run)) == ("run", run / "checkpoints" / "iter_000002" / "policy")
-    assert resolve_source(str(run / "checkpoints" / "iter_000001")) == \
-        ("run", run / "checkpoints" / "iter_000001" / "policy")
+    assert resolve_source(str(run / "checkpoints" / "iter_000001")) == (
+        "run",
+        run / "checkpoints" / "iter_000001" / "policy",
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ArpoError, match="is not a model source"):
@@ -123,8 +153,9 @@ def test_engine_settings_are_checked_before_any_replica_starts(tmp_path):
     with pytest.raises(ArpoError, match="'kv_cache_gib' is not a setting of the hf engine") as e:
         build_specs([str(model)], engine="hf", engine_settings={"kv_cache_gib": 1})
     assert "max_batch_size" in e.value.hint
-    assert build_specs([str(model)], engine="hf", engine_settings={"max_batch_size": 4})[0].engine_settings == \
-        {"max_batch_size": 4}
+    assert build_specs([str(model)], engine="hf", engine_settings={"max_batch_size": 4})[0].engine_settings == {
+        "max_batch_size": 4
+    }
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ArpoError, match="needs the vllm package") as e:
             build_specs([str(model)], engine="vllm")
@@ -145,9 +176,18 @@ def test_application_builder_takes_serve_run_arguments(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(MODEL_CONFIG)
-    app = build({"models": f"a={model},b={model}", "tools": "python", "max_tool_calls": "3", "replicas": "2",
-                 "max_ongoing_requests": "4", "max_queued_requests": "8", "retry_after_s": "2",
-                 "allow_unauthenticated": "true"})
+    app = build(
+        {
+            "models": f"a={model},b={model}",
+            "tools": "python",
+            "max_tool_calls": "3",
+            "replicas": "2",
+            "max_ongoing_requests": "4",
+            "max_queued_requests": "8",
+            "retry_after_s": "2",
+            "allow_unauthenticated": "true",
+        }
+    )
     assert isinstance(app, Application)
     opts = deployment_options(replicas=2, max_ongoing_requests=4, max_queued_requests=8, retry_after_s=2)
     assert opts["num_replicas"] == 2  # Serve's limits sit above the replica's own admission (4 running, 8 waiting)
@@ -186,8 +226,11 @@ def test_replica_placement_options_are_checked(tiny_model_dir, capsys):
     opts = deployment_options(replicas=2, replica_resources={"worker": 1}, max_replicas_per_node=1)
     assert opts["ray_actor_options"]["resources"] == {"worker": 1.0} and opts["max_replicas_per_node"] == 1
     assert "resources" not in deployment_options()["ray_actor_options"]
-    for table, message in (({"CPU": 1}, "'CPU' is not a custom resource"), ({"worker": 0}, "worker must be a number"),
-                           ({}, "non-empty table")):
+    for table, message in (
+        ({"CPU": 1}, "'CPU' is not a custom resource"),
+        ({"worker": 0}, "worker must be a number"),
+        ({}, "non-empty table"),
+    ):
         with pytest.raises(ArpoError, match=message):
             deployment_options(replica_resources=table)
     with pytest.raises(ArpoError, match="max_replicas_per_node must be >= 1"):
@@ -215,9 +258,14 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
     (tmp_path / "run" / "config.json").write_text(RUN_RECORD)
     (ck / "policy" / "config.json").write_text(MODEL_CONFIG)
     env_config = {"levels": [3], "max_tool_calls": 3}
-    (ck / "arpo_checkpoint.json").write_text(json.dumps(
-        {"arpo_checkpoint_format": CHECKPOINT_FORMAT, "config": {"env": "arpo/ToolMath-v0", "env_config": env_config,
-                                                                 "seed": 0}}))
+    (ck / "arpo_checkpoint.json").write_text(
+        json.dumps(
+            {
+                "arpo_checkpoint_format": CHECKPOINT_FORMAT,
+                "config": {"env": "arpo/ToolMath-v0", "env_config": env_config, "seed": 0},
+            }
+        )
+    )
     # without the policy folder's own record the checkpoint's environment is not rebuilt: generic defaults
     [spec] = build_specs([str(tmp_path / "run")], tools="python")
     assert not set(spec.session) & {"system_prompt", "max_tool_calls", "protocol"}
@@ -241,9 +289,14 @@ def test_a_checkpoint_is_served_with_the_prompt_and_limits_it_was_trained_with(t
 
 def _record(**over) -> dict:
     """A policy folder's arpo_policy.json; its format number is the on-disk contract (readers refuse any other)."""
-    return {"arpo_policy_format": 1, "arpo_version": "0", "env": "arpo/ToolMath-v0",
-            "env_config": {"levels": [3]},
-            "served_defaults": {"system_prompt": "trained prompt", "max_tool_calls": 3, "protocol": "json"}, **over}
+    return {
+        "arpo_policy_format": 1,
+        "arpo_version": "0",
+        "env": "arpo/ToolMath-v0",
+        "env_config": {"levels": [3]},
+        "served_defaults": {"system_prompt": "trained prompt", "max_tool_calls": 3, "protocol": "json"},
+        **over,
+    }
 
 
 def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_defaults(tmp_path, caplog):
@@ -264,12 +317,18 @@ def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_d
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="arpo.serve"):
         [spec] = build_specs([str(folder)], tools="python")
-    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
-        ("trained prompt", 3, "json")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == (
+        "trained prompt",
+        3,
+        "json",
+    )
     assert not [r for r in caplog.records if r.name == "arpo.serve"]
     [spec] = build_specs([str(folder)], tools="python", protocol="json", max_tool_calls=1)
-    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
-        ("trained prompt", 1, "json")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == (
+        "trained prompt",
+        1,
+        "json",
+    )
     # the training prompt describes its own protocol's format: under another protocol it is not used, and serve says so
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="arpo.serve"):
@@ -281,16 +340,25 @@ def test_a_policy_folder_records_its_environment_or_serve_says_it_uses_generic_d
     assert spec.session["system_prompt"] == "mine"
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "is not valid JSON"),
-    ("[1]", "must hold a JSON object"),
-    ({"arpo_policy_format": 99}, "has format 99"),
-    ({"served_defaults": None}, "lacks 'env'"),
-    ({"served_defaults": {"system_prompt": "p", "protocol": "arpo"}}, "lacks max_tool_calls"),
-    ({"served_defaults": {"system_prompt": "p", "max_tool_calls": "3", "protocol": "arpo"}},
-     "max_tool_calls must be an integer"),
-    ({"served_defaults": {"system_prompt": "p", "max_tool_calls": 3, "protocol": "xml"}}, "protocol must be one of"),
-], ids=["not-json", "not-object", "format", "no-defaults", "missing-key", "limit-type", "protocol"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1]", "must hold a JSON object"),
+        ({"arpo_policy_format": 99}, "has format 99"),
+        ({"served_defaults": None}, "lacks 'env'"),
+        ({"served_defaults": {"system_prompt": "p", "protocol": "arpo"}}, "lacks max_tool_calls"),
+        (
+            {"served_defaults": {"system_prompt": "p", "max_tool_calls": "3", "protocol": "arpo"}},
+            "max_tool_calls must be an integer",
+        ),
+        (
+            {"served_defaults": {"system_prompt": "p", "max_tool_calls": 3, "protocol": "xml"}},
+            "protocol must be one of",
+        ),
+    ],
+    ids=["not-json", "not-object", "format", "no-defaults", "missing-key", "limit-type", "protocol"],
+)
 def test_an_unreadable_policy_record_is_refused_with_a_hint(tmp_path, content, message):
     """Never skipped (the agent would silently get settings it was not trained with), never a traceback."""
     from arpo_base.errors import ConfigError

@@ -52,16 +52,38 @@ def sft_model(tmp_path_factory, demos):
 
     root = tmp_path_factory.mktemp("serve")
     data = root / "demos.json"
-    data.write_text(json.dumps([{"conversations": [
-        {"from": "system", "value": SYSTEM}, {"from": "human", "value": d["messages"][1]["content"]},
-        {"from": "gpt", "value": "".join(text for text, _ in d["segments"])}]} for d in demos]))
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "system", "value": SYSTEM},
+                        {"from": "human", "value": d["messages"][1]["content"]},
+                        {"from": "gpt", "value": "".join(text for text, _ in d["segments"])},
+                    ]
+                }
+                for d in demos
+            ]
+        )
+    )
     base = build_tiny_model(root / "base", num_layers=2, hidden_size=128, seed=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is several times faster than two on a busy machine
     try:
-        run_sft({"model": str(base), "data": str(data), "epochs": 150, "batch_size": N_DEMOS, "lr": 5e-3,
-                 "lr_schedule": "constant", "warmup_ratio": 0.0, "output_dir": str(root / "sft"),
-                 "progress": False, "tensorboard": False})
+        run_sft(
+            {
+                "model": str(base),
+                "data": str(data),
+                "epochs": 150,
+                "batch_size": N_DEMOS,
+                "lr": 5e-3,
+                "lr_schedule": "constant",
+                "warmup_ratio": 0.0,
+                "output_dir": str(root / "sft"),
+                "progress": False,
+                "tensorboard": False,
+            }
+        )
     finally:
         torch.set_num_threads(threads)
     return root / "sft", base
@@ -77,9 +99,9 @@ def server(sft_model, demos):
     from serve.guard import Security
 
     sft, base = sft_model
-    specs = build_specs([f"toolmath={sft}"], tools="python", max_tool_calls=2, system_prompt=SYSTEM,
-                        max_tokens=256) + build_specs([f"base={base}"], tools="python", max_tool_calls=0,
-                                                      max_tokens=64)
+    specs = build_specs(
+        [f"toolmath={sft}"], tools="python", max_tool_calls=2, system_prompt=SYSTEM, max_tokens=256
+    ) + build_specs([f"base={base}"], tools="python", max_tool_calls=0, max_tokens=64)
     port = _free_port()
     # Ray's memory monitor kills workers once the *machine* is 95% full, whoever uses it; on a shared test box
     # that is other people's jobs. The test's own footprint is small (two tiny models).
@@ -93,9 +115,12 @@ def server(sft_model, demos):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     open_local = Security(allow_unauthenticated=True, port=port)  # the guard itself is tested in test_guard.py
-    serve.run(build_app(specs, open_local, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED,
-                        retry_after_s=2),
-              name="arpo", route_prefix="/", blocking=False)
+    serve.run(
+        build_app(specs, open_local, max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED, retry_after_s=2),
+        name="arpo",
+        route_prefix="/",
+        blocking=False,
+    )
     url = f"http://127.0.0.1:{port}"
     from arpo_algo.cli.serve import wait_ready
 
@@ -150,10 +175,15 @@ def test_agent_runs_the_tool_and_answers(client, demos):
 
 
 def test_streaming_sends_deltas_and_tool_events(client, demos):
-    full = client.chat.completions.create(model="toolmath", messages=question(demos, 1), temperature=0,
-                                          max_tokens=256)
-    stream = client.chat.completions.create(model="toolmath", messages=question(demos, 1), temperature=0,
-                                            max_tokens=256, stream=True, stream_options={"include_usage": True})
+    full = client.chat.completions.create(model="toolmath", messages=question(demos, 1), temperature=0, max_tokens=256)
+    stream = client.chat.completions.create(
+        model="toolmath",
+        messages=question(demos, 1),
+        temperature=0,
+        max_tokens=256,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, events, finish, usage = "", [], None, None
     for chunk in stream:
         if chunk.usage:
@@ -191,13 +221,16 @@ def test_bad_inputs_are_400_or_404_and_the_replica_survives(server, client, demo
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="toolmath", messages=question(demos), n=99)
     assert e.value.body["param"] == "n"
-    cases = [(b"{oops", None), ({"model": "toolmath"}, "messages"),
-             ({"model": "toolmath", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-             ({"model": "toolmath", "messages": question(demos), "temperature": 9}, "temperature"),
-             ({"model": "toolmath", "messages": question(demos), "top_p": "a"}, "top_p"),
-             ({"model": "toolmath", "messages": question(demos), "max_tokens": -1}, "max_tokens"),
-             ({"model": "toolmath", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
-             ({"model": "toolmath", "messages": question(demos), "max_tokens": 100000}, "max_tokens")]
+    cases = [
+        (b"{oops", None),
+        ({"model": "toolmath"}, "messages"),
+        ({"model": "toolmath", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"model": "toolmath", "messages": question(demos), "temperature": 9}, "temperature"),
+        ({"model": "toolmath", "messages": question(demos), "top_p": "a"}, "top_p"),
+        ({"model": "toolmath", "messages": question(demos), "max_tokens": -1}, "max_tokens"),
+        ({"model": "toolmath", "messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+        ({"model": "toolmath", "messages": question(demos), "max_tokens": 100000}, "max_tokens"),
+    ]
     for body, param in cases:
         status, _, out = post(server, body)
         assert status == 400, (body, out)
@@ -207,9 +240,16 @@ def test_bad_inputs_are_400_or_404_and_the_replica_survives(server, client, demo
 
 
 def test_client_side_tools_return_tool_calls_and_accept_results(client, demos):
-    tools = [{"type": "function", "function": {"name": "python", "description": "run Python",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"code": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "python",
+                "description": "run Python",
+                "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+            },
+        }
+    ]
     msgs = question(demos, 0)
     r = client.chat.completions.create(model="toolmath", messages=msgs, temperature=0, max_tokens=256, tools=tools)
     c = r.choices[0]
@@ -217,10 +257,12 @@ def test_client_side_tools_return_tool_calls_and_accept_results(client, demos):
     code = json.loads(c.message.tool_calls[0].function.arguments)["code"]
     assert not c.message.model_extra["arpo"]["tool_calls"], "client mode must not run the tool itself"
     answer = "4242"
-    follow = [*msgs, c.message.model_dump(exclude_none=True),
-              {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": answer}]
-    r2 = client.chat.completions.create(model="toolmath", messages=follow, temperature=0, max_tokens=200,
-                                        tools=tools)
+    follow = [
+        *msgs,
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": answer},
+    ]
+    r2 = client.chat.completions.create(model="toolmath", messages=follow, temperature=0, max_tokens=200, tools=tools)
     assert "print(" in code and r2.usage.prompt_tokens > r.usage.prompt_tokens
     # The continuation saw the tool result: the server appended it exactly as training does.
     ext2 = r2.choices[0].message.model_extra["arpo"]
@@ -236,17 +278,23 @@ def test_train_serve_parity(server, client, sft_model, demos):
     from arpo_env.core import ToolTextEnv
 
     seed, n = 1234, 2
-    env_cfg = {"task": "toolmath", "levels": [1], "max_tool_calls": 2, "tools": {"python": {}},
-               "system_prompt": SYSTEM}
+    env_cfg = {"task": "toolmath", "levels": [1], "max_tool_calls": 2, "tools": {"python": {}}, "system_prompt": SYSTEM}
     engine = HFEngine(str(sft_model[0]))
-    sampler = TreeSampler(engine, lambda: ToolTextEnv(env_cfg), TreeConfig.grpo(n),
-                          SamplingParams(temperature=1.0), max_response_tokens=160, seed=seed)
+    sampler = TreeSampler(
+        engine,
+        lambda: ToolTextEnv(env_cfg),
+        TreeConfig.grpo(n),
+        SamplingParams(temperature=1.0),
+        max_response_tokens=160,
+        seed=seed,
+    )
     groups, _ = sampler.sample([0], step=0)
     sampler.close()
     env = ToolTextEnv(env_cfg)
     _, info = env.reset(options={"task_index": 0})
-    r = client.chat.completions.create(model="toolmath", messages=info["messages"], temperature=1.0, n=n,
-                                       seed=seed, max_tokens=160)
+    r = client.chat.completions.create(
+        model="toolmath", messages=info["messages"], temperature=1.0, n=n, seed=seed, max_tokens=160
+    )
     assert r.usage.prompt_tokens == n * len(groups[0].prompt_ids)
     for traj, choice in zip(groups[0].trajectories, sorted(r.choices, key=lambda c: c.index)):
         ext = choice.message.model_extra["arpo"]
@@ -258,8 +306,12 @@ def test_train_serve_parity(server, client, sft_model, demos):
 def test_prometheus_metrics_through_ray(client, demos):
     """Requests, tokens, tool calls and latency reach Ray's Prometheus export, tagged by model."""
     client.chat.completions.create(model="toolmath", messages=question(demos), temperature=0, max_tokens=256)
-    wanted = ("arpo_serve_requests_total", "arpo_serve_tokens_total", "arpo_serve_tool_calls_total",
-              "arpo_serve_request_latency_s")
+    wanted = (
+        "arpo_serve_requests_total",
+        "arpo_serve_tokens_total",
+        "arpo_serve_tool_calls_total",
+        "arpo_serve_request_latency_s",
+    )
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
@@ -269,8 +321,9 @@ def test_prometheus_metrics_through_ray(client, demos):
         time.sleep(1)
     lines = [ln for ln in text.splitlines() if "arpo_serve_" in ln and not ln.startswith("#")]
     assert all(w in text for w in wanted), lines
-    assert any("arpo_serve_requests_total" in ln and 'model="toolmath"' in ln and 'status="200"' in ln
-               for ln in lines), lines
+    assert any(
+        "arpo_serve_requests_total" in ln and 'model="toolmath"' in ln and 'status="200"' in ln for ln in lines
+    ), lines
     assert any("arpo_serve_tool_calls_total" in ln and 'tool="python"' in ln for ln in lines), lines
 
 
@@ -312,8 +365,16 @@ def test_client_disconnect_frees_its_slot(server, demos):
     import http.client
 
     port = int(server.rsplit(":", 1)[1])
-    long = json.dumps({"model": "base", "messages": question(demos), "max_tokens": 2500, "stream": True,
-                       "temperature": 1.0, "seed": 1})
+    long = json.dumps(
+        {
+            "model": "base",
+            "messages": question(demos),
+            "max_tokens": 2500,
+            "stream": True,
+            "temperature": 1.0,
+            "seed": 1,
+        }
+    )
     conns = []
     for _ in range(MAX_ONGOING):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -363,13 +424,16 @@ def test_chat_page_shows_tool_calls_in_headless_chromium(server, demos, tmp_path
         time.sleep(2)  # the former page sent the question right after /health said ready
         fetched = wd.js("return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
         assert "/v1/models" in fetched and "/v1/chat/completions" not in fetched, fetched
-        assert wd.js("return [document.getElementById('agent').value, document.getElementById('input').value, "
-                     "document.querySelectorAll('#log .msg').length]") == ["base", asked, 0]
-        assert wd.js("return [...document.querySelectorAll('#agent option')].map(o => o.value)") == \
-            ["toolmath", "base"]
+        assert wd.js(
+            "return [document.getElementById('agent').value, document.getElementById('input').value, "
+            "document.querySelectorAll('#log .msg').length]"
+        ) == ["base", asked, 0]
+        assert wd.js("return [...document.querySelectorAll('#agent option')].map(o => o.value)") == ["toolmath", "base"]
         q = demos[0]["messages"][1]["content"]
-        wd.js(f"document.getElementById('agent').value = 'toolmath'; document.getElementById('input').value = "
-              f"{json.dumps(q)}; document.getElementById('send').click();")
+        wd.js(
+            f"document.getElementById('agent').value = 'toolmath'; document.getElementById('input').value = "
+            f"{json.dumps(q)}; document.getElementById('send').click();"
+        )
         deadline = time.monotonic() + 240
         while not wd.js("return document.body.innerText.includes('finish: ')"):
             assert time.monotonic() < deadline, wd.js("return document.body.innerText")

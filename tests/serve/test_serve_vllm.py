@@ -79,8 +79,10 @@ def _with_engine_core(proc, log, timeout_s: float = 120.0) -> list:  # noqa: ANN
     deadline = time.monotonic() + timeout_s
     while not _engine_cores(procs := descendants(proc.pid)):
         if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"no vLLM engine core among the command's processes (exit code {proc.poll()}): "
-                        f"{_tree(procs)}\n--- arpo serve log (end) ---\n{_log_tail(log, 3000)}")
+            pytest.fail(
+                f"no vLLM engine core among the command's processes (exit code {proc.poll()}): "
+                f"{_tree(procs)}\n--- arpo serve log (end) ---\n{_log_tail(log, 3000)}"
+            )
         time.sleep(1.0)
     return procs
 
@@ -100,10 +102,30 @@ def server(model_dir, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("vserve_log") / "serve.log", "w+")  # noqa: SIM115 - closed below
     env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}  # see test_serve.py: other jobs' memory is not ours
-    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model_dir}", "--engine", "vllm",
-                             "--port", str(port), "--tools", SESSION["tools"], "--max-tool-calls",
-                             str(SESSION["max_tool_calls"]), "--system-prompt", SYSTEM, "--max-tokens",
-                             str(SESSION["max_tokens"])], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "arpo_algo.cli",
+            "serve",
+            f"tiny={model_dir}",
+            "--engine",
+            "vllm",
+            "--port",
+            str(port),
+            "--tools",
+            SESSION["tools"],
+            "--max-tool-calls",
+            str(SESSION["max_tool_calls"]),
+            "--system-prompt",
+            SYSTEM,
+            "--max-tokens",
+            str(SESSION["max_tokens"]),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 600)
@@ -141,8 +163,11 @@ def _post(url: str, body: dict) -> dict:
 
 def _stream(url: str, body: dict) -> tuple[str, list[list[int]]]:
     """Content of choice 0 and every choice's response_ids, from a streamed answer."""
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     text, ids = "", {}
     with urllib.request.urlopen(req, timeout=300) as r:
         for line in r:
@@ -211,8 +236,9 @@ def test_dead_engine_core_fails_health_and_answers_503(server):
         status, headers, body = _answer(url, "/health")
         time.sleep(0.2)
     assert status == 503 and body["status"] == "error" and headers.get("Retry-After"), (status, body)
-    status, headers, body = _answer(url, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES,
-                                                                   "max_tokens": 4})
+    status, headers, body = _answer(
+        url, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    )
     assert status == 503 and headers.get("Retry-After") and body["error"]["code"] == "engine_unavailable", body
 
 

@@ -38,17 +38,23 @@ def self_signed(folder) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)
 
 
@@ -65,9 +71,30 @@ def test_tls_serves_https_and_says_so(tmp_path):
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed below
     env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}
     env.pop("ARPO_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "serve", f"tiny={model}", "--port", str(port),
-                             "--tools", "python", "--max-tokens", "8", "--api-key-file", str(key_file),
-                             "--tls-cert", cert, "--tls-key", key], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "arpo_algo.cli",
+            "serve",
+            f"tiny={model}",
+            "--port",
+            str(port),
+            "--tools",
+            "python",
+            "--max-tokens",
+            "8",
+            "--api-key-file",
+            str(key_file),
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 300
         while "TLS: " not in (text := (tmp_path / "serve.log").read_text()):
@@ -75,18 +102,21 @@ def test_tls_serves_https_and_says_so(tmp_path):
             time.sleep(1)
         assert "TLS: on" in text and f"https://127.0.0.1:{port}" in text and KEY not in text, text[-3000:]
         http = httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=120)
-        client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=KEY, http_client=http,
-                               max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1", api_key=KEY, http_client=http, max_retries=0, timeout=120
+        )
         assert [m.id for m in client.models.list().data] == ["tiny"]
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.choices[0].message.content is not None
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
         url = f"https://127.0.0.1:{port}/v1/chat/completions"
-        assert http.post(url, content=body, headers={**headers, "Origin": f"https://127.0.0.1:{port}"}).status_code \
-            == 200
-        assert http.post(url, content=body, headers={**headers, "Origin": f"http://127.0.0.1:{port}"}).status_code \
-            == 403
+        assert (
+            http.post(url, content=body, headers={**headers, "Origin": f"https://127.0.0.1:{port}"}).status_code == 200
+        )
+        assert (
+            http.post(url, content=body, headers={**headers, "Origin": f"http://127.0.0.1:{port}"}).status_code == 403
+        )
         with pytest.raises(httpx.HTTPError):  # no plain HTTP on the TLS port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).raise_for_status()
     finally:

@@ -22,7 +22,7 @@ from tests.arpo_algo.run.test_train_cli import write_experiment
 from tests.browser import WebDriver, find_browser, free_port
 
 KEY = "viewer-test-key-0123456789"
-HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
 SEEN_LIVE: list[int] = []  # the iterations `arpo train --view`'s viewer served while the run trained
@@ -34,16 +34,21 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     with ``--view``: a thread polls that viewer during the training."""
     root = tmp_path_factory.mktemp("viewrun")
     exp = write_experiment(root, tiny_model_dir, iterations=2)
-    text = exp.read_text().replace("prompts_per_step = 1", "prompts_per_step = 2").replace(
-        "budget = 2", "budget = 4").replace("initial = 1", "initial = 2")
+    text = (
+        exp.read_text()
+        .replace("prompts_per_step = 1", "prompts_per_step = 2")
+        .replace("budget = 2", "budget = 4")
+        .replace("initial = 1", "initial = 2")
+    )
     exp.write_text(text)
     out, port, done = root / "run", free_port(), threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             try:
-                rows = get_json(f"http://127.0.0.1:{port}/v1/index", headers={"Authorization": f"Bearer {KEY}"},
-                                timeout=2)["rows"]
+                rows = get_json(
+                    f"http://127.0.0.1:{port}/v1/index", headers={"Authorization": f"Bearer {KEY}"}, timeout=2
+                )["rows"]
                 SEEN_LIVE[:] = sorted({*SEEN_LIVE, *(r["iteration"] for r in rows)})
             except HTTPJSONError:
                 pass
@@ -54,8 +59,7 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     os.environ["ARPO_VIEW_KEY"] = KEY
     watcher.start()
     try:
-        assert main(["train", str(exp), "--output", str(out), "--no-progress", "--view", "--view-port",
-                     str(port)]) == 0
+        assert main(["train", str(exp), "--output", str(out), "--no-progress", "--view", "--view-port", str(port)]) == 0
     finally:
         done.set()
         watcher.join(10)
@@ -99,9 +103,13 @@ class Viewer:
     def __init__(self, *folders: Path) -> None:
         self.port = free_port()
         env = dict(os.environ, ARPO_VIEW_KEY=KEY, PYTHONPATH=os.getcwd())
-        self.proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port",
-                                      str(self.port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "arpo_algo.cli", "view", *map(str, folders), "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
@@ -139,13 +147,36 @@ def _hostile_folder(root: Path) -> Path:
     call, result, answer = ids("<python>print(1)</python>"), ids(HOSTILE), ids("<answer>1</answer>")
     resp = call + result + answer
     mask = [1] * len(call) + [0] * len(result) + [1] * len(answer)
-    a = Trajectory(0, resp, mask, [-0.5] * len(resp), [0.7] * len(resp), reward=1.0, finish_reason="answer",
-                   tool_calls=[{"tool": "python", "args": {"code": "print(1)"}}], node_ids=[0, 1])
+    a = Trajectory(
+        0,
+        resp,
+        mask,
+        [-0.5] * len(resp),
+        [0.7] * len(resp),
+        reward=1.0,
+        finish_reason="answer",
+        tool_calls=[{"tool": "python", "args": {"code": "print(1)"}}],
+        node_ids=[0, 1],
+    )
     fail = call + ids("x")
-    b = Trajectory(1, fail, [1] * len(fail), [-1.0] * len(fail), [2.0] * len(fail), reward=0.0, parent=0,
-                   branch_point=len(call), kind="branch", finish_reason="eos", node_ids=[0, 2])
-    nodes = [TreeNode(0, None, 0, len(call), 0, 0), TreeNode(1, 0, len(call), len(resp), 1, 0),
-             TreeNode(2, 0, len(call), len(fail), 1, 0)]
+    b = Trajectory(
+        1,
+        fail,
+        [1] * len(fail),
+        [-1.0] * len(fail),
+        [2.0] * len(fail),
+        reward=0.0,
+        parent=0,
+        branch_point=len(call),
+        kind="branch",
+        finish_reason="eos",
+        node_ids=[0, 2],
+    )
+    nodes = [
+        TreeNode(0, None, 0, len(call), 0, 0),
+        TreeNode(1, 0, len(call), len(resp), 1, 0),
+        TreeNode(2, 0, len(call), len(fail), 1, 0),
+    ]
     g = Group(7, ids("What is 1?"), [a, b], nodes=nodes, policy_version=0)
     folder = root / "hostile"
     TreeWriter(folder, lambda x: tok.decode(x)).record(1, [g], [[[1.0] * len(resp), [-1.0] * len(fail)]])
@@ -173,8 +204,11 @@ def live(run_dir, tmp_path_factory):
 def _open(wd: WebDriver, url: str) -> None:
     wd.open("about:blank")
     wd.open(url)
-    wd.wait("return document.querySelectorAll('#groups .group-item').length > 0 && "
-            "document.querySelectorAll('#tree .node').length > 0", what="the page never drew a tree")
+    wd.wait(
+        "return document.querySelectorAll('#groups .group-item').length > 0 && "
+        "document.querySelectorAll('#tree .node').length > 0",
+        what="the page never drew a tree",
+    )
 
 
 def test_page_shows_every_recorded_tree_node_and_leaf(browser, live, run_dir):
@@ -184,14 +218,17 @@ def test_page_shows_every_recorded_tree_node_and_leaf(browser, live, run_dir):
     assert browser.js("return document.querySelectorAll('#groups .group-item').length") == len(recs) == 2
     for i, rec in enumerate(recs):
         browser.js(f"document.querySelector('.group-item[data-group=\"{i}\"]').click()")
-        browser.wait(f"return document.querySelector('#tree .meta').textContent.includes('prompt "
-                     f"{rec['prompt_index']} ')")
+        browser.wait(
+            f"return document.querySelector('#tree .meta').textContent.includes('prompt {rec['prompt_index']} ')"
+        )
         parents = {n["parent"] for n in rec["nodes"]}
         leaf_nodes = {n["id"] for n in rec["nodes"] if n["id"] not in parents}
         assert browser.js("return document.querySelectorAll('#tree .node').length") == len(rec["nodes"])
         assert browser.js("return document.querySelectorAll('#tree .leaf').length") == len(rec["trajectories"]) == 4
-        drawn = browser.js("return [...document.querySelectorAll('#tree .leaf')].map(e => "
-                           "Number(e.parentElement.querySelector(':scope > .node').dataset.node))")
+        drawn = browser.js(
+            "return [...document.querySelectorAll('#tree .leaf')].map(e => "
+            "Number(e.parentElement.querySelector(':scope > .node').dataset.node))"
+        )
         assert set(drawn) == leaf_nodes
         branches = sum("branch" in n for n in rec["nodes"])
         assert browser.js("return document.querySelectorAll('#tree .branch').length") == branches
@@ -210,7 +247,7 @@ def test_clicking_a_node_shows_its_decoded_text(browser, live, run_dir, tiny_mod
     rec = _records(run_dir, 1)[0]
     node = max(rec["nodes"], key=lambda n: n["end"] - n["start"])
     owner = next(t for t in rec["trajectories"] if node["id"] in t["node_ids"])
-    ids, mask = owner["response_ids"][node["start"]:node["end"]], owner["trained_mask"][node["start"]:node["end"]]
+    ids, mask = owner["response_ids"][node["start"] : node["end"]], owner["trained_mask"][node["start"] : node["end"]]
     runs, i = [], 0
     while i < len(ids):
         j = i
@@ -219,8 +256,10 @@ def test_clicking_a_node_shows_its_decoded_text(browser, live, run_dir, tiny_mod
         runs.append(tok.decode(ids[i:j], skip_special_tokens=False))
         i = j
     browser.js(f"document.querySelector('.node[data-node=\"{node['id']}\"]').click()")
-    browser.wait(f"return document.querySelector('#detail h3') && "
-                 f"document.querySelector('#detail h3').textContent === 'node {node['id']}'")
+    browser.wait(
+        f"return document.querySelector('#detail h3') && "
+        f"document.querySelector('#detail h3').textContent === 'node {node['id']}'"
+    )
     shown = browser.js("return [...document.querySelectorAll('#detail .node-text pre')].map(e => e.textContent)")
     assert shown == runs and "".join(runs)
     # one cell per token, the inserted (tool-result) ones marked, each with its recorded entropy in the tooltip
@@ -238,13 +277,17 @@ def test_a_new_iteration_appears_without_a_reload(browser, live, run_dir):
     browser.js("window.__sameDocument = true")
     assert browser.js("return [...document.querySelectorAll('#iteration option')].map(o => o.value)") == ["1"]
     _copy_iteration(run_dir / "trees", folder, 2)
-    browser.wait("return [...document.querySelectorAll('#iteration option')].map(o => o.value).join() === '1,2'",
-                 what="iteration 2 never appeared")
+    browser.wait(
+        "return [...document.querySelectorAll('#iteration option')].map(o => o.value).join() === '1,2'",
+        what="iteration 2 never appeared",
+    )
     assert browser.js("return window.__sameDocument") is True  # no reload happened
     # the chart grew a column for it, and a click on that column opens iteration 2
     assert browser.js("return document.querySelectorAll('#chart .chart-col').length") == 2
-    browser.js("document.querySelector('#chart .chart-col[data-iteration=\"2\"]')"
-               ".dispatchEvent(new MouseEvent('click', {bubbles: true}))")
+    browser.js(
+        "document.querySelector('#chart .chart-col[data-iteration=\"2\"]')"
+        ".dispatchEvent(new MouseEvent('click', {bubbles: true}))"
+    )
     browser.wait("return document.querySelector('#tree .meta').textContent.startsWith('iteration 2 ')")
 
 
@@ -254,12 +297,16 @@ def test_permalink_opens_the_node(browser, live, run_dir):
     rec = _records(run_dir, 1)[1]
     node = rec["nodes"][-1]
     _open(browser, f"{v.url}/#it=1&g=1&n={node['id']}")
-    browser.wait(f"return document.querySelector('#detail h3') && "
-                 f"document.querySelector('#detail h3').textContent === 'node {node['id']}'")
-    assert browser.js(f"return document.querySelector('.node[data-node=\"{node['id']}\"]').classList"
-                      ".contains('selected')")
+    browser.wait(
+        f"return document.querySelector('#detail h3') && "
+        f"document.querySelector('#detail h3').textContent === 'node {node['id']}'"
+    )
+    assert browser.js(
+        f"return document.querySelector('.node[data-node=\"{node['id']}\"]').classList.contains('selected')"
+    )
     assert browser.js("return document.querySelector('#tree .meta').textContent").startswith(
-        f"iteration 1 · prompt {rec['prompt_index']} ")
+        f"iteration 1 · prompt {rec['prompt_index']} "
+    )
 
 
 def test_hostile_text_is_text_and_the_failed_filter(browser, tmp_path):
@@ -272,13 +319,13 @@ def test_hostile_text_is_text_and_the_failed_filter(browser, tmp_path):
         assert browser.js("return window.__pwned") is None
         assert browser.js("return document.querySelectorAll('#detail script, #detail img').length") == 0
         assert browser.js("return document.querySelectorAll('#tree .leaf').length") == 2
-        browser.js("const f = document.getElementById('filter'); f.value = 'failed'; "
-                   "f.dispatchEvent(new Event('change'))")
+        browser.js(
+            "const f = document.getElementById('filter'); f.value = 'failed'; f.dispatchEvent(new Event('change'))"
+        )
         browser.wait("return document.querySelectorAll('#tree .leaf').length === 1")
         assert browser.js("return [...document.querySelectorAll('#tree .leaf')].map(e => e.dataset.traj)") == ["1"]
         assert browser.js("return document.querySelectorAll('#tree .node[data-node=\"1\"]').length") == 0
-        assert browser.js("return [...document.querySelectorAll('#tree .node')].map(e => e.dataset.node)") == \
-            ["0", "2"]
+        assert browser.js("return [...document.querySelectorAll('#tree .node')].map(e => e.dataset.node)") == ["0", "2"]
     finally:
         v.stop()
 
@@ -350,9 +397,13 @@ def test_the_viewer_never_takes_or_prints_the_serving_key(run_dir):
     so the serving key landed in terminal logs; now the viewer's key is its own (ARPO_VIEW_KEY, a file, or fresh)."""
     port, serving = free_port(), "the-serving-key-do-not-print"
     env = {k: v for k, v in os.environ.items() if k != "ARPO_VIEW_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "arpo_algo.cli", "view", str(run_dir), "--port", str(port)],
-                            env=dict(env, ARPO_API_KEY=serving, PYTHONPATH=os.getcwd()), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arpo_algo.cli", "view", str(run_dir), "--port", str(port)],
+        env=dict(env, ARPO_API_KEY=serving, PYTHONPATH=os.getcwd()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "#key=" in line and serving not in line, line

@@ -15,8 +15,7 @@ from arpo_algo.eval.trees import TreeReader, TreeWriter
 from arpo_algo.rollout.types import Group, Trajectory, TreeNode
 from tests.serve.test_viewer import KEY, Viewer, _open, browser  # noqa: F401  (browser: the shared fixture)
 
-FAST = ["--data", "toolmath", "--limit", "2", "--k", "2", "--max-response-tokens", "24", "--no-progress",
-        "--no-charts"]
+FAST = ["--data", "toolmath", "--limit", "2", "--k", "2", "--max-response-tokens", "24", "--no-progress", "--no-charts"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,10 @@ def test_eval_records_each_items_runs_as_a_tree(evaluation, tmp_path):
         recs = _groups(folder)
         assert [r["prompt_index"] for r in recs] == [0, 1] and [r["iteration"] for r in recs] == [1, 2]
         for rec in recs:
-            rows = sorted((r for r in samples if r["model"] == label and r["index"] == rec["prompt_index"]),
-                          key=lambda r: r["run"])
+            rows = sorted(
+                (r for r in samples if r["model"] == label and r["index"] == rec["prompt_index"]),
+                key=lambda r: r["run"],
+            )
             assert rec["task"]["item_id"] == rows[0]["item_id"]
             assert [t["id"] for t in rec["trajectories"]] == [r["run"] for r in rows] == [0, 1]
             assert [t["reward"] for t in rec["trajectories"]] == [round(r["reward"], 4) for r in rows]
@@ -55,8 +56,21 @@ def test_eval_records_each_items_runs_as_a_tree(evaluation, tmp_path):
             assert len(rec["nodes"]) == 3 and rec["nodes"][0]["end"] == 0  # the prompt, one child per run
     # opt-out, like training's rollouts.record_trees = false
     off = tmp_path / "off"
-    assert main(["eval", f"first={evaluation.parent / 'second_model'}", *FAST, "--limit", "1", "--no-trees",
-                 "--output", str(off)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                f"first={evaluation.parent / 'second_model'}",
+                *FAST,
+                "--limit",
+                "1",
+                "--no-trees",
+                "--output",
+                str(off),
+            ]
+        )
+        == 0
+    )
     assert (off / "samples.jsonl").is_file() and not (off / "trees").exists()
 
 
@@ -74,17 +88,24 @@ def test_view_a_b_draws_the_same_prompt_side_by_side(browser, evaluation):  # no
     try:
         _open(browser, f"{v.url}/#key={KEY}")
         browser.wait("return document.querySelectorAll('#tree-b .node').length > 0", what="no compared tree")
-        assert browser.js("return [...document.querySelectorAll('.side-label')].map(e => e.textContent)") == \
-            ["first", "second"]
+        assert browser.js("return [...document.querySelectorAll('.side-label')].map(e => e.textContent)") == [
+            "first",
+            "second",
+        ]
         for it, (ra, rb) in enumerate(zip(_groups(a), _groups(b)), 1):
             assert ra["prompt"] == rb["prompt"] and ra["trajectories"] != rb["trajectories"]  # two models differ
-            browser.js(f"const s = document.getElementById('iteration'); s.value = '{it}'; "
-                       "s.dispatchEvent(new Event('change'))")
-            browser.wait(f"return document.querySelector('#tree-b .meta') && document.querySelector('#tree-b .meta')"
-                         f".textContent.startsWith('iteration {it} · prompt {rb['prompt_index']} ')")
+            browser.js(
+                f"const s = document.getElementById('iteration'); s.value = '{it}'; "
+                "s.dispatchEvent(new Event('change'))"
+            )
+            browser.wait(
+                f"return document.querySelector('#tree-b .meta') && document.querySelector('#tree-b .meta')"
+                f".textContent.startsWith('iteration {it} · prompt {rb['prompt_index']} ')"
+            )
             leaves = browser.js("return [...document.querySelectorAll('#tree-b .leaf')].map(e => e.textContent)")
-            assert leaves == [f"trajectory {t['id']} · reward {t['reward']:.2f} · {t['finish_reason']}"
-                              for t in rb["trajectories"]]
+            assert leaves == [
+                f"trajectory {t['id']} · reward {t['reward']:.2f} · {t['finish_reason']}" for t in rb["trajectories"]
+            ]
             assert browser.js("return document.querySelectorAll('#tree-b .node').length") == len(rb["nodes"])
             assert browser.js("return document.querySelectorAll('#tree .node').length") == len(ra["nodes"])
         # a node of the compared tree shows that model's text
@@ -109,8 +130,13 @@ def _mismatch_folder(root: Path) -> tuple[Path, list[float], list[float], list[i
     diffs = [0.0, 0.01, 0.05, 0.2, 0.4, 0.8, 3.0]
     learner = [s - diffs[i % 7] if m else math.nan for i, (s, m) in enumerate(zip(sampled, mask))]
     t = Trajectory(0, ids, mask, sampled, [0.5] * len(ids), reward=1.0, finish_reason="answer", node_ids=[0, 1])
-    g = Group(3, tok.encode("What is 1?", add_special_tokens=False), [t],
-              nodes=[TreeNode(0, None, 0, 0, 0, 0), TreeNode(1, 0, 0, len(ids), 1, 0)], policy_version=0)
+    g = Group(
+        3,
+        tok.encode("What is 1?", add_special_tokens=False),
+        [t],
+        nodes=[TreeNode(0, None, 0, 0, 0, 0), TreeNode(1, 0, 0, len(ids), 1, 0)],
+        policy_version=0,
+    )
     folder = root / "mismatch"
     TreeWriter(folder, lambda x: tok.decode(x)).record(1, [g], [[[1.0] * len(ids)]], [[learner]])
     return folder, sampled, learner, mask
@@ -130,12 +156,15 @@ def test_token_colours_follow_the_learner_values(browser, tmp_path):  # noqa: F8
         browser.js("document.querySelector('.node[data-node=\"1\"]').click()")
         browser.wait("return document.querySelector('#detail select#colour')")
         for mode, expect in (("abs_dlogp", lambda s, lp: abs(s - lp)), ("learner_logprob", lambda s, lp: lp)):
-            browser.js(f"const c = document.getElementById('colour'); c.value = '{mode}'; "
-                       "c.dispatchEvent(new Event('change'))")
+            browser.js(
+                f"const c = document.getElementById('colour'); c.value = '{mode}'; c.dispatchEvent(new Event('change'))"
+            )
             browser.wait(f"return document.getElementById('colour').value === '{mode}'")
-            cells = browser.js("return [...document.querySelectorAll('#detail .strip .tok')].map(e => "
-                               "[e.dataset.value === undefined ? null : Number(e.dataset.value), "
-                               "getComputedStyle(e).backgroundColor, e.classList.contains('inserted')])")
+            cells = browser.js(
+                "return [...document.querySelectorAll('#detail .strip .tok')].map(e => "
+                "[e.dataset.value === undefined ? null : Number(e.dataset.value), "
+                "getComputedStyle(e).backgroundColor, e.classList.contains('inserted')])"
+            )
             assert len(cells) == len(mask)
             pairs = []
             for (value, css, inserted), s, lp, m in zip(cells, sampled, learner, mask):

@@ -19,11 +19,28 @@ def test_compare_is_deterministic_and_reports(tiny_model_dir, tmp_path, capsys):
     outs = []
     for run in ("a", "b"):
         out = tmp_path / run
-        assert main([str(exp), "--sft", str(tiny_model_dir), "--seeds", "3", "--output", str(out), "--eval-every",
-                     "1", "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    str(exp),
+                    "--sft",
+                    str(tiny_model_dir),
+                    "--seeds",
+                    "3",
+                    "--output",
+                    str(out),
+                    "--eval-every",
+                    "1",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         outs.append(out)
-    rows = [[_strip(json.loads(x)) for x in (o / "tiny" / "seed_3" / "metrics.jsonl").read_text().splitlines()]
-            for o in outs]
+    rows = [
+        [_strip(json.loads(x)) for x in (o / "tiny" / "seed_3" / "metrics.jsonl").read_text().splitlines()]
+        for o in outs
+    ]
     assert rows[0] == rows[1] and len(rows[0]) == 2
     trees = [(o / "tiny" / "seed_3" / "trees" / "iter_000001.jsonl").read_text() for o in outs]
     assert trees[0] == trees[1] and trees[0]
@@ -49,7 +66,7 @@ def test_equal_budget_refusal_names_the_field(tiny_model_dir, tmp_path, capsys):
 def test_stats_t_interval():
     s = stats([0.5, 0.7, 0.9])
     assert abs(s["mean"] - 0.7) < 1e-12 and abs(s["sd"] - 0.2) < 1e-12
-    assert abs(s["ci95"] - 4.303 * 0.2 / 3 ** 0.5) < 1e-9
+    assert abs(s["ci95"] - 4.303 * 0.2 / 3**0.5) < 1e-9
 
 
 def test_resume_skips_finished_runs_and_report_only_merges_processes(tiny_model_dir, tmp_path, capsys):
@@ -82,8 +99,23 @@ def test_two_configurations_report_while_the_second_has_not_run(tiny_model_dir, 
     b = tmp_path / "other.toml"
     b.write_text(a.read_text())
     out = tmp_path / "two"
-    assert main([str(a), str(b), "--sft", str(tiny_model_dir), "--seeds", "0", "--output", str(out),
-                 "--no-progress", "--equal-budget"]) == 0
+    assert (
+        main(
+            [
+                str(a),
+                str(b),
+                "--sft",
+                str(tiny_model_dir),
+                "--seeds",
+                "0",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--equal-budget",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "report.json").read_text())["summary"]
     assert set(summary) == {"tiny", "other"} and summary["other"]["after"]["n"] == 1
 
@@ -135,18 +167,21 @@ def test_the_comparison_files_train_the_quickstarts_rl_stage():
             assert cfg["tree"]["budget"] == budget
             for section in ("experiment", "env", "training", "rollouts", "evaluation"):
                 drop = may_differ.get(section, set())
-                assert ({k: v for k, v in cfg[section].items() if k not in drop}
-                        == {k: v for k, v in quick[section].items() if k not in drop}), (algo + suffix, section)
+                assert {k: v for k, v in cfg[section].items() if k not in drop} == {
+                    k: v for k, v in quick[section].items() if k not in drop
+                }, (algo + suffix, section)
 
 
 def test_paired_differences_carry_the_exact_wilcoxon_p():
     # five seeds, every one better: the smallest two-sided p five pairs can give, 2 / 2^5
     base = {s: {"after": 0.5} for s in range(5)}
-    rep = {"grpo": {"per_seed": base},
-           "aepo": {"per_seed": {s: {"after": 0.5 + 0.1 * (s + 1)} for s in range(5)}},
-           "mixed": {"per_seed": {s: {"after": 0.5 + (0.1 if s % 2 else -0.1) * (s + 1)} for s in range(5)}}}
+    rep = {
+        "grpo": {"per_seed": base},
+        "aepo": {"per_seed": {s: {"after": 0.5 + 0.1 * (s + 1)} for s in range(5)}},
+        "mixed": {"per_seed": {s: {"after": 0.5 + (0.1 if s % 2 else -0.1) * (s + 1)} for s in range(5)}},
+    }
     pairs = paired(rep, "grpo")
     assert set(pairs) == {"aepo", "mixed"}
-    assert pairs["aepo"]["wilcoxon_p"] == 2 / 2 ** 5 and pairs["aepo"]["better"] == 5
+    assert pairs["aepo"]["wilcoxon_p"] == 2 / 2**5 and pairs["aepo"]["better"] == 5
     # ranks 1..5 with signs - + - + -: W+ = 2 + 4 = 6, and 13 of the 32 sign patterns have a rank sum <= 6
     assert pairs["mixed"]["wilcoxon_p"] == 2 * 13 / 32 and (pairs["mixed"]["better"], pairs["mixed"]["worse"]) == (2, 3)

@@ -9,8 +9,12 @@ from studies.entropy_after_tools import main, paper_rule_rises, windows
 
 def test_windows_and_report(tmp_path):
     # sampled 1.0 1.0 | result | 3.0 2.0 | result | 4.0
-    t = {"entropies": [1.0, 1.0, 0, 0, 3.0, 2.0, 0, 4.0], "trained_mask": [1, 1, 0, 0, 1, 1, 0, 1],
-         "parent": None, "branch_point": None}
+    t = {
+        "entropies": [1.0, 1.0, 0, 0, 3.0, 2.0, 0, 4.0],
+        "trained_mask": [1, 1, 0, 0, 1, 1, 0, 1],
+        "parent": None,
+        "branch_point": None,
+    }
     w = windows(t, 2, 0)
     assert paper_rule_rises(t, k=2) == [True, True]
     assert paper_rule_rises(dict(t, entropies=[5.0] * 8), k=2) == [False] * 2

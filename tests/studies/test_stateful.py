@@ -20,8 +20,19 @@ def test_the_study_wires_both_arms_end_to_end(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setenv("ARPO_SMOKE", "1")
     out = tmp_path / "stateful"
     # The byte-level tiny tokenizer needs room for a level-5 demonstration (its prompt alone is ~600 bytes).
-    args = ["--model", str(tiny_model_dir), "--seeds", "0", "--output", str(out), "--no-progress",
-            "--sft-set", "max_seq_len=2048", "--sft-set", "levels=[5]"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--seeds",
+        "0",
+        "--output",
+        str(out),
+        "--no-progress",
+        "--sft-set",
+        "max_seq_len=2048",
+        "--sft-set",
+        "levels=[5]",
+    ]
     assert main(args) == 0
     for arm, (_, persistent) in ARMS.items():
         sft = json.loads((out / f"sft_{arm}" / "sft_metrics.json").read_text())
@@ -50,8 +61,13 @@ def test_cost_per_solved_task_is_the_held_out_totals_over_the_tasks_solved(tmp_p
     from studies.stateful import per_solved
 
     def row(it, acc, calls, tokens):
-        return {"iteration": it, "evaluation/accuracy": acc, "evaluation/num_trajectories": 32.0,
-                "evaluation/tool_calls_per_traj": calls, "evaluation/tokens_sampled": tokens}
+        return {
+            "iteration": it,
+            "evaluation/accuracy": acc,
+            "evaluation/num_trajectories": 32.0,
+            "evaluation/tool_calls_per_traj": calls,
+            "evaluation/tokens_sampled": tokens,
+        }
 
     rows = [row(0, 0.0, 1.5, 4000.0), {"iteration": 1, "rollout/tool_calls": 9.0}, row(6, 0.25, 2.0, 3200.0)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -63,15 +79,28 @@ def test_interpreter_figures_sum_forks_over_steps_and_keep_the_largest_peaks(tmp
     from studies.stateful import interpreter_figures
 
     def step(it, forks, ms_total, failed, peak, pss):
-        return {"iteration": it, "rollout/interpreter_forks": forks, "rollout/interpreter_fork_ms_total": ms_total,
-                "rollout/interpreter_forks_failed": failed, "rollout/interpreters_peak": peak,
-                "rollout/interpreter_pss_mib_peak": pss}
+        return {
+            "iteration": it,
+            "rollout/interpreter_forks": forks,
+            "rollout/interpreter_fork_ms_total": ms_total,
+            "rollout/interpreter_forks_failed": failed,
+            "rollout/interpreters_peak": peak,
+            "rollout/interpreter_pss_mib_peak": pss,
+        }
 
-    rows = [{"iteration": 0, "evaluation/accuracy": 0.0}, step(1, 4.0, 40.0, 0.0, 6.0, 90.0),
-            step(2, 0.0, 0.0, 1.0, 9.0, 70.0)]
+    rows = [
+        {"iteration": 0, "evaluation/accuracy": 0.0},
+        step(1, 4.0, 40.0, 0.0, 6.0, 90.0),
+        step(2, 0.0, 0.0, 1.0, 9.0, 70.0),
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert interpreter_figures(str(tmp_path)) == {"forks_per_step": 2.0, "fork_ms": 10.0, "forks_failed": 1.0,
-                                                  "interpreters_peak": 9.0, "pss_mib_peak": 90.0}
+    assert interpreter_figures(str(tmp_path)) == {
+        "forks_per_step": 2.0,
+        "fork_ms": 10.0,
+        "forks_failed": 1.0,
+        "interpreters_peak": 9.0,
+        "pss_mib_peak": 90.0,
+    }
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert interpreter_figures(str(tmp_path)) is None
 

@@ -9,13 +9,16 @@ from studies.study import parse_seeds
 from studies.study_report import report, wilcoxon
 
 
-@pytest.mark.parametrize(("diffs", "p", "n"), [
-    ([0.1, 0.2, 0.3, 0.4, 0.5], 2 / 32, 5),       # all positive: only 1 of 32 sign patterns as extreme, two-sided
-    ([0.1, -0.2, 0.3, 0.4, 0.5], 6 / 32, 5),      # W- = 2: patterns with rank sum <= 2 are {}, {1}, {2}
-    ([0.0, 0.1, 0.2, 0.3], 2 / 8, 3),             # the zero difference is dropped
-    ([0.25, 0.25, -0.25], 1.0, 3),                # tied ranks (2, 2, 2): W- = 2 is the centre of the distribution
-    ([0.0, 0.0], 1.0, 0),                          # nothing but ties with the baseline
-])
+@pytest.mark.parametrize(
+    ("diffs", "p", "n"),
+    [
+        ([0.1, 0.2, 0.3, 0.4, 0.5], 2 / 32, 5),  # all positive: only 1 of 32 sign patterns as extreme, two-sided
+        ([0.1, -0.2, 0.3, 0.4, 0.5], 6 / 32, 5),  # W- = 2: patterns with rank sum <= 2 are {}, {1}, {2}
+        ([0.0, 0.1, 0.2, 0.3], 2 / 8, 3),  # the zero difference is dropped
+        ([0.25, 0.25, -0.25], 1.0, 3),  # tied ranks (2, 2, 2): W- = 2 is the centre of the distribution
+        ([0.0, 0.0], 1.0, 0),  # nothing but ties with the baseline
+    ],
+)
 def test_wilcoxon_exact(diffs, p, n):
     got, nonzero = wilcoxon(diffs)
     assert got == pytest.approx(p) and nonzero == n
@@ -29,14 +32,31 @@ def test_seed_ranges():
 
 def _record(arm: str, seed: int, accs: list[float], calls: list[float]) -> dict:
     curve = [[i, c, 100 * c, a] for i, (c, a) in enumerate(zip(calls, accs))]
-    return {"arm": arm, "seed": seed, "code": "c0de", "commit": "0" * 40, "sft": "5f7", "cpu": "x86_64 avx2",
-            "torch": "2", "before": accs[0], "after": accs[-1], "curve": curve, "tool_calls": calls[1:],
-            "branches_per_group": 0.5 if arm == "arpo" else 0.0, "clip_frac": 0.0, "time_s": 10.0}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "code": "c0de",
+        "commit": "0" * 40,
+        "sft": "5f7",
+        "cpu": "x86_64 avx2",
+        "torch": "2",
+        "before": accs[0],
+        "after": accs[-1],
+        "curve": curve,
+        "tool_calls": calls[1:],
+        "branches_per_group": 0.5 if arm == "arpo" else 0.0,
+        "clip_frac": 0.0,
+        "time_s": 10.0,
+    }
 
 
 def test_report_pairs_by_seed_and_counts_tool_calls_to_reach_the_baseline():
-    records = [_record("grpo", 0, [0.25, 0.5, 0.5], [0, 10, 20]), _record("grpo", 1, [0.25, 0.25, 0.5], [0, 10, 20]),
-               _record("arpo", 0, [0.25, 0.75, 1.0], [0, 10, 20]), _record("arpo", 1, [0.25, 0.25, 0.25], [0, 9, 18])]
+    records = [
+        _record("grpo", 0, [0.25, 0.5, 0.5], [0, 10, 20]),
+        _record("grpo", 1, [0.25, 0.25, 0.5], [0, 10, 20]),
+        _record("arpo", 0, [0.25, 0.75, 1.0], [0, 10, 20]),
+        _record("arpo", 1, [0.25, 0.25, 0.25], [0, 9, 18]),
+    ]
     text = report(records)
     # GRPO's mean final accuracy is 0.5: ARPO seed 0 first reaches it after 10 tool calls, seed 1 never does
     row = [line for line in text.splitlines() if line.startswith("| arpo | 2 | ")][1]  # the paired table
@@ -57,8 +77,12 @@ def test_report_pairs_against_the_baseline_it_is_given(tmp_path):
 
     from studies.study import main
 
-    records = [_record("qs_sync", 0, [0.25, 0.5], [0, 10]), _record("qs_sync", 1, [0.25, 0.25], [0, 10]),
-               _record("qs_async", 0, [0.25, 0.75], [0, 10]), _record("qs_async", 1, [0.25, 0.5], [0, 9])]
+    records = [
+        _record("qs_sync", 0, [0.25, 0.5], [0, 10]),
+        _record("qs_sync", 1, [0.25, 0.25], [0, 10]),
+        _record("qs_async", 0, [0.25, 0.75], [0, 10]),
+        _record("qs_async", 1, [0.25, 0.5], [0, 9]),
+    ]
     row = [line for line in report(records, baseline="qs_sync").splitlines() if line.startswith("| qs_async | 2 | ")]
     assert "0.250 ± 0.000" in row[1] and "| 2 / 0 / 0 |" in row[1]  # both seeds +0.25 over the synchronous arm
     assert "Paired by seed" not in report(records)  # no GRPO records: nothing to pair against
@@ -72,8 +96,11 @@ def test_report_keeps_only_the_arms_it_is_given(tmp_path, capsys):
 
     from studies.study import main
 
-    records = [_record("grpo", 0, [0.25, 0.5], [0, 10]), _record("arpo", 0, [0.25, 0.75], [0, 10]),
-               _record("quickstart_mb1", 0, [0.25, 1.0], [0, 10])]
+    records = [
+        _record("grpo", 0, [0.25, 0.5], [0, 10]),
+        _record("arpo", 0, [0.25, 0.75], [0, 10]),
+        _record("quickstart_mb1", 0, [0.25, 1.0], [0, 10]),
+    ]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["report", "--records", str(path), "--arms", "arpo", "grpo", "--figures", str(tmp_path)]) == 0
@@ -92,9 +119,14 @@ def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir
     from arpo_algo.run.driver import save_checkpoint
     from studies.study import drop_checkpoints
 
-    algo = (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-            .training(model_path=str(tiny_model_dir), prompts_per_step=2)
-            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=8, hf={"max_batch_size": 4}).build_algo())
+    algo = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+        .training(model_path=str(tiny_model_dir), prompts_per_step=2)
+        .tree(budget=2, initial=1)
+        .llm_rollouts(max_response_tokens=8, hf={"max_batch_size": 4})
+        .build_algo()
+    )
     try:
         run = tmp_path / "seed_0"
         saved = save_checkpoint(algo, run / "checkpoints", keep=1)
@@ -108,13 +140,16 @@ def test_a_finished_run_drops_its_checkpoints_and_keeps_its_files(tiny_model_dir
     assert drop_checkpoints(run) == 0  # a run whose checkpoints are gone already
 
 
-@pytest.mark.parametrize(("diffs", "alpha", "want"), [
-    # Walsh averages of 1..5 are symmetric about 3; at alpha 0.1, c = 0 (P(W+ <= 0) = 1/32): the extremes, 93.75%
-    ([1, 2, 3, 4, 5], 0.1, (3, 1, 5, 1 - 2 / 32)),
-    ([1, 2, 3, 4, 5, 6], 0.05, (3.5, 1, 6, 1 - 2 / 64)),  # n = 6: c = 0 again, 1/64 <= 0.025 < 2/64
-    ([-1, 2, 4], 0.3, (1.75, -1, 4, 0.75)),  # Walsh -1, .5, 1.5, 2, 3, 4; c = 0 (1/8 <= 0.15 < 2/8)
-    ([-1, 2, 4], 0.5, (1.75, 0.5, 3, 0.5)),  # c = 1 (2/8 <= 0.25): one Walsh average in from each end
-])
+@pytest.mark.parametrize(
+    ("diffs", "alpha", "want"),
+    [
+        # Walsh averages of 1..5 are symmetric about 3; at alpha 0.1, c = 0 (P(W+ <= 0) = 1/32): the extremes, 93.75%
+        ([1, 2, 3, 4, 5], 0.1, (3, 1, 5, 1 - 2 / 32)),
+        ([1, 2, 3, 4, 5, 6], 0.05, (3.5, 1, 6, 1 - 2 / 64)),  # n = 6: c = 0 again, 1/64 <= 0.025 < 2/64
+        ([-1, 2, 4], 0.3, (1.75, -1, 4, 0.75)),  # Walsh -1, .5, 1.5, 2, 3, 4; c = 0 (1/8 <= 0.15 < 2/8)
+        ([-1, 2, 4], 0.5, (1.75, 0.5, 3, 0.5)),  # c = 1 (2/8 <= 0.25): one Walsh average in from each end
+    ],
+)
 def test_hodges_lehmann_and_its_exact_interval(diffs, alpha, want):
     from studies.study_report import hodges_lehmann
 
@@ -127,8 +162,11 @@ def test_planned_test_runs_at_the_fixed_n_over_the_first_seeds():
     from studies.study_report import planned_test
 
     accs = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, -0.9]  # the seventh pair, beyond n = 6, must not count
-    records = [r for s, x in enumerate(accs)
-               for r in (_record("grpo", s, [0.0, 0.0], [0, 10]), _record("arpo", s, [0.0, x], [0, 10]))]
+    records = [
+        r
+        for s, x in enumerate(accs)
+        for r in (_record("grpo", s, [0.0, 0.0], [0, 10]), _record("arpo", s, [0.0, x], [0, 10]))
+    ]
     text = planned_test(records, 6, 0.05, 10.0, 0.001, 8, 0, 4, sims=200)
     assert "exact two-sided p = 0.0312 over 6 non-zero pairs: significant" in text  # 2 / 64
     assert "+0.3500; exact 96.9% interval (Walsh averages) +0.1000 .. +0.6000" in text
@@ -152,8 +190,18 @@ def test_blocks_dry_run_two_tiny_blocks_and_a_partial_block_is_refused(tmp_path,
         (tmp_path / f"sft{k}" / "model.safetensors").write_bytes(f"weights of SFT seed {k}".encode())
         sft[k] = str(tmp_path / f"sft{k}")
     path = tmp_path / "records.jsonl"
-    base = ["run", "arpo", "grpo", "--seeds", "0-1", "--records", str(path), "--output", str(tmp_path / "runs"),
-            "--dry-run"]
+    base = [
+        "run",
+        "arpo",
+        "grpo",
+        "--seeds",
+        "0-1",
+        "--records",
+        str(path),
+        "--output",
+        str(tmp_path / "runs"),
+        "--dry-run",
+    ]
     assert main([*base, "--block", "1", "--sft-seed", "1", "--sft", sft[1]]) == 0
     out = capsys.readouterr().out
     assert out.count("would run") == 4 and f"from SFT {file_hash(tmp_path / 'sft1')}" in out
@@ -163,8 +211,13 @@ def test_blocks_dry_run_two_tiny_blocks_and_a_partial_block_is_refused(tmp_path,
 
     def rec(block, seed_sft, arm, seed, after, arms=("arpo", "grpo")):
         r = _record(arm, seed, [0.25, after], [0, 10])
-        r.update(code=code, cpu=here["cpu"], torch=here["torch"], sft=file_hash(tmp_path / f"sft{seed_sft}"),
-                 block={"id": block, "sft_seed": seed_sft, "arms": sorted(arms), "seeds": [0, 1]})
+        r.update(
+            code=code,
+            cpu=here["cpu"],
+            torch=here["torch"],
+            sft=file_hash(tmp_path / f"sft{seed_sft}"),
+            block={"id": block, "sft_seed": seed_sft, "arms": sorted(arms), "seeds": [0, 1]},
+        )
         return r
 
     block1 = [rec(1, 1, arm, s, 0.5 + 0.25 * (arm == "arpo")) for s in (0, 1) for arm in ("arpo", "grpo")]

@@ -38,9 +38,15 @@ def _vllm(**settings: Any) -> Callable[[], Any]:
 ENGINES: dict[str, Callable[..., Callable[[], Any]]] = {"hf": _hf, "vllm": _vllm}
 
 
-def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 1.0,
-                 num_gpus_per_actor: float = 0.0, actor_resources: tuple[dict[str, float], ...] = (),
-                 **settings: Any) -> Any:
+def build_engine(
+    kind: str,
+    *,
+    num_actors: int = 0,
+    num_cpus_per_actor: float = 1.0,
+    num_gpus_per_actor: float = 0.0,
+    actor_resources: tuple[dict[str, float], ...] = (),
+    **settings: Any,
+) -> Any:
     """Build a :class:`~arpo_algo.rollout.engines.base.RolloutEngine`.
 
     Args:
@@ -57,23 +63,31 @@ def build_engine(kind: str, *, num_actors: int = 0, num_cpus_per_actor: float = 
     """
     if kind not in ENGINES:
         close = closest(str(kind), ENGINES)
-        raise ConfigError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}",
-                          hint=f"did you mean {close!r}?" if close else None)
+        raise ConfigError(
+            f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}",
+            hint=f"did you mean {close!r}?" if close else None,
+        )
     if num_actors < 0:
         raise ConfigError(f"num_actors must be >= 0, got {num_actors}")
     factory = ENGINES[kind](**settings)
     if num_actors == 0:
         return factory()
     if "model" in settings:
-        raise ConfigError("an engine over a shared module (model=) cannot run in actors",
-                          hint="pass model_or_path=<folder> with num_actors > 0")
+        raise ConfigError(
+            "an engine over a shared module (model=) cannot run in actors",
+            hint="pass model_or_path=<folder> with num_actors > 0",
+        )
     from arpo_algo.rollout.config import check_custom_resources, per_actor
     from arpo_algo.rollout.engines.actors import RolloutActorPool
 
     check_custom_resources("actor_resources", actor_resources, num_actors, "num_actors")
-    return RolloutActorPool(factory, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor,
-                            num_gpus_per_actor=num_gpus_per_actor,
-                            resources_per_actor=per_actor(actor_resources, num_actors))
+    return RolloutActorPool(
+        factory,
+        num_actors=num_actors,
+        num_cpus_per_actor=num_cpus_per_actor,
+        num_gpus_per_actor=num_gpus_per_actor,
+        resources_per_actor=per_actor(actor_resources, num_actors),
+    )
 
 
 __all__ = ["ENGINES", "build_engine"]

@@ -84,13 +84,22 @@ class RolloutActorPool:
         ArpoError: Ray is not initialised.
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], num_actors: int = 2, num_cpus_per_actor: float = 1.0,
-                 *, num_gpus_per_actor: float = 0.0, resources_per_actor: list[dict[str, float]] | None = None) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        num_actors: int = 2,
+        num_cpus_per_actor: float = 1.0,
+        *,
+        num_gpus_per_actor: float = 0.0,
+        resources_per_actor: list[dict[str, float]] | None = None,
+    ) -> None:
         import ray
 
         if num_actors < 1 or num_cpus_per_actor < 0 or num_gpus_per_actor < 0:
-            raise ConfigError(f"num_actors must be >= 1 and resources >= 0, got {num_actors}, {num_cpus_per_actor}, "
-                              f"{num_gpus_per_actor}")
+            raise ConfigError(
+                f"num_actors must be >= 1 and resources >= 0, got {num_actors}, {num_cpus_per_actor}, "
+                f"{num_gpus_per_actor}"
+            )
         if not ray.is_initialized():
             raise ArpoError("RolloutActorPool needs a running Ray", hint="call ray.init(...) before building the pool")
         actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor)(_EngineActor)
@@ -98,8 +107,12 @@ class RolloutActorPool:
         custom = resources_per_actor or [{} for _ in range(num_actors)]
         if len(custom) != num_actors:
             raise ConfigError(f"resources_per_actor has {len(custom)} dicts for {num_actors} actors")
-        self._actors = [actor_cls.options(resources=res).remote(engine_factory, threads) if res else
-                        actor_cls.remote(engine_factory, threads) for res in custom]
+        self._actors = [
+            actor_cls.options(resources=res).remote(engine_factory, threads)
+            if res
+            else actor_cls.remote(engine_factory, threads)
+            for res in custom
+        ]
         self._owner: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._tokenizer: Any = None
         self._max_context: Any = ...  # fetched once
@@ -157,8 +170,11 @@ class RolloutActorPool:
                 owner = min(order, key=lambda a: len(buckets[a]))
             buckets[owner].append(i)
         self._next = (self._next + 1) % len(self._actors)
-        calls = [(a, idx, self._actors[a].generate.remote([requests[i] for i in idx]))
-                 for a, idx in enumerate(buckets) if idx]
+        calls = [
+            (a, idx, self._actors[a].generate.remote([requests[i] for i in idx]))
+            for a, idx in enumerate(buckets)
+            if idx
+        ]
         results: list[Generation | None] = [None] * len(requests)
         for a, idx, ref in calls:
             for i, gen in zip(idx, ray.get(ref)):

@@ -93,8 +93,9 @@ class Generation:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int,
-                    max_logprobs: int, adapters: Any = ()) -> str | None:
+def request_problem(
+    req: GenRequest, *, max_context: int | None, vocab_size: int, max_logprobs: int, adapters: Any = ()
+) -> str | None:
     """Why an engine cannot serve ``req`` (None when it can): the same checks and messages in every engine.
 
     Args:
@@ -119,8 +120,7 @@ def request_problem(req: GenRequest, *, max_context: int | None, vocab_size: int
     if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.logprobs_topk < 0:
         return f"invalid sampling params {p}"
     if p.logprobs_topk > max_logprobs:
-        return (f"logprobs_topk={p.logprobs_topk} exceeds this engine's maximum of {max_logprobs} top logprobs per "
-                "token")
+        return f"logprobs_topk={p.logprobs_topk} exceeds this engine's maximum of {max_logprobs} top logprobs per token"
     return None
 
 

@@ -29,9 +29,11 @@ def vllm_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int
     allowed values (a rank below 1 or above the largest)."""
     fits = [r for r in allowed if r >= rank]
     if rank < 1 or not fits:
-        raise ConfigError(f"LoRA rank {rank} cannot be served by the vLLM engine: vLLM's max_lora_rank is one of "
-                          f"{', '.join(map(str, allowed))}, so an adapter rank must be between 1 and {max(allowed)}",
-                          hint=f"set model.lora.rank between 1 and {max(allowed)}, or use rollouts.engine = 'hf'")
+        raise ConfigError(
+            f"LoRA rank {rank} cannot be served by the vLLM engine: vLLM's max_lora_rank is one of "
+            f"{', '.join(map(str, allowed))}, so an adapter rank must be between 1 and {max(allowed)}",
+            hint=f"set model.lora.rank between 1 and {max(allowed)}, or use rollouts.engine = 'hf'",
+        )
     return fits[0]
 
 
@@ -48,20 +50,27 @@ class HFEngineConfig:
 
     max_batch_size: int = setting(16, "Most sequences the engine decodes at once.")
     linear_layout: Literal["auto", "native", "transposed"] = setting(
-        "auto", "Weight layout of nn.Linear while decoding: 'transposed' decodes through (in, out) copies of the "
-        "weights, 1.3-1.5x faster per step on CPU for one more copy; 'auto' = transposed on CPU, native on GPU.")
+        "auto",
+        "Weight layout of nn.Linear while decoding: 'transposed' decodes through (in, out) copies of the "
+        "weights, 1.3-1.5x faster per step on CPU for one more copy; 'auto' = transposed on CPU, native on GPU.",
+    )
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = setting(
-        "auto", "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
+        "auto",
+        "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
         "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (those steps "
         "compiled by torch inductor, all slots, one graph for every column count, on CUDA captured as CUDA graphs; "
         "needs a C++ compiler, and Triton on CUDA); 'auto' = "
-        "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.")
+        "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.",
+    )
     static_cache_tokens: int | None = setting(
-        None, "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'/'compiled'); it becomes the "
+        None,
+        "Tokens per sequence of the static KV cache (decode 'static'/'cuda_graph'/'compiled'); it becomes the "
         "engine's context limit. None = the model's max_position_embeddings (SmolLM2: 8192 tokens, 6 GB at 16 slots "
-        "in float32; a cache larger than the free memory is refused).")
+        "in float32; a cache larger than the free memory is refused).",
+    )
     kv_cache_capacity_tokens: int = setting(
-        65536, "Tokens of finished-sequence KV kept for prefix reuse (least recently used first out); 0 disables it.")
+        65536, "Tokens of finished-sequence KV kept for prefix reuse (least recently used first out); 0 disables it."
+    )
 
     def validate(self) -> None:
         """Ranges; the device-dependent checks are :meth:`check_device`."""
@@ -75,12 +84,16 @@ class HFEngineConfig:
     def check_device(self, device: str) -> None:
         """CUDA graphs need a CUDA device and weights that stay where the graphs read them."""
         if self.decode == "cuda_graph" and device != "cuda":
-            raise ConfigError(f"rollouts.hf.decode='cuda_graph' needs rollouts.device='cuda', got {device!r}",
-                              hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks")
+            raise ConfigError(
+                f"rollouts.hf.decode='cuda_graph' needs rollouts.device='cuda', got {device!r}",
+                hint="decode='static' runs the same fixed-shape steps eagerly on CPU; 'auto' picks",
+            )
         if captures_graphs(self.decode, device) and self.linear_layout == "transposed":
-            raise ConfigError(f"rollouts.hf.decode={self.decode!r} on CUDA with linear_layout='transposed': graphs "
-                              "would read weight copies that are rebuilt after every update",
-                              hint="linear_layout='auto' or 'native'")
+            raise ConfigError(
+                f"rollouts.hf.decode={self.decode!r} on CUDA with linear_layout='transposed': graphs "
+                "would read weight copies that are rebuilt after every update",
+                hint="linear_layout='auto' or 'native'",
+            )
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's keyword arguments these settings give."""
@@ -92,29 +105,37 @@ class VLLMEngineConfig:
     """``[rollouts.vllm]``: the vLLM engine (:class:`arpo_algo.rollout.engines.vllm.VLLMEngine`)."""
 
     gpu_memory_utilization: float = setting(
-        0.5, "GPU only: share of the GPU's memory vLLM may take (leave room for a colocated learner).")
-    kv_cache_gib: float = setting(
-        1.0, "CPU only: GiB of RAM reserved for the KV cache, checked against free memory.")
+        0.5, "GPU only: share of the GPU's memory vLLM may take (leave room for a colocated learner)."
+    )
+    kv_cache_gib: float = setting(1.0, "CPU only: GiB of RAM reserved for the KV cache, checked against free memory.")
     max_model_len: int | None = setting(
-        None, "Context limit; None = the model's (capped at 8192 on CPU, where the KV cache is small).")
+        None, "Context limit; None = the model's (capped at 8192 on CPU, where the KV cache is small)."
+    )
     tensor_parallel_size: int = setting(1, "GPUs one engine spans (tensor parallelism).")
     enforce_eager: bool | None = setting(
-        None, "True: no CUDA graphs or compilation; None = eager on CPU (compiling there starts slowly and was not "
-        "faster), CUDA graphs on GPU.")
+        None,
+        "True: no CUDA graphs or compilation; None = eager on CPU (compiling there starts slowly and was not "
+        "faster), CUDA graphs on GPU.",
+    )
     sleep_between_rollouts: bool = setting(
-        False, "Free the engine's GPU memory during each learner update (vLLM sleep mode; CUDA/ROCm only).")
+        False, "Free the engine's GPU memory during each learner update (vLLM sleep mode; CUDA/ROCm only)."
+    )
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = setting(
-        "raw_logprobs", "Which log-probs vLLM reports: of the raw logits, or after temperature/top-k/top-p.")
+        "raw_logprobs", "Which log-probs vLLM reports: of the raw logits, or after temperature/top-k/top-p."
+    )
     transport: Literal["auto", "shm", "bytes"] = setting(
-        "auto", "How pushed weights reach the engine process: 'shm' (a safetensors file in /dev/shm), 'bytes' "
+        "auto",
+        "How pushed weights reach the engine process: 'shm' (a safetensors file in /dev/shm), 'bytes' "
         "(inside the RPC; with LoRA the adapter folder is in the temp dir: pick it where /dev/shm is small) or "
-        "'auto' (shm where /dev/shm exists).")
+        "'auto' (shm where /dev/shm exists).",
+    )
 
     def validate(self) -> None:
         """Ranges."""
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("rollouts.vllm.gpu_memory_utilization must be in (0, 1], got "
-                              f"{self.gpu_memory_utilization}")
+            raise ConfigError(
+                f"rollouts.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.kv_cache_gib <= 0:
             raise ConfigError(f"rollouts.vllm.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.tensor_parallel_size < 1:

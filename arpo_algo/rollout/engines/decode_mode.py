@@ -27,8 +27,16 @@ AUTO_GRAPH_MEMORY_SHARE = 0.25
 log = logging.getLogger(__name__)
 
 
-def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout: str, *, slots: int = 1,
-                   max_positions: int | None = None, static_cache_tokens: int | None = None) -> str:
+def resolve_decode(
+    decode: str,
+    device: torch.device,
+    model: Any,
+    linear_layout: str,
+    *,
+    slots: int = 1,
+    max_positions: int | None = None,
+    static_cache_tokens: int | None = None,
+) -> str:
     """The decode mode to use, or a ConfigError. ``"auto"`` is ``"cuda_graph"`` on a CUDA device where the model
     allows the fixed-shape step and its static cache (``slots`` x the context) takes at most
     :data:`AUTO_GRAPH_MEMORY_SHARE` of the free GPU memory, else ``"dynamic"`` (the reason is logged); on CPU it is
@@ -44,12 +52,17 @@ def resolve_decode(decode: str, device: torch.device, model: Any, linear_layout:
             log.info("decode='auto' decodes dynamically on %s: %s", device, why)
         return "dynamic" if why else "cuda_graph"
     if decode == "cuda_graph" and device.type != "cuda":
-        raise ConfigError(f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
-                          hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU")
+        raise ConfigError(
+            f"decode='cuda_graph' needs a CUDA device, but the model is on {device}",
+            hint="use decode='static' (same fixed-shape step, run eagerly) or 'dynamic' on CPU",
+        )
     if decode == "compiled":
         _check_compiled(device)
-    problem = static_problem(model, linear_layout, graphs=captures_graphs(decode, device.type)) \
-        if decode != "dynamic" else None
+    problem = (
+        static_problem(model, linear_layout, graphs=captures_graphs(decode, device.type))
+        if decode != "dynamic"
+        else None
+    )
     if problem:
         raise ConfigError(f"decode={decode!r}: {problem}", hint="use decode='dynamic' for this model or setting")
     return decode
@@ -60,25 +73,36 @@ def _check_compiled(device: torch.device) -> None:
     from arpo_algo.rollout.engines.compiled_step import compiler_problem
 
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"decode='compiled' runs on CPU or CUDA, but the model is on {device}",
-                          hint="use decode='dynamic' on this device")
+        raise ConfigError(
+            f"decode='compiled' runs on CPU or CUDA, but the model is on {device}",
+            hint="use decode='dynamic' on this device",
+        )
     problem = compiler_problem(device.type)
     if problem:
-        need, other = ("g++ and triton (CXX and CC choose the compilers)", "'cuda_graph'") if device.type == "cuda" \
+        need, other = (
+            ("g++ and triton (CXX and CC choose the compilers)", "'cuda_graph'")
+            if device.type == "cuda"
             else ("g++ (or set CXX to a C++ compiler)", "'static'")
-        raise ConfigError(f"decode='compiled' cannot compile for {device.type}: {problem}",
-                          hint=f"install {need}, or use decode={other}; `arpo doctor` checks the compiler")
+        )
+        raise ConfigError(
+            f"decode='compiled' cannot compile for {device.type}: {problem}",
+            hint=f"install {need}, or use decode={other}; `arpo doctor` checks the compiler",
+        )
 
 
 def static_problem(model: Any, linear_layout: str, graphs: bool) -> str | None:
     """Why this model cannot use the fixed-shape step (None when it can)."""
     if any(type(m).__module__.startswith("peft.") for m in model.modules()):
-        return ("the fixed-shape decoders are not validated with LoRA adapters yet (their captured and compiled "
-                "steps are not checked to follow adapter updates)")
+        return (
+            "the fixed-shape decoders are not validated with LoRA adapters yet (their captured and compiled "
+            "steps are not checked to follow adapter updates)"
+        )
     if graphs and linear_layout == "transposed":
-        return ("linear_layout='transposed' copies are rebuilt after every weight update, so captured CUDA graphs "
-                "(decode='cuda_graph', and 'compiled' on CUDA) would read freed memory (use linear_layout='native' "
-                "or 'auto')")
+        return (
+            "linear_layout='transposed' copies are rebuilt after every weight update, so captured CUDA graphs "
+            "(decode='cuda_graph', and 'compiled' on CUDA) would read freed memory (use linear_layout='native' "
+            "or 'auto')"
+        )
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     impl = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", "eager")
     if impl not in ("sdpa", "eager"):
@@ -94,8 +118,10 @@ def static_context(max_positions: int | None, requested: int | None) -> int:
     if requested is not None and requested < 2:
         raise ConfigError(f"static_cache_tokens must be >= 2, got {requested}")
     if requested is None and max_positions is None:
-        raise ConfigError("the model declares no max_position_embeddings, so the static KV cache has no size",
-                          hint="pass static_cache_tokens=<tokens per sequence>")
+        raise ConfigError(
+            "the model declares no max_position_embeddings, so the static KV cache has no size",
+            hint="pass static_cache_tokens=<tokens per sequence>",
+        )
     return min(x for x in (requested, max_positions) if x is not None)
 
 
@@ -132,14 +158,17 @@ def check_memory(model: Any, slots: int, context: int) -> None:
     else:
         free, where = available_ram(), "this machine"
     if free is not None and need > free:
-        raise ConfigError(f"the static KV cache needs {need / 2**30:.1f} GiB ({slots} slots x {context} tokens) but "
-                          f"{where} has {free / 2**30:.1f} GiB free",
-                          hint="lower max_batch_size or static_cache_tokens (tokens per sequence; the default is the "
-                               "model's whole context), or use decode='dynamic'")
+        raise ConfigError(
+            f"the static KV cache needs {need / 2**30:.1f} GiB ({slots} slots x {context} tokens) but "
+            f"{where} has {free / 2**30:.1f} GiB free",
+            hint="lower max_batch_size or static_cache_tokens (tokens per sequence; the default is the "
+            "model's whole context), or use decode='dynamic'",
+        )
 
 
-def auto_graph_problem(model: Any, linear_layout: str, slots: int, max_positions: int | None,
-                       static_cache_tokens: int | None) -> str | None:
+def auto_graph_problem(
+    model: Any, linear_layout: str, slots: int, max_positions: int | None, static_cache_tokens: int | None
+) -> str | None:
     """Why ``decode="auto"`` does not pick CUDA graphs for this model and engine size (None when it does)."""
     problem = static_problem(model, linear_layout, graphs=True)
     if problem:
@@ -155,6 +184,8 @@ def graph_memory_problem(need: int, free: int) -> str | None:
     """Why a static cache of ``need`` bytes is too large for ``decode="auto"`` with ``free`` bytes free (or None)."""
     if need <= AUTO_GRAPH_MEMORY_SHARE * free:
         return None
-    return (f"its static KV cache would take {need / 2**30:.1f} GiB, more than {AUTO_GRAPH_MEMORY_SHARE:.0%} of the "
-            f"{free / 2**30:.1f} GiB free (lower static_cache_tokens or max_batch_size, or ask for "
-            "decode='cuda_graph')")
+    return (
+        f"its static KV cache would take {need / 2**30:.1f} GiB, more than {AUTO_GRAPH_MEMORY_SHARE:.0%} of the "
+        f"{free / 2**30:.1f} GiB free (lower static_cache_tokens or max_batch_size, or ask for "
+        "decode='cuda_graph')"
+    )

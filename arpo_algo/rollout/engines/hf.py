@@ -105,11 +105,24 @@ class HFEngine(NamedAdapters):
             calls. Decodes on the dynamic path only.
     """
 
-    def __init__(self, model_or_path: Any = None, tokenizer: Any = None, *, model: Any = None, device: str = "cpu",
-                 dtype: str = "float32", max_batch_size: int = 16, entropy_method: str = "full",
-                 kv_cache_capacity_tokens: int = 65536, seed: int = 0, linear_layout: str = "auto",
-                 decode: str = "auto", static_cache_tokens: int | None = None,
-                 lora: dict[str, Any] | None = None, adapters: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_or_path: Any = None,
+        tokenizer: Any = None,
+        *,
+        model: Any = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 16,
+        entropy_method: str = "full",
+        kv_cache_capacity_tokens: int = 65536,
+        seed: int = 0,
+        linear_layout: str = "auto",
+        decode: str = "auto",
+        static_cache_tokens: int | None = None,
+        lora: dict[str, Any] | None = None,
+        adapters: dict[str, str] | None = None,
+    ) -> None:
         if (model_or_path is None) == (model is None):
             raise ConfigError("HFEngine needs exactly one of model_or_path or model=")
         if dtype not in _DTYPES:
@@ -121,15 +134,24 @@ class HFEngine(NamedAdapters):
         if max_batch_size < 1 or kv_cache_capacity_tokens < 0:
             raise ConfigError("max_batch_size must be >= 1 and kv_cache_capacity_tokens >= 0")
         if lora is not None and model is not None:
-            raise ConfigError("HFEngine(model=<module>, lora=...): a shared module already holds the learner's "
-                              "adapter", hint="pass lora= only to an engine that loads its own copy (model_or_path=)")
+            raise ConfigError(
+                "HFEngine(model=<module>, lora=...): a shared module already holds the learner's adapter",
+                hint="pass lora= only to an engine that loads its own copy (model_or_path=)",
+            )
         if adapters is not None and (model is not None or lora is not None):
             raise ConfigError("HFEngine(adapters=...) loads its own base: pass model_or_path, without model= or lora=")
         if adapters is not None and decode not in ("auto", "dynamic"):
-            raise ConfigError(f"HFEngine(adapters=...) decodes on the dynamic path only, not decode={decode!r}",
-                              hint="leave decode at 'auto' or set 'dynamic'")
-        self.model, self.tokenizer = self._load(model if model is not None else model_or_path, tokenizer, device,
-                                                _DTYPES[dtype], merge=lora is not None or adapters is not None)
+            raise ConfigError(
+                f"HFEngine(adapters=...) decodes on the dynamic path only, not decode={decode!r}",
+                hint="leave decode at 'auto' or set 'dynamic'",
+            )
+        self.model, self.tokenizer = self._load(
+            model if model is not None else model_or_path,
+            tokenizer,
+            device,
+            _DTYPES[dtype],
+            merge=lora is not None or adapters is not None,
+        )
         #: Named adapters on one base (``adapters=``): name -> folder; None on an engine of one policy.
         self.adapters: dict[str, str] | None = None
         self._row_adapters: list[str] | None = None  # per-row adapter names of the forward being run
@@ -144,16 +166,22 @@ class HFEngine(NamedAdapters):
         if lora is not None:  # the learner's adapter layout, filled by adapter-only load_state_dict() calls
             from arpo_algo.models.lora import LoraSettings, attach_adapter
 
-            attach_adapter(self.model, LoraSettings(enabled=True, rank=lora["rank"], alpha=lora["alpha"]),
-                           tuple(lora["target_modules"]))
+            attach_adapter(
+                self.model,
+                LoraSettings(enabled=True, rank=lora["rank"], alpha=lora["alpha"]),
+                tuple(lora["target_modules"]),
+            )
             self.model.requires_grad_(False)
         self.device = next(self.model.parameters()).device
         self.dtype = dtype
         self.max_batch_size = max_batch_size
         self.entropy_method = entropy_method
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
-        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+        cfg = (
+            self.model.config.get_text_config(decoder=True)
+            if hasattr(self.model.config, "get_text_config")
             else self.model.config
+        )
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
         self.vocab_rows = self.model.get_input_embeddings().weight.shape[0]
         #: Most top logprobs per token a request may ask for: the whole vocabulary.
@@ -174,8 +202,15 @@ class HFEngine(NamedAdapters):
         self._transposed = TransposedLinears(self.model) if self.linear_layout == "transposed" else None
         for name, folder in (adapters or {}).items():  # before the decode path is chosen: it sees the LoRA layers
             self.add_adapter(name, folder)
-        self.decode = resolve_decode(decode, self.device, self.model, self.linear_layout, slots=max_batch_size,
-                                     max_positions=self.max_positions, static_cache_tokens=static_cache_tokens)
+        self.decode = resolve_decode(
+            decode,
+            self.device,
+            self.model,
+            self.linear_layout,
+            slots=max_batch_size,
+            max_positions=self.max_positions,
+            static_cache_tokens=static_cache_tokens,
+        )
         #: The fixed-shape decoder (None on the dynamic path); ``static_decoder.time_step`` measures one bare step.
         self.static_decoder = None if self.decode == "dynamic" else StaticDecoder.for_engine(self, static_cache_tokens)
 
@@ -189,8 +224,10 @@ class HFEngine(NamedAdapters):
                 raise ConfigError("HFEngine(model=<module>) needs tokenizer= as well")
             have = next(src.parameters()).dtype
             if have != dtype:
-                raise ConfigError(f"the shared module is {have} but the engine dtype is {dtype}; a shared module is "
-                                  "used as is, so pass the matching dtype (or give the engine its own copy)")
+                raise ConfigError(
+                    f"the shared module is {have} but the engine dtype is {dtype}; a shared module is "
+                    "used as is, so pass the matching dtype (or give the engine its own copy)"
+                )
             return src, tokenizer
         from arpo_algo.models import resolve_model_path
         from arpo_algo.models.lora import load_policy_model
@@ -247,8 +284,10 @@ class HFEngine(NamedAdapters):
         if any("lora_" in k for k in state_dict):  # an adapter-only copy: the frozen base is already here
             missing = [k for k in missing if "lora_" in k]
         if [k for k in missing if k not in tied] or unexpected:
-            raise ConfigError(f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
-                              f"unexpected={list(unexpected)[:5]}")
+            raise ConfigError(
+                f"state_dict does not match the engine's model: missing={list(missing)[:5]} "
+                f"unexpected={list(unexpected)[:5]}"
+            )
         self._invalidate()
 
     def weights_updated(self) -> None:
@@ -280,8 +319,13 @@ class HFEngine(NamedAdapters):
         results: list[Generation | None] = [None] * len(requests)
         pending: collections.deque[int] = collections.deque()
         for i, req in enumerate(requests):
-            problem = request_problem(req, max_context=self.max_positions, vocab_size=self.vocab_rows,
-                                      max_logprobs=self.max_logprobs, adapters=self.adapters or ())
+            problem = request_problem(
+                req,
+                max_context=self.max_positions,
+                vocab_size=self.vocab_rows,
+                max_logprobs=self.max_logprobs,
+                adapters=self.adapters or (),
+            )
             if problem:
                 self._stats["errors"] += 1
                 results[i] = error_generation(req, problem)
@@ -317,15 +361,19 @@ class HFEngine(NamedAdapters):
 
     def _new_row(self, idx: int, req: GenRequest) -> _Row:
         p = req.params
-        room = p.max_new_tokens if self.max_positions is None else min(p.max_new_tokens,
-                                                                        self.max_positions - len(req.token_ids) + 1)
+        room = (
+            p.max_new_tokens
+            if self.max_positions is None
+            else min(p.max_new_tokens, self.max_positions - len(req.token_ids) + 1)
+        )
         gen = torch.Generator(device="cpu")
         gen.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
         topk = p.logprobs_topk or (REFERENCE_TOPK if self.entropy_method == "topk_sum_lnV" else 0)
         return _Row(idx, req, room, gen, topk)
 
-    def _decode_all(self, requests: list[GenRequest], pending: collections.deque[int],
-                    results: list[Generation | None]) -> None:
+    def _decode_all(
+        self, requests: list[GenRequest], pending: collections.deque[int], results: list[Generation | None]
+    ) -> None:
         if self.static_decoder is not None:
             self.static_decoder.decode_all(requests, pending, results)
             return
@@ -360,7 +408,7 @@ class HFEngine(NamedAdapters):
                 t = mask.shape[1]
                 for j in done:
                     r = rows[j]
-                    kv = ([k[j:j + 1, :, t - r.fed:] for k in keys], [v[j:j + 1, :, t - r.fed:] for v in values])
+                    kv = ([k[j : j + 1, :, t - r.fed :] for k in keys], [v[j : j + 1, :, t - r.fed :] for v in values])
                     results[r.idx] = self._result(r, r.finish, kv)
                 keep = [j for j, r in enumerate(rows) if not r.finish]
                 rows = [rows[j] for j in keep]
@@ -417,8 +465,9 @@ class HFEngine(NamedAdapters):
         row.fed = len(ctx)
         return out
 
-    def _feed(self, tokens: Any, m: int, keys: list, values: list,
-              adapter: str | None = None) -> tuple[list, list, torch.Tensor]:
+    def _feed(
+        self, tokens: Any, m: int, keys: list, values: list, adapter: str | None = None
+    ) -> tuple[list, list, torch.Tensor]:
         """One batch-1 forward of ``tokens[m:]`` on top of the KV of ``tokens[:m]`` (``keys``/``values``, read only:
         the cache layer copies before it writes), under ``adapter``: the KV of all of ``tokens`` and the last
         position's logits."""
@@ -427,22 +476,30 @@ class HFEngine(NamedAdapters):
         pos = torch.arange(m, len(tokens), device=self.device).unsqueeze(0)
         att = torch.ones(1, len(tokens), dtype=torch.long, device=self.device)
         with self._rows_under([adapter]):
-            out = self.model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
-                             **{self.cache_kw: cache})
+            out = self.model(
+                input_ids=ids,
+                attention_mask=att,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_kw: cache},
+            )
         self._stats["prefill_tokens"] += len(tokens) - m
         self._stats["forward_calls"] += 1
         return [ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits[:, -1]
 
-    def _step(self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor],
-              mask: torch.Tensor) -> tuple[torch.Tensor, list, list, torch.Tensor]:
+    def _step(
+        self, rows: list[_Row], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, list, list, torch.Tensor]:
         ids = torch.tensor([[r.new[-1]] for r in rows], dtype=torch.long, device=self.device)
         pos = torch.tensor([[r.fed] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         cache = build_cache(self._layer_cls, keys, values, reuse=self._decode_layers)
         self._decode_layers = cache.layers
         with self._rows_under([r.req.adapter for r in rows]):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             **{self.cache_kw: cache})
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.cache_kw: cache}
+            )
         self._stats["forward_calls"] += 1
         for r in rows:
             r.fed += 1
@@ -502,9 +559,18 @@ class HFEngine(NamedAdapters):
     def _result(self, r: _Row, finish: str, kv: tuple[list, list] | None) -> Generation:
         key = None
         if kv is not None:
-            key = self._store.put(f"{self._uid}:{self._next_key}", list(r.req.token_ids) + r.new[:-1], *kv,
-                                  adapter=r.req.adapter)
+            key = self._store.put(
+                f"{self._uid}:{self._next_key}", list(r.req.token_ids) + r.new[:-1], *kv, adapter=r.req.adapter
+            )
             self._next_key += key is not None
-        return Generation(r.req.request_id, r.new, r.logprobs, r.entropies, finish,  # type: ignore[arg-type]
-                          stop_string=r.stop_string, top_logprobs=r.top, cache_key=key,
-                          metrics={"new_tokens": float(len(r.new))})
+        return Generation(
+            r.req.request_id,
+            r.new,
+            r.logprobs,
+            r.entropies,
+            finish,  # type: ignore[arg-type]
+            stop_string=r.stop_string,
+            top_logprobs=r.top,
+            cache_key=key,
+            metrics={"new_tokens": float(len(r.new))},
+        )

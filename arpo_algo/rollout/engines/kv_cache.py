@@ -49,8 +49,14 @@ class KVStore:
             if entry is not None:
                 self.stored_tokens -= len(entry.tokens)
 
-    def put(self, key: str, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-            adapter: str | None = None) -> str | None:
+    def put(
+        self,
+        key: str,
+        tokens: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        adapter: str | None = None,
+    ) -> str | None:
         """Store a copy of this KV under ``key`` (evicting the least recently used); None when it does not fit.
         ``adapter``: the LoRA adapter that computed it (part of its identity, like the tokens)."""
         if not 0 < len(tokens) <= self.capacity_tokens:
@@ -108,8 +114,12 @@ def grow_layer_class() -> type:
                 self.lazy_initialization(key_states, value_states)
             n, t = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
             buf = self.kbuf
-            owned = buf is not None and self.keys.numel() and self.keys.data_ptr() == buf.data_ptr() \
+            owned = (
+                buf is not None
+                and self.keys.numel()
+                and self.keys.data_ptr() == buf.data_ptr()
                 and buf.shape[0] == key_states.shape[0]
+            )
             if not owned or n + t > buf.shape[-2]:
                 shape = list(key_states.shape)
                 shape[-2] = max(2 * (n + t), n + t + 64)
@@ -117,9 +127,9 @@ def grow_layer_class() -> type:
                 if n:
                     self.kbuf[..., :n, :] = self.keys
                     self.vbuf[..., :n, :] = self.values
-            self.kbuf[..., n:n + t, :] = key_states
-            self.vbuf[..., n:n + t, :] = value_states
-            self.keys, self.values = self.kbuf[..., :n + t, :], self.vbuf[..., :n + t, :]
+            self.kbuf[..., n : n + t, :] = key_states
+            self.vbuf[..., n : n + t, :] = value_states
+            self.keys, self.values = self.kbuf[..., : n + t, :], self.vbuf[..., : n + t, :]
             return self.keys, self.values
 
     return GrowLayer
@@ -133,8 +143,9 @@ def left_pad(t: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def build_cache(layer_cls: type, keys: list[torch.Tensor], values: list[torch.Tensor],
-                reuse: list[Any] | None = None) -> Any:
+def build_cache(
+    layer_cls: type, keys: list[torch.Tensor], values: list[torch.Tensor], reuse: list[Any] | None = None
+) -> Any:
     """A DynamicCache over these tensors. Layers of ``reuse`` whose ``keys`` are exactly these tensors (the views
     a previous step returned) are kept, so their spare capacity carries over to this step."""
     from transformers import DynamicCache
@@ -152,8 +163,13 @@ def build_cache(layer_cls: type, keys: list[torch.Tensor], values: list[torch.Te
     return cache
 
 
-def merge_rows(keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
-               k1: list[torch.Tensor], v1: list[torch.Tensor]) -> tuple[list, list, torch.Tensor]:
+def merge_rows(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor,
+    k1: list[torch.Tensor],
+    v1: list[torch.Tensor],
+) -> tuple[list, list, torch.Tensor]:
     """Add one prefilled row (batch 1) to the left-padded batch KV and its attention mask."""
     n = k1[0].shape[2]
     m1 = torch.ones(1, n, dtype=torch.long, device=mask.device)

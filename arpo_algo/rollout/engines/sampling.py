@@ -44,8 +44,15 @@ def _cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, -1)
 
 
-def choose_token(logits: torch.Tensor, logp: torch.Tensor, probs: torch.Tensor, temperature: float, top_k: int,
-                 top_p: float, gen: torch.Generator) -> int:
+def choose_token(
+    logits: torch.Tensor,
+    logp: torch.Tensor,
+    probs: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    gen: torch.Generator,
+) -> int:
     """One row's token: ``logits``, ``logp`` and ``probs`` are that row's ``[vocab]`` vectors (``logp`` tempered)."""
     if temperature == 0:
         return int(torch.argmax(logits))
@@ -97,8 +104,13 @@ class RowParams:
     top_p: torch.Tensor
 
 
-def sample_rows(logits: torch.Tensor, params: RowParams, uniforms: torch.Tensor, shape: SampleShape,
-                work: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+def sample_rows(
+    logits: torch.Tensor,
+    params: RowParams,
+    uniforms: torch.Tensor,
+    shape: SampleShape,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Choose one token per row and return what the engine records for it, with tensor ops only.
 
     Args:

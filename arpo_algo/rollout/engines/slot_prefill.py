@@ -60,8 +60,14 @@ def slot_layer_class() -> type:
         """Writes each row's new key/value (one token per row) at that row's position ``pos[row]``; returns the first
         ``length`` columns. ``rows`` is ``arange(len(pos))``, shared by every layer of a step."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor | None, length: int,
-                     rows: torch.Tensor | None = None) -> None:
+        def __init__(
+            self,
+            keys: torch.Tensor,
+            values: torch.Tensor,
+            pos: torch.Tensor | None,
+            length: int,
+            rows: torch.Tensor | None = None,
+        ) -> None:
             super().__init__()
             self.kbuf, self.vbuf, self.pos, self.length, self.rows = keys, values, pos, length, rows
             self.is_initialized = True
@@ -72,7 +78,7 @@ def slot_layer_class() -> type:
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             write_rows(self.kbuf, self.rows, self.pos, key_states)
             write_rows(self.vbuf, self.rows, self.pos, value_states)
-            return self.kbuf[:, :, :self.length], self.vbuf[:, :, :self.length]
+            return self.kbuf[:, :, : self.length], self.vbuf[:, :, : self.length]
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return self.length, 0
@@ -89,12 +95,14 @@ def slot_layer_class() -> type:
 @functools.cache
 def prefill_layer_class() -> type:
     """The decode step's slot layer, writing a batched prefill's keys/values into the slot buffers instead."""
+
     class SlotPrefillLayer(slot_layer_class()):
         """Writes the real (not padding) tokens of each row into its slot at their positions; returns, per row, the
         first ``length`` columns of its slot (its reused prefix, then the tokens just written)."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, where: tuple, slots: torch.Tensor,
-                     length: int) -> None:
+        def __init__(
+            self, keys: torch.Tensor, values: torch.Tensor, where: tuple, slots: torch.Tensor, length: int
+        ) -> None:
             super().__init__(keys, values, None, length)
             self.where, self.slots = where, slots
 
@@ -103,8 +111,10 @@ def prefill_layer_class() -> type:
             self.kbuf[slot, :, col] = key_states[row, :, t]
             self.vbuf[slot, :, col] = value_states[row, :, t]
             # columns first: index_select copies, and only the first ``length`` columns are attended
-            return (self.kbuf[:, :, :self.length].index_select(0, self.slots),
-                    self.vbuf[:, :, :self.length].index_select(0, self.slots))
+            return (
+                self.kbuf[:, :, : self.length].index_select(0, self.slots),
+                self.vbuf[:, :, : self.length].index_select(0, self.slots),
+            )
 
     return SlotPrefillLayer
 
@@ -192,8 +202,9 @@ def shared_runs(contexts: list) -> list[tuple[int, list[int]]]:
     rows = sorted((tuple(c), i) for i, c in enumerate(contexts) if c is not None)
     toks = [r[0] for r in rows]
     n = len(toks)
-    common = [0] + [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                    for a, b in zip(toks, toks[1:])]  # common[k]: the prefix rows k-1 and k share
+    common = [0] + [
+        next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(toks, toks[1:])
+    ]  # common[k]: the prefix rows k-1 and k share
     best = [0] * (n + 1)
     start = list(range(-1, n))  # start[end] = end - 1: the row alone
     runs = [0] * (n + 1)  # runs[end]: the run of the group that ends there
@@ -238,8 +249,9 @@ def plan_shared_runs(requests: list) -> dict[tuple[int, ...], SharedRun]:
     """Context -> its :class:`SharedRun`, for the requests of one call that have no ``prefix_key`` (those are fed on
     top of their stored prefix) and tokens to generate, grouped by :func:`shared_runs`; identical contexts count
     once (they share one prefill already)."""
-    fresh = list(dict.fromkeys(tuple(r.token_ids) for r in requests
-                               if r.prefix_key is None and r.params.max_new_tokens > 0))
+    fresh = list(
+        dict.fromkeys(tuple(r.token_ids) for r in requests if r.prefix_key is None and r.params.max_new_tokens > 0)
+    )
     plan: dict[tuple[int, ...], SharedRun] = {}
     for run, idx in shared_runs(fresh):
         shared = SharedRun(run, len(idx))
@@ -261,7 +273,7 @@ def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
         return feed
     eng = dec.engine
     new = [(shared, idx) for shared, idx in here.values() if shared.keys is None]
-    leaders = [(-1, feed[idx[0]][1], feed[idx[0]][2][:shared.length], 0) for shared, idx in new]
+    leaders = [(-1, feed[idx[0]][1], feed[idx[0]][2][: shared.length], 0) for shared, idx in new]
     for _ in _forward_all(dec, leaders):  # their KV lands in the leaders' slots; the logits are not needed
         pass
     lead_slot = {}
@@ -342,7 +354,7 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
     length = dec.bucket_columns(max(len(toks) for _, _, toks, _ in group))
     real = torch.zeros(len(group), width, dtype=torch.bool)
     for r, toks in enumerate(suffix):
-        real[r, width - len(toks):] = True
+        real[r, width - len(toks) :] = True
     ids, pos, real = ids.to(dev), pos.to(dev), real.to(dev)  # the mask is built where attention reads it
     mask = (torch.arange(length, device=dev)[None, None, :] <= pos[:, :, None]) & real[:, :, None]
     mask[:, :, 0] |= ~real  # a padding query attends to column 0 only (never all-masked); its output is unused
@@ -355,8 +367,14 @@ def _forward(dec: Any, group: list) -> torch.Tensor:
     from transformers.cache_utils import Cache
 
     cache = Cache(layers=[layer(k, v, idx, slots, length) for k, v in zip(dec.keys, dec.values)])
-    out = eng.model(input_ids=ids, position_ids=pos, attention_mask=mask[:, None], use_cache=True, logits_to_keep=1,
-                    **{eng.cache_kw: cache})
+    out = eng.model(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=mask[:, None],
+        use_cache=True,
+        logits_to_keep=1,
+        **{eng.cache_kw: cache},
+    )
     eng._stats["forward_calls"] += 1
     eng._stats["prefill_forwards"] += 1
     return out.logits[:, -1]

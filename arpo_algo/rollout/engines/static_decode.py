@@ -80,8 +80,9 @@ def _bucket(need: int, start: int, cap: int) -> int:
     return min(size, cap)
 
 
-def _slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int,
-                layer: type) -> Any:
+def _slot_cache(
+    keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int, layer: type
+) -> Any:
     """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row); ``layer``
     is :func:`~arpo_algo.rollout.engines.slot_prefill.slot_layer_class`, looked up outside the step so that a
     compiled step never defines a class."""
@@ -98,8 +99,8 @@ def _unpack(out: list[float], k: int, topk: int) -> tuple[int, float, float, lis
     top = None
     if topk:
         n = min(topk, k)
-        ids = [int(i) for i in out[3 + k:3 + k + n]]
-        top = list(zip(ids, out[3:3 + n]))
+        ids = [int(i) for i in out[3 + k : 3 + k + n]]
+        top = list(zip(ids, out[3 : 3 + n]))
         if tok not in ids:  # like vLLM: the sampled token is added when it is not in the top k
             top.append((tok, lp))
     return tok, lp, out[2], top
@@ -171,8 +172,16 @@ class _Book:
 FOLDED_SDPA = "arpo_folded_sdpa"
 
 
-def folded_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def folded_sdpa(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' "sdpa" attention for a decode step: one query token per row, with the query heads that share a
     key/value head folded into SDPA's query length (``[rows, kv_heads, groups, dim]``), so the keys and values are
     read as they are stored. transformers folds them this way only outside ``torch.compile``; under it, it repeats
@@ -183,14 +192,24 @@ def folded_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
 
     groups = getattr(module, "num_key_value_groups", 1)
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
-    if (query.shape[2] != 1 or groups == 1 or per_head_mask
-            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if (
+        query.shape[2] != 1
+        or groups == 1
+        or per_head_mask
+        or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     rows, heads, _, dim = query.shape
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask, dropout_p=dropout,
-        scale=scaling)
+        query.reshape(rows, heads // groups, groups, dim),
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+    )
     return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
@@ -254,8 +273,12 @@ class StaticDecoder:
         """Size the engine's static cache (it becomes its ``max_positions``), check it fits, build the decoder."""
         engine.max_positions = static_context(engine.max_positions, static_cache_tokens)
         check_memory(engine.model, engine.max_batch_size, engine.max_positions)
-        return cls(engine, engine.max_positions, graphs=captures_graphs(engine.decode, engine.device.type),
-                   compiled=engine.decode == "compiled")
+        return cls(
+            engine,
+            engine.max_positions,
+            graphs=captures_graphs(engine.decode, engine.device.type),
+            compiled=engine.decode == "compiled",
+        )
 
     def close(self) -> None:
         """Free the buffers and the graphs."""
@@ -355,8 +378,18 @@ class StaticDecoder:
         cap = max((min(r.params.max_new_tokens, self.context) for r in reqs), default=0) + 1
         return _Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
 
-    def _refill(self, requests: list, pending: collections.deque, results: list, slots: list,
-                twins: collections.Counter, prefilled: dict, runs: dict, shape: SampleShape, book: _Book) -> None:
+    def _refill(
+        self,
+        requests: list,
+        pending: collections.deque,
+        results: list,
+        slots: list,
+        twins: collections.Counter,
+        prefilled: dict,
+        runs: dict,
+        shape: SampleShape,
+        book: _Book,
+    ) -> None:
         """Put pending requests into free slots (lowest first), prefilled together in batched forwards: first token,
         then the slot's state. Repeats while a row that ended at its first token left its slot free."""
         eng = self.engine
@@ -382,13 +415,24 @@ class StaticDecoder:
                     slots[b] = None
                     continue
                 p = row.req.params
-                self.state[b] = torch.tensor([row.new[-1], row.fed, 1, 1, p.temperature or 1.0, p.temperature == 0,
-                                              self._top_k(p.top_k), p.top_p], dtype=torch.float64)
+                self.state[b] = torch.tensor(
+                    [
+                        row.new[-1],
+                        row.fed,
+                        1,
+                        1,
+                        p.temperature or 1.0,
+                        p.temperature == 0,
+                        self._top_k(p.top_k),
+                        p.top_p,
+                    ],
+                    dtype=torch.float64,
+                )
                 book.start(b, row)
 
     def _slot_kv(self, b: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Slot ``b``'s first ``n`` cached positions per layer, as a finished row's KV (views; the store copies)."""
-        return [k[b:b + 1, :, :n] for k in self.keys], [v[b:b + 1, :, :n] for v in self.values]
+        return [k[b : b + 1, :, :n] for k in self.keys], [v[b : b + 1, :, :n] for v in self.values]
 
     def _prefill(self, entering: list, twins: collections.Counter, prefilled: dict, runs: dict) -> torch.Tensor:
         """The entering rows' KV into their slots and their next-token logits (:func:`slot_prefill.prefill`)."""
@@ -403,13 +447,14 @@ class StaticDecoder:
             p = row.req.params
             if p.temperature:
                 uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64)
-                self.uniforms[b, :uniforms.shape[0]].copy_(uniforms)
+                self.uniforms[b, : uniforms.shape[0]].copy_(uniforms)
                 draws.append(uniforms[0])
             else:
                 draws.append(torch.zeros((), dtype=torch.float64))
         params = [self._row_params(row.req.params, dev) for _, row in entering]
-        joined = RowParams(*(torch.cat([getattr(x, f) for x in params]) for f in ("temperature", "greedy", "top_k",
-                                                                                   "top_p")))
+        joined = RowParams(
+            *(torch.cat([getattr(x, f) for x in params]) for f in ("temperature", "greedy", "top_k", "top_p"))
+        )
         first = sample_rows(logits, joined, torch.stack(draws).to(dev), shape)
         packed = torch.cat([x.double().reshape(len(entering), -1) for x in first], 1).tolist()
         for (_, row), out in zip(entering, packed):
@@ -421,18 +466,21 @@ class StaticDecoder:
 
     def _call_shape(self, reqs: list) -> SampleShape:
         eng = self.engine
-        tops = [r.params.logprobs_topk or (REFERENCE_TOPK if eng.entropy_method == "topk_sum_lnV" else 0)
-                for r in reqs]
-        return SampleShape(logprobs_k=min(max(tops, default=0), eng.vocab_rows),
-                           top_k_max=max((self._top_k(r.params.top_k) for r in reqs), default=0),
-                           top_p=any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs),
-                           greedy=any(r.params.temperature == 0 for r in reqs))
+        tops = [r.params.logprobs_topk or (REFERENCE_TOPK if eng.entropy_method == "topk_sum_lnV" else 0) for r in reqs]
+        return SampleShape(
+            logprobs_k=min(max(tops, default=0), eng.vocab_rows),
+            top_k_max=max((self._top_k(r.params.top_k) for r in reqs), default=0),
+            top_p=any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs),
+            greedy=any(r.params.temperature == 0 for r in reqs),
+        )
 
     def _row_params(self, p: Any, device: torch.device) -> RowParams:
-        return RowParams(temperature=torch.tensor([p.temperature or 1.0], dtype=torch.float32, device=device),
-                         greedy=torch.tensor([p.temperature == 0], device=device),
-                         top_k=torch.tensor([self._top_k(p.top_k)], dtype=torch.long, device=device),
-                         top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device))
+        return RowParams(
+            temperature=torch.tensor([p.temperature or 1.0], dtype=torch.float32, device=device),
+            greedy=torch.tensor([p.temperature == 0], device=device),
+            top_k=torch.tensor([self._top_k(p.top_k)], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p], dtype=torch.float32, device=device),
+        )
 
     def ensure_buffers_for_model(self) -> None:
         """Slot buffers shaped like the model's KV (layers, heads, head size, dtype), from a one-token forward when
@@ -445,10 +493,13 @@ class StaticDecoder:
 
         cache = DynamicCache()
         with torch.inference_mode():
-            out = eng.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device), use_cache=True,
-                            logits_to_keep=1, **{eng.cache_kw: cache})
-        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers],
-                             out.logits.shape[-1])
+            out = eng.model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{eng.cache_kw: cache},
+            )
+        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits.shape[-1])
         self._made_for = (weight.device, weight.dtype)
 
     def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor], vocab: int) -> None:
@@ -468,8 +519,11 @@ class StaticDecoder:
         self.uniforms = torch.zeros(self.slots, self.context, dtype=torch.float64, device=dev)
         self.cols = torch.arange(spare, device=dev)
         # the draw's running sum in kept buffers pays only on the CPU (page faults of a fresh tensor per step)
-        self._draw = (tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
-                      if dev.type == "cpu" else ())
+        self._draw = (
+            tuple(torch.empty(self.slots, vocab, dtype=torch.float64, device=dev) for _ in range(2))
+            if dev.type == "cpu"
+            else ()
+        )
 
     def _check_weights(self) -> None:
         """Drop the graphs when the parameters live at other addresses than when they were captured."""
@@ -511,23 +565,39 @@ class StaticDecoder:
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
         if self.engine.model.config._attn_implementation == "eager":  # additive mask, as transformers builds it
             dtype = self.keys[0].dtype
-            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid,
-                                                                                          torch.finfo(dtype).min)
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
+                ~valid, torch.finfo(dtype).min
+            )
         else:
             mask = valid
-        cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length,
-                            self._layer)
-        out = self.engine.model(input_ids=st[:, TOK].long()[:, None], position_ids=pos[:, None],
-                                attention_mask=mask[:, None, None, :], use_cache=True,
-                                **{self.engine.cache_kw: cache})
-        params = RowParams(temperature=st[:, TEMP].float(), greedy=st[:, GREEDY] > 0, top_k=st[:, TOPK].long(),
-                           top_p=st[:, TOPP].float())
+        cache = _slot_cache([k[:rows] for k in self.keys], [v[:rows] for v in self.values], pos, length, self._layer)
+        out = self.engine.model(
+            input_ids=st[:, TOK].long()[:, None],
+            position_ids=pos[:, None],
+            attention_mask=mask[:, None, None, :],
+            use_cache=True,
+            **{self.engine.cache_kw: cache},
+        )
+        params = RowParams(
+            temperature=st[:, TEMP].float(),
+            greedy=st[:, GREEDY] > 0,
+            top_k=st[:, TOPK].long(),
+            top_p=st[:, TOPP].float(),
+        )
         step = st[:, STEP].long().clamp(max=self.context - 1)
         uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
-        tok, lp, ent, top_v, top_i = sample_rows(out.logits[:, -1], params, uniforms, shape,
-                                                 (self._draw[0][:rows], self._draw[1][:rows]) if self._draw else None)
-        res.copy_(torch.cat([tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(),
-                             top_i.double()], 1))
+        tok, lp, ent, top_v, top_i = sample_rows(
+            out.logits[:, -1],
+            params,
+            uniforms,
+            shape,
+            (self._draw[0][:rows], self._draw[1][:rows]) if self._draw else None,
+        )
+        res.copy_(
+            torch.cat(
+                [tok.double()[:, None], lp.double()[:, None], ent.double()[:, None], top_v.double(), top_i.double()], 1
+            )
+        )
         st[:, TOK] = tok.double()
         st[:, POS] += st[:, ACTIVE]
         st[:, STEP] += st[:, ACTIVE]

@@ -33,8 +33,11 @@ _BAD = "\ufffd"  # the replacement character of a lossy decode
 def byte_level(tokenizer: Any) -> bool:
     """Whether ``tokenizer.decode`` is the lossy UTF-8 decoding of the tokens' concatenated bytes."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    return (
+        backend is not None
+        and type(backend.decoder).__name__ == "ByteLevel"
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
 
 
 class StopFilter:
@@ -78,7 +81,7 @@ class StopFilter:
         if self._unsafe is None:
             pieces = self._texts()
             unsafe = np.ones(self.rows, dtype=bool)
-            unsafe[:len(pieces)] = [_BAD in p for p in pieces]
+            unsafe[: len(pieces)] = [_BAD in p for p in pieces]
             self._unsafe = unsafe
         return self._unsafe
 
@@ -86,6 +89,6 @@ class StopFilter:
         if c not in self._by_char:
             pieces = self._texts()
             hit = np.zeros(self.rows, dtype=bool)
-            hit[:len(pieces)] = [c in p for p in pieces]
+            hit[: len(pieces)] = [c in p for p in pieces]
             self._by_char[c] = hit
         return self._by_char[c]

@@ -134,17 +134,32 @@ class VLLMEngine:
     #: ``on_token`` is called after ``generate``'s batch has finished (replayed), not as tokens are sampled.
     streams_tokens = False
 
-    def __init__(self, model_or_path: Any, tokenizer: Any = None, *, dtype: str | None = None,
-                 entropy_method: str = "topk_sum_lnV", kv_cache_gib: float = 1.0,
-                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
-                 enforce_eager: bool | None = None, sleep_between_rollouts: bool = False,
-                 transport: str = "auto", lora: dict[str, Any] | None = None,
-                 adapters: dict[str, str] | None = None, max_loras: int | None = None,
-                 max_lora_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        model_or_path: Any,
+        tokenizer: Any = None,
+        *,
+        dtype: str | None = None,
+        entropy_method: str = "topk_sum_lnV",
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        logprobs_mode: str = "raw_logprobs",
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool | None = None,
+        sleep_between_rollouts: bool = False,
+        transport: str = "auto",
+        lora: dict[str, Any] | None = None,
+        adapters: dict[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+    ) -> None:
         if entropy_method != "topk_sum_lnV":
-            raise ConfigError(f"entropy_method={entropy_method!r} is not available with vLLM, which returns only "
-                              "top-k logprobs; use entropy_method='topk_sum_lnV' (or the HF engine for 'full')")
+            raise ConfigError(
+                f"entropy_method={entropy_method!r} is not available with vLLM, which returns only "
+                "top-k logprobs; use entropy_method='topk_sum_lnV' (or the HF engine for 'full')"
+            )
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"unknown logprobs_mode {logprobs_mode!r}; choose one of {', '.join(LOGPROBS_MODES)}")
         if transport not in TRANSPORTS:
@@ -152,11 +167,15 @@ class VLLMEngine:
         if dtype is not None and dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         if lora is not None and adapters is not None:
-            raise ConfigError("VLLMEngine takes lora= (the adapter a training run syncs) or adapters= (named adapters "
-                              "to serve), not both")
+            raise ConfigError(
+                "VLLMEngine takes lora= (the adapter a training run syncs) or adapters= (named adapters "
+                "to serve), not both"
+            )
         if (max_loras is not None or max_lora_rank is not None) and adapters is None:
-            raise ConfigError("max_loras and max_lora_rank size an engine built with adapters=",
-                              hint="pass adapters={...} (may be empty), or drop them")
+            raise ConfigError(
+                "max_loras and max_lora_rank size an engine built with adapters=",
+                hint="pass adapters={...} (may be empty), or drop them",
+            )
         if max_loras is not None and max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {max_loras}")
         vllm = import_vllm()
@@ -171,9 +190,10 @@ class VLLMEngine:
         from arpo_algo.models.lora import is_adapter_folder
 
         if is_adapter_folder(path):
-            raise ConfigError(f"{path} is a LoRA adapter folder, which the vLLM engine does not load yet",
-                              hint="use the HF engine, or merge it first: arpo export --merge "
-                                   f"{path} --output <folder>")
+            raise ConfigError(
+                f"{path} is a LoRA adapter folder, which the vLLM engine does not load yet",
+                hint=f"use the HF engine, or merge it first: arpo export --merge {path} --output <folder>",
+            )
         archs = check_architecture(path)
         self._layouts: dict[str, tuple[Any, tuple[str, ...]]] = {}  # name -> (LoraSettings, targets), checked
         self.base_fingerprint = ""
@@ -186,8 +206,10 @@ class VLLMEngine:
         if lora is not None:
             self._lora_expected = adapter_shapes(self._linear, lora["target_modules"], int(lora["rank"]))
             if not self._lora_expected:
-                raise ConfigError(f"lora target modules {list(lora['target_modules'])} match no linear layer of "
-                                  f"{path}", hint="name the model's attention and MLP projections (q_proj, ...)")
+                raise ConfigError(
+                    f"lora target modules {list(lora['target_modules'])} match no linear layer of {path}",
+                    hint="name the model's attention and MLP projections (q_proj, ...)",
+                )
         if adapters is not None:
             from arpo_algo.models.lora import weights_fingerprint
 
@@ -197,20 +219,29 @@ class VLLMEngine:
         if max_lora_rank is not None:
             ranks.append(max_lora_rank)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
-            raise ConfigError("sleep_between_rollouts needs vLLM's sleep mode, which its "
-                              f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
-                              hint="set sleep_between_rollouts=False")
-        kwargs: dict[str, Any] = dict(model=str(path), dtype=dtype, enable_prefix_caching=True, seed=seed,
-                                      max_logprobs=VLLM_MAX_LOGPROBS, logprobs_mode=logprobs_mode,
-                                      tensor_parallel_size=tensor_parallel_size,
-                                      enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-                                      worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension")
+            raise ConfigError(
+                "sleep_between_rollouts needs vLLM's sleep mode, which its "
+                f"{current_platform.device_name} backend does not have (CUDA/ROCm only)",
+                hint="set sleep_between_rollouts=False",
+            )
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            dtype=dtype,
+            enable_prefix_caching=True,
+            seed=seed,
+            max_logprobs=VLLM_MAX_LOGPROBS,
+            logprobs_mode=logprobs_mode,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+            worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension",
+        )
         #: The largest adapter rank this engine holds (0: LoRA off).
         self.max_lora_rank = 0
         if lora is not None or adapters is not None:
             self.max_lora_rank = vllm_lora_rank(max(ranks or [1]), lora_ranks())
-            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank,
-                          max_loras=max_loras or max(1, len(adapters or {})))
+            kwargs.update(
+                enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=max_loras or max(1, len(adapters or {}))
+            )
         if self.on_cpu:
             kv_bytes = int(kv_cache_gib * 2**30)
             check_memory(kv_bytes)
@@ -245,8 +276,14 @@ class VLLMEngine:
             self.close()
             raise
 
-    def _finish_init(self, tokenizer: Any, entropy_method: str, seed: int, lora: dict[str, Any] | None,
-                     adapters: dict[str, str] | None) -> None:
+    def _finish_init(
+        self,
+        tokenizer: Any,
+        entropy_method: str,
+        seed: int,
+        lora: dict[str, Any] | None,
+        adapters: dict[str, str] | None,
+    ) -> None:
         """Everything after vLLM has started (a failure here is cleaned up by the caller)."""
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         model_config = self.llm.llm_engine.model_config
@@ -274,8 +311,10 @@ class VLLMEngine:
             try:
                 self._lora_root = tempfile.mkdtemp(dir=where, prefix="arpo-lora-")
             except OSError as e:
-                raise ArpoError(f"cannot create the vLLM engine's adapter folder in {where or tempfile.gettempdir()}"
-                                f": {e}", hint=NO_ROOM) from None
+                raise ArpoError(
+                    f"cannot create the vLLM engine's adapter folder in {where or tempfile.gettempdir()}: {e}",
+                    hint=NO_ROOM,
+                ) from None
             # removes the folder when the engine is collected without close() (close() runs it first)
             self._remove_root = weakref.finalize(self, shutil.rmtree, self._lora_root, ignore_errors=True)
         for name, folder in (adapters or {}).items():
@@ -289,17 +328,28 @@ class VLLMEngine:
     def _validate(self, req: GenRequest) -> str | None:
         # vLLM needs room for at least one generated token inside max_model_len, and refuses the whole batch when
         # one request asks for more than max_logprobs logprobs: both are that request's error here.
-        return request_problem(req, max_context=self.max_model_len - 1, vocab_size=self.vocab_size,
-                               max_logprobs=self.max_logprobs, adapters=self.adapters or ())
+        return request_problem(
+            req,
+            max_context=self.max_model_len - 1,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.max_logprobs,
+            adapters=self.adapters or (),
+        )
 
     def _params(self, req: GenRequest) -> Any:
         p = req.params
         return self._vllm.SamplingParams(
-            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
             seed=p.seed if p.seed is not None else self._rng.getrandbits(62),
             max_tokens=min(p.max_new_tokens, self.max_model_len - len(req.token_ids)),
-            stop=list(p.stop) or None, include_stop_str_in_output=True, skip_special_tokens=False,
-            logprobs=p.logprobs_topk or REFERENCE_TOPK)
+            stop=list(p.stop) or None,
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+            logprobs=p.logprobs_topk or REFERENCE_TOPK,
+        )
 
     def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
         """Continue every request (results in request order); a bad request gets ``finish_reason="error"``.
@@ -331,8 +381,12 @@ class VLLMEngine:
             if not part:
                 continue
             prompts = [TokensPrompt(prompt_token_ids=list(requests[i].token_ids)) for i in part]
-            outs = self.llm.generate(prompts, [self._params(requests[i]) for i in part], use_tqdm=False,
-                                     lora_request=[loras[i] for i in part] if loras[part[0]] else None)
+            outs = self.llm.generate(
+                prompts,
+                [self._params(requests[i]) for i in part],
+                use_tqdm=False,
+                lora_request=[loras[i] for i in part] if loras[part[0]] else None,
+            )
             for i, out in zip(part, outs):
                 results[i] = self._convert(requests[i], out)
         self._stats["requests"] += len(requests)
@@ -367,12 +421,26 @@ class VLLMEngine:
             finish = "eos"  # stop_reason None (EOS) or an int stop token id
         else:
             self._stats["errors"] += 1
-            return Generation(req.request_id, tokens, logprobs, entropies, "error",
-                              error=f"request {req.request_id!r}: vLLM finished with {comp.finish_reason!r}")
+            return Generation(
+                req.request_id,
+                tokens,
+                logprobs,
+                entropies,
+                "error",
+                error=f"request {req.request_id!r}: vLLM finished with {comp.finish_reason!r}",
+            )
         self._next_key += 1
-        return Generation(req.request_id, tokens, logprobs, entropies, finish, stop_string=stop_string,  # type: ignore
-                          top_logprobs=tops, cache_key=f"vllm:{self._uid}:{self._next_key}",
-                          metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)})
+        return Generation(
+            req.request_id,
+            tokens,
+            logprobs,
+            entropies,
+            finish,
+            stop_string=stop_string,  # type: ignore
+            top_logprobs=tops,
+            cache_key=f"vllm:{self._uid}:{self._next_key}",
+            metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)},
+        )
 
     def release(self, cache_keys: list[Any]) -> None:
         """No-op: vLLM's prefix cache manages its own blocks."""
@@ -391,8 +459,10 @@ class VLLMEngine:
             self._load_adapter_state(state_dict)
             return
         if self.adapters is not None:
-            raise ConfigError("this engine serves named adapters of a fixed base; it takes no weight pushes",
-                              hint="add or remove adapters with add_adapter / remove_adapter")
+            raise ConfigError(
+                "this engine serves named adapters of a fixed base; it takes no weight pushes",
+                hint="add or remove adapters with add_adapter / remove_adapter",
+            )
         check_weights(state_dict, self._expected, self._tied)
         t0 = time.perf_counter()
         if self._asleep:
@@ -422,8 +492,9 @@ class VLLMEngine:
         folder = Path(self._lora_root) / TRAINED_ADAPTER
         with adapter_write(folder):
             folder.mkdir(exist_ok=True)
-            save_file(engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(
+                engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"}
+            )
             write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
         from vllm.lora.request import LoRARequest
 
@@ -472,10 +543,12 @@ class VLLMEngine:
             raise ConfigError(f"an adapter named {name!r} is loaded already", hint="give each adapter its own name")
         layout = self._check_adapter(name, folder)
         if layout[0].rank > self.max_lora_rank:
-            raise ConfigError(f"{folder}: the adapter's rank {layout[0].rank} exceeds this vLLM engine's "
-                              f"max_lora_rank {self.max_lora_rank}, fixed when the engine started",
-                              hint="start the engine with max_lora_rank at least that rank (a new deployment), "
-                                   "or serve the adapter in its own")
+            raise ConfigError(
+                f"{folder}: the adapter's rank {layout[0].rank} exceeds this vLLM engine's "
+                f"max_lora_rank {self.max_lora_rank}, fixed when the engine started",
+                hint="start the engine with max_lora_rank at least that rank (a new deployment), "
+                "or serve the adapter in its own",
+            )
         self._register(name, folder, layout)
 
     def remove_adapter(self, name: str) -> None:
@@ -492,8 +565,7 @@ class VLLMEngine:
         """Fallback weight sync: the worker reloads every weight from a saved Hugging Face folder (``save_pretrained``,
         a checkpoint's ``policy/``) on its own file system; nothing travels through the RPC but the path."""
         folder = Path(folder)
-        check_weights(
-            {k: Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
+        check_weights({k: Shape(v) for k, v in checkpoint_shapes(folder).items()}, self._expected, self._tied)
         self.llm.collective_rpc("arpo_reload_folder", kwargs={"folder": str(folder), "tied_head": self._tied})
         self.llm.reset_prefix_cache()
         self._stats["weight_loads"] += 1

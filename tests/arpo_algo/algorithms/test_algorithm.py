@@ -15,9 +15,12 @@ from arpo_base.errors import ConfigError
 
 
 def tiny_config(model_dir, cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
-    cfg = (cls().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-           .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
-           .llm_rollouts(max_response_tokens=16, hf={"max_batch_size": 4}))
+    cfg = (
+        cls()
+        .environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+        .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
+        .llm_rollouts(max_response_tokens=16, hf={"max_batch_size": 4})
+    )
     return cfg.tree(budget=2, initial=2) if cls is GRPOConfig else cfg.tree(budget=2, initial=1)
 
 
@@ -94,14 +97,19 @@ def test_grpo_is_the_same_path_without_branches(tiny_model_dir, tmp_path):
 
 
 def test_infeasible_resources_fail_fast_with_a_message():
-    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").llm_rollouts(
-        num_rollout_actors=(os.cpu_count() or 1) + 1)
+    cfg = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0")
+        .training(model_path="x")
+        .llm_rollouts(num_rollout_actors=(os.cpu_count() or 1) + 1)
+    )
     with pytest.raises(ConfigError, match="CPUs") as err:
         ARPO.default_resource_request(cfg)
     assert "num_rollout_actors" in err.value.hint
     with pytest.raises(ConfigError, match="GPU"):
-        check_resources_feasible(resource_bundles(ARPOConfig().llm_rollouts(device="cuda"))
-                                 if not _has_gpu() else [{"CPU": 1, "GPU": 99}])
+        check_resources_feasible(
+            resource_bundles(ARPOConfig().llm_rollouts(device="cuda")) if not _has_gpu() else [{"CPU": 1, "GPU": 99}]
+        )
 
 
 def test_topk_logprobs_above_what_the_engine_returns_fails_before_any_rollout(tiny_model_dir):
@@ -123,8 +131,11 @@ def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_di
     SmolLM2: a warning every iteration). A sampler in bf16 now brings its own levels unless the levels are set."""
     from arpo_algo.train.learner_config import MISMATCH_LEVELS
 
-    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01).llm_rollouts(
-        dtype="bfloat16", num_rollout_actors=1, num_cpus_per_rollout_actor=0.5)
+    cfg = (
+        tiny_config(tiny_model_dir)
+        .training(entropy_coef=0.01)
+        .llm_rollouts(dtype="bfloat16", num_rollout_actors=1, num_cpus_per_rollout_actor=0.5)
+    )
     algo = cfg.build_algo()
     try:
         assert algo.learner.config.mismatch_levels(algo.learner.precision) == MISMATCH_LEVELS["bf16_sampler"]
@@ -132,8 +143,10 @@ def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_di
     finally:
         algo.stop()
     assert r["learner"]["param_change_norm"] > 0
-    print(f"bf16 sampler against the fp32 learner: kl_rollout {r['learner']['kl_rollout']:.3g}, "
-          f"logprob_diff_max {r['learner']['logprob_diff_max']:.3g}")
+    print(
+        f"bf16 sampler against the fp32 learner: kl_rollout {r['learner']['kl_rollout']:.3g}, "
+        f"logprob_diff_max {r['learner']['logprob_diff_max']:.3g}"
+    )
     assert 0 < r["learner"]["logprob_diff_max"] and r["learner"]["kl_rollout"] < MISMATCH_LEVELS["bf16_sampler"][0]
     training = cfg.copy(copy_frozen=False).training(kl_rollout_stop=0.005).settings.training
     assert training.for_sampler("bfloat16", "cpu").mismatch_levels("fp32") == (1e-3, 0.005)  # set by hand: kept
@@ -143,8 +156,12 @@ def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_di
 
 
 def test_resource_request_counts_rollout_actors():
-    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").llm_rollouts(
-        num_rollout_actors=1, num_cpus_per_rollout_actor=0.5)
+    cfg = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0")
+        .training(model_path="x")
+        .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=0.5)
+    )
     pgf = ARPO.default_resource_request(cfg)
     assert pgf.bundles == [{"CPU": 1.0}, {"CPU": 0.5}]
 
@@ -177,7 +194,7 @@ def test_prompt_iterator_never_repeats_a_task_within_a_step():
         assert all(len(set(s)) == 3 for s in steps), (seed, steps)
         # none lost: what was drawn plus what is carried is exactly the prefix of the epochs' orders walked so far
         drawn = [i for s in steps for i in s] + it.carry
-        walked = [i for e in range(it.epoch + 1) for i in it._order(e)][:it.epoch * 5 + it.position]
+        walked = [i for e in range(it.epoch + 1) for i in it._order(e)][: it.epoch * 5 + it.position]
         assert sorted(drawn) == sorted(walked), (seed, steps)
         state = it.get_state()
         again = PromptIterator(5, seed=seed)
@@ -190,17 +207,27 @@ def test_prompt_iterator_never_repeats_a_task_within_a_step():
 
 
 def _traj(i: int, reward: float, info: dict, calls: int = 0, kind: str = "initial") -> Trajectory:
-    return Trajectory(traj_id=i, response_ids=[1, 2], trained_mask=[1, 0], old_logprobs=[0.0, 0.0],
-                      entropies=[0.0, 0.0], reward=reward, reward_info=info, tool_calls=[{}] * calls, kind=kind)
+    return Trajectory(
+        traj_id=i,
+        response_ids=[1, 2],
+        trained_mask=[1, 0],
+        old_logprobs=[0.0, 0.0],
+        entropies=[0.0, 0.0],
+        reward=reward,
+        reward_info=info,
+        tool_calls=[{}] * calls,
+        kind=kind,
+    )
 
 
 def test_scores_follow_the_written_protocol():
     right = {"score": 1.0, "format_ok": True}
     wrong = {"score": 0.0, "format_ok": True}
     bonus_but_wrong = {"score": 0.6, "f1": 0.5, "tool_bonus": 0.1, "format_ok": True}
-    groups = [Group(0, [0], [_traj(0, 1.0, right, 2), _traj(1, 0.0, wrong)]),
-              Group(1, [0], [_traj(0, 0.6, bonus_but_wrong), _traj(1, 0.0, wrong, kind="branch")],
-                    metrics={"branches": 1.0})]
+    groups = [
+        Group(0, [0], [_traj(0, 1.0, right, 2), _traj(1, 0.0, wrong)]),
+        Group(1, [0], [_traj(0, 0.6, bonus_but_wrong), _traj(1, 0.0, wrong, kind="branch")], metrics={"branches": 1.0}),
+    ]
     s = MK.summarize(groups)
     assert s["accuracy"] == 0.25 and s["pass_at_k"] == 0.5 and s["tool_calls_per_traj"] == 0.5
     assert s["rollout/branches"] == 1.0 and s["reward_mean"] == pytest.approx(0.4) and s["format_ok"] == 1.0

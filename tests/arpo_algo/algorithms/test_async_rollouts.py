@@ -16,8 +16,11 @@ from tests.arpo_algo.algorithms.test_algorithm import tiny_config
 
 def _config(model_dir, **rollouts):
     # the entropy bonus always has a gradient, so every update changes the weights (the random model never scores)
-    return (tiny_config(model_dir).training(entropy_coef=0.01, lr=1e-2)
-            .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=1, **rollouts))
+    return (
+        tiny_config(model_dir)
+        .training(entropy_coef=0.01, lr=1e-2)
+        .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=1, **rollouts)
+    )
 
 
 def _run(cfg, iterations: int):
@@ -92,9 +95,14 @@ def test_evaluation_waits_for_the_batch_in_flight_and_a_restore_drops_it(tiny_mo
     assert trained["training_iteration"] == resumed["training_iteration"] == 3
     assert (trained["rollout"]["policy_version"], trained["rollout"]["staleness_max"]) == (1.0, 1.0)
     assert (resumed["rollout"]["policy_version"], resumed["rollout"]["staleness_max"]) == (2.0, 0.0)
-    third = [json.loads(line)["groups"][0] for line in (trees / "index.jsonl").read_text().splitlines()
-             if json.loads(line)["iteration"] == 3]
+    third = [
+        json.loads(line)["groups"][0]
+        for line in (trees / "index.jsonl").read_text().splitlines()
+        if json.loads(line)["iteration"] == 3
+    ]
     # iteration 3 recorded twice: the batch in flight at the save, and the one the resumed run sampled; the same
     # prompt, two versions
-    assert [(g["prompt_index"], g["policy_version"]) for g in third] == [(third[0]["prompt_index"], 1),
-                                                                        (third[0]["prompt_index"], 2)]
+    assert [(g["prompt_index"], g["policy_version"]) for g in third] == [
+        (third[0]["prompt_index"], 1),
+        (third[0]["prompt_index"], 2),
+    ]

@@ -16,10 +16,14 @@ from arpo_base.errors import ArpoError
 
 
 def tiny_config(model_dir) -> ARPOConfig:
-    return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-            # the entropy bonus keeps a gradient, so the update really changes the weights
-            .training(model_path=str(model_dir), prompts_per_step=2, lr=1e-3, entropy_coef=0.01)
-            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=12, hf={"max_batch_size": 4}))
+    return (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+        # the entropy bonus keeps a gradient, so the update really changes the weights
+        .training(model_path=str(model_dir), prompts_per_step=2, lr=1e-3, entropy_coef=0.01)
+        .tree(budget=2, initial=1)
+        .llm_rollouts(max_response_tokens=12, hf={"max_batch_size": 4})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +150,11 @@ def test_checkpoint_records_the_package_version(trained):
     meta = json.loads((path / "arpo_checkpoint.json").read_text())
     assert meta["arpo_version"] == arpo_algo.__version__ == importlib.metadata.version("arpo")
     repo = Path(__file__).resolve().parents[3]
-    hard_coded = [p for p in (repo / "arpo_algo").rglob("*.py")
-                  if re.search(r"__version__\s*=\s*['\"]\d+\.\d+", p.read_text(encoding="utf-8"))]
+    hard_coded = [
+        p
+        for p in (repo / "arpo_algo").rglob("*.py")
+        if re.search(r"__version__\s*=\s*['\"]\d+\.\d+", p.read_text(encoding="utf-8"))
+    ]
     assert hard_coded == []
 
 
@@ -213,15 +220,22 @@ def test_the_exported_policy_folder_is_served_as_it_was_trained(trained, tmp_pat
     _, path = trained
     exported = stage_export(tmp_path, str(path / "policy"))["path"]
     [spec] = build_specs([exported], tools="python")
-    assert (spec.session.get("system_prompt"), spec.session.get("max_tool_calls"), spec.session.get("protocol")) \
-        == (SYSTEM_PROMPT, 1, "arpo")
+    assert (spec.session.get("system_prompt"), spec.session.get("max_tool_calls"), spec.session.get("protocol")) == (
+        SYSTEM_PROMPT,
+        1,
+        "arpo",
+    )
     [spec] = build_specs([exported], tools="python", system_prompt="mine", max_tool_calls=3, protocol="json")
-    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == \
-        ("mine", 3, "json")
+    assert (spec.session["system_prompt"], spec.session["max_tool_calls"], spec.session["protocol"]) == (
+        "mine",
+        3,
+        "json",
+    )
     from arpo_algo.models.policy_env import POLICY_ENV_FILE, POLICY_ENV_FORMAT
 
     record = json.loads((tmp_path / "policy" / POLICY_ENV_FILE).read_text())
     assert record["arpo_policy_format"] == POLICY_ENV_FORMAT
     # the checkpoint's own environment record, unchanged
-    assert (record["env"], record["env_config"]) == \
-        tuple(json.loads((path / "arpo_checkpoint.json").read_text())["config"][k] for k in ("env", "env_config"))
+    assert (record["env"], record["env_config"]) == tuple(
+        json.loads((path / "arpo_checkpoint.json").read_text())["config"][k] for k in ("env", "env_config")
+    )

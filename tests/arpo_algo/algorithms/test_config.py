@@ -24,13 +24,16 @@ def valid_config(cls: type[ARPOConfig] = ARPOConfig) -> ARPOConfig:
 # ------------------------------------------------------------------------------------------------- unknown keys
 
 
-@pytest.mark.parametrize("setter, key, suggestion", [
-    ("tree", "bugdet", "budget"),
-    ("training", "clip_hihg", "clip_high"),
-    ("llm_rollouts", "num_rollout_actor", "num_rollout_actors"),
-    ("evaluation", "sample", "samples"),
-    ("backend", "learner_worker", "learner_workers"),
-])
+@pytest.mark.parametrize(
+    "setter, key, suggestion",
+    [
+        ("tree", "bugdet", "budget"),
+        ("training", "clip_hihg", "clip_high"),
+        ("llm_rollouts", "num_rollout_actor", "num_rollout_actors"),
+        ("evaluation", "sample", "samples"),
+        ("backend", "learner_worker", "learner_workers"),
+    ],
+)
 def test_unknown_key_in_setter_names_it_and_suggests(setter, key, suggestion):
     with pytest.raises(ConfigError) as err:
         getattr(ARPOConfig(), setter)(**{key: 1})
@@ -67,7 +70,7 @@ def test_one_dotted_name_per_setting_on_every_path(tmp_path):
     by_name = valid_config().update_settings({"rollouts.hf.decode": "static", "tree.tau": 0.3})
     by_dict = valid_config().update_from_dict({"rollouts.hf.decode": "static", "tree.tau": 0.3})
     by_set = load_experiment(write(tmp_path, BASE), ["rollouts.hf.decode=static", "tree.tau=0.3"]).config
-    by_file = load_experiment(write(tmp_path, BASE + "[tree]\ntau = 0.3\n[rollouts.hf]\ndecode = \"static\"\n")).config
+    by_file = load_experiment(write(tmp_path, BASE + '[tree]\ntau = 0.3\n[rollouts.hf]\ndecode = "static"\n')).config
     for cfg in (by_name, by_dict, by_set, by_file):
         assert cfg.settings.rollouts.hf.decode == "static" and cfg.settings.tree.tau == 0.3
     assert by_setter.settings.rollouts == by_file.settings.rollouts and by_setter.settings.tree == by_file.settings.tree
@@ -103,7 +106,11 @@ def test_every_engine_setting_is_reachable_from_a_file(tmp_path):
     """The vLLM engine's own settings come from [rollouts.vllm] and reach the engine's keyword arguments."""
     from arpo_algo.rollout.engines.config import VLLMEngineConfig
 
-    exp = load_experiment(write(tmp_path, BASE + """
+    exp = load_experiment(
+        write(
+            tmp_path,
+            BASE
+            + """
 [tree]
 entropy_method = "topk_sum_lnV"
 [rollouts]
@@ -113,7 +120,9 @@ gpu_memory_utilization = 0.3
 tensor_parallel_size = 2
 max_model_len = 4096
 enforce_eager = true
-"""))
+""",
+        )
+    )
     exp.config.validate()
     kwargs = exp.config.settings.rollouts.engine_config.engine_kwargs()
     assert (kwargs["gpu_memory_utilization"], kwargs["tensor_parallel_size"]) == (0.3, 2)
@@ -121,6 +130,7 @@ enforce_eager = true
     import inspect
 
     from arpo_algo.rollout.engines.vllm import VLLMEngine
+
     params = inspect.signature(VLLMEngine).parameters
     assert set(kwargs) <= set(params), "every [rollouts.vllm] key is a VLLMEngine argument"
     assert all(params[k].default == v for k, v in VLLMEngineConfig().engine_kwargs().items())  # same defaults
@@ -129,16 +139,19 @@ enforce_eager = true
 # ------------------------------------------------------------------------------------------------------ types
 
 
-@pytest.mark.parametrize("setter, kwargs", [
-    ("tree", {"budget": 2.5}),
-    ("tree", {"budget": True}),
-    ("training", {"lr": "fast"}),
-    ("training", {"dedup_prefix": 1}),
-    ("llm_rollouts", {"device": "tpu"}),
-    ("llm_rollouts", {"engine": "sglang"}),
-    ("llm_rollouts", {"hf": {"decode": "graphs"}}),
-    ("evaluation", {"num_prompts": "all"}),
-])
+@pytest.mark.parametrize(
+    "setter, kwargs",
+    [
+        ("tree", {"budget": 2.5}),
+        ("tree", {"budget": True}),
+        ("training", {"lr": "fast"}),
+        ("training", {"dedup_prefix": 1}),
+        ("llm_rollouts", {"device": "tpu"}),
+        ("llm_rollouts", {"engine": "sglang"}),
+        ("llm_rollouts", {"hf": {"decode": "graphs"}}),
+        ("evaluation", {"num_prompts": "all"}),
+    ],
+)
 def test_wrong_types_are_rejected(setter, kwargs):
     key = next(iter(kwargs)) if "hf" not in kwargs else "decode"
     with pytest.raises(ConfigError, match=key):
@@ -166,38 +179,54 @@ def test_search_space_is_allowed_in_setters_but_not_at_validate():
 # ----------------------------------------------------------------------------------------------- combinations
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda c: c.training(model_path=None), "model.path"),
-    (lambda c: c.environment(env=None), "environment"),
-    (lambda c: c.llm_rollouts(temperature=0.0), "temperature"),
-    (lambda c: c.evaluation(samples=4), "greedy"),
-    (lambda c: c.tree(initial=9, budget=8), "initial"),                 # TreeConfig.validate
-    (lambda c: c.training(clip_c=0.5), "clip_c"),                       # LearnerConfig.validate
-    (lambda c: c.llm_rollouts(dtype="bfloat16"), "shares the learner's float32 module"),  # local learner's module
-    (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
-    (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),              # AEPO knob on ARPO
-    (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),          # vLLM has no full entropy
-    (lambda c: c.llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=65),
-     r"tree.topk_logprobs=65 .* at most 64 logprobs"),                 # vLLM's max_logprobs, before it starts
-    (lambda c: c.llm_rollouts(hf={"decode": "cuda_graph"}), "needs rollouts.device='cuda'"),  # no silent CPU fallback
-    (lambda c: c.llm_rollouts(device="cuda", hf={"decode": "cuda_graph", "linear_layout": "transposed"}),
-     "transposed"),
-    (lambda c: c.llm_rollouts(engine="vllm", hf={"decode": "static"}).tree(entropy_method="topk_sum_lnV"),
-     "engine = 'hf' only"),
-    (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
-    (lambda c: c.evaluation(every=-1), "evaluation.every"),
-    (lambda c: c.llm_rollouts(top_k=0), "top_k=0: -1 is the value that means off"),  # engines refuse 0 per request
-    (lambda c: c.llm_rollouts(top_k=-2), "top_k=-2: -1 is the value"),
-    (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
-    # asynchronous rollouts: each combination whose invariant the pipeline cannot keep
-    (lambda c: c.llm_rollouts(asynchronous=True), "needs rollout actors"),
-    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1, max_staleness=2), "must be 0 or 1"),
-    (lambda c: c.llm_rollouts(max_staleness=-1), "must be 0 or 1"),
-    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).training(dynamic_sampling=True),
-     "next batch's prompts are not known"),
-    (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).backend(learner_backend="ddp"),
-     "only the local learner"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda c: c.training(model_path=None), "model.path"),
+        (lambda c: c.environment(env=None), "environment"),
+        (lambda c: c.llm_rollouts(temperature=0.0), "temperature"),
+        (lambda c: c.evaluation(samples=4), "greedy"),
+        (lambda c: c.tree(initial=9, budget=8), "initial"),  # TreeConfig.validate
+        (lambda c: c.training(clip_c=0.5), "clip_c"),  # LearnerConfig.validate
+        (lambda c: c.llm_rollouts(dtype="bfloat16"), "shares the learner's float32 module"),  # local learner's module
+        (lambda c: c.llm_rollouts(num_rollout_actors=-1), "num_rollout_actors"),
+        (lambda c: c.tree(aepo_premonitor_keep=True), "aepo"),  # AEPO knob on ARPO
+        (lambda c: c.llm_rollouts(engine="vllm"), "topk_sum_lnV"),  # vLLM has no full entropy
+        (
+            lambda c: c.llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=65),
+            r"tree.topk_logprobs=65 .* at most 64 logprobs",
+        ),  # vLLM's max_logprobs, before it starts
+        (
+            lambda c: c.llm_rollouts(hf={"decode": "cuda_graph"}),
+            "needs rollouts.device='cuda'",
+        ),  # no silent CPU fallback
+        (
+            lambda c: c.llm_rollouts(device="cuda", hf={"decode": "cuda_graph", "linear_layout": "transposed"}),
+            "transposed",
+        ),
+        (
+            lambda c: c.llm_rollouts(engine="vllm", hf={"decode": "static"}).tree(entropy_method="topk_sum_lnV"),
+            "engine = 'hf' only",
+        ),
+        (lambda c: c.llm_rollouts(hf={"decode": "static", "static_cache_tokens": 1}), "static_cache_tokens"),
+        (lambda c: c.evaluation(every=-1), "evaluation.every"),
+        (lambda c: c.llm_rollouts(top_k=0), "top_k=0: -1 is the value that means off"),  # engines refuse 0 per request
+        (lambda c: c.llm_rollouts(top_k=-2), "top_k=-2: -1 is the value"),
+        (lambda c: c.training(prompts_per_step=0), "prompts_per_step"),
+        # asynchronous rollouts: each combination whose invariant the pipeline cannot keep
+        (lambda c: c.llm_rollouts(asynchronous=True), "needs rollout actors"),
+        (lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1, max_staleness=2), "must be 0 or 1"),
+        (lambda c: c.llm_rollouts(max_staleness=-1), "must be 0 or 1"),
+        (
+            lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).training(dynamic_sampling=True),
+            "next batch's prompts are not known",
+        ),
+        (
+            lambda c: c.llm_rollouts(asynchronous=True, num_rollout_actors=1).backend(learner_backend="ddp"),
+            "only the local learner",
+        ),
+    ],
+)
 def test_illegal_combinations_are_explained(mutate, match):
     cfg = mutate(valid_config())
     with pytest.raises(ConfigError, match=match):
@@ -208,7 +237,8 @@ def test_valid_config_validates():
     valid_config().validate()
     valid_config().llm_rollouts(asynchronous=True, num_rollout_actors=1).validate()
     valid_config().llm_rollouts(asynchronous=True, num_rollout_actors=1, max_staleness=0).training(
-        old_logprobs="recompute").validate()  # recomputed under the sampling version's weights
+        old_logprobs="recompute"
+    ).validate()  # recomputed under the sampling version's weights
     # vLLM holds its own weights, so it may run in bfloat16 in-process
     valid_config().llm_rollouts(engine="vllm", dtype="bfloat16").tree(entropy_method="topk_sum_lnV").validate()
     valid_config().llm_rollouts(engine="vllm").tree(entropy_method="topk_sum_lnV", topk_logprobs=64).validate()
@@ -217,14 +247,21 @@ def test_valid_config_validates():
     valid_config().llm_rollouts(dtype="bfloat16", num_rollout_actors=1).validate()
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda c: c.training(entropy_balanced_clip=True), "entropy_balanced_clip = true would do nothing"),
-    (lambda c: c.training(clip_high=0.28), r"clip_high = 0.28 \(clip-higher"),
-    (lambda c: c.training(clip_c=5.0), "clip_c = 5.0 .the dual clip's bound"),
-    # asynchronous but never stale: the ratio is 1 all the same
-    (lambda c: c.training(entropy_balanced_clip=True).llm_rollouts(asynchronous=True, num_rollout_actors=1,
-                                                                   max_staleness=0), "ratio is exactly 1"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda c: c.training(entropy_balanced_clip=True), "entropy_balanced_clip = true would do nothing"),
+        (lambda c: c.training(clip_high=0.28), r"clip_high = 0.28 \(clip-higher"),
+        (lambda c: c.training(clip_c=5.0), "clip_c = 5.0 .the dual clip's bound"),
+        # asynchronous but never stale: the ratio is 1 all the same
+        (
+            lambda c: c.training(entropy_balanced_clip=True).llm_rollouts(
+                asynchronous=True, num_rollout_actors=1, max_staleness=0
+            ),
+            "ratio is exactly 1",
+        ),
+    ],
+)
 def test_options_that_act_only_through_the_ratio_are_refused_where_it_is_1(mutate, match):
     with pytest.raises(ConfigError, match=match) as err:
         mutate(valid_config()).validate()
@@ -330,7 +367,10 @@ def test_toml_wrong_types_and_missing_sections(tmp_path):
 
 
 def test_toml_maps_every_section_and_overrides(tmp_path):
-    p = write(tmp_path, BASE + """
+    p = write(
+        tmp_path,
+        BASE
+        + """
 [experiment]
 algorithm = "aepo"
 seed = 7
@@ -343,7 +383,8 @@ max_response_tokens = 99
 [evaluation]
 every = 3
 num_prompts = 5
-""")
+""",
+    )
     exp = load_experiment(p, ["tree.initial=2", "env.max_tool_calls=2", "evaluation.temperature=0.5"])
     c = exp.config
     s = c.settings
@@ -369,7 +410,7 @@ def test_a_peft_key_gets_its_reason_only_in_model_lora(tmp_path):
     """PEFT's `bias` in [model.lora] is refused with the reason arpo does not take it; the same word in another table
     is an ordinary unknown key (before, every table's `bias` got the LoRA explanation)."""
     with pytest.raises(ConfigError, match="unknown key 'bias'") as err:
-        load_experiment(write(tmp_path, BASE), ["model.lora.bias=\"all\""])
+        load_experiment(write(tmp_path, BASE), ['model.lora.bias="all"'])
     assert "adapter matrices only" in err.value.hint
     with pytest.raises(ConfigError, match="unknown key 'bias'") as err:
         load_experiment(write(tmp_path, BASE), ["training.bias=true"])
@@ -378,14 +419,20 @@ def test_a_peft_key_gets_its_reason_only_in_model_lora(tmp_path):
 
 def test_total_steps_is_derived_from_the_iterations(tmp_path):
     """Bug: total_steps stayed 1 whatever the run's length, so a decaying schedule hit lr 0 after one update."""
-    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\n'
-                                "ppo_epochs = 2\n"))
+    exp = load_experiment(
+        write(tmp_path, BASE + '[experiment]\niterations = 7\n[training]\nlr_schedule = "cosine"\nppo_epochs = 2\n')
+    )
     assert exp.config.settings.training.schedule_steps == 14
     exp.config.validate()
     # The learner steps the schedule once per mini-batch: a run of 3 iterations x 2 epochs x 4 mini-batches takes 24
     # optimizer steps, and a schedule sized to 6 would reach lr 0 a quarter of the way in.
-    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 3\n[training]\nlr_schedule = "linear"\n'
-                                "ppo_epochs = 2\nmini_batches = 4\nprompts_per_step = 4\n"))
+    exp = load_experiment(
+        write(
+            tmp_path,
+            BASE + '[experiment]\niterations = 3\n[training]\nlr_schedule = "linear"\n'
+            "ppo_epochs = 2\nmini_batches = 4\nprompts_per_step = 4\n",
+        )
+    )
     assert exp.config.settings.training.schedule_steps == 24
     exp = load_experiment(write(tmp_path, BASE + "[training]\ntotal_steps = 100\n"))  # an explicit value wins
     assert exp.config.settings.training.schedule_steps == 100
@@ -396,13 +443,15 @@ def test_total_steps_is_derived_from_the_iterations(tmp_path):
 def test_a_sweep_trial_keeps_a_schedule_that_ends_at_its_own_last_step(tmp_path):
     """Bug: the base experiment's step count went into every trial's config dict, so a trial with more mini-batches
     (or epochs) than the base reached lr 0 early. Each trial now spans its own iterations x epochs x mini-batches."""
-    exp = load_experiment(write(tmp_path, BASE + '[experiment]\niterations = 5\n[training]\nlr_schedule = "cosine"\n'
-                                "prompts_per_step = 4\n"))
+    exp = load_experiment(
+        write(
+            tmp_path, BASE + '[experiment]\niterations = 5\n[training]\nlr_schedule = "cosine"\nprompts_per_step = 4\n'
+        )
+    )
     trial = exp.config.to_dict()
     trial.update({"training.mini_batches": 4, "training.ppo_epochs": 2})  # what a Tune point writes over the base
     config = type(exp.config)().update_from_dict(trial)
     assert config.settings.training.schedule_steps == 5 * 2 * 4
-
 
 
 def test_experiments_are_found_outside_the_checkout(tmp_path, monkeypatch):
@@ -446,8 +495,9 @@ def test_bare_names_are_found_in_subfolders_and_two_files_of_one_name_are_refuse
 SHIPPED = [*EXPERIMENTS_DIR.rglob("*.toml"), *PACKAGE_EXPERIMENTS_DIR.glob("*.toml")]
 
 
-@pytest.mark.parametrize("path", sorted(p for p in SHIPPED if "[sweep]" not in p.read_text()),
-                         ids=lambda p: p.stem)  # sweep files (tune_*.toml) are checked by the sweep tests
+@pytest.mark.parametrize(
+    "path", sorted(p for p in SHIPPED if "[sweep]" not in p.read_text()), ids=lambda p: p.stem
+)  # sweep files (tune_*.toml) are checked by the sweep tests
 def test_shipped_experiments_load_and_validate(path):
     exp = load_experiment(path)
     exp.config.validate()

@@ -20,8 +20,11 @@ def test_arpo_trains_with_two_ddp_ranks_and_syncs_rank0_weights(tiny_model_dir, 
 
     if ray.is_initialized():  # the Algorithm must start (and stop) its own Ray here
         ray.shutdown()
-    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01).backend(
-        learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
+    cfg = (
+        tiny_config(tiny_model_dir)
+        .training(entropy_coef=0.01)
+        .backend(learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
+    )
     algo = cfg.build_algo()
     try:
         assert ray.is_initialized() and algo.learner.num_workers == 2
@@ -50,8 +53,12 @@ def test_a_bf16_in_process_engine_trains_with_ddp_ranks(tiny_model_dir):
 
     if ray.is_initialized():  # the Algorithm must start (and stop) its own Ray here
         ray.shutdown()
-    cfg = tiny_config(tiny_model_dir).training(entropy_coef=0.01).llm_rollouts(dtype="bfloat16").backend(
-        learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
+    cfg = (
+        tiny_config(tiny_model_dir)
+        .training(entropy_coef=0.01)
+        .llm_rollouts(dtype="bfloat16")
+        .backend(learner_backend="ddp", learner_workers=2, learner_cpus_per_worker=0.5)
+    )
     algo = cfg.build_algo()
     try:
         assert algo.learner.shared_module is None and algo.engine.dtype == "bfloat16"
@@ -77,8 +84,12 @@ def test_backend_options_are_arpo_settings():
         ARPOConfig().backend(learner_workers="two")
     with pytest.raises(ConfigError, match="unknown key 'learner_workers'"):  # one place per setting
         ARPOConfig().training(learner_workers=2)
-    bad = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(
-        learner_backend="deepspeed", deepspeed_offload="optimizer")
+    bad = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0")
+        .training(model_path="x")
+        .backend(learner_backend="deepspeed", deepspeed_offload="optimizer")
+    )
     with pytest.raises(ConfigError, match="offloading to it would move nothing"):  # the learner is in CPU memory
         bad.validate()
 
@@ -89,8 +100,13 @@ def test_a_placement_the_machine_cannot_hold_fails_before_setup():
     if ray.is_initialized():  # this checks the machine's own resources, without a Ray cluster
         ray.shutdown()
     gpus = torch.cuda.device_count()
-    cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(
-        model_path="x").backend(learner_backend="ddp", learner_workers=gpus + 2).llm_rollouts(device="cuda")
+    cfg = (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0")
+        .training(model_path="x")
+        .backend(learner_backend="ddp", learner_workers=gpus + 2)
+        .llm_rollouts(device="cuda")
+    )
     with pytest.raises(ConfigError) as err:
         ARPO.default_resource_request(cfg)
     msg = err.value.message
@@ -103,8 +119,9 @@ def test_deepspeed_without_the_extra_is_a_config_error_naming_it(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if the extra were not installed (find_spec -> None)
     with pytest.raises(ConfigError, match="deepspeed package") as err:
-        DeepSpeedBackend("unused", LearnerConfig(), BackendConfig(learner_backend="deepspeed", learner_workers=2),
-                         device="cuda")
+        DeepSpeedBackend(
+            "unused", LearnerConfig(), BackendConfig(learner_backend="deepspeed", learner_workers=2), device="cuda"
+        )
     assert "arpo[deepspeed]" in err.value.hint
     cfg = ARPOConfig().environment("arpo/ToolMath-v0").training(model_path="x").backend(learner_backend="deepspeed")
     with pytest.raises(ConfigError, match="deepspeed package"):  # with the settings, before anything starts

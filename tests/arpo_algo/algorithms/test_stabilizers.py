@@ -72,8 +72,9 @@ def test_min_roots_keeps_budget_for_independent_roots(env_creator):
 
 def test_dr_grpo_aggregation_is_token_sum_over_a_constant(tiny_model_dir):
     groups = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
-    base = LearnerConfig(lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, dedup_prefix=False,
-                         **ALARM_OFF)  # hand-built behaviour log-probs
+    base = LearnerConfig(
+        lr=1e-3, grad_clip=0.0, micro_batch_tokens=100_000, dedup_prefix=False, **ALARM_OFF
+    )  # hand-built behaviour log-probs
     grads = {}
     for agg in ("token_mean", "dr_grpo"):
         learner = Learner(tiny_model_dir, replace(base, loss_agg=agg, dr_grpo_tokens=50), seed=0)

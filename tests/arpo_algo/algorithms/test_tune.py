@@ -22,9 +22,13 @@ def ray_local():
 
 
 def tiny_config(model_dir) -> ARPOConfig:
-    return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-            .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
-            .tree(budget=2, initial=1).llm_rollouts(max_response_tokens=12, hf={"max_batch_size": 4}))
+    return (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+        .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-4)
+        .tree(budget=2, initial=1)
+        .llm_rollouts(max_response_tokens=12, hf={"max_batch_size": 4})
+    )
 
 
 def test_one_trial_tuner(ray_local, tiny_model_dir, tmp_path):
@@ -32,11 +36,19 @@ def test_one_trial_tuner(ray_local, tiny_model_dir, tmp_path):
 
     param_space = tiny_config(tiny_model_dir).training(lr=tune.choice([1e-4, 3e-4])).debugging(seed=1)
     tuner = tune.Tuner(
-        ARPO, param_space=param_space,
-        tune_config=tune.TuneConfig(num_samples=1, metric="reward_mean", mode="max",
-                                    trial_dirname_creator=lambda t: f"arpo_{t.trial_id}"),
-        run_config=tune.RunConfig(name="t", storage_path=str(tmp_path), stop={"training_iteration": 1}, verbose=0,
-                                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True, num_to_keep=1)))
+        ARPO,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            num_samples=1, metric="reward_mean", mode="max", trial_dirname_creator=lambda t: f"arpo_{t.trial_id}"
+        ),
+        run_config=tune.RunConfig(
+            name="t",
+            storage_path=str(tmp_path),
+            stop={"training_iteration": 1},
+            verbose=0,
+            checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True, num_to_keep=1),
+        ),
+    )
     results = tuner.fit()
     assert not results.errors
     best = results.get_best_result()
@@ -57,10 +69,14 @@ def test_infeasible_trial_fails_fast(ray_local, tiny_model_dir, tmp_path):
     cfg = tiny_config(tiny_model_dir).llm_rollouts(num_rollout_actors=2)  # 1 + 2 CPUs on a 2-CPU cluster
     t0 = time.time()
     with pytest.raises(ConfigError, match="needs 3 CPUs"):
-        tune.Tuner(ARPO, param_space=cfg,
-                   tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
-                   run_config=tune.RunConfig(name="inf", storage_path=str(tmp_path), verbose=0,
-                                             stop={"training_iteration": 1})).fit()
+        tune.Tuner(
+            ARPO,
+            param_space=cfg,
+            tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
+            run_config=tune.RunConfig(
+                name="inf", storage_path=str(tmp_path), verbose=0, stop={"training_iteration": 1}
+            ),
+        ).fit()
     assert time.time() - t0 < 60  # fails at once, not a trial left pending forever
 
 

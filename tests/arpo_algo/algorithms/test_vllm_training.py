@@ -26,11 +26,18 @@ def vllm_tiny(tmp_path_factory):
 
 
 def _config(model_dir, actors: int) -> ARPOConfig:
-    return (ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
-            .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-2)
-            .llm_rollouts(engine="vllm", max_response_tokens=16, num_rollout_actors=actors,
-                          num_cpus_per_rollout_actor=1 / max(actors, 1))  # fits a 2-CPU machine
-            .tree(budget=2, initial=1, entropy_method="topk_sum_lnV"))
+    return (
+        ARPOConfig()
+        .environment("arpo/ToolMath-v0", env_config={"levels": [1], "max_tool_calls": 1})
+        .training(model_path=str(model_dir), prompts_per_step=1, lr=1e-2)
+        .llm_rollouts(
+            engine="vllm",
+            max_response_tokens=16,
+            num_rollout_actors=actors,
+            num_cpus_per_rollout_actor=1 / max(actors, 1),
+        )  # fits a 2-CPU machine
+        .tree(budget=2, initial=1, entropy_method="topk_sum_lnV")
+    )
 
 
 def _engine_matches_learner(algo) -> None:
@@ -38,7 +45,7 @@ def _engine_matches_learner(algo) -> None:
     ctx = algo.learner.tokenizer.encode("after the update: ", add_special_tokens=False)
     gen = algo.engine.generate([GenRequest("w", ctx, SamplingParams(max_new_tokens=8, temperature=0))])[0]
     with torch.no_grad():
-        logits = model(torch.tensor([ctx + gen.token_ids])).logits[0, len(ctx) - 1:-1].float()
+        logits = model(torch.tensor([ctx + gen.token_ids])).logits[0, len(ctx) - 1 : -1].float()
     ref = torch.log_softmax(logits, -1)[torch.arange(len(gen.token_ids)), torch.tensor(gen.token_ids)]
     assert (ref - torch.tensor(gen.logprobs)).abs().max().item() < 1e-4
 
@@ -71,8 +78,9 @@ def test_arpo_iteration_on_vllm_and_weight_sync(vllm_tiny, actors):
 
 
 def test_a_lora_iteration_on_vllm_syncs_the_adapter_only(vllm_tiny):
-    config = _config(vllm_tiny, 0).update_settings({"model.lora.enabled": True, "model.lora.rank": 4,
-                                                    "model.lora.alpha": 8.0})
+    config = _config(vllm_tiny, 0).update_settings(
+        {"model.lora.enabled": True, "model.lora.rank": 4, "model.lora.alpha": 8.0}
+    )
     algo = config.build_algo()
     try:
         assert algo.engine.max_lora_rank == 8

@@ -35,8 +35,9 @@ def test_token_trie_merges_prefixes():
 
 def test_hard_attribution_on_hand_built_tree():
     # prompt [9]; A = 5 6 7, B = 5 6 8 (token 6 untrained in B: a tool result), C = 5 4.
-    token_adv, mult = hard_attribution([9], [[5, 6, 7], [5, 6, 8], [5, 4]], [[1, 1, 1], [1, 0, 1], [1, 1]],
-                                       [1.0, -1.0, 4.0])
+    token_adv, mult = hard_attribution(
+        [9], [[5, 6, 7], [5, 6, 8], [5, 4]], [[1, 1, 1], [1, 0, 1], [1, 1]], [1.0, -1.0, 4.0]
+    )
     shared5 = (1.0 - 1.0 + 4.0) / 3
     assert token_adv[0] == pytest.approx([shared5, 1.0, 1.0]) and mult[0] == [3, 1, 1]
     assert token_adv[1] == pytest.approx([shared5, 0.0, -1.0]) and mult[1] == [3, 0, 1]

@@ -16,8 +16,7 @@ def test_topk_sum_lnv_hand_computed():
     # two tokens: top-2 lists; the second token's sampled id 9 was outside its top-2 and is appended (as vLLM does)
     t1 = [(1, math.log(0.5)), (2, math.log(0.25))]
     t2 = {3: math.log(0.6), 4: math.log(0.3), 9: math.log(0.1)}
-    h = -(0.5 * math.log(0.5) + 0.25 * math.log(0.25) + 0.6 * math.log(0.6) + 0.3 * math.log(0.3)
-          + 0.1 * math.log(0.1))
+    h = -(0.5 * math.log(0.5) + 0.25 * math.log(0.25) + 0.6 * math.log(0.6) + 0.3 * math.log(0.3) + 0.1 * math.log(0.1))
     assert topk_sum_lnV([t1, t2], vocab_size=100) == pytest.approx(h / math.log(100))
     # a sum over positions, not a mean: only the first k tokens count
     assert topk_sum_lnV([t1, t2, t2], vocab_size=100, k=2) == pytest.approx(h / math.log(100))
@@ -30,11 +29,18 @@ def test_topk_sum_lnv_hand_computed():
 
 def test_segment_entropy_methods():
     """The branch rule's segment entropy (arpo_algo.core.tree) over engine outputs, both estimator families."""
-    gen = Generation("r", [1, 2, 3], [-0.1, -0.2, -0.3], [1.0, 2.0, 6.0], "length",
-                     top_logprobs=[[(1, math.log(0.5)), (2, math.log(0.5))]] * 3)
+    gen = Generation(
+        "r",
+        [1, 2, 3],
+        [-0.1, -0.2, -0.3],
+        [1.0, 2.0, 6.0],
+        "length",
+        top_logprobs=[[(1, math.log(0.5)), (2, math.log(0.5))]] * 3,
+    )
     assert segment_entropy(gen.entropies, gen.top_logprobs, "full_mean", 2, 10) == pytest.approx(1.5)
     assert segment_entropy(gen.entropies, gen.top_logprobs, "topk_sum_lnV", 2, 10) == pytest.approx(
-        2 * math.log(2) / math.log(10))
+        2 * math.log(2) / math.log(10)
+    )
     with pytest.raises(ConfigError, match="entropy_method: unknown entropy estimator 'paper'") as err:
         segment_entropy(gen.entropies, gen.top_logprobs, "paper", 20, 10)
     assert "full_mean, full_sum_lnV, topk_sum_lnV" in err.value.hint

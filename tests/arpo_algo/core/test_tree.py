@@ -92,12 +92,14 @@ def test_reference_rule_matches_probability_and_is_seeded():
         rng = random.Random(1)
         freq = sum(num_branches(cfg, dh, 0, 0, free=1, rng=rng) for _ in range(20000)) / 20000
         assert abs(freq - p) < 0.02, (dh, freq, p)
+
     # Seeded per (seed, step, prompt), one uniform per potential clone (Z = 2 here): replay the rule on the same
     # stream by hand; any other seed, step or prompt gives another decision sequence.
     def decisions(*key):
         rng = branch_rng(*key)
-        return [num_branches(TreeConfig(decision_rule="reference", branch_factor=2), 0.0, 0, 0, 2, rng)
-                for _ in range(40)]
+        return [
+            num_branches(TreeConfig(decision_rule="reference", branch_factor=2), 0.0, 0, 0, 2, rng) for _ in range(40)
+        ]
 
     rng = branch_rng(7, 3, 2)
     assert decisions(7, 3, 2) == [sum(rng.random() <= 0.5 for _ in range(2)) for _ in range(40)]

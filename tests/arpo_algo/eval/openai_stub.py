@@ -15,8 +15,12 @@ from typing import Any
 
 
 class StubServer:
-    def __init__(self, reply: Callable[[dict[str, Any]], dict[str, Any]], model: str = "stub-model",
-                 model_extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        reply: Callable[[dict[str, Any]], dict[str, Any]],
+        model: str = "stub-model",
+        model_extra: dict[str, Any] | None = None,
+    ) -> None:
         self.reply, self.model, self.requests = reply, model, []
         self.model_extra = dict(model_extra or {})  # extra fields of the model's /v1/models entry
         self.fail_next = 0  # answer this many chat requests with HTTP 503
@@ -36,8 +40,9 @@ class StubServer:
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.rstrip("/") == "/v1/models":
-                    self._send(200, {"object": "list",
-                                     "data": [{"id": stub.model, "object": "model", **stub.model_extra}]})
+                    self._send(
+                        200, {"object": "list", "data": [{"id": stub.model, "object": "model", **stub.model_extra}]}
+                    )
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 
@@ -53,9 +58,18 @@ class StubServer:
                 usage = out.pop("usage", {"completion_tokens": len((out.get("content") or "").split())})
                 # vLLM's extra field: which stop ended the reply (None: the EOS token); absent unless given
                 extra = {"stop_reason": out.pop("stop_reason")} if "stop_reason" in out else {}
-                self._send(200, {"id": "x", "object": "chat.completion", "model": stub.model, "usage": usage,
-                                 "choices": [{"index": 0, "finish_reason": finish, **extra,
-                                              "message": {"role": "assistant", **out}}]})
+                self._send(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "model": stub.model,
+                        "usage": usage,
+                        "choices": [
+                            {"index": 0, "finish_reason": finish, **extra, "message": {"role": "assistant", **out}}
+                        ],
+                    },
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -37,12 +37,16 @@ def test_a_reference_set_is_never_replaced_by_an_experiments_data_files(shared_d
     ``--data valid`` scored the experiment's own files under the set's name."""
     from arpo_algo.cli.eval import data_env_config
 
-    exp_env = {"data_files": {"train": ["mine.parquet"], "test": ["mine_test.parquet"]}, "split": "train",
-               "max_tool_calls": 2}
+    exp_env = {
+        "data_files": {"train": ["mine.parquet"], "test": ["mine_test.parquet"]},
+        "split": "train",
+        "max_tool_calls": 2,
+    }
     cfg = data_env_config("valid", None, exp_env, "arpo/Reasoning-v0", {})
     assert cfg == {"max_tool_calls": 2}  # the experiment's env settings apply; its files and split do not
-    assert data_env_config("toolmath", None, {"levels": [3], "split": "train"}, "arpo/ToolMath-v0", {}) == \
-        {"levels": [3]}
+    assert data_env_config("toolmath", None, {"levels": [3], "split": "train"}, "arpo/ToolMath-v0", {}) == {
+        "levels": [3]
+    }
     d = load_eval_data("valid", limit=2, env_config=cfg)
     assert d.env_config["data_files"] == {"test": ["valid.parquet"]} and d.env_config["max_tool_calls"] == 2
     with pytest.raises(ConfigError, match="would replace it"):
@@ -59,15 +63,21 @@ def test_a_data_file_runs_with_the_experiments_env_settings_whatever_names_the_e
     for env in (None, "reasoning", "arpo/Reasoning-v0"):
         assert data_env_config("my.jsonl", env, exp_env, "arpo/Reasoning-v0", {}) == want, env
     assert data_env_config("my.jsonl", "toolmath", exp_env, "arpo/Reasoning-v0", {}) == {}  # another env: not its
-    assert data_env_config("valid", "reasoning", exp_env, "arpo/Reasoning-v0", {"max_tool_calls": 2}) == \
-        {"protocol": "json", "max_tool_calls": 2}  # --env-set wins
+    assert data_env_config("valid", "reasoning", exp_env, "arpo/Reasoning-v0", {"max_tool_calls": 2}) == {
+        "protocol": "json",
+        "max_tool_calls": 2,
+    }  # --env-set wins
 
 
 def test_jsonl_columns_reported_and_items_without_truth_skipped(tmp_path):
-    path = _jsonl(tmp_path / "qa.jsonl", [
-        {"problem": "2+2?", "solution": 4, "difficulty": "easy"},
-        {"problem": "3+3?", "solution": None, "difficulty": "easy"},
-        {"problem": "4+4?", "solution": "8", "extra": 1}])
+    path = _jsonl(
+        tmp_path / "qa.jsonl",
+        [
+            {"problem": "2+2?", "solution": 4, "difficulty": "easy"},
+            {"problem": "3+3?", "solution": None, "difficulty": "easy"},
+            {"problem": "4+4?", "solution": "8", "extra": 1},
+        ],
+    )
     d = load_eval_data(str(path), env="arpo/ToolMath-v0")
     assert [it["ground_truth"] for it in d.items] == ["4", "8"] and d.skipped == 1
     assert d.columns == {"question": "problem", "answer": "solution", "ignored": ["difficulty", "extra"]}
@@ -78,8 +88,13 @@ def test_verl_style_parquet_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "mine", "prompt": [{"role": "system", "content": "SYS"}, {"role": "user", "content": "Q1"}],
-             "reward_model": {"ground_truth": "A1", "style": "rule"}}]
+    rows = [
+        {
+            "data_source": "mine",
+            "prompt": [{"role": "system", "content": "SYS"}, {"role": "user", "content": "Q1"}],
+            "reward_model": {"ground_truth": "A1", "style": "rule"},
+        }
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "v.parquet")
     d = load_eval_data(str(tmp_path / "v.parquet"), env="arpo/ToolMath-v0")
     assert d.items[0]["question"] == "Q1" and d.items[0]["system"] == "SYS" and d.items[0]["ground_truth"] == "A1"
@@ -99,8 +114,9 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ConfigError, match="no question column .*found answer, text"):
         load_eval_data(str(_jsonl(tmp_path / "cols.jsonl", [{"text": "q", "answer": "a"}])))
     with pytest.raises(ConfigError, match="none of the 2 items has a ground truth"):
-        load_eval_data(str(_jsonl(tmp_path / "nogt.jsonl", [{"question": "q", "answer": ""},
-                                                             {"question": "r", "answer": None}])))
+        load_eval_data(
+            str(_jsonl(tmp_path / "nogt.jsonl", [{"question": "q", "answer": ""}, {"question": "r", "answer": None}]))
+        )
     with pytest.raises(ConfigError, match="unsupported file type"):
         load_eval_data(str(_jsonl(tmp_path / "x.csv", [{"a": 1}])))
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")

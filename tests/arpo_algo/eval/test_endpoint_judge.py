@@ -21,9 +21,11 @@ PRIVATE_TOOLS = ["--env-set", f"tools={{python={{uid_base={100_000 + (os.getpid(
 
 def _write_items(tmp_path: Path) -> Path:
     path = tmp_path / "mult.jsonl"
-    rows = [{"id": "six-seven", "question": "What is 6 times 7?", "answer": "42", "data_source": "mult"},
-            {"id": "five-nine", "question": "What is 5 times 9?", "answer": "46", "data_source": "mult"},  # wrong gold
-            {"id": "no-gold", "question": "What is 2 times 2?", "answer": ""}]
+    rows = [
+        {"id": "six-seven", "question": "What is 6 times 7?", "answer": "42", "data_source": "mult"},
+        {"id": "five-nine", "question": "What is 5 times 9?", "answer": "46", "data_source": "mult"},  # wrong gold
+        {"id": "no-gold", "question": "What is 2 times 2?", "answer": ""},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -53,8 +55,11 @@ def tool_calls_agent(body):
     if last["role"] == "tool":
         return {"content": f"<answer>\\boxed{{{last['content'].strip()}}}</answer>"}
     a, b = _numbers(body)[:2]
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "python", "arguments": json.dumps({"code": f"print({a}*{b})"})}}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "python", "arguments": json.dumps({"code": f"print({a}*{b})"})},
+    }
     return {"content": "", "tool_calls": [call], "finish_reason": "tool_calls"}
 
 
@@ -67,15 +72,32 @@ def test_endpoint_runs_tools_client_side(tiny_model_dir, tmp_path, agent, capsys
     data = _write_items(tmp_path)
     out = tmp_path / "out"
     with StubServer(agent) as server:
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", str(data),
-                   "--env", "arpo/ToolMath-v0", "--k", "2",
-                   "--output", str(out), "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--data",
+                str(data),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--k",
+                "2",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--no-charts",
+                *PRIVATE_TOOLS,
+            ]
+        )
     assert rc == 0, capsys.readouterr().err
     s = _summary(out)
     assert s["skipped_no_ground_truth"] == 1 and s["items"] == 2
     assert s["columns"]["question"] == "question" and s["columns"]["answer"] == "answer"
     stats = s["models"]["stub-model@endpoint"]["all"]
-    assert stats["pass@1"] == 0.5 and stats["pass@2"] == 0.5   # 6*7 right; 5*9 = 45 is scored against gold 46
+    assert stats["pass@1"] == 0.5 and stats["pass@2"] == 0.5  # 6*7 right; 5*9 = 45 is scored against gold 46
     assert stats["tool_calls_per_run"] == 1.0
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["answer"] for r in rows} == {"42", "45"}
@@ -93,7 +115,7 @@ def server_tools_agent(body):
     trajectory = f"<python>print({a}*{b})</python> <result>\n{a * b}\n</result> <answer>\\boxed{{{a * b}}}</answer>"
     for stop in body.get("stop") or []:
         if stop in trajectory:  # the session ends the conversation at the client's stop: no tool ran
-            return {"content": trajectory[:trajectory.index(stop)], "arpo": {"tool_calls": [], "trajectory": ""}}
+            return {"content": trajectory[: trajectory.index(stop)], "arpo": {"tool_calls": [], "trajectory": ""}}
     call = {"tool": "python", "args": {"code": f"print({a}*{b})"}, "output": f"{a * b}\n", "error": False}
     return {"content": f"\\boxed{{{a * b}}}", "arpo": {"tool_calls": [call], "trajectory": trajectory}}
 
@@ -105,8 +127,24 @@ def test_an_agent_that_runs_its_tools_gets_no_tool_stop_strings(tmp_path, capsys
     data = _write_items(tmp_path)
     out = tmp_path / "out"
     with StubServer(server_tools_agent, model_extra={"arpo": {"engine": "hf", "tools": ["python"]}}) as server:
-        rc = main(["eval", "--endpoint", server.url, "--data", str(data), "--env", "arpo/ToolMath-v0", "--k", "1",
-                   "--output", str(out), "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--data",
+                str(data),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--k",
+                "1",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--no-charts",
+                *PRIVATE_TOOLS,
+            ]
+        )
     assert rc == 0, capsys.readouterr().err
     assert server.requests and not any("stop" in b for b in server.requests)
     stats = _summary(out)["models"]["stub-model@endpoint"]["all"]
@@ -116,8 +154,14 @@ def test_an_agent_that_runs_its_tools_gets_no_tool_stop_strings(tmp_path, capsys
 def tool_limit_server_agent(body):
     """Like ``arpo serve`` at its tool-call limit: one call ran, no answer, the session's own label."""
     call = {"tool": "python", "args": {"code": "print(1)"}, "output": "1\n", "error": False}
-    return {"content": "", "arpo": {"tool_calls": [call], "finish_reason": "tool_limit",
-                                    "trajectory": "<python>print(1)</python> <result>\n1\n</result>"}}
+    return {
+        "content": "",
+        "arpo": {
+            "tool_calls": [call],
+            "finish_reason": "tool_limit",
+            "trajectory": "<python>print(1)</python> <result>\n1\n</result>",
+        },
+    }
 
 
 def unanswered_tool_calls_agent(body):
@@ -127,19 +171,39 @@ def unanswered_tool_calls_agent(body):
     return tool_calls_agent(body)
 
 
-@pytest.mark.parametrize(("agent", "extra", "finish"), [
-    (tool_limit_server_agent, {"arpo": {"engine": "hf", "tools": ["python"]}}, "tool_limit"),
-    (unanswered_tool_calls_agent, {}, "eos"),
-], ids=["served_agent", "openai_tool_calls"])
-def test_a_run_not_cut_by_the_budget_is_not_recorded_as_length(tiny_model_dir, tmp_path, capsys, agent, extra,
-                                                               finish):
+@pytest.mark.parametrize(
+    ("agent", "extra", "finish"),
+    [
+        (tool_limit_server_agent, {"arpo": {"engine": "hf", "tools": ["python"]}}, "tool_limit"),
+        (unanswered_tool_calls_agent, {}, "eos"),
+    ],
+    ids=["served_agent", "openai_tool_calls"],
+)
+def test_a_run_not_cut_by_the_budget_is_not_recorded_as_length(tiny_model_dir, tmp_path, capsys, agent, extra, finish):
     """Bug: a run the environment did not end was recorded as "length" whatever stopped it, so the summary's finish
     reasons could not tell a budget cut from a served agent's own end or a plain closing message."""
     out = tmp_path / "out"
     with StubServer(agent, model_extra=extra) as server:
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data",
-                   str(_write_items(tmp_path)), "--env", "arpo/ToolMath-v0", "--k", "1", "--output", str(out),
-                   "--no-progress", "--no-charts", *PRIVATE_TOOLS])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--data",
+                str(_write_items(tmp_path)),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--k",
+                "1",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--no-charts",
+                *PRIVATE_TOOLS,
+            ]
+        )
     assert rc == 0, capsys.readouterr().err
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and {r["finish_reason"] for r in rows} == {finish}
@@ -147,8 +211,20 @@ def test_a_run_not_cut_by_the_budget_is_not_recorded_as_length(tiny_model_dir, t
 
 def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["eval", "--endpoint", closed_port_url(), "--data", str(_write_items(tmp_path)),
-               "--env", "arpo/ToolMath-v0", "--output", str(out), "--no-progress"])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            closed_port_url(),
+            "--data",
+            str(_write_items(tmp_path)),
+            "--env",
+            "arpo/ToolMath-v0",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "unreachable" in err and "hint:" in err and "Traceback" not in err
     assert not (out / "samples.jsonl").exists()
@@ -157,11 +233,25 @@ def test_endpoint_unreachable_is_a_clear_error_before_the_run(tmp_path, capsys):
 def test_endpoint_error_status_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
     """A server that answers a chat request with an error status stops the run with its status and reply text."""
     with StubServer(text_agent) as server:
-        server.fail_next = 10 ** 6
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir),
-                   "--data", str(_write_items(tmp_path)),
-                   "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts",
-                   *PRIVATE_TOOLS])
+        server.fail_next = 10**6
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--data",
+                str(_write_items(tmp_path)),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--output",
+                str(tmp_path / "out"),
+                "--no-progress",
+                "--no-charts",
+                *PRIVATE_TOOLS,
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "endpoint answered HTTP 503: " in err and "overloaded" in err and "Traceback" not in err
 
@@ -178,9 +268,24 @@ def test_judge_rules_cache_and_unjudged(tiny_model_dir, tmp_path, capsys):
     data = _write_items(tmp_path)
     with StubServer(text_agent) as model, StubServer(judge_server, model="judge") as judge:
         out = tmp_path / "judged"
-        args = ["eval", "--endpoint", model.url, "--tokenizer", str(tiny_model_dir), "--data", str(data),
-                "--env", "arpo/ToolMath-v0", "--k", "1", "--no-progress", "--no-charts", "--judge", judge.url,
-                *PRIVATE_TOOLS]
+        args = [
+            "eval",
+            "--endpoint",
+            model.url,
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--env",
+            "arpo/ToolMath-v0",
+            "--k",
+            "1",
+            "--no-progress",
+            "--no-charts",
+            "--judge",
+            judge.url,
+            *PRIVATE_TOOLS,
+        ]
         assert main([*args, "--output", str(out)]) == 0, capsys.readouterr().err
         s = _summary(out)
         assert s["models"]["stub-model@endpoint"]["all"]["pass@1"] == 1.0
@@ -196,7 +301,7 @@ def test_judge_rules_cache_and_unjudged(tiny_model_dir, tmp_path, capsys):
         assert {r["item_id"]: r["judge"] for r in rows} == {"six-seven": "incorrect", "five-nine": "correct"}
         assert _summary(strict)["models"]["stub-model@endpoint"]["all"]["pass@1"] == 0.5
 
-        judge.fail_next = 10 ** 6  # the judge keeps failing: retries with backoff, then unjudged; the run goes on
+        judge.fail_next = 10**6  # the judge keeps failing: retries with backoff, then unjudged; the run goes on
         flaky = tmp_path / "flaky"
         assert main([*args, "--output", str(flaky), "--judge-retries", "1"]) == 0
         s = _summary(flaky)["models"]["stub-model@endpoint"]["all"]
@@ -227,9 +332,15 @@ def arpo_serve(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(build_specs([f"tiny={model}"], tools="python", max_tool_calls=3, max_tokens=64),
-                            Security(allow_unauthenticated=True, port=port)),
-                  name="arpo-eval-test", route_prefix="/", blocking=False)
+        serve.run(
+            build_app(
+                build_specs([f"tiny={model}"], tools="python", max_tool_calls=3, max_tokens=64),
+                Security(allow_unauthenticated=True, port=port),
+            ),
+            name="arpo-eval-test",
+            route_prefix="/",
+            blocking=False,
+        )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, 300)
         yield url
@@ -241,8 +352,25 @@ def arpo_serve(tmp_path_factory):
 def test_endpoint_against_arpo_serve(arpo_serve, tmp_path, capsys):
     """Tools run server-side: the client scores the served trajectory with the environment's reward."""
     out = tmp_path / "served"
-    rc = main(["eval", "--endpoint", arpo_serve, "--data", "toolmath", "--limit", "2", "--k", "2",
-               "--max-response-tokens", "24", "--output", str(out), "--no-progress", "--no-charts"])
+    rc = main(
+        [
+            "eval",
+            "--endpoint",
+            arpo_serve,
+            "--data",
+            "toolmath",
+            "--limit",
+            "2",
+            "--k",
+            "2",
+            "--max-response-tokens",
+            "24",
+            "--output",
+            str(out),
+            "--no-progress",
+            "--no-charts",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["model"] for r in rows} == {"tiny@endpoint"}
@@ -263,18 +391,24 @@ def scripted_server(engine, eos_reason=None, usage=True):
 
     def reply(body):
         messages, cont = body["messages"], body.get("continue_final_message", False)
-        text = tok.apply_chat_template(messages[:-1] if cont else messages, add_generation_prompt=True,
-                                       tokenize=False) + (messages[-1]["content"] if cont else "")
-        params = SamplingParams(max_new_tokens=body["max_tokens"], stop=tuple(body.get("stop") or ()),
-                                seed=body["seed"])
+        text = tok.apply_chat_template(
+            messages[:-1] if cont else messages, add_generation_prompt=True, tokenize=False
+        ) + (messages[-1]["content"] if cont else "")
+        params = SamplingParams(
+            max_new_tokens=body["max_tokens"], stop=tuple(body.get("stop") or ()), seed=body["seed"]
+        )
         gen = engine.generate([GenRequest(0, tok(text, add_special_tokens=False)["input_ids"], params)])[0]
         ids = gen.token_ids[:-1] if gen.finish_reason == "eos" else gen.token_ids
         content = tok.decode(ids, skip_special_tokens=False)
         if gen.stop_string:
-            content = content[:-len(gen.stop_string)]
+            content = content[: -len(gen.stop_string)]
         stop_reason = gen.stop_string or (eos_reason if gen.finish_reason == "eos" else None)
-        return {"content": content, "finish_reason": "length" if gen.finish_reason == "length" else "stop",
-                "stop_reason": stop_reason, "usage": {"completion_tokens": len(gen.token_ids)} if usage else {}}
+        return {
+            "content": content,
+            "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+            "stop_reason": stop_reason,
+            "usage": {"completion_tokens": len(gen.token_ids)} if usage else {},
+        }
 
     return reply
 
@@ -286,21 +420,26 @@ def unclosed_call_engine():
     class Unclosed(ScriptedEngine):
         def _turn(self, n_results, variant, limit):
             full = CALL.format(c="abcdefgh"[variant], n=variant)
-            return full[:-len("</python>")] if n_results == 1 else full
+            return full[: -len("</python>")] if n_results == 1 else full
 
     return Unclosed(calls=(3, 3))
 
 
-@pytest.mark.parametrize(("budget", "max_calls", "calls", "finish", "engine", "replies"), [
-    (150, 3, 2, "length", None, {}),     # a call is 43 tokens and its result about 20: tool results decide the stop
-    (600, 2, 2, "tool_limit", None, {}),  # the third call meets the limit: the EOS the rollout appends is counted
-    (600, 3, 1, "eos", unclosed_call_engine, {}),  # an EOS inside an open tag ends the run, as the rollout ends it
-    (600, 3, 1, "eos", unclosed_call_engine, {"eos_reason": 0}),  # ... also an EOS vLLM names by its token id
-    (150, 3, 2, "length", None, {"usage": False}),      # a server without usage: counted with the tokenizer
-    (600, 2, 2, "tool_limit", None, {"usage": False}),  # (stop strings and EOS included)
-], ids=["budget", "tool_limit", "eos_in_open_tag", "eos_token_id", "budget_no_usage", "tool_limit_no_usage"])
-def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tmp_path, capsys, budget, max_calls,
-                                                              calls, finish, engine, replies):
+@pytest.mark.parametrize(
+    ("budget", "max_calls", "calls", "finish", "engine", "replies"),
+    [
+        (150, 3, 2, "length", None, {}),  # a call is 43 tokens and its result about 20: tool results decide the stop
+        (600, 2, 2, "tool_limit", None, {}),  # the third call meets the limit: the EOS the rollout appends is counted
+        (600, 3, 1, "eos", unclosed_call_engine, {}),  # an EOS inside an open tag ends the run, as the rollout ends it
+        (600, 3, 1, "eos", unclosed_call_engine, {"eos_reason": 0}),  # ... also an EOS vLLM names by its token id
+        (150, 3, 2, "length", None, {"usage": False}),  # a server without usage: counted with the tokenizer
+        (600, 2, 2, "tool_limit", None, {"usage": False}),  # (stop strings and EOS included)
+    ],
+    ids=["budget", "tool_limit", "eos_in_open_tag", "eos_token_id", "budget_no_usage", "tool_limit_no_usage"],
+)
+def test_endpoint_budget_counts_tool_results_as_the_local_run(
+    tiny_model_dir, tmp_path, capsys, budget, max_calls, calls, finish, engine, replies
+):
     """The response budget counts every token after the prompt, tool results included, through an endpoint as in
     process: the same scripted model served over HTTP and run by run_engine makes the same tool calls, spends the
     same generated and response tokens and ends for the same reason per run. Counting generated tokens alone let
@@ -311,18 +450,41 @@ def test_endpoint_budget_counts_tool_results_as_the_local_run(tiny_model_dir, tm
     from tests.arpo_algo.rollout.test_sampler import ScriptedEngine
 
     data = load_eval_data("toolmath", limit=3)
-    creator = lambda: make_eval_env(data.env_id, {**data.env_config, "max_tool_calls": max_calls},  # noqa: E731
-                                    data.items)
+
+    def creator():
+        return make_eval_env(data.env_id, {**data.env_config, "max_tool_calls": max_calls}, data.items)
+
     local = tmp_path / "local.jsonl"
     settings = EvalSettings(num_prompts=None, samples=2, temperature=0.6, max_response_tokens=budget, seed=5)
     make = engine or (lambda: ScriptedEngine(calls=(3, 3)))
     run_engine(make(), creator, data.items, settings, model="m", out_file=local, skip=set())
     out = tmp_path / "served"
     with StubServer(scripted_server(make(), **replies)) as server:
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(tiny_model_dir), "--data", "toolmath",
-                   "--limit", "3", "--k", "2", "--max-response-tokens", str(budget), "--seed", "5",
-                   "--env-set", f"max_tool_calls={max_calls}",
-                   "--output", str(out), "--no-progress", "--no-charts"])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--data",
+                "toolmath",
+                "--limit",
+                "3",
+                "--k",
+                "2",
+                "--max-response-tokens",
+                str(budget),
+                "--seed",
+                "5",
+                "--env-set",
+                f"max_tool_calls={max_calls}",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--no-charts",
+            ]
+        )
     assert rc == 0, capsys.readouterr().err
     served = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     ran = [json.loads(x) for x in local.read_text().splitlines()]
@@ -337,8 +499,21 @@ def test_endpoint_without_tokenizer_is_refused_before_the_run(tmp_path, capsys):
     it the run is refused with a hint, before anything is written."""
     out = tmp_path / "out"
     with StubServer(text_agent) as server:
-        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)),
-                   "--env", "arpo/ToolMath-v0", "--output", str(out), "--no-progress", "--no-charts"])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--data",
+                str(_write_items(tmp_path)),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--output",
+                str(out),
+                "--no-progress",
+                "--no-charts",
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "needs the served model's tokenizer" in err and "--tokenizer" in err and "Traceback" not in err
     assert not server.requests and not out.exists()
@@ -353,8 +528,23 @@ def test_a_tokenizer_that_does_not_load_is_a_clear_error(tiny_model_dir, tmp_pat
     empty.mkdir()
     (empty / "config.json").write_text("{}")
     with StubServer(text_agent) as server:
-        rc = main(["eval", "--endpoint", server.url, "--tokenizer", str(empty), "--data", str(_write_items(tmp_path)),
-                   "--env", "arpo/ToolMath-v0", "--output", str(tmp_path / "out"), "--no-progress", "--no-charts"])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(empty),
+                "--data",
+                str(_write_items(tmp_path)),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--output",
+                str(tmp_path / "out"),
+                "--no-progress",
+                "--no-charts",
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "no tokenizer loads from" in err and "Traceback" not in err and not server.requests
     only = tmp_path / "tokenizer_only"
@@ -368,12 +558,28 @@ def test_a_server_that_reports_no_usage_is_counted_or_refused(tmp_path, capsys):
     """Bug: a reply without ``usage`` counted as 0 generated tokens, so the budget never stopped such a server's runs.
     With --tokenizer the replies are counted with it (the parity test above, without usage); without one (an agent
     that runs its own tools needs none otherwise) the run stops with an error saying so."""
+
     def no_usage(body):
         return {**server_tools_agent(body), "usage": {}}
 
     with StubServer(no_usage, model_extra={"arpo": {"engine": "hf", "tools": ["python"]}}) as server:
-        rc = main(["eval", "--endpoint", server.url, "--data", str(_write_items(tmp_path)), "--env",
-                   "arpo/ToolMath-v0", "--k", "1", "--output", str(tmp_path / "out"), "--no-progress",
-                   "--no-charts", *PRIVATE_TOOLS])
+        rc = main(
+            [
+                "eval",
+                "--endpoint",
+                server.url,
+                "--data",
+                str(_write_items(tmp_path)),
+                "--env",
+                "arpo/ToolMath-v0",
+                "--k",
+                "1",
+                "--output",
+                str(tmp_path / "out"),
+                "--no-progress",
+                "--no-charts",
+                *PRIVATE_TOOLS,
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "no usage.completion_tokens" in err and "--tokenizer" in err and "Traceback" not in err

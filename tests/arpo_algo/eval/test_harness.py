@@ -49,8 +49,11 @@ def test_toolmath_and_resume(tiny_model_dir, tmp_path, capsys):
     assert all(r["generated_tokens"] <= 12 and r["source"].startswith("toolmath/") for r in rows)
     s = json.loads((whole / "summary.json").read_text())
     stats = s["models"]["tiny"]["all"]
-    assert stats["items"] == 2 and stats["k"] == 2 and set(stats) >= {"pass@1", "pass@1_ci95", "pass@2", "maj@2",
-                                                                      "tokens_per_run", "tool_calls_per_correct"}
+    assert (
+        stats["items"] == 2
+        and stats["k"] == 2
+        and set(stats) >= {"pass@1", "pass@1_ci95", "pass@2", "maj@2", "tokens_per_run", "tool_calls_per_correct"}
+    )
     assert stats["tokens_per_run"] == pytest.approx(sum(r["generated_tokens"] for r in rows) / 4)
     # a different protocol in the same folder is refused
     assert main([*base, "--limit", "2", "--output", str(parts), "--temperature", "0.3"]) == 2
@@ -59,8 +62,23 @@ def test_toolmath_and_resume(tiny_model_dir, tmp_path, capsys):
 
 def test_valid_items_two_models_paired_table(tiny_model_dir, second_tiny_model, shared_data, tmp_path):
     out = tmp_path / "out"
-    assert main(["eval", f"a={tiny_model_dir}", f"b={second_tiny_model}", "--data", "valid", "--limit", "2",
-                 *FAST[:-1], "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                f"a={tiny_model_dir}",
+                f"b={second_tiny_model}",
+                "--data",
+                "valid",
+                "--limit",
+                "2",
+                *FAST[:-1],
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     s = json.loads((out / "summary.json").read_text())
     assert list(s["models"]) == ["a", "b"]
     pair = next(p for p in s["paired"] if p["source"] == "all")
@@ -73,8 +91,9 @@ def test_valid_items_two_models_paired_table(tiny_model_dir, second_tiny_model, 
     assert {r["model"] for r in rows} == {"a", "b"} and len(rows) == 8
     assert all(r["source"].startswith("DR_grpo_mix/") for r in rows)
     # paired: the same items and seeds for both models
-    assert sorted((r["item_id"], r["run"]) for r in rows if r["model"] == "a") == \
-        sorted((r["item_id"], r["run"]) for r in rows if r["model"] == "b")
+    assert sorted((r["item_id"], r["run"]) for r in rows if r["model"] == "a") == sorted(
+        (r["item_id"], r["run"]) for r in rows if r["model"] == "b"
+    )
 
 
 def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
@@ -122,8 +141,9 @@ def test_eval_runs_are_training_trajectories(tmp_path):
     run_engine(ScriptedEngine(), creator, data.items, settings, model="m", out_file=out, skip=set(), items_per_call=2)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     engine = ScriptedEngine()
-    sampler = TreeSampler(engine, creator, TreeConfig.grpo(3), SamplingParams(temperature=1.0),
-                          max_response_tokens=400, seed=5)
+    sampler = TreeSampler(
+        engine, creator, TreeConfig.grpo(3), SamplingParams(temperature=1.0), max_response_tokens=400, seed=5
+    )
     groups, _ = sampler.sample([0, 1, 2], step=0)
     sampler.close()
     trajs = [(g.prompt_index, i, t) for g in groups for i, t in enumerate(g.trajectories)]

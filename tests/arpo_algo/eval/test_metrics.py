@@ -10,15 +10,21 @@ import pytest
 from arpo_algo.eval.metrics import maj_vote, mean_ci, mean_pass_at_k, paired_bootstrap, pass_at_k
 
 
-@pytest.mark.parametrize("n,c,k,expected", [
-    (5, 0, 1, 0.0), (5, 0, 5, 0.0),            # c = 0: never
-    (5, 5, 1, 1.0), (5, 5, 5, 1.0),            # all correct
-    (4, 1, 1, 0.25),                           # pass@1 = c / n
-    (4, 1, 2, 0.5),                            # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    (4, 2, 4, 1.0), (4, 1, 4, 1.0),            # k = n: correct iff any run is
-    (10, 3, 5, 1 - 21 / 252),                  # 1 - C(7,5)/C(10,5)
-    (3, 1, 2, 2 / 3),                          # 1 - C(2,2)/C(3,2)
-])
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (5, 0, 1, 0.0),
+        (5, 0, 5, 0.0),  # c = 0: never
+        (5, 5, 1, 1.0),
+        (5, 5, 5, 1.0),  # all correct
+        (4, 1, 1, 0.25),  # pass@1 = c / n
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 4, 1.0),
+        (4, 1, 4, 1.0),  # k = n: correct iff any run is
+        (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+        (3, 1, 2, 2 / 3),  # 1 - C(2,2)/C(3,2)
+    ],
+)
 def test_pass_at_k_hand_computed(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
@@ -51,10 +57,10 @@ def test_mean_pass_at_k_over_items():
 def test_maj_vote_majority_and_ties():
     answers = ["a", "b", "b", "a"]
     correct = [False, True, True, False]
-    assert maj_vote(answers, correct, 3) == ("b", True)          # 2 votes against 1
-    assert maj_vote(answers, correct, 4) == ("a", False)         # tie 2-2: the earliest first vote ("a", run 0) wins
+    assert maj_vote(answers, correct, 3) == ("b", True)  # 2 votes against 1
+    assert maj_vote(answers, correct, 4) == ("a", False)  # tie 2-2: the earliest first vote ("a", run 0) wins
     assert maj_vote(["b", "a", "a", "b"], [True, False, False, True], 4) == ("b", True)  # same tie, other order
-    assert maj_vote(answers, correct, 1) == ("a", False)         # maj@1 = the first run
+    assert maj_vote(answers, correct, 1) == ("a", False)  # maj@1 = the first run
     assert maj_vote([None, None, "x"], [False, False, True], 3) == ("x", True)  # runs without an answer do not vote
     assert maj_vote([None, None], [False, False], 2) == (None, False)
 
@@ -92,7 +98,11 @@ def test_majority_votes_keep_different_numbers_apart():
     correct = [bool(r["math_equiv"]) for r in rows]
     assert correct == [True, False, False, True, True]
     assert maj_vote(keys[:3], correct[:3], 3) == (keys[1], False)  # 2 votes for 6000000 against 1: wrong
-    assert rule_scores("\\boxed{261.20}", "2612", {})["answer_norm"] != rule_scores("\\boxed{2612.0}", "2612", {})[
-        "answer_norm"]
-    assert rule_scores("\\boxed{The Eiffel Tower}", "x", {})["answer_norm"] == \
-        rule_scores("\\boxed{eiffel tower.}", "x", {})["answer_norm"]  # text answers: the QA normalisation
+    assert (
+        rule_scores("\\boxed{261.20}", "2612", {})["answer_norm"]
+        != rule_scores("\\boxed{2612.0}", "2612", {})["answer_norm"]
+    )
+    assert (
+        rule_scores("\\boxed{The Eiffel Tower}", "x", {})["answer_norm"]
+        == rule_scores("\\boxed{eiffel tower.}", "x", {})["answer_norm"]
+    )  # text answers: the QA normalisation

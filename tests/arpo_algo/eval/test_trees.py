@@ -23,15 +23,52 @@ def _branched() -> Group:
     mask_a, mask_b = [1] * 12 + [0] * 3 + [1] * 2, [1] * 12 + [0] * 3 + [1] * 3
     ent_a = [0.1 * i for i in range(12)] + [0.0] * 3 + [2.0, 2.0]
     ent_b = ent_a[:15] + [3.0, 1.0, 2.0]
-    a = Trajectory(0, a_resp, mask_a, [-0.1] * 17, ent_a, reward=1.0, node_ids=[0, 1], finish_reason="answer",
-                   policy_version=3)
-    b = Trajectory(1, b_resp, mask_b, [float("nan")] + [-0.2] * 17, ent_b, reward=0.0, parent=0, branch_point=15,
-                   kind="branch", node_ids=[0, 2], finish_reason="tool_limit", policy_version=3)
+    a = Trajectory(
+        0, a_resp, mask_a, [-0.1] * 17, ent_a, reward=1.0, node_ids=[0, 1], finish_reason="answer", policy_version=3
+    )
+    b = Trajectory(
+        1,
+        b_resp,
+        mask_b,
+        [float("nan")] + [-0.2] * 17,
+        ent_b,
+        reward=0.0,
+        parent=0,
+        branch_point=15,
+        kind="branch",
+        node_ids=[0, 2],
+        finish_reason="tool_limit",
+        policy_version=3,
+    )
     nodes = [TreeNode(0, None, 0, 15, 0, 3), TreeNode(1, 0, 15, 17, 1, 3), TreeNode(2, 0, 15, 18, 1, 3)]
-    decisions = [{"trajectory": 0, "at": 15, "h_init": 0.5, "h_now": 1.5, "penalty_l": 0, "rule": "reference",
-                  "alpha": 0.5, "beta": 0.2, "tau": 1.0, "draws": [0.3], "branches": 1},
-                 {"trajectory": 1, "at": 18, "h_init": 0.5, "h_now": float("nan"), "penalty_l": 0, "rule": "reference",
-                  "alpha": 0.5, "beta": 0.2, "tau": 1.0, "draws": [0.9], "branches": 0}]
+    decisions = [
+        {
+            "trajectory": 0,
+            "at": 15,
+            "h_init": 0.5,
+            "h_now": 1.5,
+            "penalty_l": 0,
+            "rule": "reference",
+            "alpha": 0.5,
+            "beta": 0.2,
+            "tau": 1.0,
+            "draws": [0.3],
+            "branches": 1,
+        },
+        {
+            "trajectory": 1,
+            "at": 18,
+            "h_init": 0.5,
+            "h_now": float("nan"),
+            "penalty_l": 0,
+            "rule": "reference",
+            "alpha": 0.5,
+            "beta": 0.2,
+            "tau": 1.0,
+            "draws": [0.9],
+            "branches": 0,
+        },
+    ]
     return Group(4, [7, 8], [a, b], nodes=nodes, policy_version=3, decisions=decisions)
 
 
@@ -88,8 +125,13 @@ def test_index_lines_with_numbers_that_are_not_counts_are_skipped(tmp_path):
     assert w.record(2, [_branched(), _independent()])
     good = (tmp_path / INDEX).read_text()
     row = json.loads(good)
-    bad = [{**row, "iteration": "2"}, {**row, "iteration": None}, {**row, "iteration": -1},
-           {**row, "groups": [{**row["groups"][0], "offset": "0"}]}, {**row, "chunk": 7}]
+    bad = [
+        {**row, "iteration": "2"},
+        {**row, "iteration": None},
+        {**row, "iteration": -1},
+        {**row, "groups": [{**row["groups"][0], "offset": "0"}]},
+        {**row, "chunk": 7},
+    ]
     (tmp_path / INDEX).write_text("".join(json.dumps(b) + "\n" for b in bad) + good)
     reader = TreeReader(tmp_path)
     assert reader.refresh() == [2]  # only the well-formed line

@@ -23,8 +23,22 @@ def run_folder(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sources")
     exp = write_experiment(tmp, tiny_model_dir, iterations=2)
     out = tmp / "myrun"
-    assert main(["train", str(exp), "--output", str(out), "--no-progress", "--set", "evaluation.every=0",
-                 "--set", "experiment.keep_checkpoints=2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(exp),
+                "--output",
+                str(out),
+                "--no-progress",
+                "--set",
+                "evaluation.every=0",
+                "--set",
+                "experiment.keep_checkpoints=2",
+            ]
+        )
+        == 0
+    )
     assert (out / "config.json").is_file()  # the file that made the server take the run for a model folder
     return out
 
@@ -47,8 +61,7 @@ def test_a_checkpoint_is_its_policy_and_a_model_folder_is_itself(run_folder, tin
     assert resolve_model_path(tiny_model_dir) == tiny_model_dir
 
 
-def test_an_unrecognised_or_ambiguous_folder_is_refused_naming_what_was_expected(run_folder, tiny_model_dir,
-                                                                                   tmp_path):
+def test_an_unrecognised_or_ambiguous_folder_is_refused_naming_what_was_expected(run_folder, tiny_model_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ConfigError, match="is not a model source") as err:

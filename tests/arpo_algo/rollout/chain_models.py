@@ -19,9 +19,18 @@ def save_chain_model(tok, nxt: dict[int, int], start: int, dest, max_positions: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     h = 64
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     slots = {t: i + 1 for i, t in enumerate(sorted(nxt))}  # slot 0: every other token, which leads to the start

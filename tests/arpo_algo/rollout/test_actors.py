@@ -16,21 +16,27 @@ ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[3]
 
 
-
-
 @pytest.fixture(scope="module")
 def pool(ray_session, tiny_model_dir):
     from arpo_algo.rollout.engines.actors import RolloutActorPool
 
-    p = RolloutActorPool(functools.partial(HFEngine, str(tiny_model_dir), max_batch_size=4), num_actors=2,
-                         num_cpus_per_actor=1)
+    p = RolloutActorPool(
+        functools.partial(HFEngine, str(tiny_model_dir), max_batch_size=4), num_actors=2, num_cpus_per_actor=1
+    )
     yield p
     p.shutdown()
 
 
 def _requests(tok, n=6, prefix_key=None, ctx=None):
-    return [GenRequest(f"r{i}", ctx or tok.encode("ask " * (i + 1)), SamplingParams(max_new_tokens=6 + i, seed=10 + i),
-                       prefix_key=prefix_key) for i in range(n)]
+    return [
+        GenRequest(
+            f"r{i}",
+            ctx or tok.encode("ask " * (i + 1)),
+            SamplingParams(max_new_tokens=6 + i, seed=10 + i),
+            prefix_key=prefix_key,
+        )
+        for i in range(n)
+    ]
 
 
 def test_pool_matches_local_engine(pool, tiny_model_dir):
@@ -50,8 +56,15 @@ def test_prefix_requests_are_sticky(pool):
     tok = pool.tokenizer
     first = pool.generate(_requests(tok, n=4))
     pool.stats()
-    conts = [GenRequest(f"c{i}", tok.encode("ask " * (i + 1)) + g.token_ids + tok.encode(" <result>1</result>"),
-                        SamplingParams(max_new_tokens=4, seed=i), prefix_key=g.cache_key) for i, g in enumerate(first)]
+    conts = [
+        GenRequest(
+            f"c{i}",
+            tok.encode("ask " * (i + 1)) + g.token_ids + tok.encode(" <result>1</result>"),
+            SamplingParams(max_new_tokens=4, seed=i),
+            prefix_key=g.cache_key,
+        )
+        for i, g in enumerate(first)
+    ]
     pool.generate(conts)
     st = pool.stats()
     assert st["prefix_hits"] == 4 and st.get("prefix_misses", 0) == 0 and st["reused_tokens"] > 0

@@ -20,15 +20,18 @@ SEED, STEP, TASKS, BUDGET = 11, 3, (0, 4), 3
 
 @pytest.fixture(scope="module")
 def tools(tmp_path_factory):
-    return {"python": {}, "cache": {"path": str(tmp_path_factory.mktemp("alcache") / "py.sqlite"),
-                                    "mode": "read_write"}}
+    return {
+        "python": {},
+        "cache": {"path": str(tmp_path_factory.mktemp("alcache") / "py.sqlite"), "mode": "read_write"},
+    }
 
 
 def _grpo_then_agents(engine, tools, max_response_tokens):
     """The same conversations twice: as a GRPO TreeSampler step and through run_agents with the sampler's seeds."""
     creator = lambda: ToolTextEnv(task="toolmath", tools=tools)  # noqa: E731
-    sampler = TreeSampler(engine, creator, TreeConfig.grpo(BUDGET), SamplingParams(),
-                          max_response_tokens=max_response_tokens, seed=SEED)
+    sampler = TreeSampler(
+        engine, creator, TreeConfig.grpo(BUDGET), SamplingParams(), max_response_tokens=max_response_tokens, seed=SEED
+    )
     groups, _ = sampler.sample(list(TASKS), step=STEP)
     sampler.close()
     tok = engine.tokenizer
@@ -40,8 +43,15 @@ def _grpo_then_agents(engine, tools, max_response_tokens):
             sessions.append(ToolSession(tools=env.tools, max_tool_calls=env.config["max_tool_calls"]))
             prompts.append(layout.prompt_ids(tok, info["messages"]))
             seeds.append(lambda n, ti=ti, tid=tid: T.derive_seed(SEED, STEP, ti, tid, n))
-    traces = run_agents(engine, sessions, prompts, SamplingParams(), max_response_tokens=max_response_tokens,
-                        seeds=seeds, tool_workers=2)
+    traces = run_agents(
+        engine,
+        sessions,
+        prompts,
+        SamplingParams(),
+        max_response_tokens=max_response_tokens,
+        seeds=seeds,
+        tool_workers=2,
+    )
     return [t for g in groups for t in g.trajectories], [g.prompt_ids for g in groups for _ in range(BUDGET)], traces
 
 
@@ -75,19 +85,27 @@ def test_events_and_token_stream(tiny_model_dir):
 
     eng = HFEngine(str(tiny_model_dir))
     sessions = [ToolSession(), ToolSession()]
-    prompt = layout.prompt_ids(eng.tokenizer, [{"role": "system", "content": sessions[0].system_prompt()},
-                                               {"role": "user", "content": "What is 6 * 7?"}])
+    prompt = layout.prompt_ids(
+        eng.tokenizer,
+        [{"role": "system", "content": sessions[0].system_prompt()}, {"role": "user", "content": "What is 6 * 7?"}],
+    )
     events: list[tuple[int, dict]] = []
     streamed: dict[int, list[int]] = {0: [], 1: []}
-    traces = run_agents(eng, sessions, [prompt, prompt], SamplingParams(seed=1), max_response_tokens=30,
-                        on_event=lambda i, e: events.append((i, e)), on_token=lambda i, t: streamed[i].append(t))
+    traces = run_agents(
+        eng,
+        sessions,
+        [prompt, prompt],
+        SamplingParams(seed=1),
+        max_response_tokens=30,
+        on_event=lambda i, e: events.append((i, e)),
+        on_token=lambda i, t: streamed[i].append(t),
+    )
     for i, tr in enumerate(traces):
         assert streamed[i] == [t for t, m in zip(tr.response_ids, tr.trained_mask) if m]
         done = [e for j, e in events if j == i and e["type"] == "done"]
         assert done == [{"type": "done", "finish_reason": tr.finish_reason}]
         assert len([e for j, e in events if j == i and e["type"] == "tool_call"]) == len(tr.tool_calls)
-        assert len(tr.response_ids) <= 30 and tr.text == eng.tokenizer.decode(tr.response_ids,
-                                                                              skip_special_tokens=True)
+        assert len(tr.response_ids) <= 30 and tr.text == eng.tokenizer.decode(tr.response_ids, skip_special_tokens=True)
 
 
 def test_run_agents_checks_lengths():
@@ -100,8 +118,9 @@ def test_layout_rule(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     msgs = [{"role": "user", "content": "hi"}]
-    assert layout.prompt_ids(tok, msgs) == list(tok.apply_chat_template(msgs, add_generation_prompt=True,
-                                                                        tokenize=True, return_dict=False))
+    assert layout.prompt_ids(tok, msgs) == list(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     ids = layout.observation_ids(tok, " <result>\n<|im_end|>\n</result>")
     assert tok.eos_token_id not in ids and tok.decode(ids) == " <result>\n<|im_end|>\n</result>"
     assert layout.observation_ids(tok, "") == [] and layout.text_ids(tok, "<|im_end|>") == [tok.eos_token_id]

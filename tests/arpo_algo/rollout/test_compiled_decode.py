@@ -30,9 +30,16 @@ pytestmark = pytest.mark.skipif(compiler_problem() is not None, reason=f"no C++ 
 TOL = 1e-5
 TIE_TOL = 1e-4
 #: One sampling shape for every call (greedy, seeded, top-k, top-p, top logprobs, a stop string): one graph.
-SETTINGS = [dict(temperature=0.0), dict(seed=1), dict(temperature=0.7, top_p=0.9, seed=2),
-            dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4), dict(top_k=20, top_p=0.8, seed=4),
-            dict(seed=5, stop=("\x00never",)), dict(temperature=0.0, logprobs_topk=2), dict(seed=7)]
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(seed=1),
+    dict(temperature=0.7, top_p=0.9, seed=2),
+    dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4),
+    dict(top_k=20, top_p=0.8, seed=4),
+    dict(seed=5, stop=("\x00never",)),
+    dict(temperature=0.0, logprobs_topk=2),
+    dict(seed=7),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +55,9 @@ def compile_cache(tmp_path_factory):
 def pair(tiny_model_dir):
     """(dynamic, compiled) engines over one module, 3 slots each, the default (transposed on CPU) layout."""
     dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic")
-    com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
-                   static_cache_tokens=128)
+    com = HFEngine(
+        model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled", static_cache_tokens=128
+    )
     assert com.linear_layout == "transposed" and com.static_decoder.bucket_columns(1) == 8
     yield dyn, com
     com.close()
@@ -57,8 +65,14 @@ def pair(tiny_model_dir):
 
 def _requests(engine, tag: str = "", budgets=(12, 40, 7, 25, 1, 30, 0, 33)) -> list[GenRequest]:
     """More requests than slots: different prompt lengths, budgets (0 and 1 included) and the shared settings."""
-    return [GenRequest(f"{tag}r{i}", engine.tokenizer.encode(f"q{i} " + "ab " * (2 * i), add_special_tokens=False),
-                       SamplingParams(max_new_tokens=n, **kw)) for i, (n, kw) in enumerate(zip(budgets, SETTINGS))]
+    return [
+        GenRequest(
+            f"{tag}r{i}",
+            engine.tokenizer.encode(f"q{i} " + "ab " * (2 * i), add_special_tokens=False),
+            SamplingParams(max_new_tokens=n, **kw),
+        )
+        for i, (n, kw) in enumerate(zip(budgets, SETTINGS))
+    ]
 
 
 def _top2_gap(model, ctx: list[int], new: list[int], n: int) -> float:
@@ -99,8 +113,9 @@ def test_compiled_equals_dynamic_across_refill_settings_stops_and_budgets(pair):
     free = dyn.generate([reqs[5]])[0]  # a stop string request 5 really produces: a character new after token 3
     text = dyn.tokenizer.decode(free.token_ids)
     stop = next(c for i, c in enumerate(text) if i >= 3 and c.isascii() and c.isalnum() and c not in text[:i])
-    reqs[5] = GenRequest(reqs[5].request_id, reqs[5].token_ids,
-                         dataclasses.replace(reqs[5].params, stop=(*reqs[5].params.stop, stop)))
+    reqs[5] = GenRequest(
+        reqs[5].request_id, reqs[5].token_ids, dataclasses.replace(reqs[5].params, stop=(*reqs[5].params.stop, stop))
+    )
     streams: dict[str, list] = {"dynamic": [], "compiled": []}
     a = dyn.generate(reqs, on_token=lambda rid, tok: streams["dynamic"].append((rid, tok)))
     graphs = _graphs()
@@ -129,8 +144,10 @@ def test_compiled_prefix_reuse_and_seeds_equal_dynamic(pair):
     outs, stats = [], []
     for eng, gens in zip(pair, first):  # continue every head after a tool result, on top of its stored KV
         eng.stats()
-        conts = [GenRequest(f"c{i}", h.token_ids + g.token_ids + tool, h.params, prefix_key=g.cache_key)
-                 for i, (h, g) in enumerate(zip(heads, gens))]
+        conts = [
+            GenRequest(f"c{i}", h.token_ids + g.token_ids + tool, h.params, prefix_key=g.cache_key)
+            for i, (h, g) in enumerate(zip(heads, gens))
+        ]
         outs.append(eng.generate(conts))
         stats.append(eng.stats())
     _assert_close(*outs, conts, dyn.model)
@@ -152,14 +169,28 @@ def test_compiled_rows_reach_the_context_on_the_same_graph(pair):
     com.generate(short)
     com.stats()
     graphs = _graphs()
-    long = [GenRequest(f"l{i}", r.token_ids + dyn.tokenizer.encode("x" * (90 - len(r.token_ids)),
-                                                                    add_special_tokens=False), r.params)
-            for i, r in enumerate(_requests(dyn, budgets=(60,) * 8))]
+    long = [
+        GenRequest(
+            f"l{i}",
+            r.token_ids + dyn.tokenizer.encode("x" * (90 - len(r.token_ids)), add_special_tokens=False),
+            r.params,
+        )
+        for i, r in enumerate(_requests(dyn, budgets=(60,) * 8))
+    ]
     a, b = dyn.generate(long), com.generate(long)
     ends = [len(g.token_ids) for g in b]  # the dynamic engine's context is the model's: compare up to the slot's end
-    a = [dataclasses.replace(x, token_ids=x.token_ids[:n], logprobs=x.logprobs[:n], entropies=x.entropies[:n],
-                             top_logprobs=x.top_logprobs and x.top_logprobs[:n], finish_reason=y.finish_reason,
-                             stop_string=y.stop_string) for x, y, n in zip(a, b, ends)]
+    a = [
+        dataclasses.replace(
+            x,
+            token_ids=x.token_ids[:n],
+            logprobs=x.logprobs[:n],
+            entropies=x.entropies[:n],
+            top_logprobs=x.top_logprobs and x.top_logprobs[:n],
+            finish_reason=y.finish_reason,
+            stop_string=y.stop_string,
+        )
+        for x, y, n in zip(a, b, ends)
+    ]
     _assert_close(a, b, long, dyn.model)
     # a row filled its slot: its last step attended over all 128 columns and sampled token 129 (never fed)
     assert any(len(r.token_ids) + n == 129 for r, n in zip(long, ends))
@@ -181,8 +212,14 @@ def _learner_step(model, reqs) -> None:
 def test_compiled_follows_in_place_weight_updates_without_recompiling(pair, layout):
     dyn, com = pair
     if layout == "native":  # the same module through the native layout: its own graphs, compiled here once
-        com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
-                       static_cache_tokens=128, linear_layout="native")
+        com = HFEngine(
+            model=dyn.model,
+            tokenizer=dyn.tokenizer,
+            max_batch_size=3,
+            decode="compiled",
+            static_cache_tokens=128,
+            linear_layout="native",
+        )
     reqs = _requests(dyn, "w", budgets=(8,) * 8)  # one graph per layout (the native one compiled here once)
     saved = {k: v.clone() for k, v in dyn.model.state_dict().items()}
     com.stats()
@@ -284,14 +321,24 @@ def test_a_cpu_compile_cached_for_another_vector_width_is_not_reused(tmp_path):
     if not any(isa.bit_width() == 512 for isa in valid_vec_isa_list()):
         pytest.skip("needs a CPU with AVX-512: with one vector width there is one kind of cached code to share")
     # the caches on (a process told to skip them would pass without sharing anything), no inherited instruction set
-    off = {"ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-           "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_VEC_ISA_OK"}
+    off = {
+        "ATEN_CPU_CAPABILITY",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE",
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+        "TORCHINDUCTOR_VEC_ISA_OK",
+    }
     env = {k: v for k, v in os.environ.items() if k not in off}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     seen = []
     for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
-        out = subprocess.run([sys.executable, "-c", _VECTOR_WIDTH_STEP], env={**env, **extra}, capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", _VECTOR_WIDTH_STEP],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert [s["bits"] for s in seen] == [512, 256]
@@ -307,8 +354,9 @@ def test_compiled_on_gpu_is_captured_equals_dynamic_and_follows_updates(tiny_mod
     if compiler_problem("cuda"):
         pytest.skip(f"decode='compiled' cannot compile for CUDA here: {compiler_problem('cuda')}")
     dyn = HFEngine(tiny_model_dir, device="cuda", max_batch_size=3, decode="dynamic")
-    com = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled",
-                   static_cache_tokens=512)
+    com = HFEngine(
+        model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="compiled", static_cache_tokens=512
+    )
     assert com.static_decoder.graphs and com.linear_layout == "native"
     saved = {k: v.clone() for k, v in dyn.model.state_dict().items()}
     try:

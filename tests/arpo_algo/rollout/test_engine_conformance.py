@@ -26,11 +26,17 @@ LOGP_TOL = 1e-4
 TIE_TOL = 1e-4
 #: "hf-static" is HFEngine with decode="static" (the fixed-shape step that decode="cuda_graph" captures on a GPU).
 #: "hf-graph" is that step captured as CUDA graphs, on a GPU (the same float32 checks against the CPU teacher).
-ENGINE_KINDS = ["hf", "hf-static", pytest.param("hf-graph", marks=pytest.mark.gpu),
-                pytest.param("vllm", marks=pytest.mark.vllm)]
+ENGINE_KINDS = [
+    "hf",
+    "hf-static",
+    pytest.param("hf-graph", marks=pytest.mark.gpu),
+    pytest.param("vllm", marks=pytest.mark.vllm),
+]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-STOP_ACROSS_REQUESTS = ("engines check stop strings only within the current request's new tokens, so a stop split "
-                        "across a look-ahead request and its continuation is missed")
+STOP_ACROSS_REQUESTS = (
+    "engines check stop strings only within the current request's new tokens, so a stop split "
+    "across a look-ahead request and its continuation is missed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,15 @@ def _build(kind: str, model_dir):
         from arpo_algo.rollout.engines.hf import HFEngine
 
         decode = {"hf": "dynamic", "hf-static": "static", "hf-graph": "cuda_graph"}[kind]
-        return HFEngine(model_dir, dtype="float32", max_batch_size=8, entropy_method="topk_sum_lnV", seed=0,
-                        decode=decode, device="cuda" if kind == "hf-graph" else "cpu")
+        return HFEngine(
+            model_dir,
+            dtype="float32",
+            max_batch_size=8,
+            entropy_method="topk_sum_lnV",
+            seed=0,
+            decode=decode,
+            device="cuda" if kind == "hf-graph" else "cpu",
+        )
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
     return VLLMEngine(model_dir, dtype="float32", kv_cache_gib=0.5, seed=0)
@@ -75,7 +88,7 @@ def _ctx(engine, text: str) -> list[int]:
 def _teacher_logp(teacher, ctx: list[int], new: list[int]) -> torch.Tensor:
     """log_softmax of the teacher's logits at each generated position: [len(new), vocab]."""
     with torch.no_grad():
-        logits = teacher(torch.tensor([ctx + new])).logits[0, len(ctx) - 1:len(ctx) + len(new) - 1].float()
+        logits = teacher(torch.tensor([ctx + new])).logits[0, len(ctx) - 1 : len(ctx) + len(new) - 1].float()
     return torch.log_softmax(logits, -1)
 
 
@@ -90,8 +103,9 @@ def _assert_greedy_matches(teacher, ctx, gen):
 def test_interface_and_greedy_equals_teacher_forcing(engine, teacher):
     assert isinstance(engine, RolloutEngine)
     prompts = ["hello engines", "The quick brown fox jumps", "1 + 1 ="]
-    reqs = [GenRequest(i, _ctx(engine, p), SamplingParams(max_new_tokens=16, temperature=0)) for i, p in
-            enumerate(prompts)]
+    reqs = [
+        GenRequest(i, _ctx(engine, p), SamplingParams(max_new_tokens=16, temperature=0)) for i, p in enumerate(prompts)
+    ]
     seen: list[tuple] = []
     gens = engine.generate(reqs, on_token=lambda rid, tok: seen.append((rid, tok)))
     for req, gen in zip(reqs, gens):
@@ -132,8 +146,8 @@ def test_per_request_max_tokens_and_context_budget(engine):
         assert len(gen.token_ids) == n or gen.finish_reason == "eos", (n, gen)
         assert gen.finish_reason in ("length", "eos") and len(gen.token_ids) <= n
     limit = engine.max_context
-    near = GenRequest("near", (ctx * limit)[:limit - 2], SamplingParams(max_new_tokens=50, temperature=0))
-    over = GenRequest("over", (ctx * limit)[:limit + 1], SamplingParams(max_new_tokens=5))
+    near = GenRequest("near", (ctx * limit)[: limit - 2], SamplingParams(max_new_tokens=50, temperature=0))
+    over = GenRequest("over", (ctx * limit)[: limit + 1], SamplingParams(max_new_tokens=5))
     res = engine.generate([near, over])
     assert 1 <= len(res[0].token_ids) <= 3 and res[0].finish_reason in ("length", "eos")
     assert res[1].finish_reason == "error" and "over" in res[1].error
@@ -145,9 +159,13 @@ def test_logprobs_up_to_the_engine_max_and_a_request_for_more_is_its_error(engin
     its top-k entropy) and never an exception that loses the rest of the batch."""
     limit = 64 if engine.kind == "vllm" else json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ctx = _ctx(engine, "how many logprobs: ")
-    gens = engine.generate([GenRequest("max", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit)),
-                            GenRequest("over", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit + 1)),
-                            GenRequest("ok", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=5))])
+    gens = engine.generate(
+        [
+            GenRequest("max", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit)),
+            GenRequest("over", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=limit + 1)),
+            GenRequest("ok", ctx, SamplingParams(max_new_tokens=3, seed=1, logprobs_topk=5)),
+        ]
+    )
     assert gens[0].finish_reason != "error" and all(len(t) >= limit for t in gens[0].top_logprobs)
     assert gens[1].finish_reason == "error" and gens[1].token_ids == []
     assert f"logprobs_topk={limit + 1} exceeds this engine's maximum of {limit}" in gens[1].error
@@ -164,8 +182,14 @@ def _stop_case(engine, ctx):
         cont = engine.generate([GenRequest("c", ctx + free[:k], SamplingParams(max_new_tokens=8, seed=22))])[0]
         tail = tok.decode(cont.token_ids)
         stop = head[-1:] + tail[:1]
-        if stop.isascii() and stop.isalnum() and len(stop) == 2 and stop not in head and stop not in tail \
-                and tok.decode(free[:k] + cont.token_ids) == head + tail:
+        if (
+            stop.isascii()
+            and stop.isalnum()
+            and len(stop) == 2
+            and stop not in head
+            and stop not in tail
+            and tok.decode(free[:k] + cont.token_ids) == head + tail
+        ):
             return free[:k], cont, stop
     pytest.fail("no printable split stop string found in 32 tries (model output changed?)")
 
@@ -178,7 +202,7 @@ def test_stop_strings(engine):
     gen = engine.generate([GenRequest("s", ctx, SamplingParams(max_new_tokens=40, seed=7, stop=("@@@", stop)))])[0]
     assert gen.finish_reason == "stop" and gen.stop_string == stop
     assert engine.tokenizer.decode(gen.token_ids).endswith(stop)
-    assert gen.token_ids == free.token_ids[:len(gen.token_ids)]  # the token completing the stop is kept, no more
+    assert gen.token_ids == free.token_ids[: len(gen.token_ids)]  # the token completing the stop is kept, no more
 
 
 @pytest.mark.xfail(strict=True, reason=STOP_ACROSS_REQUESTS)
@@ -195,8 +219,9 @@ def test_continuation_after_tool_result_reuses_prefix(engine, teacher):
     engine.stats()
     tool = _ctx(engine, "<result>391</result>")
     ctx = prompt + first.token_ids + tool
-    hinted = engine.generate([GenRequest("t1", ctx, SamplingParams(max_new_tokens=10, temperature=0),
-                                         prefix_key=first.cache_key)])[0]
+    hinted = engine.generate(
+        [GenRequest("t1", ctx, SamplingParams(max_new_tokens=10, temperature=0), prefix_key=first.cache_key)]
+    )[0]
     stats = engine.stats()
     plain = engine.generate([GenRequest("t2", ctx, SamplingParams(max_new_tokens=10, temperature=0))])[0]
     assert stats.get("reused_tokens", 0) > 0, stats  # the prefix was not prefilled again

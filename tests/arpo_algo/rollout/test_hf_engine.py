@@ -28,10 +28,10 @@ def _teacher_forced(model, context: list[int], new: list[int], temperature: floa
     with torch.no_grad():
         logits = model(torch.tensor([context + new])).logits[0].float()
     t = temperature or 1.0
-    logp = torch.log_softmax(logits[len(context) - 1:-1] / t, -1)
+    logp = torch.log_softmax(logits[len(context) - 1 : -1] / t, -1)
     ent = -(logp.exp() * logp).sum(-1)
     lps = logp[torch.arange(len(new)), torch.tensor(new)]
-    return lps.tolist(), ent.tolist(), logits[len(context) - 1:-1]
+    return lps.tolist(), ent.tolist(), logits[len(context) - 1 : -1]
 
 
 def _maxdiff(a, b) -> float:
@@ -41,9 +41,14 @@ def _maxdiff(a, b) -> float:
 
 def test_protocol_and_teacher_forced_match(engine):
     assert isinstance(engine, RolloutEngine)
-    reqs = [GenRequest(f"r{i}", _prompt(engine, "question " * (i + 1)),
-                       SamplingParams(max_new_tokens=12, temperature=t, top_p=tp, top_k=tk, seed=i))
-            for i, (t, tp, tk) in enumerate([(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20)])]
+    reqs = [
+        GenRequest(
+            f"r{i}",
+            _prompt(engine, "question " * (i + 1)),
+            SamplingParams(max_new_tokens=12, temperature=t, top_p=tp, top_k=tk, seed=i),
+        )
+        for i, (t, tp, tk) in enumerate([(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20)])
+    ]
     for req, gen in zip(reqs, engine.generate(reqs)):
         assert gen.request_id == req.request_id and gen.finish_reason in ("length", "eos")
         lps, ents, _ = _teacher_forced(engine.model, req.token_ids, gen.token_ids, req.params.temperature)
@@ -57,21 +62,25 @@ def test_greedy_matches_argmax(engine):
     _, _, logits = _teacher_forced(engine.model, req.token_ids, gen.token_ids)
     assert gen.token_ids == logits.argmax(-1).tolist()
     # top_k=1 and a tiny top_p leave only the argmax too, whatever the seed
-    for params in (SamplingParams(max_new_tokens=15, top_k=1, seed=5), SamplingParams(max_new_tokens=15, top_p=1e-6,
-                                                                                       seed=6)):
+    for params in (
+        SamplingParams(max_new_tokens=15, top_k=1, seed=5),
+        SamplingParams(max_new_tokens=15, top_p=1e-6, seed=6),
+    ):
         assert engine.generate([GenRequest("k", req.token_ids, params)])[0].token_ids == gen.token_ids
 
 
 def test_kv_prefix_reuse_is_exact(engine):
-    base = GenRequest("p", _prompt(engine, "<|im_start|>user\nsolve it<|im_end|>\n"), SamplingParams(max_new_tokens=10,
-                                                                                                       seed=1))
+    base = GenRequest(
+        "p", _prompt(engine, "<|im_start|>user\nsolve it<|im_end|>\n"), SamplingParams(max_new_tokens=10, seed=1)
+    )
     first = engine.generate([base])[0]
     assert first.cache_key is not None
     engine.stats()
     tool = _prompt(engine, " <result>\n42\n</result>")
     ctx = base.token_ids + first.token_ids + tool
-    branches = [GenRequest(f"b{s}", ctx, SamplingParams(max_new_tokens=8, seed=s), prefix_key=first.cache_key)
-                for s in range(3)]
+    branches = [
+        GenRequest(f"b{s}", ctx, SamplingParams(max_new_tokens=8, seed=s), prefix_key=first.cache_key) for s in range(3)
+    ]
     gens = engine.generate(branches)
     st = engine.stats()
     # the first branch prefills only the tool tokens on top of the stored prefix; its identical twins share that
@@ -97,8 +106,10 @@ def test_prefix_mismatch_and_miss_fall_back(engine):
     key = engine.generate([base])[0].cache_key
     engine.stats()
     other = _prompt(engine, "xyzdef ghi")
-    gens = [engine.generate([GenRequest(rid, other, SamplingParams(max_new_tokens=4, seed=2), prefix_key=hint)])[0]
-            for rid, hint in (("x", key), ("y", "nope"))]
+    gens = [
+        engine.generate([GenRequest(rid, other, SamplingParams(max_new_tokens=4, seed=2), prefix_key=hint)])[0]
+        for rid, hint in (("x", key), ("y", "nope"))
+    ]
     st = engine.stats()
     assert st["prefix_mismatches"] == 1 and st["prefix_misses"] == 1 and st["reused_tokens"] == 0
     assert gens[0].token_ids == gens[1].token_ids
@@ -106,8 +117,10 @@ def test_prefix_mismatch_and_miss_fall_back(engine):
 
 def test_refill_many_lengths_batch2(tiny_model_dir):
     eng = HFEngine(tiny_model_dir, max_batch_size=2)
-    reqs = [GenRequest(i, eng.tokenizer.encode("x" * (3 + 5 * i)), SamplingParams(max_new_tokens=n, seed=i))
-            for i, n in enumerate([30, 2, 7, 1, 15, 4, 9])]
+    reqs = [
+        GenRequest(i, eng.tokenizer.encode("x" * (3 + 5 * i)), SamplingParams(max_new_tokens=n, seed=i))
+        for i, n in enumerate([30, 2, 7, 1, 15, 4, 9])
+    ]
     gens = eng.generate(reqs)
     assert [g.request_id for g in gens] == list(range(7))
     assert [len(g.token_ids) for g in gens] == [30, 2, 7, 1, 15, 4, 9]
@@ -123,8 +136,10 @@ def test_refill_many_lengths_batch2(tiny_model_dir):
 def test_seed_independent_of_batch_composition(engine):
     target = GenRequest("t", _prompt(engine, "the same seed"), SamplingParams(max_new_tokens=20, seed=123))
     alone = engine.generate([target])[0]
-    others = [GenRequest(i, _prompt(engine, "filler " * (i + 2)), SamplingParams(max_new_tokens=5 + 4 * i, seed=i))
-              for i in range(5)]
+    others = [
+        GenRequest(i, _prompt(engine, "filler " * (i + 2)), SamplingParams(max_new_tokens=5 + 4 * i, seed=i))
+        for i in range(5)
+    ]
     mixed = engine.generate(others[:2] + [target] + others[2:])[2]
     assert mixed.token_ids == alone.token_ids
     assert _maxdiff(mixed.logprobs, alone.logprobs) < 1e-4
@@ -156,7 +171,7 @@ def test_eos_from_generation_config_list(tiny_model_dir):
     eng = HFEngine(model=model, tokenizer=tok)
     gen = eng.generate([GenRequest(0, ctx, SamplingParams(max_new_tokens=10, temperature=0))])[0]
     first = free.index(free[3])
-    assert gen.finish_reason == "eos" and gen.token_ids == free[:first + 1]
+    assert gen.finish_reason == "eos" and gen.token_ids == free[: first + 1]
 
 
 def test_bad_requests_get_errors_not_exceptions(engine):
@@ -270,8 +285,10 @@ def test_bf16_logprob_error_bound(tiny_model_dir):
 def test_identical_contexts_are_prefilled_once(tiny_model_dir):
     eng = HFEngine(tiny_model_dir, max_batch_size=2)
     prompt = eng.tokenizer.encode("the same prompt for every initial sample")
-    reqs = [GenRequest(i, list(prompt) if i != 2 else prompt[:-3], SamplingParams(max_new_tokens=5 + i, seed=i))
-            for i in range(5)]
+    reqs = [
+        GenRequest(i, list(prompt) if i != 2 else prompt[:-3], SamplingParams(max_new_tokens=5 + i, seed=i))
+        for i in range(5)
+    ]
     gens = eng.generate(reqs)
     st = eng.stats()
     assert st["shared_prefills"] == 3
@@ -318,8 +335,12 @@ def test_config_errors(tiny_model_dir):
 def test_bf16_smollm2(smollm2_dir):
     eng = HFEngine(smollm2_dir, dtype="bfloat16")
     ref = HFEngine(smollm2_dir)
-    ctx = ref.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12*7? Think step by step."}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+    ctx = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12*7? Think step by step."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     gen = eng.generate([GenRequest("s", ctx, SamplingParams(max_new_tokens=32, seed=0))])[0]
     lps, ents, _ = _teacher_forced(ref.model, ctx, gen.token_ids)
     err = _maxdiff(lps, gen.logprobs)

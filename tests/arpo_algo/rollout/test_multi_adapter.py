@@ -16,8 +16,10 @@ def adapters(tiny_model_dir, tmp_path_factory):
     from arpo_algo.models import build_tiny_adapter
 
     root = tmp_path_factory.mktemp("adapters")
-    return {"a": build_tiny_adapter(tiny_model_dir, root / "a", rank=4, seed=1),
-            "b": build_tiny_adapter(tiny_model_dir, root / "b", rank=8, seed=2)}
+    return {
+        "a": build_tiny_adapter(tiny_model_dir, root / "a", rank=4, seed=1),
+        "b": build_tiny_adapter(tiny_model_dir, root / "b", rank=8, seed=2),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +39,15 @@ def _alone(path, reqs):
 def test_a_mixed_batch_equals_each_policy_served_alone(multi, adapters, tiny_model_dir):
     ctx = list(range(40, 72))
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
-    reqs = [GenRequest(i, ctx, p, adapter=a) for i, (a, p) in
-            enumerate([("a", GREEDY), ("b", GREEDY), (None, GREEDY), ("a", seeded), ("b", seeded)])]
+    reqs = [
+        GenRequest(i, ctx, p, adapter=a)
+        for i, (a, p) in enumerate([("a", GREEDY), ("b", GREEDY), (None, GREEDY), ("a", seeded), ("b", seeded)])
+    ]
     got = [g.token_ids for g in multi.generate(reqs)]
-    want = {name: _alone(path, [GenRequest(0, ctx, GREEDY), GenRequest(1, ctx, seeded)])
-            for name, path in {**adapters, None: tiny_model_dir}.items()}
+    want = {
+        name: _alone(path, [GenRequest(0, ctx, GREEDY), GenRequest(1, ctx, seeded)])
+        for name, path in {**adapters, None: tiny_model_dir}.items()
+    }
     assert got == [want["a"][0], want["b"][0], want[None][0], want["a"][1], want["b"][1]]
     assert len({tuple(w[0]) for w in want.values()}) == 3  # the adapters really change the policy
 
@@ -64,8 +70,11 @@ def test_a_shared_leading_run_is_shared_within_an_adapter_only(multi, adapters):
     from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN
 
     head = list(range(33, 33 + SHARED_PREFIX_MIN + 8))
-    reqs = [GenRequest(0, head + [70, 71], GREEDY, adapter="a"), GenRequest(1, head + [72], GREEDY, adapter="b"),
-            GenRequest(2, head + [73, 74], GREEDY, adapter="b")]
+    reqs = [
+        GenRequest(0, head + [70, 71], GREEDY, adapter="a"),
+        GenRequest(1, head + [72], GREEDY, adapter="b"),
+        GenRequest(2, head + [73, 74], GREEDY, adapter="b"),
+    ]
     got = [g.token_ids for g in multi.generate(reqs)]
     assert got[0] == _alone(adapters["a"], [GenRequest(0, reqs[0].token_ids, GREEDY)])[0]
     assert got[1:] == _alone(adapters["b"], [GenRequest(i, r.token_ids, GREEDY) for i, r in enumerate(reqs[1:])])
@@ -83,8 +92,10 @@ def test_adding_and_removing_an_adapter_between_calls(tiny_model_dir, adapters, 
     eng = HFEngine(tiny_model_dir, adapters={"a": str(adapters["a"])})
     eng.add_adapter("b", str(adapters["b"]))
     ctx = list(range(40, 60))
-    assert eng.generate([GenRequest(0, ctx, GREEDY, adapter="b")])[0].token_ids == \
-        _alone(adapters["b"], [GenRequest(0, ctx, GREEDY)])[0]
+    assert (
+        eng.generate([GenRequest(0, ctx, GREEDY, adapter="b")])[0].token_ids
+        == _alone(adapters["b"], [GenRequest(0, ctx, GREEDY)])[0]
+    )
     with pytest.raises(ConfigError, match="loaded already"):
         eng.add_adapter("b", str(adapters["b"]))
     other = build_tiny_adapter(build_tiny_model(tmp_path / "other", seed=5), tmp_path / "c", seed=3)
@@ -93,5 +104,7 @@ def test_adding_and_removing_an_adapter_between_calls(tiny_model_dir, adapters, 
     assert "fingerprint" in e.value.message and "c" not in eng.adapters
     eng.remove_adapter("a")
     assert eng.generate([GenRequest(0, ctx, GREEDY, adapter="a")])[0].finish_reason == "error"
-    assert eng.generate([GenRequest(0, ctx, GREEDY, adapter="b")])[0].token_ids == \
-        _alone(adapters["b"], [GenRequest(0, ctx, GREEDY)])[0]
+    assert (
+        eng.generate([GenRequest(0, ctx, GREEDY, adapter="b")])[0].token_ids
+        == _alone(adapters["b"], [GenRequest(0, ctx, GREEDY)])[0]
+    )

@@ -59,7 +59,7 @@ class ScriptedEngine:
             else:
                 variant = random.Random(req.params.seed).randrange(8)
             full = self._turn(n_results, variant, limit)
-            ids = self.tokenizer(full[len(partial):], add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(full[len(partial) :], add_special_tokens=False)["input_ids"]
             finish, stop = ("stop", "</python>") if full.endswith("</python>") else ("eos", None)
             if finish == "eos":
                 ids = ids + [self.tokenizer.eos_token_id]
@@ -68,8 +68,11 @@ class ScriptedEngine:
             self.generated += len(ids)
             ent = self.entropy(n_results, variant)
             top = [[(0, -0.1), (1, -2.5)]] * len(ids) if req.params.logprobs_topk else None
-            out.append(Generation(req.request_id, ids, [-0.5] * len(ids), [ent] * len(ids), finish, stop_string=stop,
-                                  top_logprobs=top))
+            out.append(
+                Generation(
+                    req.request_id, ids, [-0.5] * len(ids), [ent] * len(ids), finish, stop_string=stop, top_logprobs=top
+                )
+            )
         replay_tokens(on_token, out)
         return out
 
@@ -233,8 +236,9 @@ def test_every_branch_decision_is_kept_with_its_draws(env_creator):
     for g in groups:  # a branch starts where its decision was taken
         for t in g.trajectories:
             if t.kind == "branch":
-                assert any(d["trajectory"] == t.parent and d["at"] == t.branch_point and d["branches"]
-                           for d in g.decisions)
+                assert any(
+                    d["trajectory"] == t.parent and d["at"] == t.branch_point and d["branches"] for d in g.decisions
+                )
 
 
 def test_aepo_path_scope_counter_in_the_sampler(env_creator):
@@ -246,8 +250,11 @@ def test_aepo_path_scope_counter_in_the_sampler(env_creator):
     groups, _ = _sampler(eng, env_creator, cfg, max_response_tokens=600).sample([0], step=0)
     trajs = groups[0].trajectories
     first = trajs[0]
-    results_at = [i + 1 for i in range(len(first.response_ids) - 1)
-                  if first.trained_mask[i] == 0 and first.trained_mask[i + 1] == 1]
+    results_at = [
+        i + 1
+        for i in range(len(first.response_ids) - 1)
+        if first.trained_mask[i] == 0 and first.trained_mask[i + 1] == 1
+    ]
     assert len(results_at) == 4
     children = sorted(t.branch_point for t in trajs if t.parent == 0)
     assert children == [results_at[0], results_at[1], results_at[3]]
@@ -280,8 +287,9 @@ def test_prompt_overflow_policies(env_creator):
     eng = ScriptedEngine()
     with pytest.raises(ArpoError, match="task 7"):
         _sampler(eng, env_creator, TreeConfig.grpo(1), max_prompt_tokens=16).sample([7], step=0)
-    groups, _ = _sampler(eng, env_creator, TreeConfig.grpo(1), max_prompt_tokens=16,
-                         prompt_overflow="left_truncate").sample([7], step=0)
+    groups, _ = _sampler(
+        eng, env_creator, TreeConfig.grpo(1), max_prompt_tokens=16, prompt_overflow="left_truncate"
+    ).sample([7], step=0)
     assert len(groups[0].prompt_ids) == 16
 
 
@@ -316,9 +324,14 @@ def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
     groups, m = s.sample([0, 1], step=0)
     for g in groups:
         _check_group(g, cfg, eng.tokenizer, 48)
-        assert g.prompt_ids == list(eng.tokenizer.apply_chat_template(
-            ToolTextEnv(task="toolmath").reset(options={"task_index": g.prompt_index})[1]["messages"],
-            add_generation_prompt=True, tokenize=True, return_dict=False))
+        assert g.prompt_ids == list(
+            eng.tokenizer.apply_chat_template(
+                ToolTextEnv(task="toolmath").reset(options={"task_index": g.prompt_index})[1]["messages"],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
     assert m["num_trajectories"] == 8 and m["rollout/tokens_generated"] > 0
 
 
@@ -337,8 +350,10 @@ def test_arpo_without_branching_is_grpo_token_for_token(tiny_model_dir, env_crea
     got = {}
     for name, cfg in (("arpo", arpo), ("grpo", grpo)):
         groups, _ = _sampler(eng, env_creator, cfg, max_response_tokens=48, seed=3).sample([0, 1], step=2)
-        got[name] = [sorted((tuple(t.response_ids), tuple(t.trained_mask), t.reward, t.finish_reason)
-                            for t in g.trajectories) for g in groups]
+        got[name] = [
+            sorted((tuple(t.response_ids), tuple(t.trained_mask), t.reward, t.finish_reason) for t in g.trajectories)
+            for g in groups
+        ]
         assert all(t.parent is None for g in groups for t in g.trajectories)
     assert got["arpo"] == got["grpo"]
     assert len({traj[0] for g in got["grpo"] for traj in g}) > 2  # sampled, not one repeated greedy answer

@@ -38,8 +38,13 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     tools = {"python": {"backend": "bwrap", "persistent": True}}
     engine = HFEngine(counter_dir, dtype="float32", seed=0)
     tree = TreeConfig(budget=4, initial=2, branch_factor=1, tau=0.4)  # alpha 0.5 > tau: branch after every result
-    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools, max_tool_calls=4),
-                                      tree, RolloutsConfig(max_response_tokens=240), seed=0)
+    sampler = TreeSampler.from_config(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", tools=tools, max_tool_calls=4),
+        tree,
+        RolloutsConfig(max_response_tokens=240),
+        seed=0,
+    )
     interpreter_metrics()  # the figures are per process since the last read: count this step's only
     try:
         groups, metrics = sampler.sample([0], step=0)
@@ -62,7 +67,8 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
     assert any(t.kind == "branch" and len(t.tool_calls) >= 2 for t in trajs.values())
     assert metrics["rollout/interpreter_forks"] >= 1 and metrics["rollout/interpreter_fork_ms"] > 0
     assert metrics["rollout/interpreter_fork_ms_total"] == pytest.approx(
-        metrics["rollout/interpreter_fork_ms"] * metrics["rollout/interpreter_forks"])
+        metrics["rollout/interpreter_fork_ms"] * metrics["rollout/interpreter_forks"]
+    )
     assert metrics["rollout/interpreter_forks_failed"] == 0
     assert 1 <= metrics["rollout/interpreters_peak"] <= len(trajs) + 1
     # Sampled once per round with the round's interpreters live: at least one fresh interpreter's worth (several MB).
@@ -72,9 +78,13 @@ def test_branches_continue_from_their_parents_interpreter(counter_dir):
 def test_a_stateless_step_reports_no_interpreter_figures(counter_dir):
     engine = HFEngine(counter_dir, dtype="float32", seed=0)
     tree = TreeConfig(budget=2, initial=2, branch_factor=1)
-    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools={"python": {}},
-                                                                  max_tool_calls=1),
-                                      tree, RolloutsConfig(max_response_tokens=120), seed=0)
+    sampler = TreeSampler.from_config(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", tools={"python": {}}, max_tool_calls=1),
+        tree,
+        RolloutsConfig(max_response_tokens=120),
+        seed=0,
+    )
     try:
         _, metrics = sampler.sample([0], step=0)
     finally:
@@ -94,8 +104,13 @@ def test_a_served_request_has_one_interpreter_per_choice_ended_with_it(counter_d
     from serve.runtime import Agent
     from serve.schema import parse_chat_request
 
-    spec = build_specs([f"counter={counter_dir}"], engine="hf", max_tool_calls=3, max_tokens=200,
-                       tools={"python": {"backend": "bwrap", "persistent": True}})[0]
+    spec = build_specs(
+        [f"counter={counter_dir}"],
+        engine="hf",
+        max_tool_calls=3,
+        max_tokens=200,
+        tools={"python": {"backend": "bwrap", "persistent": True}},
+    )[0]
     agent = Agent(spec)
     try:
         _, info = ToolTextEnv(task="toolmath").reset(options={"task_index": 0})  # the contexts it was taught on

@@ -21,17 +21,36 @@ from .test_sampler import ScriptedEngine
 
 
 def fingerprint(groups) -> str:
-    rows = [[g.prompt_index, g.prompt_ids, [[t.traj_id, t.response_ids, t.trained_mask, t.parent, t.branch_point,
-                                             t.kind, t.finish_reason, round(t.reward, 6), len(t.tool_calls)]
-                                            for t in g.trajectories]] for g in groups]
+    rows = [
+        [
+            g.prompt_index,
+            g.prompt_ids,
+            [
+                [
+                    t.traj_id,
+                    t.response_ids,
+                    t.trained_mask,
+                    t.parent,
+                    t.branch_point,
+                    t.kind,
+                    t.finish_reason,
+                    round(t.reward, 6),
+                    len(t.tool_calls),
+                ]
+                for t in g.trajectories
+            ],
+        ]
+        for g in groups
+    ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
 def creator(tmp_path_factory):
     cache = tmp_path_factory.mktemp("pincache") / "python.sqlite"
-    return lambda: ToolTextEnv(task="toolmath", tools={"python": {}, "cache": {"path": str(cache),
-                                                                               "mode": "read_write"}})
+    return lambda: ToolTextEnv(
+        task="toolmath", tools={"python": {}, "cache": {"path": str(cache), "mode": "read_write"}}
+    )
 
 
 PINNED_SCRIPTED = {
@@ -56,8 +75,14 @@ def test_tiny_model_tree_is_pinned(tiny_model_dir, creator):
     """A real tiny model through the HF engine: ARPO with branching."""
     from arpo_algo.rollout.engines.hf import HFEngine
 
-    s = TreeSampler(HFEngine(str(tiny_model_dir)), creator, TreeConfig(budget=4, initial=2, branch_factor=1),
-                    SamplingParams(), max_response_tokens=40, seed=5)
+    s = TreeSampler(
+        HFEngine(str(tiny_model_dir)),
+        creator,
+        TreeConfig(budget=4, initial=2, branch_factor=1),
+        SamplingParams(),
+        max_response_tokens=40,
+        seed=5,
+    )
     groups, _ = s.sample([0, 1], step=1)
     s.close()
     assert fingerprint(groups) == "bdca641ad8aefb25"

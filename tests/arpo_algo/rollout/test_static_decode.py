@@ -32,8 +32,7 @@ TOL = 1e-5
 def pair(tiny_model_dir):
     """(dynamic, static) engines over one module, 3 slots each."""
     dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic")
-    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="static",
-                   static_cache_tokens=512)
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="static", static_cache_tokens=512)
     return dyn, sta
 
 
@@ -45,8 +44,12 @@ def _assert_same(a, b, tol: float = TOL) -> None:
     """Two lists of Generations are the same up to floating-point noise in the numbers."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert (x.request_id, x.token_ids, x.finish_reason, x.stop_string) == \
-            (y.request_id, y.token_ids, y.finish_reason, y.stop_string), (x, y)
+        assert (x.request_id, x.token_ids, x.finish_reason, x.stop_string) == (
+            y.request_id,
+            y.token_ids,
+            y.finish_reason,
+            y.stop_string,
+        ), (x, y)
         assert len(x.logprobs) == len(y.logprobs) == len(x.entropies) == len(y.entropies) == len(x.token_ids)
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < tol
         assert max((abs(u - v) for u, v in zip(x.entropies, y.entropies)), default=0.0) < tol
@@ -58,13 +61,24 @@ def _assert_same(a, b, tol: float = TOL) -> None:
 
 def _mixed_requests(engine, stop: str) -> list[GenRequest]:
     """More requests than slots: different lengths, budgets (0 and 1 included), sampling settings and stops."""
-    settings = [dict(temperature=0.0), dict(seed=1), dict(temperature=0.7, top_p=0.9, seed=2),
-                dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4), dict(top_k=20, top_p=0.8, seed=4),
-                dict(seed=5, stop=("\x00never", stop)), dict(temperature=0.0, logprobs_topk=2), dict(seed=7),
-                dict(seed=8, top_k=1)]
+    settings = [
+        dict(temperature=0.0),
+        dict(seed=1),
+        dict(temperature=0.7, top_p=0.9, seed=2),
+        dict(temperature=1.3, top_k=5, seed=3, logprobs_topk=4),
+        dict(top_k=20, top_p=0.8, seed=4),
+        dict(seed=5, stop=("\x00never", stop)),
+        dict(temperature=0.0, logprobs_topk=2),
+        dict(seed=7),
+        dict(seed=8, top_k=1),
+    ]
     budgets = [12, 40, 7, 25, 1, 40, 0, 33, 9]
-    return [GenRequest(f"r{i}", _ids(engine, f"request {i}: " + "context " * (1 + 3 * i)),
-                       SamplingParams(max_new_tokens=n, **kw)) for i, (n, kw) in enumerate(zip(budgets, settings))]
+    return [
+        GenRequest(
+            f"r{i}", _ids(engine, f"request {i}: " + "context " * (1 + 3 * i)), SamplingParams(max_new_tokens=n, **kw)
+        )
+        for i, (n, kw) in enumerate(zip(budgets, settings))
+    ]
 
 
 def _a_stop(engine) -> str:
@@ -78,8 +92,14 @@ def _a_stop(engine) -> str:
 @pytest.mark.parametrize("entropy_method", ["full", "topk_sum_lnV"])
 def test_static_equals_dynamic_across_refill_settings_stops_and_budgets(tiny_model_dir, entropy_method):
     dyn = HFEngine(tiny_model_dir, max_batch_size=3, decode="dynamic", entropy_method=entropy_method)
-    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="static",
-                   static_cache_tokens=512, entropy_method=entropy_method)
+    sta = HFEngine(
+        model=dyn.model,
+        tokenizer=dyn.tokenizer,
+        max_batch_size=3,
+        decode="static",
+        static_cache_tokens=512,
+        entropy_method=entropy_method,
+    )
     reqs = _mixed_requests(dyn, _a_stop(dyn))
     streams: dict[str, list] = {"dynamic": [], "static": []}
     a = dyn.generate(reqs, on_token=lambda rid, tok: streams["dynamic"].append((rid, tok)))
@@ -105,8 +125,10 @@ def test_static_prefix_reuse_and_shared_prefill_equal_dynamic(pair):
     for eng, head in zip(pair, first):
         eng.stats()
         ctx = prompt + head.token_ids + tool
-        branches = [GenRequest(f"b{s}", ctx, SamplingParams(max_new_tokens=8 + s, seed=s), prefix_key=head.cache_key)
-                    for s in range(4)]  # four identical contexts: one prefill on top of the stored prefix, shared
+        branches = [
+            GenRequest(f"b{s}", ctx, SamplingParams(max_new_tokens=8 + s, seed=s), prefix_key=head.cache_key)
+            for s in range(4)
+        ]  # four identical contexts: one prefill on top of the stored prefix, shared
         outs.append(eng.generate(branches))
         stats.append(eng.stats())
     _assert_same(*outs)
@@ -123,20 +145,34 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     from arpo_algo.rollout.engines import slot_prefill
 
     dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
-    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static",
-                   static_cache_tokens=512)
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static", static_cache_tokens=512)
     heads = {}
     for eng in (dyn, sta):  # two finished requests whose KV each engine stores
-        heads[eng] = eng.generate([GenRequest(f"h{i}", _ids(dyn, "question " * (2 + 5 * i)),
-                                              SamplingParams(max_new_tokens=6, seed=i)) for i in range(2)])
+        heads[eng] = eng.generate(
+            [
+                GenRequest(f"h{i}", _ids(dyn, "question " * (2 + 5 * i)), SamplingParams(max_new_tokens=6, seed=i))
+                for i in range(2)
+            ]
+        )
 
     def batch(eng):  # two continuations after a tool result (prefix reuse) and two fresh prompts, 4 slots
-        conts = [GenRequest(f"c{i}", _ids(dyn, "question " * (2 + 5 * i)) + h.token_ids
-                            + _ids(dyn, " <result>7</result>"), SamplingParams(max_new_tokens=9, seed=10 + i),
-                            prefix_key=h.cache_key) for i, h in enumerate(heads[eng])]
-        fresh = [GenRequest(f"f{i}", _ids(dyn, "a fresh prompt " + "ok " * (2 * i)),  # about the suffixes' size
-                            SamplingParams(max_new_tokens=7, temperature=0.0 if i else 0.8, seed=20 + i))
-                 for i in range(2)]
+        conts = [
+            GenRequest(
+                f"c{i}",
+                _ids(dyn, "question " * (2 + 5 * i)) + h.token_ids + _ids(dyn, " <result>7</result>"),
+                SamplingParams(max_new_tokens=9, seed=10 + i),
+                prefix_key=h.cache_key,
+            )
+            for i, h in enumerate(heads[eng])
+        ]
+        fresh = [
+            GenRequest(
+                f"f{i}",
+                _ids(dyn, "a fresh prompt " + "ok " * (2 * i)),  # about the suffixes' size
+                SamplingParams(max_new_tokens=7, temperature=0.0 if i else 0.8, seed=20 + i),
+            )
+            for i in range(2)
+        ]
         return conts + fresh
 
     dyn.stats(), sta.stats()
@@ -161,16 +197,23 @@ def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode, slots):
     from arpo_algo.rollout.engines import slot_prefill
 
     alone = HFEngine(tiny_model_dir, max_batch_size=6, decode="dynamic")
-    eng = HFEngine(model=alone.model, tokenizer=alone.tokenizer, max_batch_size=slots, decode=decode,
-                   static_cache_tokens=512)
-    system = _ids(eng, "<|im_start|>system\nYou solve problems step by step. " + "Think carefully. " * 8
-                  + "<|im_end|>\n")
+    eng = HFEngine(
+        model=alone.model, tokenizer=alone.tokenizer, max_batch_size=slots, decode=decode, static_cache_tokens=512
+    )
+    system = _ids(
+        eng, "<|im_start|>system\nYou solve problems step by step. " + "Think carefully. " * 8 + "<|im_end|>\n"
+    )
     assert len(system) > slot_prefill.SHARED_PREFIX_MIN
     asks = ["what is two plus two", "name a prime above ten", "how long is a year on mars", "spell seven"]
     contexts = [system + _ids(eng, q) for q in asks] + [system, _ids(eng, "an unrelated short prompt")]
-    reqs = [GenRequest(f"q{i}", ctx if i != 2 else tuple(ctx),
-                       SamplingParams(max_new_tokens=8, temperature=0.0 if i == 1 else 1.0, seed=i))
-            for i, ctx in enumerate(contexts)]
+    reqs = [
+        GenRequest(
+            f"q{i}",
+            ctx if i != 2 else tuple(ctx),
+            SamplingParams(max_new_tokens=8, temperature=0.0 if i == 1 else 1.0, seed=i),
+        )
+        for i, ctx in enumerate(contexts)
+    ]
     want = [alone.generate([r])[0] for r in reqs]  # one request per call: nothing shared
     assert alone.stats().get("shared_prefix_rows", 0) == 0
     got = eng.generate(reqs)
@@ -191,12 +234,17 @@ def test_shared_runs_group_neighbours_above_the_minimum():
     from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN, shared_runs
 
     a, b = list(range(100, 100 + SHARED_PREFIX_MIN + 5)), list(range(500, 500 + SHARED_PREFIX_MIN))
-    contexts = [a + [1, 2], b + [3], a + [4], b + [5, 6],
-                a[:SHARED_PREFIX_MIN - 1] + [7, 8],  # shares too short a run with the a-rows
-                None,  # takes no part (fed on top of a stored prefix)
-                [11] * 50]
+    contexts = [
+        a + [1, 2],
+        b + [3],
+        a + [4],
+        b + [5, 6],
+        a[: SHARED_PREFIX_MIN - 1] + [7, 8],  # shares too short a run with the a-rows
+        None,  # takes no part (fed on top of a stored prefix)
+        [11] * 50,
+    ]
     assert sorted(shared_runs(contexts)) == sorted([(len(a), [0, 2]), (len(b), [1, 3])])
-    assert shared_runs([a, a[:SHARED_PREFIX_MIN + 1]]) == [(SHARED_PREFIX_MIN, [1, 0])]  # one token left to feed
+    assert shared_runs([a, a[: SHARED_PREFIX_MIN + 1]]) == [(SHARED_PREFIX_MIN, [1, 0])]  # one token left to feed
     assert shared_runs([a, None, tuple(a + [1])]) == [(len(a) - 1, [0, 2])]  # any sequence type
     # five rows sharing 100 tokens and one sharing only 40 of them: the five keep their 100-token run
     c = list(range(1000, 1100))
@@ -253,10 +301,13 @@ def test_engines_pass_the_kv_cache_under_the_forwards_own_name(pair):
     step) passes the cache under the keyword this transformers names it, so none goes through the deprecated alias
     that a later release removes."""
     dyn, _ = pair
-    fresh = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static",
-                     static_cache_tokens=256)  # a new decoder: its buffers are probed by a forward on first use
-    reqs = [GenRequest(f"w{i}", _ids(dyn, f"warn {i}: " + "context " * i), SamplingParams(max_new_tokens=6, seed=i))
-            for i in range(3)]
+    fresh = HFEngine(
+        model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static", static_cache_tokens=256
+    )  # a new decoder: its buffers are probed by a forward on first use
+    reqs = [
+        GenRequest(f"w{i}", _ids(dyn, f"warn {i}: " + "context " * i), SamplingParams(max_new_tokens=6, seed=i))
+        for i in range(3)
+    ]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for eng in (dyn, fresh):
@@ -288,8 +339,9 @@ def test_static_with_eager_attention_equals_dynamic(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     dyn = HFEngine(model=model, tokenizer=tok, max_batch_size=3, decode="dynamic")
     sta = HFEngine(model=model, tokenizer=tok, max_batch_size=3, decode="static", static_cache_tokens=256)
-    reqs = [GenRequest(i, _ids(dyn, "eager " * (i + 1)), SamplingParams(max_new_tokens=6 + 3 * i, seed=i))
-            for i in range(5)]
+    reqs = [
+        GenRequest(i, _ids(dyn, "eager " * (i + 1)), SamplingParams(max_new_tokens=6 + 3 * i, seed=i)) for i in range(5)
+    ]
     _assert_same(dyn.generate(reqs), sta.generate(reqs))
 
 
@@ -312,15 +364,17 @@ def test_the_step_folds_grouped_query_heads_and_leaves_the_model_as_it_was(pair)
     q = torch.randn(rows, kv * groups, 1, dim, generator=gen)
     k, v = (torch.randn(rows, kv, cols, dim, generator=gen) for _ in range(2))
     mask = (torch.arange(cols)[None, :] <= torch.tensor([3, 10, 6])[:, None])[:, None, None, :]
-    ours, _ = folded_sdpa(attn, q, k, v, mask, scaling=dim ** -0.5)
-    ref = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask,
-                                         scale=dim ** -0.5).transpose(1, 2)
+    ours, _ = folded_sdpa(attn, q, k, v, mask, scaling=dim**-0.5)
+    ref = F.scaled_dot_product_attention(
+        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=dim**-0.5
+    ).transpose(1, 2)
     assert ours.shape == ref.shape == (rows, 1, kv * groups, dim)
     assert torch.allclose(ours, ref, atol=1e-6)
     seen = []  # (query length, the attention setting) of every forward of the first attention layer
     hook = attn.register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append((kwargs["hidden_states"].shape[1], mod.config._attn_implementation)),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     try:
         sta.generate([GenRequest("a", _ids(sta, "fold"), SamplingParams(max_new_tokens=3, seed=0))])
     finally:
@@ -363,8 +417,9 @@ def test_decode_option_errors_and_auto(tiny_model_dir, pair):
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_dynamic_on_gpu(tiny_model_dir):
     dyn = HFEngine(tiny_model_dir, device="cuda", max_batch_size=3, decode="dynamic")
-    graph = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="cuda_graph",
-                     static_cache_tokens=512)
+    graph = HFEngine(
+        model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=3, decode="cuda_graph", static_cache_tokens=512
+    )
     assert AUTO_CUDA_GRAPHS
     assert HFEngine(model=dyn.model, tokenizer=dyn.tokenizer).decode == "cuda_graph"
     # a static cache over a quarter of the free memory: auto decodes dynamically (nothing allocated for the slots)

@@ -43,8 +43,10 @@ def _chain_model(tok_dir, dest, text: str):
 @pytest.fixture(scope="module")
 def chains(tiny_model_dir, smollm2_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("chains")
-    return {name: _chain_model(src, base / name, CHAINS[name][0])
-            for name, src in (("tiny", tiny_model_dir), ("smol", smollm2_dir))}
+    return {
+        name: _chain_model(src, base / name, CHAINS[name][0])
+        for name, src in (("tiny", tiny_model_dir), ("smol", smollm2_dir))
+    }
 
 
 def _expected(tok, chain: list[int], stop: str) -> list[int]:
@@ -60,8 +62,7 @@ def _expected(tok, chain: list[int], stop: str) -> list[int]:
 def test_static_engine_ends_rows_at_stop_strings_inside_and_across_tokens(chains, name):
     folder, chain = chains[name]
     dyn = HFEngine(str(folder), max_batch_size=2, decode="dynamic")
-    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static",
-                   static_cache_tokens=128)
+    sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=2, decode="static", static_cache_tokens=128)
     tok = sta.tokenizer
     assert byte_level(tok)  # the filter's exact rule applies, so rows really are skipped between checks
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
@@ -69,8 +70,10 @@ def test_static_engine_ends_rows_at_stop_strings_inside_and_across_tokens(chains
     # each stop alone, then all of them on one row (the first to complete wins), then a row without stops that
     # decodes beside them (its budget ends it); more rows than slots, so rows also enter mid-call
     sets = [(s,) for s in stops] + [tuple(stops), ()]
-    reqs = [GenRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_new_tokens=40, stop=st))
-            for i, st in enumerate(sets)]
+    reqs = [
+        GenRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_new_tokens=40, stop=st))
+        for i, st in enumerate(sets)
+    ]
     streamed: list[tuple[str, int]] = []
     got = sta.generate(reqs, on_token=lambda rid, t: streamed.append((rid, t)))
     ref = dyn.generate(reqs)
@@ -102,8 +105,14 @@ def test_filter_flags_every_token_that_completes_a_stop_string(chains, name, asc
     if ascii_only:
         stops = [s for s in stops if s.isascii()] + ["r", "ok"]
     mask = StopFilter(tok, len(tok)).mask(set(stops))
-    pool = sorted({i for s in stops + ["é ü ö! ok\n", "wörld café", "日本語"] for i in
-                   tok(s, add_special_tokens=False)["input_ids"]} | set(chain))
+    pool = sorted(
+        {
+            i
+            for s in stops + ["é ü ö! ok\n", "wörld café", "日本語"]
+            for i in tok(s, add_special_tokens=False)["input_ids"]
+        }
+        | set(chain)
+    )
     width = max(len(s.encode()) for s in stops) + 1
     rng, hits = random.Random(0), 0
     for _ in range(300):

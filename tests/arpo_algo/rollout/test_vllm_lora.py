@@ -60,7 +60,7 @@ def _move(model, seed: int) -> None:
 
 def _logp(model, ctx: list[int], new: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(torch.tensor([ctx + new])).logits[0, len(ctx) - 1:-1].float()
+        logits = model(torch.tensor([ctx + new])).logits[0, len(ctx) - 1 : -1].float()
     return torch.log_softmax(logits, -1)[torch.arange(len(new)), torch.tensor(new)]
 
 
@@ -129,11 +129,13 @@ def adapters(base_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vlora_adapters")
     other = build_tiny_model(root / "other", num_layers=2, hidden_size=256, seed=9)
-    return {"a": build_tiny_adapter(base_dir, root / "a", rank=4, seed=1),
-            "b": build_tiny_adapter(base_dir, root / "b", rank=8, seed=2),
-            "c": build_tiny_adapter(base_dir, root / "c", rank=4, seed=5),
-            "wide": build_tiny_adapter(base_dir, root / "wide", rank=16, seed=3),
-            "x": build_tiny_adapter(other, root / "x", rank=4, seed=4)}
+    return {
+        "a": build_tiny_adapter(base_dir, root / "a", rank=4, seed=1),
+        "b": build_tiny_adapter(base_dir, root / "b", rank=8, seed=2),
+        "c": build_tiny_adapter(base_dir, root / "c", rank=4, seed=5),
+        "wide": build_tiny_adapter(base_dir, root / "wide", rank=16, seed=3),
+        "x": build_tiny_adapter(other, root / "x", rank=4, seed=4),
+    }
 
 
 def _tampered(adapter: Path, dest: Path, change) -> Path:
@@ -154,8 +156,14 @@ def test_named_adapters_in_one_batch_answer_as_each_alone(base_dir, adapters):
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
     # one LoRA slot for three adapters: vLLM must still answer a batch that names all of them
-    engine = VLLMEngine(base_dir, dtype="float32", kv_cache_gib=0.25, seed=0, max_loras=1,
-                        adapters={n: str(adapters[n]) for n in ("a", "b", "c")})
+    engine = VLLMEngine(
+        base_dir,
+        dtype="float32",
+        kv_cache_gib=0.25,
+        seed=0,
+        max_loras=1,
+        adapters={n: str(adapters[n]) for n in ("a", "b", "c")},
+    )
     try:
         assert engine.max_lora_rank == 8 and engine.llm.llm_engine.vllm_config.lora_config.max_loras == 1
         assert Path(engine._lora_root).parent == Path(tempfile.gettempdir())  # serving's copies: not in /dev/shm
@@ -172,8 +180,9 @@ def test_named_adapters_in_one_batch_answer_as_each_alone(base_dir, adapters):
         assert alone["a"].logprobs != pytest.approx(alone["b"].logprobs, abs=1e-3)
         for name in ("a", "b", None):  # each equals its adapter applied by PEFT on the base (None: the base)
             teacher = load_policy_model(adapters.get(name, base_dir), dtype=torch.float32).eval()
-            assert (_logp(teacher, ctx, alone[name].token_ids)
-                    - torch.tensor(alone[name].logprobs)).abs().max() < LOGP_TOL
+            assert (
+                _logp(teacher, ctx, alone[name].token_ids) - torch.tensor(alone[name].logprobs)
+            ).abs().max() < LOGP_TOL
         with pytest.raises(ConfigError, match="rank 16 exceeds this vLLM engine's max_lora_rank 8"):
             engine.add_adapter("wide", str(adapters["wide"]))
         with pytest.raises(ConfigError, match="trained on the base with weights fingerprint"):
@@ -185,12 +194,17 @@ def test_named_adapters_in_one_batch_answer_as_each_alone(base_dir, adapters):
         stray = "base_model.model.model.layers.0.self_attn.foo_proj.lora_A.weight"
         extra = _tampered(adapters["a"], root / "extra", lambda t: t.__setitem__(stray, torch.zeros(4, 256)))
         down = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
-        narrow = _tampered(adapters["a"], root / "narrow",
-                           lambda t: t.__setitem__(down, t[down][:, :-1].contiguous()))
+        narrow = _tampered(adapters["a"], root / "narrow", lambda t: t.__setitem__(down, t[down][:, :-1].contiguous()))
         fan_in = json.loads((Path(base_dir) / "config.json").read_text())["intermediate_size"]  # down_proj's input
-        for name, folder, what in (("extra", extra, rf"unknown tensors: {stray} \(4, 256\)"),
-                                   ("narrow", narrow, rf"wrong shapes: {down} \(4, {fan_in - 1}\) "
-                                                      rf"\(expected \(4, {fan_in}\)\)")):
+        for name, folder, what in (
+            ("extra", extra, rf"unknown tensors: {stray} \(4, 256\)"),
+            (
+                "narrow",
+                narrow,
+                rf"wrong shapes: {down} \(4, {fan_in - 1}\) "
+                rf"\(expected \(4, {fan_in}\)\)",
+            ),
+        ):
             with pytest.raises(ConfigError, match=what):
                 engine.add_adapter(name, str(folder))
             assert name not in engine.adapters
@@ -244,10 +258,15 @@ def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_
     from arpo_algo.rollout.engines.vllm import VLLMEngine
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=64)).save_pretrained(
-        tmp_path / "gpt2")
+        tmp_path / "gpt2"
+    )
     before = {p.pid for p in _started_processes()}
     with pytest.raises(ConfigError, match="cannot run LoRA adapters on architecture GPT2LMHeadModel") as e:
-        VLLMEngine(tmp_path / "gpt2", dtype="float32", kv_cache_gib=0.25,
-                   lora={"rank": 4, "alpha": 8.0, "target_modules": ["c_attn"]})
+        VLLMEngine(
+            tmp_path / "gpt2",
+            dtype="float32",
+            kv_cache_gib=0.25,
+            lora={"rank": 4, "alpha": 8.0, "target_modules": ["c_attn"]},
+        )
     assert "rollouts.engine = 'hf'" in e.value.hint
     assert not _started_processes(before)

@@ -18,8 +18,9 @@ def test_resource_tables_one_for_all_or_one_per_actor():
     assert per_actor(({"node_a": 1}, {"node_b": 1}), 2) == [{"node_a": 1.0}, {"node_b": 1.0}]
     assert per_actor((), 2) == [{}, {}]
     with pytest.raises(ConfigError, match="has 3 tables but backend.learner_workers = 2"):
-        BackendConfig.from_dict({"learner_backend": "ddp", "learner_workers": 2,
-                                 "worker_resources": [{"a": 1}, {"b": 1}, {"c": 1}]})
+        BackendConfig.from_dict(
+            {"learner_backend": "ddp", "learner_workers": 2, "worker_resources": [{"a": 1}, {"b": 1}, {"c": 1}]}
+        )
     with pytest.raises(ConfigError, match="'CPU' is a built-in Ray resource"):
         RolloutsConfig(num_rollout_actors=1, actor_resources=({"CPU": 1},)).validate()
     with pytest.raises(ConfigError, match="node_a = 0 must be a number > 0"):
@@ -28,9 +29,9 @@ def test_resource_tables_one_for_all_or_one_per_actor():
         BackendConfig.from_dict({"learner_backend": "ddp", "collective_timeout_s": 0})
     with pytest.raises(ConfigError, match="worker_resources is set but learner_backend='local'"):
         BackendConfig.from_dict({"worker_resources": [{"node_a": 1}]})
-    assert BackendConfig.from_dict({"learner_backend": "ddp", "learner_workers": 2, "worker_resources": [
-        {"node_a": 1}, {"node_b": 1}]}).worker_bundles("cpu") == [{"CPU": 1.0, "node_a": 1.0},
-                                                                  {"CPU": 1.0, "node_b": 1.0}]
+    assert BackendConfig.from_dict(
+        {"learner_backend": "ddp", "learner_workers": 2, "worker_resources": [{"node_a": 1}, {"node_b": 1}]}
+    ).worker_bundles("cpu") == [{"CPU": 1.0, "node_a": 1.0}, {"CPU": 1.0, "node_b": 1.0}]
 
 
 def test_main_resources_go_into_the_trials_first_bundle():
@@ -83,8 +84,9 @@ def test_a_restart_drops_the_lines_after_the_checkpoint_and_counts_the_reruns():
     restarts: list = []
     kept = record_restart(restarts, history, 4, 2, rx.ActorDiedError())
     assert kept == history[:3]
-    assert restarts == [{"failed_iteration": 4, "resumed_from": 2, "rerun_iterations": [3, 4],
-                         "error": restarts[0]["error"]}]
+    assert restarts == [
+        {"failed_iteration": 4, "resumed_from": 2, "rerun_iterations": [3, 4], "error": restarts[0]["error"]}
+    ]
     assert restarts[0]["error"].startswith("ActorDiedError")
     peer = RuntimeError("\x1b[36mray::Rank.update()\x1b[39m\n[../gloo/pair.cc] Connection closed by peer")
     assert describe(peer) == "RuntimeError: [../gloo/pair.cc] Connection closed by peer"

@@ -17,8 +17,12 @@ def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_mod
     assert small.run.iterations == 1 and s.training.prompts_per_step == min(2, f.training.prompts_per_step)
     assert s.training.mini_batch_count <= s.training.prompts_per_step and s.evaluation.num_prompts == 2
     assert s.rollouts.max_response_tokens == min(48, f.rollouts.max_response_tokens)
-    assert (s.tree, s.training.lr, small.config.env_config, type(small.config)) == \
-        (f.tree, f.training.lr, full.config.env_config, type(full.config))
+    assert (s.tree, s.training.lr, small.config.env_config, type(small.config)) == (
+        f.tree,
+        f.training.lr,
+        full.config.env_config,
+        type(full.config),
+    )
     small.config.validate()
     sweep = load_sweep("tune_quickstart", [f"model.path={str(tiny_model_dir)!r}"])
     assert (sweep.settings.num_samples, sweep.settings.iterations) == (1, 1)

@@ -45,8 +45,12 @@ def write_sweep(tmp_path, model_dir, sweep: str, space: str, base_extra: str = "
 
 
 def test_beam_size_is_branch_factor_plus_one(tmp_path, tiny_model_dir, capsys):
-    path = write_sweep(tmp_path, tiny_model_dir, "num_samples = 3",
-                       '"tree.beam_size" = {choice = [1, 2]}\n"tree.tau" = {uniform = [0.1, 0.9]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        "num_samples = 3",
+        '"tree.beam_size" = {choice = [1, 2]}\n"tree.tau" = {uniform = [0.1, 0.9]}',
+    )
     sweep = load_sweep(path)
     knob = next(k for k in sweep.knobs if k.key == "tree.branch_factor")
     assert knob.dist == "choice" and knob.args == [0, 1]
@@ -54,15 +58,19 @@ def test_beam_size_is_branch_factor_plus_one(tmp_path, tiny_model_dir, capsys):
     assert main(["tune", path, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "note: tree.beam_size" in out
-    info = json.loads(out[out.index("{"):])
+    info = json.loads(out[out.index("{") :])
     assert info["total_trials"] == 3
     assert "tree.branch_factor ~ choice[0, 1]" in info["space"]["arpo"]
 
 
 def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"\nscheduler = "none"',
-                       '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1, 2]}\n'
-                       '"tree.tau" = {choice = [0.3, 0.6]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'search = "grid"\nscheduler = "none"',
+        '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1, 2]}\n'
+        '"tree.tau" = {choice = [0.3, 0.6]}',
+    )
     sweep = load_sweep(path)
     assert sweep.algorithms == ["arpo", "grpo"]
     assert sweep.num_trials("arpo") == 6 and sweep.num_trials("grpo") == 3  # tau means nothing to GRPO
@@ -71,19 +79,22 @@ def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
     assert tree.initial == tree.budget == 2 and tree.branch_factor == 0
 
 
-@pytest.mark.parametrize(("sweep", "space", "match", "hint"), [
-    ("", '"tree.tua" = {uniform = [0.1, 1.0]}', "unknown key 'tua'", "did you mean 'tau'"),
-    ("", '"tre.tau" = {uniform = [0.1, 1.0]}', "unknown key 'tre'", "did you mean 'tree'"),
-    ("", '"tree.tau" = {uniform = [1.0, 0.1]}', "inverted range", "write [0.1, 1.0]"),
-    ("", '"tree.tau" = {uniform = [0.5, 0.5]}', "empty range", None),
-    ("", '"tree.tau" = {choice = []}', "non-empty list", None),
-    ("", '"tree.tau" = {uniformm = [0.1, 1.0]}', "unknown key 'uniformm'", "did you mean 'uniform'"),
-    ("", '"tree.initial" = {choice = [1, 3]}', r"tree.initial=3 \(arpo\) is not a valid experiment", "narrow"),
-    ("", '"tree.tau" = {grid = [0.1, 0.2]}', "which Optuna cannot search", None),
-    ("resources_per_trial = {cpu = 4096}", '"tree.tau" = {uniform = [0.1, 1.0]}', "needs 4096 CPUs", None),
-    ('metric = "reward_meen"', '"tree.tau" = {uniform = [0.1, 1.0]}', "never reported", "reward_mean"),
-    ("num_smaples = 2", '"tree.tau" = {uniform = [0.1, 1.0]}', "unknown key 'num_smaples'", "num_samples"),
-])
+@pytest.mark.parametrize(
+    ("sweep", "space", "match", "hint"),
+    [
+        ("", '"tree.tua" = {uniform = [0.1, 1.0]}', "unknown key 'tua'", "did you mean 'tau'"),
+        ("", '"tre.tau" = {uniform = [0.1, 1.0]}', "unknown key 'tre'", "did you mean 'tree'"),
+        ("", '"tree.tau" = {uniform = [1.0, 0.1]}', "inverted range", "write [0.1, 1.0]"),
+        ("", '"tree.tau" = {uniform = [0.5, 0.5]}', "empty range", None),
+        ("", '"tree.tau" = {choice = []}', "non-empty list", None),
+        ("", '"tree.tau" = {uniformm = [0.1, 1.0]}', "unknown key 'uniformm'", "did you mean 'uniform'"),
+        ("", '"tree.initial" = {choice = [1, 3]}', r"tree.initial=3 \(arpo\) is not a valid experiment", "narrow"),
+        ("", '"tree.tau" = {grid = [0.1, 0.2]}', "which Optuna cannot search", None),
+        ("resources_per_trial = {cpu = 4096}", '"tree.tau" = {uniform = [0.1, 1.0]}', "needs 4096 CPUs", None),
+        ('metric = "reward_meen"', '"tree.tau" = {uniform = [0.1, 1.0]}', "never reported", "reward_mean"),
+        ("num_smaples = 2", '"tree.tau" = {uniform = [0.1, 1.0]}', "unknown key 'num_smaples'", "num_samples"),
+    ],
+)
 def test_bad_sweeps_fail_before_ray(tmp_path, tiny_model_dir, sweep, space, match, hint):
     import ray
 
@@ -100,8 +111,9 @@ def test_infeasible_rollout_actors_and_eval_metric(tmp_path, tiny_model_dir):
     path = write_sweep(tmp_path, tiny_model_dir, "", '"rollouts.num_rollout_actors" = {choice = [0, 64]}')
     with pytest.raises(ConfigError, match="CPUs"):
         load_sweep(path)
-    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"', '"tree.tau" = {uniform = [0.1, 1]}',
-                       base_extra="")
+    path = write_sweep(
+        tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"', '"tree.tau" = {uniform = [0.1, 1]}', base_extra=""
+    )
     assert load_sweep(path).settings.metric == "evaluation/accuracy"
     with pytest.raises(ConfigError, match="every = 0") as info:  # a held-out metric the base never evaluates
         load_sweep(path, ["evaluation.every=0"])
@@ -131,11 +143,15 @@ def test_best_toml_nests_a_subsection_knob(tmp_path, tiny_model_dir):
     from arpo_algo.run.experiment import load_experiment
     from arpo_algo.run.sweep_report import write_best_toml
 
-    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"', '"model.lora.rank" = {grid = [4, 8]}',
-                       base_extra='[model.lora]\nenabled = true\n')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'search = "grid"',
+        '"model.lora.rank" = {grid = [4, 8]}',
+        base_extra="[model.lora]\nenabled = true\n",
+    )
     sweep = load_sweep(path)
-    row = {"algorithm": "arpo", "trial": "t0", "iterations": 2, "model.lora.rank": 8,
-           sweep.settings.metric: 0.5}
+    row = {"algorithm": "arpo", "trial": "t0", "iterations": 2, "model.lora.rank": 8, sweep.settings.metric: 0.5}
     best = write_best_toml(sweep, row, tmp_path / "best.toml")
     model = tomllib.loads(best.read_text())["model"]
     assert model["lora"] == {"enabled": True, "rank": 8} and "lora.rank" not in model
@@ -164,13 +180,23 @@ def test_seed_stats_known_numbers():
 
 
 def test_seed_grid_summary_groups_over_seeds(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir, 'search = "grid"\nscheduler = "none"',
-                       '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'search = "grid"\nscheduler = "none"',
+        '"experiment.algorithm" = {grid = ["arpo", "grpo"]}\n"experiment.seed" = {grid = [0, 1]}',
+    )
     sweep = load_sweep(path)
     m = sweep.settings.metric
-    rows = [{"algorithm": a, "experiment.seed": seed, m: v, "tool_calls": c, "status": "done"}
-            for a, seed, v, c in [("arpo", 0, 0.6, 1.0), ("arpo", 1, 0.8, 2.0), ("grpo", 0, 0.2, 1.0),
-                                  ("grpo", 1, 0.4, 3.0)]]
+    rows = [
+        {"algorithm": a, "experiment.seed": seed, m: v, "tool_calls": c, "status": "done"}
+        for a, seed, v, c in [
+            ("arpo", 0, 0.6, 1.0),
+            ("arpo", 1, 0.8, 2.0),
+            ("grpo", 0, 0.2, 1.0),
+            ("grpo", 1, 0.4, 3.0),
+        ]
+    ]
     rows.append({"algorithm": "grpo", "experiment.seed": 2, m: None, "tool_calls": None, "status": "error"})
     summary = config_summary(sweep, rows)
     assert [r["algorithm"] for r in summary] == ["arpo", "grpo"]
@@ -183,19 +209,31 @@ def test_seed_grid_summary_groups_over_seeds(tmp_path, tiny_model_dir):
 
 def test_metric_tie_goes_to_more_training_reward(tmp_path, tiny_model_dir):
     # Four rates tied at 15/32 held-out tasks: the ranking (and best.toml) follows the reward earned while training.
-    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"\nsearch = "grid"\nscheduler = "none"',
-                       '"training.lr" = {grid = [1e-4, 3e-4, 1e-3]}', base_extra="")
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'metric = "evaluation/accuracy"\nsearch = "grid"\nscheduler = "none"',
+        '"training.lr" = {grid = [1e-4, 3e-4, 1e-3]}',
+        base_extra="",
+    )
     sweep = load_sweep(path)
     m = sweep.settings.metric
 
     def trial(lr, rewards, metric):
         hist = [{"training_iteration": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
         hist[-1][m] = metric
-        return {"path": str(tmp_path / f"t{lr}"), "algorithm": "arpo", "knobs": {"training.lr": lr},
-                "error": None, "last": {**hist[-1], "training_iteration": 2}, "history": hist}
+        return {
+            "path": str(tmp_path / f"t{lr}"),
+            "algorithm": "arpo",
+            "knobs": {"training.lr": lr},
+            "error": None,
+            "last": {**hist[-1], "training_iteration": 2},
+            "history": hist,
+        }
 
-    rows = trial_rows(sweep, [trial(1e-4, [0.4, 0.5], 0.47), trial(3e-4, [0.5, 0.7], 0.47),
-                              trial(1e-3, [0.9, 0.9], 0.30)])
+    rows = trial_rows(
+        sweep, [trial(1e-4, [0.4, 0.5], 0.47), trial(3e-4, [0.5, 0.7], 0.47), trial(1e-3, [0.9, 0.9], 0.30)]
+    )
     assert [r["training.lr"] for r in rows] == [3e-4, 1e-4, 1e-3]  # the metric first, then the training reward
     assert rows[0]["train_reward"] == pytest.approx(0.6) and rows[1]["train_reward"] == pytest.approx(0.45)
 
@@ -207,9 +245,12 @@ def test_pareto_front():
 
 
 def test_multi_objective_settings(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir,
-                       'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_per_traj" = "min"}',
-                       '"tree.tau" = {uniform = [0.1, 1.0]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'objectives = {"evaluation/accuracy" = "max", "evaluation/tool_calls_per_traj" = "min"}',
+        '"tree.tau" = {uniform = [0.1, 1.0]}',
+    )
     sweep = load_sweep(path)
     assert sweep.objectives == {"evaluation/accuracy": "max", "evaluation/tool_calls_per_traj": "min"}
     assert (sweep.settings.metric, sweep.settings.mode) == ("evaluation/accuracy", "max")  # ASHA, tables, best

@@ -33,15 +33,25 @@ def _trial_results(trial_dir: Path) -> list[dict]:
 
 
 def test_two_trial_sweep_reports_and_best_toml(tmp_path, tiny_model_dir, capsys, no_ray_after):
-    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"\nnum_samples = 2\niterations = 2\n'
-                       'scheduler = "none"\nseed = 3',
-                       '"tree.tau" = {uniform = [0.1, 1.0]}\n"training.lr" = {loguniform = [1e-5, 1e-3]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'metric = "evaluation/accuracy"\nnum_samples = 2\niterations = 2\nscheduler = "none"\nseed = 3',
+        '"tree.tau" = {uniform = [0.1, 1.0]}\n"training.lr" = {loguniform = [1e-5, 1e-3]}',
+    )
     out = tmp_path / "sweep_out"
     assert main(["tune", path, "--output", str(out)]) == 0
     console = capsys.readouterr().out
     assert console.count("[tune] arpo trial ") == 2
-    for name in ("results.csv", "results.md", "summary.md", "summary.json", "best.toml", "metric_vs_knobs.png",
-                 "metric_vs_iteration.png"):
+    for name in (
+        "results.csv",
+        "results.md",
+        "summary.md",
+        "summary.json",
+        "best.toml",
+        "metric_vs_knobs.png",
+        "metric_vs_iteration.png",
+    ):
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 2
@@ -76,8 +86,12 @@ def test_seed_grid_evaluated_only_at_the_end(tmp_path, tiny_model_dir, no_ray_af
     # search = "grid" with scheduler = "none": Tune gets no metric (iteration 1 has no held-out result), the report
     # ranks the trials by their last iteration's evaluation.
     # max_concurrent = 1 holds for a grid too: the second trial starts after the first has ended.
-    path = write_sweep(tmp_path, tiny_model_dir, 'metric = "evaluation/accuracy"\nsearch = "grid"\n'
-                       'scheduler = "none"\niterations = 2\nmax_concurrent = 1', '"experiment.seed" = {grid = [0, 1]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'metric = "evaluation/accuracy"\nsearch = "grid"\nscheduler = "none"\niterations = 2\nmax_concurrent = 1',
+        '"experiment.seed" = {grid = [0, 1]}',
+    )
     out = tmp_path / "grid_out"
     assert main(["tune", path, "--output", str(out), "--set", "evaluation.every=2"]) == 0
     rows = list(csv.DictReader((out / "results.csv").open()))
@@ -94,9 +108,12 @@ def test_seed_grid_evaluated_only_at_the_end(tmp_path, tiny_model_dir, no_ray_af
 
 
 def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir, 'num_samples = 2\niterations = 2\nmax_concurrent = 1\n'
-                       'scheduler = "none"\nsearch = "random"',
-                       '"tree.tau" = {uniform = [0.1, 1.0]}')
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'num_samples = 2\niterations = 2\nmax_concurrent = 1\nscheduler = "none"\nsearch = "random"',
+        '"tree.tau" = {uniform = [0.1, 1.0]}',
+    )
     out = tmp_path / "sweep_out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "arpo_algo.cli", "tune", path, "--output", str(out)]
@@ -117,8 +134,11 @@ def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
     assert "[tune] arpo trial 1/2" in text, text[-3000:]
     # The second trial may finish while the interrupt propagates (a tiny model trains fast); either way a resume
     # must rerun nothing that finished and complete the rest.
-    finished = [d for d in (out / "arpo").iterdir() if d.is_dir() and len(_trial_results(d) if
-                                                                             (d / "result.json").exists() else []) == 2]
+    finished = [
+        d
+        for d in (out / "arpo").iterdir()
+        if d.is_dir() and len(_trial_results(d) if (d / "result.json").exists() else []) == 2
+    ]
     assert 1 <= len(finished) <= 2, text[-3000:]
     if len(finished) == 1:
         assert "trial 2/2" not in text and "interrupted with 1 unfinished" in text, text[-3000:]
@@ -150,9 +170,13 @@ def test_interrupted_sweep_resumes_without_rerunning(tmp_path, tiny_model_dir):
 
 def test_same_failure_in_every_trial_stops_and_shows_it_once(tmp_path, tiny_model_dir, capsys, no_ray_after):
     # A held-out split that does not exist passes the config checks but fails in every trial's first evaluation.
-    path = write_sweep(tmp_path, tiny_model_dir, 'num_samples = 4\niterations = 1\nmax_concurrent = 1\n'
-                       'scheduler = "none"\nsearch = "random"', '"tree.tau" = {uniform = [0.1, 1.0]}',
-                       base_extra="")
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        'num_samples = 4\niterations = 1\nmax_concurrent = 1\nscheduler = "none"\nsearch = "random"',
+        '"tree.tau" = {uniform = [0.1, 1.0]}',
+        base_extra="",
+    )
     out = tmp_path / "sweep_out"
     assert main(["tune", path, "--output", str(out), "--set", 'evaluation.split="nosuch"']) == 2
     captured = capsys.readouterr()

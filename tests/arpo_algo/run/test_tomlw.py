@@ -9,16 +9,29 @@ import pytest
 
 from arpo_algo.run.tomlw import to_toml, toml_literal
 
-AWKWARD = {"newline": "two\nlines", "quotes": 'say "hi" \\ done', "unicode": "naïve – 数", "tab": "a\tb",
-           "inf": math.inf, "big": 10**18, "flag": False, "empty": "", "list": [1, "x", [2.5]]}
+AWKWARD = {
+    "newline": "two\nlines",
+    "quotes": 'say "hi" \\ done',
+    "unicode": "naïve – 数",
+    "tab": "a\tb",
+    "inf": math.inf,
+    "big": 10**18,
+    "flag": False,
+    "empty": "",
+    "list": [1, "x", [2.5]],
+}
 
 
 def test_a_file_round_trips_with_awkward_strings_keys_and_nested_tables():
-    sections = {"experiment": {**AWKWARD, "unset": None, "ключ é": 1, "dotted.key": 2},
-                "env": {"table": {"inner": None, "k": [True], "deep": {"x": "y\n"}}}}
+    sections = {
+        "experiment": {**AWKWARD, "unset": None, "ключ é": 1, "dotted.key": 2},
+        "env": {"table": {"inner": None, "k": [True], "deep": {"x": "y\n"}}},
+    }
     back = tomllib.loads(to_toml(sections, "header line one\nline two"))
-    want = {"experiment": {**AWKWARD, "ключ é": 1, "dotted.key": 2},  # None is left out: TOML has no null
-            "env": {"table": {"k": [True], "deep": {"x": "y\n"}}}}
+    want = {
+        "experiment": {**AWKWARD, "ключ é": 1, "dotted.key": 2},  # None is left out: TOML has no null
+        "env": {"table": {"k": [True], "deep": {"x": "y\n"}}},
+    }
     assert back == want
 
 

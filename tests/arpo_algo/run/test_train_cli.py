@@ -61,10 +61,22 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0 = evaluation before training
     assert "evaluation/accuracy" in rows[0] and "evaluation/accuracy" in rows[2]
-    for key in ("train/reward_mean", "train/tool_calls_per_traj", "rollout/branches", "learner/clip_frac",
-                "learner/loss/kl", "learner/grad_norm", "train/tokens_per_s", "timers/rollout_time",
-                "rollout/entropy_after_tool", "diag/zero_variance_group_frac", "learner/param_change_norm",
-                "learner/traj_with_grad_frac", "learner/kl_rollout", "diag/rollout_entropy"):
+    for key in (
+        "train/reward_mean",
+        "train/tool_calls_per_traj",
+        "rollout/branches",
+        "learner/clip_frac",
+        "learner/loss/kl",
+        "learner/grad_norm",
+        "train/tokens_per_s",
+        "timers/rollout_time",
+        "rollout/entropy_after_tool",
+        "diag/zero_variance_group_frac",
+        "learner/param_change_norm",
+        "learner/traj_with_grad_frac",
+        "learner/kl_rollout",
+        "diag/rollout_entropy",
+    ):
         assert key in rows[1], key
     assert any((out / "tb").iterdir())
     assert (out / "learning_curve.png").stat().st_size > 1000
@@ -76,8 +88,7 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     # a second plain run into the same folder refuses; --resume continues the iteration count
     assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3",
-                 "--no-progress"]) == 0
+    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3", "--no-progress"]) == 0
     assert (out / "checkpoints" / "iter_000003").is_dir()
     reader = TreeReader(out)  # trees are recorded by default, into the run folder, across the resume
     assert reader.refresh() == [1, 2, 3] and reader.group(3, 0)["trajectories"]
@@ -90,8 +101,20 @@ def test_bad_input_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
     assert main(["train", str(exp), "--set", "tree.bugdet=4", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'bugdet'" in err and "did you mean 'budget'" in err and "Traceback" not in err
-    assert main(["train", str(exp), "--set", "model.path='/no/such/model'", "--no-progress",
-                 "--output", str(tmp_path / "r")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(exp),
+                "--set",
+                "model.path='/no/such/model'",
+                "--no-progress",
+                "--output",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "/no/such/model" in err and "Traceback" not in err
     assert main(["train", "no_such_experiment"]) == 2
@@ -109,8 +132,22 @@ def test_resume_survives_a_kill_mid_write(tiny_model_dir, tmp_path):
     (ckpts / ".iter_000002.tmp" / "policy").mkdir(parents=True)  # killed while saving iteration 2
     metrics = out / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"iteration": 2, "train/rew')  # killed while logging it
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=2", "--no-progress",
-                 "--set", "evaluation.every=0"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(exp),
+                "--resume",
+                str(out),
+                "--set",
+                "experiment.iterations=2",
+                "--no-progress",
+                "--set",
+                "evaluation.every=0",
+            ]
+        )
+        == 0
+    )
     assert not (ckpts / ".iter_000002.tmp").exists()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]

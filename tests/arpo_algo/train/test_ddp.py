@@ -32,21 +32,33 @@ DDP2 = BackendConfig(learner_backend="ddp", learner_workers=2)
 CONFIGS = {
     # token mean over the whole step, prefix-deduplicated packing, AEPO's per-group entropy shaping, one group per
     # micro-batch (so a rank with two groups accumulates two micro-batches), clipping on the global norm
-    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, **ALARM_OFF,
-                                entropy_advantage=True),
+    "token_mean": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=64, **ALARM_OFF, entropy_advantage=True),
     # per-sequence mean, padded batches, all groups of a rank in one micro-batch (soft attribution: hard attribution
     # has no per-sequence mean)
-    "seq_mean": LearnerConfig(lr=1e-3, grad_clip=0.0, **ALARM_OFF, loss_agg="seq_mean",
-                              dedup_prefix=False, advantage="grpo",
-                              micro_batch_tokens=100_000),
+    "seq_mean": LearnerConfig(
+        lr=1e-3,
+        grad_clip=0.0,
+        **ALARM_OFF,
+        loss_agg="seq_mean",
+        dedup_prefix=False,
+        advantage="grpo",
+        micro_batch_tokens=100_000,
+    ),
     # hard attribution over the groups' branch prefixes, Dr. GRPO's constant normaliser (the longest response over
     # all ranks), the sampler's old log-probs and the k3 KL term to the frozen reference
-    "hard_dr_grpo": LearnerConfig(lr=1e-3, grad_clip=0.0, **ALARM_OFF, advantage="hard",
-                                  loss_agg="dr_grpo", old_logprobs="rollout", kl_coef=0.1, micro_batch_tokens=100_000),
+    "hard_dr_grpo": LearnerConfig(
+        lr=1e-3,
+        grad_clip=0.0,
+        **ALARM_OFF,
+        advantage="hard",
+        loss_agg="dr_grpo",
+        old_logprobs="rollout",
+        kl_coef=0.1,
+        micro_batch_tokens=100_000,
+    ),
     # one optimizer step per group (the flat group's step is skipped): the ranks share each of the single-process
     # learner's mini-batches, not mini-batches of their own groups
-    "mini_batches": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=100_000, **ALARM_OFF,
-                                  mini_batches=3),
+    "mini_batches": LearnerConfig(lr=1e-3, grad_clip=0.5, micro_batch_tokens=100_000, **ALARM_OFF, mini_batches=3),
 }
 
 
@@ -54,8 +66,11 @@ CONFIGS = {
 def groups(tiny_model_dir) -> list[Group]:
     """Three groups of different token counts; the third has equal rewards (no signal of its own)."""
     g0, g1 = make_groups(AutoTokenizer.from_pretrained(tiny_model_dir))
-    flat = Group(prompt_index=2, prompt_ids=g1.prompt_ids[:-3],
-                 trajectories=[replace(t, reward=1.0) for t in g0.trajectories[:3]])
+    flat = Group(
+        prompt_index=2,
+        prompt_ids=g1.prompt_ids[:-3],
+        trajectories=[replace(t, reward=1.0) for t in g0.trajectories[:3]],
+    )
     return [g0, g1, flat]
 
 
@@ -141,29 +156,39 @@ def test_asking_for_more_gpus_than_the_cluster_has_fails_before_any_actor(ray_se
         DDPBackend("unused", LearnerConfig(), replace(DDP2, learner_workers=3), device="cpu")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(learner_workers=2), "learner_workers is set but learner_backend='local'"),
-    (dict(learner_backend="ddpp"), "did you mean 'ddp'"),
-    (dict(learner_backend="ddp", learner_workers=0), "learner_workers must be >= 1"),
-    (dict(learner_backend="ddp", learner_placement="shared"), "learner_placement"),
-    (dict(learner_backend="deepspeed", deepspeed_stage=1), "deepspeed_stage"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(learner_workers=2), "learner_workers is set but learner_backend='local'"),
+        (dict(learner_backend="ddpp"), "did you mean 'ddp'"),
+        (dict(learner_backend="ddp", learner_workers=0), "learner_workers must be >= 1"),
+        (dict(learner_backend="ddp", learner_placement="shared"), "learner_placement"),
+        (dict(learner_backend="deepspeed", deepspeed_stage=1), "deepspeed_stage"),
+    ],
+)
 def test_backend_settings_are_checked(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         BackendConfig.from_dict(kwargs)
 
 
-@pytest.mark.parametrize("kwargs, device, match", [
-    (dict(learner_gpus_per_worker=0.5), "cpu", "needs rollouts.device='cuda'|GPU shares"),
-    (dict(learner_gpus_per_worker=0.5), "cuda", "exactly one GPU of its own"),
-    (dict(learner_gpus_per_worker=1.0, learner_placement="colocated"), "cuda", "leaves no share"),
-])
+@pytest.mark.parametrize(
+    "kwargs, device, match",
+    [
+        (dict(learner_gpus_per_worker=0.5), "cpu", "needs rollouts.device='cuda'|GPU shares"),
+        (dict(learner_gpus_per_worker=0.5), "cuda", "exactly one GPU of its own"),
+        (dict(learner_gpus_per_worker=1.0, learner_placement="colocated"), "cuda", "leaves no share"),
+    ],
+)
 def test_gpu_shares_are_checked_against_the_placement(kwargs, device, match):
     cfg = BackendConfig(learner_backend="ddp", learner_workers=2, **kwargs)
     with pytest.raises(ConfigError, match=match):
         cfg.worker_bundles(device)
-    assert BackendConfig(learner_backend="ddp", learner_workers=2, learner_placement="colocated",
-                         learner_gpus_per_worker=0.5).worker_bundles("cuda") == [{"CPU": 1.0, "GPU": 0.5}] * 2
+    assert (
+        BackendConfig(
+            learner_backend="ddp", learner_workers=2, learner_placement="colocated", learner_gpus_per_worker=0.5
+        ).worker_bundles("cuda")
+        == [{"CPU": 1.0, "GPU": 0.5}] * 2
+    )
 
 
 def test_split_balances_tokens_and_keeps_order():
@@ -179,9 +204,17 @@ def test_combined_advantage_statistics_are_the_pooled_ones():
     for xs in (a, b):
         mean = sum(xs) / len(xs)
         sd = (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
-        stats.append({"adv_mean": mean, "adv_sd": sd, "trained_tokens": float(len(xs)), "grad_norm": 2.0,
-                      "loss/policy": 0.25, "traj_with_grad_frac": 1.0 if xs is a else 0.0,
-                      "_num_seqs": 3.0 if xs is a else 1.0})
+        stats.append(
+            {
+                "adv_mean": mean,
+                "adv_sd": sd,
+                "trained_tokens": float(len(xs)),
+                "grad_norm": 2.0,
+                "loss/policy": 0.25,
+                "traj_with_grad_frac": 1.0 if xs is a else 0.0,
+                "_num_seqs": 3.0 if xs is a else 1.0,
+            }
+        )
     out = combine_metrics(stats)
     allx = a + b
     mean = sum(allx) / 4

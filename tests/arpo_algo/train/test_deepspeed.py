@@ -36,9 +36,11 @@ groups = test_ddp.groups  # the fixture: three groups of different token counts,
 #: Per ZeRO stage, the configurations of the default suite (each has a rank with more micro-batches than the other
 #: and a step where one rank has no group); the others run with ``-m slow``.
 DEFAULT = {2: ("token_mean", "mini_batches"), 3: ("token_mean", "hard_dr_grpo")}
-CASES = [pytest.param(stage, name, id=f"zero{stage}-{name}",
-                      marks=() if name in DEFAULT[stage] else pytest.mark.slow)
-         for stage in (2, 3) for name in CONFIGS]
+CASES = [
+    pytest.param(stage, name, id=f"zero{stage}-{name}", marks=() if name in DEFAULT[stage] else pytest.mark.slow)
+    for stage in (2, 3)
+    for name in CONFIGS
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +48,21 @@ def deepspeed_cpu():
     """DeepSpeed importable and its CPU extension built (into the environment's cache, reused after)."""
     if importlib.util.find_spec("deepspeed") is None:
         if os.environ.get("ARPO_REQUIRE_DEEPSPEED") == "1":
-            pytest.fail("ARPO_REQUIRE_DEEPSPEED=1 (CI) but deepspeed is not installed: scripts/test installs the "
-                        "deepspeed extra")
+            pytest.fail(
+                "ARPO_REQUIRE_DEEPSPEED=1 (CI) but deepspeed is not installed: scripts/test installs the "
+                "deepspeed extra"
+            )
         pytest.skip("deepspeed is not installed (pip install 'arpo[deepspeed]')")
     from arpo_algo.train.deepspeed_learner import extensions_dir
 
     if not (extensions_dir() / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file():  # scripts/test builds it
-        subprocess.run([sys.executable, "-m", "arpo_algo.train.deepspeed_learner"], check=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "arpo_algo.train.deepspeed_learner"],
+            check=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+        )
 
 
 @pytest.mark.parametrize("stage, name", CASES)
@@ -62,8 +71,12 @@ def test_zero_step_equals_single_process_step(deepspeed_cpu, ray_session, tiny_m
     local = build_backend(tiny_model_dir, cfg, seed=0)
     start = _params(local.model.state_dict())
     # a rank waiting in a collective its peer never joins fails within a minute instead of hanging the suite
-    ds = build_backend(tiny_model_dir, cfg, BackendConfig(learner_backend="deepspeed", learner_workers=2,
-                                                          deepspeed_stage=stage, collective_timeout_s=60), seed=0)
+    ds = build_backend(
+        tiny_model_dir,
+        cfg,
+        BackendConfig(learner_backend="deepspeed", learner_workers=2, deepspeed_stage=stage, collective_timeout_s=60),
+        seed=0,
+    )
     try:
         # step 1: three groups over two ranks (token_mean: one rank packs two micro-batches, the other one);
         # step 2: one group, so rank 1 has none and still joins every forward, backward and reduction
@@ -106,13 +119,30 @@ def test_deepspeed_train_resumes_after_kill_9(deepspeed_cpu, tiny_model_dir, tmp
     back from the newest complete checkpoint."""
     exp = write_experiment(tmp_path, tiny_model_dir, iterations=100)
     out = tmp_path / "run"
-    sets = ["--set", "backend.learner_backend='deepspeed'", "--set", "backend.learner_workers=2",
-            "--set", "backend.learner_cpus_per_worker=0.5", "--set", "evaluation.every=0",
-            "--set", "experiment.keep_checkpoints=100", "--no-progress"]
+    sets = [
+        "--set",
+        "backend.learner_backend='deepspeed'",
+        "--set",
+        "backend.learner_workers=2",
+        "--set",
+        "backend.learner_cpus_per_worker=0.5",
+        "--set",
+        "evaluation.every=0",
+        "--set",
+        "experiment.keep_checkpoints=100",
+        "--no-progress",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "arpo_algo.cli.main", "train", str(exp)]
-    proc = subprocess.Popen([*cmd, "--output", str(out), *sets], env=env, cwd=tmp_path, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cmd, "--output", str(out), *sets],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not (out / "checkpoints" / "iter_000001").is_dir():
@@ -125,8 +155,14 @@ def test_deepspeed_train_resumes_after_kill_9(deepspeed_cpu, tiny_model_dir, tmp
     done = sorted(int(p.name.removeprefix("iter_")) for p in (out / "checkpoints").glob("iter_*"))
     assert done and done[-1] < 100  # killed mid-run
     last = done[-1] + 1
-    resumed = subprocess.run([*cmd, "--resume", str(out), "--set", f"experiment.iterations={last}", *sets], env=env,
-                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [*cmd, "--resume", str(out), "--set", f"experiment.iterations={last}", *sets],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
     assert rows[-1]["iteration"] == last and rows[-1]["learner/learner_workers"] == 2

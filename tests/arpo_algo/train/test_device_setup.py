@@ -52,8 +52,11 @@ def test_tree_attention_auto_per_device():
 @pytest.fixture
 def restore_determinism():
     env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark)
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     yield
     if env is None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

@@ -152,8 +152,9 @@ def test_save_pretrained_is_a_plain_hf_folder(tiny_model_dir, tmp_path):
     assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                                           tokenize=False)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
     for (n, p), q in zip(learner.model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), n
 
@@ -267,9 +268,11 @@ def test_advantages_are_normalised_per_group_not_over_the_batch(tiny_model_dir, 
     assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
 
 
-@pytest.mark.parametrize("extra", [{}, {"entropy_coef": 0.01, "kl_coef": 0.1}, {"dedup_prefix": False},
-                                   {"gradient_checkpointing": True}],
-                         ids=["default", "entropy_grad+kl", "padded", "checkpointed"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"entropy_coef": 0.01, "kl_coef": 0.1}, {"dedup_prefix": False}, {"gradient_checkpointing": True}],
+    ids=["default", "entropy_grad+kl", "padded", "checkpointed"],
+)
 def test_head_chunk_tokens_gives_the_same_update(tiny_model_dir, groups, extra):
     """Memory option: the LM head in chunks of 3 predictions (recomputed in backward) leaves the loss,
     the metrics and every gradient as they were."""

@@ -23,13 +23,16 @@ def _settings(**lora):
     return Settings().update({"model.path": "unused", **{f"model.lora.{k}": v for k, v in lora.items()}})
 
 
-@pytest.mark.parametrize("lora, match", [
-    ({"enabled": True, "rank": 0}, "rank must be >= 1"),
-    ({"enabled": True, "alpha": -1.0}, "alpha must be > 0"),
-    ({"enabled": True, "dropout": 0.1}, "dropout = 0.1 in RL"),
-    ({"rank": 8}, "rank set but enabled = false"),
-    ({"enabled": True, "target_modules": ["lm_head"]}, "stay frozen"),
-])
+@pytest.mark.parametrize(
+    "lora, match",
+    [
+        ({"enabled": True, "rank": 0}, "rank must be >= 1"),
+        ({"enabled": True, "alpha": -1.0}, "alpha must be > 0"),
+        ({"enabled": True, "dropout": 0.1}, "dropout = 0.1 in RL"),
+        ({"rank": 8}, "rank set but enabled = false"),
+        ({"enabled": True, "target_modules": ["lm_head"]}, "stay frozen"),
+    ],
+)
 def test_bad_lora_settings_are_refused_before_anything_loads(lora, match):
     with pytest.raises(ConfigError, match=match):
         _settings(**lora).validate()
@@ -42,10 +45,13 @@ def test_peft_options_arpo_does_not_train_are_refused_by_name(key):
     assert "not supported" in e.value.hint
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"backend.learner_backend": "deepspeed"}, "learner_backend = 'deepspeed'"),
-    ({"rollouts.hf.decode": "static"}, "decode = 'static'"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"backend.learner_backend": "deepspeed"}, "learner_backend = 'deepspeed'"),
+        ({"rollouts.hf.decode": "static"}, "decode = 'static'"),
+    ],
+)
 def test_paths_that_would_not_apply_the_adapter_are_refused(extra, match):
     s = Settings().update({"model.path": "unused", **LORA, **extra})
     with pytest.raises(ConfigError, match=match):
@@ -230,9 +236,20 @@ def test_rl_after_lora_sft_starts_from_the_sft_policy_with_a_fresh_adapter(tiny_
     from arpo_algo.train.learner import Learner, LearnerConfig
     from arpo_algo.train.sft import run_sft
 
-    sft = run_sft({"model": str(tiny_model_dir), "output_dir": str(tmp_path / "sft"), "num_examples": 8,
-                   "batch_size": 4, "epochs": 1, "lr": 1e-2, "max_seq_len": 512, "tensorboard": False,
-                   "progress": False, "lora": {"enabled": True, "rank": 4, "dropout": 0.1}})
+    sft = run_sft(
+        {
+            "model": str(tiny_model_dir),
+            "output_dir": str(tmp_path / "sft"),
+            "num_examples": 8,
+            "batch_size": 4,
+            "epochs": 1,
+            "lr": 1e-2,
+            "max_seq_len": 512,
+            "tensorboard": False,
+            "progress": False,
+            "lora": {"enabled": True, "rank": 4, "dropout": 0.1},
+        }
+    )
     folder = tmp_path / "sft"
     assert (folder / ADAPTER_WEIGHTS).is_file() and sft["steps"] >= 1
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
@@ -250,8 +267,12 @@ def test_rollout_actors_get_adapter_only_syncs_and_async_scores_under_the_old_ad
     """An HF rollout actor holds its own copy: the base plus the learner's adapter layout, filled by adapter-only
     syncs. Asynchronous rollouts one version behind score each batch under the adapter that sampled it (a
     snapshot of the adapter only): no false alarm, although every update moved the adapter."""
-    cfg = (tiny_config(tiny_model_dir).training(entropy_coef=0.01, lr=1e-2).update_settings(LORA)
-           .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=1, asynchronous=True, max_staleness=1))
+    cfg = (
+        tiny_config(tiny_model_dir)
+        .training(entropy_coef=0.01, lr=1e-2)
+        .update_settings(LORA)
+        .llm_rollouts(num_rollout_actors=1, num_cpus_per_rollout_actor=1, asynchronous=True, max_staleness=1)
+    )
     algo = cfg.build_algo()
     try:
         weights = algo.learner.rollout_weights()
@@ -279,8 +300,7 @@ def test_ddp_trains_the_same_adapter_as_one_process(tiny_model_dir, ray_session)
     lora = LoraSettings(enabled=True, rank=4, alpha=8.0)
     local = build_backend(tiny_model_dir, cfg, seed=0, lora=lora)
     start = {k: v.clone() for k, v in local.rollout_weights().items()}  # on CPU these alias the parameters
-    ddp = build_backend(tiny_model_dir, cfg, BackendConfig(learner_backend="ddp", learner_workers=2), seed=0,
-                        lora=lora)
+    ddp = build_backend(tiny_model_dir, cfg, BackendConfig(learner_backend="ddp", learner_workers=2), seed=0, lora=lora)
     try:
         assert ddp.lora_targets == local.lora_targets
         assert all(torch.equal(v, start[k]) for k, v in ddp.replica_weights(0).items())
@@ -299,8 +319,15 @@ def test_ddp_trains_the_same_adapter_as_one_process(tiny_model_dir, ray_session)
 def test_train_dry_run_checks_the_target_modules_against_the_model(tiny_model_dir, capsys):
     from arpo_algo.cli.main import main
 
-    given = ["train", "quickstart", "--set", f"model.path={tiny_model_dir}", "--set", "model.lora.enabled=true",
-             "--dry-run"]
+    given = [
+        "train",
+        "quickstart",
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "model.lora.enabled=true",
+        "--dry-run",
+    ]
     assert main([*given, "--set", 'model.lora.target_modules=["q_proj", "v_proj"]']) == 0
     assert main([*given, "--set", 'model.lora.target_modules=["qproj"]']) == 2
     err = capsys.readouterr().err
@@ -321,8 +348,10 @@ def test_an_adapter_chain_that_comes_back_on_itself_is_refused(lora_run, tmp_pat
         resolve_model_path(a)
 
 
-@pytest.mark.parametrize("key, value", [("use_rslora", True), ("rank_pattern", {"q_proj": 4}),
-                                        ("layers_to_transform", [0]), ("peft_new_option", "x")])
+@pytest.mark.parametrize(
+    "key, value",
+    [("use_rslora", True), ("rank_pattern", {"q_proj": 4}), ("layers_to_transform", [0]), ("peft_new_option", "x")],
+)
 def test_an_adapter_config_arpo_would_not_apply_is_refused_by_key(lora_run, tmp_path, key, value):
     """Bug: only three PEFT keys were checked; an adapter with rsLoRA scaling, a rank pattern or a layer selection
     loaded as plain LoRA: another function than the one PEFT loads."""

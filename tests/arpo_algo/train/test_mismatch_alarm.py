@@ -47,8 +47,11 @@ def test_a_1_nat_error_on_1_percent_of_tokens_stops_the_run(tiny_model_dir, clea
     planted = plant_tool_first_token(clean, 1.0)
     learner = Learner(tiny_model_dir, CONFIG, seed=0)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    with pytest.raises(ArpoError, match=r"0\.01 of the tokens differ by more than 0\.5 nats.*above "
-                                        r"training\.tail_frac_stop = 0\.005") as e:
+    with pytest.raises(
+        ArpoError,
+        match=r"0\.01 of the tokens differ by more than 0\.5 nats.*above "
+        r"training\.tail_frac_stop = 0\.005",
+    ) as e:
         learner.update(planted)
     assert "kl_rollout_stop" not in str(e.value)  # the token mean alone would have let it train
     assert learner.step == 0 and all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
@@ -73,9 +76,16 @@ def test_a_growing_kl_rollout_warns_before_it_reaches_a_level(tiny_model_dir, cl
     flat = [replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories]) for g in clean]  # no step
 
     def shifted(d):
-        return [replace(g, trajectories=[replace(t, old_logprobs=[x - d if m else x for x, m in
-                                                                  zip(t.old_logprobs, t.trained_mask)])
-                                         for t in g.trajectories]) for g in flat]
+        return [
+            replace(
+                g,
+                trajectories=[
+                    replace(t, old_logprobs=[x - d if m else x for x, m in zip(t.old_logprobs, t.trained_mask)])
+                    for t in g.trajectories
+                ],
+            )
+            for g in flat
+        ]
 
     learner = Learner(tiny_model_dir, CONFIG, seed=0)
     seen = [learner.update(shifted(d)) for d in (0.005, 0.007, 0.0095, 0.0114, 0.004, 0.005)]
@@ -93,6 +103,9 @@ def test_tail_levels_are_settings(tiny_model_dir, clean):
         replace(CONFIG, tail_logprob_diff=0.0).validate()
     # a looser threshold no longer counts the 1-nat tokens; the worst trajectory's KL still stops the run
     loose = Learner(tiny_model_dir, replace(CONFIG, tail_logprob_diff=1.5), seed=0)
-    with pytest.raises(ArpoError, match=r"0 of the tokens differ by more than 1\.5 nats.*above "
-                                        r"training\.traj_kl_stop = 0\.001, stopping"):
+    with pytest.raises(
+        ArpoError,
+        match=r"0 of the tokens differ by more than 1\.5 nats.*above "
+        r"training\.traj_kl_stop = 0\.001, stopping",
+    ):
         loose.update(plant_tool_first_token(clean, 1.0))

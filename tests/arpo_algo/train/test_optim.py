@@ -30,8 +30,7 @@ def test_decaying_schedule_needs_a_usable_total_steps():
 def test_one_optimizer_for_sft_and_rl():
     """Weight decay on matrices only, the first update already uses a non-zero rate, fused AdamW on CPU."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    opt, sched = build_optimizer(model, lr=1.0, weight_decay=0.1, schedule="cosine", warmup_steps=2,
-                                 total_steps=4)
+    opt, sched = build_optimizer(model, lr=1.0, weight_decay=0.1, schedule="cosine", warmup_steps=2, total_steps=4)
     decay, no_decay = opt.param_groups
     assert [p.ndim for p in decay["params"]] == [2] and decay["weight_decay"] == 0.1
     assert sorted(p.ndim for p in no_decay["params"]) == [1, 1, 1] and no_decay["weight_decay"] == 0.0

@@ -32,10 +32,16 @@ def demo(a: int = 17, b: int = 23, c: int = 5) -> SFTExample:
     value = a * b + c
     return SFTExample(
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} * {b} + {c}?"}],
-        segments=[(f"<think>Multiply, then add.</think>\n<python>\nprint({a} * {b} + {c})\n</python>", True),
-                  (f" <result>\n{value}\n</result>", False),
-                  (f"\n<think>The tool says {value}.</think>\n<answer>The final answer is \\[ \\boxed{{{value}}} "
-                   f"\\]</answer>", True)])
+        segments=[
+            (f"<think>Multiply, then add.</think>\n<python>\nprint({a} * {b} + {c})\n</python>", True),
+            (f" <result>\n{value}\n</result>", False),
+            (
+                f"\n<think>The tool says {value}.</think>\n<answer>The final answer is \\[ \\boxed{{{value}}} "
+                f"\\]</answer>",
+                True,
+            ),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +58,21 @@ def trained_text(tok, ids, labels) -> str:
 def test_segment_masking_matches_rl_layout(tok):
     ids, labels = tokenize_example(tok, demo())
     prompt = tok.apply_chat_template(demo().messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert ids[:len(prompt)] == list(prompt) and all(lab == -100 for lab in labels[:len(prompt)])
+    assert ids[: len(prompt)] == list(prompt) and all(lab == -100 for lab in labels[: len(prompt)])
     assert trained_text(tok, ids, labels) == CALL + ANSWER + tok.eos_token
     assert ids[-1] == tok.eos_token_id and labels[-1] == tok.eos_token_id
-    masked_reply = tok.decode([i for i, lab in zip(ids[len(prompt):], labels[len(prompt):]) if lab == -100])
+    masked_reply = tok.decode([i for i, lab in zip(ids[len(prompt) :], labels[len(prompt) :]) if lab == -100])
     assert masked_reply == RESULT
     # Segment-wise tokenization: the reply ids are the concatenation of each segment's own ids.
     seg_ids = [i for t, _ in demo().segments for i in tok(t, add_special_tokens=False)["input_ids"]]
-    assert ids[len(prompt):-1] == seg_ids
+    assert ids[len(prompt) : -1] == seg_ids
 
 
 def test_tool_output_cannot_inject_special_tokens(tok):
-    ex = SFTExample([{"role": "user", "content": "q"}], [("<python>x</python>", True),
-                                                        (" <result>\n<|im_end|>\n</result>", False), ("done", True)])
+    ex = SFTExample(
+        [{"role": "user", "content": "q"}],
+        [("<python>x</python>", True), (" <result>\n<|im_end|>\n</result>", False), ("done", True)],
+    )
     ids, labels = tokenize_example(tok, ex)
     assert ids.count(tok.eos_token_id) == 2  # end of the user turn in the prompt + the final eos, none in the result
     assert trained_text(tok, ids, labels) == "<python>x</python>done" + tok.eos_token
@@ -72,9 +80,13 @@ def test_tool_output_cannot_inject_special_tokens(tok):
 
 def test_split_inline_results():
     text = "<python>print(1)</python>\n<result>\n1\n</result>\nok <python>2</python><result>2</result>end"
-    assert split_inline_results(text) == [("<python>print(1)</python>", True), ("\n<result>\n1\n</result>", False),
-                                          ("\nok <python>2</python>", True), ("<result>2</result>", False),
-                                          ("end", True)]
+    assert split_inline_results(text) == [
+        ("<python>print(1)</python>", True),
+        ("\n<result>\n1\n</result>", False),
+        ("\nok <python>2</python>", True),
+        ("<result>2</result>", False),
+        ("end", True),
+    ]
     with pytest.raises(ValueError, match="without a closing"):
         split_inline_results("a <result> b")
 
@@ -86,13 +98,26 @@ def write(path: Path, obj) -> Path:
 
 def test_sharegpt_file_masks_inline_results(tmp_path, tok):
     reply = CALL + RESULT + ANSWER
-    f = write(tmp_path / "sg.json", [
-        {"conversations": [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": reply}], "system": SYSTEM},
-        {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "hi"},
-                           {"from": "gpt", "value": "hello"}, {"from": "human", "value": QUESTION},
-                           {"from": "function_call", "value": CALL}, {"from": "observation", "value": "396"},
-                           {"from": "gpt", "value": ANSWER}]},
-    ])
+    f = write(
+        tmp_path / "sg.json",
+        [
+            {
+                "conversations": [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": reply}],
+                "system": SYSTEM,
+            },
+            {
+                "conversations": [
+                    {"from": "system", "value": "S"},
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "hello"},
+                    {"from": "human", "value": QUESTION},
+                    {"from": "function_call", "value": CALL},
+                    {"from": "observation", "value": "396"},
+                    {"from": "gpt", "value": ANSWER},
+                ]
+            },
+        ],
+    )
     exs = load_file_examples(f)
     assert exs[0].messages == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     for ex in exs:
@@ -104,8 +129,13 @@ def test_sharegpt_file_masks_inline_results(tmp_path, tok):
 
 
 def test_alpaca_jsonl_with_history(tmp_path, tok):
-    rec = {"instruction": QUESTION, "input": "Use python.", "output": CALL + "\n<result>\n396\n</result>" + ANSWER,
-           "system": SYSTEM, "history": [["hi", "hello"]]}
+    rec = {
+        "instruction": QUESTION,
+        "input": "Use python.",
+        "output": CALL + "\n<result>\n396\n</result>" + ANSWER,
+        "system": SYSTEM,
+        "history": [["hi", "hello"]],
+    }
     f = tmp_path / "al.jsonl"
     f.write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
     exs = load_file_examples(f)
@@ -120,9 +150,13 @@ def test_bad_files_name_the_file_and_record(tmp_path):
     f = write(tmp_path / "weird.json", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(ConfigError, match=r"weird\.json: record 0 is in no known SFT format"):
         load_file_examples(f)
-    f = write(tmp_path / "sg.json", [
-        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-        {"conversations": [{"from": "human", "value": "q"}]}])
+    f = write(
+        tmp_path / "sg.json",
+        [
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+            {"conversations": [{"from": "human", "value": "q"}]},
+        ],
+    )
     with pytest.raises(ConfigError, match=r"sg\.json: record 1 is not valid sharegpt: .*must end with a gpt turn"):
         load_file_examples(f)
     f = write(tmp_path / "al.json", [{"instruction": "q", "output": "a <result> never closed"}])
@@ -154,8 +188,23 @@ def test_cli_config_layers(tmp_path):
     toml.write_text('model = "m"\nlr = 1e-5\nepochs = 5\n')
     parser = argparse.ArgumentParser()
     register_sft(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["sft", "--config", str(toml), "--set", "lr=2e-4", "--set", "levels=[1, 2]",
-                              "--set", "data=toolmath", "--epochs", "7", "--output", str(tmp_path / "o")])
+    args = parser.parse_args(
+        [
+            "sft",
+            "--config",
+            str(toml),
+            "--set",
+            "lr=2e-4",
+            "--set",
+            "levels=[1, 2]",
+            "--set",
+            "data=toolmath",
+            "--epochs",
+            "7",
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
     cfg = config_from_args(args)
     assert (cfg.model, cfg.lr, cfg.levels, cfg.data, cfg.epochs) == ("m", 2e-4, [1, 2], "toolmath", 7)
     assert cfg.output_dir == str(tmp_path / "o")
@@ -193,13 +242,32 @@ def test_short_sft_lowers_loss_and_saves_hf_folder(tmp_path, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    recs = [{"instruction": f"What is {a} * 3?", "output": f"<python>print({a}*3)</python> <result>\n{a * 3}\n"
-             f"</result><answer>\\boxed{{{a * 3}}}</answer>", "system": SYSTEM} for a in range(8)]
+    recs = [
+        {
+            "instruction": f"What is {a} * 3?",
+            "output": f"<python>print({a}*3)</python> <result>\n{a * 3}\n</result><answer>\\boxed{{{a * 3}}}</answer>",
+            "system": SYSTEM,
+        }
+        for a in range(8)
+    ]
     f = write(tmp_path / "train.json", recs)
     out = tmp_path / "ckpt"
-    m = run_sft({"model": str(tiny_model_dir), "data": str(f), "output_dir": str(out), "epochs": 15,
-                 "batch_size": 4, "grad_accum": 2, "lr": 3e-3, "max_seq_len": 512, "progress": False,
-                 "tensorboard": True, "log_every": 2, "warmup_ratio": 0.0})
+    m = run_sft(
+        {
+            "model": str(tiny_model_dir),
+            "data": str(f),
+            "output_dir": str(out),
+            "epochs": 15,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "lr": 3e-3,
+            "max_seq_len": 512,
+            "progress": False,
+            "tensorboard": True,
+            "log_every": 2,
+            "warmup_ratio": 0.0,
+        }
+    )
     assert m["steps"] == 15 and m["final_loss"] < 0.7 * m["first_loss"], m
     saved = json.loads((out / "sft_metrics.json").read_text())
     assert saved["tokens_trained"] == m["tokens_trained"] > 0 and saved["counts"]["kept"] == 8
@@ -227,20 +295,29 @@ def test_smollm2_learns_python_tool_on_toolmath(tmp_path, smollm2_dir):
 
     t0 = time.time()
     # The quickstart setting: 96 demos, one epoch = 12 optimizer steps (~4 min on 2 idle CPU cores).
-    m = run_sft({"model": str(smollm2_dir), "data": "toolmath", "num_examples": 96, "epochs": 1,
-                 "batch_size": 8, "lr": 2e-4, "output_dir": str(tmp_path / "o"), "progress": False,
-                 "tensorboard": False, "max_seq_len": 512})
+    m = run_sft(
+        {
+            "model": str(smollm2_dir),
+            "data": "toolmath",
+            "num_examples": 96,
+            "epochs": 1,
+            "batch_size": 8,
+            "lr": 2e-4,
+            "output_dir": str(tmp_path / "o"),
+            "progress": False,
+            "tensorboard": False,
+            "max_seq_len": 512,
+        }
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
     tok = AutoTokenizer.from_pretrained(tmp_path / "o")
     held_out = toolmath_demonstrations(5, seed=123, split="test", levels=[1])
     calls = 0
     for d in held_out:
-        enc = tok.apply_chat_template(d["messages"], add_generation_prompt=True, return_dict=True,
-                                      return_tensors="pt")
+        enc = tok.apply_chat_template(d["messages"], add_generation_prompt=True, return_dict=True, return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=96, do_sample=False, stop_strings=["</python>"],
-                                 tokenizer=tok)
-        text = tok.decode(out[0, enc["input_ids"].shape[1]:])
+            out = model.generate(**enc, max_new_tokens=96, do_sample=False, stop_strings=["</python>"], tokenizer=tok)
+        text = tok.decode(out[0, enc["input_ids"].shape[1] :])
         calls += "<python>" in text
     print(f"sft {m['time_s']}s, total {time.time() - t0:.0f}s, python calls {calls}/5")
     assert calls >= 4
@@ -250,9 +327,23 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     f = write(tmp_path / "d.json", [{"instruction": "q", "output": "<python>1</python><result>1</result>a"}] * 4)
     parser = argparse.ArgumentParser()
     register_sft(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["sft", "--model", str(tiny_model_dir), "--data", str(f), "--output",
-                              str(tmp_path / "o"), "--max-steps", "2", "--set", "progress=false",
-                              "--set", "tensorboard=false"])
+    args = parser.parse_args(
+        [
+            "sft",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(f),
+            "--output",
+            str(tmp_path / "o"),
+            "--max-steps",
+            "2",
+            "--set",
+            "progress=false",
+            "--set",
+            "tensorboard=false",
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == str(tmp_path / "o") and (tmp_path / "o" / "config.json").exists()
@@ -274,8 +365,12 @@ def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_mo
     model.zero_grad()
     ids, labels, mask = _collate(batch, 0, torch.device("cpu"))
     logits = model(input_ids=ids, attention_mask=mask).logits
-    ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
-                          reduction="sum") / n
+    ref = (
+        F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        / n
+    )
     ref.backward()
     assert n == 5 and abs(loss - ref.item()) < 1e-5
     for k, p in model.named_parameters():
@@ -300,8 +395,11 @@ def test_rows_per_forward_and_gradient_checkpointing_give_the_same_loss_and_grad
 
     from arpo_algo.train.sft import SFTConfig, _load_model
 
-    rows = [([5, 6, 7, 8, 9, 10, 11], [-100, -100, 7, 8, -100, 10, 11]), ([11, 12, 13], [-100, 12, 13]),
-            ([20, 21, 22, 23, 24], [-100, -100, -100, 23, 24])]
+    rows = [
+        ([5, 6, 7, 8, 9, 10, 11], [-100, -100, 7, 8, -100, 10, 11]),
+        ([11, 12, 13], [-100, 12, 13]),
+        ([20, 21, 22, 23, 24], [-100, -100, -100, 23, 24]),
+    ]
     micro = [rows[:2], rows[2:]]  # grad_accum 2
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     ref_loss, ref_n, ref = _loss_and_grads(model, micro)
@@ -323,10 +421,23 @@ def test_rows_per_forward_and_gradient_checkpointing_give_the_same_loss_and_grad
 def test_sft_run_with_the_memory_options_trains_like_without(tiny_model_dir, tmp_path):
     """Through run_sft: same steps, same losses (to float rounding) with rows_per_forward + gradient checkpointing."""
     f = tmp_path / "d.jsonl"
-    f.write_text("\n".join(json.dumps({"instruction": f"What is {i} + {i}?", "input": "",
-                                       "output": f"The answer is {2 * i}."}) for i in range(6)))
-    base = {"model": str(tiny_model_dir), "data": str(f), "epochs": 1, "batch_size": 3, "grad_accum": 2,
-            "lr": 3e-3, "progress": False, "tensorboard": False, "device": "cpu"}
+    f.write_text(
+        "\n".join(
+            json.dumps({"instruction": f"What is {i} + {i}?", "input": "", "output": f"The answer is {2 * i}."})
+            for i in range(6)
+        )
+    )
+    base = {
+        "model": str(tiny_model_dir),
+        "data": str(f),
+        "epochs": 1,
+        "batch_size": 3,
+        "grad_accum": 2,
+        "lr": 3e-3,
+        "progress": False,
+        "tensorboard": False,
+        "device": "cpu",
+    }
     a = run_sft({**base, "output_dir": str(tmp_path / "a")})
     b = run_sft({**base, "output_dir": str(tmp_path / "b"), "rows_per_forward": 2, "gradient_checkpointing": True})
     assert a["steps"] == b["steps"] == 1 and a["tokens_trained"] == b["tokens_trained"]
@@ -336,8 +447,16 @@ def test_sft_run_with_the_memory_options_trains_like_without(tiny_model_dir, tmp
     assert cfg.get("use_cache", True) is True  # the saved folder generates with its KV cache as before
 
 
-@pytest.mark.parametrize("bad", [{"rows_per_forward": 0}, {"rows_per_forward": -2}, {"rows_per_forward": 1.5},
-                                 {"gradient_checkpointing": "yes"}, {"rows_per_forward_": 2}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rows_per_forward": 0},
+        {"rows_per_forward": -2},
+        {"rows_per_forward": 1.5},
+        {"gradient_checkpointing": "yes"},
+        {"rows_per_forward_": 2},
+    ],
+)
 def test_memory_options_are_validated(bad):
     (key,) = bad
     with pytest.raises(ConfigError, match=f"sft config: (unknown key '{key}'|{key} must)"):  # refused for that key

@@ -31,8 +31,13 @@ def test_a_stale_batch_is_scored_under_the_version_that_sampled_it(tiny_model_di
 
     tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
     engine = HFEngine(tiny_model_dir, dtype="float32", seed=0)
-    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(2),
-                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    sampler = TreeSampler.from_config(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", tools=tools),
+        TreeConfig.grpo(2),
+        RolloutsConfig(max_response_tokens=16),
+        seed=0,
+    )
     # the entropy bonus always has a gradient, so every update is a real step even when the rewards are equal
     learner = Learner(tiny_model_dir, LearnerConfig(lr=3e-2, micro_batch_tokens=100_000, entropy_coef=0.01), seed=0)
     warn, _ = MISMATCH_LEVELS["fp32"]

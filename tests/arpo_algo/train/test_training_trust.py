@@ -26,8 +26,10 @@ def groups(tiny_model_dir):
 
 
 def _with_rewards(g, rewards):
-    trajs = [replace(t, traj_id=i, reward=r) for i, (t, r) in
-             enumerate(zip((g.trajectories * len(rewards))[:len(rewards)], rewards))]
+    trajs = [
+        replace(t, traj_id=i, reward=r)
+        for i, (t, r) in enumerate(zip((g.trajectories * len(rewards))[: len(rewards)], rewards))
+    ]
     return replace(g, trajectories=trajs)
 
 
@@ -64,8 +66,13 @@ def test_sampling_the_learner_cannot_score_is_refused(key, value):
 def _unsampled(g):
     """The group as if no token had been sampled by an engine (the tool-limit EOS's case): every position marked
     unsampled, its log-prob a NaN placeholder."""
-    return replace(g, trajectories=[replace(t, old_logprobs=[math.nan] * len(t.old_logprobs),
-                                            unsampled=list(range(len(t.old_logprobs)))) for t in g.trajectories])
+    return replace(
+        g,
+        trajectories=[
+            replace(t, old_logprobs=[math.nan] * len(t.old_logprobs), unsampled=list(range(len(t.old_logprobs))))
+            for t in g.trajectories
+        ],
+    )
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -93,12 +100,14 @@ def test_a_non_finite_log_prob_from_an_engine_stops_the_run(tiny_model_dir, grou
     def broken(t, first):
         old = list(t.old_logprobs)
         trained = [i for i, m in enumerate(t.trained_mask) if m]
-        for i in (trained if where == "everywhere" else trained[:1] if first else []):
+        for i in trained if where == "everywhere" else trained[:1] if first else []:
             old[i] = math.inf if where == "one inf" else math.nan
         return replace(t, old_logprobs=old)
 
-    bad = [replace(g, trajectories=[broken(t, gi == 0 and j == 0) for j, t in enumerate(g.trajectories)])
-           for gi, g in enumerate(groups)]
+    bad = [
+        replace(g, trajectories=[broken(t, gi == 0 and j == 0) for j, t in enumerate(g.trajectories)])
+        for gi, g in enumerate(groups)
+    ]
     n_bad = sum(not math.isfinite(x) for g in bad for t in g.trajectories for x in t.old_logprobs)
     for recorded in ("rollout", "recompute"):
         learner = Learner(tiny_model_dir, replace(BASE, old_logprobs=recorded), seed=0)
@@ -127,8 +136,13 @@ def test_learner_and_sampler_agree_under_a_dropout_config(tiny_model_dir, tmp_pa
     (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
     tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
     engine = HFEngine(model, dtype="float32", seed=0)
-    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(4),
-                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    sampler = TreeSampler.from_config(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", tools=tools),
+        TreeConfig.grpo(4),
+        RolloutsConfig(max_response_tokens=16),
+        seed=0,
+    )
     learner = Learner(model, LearnerConfig(lr=1e-3, micro_batch_tokens=100_000, old_logprobs="rollout"), seed=0)
     try:
         groups, _ = sampler.sample([0, 1], step=0)
@@ -160,8 +174,13 @@ def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, group
 
     tools = {"python": {}, "cache": {"path": str(tmp_path / "c.sqlite")}}
     engine = HFEngine(tiny_model_dir, dtype="float32", seed=0)
-    sampler = TreeSampler.from_config(engine, lambda: ToolTextEnv(task="toolmath", tools=tools), TreeConfig.grpo(2),
-                                      RolloutsConfig(max_response_tokens=16), seed=0)
+    sampler = TreeSampler.from_config(
+        engine,
+        lambda: ToolTextEnv(task="toolmath", tools=tools),
+        TreeConfig.grpo(2),
+        RolloutsConfig(max_response_tokens=16),
+        seed=0,
+    )
     learner = Learner(tiny_model_dir, LearnerConfig(lr=3e-2, micro_batch_tokens=100_000), seed=0)
     warn, stop = MISMATCH_LEVELS["fp32"]
     try:
@@ -290,9 +309,17 @@ def test_hard_attribution_through_the_learner_counts_branch_prefixes_once(tiny_m
 
 
 @pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("extra", [dict(loss_agg="token_mean"), dict(loss_agg="seq_mean"), dict(loss_agg="dr_grpo"),
-                                   dict(loss_agg="dr_grpo", advantage="hard"), dict(advantage="hard")],
-                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(loss_agg="token_mean"),
+        dict(loss_agg="seq_mean"),
+        dict(loss_agg="dr_grpo"),
+        dict(loss_agg="dr_grpo", advantage="hard"),
+        dict(advantage="hard"),
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
+)
 def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, groups, dedup, extra):
     """One micro-batch for all groups vs one per group, the packing (dedup_prefix) held fixed: the same step."""
     if extra.get("advantage") == "hard" and extra.get("loss_agg") == "seq_mean":

@@ -118,8 +118,10 @@ def test_flex_logprobs_equal_the_dense_mask_on_cpu(tiny_model_dir):
     # Anything but the packed tree (a padded batch) goes to SDPA unchanged: bit-identical results.
     dup = build_padded_batch(specs[:3], pad_id=0)
     with torch.no_grad():
-        assert torch.equal(forward_token_stats(flex_model, dup, with_entropy=False)[0],
-                           forward_token_stats(dense_model, dup, with_entropy=False)[0])
+        assert torch.equal(
+            forward_token_stats(flex_model, dup, with_entropy=False)[0],
+            forward_token_stats(dense_model, dup, with_entropy=False)[0],
+        )
 
 
 def test_rollout_engine_sharing_a_flex_model_decodes_as_with_sdpa(tiny_model_dir):
@@ -132,12 +134,15 @@ def test_rollout_engine_sharing_a_flex_model_decodes_as_with_sdpa(tiny_model_dir
     outs = []
     for impl in ("sdpa", FLEX_TREE_IMPL):
         engine = HFEngine(model=_load(tiny_model_dir, impl), tokenizer=tok, seed=0)
-        reqs = [GenRequest(i, tok.encode(text), SamplingParams(max_new_tokens=12, seed=i))
-                for i, text in enumerate(["<|im_start|>user\nhi", "<|im_start|>user\nsolve 6*7 please"])]
+        reqs = [
+            GenRequest(i, tok.encode(text), SamplingParams(max_new_tokens=12, seed=i))
+            for i, text in enumerate(["<|im_start|>user\nhi", "<|im_start|>user\nsolve 6*7 please"])
+        ]
         first = engine.generate(reqs)
         ctx = reqs[1].token_ids + first[1].token_ids
-        more = engine.generate([GenRequest(9, ctx, SamplingParams(max_new_tokens=6, seed=9),
-                                           prefix_key=first[1].cache_key)])
+        more = engine.generate(
+            [GenRequest(9, ctx, SamplingParams(max_new_tokens=6, seed=9), prefix_key=first[1].cache_key)]
+        )
         outs.append([(g.token_ids, g.logprobs) for g in first + more])
     for (ids_s, lp_s), (ids_f, lp_f) in zip(*outs):
         assert ids_f == ids_s and lp_f == pytest.approx(lp_s, abs=1e-6)
@@ -175,8 +180,9 @@ def test_flex_gradients_equal_the_dense_mask_on_gpu(tiny_model_dir, precision, l
     """The learner's forward + backward on CUDA: flex and dense give the same log-probs and gradients (relative to
     the largest gradient, within fp32 or bf16 rounding)."""
     groups = _groups(tiny_model_dir, 2)
-    cfg = LearnerConfig(old_logprobs="rollout", micro_batch_tokens=100_000, precision=precision,
-                        **ALARM_OFF)  # hand-built behaviour log-probs
+    cfg = LearnerConfig(
+        old_logprobs="rollout", micro_batch_tokens=100_000, precision=precision, **ALARM_OFF
+    )  # hand-built behaviour log-probs
     dense = Learner(tiny_model_dir, replace(cfg, tree_attention="dense"), device="cuda")
     flex = Learner(tiny_model_dir, replace(cfg, tree_attention="flex"), device="cuda")
     assert flex.model.config._attn_implementation == FLEX_TREE_IMPL and dense.precision == flex.precision == precision

@@ -23,8 +23,9 @@ def _segments_to_traj(tok, j: int, segments: list[tuple[str, bool]], reward: flo
         mask += [int(trained)] * len(part)
     # Behaviour log-probs: a deterministic function of (position, token) so a shared prefix has equal values.
     old = [(-0.5 - ((t * 7 + i) % 13) / 10.0) if m else 0.0 for i, (t, m) in enumerate(zip(ids, mask))]
-    return Trajectory(traj_id=j, response_ids=ids, trained_mask=mask, old_logprobs=old, entropies=[0.0] * len(ids),
-                      reward=reward)
+    return Trajectory(
+        traj_id=j, response_ids=ids, trained_mask=mask, old_logprobs=old, entropies=[0.0] * len(ids), reward=reward
+    )
 
 
 def make_groups(tok) -> list[Group]:
@@ -52,8 +53,10 @@ def make_groups(tok) -> list[Group]:
     t0[1] = replace(t0[1], parent=0, branch_point=n(call) + n(result), kind="branch")
     t0[2] = replace(t0[2], parent=0, branch_point=n(call[:12]), kind="branch")
     t1[1] = replace(t1[1], parent=0, branch_point=n("Think: 6*7=42"), kind="branch")
-    return [Group(prompt_index=0, prompt_ids=prompt, trajectories=t0),
-            Group(prompt_index=1, prompt_ids=prompt1, trajectories=t1)]
+    return [
+        Group(prompt_index=0, prompt_ids=prompt, trajectories=t0),
+        Group(prompt_index=1, prompt_ids=prompt1, trajectories=t1),
+    ]
 
 
 def _specs(groups: list[Group]) -> list[SeqSpec]:
@@ -61,8 +64,11 @@ def _specs(groups: list[Group]) -> list[SeqSpec]:
     for gi, g in enumerate(groups):
         for t in g.trajectories:
             n = len(t.response_ids)
-            specs.append(SeqSpec(gi, seq, g.prompt_ids, t.response_ids, t.trained_mask, [t.reward] * n, [1.0] * n,
-                                 t.old_logprobs))
+            specs.append(
+                SeqSpec(
+                    gi, seq, g.prompt_ids, t.response_ids, t.trained_mask, [t.reward] * n, [1.0] * n, t.old_logprobs
+                )
+            )
             seq += 1
     return specs
 
