@@ -86,6 +86,7 @@ from arpo_algo.train.device_setup import (
 from arpo_algo.train.learner_config import LearnerConfig
 from arpo_algo.train.mismatch import judge, local_sums, per_token
 from arpo_algo.train.optim import build_optimizer
+from arpo_algo.train.rng_state import rng_state, set_rng_state
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
@@ -109,21 +110,6 @@ def mini_batch_parts(num_groups: int, mini_batches: int, seed: int, step: int) -
     order = list(range(num_groups))
     random.Random(f"{seed}:{step}").shuffle(order)
     return [sorted(order[k::n]) for k in range(n)]
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Learner:
@@ -645,7 +631,7 @@ class Learner:
             "step": self.step,
             "nan_streak": self.nan_streak,
             "skipped_total": self.skipped_total,
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "config": asdict(self.config),
         }
         if include_model:
@@ -664,7 +650,7 @@ class Learner:
         self.step = int(state["step"])
         self.nan_streak = int(state["nan_streak"])
         self.skipped_total = int(state["skipped_total"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write a plain HF folder (safetensors, config, generation config, tokenizer with chat template); with LoRA
