@@ -36,7 +36,8 @@ from arpo_env.session import (
     build_tools_from_spec,
     check_session_config,
 )
-from arpo_env.tasks.registry import task_spec
+from arpo_env.tasks.registry import DEFAULT_TASK, task_spec
+from arpo_env.tools.registry import default_settings
 
 # Text spaces: every Unicode code point of the Basic Multilingual Plane except the surrogates (U+D800-U+DFFF),
 # i.e. all printable ASCII, whitespace, Latin, Greek, math symbols, CJK, typographic quotes. Characters outside the BMP
@@ -46,7 +47,7 @@ TEXT_CHARSET: frozenset[str] = frozenset(chr(c) for c in range(0x10000) if not 0
 #: Every task's config keys: the task, its split and reward, plus the session keys (:data:`SESSION_DEFAULTS`; the
 #: tool-call limit and tools default per task).
 COMMON_DEFAULTS: dict[str, Any] = {
-    "task": "toolmath",
+    "task": DEFAULT_TASK,
     "split": "train",
     "reward": None,
     "reward_kwargs": {},
@@ -87,24 +88,11 @@ def _text_space() -> spaces.Text:
     return spaces.Text(max_length=TEXT_MAX_CHARS, min_length=0, charset=TEXT_CHARSET)
 
 
-def _default_tool_spec(cfg: dict[str, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = {}
-    for name in task_spec(cfg["task"]).tools:
-        if name == "search":
-            from arpo_env.data import find_data_file
-
-            cache_json = find_data_file("search_cache.json", cfg.get("data_dir"))
-            spec["search"] = {"backend": "replay", "cache_json": str(cache_json)}
-        else:
-            spec[name] = {}
-    return spec
-
-
 def build_env_tools(cfg: dict[str, Any]) -> dict[str, Any]:
     """The env's tools: built from a spec (shared per identical spec, tools are stateless handles) or given objects;
     no spec = the task's default tools."""
     tools = cfg["tools"]
-    return build_tools_from_spec(tools, _default_tool_spec(cfg) if tools is None else None)
+    return build_tools_from_spec(tools, default_settings(task_spec(cfg["task"]).tools, cfg) if tools is None else None)
 
 
 class ToolTextEnv(gym.Env):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arpo_base.errors import ConfigError
+from arpo_env.tools.registry import TOOLS
 
 # The reference "code_search" system prompt (docs/concepts/reference-choices.md#interaction-protocol), with the
 # `\x08oxed` data bug fixed. The buggy variant is
@@ -53,9 +54,6 @@ RESULT_TEMPLATES = {
     "train": " <result>\n{result}\n</result>",  # reference training insertion (ROLL L422-426)
     "eval": "<result>{result}</result>",  # reference evaluation insertion (sample_processor.py)
 }
-
-# Default tag -> keyword-argument name of the tool it calls (PythonTool(code=...), SearchTool(query=...)).
-DEFAULT_TAG_TOOLS: dict[str, str] = {"python": "code", "search": "query"}
 
 DEFAULT_MAX_ACTION_CHARS = 32_768
 DEFAULT_MAX_ARG_CHARS = 16_384
@@ -109,7 +107,10 @@ class ToolProtocol:
     """The ARPO tag protocol (defaults reproduce the reference).
 
     Args:
-        tag_tools: tag name -> keyword argument of the tool it calls; the tag name is also the tool name.
+        tag_tools: tag name -> keyword argument of the tool it calls (None: every tool of the tool registry,
+            :mod:`arpo_env.tools.registry`, ``<python>`` -> ``code``, ``<search>`` -> ``query``).
+        tag_names: tag name -> the name of the tool it calls (None, or a tag not in it: the tag is the name; with
+            ``tag_tools=None``: the registry's names).
         result_format: ``"train"`` (reference training format) or ``"eval"`` (reference evaluation format).
         max_action_chars: longer actions are rejected as ``invalid`` (the reference has no limit).
         max_arg_chars: longer tool arguments are rejected as ``invalid`` (the reference has no limit).
@@ -124,10 +125,15 @@ class ToolProtocol:
         result_format: str = "train",
         max_action_chars: int = DEFAULT_MAX_ACTION_CHARS,
         max_arg_chars: int = DEFAULT_MAX_ARG_CHARS,
+        tag_names: Mapping[str, str] | None = None,
     ) -> None:
         if result_format not in RESULT_TEMPLATES:
             raise ConfigError(f"result_format must be one of {sorted(RESULT_TEMPLATES)}, got {result_format!r}")
-        self.tag_tools = dict(DEFAULT_TAG_TOOLS if tag_tools is None else tag_tools)
+        if tag_tools is None:
+            tag_tools = {spec.tag: spec.arg for spec in TOOLS.values()}
+            tag_names = {spec.tag: spec.name for spec in TOOLS.values()}
+        self.tag_tools = dict(tag_tools)
+        self.tag_names = {tag: (tag_names or {}).get(tag, tag) for tag in self.tag_tools}
         if not self.tag_tools:
             raise ConfigError("tag_tools: at least one tool tag is required")
         self.result_format = result_format
@@ -138,7 +144,7 @@ class ToolProtocol:
 
     @property
     def tool_names(self) -> tuple[str, ...]:
-        return tuple(self.tag_tools)
+        return tuple(self.tag_names.values())
 
     def format_result(self, text: str) -> str:
         """The exact text appended after a tool-calling action."""
@@ -176,7 +182,7 @@ class ToolProtocol:
             unclosed = [t for t in self.tag_tools if f"<{t}>" in action.rsplit(self.answer_close, 1)[-1]]
             if unclosed and not self._is_answer(action):
                 t = unclosed[-1]
-                return _invalid("unclosed_tag", f"<{t}> was opened but never closed with </{t}>", t)
+                return _invalid("unclosed_tag", f"<{t}> was opened but never closed with </{t}>", self.tag_names[t])
             return ParsedAction(kind="text")
         if len(closes) > 1:
             if self._is_answer(action) and action.rfind(self.answer_close) > closes[-1][0]:
@@ -188,26 +194,29 @@ class ToolProtocol:
         if action[pos + len(close) :].strip():
             if self._is_answer(action[pos:]):
                 return ParsedAction(kind="answer")
-            return _invalid("text_after_call", f"text after </{tag}>; end the turn right after the tool call", tag)
+            return _invalid(
+                "text_after_call", f"text after </{tag}>; end the turn right after the tool call", self.tag_names[tag]
+            )
         return self._parse_call(action, tag)
 
     def _parse_call(self, action: str, tag: str) -> ParsedAction:
+        tool = self.tag_names[tag]
         open_ = f"<{tag}>"
         start = action.rfind(open_)
         end = action.rfind(f"</{tag}>")
         if start < 0 or start > end:
-            return _invalid("unclosed_tag", f"</{tag}> without a matching <{tag}>", tag)
+            return _invalid("unclosed_tag", f"</{tag}> without a matching <{tag}>", tool)
         # Reference (_extract_content): the text between the LAST <tag> and the last </tag>, stripped.
         arg = action[start + len(open_) : end].strip()
         if any(f"<{t}>" in arg or f"</{t}>" in arg for t in self.tag_tools):
-            return _invalid("nested_tags", f"tool tags nested inside <{tag}>", tag)
+            return _invalid("nested_tags", f"tool tags nested inside <{tag}>", tool)
         if not arg:
-            return _invalid("empty_argument", f"empty <{tag}> call", tag)
+            return _invalid("empty_argument", f"empty <{tag}> call", tool)
         if len(arg) > self.max_arg_chars:
             return _invalid(
-                "argument_too_long", f"<{tag}> argument has {len(arg)} characters (limit {self.max_arg_chars})", tag
+                "argument_too_long", f"<{tag}> argument has {len(arg)} characters (limit {self.max_arg_chars})", tool
             )
-        return ParsedAction(kind="tool_call", tool=tag, args={self.tag_tools[tag]: arg})
+        return ParsedAction(kind="tool_call", tool=tool, args={self.tag_tools[tag]: arg})
 
 
 JSON_RESULT_TEMPLATE = "\n<tool_response>\n{result}\n</tool_response>\n"
@@ -233,6 +242,7 @@ class JsonToolProtocol(ToolProtocol):
         if not self.schemas:
             raise ConfigError("JsonToolProtocol needs at least one tool schema")
         self.tag_tools = {s["name"]: "" for s in self.schemas}
+        self.tag_names = {name: name for name in self.tag_tools}
         self.result_format = "json"
         self.result_template = JSON_RESULT_TEMPLATE
         self.max_action_chars = int(max_action_chars)
@@ -314,12 +324,19 @@ class JsonToolProtocol(ToolProtocol):
 
 
 def build_protocol(name: str, tools: Mapping[str, Any], result_format: str = "train", **limits: Any) -> ToolProtocol:
-    """Protocol by name: ``"arpo"`` (tag protocol over the given tools) or ``"json"``."""
+    """Protocol by name: ``"arpo"`` (tag protocol over the given tools, each with the tag and argument of its
+    :class:`~arpo_env.tools.registry.ToolSpec`) or ``"json"``."""
     if name == "arpo":
-        unknown = [t for t in tools if t not in DEFAULT_TAG_TOOLS]
+        unknown = [t for t in tools if t not in TOOLS]
         if unknown:
             raise ConfigError(f"tools: the arpo tag protocol has no tag for {unknown}; use protocol='json'")
-        return ToolProtocol({t: DEFAULT_TAG_TOOLS[t] for t in tools}, result_format=result_format, **limits)
+        specs = [TOOLS[t] for t in tools]
+        return ToolProtocol(
+            {s.tag: s.arg for s in specs},
+            result_format=result_format,
+            tag_names={s.tag: s.name for s in specs},
+            **limits,
+        )
     if name == "json":
         if result_format != "train":
             raise ConfigError("result_format applies to protocol='arpo' only")

@@ -25,10 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from arpo_env.tools.registry import tool_tags
+
 RewardFn = Callable[..., tuple[float, dict[str, Any]]]
 
 # Strings the reference strips from the end of a decoded response before extracting the answer.
 EOS_STRINGS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
+# The reference's tool bonus asks for a call of both of ITS tools (a rule of that reward, not of every registered tool).
+BONUS_TAGS = ("search", "python")
 
 
 def _as_list(ground_truth: str | Sequence[str]) -> list[str]:
@@ -130,13 +134,16 @@ def _ordered_pairs_ok(text: str, tag: str) -> bool:
 
 
 def validate_format(response: str) -> tuple[bool, str]:
-    """The reference format check (docs/concepts/reference-choices.md#training-reward); returns (ok, reason)."""
+    """The reference format check (docs/concepts/reference-choices.md#training-reward); returns (ok, reason).
+
+    Every registered tool's tag (:mod:`arpo_env.tools.registry`) is checked, the latest registered first (so the
+    built-ins in the reference's order: ``<search>`` before ``<python>``)."""
     n_think, n_think_end = response.count("<think>"), response.count("</think>")
     if n_think != n_think_end or n_think == 0:
         return False, "think tags unbalanced or missing"
     if response.count("<answer>") != 1 or response.count("</answer>") != 1:
         return False, "need exactly one <answer> and one </answer>"
-    for tag in ("search", "python"):
+    for tag in reversed(tool_tags()):
         if not _ordered_pairs_ok(response, tag):
             return False, f"<{tag}> call without a following <result>"
     start, end = response.find("<answer>"), response.find("</answer>")
@@ -174,7 +181,7 @@ def arpo_reference(response: str, ground_truth: str | Sequence[str], **_: Any) -
             "tool_bonus": 0.0,
         }
     f1 = max(token_f1(answer, g) for g in _as_list(ground_truth))
-    bonus = 0.1 if f1 > 0 and "</search>" in response and "</python>" in response else 0.0
+    bonus = 0.1 if f1 > 0 and all(f"</{tag}>" in response for tag in BONUS_TAGS) else 0.0
     return f1 + bonus, {"format_ok": True, "reason": "ok", "answer": answer, "f1": f1, "tool_bonus": bonus}
 
 

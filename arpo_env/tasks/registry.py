@@ -53,6 +53,9 @@ def _reference(cfg: Mapping[str, Any]) -> Any:
 
 _REFERENCE_KEYS = {"data_dir": None, "data_files": None, "keep_boxed_bug": False}
 
+#: The task of an env config that names none.
+DEFAULT_TASK = "toolmath"
+
 #: task name -> its spec.
 TASKS: dict[str, TaskSpec] = {
     "toolmath": TaskSpec(

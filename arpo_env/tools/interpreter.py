@@ -35,6 +35,7 @@ from typing import Any
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
 from arpo_env.tools.control_socket import recv_message, send_message
 from arpo_env.tools.interpreter_child import LOOP
+from arpo_env.tools.pipes import output_limits, read_pipes
 from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
     READY,
@@ -328,47 +329,22 @@ class _Branch:
     def run(self, code: str) -> tuple[bytes, bytes, int | None, str]:
         """Run one call: (stdout, stderr, exit status, "ok" | "timeout" | "flood" | "ended" | "cancelled")."""
         tool = self.tree.tool
-        keep, flood = 4 * tool.max_output_chars + 1024, max(1 << 20, 16 * tool.max_output_chars)
-        bufs = {self.out: bytearray(), self.err: bytearray()}
-        reply, total, status = b"", 0, "ok"
+        keep, flood = output_limits(tool.max_output_chars)
         deadline, cancel = time.monotonic() + tool.timeout_s, cancel_event()
         try:
             send_message(self.ctl, {"op": "run", "code": code})
         except OSError:
             return b"", b"", None, "ended"
-        with selectors.DefaultSelector() as sel:
-            for fd in (self.out, self.err, self.ctl.fileno()):
-                sel.register(fd, selectors.EVENT_READ)
-            while True:
-                now = time.monotonic()
-                if cancel is not None and cancel.is_set():
-                    status = "cancelled"
-                    break
-                if now > deadline:
-                    status = "timeout"
-                    break
-                if total > flood:
-                    status = "flood"
-                    break
-                done = len(reply) >= 4 and len(reply) >= 4 + struct.unpack(">I", reply[:4])[0]
-                if done:
-                    break
-                for key, _ in sel.select(timeout=min(0.1, max(0.0, deadline - now))):
-                    chunk = os.read(key.fd, 65536)
-                    if key.fd == self.ctl.fileno():
-                        if not chunk:
-                            status = "ended"
-                            break
-                        reply += chunk
-                        continue
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        continue
-                    total += len(chunk)
-                    buf = bufs[key.fd]
-                    buf.extend(chunk[: max(0, keep - len(buf))])
-                if status == "ended":
-                    break
+        (out, err), reply, status = read_pipes(
+            (self.out, self.err),
+            keep=keep,
+            flood=flood,
+            deadline=deadline,
+            cancel=cancel,
+            control=self.ctl.fileno(),
+            stop=lambda _now, reply: len(reply) >= 4 and len(reply) >= 4 + struct.unpack(">I", reply[:4])[0],
+        )
+        bufs = {self.out: out, self.err: err}
         for fd in (self.out, self.err):  # written before the reply (or the end): already in the pipes
             os.set_blocking(fd, False)
             try:

@@ -9,8 +9,10 @@ import threading
 from typing import Any
 
 from arpo_base.errors import ConfigError
+from arpo_env.tasks.registry import DEFAULT_TASK, task_spec
 from arpo_env.tools.isolation import MIN_LEVEL, OPT_IN_HINT, at_least
 from arpo_env.tools.python_tool import PythonTool
+from arpo_env.tools.registry import default_settings
 
 _log = logging.getLogger(__name__)
 #: (context, level) pairs already warned about: a downgrade is announced once per process, not per tool.
@@ -71,12 +73,10 @@ def require_env_python_isolation(
 
     With ``allow_unisolated_python`` (a CLI's ``--allow-unisolated-python``) and a level below the minimum, the opt-in
     is written into ``env_config["tools"]["python"]`` (in place), so the tools that rollout workers build accept it."""
-    from arpo_env.core import COMMON_DEFAULTS, _default_tool_spec
-    from arpo_env.tasks.registry import task_spec
-
     tools = env_config.get("tools")
+    defaults = task_spec(env_config.get("task", DEFAULT_TASK)).tools if tools is None else ()
     if tools is None:
-        if "python" not in task_spec(env_config.get("task", COMMON_DEFAULTS["task"])).tools:
+        if "python" not in defaults:
             return None
         spec: dict = {}
     elif isinstance(tools, dict) and "python" in tools:
@@ -86,6 +86,6 @@ def require_env_python_isolation(
     record = require_python_isolation(spec, allow_unisolated_python=allow_unisolated_python, context=context)
     if allow_unisolated_python and not record["meets_minimum"]:
         if tools is None:  # the task's default tools, made explicit to carry the opt-in
-            tools = env_config["tools"] = _default_tool_spec({**COMMON_DEFAULTS, **env_config})
+            tools = env_config["tools"] = default_settings(defaults, env_config)
         tools["python"] = {**spec, "allow_unisolated_python": True}
     return record

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import platform
-import selectors
 import shutil
 import signal
 import socket
@@ -43,6 +42,7 @@ from typing import Any
 from arpo_base.errors import ArpoError, ConfigError
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call, truncate_text
 from arpo_env.tools.isolation import check_level, describe, level_of, network_isolated, network_required
+from arpo_env.tools.pipes import output_limits, read_pipes
 from arpo_env.tools.sandbox import (
     _BACKENDS,
     BOOTSTRAP,
@@ -501,48 +501,32 @@ class PythonTool:
 
     def _collect(self, proc: subprocess.Popen, uid: int | None) -> tuple[bytes, bytes, str]:
         """Read stdout/stderr incrementally until both close, the deadline passes or the output limit is hit."""
-        keep = 4 * self.max_output_chars + 1024
-        flood = max(1 << 20, 16 * self.max_output_chars)
-        bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-        total, status = 0, "ok"
+        keep, flood = output_limits(self.max_output_chars)
         deadline = time.monotonic() + self.timeout_s
-        cancel = cancel_event()  # the caller's: set = nobody waits for this call any more
-        exited_at = None
-        with selectors.DefaultSelector() as sel:
-            for stream in bufs:
-                sel.register(stream, selectors.EVENT_READ)
-            while sel.get_map():
-                now = time.monotonic()
-                if cancel is not None and cancel.is_set():
-                    status = "cancelled"
-                    break
-                if now > deadline:
-                    status = "timeout"
-                    break
-                if exited_at is None and proc.poll() is not None:
-                    exited_at = now  # stragglers holding the pipes must not stretch the call
-                    self._kill(proc, uid)
-                if exited_at is not None and now - exited_at > 1.0:
-                    break
-                for key, _ in sel.select(timeout=min(0.1, max(0.0, deadline - now))):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        continue
-                    total += len(chunk)
-                    buf = bufs[key.fileobj]
-                    if len(buf) < keep:
-                        buf.extend(chunk[: keep - len(buf)])
-                if total > flood:
-                    status = "flood"
-                    break
+        exited_at: float | None = None
+
+        def exited(now: float, _reply: bytes) -> bool:
+            nonlocal exited_at
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now  # stragglers holding the pipes must not stretch the call
+                self._kill(proc, uid)
+            return exited_at is not None and now - exited_at > 1.0
+
+        (out, err), _, status = read_pipes(
+            (proc.stdout.fileno(), proc.stderr.fileno()),
+            keep=keep,
+            flood=flood,
+            deadline=deadline,
+            cancel=cancel_event(),  # the caller's: set = nobody waits for this call any more
+            stop=exited,
+        )
         if status == "ok":
             try:  # both pipes closed; the process may still be running (it closed them itself)
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 status = "timeout"
         self._kill(proc, uid)
-        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), status
+        return bytes(out), bytes(err), status
 
     def _result(self, out: bytes, err: bytes, returncode: int | None, status: str) -> ToolResult:
         stdout = out.decode("utf-8", "replace").strip()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arpo_base.errors import ConfigError
+from arpo_env.tools.pipes import output_limits
 from arpo_env.tools.sandbox import SandboxError, cancel_event
 
 #: Bumped whenever the packages, the user or the settings below change.
@@ -141,9 +142,7 @@ def run_container(
         stream = container.attach(stdout=True, stderr=True, stream=True, demux=True)
         try:
             container.start()
-            return _collect(
-                container, stream, timeout_s, 4 * max_output_chars + 1024, max(1 << 20, 16 * max_output_chars)
-            )
+            return _collect(container, stream, timeout_s, *output_limits(max_output_chars))
         finally:
             stream.close()
     finally:

@@ -16,13 +16,15 @@ import random
 import re
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from arpo_base.errors import ConfigError, MissingDataError
 from arpo_base.http import HTTPJSONError, request
+from arpo_base.options import check_choice
 from arpo_env.tools.base import ToolResult, check_text_arg, function_schema, tolerant_call
+from arpo_env.tools.registry import check_settings
 
 NO_RESULTS = "No search results found."
 QUERY_PREFIX = "search query: "  # some reference cache keys carry this literal prefix
@@ -312,3 +314,27 @@ class WebBackend:
             raise ValueError("response is not a JSON object")
         items = data.get("results") or data.get("organic") or []
         return [str(it.get("snippet") or it.get("description") or "") for it in items if isinstance(it, dict)]
+
+
+_SEARCH_TOOL_KEYS = ("max_results", "result_length", "max_query_chars")
+
+
+def build_search(**settings: Any) -> SearchTool:
+    """The ``tools.search`` section: ``backend`` (``bm25``, ``replay`` or ``web``), that backend's keyword arguments
+    and the :class:`SearchTool` ones (``max_results``, ``result_length``, ``max_query_chars``), checked here."""
+    backends: dict[str, Callable[..., Any]] = {"bm25": BM25Backend, "replay": ReplayBackend, "web": WebBackend}
+    if "backend" not in settings:
+        raise ConfigError("tools.search needs a 'backend' key: one of " + ", ".join(backends))
+    name = settings.pop("backend")
+    check_choice("backend", name, tuple(backends), "tools.search")
+    backend_cls = backends[name]
+    check_settings("tools.search", settings, backend_cls, _SEARCH_TOOL_KEYS)
+    tool_kwargs = {k: settings.pop(k) for k in _SEARCH_TOOL_KEYS if k in settings}
+    return SearchTool(backend_cls(**settings), **tool_kwargs)
+
+
+def replay_defaults(env_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A task's default search: replay of the reference search cache (``search_cache.json`` of the data folder)."""
+    from arpo_env.data import find_data_file
+
+    return {"backend": "replay", "cache_json": str(find_data_file("search_cache.json", env_config.get("data_dir")))}
