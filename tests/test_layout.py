@@ -472,3 +472,8 @@ def test_every_file_the_packages_read_ships_in_a_wheel():
             if not any(_glob_match(rel, pat) for pat in patterns):
                 missing.append(path.relative_to(REPO).as_posix())
     assert not missing, f"not shipped in a wheel (add a pattern to [tool.setuptools.package-data]): {missing}"
+    # PEP 561: each top-level package carries an empty py.typed, so type checkers read the annotations of an install
+    untyped = [
+        top for top in ("arpo_base", "arpo_env", "arpo_algo", "serve") if not (REPO / top / "py.typed").is_file()
+    ]
+    assert not untyped and "py.typed" in patterns, f"no py.typed shipped in {untyped or 'the package data'}"
