@@ -164,8 +164,8 @@ def deploy(specs: list, port: int, threads: int, checks: bool, key_file: str) ->
     is shut down first); return its URL once ready and what :func:`checks_in_place` saw."""
     from ray import serve
 
-    from arpo_algo.cli.serve import wait_ready
     from serve.app import build_app
+    from serve.cli.serve import wait_ready
     from serve.guard import Security
     from serve.proxy import controller_options
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine_settings={"max_batch_size": 32} if args.engine == "hf" else {},
     )
     reqs = functools.partial(requests_for, toolmath_level=args.toolmath_level)
-    from arpo_algo.cli.serve import local_ray_options
+    from serve.cli.serve import local_ray_options
 
     # Ray as `arpo serve` starts it on 127.0.0.1: its own listeners on loopback too
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **local_ray_options("127.0.0.1"))

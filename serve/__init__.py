@@ -6,5 +6,6 @@ checkpoint or run folder; tools), :mod:`serve.batching` (the batching front shar
 metrics through Ray), :mod:`serve.app` (the deployment, its routes, the chat page, the ``serve run`` builder),
 :mod:`serve.guard` (the checks in front of every route: API key, Host, Origin, content type, body size;
 docs/security.md), :mod:`serve.proxy` (the answer of Serve's proxy for a request whose replica was lost),
-:mod:`serve.viewer` (``arpo view``: the rollout-tree viewer, a plain ASGI app behind the same guard, without Ray).
+:mod:`serve.viewer` (``arpo view``: the rollout-tree viewer, a plain ASGI app behind the same guard, without Ray),
+:mod:`serve.cli` (the ``arpo serve`` and ``arpo view`` commands, which ``arpo`` finds through its entry points).
 """

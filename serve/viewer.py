@@ -186,22 +186,6 @@ def export_html(folder: str | Path, out: str | Path, iterations: list[int] | Non
     return out, [r["iteration"] for r in rows]
 
 
-def check_port(host: str, port: int) -> None:
-    """Refuse a port another program holds before an address is printed that would not answer."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: only a listener refuses
-        try:
-            s.bind((host.strip("[]"), port))
-        except OSError as e:
-            raise ArpoError(
-                f"cannot listen on {host}:{port}: {e.strerror}",
-                hint="another program holds it (an earlier arpo view?): pick a port with --port",
-            ) from None
-
-
 def run(folder: str | Path | list, *, host: str, port: int, key: str, allowed_hosts: list[str] | None = None) -> None:
     """Serve the viewer (one folder, or two compared) until interrupted (uvicorn in this process)."""
     import uvicorn

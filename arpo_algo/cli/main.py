@@ -1,4 +1,6 @@
-"""The ``arpo`` command line: one module per command in this package, registered explicitly below.
+"""The ``arpo`` command line: one module per command in this package, registered explicitly below, then the
+commands other packages declare in the ``arpo.commands`` entry-point group (:mod:`arpo_algo.cli.commands`; the server's
+``arpo serve`` and ``arpo view`` come that way, since this room may not import the server's).
 
 Each command module has a ``register(subparsers)`` function; heavy imports (torch, transformers, ray) happen inside
 the handlers so ``arpo --help`` and ``arpo env list`` stay fast. User mistakes raise :class:`ArpoError` and are
@@ -12,12 +14,12 @@ import sys
 import traceback
 
 from arpo_algo import __version__
-from arpo_algo.cli import doctor, env_data, export, model, quickstart, sandbox, serve, sft, train, tune, view
+from arpo_algo.cli import commands, doctor, env_data, export, model, quickstart, sandbox, sft, train, tune
 from arpo_algo.cli import eval as eval_cli
 from arpo_base.errors import ArpoError
 
-#: Command modules in --help order (``env_data`` adds ``env`` and ``data``).
-COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, serve, view, export, sandbox)
+#: Built-in command modules in --help order (``env_data`` adds ``env`` and ``data``); the entry-point commands follow.
+COMMANDS = (doctor, quickstart, model, env_data, sft, train, tune, eval_cli, export, sandbox)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
+    commands.register(sub)
     return parser
 
 

@@ -61,7 +61,7 @@ def _start_viewer(exp: Any, args: argparse.Namespace) -> subprocess.Popen:
             "--view shows the recorded trees, and rollouts.record_trees is false",
             hint="drop --set rollouts.record_trees=false, or drop --view",
         )
-    from serve.viewer import check_port
+    from arpo_base.ports import check_port
 
     check_port("127.0.0.1", args.view_port)
     out = Path(args.resume or args.output or exp.output_dir).expanduser()

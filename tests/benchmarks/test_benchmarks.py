@@ -550,8 +550,8 @@ def test_bench_serve_compares_with_and_without_the_checks(tmp_path, monkeypatch)
     import ray
     import ray._private.ray_constants as ray_constants
 
-    from arpo_algo.cli.serve import RAY_LOOPBACK_ENV
     from benchmarks import bench_serve
+    from serve.cli.serve import RAY_LOOPBACK_ENV
 
     # The benchmark starts Ray on loopback as `arpo serve` does, which sets the variable and Ray's constant in this
     # process: both are put back afterwards (setenv first, so that the undo knows the variable was unset), or every

@@ -46,10 +46,10 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     import ray
     from ray import serve
 
-    from arpo_algo.cli.serve import RAY_LOOPBACK_ENV, local_ray_options, private_token_file, wait_ready
     from arpo_algo.models import build_tiny_model
     from serve.agents import build_specs
     from serve.app import build_app
+    from serve.cli.serve import RAY_LOOPBACK_ENV, local_ray_options, private_token_file, wait_ready
     from serve.guard import Security
     from serve.proxy import controller_options
 

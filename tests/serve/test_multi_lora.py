@@ -100,7 +100,7 @@ def server(folders, tmp_path_factory):
 
     deploy(first)
     url = f"http://127.0.0.1:{port}"
-    from arpo_algo.cli.serve import wait_ready
+    from serve.cli.serve import wait_ready
 
     wait_ready(url, 300, KEY)
     yield url, deploy

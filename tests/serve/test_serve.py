@@ -122,7 +122,7 @@ def server(sft_model, demos):
         blocking=False,
     )
     url = f"http://127.0.0.1:{port}"
-    from arpo_algo.cli.serve import wait_ready
+    from serve.cli.serve import wait_ready
 
     wait_ready(url, 300)
     yield url

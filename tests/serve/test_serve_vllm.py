@@ -97,7 +97,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """``arpo serve tiny=<model> --engine vllm`` in a subprocess; yields (url, process, its log file)."""
-    from arpo_algo.cli.serve import wait_ready
+    from serve.cli.serve import wait_ready
 
     port = _free_port()
     log = open(tmp_path_factory.mktemp("vserve_log") / "serve.log", "w+")  # noqa: SIM115 - closed below

@@ -137,7 +137,7 @@ def test_the_readiness_poll_accepts_its_own_self_signed_certificate(tmp_path):
     import json
     import threading
 
-    from arpo_algo.cli.serve import wait_ready
+    from serve.cli.serve import wait_ready
 
     cert, key = self_signed(tmp_path)
 

@@ -317,10 +317,10 @@ def arpo_serve(tmp_path_factory):
     import ray
     from ray import serve
 
-    from arpo_algo.cli.serve import wait_ready
     from arpo_algo.models import build_tiny_model
     from serve.agents import build_specs
     from serve.app import build_app
+    from serve.cli.serve import wait_ready
     from serve.guard import Security
 
     model = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", num_layers=2, hidden_size=64, seed=0)

@@ -17,8 +17,9 @@ VIEW_KEY_ENV = "ARPO_VIEW_KEY"
 
 def cmd_view(args: argparse.Namespace) -> int:
     from arpo_algo.eval.trees import TreeReader
+    from arpo_base.ports import check_port
     from serve.guard import is_loopback, read_key
-    from serve.viewer import check_port, export_html, run
+    from serve.viewer import export_html, run
 
     if len(args.path) > 2:
         raise ArpoError(
