@@ -25,8 +25,12 @@ from arpo_algo.algorithms.variants import register_variant
 
 
 class AEPOConfig(ARPOConfig):
-    """AEPO (arXiv 2510.14545): ARPO's pipeline with the entropy-balanced rollout and stop-gradient clipping (the
-    module docstring lists each change)."""
+    """AEPO (arXiv 2510.14545): ARPO's pipeline with the entropy-balanced rollout and stop-gradient clipping.
+
+    Its preset follows the released scripts (docs/concepts/aepo.md#aepo-defaults): consecutive-branch penalty on,
+    entropy-balanced clipping on, pre-monitoring off, entropy-aware advantage on (live here, inert in the reference).
+    The module docstring lists each change with the paper's mechanism; :attr:`changes` holds the same by setting.
+    """
 
     variant = "aepo"
     tree_mode = "aepo"  # branch policies aepo_paper / aepo_reference (arpo_algo.core.tree.MODE_POLICIES)
