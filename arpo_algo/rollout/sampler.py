@@ -413,6 +413,7 @@ class TreeSampler:
             branch_factor=0,
             aepo_premonitor_keep=False,
             decision_rule="reference",
+            branch_policy=None,  # the probe never branches (GRPO's policy), whatever policy the tree uses
         )
         shadows = [
             dataclasses.replace(
