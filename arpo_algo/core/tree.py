@@ -3,7 +3,8 @@
 :class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every
 question that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many
 fresh samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
-hand-written entropy sequences (docs/concepts/arpo.md, docs/concepts/aepo.md).
+hand-written entropy sequences (docs/concepts/arpo.md, docs/concepts/aepo.md). Whether a candidate branches is the
+branch-point policy's answer (:mod:`arpo_algo.core.branching`); :func:`num_branches` is the frame it runs in.
 
 Deliberate choices (docs/concepts/reference-choices.md#deliberate-choices), each a named option of :class:`TreeConfig`:
 

@@ -3,7 +3,9 @@
 One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
 ``env.clone()`` at branch points); one engine call per decoding round for every live trajectory; the tool calls of a
 round run concurrently. Every question that shapes the tree is answered by the pure functions of
-:mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices
+:mod:`arpo_algo.core.tree` and the branch-point policy in effect (:mod:`arpo_algo.core.branching`: the policy also says
+when it is asked, after the look-ahead or right after the tool result); tree.py's docstring lists the deliberate
+choices
 (docs/concepts/reference-choices.md#deliberate-choices).
 
 Tokenization (docs/concepts/arpo.md#token-layout) is :mod:`arpo_algo.rollout.layout`'s rule and each turn is handled by
