@@ -62,6 +62,7 @@ BRANCHING_KNOBS = (
     "entropy_tokens",
     "entropy_method",
     "decision_rule",
+    "branch_policy",
     "fillup",
     "max_depth",
 )
