@@ -93,14 +93,9 @@ def cli_page() -> str:
 
 
 def _settings_module() -> types.ModuleType:
-    """``arpo_algo.algorithms.settings`` without running its package ``__init__`` (which imports RLlib): the
-    registry needs only the section dataclasses."""
-    if "arpo_algo.algorithms" not in sys.modules:
-        import arpo_algo
-
-        pkg = types.ModuleType("arpo_algo.algorithms")
-        pkg.__path__ = [str(pathlib.Path(arpo_algo.__file__).parent / "algorithms")]
-        sys.modules["arpo_algo.algorithms"] = pkg
+    """``arpo_algo.algorithms.settings``, imported with its package: the variants' presets (their own defaults on the
+    settings page) are registered by the package's variant modules."""
+    import arpo_algo.algorithms  # noqa: F401  (registers the variants)
     import arpo_algo.algorithms.settings as settings
 
     return settings

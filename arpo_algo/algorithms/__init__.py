@@ -1,19 +1,17 @@
-"""The algorithms: one module per family holding its config class and its RLlib Algorithm (no lazy cross-imports).
+"""The algorithms: one module per variant holding its config class (preset, changes from ARPO, tree mode) and its
+RLlib Algorithm, registered by one line (:func:`~arpo_algo.algorithms.variants.register_variant`).
 
 ``arpo`` -> :class:`ARPOConfig` / :class:`ARPO`; ``aepo`` -> :class:`AEPOConfig` / :class:`AEPO`; ``grpo`` ->
 :class:`GRPOConfig` / :class:`GRPO`. Shared machinery: :mod:`.config` (strict settings), :mod:`.base` (the Algorithm),
 :mod:`.components` (data order, env factory, resources, checkpoint component), :mod:`.settings` (every setting, one
-dataclass per section).
+dataclass per section), :mod:`.variants` (the registry).
 """
 
 from arpo_algo.algorithms.aepo import AEPO, AEPOConfig
 from arpo_algo.algorithms.arpo import ARPO, ARPOConfig
 from arpo_algo.algorithms.config import AgenticRLConfig
 from arpo_algo.algorithms.grpo import GRPO, GRPOConfig
-
-#: The experiment files' ``[experiment] algorithm`` names.
-CONFIG_CLASSES: dict[str, type[ARPOConfig]] = {"arpo": ARPOConfig, "aepo": AEPOConfig, "grpo": GRPOConfig}
-ALGORITHMS: dict[str, type[ARPO]] = {"arpo": ARPO, "aepo": AEPO, "grpo": GRPO}
+from arpo_algo.algorithms.variants import ALGORITHMS, CONFIG_CLASSES, VARIANTS, register_variant
 
 __all__ = [
     "AEPO",
@@ -21,8 +19,10 @@ __all__ = [
     "ARPO",
     "CONFIG_CLASSES",
     "GRPO",
+    "VARIANTS",
     "AEPOConfig",
     "ARPOConfig",
     "AgenticRLConfig",
     "GRPOConfig",
+    "register_variant",
 ]

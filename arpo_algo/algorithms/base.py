@@ -1,4 +1,4 @@
-"""ARPO, AEPO and GRPO as thin RLlib Algorithms (docs/howto/rllib.md#a-thin-algorithm).
+"""ARPO and its variants as thin RLlib Algorithms (docs/howto/rllib.md#a-thin-algorithm).
 
 The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
 :class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
@@ -7,8 +7,8 @@ rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-pro
 :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the config, the metrics logger, Tune
 integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
 
-One iteration (:meth:`ARPO.training_step`): sync weights -> sample one group per prompt (rewards come from the
-environment's final step) -> advantages and update (inside the learner) -> log.
+One iteration (:meth:`AgenticRLAlgorithm.training_step`, five numbered steps): sync weights -> sample one group per
+prompt (rewards come from the environment's final step) -> advantages and update (inside the learner) -> record.
 
 Checkpoints (``save_to_path`` / ``restore_from_path`` / ``from_checkpoint`` / Tune's save and restore) hold data
 only (:mod:`arpo_algo.algorithms.checkpoint`)::
@@ -91,7 +91,14 @@ def _check_main_placement(main_resources: dict[str, float]) -> None:
 
 
 class AgenticRLAlgorithm(Algorithm):
-    """What ARPO, AEPO and GRPO share: a thin RLlib Algorithm (see the module docstring)."""
+    """What every variant shares: a thin RLlib Algorithm (see the module docstring)."""
+
+    #: The config class it is built from (set by :func:`~arpo_algo.algorithms.variants.register_variant`).
+    config_class: type[AgenticRLConfig] = AgenticRLConfig
+
+    @classmethod
+    def get_default_config(cls) -> AgenticRLConfig:
+        return cls.config_class(algo_class=cls)
 
     @classmethod
     def default_resource_request(cls, config: AlgorithmConfig | dict) -> PlacementGroupFactory:
@@ -252,25 +259,38 @@ class AgenticRLAlgorithm(Algorithm):
     # --------------------------------------------------------------------------------------------- one iteration
 
     def training_step(self) -> None:
-        """sync weights -> sample groups (rewards from the env) -> advantages + update -> metrics. Returns None.
+        """One iteration: sync weights -> sample -> advantages -> update -> record. Returns None.
 
         The policy version is the number of updates applied, ``self.iteration`` at the start of the step; every
-        trajectory records the version that sampled it. Asynchronous rollouts: :mod:`arpo_algo.algorithms.pipeline`.
+        trajectory records the version that sampled it. Asynchronous rollouts (:mod:`arpo_algo.algorithms.pipeline`)
+        sample the next batch while this one trains; their steps 1-2 then ran in the background.
         """
         version = self.iteration
-        timers = MK.TIMERS.rstrip("/")
-        training = self.config.settings.training
-        pipe = self.rollout_pipeline
+        # 1. sync the rollout engine to the learner's weights, and 2. sample one tree per prompt (rewards from the env)
+        batch = self._sync_and_sample(version)
+        # 3. advantages and 4. the update, both inside the learner (the tree's advantages: training.advantage)
+        learn, update_s = self._update(batch, version)
+        # 5. record: metrics, the data position and the trees trained on
+        self._record_step(batch, learn, update_s, version)
+        return None
+
+    def _sync_and_sample(self, version: int) -> Any:
+        """Steps 1-2: the batch taken from the asynchronous pipe, or sampled now under freshly synced weights."""
+        timers, pipe = MK.TIMERS.rstrip("/"), self.rollout_pipeline
         if pipe is not None and pipe.in_flight:
             with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):  # the wait for the batch in flight
-                batch = pipe.take()
-        else:
-            with self.metrics.log_time((timers, MK.SYNC_TIME)):
-                self._sync_weights()
-            indices = self.prompts.next(training.prompts_per_step)
-            with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
-                batch = self._sample_batch(indices, version)
-        groups, rollout = batch.groups, batch.metrics
+                return pipe.take()
+        with self.metrics.log_time((timers, MK.SYNC_TIME)):
+            self._sync_weights()
+        indices = self.prompts.next(self.config.settings.training.prompts_per_step)
+        with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
+            return self._sample_batch(indices, version)
+
+    def _update(self, batch: Any, version: int) -> tuple[dict[str, float], float]:
+        """Steps 3-4: the learner's advantages and update on ``batch``; starts the asynchronous pipe's next batch
+        (before the update with staleness 1, after it with staleness 0). Returns the learner's metrics and the
+        update's wall time."""
+        timers, pipe = MK.TIMERS.rstrip("/"), self.rollout_pipeline
         behaviour = pipe.behaviour_weights(batch, version) if pipe is not None else None
         if pipe is not None and pipe.max_staleness == 1:  # the next batch overlaps this update
             self._start_next(version, timers)
@@ -279,18 +299,23 @@ class AgenticRLAlgorithm(Algorithm):
         t1 = time.perf_counter()
         with self.metrics.log_time((timers, MK.UPDATE_TIME)):
             learn = (
-                self.learner.update(groups)
+                self.learner.update(batch.groups)
                 if behaviour is None
-                else self.learner.update(groups, behaviour_weights=behaviour)
+                else self.learner.update(batch.groups, behaviour_weights=behaviour)
             )
-        t2 = time.perf_counter()
+        update_s = time.perf_counter() - t1
         if pipe is not None and pipe.max_staleness == 0:  # sampled under the version this update produced
             self._start_next(version + 1, timers)
+        return learn, update_s
+
+    def _record_step(self, batch: Any, learn: dict[str, float], update_s: float, version: int) -> None:
+        """Step 5: the iteration's metrics (rollout, learner, group diagnostics, data position) and its trees."""
+        groups, rollout = batch.groups, batch.metrics
         if learn.get(LK.SKIPPED_NAN):
             self.metrics.log_value(MK.NAN_UPDATES_SKIPPED, float(learn[LK.SKIPPED_NAN]), reduce="sum")
         generated = rollout.get(MK.TOKENS_GENERATED, rollout[MK.TOKENS_SAMPLED])
         rollout[MK.TOKENS_PER_S] = generated / max(batch.sample_s, 1e-9)
-        rollout[MK.UPDATE_TOKENS_PER_S] = rollout[MK.TOKENS_SAMPLED] / max(t2 - t1, 1e-9)
+        rollout[MK.UPDATE_TOKENS_PER_S] = rollout[MK.TOKENS_SAMPLED] / max(update_s, 1e-9)
         rollout.update(MK.staleness(groups, version))
         # Nested keys ("rollout/branches" -> result["rollout"]["branches"]) so Tune and TensorBoard show namespaces;
         # the trajectory-quality names (reward_mean, accuracy, ...) stay at the top level.
@@ -305,7 +330,6 @@ class AgenticRLAlgorithm(Algorithm):
         position["carry"] = len(position.get("carry", ()))
         self.metrics.log_dict(position, key="data", reduce="mean", window=1)
         self._record_trees(version + 1, groups)  # iteration numbers as in metrics.jsonl (1 = the first update)
-        return None
 
     def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:
         training = self.config.settings.training

@@ -1,4 +1,4 @@
-"""The parts of an ARPO/AEPO/GRPO Algorithm: data order, environment factory, resources and the policy checkpoint
+"""The parts of every variant's Algorithm: data order, environment factory, resources and the policy checkpoint
 component (the checkpoint files themselves: :mod:`arpo_algo.algorithms.checkpoint`)."""
 
 from __future__ import annotations

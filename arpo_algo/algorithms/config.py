@@ -1,4 +1,4 @@
-"""AgenticRLConfig: the RLlib config that ARPOConfig, AEPOConfig and GRPOConfig share.
+"""AgenticRLConfig: the RLlib config every algorithm variant shares (ARPOConfig and its subclasses).
 
 RLlib and Tune require an :class:`~ray.rllib.algorithms.algorithm_config.AlgorithmConfig`. Ours holds one object,
 ``config.settings`` (:class:`arpo_algo.algorithms.settings.Settings`): one dataclass per experiment-file section, each
@@ -25,6 +25,8 @@ from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
 from arpo_algo.algorithms.settings import Settings
+from arpo_algo.algorithms.variants import preset_of
+from arpo_algo.core.tree import TreeConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import closest
 
@@ -42,16 +44,24 @@ def _is_search_space(value: Any) -> bool:
 
 
 class AgenticRLConfig(AlgorithmConfig):
-    """The settings ARPO, AEPO and GRPO share (use :class:`~arpo_algo.algorithms.arpo.ARPOConfig` and its siblings)."""
+    """The settings every variant shares (use :class:`~arpo_algo.algorithms.arpo.ARPOConfig` and its subclasses)."""
 
-    #: The tree sampler mode (``tree.mode``); set by the class, not by the user.
+    #: The ``[experiment] algorithm`` name (:func:`arpo_algo.algorithms.variants.register_variant`).
     variant: str = "arpo"
-    #: Defaults of a subclass that differ from its variant's (``settings.VARIANT_DEFAULTS``), by dotted name.
-    variant_defaults: dict[str, Any] = {}
+    #: The tree sampler family it runs (``tree.mode``); set by the class, not by the user.
+    tree_mode: str = "arpo"
+    #: Its defaults that differ from its base class's, by dotted name (the bases' presets apply first).
+    preset: dict[str, Any] = {}
+    #: What it changes from ARPO, by dotted setting name, each with the paper's section (docs and the reference).
+    changes: dict[str, str] = {}
+    #: The Algorithm it builds (set by ``register_variant``).
+    algorithm_class: type | None = None
 
     def __init__(self, algo_class: type | None = None) -> None:
-        super().__init__(algo_class=algo_class)
-        self.settings = Settings.for_variant(self.variant).update(self.variant_defaults, f"{type(self).__name__}")
+        super().__init__(algo_class=algo_class or type(self).algorithm_class)
+        self.settings = Settings(tree=TreeConfig(mode=self.tree_mode)).update(
+            preset_of(type(self)), f"{type(self).__name__} preset"
+        )
         # No EnvRunnerGroup: our own rollout component plays the env (the offline switch RLlib's MARWIL uses).
         self._is_online = False
         self.seed = 0

@@ -1,4 +1,4 @@
-"""Every setting of ARPO, AEPO and GRPO: one dataclass per experiment-file section, held together by :class:`Settings`.
+"""Every setting of every variant: one dataclass per experiment-file section, held together by :class:`Settings`.
 
 =================  ======================================================  ==========================================
 section            dataclass (defined, and validated, in its own room)      receives it as it is
@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from arpo_algo.algorithms.variants import VARIANT_DEFAULTS, VARIANTS
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
 from arpo_algo.models.lora import LoraSettings, is_adapter_folder
@@ -53,23 +54,6 @@ class ModelConfig:
 #: The sections of :class:`Settings`, in experiment-file order.
 SECTIONS = ("model", "tree", "training", "backend", "rollouts", "evaluation")
 
-#: Each algorithm's defaults that differ from the sections' own, by dotted name: GRPO turns the tree sampler off
-#: (``initial == budget``, no branching); AEPO follows the released AEPO scripts (docs/concepts/aepo.md#aepo-defaults).
-#: One table, read by the algorithm configs and by the settings reference, so the two cannot disagree.
-VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "arpo": {},
-    "grpo": {"tree.initial": TreeConfig.budget, "tree.branch_factor": 0},
-    # AEPO's entropy-balanced clip acts only through the ratio, so AEPO takes several optimizer steps per batch:
-    # mini_batches unset = min(8, prompts_per_step), derived from the run's own prompts per step
-    "aepo": {
-        "tree.aepo_penalty": 0.05,
-        "training.entropy_balanced_clip": True,
-        "training.entropy_advantage": True,
-        "tree.aepo_premonitor": False,
-        "training.mini_batches": None,
-    },
-}
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -84,9 +68,12 @@ class Settings:
 
     @classmethod
     def for_variant(cls, variant: str) -> Settings:
-        """The defaults of one algorithm: its ``tree.mode`` (the algorithm, not a setting) and its
-        :data:`VARIANT_DEFAULTS`."""
-        return cls(tree=TreeConfig(mode=variant)).update(VARIANT_DEFAULTS.get(variant, {}), f"{variant} defaults")
+        """The defaults of one registered algorithm (:mod:`arpo_algo.algorithms.variants`): its ``tree.mode`` (the
+        algorithm, not a setting) and its preset."""
+        if variant not in VARIANTS:
+            raise unknown_key_error(variant, tuple(VARIANTS), "Settings.for_variant", what="algorithm")
+        v = VARIANTS[variant]
+        return cls(tree=TreeConfig(mode=v.tree_mode)).update(v.defaults, f"{variant} preset")
 
     def update(
         self, values: Mapping[str, Any], where: str = "settings", *, placeholder: Callable[[Any], bool] | None = None
@@ -111,8 +98,9 @@ class Settings:
             if section == "tree" and "mode" in table:
                 raise ConfigError(
                     f"{where}: tree.mode is the algorithm, not a setting",
-                    hint='pick it with [experiment] algorithm = "arpo" | "aepo" | "grpo" '
-                    "(or ARPOConfig / AEPOConfig / GRPOConfig)",
+                    hint="pick it with [experiment] algorithm = "
+                    + " | ".join(f'"{n}"' for n in VARIANTS or ("arpo",))
+                    + " (or its config class, e.g. ARPOConfig)",
                 )
             changes[section] = update_dataclass(
                 getattr(self, section), table, f"{where}: [{section}]", placeholder=placeholder
@@ -230,7 +218,7 @@ def _check_ratio_options(settings: Settings) -> None:
     """Invariant: no option that acts only through the importance ratio is accepted where the ratio is identically 1.
     With one optimizer step per iteration (``ppo_epochs x mini_batches == 1``), old log-probs recomputed by the
     weights being updated, and no stale batch, the ratio of every token is exactly 1 at that step, so the clip bounds
-    and AEPO's entropy-balanced clip change nothing: the weights come out bit-identical with them on or off."""
+    and the entropy-balanced clip change nothing: the weights come out bit-identical with them on or off."""
     t, r = settings.training, settings.rollouts
     stale = r.asynchronous and r.max_staleness > 0
     if t.ppo_epochs * t.mini_batch_count != 1 or t.old_logprobs != "recompute" or stale:

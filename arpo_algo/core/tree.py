@@ -3,7 +3,8 @@
 :class:`arpo_algo.rollout.sampler.TreeSampler` drives the engine and the environments and asks this module every
 question that shapes the tree: how many initial samples, whether a trajectory branches after a tool result, how many
 fresh samples fill an exhausted prompt, how the tree's nodes look. Keeping these answers pure makes them testable on
-hand-written entropy sequences (docs/concepts/arpo.md, docs/concepts/aepo.md).
+hand-written entropy sequences (docs/concepts/arpo.md, docs/concepts/aepo.md). Whether a candidate branches is the
+branch-point policy's answer (:mod:`arpo_algo.core.branching`); :func:`num_branches` is the frame it runs in.
 
 Deliberate choices (docs/concepts/reference-choices.md#deliberate-choices), each a named option of :class:`TreeConfig`:
 
@@ -40,9 +41,11 @@ import hashlib
 import math
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from arpo_algo.core.branching import BRANCH_POLICIES, BranchPolicy, Candidate, PaperRule, ReferenceRule
+from arpo_algo.core.branching import penalty_factor as penalty_factor  # its home before the policies had one
 from arpo_algo.core.entropy import SEGMENT_ENTROPIES
 from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, dataclass_from_dict
@@ -51,6 +54,13 @@ MODES = ("arpo", "aepo", "grpo")
 DECISION_RULES = ("paper", "reference")
 FILLUPS = ("batch", "trickle")
 PENALTY_SCOPES = ("path", "prompt")
+#: Each tree mode's branch policy for each ``decision_rule`` (:mod:`arpo_algo.core.branching`): what the algorithm
+#: family changes at the branch point. ``tree.branch_policy`` names any other registered policy.
+MODE_POLICIES: dict[str, dict[str, str]] = {
+    "arpo": {"paper": "paper", "reference": "reference"},
+    "aepo": {"paper": "aepo_paper", "reference": "aepo_reference"},
+    "grpo": {"paper": "never", "reference": "never"},
+}
 
 
 @dataclass
@@ -88,6 +98,9 @@ class TreeConfig:
         fillup: How fresh samples fill the budget once every path has ended: "batch" (all at once, paper) or
             "trickle" (one per round, reference).
         max_depth: Maximum branch nesting, ``None`` = unbounded (reference).
+        branch_policy: A registered branch-point policy (:mod:`arpo_algo.core.branching`) in place of the
+            algorithm's rule for ``decision_rule``; ``None`` = that rule ("paper"/"reference", AEPO's with its
+            penalty, none for GRPO). Naming a rule that ``decision_rule`` does not select is an error.
         aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
             setting it takes effect in mode "aepo" only.
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
@@ -115,6 +128,7 @@ class TreeConfig:
     decision_rule: str = "paper"
     fillup: str = "batch"
     max_depth: int | None = None
+    branch_policy: str | None = None
     aepo_premonitor: bool = True
     aepo_premonitor_keep: bool = False
     aepo_premonitor_tokens: int = 50
@@ -132,6 +146,11 @@ class TreeConfig:
     def penalty(self) -> float:
         """The consecutive-branch penalty coefficient in effect (0 outside mode "aepo")."""
         return self.aepo_penalty if self.mode == "aepo" else 0.0
+
+    @property
+    def policy_name(self) -> str:
+        """The branch policy in effect: ``branch_policy``, else the mode's rule for ``decision_rule``."""
+        return self.branch_policy or MODE_POLICIES[self.mode][self.decision_rule]
 
     @classmethod
     def from_dict(cls, d: dict) -> TreeConfig:
@@ -202,7 +221,25 @@ class TreeConfig:
             bad(f"aepo_premonitor_keep is an AEPO setting but mode={self.mode!r}", hint="set mode='aepo'")
         if self.aepo_premonitor_keep and not self.aepo_premonitor:
             bad("aepo_premonitor_keep=True needs aepo_premonitor=True")
+        if self.branch_policy is not None:
+            self._check_branch_policy(bad)
         return self
+
+    def _check_branch_policy(self, bad: Callable[..., None]) -> None:
+        """Invariant: one setting selects each rule: ``decision_rule`` picks the algorithm's paper or reference rule,
+        ``branch_policy`` any other registered policy, and the two never disagree."""
+        BRANCH_POLICIES.check(self.branch_policy, "tree config")
+        own = MODE_POLICIES[self.mode]
+        rules = {name for rules in MODE_POLICIES.values() for name in rules.values()}
+        if self.branch_policy in rules and self.branch_policy != own[self.decision_rule]:
+            rule = next((r for r, name in own.items() if name == self.branch_policy), None)
+            bad(
+                f"branch_policy={self.branch_policy!r} contradicts decision_rule={self.decision_rule!r}, which "
+                f"selects {own[self.decision_rule]!r} in mode {self.mode!r}",
+                hint=f"leave branch_policy unset and set decision_rule={rule!r}"
+                if rule
+                else "leave branch_policy unset: decision_rule selects the algorithm's own rule",
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------- seeds
@@ -252,39 +289,45 @@ def aepo_initial_samples(n: int, h_root: float, h_tool: float) -> int:
     return max(1, min(n, int(n * sig) + 1))
 
 
-def penalty_factor(coef: float, consecutive: int) -> float:
-    """AEPO consecutive-branch penalty factor ``max(0, 1 - coef * l)``."""
-    return max(0.0, 1.0 - coef * consecutive)
-
-
 def next_prompt_consecutive(consecutive: int, gained: bool) -> int:
     """Per-prompt penalty counter after a round (code scope): +1 if the prompt gained a trajectory, else 0."""
     return consecutive + 1 if gained else 0
 
 
 # -------------------------------------------------------------------------------------------------------- branching
+def branch_policy(cfg: TreeConfig) -> BranchPolicy:
+    """The branch-point policy of ``cfg`` (:attr:`TreeConfig.policy_name`), built with ``cfg``."""
+    return BRANCH_POLICIES.lookup(cfg.policy_name)(cfg)
+
+
 def paper_decision(cfg: TreeConfig, delta_h: float, consecutive: int) -> bool:
-    """Paper rule: branch iff ``(alpha + beta * dH) * penalty > tau`` (deterministic)."""
-    return (cfg.alpha + cfg.beta * delta_h) * penalty_factor(cfg.penalty, consecutive) > cfg.tau
+    """Paper rule: branch iff ``(alpha + beta * dH) * penalty > tau`` (deterministic; the penalty acts in AEPO)."""
+    rule = BRANCH_POLICIES.lookup(MODE_POLICIES[cfg.mode]["paper"])(cfg)
+    return bool((rule if hasattr(rule, "decide") else PaperRule(cfg)).decide(delta_h, consecutive))
 
 
 def reference_decision(cfg: TreeConfig, delta_h: float, consecutive: int, u: float) -> bool:
-    """Reference rule for one clone, with ``u ~ U[0, 1)``.
-
-    ARPO code (docs/concepts/arpo.md#the-reference-rule): clone iff ``clip(u - beta * dH, 0, 1) <= alpha``, i.e.
-    with probability ``clip(alpha + beta * dH, 0, 1)``. AEPO code (docs/concepts/aepo.md#consecutive-branch-penalty):
-    clone iff ``clip((u + beta * dH) * pf, 0, 1) >= alpha``.
-    """
-    if cfg.mode == "aepo":
-        p = min(1.0, max(0.0, (u + cfg.beta * delta_h) * penalty_factor(cfg.penalty, consecutive)))
-        return p >= cfg.alpha
-    return min(1.0, max(0.0, u - cfg.beta * delta_h)) <= cfg.alpha
+    """Reference rule for one clone, with ``u ~ U[0, 1)``: ARPO's or AEPO's code
+    (:class:`~arpo_algo.core.branching.ReferenceRule`, :class:`~arpo_algo.core.branching.AEPOReferenceRule`)."""
+    rule = BRANCH_POLICIES.lookup(MODE_POLICIES[cfg.mode]["reference"])(cfg)
+    return bool((rule if hasattr(rule, "clone") else ReferenceRule(cfg)).clone(delta_h, consecutive, u))
 
 
 def num_branches(
-    cfg: TreeConfig, delta_h: float, depth: int, consecutive: int, free: int, rng: random.Random | None
+    cfg: TreeConfig,
+    delta_h: float,
+    depth: int,
+    consecutive: int,
+    free: int,
+    rng: random.Random | None,
+    *,
+    policy: BranchPolicy | None = None,
+    h_init: float | None = None,
+    h_now: float | None = None,
+    h_before: float | None = None,
+    logprobs: Sequence[float] | None = None,
 ) -> int:
-    """How many clones one candidate makes at one tool result.
+    """How many clones one candidate makes at one tool result: the frame every branch policy runs in.
 
     Args:
         cfg: The tree config.
@@ -292,19 +335,19 @@ def num_branches(
         depth: The candidate's branch depth (0 for initial samples and fill-ups).
         consecutive: The AEPO penalty counter ``l`` that applies (path or prompt scope).
         free: Budget still free for this prompt.
-        rng: The prompt's branch RNG (reference rule only; one draw per potential clone, as the code).
+        rng: The prompt's branch RNG (one draw per potential clone under the reference rule, as the code).
+        policy: The policy to ask (default: :func:`branch_policy` of ``cfg``).
+        h_init, h_now, h_before, logprobs: The rest of the :class:`~arpo_algo.core.branching.Candidate`.
 
     Returns:
-        A number in ``[0, min(Z, free)]``; 0 when the depth limit is reached.
+        A number in ``[0, min(Z, free)]``; 0 when the depth limit is reached (the policy is not asked).
     """
     cap = min(cfg.branch_factor, free)
-    if cap <= 0 or cfg.mode == "grpo" or (cfg.max_depth is not None and depth + 1 > cfg.max_depth):
+    if cap <= 0 or (cfg.max_depth is not None and depth + 1 > cfg.max_depth):
         return 0
-    if cfg.decision_rule == "paper":
-        return cap if paper_decision(cfg, delta_h, consecutive) else 0
-    if rng is None:
-        raise ValueError("the reference decision rule needs the prompt's branch RNG")
-    return sum(reference_decision(cfg, delta_h, consecutive, rng.random()) for _ in range(cap))
+    policy = policy if policy is not None else branch_policy(cfg)
+    c = Candidate(delta_h, depth, consecutive, free, cap, rng, h_init, h_now, h_before, logprobs)
+    return max(0, min(cap, int(policy.branches(c))))
 
 
 def fillup_count(cfg: TreeConfig, count: int, has_active: bool) -> int:

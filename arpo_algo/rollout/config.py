@@ -45,7 +45,7 @@ def per_actor(tables: tuple[dict[str, float], ...], count: int) -> list[dict[str
 def check_learner_scores_sampling(temperature: float, top_p: float, top_k: int) -> None:
     """Refuse training-rollout sampling the learner cannot score.
 
-    Invariant: the learner's log-probs and entropies (old log-probs, ratios, the KL alarm, AEPO's entropy terms) are
+    Invariant: the learner's log-probs and entropies (old log-probs, ratios, the KL alarm, the entropy-aware terms) are
     ``log_softmax`` of the raw logits over the whole vocabulary, so the tokens it trains must come from exactly that
     distribution. A temperature other than 1 or a top-p/top-k truncation samples from another one (and the engines
     record it differently: HF tempered, vLLM raw), which would make every ratio and KL silently off-policy.

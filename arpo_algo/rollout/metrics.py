@@ -55,7 +55,7 @@ TOOL_CACHE_HIT_RATE = "rollout/tool_cache_hit_rate"
 BRANCHES = "rollout/branches"
 BRANCHES_AT_DEPTH = "rollout/branches_depth_{}"  # format with the depth of the new branch (1 = branch of an initial)
 FILLUPS = "rollout/fillups"
-INITIAL_SAMPLES = "rollout/initial_samples"  # mean per prompt (AEPO's m)
+INITIAL_SAMPLES = "rollout/initial_samples"  # mean per prompt (pre-monitoring's m)
 MAX_DEPTH = "rollout/max_depth"
 ENTROPY_BEFORE_TOOL = "rollout/entropy_before_tool"  # mean token entropy of the k sampled tokens before a result
 ENTROPY_AFTER_TOOL = "rollout/entropy_after_tool"  # ... of the k sampled tokens right after a result

@@ -3,7 +3,9 @@
 One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
 ``env.clone()`` at branch points); one engine call per decoding round for every live trajectory; the tool calls of a
 round run concurrently. Every question that shapes the tree is answered by the pure functions of
-:mod:`arpo_algo.core.tree`, whose docstring lists the deliberate choices
+:mod:`arpo_algo.core.tree` and the branch-point policy in effect (:mod:`arpo_algo.core.branching`: the policy also says
+when it is asked, after the look-ahead or right after the tool result); tree.py's docstring lists the deliberate
+choices
 (docs/concepts/reference-choices.md#deliberate-choices).
 
 Tokenization (docs/concepts/arpo.md#token-layout) is :mod:`arpo_algo.rollout.layout`'s rule and each turn is handled by
@@ -118,6 +120,7 @@ class TreeSampler:
         self._timers: Counter[str] = Counter()
         self._keys: set[Any] = set()
         self._batch_index = 0
+        self._policies: dict[T.TreeConfig, T.BranchPolicy] = {}
 
     @classmethod
     def from_config(
@@ -243,10 +246,14 @@ class TreeSampler:
             for (ps, p), gen in zip(live, gens):
                 self._absorb(ps, p, gen, cfg, to_step, lookaheads)
             gained = {id(ps): False for ps in prompts}
-            for ps, p, bp in lookaheads:  # paper rule: decide before the source's env moves on (clones copy it)
+            for (
+                ps,
+                p,
+                bp,
+            ) in lookaheads:  # look-ahead policies: decide before the source's env moves on (clones copy it)
                 gained[id(ps)] |= self._decide(ps, p, bp, cfg)
-            for ps, p in self._step_envs(to_step, cfg):  # reference rule: right after the tool result
-                if cfg.decision_rule == "reference":
+            for ps, p in self._step_envs(to_step, cfg):  # the other policies: right after the tool result
+                if not self._policy(cfg).lookahead:
                     gained[id(ps)] |= self._decide(ps, p, len(p.response), cfg)
             for ps in prompts:
                 if ps.pending_m:
@@ -310,6 +317,12 @@ class TreeSampler:
         to_step.append((ps, p))
 
     # ----------------------------------------------------------------------------------------------- decisions
+    def _policy(self, cfg: T.TreeConfig) -> T.BranchPolicy:
+        """The branch-point policy of ``cfg`` (one per config: the pre-monitoring probe runs under its own)."""
+        if cfg not in self._policies:
+            self._policies[cfg] = T.branch_policy(cfg)
+        return self._policies[cfg]
+
     def _decide(self, ps: PromptState, p: Path, bp: int, cfg: T.TreeConfig) -> bool:
         """One branch decision for candidate ``p`` at branch point ``bp``; returns whether clones were made."""
         if ps.pending_m or p.h_init is None or p.turn_h is None or p.engine_error or p.done:
@@ -318,6 +331,7 @@ class TreeSampler:
         roots = sum(q.parent is None for q in ps.paths)
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
         draws: list[float] = []
+        policy = self._policy(cfg)
         n = T.num_branches(
             cfg,
             p.turn_h - p.h_init,
@@ -325,6 +339,11 @@ class TreeSampler:
             scope_l,
             free,
             _RecordedRandom(ps.rng, draws) if ps.rng is not None else None,
+            policy=policy,
+            h_init=p.h_init,
+            h_now=p.turn_h,
+            h_before=p.ent_before[-1] if p.ent_before else None,
+            logprobs=list(p.logprobs[:bp]) if policy.needs_logprobs else None,
         )
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
@@ -335,7 +354,7 @@ class TreeSampler:
                     "h_init": p.h_init,
                     "h_now": p.turn_h,
                     "penalty_l": scope_l,
-                    "rule": cfg.decision_rule,
+                    "rule": cfg.branch_policy or cfg.decision_rule,
                     "alpha": cfg.alpha,
                     "beta": cfg.beta,
                     "tau": cfg.tau,
@@ -347,7 +366,7 @@ class TreeSampler:
         key = p.cache_key if bp == len(p.response) else p.prev_key  # a key whose context is a prefix of the clone's
         for _ in range(n):
             c = p.copy_prefix(bp, tid=len(ps.paths), batch_index=self._batch_index, env=p.env.clone(), key=key)
-            if cfg.decision_rule == "reference" or cfg.legacy_stale_baseline:
+            if policy.fresh_baseline or cfg.legacy_stale_baseline:
                 c.h_init = None  # the branch's baseline is its own first segment after the branch point
             self._batch_index += 1
             ps.paths.append(c)
@@ -396,6 +415,7 @@ class TreeSampler:
             branch_factor=0,
             aepo_premonitor_keep=False,
             decision_rule="reference",
+            branch_policy=None,  # the probe never branches (GRPO's policy), whatever policy the tree uses
         )
         shadows = [
             dataclasses.replace(
@@ -458,7 +478,7 @@ class TreeSampler:
             return False
         if status == "ended":
             return self._end_episode(p, reason)
-        p.lookahead = cfg.decision_rule == "paper" and cfg.branch_factor > 0
+        p.lookahead = self._policy(cfg).lookahead and cfg.branch_factor > 0
         return True
 
     def _end_episode(self, p: Path, reason: str) -> bool:

@@ -29,7 +29,7 @@ class Path(Conversation):
     parent: int | None = None
     branch_point: int | None = None
     depth: int = 0
-    consecutive: int = 0  # AEPO path-scope penalty counter
+    consecutive: int = 0  # consecutive branching steps of this path (the penalty counter, path scope)
     inherited_calls: int = 0  # tool calls copied from the parent (made once, on the shared prefix)
     h_init: float | None = None
     turn_h: float | None = None  # entropy of the latest turn's first segment (what the rule sees)
@@ -111,7 +111,7 @@ class PromptState:
     rng: Any
     paths: list[Path] = dataclasses.field(default_factory=list)
     count: int = 0
-    consecutive: int = 0  # AEPO prompt-scope penalty counter
+    consecutive: int = 0  # consecutive rounds that gained a trajectory (the penalty counter, prompt scope)
     m: int | None = None
     pending_m: bool = False
     branches_by_depth: Counter = dataclasses.field(default_factory=Counter)

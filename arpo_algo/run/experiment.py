@@ -4,7 +4,7 @@ An experiment file (``experiments/<group>/<name>.toml``) has these sections, all
 ``[env]``; every section but ``[experiment]`` and ``[env]`` is a dataclass of :mod:`arpo_algo.algorithms.settings`,
 and its keys are that dataclass's fields::
 
-    [experiment]     name, algorithm ("arpo" | "aepo" | "grpo"), seed, iterations, output, checkpoint_every,
+    [experiment]     name, algorithm (a registered variant), seed, iterations, output, checkpoint_every,
                      keep_checkpoints, description                              -> :class:`ExperimentConfig`
     [model]          path                                                       -> ModelConfig
     [env]            id (a registered env id); every other key goes to env_config -> .environment(...)
@@ -79,7 +79,8 @@ class ExperimentConfig:
 
     Attributes:
         name: Run name (default: the file's stem); also the default output folder ``runs/<name>``.
-        algorithm: "arpo", "aepo" or "grpo": picks ARPOConfig, AEPOConfig or GRPOConfig.
+        algorithm: A registered variant ("arpo", "grpo", ...: :mod:`arpo_algo.algorithms.variants`): picks its
+            config class.
         seed: Seed of everything (data order, sampling, branch draws, learner RNG).
         iterations: Training iterations (one iteration = prompts_per_step prompts sampled and one update).
         output: Run folder: config.json, metrics.jsonl, tb/, checkpoints/, learning_curve.png.

@@ -13,7 +13,7 @@ A sweep is a TOML file beside the experiment files (a bare name finds ``experime
 
 Knob names are the experiment file's own ``section.key`` names; ``tree.beam_size`` (the reference code's name) is
 accepted as ``tree.branch_factor + 1`` and converted with a note. ``experiment.algorithm`` may only be a grid: each
-algorithm runs as its own Tune experiment (``tune.Tuner(ARPO | AEPO | GRPO, ...)``) in ``<output>/<algorithm>/``.
+algorithm runs as its own Tune experiment (``tune.Tuner(<its Algorithm class>, ...)``) in ``<output>/<algorithm>/``.
 For GRPO the tree samples ``budget`` independent trajectories (``initial = budget``, ``branch_factor = 0``), so the
 comparison is at equal trajectory budget, and branching knobs are dropped from its space (with a note).
 
@@ -62,6 +62,7 @@ BRANCHING_KNOBS = (
     "entropy_tokens",
     "entropy_method",
     "decision_rule",
+    "branch_policy",
     "fillup",
     "max_depth",
 )

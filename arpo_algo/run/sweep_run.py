@@ -1,6 +1,6 @@
 """Run a validated :class:`~arpo_algo.run.sweep.Sweep` with Ray Tune: one ``tune.Tuner`` per algorithm.
 
-Each trial is the real Algorithm class (``ARPO``/``AEPO``/``GRPO``) with its RLlib config dict as ``param_space``;
+Each trial is the real Algorithm class (its variant's, e.g. ``ARPO``) with its RLlib config dict as ``param_space``;
 Tune's machinery does the rest: the searcher (Optuna TPE seeded, or Tune's grid/random generator seeded), ASHA,
 checkpoints (the best iteration by the metric and the latest; always one at the end), ``max_failures`` and
 ``Tuner.restore`` for ``--resume``. Trial folders are short (``arpo_<trial id>``); Tune's own console table is off and

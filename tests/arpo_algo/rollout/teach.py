@@ -10,6 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_algo.rollout import layout
 
+#: Models taught in this process, by (model folder, epochs, training sequences): teaching is deterministic (seeded
+#: AdamW on fixed sequences), so test modules that ask for the same lesson share one folder instead of re-teaching.
+_TAUGHT: dict[tuple[Any, ...], Path] = {}
+
 
 def teach_call(model_dir: Path, out: Path, env: Any, call_text: str, turns: int, epochs: int = 100) -> Path:
     """Save into ``out`` the model of ``model_dir`` taught, in teacher-forced steps, to write ``call_text`` at every
@@ -29,6 +33,9 @@ def teach_call(model_dir: Path, out: Path, env: Any, call_text: str, turns: int,
             o = layout.observation_ids(tok, obs)
             ids, labels = ids + o, labels + [-100] * len(o)
         seqs.append((torch.tensor([ids]), torch.tensor([labels])))
+    key = (str(model_dir), epochs, tuple(tuple(ids[0].tolist() + labels[0].tolist()) for ids, labels in seqs))
+    if key in _TAUGHT and _TAUGHT[key].is_dir():  # the same lesson on the same model: the same weights, taught once
+        return _TAUGHT[key]
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     for _ in range(epochs):  # a mean loss < 1e-3 per call token: the call comes out whole almost always
@@ -38,4 +45,5 @@ def teach_call(model_dir: Path, out: Path, env: Any, call_text: str, turns: int,
             opt.step()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    _TAUGHT[key] = out
     return out

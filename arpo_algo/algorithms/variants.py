@@ -1,0 +1,80 @@
+"""The algorithm variants by name: one registry that ``[experiment] algorithm = "name"``, the CLI, Tune and the
+settings reference read.
+
+A variant is one module: a config class (its tree mode, its preset of defaults, what it changes from ARPO with the
+paper's section per knob) and an Algorithm class, then one registration line (``examples/extend/variant.py``)::
+
+    class MyConfig(ARPOConfig):
+        variant = "my_arpo"
+        preset = {"tree.branch_policy": "random"}
+        changes = {"tree.branch_policy": "branch at random (ablation of ARPO section 3.2)"}
+
+    class MyAlgo(ARPO):
+        pass
+
+    register_variant(MyConfig, MyAlgo)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ALGORITHMS", "CONFIG_CLASSES", "VARIANTS", "VARIANT_DEFAULTS", "Variant", "preset_of", "register_variant"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One registered algorithm variant.
+
+    Attributes:
+        name: The ``[experiment] algorithm`` name.
+        config_class: Its AlgorithmConfig subclass.
+        algorithm: Its Algorithm subclass.
+        tree_mode: The tree sampler family it runs (``tree.mode``, one of :data:`arpo_algo.core.tree.MODES`).
+        defaults: Its settings that differ from the sections' own, by dotted name (its presets and its bases').
+        changes: What it changes from ARPO, by dotted setting name, each with the paper's section.
+    """
+
+    name: str
+    config_class: type
+    algorithm: type
+    tree_mode: str
+    defaults: Mapping[str, Any]
+    changes: Mapping[str, str]
+
+
+#: Variants by name, in registration order.
+VARIANTS: dict[str, Variant] = {}
+#: ``{name: config class}``, ``{name: Algorithm class}`` and ``{name: defaults}``: views kept by
+#: :func:`register_variant`, for the readers that want one of them.
+CONFIG_CLASSES: dict[str, type] = {}
+ALGORITHMS: dict[str, type] = {}
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+
+def preset_of(config_class: type) -> dict[str, Any]:
+    """The defaults of ``config_class``: the ``preset`` of each class along its bases, the most derived last (a
+    variant built on another states only what it changes from that one)."""
+    out: dict[str, Any] = {}
+    for klass in reversed(config_class.__mro__):
+        out.update(klass.__dict__.get("preset", {}))
+    return out
+
+
+def register_variant(config_class: type, algorithm: type) -> Variant:
+    """Register a variant under ``config_class.variant`` and tie its two classes together (the config builds
+    ``algorithm``, ``algorithm.get_default_config()`` builds the config). Registering a name twice is an error."""
+    name = config_class.variant
+    if name in VARIANTS:
+        raise ValueError(f"algorithm variant {name!r} is already registered ({VARIANTS[name].config_class.__name__})")
+    config_class.algorithm_class = algorithm
+    algorithm.config_class = config_class
+    changes: dict[str, str] = {}
+    for klass in reversed(config_class.__mro__):
+        changes.update(klass.__dict__.get("changes", {}))
+    v = Variant(name, config_class, algorithm, config_class.tree_mode, preset_of(config_class), changes)
+    VARIANTS[name], CONFIG_CLASSES[name], ALGORITHMS[name] = v, config_class, algorithm
+    VARIANT_DEFAULTS[name] = dict(v.defaults)
+    return v

@@ -1,0 +1,102 @@
+"""The branch-point policy seam: each algorithm's rules are registered policies, one setting picks each, and the
+frame around a policy (budget, depth, clip to [0, cap]) holds for any policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from arpo_algo.core.branching import (
+    BRANCH_POLICIES,
+    AEPOPaperRule,
+    AEPOReferenceRule,
+    Candidate,
+    Never,
+    PaperRule,
+    ReferenceRule,
+    penalty_factor,
+)
+from arpo_algo.core.tree import MODE_POLICIES, TreeConfig, branch_policy, num_branches
+from arpo_base.errors import ConfigError
+
+
+class FixedRate:
+    """A random policy at a fixed rate: each possible clone with probability ``rate``, one seeded draw each."""
+
+    lookahead, fresh_baseline, needs_logprobs = False, False, True
+    rate = 0.25
+
+    def __init__(self, cfg):
+        self.cfg, self.seen = cfg, []
+
+    def branches(self, c: Candidate) -> int:
+        self.seen.append(c)
+        return sum(c.rng.random() < self.rate for _ in range(c.cap))
+
+
+def test_each_mode_and_rule_resolves_to_its_policy():
+    expected = {
+        ("arpo", "paper"): PaperRule,
+        ("arpo", "reference"): ReferenceRule,
+        ("aepo", "paper"): AEPOPaperRule,
+        ("aepo", "reference"): AEPOReferenceRule,
+    }
+    for (mode, rule), cls in expected.items():
+        cfg = TreeConfig(mode=mode, decision_rule=rule)
+        assert type(branch_policy(cfg)) is cls and cfg.policy_name == MODE_POLICIES[mode][rule]
+    assert type(branch_policy(TreeConfig.grpo(4))) is Never
+    assert set(BRANCH_POLICIES) >= {"never", "paper", "reference", "aepo_paper", "aepo_reference"}
+    # what the sampler reads from the policy: when it asks, and whose baseline a clone keeps
+    assert PaperRule.lookahead and not ReferenceRule.lookahead and not Never.lookahead
+    assert ReferenceRule.fresh_baseline and not PaperRule.fresh_baseline
+
+
+def test_the_policies_compute_the_rules_of_the_docs():
+    aepo = TreeConfig.aepo(16, 4, decision_rule="paper", aepo_penalty=0.05)
+    for dh in (-0.5, 0.0, 0.1, 0.5, 2.0):
+        for l_ in range(0, 25, 4):
+            assert AEPOPaperRule(aepo).decide(dh, l_) == ((0.5 + 0.2 * dh) * penalty_factor(0.05, l_) > 0.5)
+            assert PaperRule(aepo).decide(dh, l_) == (0.5 + 0.2 * dh > 0.5)  # ARPO's rule has no penalty
+            for u in (0.0, 0.3, 0.7, 0.99):
+                assert ReferenceRule(aepo).clone(dh, l_, u) == (min(1.0, max(0.0, u - 0.2 * dh)) <= 0.5)
+                pf = penalty_factor(0.05, l_)
+                assert AEPOReferenceRule(aepo).clone(dh, l_, u) == (min(1.0, max(0.0, (u + 0.2 * dh) * pf)) >= 0.5)
+
+
+def test_a_policy_sees_the_candidate_and_is_held_to_its_frame():
+    cfg = TreeConfig(branch_factor=3, max_depth=2)
+    policy = FixedRate(cfg)
+    rng = random.Random(0)
+    n = num_branches(
+        cfg, 0.4, 1, 2, free=2, rng=rng, policy=policy, h_init=1.0, h_now=1.4, h_before=0.9, logprobs=[-0.5]
+    )
+    (c,) = policy.seen
+    assert (c.delta_h, c.depth, c.consecutive, c.free, c.cap) == (0.4, 1, 2, 2, 2)  # cap = min(Z, free)
+    assert (c.h_init, c.h_now, c.h_before, list(c.logprobs), c.rng) == (1.0, 1.4, 0.9, [-0.5], rng)
+    assert 0 <= n <= 2
+    assert num_branches(cfg, 0.4, 2, 0, free=2, rng=rng, policy=policy) == 0  # past max_depth: not asked
+    assert num_branches(cfg, 0.4, 0, 0, free=0, rng=rng, policy=policy) == 0  # no budget: not asked
+    assert len(policy.seen) == 1
+
+    class Greedy(FixedRate):
+        def branches(self, c):
+            return 99
+
+    assert num_branches(cfg, 0.0, 0, 0, free=2, rng=rng, policy=Greedy(cfg)) == 2  # never more than the cap
+
+
+def test_decision_rule_and_branch_policy_never_contradict():
+    assert TreeConfig(branch_policy="paper").validate().policy_name == "paper"  # the same rule twice is fine
+    assert TreeConfig(mode="aepo", branch_policy="aepo_paper").validate().policy_name == "aepo_paper"
+    cases = [
+        (dict(branch_policy="reference"), "set decision_rule='reference'"),
+        (dict(mode="aepo", branch_policy="paper"), "decision_rule selects the algorithm's own rule"),
+        (dict(mode="aepo", decision_rule="reference", branch_policy="aepo_paper"), "set decision_rule='paper'"),
+    ]
+    for kw, hint in cases:
+        with pytest.raises(ConfigError, match="contradicts decision_rule") as err:
+            TreeConfig(**kw).validate()
+        assert hint in err.value.hint, (kw, err.value.hint)
+    with pytest.raises(ConfigError, match="not a registered branch policy"):
+        TreeConfig(branch_policy="papr").validate()
