@@ -37,7 +37,7 @@ def measure(model: str, rank: int, repeats: int, kv_cache_gib: float) -> dict[st
 
     from arpo_algo.models import resolve_model_path
     from arpo_algo.models.lora import LoraSettings, attach_adapter, resolve_targets
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     path = resolve_model_path(model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -312,7 +312,7 @@ def check_engine(engine: str, settings: dict[str, Any]) -> None:
     from arpo_algo.rollout.engines import ENGINES
 
     if engine == "vllm":
-        from arpo_algo.rollout.engines.vllm_support import check_vllm_installed
+        from arpo_algo.rollout.engines.vllm.support import check_vllm_installed
 
         check_vllm_installed()
     params = inspect.signature(ENGINES[engine]().func).parameters

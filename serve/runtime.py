@@ -387,14 +387,14 @@ class SharedBase:
         self.fingerprint = fingerprint
         if engine == "vllm":
             from arpo_algo.models.lora import adapter_settings
-            from arpo_algo.rollout.engines.vllm import VLLMEngine
+            from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
             ranks = [adapter_settings(s.model_path)[0].rank for s in adapters or []]
             self.engine: Any = VLLMEngine(
                 base, adapters={}, max_loras=max(1, len(ranks)), max_lora_rank=max(ranks or [1]), **engine_settings
             )
         else:
-            from arpo_algo.rollout.engines.hf import HFEngine
+            from arpo_algo.rollout.engines.hf.engine import HFEngine
 
             self.engine = HFEngine(base, adapters={}, **engine_settings)
         if self.engine.base_fingerprint != fingerprint:

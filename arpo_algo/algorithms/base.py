@@ -3,7 +3,7 @@
 The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
 :class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
 rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process
-:class:`arpo_algo.rollout.engines.hf.HFEngine` that shares the learner's module, or over a
+:class:`arpo_algo.rollout.engines.hf.engine.HFEngine` that shares the learner's module, or over a
 :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the config, the metrics logger, Tune
 integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
 

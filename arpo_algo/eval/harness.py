@@ -74,11 +74,11 @@ def build_engine(kind: str, path: Path, *, max_batch_size: int, device: str, see
         opts = {"max_batch_size": max_batch_size, "device": device, "seed": seed} if kind == "hf" else {"seed": seed}
         return factory(kind, model_or_path=str(path), **opts)
     if kind == "hf":
-        from arpo_algo.rollout.engines.hf import HFEngine
+        from arpo_algo.rollout.engines.hf.engine import HFEngine
 
         return HFEngine(str(path), max_batch_size=max_batch_size, device=device, seed=seed)
     if kind == "vllm":
-        from arpo_algo.rollout.engines.vllm import VLLMEngine
+        from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(str(path), seed=seed)
     raise ConfigError(f"--engine must be 'hf' or 'vllm', got {kind!r}")

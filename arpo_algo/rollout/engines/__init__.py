@@ -1,7 +1,8 @@
 """Rollout engines: token ids in, token ids with logprobs and entropies out (see :mod:`arpo_algo.rollout.engines.base`).
 
 One factory builds every engine: ``build_engine(kind, **settings)`` with ``kind`` one of :data:`ENGINES`
-("hf": :class:`~arpo_algo.rollout.engines.hf.HFEngine`, "vllm": :class:`~arpo_algo.rollout.engines.vllm.VLLMEngine`).
+("hf": :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine`,
+"vllm": :class:`~arpo_algo.rollout.engines.vllm.engine.VLLMEngine`).
 ``num_actors > 0`` replicates the engine over that many Ray actors
 (:class:`~arpo_algo.rollout.engines.actors.RolloutActorPool`), each building its own copy from ``settings``.
 Engine modules are imported only when built, so importing this package does not import torch or vLLM.
@@ -23,13 +24,13 @@ from arpo_base.options import closest
 
 
 def _hf(**settings: Any) -> Callable[[], Any]:
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     return functools.partial(HFEngine, **settings)
 
 
 def _vllm(**settings: Any) -> Callable[[], Any]:
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     return functools.partial(VLLMEngine, **settings)
 

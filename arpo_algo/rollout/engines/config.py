@@ -39,14 +39,14 @@ def vllm_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int
 
 def captures_graphs(decode: str, device_type: str) -> bool:
     """Whether the HF engine's decode mode replays captured CUDA graphs: ``cuda_graph``, and ``compiled`` on CUDA
-    (the compiled step is captured there, see :mod:`arpo_algo.rollout.engines.compiled_step`). Such graphs hold the
+    (the compiled step is captured there, see :mod:`arpo_algo.rollout.engines.hf.compiled_step`). Such graphs hold the
     weights' addresses, so they cannot read weight copies rebuilt after every update."""
     return decode == "cuda_graph" or (decode == "compiled" and device_type == "cuda")
 
 
 @dataclass(frozen=True)
 class HFEngineConfig:
-    """``[rollouts.hf]``: the transformers engine (:class:`arpo_algo.rollout.engines.hf.HFEngine`)."""
+    """``[rollouts.hf]``: the transformers engine (:class:`arpo_algo.rollout.engines.hf.engine.HFEngine`)."""
 
     max_batch_size: int = setting(16, "Most sequences the engine decodes at once.")
     linear_layout: Literal["auto", "native", "transposed"] = setting(
@@ -102,7 +102,7 @@ class HFEngineConfig:
 
 @dataclass(frozen=True)
 class VLLMEngineConfig:
-    """``[rollouts.vllm]``: the vLLM engine (:class:`arpo_algo.rollout.engines.vllm.VLLMEngine`)."""
+    """``[rollouts.vllm]``: the vLLM engine (:class:`arpo_algo.rollout.engines.vllm.engine.VLLMEngine`)."""
 
     gpu_memory_utilization: float = setting(
         0.5, "GPU only: share of the GPU's memory vLLM may take (leave room for a colocated learner)."

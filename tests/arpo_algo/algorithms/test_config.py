@@ -129,7 +129,7 @@ enforce_eager = true
     assert (kwargs["max_model_len"], kwargs["enforce_eager"]) == (4096, True)
     import inspect
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     params = inspect.signature(VLLMEngine).parameters
     assert set(kwargs) <= set(params), "every [rollouts.vllm] key is a VLLMEngine argument"

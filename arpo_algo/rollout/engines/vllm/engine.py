@@ -10,7 +10,7 @@ ids are never truncated. vLLM's automatic prefix caching is on, so ``prefix_key`
 finds shared prefixes by block hashing; on CPU in 128-token blocks); ``release`` is a no-op and ``cache_key`` is only
 an opaque handle. ``on_token`` is called for each token after its request finishes (``LLM.generate`` does not stream).
 
-Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
+Differences from :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine`, by design:
 
 * Entropy: vLLM returns only top-k logprobs, so only ``entropy_method="topk_sum_lnV"`` exists here: each per-token
   entropy is the truncated summand ``-sum exp(l) l`` over the top-k entries plus the sampled token, ``top_logprobs``
@@ -63,7 +63,7 @@ from arpo_algo.rollout.engines.base import (
     request_problem,
 )
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
-from arpo_algo.rollout.engines.vllm_lora import (
+from arpo_algo.rollout.engines.vllm.lora import (
     NO_ROOM,
     Shape,
     adapter_write,
@@ -73,7 +73,7 @@ from arpo_algo.rollout.engines.vllm_lora import (
     lora_ranks,
     write_adapter_config,
 )
-from arpo_algo.rollout.engines.vllm_support import (
+from arpo_algo.rollout.engines.vllm.support import (
     DTYPES,
     check_architecture,
     check_dtype,
@@ -233,7 +233,7 @@ class VLLMEngine:
             logprobs_mode=logprobs_mode,
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension",
+            worker_extension_cls="arpo_algo.rollout.engines.vllm.support.ArpoWorkerExtension",
         )
         #: The largest adapter rank this engine holds (0: LoRA off).
         self.max_lora_rank = 0
@@ -515,7 +515,7 @@ class VLLMEngine:
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
 
     def _check_adapter(self, name: str, folder: str | os.PathLike) -> tuple[Any, tuple[str, ...]]:
-        """:func:`~arpo_algo.rollout.engines.vllm_lora.check_served_adapter` against this engine's base."""
+        """:func:`~arpo_algo.rollout.engines.vllm.lora.check_served_adapter` against this engine's base."""
         return check_served_adapter(name, folder, self.base_fingerprint, self._linear)
 
     def _register(self, name: str, folder: str | os.PathLike, layout: tuple[Any, tuple[str, ...]]) -> None:

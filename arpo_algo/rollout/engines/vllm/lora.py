@@ -1,5 +1,5 @@
 """LoRA on the vLLM engine: what vLLM accepts (ranks, architectures), the exact adapter a training sync may push,
-and the adapter folders the engine hands to vLLM (:class:`arpo_algo.rollout.engines.vllm.VLLMEngine`)."""
+and the adapter folders the engine hands to vLLM (:class:`arpo_algo.rollout.engines.vllm.engine.VLLMEngine`)."""
 
 from __future__ import annotations
 
