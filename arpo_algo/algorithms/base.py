@@ -168,14 +168,16 @@ class AgenticRLAlgorithm(Algorithm):
         cfg = self.config
         rollouts = cfg.settings.rollouts
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
+        own = rollouts.engine_config
         settings: dict[str, Any] = dict(
-            rollouts.engine_config.engine_kwargs(), entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
+            own.engine_kwargs() if own is not None else {}, entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
         )
-        if rollouts.engine == "hf":
-            if not self._engine_owns_weights():
-                return build_engine(
-                    "hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
-                )
+        spec = rollouts.engine_spec
+        if spec.capabilities.shares_module and not self._engine_owns_weights():
+            return build_engine(
+                spec.name, model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
+            )
+        if "device" in spec.keywords():  # an engine that places itself (vLLM) takes no device
             settings["device"] = rollouts.device
         lora = cfg.settings.model.lora
         if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
@@ -205,10 +207,15 @@ class AgenticRLAlgorithm(Algorithm):
             self._owns_ray = True
 
     def _engine_owns_weights(self) -> bool:
-        """False only for the in-process HF engine over a learner module in this process ("local" backend): it
-        shares that module (nothing to push). With ddp/deepspeed the in-process engine holds its own copy."""
+        """False only for an in-process engine that can share the learner's module (HF) over a learner module in this
+        process ("local" backend): it shares that module (nothing to push). With ddp/deepspeed the in-process engine
+        holds its own copy."""
         rollouts = self.config.settings.rollouts
-        return rollouts.engine != "hf" or rollouts.num_rollout_actors > 0 or self.learner.shared_module is None
+        return (
+            not rollouts.engine_spec.capabilities.shares_module
+            or rollouts.num_rollout_actors > 0
+            or self.learner.shared_module is None
+        )
 
     def _build_sampler(self) -> Any:
         from arpo_algo.rollout.sampler import TreeSampler
