@@ -62,7 +62,7 @@ def measure(model: str, rank: int, repeats: int, kv_cache_gib: float) -> dict[st
         dtype="float32",
         kv_cache_gib=kv_cache_gib,
         seed=0,
-        lora={"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)},
+        lora=LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(targets)),
     )
     try:
         adapter = _pushes(engine, states)

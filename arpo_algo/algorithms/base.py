@@ -23,10 +23,11 @@ nothing but tensors; any other layout is refused with a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.rllib.algorithms.algorithm import Algorithm
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
@@ -57,6 +58,11 @@ from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_base.errors import ArpoError, ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.eval.trees import TreeWriter
+    from arpo_algo.rollout.engines.base import RolloutEngine
+    from arpo_algo.rollout.sampler import TreeSampler
 
 
 def _algorithm_class(base: type, name: str) -> type:
@@ -160,7 +166,7 @@ class AgenticRLAlgorithm(Algorithm):
             self.rollout_pipeline = RolloutPipeline(self._sample, settings.rollouts.max_staleness)
         self._last_eval: dict[str, float] = {}
 
-    def _build_engine(self, model_path: pathlib.Path) -> Any:
+    def _build_engine(self, model_path: pathlib.Path) -> RolloutEngine:
         """The configured engine (:func:`arpo_algo.rollout.engines.build_engine`): in-process HF shares the learner's
         module; vLLM or actors hold their own copy and get weights pushed in :meth:`_sync_weights`."""
         from arpo_algo.rollout.engines import build_engine
@@ -181,11 +187,7 @@ class AgenticRLAlgorithm(Algorithm):
             settings["device"] = rollouts.device
         lora = cfg.settings.model.lora
         if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
-            settings["lora"] = {
-                "rank": lora.rank,
-                "alpha": lora.alpha,
-                "target_modules": list(self.learner.lora_targets),
-            }
+            settings["lora"] = dataclasses.replace(lora, target_modules=tuple(self.learner.lora_targets))
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(
@@ -217,13 +219,13 @@ class AgenticRLAlgorithm(Algorithm):
             or self.learner.shared_module is None
         )
 
-    def _build_sampler(self) -> Any:
+    def _build_sampler(self) -> TreeSampler:
         from arpo_algo.rollout.sampler import TreeSampler
 
         rollouts = self.config.settings.rollouts
         return TreeSampler.from_config(self.engine, self._train_env, self.tree_config, rollouts, seed=self.config.seed)
 
-    def _build_tree_writer(self) -> Any:
+    def _build_tree_writer(self) -> TreeWriter | None:
         """The one writer of rollout trees (:mod:`arpo_algo.eval.trees`), or None when recording is off."""
         from arpo_algo.eval.trees import FOLDER, TreeWriter
 

@@ -142,7 +142,7 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     """Requests of similar length entering free slots are prefilled together (left-padded, each at its own
     positions, on top of its own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on
     the forward's size splits them into more forwards with the same results."""
-    from arpo_algo.rollout.engines import slot_prefill
+    from arpo_algo.rollout.engines.hf import slot_prefill
 
     dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
     sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static", static_cache_tokens=512)
@@ -194,7 +194,7 @@ def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode, slots):
     (static: copied into their slots), also when they enter in different refills (2 slots): the same tokens as each
     request generated alone, and the run is fed once. A row whose whole context is the run still feeds its last
     token; a row that shares nothing is fed whole; token ids may come as a tuple."""
-    from arpo_algo.rollout.engines import slot_prefill
+    from arpo_algo.rollout.engines.hf import slot_prefill
 
     alone = HFEngine(tiny_model_dir, max_batch_size=6, decode="dynamic")
     eng = HFEngine(

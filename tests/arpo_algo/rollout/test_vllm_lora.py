@@ -42,7 +42,7 @@ def _learner(base_dir, rank: int):
     targets = resolve_targets(lora, base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     attach_adapter(model, lora, targets)
-    return model.eval(), {"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)}
+    return model.eval(), LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(targets))
 
 
 def _adapter_state(model) -> dict[str, torch.Tensor]:
@@ -255,6 +255,7 @@ def test_a_registration_that_fails_at_start_leaves_no_engine_process_or_folder(b
 def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from arpo_algo.models.lora import LoraSettings
     from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=64)).save_pretrained(
@@ -266,7 +267,7 @@ def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_
             tmp_path / "gpt2",
             dtype="float32",
             kv_cache_gib=0.25,
-            lora={"rank": 4, "alpha": 8.0, "target_modules": ["c_attn"]},
+            lora=LoraSettings(enabled=True, rank=4, alpha=8.0, target_modules=("c_attn",)),
         )
     assert "rollouts.engine = 'hf'" in e.value.hint
     assert not _started_processes(before)

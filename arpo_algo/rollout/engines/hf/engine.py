@@ -40,7 +40,7 @@ import os
 import random
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from arpo_algo.rollout.engines.hf.slot_prefill import SharedRun
 from arpo_algo.rollout.engines.hf.static_decode import StaticDecoder
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
 from arpo_base.errors import ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.models.lora import LoraSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,7 +96,8 @@ class HFEngine(NamedAdapters):
             "compiled" (those steps compiled by torch inductor; on CUDA then captured as CUDA graphs).
         static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
             model's ``max_position_embeddings``).
-        lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter, for an engine with its own copy (a
+        lora: The learner's adapter settings (:class:`~arpo_algo.models.lora.LoraSettings`, ``target_modules`` the
+            resolved module names), for an engine with its own copy (a
             rollout actor): the model is loaded (an adapter folder merged) and gets an adapter of that layout, which
             adapter-only :meth:`load_state_dict` calls fill. The engine holds one adapter at a time and drops its
             stored KV on every load, so no cached prefix outlives the adapter that computed it.
@@ -120,7 +124,7 @@ class HFEngine(NamedAdapters):
         linear_layout: str = "auto",
         decode: str = "auto",
         static_cache_tokens: int | None = None,
-        lora: dict[str, Any] | None = None,
+        lora: LoraSettings | None = None,
         adapters: dict[str, str] | None = None,
     ) -> None:
         if (model_or_path is None) == (model is None):
@@ -164,13 +168,9 @@ class HFEngine(NamedAdapters):
             self.adapters = {}
             decode = "dynamic"
         if lora is not None:  # the learner's adapter layout, filled by adapter-only load_state_dict() calls
-            from arpo_algo.models.lora import LoraSettings, attach_adapter
+            from arpo_algo.models.lora import attach_adapter
 
-            attach_adapter(
-                self.model,
-                LoraSettings(enabled=True, rank=lora["rank"], alpha=lora["alpha"]),
-                tuple(lora["target_modules"]),
-            )
+            attach_adapter(self.model, lora, tuple(lora.target_modules))
             self.model.requires_grad_(False)
         self.device = next(self.model.parameters()).device
         self.dtype = dtype
