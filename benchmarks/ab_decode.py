@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from arpo_algo.rollout.engines.decode_mode import DECODE_MODES
+from arpo_algo.rollout.engines.hf.decode_mode import DECODE_MODES
 
 _WORKER = """
 import json, sys, time
@@ -37,7 +37,7 @@ cfg = json.load(sys.stdin)
 torch.set_num_threads(cfg["threads"])
 import arpo_algo
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 eng = HFEngine(cfg["model"], dtype=cfg["dtype"], max_batch_size=cfg["batch"], decode=cfg["decode"],
                static_cache_tokens=cfg["static_cache_tokens"], seed=cfg["seed"])
 reqs = [GenRequest(i, p, SamplingParams(max_new_tokens=cfg["new_tokens"], seed=cfg["seed"] + i))
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.trees = [tree.resolve() for tree in args.trees]  # the runs start inside each tree: no relative paths
     for tree in args.trees:
         if not (tree / "arpo_algo" / "rollout" / "engines" / "hf.py").is_file():
-            ap.error(f"{tree} is not an arpo checkout (no arpo_algo/rollout/engines/hf.py)")
+            ap.error(f"{tree} is not an arpo checkout (no arpo_algo/rollout/engines/hf/engine.py)")
     if args.batch < 1 or args.new_tokens < 1 or args.rounds < 1:
         ap.error("--batch, --new-tokens and --rounds must be at least 1")
     if len(args.dtype) not in (1, len(args.trees)):

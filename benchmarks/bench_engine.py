@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 
 SYSTEM = (
     "You are a helpful assistant that solves problems step by step. You may call tools: write python code "
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res
     if args.vllm:
-        from arpo_algo.rollout.engines.vllm_support import cpu_features
+        from arpo_algo.rollout.engines.vllm.support import cpu_features
         from benchmarks.bench_engine_vllm import print_vllm_table, run_vllm_side
 
         if args.push_only:

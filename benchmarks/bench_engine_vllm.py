@@ -86,8 +86,8 @@ def run_vllm_side(args: Any, path: Any, make_prompts, rollout, dtype: str = "flo
     :mod:`benchmarks.bench_engine` (passed in, so the two modules do not import each other)."""
     import random
 
-    from arpo_algo.rollout.engines.hf import HFEngine
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     t0 = time.perf_counter()
     veng = VLLMEngine(path, dtype=dtype, seed=args.seed)
@@ -255,7 +255,7 @@ def run_push_only(args: Any, path: Any) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     with tempfile.TemporaryDirectory(prefix="arpo-push-") as tmp:
         t0 = time.perf_counter()

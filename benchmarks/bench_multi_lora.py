@@ -46,7 +46,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from serve.batching import BatchingEngine
 
     torch.set_num_threads(args.threads)

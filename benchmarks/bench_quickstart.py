@@ -50,6 +50,8 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
         f"rollouts.hf.decode={json.dumps(mode)}",
         "--no-progress",
     ]
+    if mode == "compiled":  # fenced as experimental in the settings
+        cmd += ["--set", "rollouts.hf.experimental_compiled_decode=true"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     for extra in args.set:

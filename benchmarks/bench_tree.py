@@ -19,7 +19,7 @@ from pathlib import Path
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.engines.base import SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 

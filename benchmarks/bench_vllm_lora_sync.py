@@ -37,7 +37,7 @@ def measure(model: str, rank: int, repeats: int, kv_cache_gib: float) -> dict[st
 
     from arpo_algo.models import resolve_model_path
     from arpo_algo.models.lora import LoraSettings, attach_adapter, resolve_targets
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     path = resolve_model_path(model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -62,7 +62,7 @@ def measure(model: str, rank: int, repeats: int, kv_cache_gib: float) -> dict[st
         dtype="float32",
         kv_cache_gib=kv_cache_gib,
         seed=0,
-        lora={"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)},
+        lora=LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(targets)),
     )
     try:
         adapter = _pushes(engine, states)

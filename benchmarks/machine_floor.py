@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from arpo_algo.rollout.engines.linear_layout import plain_linears
+from arpo_algo.rollout.engines.hf.linear_layout import plain_linears
 
 
 def _best_seconds(fn, repeats: int, device: torch.device) -> float:  # noqa: ANN001

@@ -16,7 +16,7 @@ import torch
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.config import RolloutsConfig
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.learner_config import ALARM_OFF

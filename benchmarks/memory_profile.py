@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from arpo_algo.rollout import learner_metrics as LK
     from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.types import Group, Trajectory
     from arpo_algo.train.learner import Learner, LearnerConfig
 

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from arpo_algo.rollout.engines import engine_spec
 from arpo_base.errors import ConfigError
 from serve.agents import AgentSpec, check_agents, specs_from_args
 
@@ -57,7 +58,7 @@ class AgentSet:
         from serve.runtime import Agent, SharedBase
 
         joins = spec.base or (self.shared is not None and spec.fingerprint == self.shared.fingerprint)
-        if not joins or spec.engine not in ("hf", "vllm"):
+        if not joins or not engine_spec(spec.engine).capabilities.lora_ranks:  # no adapters: an engine of its own
             return Agent(spec)
         if self.shared is None:
             adapters = [s for s in (specs or self.specs) if s.base and s.fingerprint == spec.fingerprint]

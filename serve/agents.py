@@ -18,7 +18,6 @@ from typing import Any
 from arpo_algo.models.policy_env import SERVED_KEYS
 from arpo_base.errors import ConfigError
 
-ENGINE_KINDS = ("hf", "vllm")
 #: The largest ``max_tokens`` a request may ask for (``--max-tokens-limit``): a server-side ceiling, so one request
 #: cannot hold engine rows and the batcher for as long as the context allows.
 MAX_TOKENS_LIMIT = 4096
@@ -116,8 +115,10 @@ def build_specs(
     CLI's ``--allow-unisolated-python``), which then travels in the tool's settings to every replica."""
     if not sources:
         raise ConfigError("nothing to serve: give at least one model folder, checkpoint or run folder")
-    if engine not in ENGINE_KINDS:
-        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINE_KINDS)}")
+    from arpo_algo.rollout.engines import ENGINES
+
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     check_engine(engine, engine_settings or {})
     if max_tool_calls is not None and max_tool_calls < 0:
         raise ConfigError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
@@ -158,8 +159,8 @@ def build_specs(
         if own != session:
             _check_session(own)
         base, fingerprint = weights_identity(folder)
-        if base and engine == "vllm":
-            check_vllm_rank(name, folder)
+        if base:
+            check_adapter_rank(name, folder, engine)
         specs.append(
             AgentSpec(
                 name=name,
@@ -178,14 +179,15 @@ def build_specs(
     return specs
 
 
-def check_vllm_rank(name: str, folder: Path) -> int:
-    """An adapter agent's rank, refused (naming vLLM's allowed max_lora_rank values) when vLLM cannot serve it."""
+def check_adapter_rank(name: str, folder: Path, engine: str) -> int:
+    """An adapter agent's rank, refused (naming the engine's servable ranks, e.g. vLLM's max_lora_rank values) when
+    the engine cannot serve it."""
     from arpo_algo.models.lora import adapter_settings
-    from arpo_algo.rollout.engines.config import vllm_lora_rank
+    from arpo_algo.rollout.engines import engine_spec
 
     rank = adapter_settings(folder)[0].rank
     try:
-        vllm_lora_rank(rank)
+        engine_spec(engine).lora_rank(rank)
     except ConfigError as e:
         raise ConfigError(
             f"agent {name!r}: {e.message}",
@@ -305,25 +307,22 @@ def _trained_defaults(
 
 
 def check_engine(engine: str, settings: dict[str, Any]) -> None:
-    """Fail on the command line, not in a replica: vLLM must be importable for ``engine="vllm"``, and every engine
-    setting must be one the engine takes (``max_batch_size`` is the HF engine's; vLLM schedules its own batches)."""
-    import inspect
+    """Fail on the command line, not in a replica: the engine must be available here (vLLM importable for
+    ``engine="vllm"``), and every engine setting must be one the engine takes (``max_batch_size`` is the HF engine's;
+    vLLM schedules its own batches)."""
+    from arpo_algo.rollout.engines import engine_spec
 
-    from arpo_algo.rollout.engines import ENGINES
-
-    if engine == "vllm":
-        from arpo_algo.rollout.engines.vllm_support import check_vllm_installed
-
-        check_vllm_installed()
-    params = inspect.signature(ENGINES[engine]().func).parameters
+    spec = engine_spec(engine, where="--engine")
+    if spec.check_available is not None:
+        spec.check_available()
     # what the replica decides from the agents (the shared module, the adapters and their sizing) is not a setting
     decided = {"model", "lora", "adapters", "max_loras", "max_lora_rank"}
-    known = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in decided)
+    known = sorted(k for k in spec.keywords() if k not in decided)
     for key in settings:
         if key not in known:
             hint = (
-                "vLLM schedules its own batches; drop max_batch_size with engine='vllm'"
-                if engine == "vllm" and key == "max_batch_size"
+                f"{spec.title} schedules its own batches; drop max_batch_size with engine={engine!r}"
+                if key == "max_batch_size"
                 else f"settings of the {engine} engine: {', '.join(known)}"
             )
             raise ConfigError(f"{key!r} is not a setting of the {engine} engine", hint=hint)

@@ -385,18 +385,16 @@ class SharedBase:
         adapters: list[AgentSpec] | None = None,
     ) -> None:
         self.fingerprint = fingerprint
-        if engine == "vllm":
+        from arpo_algo.rollout.engines import engine_spec
+
+        spec = engine_spec(engine)
+        sizing: dict[str, int] = {}
+        if isinstance(spec.capabilities.lora_ranks, tuple):  # built for a fixed adapter count and largest rank
             from arpo_algo.models.lora import adapter_settings
-            from arpo_algo.rollout.engines.vllm import VLLMEngine
 
             ranks = [adapter_settings(s.model_path)[0].rank for s in adapters or []]
-            self.engine: Any = VLLMEngine(
-                base, adapters={}, max_loras=max(1, len(ranks)), max_lora_rank=max(ranks or [1]), **engine_settings
-            )
-        else:
-            from arpo_algo.rollout.engines.hf import HFEngine
-
-            self.engine = HFEngine(base, adapters={}, **engine_settings)
+            sizing = {"max_loras": max(1, len(ranks)), "max_lora_rank": max(ranks or [1])}
+        self.engine: Any = spec.engine_class()(base, adapters={}, **sizing, **engine_settings)
         if self.engine.base_fingerprint != fingerprint:
             raise ConfigError(
                 f"the base model at {base} changed since the agents were resolved (weights "

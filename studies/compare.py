@@ -297,7 +297,7 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
     """The quickstart's multi-seed reference: per configuration before, after (mean, sd), seeds improved / worse."""
     import platform
 
-    from arpo_algo.rollout.engines.vllm_support import cpu_features
+    from arpo_algo.rollout.engines.vllm.support import cpu_features
 
     flags = sorted(f for f, present in cpu_features().items() if present)
     seeds = {len(r["seeds"]) for r in rep.values()}

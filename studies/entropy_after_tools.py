@@ -105,7 +105,7 @@ def sample_dump(
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.models import resolve_model_path
     from arpo_algo.rollout.engines.base import SamplingParams
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
 
     make_env = env_factory(data, prompts)

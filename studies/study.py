@@ -129,7 +129,7 @@ def machine() -> dict[str, Any]:
     import torch
     import transformers
 
-    from arpo_algo.rollout.engines.vllm_support import cpu_features
+    from arpo_algo.rollout.engines.vllm.support import cpu_features
 
     flags = sorted(f for f, present in cpu_features().items() if present)
     return {

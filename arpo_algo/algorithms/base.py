@@ -3,7 +3,7 @@
 The algorithm owns its policy (a learner backend of :mod:`arpo_algo.train.backends`: "local" =
 :class:`arpo_algo.train.learner.Learner` in this process, or "ddp"/"deepspeed" ranks in Ray actors) and its
 rollout component (:class:`arpo_algo.rollout.sampler.TreeSampler` over an in-process
-:class:`arpo_algo.rollout.engines.hf.HFEngine` that shares the learner's module, or over a
+:class:`arpo_algo.rollout.engines.hf.engine.HFEngine` that shares the learner's module, or over a
 :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`). RLlib provides the config, the metrics logger, Tune
 integration and checkpoints; no EnvRunners, RLModules or LearnerGroups are built.
 
@@ -23,10 +23,11 @@ nothing but tensors; any other layout is refused with a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.rllib.algorithms.algorithm import Algorithm
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
@@ -57,6 +58,11 @@ from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_base.errors import ArpoError, ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.eval.trees import TreeWriter
+    from arpo_algo.rollout.engines.base import RolloutEngine
+    from arpo_algo.rollout.sampler import TreeSampler
 
 
 def _algorithm_class(base: type, name: str) -> type:
@@ -167,7 +173,7 @@ class AgenticRLAlgorithm(Algorithm):
             self.rollout_pipeline = RolloutPipeline(self._sample, settings.rollouts.max_staleness)
         self._last_eval: dict[str, float] = {}
 
-    def _build_engine(self, model_path: pathlib.Path) -> Any:
+    def _build_engine(self, model_path: pathlib.Path) -> RolloutEngine:
         """The configured engine (:func:`arpo_algo.rollout.engines.build_engine`): in-process HF shares the learner's
         module; vLLM or actors hold their own copy and get weights pushed in :meth:`_sync_weights`."""
         from arpo_algo.rollout.engines import build_engine
@@ -175,22 +181,20 @@ class AgenticRLAlgorithm(Algorithm):
         cfg = self.config
         rollouts = cfg.settings.rollouts
         entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
+        own = rollouts.engine_config
         settings: dict[str, Any] = dict(
-            rollouts.engine_config.engine_kwargs(), entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
+            own.engine_kwargs() if own is not None else {}, entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
         )
-        if rollouts.engine == "hf":
-            if not self._engine_owns_weights():
-                return build_engine(
-                    "hf", model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
-                )
+        spec = rollouts.engine_spec
+        if spec.capabilities.shares_module and not self._engine_owns_weights():
+            return build_engine(
+                spec.name, model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
+            )
+        if "device" in spec.keywords():  # an engine that places itself (vLLM) takes no device
             settings["device"] = rollouts.device
         lora = cfg.settings.model.lora
         if lora.enabled:  # its own copy (HF) or vLLM's LoRA request: the learner's layout, filled by adapter syncs
-            settings["lora"] = {
-                "rank": lora.rank,
-                "alpha": lora.alpha,
-                "target_modules": list(self.learner.lora_targets),
-            }
+            settings["lora"] = dataclasses.replace(lora, target_modules=tuple(self.learner.lora_targets))
         if rollouts.num_rollout_actors > 0:
             self._ensure_ray()
         return build_engine(
@@ -212,18 +216,23 @@ class AgenticRLAlgorithm(Algorithm):
             self._owns_ray = True
 
     def _engine_owns_weights(self) -> bool:
-        """False only for the in-process HF engine over a learner module in this process ("local" backend): it
-        shares that module (nothing to push). With ddp/deepspeed the in-process engine holds its own copy."""
+        """False only for an in-process engine that can share the learner's module (HF) over a learner module in this
+        process ("local" backend): it shares that module (nothing to push). With ddp/deepspeed the in-process engine
+        holds its own copy."""
         rollouts = self.config.settings.rollouts
-        return rollouts.engine != "hf" or rollouts.num_rollout_actors > 0 or self.learner.shared_module is None
+        return (
+            not rollouts.engine_spec.capabilities.shares_module
+            or rollouts.num_rollout_actors > 0
+            or self.learner.shared_module is None
+        )
 
-    def _build_sampler(self) -> Any:
+    def _build_sampler(self) -> TreeSampler:
         from arpo_algo.rollout.sampler import TreeSampler
 
         rollouts = self.config.settings.rollouts
         return TreeSampler.from_config(self.engine, self._train_env, self.tree_config, rollouts, seed=self.config.seed)
 
-    def _build_tree_writer(self) -> Any:
+    def _build_tree_writer(self) -> TreeWriter | None:
         """The one writer of rollout trees (:mod:`arpo_algo.eval.trees`), or None when recording is off."""
         from arpo_algo.eval.trees import FOLDER, TreeWriter
 

@@ -30,7 +30,6 @@ from arpo_algo.core.tree import TreeConfig
 from arpo_algo.eval.config import EvaluationConfig
 from arpo_algo.models.lora import LoraSettings, is_adapter_folder
 from arpo_algo.rollout.config import RolloutsConfig
-from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
 from arpo_algo.train.backend_config import BackendConfig
 from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
@@ -129,13 +128,16 @@ class Settings:
                 "model.path is not set",
                 hint="[model] path = <HF folder or registered name>, or config.training(model_path=...)",
             )
-        if self.model.lora.enabled and self.rollouts.engine == "vllm":
-            vllm_lora_rank(self.model.lora.rank)  # a rank vLLM cannot serve (0 too), refused naming the ones it can
-        if self.rollouts.engine == "vllm" and isinstance(self.model.path, str) and is_adapter_folder(self.model.path):
-            # Invariant: vLLM samples from the weights the learner starts from; the learner merges an adapter
-            # folder into its base, which vLLM cannot load as a model, so this is refused before the learner loads.
+        engine = self.rollouts.engine_spec
+        caps = engine.capabilities
+        if self.model.lora.enabled:
+            engine.lora_rank(self.model.lora.rank)  # a rank the engine cannot serve, refused naming the ones it can
+        if not caps.loads_adapter_folders and isinstance(self.model.path, str) and is_adapter_folder(self.model.path):
+            # Invariant: the engine samples from the weights the learner starts from; the learner merges an adapter
+            # folder into its base, which this engine cannot load as a model, so this is refused before the learner
+            # loads.
             raise ConfigError(
-                f"model.path {self.model.path} is a LoRA adapter folder, which the vLLM engine cannot "
+                f"model.path {self.model.path} is a LoRA adapter folder, which the {engine.title} engine cannot "
                 "load as its model",
                 hint="merge it first (arpo export --merge <folder> --output "
                 "<merged>) and train from the merged folder, or use "
@@ -150,15 +152,15 @@ class Settings:
         self.rollouts.validate()
         self.evaluation.validate()
         self.backend.check_device(self.rollouts.device)
-        if self.rollouts.engine == "vllm" and self.tree.entropy_method != "topk_sum_lnV":
+        if not caps.full_entropy and self.tree.entropy_method != "topk_sum_lnV":
             raise ConfigError(
-                f"rollouts.engine='vllm' with tree.entropy_method={self.tree.entropy_method!r}: vLLM "
-                "returns only top-k logprobs, so the full entropy is not available",
+                f"rollouts.engine={engine.name!r} with tree.entropy_method={self.tree.entropy_method!r}: "
+                f"{engine.title} returns only top-k logprobs, so the full entropy is not available",
                 hint="tree.entropy_method = 'topk_sum_lnV' (the reference estimator), or engine 'hf'",
             )
         rollouts = self.rollouts
         if (
-            rollouts.engine == "hf"
+            caps.shares_module
             and rollouts.num_rollout_actors == 0
             and not self.backend.distributed
             and rollouts.dtype != "float32"
@@ -175,13 +177,15 @@ class Settings:
                 " or give the engine its own copy: rollout actors (num_rollout_actors > 0), "
                 "engine = 'vllm', or backend.learner_backend = 'ddp' / 'deepspeed'",
             )
-        if self.rollouts.engine == "vllm" and self.tree.topk_logprobs > VLLM_MAX_LOGPROBS:
-            # Invariant: every rollout request can be served; vLLM refuses a request for more top logprobs than the
-            # max_logprobs its engine was built with, which would fail the first rollout after the model loaded.
+        cap = caps.max_logprobs
+        if cap is not None and self.tree.topk_logprobs > cap:
+            # Invariant: every rollout request can be served; an engine (vLLM) refuses a request for more top
+            # logprobs than the max_logprobs it was built with, which would fail the first rollout after the model
+            # loaded.
             raise ConfigError(
-                f"tree.topk_logprobs={self.tree.topk_logprobs} is more than the vLLM engine returns: "
-                f"it is built with at most {VLLM_MAX_LOGPROBS} logprobs per token",
-                hint=f"lower tree.topk_logprobs to at most {VLLM_MAX_LOGPROBS} (the reference uses 10),"
+                f"tree.topk_logprobs={self.tree.topk_logprobs} is more than the {engine.title} engine returns: "
+                f"it is built with at most {cap} logprobs per token",
+                hint=f"lower tree.topk_logprobs to at most {cap} (the reference uses 10),"
                 " or use rollouts.engine = 'hf' (up to the whole vocabulary)",
             )
         if self.rollouts.asynchronous:

@@ -25,10 +25,13 @@ option                         what it does                                sourc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_algo.core.advantages import rewards_have_spread
 from arpo_algo.rollout import metrics as MK
+
+if TYPE_CHECKING:
+    from arpo_algo.rollout.sampler import TreeSampler
 
 #: Rollout metrics that add up over several sampling rounds (everything else describes the first round).
 SUMMED = (
@@ -60,7 +63,7 @@ def has_signal(group: Any) -> bool:
 
 
 def sample_groups(
-    sampler: Any,
+    sampler: TreeSampler,
     prompts: Any,
     indices: list[int],
     step: int,

@@ -58,7 +58,7 @@ def doctor_report() -> dict:
     except ImportError as e:  # the tool module is part of arpo_env; this only happens in a broken install
         report["python_tool_sandbox"] = {"error": str(e)}
     try:
-        from arpo_algo.rollout.engines.compiled_step import compiler_problem, triton_problem
+        from arpo_algo.rollout.engines.hf.compiled_step import compiler_problem, triton_problem
 
         problem = compiler_problem()
         report["compiled_decode"] = {"available": problem is None, "problem": problem}
@@ -67,7 +67,7 @@ def doctor_report() -> dict:
             report["compiled_decode"].update(cuda_available=cuda is None, cuda_problem=cuda)
     except ImportError as e:  # torch missing
         report["compiled_decode"] = {"available": False, "problem": str(e)}
-    from arpo_algo.rollout.engines.vllm_support import cpu_features, vllm_version
+    from arpo_algo.rollout.engines.vllm.support import cpu_features, vllm_version
 
     importable = importlib.util.find_spec("vllm") is not None
     report["vllm"] = {

@@ -16,6 +16,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout.engines import engine_names
+
 DEFAULTS = {
     "k": 4,
     "temperature": 0.6,
@@ -181,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", help="environment for a data file (default arpo/Reasoning-v0; e.g. arpo/ToolMath-v0)")
     p.add_argument("--env-set", action="append", metavar="KEY=VALUE", help="environment config key (TOML value)")
     p.add_argument("--output", help="output folder (default runs/eval/<data>-k<K>); a rerun resumes it")
-    p.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="rollout engine (default hf)")
+    p.add_argument("--engine", default="hf", choices=engine_names(), help="rollout engine (default hf)")
     p.add_argument("--device", default="cpu", help="device of the HF engine")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is faster on a busy machine)")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded at once")

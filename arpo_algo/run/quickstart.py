@@ -203,7 +203,7 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     each result records the decode path its engine took)."""
     from arpo_algo.algorithms.components import env_creator
     from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     cfg = exp.config
     settings = eval_settings(cfg).as_kwargs()  # the same mapping training's evaluate() uses (nothing dropped)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout.engines import engine_names
 from arpo_base.errors import ArpoError, ConfigError
 
 #: Ray Serve's own request timeout is this much longer than the app's deadline, so the app's OpenAI-shaped 504
@@ -316,7 +317,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tool calls per conversation (default: the training limit of a checkpoint or of a "
         "policy folder arpo wrote, else 4)",
     )
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--engine", choices=engine_names(), default="hf")
     p.add_argument(
         "--system-prompt",
         dest="system_prompt",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from benchmarks import bench_engine
 
 

@@ -60,7 +60,7 @@ def agent_set(folders):
 
 
 def test_adapter_agents_share_one_vllm_base_and_answer_as_each_alone(agent_set, folders):
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
     from serve.runtime import Agent, SharedBase
 
     engine = agent_set.shared.engine

@@ -273,7 +273,7 @@ def test_train_serve_parity(server, client, sft_model, demos):
     """Same prompt, seed and checkpoint: the served choices are the GRPO-mode TreeSampler's trajectories."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.rollout.engines.base import SamplingParams
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_env.core import ToolTextEnv
 

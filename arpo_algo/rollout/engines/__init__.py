@@ -1,7 +1,9 @@
 """Rollout engines: token ids in, token ids with logprobs and entropies out (see :mod:`arpo_algo.rollout.engines.base`).
 
-One factory builds every engine: ``build_engine(kind, **settings)`` with ``kind`` one of :data:`ENGINES`
-("hf": :class:`~arpo_algo.rollout.engines.hf.HFEngine`, "vllm": :class:`~arpo_algo.rollout.engines.vllm.VLLMEngine`).
+One factory builds every engine: ``build_engine(kind, **settings)`` with ``kind`` a registered engine
+(:mod:`arpo_algo.rollout.engines.registry`: each engine's capabilities, settings table and constructor; built in:
+"hf", :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine`, and "vllm",
+:class:`~arpo_algo.rollout.engines.vllm.engine.VLLMEngine`).
 ``num_actors > 0`` replicates the engine over that many Ray actors
 (:class:`~arpo_algo.rollout.engines.actors.RolloutActorPool`), each building its own copy from ``settings``.
 Engine modules are imported only when built, so importing this package does not import torch or vLLM.
@@ -15,27 +17,21 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from arpo_algo.rollout.engines.registry import (
+    ENGINES,
+    EngineCapabilities,
+    EngineSpec,
+    engine_names,
+    engine_spec,
+    register_engine,
+)
 from arpo_base.errors import ConfigError
 from arpo_base.options import closest
 
-
-def _hf(**settings: Any) -> Callable[[], Any]:
-    from arpo_algo.rollout.engines.hf import HFEngine
-
-    return functools.partial(HFEngine, **settings)
-
-
-def _vllm(**settings: Any) -> Callable[[], Any]:
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
-
-    return functools.partial(VLLMEngine, **settings)
-
-
-#: Engine kind -> builder: ``builder(**settings)`` returns a picklable zero-argument engine constructor.
-ENGINES: dict[str, Callable[..., Callable[[], Any]]] = {"hf": _hf, "vllm": _vllm}
+if TYPE_CHECKING:
+    from arpo_algo.rollout.engines.base import RolloutEngine
 
 
 def build_engine(
@@ -46,11 +42,12 @@ def build_engine(
     num_gpus_per_actor: float = 0.0,
     actor_resources: tuple[dict[str, float], ...] = (),
     **settings: Any,
-) -> Any:
+) -> RolloutEngine:
     """Build a :class:`~arpo_algo.rollout.engines.base.RolloutEngine`.
 
     Args:
-        kind: A key of :data:`ENGINES` ("hf" or "vllm").
+        kind: A registered engine's name (:data:`ENGINES`: "hf", "vllm", and any added by
+            :func:`~arpo_algo.rollout.engines.registry.register_engine`).
         num_actors: 0 = the engine in this process; N > 0 = N Ray actors, each with its own engine (needs Ray
             running; a module passed as ``model=`` cannot travel to actors, pass ``model_or_path``).
         num_cpus_per_actor: Ray CPUs per actor.
@@ -69,7 +66,7 @@ def build_engine(
         )
     if num_actors < 0:
         raise ConfigError(f"num_actors must be >= 0, got {num_actors}")
-    factory = ENGINES[kind](**settings)
+    factory = functools.partial(ENGINES[kind].engine_class(), **settings)
     if num_actors == 0:
         return factory()
     if "model" in settings:
@@ -90,4 +87,22 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "build_engine"]
+def __getattr__(name: str) -> Any:
+    """``HFEngine`` and ``VLLMEngine``, imported on first use (importing this package imports neither torch nor
+    vLLM)."""
+    if name in ("HFEngine", "VLLMEngine"):
+        return engine_spec("hf" if name == "HFEngine" else "vllm").engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ENGINES",
+    "EngineCapabilities",
+    "EngineSpec",
+    "HFEngine",
+    "VLLMEngine",
+    "build_engine",
+    "engine_names",
+    "engine_spec",
+    "register_engine",
+]

@@ -2,7 +2,8 @@
 
 Requests are spread over the actors (fewest requests first). A request with a ``prefix_key`` goes to the actor that
 produced that key, because only that actor holds the KV cache (a sticky ``cache_key -> actor`` map; cache keys of
-:class:`~arpo_algo.rollout.engines.hf.HFEngine` carry a per-engine unique id, so keys never collide across actors).
+:class:`~arpo_algo.rollout.engines.hf.engine.HFEngine` carry a per-engine unique id, so
+keys never collide across actors).
 Weights are broadcast with one ``ray.put`` and a ``load_state_dict`` call per actor.
 
 Example::

@@ -2,9 +2,10 @@
 
 An engine continues a batch of token sequences. It never sees text except the stop strings, so the caller owns
 tokenization: a tool result is tokenized once as its own segment and appended, and nothing earlier is ever
-re-tokenized (docs/concepts/arpo.md#token-layout). Engines: :class:`arpo_algo.rollout.engines.hf.HFEngine`
+re-tokenized (docs/concepts/arpo.md#token-layout). Engines: :class:`arpo_algo.rollout.engines.hf.engine.HFEngine`
 (transformers, CPU or GPU) and
-:class:`arpo_algo.rollout.engines.vllm.VLLMEngine` (vLLM 0.29, CPU or GPU); either one replicated over Ray actors by
+:class:`arpo_algo.rollout.engines.vllm.engine.VLLMEngine` (vLLM 0.29, CPU or GPU);
+either one replicated over Ray actors by
 :class:`arpo_algo.rollout.engines.actors.RolloutActorPool`. Build any of them with
 :func:`arpo_algo.rollout.engines.build_engine`.
 """

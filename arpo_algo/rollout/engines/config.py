@@ -24,29 +24,34 @@ VLLM_MAX_LOGPROBS = 64
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def vllm_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``, or a ConfigError naming the
-    allowed values (a rank below 1 or above the largest)."""
+def fitting_lora_rank(rank: int, allowed: tuple[int, ...], engine: str) -> int:
+    """The smallest of an engine's ``allowed`` max_lora_rank values that holds an adapter of ``rank``, or a
+    ConfigError naming the allowed values (a rank below 1 or above the largest)."""
     fits = [r for r in allowed if r >= rank]
     if rank < 1 or not fits:
         raise ConfigError(
-            f"LoRA rank {rank} cannot be served by the vLLM engine: vLLM's max_lora_rank is one of "
+            f"LoRA rank {rank} cannot be served by the {engine} engine: {engine}'s max_lora_rank is one of "
             f"{', '.join(map(str, allowed))}, so an adapter rank must be between 1 and {max(allowed)}",
             hint=f"set model.lora.rank between 1 and {max(allowed)}, or use rollouts.engine = 'hf'",
         )
     return fits[0]
 
 
+def vllm_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank`` (:func:`fitting_lora_rank`)."""
+    return fitting_lora_rank(rank, allowed, "vLLM")
+
+
 def captures_graphs(decode: str, device_type: str) -> bool:
     """Whether the HF engine's decode mode replays captured CUDA graphs: ``cuda_graph``, and ``compiled`` on CUDA
-    (the compiled step is captured there, see :mod:`arpo_algo.rollout.engines.compiled_step`). Such graphs hold the
+    (the compiled step is captured there, see :mod:`arpo_algo.rollout.engines.hf.compiled_step`). Such graphs hold the
     weights' addresses, so they cannot read weight copies rebuilt after every update."""
     return decode == "cuda_graph" or (decode == "compiled" and device_type == "cuda")
 
 
 @dataclass(frozen=True)
 class HFEngineConfig:
-    """``[rollouts.hf]``: the transformers engine (:class:`arpo_algo.rollout.engines.hf.HFEngine`)."""
+    """``[rollouts.hf]``: the transformers engine (:class:`arpo_algo.rollout.engines.hf.engine.HFEngine`)."""
 
     max_batch_size: int = setting(16, "Most sequences the engine decodes at once.")
     linear_layout: Literal["auto", "native", "transposed"] = setting(
@@ -57,9 +62,10 @@ class HFEngineConfig:
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = setting(
         "auto",
         "'dynamic' (left-padded growing KV cache), 'static' (fixed-shape steps over a preallocated KV cache, "
-        "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (those steps "
-        "compiled by torch inductor, all slots, one graph for every column count, on CUDA captured as CUDA graphs; "
-        "needs a C++ compiler, and Triton on CUDA); 'auto' = "
+        "same results), 'cuda_graph' (those steps replayed as CUDA graphs; CUDA only), 'compiled' (experimental, "
+        "needs experimental_compiled_decode = true: those steps compiled by torch inductor, all slots, one graph "
+        "for every column count, on CUDA captured as CUDA graphs; needs a C++ compiler, and Triton on CUDA); "
+        "'auto' = "
         "cuda_graph on a GPU where its static cache takes at most a quarter of the free memory, else dynamic.",
     )
     static_cache_tokens: int | None = setting(
@@ -71,6 +77,11 @@ class HFEngineConfig:
     kv_cache_capacity_tokens: int = setting(
         65536, "Tokens of finished-sequence KV kept for prefix reuse (least recently used first out); 0 disables it."
     )
+    experimental_compiled_decode: bool = setting(
+        False,
+        "Allow decode = 'compiled', an experimental path: no measurement shows it faster on its target hardware "
+        "(docs/results/speed.md: 0.28x-0.66x of dynamic on CPU in float32, 1.19x in bfloat16 at batch 8 only).",
+    )
 
     def validate(self) -> None:
         """Ranges; the device-dependent checks are :meth:`check_device`."""
@@ -80,6 +91,13 @@ class HFEngineConfig:
             raise ConfigError(f"rollouts.hf.kv_cache_capacity_tokens must be >= 0, got {self.kv_cache_capacity_tokens}")
         if self.static_cache_tokens is not None and self.static_cache_tokens < 2:
             raise ConfigError(f"rollouts.hf.static_cache_tokens must be >= 2 or None, got {self.static_cache_tokens}")
+        if self.decode == "compiled" and not self.experimental_compiled_decode:
+            # Invariant: a path that no results page shows faster on its target hardware runs only when asked for
+            # under a name that says it is experimental; the CUDA-graph path stays the GPU default.
+            raise ConfigError(
+                "rollouts.hf.decode='compiled' is experimental (no measurement shows it faster than the default)",
+                hint="set rollouts.hf.experimental_compiled_decode = true to use it, or decode = 'auto'",
+            )
 
     def check_device(self, device: str) -> None:
         """CUDA graphs need a CUDA device and weights that stay where the graphs read them."""
@@ -96,13 +114,16 @@ class HFEngineConfig:
             )
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The engine's keyword arguments these settings give."""
-        return asdict(self)
+        """The engine's keyword arguments these settings give (the experimental fence is checked here, not by the
+        engine)."""
+        kwargs = asdict(self)
+        kwargs.pop("experimental_compiled_decode")
+        return kwargs
 
 
 @dataclass(frozen=True)
 class VLLMEngineConfig:
-    """``[rollouts.vllm]``: the vLLM engine (:class:`arpo_algo.rollout.engines.vllm.VLLMEngine`)."""
+    """``[rollouts.vllm]``: the vLLM engine (:class:`arpo_algo.rollout.engines.vllm.engine.VLLMEngine`)."""
 
     gpu_memory_utilization: float = setting(
         0.5, "GPU only: share of the GPU's memory vLLM may take (leave room for a colocated learner)."

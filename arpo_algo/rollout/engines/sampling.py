@@ -1,6 +1,7 @@
 """Token choice for the HF engine: the per-row draw of the dynamic path and its batched, fixed-shape twin.
 
-Both compute the same thing (see :mod:`arpo_algo.rollout.engines.hf` for the definitions of logprobs and entropies):
+Both compute the same thing (see :mod:`arpo_algo.rollout.engines.hf.engine` for the definitions of logprobs and
+entropies):
 
 * greedy rows (``temperature == 0``) take ``argmax`` of the raw logits;
 * other rows keep the tokens allowed by ``top_k`` (the k largest logprobs) and then ``top_p`` (the smallest prefix
@@ -9,7 +10,7 @@ Both compute the same thing (see :mod:`arpo_algo.rollout.engines.hf` for the def
 
 :func:`choose_token` does it for one row with Python-level branches (the dynamic path). :func:`sample_rows` does it for
 a whole batch with tensor ops only: no host synchronisation and no data-dependent shapes, so it can be captured in a
-CUDA graph with the decode step (:mod:`arpo_algo.rollout.engines.static_decode`). What varies per row (temperature,
+CUDA graph with the decode step (:mod:`arpo_algo.rollout.engines.hf.static_decode`). What varies per row (temperature,
 top-k, top-p, the uniform) comes in as tensors; what fixes the shapes comes in as :class:`SampleShape`. The two are
 the same arithmetic, so on CPU the static path reproduces the dynamic path's tokens (tested).
 """

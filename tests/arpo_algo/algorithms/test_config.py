@@ -129,7 +129,7 @@ enforce_eager = true
     assert (kwargs["max_model_len"], kwargs["enforce_eager"]) == (4096, True)
     import inspect
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     params = inspect.signature(VLLMEngine).parameters
     assert set(kwargs) <= set(params), "every [rollouts.vllm] key is a VLLMEngine argument"
@@ -501,3 +501,18 @@ SHIPPED = [*EXPERIMENTS_DIR.rglob("*.toml"), *PACKAGE_EXPERIMENTS_DIR.glob("*.to
 def test_shipped_experiments_load_and_validate(path):
     exp = load_experiment(path)
     exp.config.validate()
+
+
+def test_the_compiled_decode_is_fenced_as_experimental():
+    """No results page shows the compiled step faster on its target hardware, so the settings accept it only under
+    the flag whose name says experimental; the engine's own keyword stays ``decode="compiled"``."""
+    from arpo_algo.rollout.engines.config import HFEngineConfig
+
+    with pytest.raises(ConfigError, match="experimental") as e:
+        valid_config().llm_rollouts(hf={"decode": "compiled"}).validate()
+    assert "rollouts.hf.experimental_compiled_decode = true" in e.value.hint
+    cfg = valid_config().llm_rollouts(hf={"decode": "compiled", "experimental_compiled_decode": True})
+    cfg.validate()
+    kwargs = cfg.settings.rollouts.engine_config.engine_kwargs()
+    assert kwargs["decode"] == "compiled" and "experimental_compiled_decode" not in kwargs
+    assert HFEngineConfig().engine_kwargs().keys() == kwargs.keys()

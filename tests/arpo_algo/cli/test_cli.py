@@ -37,7 +37,7 @@ def test_doctor_reports_truthfully():
     assert r["vllm"]["importable"] == (importlib.util.find_spec("vllm") is not None)
     flags = open("/proc/cpuinfo").read().split()
     assert r["vllm"]["cpu"]["avx512f"] == ("avx512f" in flags) and r["vllm"]["cpu"]["amx_bf16"] == ("amx_bf16" in flags)
-    from arpo_algo.rollout.engines.compiled_step import compiler_problem
+    from arpo_algo.rollout.engines.hf.compiled_step import compiler_problem
 
     assert r["compiled_decode"] == {"available": compiler_problem() is None, "problem": compiler_problem()}
     human = run_cli("doctor")

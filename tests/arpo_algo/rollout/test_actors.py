@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 
 ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[3]

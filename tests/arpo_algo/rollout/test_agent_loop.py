@@ -67,7 +67,7 @@ def _assert_same(trajs, prompts, traces):
 
 def test_run_agents_reproduces_grpo_tiny_model(tiny_model_dir, tools):
     """A real tiny model through the HF engine, the real toolmath env and python tool: identical tokens."""
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     _assert_same(*_grpo_then_agents(HFEngine(str(tiny_model_dir)), tools, max_response_tokens=48))
 
@@ -81,7 +81,7 @@ def test_run_agents_reproduces_grpo_with_tool_calls(tools):
 
 
 def test_events_and_token_stream(tiny_model_dir):
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     eng = HFEngine(str(tiny_model_dir))
     sessions = [ToolSession(), ToolSession()]

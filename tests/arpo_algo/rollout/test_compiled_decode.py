@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.compiled_step import compiler_problem
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.compiled_step import compiler_problem
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_base.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(compiler_problem() is not None, reason=f"no C++ compiler: {compiler_problem()}")
@@ -271,7 +271,7 @@ def test_compiled_on_a_cuda_device_needs_triton_and_the_native_layout(pair, monk
     """The refusals for a CUDA device, decided from the device and the model's config (no GPU needed to ask)."""
     import torch.utils._triton
 
-    from arpo_algo.rollout.engines.decode_mode import resolve_decode
+    from arpo_algo.rollout.engines.hf.decode_mode import resolve_decode
 
     model, cuda = pair[0].model, torch.device("cuda")
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
@@ -293,7 +293,7 @@ _VECTOR_WIDTH_STEP = """
 import json
 from collections import Counter
 import torch
-from arpo_algo.rollout.engines.compiled_step import CompiledStep, cpu_vector_bits
+from arpo_algo.rollout.engines.hf.compiled_step import CompiledStep, cpu_vector_bits
 torch.set_num_threads(2)
 x = torch.randn(6, 4099, generator=torch.Generator().manual_seed(0))
 res = torch.zeros(6, 4099)
@@ -395,7 +395,7 @@ def test_the_compiled_step_writes_keys_and_values_in_place_on_the_gpu():
     two passes over every layer's keys and values each step)."""
     if compiler_problem("cuda"):
         pytest.skip(f"nothing compiles for CUDA here: {compiler_problem('cuda')}")
-    from arpo_algo.rollout.engines.slot_prefill import write_rows
+    from arpo_algo.rollout.engines.hf.slot_prefill import write_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
     buf = torch.randn(32, 3, 512, 64, device="cuda", generator=g).to(torch.bfloat16)

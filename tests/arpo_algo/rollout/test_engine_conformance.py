@@ -56,7 +56,7 @@ def teacher(model_dir):
 
 def _build(kind: str, model_dir):
     if kind in ("hf", "hf-static", "hf-graph"):
-        from arpo_algo.rollout.engines.hf import HFEngine
+        from arpo_algo.rollout.engines.hf.engine import HFEngine
 
         decode = {"hf": "dynamic", "hf-static": "static", "hf-graph": "cuda_graph"}[kind]
         return HFEngine(
@@ -68,7 +68,7 @@ def _build(kind: str, model_dir):
             decode=decode,
             device="cuda" if kind == "hf-graph" else "cpu",
         )
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine(model_dir, dtype="float32", kv_cache_gib=0.5, seed=0)
 

@@ -38,7 +38,7 @@ def test_factory_errors(tiny_model_dir):
 def test_factory_vllm_without_the_package(tiny_model_dir, monkeypatch):
     """Where vllm is not importable, asking for its engine is a ConfigError saying how to install it (vllm hidden
     here, so the refusal is exercised where it is installed too)."""
-    from arpo_algo.rollout.engines.vllm_support import INSTALL_HINT, check_vllm_installed
+    from arpo_algo.rollout.engines.vllm.support import INSTALL_HINT, check_vllm_installed
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, find_spec finds nothing
     with pytest.raises(ConfigError, match="needs the vllm package") as err:

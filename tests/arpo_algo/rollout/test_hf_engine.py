@@ -9,8 +9,8 @@ import torch
 
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import GenRequest, RolloutEngine, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
-from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN
+from arpo_algo.rollout.engines.hf.engine import HFEngine
+from arpo_algo.rollout.engines.hf.slot_prefill import SHARED_PREFIX_MIN
 from arpo_base.errors import ConfigError
 
 

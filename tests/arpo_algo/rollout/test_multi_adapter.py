@@ -24,14 +24,14 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def multi(tiny_model_dir, adapters):
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     return HFEngine(tiny_model_dir, adapters={k: str(v) for k, v in adapters.items()}, max_batch_size=4)
 
 
 def _alone(path, reqs):
     """Each request on an engine of that one policy (the adapter folder loaded as ``arpo eval`` loads it)."""
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     return [g.token_ids for g in HFEngine(path, max_batch_size=4).generate(reqs)]
 
@@ -67,7 +67,7 @@ def test_stored_kv_is_never_reused_under_another_adapter(multi, adapters):
 
 
 def test_a_shared_leading_run_is_shared_within_an_adapter_only(multi, adapters):
-    from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN
+    from arpo_algo.rollout.engines.hf.slot_prefill import SHARED_PREFIX_MIN
 
     head = list(range(33, 33 + SHARED_PREFIX_MIN + 8))
     reqs = [
@@ -87,7 +87,7 @@ def test_an_unknown_adapter_is_an_error_generation_not_the_base(multi):
 
 def test_adding_and_removing_an_adapter_between_calls(tiny_model_dir, adapters, tmp_path):
     from arpo_algo.models import build_tiny_adapter, build_tiny_model
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     eng = HFEngine(tiny_model_dir, adapters={"a": str(adapters["a"])})
     eng.add_adapter("b", str(adapters["b"]))

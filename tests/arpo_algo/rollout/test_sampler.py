@@ -316,7 +316,7 @@ def test_legacy_stale_baseline_persists_across_calls(env_creator):
 
 
 def test_hf_engine_tiny_model_full_sample(tiny_model_dir, env_creator):
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     eng = HFEngine(str(tiny_model_dir))
     cfg = TreeConfig(budget=4, initial=2, branch_factor=1)
@@ -342,7 +342,7 @@ def test_arpo_without_branching_is_grpo_token_for_token(tiny_model_dir, env_crea
     # between the two (fill-up seeding, masks, finish handling) shows up here. The random tiny model writes no tool
     # call, so no look-ahead happens; the same control with SmolLM2 after SFT, where it does, is a run
     # (docs/results/stabilizers.md).
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     eng = HFEngine(str(tiny_model_dir))
     arpo = TreeConfig(budget=4, initial=2, branch_factor=0).validate()

@@ -14,7 +14,7 @@ import pytest
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.config import RolloutsConfig
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_env.core import ToolTextEnv
 from arpo_env.tools.interpreter import interpreter_metrics, live_interpreters

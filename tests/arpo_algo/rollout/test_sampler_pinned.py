@@ -73,7 +73,7 @@ def test_scripted_tree_is_pinned(name, creator):
 
 def test_tiny_model_tree_is_pinned(tiny_model_dir, creator):
     """A real tiny model through the HF engine: ARPO with branching."""
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     s = TreeSampler(
         HFEngine(str(tiny_model_dir)),

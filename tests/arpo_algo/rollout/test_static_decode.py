@@ -15,14 +15,14 @@ import torch
 
 from arpo_algo.rollout.engines import build_engine
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.decode_mode import (
+from arpo_algo.rollout.engines.hf.decode_mode import (
     AUTO_CUDA_GRAPHS,
     available_ram,
     graph_memory_problem,
     kv_bytes,
     static_problem,
 )
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_base.errors import ConfigError
 
 TOL = 1e-5
@@ -142,7 +142,7 @@ def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, mo
     """Requests of similar length entering free slots are prefilled together (left-padded, each at its own
     positions, on top of its own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on
     the forward's size splits them into more forwards with the same results."""
-    from arpo_algo.rollout.engines import slot_prefill
+    from arpo_algo.rollout.engines.hf import slot_prefill
 
     dyn = HFEngine(tiny_model_dir, max_batch_size=4, decode="dynamic")
     sta = HFEngine(model=dyn.model, tokenizer=dyn.tokenizer, max_batch_size=4, decode="static", static_cache_tokens=512)
@@ -194,7 +194,7 @@ def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode, slots):
     (static: copied into their slots), also when they enter in different refills (2 slots): the same tokens as each
     request generated alone, and the run is fed once. A row whose whole context is the run still feeds its last
     token; a row that shares nothing is fed whole; token ids may come as a tuple."""
-    from arpo_algo.rollout.engines import slot_prefill
+    from arpo_algo.rollout.engines.hf import slot_prefill
 
     alone = HFEngine(tiny_model_dir, max_batch_size=6, decode="dynamic")
     eng = HFEngine(
@@ -231,7 +231,7 @@ def test_a_shared_leading_run_is_prefilled_once(tiny_model_dir, decode, slots):
 
 
 def test_shared_runs_group_neighbours_above_the_minimum():
-    from arpo_algo.rollout.engines.slot_prefill import SHARED_PREFIX_MIN, shared_runs
+    from arpo_algo.rollout.engines.hf.slot_prefill import SHARED_PREFIX_MIN, shared_runs
 
     a, b = list(range(100, 100 + SHARED_PREFIX_MIN + 5)), list(range(500, 500 + SHARED_PREFIX_MIN))
     contexts = [
@@ -253,7 +253,7 @@ def test_shared_runs_group_neighbours_above_the_minimum():
 
 
 def test_forward_groups_pad_rows_only_to_neighbours_of_similar_length():
-    from arpo_algo.rollout.engines.slot_prefill import FORWARD_COST_POSITIONS, PREFILL_TOKENS, forward_groups
+    from arpo_algo.rollout.engines.hf.slot_prefill import FORWARD_COST_POSITIONS, PREFILL_TOKENS, forward_groups
 
     assert forward_groups([]) == []
     assert forward_groups([5, 5, 6]) == [3]  # similar lengths: one forward
@@ -353,7 +353,7 @@ def test_the_step_folds_grouped_query_heads_and_leaves_the_model_as_it_was(pair)
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from arpo_algo.rollout.engines.static_decode import FOLDED_SDPA, folded_attention, folded_sdpa
+    from arpo_algo.rollout.engines.hf.static_decode import FOLDED_SDPA, folded_attention, folded_sdpa
 
     dyn, sta = pair
     attn = dyn.model.model.layers[0].self_attn
@@ -442,7 +442,7 @@ def test_cuda_graph_decode_equals_dynamic_on_gpu(tiny_model_dir):
 def test_the_step_writes_each_rows_new_key_and_value_at_its_position_only(dtype):
     """The decode step's KV write (indexed on the CPU, where scatter_ copies a whole bf16 buffer): every row's token
     lands at its own column, nothing else in the buffer changes, bit for bit what scatter_ writes."""
-    from arpo_algo.rollout.engines.slot_prefill import write_rows
+    from arpo_algo.rollout.engines.hf.slot_prefill import write_rows
 
     g = torch.Generator().manual_seed(0)
     buf = torch.randn(5, 3, 16, 8, generator=g).to(dtype)

@@ -41,7 +41,7 @@ def bigram_dir(smollm2_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("k", [5, 6])  # look-ahead ends after "</" (5) or after "</python" (6)
 def test_stop_string_across_lookahead_boundary_ends_the_turn(bigram_dir, tmp_path, k):
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     eng = HFEngine(str(bigram_dir), seed=0)
     env = lambda: ToolTextEnv(task="toolmath", tools={"python": {}})  # noqa: E731

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-from arpo_algo.rollout.engines.hf import HFEngine
+from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.engines.stop_filter import StopFilter, byte_level
 from tests.arpo_algo.rollout.chain_models import save_chain_model
 

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from arpo_algo.rollout.engines.vllm_support import check_dtype, check_weights, checkpoint_shapes, pack_state_dict
+from arpo_algo.rollout.engines.vllm.support import check_dtype, check_weights, checkpoint_shapes, pack_state_dict
 from arpo_base.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def vllm_model_dir(tmp_path_factory):
 
 
 def test_missing_vllm_is_a_clear_error(vllm_model_dir, monkeypatch):
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees where the package is not installed
     with pytest.raises(ConfigError, match="not importable") as err:
@@ -77,7 +77,7 @@ def test_dtype_the_backend_rejects():
 def test_unknown_architecture_memory_and_sleep_rejected_before_start(vllm_model_dir, tmp_path):
     from vllm.platforms import current_platform
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     odd = tmp_path / "odd"
     shutil.copytree(vllm_model_dir, odd)

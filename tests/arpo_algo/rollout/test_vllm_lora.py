@@ -42,7 +42,7 @@ def _learner(base_dir, rank: int):
     targets = resolve_targets(lora, base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     attach_adapter(model, lora, targets)
-    return model.eval(), {"rank": rank, "alpha": 2.0 * rank, "target_modules": list(targets)}
+    return model.eval(), LoraSettings(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=tuple(targets))
 
 
 def _adapter_state(model) -> dict[str, torch.Tensor]:
@@ -77,7 +77,7 @@ def test_the_rank_list_is_the_installed_vllms():
 
 
 def test_adapter_syncs_replace_the_adapter_and_match_the_learner(base_dir):
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     learner, layout = _learner(base_dir, rank=4)
     # transport "bytes" (for a small /dev/shm): the adapter folder is not put in /dev/shm either
@@ -153,7 +153,7 @@ def _tampered(adapter: Path, dest: Path, change) -> Path:
 
 def test_named_adapters_in_one_batch_answer_as_each_alone(base_dir, adapters):
     from arpo_algo.models.lora import load_policy_model
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     # one LoRA slot for three adapters: vLLM must still answer a batch that names all of them
     engine = VLLMEngine(
@@ -235,7 +235,7 @@ def test_a_registration_that_fails_at_start_leaves_no_engine_process_or_folder(b
 
     import psutil
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
     from arpo_base.errors import ArpoError
 
     def full(*args, **kwargs):
@@ -255,7 +255,8 @@ def test_a_registration_that_fails_at_start_leaves_no_engine_process_or_folder(b
 def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_algo.models.lora import LoraSettings
+    from arpo_algo.rollout.engines.vllm.engine import VLLMEngine
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=64)).save_pretrained(
         tmp_path / "gpt2"
@@ -266,7 +267,7 @@ def test_an_architecture_vllm_has_no_lora_for_is_refused_before_vllm_starts(tmp_
             tmp_path / "gpt2",
             dtype="float32",
             kv_cache_gib=0.25,
-            lora={"rank": 4, "alpha": 8.0, "target_modules": ["c_attn"]},
+            lora=LoraSettings(enabled=True, rank=4, alpha=8.0, target_modules=("c_attn",)),
         )
     assert "rollouts.engine = 'hf'" in e.value.hint
     assert not _started_processes(before)

@@ -89,7 +89,7 @@ def test_lora_trains_on_vllm_with_the_smallest_max_lora_rank_that_holds_the_rank
 
 def test_the_fixed_shape_decoders_refuse_a_model_with_an_adapter(tiny_model_dir):
     from arpo_algo.models.lora import attach_adapter
-    from arpo_algo.rollout.engines.decode_mode import static_problem
+    from arpo_algo.rollout.engines.hf.decode_mode import static_problem
 
     model = load_policy_model(tiny_model_dir, dtype=torch.float32)
     assert static_problem(model, "native", graphs=False) is None
@@ -166,7 +166,7 @@ def _logits(model, ids):
 
 def test_eval_engine_and_merge_export_give_the_trained_policy(lora_run, tmp_path):
     from arpo_algo.cli.main import main
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
     trained = _logits(lora_run["algo"].learner.model, ids)

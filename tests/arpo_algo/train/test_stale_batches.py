@@ -24,7 +24,7 @@ def test_a_stale_batch_is_scored_under_the_version_that_sampled_it(tiny_model_di
     mismatch."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.rollout.config import RolloutsConfig
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_algo.train.learner_config import MISMATCH_LEVELS
     from arpo_env.core import ToolTextEnv

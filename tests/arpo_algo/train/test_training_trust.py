@@ -126,7 +126,7 @@ def test_learner_and_sampler_agree_under_a_dropout_config(tiny_model_dir, tmp_pa
 
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.rollout.config import RolloutsConfig
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_algo.train.learner_config import MISMATCH_LEVELS
     from arpo_env.core import ToolTextEnv
@@ -166,7 +166,7 @@ def test_an_engine_not_told_about_the_update_stops_the_run(tiny_model_dir, group
     once the weights are pushed, training goes on."""
     from arpo_algo.core.tree import TreeConfig
     from arpo_algo.rollout.config import RolloutsConfig
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.rollout.sampler import TreeSampler
     from arpo_algo.train.learner_config import MISMATCH_LEVELS
     from arpo_base.errors import ArpoError

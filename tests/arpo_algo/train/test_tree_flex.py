@@ -128,7 +128,7 @@ def test_rollout_engine_sharing_a_flex_model_decodes_as_with_sdpa(tiny_model_dir
     """The in-process engine shares the learner's module: under FLEX_TREE_IMPL its decoding (its own masks, KV
     cache, prefix reuse) goes through SDPA and samples the same tokens with the same log-probs."""
     from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
-    from arpo_algo.rollout.engines.hf import HFEngine
+    from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     outs = []

@@ -1,6 +1,6 @@
 """The static decode step compiled with ``torch.compile`` (``HFEngine(decode="compiled")``).
 
-The step is :meth:`~arpo_algo.rollout.engines.static_decode.StaticDecoder._body` unchanged: one token per slot over
+The step is :meth:`~arpo_algo.rollout.engines.hf.static_decode.StaticDecoder._body` unchanged: one token per slot over
 the per-slot KV buffers, sampling on the device, the slots' state advanced in place. Compiling it with inductor
 fuses the dozens of small eager kernels of each layer (norms, rotary embedding, activations, sampling) into a few
 generated C++ loops; the matrix products stay library calls. The calls themselves (about 400 per step) are made from
@@ -10,7 +10,7 @@ sum), which inductor updates in place: a graph that returned its large results i
 step, and also copied every KV buffer around its one-column write (measured: 7.7 ms per layer).
 
 Weights are graph inputs, never constants: dynamo lifts the parameters (and the transposed-layout copies, which are
-rebuilt as new tensors of the same shape after a weight update, see :mod:`~arpo_algo.rollout.engines.linear_layout`)
+rebuilt as new tensors of the same shape after a weight update, see :mod:`~arpo_algo.rollout.engines.hf.linear_layout`)
 as inputs of the compiled graph and guards only on their shape, dtype and strides. A learner update in place
 (``optimizer.step``, ``load_state_dict``) changes their values, not those properties, so the next step reads the new
 weights with no recompile. Inductor's freezing (which would bake the weights in as constants) is never turned on here.

@@ -119,7 +119,7 @@ def check_dtype(dtype: str, platform: Any) -> None:
 def check_memory(kv_cache_bytes: int) -> None:
     """A ConfigError when the KV-cache reservation is not positive or larger than the RAM available right now (the
     same reading as the static decode path's check)."""
-    from arpo_algo.rollout.engines.decode_mode import available_ram
+    from arpo_algo.rollout.engines.hf.decode_mode import available_ram
 
     free = available_ram()
     if kv_cache_bytes <= 0 or (free is not None and kv_cache_bytes > free):

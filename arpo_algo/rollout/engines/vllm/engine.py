@@ -10,7 +10,7 @@ ids are never truncated. vLLM's automatic prefix caching is on, so ``prefix_key`
 finds shared prefixes by block hashing; on CPU in 128-token blocks); ``release`` is a no-op and ``cache_key`` is only
 an opaque handle. ``on_token`` is called for each token after its request finishes (``LLM.generate`` does not stream).
 
-Differences from :class:`~arpo_algo.rollout.engines.hf.HFEngine`, by design:
+Differences from :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine`, by design:
 
 * Entropy: vLLM returns only top-k logprobs, so only ``entropy_method="topk_sum_lnV"`` exists here: each per-token
   entropy is the truncated summand ``-sum exp(l) l`` over the top-k entries plus the sampled token, ``top_logprobs``
@@ -51,7 +51,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import (
@@ -63,7 +63,7 @@ from arpo_algo.rollout.engines.base import (
     request_problem,
 )
 from arpo_algo.rollout.engines.config import VLLM_MAX_LOGPROBS, vllm_lora_rank
-from arpo_algo.rollout.engines.vllm_lora import (
+from arpo_algo.rollout.engines.vllm.lora import (
     NO_ROOM,
     Shape,
     adapter_write,
@@ -73,7 +73,7 @@ from arpo_algo.rollout.engines.vllm_lora import (
     lora_ranks,
     write_adapter_config,
 )
-from arpo_algo.rollout.engines.vllm_support import (
+from arpo_algo.rollout.engines.vllm.support import (
     DTYPES,
     check_architecture,
     check_dtype,
@@ -88,6 +88,9 @@ from arpo_algo.rollout.engines.vllm_support import (
     write_state_dict,
 )
 from arpo_base.errors import ArpoError, ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.models.lora import LoraSettings
 
 REFERENCE_TOPK = 10
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -121,7 +124,8 @@ class VLLMEngine:
             (the blob inside the RPC) or "auto" (shm where /dev/shm exists). Adapter syncs always go through a
             folder (vLLM loads LoRA adapters from a path): in /dev/shm with "shm", in the temp dir with "bytes"
             (pick it where /dev/shm is small); served adapters' copies always live in the temp dir.
-        lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter: the engine serves the base under
+        lora: The learner's adapter settings (:class:`~arpo_algo.models.lora.LoraSettings`, ``target_modules`` the
+            resolved module names): the engine serves the base under
             that adapter, filled by adapter-only :meth:`load_state_dict` calls.
         adapters: ``{name: adapter folder}``: named adapters of the base ``model_or_path`` to serve (each checked
             against the base's weights fingerprint); a request picks one by ``GenRequest.adapter`` (None: the base).
@@ -150,7 +154,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         sleep_between_rollouts: bool = False,
         transport: str = "auto",
-        lora: dict[str, Any] | None = None,
+        lora: LoraSettings | None = None,
         adapters: dict[str, str] | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
@@ -204,10 +208,10 @@ class VLLMEngine:
             check_lora_architecture(archs)
             self._linear = linear_shapes(path)
         if lora is not None:
-            self._lora_expected = adapter_shapes(self._linear, lora["target_modules"], int(lora["rank"]))
+            self._lora_expected = adapter_shapes(self._linear, list(lora.target_modules), lora.rank)
             if not self._lora_expected:
                 raise ConfigError(
-                    f"lora target modules {list(lora['target_modules'])} match no linear layer of {path}",
+                    f"lora target modules {list(lora.target_modules)} match no linear layer of {path}",
                     hint="name the model's attention and MLP projections (q_proj, ...)",
                 )
         if adapters is not None:
@@ -215,7 +219,7 @@ class VLLMEngine:
 
             self.base_fingerprint = weights_fingerprint(path)
             self._layouts = {name: self._check_adapter(name, folder) for name, folder in adapters.items()}
-        ranks = [int(lora["rank"])] if lora is not None else [lay[0].rank for lay in self._layouts.values()]
+        ranks = [lora.rank] if lora is not None else [lay[0].rank for lay in self._layouts.values()]
         if max_lora_rank is not None:
             ranks.append(max_lora_rank)
         if sleep_between_rollouts and not current_platform.is_sleep_mode_available():
@@ -233,7 +237,7 @@ class VLLMEngine:
             logprobs_mode=logprobs_mode,
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            worker_extension_cls="arpo_algo.rollout.engines.vllm_support.ArpoWorkerExtension",
+            worker_extension_cls="arpo_algo.rollout.engines.vllm.support.ArpoWorkerExtension",
         )
         #: The largest adapter rank this engine holds (0: LoRA off).
         self.max_lora_rank = 0
@@ -281,7 +285,7 @@ class VLLMEngine:
         tokenizer: Any,
         entropy_method: str,
         seed: int,
-        lora: dict[str, Any] | None,
+        lora: LoraSettings | None,
         adapters: dict[str, str] | None,
     ) -> None:
         """Everything after vLLM has started (a failure here is cleaned up by the caller)."""
@@ -299,7 +303,7 @@ class VLLMEngine:
         self._uid = uuid.uuid4().hex[:8]
         self._asleep = False
         self._stats: collections.Counter[str] = collections.Counter()
-        self._lora = dict(lora) if lora is not None else None
+        self._lora = lora
         #: Named adapters (``adapters=``): name -> folder; None on an engine of one policy.
         self.adapters: dict[str, str] | None = None if adapters is None else {}
         self._requests: dict[str | None, Any] = {}  # adapter name (None: the trained adapter) -> its LoRARequest
@@ -495,7 +499,7 @@ class VLLMEngine:
             save_file(
                 engine_tensors(peft, self.dtype), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"}
             )
-            write_adapter_config(folder, self._lora["rank"], self._lora["alpha"], self._lora["target_modules"])
+            write_adapter_config(folder, self._lora.rank, self._lora.alpha, list(self._lora.target_modules))
         from vllm.lora.request import LoRARequest
 
         synced = self._requests.get(None)  # the trained adapter keeps its first id: each sync replaces it there
@@ -515,7 +519,7 @@ class VLLMEngine:
         self._stats["weight_push_seconds"] += time.perf_counter() - t0
 
     def _check_adapter(self, name: str, folder: str | os.PathLike) -> tuple[Any, tuple[str, ...]]:
-        """:func:`~arpo_algo.rollout.engines.vllm_lora.check_served_adapter` against this engine's base."""
+        """:func:`~arpo_algo.rollout.engines.vllm.lora.check_served_adapter` against this engine's base."""
         return check_served_adapter(name, folder, self.base_fingerprint, self._linear)
 
     def _register(self, name: str, folder: str | os.PathLike, layout: tuple[Any, tuple[str, ...]]) -> None:

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from arpo_algo.rollout.engines.base import GenRequest
-from arpo_algo.rollout.engines.slot_prefill import SharedRun, plan_shared_runs
+from arpo_algo.rollout.engines.hf.slot_prefill import SharedRun, plan_shared_runs
 from arpo_base.errors import ConfigError
 
 #: A named adapter (a PEFT module-dict key: no dots).

@@ -22,14 +22,14 @@ tokens except the last, unfed one) is stored under ``Generation.cache_key`` in a
 the engine has verified the tokens really match. Requests of one call with identical contexts (the initial samples of
 a prompt, sibling branches) are prefilled once and share that KV and those next-token logits; requests without a
 ``prefix_key`` that share a long leading run (a system prompt; at least
-:data:`~arpo_algo.rollout.engines.slot_prefill.SHARED_PREFIX_MIN` tokens) have that run prefilled once and feed only
+:data:`~arpo_algo.rollout.engines.hf.slot_prefill.SHARED_PREFIX_MIN` tokens) have that run prefilled once and feed only
 the rest.
 
 Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so the same seed and
 context give the same tokens whatever else is in the batch (up to floating-point ties).
 
 ``decode="static"``/``"cuda_graph"`` decode in fixed-shape steps over a preallocated per-slot KV cache, eagerly or
-as CUDA graphs, with the same prefill, reuse, refill and records (:mod:`arpo_algo.rollout.engines.static_decode`).
+as CUDA graphs, with the same prefill, reuse, refill and records (:mod:`arpo_algo.rollout.engines.hf.static_decode`).
 """
 
 from __future__ import annotations
@@ -40,20 +40,23 @@ import os
 import random
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
-from arpo_algo.rollout.engines.adapters import NamedAdapters, context_key, plan_runs
 from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
-from arpo_algo.rollout.engines.decode_mode import resolve_decode
-from arpo_algo.rollout.engines.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
-from arpo_algo.rollout.engines.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
+from arpo_algo.rollout.engines.hf.adapters import NamedAdapters, context_key, plan_runs
+from arpo_algo.rollout.engines.hf.decode_mode import resolve_decode
+from arpo_algo.rollout.engines.hf.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
+from arpo_algo.rollout.engines.hf.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
+from arpo_algo.rollout.engines.hf.slot_prefill import SharedRun
+from arpo_algo.rollout.engines.hf.static_decode import StaticDecoder
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, choose_token
-from arpo_algo.rollout.engines.slot_prefill import SharedRun
-from arpo_algo.rollout.engines.static_decode import StaticDecoder
 from arpo_base.errors import ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.models.lora import LoraSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,13 +90,14 @@ class HFEngine(NamedAdapters):
         seed: Seeds the random seeds of requests whose ``SamplingParams.seed`` is None.
         linear_layout: "auto" (transposed on CPU, native elsewhere), "native" or "transposed": decode through
             ``(in, out)`` copies of the linear weights, much faster for small batches on CPU at the cost of one
-            more copy of those weights (see :mod:`arpo_algo.rollout.engines.linear_layout`).
+            more copy of those weights (see :mod:`arpo_algo.rollout.engines.hf.linear_layout`).
         decode: "auto" (cuda_graph where CUDA and the model allow it, else dynamic), "dynamic" (left-padded growing
             cache), "static" (fixed-shape steps, per-slot cache), "cuda_graph" (those steps as CUDA graphs) or
             "compiled" (those steps compiled by torch inductor; on CUDA then captured as CUDA graphs).
         static_cache_tokens: Tokens per slot of the static cache, then the engine's ``max_context`` (None = the
             model's ``max_position_embeddings``).
-        lora: ``{"rank", "alpha", "target_modules"}`` of the learner's adapter, for an engine with its own copy (a
+        lora: The learner's adapter settings (:class:`~arpo_algo.models.lora.LoraSettings`, ``target_modules`` the
+            resolved module names), for an engine with its own copy (a
             rollout actor): the model is loaded (an adapter folder merged) and gets an adapter of that layout, which
             adapter-only :meth:`load_state_dict` calls fill. The engine holds one adapter at a time and drops its
             stored KV on every load, so no cached prefix outlives the adapter that computed it.
@@ -120,7 +124,7 @@ class HFEngine(NamedAdapters):
         linear_layout: str = "auto",
         decode: str = "auto",
         static_cache_tokens: int | None = None,
-        lora: dict[str, Any] | None = None,
+        lora: LoraSettings | None = None,
         adapters: dict[str, str] | None = None,
     ) -> None:
         if (model_or_path is None) == (model is None):
@@ -164,13 +168,9 @@ class HFEngine(NamedAdapters):
             self.adapters = {}
             decode = "dynamic"
         if lora is not None:  # the learner's adapter layout, filled by adapter-only load_state_dict() calls
-            from arpo_algo.models.lora import LoraSettings, attach_adapter
+            from arpo_algo.models.lora import attach_adapter
 
-            attach_adapter(
-                self.model,
-                LoraSettings(enabled=True, rank=lora["rank"], alpha=lora["alpha"]),
-                tuple(lora["target_modules"]),
-            )
+            attach_adapter(self.model, lora, tuple(lora.target_modules))
             self.model.requires_grad_(False)
         self.device = next(self.model.parameters()).device
         self.dtype = dtype

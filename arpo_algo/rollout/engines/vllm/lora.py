@@ -1,5 +1,5 @@
 """LoRA on the vLLM engine: what vLLM accepts (ranks, architectures), the exact adapter a training sync may push,
-and the adapter folders the engine hands to vLLM (:class:`arpo_algo.rollout.engines.vllm.VLLMEngine`)."""
+and the adapter folders the engine hands to vLLM (:class:`arpo_algo.rollout.engines.vllm.engine.VLLMEngine`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_base.errors import ArpoError, ConfigError
+
+if TYPE_CHECKING:
+    from arpo_algo.models.lora import LoraSettings
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.default\.weight$")
@@ -49,7 +52,7 @@ def check_lora_architecture(archs: list[str]) -> None:
 
 
 def check_adapter_state(
-    state_dict: dict[str, Any], lora: dict[str, Any], expected: dict[str, tuple[int, int]]
+    state_dict: dict[str, Any], lora: LoraSettings, expected: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
     """The learner's adapter tensors under PEFT's saved names (what vLLM's loader reads), or a ConfigError unless
     they are exactly the engine's adapter: every ``lora_A`` / ``lora_B`` of the target modules, each of its full
@@ -65,8 +68,8 @@ def check_adapter_state(
     check_adapter_tensors(
         {name: tuple(t.shape) for name, t in state_dict.items()},
         learner_expected,
-        f"the pushed weights are not the engine's adapter (rank {lora['rank']}, target modules "
-        f"{', '.join(sorted(lora['target_modules']))})",
+        f"the pushed weights are not the engine's adapter (rank {lora.rank}, target modules "
+        f"{', '.join(sorted(lora.target_modules))})",
         hint="a LoRA engine takes the learner's adapter tensors only (its rollout_weights())",
     )
     return {peft_name: state_dict[name] for peft_name, name in peft.items()}

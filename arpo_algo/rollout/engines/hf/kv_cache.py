@@ -1,5 +1,6 @@
 """The HF engine's KV memory: the prefix store (finished sequences' KV, LRU, reused by ``prefix_key``), the growable
-cache layer and the left-padded batch layout helpers (see :mod:`arpo_algo.rollout.engines.hf` for how decoding uses
+cache layer and the left-padded batch layout helpers (see :mod:`arpo_algo.rollout.engines.hf.engine` for how decoding
+uses
 them).
 """
 

@@ -1,8 +1,8 @@
 """Which decode path the HF engine takes (``HFEngine(decode=...)``) and whether its static KV cache fits.
 
-``"dynamic"`` is the left-padded growing cache of :mod:`arpo_algo.rollout.engines.hf`; ``"static"``,
-``"cuda_graph"`` and ``"compiled"`` are the fixed-shape steps of :mod:`arpo_algo.rollout.engines.static_decode` (the
-last through :mod:`arpo_algo.rollout.engines.compiled_step`). Every refusal here is a
+``"dynamic"`` is the left-padded growing cache of :mod:`arpo_algo.rollout.engines.hf.engine`; ``"static"``,
+``"cuda_graph"`` and ``"compiled"`` are the fixed-shape steps of :mod:`arpo_algo.rollout.engines.hf.static_decode` (the
+last through :mod:`arpo_algo.rollout.engines.hf.compiled_step`). Every refusal here is a
 :class:`~arpo_base.errors.ConfigError` raised when the engine is built, before any work.
 """
 
@@ -70,7 +70,7 @@ def resolve_decode(
 
 def _check_compiled(device: torch.device) -> None:
     """``decode="compiled"`` needs inductor's code generation for the device: a C++ compiler, and on CUDA Triton."""
-    from arpo_algo.rollout.engines.compiled_step import compiler_problem
+    from arpo_algo.rollout.engines.hf.compiled_step import compiler_problem
 
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Batched prefill into the static decoder's slots (:class:`~arpo_algo.rollout.engines.static_decode.StaticDecoder`).
+"""Batched prefill into the static decoder's slots (:class:`~arpo_algo.rollout.engines.hf.static_decode.StaticDecoder`).
 
 The requests that enter free slots together are prefilled in batched forwards (rows of similar length together, see
 :func:`forward_groups`) that write their KV straight into their slots: each row first copies its stored prefix
@@ -53,7 +53,7 @@ def write_rows(buf: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, states:
 @functools.cache
 def slot_layer_class() -> type:
     """The decode step's transformers cache layer over one slice of the slot buffers (defined once, on first use;
-    :mod:`~arpo_algo.rollout.engines.static_decode` uses it, and the prefill layer below extends it)."""
+    :mod:`~arpo_algo.rollout.engines.hf.static_decode` uses it, and the prefill layer below extends it)."""
     from transformers.cache_utils import CacheLayerMixin
 
     class SlotLayer(CacheLayerMixin):

@@ -1,12 +1,13 @@
 """The HF engine's fixed-shape decode path: a static per-slot KV cache, optionally replayed as CUDA graphs.
 
 ``HFEngine(decode="static")`` and ``decode="cuda_graph"`` decode here instead of through the left-padded dynamic cache
-(:mod:`arpo_algo.rollout.engines.kv_cache`). Everything else is the engine's own code: finished rows leave at once and
+(:mod:`arpo_algo.rollout.engines.hf.kv_cache`). Everything else is the engine's own code: finished rows leave at once
+and
 pending requests take their slots, and each row's tokens are recorded (logprob, entropy, top logprobs, ``on_token``,
 stop strings, per-request budgets) by the same functions as on the dynamic path.
 
 Prefill. The requests that enter free slots together are prefilled in batched forwards that write their KV straight
-into their slots (:mod:`~arpo_algo.rollout.engines.slot_prefill`), then each samples its first token. A leading run
+into their slots (:mod:`~arpo_algo.rollout.engines.hf.slot_prefill`), then each samples its first token. A leading run
 that several fresh requests of the call share is prefilled once and copied, within a refill and across refills.
 
 Host work per step. The packed results of a step come to the host once and go into arrays (``_Book``); EOS, the
@@ -17,7 +18,7 @@ same float64 values), and the engine's own finish check runs. ``on_token`` is ca
 order, only when it is set.
 
 Layout. Every layer has key and value buffers of shape ``[max_batch_size, kv_heads, context + 1, head_dim]`` (one
-spare column, never read: see :mod:`~arpo_algo.rollout.engines.compiled_step`), allocated once; slot ``b`` holds one
+spare column, never read: see :mod:`~arpo_algo.rollout.engines.hf.compiled_step`), allocated once; slot ``b`` holds one
 request with its tokens at columns ``0 .. fed-1`` (``fed`` = tokens whose KV is cached = the position id of the next
 token to feed). A decode step feeds one token per slot at its own position: each layer
 writes the new key/value into column ``pos[b]`` (a scatter), attends over the first ``length`` columns under the mask
@@ -35,7 +36,7 @@ replay order is safe) and replayed. Captured graphs hold the addresses of the we
 step, ``load_state_dict``) keep them valid; if the parameters are re-allocated (moved, re-created) the graphs are
 dropped and captured again.
 
-``decode="compiled"`` runs the same step through ``torch.compile`` (:mod:`~arpo_algo.rollout.engines.compiled_step`):
+``decode="compiled"`` runs the same step through ``torch.compile`` (:mod:`~arpo_algo.rollout.engines.hf.compiled_step`):
 always all slots, the eager step's columns (symbolic in the graph), so a process compiles one graph per sampling shape.
 On CUDA that compiled step is then captured as CUDA graphs per column bucket, like ``decode="cuda_graph"``'s.
 
@@ -55,10 +56,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from arpo_algo.rollout.engines import slot_prefill
-from arpo_algo.rollout.engines.compiled_step import CompiledStep
 from arpo_algo.rollout.engines.config import captures_graphs
-from arpo_algo.rollout.engines.decode_mode import check_memory, static_context
+from arpo_algo.rollout.engines.hf import slot_prefill
+from arpo_algo.rollout.engines.hf.compiled_step import CompiledStep
+from arpo_algo.rollout.engines.hf.decode_mode import check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
@@ -84,7 +85,7 @@ def _slot_cache(
     keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, length: int, layer: type
 ) -> Any:
     """A transformers ``Cache`` over the slot buffers ``[rows, heads, context, dim]`` (one token per row); ``layer``
-    is :func:`~arpo_algo.rollout.engines.slot_prefill.slot_layer_class`, looked up outside the step so that a
+    is :func:`~arpo_algo.rollout.engines.hf.slot_prefill.slot_layer_class`, looked up outside the step so that a
     compiled step never defines a class."""
     from transformers.cache_utils import Cache
 
@@ -241,14 +242,15 @@ def folded_attention(model: torch.nn.Module) -> Iterator[None]:
 
 
 class StaticDecoder:
-    """The fixed-shape decode loop of one :class:`~arpo_algo.rollout.engines.hf.HFEngine` (see the module docstring).
+    """The fixed-shape decode loop of one :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine` (see the module
+    docstring).
 
     Args:
         engine: The engine whose rows, prefill, recording and results this loop uses.
         context: Columns per slot (the engine's ``max_context``).
         graphs: Capture and replay CUDA graphs (``decode="cuda_graph"``) instead of running each step eagerly.
         compiled: Run each step through ``torch.compile`` (``decode="compiled"``, see
-            :mod:`~arpo_algo.rollout.engines.compiled_step`): all slots; on the CPU the columns the longest row
+            :mod:`~arpo_algo.rollout.engines.hf.compiled_step`): all slots; on the CPU the columns the longest row
             needs, on CUDA (with ``graphs``) the column buckets of the captured graphs.
     """
 
@@ -559,7 +561,7 @@ class StaticDecoder:
         """The fixed-shape step: forward one token per slot, sample, pack the results into ``res``, advance the
         slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
         buffers kept across steps (the KV slots, the state, ``res``, on the CPU the draw's running sum), which a
-        compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.compiled_step`)."""
+        compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.hf.compiled_step`)."""
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
