@@ -23,7 +23,7 @@ own template drops tool calls, so TRL's tokenizer gets TRL's Qwen2.5 ChatML temp
 TRL's step is timed between its ``on_step_begin`` and ``on_step_end`` callbacks (its setup excluded), ours is one
 ``algo.train()`` (its setup excluded too).
 
-Run (TRL in a private folder, see docs/results/trl-race.md)::
+Run (TRL in a private folder, see docs/results/speed.md)::
 
     pip install --target TRL_DIR --no-deps trl==1.16.* datasets dill xxhash multiprocess
     PYTHONPATH=$PWD:TRL_DIR nice -n 19 env OMP_NUM_THREADS=1 python -m benchmarks.bench_trl_race --out race.json

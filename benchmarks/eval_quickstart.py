@@ -1,4 +1,4 @@
-"""The quickstart's SFT checkpoint against its ARPO checkpoint with ``arpo eval`` (docs/results/evaluation.md).
+"""The quickstart's SFT checkpoint against its ARPO checkpoint with ``arpo eval`` (docs/howto/evaluation.md).
 
     python -m benchmarks.eval_quickstart --quickstart runs/quickstart --output runs/eval_quickstart [--k 4]
         [--toolmath-limit 32] [--valid-limit 50] [--models sft,arpo] [--arpo LABEL=PATH] [--threads 1]

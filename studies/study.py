@@ -82,7 +82,7 @@ PLAN = {
     "aepo_seeds": 8,
     "eval_tasks": 128,
     "pilot_sd": 0.246,
-}  # sd of the paired differences of the 5-seed pilot at M = 8 (docs/results/budget-m8.md)
+}  # sd of the paired differences of the 5-seed pilot at M = 8 (docs/results/arpo-vs-grpo.md)
 #: Departures from ``PLAN``, dated and recorded before any run or analysis that depends on them. The primary test is
 #: run at the last entry's ``pairs`` over the first that many paired seeds; the plan itself is never edited.
 DEVIATIONS: tuple[dict[str, Any], ...] = (

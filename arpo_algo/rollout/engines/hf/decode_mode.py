@@ -18,7 +18,7 @@ from arpo_base.errors import ConfigError
 
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph", "compiled")
 #: Whether ``decode="auto"`` picks CUDA graphs on a GPU: on since the graph path passed the engine conformance suite
-#: and the GPU equality test on an H200 and decoded 1.7x faster than the dynamic path there (docs/results/gpu-h200.md).
+#: and the GPU equality test on an H200 and decoded 1.7x faster than the dynamic path there (docs/results/speed.md).
 AUTO_CUDA_GRAPHS = True
 #: The share of the GPU's free memory the static KV cache may take for ``decode="auto"`` to pick CUDA graphs (the
 #: rest stays for a colocated learner); above it ``auto`` decodes dynamically, which holds only what the batch uses.

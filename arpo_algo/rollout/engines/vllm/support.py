@@ -3,7 +3,7 @@
 Everything a user can get wrong is checked here *before* vLLM starts (a failed start on CPU costs 20 s and ends in a
 traceback from another process), each with a :class:`~arpo_base.errors.ConfigError` naming the fix.
 
-Weight push (measured in docs/results/vllm-cpu-bringup.md#weight-push): tensors nested in ``LLM.collective_rpc``
+Weight push (measured in docs/results/vllm-push.md#how-the-weights-travel): tensors nested in ``LLM.collective_rpc``
 arguments do
 not survive vLLM's msgpack hop to the engine process (they arrive as ``[dtype, shape, index]`` lists without data),
 so the state dict travels in safetensors format: a file in shared memory (``/dev/shm``, the default: the engine
