@@ -126,8 +126,9 @@ class Owner:
         return {"agents": [s.to_dict() for s in specs], **extra}
 
     def poll(self) -> None:
-        """Apply every waiting change, in order, and answer each (a failed change is answered as soon as it is
-        known to fail; the change is done, and the next one taken, once every replica is back on the served set)."""
+        """Apply every waiting change, in order, and answer each: once every replica serves the outcome (a refused
+        change after the roll-back), except a change past its deadline, answered at the deadline. Another change is
+        taken only when this one is done."""
         for i, change in ray.get(self.box.take.remote()):
             state = "applied"
             try:
@@ -189,7 +190,8 @@ class Owner:
                 if errors
                 else ChangeTimeout(f"the change was not loaded within {self.admin.timeout_s:g} s: nothing changed")
             )
-            self.answer(i, failure)  # the client learns now; the roll-back follows
+            if errors is None:
+                self.answer(i, failure)  # the deadline holds: the client learns now, the roll-back follows
             staging.join()
             self.deploy(old)
             raise failure
