@@ -411,7 +411,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--api-key",
         dest="api_key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
+        help="require 'Authorization: Bearer KEY' on /v1/* but /v1/agents (default: $ARPO_API_KEY; visible in the "
         "process list: prefer the variable or --api-key-file)",
     )
     p.add_argument("--api-key-file", dest="api_key_file", default=None, help="read the API key from this file")
