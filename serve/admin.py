@@ -302,6 +302,8 @@ def reconfigure(server: Any, config: dict[str, Any]) -> None:
     if stage is not None:
         if held is not None:
             server.set.discard(held[1])
+        if server.set.specs != target:  # a replica started during the change serves the served set first
+            server.set.apply(target)
         error = None
         try:
             if server.refuse_next_change_with:  # the all-or-nothing test's one-replica fault
