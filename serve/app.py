@@ -1,7 +1,8 @@
 """The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
-every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page). :mod:`serve.guard` checks every
+every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page), and ``POST``/``GET /v1/agents``
+(live agent changes, with the administration key only: :mod:`serve.admin`). :mod:`serve.guard` checks every
 request first (docs/security.md). All agents of one application live in every replica and
 are routed by the request's ``model``. Overload: each replica runs at most ``max_ongoing_requests`` chat requests at
 once and lets at most ``max_queued_requests`` more wait for a slot (:class:`Admission`); beyond that it answers an
