@@ -138,7 +138,8 @@ class Owner:
                 state = "not applied" if isinstance(e, ChangeTimeout) else "refused"
                 if not getattr(e, "answered", False):
                     self.answer(i, e)
-                error = {"error": e.message if isinstance(e, ArpoError) else f"{type(e).__name__}: {e}"}
+                said = str(e) if isinstance(e, ChangeTimeout) else f"{type(e).__name__}: {e}"
+                error = {"error": e.message if isinstance(e, ArpoError) else said}
             outcome = {"id": i, "state": state, **(error if state != "applied" else {})}
             ray.get(self.box.done.remote({"models": [s.name for s in self.specs], "change": outcome}))
 
@@ -179,17 +180,16 @@ class Owner:
         every replica (after the staging deploy ended: the roll-back is the last configuration)."""
         deadline = time.monotonic() + self.admin.timeout_s
         specs = self.checked(change)
+        late = ChangeTimeout(f"the change was not loaded within {self.admin.timeout_s:g} s: nothing changed")
+        if time.monotonic() > deadline:  # its checks took the time: nothing was staged
+            raise ChangeTimeout(f"the change was not checked within {self.admin.timeout_s:g} s: nothing changed")
         old = self.config(self.specs)
         staged = {**old, "stage": {"id": i, **self.config(specs)}}
         staging = threading.Thread(target=self.deploy, args=(staged,), name="arpo-serve-stage", daemon=True)
         staging.start()
         errors = self.reports(i, staging, deadline)
         if errors is None or errors:
-            failure: Exception = (
-                ConfigError(errors[0])
-                if errors
-                else ChangeTimeout(f"the change was not loaded within {self.admin.timeout_s:g} s: nothing changed")
-            )
+            failure: Exception = ConfigError(errors[0]) if errors else late
             if errors is None:
                 self.answer(i, failure)  # the deadline holds: the client learns now, the roll-back follows
             staging.join()
