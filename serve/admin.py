@@ -41,6 +41,7 @@ MAX_ENTRIES, MAX_DEPTH = 4096, 6
 CHANGE_TIMEOUT_S = 600.0
 #: How much longer than that a replica waits for the owner's answer before it answers 504 by itself.
 ANSWER_SLACK_S = 30.0
+NARROW_HINT = "name the policy folder itself (a checkpoint's policy/ or an exported model), not a whole run folder"
 #: Files whose size counts as weights (the memory budget).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 log = logging.getLogger("arpo.serve")
@@ -124,7 +125,9 @@ class AdminPolicy:
                 count += 1
                 rel = os.path.relpath(os.path.join(here, entry), folder)
                 if count > MAX_ENTRIES:
-                    raise ConfigError(f"agent {shown!r}: the source holds more than {MAX_ENTRIES} entries")
+                    raise ConfigError(
+                        f"agent {shown!r}: the source holds more than {MAX_ENTRIES} entries", hint=NARROW_HINT
+                    )
                 real = os.path.realpath(os.path.join(here, entry))
                 if not self.under(real):
                     raise ConfigError(f"agent {shown!r}: {rel} leads outside the admin roots")
@@ -149,7 +152,7 @@ class AdminPolicy:
             if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(f"agent {shown!r}: {rel} is not a regular file")
             if info.st_size > limit:
-                raise ConfigError(f"agent {shown!r}: {rel} is larger than {limit} bytes")
+                raise ConfigError(f"agent {shown!r}: {rel} is larger than {limit} bytes", hint=NARROW_HINT)
             if os.path.basename(path) != ADAPTER_MARKER:
                 return
             with os.fdopen(os.dup(fd), "rb") as f:
