@@ -207,8 +207,9 @@ def served_weights(specs: list[Any]) -> int:
 
 # ----------------------------------------------------------------------------------------------- replica side
 def admin_pool() -> ThreadPoolExecutor:
-    """A replica's admin thread: loads of a change and the owner's mailbox calls, never a chat thread."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-serve-admin")
+    """A replica's admin threads, never a chat thread: one for a change's loads (Serve reconfigures a replica one
+    configuration at a time), one for finding the owner's mailbox meanwhile (so a 429 never waits for a load)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="arpo-serve-admin")
 
 
 def _answer(status: int, message: str, code: str) -> Any:
@@ -218,6 +219,13 @@ def _answer(status: int, message: str, code: str) -> Any:
 
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return JSONResponse(APIError(message, status=status, type=kind, code=code).body(), status_code=status)
+
+
+async def _owner(server: Any) -> Any:
+    """The owner's mailbox (found once, then kept), or None for a deployment arpo serve did not start."""
+    if getattr(server, "mailbox", None) is None:
+        server.mailbox = await asyncio.get_running_loop().run_in_executor(server.admin_pool, _mailbox)
+    return server.mailbox
 
 
 def _mailbox() -> Any:
@@ -249,8 +257,7 @@ async def change(server: Any, request: Any) -> Any:
         return _answer(400, load_failure(e), "invalid_change")
     except ValueError as e:
         return _answer(400, f"the body is not JSON: {e}", "invalid_change")
-    loop = asyncio.get_running_loop()
-    box = await loop.run_in_executor(server.admin_pool, _mailbox)
+    box = await _owner(server)
     if box is None:
         return _answer(
             409, "this deployment was not started by arpo serve, so nothing here can redeploy it", "no_owner"
@@ -278,7 +285,7 @@ async def status(server: Any, request: Any) -> Any:
 
     if not server.policy.admin_authorized(dict(request.headers)):
         return _answer(403, "listing the agents' changes needs the admin key", "forbidden")
-    box = await asyncio.get_running_loop().run_in_executor(server.admin_pool, _mailbox)
+    box = await _owner(server)
     if box is None:
         return _answer(409, "this deployment was not started by arpo serve", "no_owner")
     return JSONResponse(await box.status.remote())
