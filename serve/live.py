@@ -12,6 +12,7 @@ the agent and the cause) goes back to the client as a 4xx.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from arpo_base.errors import ArpoError, ConfigError
 MAILBOX, NAMESPACE = "arpo_serve_agents", "arpo_serve"
 #: How often the owner looks for changes, and replicas for answers and reports.
 POLL_S = 0.2
+log = logging.getLogger("arpo.serve")
 
 
 @ray.remote(num_cpus=0)
@@ -136,6 +138,8 @@ class Owner:
                 ray.get(self.box.answer.remote(i, {"models": [s.name for s in self.specs]}))
             except Exception as e:  # noqa: BLE001 - answered to the client; the log has the rest
                 state = "not applied" if isinstance(e, ChangeTimeout) else "refused"
+                if not isinstance(e, (ArpoError, ChangeTimeout)):
+                    log.error("change %s failed", i, exc_info=e)
                 if not getattr(e, "answered", False):
                     self.answer(i, e)
                 said = str(e) if isinstance(e, ChangeTimeout) else f"{type(e).__name__}: {e}"
