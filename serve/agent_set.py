@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from arpo_algo.rollout.engines import engine_spec
@@ -18,6 +19,34 @@ from arpo_base.errors import ConfigError
 from serve.agents import AgentSpec, check_agents, specs_from_args
 
 log = logging.getLogger("arpo.serve")
+
+
+def load_failure(e: BaseException) -> str:
+    """What the operator reads when an agent does not load: a user's mistake (ArpoError) as its message and hint, any
+    other error as its type and message; the traceback stays in the replica's log."""
+    from arpo_base.errors import ArpoError
+
+    if isinstance(e, ArpoError):
+        return e.message + (f" (hint: {e.hint})" if e.hint else "")
+    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (the replica log has the details)"
+
+
+class LoadFailed(Exception):
+    """An agent of a new set did not load: its name and the cause, as the operator reads them."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        super().__init__(f"loading the agent {name!r} failed: {load_failure(cause)}")
+        self.name = name
+
+
+@dataclass
+class Staged:
+    """A set loaded beside the served one (:meth:`AgentSet.prepare`): its specs, the agents loaded for it (not
+    routed yet) and the names it takes out of routing."""
+
+    specs: list[AgentSpec]
+    loaded: dict[str, Any]
+    gone: list[str]
 
 
 def agents_from_config(config: dict[str, Any]) -> list[AgentSpec]:
@@ -71,28 +100,42 @@ class AgentSet:
             )
         return self.shared.add(spec)
 
-    def apply(self, specs: list[AgentSpec]) -> None:
-        """Serve ``specs`` from now on: new or changed agents loaded (served once this returns), agents no longer
-        listed out of routing at once and freed once their running requests are done. A bad set changes nothing
-        and raises."""
+    def prepare(self, specs: list[AgentSpec]) -> Staged:
+        """Load the agents of ``specs`` that are new or changed beside the served ones, without routing to them:
+        nothing served changes. A load that fails frees what this call loaded and raises :class:`LoadFailed`
+        naming the agent."""
         check_agents(specs)
         old = {s.name: s for s in self.specs}
-        new = {s.name: s for s in specs}
-        gone = [n for n in old if n not in new or old[n] != new[n]]
-        loaded: dict[str, Any] = {}
+        staged = Staged(list(specs), {}, [n for n in old if n not in {s.name for s in specs} or old[n] not in specs])
+        spec = None
         try:
             for spec in sorted((s for s in specs if s.name not in old or old[s.name] != s), key=lambda s: not s.base):
-                loaded[spec.name] = self.new_agent(spec, specs)
-        except Exception:
-            for agent in loaded.values():
-                self.retire(agent)
-            raise
-        for name in gone:
-            agent = self.agents.pop(name, None)  # new requests for it: 404 from now on
+                staged.loaded[spec.name] = self.new_agent(spec, specs)
+        except Exception as e:
+            self.discard(staged)
+            raise LoadFailed(getattr(spec, "name", "?"), e) from e
+        return staged
+
+    def commit(self, staged: Staged) -> None:
+        """Serve a prepared set from now on: agents no longer listed out of routing at once (404 for new requests)
+        and freed once their running requests are done; the loaded ones routed. Loads nothing, so it cannot fail
+        half-way."""
+        for name in staged.gone:
+            agent = self.agents.pop(name, None)
             if agent is not None:
                 threading.Thread(target=self.retire, args=(agent,), name="arpo-serve-retire", daemon=True).start()
-        self.agents.update(loaded)
-        self.specs = specs
+        self.agents.update(staged.loaded)
+        self.specs = staged.specs
+
+    def discard(self, staged: Staged) -> None:
+        """Free the agents a prepared set loaded (none was ever routed)."""
+        for agent in staged.loaded.values():
+            self.retire(agent)
+        staged.loaded.clear()
+
+    def apply(self, specs: list[AgentSpec]) -> None:
+        """Serve ``specs`` from now on (:meth:`prepare`, then :meth:`commit`): a bad set changes nothing and raises."""
+        self.commit(self.prepare(specs))
 
     def retire(self, agent: Any) -> None:
         """Free a removed agent once its running requests are done (at most ``drain_s`` later)."""

@@ -1,7 +1,8 @@
 """The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
-every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page). :mod:`serve.guard` checks every
+every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page), and ``POST``/``GET /v1/agents``
+(live agent changes, with the administration key only: :mod:`serve.admin`). :mod:`serve.guard` checks every
 request first (docs/security.md). All agents of one application live in every replica and
 are routed by the request's ``model``. Overload: each replica runs at most ``max_ongoing_requests`` chat requests at
 once and lets at most ``max_queued_requests`` more wait for a slot (:class:`Admission`); beyond that it answers an
@@ -32,7 +33,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from arpo_base.errors import ConfigError
-from serve.agent_set import AgentSet, agents_from_config
+from serve import admin
+from serve.agent_set import AgentSet, load_failure
 from serve.agents import AgentSpec, check_agents, specs_from_args
 from serve.batching import EngineDead
 from serve.guard import (
@@ -143,16 +145,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error(err)
 
 
-def load_failure(e: BaseException) -> str:
-    """What the operator reads when an agent does not load: a user's mistake (ArpoError) as its message and hint, any
-    other error as its type and message; the traceback stays in the replica's log."""
-    from arpo_base.errors import ArpoError
-
-    if isinstance(e, ArpoError):
-        return e.message + (f" (hint: {e.hint})" if e.hint else "")
-    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (the replica log has the details)"
-
-
 @serve.deployment(name="arpo_agents")
 @serve.ingress(api)
 class AgentServer:
@@ -184,6 +176,7 @@ class AgentServer:
         self.loaded = threading.Event()
         # One thread per admitted request (its agent loop blocks on the batching front), plus some slack.
         self.pool = ThreadPoolExecutor(max_workers=max_ongoing_requests + 4, thread_name_prefix="arpo-serve-req")
+        self.admin_pool, self.staged, self.refuse_next_change_with = admin.admin_pool(), None, None
         threading.Thread(target=self._load, name="arpo-serve-load", daemon=True).start()
 
     def _load(self) -> None:
@@ -200,15 +193,14 @@ class AgentServer:
             self.loaded.set()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's live update (``user_config`` changed, the replica stays): see :meth:`AgentSet.apply`."""
+        """Serve's live update (``user_config`` changed, the replica stays), on the admin thread: a change is staged
+        beside the served agents, then committed or dropped (:func:`serve.admin.reconfigure`)."""
+        await asyncio.get_running_loop().run_in_executor(self.admin_pool, admin.reconfigure, self, user_config)
 
-        def apply() -> None:
-            self.loaded.wait()
-            if self.load_error:
-                raise RuntimeError(self.load_error)
-            self.set.apply(agents_from_config(dict(user_config or {})))
-
-        await asyncio.get_running_loop().run_in_executor(None, apply)
+    def refuse_next_change(self, reason: str) -> None:
+        """Make this replica refuse the next staged change (through a deployment handle only, never HTTP): the
+        fault that shows a change one replica refuses leaves every replica on the served set."""
+        self.refuse_next_change_with = reason
 
     def _dead(self) -> list[str]:
         return sorted(name for name, agent in self.agents.items() if not agent.front.alive())
@@ -294,34 +286,14 @@ class AgentServer:
 
     @api.post("/v1/agents")
     async def change_agents(self, request: Request) -> JSONResponse:
-        """Add or remove agents of a running ``arpo serve`` (:mod:`serve.live`): ``{"add": ["NAME=SOURCE"],
-        "remove": ["NAME"]}``. Only behind an API key: a server without one refuses (403), since a change loads
-        folders of this machine as models."""
-        from serve.live import ask_owner, parse_change
+        """Add or remove agents of a running ``arpo serve``: ``{"add": ["NAME=SOURCE"], "remove": ["NAME"]}``, with
+        the administration key only (:mod:`serve.admin`)."""
+        return await admin.change(self, request)
 
-        if self.policy.key is None:
-            return _error(
-                APIError(
-                    "changing the agents needs a server started with an API key",
-                    status=403,
-                    type="invalid_request_error",
-                    code="forbidden",
-                )
-            )
-        try:
-            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
-            change = parse_change(json.loads(raw or b"null"))
-            answer = await asyncio.get_running_loop().run_in_executor(self.pool, ask_owner, change)
-        except ConfigError as e:
-            return _error(APIError(load_failure(e), status=400))
-        except ValueError as e:  # not JSON
-            return _error(APIError(f"the body is not JSON: {e}", status=400))
-        except TimeoutError as e:
-            return _error(APIError(str(e), status=504, type="server_error", code="timeout"))
-        if "error" in answer:
-            hint = f" (hint: {answer['hint']})" if answer.get("hint") else ""
-            return _error(APIError(answer["error"] + hint, status=400))
-        return JSONResponse({"models": answer["models"]})
+    @api.get("/v1/agents")
+    async def list_agents(self, request: Request) -> JSONResponse:
+        """The served agents and the last change's outcome, with the administration key only."""
+        return await admin.status(self, request)
 
     @api.get("/")
     def page(self) -> HTMLResponse:

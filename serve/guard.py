@@ -29,6 +29,8 @@ from typing import Any
 from arpo_base.errors import ConfigError
 
 KEY_ENV = "ARPO_API_KEY"
+#: The administration key (``arpo serve --admin-key``): it alone may change the agents; never the chat key.
+ADMIN_KEY_ENV = "ARPO_ADMIN_KEY"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
 #: How long a client may take to send its request body: it is read in full, under this deadline, before the request
@@ -51,8 +53,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_key(key_file: str | None) -> str | None:
-    """The API key: the key file's content when one is named, else ``ARPO_API_KEY``, else None."""
+def read_key(key_file: str | None, env: str = KEY_ENV) -> str | None:
+    """The API key: the key file's content when one is named, else the variable ``env``, else None."""
     if key_file:
         try:
             key = Path(key_file).read_text(encoding="utf-8").strip()
@@ -64,7 +66,7 @@ def read_key(key_file: str | None) -> str | None:
         if not key:
             raise ConfigError("the API key file is empty", hint="write the key into it (one line)")
         return key
-    return os.environ.get(KEY_ENV, "").strip() or None
+    return os.environ.get(env, "").strip() or None
 
 
 @dataclass
@@ -80,6 +82,8 @@ class Security:
         max_body_bytes: Largest request body (HTTP 413 beyond).
         request_timeout_s: Deadline of one request, tool calls included (HTTP 504 beyond).
         checks: False only to measure what the checks cost (``benchmarks/bench_serve.py``); no CLI flag sets it.
+        admin_key_file: A file holding the administration key (:data:`ADMIN_PATHS` need it); None: no such file,
+            and live changes are off (``ARPO_ADMIN_KEY`` is read only by ``arpo serve``, which writes this file).
     """
 
     key_file: str | None = None
@@ -90,6 +94,7 @@ class Security:
     max_body_bytes: int = MAX_BODY_BYTES
     request_timeout_s: float = REQUEST_TIMEOUT_S
     checks: bool = True
+    admin_key_file: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +109,19 @@ class Security:
                 "allow_unauthenticated: true",
             )
         return key
+
+    def admin_key(self) -> str | None:
+        """The administration key, or None (live changes off). Refused when it is the chat key: whoever may chat
+        must not thereby be able to change what is served."""
+        if not self.admin_key_file:
+            return None
+        admin = read_key(self.admin_key_file)
+        if hmac.compare_digest(admin.encode(), (read_key(self.key_file) or "").encode()):
+            raise ConfigError(
+                "the admin key is the API key: administration needs a credential of its own",
+                hint="`export ARPO_ADMIN_KEY=$(openssl rand -hex 32)`",
+            )
+        return admin
 
     def hosts(self) -> frozenset[str]:
         # Loopback names are always accepted: only a client on this machine sends them (a rebinding page sends its
@@ -137,6 +155,9 @@ def page_csp(html: str) -> str:
 
 #: Routes reachable without the key: the chat page (it asks for the key itself) and the liveness probe.
 OPEN_PATHS = frozenset({"/", "/health"})
+#: Routes that change or describe what is served: the administration key only (the chat key never opens them), and
+#: refused (403) on a server started without one.
+ADMIN_PATHS = frozenset({"/v1/agents"})
 #: Headers the checks read: one of each, or the request is refused (two values would leave the choice to whichever
 #: layer reads them, "first wins" here and "last wins" there).
 SINGLE_HEADERS = ("host", "origin", "authorization", "content-type", "content-length", "transfer-encoding")
@@ -169,6 +190,7 @@ class Policy:
         self.enabled = security.checks
         self.open_paths = open_paths  # routes reachable without the key; every other route needs it
         self.key = security.key()
+        self.admin_key = security.admin_key()
         self.hosts = security.hosts()
         self.scheme = "https" if security.tls else "http"
         self.max_body = security.max_body_bytes
@@ -176,10 +198,11 @@ class Policy:
 
     def authorized(self, headers: dict[str, str]) -> bool:
         """Whether the request carries the key (always true without one). Constant-time comparison."""
-        if self.key is None:
-            return True
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key.encode())
+        return self.key is None or _bearer(headers, self.key)
+
+    def admin_authorized(self, headers: dict[str, str]) -> bool:
+        """Whether the request carries the administration key (never true without one). Constant-time."""
+        return self.admin_key is not None and _bearer(headers, self.admin_key)
 
     def check(self, method: str, path: str, headers: dict[str, str], root_path: str = "") -> None:
         """Raise :class:`Refusal` for a request that must not reach a route (``path``: the routed path)."""
@@ -202,7 +225,9 @@ class Policy:
         origin = headers.get("origin")
         if origin is not None and origin.lower() != f"{self.scheme}://{host}":
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
-        if path not in self.open_paths and not self.authorized(headers):
+        if path in ADMIN_PATHS:
+            self.check_admin(headers)
+        elif path not in self.open_paths and not self.authorized(headers):
             raise Refusal(
                 401,
                 "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'",
@@ -220,6 +245,23 @@ class Policy:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
                 raise self.too_large()
+
+    def check_admin(self, headers: dict[str, str]) -> None:
+        """Raise :class:`Refusal` unless the request carries the administration key: 403 on a server without one
+        (live changes are off), 401 for any other credential, the chat key included."""
+        if self.admin_key is None:
+            raise Refusal(
+                403,
+                "live agent changes are off on this server (arpo serve --admin-key enables them)",
+                "admin_disabled",
+            )
+        if not self.admin_authorized(headers):
+            raise Refusal(
+                401,
+                "Incorrect or missing admin key: send the header 'Authorization: Bearer ADMIN_KEY'",
+                "invalid_admin_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     def too_slow(self) -> Refusal:
         return Refusal(
@@ -332,6 +374,11 @@ async def _refuse(policy: Policy, send: Any, r: Refusal) -> None:
     if policy.on_refusal is not None:
         policy.on_refusal(r.status)
     await _send_refusal(send, r)
+
+
+def _bearer(headers: dict[str, str], key: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 async def _send_refusal(send: Any, r: Refusal) -> None:

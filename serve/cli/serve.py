@@ -50,6 +50,45 @@ def _key(args: argparse.Namespace) -> str | None:
     return read_key(args.api_key_file)
 
 
+def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None]:
+    """The live-change policy (:class:`serve.admin.AdminPolicy`) and the administration key, or (None, None): live
+    changes are off without an admin key. Refused: an admin key equal to the chat key, a key without a root, a root
+    without a key. Runs before anything starts."""
+    import os
+
+    from serve.admin import AdminPolicy
+    from serve.guard import ADMIN_KEY_ENV, read_key
+
+    given = getattr(args, "admin_key", None)
+    if given is not None and getattr(args, "admin_key_file", None) is not None:
+        raise ArpoError("give --admin-key or --admin-key-file, not both")
+    if given is not None:
+        admin = given.strip() or None
+        if admin is None:
+            raise ArpoError("--admin-key is empty", hint=f"give a key, or set {ADMIN_KEY_ENV}")
+    else:
+        admin = read_key(getattr(args, "admin_key_file", None), env=ADMIN_KEY_ENV)
+    roots = list(getattr(args, "admin_root", None) or [])
+    if admin is None:
+        if roots:
+            raise ArpoError("--admin-root needs an admin key", hint=f"set {ADMIN_KEY_ENV} or pass --admin-key-file")
+        return None, None
+    if key is not None and admin == key:
+        raise ArpoError(
+            "the admin key is the API key: administration needs a credential of its own",
+            hint=f"`export {ADMIN_KEY_ENV}=$(openssl rand -hex 32)`",
+        )
+    budget = getattr(args, "admin_memory_budget", None)
+    policy = AdminPolicy(
+        roots=[os.path.expanduser(r) for r in roots],
+        max_per_change=args.admin_max_per_change,
+        max_agents=args.admin_max_agents,
+        memory_budget_bytes=int(budget * 1024**3) if budget is not None else None,
+        timeout_s=args.admin_timeout,
+    )
+    return policy, admin
+
+
 def security_of(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The deployment's :class:`serve.guard.Security` and the key; refuses an exposed server that is not guarded.
     Runs before anything starts (no model is loaded, Ray is not started)."""
@@ -114,13 +153,16 @@ def start(args: argparse.Namespace) -> str:
             max_tokens_limit=args.max_tokens_limit,
         )
 
+    admin, admin_key = admin_of(args, key)
     specs = resolve(args.models)
-    if key is not None:  # the replicas read the key from a private file: it is never a deployment argument
-        args.key_dir = tempfile.mkdtemp(prefix="arpo-serve-")
-        key_path = Path(args.key_dir) / "api_key"
-        key_path.touch(mode=0o600)
-        key_path.write_text(key, encoding="utf-8")
-        security.key_file = str(key_path)
+    # the replicas (and the proxy's gate) read the keys from private files: a key is never a deployment argument
+    for secret, attr, name in ((key, "key_file", "api_key"), (admin_key, "admin_key_file", "admin_key")):
+        if secret is not None:
+            args.key_dir = getattr(args, "key_dir", None) or tempfile.mkdtemp(prefix="arpo-serve-")
+            key_path = Path(args.key_dir) / name
+            key_path.touch(mode=0o600)
+            key_path.write_text(secret, encoding="utf-8")
+            setattr(security, attr, str(key_path))
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, **local_ray_options(args.host))
         private_token_file()
@@ -134,11 +176,11 @@ def start(args: argparse.Namespace) -> str:
     # Host, key and body before Serve queues anything (serve.proxy)
     serve.start(http_options=http, proxy_location="HeadOnly", controller_options=controller_options(security))
 
-    def deploy(agents: list[Any]) -> None:  # the agents travel in user_config: a change reconfigures the replicas
+    def deploy(config: dict[str, Any]) -> None:  # the agents travel in user_config: a change reconfigures replicas
         app = build_app(
             specs,
             security,
-            user_config={"agents": [a.to_dict() for a in agents]},
+            user_config=config,
             replicas=args.replicas,
             max_ongoing_requests=args.max_ongoing_requests,
             max_queued_requests=args.max_queued_requests,
@@ -148,10 +190,11 @@ def start(args: argparse.Namespace) -> str:
         )
         serve.run(app, name="arpo", route_prefix="/", blocking=False)
 
-    deploy(specs)
-    from serve.live import Owner
+    from serve.live import Owner, running_replicas
 
-    args.owner = Owner(specs, resolve, deploy)
+    # the owner's mailbox before the first replica: a server that reports healthy takes a change at once
+    args.owner = Owner(specs, resolve, deploy, admin, running_replicas) if admin is not None else None
+    deploy(Owner.config(specs))
     scheme = "https" if args.tls_cert else "http"
     local = args.host if is_loopback(args.host) else "127.0.0.1"
     # our own server, polled locally: its certificate need not name 127.0.0.1
@@ -161,6 +204,11 @@ def start(args: argparse.Namespace) -> str:
     print(
         "authentication: "
         + ("API key required on every route but / and /health" if key else "OFF (no API key; this machine only)")
+    )
+    print(
+        f"live agent changes: on (admin key; sources under {', '.join(admin.roots)})"
+        if admin
+        else "live agent changes: off (no --admin-key)"
     )
     if args.tls_cert:
         print("TLS: on")
@@ -255,7 +303,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _interrupt)
 
-    security_of(args)  # an unguarded exposed server is refused before Ray starts (the shutdown below would start it)
+    _, key = security_of(args)  # an unguarded exposed server is refused before Ray starts (shutdown would start it)
+    admin_of(args, key)
     if isinstance(args.replica_resources, str):
         args.replica_resources = parse_replica_resources(args.replica_resources)
     on_signals()
@@ -265,7 +314,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from serve.live import POLL_S
 
         while True:  # agents added or removed through POST /v1/agents are deployed from here
-            args.owner.poll()
+            if args.owner is not None:
+                args.owner.poll()
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         print("shutting down")
@@ -362,10 +412,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--api-key",
         dest="api_key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARPO_API_KEY; visible in the "
+        help="require 'Authorization: Bearer KEY' on /v1/* but /v1/agents (default: $ARPO_API_KEY; visible in the "
         "process list: prefer the variable or --api-key-file)",
     )
     p.add_argument("--api-key-file", dest="api_key_file", default=None, help="read the API key from this file")
+    from serve.admin import CHANGE_TIMEOUT_S, MAX_AGENTS, MAX_AGENTS_PER_CHANGE
+
+    p.add_argument(
+        "--admin-key",
+        dest="admin_key",
+        default=None,
+        help="enable live agent changes (POST/GET /v1/agents) with this key, never the API key (default: "
+        "$ARPO_ADMIN_KEY; without one, live changes are off)",
+    )
+    p.add_argument("--admin-key-file", dest="admin_key_file", default=None, help="read the admin key from this file")
+    p.add_argument(
+        "--admin-root",
+        dest="admin_root",
+        action="append",
+        default=None,
+        help="a folder live changes may load agents from (repeatable; required with an admin key)",
+    )
+    p.add_argument(
+        "--admin-max-per-change",
+        type=int,
+        default=MAX_AGENTS_PER_CHANGE,
+        dest="admin_max_per_change",
+        help=f"agents one live change may add (default {MAX_AGENTS_PER_CHANGE})",
+    )
+    p.add_argument(
+        "--admin-max-agents",
+        type=int,
+        default=MAX_AGENTS,
+        dest="admin_max_agents",
+        help=f"agents served after a live change (default {MAX_AGENTS})",
+    )
+    p.add_argument(
+        "--admin-memory-budget",
+        type=float,
+        default=None,
+        dest="admin_memory_budget",
+        help="GiB of weights the agents may hold after a live change (a shared base once); a change over it is "
+        "refused before anything loads (default: no budget)",
+    )
+    p.add_argument(
+        "--admin-timeout",
+        type=float,
+        default=CHANGE_TIMEOUT_S,
+        dest="admin_timeout",
+        help=f"seconds a live change may take to load in every replica (504 beyond, nothing changed; default "
+        f"{CHANGE_TIMEOUT_S:g})",
+    )
     p.add_argument(
         "--allowed-hosts",
         dest="allowed_hosts",

@@ -199,6 +199,10 @@ def serve_cmd(cluster, model_dir, port: int, resources: str) -> list[str]:
         "8",
         "--ready-timeout",
         str(START_TIMEOUT_S),
+        "--admin-key",  # live changes on: the owner's mailbox exists (its placement is checked)
+        "admin-key-0123456789",
+        "--admin-root",
+        str(model_dir),
     ]
 
 

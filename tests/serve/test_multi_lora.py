@@ -26,6 +26,7 @@ PROMPT = [{"role": "user", "content": "What is 6 times 7?"}]
 SESSION = {"tools": "python", "max_tool_calls": 0}
 KEY = "test-key-0123456789abcdef"
 AUTH = bearer(KEY)
+ADMIN = bearer("admin-key-0123456789abcdef")
 
 
 def _free_port() -> int:
@@ -87,12 +88,15 @@ def server(folders, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text(KEY)
-    keyed = Security(key_file=str(key_file), port=port)
+    admin_file = key_file.with_name("admin_key")
+    admin_file.write_text(ADMIN["Authorization"].split()[1])
+    keyed = Security(key_file=str(key_file), port=port, admin_key_file=str(admin_file))
     first = _specs(folders, ["a", "b", "plain", "other"])
 
-    def deploy(specs):
+    def deploy(specs):  # a list of agents, or a whole user_config (what serve.live.Owner deploys)
+        config = specs if isinstance(specs, dict) else {"agents": [s.to_dict() for s in specs]}
         serve.run(
-            build_app(first, keyed, user_config={"agents": [s.to_dict() for s in specs]}, max_ongoing_requests=8),
+            build_app(first, keyed, user_config=config, max_ongoing_requests=8),
             name="arpo",
             route_prefix="/",
             blocking=False,
@@ -214,16 +218,24 @@ def test_live_update_adds_and_removes_agents_without_restarting_the_replica(serv
         assert s["ended"] > updated, name  # still running when the update was done
 
 
-def test_arpo_serve_users_change_the_agents_with_the_key(server, folders):
+def test_arpo_serve_admins_change_the_agents_with_the_admin_key(server, folders):
     """``POST /v1/agents``: the replica hands the change to the deployment's owner (here this process, as
-    ``arpo serve`` does), which resolves and redeploys; a bad change is a 400 that changes nothing."""
+    ``arpo serve`` does), which checks, resolves and redeploys; a bad change is a 400 that changes nothing. The chat
+    key is not the admin key."""
+    from serve.admin import AdminPolicy
     from serve.agents import build_specs
     from serve.live import Owner
 
     url, deploy = server
     served = {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]}
     specs = [s for s in _specs(folders, sorted(served)) if s.name in served]
-    owner = Owner(specs, lambda sources: build_specs(sources, max_tokens=16, **SESSION), deploy)
+    owner = Owner(
+        specs,
+        lambda sources: build_specs(sources, max_tokens=16, **SESSION),
+        deploy,
+        AdminPolicy(roots=[str(folders["base"].parent)]),
+        lambda: 1,
+    )
     stop = threading.Event()
 
     def loop():
@@ -236,15 +248,18 @@ def test_arpo_serve_users_change_the_agents_with_the_key(server, folders):
         with pytest.raises(HTTPJSONError) as e:  # no key
             request("POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"]}, timeout=60)
         assert e.value.status == 401
+        with pytest.raises(HTTPJSONError) as e:  # the chat key
+            request("POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"]}, headers=AUTH, timeout=60)
+        assert e.value.status == 401 and e.value.data["error"]["code"] == "invalid_admin_key"
         with pytest.raises(HTTPJSONError) as e:  # an adapter of another base: refused, nothing changes
-            request("POST", f"{url}/v1/agents", {"add": [f"x={folders['x']}"]}, headers=AUTH, timeout=300)
+            request("POST", f"{url}/v1/agents", {"add": [f"x={folders['x']}"]}, headers=ADMIN, timeout=300)
         assert e.value.status == 400 and "fingerprint" in e.value.data["error"]["message"]
         with pytest.raises(HTTPJSONError) as e:
-            request("POST", f"{url}/v1/agents", {"add": [f"a={folders['c']}"]}, headers=AUTH, timeout=300)
+            request("POST", f"{url}/v1/agents", {"add": [f"a={folders['c']}"]}, headers=ADMIN, timeout=300)
         assert e.value.status == 400 and "two agents are named 'a'" in e.value.data["error"]["message"]
         assert {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]} == served
         out = request(
-            "POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"], "remove": ["other"]}, headers=AUTH, timeout=300
+            "POST", f"{url}/v1/agents", {"add": [f"d={folders['c']}"], "remove": ["other"]}, headers=ADMIN, timeout=300
         ).data
         assert sorted(out["models"]) == sorted(served - {"other"} | {"d"})
         assert _chat(url, "d")["choices"][0]["message"]["arpo"]["response_ids"]
