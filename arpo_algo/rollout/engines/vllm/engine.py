@@ -608,9 +608,11 @@ class VLLMEngine:
         self._closed = True
         try:
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            procs = _engine_processes(core)
             if core is not None:
                 core.shutdown()
             del self.llm
+            _reap(procs)
         finally:
             if self._remove_root is not None:
                 self._remove_root()
@@ -620,3 +622,20 @@ class VLLMEngine:
         out = {k: float(v) for k, v in self._stats.items()}
         self._stats.clear()
         return out
+
+
+def _engine_processes(core: Any) -> list:
+    """The engine-core processes vLLM started for ``core`` (none for its in-process engine core)."""
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def _reap(procs: list) -> None:
+    """Wait for each engine-core process, so none is left as a zombie of this process. vLLM's shutdown SIGKILLs an
+    engine core that outlives its grace period (5 s; easily reached on a loaded CPU) and never waits for it: the
+    process stayed a zombie until multiprocessing's next start, and a process census in between failed on it."""
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():  # vLLM gave up on it without a kill: end it here, then wait
+            proc.kill()
+            proc.join(timeout=30)
