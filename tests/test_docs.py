@@ -415,7 +415,7 @@ GLOSSARY_WORDS = {
 }
 #: Pages whose glossary links are not checked: the reference (generated from the code), the results index (its lines
 #: are the pages' titles and answers), and the architecture page, edited alongside.
-GLOSSARY_EXEMPT = ("reference/", "results/index.md", "concepts/architecture.md", "glossary.md")
+GLOSSARY_EXEMPT = ("reference/", "results/index.md", "glossary.md")
 
 
 def unlinked_glossary_words(page: Path) -> list[str]:
