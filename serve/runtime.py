@@ -92,6 +92,10 @@ class ServeSession:
             return self.inner.step(action)
 
 
+#: The most ids a stream holds back waiting for a UTF-8 character to finish (a character has at most 4 bytes).
+MAX_HELD_IDS = 8
+
+
 class TextStream:
     """Token ids of one choice -> text deltas, holding back what could still become a client stop string.
 
@@ -132,8 +136,11 @@ class TextStream:
     def _advance(self, final: bool) -> None:
         before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
         window = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if not final and (window.endswith("\ufffd") or len(window) <= len(before)):
-            return  # an incomplete UTF-8 character (or no text yet): wait for the next token
+        waiting = len(self.ids) - self.read
+        if not final and waiting < MAX_HELD_IDS and (window.endswith("\ufffd") or len(window) <= len(before)):
+            return  # an incomplete UTF-8 character (or no text yet): wait for the next token, but only a few
+        # Past MAX_HELD_IDS ids a trailing U+FFFD is no unfinished character (one has at most 4 bytes) but the text of
+        # ids that decode to it: taken as it is, so the window, and each decode, stays a few ids long.
         self.text += window[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         self._push(final)
