@@ -23,6 +23,7 @@ from typing import Any
 from arpo_algo.run.sweep import Sweep, field_path
 from arpo_algo.run.sweep_checks import ranks_every_iteration
 from arpo_base.errors import ArpoError
+from arpo_base.ray_start import init_ray, ray_address
 
 #: Per algorithm folder: the ids of trials that completed or failed (one per line).
 FINISHED_LEDGER = "finished_trials.txt"
@@ -34,10 +35,10 @@ def start_ray() -> None:
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(
+    if ray_address():
+        init_ray(log_to_driver=False)
+    else:  # a Ray of its own, never the one a stale ray_current_cluster file names
+        init_ray(
             num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
         )
 
