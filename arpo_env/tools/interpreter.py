@@ -145,6 +145,7 @@ class _Tree:
         # zygote's socket (the zygote runs no model code; each wait has a total deadline)
         self.tool, self.lock, self.zlock, self.members, self.dead = tool, threading.Lock(), threading.Lock(), 0, False
         self.uid = self.proc = self.group = self.ctl = None
+        self.torn = False
         self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
         try:
             self._start()
@@ -321,7 +322,10 @@ class _Tree:
             self.group.close()
 
     def _teardown(self) -> None:
-        with _LIVE_LOCK:
+        with _LIVE_LOCK:  # once: the last interpreter's leave() and a failed start may both end the tree
+            if self.torn:
+                return
+            self.torn = True
             _TREES.discard(self)
         self._kill_all()
         if self.ctl is not None:
