@@ -143,9 +143,9 @@ class _Tree:
     def __init__(self, tool: Any) -> None:
         # lock: membership only, never held while waiting on a process; zlock: one request at a time on the
         # zygote's socket (the zygote runs no model code; each wait has a total deadline)
-        self.tool, self.lock, self.zlock, self.members, self.dead = tool, threading.Lock(), threading.Lock(), 0, False
+        self.tool, self.members, self.dead, self.torn = tool, 0, False, False
+        self.lock, self.zlock = threading.Lock(), threading.Lock()
         self.uid = self.proc = self.group = self.ctl = None
-        self.torn = False
         self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
         try:
             self._start()
@@ -509,9 +509,7 @@ class Interpreter:
             )
         elif status == "threads":
             result = self.tool._result(out, err, rc, "ok")
-            result.text += "\n" + THREAD_LEFT
-            result.error = True
-            result.meta["thread_left"] = True
+            result.text, result.error, result.meta["thread_left"] = result.text + "\n" + THREAD_LEFT, True, True
         else:
             result = self.tool._result(out, err, rc, status)
         if self._slot.branch is None:
