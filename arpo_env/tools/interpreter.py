@@ -34,7 +34,7 @@ from typing import Any
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
 from arpo_env.tools.control_socket import message_length, parse_message, pending, recv_message, send_message
 from arpo_env.tools.interpreter_child import LOOP
-from arpo_env.tools.pipes import output_limits, read_pipes
+from arpo_env.tools.pipes import drain, output_limits, read_pipes
 from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
     READY,
@@ -405,14 +405,7 @@ class _Branch:
             stop=lambda _now, reply: (n := message_length(reply)) is not None and (n < 0 or len(reply) >= n),
         )
         bufs = {self.out: out, self.err: err}
-        for fd in (self.out, self.err):  # written before the reply (or the end): already in the pipes
-            os.set_blocking(fd, False)
-            try:
-                while chunk := os.read(fd, 65536):
-                    bufs[fd].extend(chunk[: max(0, keep - len(bufs[fd]))])
-            except BlockingIOError:
-                pass
-            os.set_blocking(fd, True)
+        drain(bufs, keep=keep, limit=flood)  # written before the reply (or the end): already in the pipes
         rc = None
         if status == "ok":  # the code can write to its own end of the socket: anything but one reply is no reply
             answer = parse_message(reply) or {}
