@@ -25,17 +25,19 @@ from arpo_base.errors import ArpoError
 from serve.cli.serve import refuse_foreign_serve
 
 start_ray()  # what arpo tune does; the Algorithm and arpo serve call the same init_ray
-address = ray.get_runtime_context().gcs_address
-assert address != {DEAD!r}, address
-print("STARTED", address, flush=True)
-refuse_foreign_serve()  # a Ray of its own runs no Serve yet
-serve.start(http_options={{"host": "127.0.0.1", "port": 0}})
-try:
-    refuse_foreign_serve()
-except ArpoError as e:
-    print("REFUSED", e, flush=True)
-serve.shutdown()
-ray.shutdown()
+try:  # ray.shutdown() ends the Ray this script started, and nothing else of the machine
+    address = ray.get_runtime_context().gcs_address
+    assert address != {DEAD!r}, address
+    print("STARTED", address, flush=True)
+    refuse_foreign_serve()  # a Ray of its own runs no Serve yet
+    serve.start(http_options={{"host": "127.0.0.1", "port": 0}})
+    try:
+        refuse_foreign_serve()
+    except ArpoError as e:
+        print("REFUSED", e, flush=True)
+    serve.shutdown()
+finally:
+    ray.shutdown()
 """
 
 
@@ -53,7 +55,6 @@ def test_a_stale_cluster_file_is_not_joined(tmp_path):
         assert "REFUSED" in out.stdout and "did not start" in out.stdout, out.stdout + out.stderr[-3000:]
         assert (Path(short) / "ray" / "ray_current_cluster").read_text() == DEAD  # the file is left as it was
     finally:
-        subprocess.run(["ray", "stop", "--force"], env={**os.environ, "RAY_TMPDIR": short}, capture_output=True)
         shutil.rmtree(short, ignore_errors=True)
 
 
