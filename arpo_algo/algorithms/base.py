@@ -212,7 +212,11 @@ class AgenticRLAlgorithm(Algorithm):
         import ray
 
         if not ray.is_initialized():
-            ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(self.config))), include_dashboard=False)
+            from arpo_base.ray_start import init_ray, ray_address
+
+            # RAY_ADDRESS: that cluster; else a Ray of its own, never the one a stale ray_current_cluster file names
+            sized = {} if ray_address() else {"num_cpus": int(sum(b["CPU"] for b in resource_bundles(self.config)))}
+            init_ray(include_dashboard=False, **sized)
             self._owns_ray = True
 
     def _engine_owns_weights(self) -> bool:
