@@ -75,7 +75,7 @@ _LIVE = {"n": 0}
 _PER_SCOPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, forks that could not be
 # made, the most live at once, and the largest summed PSS (bytes) that sample_interpreter_memory() saw.
-_STATS = {"forks": 0, "fork_s": 0.0, "failed": 0, "peak": 0, "pss": 0}
+_STATS: dict[str, Any] = {"forks": 0, "fork_s": 0.0, "failed": 0, "peak": 0, "pss": 0}  # pss: None when unreadable
 _LIVE_LOCK = threading.Lock()
 # Every tree whose sandbox is up (a tree leaves it in _teardown): what sample_interpreter_memory() measures.
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -145,7 +145,10 @@ class _Tree:
         # zygote's socket (the zygote runs no model code; each wait has a total deadline)
         self.tool, self.members, self.dead, self.torn = tool, 0, False, False
         self.lock, self.zlock = threading.Lock(), threading.Lock()
-        self.uid = self.proc = self.group = self.ctl = None
+        self.uid: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.group: CallCgroup | None = None
+        self.ctl: socket.socket | None = None
         self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
         try:
             self._start()
@@ -192,7 +195,7 @@ class _Tree:
             json.dumps(cfg),
         ]
         try:  # only the start on the launcher thread; the caller's thread waits for READY (starts run in parallel)
-            self.proc = _LAUNCHER.submit(
+            self.proc = proc = _LAUNCHER.submit(
                 subprocess.Popen,
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -207,17 +210,19 @@ class _Tree:
             child.close()
         self.ctl = host
         got, deadline = b"", time.monotonic() + _START_TIMEOUT_S
+        out, err = proc.stdout, proc.stderr
+        assert out is not None and err is not None  # both are pipes (Popen above)
         with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            sel.register(out, selectors.EVENT_READ)
             while len(got) < len(READY) and time.monotonic() < deadline:
                 if sel.select(timeout=0.1):
-                    chunk = os.read(self.proc.stdout.fileno(), len(READY) - len(got))
+                    chunk = os.read(out.fileno(), len(READY) - len(got))
                     if not chunk:
                         break
                     got += chunk
         if got != READY:
             self._kill_all()
-            tail = self.proc.stderr.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
+            tail = err.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
             raise SandboxError(
                 f"the persistent Python interpreter's sandbox failed to start: {tail}",
                 hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend needs",
@@ -249,6 +254,7 @@ class _Tree:
         err_r, err_w = os.pipe()
         host, child = socket.socketpair()
         via = parent.ctl if parent is not None else self.ctl
+        assert via is not None  # a tree's channel is set by _start, which every tree asked to fork has passed
         t0 = time.monotonic()
         try:
             send_message(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
@@ -287,7 +293,7 @@ class _Tree:
     def kill(self, pid: int) -> None:
         """SIGKILL one interpreter's process group, by the zygote (which sees the sandbox's process ids)."""
         with self.zlock:
-            if self.dead:
+            if self.dead or self.ctl is None:  # no channel: the sandbox never started, nothing of it runs
                 return
             try:
                 send_message(self.ctl, {"op": "kill", "pid": pid})
@@ -333,7 +339,8 @@ class _Tree:
         if self.proc is not None:
             self.proc.wait()
             for stream in (self.proc.stdout, self.proc.stderr):
-                stream.close()
+                if stream is not None:
+                    stream.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         if self.uid is not None:
             uid_pool(self.tool.uid_base).put(self.uid)
@@ -463,16 +470,17 @@ class Interpreter:
             return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
         if (cancel := cancel_event()) is not None and cancel.is_set():
             raise ToolCancelled("the call was cancelled before it started")
-        fresh = self._slot.branch is None
-        if fresh:
+        branch = self._slot.branch
+        fresh = branch is None
+        if branch is None:
             tree = _Tree(self.tool)
             try:
-                self._slot.branch = tree.branch(None)
+                branch = self._slot.branch = tree.branch(None)
             except BaseException:
                 tree._teardown()
                 raise
         with sandbox_slot():
-            out, err, rc, status = self._slot.branch.run(code)
+            out, err, rc, status = branch.run(code)
         if status != "ok":  # the branch has ended itself
             self._slot.branch = None
         if status == "cancelled":
@@ -543,30 +551,3 @@ class Interpreter:
 
     def schema(self) -> dict[str, Any]:
         return self.tool.schema()
-
-
-class _Failed:
-    """A fork that could not be made: every call raises its error (the trajectory ends with it)."""
-
-    persistent, started, fork_s = True, False, None
-
-    def __init__(self, error: ForkError) -> None:
-        self.error = error
-
-    def __call__(self, **_: Any) -> ToolResult:
-        raise self.error
-
-    def fork(self) -> _Failed:
-        return self
-
-    def close(self) -> None:
-        pass
-
-
-def fork_or_failure(interp: Any) -> Any:
-    """``interp.fork()``, or a stand-in that raises the ForkError at the copy's next call (a session's clone must
-    not fail the caller's whole tree; the one trajectory fails instead)."""
-    try:
-        return interp.fork()
-    except ForkError as exc:
-        return _Failed(exc)

@@ -49,7 +49,7 @@ def docker_client():
     try:
         import docker  # optional dependency: pip install 'arpo[docker]'
 
-        from_env = docker.from_env
+        from_env = docker.from_env  # type: ignore[attr-defined]  # mypy sees the repository's docker/ folder
     except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
         raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") from exc
     try:
@@ -173,7 +173,8 @@ def _collect(
     """Read the container's output while waiting for it: its streams (``keep`` bytes of each), exit code and status;
     killed at the deadline, at the calling thread's cancel event (watched every 0.1 s as the other backends do) or
     after ``flood`` bytes of output."""
-    out, err, box = bytearray(), bytearray(), {"total": 0}
+    out, err = bytearray(), bytearray()
+    box: dict[str, Any] = {"total": 0}  # total bytes read; then the exit "code" or the engine's "error"
     exited, eof, flooded = threading.Event(), threading.Event(), threading.Event()
 
     def wait() -> None:
@@ -426,7 +427,8 @@ def _import(client, root: str, tag: str, mirror: str, suite: str) -> None:
         client.api.import_image_from_stream(tar.stdout, repository=repository, tag=version, changes=changes)
     finally:
         with contextlib.suppress(OSError):
-            tar.stdout.close()
+            if tar.stdout is not None:  # a pipe (stdout=PIPE above)
+                tar.stdout.close()
         if tar.wait() != 0:
             raise SandboxError(f"tar of the image root failed (exit {tar.returncode})")
     if not image_present(client, tag):
