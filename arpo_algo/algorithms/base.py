@@ -252,8 +252,8 @@ class AgenticRLAlgorithm(Algorithm):
 
     def _run_folder(self) -> str | None:
         """Where this run's artifacts go: a Tune trial's folder in the sweep (its storage path, when local), else the
-        Algorithm's log folder (a trial's working folder on a remote storage, which Tune syncs; the run folder RLlib
-        makes for a bare ``build_algo()``)."""
+        Algorithm's log folder (with a remote storage, the trial's working folder, which Tune uploads when its
+        ``SyncConfig(sync_artifacts=True)``; for a bare ``build_algo()``, the one run folder Ray's Trainable makes)."""
         storage = getattr(self, "_storage", None)
         if storage is not None and getattr(storage.storage_filesystem, "type_name", "") == "local":
             return storage.trial_fs_path
