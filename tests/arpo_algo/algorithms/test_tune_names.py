@@ -85,11 +85,3 @@ def test_tuner_by_name(ray_local, tiny_model_dir, tmp_path):
 
     trees = trial_dir / "trees"  # in the sweep's trial folder, not in Ray's temporary working folder
     assert trees.is_dir() and any(trees.iterdir())
-
-
-def test_a_registered_variant_gets_its_tune_names():
-    from ray.tune.registry import get_trainable_cls
-
-    from examples.extend.variant import ArpoCode
-
-    assert get_trainable_cls("ArpoCode") is ArpoCode and get_trainable_cls("ARPO_CODE") is ArpoCode
