@@ -379,6 +379,17 @@ def find_folder(path: str | os.PathLike) -> Path:
     )
 
 
+def sweep_trials(path: str | os.PathLike) -> list[Path]:
+    """The tree folders of a sweep's trials, by trial folder name: ``path`` is a Tune experiment folder
+    (``<trial>/trees``) or a folder of them (``arpo tune``'s output: ``<experiment>/<trial>/trees``). Empty when
+    ``path`` itself holds trees or no trial does."""
+    p = Path(path).expanduser()
+    if (p / "format.json").is_file() or (p / FOLDER / "format.json").is_file():
+        return []
+    found = [f.parent for pattern in (f"*/{FOLDER}/format.json", f"*/*/{FOLDER}/format.json") for f in p.glob(pattern)]
+    return sorted(found, key=lambda f: (f.parent.name, str(f)))
+
+
 def _whole(*values: object) -> bool:
     """Every value a non-negative int (a bool is not)."""
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
