@@ -153,6 +153,7 @@ def check_memory(model: Any, slots: int, context: int) -> None:
     killed by the OS) in the middle of a run."""
     device = next(model.parameters()).device
     need = kv_bytes(model, slots, context)
+    free: int | None  # None: the machine does not report its free RAM
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], str(device)
     else:
