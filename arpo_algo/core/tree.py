@@ -44,7 +44,14 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from arpo_algo.core.branching import BRANCH_POLICIES, BranchPolicy, Candidate, PaperRule, ReferenceRule
+from arpo_algo.core.branching import (
+    BRANCH_POLICIES,
+    BranchPolicy,
+    Candidate,
+    PaperRule,
+    ReferenceRule,
+    UniformDraws,
+)
 from arpo_algo.core.branching import penalty_factor as penalty_factor  # its home before the policies had one
 from arpo_algo.core.entropy import SEGMENT_ENTROPIES
 from arpo_base.errors import ConfigError
@@ -319,7 +326,7 @@ def num_branches(
     depth: int,
     consecutive: int,
     free: int,
-    rng: random.Random | None,
+    rng: UniformDraws | None,
     *,
     policy: BranchPolicy | None = None,
     h_init: float | None = None,

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout.engines.base import Tally
+
 
 @dataclass
 class KVEntry:
@@ -30,7 +32,7 @@ class KVStore:
     Counters (prefix hits/misses/mismatches, evictions) go into the engine's ``stats`` counter.
     """
 
-    def __init__(self, capacity_tokens: int, stats: collections.Counter) -> None:
+    def __init__(self, capacity_tokens: int, stats: Tally) -> None:
         self.capacity_tokens = capacity_tokens
         self.stats = stats
         self._entries: collections.OrderedDict[str, KVEntry] = collections.OrderedDict()

@@ -230,7 +230,7 @@ def folded_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the model's "sdpa" attention as :func:`folded_sdpa` inside the block (the shared model's setting is put
     back on exit, so a learner's forward never sees it); other implementations, and composite models (whose setting
     is spread over sub-configs that may differ), are left as they are."""
-    config = model.config
+    config: Any = model.config  # a transformers config (torch types a module's attributes as Tensor | Module)
     if config._attn_implementation != "sdpa" or getattr(config, "sub_configs", None):
         yield
         return
@@ -261,7 +261,10 @@ class StaticDecoder:
         self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.state = self.uniforms = self.cols = None
+        # the slot buffers (None until the first generate() allocates them in _ensure_buffers, and after close())
+        self.state: torch.Tensor | None = None
+        self.uniforms: torch.Tensor | None = None
+        self.cols: torch.Tensor | None = None
         self._results: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -347,6 +350,7 @@ class StaticDecoder:
             live = np.flatnonzero(book.live)
             if not len(live):
                 break
+            assert self.state is not None, "a live row was prefilled, which allocated the slot buffers"
             rows = self.bucket_rows(int(live[-1]) + 1)
             length = self.bucket_columns(int(book.fed[live].max()) + 1)
             t0 = time.perf_counter()
@@ -417,6 +421,7 @@ class StaticDecoder:
                     slots[b] = None
                     continue
                 p = row.req.params
+                assert self.state is not None, "the prefill above allocated the slot buffers"
                 self.state[b] = torch.tensor(
                     [
                         row.new[-1],
@@ -445,6 +450,7 @@ class StaticDecoder:
         eng = self.engine
         dev = logits.device
         draws = []
+        assert self.uniforms is not None, "the prefill that made these logits allocated the slot buffers"
         for b, row in entering:
             p = row.req.params
             if p.temperature:
@@ -501,7 +507,8 @@ class StaticDecoder:
                 logits_to_keep=1,
                 **{eng.cache_kw: cache},
             )
-        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits.shape[-1])
+        layers: list[Any] = cache.layers  # a DynamicCache of a one-token forward: every layer holds keys and values
+        self._ensure_buffers([ly.keys for ly in layers], [ly.values for ly in layers], out.logits.shape[-1])
         self._made_for = (weight.device, weight.dtype)
 
     def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor], vocab: int) -> None:
@@ -541,6 +548,7 @@ class StaticDecoder:
         eng._stats["forward_calls"] += 1
         eng._stats["decode_steps"] += 1
         width = 3 + 2 * shape.logprobs_k
+        assert self.state is not None, "steps run only after _ensure_buffers allocated the slot buffers"
         if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
             self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
         res = self._results[width][:rows]
@@ -562,6 +570,8 @@ class StaticDecoder:
         slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
         buffers kept across steps (the KV slots, the state, ``res``, on the CPU the draw's running sum), which a
         compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.hf.compiled_step`)."""
+        # steps run only after _ensure_buffers allocated the slot buffers
+        assert self.state is not None and self.cols is not None and self.uniforms is not None
         st = self.state[:rows]
         pos = st[:, POS].long()
         valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
@@ -607,6 +617,7 @@ class StaticDecoder:
     def _capture(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (putting back the state it advanced), then capture it. A compiled step
         compiles in the warm-up, so nothing but its kernels' launches reaches the capture."""
+        assert self.state is not None, "steps run only after _ensure_buffers allocated the slot buffers"
         dev = self.state.device
         step = self.compiled or self._body
         saved = self.state.clone()
