@@ -40,7 +40,7 @@ import os
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -551,11 +551,8 @@ class HFEngine(NamedAdapters):
             r.top.append(top)
         r.new.append(tok)
         r.logprobs.append(lp)
-        if self.entropy_method == "full":
-            r.entropies.append(entropy)
-        else:
-            assert top is not None  # topk_sum_lnV makes every row ask for REFERENCE_TOPK entries at least
-            r.entropies.append(topk_token_term(top))
+        # cast: topk_sum_lnV makes every row ask for REFERENCE_TOPK entries at least, so it is given a list
+        r.entropies.append(entropy if self.entropy_method == "full" else topk_token_term(cast(list, top)))
 
     def _check_finish(self, r: _Row, tok: int) -> None:
         if tok in self.eos_ids:

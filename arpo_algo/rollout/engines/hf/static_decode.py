@@ -51,7 +51,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ import torch
 from arpo_algo.rollout.engines.config import captures_graphs
 from arpo_algo.rollout.engines.hf import slot_prefill
 from arpo_algo.rollout.engines.hf.compiled_step import CompiledStep
-from arpo_algo.rollout.engines.hf.decode_mode import check_memory, static_context
+from arpo_algo.rollout.engines.hf.decode_mode import allocated, check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
@@ -261,10 +261,8 @@ class StaticDecoder:
         self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        # the slot buffers (None until the first generate() allocates them in _ensure_buffers, and after close())
-        self.state: torch.Tensor | None = None
-        self.uniforms: torch.Tensor | None = None
-        self.cols: torch.Tensor | None = None
+        # the slot buffers: None until the first prefill of a generate() allocates them, and again after close()
+        self.state = self.uniforms = self.cols = cast("torch.Tensor | None", None)
         self._results: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -350,7 +348,6 @@ class StaticDecoder:
             live = np.flatnonzero(book.live)
             if not len(live):
                 break
-            assert self.state is not None, "a live row was prefilled, which allocated the slot buffers"
             rows = self.bucket_rows(int(live[-1]) + 1)
             length = self.bucket_columns(int(book.fed[live].max()) + 1)
             t0 = time.perf_counter()
@@ -372,8 +369,10 @@ class StaticDecoder:
                     book.live[b] = False
                     done.append(b)
             if done:
-                idle = torch.tensor(_IDLE, dtype=torch.float64, device=self.state.device)
-                self.state[torch.tensor(done, device=self.state.device)] = idle
+                state = allocated(self.state)
+                state[torch.tensor(done, device=state.device)] = torch.tensor(
+                    _IDLE, dtype=torch.float64, device=state.device
+                )
 
     def _book(self, reqs: list, shape: SampleShape) -> _Book:
         """The host-side record of one call: room for every request's tokens, its EOS and stop-token masks."""
@@ -421,8 +420,7 @@ class StaticDecoder:
                     slots[b] = None
                     continue
                 p = row.req.params
-                assert self.state is not None, "the prefill above allocated the slot buffers"
-                self.state[b] = torch.tensor(
+                allocated(self.state)[b] = torch.tensor(
                     [
                         row.new[-1],
                         row.fed,
@@ -450,12 +448,11 @@ class StaticDecoder:
         eng = self.engine
         dev = logits.device
         draws = []
-        assert self.uniforms is not None, "the prefill that made these logits allocated the slot buffers"
         for b, row in entering:
             p = row.req.params
             if p.temperature:
                 uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64)
-                self.uniforms[b, : uniforms.shape[0]].copy_(uniforms)
+                allocated(self.uniforms)[b, : uniforms.shape[0]].copy_(uniforms)
                 draws.append(uniforms[0])
             else:
                 draws.append(torch.zeros((), dtype=torch.float64))
@@ -499,7 +496,7 @@ class StaticDecoder:
             return
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        cache: Any = DynamicCache()  # its layers here are all full-attention ones (keys and values)
         with torch.inference_mode():
             out = eng.model(
                 input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device),
@@ -507,8 +504,7 @@ class StaticDecoder:
                 logits_to_keep=1,
                 **{eng.cache_kw: cache},
             )
-        layers: list[Any] = cache.layers  # a DynamicCache of a one-token forward: every layer holds keys and values
-        self._ensure_buffers([ly.keys for ly in layers], [ly.values for ly in layers], out.logits.shape[-1])
+        self._ensure_buffers([ly.keys for ly in cache.layers], [ly.values for ly in cache.layers], out.logits.shape[-1])
         self._made_for = (weight.device, weight.dtype)
 
     def _ensure_buffers(self, k1: list[torch.Tensor], v1: list[torch.Tensor], vocab: int) -> None:
@@ -548,9 +544,10 @@ class StaticDecoder:
         eng._stats["forward_calls"] += 1
         eng._stats["decode_steps"] += 1
         width = 3 + 2 * shape.logprobs_k
-        assert self.state is not None, "steps run only after _ensure_buffers allocated the slot buffers"
         if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
-            self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
+            self._results[width] = torch.zeros(
+                self.slots, width, dtype=torch.float64, device=allocated(self.state).device
+            )
         res = self._results[width][:rows]
         if self.graphs:
             key = (rows, length, shape)
@@ -570,11 +567,10 @@ class StaticDecoder:
         slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
         buffers kept across steps (the KV slots, the state, ``res``, on the CPU the draw's running sum), which a
         compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.hf.compiled_step`)."""
-        # steps run only after _ensure_buffers allocated the slot buffers
-        assert self.state is not None and self.cols is not None and self.uniforms is not None
-        st = self.state[:rows]
+        st = allocated(self.state)[:rows]
         pos = st[:, POS].long()
-        valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
+        # [rows, length]: this slot's tokens and the new one
+        valid = allocated(self.cols)[:length][None, :] <= pos[:, None]
         if self.engine.model.config._attn_implementation == "eager":  # additive mask, as transformers builds it
             dtype = self.keys[0].dtype
             mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
@@ -597,7 +593,7 @@ class StaticDecoder:
             top_p=st[:, TOPP].float(),
         )
         step = st[:, STEP].long().clamp(max=self.context - 1)
-        uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
+        uniforms = allocated(self.uniforms)[:rows].gather(1, step[:, None])[:, 0]
         tok, lp, ent, top_v, top_i = sample_rows(
             out.logits[:, -1],
             params,
@@ -617,16 +613,16 @@ class StaticDecoder:
     def _capture(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (putting back the state it advanced), then capture it. A compiled step
         compiles in the warm-up, so nothing but its kernels' launches reaches the capture."""
-        assert self.state is not None, "steps run only after _ensure_buffers allocated the slot buffers"
-        dev = self.state.device
+        state = allocated(self.state)
+        dev = state.device
         step = self.compiled or self._body
-        saved = self.state.clone()
+        saved = state.clone()
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # the warm-up writes the KV columns the replay will write (same values), nothing else
                 step(rows, length, shape, res)
-                self.state.copy_(saved)
+                state.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
