@@ -191,13 +191,16 @@ class ToolTextEnv(gym.Env):
     def _finish(self, info: dict[str, Any], terminated: bool) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._done = True
         task = self._task
+        assert task is not None, "only step() finishes an episode, and it checked that one is active"
         kwargs = {**task.get("reward_kwargs", {}), **self.config["reward_kwargs"]}
         score, breakdown = self.reward_fn(self.response, task["ground_truth"], **kwargs)
         info["reward_info"] = {"reward_name": self.config["reward"], "score": float(score), **breakdown}
         info["truncated_by"] = None if terminated else "max_turns"
         return "", float(score), terminated, not terminated, info
 
-    def render(self) -> str | None:
+    # gymnasium types render() with a free TypeVar (RenderFrame) that no concrete return type can match; text is what
+    # its "ansi" render mode returns by convention.
+    def render(self) -> str | None:  # type: ignore[override]
         """The transcript (question + response) for ``render_mode="ansi"``."""
         if self.render_mode != "ansi" or self._task is None:
             return None
