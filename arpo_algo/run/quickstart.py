@@ -239,7 +239,7 @@ def reference_line(summary: dict[str, Any]) -> str:
         return "multi-seed reference: none recorded (arpo_algo/run/recipes/quickstart_reference.json)"
     ref = json.loads(REFERENCE.read_text())
     lines = [
-        f"this seed: {summary['accuracy_before_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
+        f"this seed: {summary['accuracy_after_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
         f"measured over {ref['num_seeds']} RL seeds from the SFT seed {ref['sft_seed']} checkpoint "
         f"({ref['machine']}; {ref['command']}):"
     ]
@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"]), rl_inputs)
     stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
-        "accuracy_before_sft": ev["before"]["accuracy"],
+        "accuracy_after_sft": ev["before"]["accuracy"],
         "accuracy_after_arpo": ev["after"]["accuracy"],
         "seed": args.seed,
         "sft_seed": args.sft_seed,
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== arpo quickstart ===")
     print(
-        f"held-out accuracy  SFT checkpoint: {summary['accuracy_before_sft']:.3f}   "
+        f"held-out accuracy  SFT checkpoint: {summary['accuracy_after_sft']:.3f}   "
         f"after ARPO: {summary['accuracy_after_arpo']:.3f}   "
         f"({ev['before']['num_tasks']:.0f} tasks, {ev['settings']['split']} split, "
         f"temperature {ev['settings']['temperature']})"
