@@ -41,3 +41,18 @@ def test_the_command_is_written_as_a_user_would_retype_it(monkeypatch):
     assert invoking_command() == "arpo train 'my exp.toml'"
     monkeypatch.setattr(sys, "argv", ["train.py", "--seed", "1"])
     assert invoking_command() == "python train.py --seed 1"
+
+
+def test_a_registered_model_is_named_with_its_hub_id(tiny_model_dir, tmp_path, monkeypatch):
+    """A run from a registered name (or from its folder in the cache) records that name and the Hub id it records."""
+    from arpo_algo.models.store import COMPLETE_MARKER, REGISTRY
+
+    monkeypatch.setenv("ARPO_HOME", str(tmp_path))
+    cached = tmp_path / "models" / "smollm2-135m-instruct"
+    shutil.copytree(tiny_model_dir, cached)  # stands in for the pulled weights: only the folder's place matters
+    (cached / COMPLETE_MARKER).touch()
+    for given in ("smollm2-135m-instruct", str(cached)):
+        record = base_model_record(given)
+        assert (record["name"], record["hub_id"]) == ("smollm2-135m-instruct", REGISTRY[record["name"]].hub_id)
+    write_model_card(tmp_path, base=record, algorithm="GRPO", env="arpo/ToolMath-v0", command="arpo train x.toml")
+    assert read_card(tmp_path)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
