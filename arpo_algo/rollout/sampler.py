@@ -216,7 +216,8 @@ class TreeSampler:
             task_index=task_index,
             prompt_ids=ids,
             template=env,
-            task=dict(info["task"]),
+            # with its answer, read from the task list: info withholds it unless the env config exposes it
+            task=env.task_record(task_index) if hasattr(env, "task_record") else dict(info["task"]),
             step=step,
             rng=T.branch_rng(self.seed, step, task_index),
         )
