@@ -141,7 +141,8 @@ def _tool_method(schema: dict[str, Any]) -> Any:
         default = inspect.Parameter.empty if p in required else None
         parameters.append(inspect.Parameter(p, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind))
         annotations[p] = kind
-    method.__signature__ = inspect.Signature(parameters, return_annotation=str)
+    # TRL builds the tool's schema from inspect.signature, which reads __signature__ (not in a function's stub type)
+    method.__signature__ = inspect.Signature(parameters, return_annotation=str)  # type: ignore[attr-defined]
     method.__annotations__ = annotations
     method.__name__ = method.__qualname__ = spec["name"]
     args = "\n".join(f"    {p}: {prop.get('description') or p}" for p, prop in params.items())
