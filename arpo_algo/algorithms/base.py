@@ -172,6 +172,15 @@ class AgenticRLAlgorithm(Algorithm):
 
             self.rollout_pipeline = RolloutPipeline(self._sample, settings.rollouts.max_staleness)
         self._last_eval: dict[str, float] = {}
+        self._callback("on_algorithm_init", algorithm=self)
+
+    def _callback(self, name: str, **kwargs: Any) -> None:
+        """Fire RLlib callback ``name`` on the callbacks objects and the config's ``callbacks_on_*`` functions, as
+        RLlib's own Algorithm does (docs/howto/rllib.md#callbacks lists the ones arpo fires)."""
+        from ray.rllib.callbacks.utils import make_callback
+
+        functions = getattr(self.config, f"callbacks_{name}", None)
+        make_callback(name, self.callbacks, functions, kwargs=dict(kwargs, metrics_logger=self.metrics))
 
     def _build_engine(self, model_path: pathlib.Path) -> RolloutEngine:
         """The configured engine (:func:`arpo_algo.rollout.engines.build_engine`): in-process HF shares the learner's
@@ -277,6 +286,8 @@ class AgenticRLAlgorithm(Algorithm):
         version = self.iteration
         # 1. sync the rollout engine to the learner's weights, and 2. sample one tree per prompt (rewards from the env)
         batch = self._sync_and_sample(version)
+        # RLlib's on_sample_end: no EnvRunner here; the samples are the groups (one per prompt) this update trains on
+        self._callback("on_sample_end", env_runner=None, samples=batch.groups)
         # 3. advantages and 4. the update, both inside the learner (the tree's advantages: training.advantage)
         learn, update_s = self._update(batch, version)
         # 5. record: metrics, the data position and the trees trained on
@@ -409,8 +420,32 @@ class AgenticRLAlgorithm(Algorithm):
         if self.rollout_pipeline is not None:  # a tree in flight is finished under the weights it started with
             self.rollout_pipeline.wait()
         self._sync_weights()
+        self._callback("on_evaluate_start", algorithm=self)
         self._last_eval = evaluate_policy(self, self._eval_env)
+        self._callback("on_evaluate_end", algorithm=self, evaluation_metrics=dict(self._last_eval))
         return dict(self._last_eval)
+
+    # ------------------------------------------------------------------------------ RLlib's inference methods
+
+    def _no_rllib_inference(self, name: str) -> ArpoError:
+        return ArpoError(
+            f"{type(self).__name__}.{name}() is RLlib's inference path for an RLModule or Policy, which arpo does not "
+            "build: its policy is a Hugging Face causal LM that answers through the agent loop",
+            hint="answer as the served agent does with `arpo serve`, score a split with `arpo eval` or "
+            "algo.evaluate(), or use the model and tokenizer directly: algo.learner.model, algo.learner.tokenizer",
+        )
+
+    def get_module(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_inference("get_module")
+
+    def get_policy(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_inference("get_policy")
+
+    def compute_single_action(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_inference("compute_single_action")
+
+    def compute_actions(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_inference("compute_actions")
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
