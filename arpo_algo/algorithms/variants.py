@@ -54,6 +54,18 @@ ALGORITHMS: dict[str, type] = {}
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {}
 
 
+class _ClassLink:
+    """A class attribute that reads as another class. The config and Algorithm classes name each other; stored as
+    plain class attributes that cycle sends ``dis.dis`` (which Ray runs on every actor class it exports, a Tune trial
+    included) into endless recursion, as it walks attributes that are classes but not other objects."""
+
+    def __init__(self, target: type) -> None:
+        self.target = target
+
+    def __get__(self, instance: Any, owner: type | None = None) -> type:
+        return self.target
+
+
 def preset_of(config_class: type) -> dict[str, Any]:
     """The defaults of ``config_class``: the ``preset`` of each class along its bases, the most derived last (a
     variant built on another states only what it changes from that one)."""
@@ -69,8 +81,8 @@ def register_variant(config_class: type, algorithm: type) -> Variant:
     name = config_class.variant
     if name in VARIANTS:
         raise ValueError(f"algorithm variant {name!r} is already registered ({VARIANTS[name].config_class.__name__})")
-    config_class.algorithm_class = algorithm
-    algorithm.config_class = config_class
+    config_class.algorithm_class = _ClassLink(algorithm)
+    algorithm.config_class = _ClassLink(config_class)
     changes: dict[str, str] = {}
     for klass in reversed(config_class.__mro__):
         changes.update(klass.__dict__.get("changes", {}))

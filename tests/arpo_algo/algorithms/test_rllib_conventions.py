@@ -172,3 +172,17 @@ def test_callbacks_fire_over_one_iteration_with_evaluation_and_a_restore(tiny_mo
     assert len(samples) == 1 and len(samples[0].trajectories) == 2
     assert calls["on_evaluate_end"][0]["evaluation_metrics"]["num_tasks"] == 1.0
     assert calls["on_train_result"][0]["result"]["training_iteration"] == result["training_iteration"] == 1
+
+
+def test_ray_can_export_every_algorithm_class():
+    # Ray disassembles an actor class before exporting it (a Tune trial's Algorithm); the config and Algorithm
+    # classes name each other, and as plain class attributes that cycle recursed without end.
+    import dis
+    import io
+
+    from arpo_algo.algorithms.variants import VARIANTS
+
+    for variant in VARIANTS.values():
+        dis.dis(variant.algorithm, file=io.StringIO(), depth=2)
+        assert variant.algorithm.config_class is variant.config_class
+        assert variant.config_class.algorithm_class is variant.algorithm
