@@ -427,25 +427,41 @@ class AgenticRLAlgorithm(Algorithm):
 
     # ------------------------------------------------------------------------------ RLlib's inference methods
 
-    def _no_rllib_inference(self, name: str) -> ArpoError:
+    def compute_single_action(
+        self, observation: str | None = None, *args: Any, explore: bool | None = None, **kwargs: Any
+    ) -> str:
+        """The agent's response to the prompt ``observation``, as ``arpo serve`` would give it: current weights,
+        greedy (``explore=True`` samples), the training environment's system prompt, tools and limits
+        (:mod:`arpo_algo.algorithms.answer`). Returns the whole response: its text, tool calls and their results."""
+        from arpo_algo.algorithms.answer import answer_prompts, check_prompts
+
+        check_prompts([observation], dict(kwargs, state=args[0] if args else None))
+        return answer_prompts(self, [observation], explore=bool(explore))[0]
+
+    def compute_actions(self, observations: Any, *args: Any, explore: bool | None = None, **kwargs: Any) -> Any:
+        """:meth:`compute_single_action` for many prompts at once (one batched agent loop): a dict of prompts gives a
+        dict of responses under the same keys, a list gives a list."""
+        from arpo_algo.algorithms.answer import answer_prompts, check_prompts
+
+        keys = list(observations) if isinstance(observations, dict) else None
+        prompts = [observations[k] for k in keys] if keys is not None else list(observations)
+        check_prompts(prompts, dict(kwargs, state=args[0] if args else None))
+        answers = answer_prompts(self, prompts, explore=bool(explore))
+        return dict(zip(keys, answers)) if keys is not None else answers
+
+    def _no_rllib_module(self, name: str) -> ArpoError:
         return ArpoError(
-            f"{type(self).__name__}.{name}() is RLlib's inference path for an RLModule or Policy, which arpo does not "
-            "build: its policy is a Hugging Face causal LM that answers through the agent loop",
-            hint="answer as the served agent does with `arpo serve`, score a split with `arpo eval` or "
-            "algo.evaluate(), or use the model and tokenizer directly: algo.learner.model, algo.learner.tokenizer",
+            f"{type(self).__name__}.{name}() returns an RLlib RLModule or Policy, which arpo does not build: its "
+            "policy is a Hugging Face causal LM",
+            hint="use algo.learner.model and algo.learner.tokenizer, algo.compute_single_action(prompt) for an "
+            "answer, `arpo serve` to serve it or `arpo eval` / algo.evaluate() to score it",
         )
 
     def get_module(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_rllib_inference("get_module")
+        raise self._no_rllib_module("get_module")
 
     def get_policy(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_rllib_inference("get_policy")
-
-    def compute_single_action(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_rllib_inference("compute_single_action")
-
-    def compute_actions(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_rllib_inference("compute_actions")
+        raise self._no_rllib_module("get_policy")
 
     # --------------------------------------------------------------------------------------------- checkpoints
 

@@ -159,10 +159,20 @@ def test_callbacks_fire_over_one_iteration_with_evaluation_and_a_restore(tiny_mo
     try:
         result = algo.train()
         algo.load_checkpoint(algo.save_to_path(str(tmp_path / "ckpt")))  # Tune's restore path
-        for name in ("get_module", "get_policy", "compute_single_action", "compute_actions"):
+        for name in ("get_module", "get_policy"):
             with pytest.raises(ArpoError) as err:
-                getattr(algo, name)("What is 2 + 3?")
+                getattr(algo, name)()
             assert "arpo serve" in err.value.hint and "algo.learner.model" in err.value.hint
+        # RLlib's inference methods answer a prompt as the served agent would: greedy, so the same answer every time,
+        # and a batch answers each prompt as it is answered alone
+        answer = algo.compute_single_action("What is 2 + 3?")
+        assert isinstance(answer, str) and answer == algo.compute_single_action("What is 2 + 3?")
+        both = algo.compute_actions({"a": "What is 2 + 3?", "b": "What is 7 * 6?"})
+        assert both == {"a": answer, "b": algo.compute_single_action("What is 7 * 6?")}
+        with pytest.raises(ArpoError, match="str"):
+            algo.compute_single_action([0.1, 0.2])
+        with pytest.raises(ArpoError, match="full_fetch"):
+            algo.compute_single_action("What is 2 + 3?", full_fetch=True)
     finally:
         algo.stop()
     calls = Counting.calls
