@@ -18,7 +18,6 @@ READ: dict[str, str] = {
     "env": "the environment the sampler and evaluation play (.environment())",
     "env_config": "the environment's keyword arguments (.environment(env_config=...))",
     "seed": "the seed of the learner, engine, sampler and prompt order (.debugging(seed=...))",
-    "log_level": "RLlib sets the 'ray.rllib' logger's level from it (.debugging(log_level=...))",
     "evaluation_interval": "how often train() evaluates; the same value as evaluation.every",
     "callbacks_class": "the callbacks fired (docs/howto/rllib.md#callbacks)",
     "callbacks_on_algorithm_init": "fired at the end of setup",
@@ -85,6 +84,7 @@ REFUSED: dict[str, str] = {
     "_torch_grad_scaler_class": "arpo's mixed precision is training.precision",
     "torch_skip_nan_gradients": "arpo skips a NaN update itself and stops after training.max_nan_updates",
     "log_gradients": "arpo logs learner/grad_norm every iteration",
+    "log_level": "RLlib applies it in the setup() arpo replaces; set Python's: logging.getLogger('arpo_algo').setLevel",
     "custom_resources_for_main_process": "the main process's extra resources are backend.main_resources",
     **_fields(
         _ROLLOUT_ACTORS,

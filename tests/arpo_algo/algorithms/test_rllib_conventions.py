@@ -79,7 +79,7 @@ def test_rllib_setters_users_reach_for_are_refused_naming_arpos_equivalent(set_i
 
 
 def test_the_fields_arpo_reads_keep_working_and_the_dict_path_round_trips():
-    cfg = valid_config().debugging(seed=7, log_level="ERROR").evaluation(evaluation_interval=3)
+    cfg = valid_config().debugging(seed=7).evaluation(evaluation_interval=3)
     cfg.resources(num_cpus_for_main_process=2, placement_strategy="SPREAD")
     cfg.validate()
     back = ARPOConfig().update_from_dict(cfg.to_dict())
