@@ -184,7 +184,7 @@ class ToolSession:
         # later changes. A fork that fails becomes that copy's error at its next call, never a fresh interpreter.
         new._interps = {}
         if self._interps:
-            from arpo_env.tools.interpreter import fork_or_failure
+            from arpo_env.tools.interpreter_fork import fork_or_failure
 
             new._interps = {name: fork_or_failure(i) for name, i in self._interps.items()}
         return new

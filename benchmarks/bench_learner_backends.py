@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arpo_base.ray_start import init_ray
+
 BACKENDS = {
     "local": {"learner_backend": "local"},
     "local-1t": {"learner_backend": "local"},  # the same with one torch thread: one core, as each rank has
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = LearnerConfig(lr=1e-6, kl_rollout_warn=math.inf, kl_rollout_stop=math.inf)
     repo = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    ray.init(
+    init_ray(  # a Ray of its own (or RAY_ADDRESS's), never the one a stale ray_current_cluster file names
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -405,10 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine_settings={"max_batch_size": 32} if args.engine == "hf" else {},
     )
     reqs = functools.partial(requests_for, toolmath_level=args.toolmath_level)
+    from arpo_base.ray_start import init_ray
     from serve.cli.serve import local_ray_options
 
     # Ray as `arpo serve` starts it on 127.0.0.1: its own listeners on loopback too
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **local_ray_options("127.0.0.1"))
+    init_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=False, **local_ray_options("127.0.0.1"))
     port = _free_port()
     out: dict[str, Any] = {
         "model": args.model,

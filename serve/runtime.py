@@ -31,6 +31,7 @@ from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
 from arpo_base.errors import ConfigError
 from arpo_env.session import SessionStep, ToolSession
+from arpo_env.tools.interpreter import InterpretersExhausted
 from arpo_env.tools.sandbox import cancel_scope
 from serve.agents import AgentSpec
 from serve.batching import BatchingEngine
@@ -66,6 +67,21 @@ class EngineFailure(RuntimeError):
     a failed sandbox: a server fault, never a completion with ``finish_reason`` "stop"."""
 
 
+def run_failure(sessions: list[ServeSession], failed: list[str]) -> Exception:
+    """What a request whose conversations ended in ``failed`` errors raises: a 503 (``interpreters_exhausted``, with
+    Retry-After) when a tool call found no persistent interpreter free, a transient state and never a 500; else
+    :class:`EngineFailure`, a server fault."""
+    if any(s.exhausted for s in sessions):
+        return APIError(
+            "the server's Python interpreters are all in use (or this request holds its share of them); retry "
+            "shortly, or ask for fewer choices (n)",
+            status=503,
+            type="server_error",
+            code="interpreters_exhausted",
+        )
+    return EngineFailure(failed[0] or "engine error (no message)")
+
+
 class ServeSession:
     """A ``ToolSession`` plus what a request adds: the client's ``stop`` strings, client-side tool calls and the
     request's ``cancel`` event, under which its tool calls run (set: the sandboxed process is killed at once)."""
@@ -75,6 +91,7 @@ class ServeSession:
     ) -> None:
         self.inner, self.user_stop, self.client_tools, self.cancel = inner, list(stop), client_tools, cancel
         self.client_call: tuple[str, dict] | None = None
+        self.exhausted = False  # a tool call found no persistent interpreter free: the request answers 503
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -89,7 +106,15 @@ class ServeSession:
                 self.client_call = (parsed.tool, dict(parsed.args))
                 return SessionStep("", True, "client_tool", "tool", tool=parsed.tool, args=dict(parsed.args))
         with cancel_scope(self.cancel):  # in the thread that runs the tool, whichever the agent loop uses
-            return self.inner.step(action)
+            try:
+                return self.inner.step(action)
+            except InterpretersExhausted:
+                self.exhausted = True
+                raise
+
+
+#: The most ids a stream holds back waiting for a UTF-8 character to finish (a character has at most 4 bytes).
+MAX_HELD_IDS = 8
 
 
 class TextStream:
@@ -132,8 +157,11 @@ class TextStream:
     def _advance(self, final: bool) -> None:
         before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
         window = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if not final and (window.endswith("\ufffd") or len(window) <= len(before)):
-            return  # an incomplete UTF-8 character (or no text yet): wait for the next token
+        waiting = len(self.ids) - self.read
+        if not final and waiting < MAX_HELD_IDS and (window.endswith("\ufffd") or len(window) <= len(before)):
+            return  # an incomplete UTF-8 character (or no text yet): wait for the next token, but only a few
+        # Past MAX_HELD_IDS ids a trailing U+FFFD is no unfinished character (one has at most 4 bytes) but the text of
+        # ids that decode to it: taken as it is, so the window, and each decode, stays a few ids long.
         self.text += window[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         self._push(final)
@@ -307,7 +335,7 @@ class Agent:
                 s.inner.close()
         failed = [t.error for t in traces if t.finish_reason == "error"]
         if failed and not cancel.is_set():  # a cancelled request's answer is already sent
-            raise EngineFailure(failed[0] or "engine error (no message)")
+            raise run_failure(sessions, failed)
         choices = []
         for j, (trace, sess) in enumerate(zip(traces, sessions)):
             if emit:

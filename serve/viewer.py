@@ -118,6 +118,8 @@ def build_app(folder: str | Path | list, key: str, *, port: int, allowed_hosts: 
             return JSONResponse(source.group(it, gi))
         except (KeyError, IndexError):
             return error(404, f"iteration {it} has no recorded group {gi}")
+        except OSError:  # its chunk went away (or is no longer a file) since the index was read
+            return error(404, f"iteration {it}'s recorded chunk is gone")
         except ValueError:
             return error(422, f"the recorded bytes of iteration {it}, group {gi} are not a record (cut short?)")
 

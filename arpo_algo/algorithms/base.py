@@ -221,7 +221,11 @@ class AgenticRLAlgorithm(Algorithm):
         import ray
 
         if not ray.is_initialized():
-            ray.init(num_cpus=int(sum(b["CPU"] for b in resource_bundles(self.config))), include_dashboard=False)
+            from arpo_base.ray_start import init_ray, ray_address
+
+            # RAY_ADDRESS: that cluster; else a Ray of its own, never the one a stale ray_current_cluster file names
+            sized = {} if ray_address() else {"num_cpus": int(sum(b["CPU"] for b in resource_bundles(self.config)))}
+            init_ray(include_dashboard=False, **sized)
             self._owns_ray = True
 
     def _engine_owns_weights(self) -> bool:
@@ -246,7 +250,8 @@ class AgenticRLAlgorithm(Algorithm):
         from arpo_algo.eval.trees import FOLDER, TreeWriter
 
         rollouts = self.config.settings.rollouts
-        folder = rollouts.record_path or (os.path.join(self.logdir, FOLDER) if getattr(self, "logdir", None) else None)
+        run_folder = self._run_folder()
+        folder = rollouts.record_path or (os.path.join(run_folder, FOLDER) if run_folder else None)
         if not rollouts.record_trees or folder is None:
             return None
         tok = self.learner.tokenizer
@@ -257,6 +262,15 @@ class AgenticRLAlgorithm(Algorithm):
         return TreeWriter(
             folder, decode, source="train", max_groups=rollouts.record_max_groups, every=rollouts.record_every
         )
+
+    def _run_folder(self) -> str | None:
+        """Where this run's artifacts go: a Tune trial's folder in the sweep (its storage path, when local), else the
+        Algorithm's log folder (with a remote storage, the trial's working folder, which Tune uploads when its
+        ``SyncConfig(sync_artifacts=True)``; for a bare ``build_algo()``, the one run folder Ray's Trainable makes)."""
+        storage = getattr(self, "_storage", None)
+        if storage is not None and getattr(storage.storage_filesystem, "type_name", "") == "local":
+            return storage.trial_fs_path
+        return getattr(self, "logdir", None)
 
     def _record_trees(self, iteration: int, groups: list[Any]) -> None:
         """Record the groups this iteration trained on, with the advantages the learner's estimator gave them."""
@@ -346,10 +360,26 @@ class AgenticRLAlgorithm(Algorithm):
         for key, value in group_diagnostics(groups).items():  # names defined in arpo_algo.rollout.diagnostics
             self.metrics.log_value(tuple(key.split("/")), float(value), reduce="mean", window=1)
         self.metrics.log_value(MK.TRAJECTORIES_LIFETIME, rollout[MK.TRAJECTORIES], reduce="lifetime_sum")
+        self._log_rllib_names(groups)
         position = self.data_position()  # numbers only in the metrics: the carried tasks as a count
         position["carry"] = len(position.get("carry", ()))
         self.metrics.log_dict(position, key="data", reduce="mean", window=1)
         self._record_trees(version + 1, groups)  # iteration numbers as in metrics.jsonl (1 = the first update)
+
+    def _log_rllib_names(self, groups: list[Any]) -> None:
+        """RLlib's names for the iteration (:func:`arpo_algo.rollout.metrics.rllib_results`: an episode is a
+        trajectory, an env step a model turn), under ``env_runners/`` with the lifetime counts also at the top level
+        as RLlib reports them."""
+        runners = MK.ENV_RUNNERS.rstrip("/")
+        counts = MK.rllib_results(groups)
+        for key, value in counts.items():
+            self.metrics.log_value((runners, key), value, reduce="mean", window=1)
+        for lifetime, key in (
+            (MK.NUM_EPISODES_LIFETIME, MK.NUM_EPISODES),
+            (MK.NUM_ENV_STEPS_SAMPLED_LIFETIME, MK.NUM_ENV_STEPS_SAMPLED),
+        ):
+            self.metrics.log_value((runners, lifetime), counts[key], reduce="lifetime_sum")
+            self.metrics.log_value(lifetime, counts[key], reduce="lifetime_sum")
 
     def _sample(self, indices: list[int], step: int, version: int) -> tuple[list[Any], dict[str, float]]:
         training = self.config.settings.training

@@ -26,7 +26,7 @@ from typing import Any
 from arpo_algo import __version__
 from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
 from arpo_algo.models.policy_env import write_policy_env
-from arpo_base.errors import ArpoError
+from arpo_base.errors import ArpoError, ConfigError
 
 #: Bumped whenever the checkpoint layout or state keys change incompatibly.
 CHECKPOINT_FORMAT = 2
@@ -138,6 +138,11 @@ def _write_state(path: Path, config: Any, **state: Any) -> None:
 
 def write_checkpoint(algo: Any, path: Path) -> Path:
     """Write ``algo``'s checkpoint into ``path`` (created; must not hold another checkpoint) and fsync it."""
+    if not isinstance(algo.config.env, str):  # a checkpoint is data: it names its environment, it holds no code
+        raise ConfigError(
+            f"a checkpoint records its environment by name; this run's env is {algo.config.env!r}",
+            hint="register it, tune.register_env('my_env', creator), and pass the name to .environment('my_env')",
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     algo.policy.save_to_path(path / POLICY_DIR)

@@ -107,11 +107,53 @@ def make_env(env_id: str, env_config: dict[str, Any], overrides: dict[str, Any] 
     return env.unwrapped
 
 
+def tune_env_creator(name: str) -> Any:
+    """The creator registered under ``name`` with ``ray.tune.register_env``, or None."""
+    from ray.tune.registry import ENV_CREATOR, _global_registry
+
+    return _global_registry.get(ENV_CREATOR, name) if _global_registry.contains(ENV_CREATOR, name) else None
+
+
+def make_env_from(env: Any, env_config: dict[str, Any], overrides: dict[str, Any] | None = None) -> Any:
+    """One unwrapped ToolTextEnv from any form RLlib's ``.environment(env=...)`` takes: a name registered with
+    ``tune.register_env`` (its creator gets an ``EnvContext``, as RLlib calls it), a Gymnasium id, an env class
+    (called with ``config=``) or a creator. arpo's sampler drives a ToolTextEnv (text in and out, ``clone()``):
+    anything else is refused, naming what was made."""
+    from ray.rllib.env.env_context import EnvContext
+
+    from arpo_env.core import ToolTextEnv
+
+    merged = {**env_config, **(overrides or {})}
+    creator = tune_env_creator(env) if isinstance(env, str) else None
+    if isinstance(env, str) and creator is None:
+        return make_env(env, env_config, overrides)
+    if creator is None and isinstance(env, type):
+        made = env(config=merged)
+    else:
+        made = (creator or env)(EnvContext(merged, worker_index=0))
+    made = getattr(made, "unwrapped", made)
+    if not isinstance(made, ToolTextEnv):
+        raise ConfigError(
+            f"environment {env!r} made a {type(made).__name__}; arpo's sampler drives arpo_env.ToolTextEnv "
+            "(text observations and actions, clone())",
+            hint="return a ToolTextEnv (or a subclass) from the env class or creator",
+        )
+    return made
+
+
 def env_creator(config: Any, **overrides: Any) -> functools.partial:
-    """A picklable zero-argument env factory for the sampler (and rollout actors)."""
-    if not isinstance(config.env, str):
-        raise ConfigError(f"env must be a registered id such as 'arpo/ToolMath-v0', got {config.env!r}")
-    return functools.partial(make_env, config.env, dict(config.env_config), overrides)
+    """A picklable zero-argument env factory for the sampler (and rollout actors), for every form
+    :func:`make_env_from` takes."""
+    env = config.env
+    if not (isinstance(env, str) or callable(env)):
+        raise ConfigError(
+            f"env must be a Gymnasium id, a name registered with tune.register_env, an env class or a creator, "
+            f"got {env!r}",
+            hint="config.environment('arpo/ToolMath-v0', env_config={...})",
+        )
+    if isinstance(env, str) and tune_env_creator(env) is None:
+        return functools.partial(make_env, env, dict(config.env_config), overrides)
+    return functools.partial(make_env_from, env, dict(config.env_config), overrides)
 
 
 # ------------------------------------------------------------------------------------------------------- resources

@@ -26,15 +26,17 @@ from typing import Any
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
-from arpo_algo.algorithms.rllib_fields import check_callbacks, check_unused_fields
+from arpo_algo.algorithms.rllib_fields import check_callbacks, check_unused_fields, same_value
 from arpo_algo.algorithms.settings import Settings
-from arpo_algo.algorithms.variants import preset_of
+from arpo_algo.algorithms.variants import algorithm_of, preset_of
 from arpo_algo.core.tree import TreeConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import closest
 
 #: RLlib attributes that ARPO replaces by its own settings: a dict or call that sets them is refused, not ignored.
 _REPLACED_RLLIB = {"lr": "training.lr", "grad_clip": "training.grad_clip", "evaluation_interval": "evaluation.every"}
+#: RLlib fields :meth:`AgenticRLConfig.to_dict` always writes: what a trial's environment is.
+_ALWAYS_IN_DICT = ("env", "env_config")
 #: Keys RLlib's update_from_dict routes through .training(); they have no effect on ARPO (see update_from_dict).
 _RLLIB_TRAINING_DICT_KEYS = ("model", "optimizer", "replay_buffer_config")
 
@@ -57,11 +59,11 @@ class AgenticRLConfig(AlgorithmConfig):
     preset: dict[str, Any] = {}
     #: What it changes from ARPO, by dotted setting name, each with the paper's section (docs and the reference).
     changes: dict[str, str] = {}
-    #: The Algorithm it builds (set by ``register_variant``).
+    #: The Algorithm it builds, where it is not the one ``register_variant`` tied to it (:func:`algorithm_of`).
     algorithm_class: type | None = None
 
     def __init__(self, algo_class: type | None = None) -> None:
-        super().__init__(algo_class=algo_class or type(self).algorithm_class)
+        super().__init__(algo_class=algo_class or type(self).algorithm_class or algorithm_of(type(self)))
         self.settings = Settings(tree=TreeConfig(mode=self.tree_mode)).update(
             preset_of(type(self)), f"{type(self).__name__} preset"
         )
@@ -115,21 +117,41 @@ class AgenticRLConfig(AlgorithmConfig):
     # ------------------------------------------------------------------------------------------ dict path (Tune)
 
     def to_dict(self) -> dict[str, Any]:
-        """RLlib's dict with every ARPO setting under its dotted name (``"tree.tau"``), RLlib's replaced fields left
-        out, so Tune search spaces are placed by the same names as ``--set``."""
+        """Every ARPO setting under its dotted name (``"tree.tau"``), so Tune search spaces are placed by the same
+        names as ``--set``, plus the environment and the RLlib fields set away from this class's defaults: a trial's
+        ``params.json`` holds the run's settings, not RLlib's hundreds of inert ones (:meth:`update_from_dict` starts
+        from the defaults, so what is left out reads back as it was)."""
+        defaults = type(self)._rllib_defaults()
+        out = {
+            k: v for k, v in self._rllib_dict().items() if k in _ALWAYS_IN_DICT or not same_value(v, defaults.get(k))
+        }
+        out.update(self.settings.flat())
+        return out
+
+    def _rllib_dict(self) -> dict[str, Any]:
+        """RLlib's whole dict, without ARPO's settings object and the RLlib fields it replaces."""
         out = super().to_dict()
         out.pop("settings", None)
         for key in _REPLACED_RLLIB:
             out.pop(key, None)
-        out.update(self.settings.flat())
         return out
+
+    @classmethod
+    @functools.cache
+    def _rllib_defaults(cls) -> dict[str, Any]:
+        return cls()._rllib_dict()
 
     @classmethod
     @functools.cache
     def _known_keys(cls) -> frozenset[str]:
         # Tune adds its own bookkeeping keys to every trial's config dict.
         tune_keys = {TRIAL_INFO, STDOUT_FILE, STDERR_FILE}
-        return frozenset(cls().to_dict()) | tune_keys | {"multiagent", "_enable_new_api_stack"}
+        return (
+            frozenset(cls()._rllib_dict())
+            | frozenset(cls().settings.flat())
+            | tune_keys
+            | {"multiagent", "_enable_new_api_stack"}
+        )
 
     def update_from_dict(self, config_dict: dict[str, Any]) -> AgenticRLConfig:  # type: ignore[override]
         """RLlib's update_from_dict, but unknown keys raise ConfigError (RLlib sets them silently) and ARPO settings

@@ -224,7 +224,8 @@ def _defaults_via_dict() -> dict[str, Any]:
 _SET_BY_RLLIB_VALIDATE: dict[str, tuple[Any, ...]] = {"simple_optimizer": (False,)}
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b`` as a truth value; values whose ``==`` is not one (arrays) count as different."""
     if a is b:
         return True
     try:
@@ -239,7 +240,7 @@ def check_unused_fields(config: Any, where: str) -> None:
     for field, hint in REFUSED.items():
         value = getattr(config, field, defaults[field])
         accepted = (defaults[field], via_dict.get(field, defaults[field]), *_SET_BY_RLLIB_VALIDATE.get(field, ()))
-        if not any(_same(value, ok) for ok in accepted):
+        if not any(same_value(value, ok) for ok in accepted):
             raise ConfigError(
                 f"{where}: RLlib's {field} = {value!r:.80} would change nothing in arpo, so it is refused", hint=hint
             )

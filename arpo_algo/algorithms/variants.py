@@ -54,16 +54,12 @@ ALGORITHMS: dict[str, type] = {}
 VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {}
 
 
-class _ClassLink:
-    """A class attribute that reads as another class. The config and Algorithm classes name each other; stored as
-    plain class attributes that cycle sends ``dis.dis`` (which Ray runs on every actor class it exports, a Tune trial
-    included) into endless recursion, as it walks attributes that are classes but not other objects."""
+_ALGORITHM_OF: dict[type, type] = {}
 
-    def __init__(self, target: type) -> None:
-        self.target = target
 
-    def __get__(self, instance: Any, owner: type | None = None) -> type:
-        return self.target
+def algorithm_of(config_class: type) -> type | None:
+    """The Algorithm class registered with ``config_class`` or its nearest registered base."""
+    return next((_ALGORITHM_OF[k] for k in config_class.__mro__ if k in _ALGORITHM_OF), None)
 
 
 def preset_of(config_class: type) -> dict[str, Any]:
@@ -77,16 +73,38 @@ def preset_of(config_class: type) -> dict[str, Any]:
 
 def register_variant(config_class: type, algorithm: type) -> Variant:
     """Register a variant under ``config_class.variant`` and tie its two classes together (the config builds
-    ``algorithm``, ``algorithm.get_default_config()`` builds the config). Registering a name twice is an error."""
+    ``algorithm``: :func:`algorithm_of`; ``algorithm.get_default_config()`` builds the config), and register the
+    Algorithm with Tune. Registering a name twice is an error."""
     name = config_class.variant
     if name in VARIANTS:
         raise ValueError(f"algorithm variant {name!r} is already registered ({VARIANTS[name].config_class.__name__})")
-    config_class.algorithm_class = _ClassLink(algorithm)
-    algorithm.config_class = _ClassLink(config_class)
+    # one direction only: a class attribute each way would make the two classes a cycle that Ray's actor export
+    # (dis.dis over class attributes) recurses through forever; the config finds its Algorithm with algorithm_of()
+    _ALGORITHM_OF[config_class] = algorithm
+    algorithm.config_class = config_class
     changes: dict[str, str] = {}
     for klass in reversed(config_class.__mro__):
         changes.update(klass.__dict__.get("changes", {}))
     v = Variant(name, config_class, algorithm, config_class.tree_mode, preset_of(config_class), changes)
     VARIANTS[name], CONFIG_CLASSES[name], ALGORITHMS[name] = v, config_class, algorithm
     VARIANT_DEFAULTS[name] = dict(v.defaults)
+    _register_with_tune(v)
     return v
+
+
+def _register_with_tune(v: Variant) -> None:
+    """``tune.Tuner("<Algorithm class name>")`` and ``tune.Tuner("<NAME>")`` run the variant (Tune's registry holds
+    entries only: nothing starts Ray). Tune's generated trial folder names keep the longest such name whole."""
+    import os
+
+    from ray.tune import register_trainable
+
+    import arpo_algo
+
+    names = {v.algorithm.__name__, v.name.upper()}
+    for tune_name in names:
+        register_trainable(tune_name, v.algorithm)
+    if os.environ.get("TUNE_MAX_LEN_IDENTIFIER") == arpo_algo.TUNE_DIRNAME_LENGTH:  # arpo's default, not the user's
+        longest = max(len(n) for n in names) + len("_abcde_00000")  # the name, then the trial id
+        if longest > int(arpo_algo.TUNE_DIRNAME_LENGTH):
+            os.environ["TUNE_MAX_LEN_IDENTIFIER"] = arpo_algo.TUNE_DIRNAME_LENGTH = str(longest)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -378,9 +379,25 @@ def find_folder(path: str | os.PathLike) -> Path:
     )
 
 
+def sweep_trials(path: str | os.PathLike) -> list[Path]:
+    """The tree folders of a sweep's trials, by trial folder name: ``path`` is a Tune experiment folder
+    (``<trial>/trees``) or a folder of them (``arpo tune``'s output: ``<experiment>/<trial>/trees``). Empty when
+    ``path`` itself holds trees or no trial does."""
+    p = Path(path).expanduser()
+    if (p / "format.json").is_file() or (p / FOLDER / "format.json").is_file():
+        return []
+    found = [f.parent for pattern in (f"*/{FOLDER}/format.json", f"*/*/{FOLDER}/format.json") for f in p.glob(pattern)]
+    return sorted(found, key=lambda f: (f.parent.name, str(f)))
+
+
 def _whole(*values: object) -> bool:
     """Every value a non-negative int (a bool is not)."""
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
+def _chunk_name(name: str) -> bool:
+    """Whether an index line's chunk is a plain file name of the tree folder (what :class:`TreeWriter` writes)."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 class TreeReader:
@@ -425,7 +442,10 @@ class TreeReader:
                 if not _whole(iteration, *(v for span in spans for v in span)) or not isinstance(row["chunk"], str):
                     continue  # a line someone else wrote or edited: numbers that are not counts are not read
                 need = max((o + n for o, n in spans), default=0)
-                if (self.folder / Path(row["chunk"]).name).stat().st_size < need:
+                if not _chunk_name(row["chunk"]):
+                    continue  # only a file of this folder is read: never a path, ``..`` or a folder
+                info = os.stat(self.folder / row["chunk"], follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode) or info.st_size < need:
                     continue  # the chunk was cut after its index line: skip the iteration rather than guess
             except (ValueError, KeyError, TypeError, AttributeError, OSError):
                 continue
@@ -440,6 +460,6 @@ class TreeReader:
         if index < 0:
             raise IndexError(index)
         e = row["groups"][index]
-        with open(self.folder / Path(row["chunk"]).name, "rb") as f:
+        with open(self.folder / row["chunk"], "rb") as f:  # refresh() kept only a plain name of a regular file
             f.seek(e["offset"])
             return json.loads(f.read(e["length"]))

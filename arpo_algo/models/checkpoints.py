@@ -27,9 +27,18 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     found = [
         p
         for p in ckpt_root.iterdir()
-        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / CHECKPOINT_MARKER).is_file()
+        if _checkpoint_number(p.name) is not None and p.is_dir() and (p / CHECKPOINT_MARKER).is_file()
     ]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+    return sorted(found, key=lambda p: _checkpoint_number(p.name))
+
+
+def _checkpoint_number(name: str) -> int | None:
+    """The iteration of a checkpoint folder's name (``iter_`` and ASCII digits only), or None for any other name: a
+    folder someone else named ``iter_x`` (or ``iter_٣``) is not a checkpoint, never a crash."""
+    digits = name[len(CHECKPOINT_PREFIX) :]
+    if not name.startswith(CHECKPOINT_PREFIX) or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits)
 
 
 #: The keys of the ``config.json`` that ``arpo train`` writes into a run folder (the resolved experiment).

@@ -198,6 +198,42 @@ def _quality(groups: list, trajs: list) -> dict[str, float]:
     }
 
 
+# RLlib's result names (what its guides and Tune examples stop and rank on), reported beside arpo's own. An episode is
+# one trajectory (one root-to-leaf path of a tree: a tree's shared prefix counts once per path, as each path is its own
+# episode); an env step is one ``env.step``, i.e. one model turn (a run of sampled tokens between tool results).
+ENV_RUNNERS = "env_runners/"
+EPISODE_RETURN_MEAN = "episode_return_mean"
+EPISODE_RETURN_MAX = "episode_return_max"
+EPISODE_RETURN_MIN = "episode_return_min"
+EPISODE_LEN_MEAN = "episode_len_mean"
+NUM_EPISODES = "num_episodes"
+NUM_ENV_STEPS_SAMPLED = "num_env_steps_sampled"
+NUM_EPISODES_LIFETIME = "num_episodes_lifetime"
+NUM_ENV_STEPS_SAMPLED_LIFETIME = "num_env_steps_sampled_lifetime"
+
+
+def model_turns(traj: Any) -> int:
+    """The trajectory's model turns (env steps): the runs of sampled tokens, each ended by a tool result or the end."""
+    mask = traj.trained_mask
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def rllib_results(groups: Iterable[Any]) -> dict[str, float]:
+    """The iteration's RLlib-named numbers (``env_runners/`` section, without that prefix) over ``groups``."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {NUM_EPISODES: 0.0, NUM_ENV_STEPS_SAMPLED: 0.0}
+    turns = [model_turns(t) for t in trajs]
+    return {
+        EPISODE_RETURN_MEAN: mean(t.reward for t in trajs),
+        EPISODE_RETURN_MAX: max(t.reward for t in trajs),
+        EPISODE_RETURN_MIN: min(t.reward for t in trajs),
+        EPISODE_LEN_MEAN: mean(turns),
+        NUM_EPISODES: float(len(trajs)),
+        NUM_ENV_STEPS_SAMPLED: float(sum(turns)),
+    }
+
+
 def staleness(groups: Iterable[Any], learner_version: int) -> dict[str, float]:
     """:data:`POLICY_VERSION`, :data:`STALENESS_MEAN` and :data:`STALENESS_MAX` of a batch the learner at
     ``learner_version`` is about to train on. Every trajectory must carry its sampling version."""

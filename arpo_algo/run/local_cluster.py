@@ -219,7 +219,10 @@ class LocalCluster:
 
     def resources(self) -> dict[str, float]:
         """``ray.cluster_resources()`` read by a short-lived driver (the test process never joins the cluster)."""
-        code = "import json, ray; ray.init(log_to_driver=False); print('RES' + json.dumps(ray.cluster_resources()))"
+        code = (
+            "import json, os, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False); "
+            "print('RES' + json.dumps(ray.cluster_resources()))"
+        )
         out = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True, timeout=120)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RES")), None)
         if line is None:

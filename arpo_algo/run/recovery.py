@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from arpo_base.errors import ArpoError
+from arpo_base.ray_start import init_ray
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def join_cluster() -> bool:
 
     if ray.is_initialized() or not os.environ.get("RAY_ADDRESS"):
         return False
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level=logging.WARNING)
+    init_ray(log_to_driver=False, logging_level=logging.WARNING)  # RAY_ADDRESS, checked above
     return True
 
 

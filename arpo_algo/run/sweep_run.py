@@ -23,6 +23,7 @@ from typing import Any
 from arpo_algo.run.sweep import Sweep, field_path
 from arpo_algo.run.sweep_checks import ranks_every_iteration
 from arpo_base.errors import ArpoError
+from arpo_base.ray_start import init_ray, ray_address
 
 #: Per algorithm folder: the ids of trials that completed or failed (one per line).
 FINISHED_LEDGER = "finished_trials.txt"
@@ -34,10 +35,10 @@ def start_ray() -> None:
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(
+    if ray_address():
+        init_ray(log_to_driver=False)
+    else:  # a Ray of its own, never the one a stale ray_current_cluster file names
+        init_ray(
             num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
         )
 
@@ -168,25 +169,41 @@ def _fmt(v: Any) -> str:
 def check_own_tune_state(path: Path) -> None:
     """Refuse (:class:`ArpoError`) to restore Tune's state from ``path`` unless this user wrote it.
 
-    Invariant: ``Tuner.restore`` unpickles the folder's state (and so runs whatever code the pickles name); a sweep
-    folder is restored only when it, every folder in it and every pickle in it belong to this user and no other user
-    can write them, so a folder someone else wrote or could have changed is never run as code."""
+    Invariant: ``Tuner.restore`` deserializes the folder's state through cloudpickle (its pickles, and the JSON of
+    ``experiment_state-*.json`` and of the trials, which carry pickled objects too), so it runs whatever code that
+    state names. A sweep folder is restored only when every entry in it, whatever its name, is no link, belongs to
+    this user and is writable by no other user, and every folder above it belongs to this user or root and is not
+    writable by others unless sticky (others may then add entries but not replace this user's): so nothing that
+    someone else wrote, or could change or swap between this check and Tune's read, is run as code."""
     me = os.geteuid()
-    for item in [path, *path.rglob("*")]:
-        if not (item.is_dir() or item.suffix == ".pkl"):
-            continue
+
+    def refuse(item: Path, what: str) -> None:
+        raise ArpoError(
+            f"{item} is {what}: restoring the sweep in {path} would deserialize Tune's state from it, and Tune's "
+            "state is code",
+            hint="resume or report only sweeps you ran yourself, in folders only you can change; run the sweep "
+            "again into a new --output",
+        )
+
+    for parent in Path(os.path.realpath(path)).parents:
+        st = parent.stat()
+        if st.st_uid not in (me, 0):
+            refuse(parent, f"a folder above the sweep owned by uid {st.st_uid}")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            refuse(parent, "a folder above the sweep that other users may write")
+    items = [path]
+    for root, dirs, files in os.walk(path):  # links are not followed: each is refused below
+        items += [Path(root) / n for n in (*dirs, *files)]
+    for item in items:
         st = item.lstat()
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
-            who = (
-                "a link"
-                if stat.S_ISLNK(st.st_mode)
-                else (f"owned by uid {st.st_uid}" if st.st_uid != me else "writable by other users")
-            )
-            raise ArpoError(
-                f"{item} is {who}: restoring the sweep in {path} would unpickle Tune's state from it, and "
-                "Tune's state is code",
-                hint="resume or report only sweeps you ran yourself; run the sweep again into a new --output",
-            )
+        if stat.S_ISLNK(st.st_mode):
+            refuse(item, "a link")
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            refuse(item, "neither a file nor a folder")
+        if st.st_uid != me:
+            refuse(item, f"owned by uid {st.st_uid}")
+        if st.st_mode & 0o022:
+            refuse(item, "writable by other users")
 
 
 def build_tuner(sweep: Sweep, algorithm: str, monitor: SweepMonitor, resume: bool) -> Any:

@@ -23,7 +23,6 @@ import selectors
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import threading
@@ -33,9 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_env.tools.base import ToolResult, check_text_arg, tolerant_call, truncate_text
-from arpo_env.tools.control_socket import recv_message, send_message
+from arpo_env.tools.control_socket import message_length, parse_message, pending, recv_message, send_message
 from arpo_env.tools.interpreter_child import LOOP
-from arpo_env.tools.pipes import output_limits, read_pipes
+from arpo_env.tools.pipes import drain, output_limits, read_pipes
 from arpo_env.tools.proc_memory import tree_pss
 from arpo_env.tools.sandbox import (
     READY,
@@ -60,11 +59,23 @@ STATE_LOST = (
     "The Python interpreter was stopped: its variables, imports and files are lost; the next call starts "
     "a fresh interpreter."
 )
-_START_TIMEOUT_S = 60.0
+#: What the model reads when a call returned with a thread of its still running (Python cannot stop a thread).
+THREAD_LEFT = (
+    "A thread this call started was still running when the call returned; a thread cannot be stopped, so the "
+    "interpreter was stopped with it."
+)
+#: What the model reads when its interpreter broke the control protocol (wrote to the interpreter's own socket).
+CHANNEL_BROKEN = "The interpreter wrote to its control channel (a message that is not its reply) and was stopped."
+#: One request (one cancel scope: a served request) may hold at most this share of ``max_interpreters``.
+REQUEST_SHARE = 4
+_START_TIMEOUT_S = 60.0  # a fork's or fresh start's replies, each under this total deadline
+_KILL_TIMEOUT_S = 10.0
 _LIVE = {"n": 0}
+# Live interpreters per cancel scope (a served request's cancel event), for the per-request cap.
+_PER_SCOPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Since the last interpreter_metrics(): forks made (fresh starts excluded), their seconds, forks that could not be
 # made, the most live at once, and the largest summed PSS (bytes) that sample_interpreter_memory() saw.
-_STATS = {"forks": 0, "fork_s": 0.0, "failed": 0, "peak": 0, "pss": 0}
+_STATS: dict[str, Any] = {"forks": 0, "fork_s": 0.0, "failed": 0, "peak": 0, "pss": 0}  # pss: None when unreadable
 _LIVE_LOCK = threading.Lock()
 # Every tree whose sandbox is up (a tree leaves it in _teardown): what sample_interpreter_memory() measures.
 _TREES: weakref.WeakSet = weakref.WeakSet()
@@ -76,6 +87,11 @@ _LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arpo-interpret
 class ForkError(SandboxError):
     """An interpreter could not be forked (process or memory limit, working folder over the copy cap, a dead tree):
     an error for that trajectory, never a silent fresh interpreter."""
+
+
+class InterpretersExhausted(ForkError):
+    """No interpreter may start now: the process holds ``max_interpreters``, or this request its share of them.
+    Transient (others end theirs): ``arpo serve`` answers it with 503 and ``Retry-After``, never a 500."""
 
 
 def live_interpreters() -> int:
@@ -125,8 +141,14 @@ class _Tree:
     """One sandbox (zygote process, uid, cgroup, folder) and the interpreters forked inside it."""
 
     def __init__(self, tool: Any) -> None:
-        self.tool, self.lock, self.members, self.dead = tool, threading.Lock(), 0, False
-        self.uid = self.proc = self.group = self.ctl = None
+        # lock: membership only, never held while waiting on a process; zlock: one request at a time on the
+        # zygote's socket (the zygote runs no model code; each wait has a total deadline)
+        self.tool, self.members, self.dead, self.torn = tool, 0, False, False
+        self.lock, self.zlock = threading.Lock(), threading.Lock()
+        self.uid: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.group: CallCgroup | None = None
+        self.ctl: socket.socket | None = None
         self.scratch = tempfile.mkdtemp(prefix="arpo-py-", dir=tool.scratch_root)
         try:
             self._start()
@@ -173,7 +195,7 @@ class _Tree:
             json.dumps(cfg),
         ]
         try:  # only the start on the launcher thread; the caller's thread waits for READY (starts run in parallel)
-            self.proc = _LAUNCHER.submit(
+            self.proc = proc = _LAUNCHER.submit(
                 subprocess.Popen,
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -188,42 +210,51 @@ class _Tree:
             child.close()
         self.ctl = host
         got, deadline = b"", time.monotonic() + _START_TIMEOUT_S
+        out, err = proc.stdout, proc.stderr
+        assert out is not None and err is not None  # both are pipes (Popen above)
         with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            sel.register(out, selectors.EVENT_READ)
             while len(got) < len(READY) and time.monotonic() < deadline:
                 if sel.select(timeout=0.1):
-                    chunk = os.read(self.proc.stdout.fileno(), len(READY) - len(got))
+                    chunk = os.read(out.fileno(), len(READY) - len(got))
                     if not chunk:
                         break
                     got += chunk
         if got != READY:
             self._kill_all()
-            tail = self.proc.stderr.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
+            tail = err.read().decode("utf-8", "replace").strip()[-800:] or "(no error output)"
             raise SandboxError(
                 f"the persistent Python interpreter's sandbox failed to start: {tail}",
                 hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend needs",
             )
 
     def branch(self, parent: _Branch | None) -> _Branch:
-        """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote."""
+        """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote.
+        The tree's lock covers the membership only: the wait for the child's answers holds no lock of the tree."""
         with self.lock:
             if self.dead:
                 raise ForkError("the interpreter's sandbox has ended", hint="start a new trajectory")
-            _reserve(self.tool.max_interpreters)
-            try:
-                b = self._fork(parent)
-            except BaseException:
-                with _LIVE_LOCK:
-                    _LIVE["n"] -= 1
-                raise
+            scope = _reserve(self.tool.max_interpreters)
             self.members += 1
-            return b
+        try:
+            if parent is None:
+                with self.zlock:
+                    return self._fork(None, scope)
+            with parent.lock:
+                return self._fork(parent, scope)
+        except BaseException:
+            self.leave(scope)
+            raise
 
-    def _fork(self, parent: _Branch | None) -> _Branch:
+    def _fork(self, parent: _Branch | None, scope: Any) -> _Branch:
+        if parent is not None and (parent.broken or pending(parent.ctl)):
+            parent.broken = True  # it wrote more than its replies: its next call ends it
+            raise ForkError("the interpreter could not be forked: its control channel misbehaved")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         host, child = socket.socketpair()
         via = parent.ctl if parent is not None else self.ctl
+        assert via is not None  # a tree's channel is set by _start, which every tree asked to fork has passed
         t0 = time.monotonic()
         try:
             send_message(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
@@ -238,10 +269,14 @@ class _Tree:
             child.close()
         first = recv_message(via, _START_TIMEOUT_S)
         second = recv_message(host, _START_TIMEOUT_S) if first is not None and "ok" in first else None
-        if second is None or "pid" not in second:
+        if second is None or not isinstance(second.get("pid"), int):
             for fd in (out_r, err_r):
                 os.close(fd)
             host.close()
+            if first is None and parent is not None:
+                parent.broken = True  # no answer, or not one of ours, in time: that interpreter ends at its next call
+            elif first is None:
+                self._kill_all()  # the zygote did not answer: nothing of this sandbox can be trusted
             why = (second or first or {}).get("error", "the interpreter did not answer")
             raise ForkError(
                 f"the Python interpreter could not be forked: {why}",
@@ -253,27 +288,29 @@ class _Tree:
             with _LIVE_LOCK:
                 _STATS["forks"] += 1
                 _STATS["fork_s"] += took
-        return _Branch(self, host, out_r, err_r, second["pid"], took)
+        return _Branch(self, host, out_r, err_r, second["pid"], took, scope)
 
     def kill(self, pid: int) -> None:
         """SIGKILL one interpreter's process group, by the zygote (which sees the sandbox's process ids)."""
-        with self.lock:
-            if self.dead:
+        with self.zlock:
+            if self.dead or self.ctl is None:  # no channel: the sandbox never started, nothing of it runs
                 return
             try:
                 send_message(self.ctl, {"op": "kill", "pid": pid})
-                ok = recv_message(self.ctl, 10.0) is not None
+                ok = recv_message(self.ctl, _KILL_TIMEOUT_S) is not None
             except OSError:
                 ok = False
             if not ok:  # the zygote is gone: nothing in this sandbox can be trusted to end, so all of it ends
                 self._kill_all()
 
-    def leave(self) -> None:
-        """One interpreter ended; the last one takes the sandbox with it."""
+    def leave(self, scope: Any = None) -> None:
+        """One interpreter ended (or was never made); the last one takes the sandbox with it."""
         with self.lock:
             self.members -= 1
             with _LIVE_LOCK:
                 _LIVE["n"] -= 1
+                if scope is not None and scope in _PER_SCOPE:
+                    _PER_SCOPE[scope] -= 1
             if self.members > 0:
                 return
         self._teardown()
@@ -291,7 +328,10 @@ class _Tree:
             self.group.close()
 
     def _teardown(self) -> None:
-        with _LIVE_LOCK:
+        with _LIVE_LOCK:  # once: the last interpreter's leave() and a failed start may both end the tree
+            if self.torn:
+                return
+            self.torn = True
             _TREES.discard(self)
         self._kill_all()
         if self.ctl is not None:
@@ -299,38 +339,65 @@ class _Tree:
         if self.proc is not None:
             self.proc.wait()
             for stream in (self.proc.stdout, self.proc.stderr):
-                stream.close()
+                if stream is not None:
+                    stream.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         if self.uid is not None:
             uid_pool(self.tool.uid_base).put(self.uid)
             self.uid = None
 
 
-def _reserve(cap: int) -> None:
+def _reserve(cap: int) -> Any:
+    """Count one more live interpreter, in the process and in the calling thread's cancel scope (a served request:
+    at most ``cap // REQUEST_SHARE`` of them, at least 1); returns that scope's key (None outside one)."""
+    scope = cancel_event()
+    share = max(1, cap // REQUEST_SHARE)
     with _LIVE_LOCK:
         if _LIVE["n"] >= cap:
-            raise ForkError(
+            raise InterpretersExhausted(
                 f"{_LIVE['n']} persistent Python interpreters are live in this process, the most "
                 f"tools.python.max_interpreters ({cap}) allows",
                 hint="fewer trajectories or branches at once, or raise tools.python.max_interpreters "
                 "(each interpreter holds 10-30 MB)",
             )
+        if scope is not None and _PER_SCOPE.get(scope, 0) >= share:
+            raise InterpretersExhausted(
+                f"this request holds {share} persistent Python interpreters, the most one request may "
+                f"(tools.python.max_interpreters / {REQUEST_SHARE})",
+                hint="fewer choices (n) per request, or raise tools.python.max_interpreters",
+            )
         _LIVE["n"] += 1
+        if scope is not None:
+            _PER_SCOPE[scope] = _PER_SCOPE.get(scope, 0) + 1
         _STATS["peak"] = max(_STATS["peak"], _LIVE["n"])
+    return scope
 
 
 class _Branch:
     """One interpreter process: its control socket and output pipes (host ends)."""
 
-    def __init__(self, tree: _Tree, ctl: socket.socket, out_r: int, err_r: int, pid: int, fork_s: float) -> None:
+    def __init__(
+        self, tree: _Tree, ctl: socket.socket, out_r: int, err_r: int, pid: int, fork_s: float, scope: Any = None
+    ) -> None:
         self.tree, self.ctl, self.out, self.err, self.pid, self.fork_s = tree, ctl, out_r, err_r, pid, fork_s
-        self.open = True
+        self.scope, self.open, self.broken, self.lock = scope, True, False, threading.Lock()
 
     def run(self, code: str) -> tuple[bytes, bytes, int | None, str]:
-        """Run one call: (stdout, stderr, exit status, "ok" | "timeout" | "flood" | "ended" | "cancelled")."""
+        """Run one call: (stdout, stderr, exit status, "ok" | "timeout" | "flood" | "ended" | "cancelled" |
+        "channel" (the control channel misbehaved) | "threads" (a thread of the call still runs)). Every status but
+        "ok" has ended the interpreter."""
+        with self.lock:
+            out, err, rc, status = self._run(code)
+        if status != "ok":
+            self.close()
+        return out, err, rc, status
+
+    def _run(self, code: str) -> tuple[bytes, bytes, int | None, str]:
         tool = self.tree.tool
         keep, flood = output_limits(tool.max_output_chars)
         deadline, cancel = time.monotonic() + tool.timeout_s, cancel_event()
+        if self.broken or pending(self.ctl):  # bytes nobody asked for since the last reply: not our channel now
+            return b"", b"", None, "channel"
         try:
             send_message(self.ctl, {"op": "run", "code": code})
         except OSError:
@@ -342,27 +409,18 @@ class _Branch:
             deadline=deadline,
             cancel=cancel,
             control=self.ctl.fileno(),
-            stop=lambda _now, reply: len(reply) >= 4 and len(reply) >= 4 + struct.unpack(">I", reply[:4])[0],
+            stop=lambda _now, reply: (n := message_length(reply)) is not None and (n < 0 or len(reply) >= n),
         )
         bufs = {self.out: out, self.err: err}
-        for fd in (self.out, self.err):  # written before the reply (or the end): already in the pipes
-            os.set_blocking(fd, False)
-            try:
-                while chunk := os.read(fd, 65536):
-                    bufs[fd].extend(chunk[: max(0, keep - len(bufs[fd]))])
-            except BlockingIOError:
-                pass
-            os.set_blocking(fd, True)
+        drain(bufs, keep=keep, limit=flood)  # written before the reply (or the end): already in the pipes
         rc = None
-        if status == "ok":
-            try:  # the code can write to its own end of the socket: a reply that is not ours ends the interpreter
-                n = struct.unpack(">I", reply[:4])[0]
-                rc = json.loads(reply[4:])["rc"] if len(reply) == 4 + n else None
-            except (ValueError, KeyError, TypeError):
-                rc = None
-            status = "ok" if isinstance(rc, int) and not isinstance(rc, bool) else "ended"
-        if status != "ok":
-            self.close()
+        if status == "ok":  # the code can write to its own end of the socket: anything but one reply is no reply
+            answer = parse_message(reply) or {}
+            rc, threads = answer.get("rc"), answer.get("threads", 0)
+            if not isinstance(rc, int) or isinstance(rc, bool) or not isinstance(threads, int):
+                rc, status = None, "channel"
+            elif threads > 0:
+                status = "threads"
         return bytes(bufs[self.out]), bytes(bufs[self.err]), rc, status
 
     def close(self) -> None:
@@ -373,7 +431,7 @@ class _Branch:
         self.ctl.close()
         for fd in (self.out, self.err):
             os.close(fd)
-        self.tree.leave()
+        self.tree.leave(self.scope)
 
 
 class _Slot:
@@ -412,34 +470,49 @@ class Interpreter:
             return ToolResult(text=problem, error=True, meta={"invalid_arguments": True})
         if (cancel := cancel_event()) is not None and cancel.is_set():
             raise ToolCancelled("the call was cancelled before it started")
-        fresh = self._slot.branch is None
-        if fresh:
+        branch = self._slot.branch
+        fresh = branch is None
+        if branch is None:
             tree = _Tree(self.tool)
             try:
-                self._slot.branch = tree.branch(None)
+                branch = self._slot.branch = tree.branch(None)
             except BaseException:
                 tree._teardown()
                 raise
         with sandbox_slot():
-            out, err, rc, status = self._slot.branch.run(code)
+            out, err, rc, status = branch.run(code)
+        if status != "ok":  # the branch has ended itself
+            self._slot.branch = None
         if status == "cancelled":
             self._slot.close()
             raise ToolCancelled(
                 f"the call was cancelled after {time.monotonic() - start:.1f} s; its interpreter was killed"
             )
-        if status == "ended":
-            self._slot.close()
+        if status in ("ended", "channel"):
             body, _ = truncate_text(err.decode("utf-8", "replace").strip(), self.tool.max_output_chars)
-            result = ToolResult(
-                text=(body + "\n" if body else "") + "The interpreter ended during this call (it "
-                "exited, crashed or was killed for exceeding a resource limit).",
-                error=True,
-                meta={"returncode": None, "timed_out": False, "truncated": False},
+            why = (
+                CHANNEL_BROKEN
+                if status == "channel"
+                else (
+                    "The interpreter ended during this call (it exited, crashed or was killed for exceeding a resource "
+                    "limit)."
+                )
             )
+            result = ToolResult(
+                text=(body + "\n" if body else "") + why,
+                error=True,
+                meta={
+                    "returncode": None,
+                    "timed_out": False,
+                    "truncated": False,
+                    "channel_broken": status == "channel",
+                },
+            )
+        elif status == "threads":
+            result = self.tool._result(out, err, rc, "ok")
+            result.text, result.error, result.meta["thread_left"] = result.text + "\n" + THREAD_LEFT, True, True
         else:
             result = self.tool._result(out, err, rc, status)
-            if status != "ok":
-                self._slot.close()
         if self._slot.branch is None:
             result.text += "\n" + STATE_LOST
         result.latency_s = time.monotonic() - start
@@ -478,30 +551,3 @@ class Interpreter:
 
     def schema(self) -> dict[str, Any]:
         return self.tool.schema()
-
-
-class _Failed:
-    """A fork that could not be made: every call raises its error (the trajectory ends with it)."""
-
-    persistent, started, fork_s = True, False, None
-
-    def __init__(self, error: ForkError) -> None:
-        self.error = error
-
-    def __call__(self, **_: Any) -> ToolResult:
-        raise self.error
-
-    def fork(self) -> _Failed:
-        return self
-
-    def close(self) -> None:
-        pass
-
-
-def fork_or_failure(interp: Any) -> Any:
-    """``interp.fork()``, or a stand-in that raises the ForkError at the copy's next call (a session's clone must
-    not fail the caller's whole tree; the one trajectory fails instead)."""
-    try:
-        return interp.fork()
-    except ForkError as exc:
-        return _Failed(exc)

@@ -5,8 +5,9 @@ Protocol on the control socket (a Unix stream socket, fd ``cfg["persistent"]["fd
 big-endian length and a JSON object; a ``fork`` request carries three descriptors (the new branch's stdout and stderr
 pipes and its control socket) as ``SCM_RIGHTS``. Requests and their one reply each:
 
-* ``{"op": "run", "code": str}`` -> ``{"rc": int}`` once the code finished; what it printed went to fds 1 and 2,
-  written before the reply, so the host holds all of it when the reply arrives.
+* ``{"op": "run", "code": str}`` -> ``{"rc": int, "threads": int}`` once the code finished (``threads``: the
+  threads still running besides the loop's, which makes the host end this interpreter); what it printed went to fds
+  1 and 2, written before the reply, so the host holds all of it when the reply arrives.
 * ``{"op": "fork", "fresh": bool}`` -> ``{"ok": true}`` or ``{"error": str}`` on this socket; the new branch then
   says ``{"pid": int}`` or ``{"error": str}`` on its own socket. A fork is a double fork (the branch is adopted by
   the sandbox's init, which reaps it) in which the branch becomes a process group of its own, copies the working
@@ -14,9 +15,11 @@ pipes and its control socket) as ``SCM_RIGHTS``. Requests and their one reply ea
   the parent's folder, so no file offset or content is shared with a sibling.
 * ``{"op": "kill", "pid": int}`` (to the root process only) -> ``{"ok": true}``: SIGKILL to that branch's group.
 
-End of file on the socket (the host closed it, or died) ends the process at once. The root process (the zygote) never
-runs code: it only forks fresh branches and kills them, and keeps the sandbox (its PID namespace) alive while
-branches live.
+End of file on the socket (the host closed it, or died) ends the process at once. The host reads this socket as
+hostile input (model code runs in this process and can write to it): a reply above 64 KiB, a wait past its total
+deadline, bytes beyond the one reply, or a reply that is not one JSON object ends the interpreter.
+The root process (the zygote) never runs code: it only forks fresh branches and kills them, and keeps the sandbox
+(its PID namespace) alive while branches live.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 #: runs inside the sandbox, which holds only the interpreter's own folders.
 LOOP = r"""
 import json as _json, socket as _socket, struct as _struct, shutil as _shutil, signal as _signal, stat as _stat
+import time as _time
 _P = cfg["persistent"]
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _ctl = _socket.socket(fileno=_P["fd"])
@@ -131,7 +135,15 @@ while True:
     msg, fds = _recv()
     op = msg.get("op")
     if op == "run":
-        _send(_ctl, {"rc": _run(msg["code"])})
+        _rc = _run(msg["code"])
+        # Threads besides this one (the sandbox pins BLAS and OpenMP pools to one thread, so there are none unless
+        # the call started one): no thread can be stopped, so the host ends an interpreter that returns with one.
+        for _wait in range(21):  # a thread joined by the call may still be leaving the kernel: up to 0.2 s for it
+            try: _n = len(os.listdir("/proc/self/task"))
+            except OSError: _n = len(sys._current_frames())
+            if _n == 1 or _wait == 20: break
+            _time.sleep(0.01)
+        _send(_ctl, {"rc": _rc, "threads": _n - 1})
     elif op == "kill":
         for f in (os.killpg, os.kill):
             try: f(msg["pid"], _signal.SIGKILL)

@@ -77,3 +77,19 @@ def read_pipes(
                 buf = bufs[key.fd]
                 buf.extend(chunk[: max(0, keep - len(buf))])
     return [bufs[fd] for fd in pipes], bytes(reply), status
+
+
+def drain(bufs: dict[int, bytearray], *, keep: int, limit: int) -> None:
+    """Read what waits in each pipe now, without blocking, into its buffer (each keeps its first ``keep`` bytes), and
+    at most ``limit`` bytes per pipe: a process left behind that keeps writing cannot hold the caller here."""
+    for fd, buf in bufs.items():
+        os.set_blocking(fd, False)
+        read = 0
+        try:
+            while read <= limit and (chunk := os.read(fd, 65536)):
+                read += len(chunk)
+                buf.extend(chunk[: max(0, keep - len(buf))])
+        except BlockingIOError:
+            pass
+        finally:
+            os.set_blocking(fd, True)

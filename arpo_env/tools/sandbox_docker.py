@@ -38,6 +38,10 @@ USER, USER_ID = "arpo", 1000
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Where a call's code is inside its container (a read-only mount of a folder holding only that file).
 CODE_FILE = "/code/main.py"
+#: The CPUs one call's container may use at once (Docker's CPU quota): a call's processes and threads together get
+#: one core's time, never every core of the host.
+CONTAINER_CPUS = 1.0
+_OWN_MOUNTS = ("/scratch", "/tmp", "/dev/shm", os.path.dirname(CODE_FILE))
 
 
 def docker_client():
@@ -45,7 +49,7 @@ def docker_client():
     try:
         import docker  # optional dependency: pip install 'arpo[docker]'
 
-        from_env = docker.from_env
+        from_env = docker.from_env  # type: ignore[attr-defined]  # mypy sees the repository's docker/ folder
     except (ImportError, AttributeError) as exc:  # AttributeError: a folder named docker/ shadows the package
         raise SandboxError("the docker Python package is not importable", hint="pip install 'arpo[docker]'") from exc
     try:
@@ -98,8 +102,10 @@ def run_container(
     stderr, exit code and status: "ok"; or "timeout", "cancelled", "flood" with the container killed and code None.
 
     The container has no network, no capability, no_new_privs, a read-only root, ``memory_mb`` without swap (tmpfs
-    pages count) and ``max_procs`` for all its processes, and private tmpfs of ``disk_mb`` for ``/scratch`` (its
-    working folder, ``nobody``'s), ``/tmp`` and ``/dev/shm``; it runs as ``nobody`` and is removed afterwards. Its
+    pages count), ``max_procs`` for all its processes and :data:`CONTAINER_CPUS` of CPU, and private tmpfs of
+    ``disk_mb`` for ``/scratch`` (its working folder, ``nobody``'s), ``/tmp``, ``/dev/shm`` and every ``VOLUME`` the
+    image declares (so no volume is made on the host's disk); it runs ``command`` whatever the image's
+    ``ENTRYPOINT`` says, as ``nobody``, and is removed afterwards with any volume it has. Its
     output is read as it comes, as the other backends read theirs: the engine keeps no log of it on the host's disk,
     at most ``4 x max_output_chars`` bytes of each stream are kept, and a container writing more than
     ``max(1 MiB, 16 x max_output_chars)`` bytes is stopped."""
@@ -116,20 +122,28 @@ def run_container(
         os.chmod(path, 0o644)
         os.chmod(codedir, 0o755)
         nobody, size = pwd.getpwnam("nobody"), f"{disk_mb}m"
-        # create + start, never containers.run: run pulls a missing image from a registry by itself.
+        # An image's declared VOLUMEs would become anonymous volumes on the host's disk, outside every size limit and
+        # left behind: each gets a private tmpfs instead (a tmpfs mount replaces the volume).
+        declared = (client.images.get(image).attrs.get("Config") or {}).get("Volumes") or {}
+        volumes_tmpfs = {v: f"size={size},mode=1777" for v in declared if v not in _OWN_MOUNTS}
+        # create + start, never containers.run: run pulls a missing image from a registry by itself. The entrypoint
+        # is set (the command's program), so an image's ENTRYPOINT never wraps or replaces the sandbox's command.
         container = client.containers.create(
             image,
-            command,
+            command[1:],
+            entrypoint=command[:1],
             network_mode="none",
             mem_limit=f"{memory_mb}m",
             memswap_limit=f"{memory_mb}m",
             pids_limit=max_procs,
+            nano_cpus=int(CONTAINER_CPUS * 1e9),
             read_only=True,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             user=f"{nobody.pw_uid}:{nobody.pw_gid}",
             working_dir="/scratch",
             tmpfs={
+                **volumes_tmpfs,
                 "/scratch": f"size={size},mode=0700,uid={nobody.pw_uid},gid={nobody.pw_gid}",
                 "/tmp": f"size={size},mode=1777",
             },
@@ -148,7 +162,7 @@ def run_container(
     finally:
         if container is not None:
             with contextlib.suppress(Exception):
-                container.remove(force=True)
+                container.remove(force=True, v=True)  # v: any volume it has goes with it
         client.close()
         shutil.rmtree(codedir, ignore_errors=True)
 
@@ -159,7 +173,8 @@ def _collect(
     """Read the container's output while waiting for it: its streams (``keep`` bytes of each), exit code and status;
     killed at the deadline, at the calling thread's cancel event (watched every 0.1 s as the other backends do) or
     after ``flood`` bytes of output."""
-    out, err, box = bytearray(), bytearray(), {"total": 0}
+    out, err = bytearray(), bytearray()
+    box: dict[str, Any] = {"total": 0}  # total bytes read; then the exit "code" or the engine's "error"
     exited, eof, flooded = threading.Event(), threading.Event(), threading.Event()
 
     def wait() -> None:
@@ -412,7 +427,8 @@ def _import(client, root: str, tag: str, mirror: str, suite: str) -> None:
         client.api.import_image_from_stream(tar.stdout, repository=repository, tag=version, changes=changes)
     finally:
         with contextlib.suppress(OSError):
-            tar.stdout.close()
+            if tar.stdout is not None:  # a pipe (stdout=PIPE above)
+                tar.stdout.close()
         if tar.wait() != 0:
             raise SandboxError(f"tar of the image root failed (exit {tar.returncode})")
     if not image_present(client, tag):

@@ -131,6 +131,7 @@ def start(args: argparse.Namespace) -> str:
     import ray
     from ray import serve
 
+    from arpo_base.ray_start import init_ray
     from serve.agents import build_specs
     from serve.app import build_app
     from serve.guard import is_loopback
@@ -164,8 +165,9 @@ def start(args: argparse.Namespace) -> str:
             key_path.write_text(secret, encoding="utf-8")
             setattr(security, attr, str(key_path))
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, **local_ray_options(args.host))
+        init_ray(include_dashboard=False, log_to_driver=False, **local_ray_options(args.host))
         private_token_file()
+    refuse_foreign_serve()
     if args.replica_resources is not None:
         check_replicas_fit(args)
     http = {"host": args.host, "port": args.port, "request_timeout_s": args.request_timeout + SERVE_TIMEOUT_SLACK_S}
@@ -242,6 +244,22 @@ def local_ray_options(host: str) -> dict[str, Any]:
     os.environ[RAY_LOOPBACK_ENV] = "0"  # for Ray's own processes, started from this one
     ray_constants.ENABLE_RAY_CLUSTER = False  # for this process: Ray read the variable when it was imported
     return {"_node_ip_address": "127.0.0.1"}
+
+
+def refuse_foreign_serve() -> None:
+    """Refuse to go on when the Ray this command uses already runs a Serve instance: ``arpo serve`` deploys only onto
+    a Serve it starts, whose proxy, gate and timeouts it sets (a Serve started by others would keep theirs)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return
+    raise ArpoError(
+        "the Ray cluster this command joined already runs a Ray Serve instance that arpo serve did not start",
+        hint="shut that Serve down (`serve shutdown`), or leave RAY_ADDRESS unset: arpo serve then starts its own Ray",
+    )
 
 
 def private_token_file() -> None:

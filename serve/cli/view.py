@@ -16,7 +16,7 @@ VIEW_KEY_ENV = "ARPO_VIEW_KEY"
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from arpo_algo.eval.trees import TreeReader
+    from arpo_algo.eval.trees import TreeReader, sweep_trials
     from arpo_base.ports import check_port
     from serve.guard import is_loopback, read_key
     from serve.viewer import export_html, run
@@ -26,6 +26,13 @@ def cmd_view(args: argparse.Namespace) -> int:
             f"arpo view compares at most two tree folders, got {len(args.path)}",
             hint="arpo view A B: the same prompts of two evaluations, checkpoints or runs side by side",
         )
+    if len(args.path) == 1 and (trials := sweep_trials(args.path[0])):
+        chosen_trial = _list_trials(args.path[0], trials, args.trial)
+        if chosen_trial is None:
+            return 0
+        args.path = [chosen_trial]
+    elif args.trial is not None:
+        raise ArpoError(f"--trial picks a trial of a sweep; {args.path[0]} holds no trials with trees")
     # refuses a folder without trees or of a newer format, before anything starts
     readers = [TreeReader(p) for p in args.path]
     reader = readers[0]
@@ -67,6 +74,30 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_trials(sweep: Path, trials: list[Path], name: str | None) -> Path | None:
+    """Print a sweep's trials with their recorded iterations; the tree folder of the trial ``name`` (or of the only
+    trial) to view, or None when there are several and none was named."""
+    from arpo_algo.eval.trees import TreeReader
+
+    print(f"{sweep}: {len(trials)} trial{'s' if len(trials) != 1 else ''} with rollout trees")
+    for folder in trials:
+        its = sorted(TreeReader(folder).refresh())
+        span = f"iterations {its[0]}-{its[-1]}" if its else "no iteration yet"
+        print(f"  {folder.parent.name}  {span}  {folder}")
+    if name is None:
+        if len(trials) == 1:
+            return trials[0]
+        print(f"view one: arpo view {sweep} --trial {trials[0].parent.name}")
+        return None
+    matches = [f for f in trials if f.parent.name == name] or [f for f in trials if f.parent.name.startswith(name)]
+    if len(matches) != 1:
+        raise ArpoError(
+            f"--trial {name!r} matches {len(matches)} of the sweep's trials",
+            hint="give a trial folder name from the list above",
+        )
+    return matches[0]
+
+
 def _iterations(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -82,8 +113,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         nargs="+",
         metavar="PATH",
-        help="a run folder (arpo train --output), an evaluation's (arpo eval --output) or a trees/ folder; "
-        "two: the same prompts of both side by side",
+        help="a run folder (arpo train --output), an evaluation's (arpo eval --output), a trees/ folder or a "
+        "sweep's folder (its trials are listed); two: the same prompts of both side by side",
+    )
+    p.add_argument(
+        "--trial",
+        default=None,
+        metavar="NAME",
+        help="with a sweep folder (arpo tune's output or a Tune experiment): the trial to view (its folder name or "
+        "a prefix); without it the sweep's trials are listed",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765)")

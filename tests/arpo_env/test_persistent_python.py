@@ -305,3 +305,98 @@ def test_a_forged_reply_on_the_control_socket_ends_only_that_interpreter(tool):
     assert _run(sibling, "x") == "5"
     s.close()
     sibling.close()
+
+
+# ---------------------------------------------------------------- the control channel is hostile input
+def _forge(payload: str) -> str:
+    """Model code that writes ``payload`` (a bytes expression) to every socket it can reach (its control socket)."""
+    return (
+        "import os, socket\nfor fd in range(3, 64):\n    try:\n        sk = socket.socket(fileno=os.dup(fd))\n"
+        f"        sk.sendall({payload})\n    except OSError:\n        pass"
+    )
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "b'\\xff\\xff\\xff\\xf0' + b'x' * 100",  # a forged length header: 4 GiB promised
+        "b'\\x00\\x10\\x00\\x00' + b'{' * (1 << 20)",  # a whole 1 MiB message, above the 64 KiB cap
+    ],
+)
+def test_a_forged_or_huge_control_message_ends_the_interpreter_at_once(tool, payload):
+    s = _session(tool)
+    _run(s, "x = 5")
+    sibling = s.clone()
+    t0 = time.monotonic()
+    st = s.step(f"<python>{_forge(payload)}</python>")
+    assert time.monotonic() - t0 < tool.timeout_s, "the host waited for bytes the header promised"
+    assert st.tool_error and st.tool_meta["interpreter_lost"] and st.tool_meta["channel_broken"], st.tool_output
+    assert "variables, imports and files are lost" in st.tool_output
+    assert _run(s, "'x' in globals()") == "False"  # a fresh interpreter
+    assert _run(sibling, "x") == "5"
+    s.close()
+    sibling.close()
+
+
+def test_a_process_left_writing_to_the_channel_cannot_hang_a_fork_or_close(tool):
+    """A process the call left behind (in the interpreter's group, not a thread) trickles a forged header onto the
+    control socket while the host forks: the fork fails within its deadline, the interpreter ends, close() returns."""
+    s = _session(tool)
+    code = (
+        "import os, socket, time\nif os.fork() == 0:\n    time.sleep(0.3)\n    for fd in range(3, 64):\n"
+        "        try:\n            sk = socket.socket(fileno=os.dup(fd))\n"
+        "            sk.sendall(b'\\x00\\x00\\xf0\\x00')\n"
+        "            for _ in range(600):\n                sk.sendall(b' ')\n                time.sleep(0.1)\n"
+        "        except OSError:\n            pass\n    os._exit(0)\ny = 1"
+    )
+    assert _run(s, code) == "(no output)"
+    time.sleep(0.6)  # the forged header is on the socket
+    t0 = time.monotonic()
+    child = s.clone()
+    with pytest.raises(ForkError):
+        child.step("<python>print(y)</python>")
+    st = s.step("<python>y</python>")
+    assert st.tool_meta["interpreter_lost"] and "lost" in st.tool_output, st.tool_output
+    s.close()
+    child.close()
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_call_that_leaves_a_thread_running_ends_its_interpreter(tool):
+    s = _session(tool)
+    for start in (
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()",
+        "import _thread, time\n_thread.start_new_thread(time.sleep, (60,))",
+    ):
+        _run(s, "kept = 1")
+        st = s.step(f"<python>{start}\nprint('started')</python>")
+        assert "started" in st.tool_output and "thread" in st.tool_output, st.tool_output
+        assert st.tool_meta["interpreter_lost"] and st.tool_meta["thread_left"], st.tool_meta
+        assert _run(s, "'kept' in globals()") == "False"
+    # a thread joined before the call returns is fine
+    assert (
+        _run(s, "import threading\nt = threading.Thread(target=print, args=('hi',))\nt.start()\nt.join()\ndone = 1")
+        == "hi"
+    )
+    assert _run(s, "t.is_alive()") == "False"
+    s.close()
+
+
+def test_one_request_may_hold_only_its_share_of_the_interpreters(tool):
+    from arpo_env.tools.interpreter import REQUEST_SHARE, InterpretersExhausted
+
+    capped = PythonTool(backend=tool.backend, persistent=True, max_interpreters=2 * REQUEST_SHARE)
+    request, other = threading.Event(), threading.Event()
+    held = []
+    with cancel_scope(request):
+        for _ in range(2):
+            held.append(_session(capped))
+            _run(held[-1], "1")
+        extra = _session(capped)
+        with pytest.raises(InterpretersExhausted, match="the most one request may"):
+            extra.step("<python>1</python>")
+    with cancel_scope(other):  # another request still gets its own
+        held.append(_session(capped))
+        _run(held[-1], "1")
+    for s in (*held, extra):
+        s.close()

@@ -71,3 +71,36 @@ def test_a_control_descriptor_gives_the_reply_and_its_end_ends_the_call():
 def test_the_limits_follow_the_tools_output_cap():
     assert output_limits(10_000) == (41_024, 1 << 20)
     assert output_limits(100_000) == (401_024, 1_600_000)
+
+
+def test_drain_reads_what_waits_but_at_most_its_limit():
+    """After a reply, the pipes are drained without blocking; a writer left behind that keeps them full cannot keep
+    the caller reading: at most ``limit`` bytes (plus one read) per pipe."""
+    import fcntl
+
+    from arpo_env.tools.pipes import drain
+
+    r, w = os.pipe()
+    try:
+        size = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        os.set_blocking(w, False)
+        written = 0
+        try:
+            while written < size:
+                written += os.write(w, b"x" * 65536)
+        except BlockingIOError:
+            pass
+        buf = bytearray()
+        drain({r: buf}, keep=100, limit=128 << 10)
+        assert len(buf) == 100 and os.get_blocking(r)
+        os.set_blocking(r, False)
+        left = 0
+        try:
+            while chunk := os.read(r, 1 << 20):
+                left += len(chunk)
+        except BlockingIOError:
+            pass
+        assert 0 < left and written - left <= (128 << 10) + 65536, (written, left)
+    finally:
+        os.close(r)
+        os.close(w)

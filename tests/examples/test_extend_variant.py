@@ -57,3 +57,10 @@ def test_it_trains_one_iteration_on_the_tiny_model(tiny_model_dir):
     assert result["training_iteration"] == 1 and result["num_trajectories"] == 2.0
     assert result["learner"]["param_change_norm"] > 0  # the entropy bonus always has a gradient: a real update
     assert isinstance(cfg, ARPOConfig)
+
+
+def test_tune_finds_it_by_name():
+    """``tune.Tuner("ArpoCode")`` or ``tune.Tuner("ARPO_CODE")``: the registration line registers it with Tune too."""
+    from ray.tune.registry import get_trainable_cls
+
+    assert get_trainable_cls("ArpoCode") is ArpoCode and get_trainable_cls("ARPO_CODE") is ArpoCode

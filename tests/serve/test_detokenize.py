@@ -77,3 +77,17 @@ def test_decode_calls_per_token_do_not_grow_with_the_reply(tok):
         assert max(counting.calls) <= 8, max(counting.calls)  # a window of a few ids (a character's bytes), never
         assert sum(counting.calls) <= 8 * len(ids)  # the reply so far
     assert per_token[8000] <= per_token[500] * 1.1
+
+
+def test_a_long_run_of_replacement_characters_costs_a_bounded_window(tok):
+    # Bytes that are no UTF-8 decode to U+FFFD for ever: the stream must not hold them back as "a character not
+    # finished yet", or each token re-decodes the whole run (quadratic work on the batcher thread).
+    lone = tok.encode("\xff", add_special_tokens=False)[-1]  # a UTF-8 continuation byte, alone: U+FFFD
+    assert tok.decode([lone] * 3) == "\ufffd" * 3
+    ids = [lone] * 3000 + tok.encode("done", add_special_tokens=False)
+    counting = CountingTokenizer(tok)
+    out, _ = _stream(counting, ids, [])
+    assert out == tok.decode(ids, skip_special_tokens=True)
+    assert len(counting.calls) <= 2 * len(ids) + 2
+    assert max(counting.calls) <= 16, max(counting.calls)
+    assert sum(counting.calls) <= 32 * len(ids)  # quadratic would be about 1500 * len(ids)

@@ -239,3 +239,13 @@ def test_the_exported_policy_folder_is_served_as_it_was_trained(trained, tmp_pat
     assert (record["env"], record["env_config"]) == tuple(
         json.loads((path / "arpo_checkpoint.json").read_text())["config"][k] for k in ("env", "env_config")
     )
+
+
+def test_listing_skips_folders_that_only_look_like_checkpoints(tmp_path):
+    """A folder named ``iter_x`` (or ``iter_`` plus non-ASCII digits) beside real checkpoints is not one: the listing
+    skips it instead of failing on its number."""
+    root = tmp_path / "checkpoints"
+    for name in ("iter_000002", "iter_x", "iter_", "iter_\u0663", "iter_000010"):
+        (root / name).mkdir(parents=True)
+        (root / name / "arpo_checkpoint.json").write_text("{}")
+    assert [p.name for p in list_checkpoints(root)] == ["iter_000002", "iter_000010"]

@@ -195,4 +195,4 @@ def test_ray_can_export_every_algorithm_class():
     for variant in VARIANTS.values():
         dis.dis(variant.algorithm, file=io.StringIO(), depth=2)
         assert variant.algorithm.config_class is variant.config_class
-        assert variant.config_class.algorithm_class is variant.algorithm
+        assert variant.config_class().algo_class is variant.algorithm

