@@ -53,6 +53,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "reward_kwargs": {},
     **SESSION_DEFAULTS,
     "max_tool_calls": None,
+    "expose_answer": False,
 }
 CHOICES = {**SESSION_CHOICES, "split": ("train", "test")}
 
@@ -77,6 +78,8 @@ def resolve_config(config: Mapping[str, Any] | None = None, **kwargs: Any) -> di
     if cfg["max_tool_calls"] is None:
         cfg["max_tool_calls"] = spec.max_tool_calls
     check_session_config(cfg, "env config")
+    if not isinstance(cfg["expose_answer"], bool):
+        raise ConfigError(f"env config: expose_answer must be true or false, got {cfg['expose_answer']!r}")
     if not isinstance(cfg["reward_kwargs"], Mapping):
         raise ConfigError(f"env config: reward_kwargs must be a dict, got {cfg['reward_kwargs']!r}")
     return cfg
@@ -175,8 +178,17 @@ class ToolTextEnv(gym.Env):
             {"role": "user", "content": task["question"]},
         ]
         self._messages = messages
-        public_task = {k: v for k, v in task.items() if k not in ("system", "reward_kwargs")}
+        public_task = _public_task(task, answer=self.config["expose_answer"])
         return task["question"], {"messages": messages, "task": public_task, "stop_sequences": self.stop_sequences}
+
+    def task_record(self, index: int) -> dict[str, Any]:
+        """Task ``index`` as arpo's own readers record it (sampler, demonstrations, trees): the fields ``reset`` puts
+        in ``info["task"]`` plus the task's ``ground_truth``, read from the task list, so they never depend on
+        ``expose_answer`` (``info`` withholds the answer by default: a caller feeding ``info`` into a prompt or a log
+        would otherwise give the answer away)."""
+        if not isinstance(index, int) or not 0 <= index < self.num_tasks:
+            raise ConfigError(f"task index must be in [0, {self.num_tasks}), got {index!r}")
+        return _public_task({**self.tasks[index], "index": index}, answer=True)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Apply one macro action (the :class:`ToolSession` does the turn); see the module docstring."""
@@ -191,13 +203,16 @@ class ToolTextEnv(gym.Env):
     def _finish(self, info: dict[str, Any], terminated: bool) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._done = True
         task = self._task
+        assert task is not None, "only step() finishes an episode, and it checked that one is active"
         kwargs = {**task.get("reward_kwargs", {}), **self.config["reward_kwargs"]}
         score, breakdown = self.reward_fn(self.response, task["ground_truth"], **kwargs)
         info["reward_info"] = {"reward_name": self.config["reward"], "score": float(score), **breakdown}
         info["truncated_by"] = None if terminated else "max_turns"
         return "", float(score), terminated, not terminated, info
 
-    def render(self) -> str | None:
+    # gymnasium types render() with a free TypeVar (RenderFrame) that no concrete return type can match; text is what
+    # its "ansi" render mode returns by convention.
+    def render(self) -> str | None:  # type: ignore[override]
         """The transcript (question + response) for ``render_mode="ansi"``."""
         if self.render_mode != "ansi" or self._task is None:
             return None
@@ -221,6 +236,13 @@ class ToolTextEnv(gym.Env):
     def close(self) -> None:
         """End this env's persistent interpreters (stateless tools hold nothing)."""
         self.session.close()
+
+
+def _public_task(task: Mapping[str, Any], answer: bool) -> dict[str, Any]:
+    """A task's fields a caller may see (the system prompt and reward settings are the env's own business); the
+    answer only when asked for."""
+    hidden = ("system", "reward_kwargs") if answer else ("system", "reward_kwargs", "ground_truth")
+    return {k: v for k, v in task.items() if k not in hidden}
 
 
 def _info(st: SessionStep) -> dict[str, Any]:

@@ -71,4 +71,4 @@ def _one_demo(env: Any, index: int) -> dict[str, Any]:
     if not terminated or reward != 1.0:
         raise ArpoError(f"demonstration for task {index} scored {reward} (expected 1.0): {step_info['reward_info']}")
     segments.append((final, True))
-    return {"messages": info["messages"], "segments": segments, "answer": outputs[-1], "task": info["task"]}
+    return {"messages": info["messages"], "segments": segments, "answer": outputs[-1], "task": env.task_record(index)}

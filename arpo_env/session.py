@@ -195,7 +195,9 @@ class ToolSession:
 
     def close(self) -> None:
         """End this conversation's persistent interpreters (a no-op for stateless tools)."""
-        interps, self._interps = getattr(self, "_interps", {}), {}
+        # The first close() (from __init__'s reset) runs before any interpreter exists, hence the getattr.
+        interps: dict[str, Any] = getattr(self, "_interps", {})
+        self._interps: dict[str, Any] = {}
         for interp in interps.values():
             interp.close()
 

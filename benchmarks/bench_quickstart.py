@@ -81,7 +81,7 @@ def read_run(out: Path, mode: str) -> dict[str, Any]:
         "tokens_sampled": sum(m.get("train/tokens_sampled", 0.0) for m in metrics),
         "eval_tokens": sum(evaluation[k].get("tokens_sampled", 0.0) for k in ("before", "after")),
         "eval_decode": [evaluation[k]["decode"] for k in ("before", "after")],
-        "before": summary["accuracy_before_sft"],
+        "before": summary["accuracy_after_sft"],
         "after": summary["accuracy_after_arpo"],
         "peak_rss_gb": summary["peak_rss_gb"],
     }

@@ -11,10 +11,11 @@ signal, no step), while TRL still runs forward and backward, and the race would 
 * **ours**: ``ARPOConfig`` with ``budget = generations`` trajectories per prompt (``initial = generations / 2``; the
   rest come from entropy-triggered branches and fill-ups), in-process HF engine, one ``algo.train()`` call.
 * **theirs**: TRL's ``GRPOTrainer`` driven through its own multi-turn tool interface (``environment_factory``):
-  :class:`ToolMathForTRL` wraps the *same Gymnasium environment* (``gym.make("arpo/ToolMath-v0")``); its ``python``
-  method is the tool TRL exposes to the model, and it runs the call through ``env.step``, so the env's sandboxed
-  Python tool and tool-call limit apply. The reward function hands the final assistant message to ``env.step`` and
-  returns the env's reward. One TRL step is one optimizer step: generation, tool loop, scoring, forward and backward.
+  arpo's TRL adapter (:func:`arpo_env.adapters.trl.trl_environment`) wraps the *same environment*
+  (``arpo/ToolMath-v0``); its ``python`` method is the tool TRL exposes to the model, and it runs the call through
+  ``env.step``, so the env's sandboxed Python tool and tool-call limit apply. The reward function
+  (:func:`arpo_env.adapters.trl.trl_reward`) hands the final assistant message to ``env.step`` and returns the env's
+  reward. One TRL step is one optimizer step: generation, tool loop, scoring, forward and backward.
 
 Both sides use the chat-native JSON tool-call format (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``):
 ours through the env's ``protocol = "json"``; TRL parses tool calls only for chat templates it knows, and SmolLM2's
@@ -38,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from arpo_env.adapters.trl import trl_environment, trl_reward
 
 TRL_MISSING = (
     'TRL is not installed; this benchmark needs it (benchmark-only extra): pip install -e ".[bench]", or '
@@ -93,11 +96,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def require_trl() -> None:
     """Exit with a clear message when TRL (or its ``datasets`` dependency) cannot be imported."""
+    from arpo_base.errors import ArpoError
+    from arpo_env.adapters.trl import require_trl as check
+
     try:
-        import datasets  # noqa: F401
-        import trl  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"{TRL_MISSING}\n({type(e).__name__}: {e})") from None
+        check()
+    except ArpoError as e:
+        raise SystemExit(f"{TRL_MISSING}\n({e})") from None
 
 
 def env_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,68 +111,7 @@ def env_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- TRL side
-
-
-class ToolMathForTRL:
-    """arpo's Gymnasium ToolMath environment behind TRL's ``environment_factory`` interface.
-
-    TRL calls ``reset(**row)`` once per rollout and exposes every public method as a tool the model may call; the
-    tool runs through ``env.step`` (the env's sandboxed Python tool, its tool-call limit and its bookkeeping).
-    Public methods are the tools, so the scoring hook is private (``_finish``, called by :func:`toolmath_reward`).
-    """
-
-    config: dict[str, Any] = {}
-
-    def __init__(self) -> None:
-        import gymnasium as gym
-
-        import arpo_env  # noqa: F401  (registers the arpo/* ids)
-
-        self.env = gym.make("arpo/ToolMath-v0", **self.config).unwrapped
-        self.reward: float | None = None
-        self.tool_calls = 0
-
-    def reset(self, task_index: int, **_row: Any) -> None:
-        """Start the episode on ``task_index``; the question is already in the row's prompt, so nothing is added."""
-        self.env.reset(options={"task_index": int(task_index)})
-        self.reward, self.tool_calls = None, 0
-
-    def python(self, code: str) -> str:
-        """Run Python code in a sandboxed interpreter and return what it prints.
-
-        Args:
-            code: Python source. A final bare expression is printed, as in a REPL.
-
-        Returns:
-            The printed output, or the error message.
-        """
-        if self.reward is not None:
-            raise RuntimeError("the episode has ended (tool-call limit reached)")
-        call = json.dumps({"name": "python", "arguments": {"code": code}})
-        _, reward, terminated, truncated, info = self.env.step(f"<tool_call>{call}</tool_call>")
-        self.tool_calls += 1
-        if terminated or truncated:  # the env ended the episode (tool-call limit): its reward is final
-            self.reward = reward
-            return str(info.get("problem") or "the tool-call limit is reached; no more tool calls")
-        return str(info.get("tool_output") or info.get("problem") or "")
-
-    def _finish(self, final_text: str) -> float:
-        """Hand the final assistant message to the env; the env's reward (0 for an episode that did not end)."""
-        if self.reward is None:
-            _, reward, terminated, truncated, _ = self.env.step(final_text)
-            self.reward = reward if (terminated or truncated) else 0.0
-        return float(self.reward)
-
-
-def toolmath_reward(
-    prompts: list[Any], completions: list[Any], environments: list[ToolMathForTRL], **_kwargs: Any
-) -> list[float]:
-    """TRL reward function: each rollout's env scores its final assistant message."""
-    out = []
-    for completion, env in zip(completions, environments, strict=True):
-        texts = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
-        out.append(env._finish(texts[-1] if texts else ""))
-    return out
+# arpo's TRL adapter (arpo_env.adapters.trl): the env behind TRL's environment_factory, one method per tool.
 
 
 def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, Any]], workdir: Path, on_step):
@@ -180,7 +124,7 @@ def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, A
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = qwen2_5_chat_template  # SmolLM2's template drops tool calls; same ChatML tokens
     tokenizer.padding_side = "left"
-    ToolMathForTRL.config = env_config(args)
+    environment = trl_environment("arpo/ToolMath-v0", **env_config(args))
     rows = [
         {
             "prompt": [{"role": "system", "content": TRL_SYSTEM}, {"role": "user", "content": t["question"]}],
@@ -228,11 +172,11 @@ def build_trl(args: argparse.Namespace, model_dir: Path, tasks: list[dict[str, A
 
     return GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=toolmath_reward,
+        reward_funcs=trl_reward,
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        environment_factory=ToolMathForTRL,
+        environment_factory=environment,
         callbacks=[StepTimer()],
     )
 
@@ -308,7 +252,7 @@ def _prompt_tokens(model_dir: Path, trl_tokenizer: Any, task: dict[str, Any], ar
     _, info = env.reset(options={"task_index": task["index"]})
     ours_tok = AutoTokenizer.from_pretrained(model_dir)
     ours = ours_tok.apply_chat_template(info["messages"], tokenize=False, add_generation_prompt=True)
-    trl_env = ToolMathForTRL()
+    trl_env = trl_environment("arpo/ToolMath-v0", **env_config(args))()
     theirs = trl_tokenizer.apply_chat_template(
         [{"role": "system", "content": TRL_SYSTEM}, {"role": "user", "content": task["question"]}],
         tools=[trl_env.python],

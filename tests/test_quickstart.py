@@ -64,15 +64,15 @@ def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grp
     path = tmp_path / "ref.json"
     path.write_text(json.dumps(ref))
     monkeypatch.setattr(quickstart, "REFERENCE", path)
-    line = quickstart.reference_line({"accuracy_before_sft": 0.25, "accuracy_after_arpo": 0.28125})
+    line = quickstart.reference_line({"accuracy_after_sft": 0.25, "accuracy_after_arpo": 0.28125})
     assert "this seed: 0.250 -> 0.281" in line and "over 5 RL seeds" in line
     assert "arpo: before 0.250, after 0.300 ± 0.020 (sd), improved on 4 of 5 seeds, worse on 1" in line
     assert "ARPO does not beat GRPO at this size" in line
     ref["configurations"]["arpo"]["after_mean"] = 0.50
     path.write_text(json.dumps(ref))
-    assert "ARPO beats GRPO" in quickstart.reference_line({"accuracy_before_sft": 0.25, "accuracy_after_arpo": 0.5})
+    assert "ARPO beats GRPO" in quickstart.reference_line({"accuracy_after_sft": 0.25, "accuracy_after_arpo": 0.5})
     monkeypatch.setattr(quickstart, "REFERENCE", tmp_path / "missing.json")
-    assert "none recorded" in quickstart.reference_line({"accuracy_before_sft": 0.0, "accuracy_after_arpo": 0.0})
+    assert "none recorded" in quickstart.reference_line({"accuracy_after_sft": 0.0, "accuracy_after_arpo": 0.0})
 
 
 def test_a_stage_is_reused_only_for_the_arguments_that_made_it(tmp_path):

@@ -5,6 +5,7 @@ write the same layout)::
 
     arpo_checkpoint.json   format, arpo version, algorithm, iteration, data position, metrics, the settings (JSON)
     policy/                a plain Hugging Face folder (safetensors weights, config, tokenizer, chat template)
+    policy/README.md       the model card (the Hub's metadata block; :mod:`arpo_algo.models.card`)
     policy/arpo_policy.json  the environment it was trained in and what it resolves the served agent's system
                            prompt, tool-call limit and protocol to (:mod:`arpo_algo.models.policy_env`), so the
                            folder is served as trained even when copied out of the checkpoint
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo import __version__
+from arpo_algo.models.card import base_model_record, write_model_card
 from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
 from arpo_algo.models.policy_env import write_policy_env
 from arpo_base.errors import ArpoError, ConfigError
@@ -146,7 +148,9 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     algo.policy.save_to_path(path / POLICY_DIR)
-    write_policy_env(path / POLICY_DIR, algo.config.env, algo.config.env_config, algo.served_defaults)
+    base = policy_base(algo)
+    write_policy_env(path / POLICY_DIR, algo.config.env, algo.config.env_config, algo.served_defaults, base)
+    write_policy_card(algo, path / POLICY_DIR, base)
     _write_state(
         path,
         algo.config,
@@ -156,6 +160,38 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
         metrics_logger=algo.metrics.get_state(),
     )
     return path
+
+
+def policy_base(algo: Any) -> dict[str, Any]:
+    """The model ``algo`` started from (registered name, Hub id, folder, weights fingerprint), worked out once per
+    Algorithm: hashing the base's weights at every checkpoint would cost a pass over them each time."""
+    base = getattr(algo, "_policy_base", None)
+    if base is None:
+        base = base_model_record(algo.config.settings.model.path)
+        algo._policy_base = base
+    return base
+
+
+def write_policy_card(algo: Any, folder: Path, base: dict[str, Any]) -> Path:
+    """The policy folder's model card (:mod:`arpo_algo.models.card`): algorithm, environment, base, the newest
+    held-out score of this run if one was measured, and the command that made it."""
+    from arpo_env import ENV_IDS
+
+    env = algo.config.env if isinstance(algo.config.env, str) else getattr(algo.config.env, "__name__", None)
+    task = dict(algo.config.env_config).get("task") or ENV_IDS.get(env or "", {}).get("task")
+    last = getattr(algo, "_last_eval", None) or {}
+    held_out = None
+    if "accuracy" in last:
+        held_out = {
+            "accuracy": float(last["accuracy"]),
+            "split": algo.config.settings.evaluation.split,
+            "num_tasks": int(last["num_tasks"]) if "num_tasks" in last else None,
+            "iteration": algo.iteration,
+        }
+    adapter = bool(algo.config.settings.model.lora.enabled)
+    return write_model_card(
+        folder, base=base, algorithm=type(algo).__name__, env=env, task=task, held_out=held_out, adapter=adapter
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- reading

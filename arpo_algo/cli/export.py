@@ -4,6 +4,7 @@ base and written as a plain Hugging Face folder (the work is in :mod:`arpo_algo.
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from arpo_base.errors import ConfigError
@@ -12,6 +13,7 @@ from arpo_base.errors import ConfigError
 def cmd_export(args: argparse.Namespace) -> int:
     """Handler of ``arpo export``: checks everything, then writes; prints the output folder last."""
     from arpo_algo.models import resolve_model_path
+    from arpo_algo.models.card import rewrite_card
     from arpo_algo.models.lora import is_adapter_folder, merge_export
 
     if not args.merge:
@@ -25,7 +27,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{args.source} holds full weights ({folder}), not a LoRA adapter: nothing to merge",
             hint="serve or evaluate the folder as it is",
         )
-    print(merge_export(folder, Path(args.output).expanduser()))
+    out = merge_export(folder, Path(args.output).expanduser())
+    # the merged folder's model card: the policy's, now full weights, saying where it was merged from and how
+    command = shlex.join(["arpo", "export", "--merge", str(args.source), "--output", str(args.output)])
+    rewrite_card(out, folder, adapter=False, merged_from=str(folder), exported_by=command)
+    print(out)
     return 0
 
 

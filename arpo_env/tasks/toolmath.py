@@ -54,6 +54,11 @@ class Problem:
     stateful_steps: list[Step] | None = None
 
 
+def _constant(expr: str) -> Callable[[list[str]], str]:
+    """A step's code that does not depend on earlier outputs."""
+    return lambda _out: expr
+
+
 def _evaluate(expr: str) -> str:
     # Our own generated expressions only (no user input), evaluated the way `print(expr)` would show them.
     safe = {
@@ -86,7 +91,7 @@ def _level1(r: random.Random) -> Problem:
     else:
         a, b = r.randint(10**8, 10**9), r.randint(13, 997)
         q, expr, thought = f"What is {a} divided by {b}, rounded down?", f"{a}//{b}", f"Integer division of {a} by {b}."
-    return Problem(q, [(thought, lambda _o, e=expr: e)], 0.0, kind, 1)
+    return Problem(q, [(thought, _constant(expr))], 0.0, kind, 1)
 
 
 def _level2(r: random.Random) -> Problem:
@@ -122,7 +127,7 @@ def _level2(r: random.Random) -> Problem:
             "Round to 2 decimals."
         )
         expr = f"round(({d1}+{d2})/({t1}+{t2}), 2)"
-    return Problem(q, [("I compute it with Python.", lambda _o, e=expr: e)], 0.01, kind, 2)
+    return Problem(q, [("I compute it with Python.", _constant(expr))], 0.01, kind, 2)
 
 
 def _digit_sum_step(out: list[str]) -> str:

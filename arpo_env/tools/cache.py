@@ -145,7 +145,9 @@ class ToolCache:
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise ConfigError(f"{path} is not a JSON object mapping queries to result strings")
         # Keys are stored cleaned exactly as SearchTool.normalize_args cleans queries, so replayed calls hit.
-        rows = [(tool, {"query": k.replace('"', "").strip()}, v, {}) for k, v in data.items()]
+        rows: list[tuple[str, dict, str, dict]] = [
+            (tool, {"query": k.replace('"', "").strip()}, v, {}) for k, v in data.items()
+        ]
         self._put_many(rows)
         return len(rows)
 

@@ -468,6 +468,7 @@ class PythonTool:
                 env=env,
                 start_new_session=True,
             )
+            assert proc.stdin is not None, "Popen was given stdin=PIPE"
             try:
                 proc.stdin.write(code.encode("utf-8", "replace"))
                 proc.stdin.close()
@@ -484,6 +485,7 @@ class PythonTool:
                     self._kill(proc, uid)
                 proc.wait()
                 for stream in (proc.stdout, proc.stderr):
+                    assert stream is not None, "Popen was given stdout=PIPE and stderr=PIPE"
                     stream.close()
             shutil.rmtree(scratch, ignore_errors=True)
             if group is not None:
@@ -512,6 +514,7 @@ class PythonTool:
                 self._kill(proc, uid)
             return exited_at is not None and now - exited_at > 1.0
 
+        assert proc.stdout is not None and proc.stderr is not None, "the caller opens both as pipes"
         (out, err), _, status = read_pipes(
             (proc.stdout.fileno(), proc.stderr.fileno()),
             keep=keep,

@@ -161,7 +161,11 @@ class BM25Backend:
 
         if (corpus_path is None) == (documents is None):
             raise ConfigError("BM25Backend needs exactly one of corpus_path= or documents=")
-        docs = load_documents(corpus_path) if corpus_path is not None else list(documents)
+        if corpus_path is not None:
+            docs = load_documents(corpus_path)
+        else:
+            assert documents is not None, "the check above lets exactly one of corpus_path and documents through"
+            docs = list(documents)
         self._snippets = [self._snippet(d) for d in docs]
         self.top_k = top_k
         if index_dir is not None and (Path(index_dir) / "params.index.json").exists():

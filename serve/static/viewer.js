@@ -194,6 +194,11 @@
       (rec.policy_version ?? "n/a"));
     box.appendChild(header);
     box.appendChild(el("div", "prompt", rec.prompt));
+    // the task's answer, recorded from the task list (the environment's info withholds it from the policy)
+    const truth = rec.task ? rec.task.ground_truth : undefined;
+    if (truth !== undefined && truth !== null) {
+      box.appendChild(el("div", "meta answer", "answer: " + (Array.isArray(truth) ? truth.join(" | ") : truth)));
+    }
     const ending = new Map();
     for (const t of trajs) ending.set(t.node_ids[t.node_ids.length - 1], (ending.get(t.node_ids[t.node_ids.length - 1]) || []).concat([t]));
     function build(parentId) {

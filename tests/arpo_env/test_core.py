@@ -43,7 +43,7 @@ def test_dict_and_kwargs_config_and_errors():
 def test_observation_is_exactly_the_appended_text(env):
     question, info = env.reset(options={"task_index": 3})
     assert info["messages"][1] == {"role": "user", "content": question}
-    assert info["task"]["question"] == question and "ground_truth" in info["task"]
+    assert info["task"]["question"] == question and "ground_truth" not in info["task"]  # withheld by default
     assert env.observation_space.contains(question)
     obs, reward, terminated, truncated, info = env.step(CALL)
     assert obs == " <result>\n42\n</result>" and reward == 0.0 and not terminated and not truncated

@@ -27,7 +27,7 @@ def test_reasoning_test_split_and_boxed_fix(shared_data):
 def test_reference_episode_with_replayed_search_scores_like_reference(shared_data):
     env = ToolTextEnv(task="reasoning", split="test", data_dir=str(shared_data))
     _q, info = env.reset(options={"task_index": 0})
-    gt = info["task"]["ground_truth"]
+    gt = env.tasks[0]["ground_truth"]
     obs, *_, step_info = env.step("<think>look it up</think> <search> Amy Smart film debut Campfire Tales </search>")
     assert obs.startswith(" <result>\nPage 1:") and step_info["tool"] == "search"
     env.step("<think>check</think> <python>print(1)</python>")

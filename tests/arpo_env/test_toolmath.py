@@ -56,5 +56,5 @@ def test_demonstrations_replay_to_reward_one():
 def test_wrong_answer_scores_zero():
     env = ToolTextEnv(task="toolmath")
     _q, info = env.reset(options={"task_index": 0})
-    wrong = str(int(float(info["task"]["ground_truth"])) + 1)
+    wrong = str(int(float(env.tasks[info["task"]["index"]]["ground_truth"])) + 1)
     assert env.step(f"<answer>\\boxed{{{wrong}}}</answer>")[1] == 0.0

@@ -60,7 +60,7 @@ def test_one_episode_calls_it_and_is_scored(example):
     expression = env.tasks.problem(info["task"]["index"]).steps[0][1]([])  # the scripted model's call
     obs, reward, done, _, step = env.step(f"<think>I compute it.</think> <calc>{expression}</calc>")
     assert not done and step["tool"] == "calculator" and not step["tool_error"]
-    assert obs == f" <result>\n{info['task']['ground_truth']}\n</result>"
+    assert obs == f" <result>\n{env.task_record(info['task']['index'])['ground_truth']}\n</result>"
     answer = step["tool_output"]
     _, reward, done, _, step = env.step(f"<think>Done.</think> <answer>\\boxed{{{answer}}}</answer>")
     assert done and reward == 1.0 and step["reward_info"]["format_ok"]

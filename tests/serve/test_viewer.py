@@ -93,6 +93,15 @@ def test_training_records_the_learners_logprobs(run_dir):
     assert diffs and max(diffs) < 0.01, max(diffs)
 
 
+def test_recorded_trees_hold_the_answer_from_the_task_list(run_dir):
+    """The env withholds the answer from ``info``; the trees (and so the viewer) get it from the task list."""
+    from arpo_env.core import ToolTextEnv
+
+    env = ToolTextEnv(task="toolmath", levels=[1])
+    for rec in _records(run_dir, 1):
+        assert rec["task"]["ground_truth"] == env.tasks[rec["task"]["index"]]["ground_truth"]
+
+
 def _records(run_dir: Path, iteration: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trees" / f"iter_{iteration:06d}.jsonl").read_text().splitlines()]
 
@@ -232,6 +241,8 @@ def test_page_shows_every_recorded_tree_node_and_leaf(browser, live, run_dir):
         assert set(drawn) == leaf_nodes
         branches = sum("branch" in n for n in rec["nodes"])
         assert browser.js("return document.querySelectorAll('#tree .branch').length") == branches
+        answer = browser.js("return document.querySelector('#tree .answer').textContent")
+        assert answer == f"answer: {rec['task']['ground_truth']}"  # from the task list: info withholds it
     # the page fetched its own files, the index and each group it showed once: nothing else, nothing ahead
     paths = browser.js("return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
     assert set(paths) <= {"/viewer.js", "/viewer.css", "/v1/index", "/v1/group"}, paths

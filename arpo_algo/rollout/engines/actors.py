@@ -108,7 +108,8 @@ class RolloutActorPool:
         custom = resources_per_actor or [{} for _ in range(num_actors)]
         if len(custom) != num_actors:
             raise ConfigError(f"resources_per_actor has {len(custom)} dicts for {num_actors} actors")
-        self._actors = [
+        # Actor handles: Ray's type hints do not model the `.remote` of an actor's methods, so they stay untyped.
+        self._actors: list[Any] = [
             actor_cls.options(resources=res).remote(engine_factory, threads)
             if res
             else actor_cls.remote(engine_factory, threads)

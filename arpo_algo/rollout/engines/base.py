@@ -12,11 +12,21 @@ either one replicated over Ray actors by
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 FinishReason = Literal["stop", "eos", "length", "error"]
+
+#: Running counters of an engine or a sampler: counts and summed seconds by name, a key never written reading 0.
+Tally = dict[str, float]
+
+
+def new_tally() -> Tally:
+    """An empty :data:`Tally`: a ``collections.Counter``, typed as a dict because typeshed fixes a Counter's values to
+    int and these also sum seconds."""
+    return cast(Tally, collections.Counter())
 
 
 @dataclass(frozen=True)
@@ -152,8 +162,12 @@ class RolloutEngine(Protocol):
         max_context: Longest prompt plus generation the engine accepts, in tokens (None = unbounded).
     """
 
-    tokenizer: Any
-    max_context: int | None
+    # read-only for callers: an engine may keep them as plain attributes or as properties (the actor pool fetches them)
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_context(self) -> int | None: ...
 
     def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
         """Continue every request; results in request order. Never raises for one bad request: that request gets

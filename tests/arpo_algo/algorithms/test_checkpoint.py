@@ -249,3 +249,32 @@ def test_listing_skips_folders_that_only_look_like_checkpoints(tmp_path):
         (root / name).mkdir(parents=True)
         (root / name / "arpo_checkpoint.json").write_text("{}")
     assert [p.name for p in list_checkpoints(root)] == ["iter_000002", "iter_000010"]
+
+
+def test_policy_and_export_folders_carry_a_model_card(trained, tiny_model_dir, tmp_path):
+    """The Hub's metadata block (library, tags; base_model only for a Hub id) and what made the folder; the export
+    adds the held-out score the quickstart measured."""
+    import yaml
+
+    from arpo_algo.models.card import read_card
+    from arpo_algo.models.lora import weights_fingerprint
+    from arpo_algo.run.quickstart import stage_export
+
+    _, path = trained
+    text = (path / "policy" / "README.md").read_text()
+    assert text.startswith("---\n") and "# ARPO policy" in text
+    meta = yaml.safe_load(text.split("---\n")[1])
+    assert meta == read_card(path / "policy")
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"arpo", "reinforcement-learning", "tool-use"} <= set(meta["tags"]) and "base_model" not in meta
+    a = meta["arpo"]
+    assert (a["algorithm"], a["env"], a["task"]) == ("ARPO", "arpo/ToolMath-v0", "toolmath")
+    assert a["base_fingerprint"] == weights_fingerprint(tiny_model_dir) and a["command"]
+    assert a["base_model_path"] == str(tiny_model_dir.resolve()) and a["held_out"] is None
+    record = json.loads((path / "policy" / "arpo_policy.json").read_text())["base_model"]
+    assert (record["fingerprint"], record["name"]) == (a["base_fingerprint"], None)
+    held_out = {"accuracy": 0.25, "num_tasks": 8, "split": "test"}
+    exported = stage_export(tmp_path, str(path / "policy"), held_out)["path"]
+    card = read_card(exported)
+    assert card["arpo"]["held_out"] == held_out and card["arpo"]["base_fingerprint"] == a["base_fingerprint"]
+    assert "accuracy 0.250 (split test, num_tasks 8)" in (tmp_path / "policy" / "README.md").read_text()

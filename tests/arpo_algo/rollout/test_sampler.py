@@ -357,3 +357,18 @@ def test_arpo_without_branching_is_grpo_token_for_token(tiny_model_dir, env_crea
         assert all(t.parent is None for g in groups for t in g.trajectories)
     assert got["arpo"] == got["grpo"]
     assert len({traj[0] for g in got["grpo"] for traj in g}) > 2  # sampled, not one repeated greedy answer
+
+
+def test_groups_and_their_tree_records_carry_the_answer_from_the_task_list(env_creator):
+    """The env's ``info`` withholds the answer by default; the sampler reads it from the task list, so the recorded
+    trees (and the viewer that shows them) still hold it."""
+    from arpo_algo.eval.trees import group_record
+
+    s = _sampler(ScriptedEngine(), env_creator, TreeConfig.grpo(2), seed=0)
+    groups, _ = s.sample([3, 8], step=0)
+    s.close()
+    env = env_creator()
+    for g, index in zip(groups, [3, 8], strict=True):
+        truth = env.tasks[index]["ground_truth"]
+        assert g.task["ground_truth"] == truth and g.task["index"] == index
+        assert group_record(g, 0, 0, str, None)["task"]["ground_truth"] == truth

@@ -146,6 +146,29 @@ def test_a_checkpoint_holds_the_adapter_and_its_base_fingerprint(lora_run, tiny_
     assert marker["base"] == str(tiny_model_dir.resolve()) and len(marker["fingerprint"]) == 64
 
 
+def test_a_lora_policy_loads_offline_with_peft_auto_class_and_carries_its_card(lora_run, tiny_model_dir):
+    """PEFT's Auto classes pick the model class from ``task_type`` (null was refused); ``base_model_name_or_path``
+    stays the local base folder PEFT reads, and the card and the policy record name the base and its fingerprint."""
+    from peft import AutoPeftModelForCausalLM
+
+    from arpo_algo.models.card import read_card
+
+    policy = lora_run["ckpt"] + "/policy"
+    config = json.loads(open(f"{policy}/{ADAPTER_CONFIG}").read())
+    assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    model = AutoPeftModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    torch.testing.assert_close(_logits(model, ids), _logits(lora_run["algo"].learner.model, ids), atol=1e-5, rtol=0)
+    fingerprint = json.loads(open(f"{policy}/{ADAPTER_MARKER}").read())["fingerprint"]
+    card = read_card(policy)
+    assert card["library_name"] == "peft" and {"arpo", "lora", "reinforcement-learning"} <= set(card["tags"])
+    assert "base_model" not in card  # a local base has no Hub id, and the Hub refuses a path there
+    assert card["arpo"]["base_fingerprint"] == fingerprint and card["arpo"]["algorithm"] == "ARPO"
+    assert card["arpo"]["env"] == "arpo/ToolMath-v0" and card["arpo"]["task"] == "toolmath"
+    record = json.loads(open(f"{policy}/arpo_policy.json").read())["base_model"]
+    assert record["fingerprint"] == fingerprint and record["path"] == str(tiny_model_dir.resolve())
+
+
 def test_resume_restores_the_adapter(lora_run):
     algo = lora_run["cfg"].build_algo()
     try:
@@ -182,6 +205,12 @@ def test_eval_engine_and_merge_export_give_the_trained_policy(lora_run, tmp_path
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(_logits(merged, ids), trained, atol=1e-4, rtol=1e-4)
     assert main(["export", "--merge", lora_run["ckpt"], "--output", str(out)]) == 2  # never overwrites
+    from arpo_algo.models.card import read_card
+
+    card, policy_card = read_card(out), read_card(lora_run["ckpt"] + "/policy")
+    assert card["library_name"] == "transformers" and "lora" not in card["tags"]
+    assert card["arpo"]["base_fingerprint"] == policy_card["arpo"]["base_fingerprint"]
+    assert card["arpo"]["merged_from"].endswith("policy") and "export --merge" in card["arpo"]["exported_by"]
 
 
 def test_an_adapter_on_another_base_or_without_its_config_is_refused(lora_run, tiny_model_dir, tmp_path):

@@ -272,6 +272,15 @@ def test_short_sft_lowers_loss_and_saves_hf_folder(tmp_path, tiny_model_dir):
     saved = json.loads((out / "sft_metrics.json").read_text())
     assert saved["tokens_trained"] == m["tokens_trained"] > 0 and saved["counts"]["kept"] == 8
     assert list((out / "tb").iterdir())
+    from arpo_algo.models.card import read_card
+
+    card = read_card(out)  # an SFT output is a policy folder too: it carries its model card
+    assert card["library_name"] == "transformers" and "sft" in card["tags"] and card["arpo"]["data"] == str(f)
+    assert (
+        card["arpo"]["algorithm"] == "SFT"
+        and card["arpo"]["env"] is None
+        and len(card["arpo"]["base_fingerprint"]) == 64
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_algo.rollout.engines.base import GenRequest
 from arpo_algo.rollout.engines.hf.slot_prefill import SharedRun, plan_shared_runs
 from arpo_base.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 #: A named adapter (a PEFT module-dict key: no dots).
 ADAPTER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -47,6 +50,10 @@ class NamedAdapters:
     model: Any
     _row_adapters: list[str] | None
     _hooked: set[int]
+
+    def _invalidate(self) -> None:
+        """Drop the stored KV (the engine's own; computed under the adapters loaded before)."""
+        raise NotImplementedError
 
     def add_adapter(self, name: str, folder: str) -> None:
         """Load another adapter of this engine's base under ``name`` (engines built with ``adapters=``). Call it
@@ -78,6 +85,7 @@ class NamedAdapters:
         """Give every LoRA layer (new ones too) the pre-hook that passes the rows' adapter names to PEFT."""
         from peft.tuners.lora import LoraLayer
 
+        module: torch.nn.Module  # PEFT's LoraLayer is a mixin; the layers found here are also torch modules
         for module in self.model.modules():
             if isinstance(module, LoraLayer) and id(module) not in self._hooked:
                 module.register_forward_pre_hook(self._adapter_rows_hook, with_kwargs=True)

@@ -114,7 +114,9 @@ class CompiledStep:
 
     def __init__(self, body: Callable[..., None], stats: Any, device_type: str = "cpu") -> None:
         cpu = device_type == "cpu"
-        options = {"cpp_wrapper": True, "cpp.simdlen": cpu_vector_bits()} if cpu else {"cpp_wrapper": False}
+        options: dict[str, Any] = (
+            {"cpp_wrapper": True, "cpp.simdlen": cpu_vector_bits()} if cpu else {"cpp_wrapper": False}
+        )
         self._fn = torch.compile(body, backend="inductor", dynamic=True, fullgraph=True, options=options)
         self._stats = stats
         #: Seconds of each call that compiled (compile plus one step), by that call's ``(rows, length, shape)``.

@@ -147,12 +147,20 @@ def available_ram() -> int | None:
     return None
 
 
+def allocated(buf: torch.Tensor | None) -> torch.Tensor:
+    """One of the static decoder's slot buffers, which exist from the first prefill of a ``generate`` call on: every
+    refill, step and capture runs after it."""
+    assert buf is not None, "the static decoder's slot buffers are used before the first prefill allocated them"
+    return buf
+
+
 def check_memory(model: Any, slots: int, context: int) -> None:
     """Refuse a static cache larger than the memory free now (the GPU's, or the machine's RAM on CPU), before any work
     starts: the buffers are allocated whole at the first call, so one that does not fit would otherwise fail (or be
     killed by the OS) in the middle of a run."""
     device = next(model.parameters()).device
     need = kv_bytes(model, slots, context)
+    free: int | None  # None: the machine does not report its free RAM
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], str(device)
     else:

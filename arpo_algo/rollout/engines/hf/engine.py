@@ -40,12 +40,20 @@ import os
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
-from arpo_algo.rollout.engines.base import Generation, GenRequest, TokenCallback, error_generation, request_problem
+from arpo_algo.rollout.engines.base import (
+    Generation,
+    GenRequest,
+    Tally,
+    TokenCallback,
+    error_generation,
+    new_tally,
+    request_problem,
+)
 from arpo_algo.rollout.engines.hf.adapters import NamedAdapters, context_key, plan_runs
 from arpo_algo.rollout.engines.hf.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.hf.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
@@ -192,7 +200,7 @@ class HFEngine(NamedAdapters):
         self._next_key = 0
         self._updates = 0  # bumped by weights_updated(): part of the weights' identity
         self._weights_version = self._param_version()
-        self._stats: collections.Counter[str] = collections.Counter()
+        self._stats: Tally = new_tally()
         self._store = KVStore(kv_cache_capacity_tokens, self._stats)
         self._on_token: TokenCallback | None = None
         self._layer_cls = grow_layer_class()
@@ -408,6 +416,7 @@ class HFEngine(NamedAdapters):
                 t = mask.shape[1]
                 for j in done:
                     r = rows[j]
+                    assert r.finish is not None  # done lists the rows that finished
                     kv = ([k[j : j + 1, :, t - r.fed :] for k in keys], [v[j : j + 1, :, t - r.fed :] for v in values])
                     results[r.idx] = self._result(r, r.finish, kv)
                 keep = [j for j, r in enumerate(rows) if not r.finish]
@@ -448,6 +457,7 @@ class HFEngine(NamedAdapters):
         shared = runs.pop(context_key(row.req), None) if m == 0 else None
         reused = m
         if m > 0:
+            assert entry is not None  # lookup reuses tokens (m > 0) only from an entry it found
             keys, values = [k[:, :, :m] for k in entry.keys], [v[:, :, :m] for v in entry.values]
         elif shared is not None:
             m = reused = shared.length
@@ -456,6 +466,8 @@ class HFEngine(NamedAdapters):
                 reused = 0  # prefilled here, for the others
             else:
                 self._stats["shared_prefix_rows"] += 1
+            # a run's keys and values are made and dropped together
+            assert shared.keys is not None and shared.values is not None
             keys, values = shared.keys, shared.values
             shared.used()
         else:
@@ -535,10 +547,12 @@ class HFEngine(NamedAdapters):
     def _append(self, r: _Row, tok: int, lp: float, entropy: float, top: list | None) -> None:
         """Add one token's outputs to its row's lists (the static decoder adds the tokens it kept in bulk here)."""
         if top is not None:
+            assert r.top is not None  # a row is given top entries only when it asked for them, and then keeps a list
             r.top.append(top)
         r.new.append(tok)
         r.logprobs.append(lp)
-        r.entropies.append(entropy if self.entropy_method == "full" else topk_token_term(top))
+        # cast: topk_sum_lnV makes every row ask for REFERENCE_TOPK entries at least, so it is given a list
+        r.entropies.append(entropy if self.entropy_method == "full" else topk_token_term(cast(list, top)))
 
     def _check_finish(self, r: _Row, tok: int) -> None:
         if tok in self.eos_ids:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from arpo_algo.rollout.engines.base import Tally
+
 
 @dataclass
 class KVEntry:
@@ -30,7 +32,7 @@ class KVStore:
     Counters (prefix hits/misses/mismatches, evictions) go into the engine's ``stats`` counter.
     """
 
-    def __init__(self, capacity_tokens: int, stats: collections.Counter) -> None:
+    def __init__(self, capacity_tokens: int, stats: Tally) -> None:
         self.capacity_tokens = capacity_tokens
         self.stats = stats
         self._entries: collections.OrderedDict[str, KVEntry] = collections.OrderedDict()
@@ -113,24 +115,27 @@ def grow_layer_class() -> type:
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n, t = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
-            buf = self.kbuf
+            keys, values, kbuf, vbuf = self.keys, self.values, self.kbuf, self.vbuf
+            assert keys is not None and values is not None, "an initialized layer holds tensors (empty at first)"
+            n, t = keys.shape[-2] if keys.numel() else 0, key_states.shape[-2]
             owned = (
-                buf is not None
-                and self.keys.numel()
-                and self.keys.data_ptr() == buf.data_ptr()
-                and buf.shape[0] == key_states.shape[0]
+                kbuf is not None
+                and keys.numel()
+                and keys.data_ptr() == kbuf.data_ptr()
+                and kbuf.shape[0] == key_states.shape[0]
             )
-            if not owned or n + t > buf.shape[-2]:
+            # the two buffers are always replaced together, so kbuf and vbuf are both None or both tensors
+            if kbuf is None or vbuf is None or not owned or n + t > kbuf.shape[-2]:
                 shape = list(key_states.shape)
                 shape[-2] = max(2 * (n + t), n + t + 64)
-                self.kbuf, self.vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+                kbuf, vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+                self.kbuf, self.vbuf = kbuf, vbuf
                 if n:
-                    self.kbuf[..., :n, :] = self.keys
-                    self.vbuf[..., :n, :] = self.values
-            self.kbuf[..., n : n + t, :] = key_states
-            self.vbuf[..., n : n + t, :] = value_states
-            self.keys, self.values = self.kbuf[..., : n + t, :], self.vbuf[..., : n + t, :]
+                    kbuf[..., :n, :] = keys
+                    vbuf[..., :n, :] = values
+            kbuf[..., n : n + t, :] = key_states
+            vbuf[..., n : n + t, :] = value_states
+            self.keys, self.values = kbuf[..., : n + t, :], vbuf[..., : n + t, :]
             return self.keys, self.values
 
     return GrowLayer

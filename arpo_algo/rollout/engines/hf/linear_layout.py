@@ -71,7 +71,8 @@ class TransposedLinears:
         patched = []
         try:
             for mod, weight_t in self._layers:
-                mod.forward = _bind(weight_t, mod.bias)  # an instance attribute shadows Linear.forward
+                # an instance attribute shadows Linear.forward on purpose (undone below), which mypy reports
+                mod.forward = _bind(weight_t, mod.bias)  # type: ignore[method-assign]
                 patched.append(mod)
             yield
         finally:

@@ -76,6 +76,9 @@ def slot_layer_class() -> type:
             pass
 
         def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            # the decode step builds this layer with its positions and rows; only the prefill layer (which has its own
+            # update) leaves them None
+            assert self.rows is not None and self.pos is not None
             write_rows(self.kbuf, self.rows, self.pos, key_states)
             write_rows(self.vbuf, self.rows, self.pos, value_states)
             return self.kbuf[:, :, : self.length], self.vbuf[:, :, : self.length]
@@ -96,7 +99,9 @@ def slot_layer_class() -> type:
 def prefill_layer_class() -> type:
     """The decode step's slot layer, writing a batched prefill's keys/values into the slot buffers instead."""
 
-    class SlotPrefillLayer(slot_layer_class()):
+    base: Any = slot_layer_class()  # a class made at run time (transformers is imported lazily)
+
+    class SlotPrefillLayer(base):
         """Writes the real (not padding) tokens of each row into its slot at their positions; returns, per row, the
         first ``length`` columns of its slot (its reused prefix, then the tokens just written)."""
 
@@ -290,6 +295,8 @@ def _share_prefixes(dec: Any, feed: list, runs: dict) -> list:
                 if lead is not None:
                     _copy_slot(dec, b, lead, run)
                 else:
+                    # no leader in this call: the run was made by an earlier call and kept for its pending members
+                    assert shared.keys is not None and shared.values is not None
                     _load_slot(dec, b, shared.keys, shared.values, run)
                 eng._stats["prefill_tokens"] -= run
                 eng._stats["reused_tokens"] += run

@@ -51,7 +51,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ import torch
 from arpo_algo.rollout.engines.config import captures_graphs
 from arpo_algo.rollout.engines.hf import slot_prefill
 from arpo_algo.rollout.engines.hf.compiled_step import CompiledStep
-from arpo_algo.rollout.engines.hf.decode_mode import check_memory, static_context
+from arpo_algo.rollout.engines.hf.decode_mode import allocated, check_memory, static_context
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
@@ -230,7 +230,7 @@ def folded_attention(model: torch.nn.Module) -> Iterator[None]:
     """Run the model's "sdpa" attention as :func:`folded_sdpa` inside the block (the shared model's setting is put
     back on exit, so a learner's forward never sees it); other implementations, and composite models (whose setting
     is spread over sub-configs that may differ), are left as they are."""
-    config = model.config
+    config: Any = model.config  # a transformers config (torch types a module's attributes as Tensor | Module)
     if config._attn_implementation != "sdpa" or getattr(config, "sub_configs", None):
         yield
         return
@@ -261,7 +261,8 @@ class StaticDecoder:
         self._layer = slot_prefill.slot_layer_class()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.state = self.uniforms = self.cols = None
+        # the slot buffers: None until the first prefill of a generate() allocates them, and again after close()
+        self.state = self.uniforms = self.cols = cast("torch.Tensor | None", None)
         self._results: dict[int, torch.Tensor] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -368,8 +369,10 @@ class StaticDecoder:
                     book.live[b] = False
                     done.append(b)
             if done:
-                idle = torch.tensor(_IDLE, dtype=torch.float64, device=self.state.device)
-                self.state[torch.tensor(done, device=self.state.device)] = idle
+                state = allocated(self.state)
+                state[torch.tensor(done, device=state.device)] = torch.tensor(
+                    _IDLE, dtype=torch.float64, device=state.device
+                )
 
     def _book(self, reqs: list, shape: SampleShape) -> _Book:
         """The host-side record of one call: room for every request's tokens, its EOS and stop-token masks."""
@@ -417,7 +420,7 @@ class StaticDecoder:
                     slots[b] = None
                     continue
                 p = row.req.params
-                self.state[b] = torch.tensor(
+                allocated(self.state)[b] = torch.tensor(
                     [
                         row.new[-1],
                         row.fed,
@@ -449,7 +452,7 @@ class StaticDecoder:
             p = row.req.params
             if p.temperature:
                 uniforms = torch.rand(row.max_new, generator=row.gen, dtype=torch.float64)
-                self.uniforms[b, : uniforms.shape[0]].copy_(uniforms)
+                allocated(self.uniforms)[b, : uniforms.shape[0]].copy_(uniforms)
                 draws.append(uniforms[0])
             else:
                 draws.append(torch.zeros((), dtype=torch.float64))
@@ -493,7 +496,7 @@ class StaticDecoder:
             return
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        cache: Any = DynamicCache()  # its layers here are all full-attention ones (keys and values)
         with torch.inference_mode():
             out = eng.model(
                 input_ids=torch.zeros(1, 1, dtype=torch.long, device=eng.device),
@@ -542,7 +545,9 @@ class StaticDecoder:
         eng._stats["decode_steps"] += 1
         width = 3 + 2 * shape.logprobs_k
         if width not in self._results:  # allocated outside any graph: every graph writes into it, none owns it
-            self._results[width] = torch.zeros(self.slots, width, dtype=torch.float64, device=self.state.device)
+            self._results[width] = torch.zeros(
+                self.slots, width, dtype=torch.float64, device=allocated(self.state).device
+            )
         res = self._results[width][:rows]
         if self.graphs:
             key = (rows, length, shape)
@@ -562,9 +567,10 @@ class StaticDecoder:
         slots' state. Tensor ops only (no host synchronisation), so it can be captured. Everything it writes lives in
         buffers kept across steps (the KV slots, the state, ``res``, on the CPU the draw's running sum), which a
         compiled step updates in place (see :mod:`~arpo_algo.rollout.engines.hf.compiled_step`)."""
-        st = self.state[:rows]
+        st = allocated(self.state)[:rows]
         pos = st[:, POS].long()
-        valid = self.cols[:length][None, :] <= pos[:, None]  # [rows, length]: this slot's tokens and the new one
+        # [rows, length]: this slot's tokens and the new one
+        valid = allocated(self.cols)[:length][None, :] <= pos[:, None]
         if self.engine.model.config._attn_implementation == "eager":  # additive mask, as transformers builds it
             dtype = self.keys[0].dtype
             mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(
@@ -587,7 +593,7 @@ class StaticDecoder:
             top_p=st[:, TOPP].float(),
         )
         step = st[:, STEP].long().clamp(max=self.context - 1)
-        uniforms = self.uniforms[:rows].gather(1, step[:, None])[:, 0]
+        uniforms = allocated(self.uniforms)[:rows].gather(1, step[:, None])[:, 0]
         tok, lp, ent, top_v, top_i = sample_rows(
             out.logits[:, -1],
             params,
@@ -607,15 +613,16 @@ class StaticDecoder:
     def _capture(self, rows: int, length: int, shape: SampleShape, res: torch.Tensor) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (putting back the state it advanced), then capture it. A compiled step
         compiles in the warm-up, so nothing but its kernels' launches reaches the capture."""
-        dev = self.state.device
+        state = allocated(self.state)
+        dev = state.device
         step = self.compiled or self._body
-        saved = self.state.clone()
+        saved = state.clone()
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # the warm-up writes the KV columns the replay will write (same values), nothing else
                 step(rows, length, shape, res)
-                self.state.copy_(saved)
+                state.copy_(saved)
         torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

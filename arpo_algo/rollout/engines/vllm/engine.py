@@ -41,7 +41,6 @@ Differences from :class:`~arpo_algo.rollout.engines.hf.engine.HFEngine`, by desi
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import random
@@ -55,10 +54,13 @@ from typing import TYPE_CHECKING, Any
 
 from arpo_algo.core.entropy import topk_token_term
 from arpo_algo.rollout.engines.base import (
+    FinishReason,
     Generation,
     GenRequest,
+    Tally,
     TokenCallback,
     error_generation,
+    new_tally,
     replay_tokens,
     request_problem,
 )
@@ -302,7 +304,7 @@ class VLLMEngine:
         # that produced its prefix key (a counter alone restarts at 1 in every actor).
         self._uid = uuid.uuid4().hex[:8]
         self._asleep = False
-        self._stats: collections.Counter[str] = collections.Counter()
+        self._stats: Tally = new_tally()
         self._lora = lora
         #: Named adapters (``adapters=``): name -> folder; None on an engine of one policy.
         self.adapters: dict[str, str] | None = None if adapters is None else {}
@@ -416,7 +418,8 @@ class VLLMEngine:
         self._stats["generated_tokens"] += len(tokens)
         self._stats["reused_tokens"] += cached
         self._stats["prefill_tokens"] += len(req.token_ids) - cached
-        stop_string = None
+        stop_string: str | None = None
+        finish: FinishReason
         if comp.finish_reason == "length":
             finish = "length"
         elif comp.finish_reason == "stop" and isinstance(comp.stop_reason, str):
@@ -440,7 +443,7 @@ class VLLMEngine:
             logprobs,
             entropies,
             finish,
-            stop_string=stop_string,  # type: ignore
+            stop_string=stop_string,
             top_logprobs=tops,
             cache_key=f"vllm:{self._uid}:{self._next_key}",
             metrics={"new_tokens": float(len(tokens)), "cached_prompt_tokens": float(cached)},

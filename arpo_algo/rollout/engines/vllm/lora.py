@@ -120,7 +120,8 @@ def check_served_adapter(
 
     if not ADAPTER_NAME.match(name):
         raise ConfigError(f"adapter name {name!r}: letters, digits and _ only, not starting with a digit")
-    info = check_adapter_folder(folder)
+    path = os.fspath(folder)  # the checks below take a str or Path
+    info = check_adapter_folder(path)
     if info["fingerprint"] != base_fingerprint:
         raise ConfigError(
             f"{folder}: the adapter was trained on the base with weights fingerprint "
@@ -129,12 +130,12 @@ def check_served_adapter(
             hint="serve adapters of another base in their own deployment, or merge it first "
             "(arpo export --merge) and serve the merged folder as a full-weight agent",
         )
-    settings, targets = adapter_settings(folder)
+    settings, targets = adapter_settings(path)
     # Invariant: vLLM loads an adapter only at its first request, in the engine process that every agent on this
     # base shares; a tensor it cannot place kills that process, and one of another shape may be served wrong.
     # So every tensor is checked against the base here, before vLLM sees the folder.
     check_adapter_tensors(
-        adapter_file_shapes(folder),
+        adapter_file_shapes(path),
         adapter_shapes(linear, targets, settings.rank),
         f"{folder}: the adapter's tensors do not fit this engine's base (rank {settings.rank}, "
         f"target modules {', '.join(targets)})",

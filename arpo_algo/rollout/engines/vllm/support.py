@@ -20,6 +20,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,9 @@ def shm_dir() -> str | None:
 class ArpoWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``, CPU and GPU) so weights can be replaced in place."""
 
+    #: The worker's own method (vLLM's ``Worker.reload_weights``), which this mixin calls.
+    reload_weights: Callable[..., Any]
+
     def arpo_reload(self, path: str | None = None, blob: bytes | None = None) -> int:
         """Load a safetensors state dict (a file path or its bytes) and re-run vLLM's post-load processing."""
         from safetensors import safe_open
@@ -241,12 +245,12 @@ class ArpoWorkerExtension:
 
         if path is None:
             weights = load(blob)  # type: ignore[arg-type]
-            self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+            self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
             return len(weights)
         with safe_open(path, framework="pt") as f:  # one tensor at a time, not a second copy of the model
             names = list(f.keys())
             self.reload_weights(
-                weights_iterator=((k, f.get_tensor(k)) for k in names),  # type: ignore
+                weights_iterator=((k, f.get_tensor(k)) for k in names),
                 is_checkpoint_format=True,
             )
         return len(names)
@@ -261,5 +265,5 @@ class ArpoWorkerExtension:
             weights.update(load_file(f))
         if tied_head and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         return len(weights)
