@@ -172,6 +172,15 @@ class AgenticRLAlgorithm(Algorithm):
 
             self.rollout_pipeline = RolloutPipeline(self._sample, settings.rollouts.max_staleness)
         self._last_eval: dict[str, float] = {}
+        self._callback("on_algorithm_init", algorithm=self)
+
+    def _callback(self, name: str, **kwargs: Any) -> None:
+        """Fire RLlib callback ``name`` on the callbacks objects and the config's ``callbacks_on_*`` functions, as
+        RLlib's own Algorithm does (docs/howto/rllib.md#callbacks lists the ones arpo fires)."""
+        from ray.rllib.callbacks.utils import make_callback
+
+        functions = getattr(self.config, f"callbacks_{name}", None)
+        make_callback(name, self.callbacks, functions, kwargs=dict(kwargs, metrics_logger=self.metrics))
 
     def _build_engine(self, model_path: pathlib.Path) -> RolloutEngine:
         """The configured engine (:func:`arpo_algo.rollout.engines.build_engine`): in-process HF shares the learner's
@@ -291,6 +300,8 @@ class AgenticRLAlgorithm(Algorithm):
         version = self.iteration
         # 1. sync the rollout engine to the learner's weights, and 2. sample one tree per prompt (rewards from the env)
         batch = self._sync_and_sample(version)
+        # RLlib's on_sample_end: no EnvRunner here; the samples are the groups (one per prompt) this update trains on
+        self._callback("on_sample_end", env_runner=None, samples=batch.groups)
         # 3. advantages and 4. the update, both inside the learner (the tree's advantages: training.advantage)
         learn, update_s = self._update(batch, version)
         # 5. record: metrics, the data position and the trees trained on
@@ -439,8 +450,48 @@ class AgenticRLAlgorithm(Algorithm):
         if self.rollout_pipeline is not None:  # a tree in flight is finished under the weights it started with
             self.rollout_pipeline.wait()
         self._sync_weights()
+        self._callback("on_evaluate_start", algorithm=self)
         self._last_eval = evaluate_policy(self, self._eval_env)
+        self._callback("on_evaluate_end", algorithm=self, evaluation_metrics=dict(self._last_eval))
         return dict(self._last_eval)
+
+    # ------------------------------------------------------------------------------ RLlib's inference methods
+
+    def compute_single_action(
+        self, observation: str | None = None, *args: Any, explore: bool | None = None, **kwargs: Any
+    ) -> str:
+        """The agent's response to the prompt ``observation``, as ``arpo serve`` would give it: current weights,
+        greedy (``explore=True`` samples), the training environment's system prompt, tools and limits
+        (:mod:`arpo_algo.algorithms.answer`). Returns the whole response: its text, tool calls and their results."""
+        from arpo_algo.algorithms.answer import answer_prompts, check_prompts
+
+        check_prompts([observation], dict(kwargs, state=args[0] if args else None))
+        return answer_prompts(self, [observation], explore=bool(explore))[0]
+
+    def compute_actions(self, observations: Any, *args: Any, explore: bool | None = None, **kwargs: Any) -> Any:
+        """:meth:`compute_single_action` for many prompts at once (one batched agent loop): a dict of prompts gives a
+        dict of responses under the same keys, a list gives a list."""
+        from arpo_algo.algorithms.answer import answer_prompts, check_prompts
+
+        keys = list(observations) if isinstance(observations, dict) else None
+        prompts = [observations[k] for k in keys] if keys is not None else list(observations)
+        check_prompts(prompts, dict(kwargs, state=args[0] if args else None))
+        answers = answer_prompts(self, prompts, explore=bool(explore))
+        return dict(zip(keys, answers)) if keys is not None else answers
+
+    def _no_rllib_module(self, name: str) -> ArpoError:
+        return ArpoError(
+            f"{type(self).__name__}.{name}() returns an RLlib RLModule or Policy, which arpo does not build: its "
+            "policy is a Hugging Face causal LM",
+            hint="use algo.learner.model and algo.learner.tokenizer, algo.compute_single_action(prompt) for an "
+            "answer, `arpo serve` to serve it or `arpo eval` / algo.evaluate() to score it",
+        )
+
+    def get_module(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_module("get_module")
+
+    def get_policy(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_rllib_module("get_policy")
 
     # --------------------------------------------------------------------------------------------- checkpoints
 

@@ -12,7 +12,9 @@ validated where it is defined, handed to the sampler, learner and engines as it 
   :meth:`update_from_dict` reads them back, so ``param_space["tree.tau"] = tune.uniform(0.2, 1.0)`` sweeps it.
 
 The environment is RLlib's own ``.environment(env="arpo/ToolMath-v0", env_config={...})``. Unknown keys are rejected
-everywhere (RLlib's dict path would set them silently), naming the closest valid one.
+everywhere (RLlib's dict path would set them silently), naming the closest valid one. RLlib's own fields that arpo
+does not read are refused at validation once set away from RLlib's default (:mod:`arpo_algo.algorithms.rllib_fields`
+names arpo's equivalent of each).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
+from arpo_algo.algorithms.rllib_fields import check_callbacks, check_unused_fields, same_value
 from arpo_algo.algorithms.settings import Settings
 from arpo_algo.algorithms.variants import algorithm_of, preset_of
 from arpo_algo.core.tree import TreeConfig
@@ -43,13 +46,6 @@ def _is_search_space(value: Any) -> bool:
     from ray.tune.search.sample import Domain
 
     return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values whose == is not a truth value (arrays) count as changed
-        return False
 
 
 class AgenticRLConfig(AlgorithmConfig):
@@ -108,7 +104,8 @@ class AgenticRLConfig(AlgorithmConfig):
 
     def evaluation(self, **kwargs: Any) -> AgenticRLConfig:  # type: ignore[override]
         """``[evaluation]``: :class:`arpo_algo.eval.config.EvaluationConfig` (``every`` is RLlib's
-        ``evaluation_interval``, accepted under either name); RLlib's other ``evaluation_*`` arguments pass through."""
+        ``evaluation_interval``, accepted under either name); RLlib's other ``evaluation_*`` arguments are stored and
+        refused by :meth:`validate`, which names arpo's equivalent."""
         if "evaluation_interval" in kwargs:
             kwargs["every"] = kwargs.pop("evaluation_interval") or 0
         rllib = {k: v for k, v in kwargs.items() if k.startswith("evaluation_")}
@@ -125,7 +122,9 @@ class AgenticRLConfig(AlgorithmConfig):
         ``params.json`` holds the run's settings, not RLlib's hundreds of inert ones (:meth:`update_from_dict` starts
         from the defaults, so what is left out reads back as it was)."""
         defaults = type(self)._rllib_defaults()
-        out = {k: v for k, v in self._rllib_dict().items() if k in _ALWAYS_IN_DICT or not _same(v, defaults.get(k))}
+        out = {
+            k: v for k, v in self._rllib_dict().items() if k in _ALWAYS_IN_DICT or not same_value(v, defaults.get(k))
+        }
         out.update(self.settings.flat())
         return out
 
@@ -191,14 +190,12 @@ class AgenticRLConfig(AlgorithmConfig):
 
     def validate(self) -> None:
         """RLlib's checks first, then every section's own checks and those across sections, each explained."""
+        where = type(self).__name__
+        check_unused_fields(self, where)  # before RLlib's checks, whose errors would name RLlib's machinery
+        check_callbacks(self.callbacks_class, where)
         super().validate()
         if self.env is None:
             raise ConfigError("no environment set", hint='config.environment("arpo/ToolMath-v0", env_config={...})')
-        if self.num_learners > 0:
-            raise ConfigError(
-                "num_learners > 0 is not supported: ARPO owns its learner in the main process",
-                hint="leave num_learners at 0; use backend(learner_backend='ddp') for data parallel",
-            )
         for key, value in self.settings.flat().items():
             if _is_search_space(value):
                 raise ConfigError(
@@ -212,3 +209,8 @@ class AgenticRLConfig(AlgorithmConfig):
                 hint="set it with .evaluation(every=N)",
             )
         self.settings.validate()
+
+    def _validate_new_api_stack_settings(self) -> None:
+        """RLlib's check of its API-stack flags, which also logs its "new API stack" banner on every build: arpo runs
+        neither stack (its own learner and sampler), and a change to either flag is refused by
+        :func:`~arpo_algo.algorithms.rllib_fields.check_unused_fields`, so there is nothing to check or announce."""
