@@ -58,11 +58,30 @@ class _TuneName:
         return (tune_trainable, (self.name,))
 
 
+def _tune_names() -> set[str]:
+    """:data:`TUNE_NAMES` and every registered variant's class name and upper-case name."""
+    names = set(TUNE_NAMES)
+    variants = _sys.modules.get("arpo_algo.algorithms.variants")
+    for v in getattr(variants, "VARIANTS", {}).values():
+        names |= {v.algorithm.__name__, v.name.upper()}
+    return names
+
+
 def _register_tune_names(registry) -> None:
+    """Enter the names in Tune's registry, now and after every later ``ray.init``: Tune moves its entries into the
+    running cluster's store and forgets them, so a name registered during one Ray session was unknown in the next
+    (``tune.Tuner("ARPO")`` failed after an earlier ``ray.shutdown()`` in the same process)."""
     _os.environ.setdefault("TUNE_MAX_LEN_IDENTIFIER", TUNE_DIRNAME_LENGTH)
-    for name in TUNE_NAMES:
+    for name in sorted(_tune_names()):
         if not registry._global_registry.contains(registry.TRAINABLE_CLASS, name):
             registry._global_registry.register(registry.TRAINABLE_CLASS, name, _TuneName(name))
+    hooks = _sys.modules["ray._private.worker"]._post_init_hooks  # run by ray.init, after Tune's own flush
+    if _on_ray_init not in hooks:
+        hooks.append(_on_ray_init)
+
+
+def _on_ray_init() -> None:
+    _register_tune_names(_sys.modules["ray.tune.registry"])
 
 
 class _TuneRegistryHook:

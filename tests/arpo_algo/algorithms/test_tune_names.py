@@ -36,6 +36,28 @@ def test_import_registers_the_names_without_ray():
     assert out.stdout.split("\n")[-2] == "['ARPO', 'AEPO', 'GRPO'] False"
 
 
+def test_the_names_outlive_a_ray_session():
+    """Tune keeps a registered name only in the running cluster's store: after ``ray.shutdown()`` and a new
+    ``ray.init()`` in the same process, ARPO and a variant registered later are still found."""
+    code = (
+        "import ray, arpo_algo\n"
+        "from ray.tune.registry import get_trainable_cls\n"
+        "from arpo_algo.algorithms import ARPO, ARPOConfig, register_variant\n"
+        "class LaterConfig(ARPOConfig):\n"
+        "    variant = 'later'\n"
+        "class Later(ARPO):\n"
+        "    pass\n"
+        "register_variant(LaterConfig, Later)\n"
+        "for _ in range(2):\n"
+        "    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "    print([get_trainable_cls(n).__name__ for n in ('ARPO', 'GRPO', 'LATER')])\n"
+        "    ray.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == ["['ARPO', 'GRPO', 'Later']"] * 2, out.stdout
+
+
 def test_params_json_holds_arpo_settings_only():
     cfg = ARPOConfig().environment("arpo/ToolMath-v0", env_config={"levels": [1]}).debugging(seed=3)
     d = cfg.to_dict()
