@@ -33,7 +33,9 @@ import sys as _sys
 #: The built-in variants' Tune names: their Algorithm class names.
 TUNE_NAMES = ("ARPO", "AEPO", "GRPO")
 #: Tune cuts a generated trial folder name to this many characters before the date (Tune's own setting, left as the
-#: user sets it): the trainable's name and the trial id, without the 130-character list of sampled values.
+#: user sets it): the start of Tune's trial name (the trainable's name, then the environment's), without the
+#: 130-character list of sampled values; Tune appends the date and keeps folder names unique. A fixed length: the
+#: folder a trial gets does not depend on which variants the process registered before it.
 TUNE_DIRNAME_LENGTH = "16"
 
 

@@ -17,6 +17,7 @@ paper's section per knob) and an Algorithm class, then one registration line (``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -94,17 +95,17 @@ def register_variant(config_class: type, algorithm: type) -> Variant:
 
 def _register_with_tune(v: Variant) -> None:
     """``tune.Tuner("<Algorithm class name>")`` and ``tune.Tuner("<NAME>")`` run the variant (Tune's registry holds
-    entries only: nothing starts Ray). Tune's generated trial folder names keep the longest such name whole."""
-    import os
-
+    entries only: nothing starts Ray). The names go into RLlib's table of algorithms too, which Tune registers again
+    on every lookup it cannot answer: an entry Tune wrote into a Ray session's store is gone after ``ray.shutdown()``,
+    and the name must still be found then, as RLlib's own are."""
+    from ray.rllib.algorithms.registry import ALGORITHMS
     from ray.tune import register_trainable
 
-    import arpo_algo
-
-    names = {v.algorithm.__name__, v.name.upper()}
-    for tune_name in names:
+    for tune_name in {v.algorithm.__name__, v.name.upper()}:
         register_trainable(tune_name, v.algorithm)
-    if os.environ.get("TUNE_MAX_LEN_IDENTIFIER") == arpo_algo.TUNE_DIRNAME_LENGTH:  # arpo's default, not the user's
-        longest = max(len(n) for n in names) + len("_abcde_00000")  # the name, then the trial id
-        if longest > int(arpo_algo.TUNE_DIRNAME_LENGTH):
-            os.environ["TUNE_MAX_LEN_IDENTIFIER"] = arpo_algo.TUNE_DIRNAME_LENGTH = str(longest)
+        ALGORITHMS[tune_name] = functools.partial(_class_and_config, v)
+
+
+def _class_and_config(v: Variant) -> tuple[type, Any]:
+    """An entry of RLlib's table of algorithms: the Algorithm class and a default config."""
+    return v.algorithm, v.config_class()
