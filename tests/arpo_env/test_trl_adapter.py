@@ -57,6 +57,22 @@ def test_the_env_speaks_trls_tool_interface(trl_installed):
         trl_environment("arpo/ToolMath-v0", protocol="arpo")
 
 
+def test_a_call_past_the_tool_limit_ends_the_episode_and_a_late_answer_scores_nothing(trl_installed):
+    from arpo_env.adapters.trl import trl_environment, trl_reward, trl_rows
+    from arpo_env.core import ToolTextEnv
+
+    Env = trl_environment("arpo/ToolMath-v0", levels=[1], max_tool_calls=2)
+    row = trl_rows(Env, 4)[3]
+    truth = ToolTextEnv(task="toolmath", levels=[1]).task_record(3)["ground_truth"]
+    env = Env()
+    env.reset(**row)
+    assert [env.python(code="print(1)").strip(), env.python(code="print(2)").strip()] == ["1", "2"]
+    assert "limit" in env.python(code="print(3)")  # one call past max_tool_calls: the env ends the episode
+    right = [{"role": "assistant", "content": f"<answer>\\boxed{{{truth}}}</answer>"}]
+    assert trl_reward([row["prompt"]], [right], [env]) == [0.0]  # a late answer does not count
+    assert "episode has ended" in env.python(code="print(4)")  # told to the model as a tool result, not run
+
+
 def test_one_grpo_trainer_step_over_the_env(trl_installed, tiny_model_dir, tmp_path, monkeypatch):
     from datasets import Dataset
     from transformers import AutoTokenizer
