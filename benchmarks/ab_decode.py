@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     args.trees = [tree.resolve() for tree in args.trees]  # the runs start inside each tree: no relative paths
     for tree in args.trees:
-        if not (tree / "arpo_algo" / "rollout" / "engines" / "hf.py").is_file():
+        if not (tree / "arpo_algo" / "rollout" / "engines" / "hf" / "engine.py").is_file():
             ap.error(f"{tree} is not an arpo checkout (no arpo_algo/rollout/engines/hf/engine.py)")
     if args.batch < 1 or args.new_tokens < 1 or args.rounds < 1:
         ap.error("--batch, --new-tokens and --rounds must be at least 1")
