@@ -88,9 +88,13 @@ def test_adapter_agents_share_one_vllm_base_and_answer_as_each_alone(agent_set, 
 
 def test_an_adapter_above_the_engines_max_lora_rank_is_refused_and_nothing_changes(agent_set, folders):
     served = dict(agent_set.agents)
-    with pytest.raises(ConfigError, match="rank 16 exceeds this vLLM engine's max_lora_rank 8") as e:
+    from serve.agent_set import LoadFailed
+
+    with pytest.raises(
+        LoadFailed, match="agent 'wide' failed: .*rank 16 exceeds this vLLM engine's max_lora_rank 8"
+    ) as e:
         agent_set.apply(_specs(folders, ["a", "b", "wide"]))
-    assert "max_lora_rank" in e.value.hint
+    assert isinstance(e.value.__cause__, ConfigError) and "max_lora_rank" in e.value.__cause__.hint
     assert agent_set.agents == served and set(agent_set.shared.engine.adapters) == {"adapter_0", "adapter_1"}
 
 
