@@ -12,24 +12,10 @@ from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_base.errors import ConfigError
-from arpo_env.core import ToolTextEnv
 from examples.extend.branch_policy import RandomRate
-from tests.arpo_algo.rollout.teach import teach_call
+from tests.arpo_algo.rollout import teach
 
-CALL = "<python>print(6*7)</python>"
-
-
-@pytest.fixture(scope="module")
-def env_creator(tmp_path_factory):
-    tools = {"python": {}, "cache": {"path": str(tmp_path_factory.mktemp("tools") / "c.sqlite")}}
-    return lambda: ToolTextEnv(task="toolmath", tools=tools)
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tiny_model_dir, tmp_path_factory, env_creator):
-    """The tiny model taught to write CALL at every turn, so every turn ends in a tool result (a candidate); the same
-    lesson as tests/arpo_algo/rollout/test_sampler_branching.py, so one session teaches it once."""
-    return teach_call(tiny_model_dir, tmp_path_factory.mktemp("caller"), env_creator(), CALL, turns=6)
+env_creator, caller_dir = teach.env_creator, teach.caller_dir  # the module-scoped fixtures, shared
 
 
 def test_the_registration_line_makes_it_selectable_by_name():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,3 +48,23 @@ def teach_call(model_dir: Path, out: Path, env: Any, call_text: str, turns: int,
     tok.save_pretrained(out)
     _TAUGHT[key] = out
     return out
+
+
+#: The call every turn of :func:`caller_dir`'s model writes.
+CALL = "<python>print(6*7)</python>"
+
+
+@pytest.fixture(scope="module")
+def env_creator(tmp_path_factory: Any) -> Any:
+    """ToolMath with the python tool and a tool cache of the module's own."""
+    from arpo_env.core import ToolTextEnv
+
+    tools = {"python": {}, "cache": {"path": str(tmp_path_factory.mktemp("tools") / "c.sqlite")}}
+    return lambda: ToolTextEnv(task="toolmath", tools=tools)
+
+
+@pytest.fixture(scope="module")
+def caller_dir(tiny_model_dir: Path, tmp_path_factory: Any, env_creator: Any) -> Path:
+    """The tiny model taught to write CALL at every turn (loss on the call tokens only), so every turn ends in a tool
+    result: a branch candidate. Import it with ``env_creator`` into a test module to use it."""
+    return teach_call(tiny_model_dir, tmp_path_factory.mktemp("caller"), env_creator(), CALL, turns=6)

@@ -8,30 +8,15 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.learner_config import MISMATCH_LEVELS
-from arpo_env.core import ToolTextEnv
-from tests.arpo_algo.rollout.teach import teach_call
+from tests.arpo_algo.rollout import teach
 
-CALL = "<python>print(6*7)</python>"
-
-
-@pytest.fixture(scope="module")
-def env_creator(tmp_path_factory):
-    tools = {"python": {}, "cache": {"path": str(tmp_path_factory.mktemp("tools") / "c.sqlite")}}
-    return lambda: ToolTextEnv(task="toolmath", tools=tools)
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tiny_model_dir, tmp_path_factory, env_creator):
-    """The tiny model taught to write CALL at every turn (loss on the call tokens only)."""
-    return teach_call(tiny_model_dir, tmp_path_factory.mktemp("caller"), env_creator(), CALL, turns=6)
+env_creator, caller_dir = teach.env_creator, teach.caller_dir  # the module-scoped fixtures, shared
 
 
 def test_arpo_branches_after_tool_results_on_the_real_engine(caller_dir, env_creator):
