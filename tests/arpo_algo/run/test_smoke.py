@@ -28,6 +28,19 @@ def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_mod
     assert (sweep.settings.num_samples, sweep.settings.iterations) == (1, 1)
 
 
+def test_an_evaluation_is_shrunk_as_an_experiment_is(monkeypatch):
+    """arpo eval without --experiment once kept its 512-token responses under smoke (the docs tier's evaluations of
+    the reference set took minutes): its responses are capped like an experiment's."""
+    from arpo_algo.cli.eval import resolve_settings
+    from arpo_algo.cli.main import build_parser
+
+    args = build_parser().parse_args(["eval", "m", "--data", "valid", "--k", "4"])
+    monkeypatch.setenv("ARPO_SMOKE", "1")
+    assert resolve_settings(args)[0].max_response_tokens == 48
+    monkeypatch.setenv("ARPO_SMOKE", "0")
+    assert resolve_settings(args)[0].max_response_tokens == 512
+
+
 def test_without_the_variable_nothing_changes(monkeypatch):
     monkeypatch.setenv("ARPO_SMOKE", "0")
     assert load_experiment("toolmath_aepo").run.iterations == load_experiment("toolmath_aepo", []).run.iterations > 1
