@@ -5,7 +5,7 @@ page in a folder that looks like the checkout (links to its tracked top-level fo
 ``examples/...`` and ``scripts/...`` resolve) while everything a block writes, ``runs/`` included, stays in that
 folder. Two things are substituted, never the blocks' text:
 
-* the model: ``$ARPO_HOME`` is a fresh cache in which the name ``smollm2-135m-instruct`` holds the tiny test model as
+* the model: ``$ARPO_HOME`` is a fresh cache in which the name ``smollm2-135m-instruct`` holds a tiny test model as
   a pulled model (``arpo model pull`` finds it there and pulls nothing); one cache serves every document. A page's
   folder also holds the SFT checkpoints the pages start from (``runs/sft``, ``runs/quickstart/sft``: what ``arpo sft``
   and the quickstart's SFT stage leave) as the tiny model;
@@ -196,10 +196,14 @@ def _home_with_the_tiny_model(home: Path, tiny_model_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def docs_home(tiny_model_dir, tmp_path_factory) -> Path:
-    """One model cache for every document: the tiny model is placed once."""
+def docs_home(tmp_path_factory) -> Path:
+    """One model cache for every document, the tiny model placed once; its heads are 64-dimensional (hidden size 256),
+    since vLLM's CPU attention kernels refuse the default tiny model's 16-dimensional ones and pages run vLLM."""
+    from arpo_algo.models import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path_factory.mktemp("docs-tiny") / "model", num_layers=2, hidden_size=256, seed=0)
     home = tmp_path_factory.mktemp("docs") / "home"
-    _home_with_the_tiny_model(home, tiny_model_dir)
+    _home_with_the_tiny_model(home, tiny)
     return home
 
 
@@ -232,7 +236,7 @@ class Server:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.output.append(line)
-            if READY.match(line):
+            if READY.search(line):
                 self.ready.set()
 
     def wait_ready(self) -> None:
