@@ -26,6 +26,9 @@ def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_mod
     small.config.validate()
     sweep = load_sweep("tune_quickstart", [f"model.path={str(tiny_model_dir)!r}"])
     assert (sweep.settings.num_samples, sweep.settings.iterations) == (1, 1)
+    # tune_lora ranks by held-out accuracy evaluated every 6 iterations: the smoke trial's one iteration evaluates
+    sweep = load_sweep("tune_lora", [f"model.path={str(tiny_model_dir)!r}"])
+    assert sweep.base_sections["evaluation"]["every"] == 1
 
 
 def test_an_evaluation_is_shrunk_as_an_experiment_is(monkeypatch):
