@@ -6,7 +6,8 @@ page in a folder that looks like the checkout (links to its tracked top-level fo
 folder. Two things are substituted, never the blocks' text:
 
 * the model: ``$ARPO_HOME`` is a fresh cache in which the name ``smollm2-135m-instruct`` holds a tiny test model as
-  a pulled model (``arpo model pull`` finds it there and pulls nothing); one cache serves every document. A page's
+  a pulled model (``arpo model pull`` finds it there and pulls nothing); a page whose blocks run vLLM gets one with
+  64-dimensional heads, which vLLM's CPU kernels take. The two caches serve every document. A page's
   folder also holds the SFT checkpoints the pages start from (``runs/sft``, ``runs/quickstart/sft``: what ``arpo sft``
   and the quickstart's SFT stage leave) as the tiny model;
 * the budget: ``ARPO_SMOKE=1`` (:mod:`arpo_algo.run.smoke`), the smallest budget of every command.
@@ -196,15 +197,19 @@ def _home_with_the_tiny_model(home: Path, tiny_model_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def docs_home(tmp_path_factory) -> Path:
-    """One model cache for every document, the tiny model placed once; its heads are 64-dimensional (hidden size 256),
-    since vLLM's CPU attention kernels refuse the default tiny model's 16-dimensional ones and pages run vLLM."""
+def docs_homes(tiny_model_dir, tmp_path_factory) -> dict[bool, Path]:
+    """Two model caches, each placed once: the tests' tiny model, and for pages that run vLLM one with 64-dimensional
+    heads (hidden size 256), since vLLM's CPU attention kernels refuse the tiny model's 16-dimensional ones."""
     from arpo_algo.models import build_tiny_model
 
-    tiny = build_tiny_model(tmp_path_factory.mktemp("docs-tiny") / "model", num_layers=2, hidden_size=256, seed=0)
-    home = tmp_path_factory.mktemp("docs") / "home"
-    _home_with_the_tiny_model(home, tiny)
-    return home
+    homes = {}
+    for vllm, hidden in ((False, None), (True, 256)):
+        tiny = tiny_model_dir
+        if hidden:
+            tiny = build_tiny_model(tmp_path_factory.mktemp("docs-tiny") / "model", hidden_size=hidden, seed=0)
+        homes[vllm] = tmp_path_factory.mktemp("docs") / "home"
+        _home_with_the_tiny_model(homes[vllm], tiny)
+    return homes
 
 
 def _folder(document: str, work: Path, home: Path) -> None:
@@ -267,7 +272,8 @@ class Server:
 
 
 @pytest.mark.parametrize("document", [d for d in documents() if _runs(d)])
-def test_the_documents_blocks_run_as_written(document, docs_home, tmp_path):
+def test_the_documents_blocks_run_as_written(document, docs_homes, tmp_path):
+    docs_home = docs_homes[any("vllm" in b.code for b in blocks(document) if b.lang in RUNNABLE and b.mark != "skip")]
     work = tmp_path / "work"
     _folder(document, work, docs_home)
     env = _environment(docs_home)
