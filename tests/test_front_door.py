@@ -58,8 +58,11 @@ SKIP_REASON = re.compile(r"^(gpu|multinode|over 2 min under ARPO_SMOKE)(?:: (.+)
 CHECKOUT_ENTRIES = ("benchmarks", "docker", "examples", "experiments", "scripts", "serve", "studies", "tests")
 #: The SFT checkpoints the pages start from, placed (as the tiny model) in every page's folder.
 STARTING_POINTS = ("runs/sft", "runs/quickstart/sft")
-#: A server's line saying it is ready: ``arpo serve``'s, ``arpo view``'s, TensorBoard's, Ray Serve's ``serve run``.
-READY = re.compile(r"^(serving|viewing) |^TensorBoard \S+ at http|Deployed app '\w+' successfully")
+#: A server's line saying it is ready: ``arpo serve``'s, ``arpo view``'s, TensorBoard's.
+READY = re.compile(r"^(serving|viewing) |^TensorBoard \S+ at http")
+#: Ray Serve's own ``serve run``: ready when it logs the application ready (``arpo serve`` logs that line too, before
+#: its agents load, so only a ``serve run`` block waits for it).
+SERVE_RUN_READY = re.compile(r"Application '[\w-]+' is ready at http")
 BLOCK_TIMEOUT_S = 600
 SERVER_READY_S = 300
 
@@ -227,6 +230,7 @@ class Server:
 
     def __init__(self, block: Block, cwd: Path, env: dict[str, str]) -> None:
         self.block, self.output, self.ready = block, [], threading.Event()
+        self.ready_line = SERVE_RUN_READY if re.search(r"(^|\s)serve run ", block.code) else READY
         self.proc = subprocess.Popen(
             ["bash", "-c", block.code.strip()],
             cwd=cwd,
@@ -241,7 +245,7 @@ class Server:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.output.append(line)
-            if READY.search(line):
+            if self.ready_line.search(line):
                 self.ready.set()
 
     def wait_ready(self) -> None:
@@ -257,17 +261,31 @@ class Server:
             )
 
     def stop(self) -> None:
-        """Ctrl-C, as a user would; then the whole process group (Ray's processes included) by force."""
+        """Ctrl-C, as a user would; then by force every process of the server's session: Ray's actors run in process
+        groups of their own, and one left behind (Serve's proxy) keeps the port the next server needs."""
+        import psutil
+
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        session = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == self.proc.pid:
+                    session.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        for p in session:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(session, timeout=30)
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait(30)
 
 
