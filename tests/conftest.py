@@ -161,7 +161,7 @@ INTEGRATION_MODULES = (
     "tests/arpo_algo/rollout/test_sampler_branching.py",  # teaches a tiny model to call tools, then samples a tree
     "tests/serve/test_lost_replica.py",  # Ray Serve with a replica lost mid-request
     "tests/serve/test_multi_lora.py",  # Ray Serve with adapter agents on one base, updated live
-    "tests/test_front_door.py",  # the README and the tutorial, every command run as written
+    "tests/test_front_door.py",  # the README and the docs, every shell and Python block run as written
 )
 
 

@@ -1,16 +1,32 @@
-"""The front-door tier: every shell command of the README's examples and of the tutorial, run as written, in order.
+"""The docs tier: every shell and Python block of the README and of every page under ``docs/``, run as written.
 
-Each document runs in an empty folder of its own. Two things are substituted, never the commands' text:
+Each document runs in a folder of its own: the README and the tutorial in an empty one (they say so); every other
+page in a folder that looks like the checkout (links to its tracked top-level folders, so ``experiments/...``,
+``examples/...`` and ``scripts/...`` resolve) while everything a block writes, ``runs/`` included, stays in that
+folder. Two things are substituted, never the blocks' text:
 
-* the model: ``$ARPO_HOME`` is a fresh cache in which the name ``smollm2-135m-instruct`` holds the tiny test model as
-  a pulled model (``arpo model pull`` finds it there and pulls nothing);
+* the model: ``$ARPO_HOME`` is a fresh cache in which the name ``smollm2-135m-instruct`` holds a tiny test model as
+  a pulled model (``arpo model pull`` finds it there and pulls nothing); a page whose blocks run vLLM gets one with
+  64-dimensional heads, which vLLM's CPU kernels take. The two caches serve every document. A page's
+  folder also holds the SFT checkpoints the pages start from (``runs/sft``, ``runs/quickstart/sft``: what ``arpo sft``
+  and the quickstart's SFT stage leave) as the tiny model;
 * the budget: ``ARPO_SMOKE=1`` (:mod:`arpo_algo.run.smoke`), the smallest budget of every command.
 
-A fenced block is marked for the tier by the HTML comment on the line before it: ``<!-- docs-test: skip (why) -->``
-(not run; the reason is required) or ``<!-- docs-test: server (...) -->`` (a long-running server: started in the
-background, ready once it prints its ``serving`` line, used by the blocks after it, stopped at the end). Every
-``bash`` or ``python`` block that is not a server runs or is marked skip; a block that fails fails the tier, naming
-the document, its line and the command's output.
+A ``bash``/``sh`` block runs with ``bash -e -o pipefail``, a ``python`` block as a script on stdin, both in the
+document's folder with the same environment; later blocks see what earlier ones wrote. The HTML comment on the line
+before a fence marks it for the tier:
+
+* ``<!-- docs-test: skip (KIND: detail) -->``: not run, for one of three reasons only (:data:`SKIP_KINDS`): it needs
+  a GPU, it needs several machines, or it runs for more than 2 minutes even under ``ARPO_SMOKE=1`` (the detail then
+  says what takes that long). Any other reason fails the tier; each skipped block is reported as a skipped test with
+  its reason (``pytest -rs``);
+* ``<!-- docs-test: server (...) -->``: a long-running server, started in the background, ready once it prints its
+  ready line (:data:`READY`), used by the blocks after it, stopped (Ctrl-C) at the next server block or at the end
+  of the document;
+* ``<!-- docs-test: file (NAME) -->``: the block is a file the prose asks for (a TOML, a corpus); the tier writes it
+  to ``NAME`` in the document's folder, for the blocks after it.
+
+A block that fails fails the tier, naming the document, its line and the block's output.
 """
 
 from __future__ import annotations
@@ -29,12 +45,45 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("docs/tutorial.md", "README.md")
-DIRECTIVE = re.compile(r"^<!-- docs-test: (skip|server) \((.+)\) -->$")
+#: The documents that promise their commands run from an empty folder; every other page runs in a checkout-like one.
+#: These two run in the default suite; the other pages' blocks take many minutes, so they form the slow tier
+#: (``-m slow``), which the tier's own checks of marks and skip reasons do not wait for.
+EMPTY_FOLDER = ("README.md", "docs/tutorial.md")
+DIRECTIVE = re.compile(r"^<!-- docs-test: (skip|server|file) \((.+)\) -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
-RUNNABLE = {"bash", "sh", "shell", "console", "python"}
+SHELL = {"bash", "sh", "shell", "console"}
+RUNNABLE = SHELL | {"python"}
+#: The only reasons a block may go unrun: the tier runs on a CPU-only, single machine, within minutes.
+SKIP_KINDS = ("gpu", "multinode", "over 2 min under ARPO_SMOKE")
+SKIP_REASON = re.compile(r"^(gpu|multinode|over 2 min under ARPO_SMOKE)(?:: (.+))?$")
+#: The checkout's entries a page's folder links to (its commands name them relative to the checkout's root).
+CHECKOUT_ENTRIES = ("benchmarks", "docker", "examples", "experiments", "scripts", "serve", "studies", "tests")
+#: The SFT checkpoints the pages start from, placed (as the tiny model) in every page's folder.
+STARTING_POINTS = ("runs/sft", "runs/quickstart/sft")
+#: A server's line saying it is ready: ``arpo serve``'s, ``arpo view``'s, TensorBoard's.
+READY = re.compile(r"^(serving|viewing) |^TensorBoard \S+ at http")
+#: Ray Serve's own ``serve run``: ready when it logs the application ready (``arpo serve`` logs that line too, before
+#: its agents load, so only a ``serve run`` block waits for it).
+SERVE_RUN_READY = re.compile(r"Application '[\w-]+' is ready at http")
 BLOCK_TIMEOUT_S = 600
 SERVER_READY_S = 300
+#: A server mark may say where the server answers once ready: ``<!-- docs-test: server (ready at URL) -->``.
+READY_AT = re.compile(r"ready at (http://127\.0\.0\.1:\d+/\S*)")
+
+
+def documents() -> list[str]:
+    """The README and every Markdown page under ``docs/``, sorted."""
+    return ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]
+
+
+def skip_reason_error(reason: str) -> str | None:
+    """Why a skip mark's reason is not allowed (``None`` when it is one of :data:`SKIP_KINDS`)."""
+    m = SKIP_REASON.match(reason)
+    if not m:
+        return f"the reason {reason!r} is none of {SKIP_KINDS} (optionally followed by ': detail')"
+    if m.group(1).startswith("over") and not m.group(2):
+        return f"the reason {reason!r} must say what runs that long (e.g. ': 10 training runs, measured 9 min')"
+    return None
 
 
 @dataclass
@@ -43,7 +92,8 @@ class Block:
     line: int
     lang: str
     code: str
-    mark: str | None  # None (run), "skip" or "server"
+    mark: str | None  # None (run), "skip", "server" or "file"
+    why: str = ""  # the mark's parenthesis: the skip reason, or the file's name
 
 
 def blocks(document: str) -> list[Block]:
@@ -66,38 +116,70 @@ def blocks(document: str) -> list[Block]:
                 m.group(1).lower(),
                 "\n".join(lines[start + 1 : j]),
                 before.group(1) if before else None,
+                before.group(2) if before else "",
             )
         )
         i = j + 1
     return found
 
 
+def _runs(document: str) -> bool:
+    return any(b.lang in RUNNABLE and b.mark != "skip" for b in blocks(document))
+
+
+def _skipped() -> list[Block]:
+    return [b for d in documents() for b in blocks(d) if b.mark == "skip"]
+
+
 def test_the_block_reader_sees_marks_languages_and_lines(tmp_path, monkeypatch):
     """The parser itself (guards against a tier that silently runs nothing)."""
     doc = tmp_path / "doc.md"
     doc.write_text(
-        "text\n```bash\necho a\n```\n<!-- docs-test: skip (why) -->\n```python\nx = 1\n```\n"
+        "text\n```bash\necho a\n```\n<!-- docs-test: skip (gpu) -->\n```python\nx = 1\n```\n"
         "<!-- docs-test: server (s) -->\n```bash\nsleep 1\n```\n```text\nfigure\n```\n"
+        "<!-- docs-test: file (a.toml) -->\n```toml\nx = 1\n```\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    got = [(b.line, b.lang, b.code, b.mark) for b in blocks("doc.md")]
+    got = [(b.line, b.lang, b.code, b.mark, b.why) for b in blocks("doc.md")]
     assert got == [
-        (2, "bash", "echo a", None),
-        (6, "python", "x = 1", "skip"),
-        (10, "bash", "sleep 1", "server"),
-        (13, "text", "figure", None),
+        (2, "bash", "echo a", None, ""),
+        (6, "python", "x = 1", "skip", "gpu"),
+        (10, "bash", "sleep 1", "server", "s"),
+        (13, "text", "figure", None, ""),
+        (17, "toml", "x = 1", "file", "a.toml"),
     ]
 
 
-@pytest.mark.parametrize("document", DOCUMENTS)
-def test_every_runnable_block_runs_or_says_why_not(document):
-    bad = [
-        f"{document}:{b.line} ({b.lang})"
-        for b in blocks(document)
-        if b.lang in RUNNABLE and b.mark is None and b.lang not in ("bash", "sh", "shell", "console")
-    ]
-    assert not bad, f"blocks that are neither run by the tier nor marked '<!-- docs-test: skip (why) -->': {bad}"
-    assert [b for b in blocks(document) if b.lang in RUNNABLE and b.mark != "skip"], "the tier would run nothing"
+def test_a_skip_reason_is_one_of_three_kinds():
+    """The vocabulary itself: a GPU, several machines, or more than 2 minutes under smoke (saying what runs)."""
+    for allowed in ("gpu", "gpu: vLLM on CUDA", "multinode", "multinode: a head and two workers"):
+        assert skip_reason_error(allowed) is None, allowed
+    assert skip_reason_error("over 2 min under ARPO_SMOKE: 30 training runs, measured 12 min") is None
+    for refused in ("why", "slow", "over 2 min under ARPO_SMOKE", "needs docker", "GPU", "gpu:", "Python, not shell"):
+        assert skip_reason_error(refused), refused
+
+
+def test_every_block_runs_or_skips_for_an_allowed_reason():
+    """Every mark is well formed; a skip gives one of the allowed reasons; a file mark names a plain file."""
+    bad = []
+    for b in (b for d in documents() for b in blocks(d)):
+        if b.mark == "skip" and (err := skip_reason_error(b.why)):
+            bad.append(f"{b.document}:{b.line}: {err}")
+        if b.mark == "file" and (b.lang in RUNNABLE or "/" in b.why or b.why.startswith(".")):
+            bad.append(f"{b.document}:{b.line}: a file mark names a plain file of a non-runnable block, not {b.why!r}")
+        if b.mark == "server" and b.lang not in SHELL:
+            bad.append(f"{b.document}:{b.line}: a server is a shell block")
+    assert not bad, "\n".join(bad)
+    lines = [ln for d in documents() for ln in (REPO / d).read_text(encoding="utf-8").splitlines()]
+    stray = [ln for ln in lines if ln.strip().startswith("<!-- docs-test") and not DIRECTIVE.match(ln.strip())]
+    assert not stray, f"malformed docs-test marks: {stray}"
+    assert [d for d in documents() if _runs(d)], "the tier would run nothing"
+
+
+@pytest.mark.parametrize("block", _skipped(), ids=lambda b: f"{b.document}:{b.line}")
+def test_skipped_block(block):
+    """One skipped test per skipped block, so ``pytest -rs`` lists each with its reason."""
+    pytest.skip(f"{block.document}:{block.line} ({block.lang}) not run: {block.why}")
 
 
 def _environment(home: Path) -> dict[str, str]:
@@ -118,16 +200,56 @@ def _home_with_the_tiny_model(home: Path, tiny_model_dir: Path) -> None:
 
     target = home / "models" / "smollm2-135m-instruct"
     shutil.copytree(tiny_model_dir, target)
-    (target / COMPLETE_MARKER).write_text("the tiny test model, placed by the front-door tier\n")
+    (target / COMPLETE_MARKER).write_text("the tiny test model, placed by the docs tier\n")
+
+
+@pytest.fixture(scope="module")
+def docs_homes(tiny_model_dir, tmp_path_factory) -> dict[bool, Path]:
+    """Two model caches, each placed once: the tests' tiny model, and for pages that run vLLM one with 64-dimensional
+    heads (hidden size 256), since vLLM's CPU attention kernels refuse the tiny model's 16-dimensional ones."""
+    from arpo_algo.models import build_tiny_model
+
+    homes = {}
+    for vllm, hidden in ((False, None), (True, 256)):
+        tiny = tiny_model_dir
+        if hidden:
+            tiny = build_tiny_model(tmp_path_factory.mktemp("docs-tiny") / "model", hidden_size=hidden, seed=0)
+        homes[vllm] = tmp_path_factory.mktemp("docs") / "home"
+        _home_with_the_tiny_model(homes[vllm], tiny)
+    return homes
+
+
+def _folder(document: str, work: Path, home: Path) -> None:
+    work.mkdir()
+    if document not in EMPTY_FOLDER:
+        for name in CHECKOUT_ENTRIES:
+            (work / name).symlink_to(REPO / name, target_is_directory=True)
+        for start in STARTING_POINTS:
+            shutil.copytree(home / "models" / "smollm2-135m-instruct", work / start)
+
+
+def _answers(url: str) -> bool:
+    """Whether ``url`` answers 200 (a health route: 200 only once the server is ready to serve)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except OSError:  # refused, reset, or an HTTPError status (a 503 while the agents load)
+        return False
 
 
 class Server:
-    """A server block's process: started in its own session, ready when it prints ``serving``, stopped as a group."""
+    """A server block's process: started in its own session, ready when it prints its :data:`READY` line, stopped as a
+    group."""
 
     def __init__(self, block: Block, cwd: Path, env: dict[str, str]) -> None:
         self.block, self.output, self.ready = block, [], threading.Event()
+        self.ready_line = SERVE_RUN_READY if re.search(r"(^|\s)serve run ", block.code) else READY
+        at = READY_AT.search(block.why)  # a server that prints no ready line is ready once this URL answers
+        self.url = at.group(1) if at else None
         self.proc = subprocess.Popen(
-            ["bash", "-c", f"exec {block.code.strip()}"],
+            ["bash", "-c", block.code.strip()],
             cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
@@ -140,13 +262,15 @@ class Server:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.output.append(line)
-            if line.startswith("serving "):
+            if self.ready_line.search(line):
                 self.ready.set()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_READY_S
         while time.monotonic() < deadline and self.proc.poll() is None and not self.ready.is_set():
             self.ready.wait(1)
+            if self.url and _answers(self.url):
+                self.ready.set()
         if not self.ready.is_set():
             self.stop()
             pytest.fail(
@@ -156,40 +280,67 @@ class Server:
             )
 
     def stop(self) -> None:
-        """Ctrl-C, as a user would; then the whole process group (Ray's processes included) by force."""
+        """Ctrl-C, as a user would; then by force every process of the server's session: Ray's actors run in process
+        groups of their own, and one left behind (Serve's proxy) keeps the port the next server needs."""
+        import psutil
+
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        session = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == self.proc.pid:
+                    session.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        for p in session:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(session, timeout=30)
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait(30)
 
 
-@pytest.mark.parametrize("document", DOCUMENTS)
-def test_the_documents_commands_run_as_written(document, tiny_model_dir, tmp_path):
-    home, work = tmp_path / "home", tmp_path / "work"
-    work.mkdir()
-    _home_with_the_tiny_model(home, tiny_model_dir)
-    env = _environment(home)
+@pytest.mark.parametrize(
+    "document",
+    [d if d in EMPTY_FOLDER else pytest.param(d, marks=pytest.mark.slow) for d in documents() if _runs(d)],
+)
+def test_the_documents_blocks_run_as_written(document, docs_homes, tmp_path):
+    docs_home = docs_homes[any("vllm" in b.code for b in blocks(document) if b.lang in RUNNABLE and b.mark != "skip")]
+    work = tmp_path / "work"
+    _folder(document, work, docs_home)
+    env = _environment(docs_home)
     servers: list[Server] = []
     ran = []
     try:
         for block in blocks(document):
-            if block.lang not in ("bash", "sh", "shell", "console") or block.mark == "skip":
+            if block.mark == "file":
+                (work / block.why).write_text(block.code + "\n", encoding="utf-8")
+                continue
+            if block.lang not in RUNNABLE:
+                continue
+            if block.mark == "skip":
+                print(f"{document}:{block.line}: skipped ({block.why})")
                 continue
             if block.mark == "server":
+                for server in servers:  # one server at a time: several listen on the same port
+                    server.stop()
                 servers.append(Server(block, work, env))
                 servers[-1].wait_ready()
                 ran.append(block.code)
                 continue
+            command = [sys.executable, "-"] if block.lang == "python" else ["bash", "-e", "-o", "pipefail", "-s"]
             t0 = time.monotonic()
             proc = subprocess.run(
-                ["bash", "-e", "-o", "pipefail", "-c", block.code],
+                command,
+                input=block.code + "\n",
                 cwd=work,
                 env=env,
                 capture_output=True,
@@ -199,7 +350,7 @@ def test_the_documents_commands_run_as_written(document, tiny_model_dir, tmp_pat
             print(f"{document}:{block.line}: {time.monotonic() - t0:.1f} s")
             if proc.returncode != 0:
                 pytest.fail(
-                    f"{document}:{block.line}: exit {proc.returncode}\n$ {block.code}\n"
+                    f"{document}:{block.line}: exit {proc.returncode}\n{block.code}\n"
                     f"{(proc.stdout + proc.stderr)[-4000:]}",
                     pytrace=False,
                 )
@@ -207,4 +358,4 @@ def test_the_documents_commands_run_as_written(document, tiny_model_dir, tmp_pat
     finally:
         for server in servers:
             server.stop()
-    assert ran, f"{document}: no command ran"
+    assert ran, f"{document}: no block ran"

@@ -86,11 +86,14 @@ def resolve_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str
         raise ConfigError(f"--k must be >= 1, got {base['k']}")
     if base["temperature"] < 0 or not 0 < base["top_p"] <= 1:
         raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
+    from arpo_algo.run import smoke
+
     settings = EvalSettings(
         num_prompts=None,
         samples=base["k"],
         temperature=base["temperature"],
-        max_response_tokens=base["max_response_tokens"],
+        # under ARPO_SMOKE an evaluation's responses are as short as an experiment's, with or without --experiment
+        max_response_tokens=smoke.capped(base["max_response_tokens"], smoke.RESPONSE_TOKENS),
         top_p=base["top_p"],
         tool_workers=base["tool_workers"],
         prompt_overflow=base["prompt_overflow"],

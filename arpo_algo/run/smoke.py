@@ -2,10 +2,11 @@
 
 With the variable set, each experiment (``arpo train``, ``arpo quickstart``'s RL stage, every Tune trial) runs one
 iteration of at most two prompts with short responses and a two-task evaluation; a sweep runs one trial of one
-iteration; ``arpo sft`` and the quickstart's SFT stage use 16 demonstrations; ``arpo eval`` scores 4 items. Models,
-data, tools, algorithms and every other setting stay as given, so a smoke run exercises the same code paths as the
-real one; its numbers mean nothing and every command that applies it says so on stderr. The documentation's command
-tier runs the README and the tutorial this way, on the tiny test model.
+iteration; ``arpo sft`` and the quickstart's SFT stage use 16 demonstrations; ``arpo eval`` scores 4 items with
+responses of at most 48 tokens. Models, data, tools, algorithms and every other setting stay as given, so a smoke run
+exercises the same code paths as the real one; its numbers mean nothing and every command that applies it says so on
+stderr. The documentation's tier runs every shell and Python block of the README and the docs this way, on the tiny test
+model.
 """
 
 from __future__ import annotations

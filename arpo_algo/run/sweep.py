@@ -237,6 +237,10 @@ def load_sweep(name_or_path: str | Path, overrides: list[str] | None = None) -> 
     base_over = [_beam_override(o, notes) for o in base_over]
     base_exp = load_experiment(sections=base_raw, overrides=base_over)  # unknown keys, types
     sections = base_exp.sections
+    evaluation = sections.get("evaluation", {})
+    if smoke.smoke() and int(evaluation.get("every") or 0) > smoke.ITERATIONS:
+        # the smoke trial's one iteration evaluates, so a sweep ranked by a held-out metric still reads it at the end
+        evaluation["every"] = smoke.ITERATIONS
     sections.setdefault("experiment", {}).setdefault("name", base_path.stem)
     model = Path(str(sections["model"]["path"])).expanduser()
     if model.exists():  # trials run in their own folders: a relative model folder must become absolute

@@ -26,6 +26,22 @@ def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_mod
     small.config.validate()
     sweep = load_sweep("tune_quickstart", [f"model.path={str(tiny_model_dir)!r}"])
     assert (sweep.settings.num_samples, sweep.settings.iterations) == (1, 1)
+    # tune_lora ranks by held-out accuracy evaluated every 6 iterations: the smoke trial's one iteration evaluates
+    sweep = load_sweep("tune_lora", [f"model.path={str(tiny_model_dir)!r}"])
+    assert sweep.base_sections["evaluation"]["every"] == 1
+
+
+def test_an_evaluation_is_shrunk_as_an_experiment_is(monkeypatch):
+    """arpo eval without --experiment once kept its 512-token responses under smoke (the docs tier's evaluations of
+    the reference set took minutes): its responses are capped like an experiment's."""
+    from arpo_algo.cli.eval import resolve_settings
+    from arpo_algo.cli.main import build_parser
+
+    args = build_parser().parse_args(["eval", "m", "--data", "valid", "--k", "4"])
+    monkeypatch.setenv("ARPO_SMOKE", "1")
+    assert resolve_settings(args)[0].max_response_tokens == 48
+    monkeypatch.setenv("ARPO_SMOKE", "0")
+    assert resolve_settings(args)[0].max_response_tokens == 512
 
 
 def test_without_the_variable_nothing_changes(monkeypatch):
