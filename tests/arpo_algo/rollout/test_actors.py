@@ -42,6 +42,7 @@ def _requests(tok, n=6, prefix_key=None, ctx=None):
 def test_pool_matches_local_engine(pool, tiny_model_dir):
     local = HFEngine(tiny_model_dir, max_batch_size=4)
     reqs = _requests(local.tokenizer)
+    pool.stats()  # the counters run from the last read: start this test's from zero, whatever ran before
     remote, here = pool.generate(reqs), local.generate(reqs)
     assert [g.request_id for g in remote] == [r.request_id for r in reqs]
     for a, b in zip(remote, here):
@@ -77,14 +78,18 @@ def test_broadcast_weights(pool, tiny_model_dir):
     local = HFEngine(tiny_model_dir, max_batch_size=4)
     reqs = _requests(local.tokenizer, n=3)
     before = pool.generate(reqs)
-    sd = {k: v.clone() for k, v in local.model.state_dict().items()}
+    original = {k: v.clone() for k, v in local.model.state_dict().items()}
+    sd = {k: v.clone() for k, v in original.items()}
     torch.manual_seed(0)
     sd["model.norm.weight"] = sd["model.norm.weight"] * 3.0 + torch.randn_like(sd["model.norm.weight"])
     pool.broadcast(sd)
-    local.load_state_dict(sd)
-    after, here = pool.generate(reqs), local.generate(reqs)
-    assert [g.token_ids for g in after] == [g.token_ids for g in here]
-    assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
+    try:
+        local.load_state_dict(sd)
+        after, here = pool.generate(reqs), local.generate(reqs)
+        assert [g.token_ids for g in after] == [g.token_ids for g in here]
+        assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
+    finally:
+        pool.broadcast(original)  # the module's pool serves the tiny model's own weights to every other test
 
 
 def test_pool_has_max_context_so_prompt_overflow_applies(pool, tiny_model_dir):
