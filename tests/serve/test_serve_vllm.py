@@ -36,7 +36,9 @@ from arpo_base.http import get_json, post_json
 from arpo_base.procs import cmdline, descendants, is_alive, name
 
 pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.vllm
+# The module's tests are one server's life, in order: it answers, it loses its engine core, it is shut down. A
+# shuffled run (pytest-random-order) keeps this module's order; without the plugin the mark is inert.
+pytestmark = [pytest.mark.vllm, pytest.mark.random_order(disabled=True)]
 
 SYSTEM = "Use python."
 MESSAGES = [{"role": "user", "content": "What is 17 * 23 + 5?"}]
