@@ -7,6 +7,9 @@ gradients across ranks.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -84,11 +87,24 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_ddp_needs_ray_running():
-    """First in this module (before any test takes ``ray_session``): a Ray left by another module is stopped."""
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.raises(ConfigError, match="needs a running Ray cluster"):
-        DDPBackend("unused", LearnerConfig(), DDP2)
+    """In a process of its own, without Ray: the module's Ray session (``ray_session``) stays up for the other tests,
+    in whatever order they run."""
+    code = (
+        "import ray\n"
+        "from arpo_algo.train.backend_config import BackendConfig\n"
+        "from arpo_algo.train.ddp import DDPBackend\n"
+        "from arpo_algo.train.learner import LearnerConfig\n"
+        "from arpo_base.errors import ConfigError\n"
+        "assert not ray.is_initialized()\n"
+        "try:\n"
+        "    DDPBackend('unused', LearnerConfig(), BackendConfig(learner_backend='ddp', learner_workers=2))\n"
+        "except ConfigError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused:" in out.stdout and "needs a running Ray cluster" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
