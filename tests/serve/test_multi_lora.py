@@ -91,7 +91,7 @@ def server(folders, tmp_path_factory):
     admin_file = key_file.with_name("admin_key")
     admin_file.write_text(ADMIN["Authorization"].split()[1])
     keyed = Security(key_file=str(key_file), port=port, admin_key_file=str(admin_file))
-    first = _specs(folders, ["a", "b", "plain", "other"])
+    first = _specs(folders, FIRST)
 
     def deploy(specs):  # a list of agents, or a whole user_config (what serve.live.Owner deploys)
         config = specs if isinstance(specs, dict) else {"agents": [s.to_dict() for s in specs]}
@@ -186,8 +186,28 @@ def _replica_id():
     return serve.get_deployment_handle("arpo_agents", "arpo").replica_actor_id.remote().result()
 
 
+FIRST = ["a", "b", "plain", "other"]  # the agents the module's server starts with
+
+
+def _serve_first(url, deploy, folders):
+    """Give the server its first agents back: a test that changes them leaves the others, run in any order, the
+    server they expect."""
+    deploy(_specs(folders, FIRST))
+    deadline = time.monotonic() + 300
+    while {m["id"] for m in get_json(f"{url}/v1/models", headers=AUTH)["data"]} != set(FIRST):
+        assert time.monotonic() < deadline, "the first agents did not come back"
+        time.sleep(0.2)
+
+
 def test_live_update_adds_and_removes_agents_without_restarting_the_replica(server, folders):
     url, deploy = server
+    try:
+        _live_update(url, deploy, folders)
+    finally:
+        _serve_first(url, deploy, folders)
+
+
+def _live_update(url, deploy, folders):
     replica = _replica_id()
     streams = {}
     for name in ("a", "b"):  # long streams: they run through the update
@@ -265,6 +285,7 @@ def test_arpo_serve_admins_change_the_agents_with_the_admin_key(server, folders)
         assert _chat(url, "d")["choices"][0]["message"]["arpo"]["response_ids"]
     finally:
         stop.set()
+        _serve_first(url, deploy, folders)
 
 
 def test_adapters_of_two_bases_are_refused_naming_both_fingerprints(folders):
