@@ -103,7 +103,8 @@ def server(model_dir, tmp_path_factory):
 
     port = _free_port()
     log = open(tmp_path_factory.mktemp("vserve_log") / "serve.log", "w+")  # noqa: SIM115 - closed below
-    env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}  # see test_serve.py: other jobs' memory is not ours
+    # see test_serve.py: other jobs' memory is not ours; unbuffered, so the log shows the "serving" line when printed
+    env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -131,6 +132,13 @@ def server(model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 600)
+        # arpo serve is up once it says so: it polls /health itself after the replica answers, and an engine lost
+        # before that poll is a start that failed (it exits), not a running server losing its engine
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("serving ") for line in _log_tail(log, 100_000).splitlines()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"arpo serve did not say it is serving (exit {proc.poll()}):\n{_log_tail(log, 3000)}")
+            time.sleep(0.5)
         yield url, proc, log
     finally:
         if proc.poll() is None:
