@@ -1,6 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible agent endpoint (FastAPI ingress) plus a chat page at ``/``.
 
-Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once
+Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models`` and ``GET /v1/models/{id}``,
+``GET /health`` (200 only once
 every agent is loaded and its engine alive, 503 otherwise), ``GET /`` (the page), and ``POST``/``GET /v1/agents``
 (live agent changes, with the administration key only: :mod:`serve.admin`). :mod:`serve.guard` checks every
 request first (docs/security.md). All agents of one application live in every replica and
@@ -49,6 +50,7 @@ from serve.guard import (
     page_csp,
     refuse_route_prefix,
 )
+from serve.openai_api import function_call_item, function_output_item
 from serve.schema import APIError, parse_chat_request
 
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -262,27 +264,41 @@ class AgentServer:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok", "models": sorted(self.agents)} if full else {"status": "ok"})
 
-    @api.get("/v1/models")
-    def models(self) -> JSONResponse:
+    def _card(self, s: AgentSpec) -> dict[str, Any]:
         # Names only: a model's folder is the operator's business, not the client's.
         # The base by its weights fingerprint: which agents share one (adapters of it, or the base itself).
-        data = [
-            {
-                "id": s.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "arpo",
-                "arpo": {
-                    "engine": s.engine,
-                    "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
-                    "loaded": s.name in self.agents,
-                    "adapter": bool(s.base),
-                    "base": s.fingerprint or None,
-                },
-            }
-            for s in self.set.specs
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return {
+            "id": s.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "arpo",
+            "arpo": {
+                "engine": s.engine,
+                "tools": sorted((s.session.get("tools") or {"python": {}}).keys()),
+                "loaded": s.name in self.agents,
+                "adapter": bool(s.base),
+                "base": s.fingerprint or None,
+            },
+        }
+
+    @api.get("/v1/models")
+    def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._card(s) for s in self.set.specs]})
+
+    @api.get("/v1/models/{model_id:path}")
+    def model(self, model_id: str) -> JSONResponse:
+        """One served agent, as in the list; 404 (OpenAI-shaped, naming the served ones) for any other name."""
+        for s in self.set.specs:
+            if s.name == model_id:
+                return JSONResponse(self._card(s))
+        known = ", ".join(sorted(s.name for s in self.set.specs)) or "none"
+        err = APIError(
+            f"The model '{model_id}' does not exist (served: {known})",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+        return _error(err)
 
     @api.post("/v1/agents")
     async def change_agents(self, request: Request) -> JSONResponse:
@@ -414,8 +430,15 @@ class AgentServer:
                     break
                 if kind == "delta":
                     yield chunk([{"index": i, "delta": {"content": payload}, "finish_reason": None}])
+                elif kind == "logprobs":
+                    lp = {"content": payload, "refusal": None}
+                    yield chunk([{"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}])
                 elif kind in ("tool_call", "tool_result"):
-                    yield chunk([{"index": i, "delta": {"arpo": {"type": kind, **payload}}, "finish_reason": None}])
+                    item = (function_call_item if kind == "tool_call" else function_output_item)(
+                        payload, payload["call_id"]
+                    )
+                    delta = {"arpo": {"type": kind, **payload}}
+                    yield chunk([{"index": i, "delta": delta, "output": [item], "finish_reason": None}])
                 elif kind == "done":
                     delta: dict[str, Any] = {"arpo": {"type": "done", **payload["message"].get("arpo", {})}}
                     if payload["message"].get("tool_calls"):

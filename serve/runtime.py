@@ -35,6 +35,7 @@ from arpo_env.tools.interpreter import InterpretersExhausted
 from arpo_env.tools.sandbox import cancel_scope
 from serve.agents import AgentSpec
 from serve.batching import BatchingEngine
+from serve.openai_api import check_tools, logprob_entries, logprob_problem, tool_items
 from serve.schema import MAX_REQUEST_TOOL_CALLS, APIError, ChatRequest
 
 #: Agent finish reasons -> OpenAI ones.
@@ -60,6 +61,8 @@ class Job:
     prior_tool_calls: int
     include_usage: bool
     max_tool_calls: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class EngineFailure(RuntimeError):
@@ -203,6 +206,8 @@ class Agent:
         self.front = front
         self.tok = front.tokenizer
         self.max_context = self.front.max_context
+        #: The function schema of each trained tool: what a request's ``tools`` must match.
+        self.trained_tools = {name: tool.schema() for name, tool in self.session.tools.items()}
         self.running = 0  # requests of this agent in flight (a removed agent's adapter is unloaded at 0)
         self._count = threading.Lock()
 
@@ -217,6 +222,11 @@ class Agent:
                 f"{req.n} x {per_choice}; lower 'n' or 'arpo.max_tool_calls'",
                 param="n",
             )
+        check_tools(req.tools, self.trained_tools)
+        if req.logprobs:
+            problem = logprob_problem(self.spec.engine, self.spec.engine_settings, req.temperature)
+            if problem:
+                raise APIError(f"'logprobs' cannot be served by this agent: {problem}", param="logprobs")
         msgs = req.messages
         if msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": self.session.system_prompt()}, *msgs]
@@ -263,13 +273,15 @@ class Agent:
             prompt=ids,
             n=req.n,
             max_response_tokens=budget,
-            sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p),
+            sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, logprobs_topk=req.top_logprobs),
             seed=req.seed,
             stop=req.stop,
             client_tools=req.tool_mode == "client",
             prior_tool_calls=prior,
             include_usage=req.include_usage,
             max_tool_calls=req.max_tool_calls,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
         )
 
     # -------------------------------------------------------------------------------------------------- running
@@ -305,7 +317,7 @@ class Agent:
             with lock:
                 streams[i].token(token_id)
 
-        last_tool: dict[int, str] = {}
+        last_tool: dict[int, tuple[str, str]] = {}
 
         def on_event(i: int, ev: dict[str, Any]) -> None:
             kind = ev.get("type")
@@ -313,15 +325,20 @@ class Agent:
                 with lock:
                     streams[i].end_segment()
                 payload = {k: v for k, v in ev.items() if k != "type"}
-                if kind == "tool_call":
-                    last_tool[i] = str(payload.get("tool"))
-                payload.setdefault("tool", last_tool.get(i))
+                if kind == "tool_call":  # the call's id joins its result (Responses items in the stream)
+                    last_tool[i] = (str(payload.get("tool")), f"call_{uuid.uuid4().hex[:20]}")
+                tool, call_id = last_tool.get(i, (None, ""))
+                payload.setdefault("tool", tool)
+                payload["call_id"] = call_id
                 emit(kind, i, _jsonable(payload))
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
+        view: Any = self.front.view(cancel, self.adapter)
+        if job.logprobs:
+            view = LogprobRecorder(view, job.n, job.top_logprobs, emit)
         try:
             traces = run_agents(
-                self.front.view(cancel, self.adapter),
+                view,
                 sessions,
                 [list(job.prompt)] * job.n,
                 job.sampling,
@@ -342,6 +359,8 @@ class Agent:
                 with lock:
                     streams[j].end_segment()
             choice = self._choice(j, trace, sess, job)
+            if job.logprobs:
+                choice["logprobs"] = {"content": view.entries[j], "refusal": None}
             if emit:
                 emit("done", j, choice)
             choices.append(choice)
@@ -389,7 +408,42 @@ class Agent:
                     "function": {"name": tool, "arguments": json.dumps(args)},
                 }
             ]
-        return {"index": j, "message": message, "finish_reason": FINISH.get(finish, "stop"), "logprobs": None}
+        items = []
+        for call in calls:
+            items += tool_items(call, f"call_{uuid.uuid4().hex[:20]}")
+        return {
+            "index": j,
+            "message": message,
+            "finish_reason": FINISH.get(finish, "stop"),
+            "logprobs": None,
+            "output": items,
+        }
+
+
+class LogprobRecorder:
+    """An engine view that keeps, per conversation and in order, the OpenAI ``logprobs`` entries of every token the
+    engine sampled (trained mask 1; tool results and an appended tool-limit EOS are not sampled), and streams each
+    generation's entries as it returns (``emit("logprobs", i, entries)``): a stream's entries add up to the
+    non-streaming ones."""
+
+    def __init__(self, view: Any, n: int, top: int, emit: Any = None) -> None:
+        self.view, self.top, self.emit = view, top, emit
+        self.tokenizer = view.tokenizer
+        self.max_context = view.max_context
+        self.entries: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    def generate(self, requests: list[Any], *, on_token: Any = None) -> list[Any]:
+        gens = self.view.generate(requests, on_token=on_token)
+        for gen in gens:
+            i = gen.request_id[0]  # the agent loop's ids: (conversation, request number)
+            new = logprob_entries(self.tokenizer, gen, self.top)
+            self.entries[i] += new
+            if self.emit is not None and new:
+                self.emit("logprobs", i, new)
+        return gens
+
+    def release(self, cache_keys: list[Any]) -> None:
+        self.view.release(cache_keys)
 
 
 class SharedBase:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arpo_base.options import closest
+from serve.errors import APIError as APIError  # where every module of serve finds it
+from serve.openai_api import NEUTRAL, NEUTRAL_ONLY, check_fields, check_logprobs, check_tool_shapes
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: Bounds of one request (docs/security.md): each keeps one client from taking a replica's memory or time.
@@ -41,42 +43,11 @@ KNOWN = {
     "stream_options",
     "tools",
     "tool_choice",
-    "arpo",
-}
-#: OpenAI parameters accepted and ignored (they do not change what this server computes, or only at defaults).
-IGNORED = {
-    "user",
-    "metadata",
-    "store",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
     "logprobs",
     "top_logprobs",
-    "parallel_tool_calls",
-    "service_tier",
-    "response_format",
+    "arpo",
 }
 ARPO_KEYS = {"tool_mode", "max_tool_calls"}
-
-
-class APIError(Exception):
-    """A request the server refuses, with the HTTP status and the OpenAI error fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:  # noqa: A002
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -95,6 +66,9 @@ class ChatRequest:
     include_usage: bool = False
     tool_mode: str = "server"
     max_tool_calls: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -205,7 +179,7 @@ def _stop(body: dict) -> list[str]:
 
 def _unknown(body: dict) -> None:
     for key in body:
-        if key not in KNOWN and key not in IGNORED:
+        if key not in KNOWN and key not in NEUTRAL and key not in NEUTRAL_ONLY:
             close = closest(key, KNOWN)
             hint = f"; did you mean '{close}'?" if close else ""
             raise APIError(f"unrecognized request argument supplied: '{key}'{hint}", param=key)
@@ -213,8 +187,6 @@ def _unknown(body: dict) -> None:
 
 def _tool_mode(body: dict, ext: dict) -> str:
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise APIError("'tools' must be a list of tool definitions", param="tools")
     mode = ext.get("tool_mode", "client" if tools else "server")
     if mode not in TOOL_MODES:
         raise APIError(
@@ -279,6 +251,9 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
+    check_fields(body)
+    logprobs, top_logprobs = check_logprobs(body)
+    tools = check_tool_shapes(body.get("tools"))
     max_tokens = _int(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", 1)
@@ -295,4 +270,7 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
         include_usage=bool(opts.get("include_usage", False)),
         tool_mode=_tool_mode(body, ext),
         max_tool_calls=_ext_int(ext, "max_tool_calls", 0, 64),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools,
     )

@@ -15,6 +15,10 @@ MODEL_CONFIG = '{"model_type": "llama"}'
 RUN_RECORD = '{"experiment": {}, "settings": {}, "arpo_version": "0.1.0"}'
 
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {"name": "python", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}},
+}
 
 
 def err(body) -> APIError:
@@ -53,7 +57,7 @@ def test_valid_request_defaults_and_fields():
     )
     r = parse_chat_request(OK)
     assert (r.temperature, r.top_p, r.max_tokens, r.n, r.stop, r.tool_mode) == (1.0, 1.0, None, 1, [], "server")
-    assert parse_chat_request({**OK, "tools": [{"type": "function"}]}).tool_mode == "client"
+    assert parse_chat_request({**OK, "tools": [PYTHON_TOOL]}).tool_mode == "client"
     parts = {
         **OK,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
@@ -96,6 +100,16 @@ def test_valid_request_defaults_and_fields():
         ({**OK, "arpo": {"max_tool_calls": -1}}, "arpo.max_tool_calls"),
         ({**OK, "arpo": {"tool_mode": "both"}}, "arpo.tool_mode"),
         ({**OK, "arpo": {"colour": 1}}, "arpo"),
+        ({**OK, "tools": [{"type": "function"}]}, "tools[0]"),
+        ({**OK, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        ({**OK, "logprobs": "yes"}, "logprobs"),
+        ({**OK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**OK, "top_logprobs": 2}, "top_logprobs"),
+        ({**OK, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({**OK, "stream": True, "stream_options": {"colour": True}}, "stream_options.colour"),
+        ({**OK, "user": 5}, "user"),
+        ({**OK, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({**OK, "metadata": {"a": 1}}, "metadata"),
     ],
 )
 def test_bad_inputs_name_the_field(body, param):
@@ -103,6 +117,103 @@ def test_bad_inputs_name_the_field(body, param):
     assert e.param == param
     b = e.body()["error"]
     assert b["type"] == "invalid_request_error" and b["param"] == param and b["message"]
+
+
+#: Each field that would change the answer, at a value this server does not honour (refused, naming the field).
+CHANGING = [
+    ("frequency_penalty", 0.5),
+    ("presence_penalty", -1),
+    ("logit_bias", {"42": 100}),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("store", True),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("service_tier", "flex"),
+    ("verbosity", "low"),
+    ("reasoning_effort", "low"),
+    ("web_search_options", {}),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "none"),
+]
+#: The neutral values stock clients send: accepted (they do not change the answer).
+NEUTRAL = [
+    ("frequency_penalty", 0),
+    ("presence_penalty", 0.0),
+    ("logit_bias", {}),
+    ("response_format", {"type": "text"}),
+    ("store", False),
+    ("modalities", ["text"]),
+    ("service_tier", "auto"),
+    ("verbosity", "medium"),
+    ("functions", []),
+    ("function_call", "auto"),
+    ("user", "episode-7"),
+    ("safety_identifier", "u1"),
+    ("prompt_cache_key", "k"),
+    ("metadata", {"run": "a"}),
+    ("parallel_tool_calls", False),
+    ("parallel_tool_calls", True),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("audio", None),
+    ("reasoning_effort", None),
+]
+
+
+@pytest.mark.parametrize("key, value", CHANGING)
+def test_a_field_that_would_change_the_answer_is_refused_naming_it(key, value):
+    e = err({**OK, key: value})
+    assert e.param == key and f"'{key}'" in e.message and "not supported" in e.message
+
+
+@pytest.mark.parametrize("key, value", NEUTRAL)
+def test_neutral_values_stock_clients_send_pass(key, value):
+    parse_chat_request({**OK, key: value})
+
+
+def test_logprobs_and_stream_options_are_read():
+    r = parse_chat_request({**OK, "logprobs": True, "top_logprobs": 3})
+    assert (r.logprobs, r.top_logprobs) == (True, 3)
+    r = parse_chat_request({**OK, "logprobs": False})
+    assert (r.logprobs, r.top_logprobs) == (False, 0)
+    r = parse_chat_request(
+        {**OK, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    )
+    assert r.include_usage
+
+
+def test_tools_must_be_the_agents_trained_tools_with_their_parameters():
+    from arpo_env.session import ToolSession
+    from serve.openai_api import check_tools
+
+    trained = {n: t.schema() for n, t in ToolSession({"tools": {"python": {}}}).tools.items()}
+    check_tools([PYTHON_TOOL], trained)  # descriptions and "required" left out: the same call
+    check_tools([{"type": "function", "function": trained["python"]["function"]}], trained)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(APIError) as e:
+        check_tools([PYTHON_TOOL, weather], trained)
+    assert e.value.param == "tools[1].function.name" and "get_weather" in e.value.message
+    assert "trained on: python" in e.value.message
+    for params in (
+        {"type": "object", "properties": {"source": {"type": "string"}}},
+        {"type": "object", "properties": {"code": {"type": "integer"}}},
+        {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code", "x"]},
+        None,
+    ):
+        other = {"type": "function", "function": {"name": "python", "parameters": params}}
+        with pytest.raises(APIError) as e:
+            check_tools([other], trained)
+        assert e.value.param == "tools[0].function.parameters"
+        assert json.dumps(trained["python"]["function"]["parameters"]) in e.value.message
+
+
+def test_vllm_logprobs_are_served_only_where_they_mean_what_the_docs_say():
+    from serve.openai_api import logprob_problem
+
+    assert logprob_problem("hf", {}, 0.7) is None
+    assert logprob_problem("vllm", {}, 1.0) is None and logprob_problem("vllm", {}, 0.0) is None
+    assert "temperature 1" in logprob_problem("vllm", {}, 0.7)
+    assert "raw_logprobs" in logprob_problem("vllm", {"logprobs_mode": "processed_logprobs"}, 1.0)
 
 
 def test_typo_suggests_the_closest_name():

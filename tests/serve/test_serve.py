@@ -158,6 +158,12 @@ def question(demos, i: int = 0) -> list[dict]:
 def test_models_and_health(server, client):
     assert sorted(m.id for m in client.models.list().data) == ["base", "toolmath"]
     assert get_json(f"{server}/health") == {"status": "ok", "models": ["base", "toolmath"]}
+    one = client.models.retrieve("toolmath")
+    assert one.id == "toolmath" and one.object == "model" and one.model_extra["arpo"]["tools"] == ["python"]
+    assert one.model_dump() == next(m for m in client.models.list().data if m.id == "toolmath").model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.body["code"] == "model_not_found" and "base, toolmath" in e.value.body["message"]
 
 
 def test_agent_runs_the_tool_and_answers(client, demos):
@@ -170,6 +176,11 @@ def test_agent_runs_the_tool_and_answers(client, demos):
     # The tool really ran in the sandbox (the code prints an integer) and its result is in the trajectory.
     assert not call["error"] and call["output"].strip().lstrip("-").isdigit(), call
     assert "<python>" in msg.content and f"<result>\n{call['output'].strip()}\n</result>" in ext["trajectory"]
+    # The same calls, for a generic client, as Responses items: each function_call followed by its output.
+    items = r.choices[0].model_extra["output"]
+    assert [i["type"] for i in items] == ["function_call", "function_call_output"] * len(ext["tool_calls"])
+    assert items[0]["name"] == "python" and json.loads(items[0]["arguments"]) == call["args"]
+    assert items[1]["call_id"] == items[0]["call_id"] and items[1]["output"] == call["output"]
     assert r.usage.completion_tokens == len(ext["response_ids"]) and r.usage.prompt_tokens > 0
     assert r.choices[0].finish_reason in ("stop", "length") and r.model == "toolmath"
 
@@ -184,7 +195,7 @@ def test_streaming_sends_deltas_and_tool_events(client, demos):
         stream=True,
         stream_options={"include_usage": True},
     )
-    text, events, finish, usage = "", [], None, None
+    text, events, finish, usage, items = "", [], None, None, []
     for chunk in stream:
         if chunk.usage:
             usage = chunk.usage
@@ -195,8 +206,15 @@ def test_streaming_sends_deltas_and_tool_events(client, demos):
             ext = (c.delta.model_extra or {}).get("arpo")
             if ext:
                 events.append(ext["type"])
+            items += c.model_extra.get("output") or []
             finish = c.finish_reason or finish
     assert text == full.choices[0].message.content
+    # the tool calls the server ran, as Responses items in the stream: the call, then its output (same call_id)
+    assert [i["type"] for i in items[:2]] == ["function_call", "function_call_output"]
+    assert items[0]["call_id"] == items[1]["call_id"] and items[0]["name"] == "python"
+    assert [(i["name"], i["arguments"]) for i in items if i["type"] == "function_call"] == [
+        (i["name"], i["arguments"]) for i in full.choices[0].model_extra["output"] if i["type"] == "function_call"
+    ]
     assert "tool_call" in events and "tool_result" in events and events[-1] == "done"
     first_call = events.index("tool_call")
     assert events.index("tool_result") == first_call + 1 and "delta" in events[:first_call]
@@ -235,7 +253,29 @@ def test_bad_inputs_are_400_or_404_and_the_replica_survives(server, client, demo
         status, _, out = post(server, body)
         assert status == 400, (body, out)
         assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error", out
-    ok = client.chat.completions.create(model="base", messages=question(demos), max_tokens=4)
+    # A field that would change the answer and is not done is refused, naming it; an agent's tools are its own.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}
+    for kwargs, param, says in (
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"tools": [weather]}, "tools[0].function.name", "trained on: python"),
+        ({"tools": [other]}, "tools[0].function.parameters", '"required": ["code"]'),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="toolmath", messages=question(demos), max_tokens=4, **kwargs)
+        assert e.value.body["param"] == param and says in e.value.body["message"], e.value.body
+    # What stock clients send at neutral values passes.
+    ok = client.chat.completions.create(
+        model="base",
+        messages=question(demos),
+        max_tokens=4,
+        user="episode-1",
+        parallel_tool_calls=True,
+        frequency_penalty=0,
+        presence_penalty=0,
+        response_format={"type": "text"},
+    )
     assert ok.choices[0].message.content is not None
 
 
@@ -267,6 +307,55 @@ def test_client_side_tools_return_tool_calls_and_accept_results(client, demos):
     # The continuation saw the tool result: the server appended it exactly as training does.
     ext2 = r2.choices[0].message.model_extra["arpo"]
     assert r2.choices[0].message.content != c.message.content and ext2["response_ids"]
+
+
+def _reference_logprobs(model_dir, prompt, response, temperature: float):
+    """log_softmax(logits / T) at every response position, from one plain transformers forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+
+
+def test_logprobs_are_the_engines_for_every_sampled_token_streaming_too(client, sft_model, demos):
+    """``logprobs``/``top_logprobs``: one entry per sampled token (trained mask 1, tool results excluded), each the
+    policy's log-prob under the request's temperature (log_softmax(logits / T), checked against a plain forward),
+    with the top tokens of its step; the stream's entries add up to the same list."""
+    from transformers import AutoTokenizer
+
+    from arpo_algo.rollout.layout import prompt_ids
+
+    args = dict(model="toolmath", messages=question(demos), temperature=0.7, seed=3, max_tokens=160)
+    r = client.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    ext = r.choices[0].message.model_extra["arpo"]
+    assert ext["tool_calls"], "the run holds a tool result, which has no log-probs"
+    sampled = [t for t, m in zip(ext["response_ids"], ext["trained_mask"]) if m == 1]
+    content = r.choices[0].logprobs.content
+    tok = AutoTokenizer.from_pretrained(str(sft_model[0]))
+    assert [e.token for e in content] == [tok.decode([t]) for t in sampled]
+    prompt = prompt_ids(tok, [{"role": "system", "content": SYSTEM}, *question(demos)])
+    assert r.usage.prompt_tokens == len(prompt)
+    ref = _reference_logprobs(sft_model[0], prompt, ext["response_ids"], 0.7)
+    positions = [p for p, m in enumerate(ext["trained_mask"]) if m == 1]
+    for p, e in zip(positions, content):
+        assert abs(e.logprob - ref[p, ext["response_ids"][p]].item()) < 2e-3, (p, e.logprob)
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        best = ref[p].topk(3).values
+        assert abs(e.top_logprobs[0].logprob - best[0].item()) < 2e-3
+        assert abs(e.top_logprobs[-1].logprob - best[-1].item()) < 2e-3
+    streamed = []
+    for chunk in client.chat.completions.create(**args, logprobs=True, top_logprobs=3, stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(**args)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.model_extra["arpo"]["response_ids"] == ext["response_ids"], (
+        "logprobs change nothing"
+    )
 
 
 def test_train_serve_parity(server, client, sft_model, demos):

@@ -213,6 +213,15 @@ def test_served_answers_come_from_the_vllm_engine(server, hf_agent):
     local = _in_process(hf_agent, greedy)
     assert served["usage"] == local["usage"] and served["usage"]["completion_tokens"] == 24
     assert _ids(served) == _ids(local)
+    # logprobs: vLLM's raw log-probs are the HF engine's at temperature 1 (and 0: greedy is scored at 1) ...
+    with_lp = _post(url, {**greedy, "logprobs": True, "top_logprobs": 2})
+    local_lp = _in_process(hf_agent, {**greedy, "logprobs": True, "top_logprobs": 2})
+    got, want = with_lp["choices"][0]["logprobs"]["content"], local_lp["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in got] == [e["token"] for e in want] and len(got) == 24
+    assert all(abs(a["logprob"] - b["logprob"]) < 0.02 and len(a["top_logprobs"]) == 2 for a, b in zip(got, want))
+    # ... and at another temperature they would not be the documented values: refused, saying why
+    status, _, body = _answer(url, "/v1/chat/completions", {**greedy, "temperature": 0.7, "logprobs": True})
+    assert status == 400 and body["error"]["param"] == "logprobs" and "temperature 1" in body["error"]["message"]
 
     sampled = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 24}
     first = _post(url, sampled)
