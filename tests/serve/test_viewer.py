@@ -282,8 +282,19 @@ def test_clicking_a_node_shows_its_decoded_text(browser, live, run_dir, tiny_mod
     assert abs(shown_entropy - owner["entropies"][node["start"] + k]) <= 0.0006, tip
 
 
-def test_a_new_iteration_appears_without_a_reload(browser, live, run_dir):
-    v, folder = live
+@pytest.fixture
+def growing(run_dir, tmp_path):
+    """A viewer of its own over iteration 1, for the test that adds iteration 2: the module's ``live`` viewer keeps
+    showing iteration 1 only, whatever order the tests run in."""
+    folder = tmp_path / "trees"
+    _copy_iteration(run_dir / "trees", folder, 1)
+    v = Viewer(folder)
+    yield v, folder
+    v.stop()
+
+
+def test_a_new_iteration_appears_without_a_reload(browser, growing, run_dir):
+    v, folder = growing
     _open(browser, f"{v.url}/#key={KEY}")
     browser.js("window.__sameDocument = true")
     assert browser.js("return [...document.querySelectorAll('#iteration option')].map(o => o.value)") == ["1"]
