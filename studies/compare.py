@@ -433,8 +433,8 @@ def wilcoxon(diffs: list[float]) -> tuple[float, int]:
 
 
 def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
-    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse,
-    the exact two-sided Wilcoxon signed-rank p-value)."""
+    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% t-interval,
+    better/worse, the exact two-sided Wilcoxon signed-rank p-value)."""
     base = rep[baseline]["per_seed"]
     out = {}
     for name, r in rep.items():
