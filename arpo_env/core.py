@@ -228,6 +228,11 @@ class ToolTextEnv(gym.Env):
         new.session = self.session.clone()
         return new
 
+    def seed_tools(self, seed: int | None) -> None:
+        """Seed this episode's persistent interpreters (:meth:`arpo_env.session.ToolSession.seed_tools`); a reset
+        clears it."""
+        self.session.seed_tools(seed)
+
     def fork(self) -> ToolTextEnv:
         """:meth:`clone` under the name other RL libraries' tree searches use: with ``tools.python.persistent``
         the copy's interpreter is a fork of this one's (docs/concepts/stateful-tools.md)."""

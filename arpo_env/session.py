@@ -170,9 +170,15 @@ class ToolSession:
     def reset(self) -> None:
         """Start a new conversation (history and counters cleared; persistent interpreters ended)."""
         self.close()
+        self.tool_seed: int | None = None  # one conversation's: a new conversation is seeded anew (seed_tools)
         self.history: list[str] = []
         self.counts: dict[str, int] = dict.fromkeys(_COUNTS, 0)
         self._done = False
+
+    def seed_tools(self, seed: int | None) -> None:
+        """Seed this conversation's persistent interpreters: the first one a call starts seeds ``random`` and numpy
+        from ``seed`` (clones continue its state instead; None: the OS). Set before the first tool call."""
+        self.tool_seed = seed
 
     def clone(self) -> ToolSession:
         """An independent copy in the same state (tools and protocol shared)."""
@@ -252,7 +258,7 @@ class ToolSession:
         tool = self.tools[parsed.tool]
         if getattr(tool, "persistent", False):  # this conversation's own interpreter, started by its first call
             if parsed.tool not in self._interps:
-                self._interps[parsed.tool] = tool.open_interpreter()
+                self._interps[parsed.tool] = tool.open_interpreter(seed=self.tool_seed)
             tool = self._interps[parsed.tool]
         try:
             result = tool(**parsed.args)

@@ -6,7 +6,7 @@
 Every (configuration, seed) is one ``arpo train`` run (in this process, one after the other) with
 ``model.path = --sft`` and ``experiment.seed = seed``, into ``<output>/<config>/seed_<s>/`` where ``rerun.json``
 holds the exact ``arpo train`` command that reproduces it. Then, per configuration: held-out accuracy before and
-after (mean, sd, 95% CI over seeds, Student t), the seeds that improved, tool calls and generated tokens per
+after (mean, sd, 95% t-interval over seeds), the seeds that improved, tool calls and generated tokens per
 iteration and in total, wall time; ``report.md``, ``report.json`` and two plots (accuracy against iteration and
 against cumulative tool calls, mean over seeds with a min-max band). Accuracy points between the first and the last
 come from ``evaluation.every`` (``--eval-every``).
@@ -14,10 +14,13 @@ come from ``evaluation.every`` (``--eval-every``).
 Variants of one file (a stabilizer study): ``--name arpo+dynsamp --set training.dynamic_sampling=true`` names the
 configuration's folder. ``--report-only`` reports every configuration with finished runs under ``--output`` (however
 many processes trained them), and ``--baseline NAME`` adds each configuration's final accuracy minus that one's,
-paired by seed (mean, sd, 95% CI, seeds better / worse).
+paired by seed (mean, sd, 95% t-interval, seeds better / worse).
 
 ``--equal-budget`` refuses configurations that differ in the budget (trajectories per prompt, prompts per step,
-iterations, response tokens, tool calls per trajectory), naming the field. Same seed, same machine: same result on
+iterations, response tokens, tool calls per trajectory) or in the optimizer steps each batch may take
+(``training.mini_batches``, as resolved for the run, and ``training.ppo_epochs``), naming the field. A group without
+reward spread takes no step, so the steps a run realises can still differ between arms: the report gives them per
+configuration. Same seed, same machine: same result on
 CPU (the sampler, the learner and the tools are seeded; tested on a tiny model).
 """
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_algo.rollout import diagnostics as D
+from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ConfigError
 
@@ -44,6 +48,10 @@ BUDGET_FIELDS: tuple[tuple[str, Any], ...] = (
     ("experiment.iterations", lambda e: e.run.iterations),
     ("rollouts.max_response_tokens", lambda e: e.config.settings.rollouts.max_response_tokens),
     ("env.max_tool_calls", lambda e: (e.config.env_config or {}).get("max_tool_calls")),
+    # the optimizer steps a batch may take: an arm with more steps per batch is not the same budget of learning
+    # (AEPO's unset mini_batches resolves to min(8, prompts_per_step), so the resolved count is compared)
+    ("training.mini_batches", lambda e: e.config.settings.training.mini_batch_count),
+    ("training.ppo_epochs", lambda e: e.config.settings.training.ppo_epochs),
 )
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 #: written into a run folder when the run completed; a rerun of the comparison skips such runs (resume).
@@ -62,6 +70,8 @@ DIAGNOSTICS = {
     "learner update (s)": MK.TIMERS + "update_time",
 }
 EVAL_ACCURACY = MK.EVALUATION + MK.ACCURACY
+#: The optimizer steps one update took (0 for an update without signal), as logged per iteration.
+OPTIMIZER_STEPS = LK.PREFIX + LK.OPTIMIZER_STEPS
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); larger: 1.96
 T95 = [
     12.706,
@@ -171,6 +181,12 @@ def collect(out: Path, before: float, after: float, time_s: float) -> dict[str, 
         "diag": diag,
         "zero_variance": [r.get(D.ZERO_VARIANCE_GROUP_FRAC) for r in train],
         "skipped": sum(r.get(D.SKIPPED_NO_SIGNAL, 0.0) for r in train),
+        # None: the run's metrics do not carry the count (a run logged before it existed), not zero steps
+        "optimizer_steps": (
+            sum(r[OPTIMIZER_STEPS] for r in train if OPTIMIZER_STEPS in r)
+            if any(OPTIMIZER_STEPS in r for r in train)
+            else None
+        ),
     }
 
 
@@ -209,6 +225,7 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
             "tokens_total": sum(toks) / max(len(rs), 1),
             "time_s": stats([r["time_s"] for r in rs])["mean"],
             "skipped_updates": sum(r["skipped"] for r in rs) / max(len(rs), 1),
+            "optimizer_steps": _steps([r.get("optimizer_steps") for r in rs]),
             "diag": {k: sum(r["diag"][k] for r in rs) / len(rs) for k in DIAGNOSTICS},
             "per_seed": {
                 s: {"before": r["before"], "after": r["after"], "output": r["output"]} for s, r in seeds.items()
@@ -217,17 +234,29 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return rep
 
 
+def _steps(per_run: list[float | None]) -> dict[str, float] | None:
+    """Optimizer steps per run over seeds (mean, min, max); None when any run does not carry the count."""
+    if not per_run or any(x is None for x in per_run):
+        return None
+    xs = [float(x) for x in per_run if x is not None]
+    return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}
+
+
+def _steps_cell(s: dict[str, float] | None) -> str:
+    return "not logged" if s is None else f"{s['mean']:.1f} ({s['min']:.0f} - {s['max']:.0f})"
+
+
 def write_report(
     rep: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], out: Path, pairs: dict[str, Any] | None = None
 ) -> Path:
     def f(s: dict[str, float]) -> str:
-        return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% CI ± {s['ci95']:.3f})"
+        return f"{s['mean']:.3f} ± {s['sd']:.3f} (95% t-interval ± {s['ci95']:.3f})"
 
     lines = [
         "| configuration | seeds | before | after | after - before | improved / worse | best during the run | "
-        "best - after | tool calls per step (total) | tokens per step (total) | skipped updates | wall time per "
-        "run |",
-        "|" + "---|" * 12,
+        "best - after | tool calls per step (total) | tokens per step (total) | skipped updates | optimizer steps "
+        "per run (min - max) | wall time per run |",
+        "|" + "---|" * 13,
     ]
     for name, r in rep.items():
         lines.append(
@@ -236,7 +265,7 @@ def write_report(
             f"{r['drop_from_best']['mean']:.3f} ± {r['drop_from_best']['sd']:.3f} | "
             f"{r['tool_calls_per_step']:.1f} ({r['tool_calls_total']:.0f}) "
             f"| {r['tokens_per_step']:.0f} ({r['tokens_total']:.0f}) | {r['skipped_updates']:.1f} | "
-            f"{r['time_s']:.0f} s |"
+            f"{_steps_cell(r['optimizer_steps'])} | {r['time_s']:.0f} s |"
         )
     lines += [
         "",
@@ -252,7 +281,8 @@ def write_report(
             "",
             "Final accuracy minus the baseline's, paired by seed:",
             "",
-            "| configuration | seeds | difference (mean ± sd, 95% CI) | better / worse | exact Wilcoxon p | per seed |",
+            "| configuration | seeds | difference (mean ± sd, 95% t-interval) | better / worse | exact Wilcoxon p "
+            "| per seed |",
             "|---|---|---|---|---|---|",
         ]
         for name, p in pairs.items():
@@ -403,8 +433,8 @@ def wilcoxon(diffs: list[float]) -> tuple[float, int]:
 
 
 def paired(rep: dict[str, Any], baseline: str) -> dict[str, Any]:
-    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% CI, better/worse,
-    the exact two-sided Wilcoxon signed-rank p-value)."""
+    """Per configuration: final accuracy minus the baseline's on the seeds both ran (mean, sd, 95% t-interval,
+    better/worse, the exact two-sided Wilcoxon signed-rank p-value)."""
     base = rep[baseline]["per_seed"]
     out = {}
     for name, r in rep.items():

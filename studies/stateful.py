@@ -15,7 +15,7 @@ Then every (arm, seed) is one ``arpo train`` run with ``model.path`` = the arm's
 The report (``report.md``, ``report.json``, plots, from :func:`studies.compare.write_report`) adds, per arm, tool
 calls and generated tokens per solved held-out task before and after RL (the held-out run's calls, or its sampled
 tokens, divided by the tasks it solved), and the persistent arm's final accuracy minus the stateless arm's, paired by
-seed: mean, sd, 95% CI, seeds better / worse, and the two-sided exact Wilcoxon signed-rank p
+seed: mean, sd, 95% t-interval, seeds better / worse, and the two-sided exact Wilcoxon signed-rank p
 (:func:`studies.compare.paired`; with 5 pairs the smallest p it can give is 0.0625); and each arm's
 persistent-interpreter figures during training (forks per step and their cost, the most live, their peak memory).
 """
@@ -212,7 +212,7 @@ def stateful_section(runs: dict[str, dict[int, dict[str, Any]]], rep: dict[str, 
         lines += [
             "",
             f"{arm} minus {BASELINE}, final held-out accuracy paired by seed: "
-            f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% CI ± {p['diff']['ci95']:.3f}), "
+            f"{p['diff']['mean']:+.3f} ± {p['diff']['sd']:.3f} (95% t-interval ± {p['diff']['ci95']:.3f}), "
             f"better / worse {p['better']} / {p['worse']} of {len(p['seeds'])}, two-sided Wilcoxon "
             f"signed-rank p = {p_value:.3f} ({n_used} non-zero pairs).",
         ]

@@ -1,10 +1,10 @@
 """The tables and figures of the powered comparison, computed from its records (``studies/study.py``).
 
-Per arm: final held-out accuracy (mean, sd, 95% CI over seeds), seeds improved / worse than the shared start;
-paired by seed against GRPO: the difference (mean, sd, 95% CI), better / worse / equal and the exact two-sided
+Per arm: final held-out accuracy (mean, sd, 95% t-interval over seeds), seeds improved / worse than the shared start;
+paired by seed against GRPO: the difference (mean, sd, 95% t-interval), better / worse / equal and the exact two-sided
 Wilcoxon signed-rank p-value; the iteration, tool calls and generated tokens each seed needed to first reach GRPO's
-mean final accuracy over the same seeds (means and 95% CIs over the seeds that reach it, how many do); branches per
-group; the clip fraction.
+mean final accuracy over the same seeds (means and 95% t-intervals over the seeds that reach it, how many do);
+branches per group; the clip fraction.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _ci(xs: list[float]) -> str:
     s = stats(xs)
     if not xs:
         return "-"
-    ci = f", 95% CI {s['mean'] - s['ci95']:+.3f} .. {s['mean'] + s['ci95']:+.3f}" if len(xs) > 1 else ""
+    ci = f", 95% t-interval {s['mean'] - s['ci95']:+.3f} .. {s['mean'] + s['ci95']:+.3f}" if len(xs) > 1 else ""
     return f"{s['mean']:.3f} ± {s['sd']:.3f}{ci}"
 
 
@@ -152,7 +152,7 @@ def report(records: list[dict[str, Any]], figures: Path | None = None, baseline:
         f"records: {len(records)}; code {records[0]['code']} (commit {records[0]['commit'][:10]}), SFT "
         f"{records[0]['sft']}, {records[0]['cpu']}, torch {records[0]['torch']}",
         "",
-        "| arm | seeds | before | final (mean ± sd, 95% CI) | improved / worse | branches per group | "
+        "| arm | seeds | before | final (mean ± sd, 95% t-interval) | improved / worse | branches per group | "
         "clip fraction | tool calls per run | wall time per run |",
         "|" + "---|" * 9,
     ]
@@ -176,7 +176,7 @@ def report(records: list[dict[str, Any]], figures: Path | None = None, baseline:
             "are means ± sd over the seeds that reach it, the iteration a median; the {name} row is measured "
             "against its own mean.".replace("{name}", name),
             "",
-            "| arm | pairs | difference (mean ± sd, 95% CI) | better / worse / equal | Wilcoxon p (non-zero "
+            "| arm | pairs | difference (mean ± sd, 95% t-interval) | better / worse / equal | Wilcoxon p (non-zero "
             "pairs) | target | reach it | iteration (median) | tool calls to reach | tokens to reach |",
             "|" + "---|" * 10,
         ]

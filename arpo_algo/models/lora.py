@@ -307,9 +307,10 @@ def resolve_targets(lora: LoraSettings, model_path: str | Path) -> tuple[str, ..
 
 
 def prepare_base(lora: LoraSettings, model_path: str | Path) -> tuple[tuple[str, ...], str]:
-    """What a LoRA learner checks before loading any weight: the settings, the target modules (from the config) and,
+    """What a LoRA learner checks before loading any weight: the settings (as RL settings: every learner trains
+    against a sampler that scores without dropout, however it was built), the target modules (from the config) and,
     for an adapter folder as base, that folder against its own base. Returns ``(targets, base fingerprint)``."""
-    lora.validate(rl=False, where="[model.lora]")
+    lora.validate(rl=True, where="[model.lora]")
     targets = resolve_targets(lora, model_path)
     if is_adapter_folder(model_path):
         check_adapter_folder(model_path)

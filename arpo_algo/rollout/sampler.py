@@ -224,6 +224,10 @@ class TreeSampler:
 
     def _spawn(self, ps: PromptState, kind: str) -> Path:
         p = Path(tid=len(ps.paths), batch_index=self._batch_index, env=ps.template.clone(), kind=kind)
+        # A root path's interpreters draw from (seed, step, prompt, trajectory); a branch's continue its parent's.
+        seed_tools = getattr(p.env, "seed_tools", None)
+        if callable(seed_tools):
+            seed_tools(T.derive_seed(self.seed, ps.step, ps.task_index, "tools", p.tid))
         self._batch_index += 1
         ps.paths.append(p)
         ps.count += 1

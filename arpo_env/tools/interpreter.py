@@ -228,8 +228,9 @@ class _Tree:
                 hint="run `arpo doctor` to see the sandbox's state; docs/sandbox.md lists what each backend needs",
             )
 
-    def branch(self, parent: _Branch | None) -> _Branch:
-        """A new interpreter: forked from ``parent`` (a copy of its state and folder), or fresh from the zygote.
+    def branch(self, parent: _Branch | None, seed: int | None = None) -> _Branch:
+        """A new interpreter: forked from ``parent`` (a copy of its state and folder, its random state included), or
+        fresh from the zygote (``random`` and numpy seeded from ``seed``; None: from the OS).
         The tree's lock covers the membership only: the wait for the child's answers holds no lock of the tree."""
         with self.lock:
             if self.dead:
@@ -239,14 +240,14 @@ class _Tree:
         try:
             if parent is None:
                 with self.zlock:
-                    return self._fork(None, scope)
+                    return self._fork(None, scope, seed)
             with parent.lock:
                 return self._fork(parent, scope)
         except BaseException:
             self.leave(scope)
             raise
 
-    def _fork(self, parent: _Branch | None, scope: Any) -> _Branch:
+    def _fork(self, parent: _Branch | None, scope: Any, seed: int | None = None) -> _Branch:
         if parent is not None and (parent.broken or pending(parent.ctl)):
             parent.broken = True  # it wrote more than its replies: its next call ends it
             raise ForkError("the interpreter could not be forked: its control channel misbehaved")
@@ -257,7 +258,8 @@ class _Tree:
         assert via is not None  # a tree's channel is set by _start, which every tree asked to fork has passed
         t0 = time.monotonic()
         try:
-            send_message(via, {"op": "fork", "fresh": parent is None}, [out_w, err_w, child.fileno()])
+            request = {"op": "fork", "fresh": parent is None, "seed": seed if parent is None else None}
+            send_message(via, request, [out_w, err_w, child.fileno()])
         except OSError as exc:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -452,8 +454,10 @@ class Interpreter:
 
     name = "python"
 
-    def __init__(self, tool: Any, _branch: _Branch | None = None) -> None:
-        self.tool, self._slot = tool, _Slot(_branch)
+    def __init__(self, tool: Any, _branch: _Branch | None = None, seed: int | None = None) -> None:
+        #: Seeds ``random`` and numpy when this interpreter starts fresh (None: the OS); a started one's forks
+        #: continue its random state instead.
+        self.tool, self._slot, self.seed = tool, _Slot(_branch), seed
         self._finalizer = weakref.finalize(self, self._slot.close)
 
     @property
@@ -475,7 +479,7 @@ class Interpreter:
         if branch is None:
             tree = _Tree(self.tool)
             try:
-                branch = self._slot.branch = tree.branch(None)
+                branch = self._slot.branch = tree.branch(None, self.seed)
             except BaseException:
                 tree._teardown()
                 raise
@@ -531,8 +535,8 @@ class Interpreter:
         folder); later changes on either side stay on that side. Not started yet: not started either.
         Raises ForkError when the fork cannot be made."""
         parent = self._slot.branch
-        if parent is None:
-            return Interpreter(self.tool)
+        if parent is None:  # nothing ran yet: the copy starts as this one would, from the same seed
+            return Interpreter(self.tool, seed=self.seed)
         try:
             return Interpreter(self.tool, parent.tree.branch(parent))
         except ForkError:  # every fork that could not be made (cap, dead tree, refused copy) is counted

@@ -8,11 +8,21 @@ pipes and its control socket) as ``SCM_RIGHTS``. Requests and their one reply ea
 * ``{"op": "run", "code": str}`` -> ``{"rc": int, "threads": int}`` once the code finished (``threads``: the
   threads still running besides the loop's, which makes the host end this interpreter); what it printed went to fds
   1 and 2, written before the reply, so the host holds all of it when the reply arrives.
-* ``{"op": "fork", "fresh": bool}`` -> ``{"ok": true}`` or ``{"error": str}`` on this socket; the new branch then
+* ``{"op": "fork", "fresh": bool, "seed": int | None}`` -> ``{"ok": true}`` or ``{"error": str}`` on this socket;
+  the new branch then
   says ``{"pid": int}`` or ``{"error": str}`` on its own socket. A fork is a double fork (the branch is adopted by
   the sandbox's init, which reaps it) in which the branch becomes a process group of its own, copies the working
   folder (``fresh``: an empty one, a fresh namespace) and reopens, in its copy, every descriptor that pointed into
   the parent's folder, so no file offset or content is shared with a sibling.
+
+Randomness. A fresh interpreter with a ``seed`` seeds ``random`` from it, and numpy's global generator (the one behind
+``numpy.random.rand`` and friends) from it when the code first imports numpy; without a seed both draw from the OS. A
+forked branch continues its parent's state: CPython re-seeds ``random`` from the OS in a forked child, so the loop
+carries the parent's state across the fork and restores it; numpy's state is copied by the fork itself. A branch
+therefore draws what its parent would have drawn next, so a fork equals a replay of the parent's calls, and sibling
+branches draw the same numbers (each is that replay). Generators the code makes itself
+(``numpy.random.default_rng()`` without a seed, ``random.SystemRandom``, ``os.urandom``) read the OS and are not
+seeded.
 * ``{"op": "kill", "pid": int}`` (to the root process only) -> ``{"ok": true}``: SIGKILL to that branch's group.
 
 End of file on the socket (the host closed it, or died) ends the process at once. The host reads this socket as
@@ -34,6 +44,30 @@ _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _ctl = _socket.socket(fileno=_P["fd"])
 _home = None  # this branch's working folder (None in the zygote)
 _CPU_HARD = resource.getrlimit(resource.RLIMIT_CPU)[1]
+import random as _random
+
+class _SeedNumpy:
+    # First in sys.meta_path of a seeded interpreter until numpy is imported: seeds numpy's global generator right
+    # after numpy's own import, before any code can draw from it (a branch inherits it while numpy is not imported).
+    def __init__(self, seed): self.seed = seed
+    def find_spec(self, name, path=None, target=None):
+        if name != "numpy": return None
+        import importlib.util as _iu
+        if self in sys.meta_path: sys.meta_path.remove(self)
+        spec = _iu.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"): return spec
+        run, seed = spec.loader.exec_module, self.seed
+        def exec_module(module):
+            run(module)
+            __import__("numpy.random").random.seed(seed)
+        spec.loader.exec_module = exec_module
+        return spec
+
+def _seed(seed):
+    _random.seed(seed)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _SeedNumpy)]
+    if "numpy" in sys.modules: sys.modules["numpy"].random.seed(seed % 2**32)
+    else: sys.meta_path.insert(0, _SeedNumpy(seed % 2**32))
 
 def _recv():
     head, fds = b"", []
@@ -109,9 +143,13 @@ def _reopen(old, new):
         os.lseek(nfd, pos, 0)
         os.dup2(nfd, fd, inheritable=not flags & 0o2000000); os.close(nfd)
 
-def _become_branch(msg, fds, parent_ctl):
+def _become_branch(msg, fds, parent_ctl, rng):
     global _ctl, _home
     os.setpgid(0, 0)
+    # the parent's random state, not the OS's: a fork equals a replay of the parent's calls
+    if msg["fresh"]:
+        if msg.get("seed") is not None: _seed(int(msg["seed"]))
+    else: _random.setstate(rng)
     out, err, ctl = fds
     os.dup2(out, 1); os.dup2(err, 2); os.close(out); os.close(err)
     parent_ctl.close()  # the parent's socket: its end of file must reach the host when the parent ends
@@ -152,6 +190,7 @@ while True:
     elif op == "fork":
         try:
             sys.stdout.flush(); sys.stderr.flush()
+            _rng = _random.getstate()
             mid = os.fork()
         except OSError as exc:
             for f in fds: os.close(f)
@@ -161,7 +200,7 @@ while True:
                 if os.fork(): os._exit(0)
             except OSError:
                 os._exit(3)
-            _become_branch(msg, fds, _ctl)
+            _become_branch(msg, fds, _ctl, _rng)
             continue
         for f in fds: os.close(f)
         _, status = os.waitpid(mid, 0)

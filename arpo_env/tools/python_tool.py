@@ -362,14 +362,15 @@ class PythonTool:
         result.meta["backend"] = self.backend
         return result
 
-    def open_interpreter(self) -> Any:
+    def open_interpreter(self, seed: int | None = None) -> Any:
         """A new persistent interpreter for one trajectory (:class:`arpo_env.tools.interpreter.Interpreter`; needs
-        ``persistent=True``); its first call starts it."""
+        ``persistent=True``); its first call starts it, with ``random`` and numpy seeded from ``seed`` (None: the
+        OS)."""
         if not self.persistent:
             raise ConfigError("open_interpreter() needs a persistent python tool", hint="set persistent = true")
         from arpo_env.tools.interpreter import Interpreter
 
-        return Interpreter(self)
+        return Interpreter(self, seed=seed)
 
     def run_many(self, codes: list[str], max_workers: int = 8) -> list[ToolResult]:
         """Run several snippets concurrently (bounded by ``max_workers`` and the module-wide sandbox limit)."""

@@ -400,3 +400,43 @@ def test_one_request_may_hold_only_its_share_of_the_interpreters(tool):
         _run(held[-1], "1")
     for s in (*held, extra):
         s.close()
+
+
+DRAW = "print(random.random(), random.randrange(10**9), np.random.rand(), np.random.randint(10**9))"
+
+
+def _seeded(tool: PythonTool, seed: int) -> ToolSession:
+    s = _session(tool)
+    s.seed_tools(seed)
+    return s
+
+
+def test_a_fork_draws_what_a_replay_of_its_parents_calls_draws(tool):
+    """A seeded root seeds random and numpy (imported after the start); a branch continues its parent's state, so
+    it draws what a replay of the parent's calls in a new interpreter with the same seed draws next."""
+    s = _seeded(tool, 7)
+    early = s.fork()  # forked before anything ran: it starts as its parent does
+    first = _run(s, "import random\nimport numpy as np\n" + DRAW)
+    a, b = s.fork(), s.clone()
+    nxt = _run(a, DRAW)
+    assert _run(b, DRAW) == nxt  # siblings: each is the same replay
+    assert _run(s, DRAW) == nxt  # the parent itself draws the same next
+    replay = _seeded(tool, 7)
+    assert _run(replay, "import random\nimport numpy as np\n" + DRAW) == first  # two runs, one seed
+    assert _run(replay, DRAW) == nxt
+    assert _run(early, "import random\nimport numpy as np\n" + DRAW) == first
+    other = _seeded(tool, 8)
+    assert _run(other, "import random\nimport numpy as np\n" + DRAW) != first
+    for x in (s, a, b, replay, early, other):
+        x.close()
+
+
+def test_a_root_seeds_numpy_already_imported_and_unseeded_roots_differ(tool):
+    s, t = _seeded(tool, 3), _seeded(tool, 3)
+    for x in (s, t):
+        _run(x, "import numpy as np, random")
+    assert _run(s, DRAW) == _run(t, DRAW)
+    u, v = _session(tool), _session(tool)  # no seed: the OS's randomness, as before
+    assert _run(u, "import random\nprint(random.random())") != _run(v, "import random\nprint(random.random())")
+    for x in (s, t, u, v):
+        x.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from studies.compare import main, paired, stats
 from tests.arpo_algo.run.test_train_cli import write_experiment
 
@@ -51,6 +53,12 @@ def test_compare_is_deterministic_and_reports(tiny_model_dir, tmp_path, capsys):
     curve = [a for _, _, a in json.loads((outs[0] / "tiny" / "seed_3" / "compare_run.json").read_text())["curve"]]
     assert report["best"]["mean"] == max(curve) and report["drop_from_best"]["mean"] == max(curve) - curve[-1]
     assert "| tiny | 1 |" in (outs[0] / "report.md").read_text()
+    # the optimizer steps the run realised, summed from its per-iteration metrics, are in the table
+    raw = [json.loads(x) for x in (outs[0] / "tiny" / "seed_3" / "metrics.jsonl").read_text().splitlines()]
+    assert any("learner/optimizer_steps" in r for r in raw)
+    taken = sum(r.get("learner/optimizer_steps", 0.0) for r in raw)
+    assert report["optimizer_steps"] == {"mean": taken, "min": taken, "max": taken}
+    assert f"| {taken:.1f} ({taken:.0f} - {taken:.0f}) |" in (outs[0] / "report.md").read_text()
 
 
 def test_equal_budget_refusal_names_the_field(tiny_model_dir, tmp_path, capsys):
@@ -60,6 +68,29 @@ def test_equal_budget_refusal_names_the_field(tiny_model_dir, tmp_path, capsys):
     assert main([str(a), str(b), "--sft", str(tiny_model_dir), "--output", str(tmp_path / "o"), "--equal-budget"]) == 2
     err = capsys.readouterr().err
     assert "tree.budget" in err and "tiny: 2" in err and "other: 3" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "shown"),
+    [
+        ("mini_batches = 2", "training.mini_batches", "other: 2"),
+        ("ppo_epochs = 2", "training.ppo_epochs", "other: 2"),
+        # AEPO's unset mini_batches resolves to min(8, prompts_per_step) = 2 against GRPO's 1
+        ("", "training.mini_batches", "other: 2"),
+    ],
+)
+def test_equal_budget_refuses_arms_that_take_different_optimizer_steps_per_batch(
+    tiny_model_dir, tmp_path, capsys, extra, field, shown
+):
+    a = write_experiment(tmp_path, tiny_model_dir)
+    a.write_text(a.read_text().replace("prompts_per_step = 1", "prompts_per_step = 2"))
+    b = tmp_path / "other.toml"
+    text = a.read_text().replace("prompts_per_step = 2", f"prompts_per_step = 2\n{extra}")
+    b.write_text(text if extra else text.replace('name = "tiny"', 'name = "tiny"\nalgorithm = "aepo"'))
+    assert main([str(a), str(b), "--sft", str(tiny_model_dir), "--output", str(tmp_path / "o"), "--equal-budget"]) == 2
+    err = capsys.readouterr().err
+    assert f"differ in {field}" in err and "tiny: 1" in err and shown in err
     assert not (tmp_path / "o").exists()
 
 

@@ -126,3 +126,29 @@ def test_a_served_request_has_one_interpreter_per_choice_ended_with_it(counter_d
             assert [int(o) for o in outs] == list(range(3, 3 + len(outs))), outs
             counted += len(outs) > 1
     assert counted >= 1, [c["message"]["arpo"]["trajectory"][:300] for c in result["choices"]]
+
+
+def test_root_trajectories_seed_their_interpreters_from_the_run_seed_step_prompt_and_trajectory(tiny_model_dir):
+    """Each root trajectory's session carries the seed its interpreter starts from: the same in two samplers with
+    one seed, distinct across trajectories, steps and run seeds (the draws themselves: tests/arpo_env)."""
+    tools = {"python": {"persistent": True}}
+
+    def seeds(run_seed: int, step: int) -> list[int | None]:
+        engine = HFEngine(tiny_model_dir, dtype="float32", seed=0)
+        sampler = TreeSampler.from_config(
+            engine,
+            lambda: ToolTextEnv(task="toolmath", tools=tools, max_tool_calls=1),
+            TreeConfig(budget=2, initial=2, branch_factor=1),
+            RolloutsConfig(max_response_tokens=8),
+            seed=run_seed,
+        )
+        try:
+            ps = sampler._new_prompt(0, step)
+            paths = [sampler._spawn(ps, "initial") for _ in range(2)]
+            return [p.env.session.tool_seed for p in paths]
+        finally:
+            sampler.close()
+
+    first = seeds(0, 1)
+    assert first == seeds(0, 1) and None not in first and len(set(first)) == 2
+    assert set(first).isdisjoint(seeds(0, 2)) and set(first).isdisjoint(seeds(1, 1))

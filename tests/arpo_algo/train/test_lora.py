@@ -105,6 +105,14 @@ def test_unknown_target_module_names_the_ones_that_exist(tiny_model_dir):
     assert "q_proj" in e.value.hint and "down_proj" in e.value.hint
 
 
+def test_a_learner_built_directly_refuses_lora_dropout_as_the_settings_path_does(tiny_model_dir):
+    from arpo_algo.train.learner import Learner, LearnerConfig
+
+    with pytest.raises(ConfigError, match=r"dropout = 0.1 in RL") as e:
+        Learner(tiny_model_dir, LearnerConfig(), lora=LoraSettings(enabled=True, dropout=0.1))
+    assert "SFT may use it" in e.value.hint
+
+
 @pytest.fixture(scope="module")
 def lora_run(tiny_model_dir, tmp_path_factory):
     """Two LoRA ARPO iterations with the in-process engine sharing the learner's module, then a checkpoint."""
