@@ -98,7 +98,7 @@ def sample_groups(
         kept += [g for g in more if has_signal(g)]
         drawn += len(more)
         rounds += 1
-    metrics.update(MK.branch_rates(metrics, drawn))  # the rates of every drawn group, as the summed counts
+    metrics.update(MK.branch_rates(metrics))  # the rates of every drawn group, as the summed counts
     out = kept[:want] if kept else groups
     metrics[ROUNDS], metrics[DROPPED] = float(rounds), float(drawn - len(out))
     return out, metrics

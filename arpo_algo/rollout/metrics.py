@@ -71,12 +71,11 @@ BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with bud
 # How often the branch policy branched, from the trees' decision records: a candidate is a post-tool position the
 # policy was asked at (budget free, depth left), its opportunities the clones it could make there (the cap, min(Z,
 # free budget)). A random arm at tree.random_rate = p makes p opportunities' worth of branches in expectation, so an
-# entropy arm's BRANCHES_PER_OPPORTUNITY is the p of its equal-count control.
+# entropy arm's BRANCHES_PER_OPPORTUNITY is the p of its equal-count control (per group: diag/branches_per_group).
 BRANCH_CANDIDATES = "rollout/branch_candidates"
 BRANCH_OPPORTUNITIES = "rollout/branch_opportunities"
 BRANCHES_PER_CANDIDATE = "rollout/branches_per_candidate"  # branches / candidates (at most the mean cap)
 BRANCHES_PER_OPPORTUNITY = "rollout/branches_per_opportunity"  # branches / opportunities, in [0, 1]
-BRANCHES_PER_GROUP = "rollout/branches_per_group"  # branches / groups (prompts)
 # Policy versions (learner updates applied): the version that sampled the batch and how far the learner's version at
 # update time is ahead of it, over the batch's trajectories (asynchronous rollouts: at most rollouts.max_staleness).
 POLICY_VERSION = "rollout/policy_version"
@@ -157,7 +156,7 @@ def summarize(
             TOOL_CACHE_HIT_RATE: mean(float(c.get("cache_hit", False)) for t in trajs for c in t.tool_calls),
         }
     )
-    out.update(branch_rates(out, len(groups)))
+    out.update(branch_rates(out))
     for g in groups:
         for k, v in g.metrics.items():
             if k.startswith(GROUP_BRANCHES_AT_DEPTH.format("")):
@@ -187,15 +186,14 @@ def summarize(
     return out
 
 
-def branch_rates(metrics: dict[str, float], groups: int) -> dict[str, float]:
-    """The branch rates of summed counts (:data:`BRANCHES`, :data:`BRANCH_CANDIDATES`, :data:`BRANCH_OPPORTUNITIES`)
-    over ``groups`` prompts; a rate with nothing to divide by is 0 (a step without candidates branched nowhere)."""
+def branch_rates(metrics: dict[str, float]) -> dict[str, float]:
+    """The branch rates of summed counts (:data:`BRANCHES`, :data:`BRANCH_CANDIDATES`, :data:`BRANCH_OPPORTUNITIES`);
+    a rate with nothing to divide by is 0 (a step without candidates branched nowhere)."""
     branches = metrics.get(BRANCHES, 0.0)
     cands, opps = metrics.get(BRANCH_CANDIDATES, 0.0), metrics.get(BRANCH_OPPORTUNITIES, 0.0)
     return {
         BRANCHES_PER_CANDIDATE: branches / cands if cands else 0.0,
         BRANCHES_PER_OPPORTUNITY: branches / opps if opps else 0.0,
-        BRANCHES_PER_GROUP: branches / groups if groups else 0.0,
     }
 
 

@@ -10,8 +10,10 @@ import dataclasses
 import math
 
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout import diagnostics as DIAG
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.config import RolloutsConfig
+from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
@@ -55,13 +57,14 @@ def _branch_step(caller_dir, env_creator, tree):
     engine = HFEngine(caller_dir, dtype="float32", seed=0)
     sampler = TreeSampler.from_config(engine, env_creator, tree, RolloutsConfig(max_response_tokens=160), seed=3)
     try:
-        return sampler.sample([0, 1], step=0)
+        groups, metrics = sampler.sample([0, 1], step=0)
     finally:
         sampler.close()
+    return groups, {**metrics, **group_diagnostics(groups)}  # the step's rollout metrics and its diagnostics
 
 
 def test_a_step_measures_branches_per_candidate_opportunity_and_group(caller_dir, env_creator):
-    rates = (MK.BRANCHES_PER_CANDIDATE, MK.BRANCHES_PER_OPPORTUNITY, MK.BRANCHES_PER_GROUP)
+    rates = (MK.BRANCHES_PER_CANDIDATE, MK.BRANCHES_PER_OPPORTUNITY, DIAG.BRANCHES_PER_GROUP)
     _, m = _branch_step(caller_dir, env_creator, TreeConfig.grpo(4))  # the never policy
     assert [m[k] for k in (MK.BRANCHES, *rates)] == [0.0] * 4
     random_tree = TreeConfig(budget=6, initial=2, branch_factor=2, branch_policy="random")
@@ -74,7 +77,7 @@ def test_a_step_measures_branches_per_candidate_opportunity_and_group(caller_dir
     # rate 1 makes every clone the cap allows: branches per candidate is the (mean) cap, per opportunity 1
     assert m[MK.BRANCHES] == m[MK.BRANCH_OPPORTUNITIES] == sum(caps)
     assert m[MK.BRANCHES_PER_CANDIDATE] == sum(caps) / len(caps) and m[MK.BRANCHES_PER_OPPORTUNITY] == 1.0
-    assert m[MK.BRANCHES_PER_GROUP] == sum(caps) / len(groups)
+    assert m[DIAG.BRANCHES_PER_GROUP] == sum(caps) / len(groups)
     for g in groups:  # the per-group counts the rates are made of
         assert g.metrics[MK.GROUP_BRANCH_CANDIDATES] == len(g.decisions)
         assert (
