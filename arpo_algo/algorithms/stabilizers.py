@@ -51,6 +51,8 @@ SUMMED = (
     MK.TIME_TOTAL,
     MK.STOP_BOUNDARY_CUTS,
     MK.BRANCH_DECISIONS,
+    MK.BRANCH_CANDIDATES,
+    MK.BRANCH_OPPORTUNITIES,
 )
 ROUNDS = MK.ROLLOUT + "dynamic_sampling_rounds"
 DROPPED = MK.ROLLOUT + "dynamic_sampling_dropped"
@@ -96,6 +98,7 @@ def sample_groups(
         kept += [g for g in more if has_signal(g)]
         drawn += len(more)
         rounds += 1
+    metrics.update(MK.branch_rates(metrics))  # the rates of every drawn group, as the summed counts
     out = kept[:want] if kept else groups
     metrics[ROUNDS], metrics[DROPPED] = float(rounds), float(drawn - len(out))
     return out, metrics

@@ -19,8 +19,9 @@ allows a branch, and its answer is clipped to ``[0, cap]``. A new policy is one 
 
 and ``tree.branch_policy = "always"`` selects it. The built-in rules (docs/concepts/arpo.md#the-reference-rule,
 docs/concepts/aepo.md#consecutive-branch-penalty) are policies too: ``paper``, ``reference`` (ARPO), ``aepo_paper``,
-``aepo_reference`` (AEPO: the same rules with the consecutive-branch penalty) and ``never`` (GRPO). Each algorithm's
-tree mode picks its rule for ``tree.decision_rule`` (:data:`arpo_algo.core.tree.MODE_POLICIES`).
+``aepo_reference`` (AEPO: the same rules with the consecutive-branch penalty), ``never`` (GRPO) and ``random`` (the
+equal-count control: each clone with probability ``tree.random_rate``, docs/concepts/arpo.md#branch-point-policies).
+Each algorithm's tree mode picks its rule for ``tree.decision_rule`` (:data:`arpo_algo.core.tree.MODE_POLICIES`).
 
 AEPO's pre-monitoring is not a branch policy: it decides how many initial samples a prompt starts with before any
 candidate exists, so it stays the ``tree.aepo_premonitor`` knob.
@@ -169,3 +170,22 @@ class AEPOReferenceRule(ReferenceRule):
     def clone(self, delta_h: float, consecutive: int, u: float) -> bool:
         cfg = self.cfg
         return min(1.0, max(0.0, (u + cfg.beta * delta_h) * penalty_factor(cfg.aepo_penalty, consecutive))) >= cfg.alpha
+
+
+@register_branch_policy("random")
+class RandomRate:
+    """The equal-count control (docs/concepts/arpo.md#branch-point-policies): right after the tool result, each of
+    the ``cap`` clones is made with probability ``tree.random_rate``, one seeded draw ``u`` per clone (made iff ``u <
+    rate``), whatever the entropy. The expected branches per candidate are ``rate * cap``, so setting the rate to an
+    entropy arm's measured ``rollout/branches_per_opportunity`` matches its branch count on the same candidates."""
+
+    lookahead, fresh_baseline, needs_logprobs = False, False, False
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def branches(self, c: Candidate) -> int:
+        if c.rng is None:
+            raise ValueError("the random branch policy needs the prompt's branch RNG")
+        rate = self.cfg.random_rate
+        return sum(c.rng.random() < rate for _ in range(c.cap))

@@ -108,6 +108,9 @@ class TreeConfig:
         branch_policy: A registered branch-point policy (:mod:`arpo_algo.core.branching`) in place of the
             algorithm's rule for ``decision_rule``; ``None`` = that rule ("paper"/"reference", AEPO's with its
             penalty, none for GRPO). Naming a rule that ``decision_rule`` does not select is an error.
+        random_rate: p of the "random" branch policy: each possible clone at a candidate is made with probability p
+            (one seeded draw each); set it to the entropy arm's measured ``rollout/branches_per_opportunity`` for
+            an equal-count control. Other policies do not read it.
         aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
             setting it takes effect in mode "aepo" only.
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
@@ -136,6 +139,7 @@ class TreeConfig:
     fillup: str = "batch"
     max_depth: int | None = None
     branch_policy: str | None = None
+    random_rate: float = 0.5
     aepo_premonitor: bool = True
     aepo_premonitor_keep: bool = False
     aepo_premonitor_tokens: int = 50
@@ -207,6 +211,11 @@ class TreeConfig:
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0):
                 bad(f"{name} must be in [0, 1] (it is a probability / probability threshold), got {v}")
+        if not 0.0 <= self.random_rate <= 1.0:  # NaN fails this test too
+            bad(
+                f"random_rate must be in [0, 1] (the probability of each possible clone), got {self.random_rate}",
+                hint="set it to the entropy arm's rollout/branches_per_opportunity for an equal-count control",
+            )
         if not (math.isfinite(self.beta) and self.beta >= 0.0):
             bad(f"beta must be a finite number >= 0 (entropy weight), got {self.beta}")
         if self.entropy_tokens < 1:

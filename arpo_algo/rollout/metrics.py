@@ -68,6 +68,14 @@ TIME_OVERHEAD = "rollout/time_overhead_s"
 TIME_TOTAL = "rollout/time_total_s"
 STOP_BOUNDARY_CUTS = "rollout/stop_boundary_cuts"  # turns cut at a stop string that spanned two requests
 BRANCH_DECISIONS = "rollout/branch_decisions"  # branch decisions taken with budget free and depth left
+# How often the branch policy branched, from the trees' decision records: a candidate is a post-tool position the
+# policy was asked at (budget free, depth left), its opportunities the clones it could make there (the cap, min(Z,
+# free budget)). A random arm at tree.random_rate = p makes p opportunities' worth of branches in expectation, so an
+# entropy arm's BRANCHES_PER_OPPORTUNITY is the p of its equal-count control (per group: diag/branches_per_group).
+BRANCH_CANDIDATES = "rollout/branch_candidates"
+BRANCH_OPPORTUNITIES = "rollout/branch_opportunities"
+BRANCHES_PER_CANDIDATE = "rollout/branches_per_candidate"  # branches / candidates (at most the mean cap)
+BRANCHES_PER_OPPORTUNITY = "rollout/branches_per_opportunity"  # branches / opportunities, in [0, 1]
 # Policy versions (learner updates applied): the version that sampled the batch and how far the learner's version at
 # update time is ahead of it, over the batch's trajectories (asynchronous rollouts: at most rollouts.max_staleness).
 POLICY_VERSION = "rollout/policy_version"
@@ -82,6 +90,8 @@ GROUP_TOOL_CALLS = "tool_calls"
 GROUP_INITIAL_SAMPLES = "initial_samples"
 GROUP_FILLUPS = "fillups"
 GROUP_BRANCHES = "branches"
+GROUP_BRANCH_CANDIDATES = "branch_candidates"
+GROUP_BRANCH_OPPORTUNITIES = "branch_opportunities"
 GROUP_MAX_DEPTH = "max_depth"
 GROUP_BRANCHES_AT_DEPTH = "branches_depth_{}"  # format with the depth, as BRANCHES_AT_DEPTH
 
@@ -133,6 +143,8 @@ def summarize(
         {
             TOOL_CALLS: sum(g.metrics.get(GROUP_TOOL_CALLS, 0.0) for g in groups),
             BRANCHES: sum(g.metrics.get(GROUP_BRANCHES, 0.0) for g in groups),
+            BRANCH_CANDIDATES: sum(g.metrics.get(GROUP_BRANCH_CANDIDATES, 0.0) for g in groups),
+            BRANCH_OPPORTUNITIES: sum(g.metrics.get(GROUP_BRANCH_OPPORTUNITIES, 0.0) for g in groups),
             FILLUPS: sum(g.metrics.get(GROUP_FILLUPS, 0.0) for g in groups),
             INITIAL_SAMPLES: mean(g.metrics.get(GROUP_INITIAL_SAMPLES, 0.0) for g in groups),
             MAX_DEPTH: max((g.metrics.get(GROUP_MAX_DEPTH, 0.0) for g in groups), default=0.0),
@@ -144,6 +156,7 @@ def summarize(
             TOOL_CACHE_HIT_RATE: mean(float(c.get("cache_hit", False)) for t in trajs for c in t.tool_calls),
         }
     )
+    out.update(branch_rates(out))
     for g in groups:
         for k, v in g.metrics.items():
             if k.startswith(GROUP_BRANCHES_AT_DEPTH.format("")):
@@ -171,6 +184,17 @@ def summarize(
         out[STOP_BOUNDARY_CUTS] = float(timers.get(TIMER_STOP_BOUNDARY_CUTS, 0))
         out[BRANCH_DECISIONS] = float(timers.get(TIMER_BRANCH_DECISIONS, 0))
     return out
+
+
+def branch_rates(metrics: dict[str, float]) -> dict[str, float]:
+    """The branch rates of summed counts (:data:`BRANCHES`, :data:`BRANCH_CANDIDATES`, :data:`BRANCH_OPPORTUNITIES`);
+    a rate with nothing to divide by is 0 (a step without candidates branched nowhere)."""
+    branches = metrics.get(BRANCHES, 0.0)
+    cands, opps = metrics.get(BRANCH_CANDIDATES, 0.0), metrics.get(BRANCH_OPPORTUNITIES, 0.0)
+    return {
+        BRANCHES_PER_CANDIDATE: branches / cands if cands else 0.0,
+        BRANCHES_PER_OPPORTUNITY: branches / opps if opps else 0.0,
+    }
 
 
 def quality(metrics: dict[str, float]) -> dict[str, float]:

@@ -364,6 +364,7 @@ class TreeSampler:
                     "beta": cfg.beta,
                     "tau": cfg.tau,
                     "draws": draws,
+                    "cap": min(cfg.branch_factor, free),  # the clones the policy could make here
                     "branches": n,
                 }
             )

@@ -140,6 +140,8 @@ def assemble_group(ps: PromptState, step: int, policy_version: int | None = None
         MK.GROUP_INITIAL_SAMPLES: float(sum(p.kind == "initial" for p in ps.paths)),
         MK.GROUP_FILLUPS: float(sum(p.kind == "fillup" for p in ps.paths)),
         MK.GROUP_BRANCHES: float(sum(ps.branches_by_depth.values())),
+        MK.GROUP_BRANCH_CANDIDATES: float(len(ps.decisions)),
+        MK.GROUP_BRANCH_OPPORTUNITIES: float(sum(d["cap"] for d in ps.decisions)),
         MK.GROUP_MAX_DEPTH: float(max(p.depth for p in ps.paths)),
         **{MK.GROUP_BRANCHES_AT_DEPTH.format(d): float(n) for d, n in sorted(ps.branches_by_depth.items())},
     }

@@ -63,6 +63,7 @@ BRANCHING_KNOBS = (
     "entropy_method",
     "decision_rule",
     "branch_policy",
+    "random_rate",
     "fillup",
     "max_depth",
 )

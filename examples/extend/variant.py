@@ -4,7 +4,7 @@ A variant is one module: a config class that states its preset (its defaults, by
 changes from ARPO (the same names, each with the mechanism or paper section it comes from), an Algorithm class, and
 ONE registration line. ``[experiment] algorithm = "arpo_code"`` (once this module is imported), Tune and the settings
 checks then know it; ``ArpoCodeConfig()`` builds it in Python. A variant may also bring a branch policy of its own:
-``preset = {"tree.branch_policy": "random"}`` (see ``examples/extend/branch_policy.py``).
+``preset = {"tree.branch_policy": "random"}`` (a built-in; ``examples/extend/branch_policy.py`` adds one).
 
 Run the demo: ``python examples/extend/variant.py`` (prints the variant's settings that differ from ARPO's).
 """

@@ -12,36 +12,38 @@ from arpo_algo.rollout.config import RolloutsConfig
 from arpo_algo.rollout.engines.hf import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_base.errors import ConfigError
-from examples.extend.branch_policy import RandomRate
+from examples.extend.branch_policy import FixedRateDemo
 from tests.arpo_algo.rollout import teach
 
 env_creator, caller_dir = teach.env_creator, teach.caller_dir  # the module-scoped fixtures, shared
 
 
 def test_the_registration_line_makes_it_selectable_by_name():
-    assert BRANCH_POLICIES["random"] is RandomRate
-    cfg = TreeConfig(branch_policy="random")
-    assert cfg.policy_name == "random" and isinstance(branch_policy(cfg), RandomRate)
+    assert BRANCH_POLICIES["fixed_rate_demo"] is FixedRateDemo
+    cfg = TreeConfig(branch_policy="fixed_rate_demo")
+    assert cfg.policy_name == "fixed_rate_demo" and isinstance(branch_policy(cfg), FixedRateDemo)
     with pytest.raises(ConfigError, match="not a registered branch policy") as err:
-        TreeConfig(branch_policy="randon").validate()
-    assert "did you mean 'random'?" in err.value.hint
+        TreeConfig(branch_policy="fixed_rate_dmeo").validate()
+    assert "did you mean 'fixed_rate_demo'?" in err.value.hint
 
 
 def test_it_branches_at_its_fixed_rate_on_the_seeded_stream():
-    cfg = TreeConfig(branch_factor=1, branch_policy="random")
+    cfg = TreeConfig(branch_factor=1, branch_policy="fixed_rate_demo")
     rng, replay = branch_rng(3, 1, 2), branch_rng(3, 1, 2)
     made = [num_branches(cfg, 0.0, 0, 0, 1, rng) for _ in range(20_000)]
-    assert made == [int(replay.random() < RandomRate.rate) for _ in made]  # one draw per candidate, in order
-    sd = (RandomRate.rate * (1 - RandomRate.rate) / len(made)) ** 0.5
-    assert abs(sum(made) / len(made) - RandomRate.rate) < 4 * sd
+    assert made == [int(replay.random() < FixedRateDemo.rate) for _ in made]  # one draw per candidate, in order
+    sd = (FixedRateDemo.rate * (1 - FixedRateDemo.rate) / len(made)) ** 0.5
+    assert abs(sum(made) / len(made) - FixedRateDemo.rate) < 4 * sd
     # the frame still holds: no branch past the depth limit or the budget, and the policy is not even asked there
-    assert num_branches(TreeConfig(branch_factor=1, branch_policy="random", max_depth=1), 0.0, 1, 0, 1, None) == 0
+    assert (
+        num_branches(TreeConfig(branch_factor=1, branch_policy="fixed_rate_demo", max_depth=1), 0.0, 1, 0, 1, None) == 0
+    )
     assert num_branches(cfg, 0.0, 0, 0, 0, None) == 0
 
 
 def _step(caller_dir, env_creator, seed):
     engine = HFEngine(caller_dir, dtype="float32", seed=0)
-    tree = TreeConfig(budget=8, initial=2, branch_factor=1, branch_policy="random")
+    tree = TreeConfig(budget=8, initial=2, branch_factor=1, branch_policy="fixed_rate_demo")
     sampler = TreeSampler.from_config(engine, env_creator, tree, RolloutsConfig(max_response_tokens=240), seed=seed)
     try:
         return sampler.sample([0, 1], step=0)
@@ -61,7 +63,7 @@ def test_a_seeded_sampler_step_branches_where_its_draws_say(caller_dir, env_crea
         stream = branch_rng(5, 0, g.prompt_index)
         assert draws == [stream.random() for _ in draws]
         for d in g.decisions:
-            assert d["rule"] == "random" and d["branches"] == sum(u < RandomRate.rate for u in d["draws"])
+            assert d["rule"] == "fixed_rate_demo" and d["branches"] == sum(u < FixedRateDemo.rate for u in d["draws"])
             clones = [t for t in g.trajectories if t.parent == d["trajectory"] and t.branch_point == d["at"]]
             assert len(clones) == d["branches"]  # each clone starts where its decision was taken
         parents = {t.traj_id: t for t in g.trajectories}

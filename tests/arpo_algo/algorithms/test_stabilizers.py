@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from arpo_algo.algorithms.components import PromptIterator
 from arpo_algo.algorithms.stabilizers import DROPPED, ROUNDS, sample_groups
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
@@ -83,3 +84,14 @@ def test_dr_grpo_aggregation_is_token_sum_over_a_constant(tiny_model_dir):
     trained = sum(sum(t.trained_mask) for g in groups for t in g.trajectories)
     n_seq = sum(len(g.trajectories) for g in groups)
     torch.testing.assert_close(grads["dr_grpo"], grads["token_mean"] * trained / (n_seq * 50), rtol=1e-4, atol=1e-7)
+
+
+def test_dynamic_sampling_rates_are_over_every_drawn_group(env_creator):
+    # no signal anywhere: three rounds of two groups each, every one branching at every opportunity (rate 1)
+    tree = TreeConfig(budget=4, initial=2, branch_factor=1, branch_policy="random", random_rate=1.0)
+    s = TreeSampler(ScriptedEngine(calls=(9, 9)), env_creator, tree, SamplingParams(), max_response_tokens=400)
+    it = PromptIterator(num_tasks=50, seed=0)
+    groups, m = sample_groups(s, it, it.next(2), 0, dynamic=True, max_rounds=3)
+    assert m[ROUNDS] == 3 and len(groups) == 2 and m[MK.BRANCHES] == m[MK.BRANCH_OPPORTUNITIES] == 6 * 2
+    assert m[MK.BRANCHES_PER_OPPORTUNITY] == 1.0
+    assert m[MK.BRANCHES_PER_CANDIDATE] == m[MK.BRANCHES] / m[MK.BRANCH_CANDIDATES]

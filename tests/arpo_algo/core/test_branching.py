@@ -14,10 +14,11 @@ from arpo_algo.core.branching import (
     Candidate,
     Never,
     PaperRule,
+    RandomRate,
     ReferenceRule,
     penalty_factor,
 )
-from arpo_algo.core.tree import MODE_POLICIES, TreeConfig, branch_policy, num_branches
+from arpo_algo.core.tree import MODE_POLICIES, TreeConfig, branch_policy, branch_rng, num_branches
 from arpo_base.errors import ConfigError
 
 
@@ -100,3 +101,48 @@ def test_decision_rule_and_branch_policy_never_contradict():
         assert hint in err.value.hint, (kw, err.value.hint)
     with pytest.raises(ConfigError, match="not a registered branch policy"):
         TreeConfig(branch_policy="papr").validate()
+
+
+def _random_stream(rate: float, seed: int, caps: list[int]) -> list[int]:
+    """The random policy's answers at candidates with the given caps, on one prompt's seeded branch stream."""
+    cfg = TreeConfig(branch_factor=3, branch_policy="random", random_rate=rate).validate()
+    rng, policy = branch_rng(seed, 0, 0), branch_policy(cfg)
+    return [num_branches(cfg, 0.0, 0, 0, free=cap, rng=rng, policy=policy) for cap in caps]
+
+
+def test_the_random_policy_branches_each_opportunity_at_its_rate():
+    assert isinstance(branch_policy(TreeConfig(branch_policy="random")), RandomRate)
+    assert not RandomRate.lookahead and not RandomRate.fresh_baseline  # asked where the reference rule is asked
+    caps = [1, 2, 3] * 4000  # free budget 1, 2, 3 with Z = 3: the cap is the free budget
+    opportunities = sum(caps)
+    for rate in (0.05, 0.3, 0.8):
+        made = _random_stream(rate, 7, caps)
+        assert all(0 <= n <= cap for n, cap in zip(made, caps))
+        # the branches are Binomial(opportunities, rate): the realised rate is within 4 standard deviations
+        sd = (rate * (1 - rate) / opportunities) ** 0.5
+        assert abs(sum(made) / opportunities - rate) < 4 * sd, rate
+    assert sum(_random_stream(0.0, 7, caps)) == 0 and _random_stream(1.0, 7, caps) == caps
+
+
+def test_the_random_policy_gives_the_same_tree_for_the_same_seed():
+    caps = [3, 1, 2] * 200
+    assert _random_stream(0.4, 11, caps) == _random_stream(0.4, 11, caps)
+    assert _random_stream(0.4, 11, caps) != _random_stream(0.4, 12, caps)
+    # one draw per possible clone, made iff the draw is below the rate: the decisions replay from the stream alone
+    replay = branch_rng(11, 0, 0)
+    assert _random_stream(0.4, 11, caps) == [sum(replay.random() < 0.4 for _ in range(c)) for c in caps]
+
+
+def test_the_random_rate_is_a_probability_and_a_setting():
+    from arpo_algo.algorithms.settings import Settings
+    from arpo_algo.run.sweep import BRANCHING_KNOBS
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=r"random_rate must be in \[0, 1\]") as err:
+            TreeConfig(branch_policy="random", random_rate=bad).validate()
+        assert "branches_per_opportunity" in err.value.hint
+    with pytest.raises(ConfigError, match="random_rate"):
+        TreeConfig.from_dict({"branch_policy": "random", "random_rate": "high"})
+    settings = Settings().update({"tree.branch_policy": "random", "tree.random_rate": 0.25}, "test")
+    assert settings.tree.random_rate == 0.25 and settings.tree.policy_name == "random"
+    assert "random_rate" in BRANCHING_KNOBS  # a sweep knob like tau, dropped for GRPO with the other branching knobs

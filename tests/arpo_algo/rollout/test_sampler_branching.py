@@ -6,10 +6,14 @@ answer every turn with one python call (a scripted policy with real weights, sam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from arpo_algo.core.tree import TreeConfig
+from arpo_algo.rollout import diagnostics as DIAG
+from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.config import RolloutsConfig
+from arpo_algo.rollout.diagnostics import group_diagnostics
 from arpo_algo.rollout.engines.hf.engine import HFEngine
 from arpo_algo.rollout.sampler import TreeSampler
 from arpo_algo.train.learner import Learner, LearnerConfig
@@ -47,3 +51,37 @@ def test_arpo_branches_after_tool_results_on_the_real_engine(caller_dir, env_cre
     learner = Learner(caller_dir, LearnerConfig(advantage="hard", old_logprobs="rollout"), seed=0)
     m = learner.update(groups)
     assert m["kl_rollout"] < MISMATCH_LEVELS["fp32"][0] and m["logprob_diff_max"] < 1e-3
+
+
+def _branch_step(caller_dir, env_creator, tree):
+    engine = HFEngine(caller_dir, dtype="float32", seed=0)
+    sampler = TreeSampler.from_config(engine, env_creator, tree, RolloutsConfig(max_response_tokens=160), seed=3)
+    try:
+        groups, metrics = sampler.sample([0, 1], step=0)
+    finally:
+        sampler.close()
+    return groups, {**metrics, **group_diagnostics(groups)}  # the step's rollout metrics and its diagnostics
+
+
+def test_a_step_measures_branches_per_candidate_opportunity_and_group(caller_dir, env_creator):
+    rates = (MK.BRANCHES_PER_CANDIDATE, MK.BRANCHES_PER_OPPORTUNITY, DIAG.BRANCHES_PER_GROUP)
+    _, m = _branch_step(caller_dir, env_creator, TreeConfig.grpo(4))  # the never policy
+    assert [m[k] for k in (MK.BRANCHES, *rates)] == [0.0] * 4
+    random_tree = TreeConfig(budget=6, initial=2, branch_factor=2, branch_policy="random")
+    _, m = _branch_step(caller_dir, env_creator, dataclasses.replace(random_tree, random_rate=0.0))
+    assert m[MK.BRANCH_CANDIDATES] >= 2 and [m[k] for k in (MK.BRANCHES, *rates)] == [0.0] * 4  # offered, none taken
+    groups, m = _branch_step(caller_dir, env_creator, dataclasses.replace(random_tree, random_rate=1.0))
+    decisions = [d for g in groups for d in g.decisions]
+    caps = [d["cap"] for d in decisions]
+    assert 2 in caps and len(decisions) == m[MK.BRANCH_CANDIDATES] == m[MK.BRANCH_DECISIONS]
+    # rate 1 makes every clone the cap allows: branches per candidate is the (mean) cap, per opportunity 1
+    assert m[MK.BRANCHES] == m[MK.BRANCH_OPPORTUNITIES] == sum(caps)
+    assert m[MK.BRANCHES_PER_CANDIDATE] == sum(caps) / len(caps) and m[MK.BRANCHES_PER_OPPORTUNITY] == 1.0
+    assert m[DIAG.BRANCHES_PER_GROUP] == sum(caps) / len(groups)
+    for g in groups:  # the per-group counts the rates are made of
+        assert g.metrics[MK.GROUP_BRANCH_CANDIDATES] == len(g.decisions)
+        assert (
+            g.metrics[MK.GROUP_BRANCHES]
+            == g.metrics[MK.GROUP_BRANCH_OPPORTUNITIES]
+            == sum(d["cap"] for d in g.decisions)
+        )
