@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from arpo_algo.run import smoke
 from arpo_algo.run.experiment import load_experiment
 from arpo_algo.run.sweep import load_sweep
+
+
+@pytest.fixture(autouse=True)
+def _nothing_announced_yet(monkeypatch):
+    """The announcement is said once per process and kind: each test starts as a fresh process would, so what it
+    reads on stderr does not depend on which test announced first."""
+    monkeypatch.setattr(smoke, "_announced", set())
 
 
 def test_smoke_shrinks_the_budget_and_nothing_else(monkeypatch, capsys, tiny_model_dir):
