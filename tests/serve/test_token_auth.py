@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,21 +21,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from arpo_algo.run.local_cluster import free_ports
+
 pytest.importorskip("ray.serve")
 pytest.importorskip("ray.dashboard")
 
 BIN = Path(sys.executable).parent
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _env(**auth: str) -> dict[str, str]:
@@ -49,7 +39,7 @@ def _env(**auth: str) -> dict[str, str]:
 def cluster():
     """A head node under token authentication: (dashboard URL, token, HTTP port for Serve)."""
     token = secrets.token_hex(16)
-    gcs, dash, client, agent, agent_grpc, runtime_env, metrics, http = _free_ports(8)
+    gcs, dash, client, agent, agent_grpc, runtime_env, metrics, http = free_ports(8)
     temp = tempfile.mkdtemp(prefix="rtok", dir="/tmp")  # Ray's socket paths must stay short
     proc = subprocess.Popen(
         [
