@@ -8,7 +8,9 @@ appended token for token as in training.
 
 Seeds: a request with ``seed = s`` samples request ``k`` of choice ``j`` with ``derive_seed(s, 0, 0, j, k)``: exactly
 the seeds the GRPO-mode ``TreeSampler(seed=s)`` gives trajectory ``j`` of task index 0 at step 0, so the same
-prompt, seed and checkpoint give the training trajectory (tests/serve/test_serve.py checks it).
+prompt, seed and checkpoint give the training trajectory (tests/serve/test_serve.py checks it). Its persistent
+interpreters start from the seed that trajectory's do (``tools_seed(s, 0, 0, j)``), so their ``random`` and numpy draws
+agree too. Without a seed they start from the OS.
 
 Client-side tools (``tools`` in the request, or ``arpo.tool_mode = "client"``): a turn that ends in a tool call is
 returned as OpenAI ``tool_calls`` (finish_reason ``tool_calls``) instead of being run. The client sends the
@@ -26,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from arpo_algo.core.tree import derive_seed
+from arpo_algo.core.tree import derive_seed, tools_seed
 from arpo_algo.rollout.engines.base import SamplingParams
 from arpo_algo.rollout.layout import observation_ids, prompt_ids, text_ids
 from arpo_base.errors import ConfigError
@@ -287,9 +289,11 @@ class Agent:
     # -------------------------------------------------------------------------------------------------- running
     def _sessions(self, job: Job, cancel: threading.Event | None = None) -> list[ServeSession]:
         out = []
-        for _ in range(job.n):
+        for j in range(job.n):
             s = self.session.clone()
             s.reset()
+            if job.seed is not None:  # a seeded choice's interpreters draw what training's trajectory j's would
+                s.seed_tools(tools_seed(job.seed, 0, 0, j))
             if job.max_tool_calls is not None:  # a request may lower the agent's limit, never raise it
                 s.config["max_tool_calls"] = min(s.config["max_tool_calls"], job.max_tool_calls)
             s.counts["tool_calls"] = job.prior_tool_calls

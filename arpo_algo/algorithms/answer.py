@@ -35,6 +35,7 @@ def check_prompts(prompts: list[Any], rllib_kwargs: dict[str, Any]) -> None:
 
 def answer_prompts(algo: Any, prompts: list[str], *, explore: bool = False, max_response_tokens: int | None = None):
     """The agent's whole response to each prompt (its text, tool calls and their results, decoded), in order."""
+    from arpo_algo.core.tree import tools_seed
     from arpo_algo.rollout.agent_loop import run_agents
     from arpo_algo.rollout.engines.base import SamplingParams
     from arpo_algo.rollout.layout import prompt_ids
@@ -48,9 +49,10 @@ def answer_prompts(algo: Any, prompts: list[str], *, explore: bool = False, max_
     system = algo.served_defaults["system_prompt"]
     ids = [prompt_ids(tok, [{"role": "system", "content": system}, {"role": "user", "content": p}]) for p in prompts]
     sessions = []
-    for _ in prompts:
+    for i, _ in enumerate(prompts):
         s = session.clone()
         s.reset()
+        s.seed_tools(tools_seed(algo.config.seed, 0, i, 0))  # the same prompts give the same tool draws
         sessions.append(s)
     budget = max_response_tokens or algo.config.settings.rollouts.max_response_tokens
     try:

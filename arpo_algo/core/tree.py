@@ -268,6 +268,13 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def tools_seed(seed: int, step: int, prompt_index: int, trajectory: int) -> int:
+    """The seed a root trajectory's persistent interpreters draw ``random`` and numpy from. Training, evaluation and
+    serving all use it, so an evaluation run or a seeded served choice sees the draws training gives the same
+    (seed, step, prompt, trajectory); a branch continues its parent's state instead."""
+    return derive_seed(seed, step, prompt_index, "tools", trajectory)
+
+
 def branch_rng(seed: int, step: int, prompt_index: int) -> random.Random:
     """The RNG of one prompt's reference-rule branch draws (independent of other prompts and of batching)."""
     return random.Random(derive_seed(seed, step, prompt_index, "branch"))

@@ -3,8 +3,9 @@
 The runs go through the training rollout code itself: :func:`arpo_algo.rollout.agent_loop.run_agents` (the agent
 loop the tree sampler, eval and serve share) over the training environment's session (same protocol, stop strings,
 result template, tool limits) and its reward. Run r of item i is seeded by ``(seed, step 0, item index, r, request)``
-exactly as trajectory r of that prompt in a GRPO-mode sampler step, so it has the same tokens as in training (tested),
-two models see the same seeds, and a rerun gives the same tokens.
+exactly as trajectory r of that prompt in a GRPO-mode sampler step, and its persistent interpreters draw from the seed
+that trajectory's do, so it has the same tokens and tool outputs as in training (tested), two models see the same
+seeds, and a rerun gives the same tokens.
 
 Resume: an item is done for a model when its K runs are in ``samples.jsonl``; done items are not run again. The runs of
 ``items_per_call`` items are sampled together and written as soon as that call returns, so a crash loses at most
@@ -232,6 +233,7 @@ def run_engine(
     """
     import functools
 
+    from arpo_algo.core.tree import tools_seed
     from arpo_algo.rollout import layout
     from arpo_algo.rollout.agent_loop import run_agents
     from arpo_algo.rollout.engines.base import SamplingParams
@@ -250,7 +252,9 @@ def run_engine(
             _, info = env.reset(options={"task_index": idx})
             ids = _fit_prompt(layout.prompt_ids(tok, info["messages"]), limit, settings, items[idx])
             for n, run in enumerate(missing_runs(recorded, items[idx]["id"], settings.samples)):
-                envs.append(env if n == 0 else env.clone())
+                run_env = env if n == 0 else env.clone()
+                run_env.session.seed_tools(tools_seed(settings.seed, 0, idx, run))  # training's draws for this run
+                envs.append(run_env)
                 prompts.append(ids)
                 seeds.append(functools.partial(_seed, settings.seed, idx, run))
                 where.append((idx, run))

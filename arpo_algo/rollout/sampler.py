@@ -227,7 +227,7 @@ class TreeSampler:
         # A root path's interpreters draw from (seed, step, prompt, trajectory); a branch's continue its parent's.
         seed_tools = getattr(p.env, "seed_tools", None)
         if callable(seed_tools):
-            seed_tools(T.derive_seed(self.seed, ps.step, ps.task_index, "tools", p.tid))
+            seed_tools(T.tools_seed(self.seed, ps.step, ps.task_index, p.tid))
         self._batch_index += 1
         ps.paths.append(p)
         ps.count += 1

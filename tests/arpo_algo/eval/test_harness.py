@@ -193,3 +193,42 @@ def test_a_run_recorded_twice_is_counted_once(tiny_model_dir, tmp_path, capsys):
     again = json.loads((out / "summary.json").read_text())["models"]["tiny"]["all"]
     keys = ("runs", "pass@1", "pass@2", "maj@2", "correct_runs", "tokens_per_run")
     assert {k: again[k] for k in keys} == {k: summary[k] for k in keys}
+
+
+def test_eval_runs_draw_the_random_numbers_their_training_trajectories_draw(tmp_path):
+    """With persistent interpreters, an eval run's ``random`` and numpy draws are the ones training's trajectory of
+    that (seed, prompt, run) draws: the tool outputs agree, differ between runs, and repeat in a second evaluation."""
+    from arpo_algo.core.tree import TreeConfig
+    from arpo_algo.eval.data import load_eval_data, make_eval_env
+    from arpo_algo.eval.evaluation import EvalSettings
+    from arpo_algo.eval.runner import run_engine
+    from arpo_algo.rollout.engines.base import SamplingParams
+    from arpo_algo.rollout.sampler import TreeSampler
+    from tests.arpo_algo.rollout.test_sampler import DRAW, ScriptedEngine
+
+    def drawing_engine():
+        return ScriptedEngine(calls=(1, 3), call=DRAW)
+
+    data = load_eval_data("toolmath", limit=2)
+    config = {**data.env_config, "tools": {"python": {"persistent": True}}}
+    creator = lambda: make_eval_env(data.env_id, config, data.items)  # noqa: E731
+    settings = EvalSettings(num_prompts=None, samples=2, temperature=1.0, max_response_tokens=400, seed=5)
+
+    def evaluate(name):
+        out = tmp_path / f"{name}.jsonl"
+        run_engine(drawing_engine(), creator, data.items, settings, model="m", out_file=out, skip=set())
+        return [[c["output"] for c in json.loads(x)["tool_calls"]] for x in out.read_text().splitlines()]
+
+    first = evaluate("first")
+    sampler = TreeSampler(
+        drawing_engine(), creator, TreeConfig.grpo(2), SamplingParams(temperature=1.0), max_response_tokens=400, seed=5
+    )
+    try:
+        groups, _ = sampler.sample([0, 1], step=0)
+    finally:
+        sampler.close()
+    trained = [[c["output"] for c in t.tool_calls] for g in groups for t in g.trajectories]
+    assert all(first) and len(first) == 4  # every run drew at least once
+    assert first == trained
+    assert len({o[0] for o in first}) == 4  # runs and items draw differently
+    assert evaluate("second") == first

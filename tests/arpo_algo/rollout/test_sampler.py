@@ -20,6 +20,8 @@ from arpo_env.core import ToolTextEnv
 
 CALL = "<think>{c}</think><python>print({n}+1)</python>"
 ANSWER = "<think>{c}</think><answer>\\boxed{{{n}}}</answer>"
+#: A call whose output is the interpreter's next ``random`` and numpy draws.
+DRAW = "<think>{c}</think><python>import random\nimport numpy\nprint(random.random(), numpy.random.rand())</python>"
 
 
 class ScriptedEngine:
@@ -30,15 +32,15 @@ class ScriptedEngine:
     per-token entropy of a turn.
     """
 
-    def __init__(self, calls=(0, 3), entropy=lambda n, v: 1.0 + 0.2 * v, fail=None):
+    def __init__(self, calls=(0, 3), entropy=lambda n, v: 1.0 + 0.2 * v, fail=None, call=CALL):
         self.tokenizer = byte_tokenizer()
-        self.calls, self.entropy, self.fail = calls, entropy, fail or (lambda req: False)
+        self.calls, self.entropy, self.fail, self.call = calls, entropy, fail or (lambda req: False), call
         self.requests: list[GenRequest] = []
         self.generated = 0
         self.max_context = None  # unbounded (RolloutEngine interface)
 
     def _turn(self, n_results: int, variant: int, limit: int) -> str:
-        tmpl = CALL if n_results < limit else ANSWER
+        tmpl = self.call if n_results < limit else ANSWER
         return tmpl.format(c="abcdefgh"[variant], n=variant)
 
     def generate(self, requests, *, on_token=None):
