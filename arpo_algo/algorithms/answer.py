@@ -49,10 +49,11 @@ def answer_prompts(algo: Any, prompts: list[str], *, explore: bool = False, max_
     system = algo.served_defaults["system_prompt"]
     ids = [prompt_ids(tok, [{"role": "system", "content": system}, {"role": "user", "content": p}]) for p in prompts]
     sessions = []
-    for i, _ in enumerate(prompts):
+    for _ in prompts:
         s = session.clone()
         s.reset()
-        s.seed_tools(tools_seed(algo.config.seed, 0, i, 0))  # the same prompts give the same tool draws
+        # One seed for every prompt: an answer's tool draws depend on its prompt, never on its place in the batch.
+        s.seed_tools(tools_seed(algo.config.seed, 0, 0, 0))
         sessions.append(s)
     budget = max_response_tokens or algo.config.settings.rollouts.max_response_tokens
     try:
