@@ -235,24 +235,11 @@ def eval_group(index: int, item: dict, runs: list[int], traces: list[Any], rewar
 
 def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]]:
     """Per group, trajectory and response token, the advantage before any entropy-aware shaping: the learner's own
-    estimator call (``training.advantage`` and its options), so the recorded numbers are the ones it trained on."""
-    from arpo_algo.core.advantages import ADVANTAGES
-    from arpo_algo.train.update_stats import tree_owners
+    estimator call (:func:`~arpo_algo.train.update_stats.group_token_advantages`), so the recorded numbers are the
+    ones it trained on."""
+    from arpo_algo.train.update_stats import group_token_advantages
 
-    estimator = ADVANTAGES.lookup(training.advantage)
-    out = []
-    for g in groups:
-        extra = {"owners": tree_owners(g)} if training.advantage == "hard" and training.hard_scope == "tree" else {}
-        tok = estimator(
-            g.prompt_ids,
-            [t.response_ids for t in g.trajectories],
-            [t.trained_mask for t in g.trajectories],
-            g.rewards,
-            norm_by_std=training.norm_adv_by_std,
-            **extra,
-        )
-        out.append([list(a) for a in tok.advantages])
-    return out
+    return [[list(a) for a in group_token_advantages(g, training).advantages] for g in groups]
 
 
 def summary(rec: dict) -> dict:
