@@ -77,10 +77,14 @@ class TokenAdvantages:
         advantages: Per trajectory, one advantage per response token.
         weights: Per trajectory, one count weight per response token (1.0 per trajectory copy for soft attribution;
             ``1/d`` for a token shared by d trajectories under hard attribution; 0.0 for untrained tokens there).
+        values: For an estimator that values the tree's nodes ("turn"), per trajectory the nodes of its path, root
+            first, as ``(response position, value in reward units)``; None for the others. The tree recorder keeps
+            them for the viewer.
     """
 
     advantages: list[list[float]]
     weights: list[list[float]]
+    values: list[list[tuple[int, float]]] | None = None
 
 
 def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: float = GRPO_EPS) -> list[float]:
@@ -345,14 +349,15 @@ def turn_advantages(
     by the group's reward std + ``eps`` (GRPO's scale); equal rewards give exactly 0.0 everywhere.
     """
     weights = [[1.0] * len(r) for r in responses]
+    tree = turn_tree(share_keys(prompt_ids, responses, owners), trained_masks, rewards)
+    values = [[(b, tree.values[v]) for b, v in path] for path in tree.paths]
     if not rewards_have_spread(list(rewards)):
-        return TokenAdvantages([[0.0] * len(r) for r in responses], weights)
+        return TokenAdvantages([[0.0] * len(r) for r in responses], weights, values)
     n = len(rewards)
     scale = 1.0
     if norm_by_std:  # GRPO's scale, std 1 for a group of one
         mean = sum(rewards) / n
         scale = (math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 1.0) + eps
-    tree = turn_tree(share_keys(prompt_ids, responses, owners), trained_masks, rewards)
     out = []
     for j, path in enumerate(tree.paths):
         row = [0.0] * len(responses[j])
@@ -361,7 +366,7 @@ def turn_advantages(
             for t in range(a, b):
                 row[t] = adv if trained_masks[j][t] else 0.0
         out.append(row)
-    return TokenAdvantages(out, weights)
+    return TokenAdvantages(out, weights, values)
 
 
 @register_advantage_shaper("entropy_aware")

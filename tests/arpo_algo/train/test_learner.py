@@ -313,7 +313,7 @@ def test_learner_and_recorder_share_one_estimator_call(tiny_model_dir, groups, a
     cfg = replace(BASE, advantage=advantage, hard_scope=scope)
     learner = Learner(tiny_model_dir, cfg)
     trained = [[s.adv for s in specs] for specs in learner._specs(groups)]
-    assert token_advantages(groups, cfg) == trained
+    assert [c.advantages for c in token_advantages(groups, cfg)] == trained
     for g, got in zip(groups, trained):
         ts = g.trajectories
         extra = {}
