@@ -87,6 +87,16 @@ class TokenAdvantages:
     values: list[list[tuple[int, float]]] | None = None
 
 
+def group_mean_std(rewards: Sequence[float]) -> tuple[float, float]:
+    """GRPO's ``(mean, std)`` of one group's rewards: the unbiased standard deviation (as ``torch.std``); a group of
+    one uses mean 0 and std 1, as the reference does."""
+    n = len(rewards)
+    if n == 1:
+        return 0.0, 1.0
+    mean = sum(rewards) / n
+    return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+
+
 def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: float = GRPO_EPS) -> list[float]:
     """GRPO outcome advantages ``(r - mean) / (std + eps)`` of one group.
 
@@ -106,11 +116,7 @@ def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: floa
         return []
     if not rewards_have_spread(rewards):  # equal rewards: exactly zero, never rounding noise the optimizer follows
         return [0.0] * n
-    if n == 1:
-        mean, std = 0.0, 1.0
-    else:
-        mean = sum(rewards) / n
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+    mean, std = group_mean_std(rewards)
     if not norm_by_std:
         return [r - mean for r in rewards]
     return [(r - mean) / (std + eps) for r in rewards]
@@ -353,11 +359,7 @@ def turn_advantages(
     values = [[(b, tree.values[v]) for b, v in path] for path in tree.paths]
     if not rewards_have_spread(list(rewards)):
         return TokenAdvantages([[0.0] * len(r) for r in responses], weights, values)
-    n = len(rewards)
-    scale = 1.0
-    if norm_by_std:  # GRPO's scale, std 1 for a group of one
-        mean = sum(rewards) / n
-        scale = (math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 1.0) + eps
+    scale = group_mean_std(rewards)[1] + eps if norm_by_std else 1.0  # GRPO's scale
     out = []
     for j, path in enumerate(tree.paths):
         row = [0.0] * len(responses[j])
