@@ -306,7 +306,8 @@ def turn_tree(keys: list[list[object]], trained_masks: Sequence[Sequence[int]], 
     reward. (The plain mean of the leaves under a node would weight a child by how often its own subtree branched,
     which depends on what that child did: biased wherever branching follows the trajectory, e.g. ARPO branching
     after tool calls.) The root's value is the mean of its children's, 0.0 for a group of one (as
-    :func:`grpo_advantages`).
+    :func:`grpo_advantages`). A response that is a prefix of another (only when sharing is token equality) ends at
+    a node with another child, whose value its last turn then gets instead of its own reward.
     """
     count: dict[object, int] = {}
     for row in keys:
