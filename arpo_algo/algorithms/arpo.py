@@ -9,8 +9,8 @@ tree per prompt (:class:`~arpo_algo.rollout.sampler.TreeSampler`) -> advantages 
   (:mod:`arpo_algo.core.branching`) is ``paper`` (``tree.decision_rule = "paper"``, the paper's k-token look-ahead
   rule, docs/concepts/arpo.md#the-paper-rule) or ``reference`` (the released code's draw,
   docs/concepts/arpo.md#the-reference-rule);
-* advantage attribution over the tree: ``training.advantage`` ("grpo" soft attribution or "hard",
-  docs/concepts/arpo.md#soft-attribution).
+* advantage attribution over the tree: ``training.advantage`` ("grpo" soft attribution, "hard", or "turn" credit
+  per turn from the tree's node values, docs/concepts/arpo.md#soft-attribution).
 
 Its preset is empty: ARPO's values are the sections' own defaults.
 """

@@ -286,7 +286,8 @@ class AgenticRLAlgorithm(Algorithm):
             it = iter(scored)
             learner = [[next(it) for _ in g.trajectories] for g in groups][: len(chosen)]
         with self.metrics.log_time((MK.TIMERS.rstrip("/"), MK.RECORD_TIME)):
-            writer.record(iteration, chosen, token_advantages(chosen, self.config.settings.training), learner)
+            credit = token_advantages(chosen, self.config.settings.training)
+            writer.record(iteration, chosen, [c.advantages for c in credit], learner, [c.values for c in credit])
 
     # --------------------------------------------------------------------------------------------- one iteration
 

@@ -53,9 +53,12 @@ def rewards_have_spread(rewards: Sequence[float], tol: float = REWARD_SPREAD_TOL
 
 
 #: Advantage estimators by name (``learner.advantage``). Each is
-#: ``fn(prompt_ids, responses, trained_masks, rewards, *, norm_by_std) -> TokenAdvantages``: an advantage and a count
-#: weight for every response token of every trajectory of one group. Metadata ``merge_shared=True`` tells the learner
-#: that tokens shared by several trajectories are counted once (the deduplicated batch then merges them).
+#: ``fn(prompt_ids, responses, trained_masks, rewards, *, norm_by_std, **extra) -> TokenAdvantages``: an advantage
+#: and a count weight for every response token of every trajectory of one group. Metadata ``merge_shared=True`` tells
+#: the learner that tokens shared by several trajectories are counted once (the deduplicated batch then merges them);
+#: ``needs_tree=True`` that the estimator takes ``owners`` (:func:`tree_token_owners`, which tokens were shared by
+#: branching; ``training.hard_scope = "tree"``) or None (shared = identical prefix, ``"tokens"``), see
+#: :func:`arpo_algo.train.update_stats.group_token_advantages`, the one place that builds the call.
 ADVANTAGES = Registry("advantage estimator", "learner.advantage")
 register_advantage = ADVANTAGES.register
 #: Per-token advantage shaping applied at loss time, when the current policy's entropies are known, by name. Each is
@@ -74,10 +77,24 @@ class TokenAdvantages:
         advantages: Per trajectory, one advantage per response token.
         weights: Per trajectory, one count weight per response token (1.0 per trajectory copy for soft attribution;
             ``1/d`` for a token shared by d trajectories under hard attribution; 0.0 for untrained tokens there).
+        values: For an estimator that values the tree's nodes ("turn"), per trajectory the nodes of its path, root
+            first, as ``(response position, value in reward units)``; None for the others. The tree recorder keeps
+            them for the viewer.
     """
 
     advantages: list[list[float]]
     weights: list[list[float]]
+    values: list[list[tuple[int, float]]] | None = None
+
+
+def group_mean_std(rewards: Sequence[float]) -> tuple[float, float]:
+    """GRPO's ``(mean, std)`` of one group's rewards: the unbiased standard deviation (as ``torch.std``); a group of
+    one uses mean 0 and std 1, as the reference does."""
+    n = len(rewards)
+    if n == 1:
+        return 0.0, 1.0
+    mean = sum(rewards) / n
+    return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
 
 
 def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: float = GRPO_EPS) -> list[float]:
@@ -99,11 +116,7 @@ def grpo_advantages(rewards: list[float], *, norm_by_std: bool = True, eps: floa
         return []
     if not rewards_have_spread(rewards):  # equal rewards: exactly zero, never rounding noise the optimizer follows
         return [0.0] * n
-    if n == 1:
-        mean, std = 0.0, 1.0
-    else:
-        mean = sum(rewards) / n
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
+    mean, std = group_mean_std(rewards)
     if not norm_by_std:
         return [r - mean for r in rewards]
     return [(r - mean) / (std + eps) for r in rewards]
@@ -178,6 +191,19 @@ def tree_token_owners(
     return owners
 
 
+def share_keys(
+    prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], owners: list[list[int]] | None = None
+) -> list[list[object]]:
+    """Per trajectory and response position, a key that two trajectories have in common exactly when they share that
+    token, and with it the whole prefix before it: ``(owner, position)`` with ``owners`` (:func:`tree_token_owners`,
+    scope "tree"), else the token's node in the group's :class:`TokenTrie` (scope "tokens")."""
+    if owners is None:
+        trie = build_token_trie([list(prompt_ids) + list(r) for r in responses])
+        p = len(prompt_ids)
+        return [[trie.paths[j][p + t] for t in range(len(r))] for j, r in enumerate(responses)]
+    return [[(owners[j][t], t) for t in range(len(r))] for j, r in enumerate(responses)]
+
+
 def hard_attribution(
     prompt_ids: list[int],
     responses: list[list[int]],
@@ -203,12 +229,7 @@ def hard_attribution(
         ``(token_adv, multiplicity)``: per trajectory and response token, the attributed advantage and d (0 for
         untrained tokens, whose advantage is 0.0).
     """
-    if owners is None:
-        trie = build_token_trie([list(prompt_ids) + list(r) for r in responses])
-        p = len(prompt_ids)
-        keys: list[list[object]] = [[trie.paths[j][p + t] for t in range(len(m))] for j, m in enumerate(trained_masks)]
-    else:
-        keys = [[(owners[j][t], t) for t in range(len(m))] for j, m in enumerate(trained_masks)]
+    keys = share_keys(prompt_ids, responses, owners)
     total: dict[object, float] = {}
     count: dict[object, int] = {}
     for j, mask in enumerate(trained_masks):
@@ -239,7 +260,7 @@ def soft_attribution(
     return TokenAdvantages([[a] * len(r) for a, r in zip(adv, responses)], [[1.0] * len(r) for r in responses])
 
 
-@register_advantage("hard", merge_shared=True)
+@register_advantage("hard", merge_shared=True, needs_tree=True)
 def hard_attribution_advantages(
     prompt_ids: Sequence[int],
     responses: Sequence[Sequence[int]],
@@ -256,6 +277,99 @@ def hard_attribution_advantages(
         list(prompt_ids), [list(r) for r in responses], [list(m) for m in trained_masks], adv, owners
     )
     return TokenAdvantages(tok_adv, [[1.0 / d if d else 0.0 for d in m] for m in mult])
+
+
+ROOT = "root"
+
+
+@dataclass
+class TurnTree:
+    """The nodes of one group's tree as :func:`turn_tree` values them.
+
+    Attributes:
+        paths: Per trajectory, its nodes root first as ``(position, node)``: the node that starts at response
+            position ``position`` (the root at 0), the last one at the response's end (the end of the trajectory).
+        values: Per node, its value: the mean of its children's values, a trajectory's end worth its reward.
+    """
+
+    paths: list[list[tuple[int, object]]]
+    values: dict[object, float]
+
+
+def turn_tree(keys: list[list[object]], trained_masks: Sequence[Sequence[int]], rewards: Sequence[float]) -> TurnTree:
+    """Value every node of a group's tree by Monte Carlo over its subtree.
+
+    A node is a prefix where credit can change hands: the root, each turn start (a trained token right after an
+    untrained tool-result run), each branch point (where trajectories that shared the prefix part, found from
+    ``keys``, see :func:`share_keys`) and each response's end. Each child of a node is one sample of what the policy
+    did from there, so a node's value is the mean of its children's values, and a trajectory's end is worth its
+    reward. (The plain mean of the leaves under a node would weight a child by how often its own subtree branched,
+    which depends on what that child did: biased wherever branching follows the trajectory, e.g. ARPO branching
+    after tool calls.) The root's value is the mean of its children's, 0.0 for a group of one (as
+    :func:`grpo_advantages`). A response that is a prefix of another (only when sharing is token equality) ends at
+    a node with another child, whose value its last turn then gets instead of its own reward.
+    """
+    count: dict[object, int] = {}
+    for row in keys:
+        for k in row:
+            count[k] = count.get(k, 0) + 1
+    paths: list[list[tuple[int, object]]] = []
+    children: dict[object, dict[object, None]] = {}
+    pos: dict[object, float] = {ROOT: 0.0}
+    for j, row in enumerate(keys):
+        mask, n = trained_masks[j], len(row)
+        path: list[tuple[int, object]] = [(0, ROOT)]
+        for b in range(1, n):
+            # A sharing key's count only falls along a path: a fall at b means someone sharing the prefix left there.
+            if (mask[b] and not mask[b - 1]) or count[row[b]] < count[row[b - 1]]:
+                path.append((b, row[b - 1]))
+        if n:
+            path.append((n, row[n - 1]))
+        path.append((n, ("end", j)))
+        for (_, a), (b, c) in zip(path, path[1:]):
+            children.setdefault(a, {})[c] = None
+            pos[c] = b + 0.5 if c == ("end", j) else float(b)
+        paths.append(path[:-1] if n else path)
+    values: dict[object, float] = {("end", j): float(r) for j, r in enumerate(rewards)}
+    for node in sorted(children, key=lambda v: -pos[v]):  # children sit further along than their parent
+        values[node] = sum(values[c] for c in children[node]) / len(children[node])
+    if len(rewards) == 1:
+        values[ROOT] = 0.0
+    return TurnTree(paths, values)
+
+
+@register_advantage("turn", needs_tree=True)
+def turn_advantages(
+    prompt_ids: Sequence[int],
+    responses: Sequence[Sequence[int]],
+    trained_masks: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    *,
+    norm_by_std: bool = True,
+    owners: list[list[int]] | None = None,
+    eps: float = GRPO_EPS,
+) -> TokenAdvantages:
+    """Turn credit from the tree (docs/concepts/arpo.md#turn-credit): the tokens between two consecutive nodes of a
+    path (:func:`turn_tree`) get ``V(after) - V(before)``, so a path's advantages sum to its reward minus the root's
+    value; tool-result tokens get 0.0. Tokens shared by several trajectories lie between the same two nodes and so
+    get one advantage, trained once per trajectory (weight 1 per copy, as soft attribution). ``norm_by_std`` divides
+    by the group's reward std + ``eps`` (GRPO's scale); equal rewards give exactly 0.0 everywhere.
+    """
+    weights = [[1.0] * len(r) for r in responses]
+    tree = turn_tree(share_keys(prompt_ids, responses, owners), trained_masks, rewards)
+    values = [[(b, tree.values[v]) for b, v in path] for path in tree.paths]
+    if not rewards_have_spread(list(rewards)):
+        return TokenAdvantages([[0.0] * len(r) for r in responses], weights, values)
+    scale = group_mean_std(rewards)[1] + eps if norm_by_std else 1.0  # GRPO's scale
+    out = []
+    for j, path in enumerate(tree.paths):
+        row = [0.0] * len(responses[j])
+        for (a, u), (b, v) in zip(path, path[1:]):
+            adv = (tree.values[v] - tree.values[u]) / scale
+            for t in range(a, b):
+                row[t] = adv if trained_masks[j][t] else 0.0
+        out.append(row)
+    return TokenAdvantages(out, weights, values)
 
 
 @register_advantage_shaper("entropy_aware")

@@ -7,10 +7,12 @@ A tree folder (``trees/`` in a run folder) holds, format version :data:`VERSION`
   evaluation's model, whose "iteration" n holds item n - 1's runs, :func:`eval_group`).
 * ``iter_000007.jsonl``: one iteration's recorded groups, one JSON object per line (:func:`group_record`): the prompt
   and task, the nodes of the sampling tree (token range, decoded text in model and tool runs, the mean advantage of
-  the trajectories through it, at a branch point the entropy before and after and the branch rule's decisions that
-  made it), every branch decision of the tree (the entropies compared, the rule's constants, the random draws, the
-  clones made; those that made no clone too), and the trajectories (token ids,
-  trained mask, sampled log-prob and entropy per token, per-token advantage, the learner's log-prob of each trained
+  the trajectories through it, under turn credit its value and its turns, at a branch point the entropy before and
+  after and the branch rule's decisions that made it), every branch decision of the tree (the entropies compared,
+  the rule's constants, the random draws, the clones made; those that made no clone too), and the trajectories
+  (token ids,
+  trained mask, sampled log-prob and entropy per token, per-token advantage, under turn credit its path's node
+  values (``turn_values``, else null), the learner's log-prob of each trained
   token before the update's first step (null for tool-result tokens; the whole list null where the learner is remote
   or the source is an evaluation), reward, finish reason, tool calls, the policy version that sampled it).
 * ``index.jsonl``: one line per recorded iteration, appended after its chunk is complete: the chunk's name, each
@@ -103,6 +105,19 @@ def _shared_filled(g: Any, through: dict[int, list[int]], learner: list[list[flo
     return out
 
 
+def _node_turns(n: Any, path: list[tuple[int, float]], adv: list[float] | None, mask: list[int]) -> dict:
+    """A sampler node's value (the tree value where it ends; every node of the sampling tree ends where the valued
+    tree has a node, a branch point or a trajectory's end) and the turns inside it as ``[start, end, value before,
+    value after, advantage]``, the advantage as trained (null where the turn has no trained token)."""
+    at = dict(path)
+    turns = []
+    for (a, va), (b, vb) in zip(path, path[1:]):
+        if n.start <= a < n.end:
+            first = next((t for t in range(a, b) if mask[t]), None)
+            turns.append([a, b, _r(va), _r(vb), _r(adv[first]) if adv is not None and first is not None else None])
+    return {"value": _r(at[n.end]) if n.end in at else None, "turns": turns}
+
+
 def group_record(
     g: Any,
     iteration: int,
@@ -110,9 +125,11 @@ def group_record(
     decode: Any,
     advantages: list[list[float]] | None,
     learner: list[list[float]] | None = None,
+    values: list[list[tuple[int, float]]] | None = None,
 ) -> dict:
     """One group as the JSON object a chunk line holds (see the module docstring); ``learner``: per trajectory, the
-    learner's log-prob of each response token (NaN where it scored none), or None (not recorded)."""
+    learner's log-prob of each response token (NaN where it scored none), or None (not recorded); ``values``: per
+    trajectory, its path's node values (``TokenAdvantages.values``), or None."""
     trajs = {t.traj_id: t for t in g.trajectories}
     children: dict[int | None, list[int]] = {}
     for n in g.nodes:
@@ -122,6 +139,7 @@ def group_record(
         for nid in t.node_ids:
             through.setdefault(nid, []).append(t.traj_id)
     adv = {t.traj_id: a for t, a in zip(g.trajectories, advantages)} if advantages is not None else {}
+    val = {t.traj_id: v for t, v in zip(g.trajectories, values)} if values is not None else {}
     start_of = {n.node_id: n.start for n in g.nodes}
     decisions = getattr(g, "decisions", [])
     nodes = []
@@ -146,6 +164,8 @@ def group_record(
                 if m
             ]
             node["advantage"] = _mean(vals)
+        if val:
+            node.update(_node_turns(n, val[owner.traj_id], adv.get(owner.traj_id), owner.trained_mask))
         kids = children.get(n.node_id, [])
         if len(kids) > 1 and n.end > 0:  # the empty root's children are independent samples, not a branch
             before = [e for e, m in zip(owner.entropies[: n.end], owner.trained_mask[: n.end]) if m][-K:]
@@ -187,6 +207,7 @@ def group_record(
                 "entropies": _rounded(t.entropies),
                 "learner_logprobs": _rounded(learner[k]) if learner is not None else None,
                 "advantages": _rounded(adv[t.traj_id]) if adv else None,
+                "turn_values": [[b, _r(v)] for b, v in val[t.traj_id]] if val else None,
                 "segment_entropy": _rounded(t.segment_entropy),
             }
         )
@@ -233,26 +254,13 @@ def eval_group(index: int, item: dict, runs: list[int], traces: list[Any], rewar
     return Group(index, list(traces[0].prompt_ids), trajs, task=task, nodes=nodes)
 
 
-def token_advantages(groups: list[Any], training: Any) -> list[list[list[float]]]:
-    """Per group, trajectory and response token, the advantage before any entropy-aware shaping: the learner's own
-    estimator call (``training.advantage`` and its options), so the recorded numbers are the ones it trained on."""
-    from arpo_algo.core.advantages import ADVANTAGES
-    from arpo_algo.train.update_stats import tree_owners
+def token_advantages(groups: list[Any], training: Any) -> list[Any]:
+    """Per group, the :class:`~arpo_algo.core.advantages.TokenAdvantages` before any entropy-aware shaping: the
+    learner's own estimator call (:func:`~arpo_algo.train.update_stats.group_token_advantages`), so the recorded
+    numbers are the ones it trained on (and the node values, for an estimator that gives them)."""
+    from arpo_algo.train.update_stats import group_token_advantages
 
-    estimator = ADVANTAGES.lookup(training.advantage)
-    out = []
-    for g in groups:
-        extra = {"owners": tree_owners(g)} if training.advantage == "hard" and training.hard_scope == "tree" else {}
-        tok = estimator(
-            g.prompt_ids,
-            [t.response_ids for t in g.trajectories],
-            [t.trained_mask for t in g.trajectories],
-            g.rewards,
-            norm_by_std=training.norm_adv_by_std,
-            **extra,
-        )
-        out.append([list(a) for a in tok.advantages])
-    return out
+    return [group_token_advantages(g, training) for g in groups]
 
 
 def summary(rec: dict) -> dict:
@@ -314,9 +322,11 @@ class TreeWriter:
         groups: list[Any],
         advantages: list[list[list[float]]] | None = None,
         learner: list[list[list[float]]] | None = None,
+        values: list[list[list[tuple[int, float]]] | None] | None = None,
     ) -> bool:
         """Write ``iteration``'s groups (``advantages``, ``learner``: per group, per trajectory, per token: the
-        advantages and the learner's log-probs); False if skipped."""
+        advantages and the learner's log-probs; ``values``: per group, the estimator's node values or None);
+        False if skipped."""
         if iteration % self.every:
             return False
         t0 = time.perf_counter()
@@ -334,6 +344,7 @@ class TreeWriter:
                     self.decode,
                     advantages[i] if advantages is not None else None,
                     learner[i] if learner is not None else None,
+                    values[i] if values is not None else None,
                 )
                 line = (json.dumps(rec, allow_nan=False) + "\n").encode()
                 f.write(line)

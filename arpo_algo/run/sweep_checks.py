@@ -78,7 +78,8 @@ def check_points(sweep: Any, where: str) -> None:
                 shown = ", ".join(f"{k}={v!r}" for k, v in point.items())
                 raise ConfigError(
                     f"{where}: the point {shown} ({algorithm}) is not a valid experiment: {e.message}",
-                    hint="narrow the [space] so that every point is valid (the sweep checks every "
+                    hint=(f"{e.hint}; " if e.hint else "")
+                    + "narrow the [space] so that every point is valid (the sweep checks every "
                     "corner of the space before Ray starts, and skips none)",
                 ) from e
             cfg = exp.config

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, ADVANTAGES, build_token_trie
+from arpo_algo.core.advantages import ADVANTAGE_SHAPERS, build_token_trie
 from arpo_algo.core.losses import POLICY_LOSSES, k3_kl
 from arpo_algo.models.dropout import rates_of
 from arpo_algo.models.lora import (
@@ -90,7 +90,7 @@ from arpo_algo.train.rng_state import rng_state, set_rng_state
 from arpo_algo.train.tree_flex import FLEX_TREE_IMPL
 from arpo_algo.train.tree_flex import register as register_flex
 from arpo_algo.train.tree_forward import SeqSpec, TokenBatch, build_dedup_batch, build_padded_batch, forward_token_stats
-from arpo_algo.train.update_stats import signal_stats, tree_owners
+from arpo_algo.train.update_stats import group_token_advantages, signal_stats
 from arpo_base.errors import ArpoError
 
 __all__ = ["Learner", "LearnerConfig", "mini_batch_parts"]
@@ -205,20 +205,17 @@ class Learner:
     def _specs(self, groups: list[Group]) -> list[list[SeqSpec]]:
         """Per group, the trajectories with their per-token advantages and count weights."""
         cfg, out, seq = self.config, [], 0
-        estimator = ADVANTAGES.lookup(cfg.advantage)
         for gi, g in enumerate(groups):
             if not g.trajectories:
                 raise ArpoError(f"group {gi} (prompt {g.prompt_index}) has no trajectories")
             responses = [t.response_ids for t in g.trajectories]
-            masks = [t.trained_mask for t in g.trajectories]
             for ids in [g.prompt_ids, *responses]:
                 if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                     raise ArpoError(
                         f"group {gi}: token id outside the model's vocabulary (size {self.vocab_size})",
                         hint="the rollout used a different tokenizer than the learner's model",
                     )
-            extra = {"owners": tree_owners(g)} if cfg.advantage == "hard" and cfg.hard_scope == "tree" else {}
-            tok = estimator(g.prompt_ids, responses, masks, g.rewards, norm_by_std=cfg.norm_adv_by_std, **extra)
+            tok = group_token_advantages(g, cfg)
             specs = []
             for j, t in enumerate(g.trajectories):
                 specs.append(

@@ -59,10 +59,11 @@ class LearnerConfig:
         dr_grpo_tokens: The constant per-trajectory token count "dr_grpo" aggregation divides by (0 = the longest
             response of the update).
         advantage: A registered advantage estimator (:data:`arpo_algo.core.advantages.ADVANTAGES`: "grpo" = soft
-            attribution, "hard").
+            attribution, "hard", "turn" = each turn credited with the change of its tree node's Monte Carlo value,
+            docs/concepts/arpo.md#turn-credit).
         policy_loss: A registered policy loss (:data:`arpo_algo.core.losses.POLICY_LOSSES`: "dual_clip").
-        hard_scope: Which tokens hard attribution counts as shared: "tree" (default: tokens shared by branching
-            only) or "tokens" (any identical prefix in the group, the former behaviour).
+        hard_scope: Which tokens the tree-aware estimators ("hard", "turn") count as shared: "tree" (default: tokens
+            shared by branching only) or "tokens" (any identical prefix in the group, the former behaviour).
         norm_adv_by_std: Divide group-relative advantages by the group's standard deviation (reference True).
         entropy_advantage: AEPO's entropy-aware advantage (the "entropy_aware" shaping, per-group z-score of the
             current policy's token entropy; docs/concepts/aepo.md#entropy-aware-advantage).

@@ -1,12 +1,13 @@
-"""What the learner needs to know about an update before running it: does it carry any signal (an update without
-one must not step), the advantage statistics it logs, and the tree-scoped owners of hard attribution (see
+"""What the learner needs to know about an update before running it: each group's advantages (the one call of the
+configured estimator, which the tree recorder repeats), does it carry any signal (an update without one must not
+step), the advantage statistics it logs, and the tree-scoped owners of the tree-aware estimators (see
 :mod:`arpo_algo.core.advantages`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from arpo_algo.core.advantages import tree_token_owners
+from arpo_algo.core.advantages import ADVANTAGES, TokenAdvantages, tree_token_owners
 from arpo_algo.rollout import learner_metrics as LK
 
 
@@ -31,4 +32,23 @@ def tree_owners(group: Any) -> list[list[int]]:
     trajs = group.trajectories
     return tree_token_owners(
         [t.parent for t in trajs], [t.branch_point for t in trajs], [len(t.response_ids) for t in trajs]
+    )
+
+
+def group_token_advantages(group: Any, config: Any) -> TokenAdvantages:
+    """One group's advantages from the estimator ``config.advantage`` names, with the options it takes: the learner
+    trains on exactly these and the tree recorder writes exactly these. An estimator registered ``needs_tree=True``
+    gets the group's :func:`tree_owners` under ``hard_scope = "tree"`` and None (shared = identical prefix) under
+    ``"tokens"``."""
+    estimator = ADVANTAGES.lookup(config.advantage)
+    extra: dict[str, Any] = {}
+    if ADVANTAGES.meta[config.advantage].get("needs_tree"):
+        extra["owners"] = tree_owners(group) if config.hard_scope == "tree" else None
+    return estimator(
+        group.prompt_ids,
+        [t.response_ids for t in group.trajectories],
+        [t.trained_mask for t in group.trajectories],
+        group.rewards,
+        norm_by_std=config.norm_adv_by_std,
+        **extra,
     )

@@ -212,6 +212,13 @@
         d.appendChild(el("span", "preview", preview(n)));
         const tools = n.text.filter((r) => r[0] === "tool").length;
         if (tools) d.appendChild(el("span", "tool-chip", tools + " tool result" + (tools > 1 ? "s" : "")));
+        if (n.value !== undefined && n.value !== null) {
+          // turn credit: the tree's value where this node ends (the mean of its children's values)
+          const v = el("span", "value-chip", "V " + fmt(n.value));
+          v.title = "value after this node (turn credit): the mean of its children's values; a trajectory's end is " +
+            "worth its reward";
+          d.appendChild(v);
+        }
         if (n.branch) {
           const b = el("span", "branch", "branch ×" + n.branch.children.length + " · H " +
             fmt(n.branch.entropy_before) + " → " + n.branch.entropy_after.map((x) => fmt(x)).join(" / "));
@@ -300,6 +307,16 @@
     if (state.sources) box.appendChild(el("div", "meta", state.sources[side ? 1 : 0]));
     box.appendChild(el("div", "meta", "tokens " + n.start + "–" + n.end + " · depth " + n.depth + " · advantage " +
       fmt(n.advantage, 3) + " · policy version " + (n.policy_version ?? "n/a") + " · trajectories " + n.trajectories.join(", ")));
+    if (n.value !== undefined && n.value !== null) box.appendChild(el("div", "meta value", "value " + fmt(n.value, 3)));
+    if (n.turns && n.turns.length) {
+      // turn credit: each turn's tokens got V(after) - V(before), divided by the group's reward scale when trained
+      const list = el("ul", "turns");
+      for (const [a, b, before, after, adv] of n.turns) {
+        list.appendChild(el("li", "turn", "turn, tokens " + a + "–" + b + ": value " + fmt(before, 3) + " → " +
+          fmt(after, 3) + " · advantage " + fmt(adv, 3)));
+      }
+      box.appendChild(list);
+    }
     if (n.branch) box.appendChild(el("div", "meta", "branch point: entropy before " + fmt(n.branch.entropy_before, 3) +
       ", after " + n.branch.entropy_after.map((x) => fmt(x, 3)).join(", ") + decisionText(n.branch.decisions)));
     if (n.end > n.start) {
@@ -327,6 +344,10 @@
     box.appendChild(el("div", "meta", "reward " + fmt(t.reward, 3) + " · " + t.finish_reason + " · " +
       t.tool_calls.length + " tool calls · policy version " + (t.policy_version ?? "n/a")));
     box.appendChild(el("pre", "meta", JSON.stringify(t.reward_info)));
+    if (t.turn_values) {
+      box.appendChild(el("div", "meta path-values", "node values along the path (token: value): " +
+        t.turn_values.map(([b, v]) => b + ": " + fmt(v, 3)).join(" → ")));
+    }
     const body = el("div", "node-text");
     for (const id of t.node_ids) runs(body, rec.nodes.find((x) => x.id === id).text);
     box.appendChild(body);

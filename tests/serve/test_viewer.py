@@ -446,3 +446,33 @@ def test_the_viewer_never_takes_or_prints_the_serving_key(run_dir):
         proc.terminate()
         rest, _ = proc.communicate(timeout=10)
     assert serving not in rest
+
+
+def test_turn_credit_shows_node_values_and_turn_advantages(browser, tmp_path):
+    """A run trained with ``training.advantage = "turn"``: each node shows its value, the detail pane its turns."""
+    from arpo_algo.eval.trees import token_advantages
+    from arpo_algo.train.learner_config import LearnerConfig
+    from tests.arpo_algo.eval.test_trees import _branched, _decode
+
+    g = _branched()
+    (credit,) = token_advantages([g], LearnerConfig(advantage="turn", norm_adv_by_std=False))
+    TreeWriter(tmp_path / "trees", _decode).record(1, [g], [credit.advantages], None, [credit.values])
+    v = Viewer(tmp_path / "trees")
+    try:
+        _open(browser, f"{v.url}/#key={KEY}")
+        chips = (
+            "return [...document.querySelectorAll('#tree .node')]"
+            ".map(e => [e.dataset.node, e.querySelector('.value-chip')?.textContent])"
+        )
+        assert browser.js(chips) == [["0", "V 0.50"], ["1", "V 1.00"], ["2", "V 0.00"]]
+        browser.js("document.querySelector('.node[data-node=\"2\"]').click()")
+        browser.wait("return document.querySelector('#detail .turns')")
+        assert browser.js("return document.querySelector('#detail .meta.value').textContent") == "value 0.000"
+        turns = browser.js("return [...document.querySelectorAll('#detail .turns li')].map(e => e.textContent)")
+        assert turns == ["turn, tokens 15–18: value 0.500 → 0.000 · advantage -0.500"]
+        browser.js("document.querySelector('.leaf[data-traj=\"0\"]').click()")
+        browser.wait("return document.querySelector('#detail .path-values')")
+        line = browser.js("return document.querySelector('#detail .path-values').textContent")
+        assert line.endswith("0: 0.500 → 15: 0.500 → 17: 1.000")
+    finally:
+        v.stop()

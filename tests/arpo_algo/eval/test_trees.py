@@ -79,10 +79,42 @@ def _independent() -> Group:
     return Group(5, [7], [a, b], nodes=[TreeNode(0, None, 0, 0, 0), TreeNode(1, 0, 0, 2, 1), TreeNode(2, 0, 0, 1, 1)])
 
 
+def test_turn_credit_records_node_values_and_turns(tmp_path):
+    groups = [_branched(), _independent()]
+    credit = token_advantages(groups, LearnerConfig(advantage="turn", norm_adv_by_std=False))
+    assert TreeWriter(tmp_path, _decode).record(
+        1, groups, [c.advantages for c in credit], None, [c.values for c in credit]
+    )
+    reader = TreeReader(tmp_path)
+    reader.refresh()
+    rec = reader.group(1, 0)
+    # The branch after the tool result (position 15) is the only node with two children: value (1 + 0) / 2. The root
+    # has that one child, so the shared first turn gets no credit and the two second turns get +-0.5.
+    assert [(n["value"], n["turns"]) for n in rec["nodes"]] == [
+        (0.5, [[0, 15, 0.5, 0.5, 0.0]]),
+        (1.0, [[15, 17, 0.5, 1.0, 0.5]]),
+        (0.0, [[15, 18, 0.5, 0.0, -0.5]]),
+    ]
+    assert rec["trajectories"][0]["turn_values"] == [[0, 0.5], [15, 0.5], [17, 1.0]]
+    assert rec["trajectories"][1]["advantages"][15:] == [-0.5] * 3
+    ind = reader.group(1, 1)  # independent samples: the empty root node holds the root's value and no turn
+    assert [(n["value"], n["turns"]) for n in ind["nodes"]] == [
+        (0.5, []),
+        (1.0, [[0, 2, 0.5, 1.0, 0.5]]),
+        (0.0, [[0, 1, 0.5, 0.0, -0.5]]),
+    ]
+    grpo = token_advantages(groups, LearnerConfig())
+    assert TreeWriter(tmp_path / "g", _decode).record(1, groups, [c.advantages for c in grpo])
+    plain = TreeReader(tmp_path / "g")
+    plain.refresh()
+    assert "value" not in plain.group(1, 0)["nodes"][0] and plain.group(1, 0)["trajectories"][0]["turn_values"] is None
+
+
 def test_a_branch_point_records_its_entropy_jump_and_the_advantages(tmp_path):
     groups = [_branched(), _independent()]
-    adv = token_advantages(groups, LearnerConfig(norm_adv_by_std=False))
-    assert TreeWriter(tmp_path, _decode).record(2, groups, adv)
+    credit = token_advantages(groups, LearnerConfig(norm_adv_by_std=False))
+    assert all(c.values is None for c in credit)  # grpo values no nodes
+    assert TreeWriter(tmp_path, _decode).record(2, groups, [c.advantages for c in credit])
     reader = TreeReader(tmp_path)
     assert reader.refresh() == [2]
     rec = reader.group(2, 0)

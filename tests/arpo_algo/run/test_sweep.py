@@ -63,6 +63,14 @@ def test_beam_size_is_branch_factor_plus_one(tmp_path, tiny_model_dir, capsys):
     assert "tree.branch_factor ~ choice[0, 1]" in info["space"]["arpo"]
 
 
+def test_advantage_estimators_are_a_searchable_choice(tmp_path, tiny_model_dir):
+    path = write_sweep(
+        tmp_path, tiny_model_dir, "num_samples = 2", '"training.advantage" = {choice = ["grpo", "turn"]}'
+    )
+    sweep = load_sweep(path)
+    assert sweep.experiment("arpo", {"training.advantage": "turn"}).config.settings.training.advantage == "turn"
+
+
 def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
     path = write_sweep(
         tmp_path,
@@ -93,6 +101,7 @@ def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
         ("resources_per_trial = {cpu = 4096}", '"tree.tau" = {uniform = [0.1, 1.0]}', "needs 4096 CPUs", None),
         ('metric = "reward_meen"', '"tree.tau" = {uniform = [0.1, 1.0]}', "never reported", "reward_mean"),
         ("num_smaples = 2", '"tree.tau" = {uniform = [0.1, 1.0]}', "unknown key 'num_smaples'", "num_samples"),
+        ("", '"training.advantage" = {choice = ["grpo", "trun"]}', "'trun' is not a registered", "did you mean 'turn'"),
     ],
 )
 def test_bad_sweeps_fail_before_ray(tmp_path, tiny_model_dir, sweep, space, match, hint):

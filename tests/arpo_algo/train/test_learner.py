@@ -94,6 +94,8 @@ CASES = [
     dict(loss_agg="seq_mean"),
     dict(old_logprobs="rollout", entropy_balanced_clip=True, entropy_advantage=True, entropy_advantage_clip=0.0),
     dict(advantage="hard", old_logprobs="rollout", entropy_advantage=True, kl_coef=0.1, entropy_coef=0.01),
+    dict(advantage="turn"),
+    dict(advantage="turn", hard_scope="tokens", old_logprobs="rollout", entropy_advantage=True),
 ]
 
 
@@ -299,3 +301,30 @@ def test_head_chunk_tokens_is_validated_and_refused_where_unsupported():
 
     with pytest.raises(ConfigError, match="not supported by the deepspeed backend"):
         DeepSpeedLearner("unused", LearnerConfig(head_chunk_tokens=64))
+
+
+@pytest.mark.parametrize("advantage,scope", [("grpo", "tree"), ("hard", "tree"), ("hard", "tokens"), ("turn", "tree")])
+def test_learner_and_recorder_share_one_estimator_call(tiny_model_dir, groups, advantage, scope):
+    """The learner trains on, and the tree recorder writes, the registered estimator's advantages with the tree's
+    owners exactly where the estimator takes them (``needs_tree``) and the scope is "tree"."""
+    from arpo_algo.core.advantages import ADVANTAGES, tree_token_owners
+    from arpo_algo.eval.trees import token_advantages
+
+    cfg = replace(BASE, advantage=advantage, hard_scope=scope)
+    learner = Learner(tiny_model_dir, cfg)
+    trained = [[s.adv for s in specs] for specs in learner._specs(groups)]
+    assert [c.advantages for c in token_advantages(groups, cfg)] == trained
+    for g, got in zip(groups, trained):
+        ts = g.trajectories
+        extra = {}
+        if advantage != "grpo":
+            owners = tree_token_owners(
+                [t.parent for t in ts], [t.branch_point for t in ts], [len(t.response_ids) for t in ts]
+            )
+            extra["owners"] = owners if scope == "tree" else None
+        want = ADVANTAGES[advantage](
+            g.prompt_ids, [t.response_ids for t in ts], [t.trained_mask for t in ts], g.rewards, **extra
+        )
+        assert got == want.advantages
+    if advantage == "turn":  # the tool result of group 0 starts a new turn with its own credit
+        assert len({a for a, m in zip(trained[0][0], groups[0].trajectories[0].trained_mask) if m}) > 1
