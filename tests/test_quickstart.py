@@ -98,6 +98,26 @@ def test_a_stage_is_reused_only_for_the_arguments_that_made_it(tmp_path):
     assert "--output" in err.value.hint and len(runs) == 1
 
 
+def test_a_stage_records_its_wall_and_cpu_time_children_included(tmp_path):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+
+    def busy_child():
+        subprocess.run([sys.executable, "-c", burn], check=True)
+        return {}
+
+    def idle():
+        import time
+
+        time.sleep(0.3)
+        return {}
+
+    busy = quickstart.run_stage(tmp_path, "busy", busy_child)
+    assert busy["stage_cpu_s"] >= 0.4  # the child's CPU time counts once it has been waited for
+    rest = quickstart.run_stage(tmp_path, "idle", idle)
+    assert rest["stage_time_s"] >= 0.3 and rest["stage_cpu_s"] < 0.2
+    assert json.loads((tmp_path / ".stage_busy.json").read_text())["stage_cpu_s"] == busy["stage_cpu_s"]
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 
