@@ -108,13 +108,14 @@ def test_a_stage_records_its_wall_and_cpu_time_children_included(tmp_path):
     def idle():
         import time
 
-        time.sleep(0.3)
+        time.sleep(1.5)
         return {}
 
     busy = quickstart.run_stage(tmp_path, "busy", busy_child)
     assert busy["stage_cpu_s"] >= 0.4  # the child's CPU time counts once it has been waited for
     rest = quickstart.run_stage(tmp_path, "idle", idle)
-    assert rest["stage_time_s"] >= 0.3 and rest["stage_cpu_s"] < 0.2
+    # sleeping is wall time, not CPU time (the stage's own gc and heap trim cost both, about equally)
+    assert rest["stage_time_s"] - rest["stage_cpu_s"] >= 1.2
     assert json.loads((tmp_path / ".stage_busy.json").read_text())["stage_cpu_s"] == busy["stage_cpu_s"]
 
 
