@@ -13,7 +13,7 @@ save that one; the result reloads with plain ``from_pretrained`` and gives the s
 transformers reads a GGUF file from three places during that load (the tokenizer's config, the model's config, the
 weights), each parsing the whole file, and it rebuilds gguf's tensor-name table once per submodule. The pull runs
 the load inside :func:`_gguf_read_once`, which serves those reads from one parse of the file: the weights are
-dequantized once, and the saved folder is byte for byte the one the plain load gives (tests/arpo_algo/models).
+dequantized once, and the saved weights and tokenizer files are bit for bit the plain load's (tests/arpo_algo/models).
 """
 
 from __future__ import annotations
