@@ -6,7 +6,9 @@ mode to the next beyond what the disk keeps), with the same seeds; rounds repeat
 change of the machine's load falls on both sides. Printed per mode: the ARPO stage's wall time, the time its rollouts
 spent generating and the tokens they sampled (so a mode that happens to sample longer answers is visible), the update
 time, the evaluation stage's time, the held-out accuracies, each stage's peak resident memory, and each time's ratio
-to the first mode:
+to the first mode; then, per mode, where the time goes: every stage's wall time, its CPU time (this process and its
+finished children, as the quickstart records it), the cores it kept busy (CPU / wall) and its share of the run's wall
+time. The pull and SFT stages are not re-run: their figures are those of the run that made the ``--sft`` folder.
 
     python -m benchmarks.bench_quickstart --sft runs/quickstart --modes dynamic static --rounds 1 --threads 2
 
@@ -84,7 +86,34 @@ def read_run(out: Path, mode: str) -> dict[str, Any]:
         "before": summary["accuracy_after_sft"],
         "after": summary["accuracy_after_arpo"],
         "peak_rss_gb": summary["peak_rss_gb"],
+        "stages": {
+            name: {"wall_s": wall, "cpu_s": summary.get("stage_cpu_s", {}).get(name)}
+            for name, wall in summary["stage_times_s"].items()
+        },
     }
+
+
+def stage_table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
+    """Per mode and stage: the median over rounds of the wall and CPU time, the cores busy (CPU / wall) and the
+    stage's share of the summed wall time. A CPU time the run did not record (a stage done by an older version)
+    shows as "-"."""
+    lines = [
+        "| decode | stage | wall s | CPU s | cores busy | share of wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in modes:
+        mine = [r["stages"] for r in runs if r["mode"] == m]
+        names = list(mine[0])
+        wall = {n: statistics.median([st[n]["wall_s"] for st in mine]) for n in names}
+        cpu_seen = {n: [st[n]["cpu_s"] for st in mine if st[n]["cpu_s"] is not None] for n in names}
+        total = sum(wall.values())
+        for n in names:
+            cpu = statistics.median(cpu_seen[n]) if cpu_seen[n] else None
+            cpu_text = "-" if cpu is None else f"{cpu:.1f}"
+            busy = "-" if cpu is None or not wall[n] else f"{cpu / wall[n]:.2f}"
+            share = f"{wall[n] / total:.0%}" if total else "-"
+            lines.append(f"| {m} | {n} | {wall[n]:.1f} | {cpu_text} | {busy} | {share} |")
+    return lines
 
 
 def table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
@@ -158,9 +187,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in range(args.rounds):
         order = args.modes if r % 2 == 0 else list(reversed(args.modes))
         for mode in order:
-            print(f"[bench_quickstart] round {r + 1}: decode={mode}", flush=True)
+            load = os.getloadavg()[0]  # the machine's own load: a busy machine stretches every wall time
+            print(f"[bench_quickstart] round {r + 1}: decode={mode} (load average {load:.2f})", flush=True)
             res = run_mode(args, mode, Path(args.output) / f"{mode}_r{r + 1}")
-            runs.append({"round": r + 1, **res})
+            runs.append({"round": r + 1, "load_before": load, **res})
             print(
                 f"[bench_quickstart]   ARPO {res['arpo_s']:.0f} s (generating {res['generate_s']:.0f} s, "
                 f"{res['tokens_sampled']:.0f} tokens), evaluation {res['evaluate_s']:.0f} s, "
@@ -169,7 +199,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     lines = table(runs, args.modes)
     print("\n".join(lines))
-    result = {"machine": info, "modes": args.modes, "rounds": args.rounds, "runs": runs, "table": lines}
+    stages = stage_table(runs, args.modes)
+    print("\n".join(stages))
+    result = {
+        "machine": info,
+        "modes": args.modes,
+        "rounds": args.rounds,
+        "runs": runs,
+        "table": lines,
+        "stage_table": stages,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -1,9 +1,13 @@
-"""arpo_algo/run/quickstart.py's summary helpers: per-stage peak memory and the multi-seed reference line."""
+"""arpo_algo/run/quickstart.py's summary helpers (per-stage peak memory, the multi-seed reference line) and the
+extras scripts/quickstart and scripts/test install."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +96,55 @@ def test_a_stage_is_reused_only_for_the_arguments_that_made_it(tmp_path):
     with pytest.raises(ConfigError, match="done with {'seed': 0}; this run asks for {'seed': 1}") as err:
         quickstart.run_stage(tmp_path, "rl", stage, {"seed": 1})
     assert "--output" in err.value.hint and len(runs) == 1
+
+
+def test_a_stage_records_its_wall_and_cpu_time_children_included(tmp_path):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+
+    def busy_child():
+        subprocess.run([sys.executable, "-c", burn], check=True)
+        return {}
+
+    def idle():
+        import time
+
+        time.sleep(1.5)
+        return {}
+
+    busy = quickstart.run_stage(tmp_path, "busy", busy_child)
+    assert busy["stage_cpu_s"] >= 0.4  # the child's CPU time counts once it has been waited for
+    rest = quickstart.run_stage(tmp_path, "idle", idle)
+    # sleeping is wall time, not CPU time (the stage's own gc and heap trim cost both, about equally)
+    assert rest["stage_time_s"] - rest["stage_cpu_s"] >= 1.2
+    assert json.loads((tmp_path / ".stage_busy.json").read_text())["stage_cpu_s"] == busy["stage_cpu_s"]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_quickstart_installs_no_extra_and_the_tests_add_dev_to_its_environment(tmp_path):
+    """The two scripts of the README against one environment whose python, pip included, only logs what it is
+    asked (nothing is installed): the quickstart installs arpo without extras, scripts/test then adds dev once, and
+    neither installs again while pyproject.toml is unchanged."""
+    venv, log = tmp_path / "venv", tmp_path / "calls.log"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "arpo"):
+        exe = venv / "bin" / tool
+        exe.write_text(f'#!/usr/bin/env bash\necho "{tool} $*" >> "{log}"\n')
+        exe.chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export VIRTUAL_ENV="{venv}" PATH="{venv}/bin:$PATH"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "ARPO_EXTRAS", "VIRTUAL_ENV")}
+    env["ARPO_VENV"] = str(venv)
+
+    def run(script: str, **extra: str) -> list[str]:
+        log.write_text("")
+        subprocess.run([str(REPO / "scripts" / script)], env={**env, **extra}, check=True, timeout=60)
+        return [line for line in log.read_text().splitlines() if " -e " in line]  # the arpo install, if any
+
+    assert run("quickstart") == [f"python -m pip install -q --disable-pip-version-check -e {REPO}"]
+    assert run("test") == [f"python -m pip install -q --disable-pip-version-check -e {REPO}[dev]"]
+    assert run("quickstart") == [] and run("test") == []  # dev stays; nothing reinstalls
+    assert run("test", ARPO_EXTRAS="docker") == [
+        f"python -m pip install -q --disable-pip-version-check -e {REPO}[dev,docker]"
+    ]
+    assert run("quickstart") == []

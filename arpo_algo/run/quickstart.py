@@ -17,9 +17,9 @@ killed ARPO stage resumes from its newest checkpoint):
 5. ``export``: the trained policy as a plain HF folder ``<out>/policy`` (transformers / vLLM / ``arpo serve``).
 
 Before each stage the memory freed by the previous one is handed back to the OS (:func:`release_memory`), so each
-stage's peak is its own. Prints a summary (both accuracies, seeds, the peak resident memory of each stage, paths,
-and the multi-seed distribution of docs/results/arpo-vs-grpo.md from ``recipes/quickstart_reference.json``) and writes
-``<out>/summary.json``.
+stage's peak is its own. Prints a summary (both accuracies, seeds, each stage's wall and CPU time and peak resident
+memory, paths, and the multi-seed distribution of docs/results/arpo-vs-grpo.md from
+``recipes/quickstart_reference.json``) and writes ``<out>/summary.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import ctypes
 import functools
 import gc
 import json
+import os
 import shutil
 import sys
 import time
@@ -104,6 +105,13 @@ def _status_gb(field: str) -> float | None:
     return None
 
 
+def process_cpu_s() -> float:
+    """CPU seconds (user + system) this process and its finished, waited-for child processes have used: the Python
+    tool's sandboxed calls and ``pip download`` count; a process still running (or not this one's child) does not."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def run_stage(
     out: Path, name: str, fn: Callable[[], dict[str, Any]], inputs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -113,7 +121,9 @@ def run_stage(
     Invariant: a stage's result is reused only for the arguments that made it, so another ``--seed``, ``--set`` or a
     real run after a smoke run never reports an earlier run's numbers as its own.
 
-    Records the stage's wall time and its peak resident memory (the memory freed by earlier stages is handed back
+    Records the stage's wall time, its CPU time (:func:`process_cpu_s`: against the wall time it says how many
+    cores the stage kept busy, and it is less sensitive than the wall time to other work on the machine) and its
+    peak resident memory (the memory freed by earlier stages is handed back
     and the process's peak reset before the stage, so each stage's figure is its own; ``rss_start_gb`` is what the
     stage started from; a stage skipped as done keeps the figures of the run that did it)."""
     from arpo_base.errors import ConfigError
@@ -133,17 +143,18 @@ def run_stage(
         print(f"[quickstart] {name}: done earlier with the same arguments, skipping ({marker})", flush=True)
         return done
     print(f"[quickstart] {name} ...", flush=True)
-    t0 = time.time()
+    t0, cpu0 = time.time(), process_cpu_s()
     release_memory()
     reset = reset_peak_rss()
     start_rss = rss_gb()
     result = fn()
     result["stage_time_s"] = round(time.time() - t0, 1)
+    result["stage_cpu_s"] = round(process_cpu_s() - cpu0, 1)
     result["peak_rss_gb"] = peak_rss_gb() if reset else None
     result["rss_start_gb"] = start_rss
     result["inputs"] = inputs
     marker.write_text(json.dumps(result, indent=2))
-    print(f"[quickstart] {name}: {result['stage_time_s']} s", flush=True)
+    print(f"[quickstart] {name}: {result['stage_time_s']} s (CPU {result['stage_cpu_s']} s)", flush=True)
     return result
 
 
@@ -333,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
             "learning_curve": rl["learning_curve"],
         },
         "stage_times_s": {k: v["stage_time_s"] for k, v in stages.items()},
+        # None: a stage done by an earlier version that did not record it
+        "stage_cpu_s": {k: v.get("stage_cpu_s") for k, v in stages.items()},
         "peak_rss_gb": {k: v.get("peak_rss_gb") for k, v in stages.items()},
         "this_run_s": round(time.time() - t0, 1),
     }
@@ -345,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
         f"temperature {ev['settings']['temperature']})"
     )
     print(f"seed {args.seed} (SFT seed {args.sft_seed})   stage times (s): {summary['stage_times_s']}")
+    print(f"CPU time per stage (s, this process and its finished children): {summary['stage_cpu_s']}")
     print(f"peak resident memory per stage (GB): {summary['peak_rss_gb']}")
     print(reference_line(summary))
     print(f"servable policy:   {export['path']}")

@@ -8,6 +8,9 @@ against the device it runs on, once, before the model is loaded, so a choice the
   ...), fp32 everywhere else, CPU included (fp32 stays the CPU default the tests pin). ``"bf16"`` on a GPU without
   native bfloat16 is refused (torch would emulate it, slowly); on CPU it is allowed (CPU autocast to bfloat16).
   In every case the weights, gradients and AdamW state stay fp32: autocast only runs matmuls and attention in bf16.
+  Whether a CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX) is detected by :func:`cpu_capability`,
+  shown by ``arpo doctor`` and recorded in every run folder with the resolved precision (:func:`compute_record`); it
+  does not change what ``"auto"`` picks.
 * **Tree attention.** ``"auto"``: FlexAttention on CUDA when the model uses SDPA and ``deterministic`` is off, the
   dense mask otherwise. ``"flex"`` on CPU is refused: torch 2.13's FlexAttention has no backward pass on CPU.
 * **Deterministic.** :func:`make_deterministic` (see there for what it covers).
@@ -22,12 +25,24 @@ import torch
 
 from arpo_base.errors import ConfigError
 
-__all__ = ["PRECISIONS", "TREE_ATTENTIONS", "make_deterministic", "resolve_precision", "resolve_tree_attention"]
+__all__ = [
+    "BF16_CPU_FLAGS",
+    "PRECISIONS",
+    "TREE_ATTENTIONS",
+    "bf16_capability",
+    "compute_record",
+    "cpu_capability",
+    "make_deterministic",
+    "resolve_precision",
+    "resolve_tree_attention",
+]
 
 #: ``training.precision`` values.
 PRECISIONS = ("auto", "fp32", "bf16")
 #: ``training.tree_attention`` values.
 TREE_ATTENTIONS = ("auto", "dense", "flex")
+#: CPU flags of hardware bfloat16 matrix products: AVX512-BF16's dot-product instructions, AMX's bf16 tiles.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 #: The cuBLAS workspace settings NVIDIA documents as deterministic.
 _CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
@@ -55,6 +70,33 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             hint="use precision='fp32' (or 'auto', which picks fp32 on this GPU)",
         )
     return precision
+
+
+def bf16_capability(flags: set[str] | None) -> dict[str, Any]:
+    """What a CPU with ``flags`` (None: unreadable) offers the learner's compute precision: ``flags_known``,
+    ``flags`` (those of the reported ``CPU_FLAGS`` it has) and ``native_bf16_matmul`` (one of
+    :data:`BF16_CPU_FLAGS` is present; False where the flags are unknown, so nothing counts on an unseen flag)."""
+    from arpo_algo.rollout.engines.vllm.support import cpu_features
+
+    present = cpu_features(flags or set())
+    return {
+        "flags_known": flags is not None,
+        "flags": [name for name, on in present.items() if on],
+        "native_bf16_matmul": any(present[name] for name in BF16_CPU_FLAGS),
+    }
+
+
+def cpu_capability() -> dict[str, Any]:
+    """:func:`bf16_capability` of this machine's CPU (its flags read from Linux's /proc/cpuinfo)."""
+    from arpo_algo.rollout.engines.vllm.support import read_cpu_flags
+
+    return bf16_capability(read_cpu_flags())
+
+
+def compute_record(precision: str, device: str | torch.device, setting: dict[str, Any]) -> dict[str, Any]:
+    """What a run folder records of its compute: the resolved ``precision`` ("fp32"/"bf16"), the ``setting`` it came
+    from (name and value), the device and the CPU's capability (:func:`cpu_capability`)."""
+    return {"precision": precision, "setting": setting, "device": str(device), "cpu": cpu_capability()}
 
 
 def resolve_tree_attention(choice: str, device: torch.device, *, attn_implementation: str, deterministic: bool) -> str:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.train.device_setup import enable_activation_checkpointing
+from arpo_algo.train.device_setup import compute_record, enable_activation_checkpointing
 from arpo_algo.train.optim import SCHEDULES, build_optimizer
 from arpo_algo.train.sft_data import build_dataset, load_examples
 from arpo_base.errors import ConfigError
@@ -356,6 +356,7 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
         "time_s": round(time.time() - start, 2),
         "output_dir": str(out),
         "device": str(device),
+        "compute": compute_record("bf16" if cfg.bf16 else "fp32", device, {"bf16": cfg.bf16}),
         "counts": counts,
         "config": dataclasses.asdict(cfg),
         "history": history,

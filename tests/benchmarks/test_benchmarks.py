@@ -391,6 +391,32 @@ def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_d
         assert r["arpo_s"] > 0 and r["generate_s"] > 0 and r["tokens_sampled"] > 0 and r["eval_tokens"] > 0
     out = capsys.readouterr().out
     assert "| dynamic |" in out and "| static |" in out and "1.00x" in out
+    for r in runs.values():  # stages run here have a CPU time; pull and SFT come from the folder, which has none
+        assert r["stages"]["arpo"]["cpu_s"] > 0 and r["stages"]["evaluate"]["cpu_s"] > 0
+        assert r["stages"]["pull"] == {"wall_s": 0.0, "cpu_s": None}
+    assert "| dynamic | arpo |" in out and "| static | pull | 0.0 | - | - | 0% |" in out
+
+
+def test_bench_quickstart_stage_table_gives_wall_cpu_cores_and_share():
+    from benchmarks import bench_quickstart
+
+    def run(mode, arpo_wall, arpo_cpu):
+        stages = {"sft": {"wall_s": 10.0, "cpu_s": None}, "arpo": {"wall_s": arpo_wall, "cpu_s": arpo_cpu}}
+        return {"mode": mode, "stages": stages}
+
+    runs = [
+        run("dynamic", 30.0, 45.0),
+        run("dynamic", 50.0, 55.0),
+        run("dynamic", 40.0, 50.0),
+        run("static", 10.0, 5.0),
+    ]
+    lines = bench_quickstart.stage_table(runs, ["dynamic", "static"])
+    assert lines[2:] == [  # medians over rounds: arpo 40 s wall, 50 s CPU
+        "| dynamic | sft | 10.0 | - | - | 20% |",
+        "| dynamic | arpo | 40.0 | 50.0 | 1.25 | 80% |",
+        "| static | sft | 10.0 | - | - | 50% |",
+        "| static | arpo | 10.0 | 5.0 | 0.50 | 50% |",
+    ]
 
 
 def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path):

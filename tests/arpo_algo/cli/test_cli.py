@@ -37,12 +37,16 @@ def test_doctor_reports_truthfully():
     assert r["vllm"]["importable"] == (importlib.util.find_spec("vllm") is not None)
     flags = open("/proc/cpuinfo").read().split()
     assert r["vllm"]["cpu"]["avx512f"] == ("avx512f" in flags) and r["vllm"]["cpu"]["amx_bf16"] == ("amx_bf16" in flags)
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert r["cpu_bf16"]["flags_known"] and r["cpu_bf16"]["native_bf16_matmul"] == native
     from arpo_algo.rollout.engines.hf.compiled_step import compiler_problem
 
     assert r["compiled_decode"] == {"available": compiler_problem() is None, "problem": compiler_problem()}
     human = run_cli("doctor")
     assert "python tool" in human.stdout and "model cache" in human.stdout and "vLLM" in human.stdout
     assert "compiler" in human.stdout
+    bf16_line = next(line for line in human.stdout.splitlines() if line.strip().startswith("bf16 matmul"))
+    assert bf16_line.split("bf16 matmul", 1)[1].strip().startswith("native" if native else "not native"), bf16_line
 
 
 def test_user_error_is_one_line_and_nonzero(capsys):

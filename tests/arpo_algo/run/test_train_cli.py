@@ -58,6 +58,15 @@ def test_train_resume_and_outputs(tiny_model_dir, tmp_path, capsys):
     assert printed[-1] == str(out / "checkpoints" / "iter_000002" / "policy")
     config = json.loads((out / "config.json").read_text())
     assert config["settings"]["tree"]["budget"] == 2 and config["env"] == "arpo/ToolMath-v0"
+    from arpo_algo.train.device_setup import cpu_capability
+
+    # the learner's resolved precision (auto is fp32 on a CPU) and the CPU flags that decide bf16's speed
+    assert config["compute"] == {
+        "precision": "fp32",
+        "setting": {"training.precision": "auto"},
+        "device": "cpu",
+        "cpu": cpu_capability(),
+    }
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0 = evaluation before training
     assert "evaluation/accuracy" in rows[0] and "evaluation/accuracy" in rows[2]

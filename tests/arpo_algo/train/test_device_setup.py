@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from arpo_algo.train.device_setup import make_deterministic, resolve_precision, resolve_tree_attention
+from arpo_algo.train.device_setup import (
+    bf16_capability,
+    cpu_capability,
+    make_deterministic,
+    resolve_precision,
+    resolve_tree_attention,
+)
 from arpo_algo.train.learner import Learner, LearnerConfig
 from arpo_algo.train.learner_config import ALARM_OFF
 from arpo_base.errors import ConfigError
@@ -35,6 +41,26 @@ def test_precision_defaults_per_device(monkeypatch):
     assert "fp32" in err.value.hint
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
     assert resolve_precision("auto", CUDA) == "bf16"
+
+
+def test_cpu_bf16_capability_comes_from_the_flags_and_unknown_counts_as_not_native():
+    assert bf16_capability({"avx2", "avx512f", "avx512_bf16"}) == {
+        "flags_known": True,
+        "flags": ["avx2", "avx512f", "avx512_bf16"],
+        "native_bf16_matmul": True,
+    }
+    assert bf16_capability({"avx2", "amx_bf16", "amx_tile"})["native_bf16_matmul"] is True  # AMX without AVX512-BF16
+    assert bf16_capability({"avx2", "avx512f"})["native_bf16_matmul"] is False
+    assert bf16_capability(None) == {"flags_known": False, "flags": [], "native_bf16_matmul": False}
+    # this machine, read from the OS (Linux: the first CPU's flags line)
+    mine = cpu_capability()
+    try:
+        line = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
+    except OSError:
+        assert mine == bf16_capability(None)
+    else:
+        assert mine["native_bf16_matmul"] == ("avx512_bf16" in line or "amx_bf16" in line)
+        assert mine["flags_known"] and ("avx2" in mine["flags"]) == ("avx2" in line)
 
 
 def test_tree_attention_auto_per_device():

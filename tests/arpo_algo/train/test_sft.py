@@ -356,7 +356,16 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == str(tmp_path / "o") and (tmp_path / "o" / "config.json").exists()
-    assert json.loads((tmp_path / "o" / "sft_metrics.json").read_text())["steps"] == 2
+    saved = json.loads((tmp_path / "o" / "sft_metrics.json").read_text())
+    assert saved["steps"] == 2
+    from arpo_algo.train.device_setup import cpu_capability
+
+    assert saved["compute"] == {
+        "precision": "fp32",
+        "setting": {"bf16": False},
+        "device": "cpu",
+        "cpu": cpu_capability(),
+    }
 
 
 def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_model_dir):

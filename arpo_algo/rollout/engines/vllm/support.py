@@ -66,18 +66,24 @@ def vllm_version() -> str | None:
     return None
 
 
-def cpu_features() -> dict[str, bool]:
-    """Whether this CPU has the instructions that make vLLM's CPU backend fast (read from /proc/cpuinfo)."""
+#: The CPU flags arpo reports: vLLM's CPU backend wants AVX2 and is fast with AVX-512; ``avx512_bf16`` and
+#: ``amx_bf16`` multiply bfloat16 matrices in hardware (arpo_algo.train.device_setup.cpu_capability).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def read_cpu_flags() -> set[str] | None:
+    """The first CPU's flags from /proc/cpuinfo; None where they cannot be read (not Linux, or no flags line)."""
     try:
-        flags = set(re.findall(r"\S+", Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]))
+        return set(re.findall(r"\S+", Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]))
     except (OSError, IndexError):
-        flags = set()
-    return {
-        "avx2": "avx2" in flags,
-        "avx512f": "avx512f" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
-    }
+        return None
+
+
+def cpu_features(flags: set[str] | None = None) -> dict[str, bool]:
+    """Which of :data:`CPU_FLAGS` this CPU has (``flags``: as :func:`read_cpu_flags` gives them, read when None);
+    all False where the flags cannot be read."""
+    flags = read_cpu_flags() if flags is None else flags
+    return {name: name in (flags or ()) for name in CPU_FLAGS}
 
 
 def check_architecture(model_dir: Path) -> list[str]:
