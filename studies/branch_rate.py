@@ -101,11 +101,9 @@ def report(arms: dict[str, dict], matched: tuple[str, float] | None) -> str:
     if matched is not None:
         target, rate = matched
         a, b = arms[target]["branches_per_group"], arms["random"]["branches_per_group"]
-        gap = abs(b - a) / a if a else float("nan")
-        lines.append(
-            f"\nrandom ran at p = {rate:.4f} ({target}'s branches per opportunity); branches per group differ by "
-            f"{gap:.1%} of {target}'s"
-        )
+        # the equal-count check is relative to the matched arm's count; with no branch there it has no scale
+        gap = f"differ by {abs(b - a) / a:.1%} of {target}'s" if a else f"are {a:.3f} ({target}) and {b:.3f} (random)"
+        lines.append(f"\nrandom ran at p = {rate:.4f} ({target}'s branches per opportunity); branches per group {gap}")
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from arpo_algo.core.tree import TreeConfig
 from arpo_algo.rollout import metrics as MK
-from studies.branch_rate import arm_config, base_tree, main, rates
+from studies.branch_rate import arm_config, base_tree, main, rates, report
 from tests.arpo_algo.rollout import teach
 
 env_creator, caller_dir = teach.env_creator, teach.caller_dir  # the module-scoped fixtures, shared
@@ -25,6 +25,18 @@ def test_the_rates_are_ratios_of_sums_over_steps():
     # not the mean of the steps' ratios (0.5 and 1.0 per candidate): the sums' ratio
     assert (r["branches_per_candidate"], r["branches_per_opportunity"], r["branches_per_group"]) == (4 / 6, 0.4, 1.0)
     assert rates([{}], groups=1)["branches_per_candidate"] == 0.0  # no candidate: nothing branched
+
+
+def test_the_report_gives_the_equal_count_gap_relative_to_the_matched_arm():
+    row = {"candidates": 4.0, "opportunities": 8.0, "branches": 4.0, "branches_per_candidate": 1.0}
+    arms = {
+        "paper": {**row, "branches_per_opportunity": 0.5, "branches_per_group": 2.0},
+        "random": {**row, "branches_per_opportunity": 0.55, "branches_per_group": 2.2},
+    }
+    assert "per group differ by 10.0% of paper's" in report(arms, ("paper", 0.5))
+    arms["paper"]["branches_per_group"] = 0.0
+    assert "per group are 0.000 (paper) and 2.200 (random)" in report(arms, ("paper", 0.0))
+    assert "random ran at" not in report(arms, None)
 
 
 def test_each_arm_selects_its_policy_through_the_one_setting_that_may():
