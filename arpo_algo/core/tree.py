@@ -111,6 +111,16 @@ class TreeConfig:
         random_rate: p of the "random" branch policy: each possible clone at a candidate is made with probability p
             (one seeded draw each); set it to the entropy arm's measured ``rollout/branches_per_opportunity`` for
             an equal-count control. Other policies do not read it.
+        random_lookahead: The "random" branch policy decides after the k look-ahead tokens, as the paper rule does,
+            instead of right after the tool result; the clones still start right after the result. Set it when the
+            random arm is matched against a look-ahead rule (paper, aepo_paper, appo), so both arms are asked at the
+            same moment of the same request sequence. Other policies do not read it.
+        appo_threshold: The "appo" policy branches ``cap`` times when its score ``U * L`` exceeds this value (in
+            [0, 1]; the score lies in [0, 1)): ``U = 1 - exp(-H)`` of the look-ahead entropy H, ``L = sigmoid(w *
+            G)`` of the mean sampled-token log-prob gain G across the tool result
+            (docs/concepts/arpo.md#the-appo-score). Other policies do not read it.
+        appo_gain_weight: w of the "appo" score's likelihood factor ``L = sigmoid(w * G)``, finite and >= 0; 0
+            leaves the look-ahead entropy alone in the score. Other policies do not read it.
         aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
             setting it takes effect in mode "aepo" only.
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
@@ -140,6 +150,9 @@ class TreeConfig:
     max_depth: int | None = None
     branch_policy: str | None = None
     random_rate: float = 0.5
+    random_lookahead: bool = False
+    appo_threshold: float = 0.25
+    appo_gain_weight: float = 1.0
     aepo_premonitor: bool = True
     aepo_premonitor_keep: bool = False
     aepo_premonitor_tokens: int = 50
@@ -215,6 +228,19 @@ class TreeConfig:
             bad(
                 f"random_rate must be in [0, 1] (the probability of each possible clone), got {self.random_rate}",
                 hint="set it to the entropy arm's rollout/branches_per_opportunity for an equal-count control",
+            )
+        if not isinstance(self.random_lookahead, bool):
+            bad(f"random_lookahead must be true or false, got {self.random_lookahead!r}")
+        if not 0.0 <= self.appo_threshold <= 1.0:  # NaN fails this test too
+            bad(
+                f"appo_threshold must be in [0, 1] (the appo score U * L lies in [0, 1)), got {self.appo_threshold}",
+                hint="0 branches at every candidate with any look-ahead entropy, 1 never",
+            )
+        if not (math.isfinite(self.appo_gain_weight) and self.appo_gain_weight >= 0.0):
+            bad(
+                f"appo_gain_weight must be a finite number >= 0 (the weight of the log-prob gain), "
+                f"got {self.appo_gain_weight}",
+                hint="0 scores the look-ahead entropy alone",
             )
         if not (math.isfinite(self.beta) and self.beta >= 0.0):
             bad(f"beta must be a finite number >= 0 (entropy weight), got {self.beta}")
@@ -349,6 +375,7 @@ def num_branches(
     h_now: float | None = None,
     h_before: float | None = None,
     logprobs: Sequence[float] | None = None,
+    lookahead_logprobs: Sequence[float] | None = None,
 ) -> int:
     """How many clones one candidate makes at one tool result: the frame every branch policy runs in.
 
@@ -360,7 +387,8 @@ def num_branches(
         free: Budget still free for this prompt.
         rng: The prompt's branch RNG (one draw per potential clone under the reference rule, as the code).
         policy: The policy to ask (default: :func:`branch_policy` of ``cfg``).
-        h_init, h_now, h_before, logprobs: The rest of the :class:`~arpo_algo.core.branching.Candidate`.
+        h_init, h_now, h_before, logprobs, lookahead_logprobs: The rest of the
+            :class:`~arpo_algo.core.branching.Candidate`.
 
     Returns:
         A number in ``[0, min(Z, free)]``; 0 when the depth limit is reached (the policy is not asked).
@@ -369,7 +397,7 @@ def num_branches(
     if cap <= 0 or (cfg.max_depth is not None and depth + 1 > cfg.max_depth):
         return 0
     policy = policy if policy is not None else branch_policy(cfg)
-    c = Candidate(delta_h, depth, consecutive, free, cap, rng, h_init, h_now, h_before, logprobs)
+    c = Candidate(delta_h, depth, consecutive, free, cap, rng, h_init, h_now, h_before, logprobs, lookahead_logprobs)
     return max(0, min(cap, int(policy.branches(c))))
 
 

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from arpo_algo.core import tree as T
+from arpo_algo.core.branching import mean_logprob_gain
 from arpo_algo.rollout import layout
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.agent_loop import absorb, action_text, apply_turn, safe_call, turn_from_env
@@ -337,6 +338,10 @@ class TreeSampler:
         free = cfg.budget - ps.count - max(0, cfg.min_roots - roots)  # min_roots: slots kept for fresh roots
         draws: list[float] = []
         policy = self._policy(cfg)
+        before = after = None
+        if policy.needs_logprobs:  # the sampled tokens' log-probs before the tool result, and the look-ahead's
+            before = [lp for lp, m in zip(p.logprobs[:bp], p.mask[:bp]) if m]
+            after = list(p.logprobs[bp:]) if policy.lookahead else None
         n = T.num_branches(
             cfg,
             p.turn_h - p.h_init,
@@ -348,8 +353,12 @@ class TreeSampler:
             h_init=p.h_init,
             h_now=p.turn_h,
             h_before=p.ent_before[-1] if p.ent_before else None,
-            logprobs=list(p.logprobs[:bp]) if policy.needs_logprobs else None,
+            logprobs=before,
+            lookahead_logprobs=after,
         )
+        gain = {}  # a log-prob look-ahead policy's G: the look-ahead's gain over the last k sampled tokens
+        if before is not None and after is not None:
+            gain["logprob_gain"] = mean_logprob_gain(before, after, cfg.entropy_tokens)
         if free > 0 and (cfg.max_depth is None or p.depth < cfg.max_depth):
             self._timers[MK.TIMER_BRANCH_DECISIONS] += 1  # a decision that could have branched
             ps.decisions.append(
@@ -366,6 +375,7 @@ class TreeSampler:
                     "draws": draws,
                     "cap": min(cfg.branch_factor, free),  # the clones the policy could make here
                     "branches": n,
+                    **gain,
                 }
             )
         p.consecutive = p.consecutive + 1 if n else 0

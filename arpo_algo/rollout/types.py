@@ -86,7 +86,8 @@ class Group:
         metrics: Rollout metrics of this group (tokens generated/reused, tool calls, branches by depth, ...).
         policy_version: The version that sampled the whole tree (every trajectory and node carries it too).
         decisions: Every branch decision that could have branched: the trajectory and response position, the
-            entropies it compared, the rule's constants, the random draws of the reference rule and the clones made.
+            entropies it compared, the rule's constants, the random draws of a drawing rule, the log-prob gain
+            (``logprob_gain``) a log-prob look-ahead policy read, and the clones made.
     """
 
     prompt_index: int

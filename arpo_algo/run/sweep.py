@@ -64,6 +64,9 @@ BRANCHING_KNOBS = (
     "decision_rule",
     "branch_policy",
     "random_rate",
+    "random_lookahead",
+    "appo_threshold",
+    "appo_gain_weight",
     "fillup",
     "max_depth",
 )

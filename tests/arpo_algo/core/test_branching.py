@@ -3,6 +3,7 @@ frame around a policy (budget, depth, clip to [0, cap]) holds for any policy."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,11 +12,14 @@ from arpo_algo.core.branching import (
     BRANCH_POLICIES,
     AEPOPaperRule,
     AEPOReferenceRule,
+    APPOScore,
     Candidate,
     Never,
     PaperRule,
     RandomRate,
     ReferenceRule,
+    appo_score,
+    mean_logprob_gain,
     penalty_factor,
 )
 from arpo_algo.core.tree import MODE_POLICIES, TreeConfig, branch_policy, branch_rng, num_branches
@@ -146,3 +150,83 @@ def test_the_random_rate_is_a_probability_and_a_setting():
     settings = Settings().update({"tree.branch_policy": "random", "tree.random_rate": 0.25}, "test")
     assert settings.tree.random_rate == 0.25 and settings.tree.policy_name == "random"
     assert "random_rate" in BRANCHING_KNOBS  # a sweep knob like tau, dropped for GRPO with the other branching knobs
+
+
+def test_the_appo_score_is_uncertainty_times_likelihood_gain():
+    # U = 1 - exp(-H): ln 2 nats -> 1/2, ln 4 -> 3/4; L = sigmoid(w * G): G = 0 -> 1/2, w * G = ln 3 -> 3/4
+    assert appo_score(0.0, 5.0, 1.0) == 0.0  # a certain look-ahead never scores, whatever the gain
+    assert appo_score(math.log(2), 0.0, 1.0) == pytest.approx(0.25)
+    assert appo_score(math.log(4), math.log(3), 1.0) == pytest.approx(0.5625)
+    assert appo_score(math.log(4), -math.log(3), 1.0) == pytest.approx(0.1875)
+    assert appo_score(math.log(4), 0.5 * math.log(3), 2.0) == pytest.approx(0.5625)  # w scales the gain
+    assert appo_score(math.log(4), 100.0, 0.0) == pytest.approx(0.375)  # w = 0: the entropy alone
+    # G: the look-ahead's first k log-probs over the last k sampled before the result (k = 2 here)
+    assert mean_logprob_gain([-9.0, -1.0, -3.0], [-0.5, -1.5, -9.0], 2) == pytest.approx(-1.0 - (-2.0))
+    assert mean_logprob_gain([], [-0.5], 2) == 0.0 and mean_logprob_gain([-1.0], [], 2) == 0.0
+
+
+def _appo_candidate(h_now: float, before: list[float], after: list[float], cap: int = 2) -> Candidate:
+    return Candidate(0.0, 0, 0, cap, cap, None, 0.5, h_now, None, before, after)
+
+
+def test_the_appo_policy_branches_the_cap_iff_its_score_beats_the_threshold():
+    cfg = TreeConfig(branch_factor=2, branch_policy="appo", appo_threshold=0.3, entropy_tokens=2).validate()
+    policy = branch_policy(cfg)
+    assert isinstance(policy, APPOScore) and APPOScore.lookahead and APPOScore.needs_logprobs
+    assert not APPOScore.fresh_baseline
+    ln4 = math.log(4)
+    # G = mean(-0.1, -0.1) - mean(-1.2, -1.2) = 1.1 > ln 3 (1.0986): score above 3/4 * 3/4 = 0.5625 -> the cap
+    high = _appo_candidate(ln4, [-7.0, -1.2, -1.2], [-0.1, -0.1])
+    # the same entropy, the gain reversed: 3/4 * sigmoid(-1.1) < 0.3 -> none
+    low = _appo_candidate(ln4, [-0.1, -0.1], [-1.2, -1.2, -7.0])
+    assert policy.gain(high) == pytest.approx(1.1) and policy.gain(low) == pytest.approx(-1.1)
+    assert policy.score(high) > 0.5625 > 0.3 > policy.score(low)
+    assert policy.branches(high) == 2 and policy.branches(low) == 0
+    # the threshold is strict: at ln 2 and no gain the score is exactly 1/4
+    at = _appo_candidate(math.log(2), [-1.0], [-1.0])
+    assert branch_policy(TreeConfig(branch_policy="appo", appo_threshold=0.25)).branches(at) == 0
+    assert branch_policy(TreeConfig(branch_policy="appo", appo_threshold=0.2499)).branches(at) == 2
+    # w = 0: the gain is ignored, the entropy alone decides (ln 4 -> 3/8 > 0.3)
+    flat = TreeConfig(branch_factor=2, branch_policy="appo", appo_threshold=0.3, appo_gain_weight=0.0)
+    assert branch_policy(flat).branches(low) == 2
+    # deterministic and drawless: the frame's branch RNG is left untouched
+    rng = branch_rng(0, 0, 0)
+    state = rng.getstate()
+    assert num_branches(cfg, 0.0, 0, 0, 2, rng, h_now=ln4, logprobs=[-1.2], lookahead_logprobs=[-0.1]) == 2
+    assert rng.getstate() == state
+    with pytest.raises(ValueError, match="look-ahead entropy"):
+        policy.branches(Candidate(0.0, 0, 0, 1, 1))  # no H_now: refused, not guessed
+
+
+def test_the_appo_knobs_are_checked_settings_and_sweep_knobs():
+    from arpo_algo.algorithms.settings import Settings
+    from arpo_algo.run.sweep import BRANCHING_KNOBS
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match=r"appo_threshold must be in \[0, 1\]"):
+            TreeConfig(branch_policy="appo", appo_threshold=bad).validate()
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="appo_gain_weight must be a finite number >= 0"):
+            TreeConfig(branch_policy="appo", appo_gain_weight=bad).validate()
+    with pytest.raises(ConfigError, match="appo_threshold"):
+        TreeConfig.from_dict({"branch_policy": "appo", "appo_threshold": "high"})
+    settings = Settings().update({"tree.branch_policy": "appo", "tree.appo_threshold": 0.4}, "test")
+    assert settings.tree.appo_threshold == 0.4 and settings.tree.policy_name == "appo"
+    assert {"appo_threshold", "appo_gain_weight", "random_lookahead"} <= set(BRANCHING_KNOBS)
+
+
+def test_random_lookahead_moves_the_random_decision_after_the_look_ahead():
+    assert not branch_policy(TreeConfig(branch_policy="random")).lookahead
+    late = branch_policy(TreeConfig(branch_policy="random", random_lookahead=True))
+    assert late.lookahead and not RandomRate.lookahead  # per config, not per class
+    # the draws are the same either way: one per possible clone, made iff below the rate
+    caps = [3, 1, 2] * 50
+    cfg = TreeConfig(branch_factor=3, branch_policy="random", random_rate=0.4, random_lookahead=True).validate()
+    rng = branch_rng(11, 0, 0)
+    assert branch_policy(cfg).lookahead
+    assert [num_branches(cfg, 0.0, 0, 0, c, rng) for c in caps] == _random_stream(0.4, 11, caps)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="random_lookahead must be true or false"):
+            TreeConfig(branch_policy="random", random_lookahead=bad).validate()
+    with pytest.raises(ConfigError, match="random_lookahead"):
+        TreeConfig.from_dict({"branch_policy": "random", "random_lookahead": "yes"})

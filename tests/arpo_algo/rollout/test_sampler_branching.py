@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from arpo_algo.core.tree import TreeConfig
+import pytest
+
+from arpo_algo.core.branching import appo_score
+from arpo_algo.core.tree import TreeConfig, branch_rng
 from arpo_algo.rollout import diagnostics as DIAG
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.config import RolloutsConfig
@@ -85,3 +88,62 @@ def test_a_step_measures_branches_per_candidate_opportunity_and_group(caller_dir
             == g.metrics[MK.GROUP_BRANCH_OPPORTUNITIES]
             == sum(d["cap"] for d in g.decisions)
         )
+
+
+def _first_sampled(t, at: int, k: int, values) -> list[float]:
+    """The first ``k`` values of the sampled run that starts at response position ``at`` (the look-ahead)."""
+    run = []
+    for v, m in zip(values[at:], t.trained_mask[at:]):
+        if not m or len(run) == k:
+            break
+        run.append(v)
+    return run
+
+
+def test_the_appo_policy_records_what_it_scored_and_its_decisions_replay(caller_dir, env_creator):
+    k, thr = 4, 0.0021  # the taught tiny policy is near-certain: its scores here lie around 0.002
+    tree = TreeConfig(budget=6, initial=2, branch_factor=2, branch_policy="appo", appo_threshold=thr, entropy_tokens=k)
+    groups, m = _branch_step(caller_dir, env_creator, tree)
+    decisions = [d for g in groups for d in g.decisions]
+    assert decisions and len(decisions) == m[MK.BRANCH_CANDIDATES]
+    for g in groups:
+        by_id = {t.traj_id: t for t in g.trajectories}
+        for d in g.decisions:
+            t, at = by_id[d["trajectory"]], d["at"]
+            assert d["rule"] == "appo" and d["draws"] == [] and t.trained_mask[at - 1] == 0  # after a tool result
+            # the gain is re-measured from the recorded trajectory: look-ahead over the last k sampled before
+            before = [lp for lp, msk in zip(t.old_logprobs[:at], t.trained_mask[:at]) if msk][-k:]
+            after = _first_sampled(t, at, k, t.old_logprobs)
+            gain = sum(after) / len(after) - sum(before) / len(before)
+            assert d["logprob_gain"] == pytest.approx(gain, abs=1e-9)
+            assert d["h_now"] == pytest.approx(sum(_first_sampled(t, at, k, t.entropies)) / len(after), abs=1e-6)
+            # the decision replays from the record alone
+            assert d["branches"] == (d["cap"] if appo_score(d["h_now"], d["logprob_gain"], 1.0) > thr else 0)
+    assert {d["branches"] > 0 for d in decisions} == {True, False}  # selective here: it both branches and declines
+
+
+def test_random_lookahead_decides_after_the_look_ahead_and_replays_its_draws(caller_dir, env_creator):
+    k, rate = 4, 0.5
+    tree = TreeConfig(
+        budget=6,
+        initial=2,
+        branch_factor=2,
+        branch_policy="random",
+        random_rate=rate,
+        random_lookahead=True,
+        entropy_tokens=k,
+    )
+    groups, m = _branch_step(caller_dir, env_creator, tree)
+    assert m[MK.BRANCH_CANDIDATES] >= 2 and m[MK.BRANCHES] > 0
+    for g in groups:
+        by_id = {t.traj_id: t for t in g.trajectories}
+        draws = [u for d in g.decisions for u in d["draws"]]
+        stream = branch_rng(3, 0, g.prompt_index)
+        assert draws == [stream.random() for _ in draws]  # the prompt's seeded stream, in order
+        for d in g.decisions:
+            t, at = by_id[d["trajectory"]], d["at"]
+            assert d["branches"] == sum(u < rate for u in d["draws"]) and len(d["draws"]) == d["cap"]
+            # asked after the look-ahead: the entropy it saw is the look-ahead's, the clones start at the result
+            ahead = _first_sampled(t, at, k, t.entropies)
+            assert t.trained_mask[at - 1] == 0 and d["h_now"] == pytest.approx(sum(ahead) / len(ahead), abs=1e-6)
+            assert "logprob_gain" not in d
