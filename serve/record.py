@@ -60,6 +60,55 @@ def check_episode_id(value: Any, where: str = "arpo.episode") -> str:
     return value
 
 
+def request_episode(req: Any, headers: dict[str, str], recorder: Any) -> str:
+    """Settle a chat request's episode (its ``arpo.episode`` or the ``arpo-episode`` header, which must agree) and
+    return its scope, the hash of the credential it carries. An episode on a server that records none is a 400."""
+    header = headers.get(EPISODE_HEADER)
+    if header is not None:
+        header = check_episode_id(header, f"the {EPISODE_HEADER} header")
+        if req.episode is not None and req.episode != header:
+            raise APIError(f"'arpo.episode' and the {EPISODE_HEADER} header name different episodes", param="arpo")
+        req.episode = header
+    if req.episode is not None and recorder is None:
+        raise APIError(
+            "this server records no episodes (it was started without --record DIR); leave the episode out",
+            param="arpo.episode",
+        )
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scope_of(token.strip() if scheme.lower() == "bearer" else None)
+
+
+def check_record(security: Any, record: RecordConfig | None) -> None:
+    """Refuse (before anything is deployed) a rewards key equal to the chat or admin key, a rewards key without a
+    record folder (its route would reward nothing), and a record folder that is not private."""
+    security.rewards_key()
+    if record is not None:
+        record.check()
+        private_folder(record.dir)
+    elif security.rewards_key_file:
+        raise ConfigError("a rewards key needs a record folder (arpo serve --record DIR): there is nothing to reward")
+
+
+async def post_reward(recorder: Recorder | None, request: Any, pool: Any) -> tuple[int, dict[str, Any]]:
+    """``POST /v1/rewards`` (the guard has checked the rewards key): (status, body), OpenAI-shaped on an error."""
+    import asyncio
+
+    from serve.guard import BODY_TIMEOUT_S
+
+    try:
+        if recorder is None:
+            raise APIError("this server records no episodes (arpo serve --record DIR)", status=404, code="not_found")
+        body = json.loads(await asyncio.wait_for(request.body(), BODY_TIMEOUT_S))
+        return 200, await asyncio.get_running_loop().run_in_executor(pool, recorder.post_reward, body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        err = APIError(f"the request body is not valid JSON: {e}")
+    except TimeoutError:
+        err = APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", status=408, code="timeout")
+    except APIError as e:
+        err = e
+    return err.status, err.body()
+
+
 def scope_of(credential: str | None) -> str:
     """The folder of a credential's episodes: a hash of the key (``anonymous`` on a server without one)."""
     if not credential:
@@ -123,7 +172,7 @@ class RecordConfig:
 
     def check(self) -> None:
         if self.max_bytes <= 0:
-            raise ConfigError(f"--record-max-bytes must be > 0, got {self.max_bytes}")
+            raise ConfigError(f"the record folder's size cap must be > 0 bytes, got {self.max_bytes}")
         if not math.isfinite(self.reward_deadline_s) or self.reward_deadline_s <= 0:
             raise ConfigError(f"--reward-deadline must be > 0 seconds, got {self.reward_deadline_s:g}")
 
@@ -299,7 +348,7 @@ class Recorder:
             self.counts["unscoreable"] += any(c["unscoreable"] for c in choices)
 
     # ----------------------------------------------------------------------------------------------- rewards
-    def post_reward(self, scope: str, body: Any) -> dict[str, Any]:
+    def post_reward(self, body: Any) -> dict[str, Any]:
         """Store an episode's reward (``POST /v1/rewards``); client mistakes raise :class:`APIError`."""
         if not isinstance(body, dict) or set(body) - {"episode", "reward", "turn_rewards"}:
             raise APIError("the body must be an object with 'episode', 'reward' and optionally 'turn_rewards'")
@@ -381,14 +430,16 @@ def continuation_ids(tok: Any, session: Any, prev: dict[str, Any], messages: lis
         return ids
     if "tool" in roles or "assistant" in roles:
         return None
+    # The reply's text is replaced by a mark no message holds, so where the template closes it is found whatever the
+    # reply says (empty, or text the template would also write).
+    mark = "\u2063arpo-reply\u2063"
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    plain[n] = {"role": "assistant", "content": mark}
     before = tok.apply_chat_template(plain[: n + 1], tokenize=False)
     after = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    reply = plain[n]["content"]
-    at = before.rfind(reply)
-    if not after.startswith(before) or at < 0:
+    if not after.startswith(before) or before.count(mark) != 1:
         return None
-    closing = before[at + len(reply) :]  # what the template writes after a reply: its end-of-turn mark and more
+    closing = before[before.index(mark) + len(mark) :]  # what the template writes after a reply: its end-of-turn mark
     eos = tok.eos_token or ""
     if choice["response_ids"] and choice["response_ids"][-1] == tok.eos_token_id and closing.startswith(eos):
         closing = closing[len(eos) :]  # the model wrote the end-of-turn mark itself

@@ -89,6 +89,46 @@ def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None
     return policy, admin
 
 
+def record_of(args: argparse.Namespace, key: str | None, admin_key: str | None) -> tuple[Any, str | None]:
+    """The recording settings (:class:`serve.record.RecordConfig`, None: recording off) and the rewards key (None:
+    rewards by API off). Refused before anything starts: a rewards key without a record folder, one equal to the chat
+    or admin key, a record folder other users may write."""
+    from serve.guard import REWARDS_KEY_ENV, read_key
+    from serve.record import RecordConfig, private_folder
+
+    given = getattr(args, "rewards_key", None)
+    if given is not None and getattr(args, "rewards_key_file", None) is not None:
+        raise ArpoError("give --rewards-key or --rewards-key-file, not both")
+    if given is not None:
+        rewards = given.strip() or None
+        if rewards is None:
+            raise ArpoError("--rewards-key is empty", hint=f"give a key, or set {REWARDS_KEY_ENV}")
+    else:
+        rewards = read_key(getattr(args, "rewards_key_file", None), env=REWARDS_KEY_ENV)
+    folder = getattr(args, "record", None)
+    if folder is None:
+        if rewards is not None:
+            raise ArpoError(
+                "a rewards key needs a record folder: there are no episodes to reward",
+                hint=f"add --record DIR, or unset {REWARDS_KEY_ENV}",
+            )
+        return None, None
+    for other, name in ((key, "API key"), (admin_key, "admin key")):
+        if rewards is not None and rewards == other:
+            raise ArpoError(
+                f"the rewards key is the {name}: rewards need a credential of their own",
+                hint=f"`export {REWARDS_KEY_ENV}=$(openssl rand -hex 32)`",
+            )
+    config = RecordConfig(
+        dir=str(Path(folder).resolve()),
+        max_bytes=int(args.record_max_gib * 1024**3),
+        reward_deadline_s=args.reward_deadline,
+    )
+    config.check()
+    private_folder(config.dir)
+    return config, rewards
+
+
 def security_of(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The deployment's :class:`serve.guard.Security` and the key; refuses an exposed server that is not guarded.
     Runs before anything starts (no model is loaded, Ray is not started)."""
@@ -155,9 +195,11 @@ def start(args: argparse.Namespace) -> str:
         )
 
     admin, admin_key = admin_of(args, key)
+    record, rewards_key = record_of(args, key, admin_key)
     specs = resolve(args.models)
     # the replicas (and the proxy's gate) read the keys from private files: a key is never a deployment argument
-    for secret, attr, name in ((key, "key_file", "api_key"), (admin_key, "admin_key_file", "admin_key")):
+    keys = ((key, "key_file", "api_key"), (admin_key, "admin_key_file", "admin_key"))
+    for secret, attr, name in (*keys, (rewards_key, "rewards_key_file", "rewards_key")):
         if secret is not None:
             args.key_dir = getattr(args, "key_dir", None) or tempfile.mkdtemp(prefix="arpo-serve-")
             key_path = Path(args.key_dir) / name
@@ -183,6 +225,7 @@ def start(args: argparse.Namespace) -> str:
             specs,
             security,
             user_config=config,
+            record=record,
             replicas=args.replicas,
             max_ongoing_requests=args.max_ongoing_requests,
             max_queued_requests=args.max_queued_requests,
@@ -212,6 +255,9 @@ def start(args: argparse.Namespace) -> str:
         if admin
         else "live agent changes: off (no --admin-key)"
     )
+    if record is not None:
+        rewards = "rewards by API: on (rewards key)" if rewards_key else "rewards by API: off (no --rewards-key)"
+        print(f"recording episodes: on (into {record.dir}); {rewards}")
     if args.tls_cert:
         print("TLS: on")
     elif is_loopback(args.host):
@@ -322,7 +368,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, _interrupt)
 
     _, key = security_of(args)  # an unguarded exposed server is refused before Ray starts (shutdown would start it)
-    admin_of(args, key)
+    _, admin_key = admin_of(args, key)
+    record_of(args, key, admin_key)
     if isinstance(args.replica_resources, str):
         args.replica_resources = parse_replica_resources(args.replica_resources)
     on_signals()
@@ -480,6 +527,41 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="admin_timeout",
         help=f"seconds a live change may take to load in every replica (504 beyond, nothing changed; default "
         f"{CHANGE_TIMEOUT_S:g})",
+    )
+    from serve.record import DEFAULT_MAX_BYTES, DEFAULT_REWARD_DEADLINE_S
+
+    p.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="record every request that names an episode (arpo.episode or the arpo-episode header) into DIR, "
+        "token for token, for training (off by default; DIR is made 0700, one others may write is refused)",
+    )
+    p.add_argument(
+        "--record-max-gib",
+        type=float,
+        default=DEFAULT_MAX_BYTES / 1024**3,
+        dest="record_max_gib",
+        help=f"size cap of the record folder in GiB; beyond it new turns are served but not recorded (default "
+        f"{DEFAULT_MAX_BYTES / 1024**3:g})",
+    )
+    p.add_argument(
+        "--reward-deadline",
+        type=float,
+        default=DEFAULT_REWARD_DEADLINE_S,
+        dest="reward_deadline",
+        help="seconds after an episode's last turn its reward may arrive; later it is refused and the episode "
+        f"dropped from training (default {DEFAULT_REWARD_DEADLINE_S:g})",
+    )
+    p.add_argument(
+        "--rewards-key",
+        dest="rewards_key",
+        default=None,
+        help="enable POST /v1/rewards with this key, never the API or admin key (default: $ARPO_REWARDS_KEY; "
+        "without one, rewards by API are off)",
+    )
+    p.add_argument(
+        "--rewards-key-file", dest="rewards_key_file", default=None, help="read the rewards key from this file"
     )
     p.add_argument(
         "--allowed-hosts",

@@ -31,8 +31,8 @@ SCOPE = scope_of("client-key")
 class Engine(ScriptedEngine):
     """The scripted engine, keeping each request it was given with what it sampled."""
 
-    def __init__(self):
-        super().__init__(calls=(1, 1))
+    def __init__(self, calls=(1, 1)):
+        super().__init__(calls=calls)
         self.log = []
 
     def generate(self, requests, *, on_token=None):
@@ -42,8 +42,8 @@ class Engine(ScriptedEngine):
 
 
 @pytest.fixture()
-def agent():
-    engine = Engine()
+def agent(request):
+    engine = Engine(getattr(request, "param", (1, 1)))
     a = Agent(AgentSpec(name="m", model_path="", session=SESSION), front=BatchingEngine(engine))
     a.engine = engine
     yield a
@@ -139,6 +139,22 @@ def test_an_eight_turn_conversation_is_one_segment_extending_token_for_token(age
     assert recorder.counts["continued"] == 7 and recorder.counts["new_segments"] == 1
 
 
+@pytest.mark.parametrize("agent", [(0, 0)], indirect=True)
+def test_without_tool_results_a_continued_prompt_is_the_chat_templates(agent, recorder):
+    """Where re-rendering the history gives the same ids (a reply of plain text, a character tokenizer), the
+    continued prompt is exactly the chat template's: the reply's end-of-turn mark is neither doubled nor lost."""
+    from arpo_algo.rollout.layout import prompt_ids
+
+    messages = [user("Q")]
+    for k in range(3):
+        out, _ = ask(agent, recorder, messages)
+        messages = [*messages, {"role": "assistant", "content": out["choices"][0]["message"]["content"]}, user(f"{k}")]
+    recs = turns(recorder)
+    assert [t["continues"] for t in recs] == [False, True, True]
+    system = {"role": "system", "content": agent.session.system_prompt()}
+    assert recs[2]["prompt_ids"] == prompt_ids(agent.tok, [system, *messages[:-2]])
+
+
 def test_a_rewritten_history_starts_a_new_segment(agent, recorder):
     out, _ = ask(agent, recorder, [user("Compute something.")])
     reply = out["choices"][0]["message"]["content"]
@@ -213,7 +229,7 @@ def test_rewards_missing_repeated_non_finite_late_and_dropped(agent, recorder):
 
     def status(body):
         with pytest.raises(APIError) as e:
-            recorder.post_reward(SCOPE, body)
+            recorder.post_reward(body)
         return e.value.status, e.value.code
 
     for bad in (math.inf, -math.inf, math.nan, "1", True, None):
@@ -221,7 +237,7 @@ def test_rewards_missing_repeated_non_finite_late_and_dropped(agent, recorder):
     assert status({"episode": ep, "reward": 1.0, "turn_rewards": [1.0, 2.0]})[0] == 400
     assert status({"episode": f"{SCOPE}/nobody", "reward": 1.0}) == (404, "not_found")
     assert status({"episode": ep, "reward": 1.0, "extra": 1})[0] == 400
-    assert recorder.post_reward(SCOPE, {"episode": ep, "reward": 0.5, "turn_rewards": [0.25]})["turns"] == 1
+    assert recorder.post_reward({"episode": ep, "reward": 0.5, "turn_rewards": [0.25]})["turns"] == 1
     assert status({"episode": ep, "reward": 1.0}) == (409, "conflict")
     out, _ = ask(agent, recorder, [user("Q")], episode="paid")  # a rewarded episode records nothing more
     assert out["choices"][0]["message"]["arpo"]["record"]["reason"] == "the episode is already rewarded"
