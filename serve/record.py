@@ -35,6 +35,7 @@ from typing import Any
 
 from arpo_algo.rollout.layout import observation_ids
 from arpo_base.errors import ConfigError
+from arpo_base.paths import fsync_dir
 from serve.errors import APIError
 
 log = logging.getLogger("arpo.serve.record")
@@ -133,14 +134,6 @@ def private_folder(path: str | Path) -> Path:
             f"the record folder {p} is writable by other users (they could forge episodes)", hint=f"chmod 700 {p}"
         )
     return p
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -335,7 +328,7 @@ class Recorder:
             finally:
                 os.close(fd)
             if fresh or turn.index == 0:
-                _fsync_dir(turn.path.parent)
+                fsync_dir(turn.path.parent)
         except OSError as e:
             turn.refused = f"writing the record failed: {e.strerror}"
             self._refuse(turn)
@@ -406,7 +399,7 @@ class Recorder:
             return False
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return True
 
 

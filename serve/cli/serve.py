@@ -50,6 +50,20 @@ def _key(args: argparse.Namespace) -> str | None:
     return read_key(args.api_key_file)
 
 
+def _own_key(args: argparse.Namespace, name: str, env: str) -> str | None:
+    """A key of its own (``--NAME-key``, ``--NAME-key-file`` or the variable ``env``), or None when none is given."""
+    from serve.guard import read_key
+
+    given = getattr(args, f"{name}_key", None)
+    if given is not None and getattr(args, f"{name}_key_file", None) is not None:
+        raise ArpoError(f"give --{name}-key or --{name}-key-file, not both")
+    if given is None:
+        return read_key(getattr(args, f"{name}_key_file", None), env=env)
+    if not given.strip():
+        raise ArpoError(f"--{name}-key is empty", hint=f"give a key, or set {env}")
+    return given.strip()
+
+
 def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None]:
     """The live-change policy (:class:`serve.admin.AdminPolicy`) and the administration key, or (None, None): live
     changes are off without an admin key. Refused: an admin key equal to the chat key, a key without a root, a root
@@ -57,17 +71,9 @@ def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None
     import os
 
     from serve.admin import AdminPolicy
-    from serve.guard import ADMIN_KEY_ENV, read_key
+    from serve.guard import ADMIN_KEY_ENV
 
-    given = getattr(args, "admin_key", None)
-    if given is not None and getattr(args, "admin_key_file", None) is not None:
-        raise ArpoError("give --admin-key or --admin-key-file, not both")
-    if given is not None:
-        admin = given.strip() or None
-        if admin is None:
-            raise ArpoError("--admin-key is empty", hint=f"give a key, or set {ADMIN_KEY_ENV}")
-    else:
-        admin = read_key(getattr(args, "admin_key_file", None), env=ADMIN_KEY_ENV)
+    admin = _own_key(args, "admin", ADMIN_KEY_ENV)
     roots = list(getattr(args, "admin_root", None) or [])
     if admin is None:
         if roots:
@@ -93,18 +99,10 @@ def record_of(args: argparse.Namespace, key: str | None, admin_key: str | None) 
     """The recording settings (:class:`serve.record.RecordConfig`, None: recording off) and the rewards key (None:
     rewards by API off). Refused before anything starts: a rewards key without a record folder, one equal to the chat
     or admin key, a record folder other users may write."""
-    from serve.guard import REWARDS_KEY_ENV, read_key
+    from serve.guard import REWARDS_KEY_ENV
     from serve.record import RecordConfig, private_folder
 
-    given = getattr(args, "rewards_key", None)
-    if given is not None and getattr(args, "rewards_key_file", None) is not None:
-        raise ArpoError("give --rewards-key or --rewards-key-file, not both")
-    if given is not None:
-        rewards = given.strip() or None
-        if rewards is None:
-            raise ArpoError("--rewards-key is empty", hint=f"give a key, or set {REWARDS_KEY_ENV}")
-    else:
-        rewards = read_key(getattr(args, "rewards_key_file", None), env=REWARDS_KEY_ENV)
+    rewards = _own_key(args, "rewards", REWARDS_KEY_ENV)
     folder = getattr(args, "record", None)
     if folder is None:
         if rewards is not None:
