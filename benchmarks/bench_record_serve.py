@@ -6,7 +6,9 @@ the same with and without recording) answers rounds of ``--clients`` concurrent 
 and off in the order on, off, off, on, ... (drift of a shared machine falls on both sides); recording on, each
 conversation is an episode, so turns after the first are rendered from the recorded ids and every turn's log-probs
 are asked of the engine. Reported: completion tokens per second on each side (summed over the timed rounds) and
-their ratio, with the CPU flags.
+their ratio, with the CPU flags; and the time the recorder itself took (rendering a continued prompt, writing and
+fsyncing the turn; timed around it) as a share of the recorded rounds' wall time: the direct measure, which the
+noise of a shared machine does not blur.
 
     python -m benchmarks.bench_record_serve --pairs 3 --out record_serve.json
 """
@@ -23,6 +25,31 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_record_trees import cpu_flags
+
+
+def timed_recorder(config: Any) -> Any:
+    """A :class:`serve.record.Recorder` that adds the seconds its request-path work takes to ``spent``."""
+    from serve.record import Recorder
+
+    class Timed(Recorder):
+        spent = 0.0
+        lock = threading.Lock()
+
+        def _timed(self, fn: Any, *a: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                with self.lock:
+                    Timed.spent += time.perf_counter() - t
+
+        def render(self, *a: Any) -> Any:
+            return self._timed(super().render, *a)
+
+        def finish(self, *a: Any) -> Any:
+            return self._timed(super().finish, *a)
+
+    return Timed(config)
 
 
 def _conversation(agent: Any, recorder: Any, episode: str, turns: int, max_tokens: int) -> int:
@@ -49,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from arpo_algo.models import build_tiny_model
     from serve.agents import AgentSpec
     from serve.batching import BatchingEngine
-    from serve.record import RecordConfig, Recorder
+    from serve.record import RecordConfig
     from serve.runtime import Agent
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         front = BatchingEngine(build_engine("hf", model_or_path=model))
         agent = Agent(AgentSpec(name="m", model_path=model, session={"tools": {"python": {}}}), front=front)
-        recorder = Recorder(RecordConfig(str(Path(tmp) / "episodes")))
+        recorder = timed_recorder(RecordConfig(str(Path(tmp) / "episodes")))
         order = (["on", "off", "off", "on"] * args.pairs)[: 2 * args.pairs]
         totals = {"on": [0, 0.0], "off": [0, 0.0]}  # tokens, seconds
         pool = ThreadPoolExecutor(args.clients)
@@ -77,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i in range(args.warmup + len(order)):
                 mode = "on" if i < args.warmup else order[i - args.warmup]
                 rec = recorder if mode == "on" else None
+                if i == args.warmup:
+                    type(recorder).spent = 0.0  # the timed rounds only
                 t = time.perf_counter()
                 futures = [
                     pool.submit(_conversation, agent, rec, f"r{i}c{c}", args.turns, args.max_tokens)
@@ -96,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_on_off": rate["on"] / rate["off"],
         "tokens_on": totals["on"][0],
         "tokens_off": totals["off"][0],
+        "recorder_s": type(recorder).spent,
+        "recorder_share_on": type(recorder).spent / totals["on"][1],
         "turns_recorded": recorder.counts["turns"],
         "turns_continued": recorder.counts["continued"],
         "clients": args.clients,
@@ -108,7 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"recording on: {rate['on']:.1f} tok/s, off: {rate['off']:.1f} tok/s, ratio on/off {result['ratio_on_off']:.3f}"
-        f" ({result['turns_continued']} of {result['turns_recorded']} recorded turns continued their episode)"
+        f" ({result['turns_continued']} of {result['turns_recorded']} recorded turns continued their episode);"
+        f" the recorder's own work: {result['recorder_s']:.3f} s, {100 * result['recorder_share_on']:.2f} % of the"
+        " recorded rounds' wall time"
         f"\n{args.clients} clients x {args.turns} turns, max_tokens {args.max_tokens}, {args.pairs} pairs; "
         f"{args.threads} torch threads; CPU flags: {result['cpu']}; torch {result['torch']}"
     )

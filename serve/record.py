@@ -185,6 +185,7 @@ class Turn:
     logprob_problem: str | None = None
     started: float = field(default_factory=time.time)
     refused: str | None = None  # why this turn is not recorded (the request is still served)
+    unscoreable: int = 0  # choices the learner cannot score
 
     def public(self) -> dict[str, Any]:
         """What a reply says about its turn (``message.arpo.record``)."""
@@ -196,6 +197,7 @@ class Turn:
             "turn": self.index,
             "segment": self.segment,
             "continues": self.continues,
+            "unscoreable": self.unscoreable,
         }
 
 
@@ -338,7 +340,8 @@ class Recorder:
             self._last[turn.path] = (turn.path.stat().st_size, line)
             self.counts["turns"] += 1
             self.counts["continued" if turn.continues else "new_segments"] += 1
-            self.counts["unscoreable"] += any(c["unscoreable"] for c in choices)
+            turn.unscoreable = sum(bool(c["unscoreable"]) for c in choices)
+            self.counts["unscoreable"] += bool(turn.unscoreable)
 
     # ----------------------------------------------------------------------------------------------- rewards
     def post_reward(self, body: Any) -> dict[str, Any]:

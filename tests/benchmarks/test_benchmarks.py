@@ -483,6 +483,7 @@ def test_bench_record_serve_serves_both_sides_and_continues_the_episodes(tiny_mo
     )
     assert res["tokens_on"] > 0 and res["tokens_off"] > 0 and res["ratio_on_off"] > 0
     assert (res["turns_recorded"], res["turns_continued"]) == (4, 2)  # every later turn continued its episode
+    assert 0 < res["recorder_share_on"] < 1
 
 
 def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path):

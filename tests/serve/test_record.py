@@ -110,6 +110,7 @@ def test_recorded_ids_are_what_the_engine_sampled_n_and_streaming(agent, recorde
                 "turn": 0,
                 "segment": 0,
                 "continues": False,
+                "unscoreable": 0,
             }
             assert choice["logprobs"] is None  # the client did not ask; the record has them anyway
         assert turn["sampling"]["temperature"] == 1.0 and turn["sampling"]["n"] == 3
@@ -174,6 +175,8 @@ def test_unscoreable_turns_are_kept_marked_and_counted(agent, recorder):
     assert short["choices"][0]["unscoreable"] == "truncated by the length limit"
     assert "top_p 0.9" in nucleus["choices"][0]["unscoreable"]
     assert recorder.counts["unscoreable"] == 2 and recorder.counts["turns"] == 2
+    out, _ = ask(agent, recorder, [user("Q")], episode="greedy", temperature=0, n=2)
+    assert out["choices"][0]["message"]["arpo"]["record"]["unscoreable"] == 2  # the reply says so too
 
 
 def test_episodes_are_scoped_to_the_credential_and_ids_are_checked(agent, recorder):

@@ -141,3 +141,24 @@ def test_new_replicas_continue_an_episode_token_for_token(server):
     assert (second["turn"], second["segment"], second["continues"]) == (1, 0, True)
     head = first["prompt_ids"] + first["choices"][0]["response_ids"]
     assert second["prompt_ids"][: len(head)] == head
+    assert record_outcomes(server).get("continued", 0) >= 1  # counted where an operator looks
+
+
+def record_outcomes(srv, timeout_s=60.0):
+    """``arpo_serve_record_turns_total`` by outcome, once its export shows a continued turn (or after timeout_s)."""
+    import re
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv['metrics_port']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        counts: dict = {}
+        for line in text.splitlines():
+            m = re.search(r'outcome="(\w+)"', line)
+            if "arpo_serve_record_turns_total{" in line and not line.startswith("#") and m:  # Ray adds a prefix
+                counts[m.group(1)] = counts.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+        if "continued" in counts or time.monotonic() > deadline:
+            return counts
+        time.sleep(1.0)
