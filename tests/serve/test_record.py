@@ -57,7 +57,7 @@ def recorder(tmp_path):
 
 def ask(agent, recorder, messages, episode="ep1", stream=False, scope=SCOPE, **extra):
     body = {"model": "m", "messages": messages, "max_tokens": 300, **extra}
-    if episode is not None:
+    if episode is not None and "arpo" not in extra:
         body["arpo"] = {"episode": episode}
     job = agent.prepare(parse_chat_request(json.dumps(body)), recorder, scope)
     events = []
@@ -154,6 +154,21 @@ def test_without_tool_results_a_continued_prompt_is_the_chat_templates(agent, re
     assert [t["continues"] for t in recs] == [False, True, True]
     system = {"role": "system", "content": agent.session.system_prompt()}
     assert recs[2]["prompt_ids"] == prompt_ids(agent.tok, [system, *messages[:-2]])
+
+
+def test_a_client_side_tool_round_continues_even_when_the_client_drops_the_calls_text(agent, recorder):
+    """OpenAI's SDKs send an assistant tool call back as ``tool_calls`` with no content: still the recorded reply, so
+    the tool result is appended to its recorded ids."""
+    out, _ = ask(agent, recorder, [user("Q")], arpo={"episode": "ep1", "tool_mode": "client"})
+    msg = out["choices"][0]["message"]
+    assert msg["tool_calls"], msg
+    back = {"role": "assistant", "content": None, "tool_calls": msg["tool_calls"]}
+    result = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "8"}
+    ask(agent, recorder, [user("Q"), back, result], arpo={"episode": "ep1", "tool_mode": "client"})
+    first, second = turns(recorder)
+    assert second["continues"] and second["segment"] == 0
+    head = first["prompt_ids"] + first["choices"][0]["response_ids"]
+    assert second["prompt_ids"][: len(head)] == head and len(second["prompt_ids"]) > len(head)
 
 
 def test_a_rewritten_history_starts_a_new_segment(agent, recorder):
