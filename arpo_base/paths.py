@@ -40,3 +40,12 @@ def source_checkout(package_dir: Path | None = None) -> Path | None:
     except OSError:
         pass
     return None
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries durable (a file created, linked or renamed in it survives a crash once this returns)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

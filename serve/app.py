@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from serve.guard import (
     refuse_route_prefix,
 )
 from serve.openai_api import function_call_item, function_output_item
+from serve.record import RecordConfig, Recorder, check_record, post_reward, request_episode
 from serve.schema import APIError, parse_chat_request
 
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -159,6 +161,7 @@ class AgentServer:
         security: dict[str, Any] | None = None,
         max_queued_requests: int = DEFAULTS["max_queued_requests"],
         retry_after_s: float = DEFAULTS["retry_after_s"],
+        record: dict[str, Any] | None = None,
     ):
         from serve.metrics import ServeMetrics
 
@@ -174,6 +177,7 @@ class AgentServer:
         self.agents = self.set.agents  # name -> serve.runtime.Agent (the set changes it in place)
         self.admission = Admission(max_ongoing_requests, max_queued_requests)
         self.retry_after_s = retry_after_s
+        self.recorder = Recorder(RecordConfig(**record)) if record else None  # episodes (arpo serve --record)
         self.load_error: str | None = None
         self.loaded = threading.Event()
         # One thread per admitted request (its agent loop blocks on the batching front), plus some slack.
@@ -315,11 +319,20 @@ class AgentServer:
     def page(self) -> HTMLResponse:
         return HTMLResponse(self.page, headers={"Content-Security-Policy": self.page_csp})
 
-    def _prepare(self, raw: bytes) -> tuple[Any, Any, Any]:
+    def _prepare(self, raw: bytes, headers: dict[str, str]) -> tuple[Any, Any, Any]:
         """Parse and tokenize (in a worker thread: a large body must not stall the event loop)."""
         req = parse_chat_request(raw)
+        scope = request_episode(req, headers, self.recorder)
         agent = self._agent(req.model)
-        return req, agent, agent.prepare(req)
+        return req, agent, agent.prepare(req, self.recorder, scope)
+
+    @api.post("/v1/rewards")
+    async def rewards(self, request: Request) -> JSONResponse:
+        """Post an episode's reward (``{"episode", "reward", "turn_rewards"?}``), with the rewards key only."""
+        t0 = time.perf_counter()
+        status, out = await post_reward(self.recorder, request, self.pool)
+        self.metrics.request("-", str(status), time.perf_counter() - t0)
+        return JSONResponse(out, status_code=status)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
@@ -341,18 +354,18 @@ class AgentServer:
             return _error(err, self.retry_after_s)
         handed_over = False  # a stream leaves its slot when it ends; everything else when this returns
         try:
-            response = await self._chat(raw, t0, deadline)
+            response = await self._chat(raw, t0, deadline, dict(request.headers))
             handed_over = isinstance(response, StreamingResponse)
             return response
         finally:
             if not handed_over:
                 self.admission.leave()
 
-    async def _chat(self, raw: bytes, t0: float, deadline: float) -> Any:
+    async def _chat(self, raw: bytes, t0: float, deadline: float, headers: dict[str, str]) -> Any:
         loop = asyncio.get_running_loop()
         model = "-"
         try:
-            req, agent, job = await loop.run_in_executor(self.pool, self._prepare, raw)
+            req, agent, job = await loop.run_in_executor(self.pool, self._prepare, raw, headers)
             model = req.model
         except Exception as e:  # noqa: BLE001 - a client mistake (APIError) or a fault: both answered as JSON
             err = e if isinstance(e, APIError) else _internal(e, "preparing the request")
@@ -532,7 +545,11 @@ def admission_limits(max_ongoing_requests: int | None, max_queued_requests: int 
 
 
 def build_app(
-    specs: list[AgentSpec], security: Security | None = None, user_config: dict[str, Any] | None = None, **options: Any
+    specs: list[AgentSpec],
+    security: Security | None = None,
+    user_config: dict[str, Any] | None = None,
+    record: RecordConfig | None = None,
+    **options: Any,
 ) -> Any:
     """The Serve application for these agents (``serve.run(build_app(...), route_prefix="/")``).
 
@@ -541,6 +558,7 @@ def build_app(
     """
     security = security or Security()
     security.key()
+    check_record(security, record)
     check_agents(specs)
     opts = deployment_options(**options)
     running, waiting = admission_limits(options.get("max_ongoing_requests"), options.get("max_queued_requests"))
@@ -551,6 +569,7 @@ def build_app(
         security.to_dict(),
         waiting,
         DEFAULTS["retry_after_s"] if retry is None else retry,
+        None if record is None else asdict(record),
     )
     deployment = AgentServer.options(**opts)
     if user_config is not None:  # the agents served live (reconfigure); ``specs`` are loaded first

@@ -31,6 +31,8 @@ from arpo_base.errors import ConfigError
 KEY_ENV = "ARPO_API_KEY"
 #: The administration key (``arpo serve --admin-key``): it alone may change the agents; never the chat key.
 ADMIN_KEY_ENV = "ARPO_ADMIN_KEY"
+#: The rewards key (``arpo serve --rewards-key``): it alone may post episode rewards; never the chat or admin key.
+REWARDS_KEY_ENV = "ARPO_REWARDS_KEY"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 REQUEST_TIMEOUT_S = 300.0
 #: How long a client may take to send its request body: it is read in full, under this deadline, before the request
@@ -84,6 +86,8 @@ class Security:
         checks: False only to measure what the checks cost (``benchmarks/bench_serve.py``); no CLI flag sets it.
         admin_key_file: A file holding the administration key (:data:`ADMIN_PATHS` need it); None: no such file,
             and live changes are off (``ARPO_ADMIN_KEY`` is read only by ``arpo serve``, which writes this file).
+        rewards_key_file: A file holding the rewards key (:data:`REWARDS_PATHS` need it); None: rewards by API are off
+            (``ARPO_REWARDS_KEY`` is read only by ``arpo serve``, which writes this file).
     """
 
     key_file: str | None = None
@@ -95,6 +99,7 @@ class Security:
     request_timeout_s: float = REQUEST_TIMEOUT_S
     checks: bool = True
     admin_key_file: str | None = None
+    rewards_key_file: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +127,20 @@ class Security:
                 hint="`export ARPO_ADMIN_KEY=$(openssl rand -hex 32)`",
             )
         return admin
+
+    def rewards_key(self) -> str | None:
+        """The rewards key, or None (rewards by API off). Refused when it is the chat key or the admin key: a client
+        that may chat must not thereby be able to reward its own episodes."""
+        if not self.rewards_key_file:
+            return None
+        rewards = read_key(self.rewards_key_file)
+        for other, name in ((read_key(self.key_file), "API key"), (self.admin_key(), "admin key")):
+            if hmac.compare_digest(rewards.encode(), (other or "").encode()):
+                raise ConfigError(
+                    f"the rewards key is the {name}: rewards need a credential of their own",
+                    hint="`export ARPO_REWARDS_KEY=$(openssl rand -hex 32)`",
+                )
+        return rewards
 
     def hosts(self) -> frozenset[str]:
         # Loopback names are always accepted: only a client on this machine sends them (a rebinding page sends its
@@ -158,6 +177,9 @@ OPEN_PATHS = frozenset({"/", "/health"})
 #: Routes that change or describe what is served: the administration key only (the chat key never opens them), and
 #: refused (403) on a server started without one.
 ADMIN_PATHS = frozenset({"/v1/agents"})
+#: Routes that post episode rewards: the rewards key only (neither the chat nor the admin key opens them), and refused
+#: (403) on a server started without one.
+REWARDS_PATHS = frozenset({"/v1/rewards"})
 #: Headers the checks read: one of each, or the request is refused (two values would leave the choice to whichever
 #: layer reads them, "first wins" here and "last wins" there).
 SINGLE_HEADERS = ("host", "origin", "authorization", "content-type", "content-length", "transfer-encoding")
@@ -191,6 +213,7 @@ class Policy:
         self.open_paths = open_paths  # routes reachable without the key; every other route needs it
         self.key = security.key()
         self.admin_key = security.admin_key()
+        self.rewards_key = security.rewards_key()
         self.hosts = security.hosts()
         self.scheme = "https" if security.tls else "http"
         self.max_body = security.max_body_bytes
@@ -227,6 +250,8 @@ class Policy:
             raise Refusal(403, f"cross-origin requests are refused (Origin {origin!r})", "origin_not_allowed")
         if path in ADMIN_PATHS:
             self.check_admin(headers)
+        elif path in REWARDS_PATHS:
+            self.check_rewards(headers)
         elif path not in self.open_paths and not self.authorized(headers):
             raise Refusal(
                 401,
@@ -249,19 +274,12 @@ class Policy:
     def check_admin(self, headers: dict[str, str]) -> None:
         """Raise :class:`Refusal` unless the request carries the administration key: 403 on a server without one
         (live changes are off), 401 for any other credential, the chat key included."""
-        if self.admin_key is None:
-            raise Refusal(
-                403,
-                "live agent changes are off on this server (arpo serve --admin-key enables them)",
-                "admin_disabled",
-            )
-        if not self.admin_authorized(headers):
-            raise Refusal(
-                401,
-                "Incorrect or missing admin key: send the header 'Authorization: Bearer ADMIN_KEY'",
-                "invalid_admin_key",
-                {"WWW-Authenticate": "Bearer"},
-            )
+        _own_key(self.admin_key, headers, "live agent changes", "--admin-key", "admin")
+
+    def check_rewards(self, headers: dict[str, str]) -> None:
+        """Raise :class:`Refusal` unless the request carries the rewards key: 403 on a server without one, 401 for
+        any other credential (the chat and admin keys included)."""
+        _own_key(self.rewards_key, headers, "rewards by API", "--rewards-key", "rewards")
 
     def too_slow(self) -> Refusal:
         return Refusal(
@@ -273,6 +291,19 @@ class Policy:
 
     def too_large(self) -> Refusal:
         return Refusal(413, f"the request body exceeds {self.max_body} bytes", "request_too_large")
+
+
+def _own_key(key: str | None, headers: dict[str, str], what: str, flag: str, name: str) -> None:
+    """The check of a route with a key of its own: 403 when the server has none, 401 for any other credential."""
+    if key is None:
+        raise Refusal(403, f"{what} are off on this server (arpo serve {flag} enables them)", f"{name}_disabled")
+    if not _bearer(headers, key):
+        raise Refusal(
+            401,
+            f"Incorrect or missing {name} key: send the header 'Authorization: Bearer {name.upper()}_KEY'",
+            f"invalid_{name}_key",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
 
 _POLICY: list[Policy] = []  # the replica's policy, installed by its constructor before any request is served

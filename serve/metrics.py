@@ -11,6 +11,9 @@ Ray exports them with its other metrics (the ``/metrics`` endpoint of each node'
   completion tokens: they are part of the response).
 * ``arpo_serve_tool_calls_total{model, tool, outcome}``: tool calls run by the server loop (``ok`` / ``error``) or
   handed to the client (``client``).
+* ``arpo_serve_record_turns_total{model, outcome}``: turns of recorded episodes (``arpo serve --record``):
+  ``continued`` (extending the episode's last turn token for token), ``new_segment``, ``refused`` (served, not
+  recorded: the folder full, the episode rewarded), and ``unscoreable`` (recorded, a choice the learner cannot score).
 * ``arpo_serve_request_latency_s{model}``: request latency (histogram, seconds; streams: until the last event).
 """
 
@@ -24,7 +27,7 @@ LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 
 
 class ServeMetrics:
-    """The four metrics above; one instance per replica."""
+    """The five metrics above; one instance per replica."""
 
     def __init__(self) -> None:
         self.requests = metrics.Counter(
@@ -35,6 +38,9 @@ class ServeMetrics:
         )
         self.tool_calls = metrics.Counter(
             "arpo_serve_tool_calls_total", description="tool calls", tag_keys=("model", "tool", "outcome")
+        )
+        self.record_turns = metrics.Counter(
+            "arpo_serve_record_turns_total", description="turns of recorded episodes", tag_keys=("model", "outcome")
         )
         self.latency = metrics.Histogram(
             "arpo_serve_request_latency_s",
@@ -59,4 +65,10 @@ class ServeMetrics:
                 self.tool_calls.inc(1, tags={"model": model, "tool": str(call.get("tool")), "outcome": outcome})
             for call in msg.get("tool_calls") or []:
                 self.tool_calls.inc(1, tags={"model": model, "tool": call["function"]["name"], "outcome": "client"})
+        record = result["choices"][0]["message"].get("arpo", {}).get("record") if result["choices"] else None
+        if record is not None:
+            outcome = "refused" if not record["recorded"] else "continued" if record["continues"] else "new_segment"
+            self.record_turns.inc(1, tags={"model": model, "outcome": outcome})
+            if record.get("unscoreable"):
+                self.record_turns.inc(1, tags={"model": model, "outcome": "unscoreable"})
         self.request(model, "200", seconds)  # last: a request is counted once, as 200 only when all of it went well

@@ -65,6 +65,7 @@ class Job:
     max_tool_calls: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    turn: Any = None  # the episode turn this request records (serve.record.Turn), or None
 
 
 class EngineFailure(RuntimeError):
@@ -214,8 +215,10 @@ class Agent:
         self._count = threading.Lock()
 
     # --------------------------------------------------------------------------------------------- request -> job
-    def prepare(self, req: ChatRequest) -> Job:
-        """Token ids and settings for ``req``; client mistakes raise :class:`APIError` (400)."""
+    def prepare(self, req: ChatRequest, recorder: Any = None, scope: str = "") -> Job:
+        """Token ids and settings for ``req``; client mistakes raise :class:`APIError` (400). With a ``recorder``
+        and an episode, a history that continues a recorded reply is rendered from its recorded ids
+        (:mod:`serve.record`)."""
         limit = self.session.config["max_tool_calls"]
         per_choice = limit if req.max_tool_calls is None else min(limit, req.max_tool_calls)
         if req.n * per_choice > MAX_REQUEST_TOOL_CALLS:
@@ -246,6 +249,10 @@ class Agent:
                 prior += 1
             else:
                 raise APIError(f"a {m['role']} message cannot follow the last user message", param="messages")
+        turn = None
+        if recorder is not None and req.episode:
+            turn, ids = recorder.render(self, req, scope, ids)
+            turn.logprob_problem = logprob_problem(self.spec.engine, self.spec.engine_settings, req.temperature)
         ceiling = self.spec.max_tokens_limit
         if req.max_tokens is not None and req.max_tokens > ceiling:
             raise APIError(
@@ -284,6 +291,7 @@ class Agent:
             max_tool_calls=req.max_tool_calls,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
+            turn=turn,
         )
 
     # -------------------------------------------------------------------------------------------------- running
@@ -338,8 +346,9 @@ class Agent:
 
         seeds = None if job.seed is None else [functools.partial(choice_seed, job.seed, j) for j in range(job.n)]
         view: Any = self.front.view(cancel, self.adapter)
-        if job.logprobs:
-            view = LogprobRecorder(view, job.n, job.top_logprobs, emit)
+        recording = job.turn is not None and not job.turn.refused
+        if job.logprobs or (recording and not job.turn.logprob_problem):  # a recorded turn keeps its log-probs
+            view = LogprobRecorder(view, job.n, job.top_logprobs, emit if job.logprobs else None, job.logprobs)
         try:
             traces = run_agents(
                 view,
@@ -365,9 +374,13 @@ class Agent:
             choice = self._choice(j, trace, sess, job)
             if job.logprobs:
                 choice["logprobs"] = {"content": view.entries[j], "refusal": None}
+            choices.append(choice)
+        if job.turn is not None:
+            values = view.values if isinstance(view, LogprobRecorder) else None
+            job.turn.recorder.finish(self.spec, job, traces, choices, values)
+        for j, choice in enumerate(choices):
             if emit:
                 emit("done", j, choice)
-            choices.append(choice)
         completion = sum(len(t.response_ids) for t in traces)
         return {
             "choices": choices,
@@ -430,16 +443,20 @@ class LogprobRecorder:
     generation's entries as it returns (``emit("logprobs", i, entries)``): a stream's entries add up to the
     non-streaming ones."""
 
-    def __init__(self, view: Any, n: int, top: int, emit: Any = None) -> None:
-        self.view, self.top, self.emit = view, top, emit
+    def __init__(self, view: Any, n: int, top: int, emit: Any = None, entries: bool = True) -> None:
+        self.view, self.top, self.emit, self.with_entries = view, top, emit, entries
         self.tokenizer = view.tokenizer
         self.max_context = view.max_context
         self.entries: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.values: list[list[float]] = [[] for _ in range(n)]  # the sampled tokens' log-probs, for the record
 
     def generate(self, requests: list[Any], *, on_token: Any = None) -> list[Any]:
         gens = self.view.generate(requests, on_token=on_token)
         for gen in gens:
             i = gen.request_id[0]  # the agent loop's ids: (conversation, request number)
+            self.values[i] += gen.logprobs
+            if not self.with_entries:
+                continue
             new = logprob_entries(self.tokenizer, gen, self.top)
             self.entries[i] += new
             if self.emit is not None and new:

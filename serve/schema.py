@@ -16,6 +16,7 @@ from typing import Any
 from arpo_base.options import closest
 from serve.errors import APIError as APIError  # where every module of serve finds it
 from serve.openai_api import NEUTRAL, NEUTRAL_ONLY, check_fields, check_logprobs, check_tool_shapes
+from serve.record import check_episode_id
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: Bounds of one request (docs/security.md): each keeps one client from taking a replica's memory or time.
@@ -47,7 +48,7 @@ KNOWN = {
     "top_logprobs",
     "arpo",
 }
-ARPO_KEYS = {"tool_mode", "max_tool_calls"}
+ARPO_KEYS = {"tool_mode", "max_tool_calls", "episode"}
 
 
 @dataclass
@@ -69,6 +70,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: list[dict[str, Any]] = field(default_factory=list)
+    episode: str | None = None
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -273,4 +275,5 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         tools=tools,
+        episode=None if ext.get("episode") is None else check_episode_id(ext["episode"]),
     )

@@ -29,6 +29,7 @@ from arpo_algo.models.card import base_model_record, write_model_card
 from arpo_algo.models.checkpoints import CHECKPOINT_MARKER
 from arpo_algo.models.policy_env import write_policy_env
 from arpo_base.errors import ArpoError, ConfigError
+from arpo_base.paths import fsync_dir
 
 #: Bumped whenever the checkpoint layout or state keys change incompatibly.
 CHECKPOINT_FORMAT = 2
@@ -109,14 +110,6 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(folder))
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_state(path: Path, config: Any, **state: Any) -> None:

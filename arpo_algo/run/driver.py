@@ -60,7 +60,7 @@ TRAIN_REWARD, EVAL_ACCURACY = MK.TRAIN + MK.REWARD_MEAN, MK.EVALUATION + MK.ACCU
 
 def save_checkpoint(algo: Any, ckpt_root: Path, keep: int) -> Path:
     """Save atomically (write and fsync a hidden temp folder, then rename) and keep the newest ``keep`` checkpoints."""
-    from arpo_algo.algorithms.checkpoint import fsync_dir
+    from arpo_base.paths import fsync_dir
 
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"{CHECKPOINT_PREFIX}{algo.iteration:06d}"

@@ -50,6 +50,20 @@ def _key(args: argparse.Namespace) -> str | None:
     return read_key(args.api_key_file)
 
 
+def _own_key(args: argparse.Namespace, name: str, env: str) -> str | None:
+    """A key of its own (``--NAME-key``, ``--NAME-key-file`` or the variable ``env``), or None when none is given."""
+    from serve.guard import read_key
+
+    given = getattr(args, f"{name}_key", None)
+    if given is not None and getattr(args, f"{name}_key_file", None) is not None:
+        raise ArpoError(f"give --{name}-key or --{name}-key-file, not both")
+    if given is None:
+        return read_key(getattr(args, f"{name}_key_file", None), env=env)
+    if not given.strip():
+        raise ArpoError(f"--{name}-key is empty", hint=f"give a key, or set {env}")
+    return given.strip()
+
+
 def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None]:
     """The live-change policy (:class:`serve.admin.AdminPolicy`) and the administration key, or (None, None): live
     changes are off without an admin key. Refused: an admin key equal to the chat key, a key without a root, a root
@@ -57,17 +71,9 @@ def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None
     import os
 
     from serve.admin import AdminPolicy
-    from serve.guard import ADMIN_KEY_ENV, read_key
+    from serve.guard import ADMIN_KEY_ENV
 
-    given = getattr(args, "admin_key", None)
-    if given is not None and getattr(args, "admin_key_file", None) is not None:
-        raise ArpoError("give --admin-key or --admin-key-file, not both")
-    if given is not None:
-        admin = given.strip() or None
-        if admin is None:
-            raise ArpoError("--admin-key is empty", hint=f"give a key, or set {ADMIN_KEY_ENV}")
-    else:
-        admin = read_key(getattr(args, "admin_key_file", None), env=ADMIN_KEY_ENV)
+    admin = _own_key(args, "admin", ADMIN_KEY_ENV)
     roots = list(getattr(args, "admin_root", None) or [])
     if admin is None:
         if roots:
@@ -87,6 +93,38 @@ def admin_of(args: argparse.Namespace, key: str | None) -> tuple[Any, str | None
         timeout_s=args.admin_timeout,
     )
     return policy, admin
+
+
+def record_of(args: argparse.Namespace, key: str | None, admin_key: str | None) -> tuple[Any, str | None]:
+    """The recording settings (:class:`serve.record.RecordConfig`, None: recording off) and the rewards key (None:
+    rewards by API off). Refused before anything starts: a rewards key without a record folder, one equal to the chat
+    or admin key, a record folder other users may write."""
+    from serve.guard import REWARDS_KEY_ENV
+    from serve.record import RecordConfig, private_folder
+
+    rewards = _own_key(args, "rewards", REWARDS_KEY_ENV)
+    folder = getattr(args, "record", None)
+    if folder is None:
+        if rewards is not None:
+            raise ArpoError(
+                "a rewards key needs a record folder: there are no episodes to reward",
+                hint=f"add --record DIR, or unset {REWARDS_KEY_ENV}",
+            )
+        return None, None
+    for other, name in ((key, "API key"), (admin_key, "admin key")):
+        if rewards is not None and rewards == other:
+            raise ArpoError(
+                f"the rewards key is the {name}: rewards need a credential of their own",
+                hint=f"`export {REWARDS_KEY_ENV}=$(openssl rand -hex 32)`",
+            )
+    config = RecordConfig(
+        dir=str(Path(folder).resolve()),
+        max_bytes=int(args.record_max_gib * 1024**3),
+        reward_deadline_s=args.reward_deadline,
+    )
+    config.check()
+    private_folder(config.dir)
+    return config, rewards
 
 
 def security_of(args: argparse.Namespace) -> tuple[Any, str | None]:
@@ -155,9 +193,11 @@ def start(args: argparse.Namespace) -> str:
         )
 
     admin, admin_key = admin_of(args, key)
+    record, rewards_key = record_of(args, key, admin_key)
     specs = resolve(args.models)
     # the replicas (and the proxy's gate) read the keys from private files: a key is never a deployment argument
-    for secret, attr, name in ((key, "key_file", "api_key"), (admin_key, "admin_key_file", "admin_key")):
+    keys = ((key, "key_file", "api_key"), (admin_key, "admin_key_file", "admin_key"))
+    for secret, attr, name in (*keys, (rewards_key, "rewards_key_file", "rewards_key")):
         if secret is not None:
             args.key_dir = getattr(args, "key_dir", None) or tempfile.mkdtemp(prefix="arpo-serve-")
             key_path = Path(args.key_dir) / name
@@ -183,6 +223,7 @@ def start(args: argparse.Namespace) -> str:
             specs,
             security,
             user_config=config,
+            record=record,
             replicas=args.replicas,
             max_ongoing_requests=args.max_ongoing_requests,
             max_queued_requests=args.max_queued_requests,
@@ -212,6 +253,9 @@ def start(args: argparse.Namespace) -> str:
         if admin
         else "live agent changes: off (no --admin-key)"
     )
+    if record is not None:
+        rewards = "rewards by API: on (rewards key)" if rewards_key else "rewards by API: off (no --rewards-key)"
+        print(f"recording episodes: on (into {record.dir}); {rewards}")
     if args.tls_cert:
         print("TLS: on")
     elif is_loopback(args.host):
@@ -322,7 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, _interrupt)
 
     _, key = security_of(args)  # an unguarded exposed server is refused before Ray starts (shutdown would start it)
-    admin_of(args, key)
+    _, admin_key = admin_of(args, key)
+    record_of(args, key, admin_key)
     if isinstance(args.replica_resources, str):
         args.replica_resources = parse_replica_resources(args.replica_resources)
     on_signals()
@@ -480,6 +525,41 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="admin_timeout",
         help=f"seconds a live change may take to load in every replica (504 beyond, nothing changed; default "
         f"{CHANGE_TIMEOUT_S:g})",
+    )
+    from serve.record import DEFAULT_MAX_BYTES, DEFAULT_REWARD_DEADLINE_S
+
+    p.add_argument(
+        "--record",
+        default=None,
+        metavar="DIR",
+        help="record every request that names an episode (arpo.episode or the arpo-episode header) into DIR, "
+        "token for token, for training (off by default; DIR is made 0700, one others may write is refused)",
+    )
+    p.add_argument(
+        "--record-max-gib",
+        type=float,
+        default=DEFAULT_MAX_BYTES / 1024**3,
+        dest="record_max_gib",
+        help=f"size cap of the record folder in GiB; beyond it new turns are served but not recorded (default "
+        f"{DEFAULT_MAX_BYTES / 1024**3:g})",
+    )
+    p.add_argument(
+        "--reward-deadline",
+        type=float,
+        default=DEFAULT_REWARD_DEADLINE_S,
+        dest="reward_deadline",
+        help="seconds after an episode's last turn its reward may arrive; later it is refused and the episode "
+        f"dropped from training (default {DEFAULT_REWARD_DEADLINE_S:g})",
+    )
+    p.add_argument(
+        "--rewards-key",
+        dest="rewards_key",
+        default=None,
+        help="enable POST /v1/rewards with this key, never the API or admin key (default: $ARPO_REWARDS_KEY; "
+        "without one, rewards by API are off)",
+    )
+    p.add_argument(
+        "--rewards-key-file", dest="rewards_key_file", default=None, help="read the rewards key from this file"
     )
     p.add_argument(
         "--allowed-hosts",

@@ -500,6 +500,18 @@ def test_bench_sandbox_times_the_backends_side_by_side(tmp_path, capsys):
     assert "| bwrap | filesystem |" in capsys.readouterr().out
 
 
+def test_bench_record_serve_serves_both_sides_and_continues_the_episodes(tiny_model_dir, tmp_path):
+    from benchmarks import bench_record_serve
+
+    res = bench_record_serve.main(
+        ["--model", str(tiny_model_dir), "--clients", "2", "--turns", "2", "--pairs", "1", "--warmup", "0"]
+        + ["--max-tokens", "4", "--threads", "1", "--out", str(tmp_path / "r.json")]
+    )
+    assert res["tokens_on"] > 0 and res["tokens_off"] > 0 and res["ratio_on_off"] > 0
+    assert (res["turns_recorded"], res["turns_continued"]) == (4, 2)  # every later turn continued its episode
+    assert 0 < res["recorder_share_on"] < 1
+
+
 def test_bench_record_trees_times_both_sides_in_one_run(tiny_model_dir, tmp_path):
     from benchmarks import bench_record_trees
 

@@ -39,10 +39,12 @@ def server_fixture(*, sleeper: bool) -> Any:
     return server
 
 
-def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
+def start_server(tmp_path_factory: Any, *, sleeper: bool, record: Any = None, rewards_key: str = "") -> Iterator[dict]:
     """Ray Serve on 127.0.0.1 with the key, the deadline of TIMEOUT_S and the agent ``tiny`` (untrained, python
     tool, AGENT_TOOL_CALLS calls), plus ``sleeper`` (its sandboxes under the yielded ``sandboxes`` folder) and
-    ``broken`` (:func:`broken_model`) when asked; yields the server's facts, then shuts it down."""
+    ``broken`` (:func:`broken_model`) when asked, recording episodes with ``record`` (a
+    :class:`serve.record.RecordConfig`) and taking rewards with ``rewards_key``; yields the server's facts (``deploy``
+    deploys the application again: new replicas), then shuts it down."""
     import ray
     from ray import serve
 
@@ -75,6 +77,9 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
     )
     private_token_file()
     security = Security(key_file=str(key_file), port=port, request_timeout_s=TIMEOUT_S)
+    if rewards_key:
+        (root / "rewards_key").write_text(rewards_key)
+        security.rewards_key_file = str(root / "rewards_key")
     # the proxy's gate as `arpo serve` installs it
     serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options(security))
     specs = build_specs([f"tiny={model}"], tools="python", max_tool_calls=AGENT_TOOL_CALLS, max_tokens=16)
@@ -86,15 +91,26 @@ def start_server(tmp_path_factory: Any, *, sleeper: bool) -> Iterator[dict]:
             [f"sleeper={sleeper_model(root)}"], tools=tools, max_tool_calls=1, system_prompt=SYSTEM, max_tokens=64
         )
         specs += build_specs([f"broken={broken_model(root)}"], tools="python", max_tokens=4)
-    serve.run(
-        build_app(specs, security, max_ongoing_requests=8, max_queued_requests=8),
-        name=APP,
-        route_prefix="/",
-        blocking=False,
-    )
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, 300, KEY)
-    yield {"url": url, "port": port, "model": model, "metrics_port": metrics_port, "sandboxes": sandboxes}
+
+    def deploy() -> None:
+        serve.run(
+            build_app(specs, security, record=record, max_ongoing_requests=8, max_queued_requests=8),
+            name=APP,
+            route_prefix="/",
+            blocking=False,
+        )
+        wait_ready(url, 300, KEY)
+
+    deploy()
+    yield {
+        "url": url,
+        "port": port,
+        "model": model,
+        "metrics_port": metrics_port,
+        "sandboxes": sandboxes,
+        "deploy": deploy,
+    }
     serve.shutdown()
     ray.shutdown()
     for k, v in saved.items():
