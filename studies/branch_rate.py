@@ -28,7 +28,7 @@ from typing import Any
 from arpo_algo.core.tree import MODE_POLICIES, TreeConfig
 from arpo_algo.rollout import metrics as MK
 from arpo_base.errors import ArpoError, ConfigError
-from arpo_base.options import parse_override
+from arpo_base.options import dataclass_from_dict, parse_override
 
 #: The counts summed over steps, by the name the report gives them.
 COUNTS = {
@@ -40,14 +40,17 @@ COUNTS = {
 
 def arm_config(base: TreeConfig, policy: str) -> TreeConfig:
     """``base`` with ``policy`` in effect: an algorithm's own rule through mode and ``decision_rule`` (the two
-    settings may not disagree), GRPO for ``never``, any other registered policy through ``branch_policy``."""
+    settings may not disagree), GRPO for ``never``, any other registered policy through ``branch_policy``. The
+    overrides are shared by every arm, so another policy's own knobs (``tree.random_lookahead`` for the paper arm)
+    stay at their defaults in this arm."""
     if policy == "never":
         return TreeConfig.grpo(base.budget)
     for mode, rules in MODE_POLICIES.items():
         for rule, name in rules.items():
             if name == policy and mode != "grpo":
-                return dataclasses.replace(base, mode=mode, decision_rule=rule, branch_policy=None).validate()
-    return dataclasses.replace(base, branch_policy=policy).validate()
+                arm = dataclasses.replace(base, mode=mode, decision_rule=rule, branch_policy=None)
+                return arm.without_unread_knobs().validate()
+    return dataclasses.replace(base, branch_policy=policy).without_unread_knobs().validate()
 
 
 def rates(step_metrics: list[dict[str, float]], groups: int) -> dict[str, float]:
@@ -79,12 +82,13 @@ def sample_arm(model: str, make_env: Any, tree: TreeConfig, prompts: int, steps:
 
 
 def base_tree(overrides: list[str]) -> TreeConfig:
-    """The default ``[tree]`` changed by ``tree.key=value`` overrides (TOML values; unknown keys are refused)."""
+    """The default ``[tree]`` changed by ``tree.key=value`` overrides (TOML values; unknown keys and wrong types are
+    refused). Each arm validates its own config (:func:`arm_config`): the overrides may hold several policies' knobs."""
     values: dict[str, Any] = {}
     for item in overrides:
         _, key, value = parse_override(item, ["tree"])
         values[key] = value
-    return TreeConfig.from_dict(values)
+    return dataclass_from_dict(TreeConfig, values, "tree config")
 
 
 def report(arms: dict[str, dict], matched: tuple[str, float] | None) -> str:

@@ -188,6 +188,8 @@ class RandomRate:
     clones start right after the tool result either way); the draws are the same."""
 
     lookahead, fresh_baseline, needs_logprobs = False, False, False
+    #: The tree settings only this policy reads: set for another policy, they are refused.
+    own_knobs = ("random_rate", "random_lookahead")
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -229,6 +231,8 @@ class APPOScore:
     candidates as the other policies, from what the sampling policy measured there."""
 
     lookahead, fresh_baseline, needs_logprobs = True, False, True
+    #: The tree settings only this policy reads: set for another policy, they are refused.
+    own_knobs = ("appo_threshold", "appo_gain_weight")
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

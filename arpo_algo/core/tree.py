@@ -37,6 +37,7 @@ Deliberate choices (docs/concepts/reference-choices.md#deliberate-choices), each
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -110,17 +111,17 @@ class TreeConfig:
             penalty, none for GRPO). Naming a rule that ``decision_rule`` does not select is an error.
         random_rate: p of the "random" branch policy: each possible clone at a candidate is made with probability p
             (one seeded draw each); set it to the entropy arm's measured ``rollout/branches_per_opportunity`` for
-            an equal-count control. Other policies do not read it.
+            an equal-count control. Refused while another policy is in effect.
         random_lookahead: The "random" branch policy decides after the k look-ahead tokens, as the paper rule does,
             instead of right after the tool result; the clones still start right after the result. Set it when the
             random arm is matched against a look-ahead rule (paper, aepo_paper, appo), so both arms are asked at the
-            same moment of the same request sequence. Other policies do not read it.
+            same moment of the same request sequence. Refused while another policy is in effect.
         appo_threshold: The "appo" policy branches ``cap`` times when its score ``U * L`` exceeds this value (in
             [0, 1]; the score lies in [0, 1)): ``U = 1 - exp(-H)`` of the look-ahead entropy H, ``L = sigmoid(w *
             G)`` of the mean sampled-token log-prob gain G across the tool result
-            (docs/concepts/arpo.md#the-appo-score). Other policies do not read it.
+            (docs/concepts/arpo.md#the-appo-score). Refused while another policy is in effect.
         appo_gain_weight: w of the "appo" score's likelihood factor ``L = sigmoid(w * G)``, finite and >= 0; 0
-            leaves the look-ahead entropy alone in the score. Other policies do not read it.
+            leaves the look-ahead entropy alone in the score. Refused while another policy is in effect.
         aepo_premonitor: AEPO entropy pre-monitoring (dynamic number of initial samples). Like every ``aepo_*``
             setting it takes effect in mode "aepo" only.
         aepo_premonitor_keep: Estimate ``H_tool`` with the reference's extra discarded trajectory per prompt
@@ -265,7 +266,31 @@ class TreeConfig:
             bad("aepo_premonitor_keep=True needs aepo_premonitor=True")
         if self.branch_policy is not None:
             self._check_branch_policy(bad)
+        for k in self.unread_knobs():  # a setting that is accepted acts: a policy's own knobs only with that policy
+            readers = [n for n, cls in BRANCH_POLICIES.items() if k in getattr(cls, "own_knobs", ())]
+            bad(
+                f"{k}={getattr(self, k)!r} is read only by branch_policy {' or '.join(map(repr, readers))}, and "
+                f"this tree's policy is {self.policy_name!r}",
+                hint=f"set branch_policy = {readers[0]!r}, or leave {k} unset",
+            )
         return self
+
+    def unread_knobs(self) -> list[str]:
+        """The settings a registered policy alone reads (its ``own_knobs``) set away from their defaults while
+        another policy is in effect: they would change nothing."""
+        own = getattr(BRANCH_POLICIES.get(self.policy_name), "own_knobs", ())
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [
+            k
+            for name, cls in BRANCH_POLICIES.items()
+            for k in getattr(cls, "own_knobs", ())
+            if name != self.policy_name and k not in own and getattr(self, k) != defaults[k]
+        ]
+
+    def without_unread_knobs(self) -> TreeConfig:
+        """This config with :meth:`unread_knobs` back at their defaults (arms of a comparison that share overrides)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: defaults[k] for k in self.unread_knobs()})
 
     def _check_branch_policy(self, bad: Callable[..., None]) -> None:
         """Invariant: one setting selects each rule: ``decision_rule`` picks the algorithm's paper or reference rule,

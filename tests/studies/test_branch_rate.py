@@ -74,3 +74,11 @@ def test_a_small_run_measures_each_policy_and_matches_the_random_arm(caller_dir,
     for arm in (paper, random_):
         assert arm["branches_per_group"] == arm["branches"] / 2
     assert "per candidate" in (out / "branch_rate.md").read_text() and "random ran at p =" in capsys.readouterr().out
+
+
+def test_each_arm_keeps_only_its_own_policys_knobs_from_the_shared_overrides():
+    from studies.branch_rate import arm_config, base_tree
+
+    base = base_tree(["tree.random_lookahead=true", "tree.appo_threshold=0.3"])
+    assert arm_config(base, "paper").random_lookahead is False and arm_config(base, "paper").appo_threshold == 0.25
+    assert arm_config(base, "random").random_lookahead is True and arm_config(base, "appo").appo_threshold == 0.3

@@ -230,3 +230,20 @@ def test_random_lookahead_moves_the_random_decision_after_the_look_ahead():
             TreeConfig(branch_policy="random", random_lookahead=bad).validate()
     with pytest.raises(ConfigError, match="random_lookahead"):
         TreeConfig.from_dict({"branch_policy": "random", "random_lookahead": "yes"})
+
+
+def test_a_policys_own_knob_set_for_another_policy_is_refused_naming_its_reader():
+    """A setting that is accepted acts: random's and appo's knobs are refused while another policy is in effect."""
+    for kw, reader in (
+        ({"random_rate": 0.3}, "random"),
+        ({"random_lookahead": True}, "random"),
+        ({"appo_threshold": 0.3}, "appo"),
+        ({"branch_policy": "random", "appo_gain_weight": 0.0}, "appo"),
+        ({"branch_policy": "appo", "random_rate": 0.1}, "random"),
+    ):
+        with pytest.raises(ConfigError, match=rf"read only by branch_policy '{reader}'") as err:
+            TreeConfig(**kw).validate()
+        assert f"branch_policy = '{reader}'" in err.value.hint
+    assert TreeConfig(random_rate=0.5).validate().unread_knobs() == []  # the default is not a setting made
+    shared = TreeConfig(branch_policy="appo", random_lookahead=True, appo_threshold=0.3).without_unread_knobs()
+    assert shared.validate().random_lookahead is False and shared.appo_threshold == 0.3

@@ -102,6 +102,12 @@ def test_seed_grid_counts_and_grpo_rule(tmp_path, tiny_model_dir):
         ('metric = "reward_meen"', '"tree.tau" = {uniform = [0.1, 1.0]}', "never reported", "reward_mean"),
         ("num_smaples = 2", '"tree.tau" = {uniform = [0.1, 1.0]}', "unknown key 'num_smaples'", "num_samples"),
         ("", '"training.advantage" = {choice = ["grpo", "trun"]}', "'trun' is not a registered", "did you mean 'turn'"),
+        (
+            "",
+            '"tree.branch_policy" = {choice = ["random", "appo"]}\n"tree.appo_threshold" = {uniform = [0.1, 0.5]}',
+            "read only by branch_policy 'appo'",
+            "narrow",
+        ),
     ],
 )
 def test_bad_sweeps_fail_before_ray(tmp_path, tiny_model_dir, sweep, space, match, hint):
