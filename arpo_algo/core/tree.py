@@ -44,6 +44,7 @@ import random
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from arpo_algo.core.branching import (
     BRANCH_POLICIES,
@@ -289,7 +290,7 @@ class TreeConfig:
 
     def without_unread_knobs(self) -> TreeConfig:
         """This config with :meth:`unread_knobs` back at their defaults (arms of a comparison that share overrides)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: defaults[k] for k in self.unread_knobs()})
 
     def _check_branch_policy(self, bad: Callable[..., None]) -> None:
