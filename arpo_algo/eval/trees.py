@@ -10,11 +10,10 @@ A tree folder (``trees/`` in a run folder) holds, format version :data:`VERSION`
   the trajectories through it, under turn credit its value and its turns, at a branch point the entropy before and
   after and the branch rule's decisions that made it), every branch decision of the tree (the entropies compared,
   the rule's constants, the random draws, the clones made; those that made no clone too), and the trajectories
-  (token ids,
-  trained mask, sampled log-prob and entropy per token, per-token advantage, under turn credit its path's node
-  values (``turn_values``, else null), the learner's log-prob of each trained
-  token before the update's first step (null for tool-result tokens; the whole list null where the learner is remote
-  or the source is an evaluation), reward, finish reason, tool calls, the policy version that sampled it).
+  (token ids, trained mask, sampled log-prob and entropy per token, per-token advantage, under turn credit its
+  path's node values (``turn_values``, else null), the learner's log-prob of each trained token before the update's
+  first step (null for tool-result tokens; the whole list null where the learner is remote or the source is an
+  evaluation), reward, finish reason, tool calls, the policy version that sampled it).
 * ``index.jsonl``: one line per recorded iteration, appended after its chunk is complete: the chunk's name, each
   group's byte offset and length in it and a summary for the filters (solved / failed / branched / tool limit).
 
