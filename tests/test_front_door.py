@@ -193,6 +193,28 @@ def test_every_slow_page_is_a_page_with_blocks_to_run():
     assert not [p for p in SLOW_PAGES if not (REPO / p).is_file() or not _runs(p)]
 
 
+def test_a_block_that_runs_past_its_limit_leaves_nothing_running(tmp_path):
+    """A server run in an unmarked block used to outlive its block's timeout and hold its port for the next page."""
+    import psutil
+
+    code = f"sleep 300 > /dev/null 2>&1 &\necho $! > {tmp_path}/child\necho started\nsleep 300"
+    status, output = run_block(code, "bash", tmp_path, dict(os.environ), timeout=2)
+    assert status is None and "started" in output
+    child = int((tmp_path / "child").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    # a block that ends on its own leaves nothing behind either, and its status and output come back
+    status, output = run_block(
+        f"sleep 300 > /dev/null 2>&1 &\necho $! > {tmp_path}/child\necho done",
+        "bash",
+        tmp_path,
+        dict(os.environ),
+        timeout=30,
+    )
+    assert (status, output) == (0, "done\n")
+    assert not psutil.pid_exists(int((tmp_path / "child").read_text()))
+    assert run_block("import sys; sys.exit(3)", "python", tmp_path, dict(os.environ), timeout=30)[0] == 3
+
+
 @pytest.mark.parametrize("block", _skipped(), ids=lambda b: f"{b.document}:{b.line}")
 def test_skipped_block(block):
     """One skipped test per skipped block, so ``pytest -rs`` lists each with its reason."""
@@ -299,30 +321,63 @@ class Server:
     def stop(self) -> None:
         """Ctrl-C, as a user would; then by force every process of the server's session: Ray's actors run in process
         groups of their own, and one left behind (Serve's proxy) keeps the port the next server needs."""
-        import psutil
-
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
-        session = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == self.proc.pid:
-                    session.append(p)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                pass
-        for p in session:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(session, timeout=30)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
+        kill_session(self.proc)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Kill every process still in the session ``proc`` leads (it was started with ``start_new_session``), then
+    ``proc``: whatever a block started, in the background or in process groups of its own, ends with the block, so
+    no server outlives its test to hold a port the next document needs."""
+    import psutil
+
+    session = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == proc.pid:
+                session.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    for p in session:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(session, timeout=30)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def run_block(block_code: str, lang: str, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """Run one block in a session of its own and return (exit status, output); the status is None when the block
+    ran past ``timeout``. Either way nothing the block started is left running."""
+    command = [sys.executable, "-"] if lang == "python" else ["bash", "-e", "-o", "pipefail", "-s"]
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(block_code + "\n", timeout=timeout)
+        status: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        status = None
+    kill_session(proc)
+    if status is None:
+        # with every writer gone the pipe ends; communicate keeps what it read before the timeout
+        output, _ = proc.communicate()
+    return status, output
 
 
 @pytest.mark.parametrize(
@@ -353,22 +408,14 @@ def test_the_documents_blocks_run_as_written(document, docs_homes, tmp_path):
                 servers[-1].wait_ready()
                 ran.append(block.code)
                 continue
-            command = [sys.executable, "-"] if block.lang == "python" else ["bash", "-e", "-o", "pipefail", "-s"]
             t0 = time.monotonic()
-            proc = subprocess.run(
-                command,
-                input=block.code + "\n",
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=BLOCK_TIMEOUT_S,
-            )
+            status, output = run_block(block.code, block.lang, work, env, BLOCK_TIMEOUT_S)
             print(f"{document}:{block.line}: {time.monotonic() - t0:.1f} s")
-            if proc.returncode != 0:
+            if status != 0:
+                what = f"exit {status}" if status is not None else f"still running after {BLOCK_TIMEOUT_S} s"
+                hint = "" if status is not None else " (a server belongs in a block marked docs-test: server)"
                 pytest.fail(
-                    f"{document}:{block.line}: exit {proc.returncode}\n{block.code}\n"
-                    f"{(proc.stdout + proc.stderr)[-4000:]}",
+                    f"{document}:{block.line}: {what}{hint}\n{block.code}\n{output[-4000:]}",
                     pytrace=False,
                 )
             ran.append(block.code)
