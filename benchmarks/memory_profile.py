@@ -2,7 +2,7 @@
 
     python -m benchmarks.memory_profile [--model smollm2-135m-instruct] [--prompts 4] [--budget 4] [--tokens 192]
     python -m benchmarks.memory_profile --stage sft [--batch-size 8] [--grad-accum 1] [--rows-per-forward N]
-                                         [--gradient-checkpointing]
+                                         [--gradient-checkpointing | --no-gradient-checkpointing]
 
 ``--stage sft``: the quickstart's SFT settings (``arpo_algo.run.quickstart.SFT_SETTINGS``, with the flags above in
 place of its own), on its worst step: the ``batch_size x grad_accum`` longest demonstrations in one optimizer step
@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="sft: sequences per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=None, help="sft: micro-batches per optimizer step")
     ap.add_argument("--rows-per-forward", type=int, default=None, help="sft: rows per forward/backward pass")
-    ap.add_argument("--gradient-checkpointing", action="store_true", help="activation checkpointing (both stages)")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="activation checkpointing on or off (both stages; default: sft the recipe's, rl off)",
+    )
     args = ap.parse_args(argv)
     if args.stage == "sft":
         return profile_sft(args)
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         LearnerConfig(
             lr=5e-5,
             micro_batch_tokens=args.micro_batch_tokens,
-            gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
             head_chunk_tokens=args.head_chunk_tokens,
         ),
         seed=0,
@@ -145,7 +150,7 @@ def profile_sft(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
         "rows_per_forward": args.rows_per_forward,
-        "gradient_checkpointing": args.gradient_checkpointing or None,
+        "gradient_checkpointing": args.gradient_checkpointing,
     }
     settings = {**SFT_SETTINGS, **{k: v for k, v in flags.items() if v is not None}}
     cfg = SFTConfig(model=args.model, progress=False, tensorboard=False, **settings)
