@@ -27,7 +27,7 @@ from arpo_algo.rollout.types import Group
 if TYPE_CHECKING:
     from arpo_algo.rollout.engines.base import RolloutEngine
 
-__all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy"]
+__all__ = ["EvalSettings", "eval_settings", "evaluate_engine", "evaluate_policy", "sample_held_out"]
 
 #: Tasks sampled together in one sampler call (bounds the number of live environments and KV caches).
 EVAL_CHUNK = 32
@@ -66,7 +66,7 @@ def eval_settings(cfg: Any) -> EvalSettings:
     )
 
 
-def evaluate_engine(
+def sample_held_out(
     engine: RolloutEngine,
     env_creator: Callable[[], Any],
     *,
@@ -78,8 +78,8 @@ def evaluate_engine(
     tool_workers: int = 8,
     prompt_overflow: str = "error",
     seed: int = 0,
-) -> dict[str, float]:
-    """Run the held-out protocol with any rollout engine and return flat metrics.
+) -> list[Group]:
+    """Run the held-out protocol with any rollout engine and return its groups (one per task, in task order).
 
     Args:
         engine: A RolloutEngine (the algorithm's, or an HFEngine over any checkpoint folder).
@@ -97,7 +97,6 @@ def evaluate_engine(
     from arpo_algo.rollout.engines.base import SamplingParams
     from arpo_algo.rollout.sampler import TreeSampler
 
-    t0 = time.perf_counter()
     env = env_creator()
     total = env.num_tasks if num_prompts is None else min(num_prompts, env.num_tasks)
     sampling = SamplingParams(
@@ -120,7 +119,14 @@ def evaluate_engine(
             groups += chunk
     finally:
         sampler.close()
-    out = MK.quality(MK.summarize(groups))
+    return groups
+
+
+def evaluate_engine(engine: RolloutEngine, env_creator: Callable[[], Any], **settings: Any) -> dict[str, float]:
+    """Run the held-out protocol with any rollout engine and return flat metrics (the keyword arguments are
+    :func:`sample_held_out`'s)."""
+    t0 = time.perf_counter()
+    out = MK.quality(MK.summarize(sample_held_out(engine, env_creator, **settings)))
     out[MK.EVAL_TIME_S] = time.perf_counter() - t0
     return out
 

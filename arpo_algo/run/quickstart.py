@@ -211,9 +211,12 @@ def replot_with_evaluation(rl: dict[str, Any], ev: dict[str, Any], iterations: i
 def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     """Both checkpoints from disk, each in its own engine, under the experiment's evaluation settings and the
     engine settings of its ``[rollouts]`` (``--set rollouts.hf.decode=static`` decodes the evaluation that way too;
-    each result records the decode path its engine took)."""
+    each result records the decode path its engine took), but at a batch of one held-out chunk
+    (:data:`~arpo_algo.eval.evaluation.EVAL_CHUNK` rows): greedy answers do not depend on the batch
+    (``python -m benchmarks.eval_batch``; tests/arpo_algo/eval/test_eval_batch.py), so the widest batch is the
+    fastest way to the same numbers."""
     from arpo_algo.algorithms.components import env_creator
-    from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
+    from arpo_algo.eval.evaluation import EVAL_CHUNK, eval_settings, evaluate_engine
     from arpo_algo.rollout.engines.hf.engine import HFEngine
 
     cfg = exp.config
@@ -223,8 +226,9 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     rollouts = cfg.settings.rollouts
     out: dict[str, Any] = {"settings": {**settings, "split": split}}
     for name, path in (("before", sft_dir), ("after", policy_dir)):
-        engine = HFEngine(path, **rollouts.hf.engine_kwargs(), device=rollouts.device, seed=cfg.seed)
-        out[name] = {**evaluate_engine(engine, creator, **settings), "decode": engine.decode}
+        kwargs = {**rollouts.hf.engine_kwargs(), "max_batch_size": EVAL_CHUNK}
+        engine = HFEngine(path, **kwargs, device=rollouts.device, seed=cfg.seed)
+        out[name] = {**evaluate_engine(engine, creator, **settings), "decode": engine.decode, "batch": EVAL_CHUNK}
         print(
             f"[quickstart]   {name}: accuracy {out[name]['accuracy']:.3f} "
             f"({out[name]['num_tasks']:.0f} held-out tasks)",

@@ -111,12 +111,12 @@ def test_one_mapping_from_config_to_eval_settings():
     tool_workers and prompt_overflow), and the quickstart uses that mapping."""
     import arpo_algo.run.quickstart as qs
     from arpo_algo.algorithms import ARPOConfig
-    from arpo_algo.eval.evaluation import eval_settings, evaluate_engine
+    from arpo_algo.eval.evaluation import eval_settings, sample_held_out
 
     cfg = ARPOConfig().llm_rollouts(tool_workers=3, prompt_overflow="left_truncate", max_response_tokens=99)
     cfg = cfg.evaluation(top_p=0.7)
     s = eval_settings(cfg).as_kwargs()
-    params = set(inspect.signature(evaluate_engine).parameters) - {"engine", "env_creator"}
+    params = set(inspect.signature(sample_held_out).parameters) - {"engine", "env_creator"}
     assert set(s) == params
     got = (s["top_p"], s["tool_workers"], s["prompt_overflow"], s["max_response_tokens"])
     assert got == (0.7, 3, "left_truncate", 99)
