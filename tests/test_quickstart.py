@@ -51,7 +51,7 @@ def test_quickstart_sft_settings_are_valid_and_only_change_memory():
 
     cfg = SFTConfig(**quickstart.SFT_SETTINGS)
     cfg.validate()
-    assert (cfg.batch_size, cfg.grad_accum, cfg.rows_per_forward, cfg.gradient_checkpointing) == (8, 1, 4, True)
+    assert (cfg.batch_size, cfg.grad_accum, cfg.rows_per_forward, cfg.gradient_checkpointing) == (8, 1, 4, False)
 
 
 def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grpo(tmp_path, monkeypatch):

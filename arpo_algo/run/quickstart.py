@@ -40,9 +40,11 @@ from typing import Any
 MODEL = "smollm2-135m-instruct"
 #: Cold-start SFT settings: SmolLM2-135M learns the tool format and levels 1-2 (one tool call) well, and the
 #: two-call level 3 only partly; ARPO then trains on level 3, where branching after tool results matters.
-#: ``rows_per_forward`` and ``gradient_checkpointing`` change only the memory (same batches, loss and gradients up to
-#: float rounding): the worst step peaks at 3.66 GB instead of 6.64 GB (``python -m benchmarks.memory_profile --stage
-#: sft``, docs/results/index.md).
+#: ``rows_per_forward`` changes only the memory (same batches, loss and gradients up to float rounding): the worst
+#: step peaks at 5.34 GB instead of 6.64 GB. Activation checkpointing would take it to 3.64 GB with bit-identical
+#: gradients, but costs a forward per pass that 2-core machines with 6 GB to spare need not pay, so the quickstart
+#: leaves it off (``python -m benchmarks.memory_profile --stage sft [--gradient-checkpointing]``,
+#: docs/results/memory.md).
 SFT_SETTINGS: dict[str, Any] = {
     "data": "toolmath",
     "num_examples": 192,
@@ -53,7 +55,7 @@ SFT_SETTINGS: dict[str, Any] = {
     "max_seq_len": 512,
     "log_every": 5,
     "rows_per_forward": 4,
-    "gradient_checkpointing": True,
+    "gradient_checkpointing": False,
 }
 
 

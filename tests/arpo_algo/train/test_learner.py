@@ -166,8 +166,10 @@ def test_bf16_and_gradient_checkpointing(tiny_model_dir, groups):
     ref.update(groups)
     ckpt = Learner(tiny_model_dir, replace(BASE, gradient_checkpointing=True))
     ckpt.update(groups)
+    # checkpointing recomputes the same activations in the same shapes: bit for bit the same gradients
+    assert _grads(ckpt).keys() == _grads(ref).keys()
     for name, g in _grads(ref).items():
-        torch.testing.assert_close(_grads(ckpt)[name], g, atol=1e-6, rtol=1e-5)
+        assert torch.equal(_grads(ckpt)[name], g), name
     m = Learner(tiny_model_dir, replace(BASE, precision="bf16")).update(groups)
     assert m["skipped_nan"] == 0 and math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0
 

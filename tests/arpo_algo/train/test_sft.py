@@ -479,3 +479,27 @@ def test_memory_options_are_validated(bad):
     (key,) = bad
     with pytest.raises(ConfigError, match=f"sft config: (unknown key '{key}'|{key} must)"):  # refused for that key
         SFTConfig.from_dict({"model": "m", **bad})
+
+
+def test_gradient_checkpointing_changes_no_bit_of_the_gradients_at_fixed_rows_per_forward(tiny_model_dir):
+    """Checkpointing only recomputes activations, in the same order and shapes: at the same passes the loss and every
+    gradient are bit for bit those without it, so the quickstart may take either for memory or speed alone."""
+    import torch
+
+    from arpo_algo.train.sft import SFTConfig, _load_model
+
+    rows = [
+        ([5, 6, 7, 8, 9, 10, 11], [-100, -100, 7, 8, -100, 10, 11]),
+        ([11, 12, 13], [-100, 12, 13]),
+        ([20, 21, 22, 23, 24], [-100, -100, -100, 23, 24]),
+        ([30, 31, 32, 33], [-100, 31, 32, 33]),
+    ]
+    got = []
+    for ckpt in (False, True):
+        model, _, _ = _load_model(SFTConfig(model=str(tiny_model_dir), gradient_checkpointing=ckpt, device="cpu"))
+        model.train()
+        assert model.is_gradient_checkpointing == ckpt
+        got.append(_loss_and_grads(model, [rows], rows_per_forward=2))
+    (loss_a, n_a, grads_a), (loss_b, n_b, grads_b) = got
+    assert (loss_a, n_a) == (loss_b, n_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
