@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -183,6 +184,7 @@ class Turn:
     segment_reason: str
     messages: list[dict[str, Any]]
     logprob_problem: str | None = None
+    after: int | None = None  # the episode's last recorded turn when this one began (None: the first)
     started: float = field(default_factory=time.time)
     refused: str | None = None  # why this turn is not recorded (the request is still served)
     unscoreable: int = 0  # choices the learner cannot score
@@ -245,7 +247,7 @@ class Recorder:
         last = self._last_turn(path)
         turn = Turn(self, path, episode, 0, 0, False, "first turn", messages)
         if last is not None:
-            turn.index, turn.segment = last["turn"] + 1, last["segment"]
+            turn.index, turn.segment, turn.after = last["turn"] + 1, last["segment"], last["turn"]
         if self.bytes >= self.config.max_bytes:
             turn.refused = "the record folder is full"
         elif path.with_suffix(".reward.json").exists():
@@ -303,6 +305,59 @@ class Recorder:
     def append(self, turn: Turn, record: dict[str, Any]) -> None:
         """Append one turn (fsynced). A failure is logged and counted; the request is answered anyway."""
         choices = record["choices"]
+        try:
+            fresh = not turn.path.parent.exists()
+            turn.path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(turn.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as e:
+            turn.refused = f"writing the record failed: {e.strerror}"
+            self._refuse(turn)
+            return
+        try:
+            # One writer at a time per episode, across threads and replicas: a turn served while another of its
+            # episode was being answered is placed after it, never beside it with the same index.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._place_after_concurrent(turn, fd)
+            data = self._line(turn, record)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line (never answered): cut away
+                os.ftruncate(fd, os.pread(fd, size, 0).rfind(b"\n") + 1)
+            os.write(fd, data)
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            if fresh or turn.index == 0:
+                fsync_dir(turn.path.parent)
+        except OSError as e:
+            turn.refused = f"writing the record failed: {e.strerror}"
+            self._refuse(turn)
+            return
+        finally:
+            os.close(fd)  # closing releases the lock
+        with self._lock:
+            self.bytes += len(data)
+            self._last[turn.path] = (size, json.loads(data))
+            self.counts["turns"] += 1
+            self.counts["continued" if turn.continues else "new_segments"] += 1
+            turn.unscoreable = sum(bool(c["unscoreable"]) for c in choices)
+            self.counts["unscoreable"] += bool(turn.unscoreable)
+
+    def _place_after_concurrent(self, turn: Turn, fd: int) -> None:
+        """When turns of the episode were recorded after this one began (requests of one episode served side by
+        side), this turn follows the last of them, in a segment of its own: its prompt stays exactly what the engine
+        was given, and no segment gets two continuations of one reply."""
+        size = os.fstat(fd).st_size
+        if not size:
+            return
+        with self._lock:
+            hit = self._last.get(turn.path)
+        last = hit[1] if hit and hit[0] == size else (read_lines(turn.path) or [None])[-1]
+        if last is None or last["turn"] == turn.after:
+            return
+        turn.index, turn.segment, turn.continues = last["turn"] + 1, last["segment"] + 1, False
+        turn.segment_reason = f"served while turn {last['turn']} of the episode was recorded"
+
+    def _line(self, turn: Turn, record: dict[str, Any]) -> bytes:
+        """A turn's record line: its place in the episode, then what :func:`turn_record` holds."""
         line = {
             "format": FORMAT,
             "episode": turn.episode,
@@ -316,32 +371,7 @@ class Recorder:
             "finished": time.time(),
             **record,
         }
-        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
-        try:
-            fresh = not turn.path.parent.exists()
-            turn.path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(turn.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line (never answered): cut away
-                    os.ftruncate(fd, os.pread(fd, size, 0).rfind(b"\n") + 1)
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if fresh or turn.index == 0:
-                fsync_dir(turn.path.parent)
-        except OSError as e:
-            turn.refused = f"writing the record failed: {e.strerror}"
-            self._refuse(turn)
-            return
-        with self._lock:
-            self.bytes += len(data)
-            self._last[turn.path] = (turn.path.stat().st_size, line)
-            self.counts["turns"] += 1
-            self.counts["continued" if turn.continues else "new_segments"] += 1
-            turn.unscoreable = sum(bool(c["unscoreable"]) for c in choices)
-            self.counts["unscoreable"] += bool(turn.unscoreable)
+        return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
     # ----------------------------------------------------------------------------------------------- rewards
     def post_reward(self, body: Any) -> dict[str, Any]:

@@ -140,6 +140,37 @@ def test_an_eight_turn_conversation_is_one_segment_extending_token_for_token(age
     assert recorder.counts["continued"] == 7 and recorder.counts["new_segments"] == 1
 
 
+def test_requests_of_one_episode_served_side_by_side_get_their_own_turns(agent, recorder):
+    """Two requests continuing the same reply, both begun before either is recorded (a harness that sends an
+    episode's requests in parallel): the second recorded follows the first in a segment of its own, so no two turns
+    share an index and no segment holds two continuations of one reply; each prompt is what the engine was given."""
+    first, _ = ask(agent, recorder, [user("Compute something.")])
+    history = [user("Compute something."), {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+    jobs = []
+    for k in range(2):
+        body = {"model": "m", "messages": [*history, user(f"Part {k}?")], "max_tokens": 300, "arpo": {"episode": "ep1"}}
+        jobs.append(agent.prepare(parse_chat_request(json.dumps(body)), recorder, SCOPE))
+    outs = [agent.run(job, threading.Event(), None) for job in jobs]
+    recs = turns(recorder)
+    assert [(t["turn"], t["segment"], t["continues"]) for t in recs] == [(0, 0, False), (1, 0, True), (2, 1, False)]
+    assert recs[2]["segment_reason"] == "served while turn 1 of the episode was recorded"
+    assert [o["choices"][0]["message"]["arpo"]["record"]["turn"] for o in outs] == [1, 2]
+    head = recs[0]["prompt_ids"] + recs[0]["choices"][0]["response_ids"]
+    for rec in recs[1:]:
+        assert rec["prompt_ids"][: len(head)] == head  # both still the recorded ids, as the engine was given them
+        assert_recorded_is_sampled(agent, rec["prompt_ids"], rec["choices"][0])
+    # the next request that continues the last reply goes on from it
+    last = recs[2]["choices"][0]["response_ids"]
+    assert last
+    messages = [
+        *history,
+        user("Part 1?"),
+        {"role": "assistant", "content": outs[1]["choices"][0]["message"]["content"]},
+    ]
+    ask(agent, recorder, [*messages, user("Done?")])
+    assert (turns(recorder)[-1]["turn"], turns(recorder)[-1]["continues"]) == (3, True)
+
+
 @pytest.mark.parametrize("agent", [(0, 0)], indirect=True)
 def test_without_tool_results_a_continued_prompt_is_the_chat_templates(agent, recorder):
     """Where re-rendering the history gives the same ids (a reply of plain text, a character tokenizer), the
