@@ -1,0 +1,226 @@
+"""Training from recorded episodes: a record folder written by really serving the tiny model (the in-process agent,
+its HF engine, the real recorder and reward route), read back as GRPO groups (arpo_algo.rollout.records) and trained
+on by ``arpo train`` with ``training.records``: grouping, what is held, dropped and skipped, the folder checks, the
+mismatch alarm against the recorded log-probs, and a resume that trains no episode twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from arpo_algo.cli.main import main
+from arpo_algo.rollout.records import RecordSource, read_lines
+from arpo_base.errors import ArpoError, ConfigError
+from serve.agents import AgentSpec
+from serve.record import RecordConfig, Recorder, scope_of
+from serve.runtime import Agent
+from serve.schema import parse_chat_request
+
+SCOPE = scope_of("client-key")
+VOCAB = 10_000
+
+
+@pytest.fixture(scope="module")
+def agent(tiny_model_dir):
+    a = Agent(
+        AgentSpec(name="m", model_path=str(tiny_model_dir), session={"max_tool_calls": 1, "tools": {"python": {}}})
+    )
+    yield a
+    a.front.close()
+
+
+def serve_episode(agent, recorder, episode, task, reward=None, seed=0, turns=1):
+    """Serve ``turns`` requests of one episode (each continuing the last reply) and post its reward. The random tiny
+    model ends a reply at its end-of-sequence token or at one of the stop strings (which it writes often), well before
+    the length limit."""
+    messages = [{"role": "user", "content": f"Task {task}?"}]
+    for t in range(turns):
+        body = {"model": "m", "messages": messages, "max_tokens": 200, "seed": seed * 10 + t, "stop": list("eao ")}
+        body["arpo"] = {"episode": episode, **({"task": task} if task else {})}
+        out = agent.run(agent.prepare(parse_chat_request(json.dumps(body)), recorder, SCOPE), threading.Event(), None)
+        assert not out["choices"][0]["message"]["arpo"]["record"]["unscoreable"]
+        messages = [*messages, {"role": "assistant", "content": out["choices"][0]["message"]["content"]}]
+        messages.append({"role": "user", "content": "And then?"})
+    if reward is not None:
+        recorder.post_reward({"episode": f"{SCOPE}/{episode}", "reward": reward})
+
+
+@pytest.fixture(scope="module")
+def served(agent, tmp_path_factory):
+    """One folder served once: task A (a1 of two turns, a2), B (b1, b2 without a reward yet), C (c1) and two
+    episodes without a task that start from the same prompt (p1, p2); each test works on a copy."""
+    recorder = Recorder(RecordConfig(str(tmp_path_factory.mktemp("served") / "rec"), reward_deadline_s=600))
+    serve_episode(agent, recorder, "a1", "A", 1.0, seed=1, turns=2)
+    serve_episode(agent, recorder, "a2", "A", 0.0, seed=2)
+    serve_episode(agent, recorder, "b1", "B", 1.0, seed=3)
+    serve_episode(agent, recorder, "b2", "B", None, seed=4)
+    serve_episode(agent, recorder, "c1", "C", 1.0, seed=5)
+    serve_episode(agent, recorder, "p1", None, 0.5, seed=6)
+    serve_episode(agent, recorder, "p2", None, 0.0, seed=7)
+    return Path(recorder.config.dir)
+
+
+def copy(served, dest, keep=None):
+    """A private copy of the served folder with only the episodes ``keep`` names (None: all)."""
+    shutil.copytree(served, dest)
+    os.chmod(dest, 0o700)
+    for f in (dest / SCOPE).iterdir():
+        if keep is not None and f.name.partition(".")[0] not in keep:
+            f.unlink()
+    return dest
+
+
+def write_episode(folder, name, turns, reward):
+    path = folder / SCOPE / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in turns))
+    reward = {"format": 1, "reward": reward, "turn_rewards": None, "turns": len(turns), "at": time.time()}
+    path.with_suffix(".reward.json").write_text(json.dumps(reward))
+    return path
+
+
+def counts_of(metrics):
+    return {k.rpartition("/")[2]: v for k, v in metrics.items() if k.startswith("rollout/records/")}
+
+
+def test_groups_held_dropped_and_skipped_episodes_are_counted(served, tmp_path):
+    folder = copy(served, tmp_path / "rec")
+    [bad] = read_lines(folder / SCOPE / "a2.jsonl")
+    bad["choices"][0]["response_ids"][0] = VOCAB + 5  # another tokenizer's id
+    write_episode(folder, "bad", [bad], 1.0)
+    # a copy of a2 whose last line was torn by a killed server: another episode of task A, its one good turn trained
+    torn = write_episode(folder, "torn", read_lines(folder / SCOPE / "a2.jsonl"), 0.0)
+    torn.write_text(torn.read_text() + '{"format": 1, "turn": 1, "prompt_ids": [1')
+
+    source = RecordSource(folder, VOCAB)
+    groups, metrics = source.take(8, version=0)
+    by = {g.task["id"].partition("/")[2]: g for g in groups}
+    assert len(by) == 2 and "task:A" in by and any(k.startswith("prompt:") for k in by)
+    a = by["task:A"]
+    names = [t.reward_info["episode"].rpartition("/")[2] for t in a.trajectories]
+    assert names == ["a1", "a2", "torn"]  # a1's two turns are one segment: one sequence
+    assert counts_of(metrics) == {
+        "trained": 5,
+        "pending": 1,
+        "held": 2,  # b1 (b2 may still be rewarded) and c1 (its reward is recent)
+        "dropped": 0,
+        "singletons": 0,
+        "malformed": 1,
+        "untrainable": 0,
+        "unscoreable": 0,
+    }
+    assert [t.reward for t in a.trajectories] == [1.0, 0.0, 0.0]
+    assert all(t.old_logprobs[i] < 0 for t in a.trajectories for i, m in enumerate(t.trained_mask) if m)
+    assert all(t.policy_version == 0 for t in a.trajectories) and a.prompt_ids
+    # nothing is taken twice; past the deadline the pending episode is dropped and the lone ones with it
+    assert source.take(8, version=1)[0] == []
+    later = time.time() + 601
+    groups, metrics = source.take(8, version=1, now=later)
+    counts = counts_of(metrics)
+    assert groups == [] and counts["dropped"] == 1 and counts["singletons"] == 2 and counts["held"] == 0
+    state = source.get_state()
+    assert len(state["consumed"]) == 9  # every episode of the folder, each once
+    fresh = RecordSource(folder, VOCAB)
+    fresh.set_state(json.loads(json.dumps(state)))
+    assert fresh.take(8, version=2, now=later)[0] == [] and fresh.totals == source.totals
+
+
+def test_grpo_is_over_episodes_not_sequences():
+    from arpo_algo.core.advantages import episode_advantages, grpo_advantages
+
+    # episode 0 has two sequences (two segments): the baseline is still the mean of the two episodes' rewards
+    out = episode_advantages([[1, 2], [3], [4, 5]], [0, 0, 1], [1.0, 1.0, 0.0])
+    a, b = grpo_advantages([1.0, 0.0])
+    assert out.advantages == [[a, a], [a], [b, b]] and out.weights == [[1.0, 1.0], [1.0], [1.0, 1.0]]
+
+
+def test_the_folder_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        RecordSource(tmp_path / "none", VOCAB)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match="writable by other users") as e:
+        RecordSource(shared, VOCAB)
+    assert "chmod 700" in e.value.hint
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    with pytest.raises(ArpoError, match="no group of recorded episodes .* is ready"):
+        RecordSource(empty, VOCAB).wait(2, 0, wait_s=0.0)
+
+
+def write_experiment(tmp_path, model_dir, records, iterations=1):
+    p = tmp_path / "records.toml"
+    p.write_text(f"""
+[experiment]
+name = "records"
+iterations = {iterations}
+checkpoint_every = 1
+keep_checkpoints = 1
+
+[model]
+path = "{model_dir}"
+
+[env]
+id = "arpo/ToolMath-v0"
+levels = [1]
+max_tool_calls = 1
+
+[training]
+records = "{records}"
+old_logprobs = "rollout"
+prompts_per_step = 1
+lr = 1e-4
+
+[rollouts]
+max_response_tokens = 8
+
+[evaluation]
+num_prompts = 1
+""")
+    return p
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_from_records_and_resume_without_training_twice(served, tiny_model_dir, tmp_path, capsys):
+    folder = copy(served, tmp_path / "rec", keep={"a1", "a2", "p1", "p2"})
+    exp = write_experiment(tmp_path, tiny_model_dir, folder)
+    assert main(["train", str(exp), "--set", "training.old_logprobs='recompute'", "--dry-run"]) == 2
+    assert 'training.old_logprobs = "rollout"' in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 0
+    first = [r for r in rows(out) if r["iteration"] == 1][0]
+    assert first["rollout/records/trained"] == 2 and first["train/reward_mean"] == 0.5  # a1 and a2
+    # the learner scored the served tokens as the server did: the alarm's statistic is at rounding level
+    assert first["learner/kl_rollout"] < 1e-4 and first["learner/optimizer_steps"] >= 1
+    ckpt = json.loads((out / "checkpoints" / "iter_000001" / "arpo_checkpoint.json").read_text())
+    assert sorted(ckpt["records"]["consumed"]) == [f"{SCOPE}/a1", f"{SCOPE}/a2"]  # task A's reward came first
+    # the second iteration takes the other group only: the checkpoint's position came back with the weights
+    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=2", "--no-progress"]) == 0
+    second = [r for r in rows(out) if r["iteration"] == 2][0]
+    assert second["rollout/records/trained"] == 4
+    ckpt = json.loads((out / "checkpoints" / "iter_000002" / "arpo_checkpoint.json").read_text())
+    assert sorted(ckpt["records"]["consumed"]) == sorted(f"{SCOPE}/{e}" for e in ("a1", "a2", "p1", "p2"))
+    # nothing is left to train: the run stops with a clear line
+    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3", "--no-progress"]) == 2
+    assert "is ready to train" in capsys.readouterr().err
+
+
+def test_the_alarm_compares_the_recorded_log_probs(served, tiny_model_dir, tmp_path, capsys):
+    folder = copy(served, tmp_path / "rec", keep={"p1", "p2"})
+    for name in ("p1", "p2"):
+        path = folder / SCOPE / f"{name}.jsonl"
+        [turn] = read_lines(path)
+        turn["choices"][0]["logprobs"] = [v - 3.0 for v in turn["choices"][0]["logprobs"]]  # not these weights'
+        path.write_text(json.dumps(turn) + "\n")
+    exp = write_experiment(tmp_path, tiny_model_dir, folder)
+    assert main(["train", str(exp), "--output", str(tmp_path / "run"), "--no-progress"]) != 0
+    assert "the sampler's log-probs disagree with the learner's" in capsys.readouterr().err
