@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -97,13 +100,18 @@ def test_groups_held_dropped_and_skipped_episodes_are_counted(served, tmp_path):
     torn = write_episode(folder, "torn", read_lines(folder / SCOPE / "a2.jsonl"), 0.0)
     torn.write_text(torn.read_text() + '{"format": 1, "turn": 1, "prompt_ids": [1')
 
+    # a turn that reached the file after the reward (a request in flight when it was posted) is not the episode's
+    a2 = folder / SCOPE / "a2.jsonl"
+    [late] = read_lines(a2)
+    a2.write_text(a2.read_text() + json.dumps({**late, "turn": 1, "segment": 1}) + "\n")
+
     source = RecordSource(folder, VOCAB)
     groups, metrics = source.take(8, version=0)
     by = {g.task["id"].partition("/")[2]: g for g in groups}
     assert len(by) == 2 and "task:A" in by and any(k.startswith("prompt:") for k in by)
     a = by["task:A"]
     names = [t.reward_info["episode"].rpartition("/")[2] for t in a.trajectories]
-    assert names == ["a1", "a2", "torn"]  # a1's two turns are one segment: one sequence
+    assert names == ["a1", "a2", "torn"]  # a1's two turns are one segment: one sequence; a2's late turn is not in
     assert counts_of(metrics) == {
         "trained": 5,
         "pending": 1,
@@ -224,3 +232,29 @@ def test_the_alarm_compares_the_recorded_log_probs(served, tiny_model_dir, tmp_p
     exp = write_experiment(tmp_path, tiny_model_dir, folder)
     assert main(["train", str(exp), "--output", str(tmp_path / "run"), "--no-progress"]) != 0
     assert "the sampler's log-probs disagree with the learner's" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two `arpo train` processes (about 35 s on two busy cores)
+def test_a_killed_trainer_resumes_without_losing_or_repeating_an_episode(served, tiny_model_dir, tmp_path):
+    """``kill -9`` of ``arpo train`` wherever it is once its first checkpoint exists: the resumed run trains every
+    group once, whatever the killed one had trained after that checkpoint (its updates died with it)."""
+    folder = copy(served, tmp_path / "rec")
+    [b2] = read_lines(folder / SCOPE / "b2.jsonl")
+    write_episode(folder, "b2", [b2], 0.0)  # three groups now: A, B and the prompt-keyed one
+    exp = write_experiment(tmp_path, tiny_model_dir, folder, iterations=3)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "arpo_algo.cli", "train", str(exp), "--no-progress"]
+    proc = subprocess.Popen([*cmd, "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "iter_000001").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert subprocess.run([*cmd, "--resume", str(out)], capture_output=True).returncode == 0
+    ckpt = json.loads((out / "checkpoints" / "iter_000003" / "arpo_checkpoint.json").read_text())
+    trained = {f"{SCOPE}/{e}" for e in ("a1", "a2", "b1", "b2", "p1", "p2")}
+    assert set(ckpt["records"]["consumed"]) == trained and ckpt["records"]["totals"]["trained"] == 6
+    assert ckpt["records"]["groups"] == 3
