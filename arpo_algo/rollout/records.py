@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -167,11 +168,11 @@ def _choice(choice: Any, vocab: int, where: str) -> tuple[list[int], list[int], 
     if why is not None and not isinstance(why, str):
         raise Malformed(f"{where}'s unscoreable mark is not a reason")
     values = choice.get("logprobs")
-    if why is None and (not isinstance(values, list) or len(values) != sum(mask)):
-        why = "its log-probs do not cover its trained tokens"
-    if why is not None:
+    if why is None and not (isinstance(values, list) and len(values) == sum(mask)):
+        why = "its log-probs do not cover its trained tokens"  # e.g. an end token the engine appended unsampled
+    if why is not None or not isinstance(values, list):
         return ids, [0] * len(ids), [0.0] * len(ids), why
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) < 1e30 for v in values):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
         raise Malformed(f"{where}'s log-probs are not finite numbers")
     it = iter(values)
     return ids, list(mask), [float(next(it)) if m else 0.0 for m in mask], None
@@ -307,7 +308,7 @@ class RecordSource:
             raise Malformed(f"a line is not a turn of record format {FORMAT}")
         sequences, unscoreable = episode_sequences(turns, self.vocab_size)
         value = reward.get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e30:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise Malformed("its reward is not a finite number")
         at = float(reward.get("at", 0.0))
         return Episode(name, group_key(scope, turns[0]), float(value), at, sequences, unscoreable)

@@ -138,6 +138,23 @@ def test_groups_held_dropped_and_skipped_episodes_are_counted(served, tmp_path):
     assert fresh.take(8, version=2, now=later)[0] == [] and fresh.totals == source.totals
 
 
+def test_a_task_is_an_id_recorded_with_its_episode(served):
+    from serve.errors import APIError
+    from serve.record import request_episode
+
+    assert read_lines(served / SCOPE / "a2.jsonl")[0]["task"] == "A"
+    assert read_lines(served / SCOPE / "p1.jsonl")[0]["task"] is None
+    messages = [{"role": "user", "content": "Q"}]
+    for bad in ("../x", "", "a" * 129, 7):
+        with pytest.raises(APIError) as e:
+            parse_chat_request(json.dumps({"model": "m", "messages": messages, "arpo": {"episode": "e", "task": bad}}))
+        assert e.value.status == 400 and e.value.param == "arpo.task"
+    alone = parse_chat_request(json.dumps({"model": "m", "messages": messages, "arpo": {"task": "t"}}))
+    with pytest.raises(APIError, match="name the episode too") as e:
+        request_episode(alone, {}, None)
+    assert e.value.param == "arpo.task"
+
+
 def test_grpo_is_over_episodes_not_sequences():
     from arpo_algo.core.advantages import episode_advantages, grpo_advantages
 
