@@ -41,7 +41,7 @@ def group_token_advantages(group: Any, config: Any) -> TokenAdvantages:
     gets the group's :func:`tree_owners` under ``hard_scope = "tree"`` and None (shared = identical prefix) under
     ``"tokens"``. A group of recorded episodes (its task lists each trajectory's episode) takes GRPO over its episodes
     (:func:`~arpo_algo.core.advantages.episode_advantages`); the records' settings allow only "grpo" there."""
-    episodes = group.task.get("record_episodes")
+    episodes = (group.task or {}).get("record_episodes")
     if episodes is not None:
         responses = [t.response_ids for t in group.trajectories]
         return episode_advantages(responses, episodes, group.rewards, norm_by_std=config.norm_adv_by_std)
