@@ -24,6 +24,7 @@ from serve.agents import AgentSpec
 from serve.record import RecordConfig, Recorder, scope_of
 from serve.runtime import Agent
 from serve.schema import parse_chat_request
+from tests.arpo_algo.run.test_train_cli import write_experiment
 
 SCOPE = scope_of("client-key")
 VOCAB = 10_000
@@ -179,36 +180,10 @@ def test_the_folder_is_checked(tmp_path):
         RecordSource(empty, VOCAB).wait(2, 0, wait_s=0.0)
 
 
-def write_experiment(tmp_path, model_dir, records, iterations=1):
-    p = tmp_path / "records.toml"
-    p.write_text(f"""
-[experiment]
-name = "records"
-iterations = {iterations}
-checkpoint_every = 1
-keep_checkpoints = 1
-
-[model]
-path = "{model_dir}"
-
-[env]
-id = "arpo/ToolMath-v0"
-levels = [1]
-max_tool_calls = 1
-
-[training]
-records = "{records}"
-old_logprobs = "rollout"
-prompts_per_step = 1
-lr = 1e-4
-
-[rollouts]
-max_response_tokens = 8
-
-[evaluation]
-num_prompts = 1
-""")
-    return p
+def train(exp, folder, *args):
+    """``arpo train`` of the tiny experiment of the train command's tests, on the records of ``folder``."""
+    records = [f"training.records='{folder}'", "training.old_logprobs='rollout'", "evaluation.every=0"]
+    return [str(exp), *(x for r in records for x in ("--set", r)), "--no-progress", *args]
 
 
 def rows(out):
@@ -217,11 +192,11 @@ def rows(out):
 
 def test_train_from_records_and_resume_without_training_twice(served, tiny_model_dir, tmp_path, capsys):
     folder = copy(served, tmp_path / "rec", keep={"a1", "a2", "p1", "p2"})
-    exp = write_experiment(tmp_path, tiny_model_dir, folder)
-    assert main(["train", str(exp), "--set", "training.old_logprobs='recompute'", "--dry-run"]) == 2
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    assert main(["train", *train(exp, folder, "--set", "training.old_logprobs='recompute'", "--dry-run")]) == 2
     assert 'training.old_logprobs = "rollout"' in capsys.readouterr().err
     out = tmp_path / "run"
-    assert main(["train", str(exp), "--output", str(out), "--no-progress"]) == 0
+    assert main(["train", *train(exp, folder, "--output", str(out))]) == 0
     first = [r for r in rows(out) if r["iteration"] == 1][0]
     assert first["rollout/records/trained"] == 2 and first["train/reward_mean"] == 0.5  # a1 and a2
     # the learner scored the served tokens as the server did: the alarm's statistic is at rounding level
@@ -229,13 +204,13 @@ def test_train_from_records_and_resume_without_training_twice(served, tiny_model
     ckpt = json.loads((out / "checkpoints" / "iter_000001" / "arpo_checkpoint.json").read_text())
     assert sorted(ckpt["records"]["consumed"]) == [f"{SCOPE}/a1", f"{SCOPE}/a2"]  # task A's reward came first
     # the second iteration takes the other group only: the checkpoint's position came back with the weights
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=2", "--no-progress"]) == 0
+    assert main(["train", *train(exp, folder, "--resume", str(out), "--set", "experiment.iterations=2")]) == 0
     second = [r for r in rows(out) if r["iteration"] == 2][0]
     assert second["rollout/records/trained"] == 4
     ckpt = json.loads((out / "checkpoints" / "iter_000002" / "arpo_checkpoint.json").read_text())
     assert sorted(ckpt["records"]["consumed"]) == sorted(f"{SCOPE}/{e}" for e in ("a1", "a2", "p1", "p2"))
     # nothing is left to train: the run stops with a clear line
-    assert main(["train", str(exp), "--resume", str(out), "--set", "experiment.iterations=3", "--no-progress"]) == 2
+    assert main(["train", *train(exp, folder, "--resume", str(out), "--set", "experiment.iterations=3")]) == 2
     assert "is ready to train" in capsys.readouterr().err
 
 
@@ -246,8 +221,8 @@ def test_the_alarm_compares_the_recorded_log_probs(served, tiny_model_dir, tmp_p
         [turn] = read_lines(path)
         turn["choices"][0]["logprobs"] = [v - 3.0 for v in turn["choices"][0]["logprobs"]]  # not these weights'
         path.write_text(json.dumps(turn) + "\n")
-    exp = write_experiment(tmp_path, tiny_model_dir, folder)
-    assert main(["train", str(exp), "--output", str(tmp_path / "run"), "--no-progress"]) != 0
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    assert main(["train", *train(exp, folder, "--output", str(tmp_path / "run"))]) != 0
     assert "the sampler's log-probs disagree with the learner's" in capsys.readouterr().err
 
 
@@ -258,10 +233,10 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_an_episode(served,
     folder = copy(served, tmp_path / "rec")
     [b2] = read_lines(folder / SCOPE / "b2.jsonl")
     write_episode(folder, "b2", [b2], 0.0)  # three groups now: A, B and the prompt-keyed one
-    exp = write_experiment(tmp_path, tiny_model_dir, folder, iterations=3)
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=3)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "arpo_algo.cli", "train", str(exp), "--no-progress"]
-    proc = subprocess.Popen([*cmd, "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "arpo_algo.cli", "train"]
+    proc = subprocess.Popen([*cmd, *train(exp, folder, "--output", str(out))], stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / "iter_000001").exists() and proc.poll() is None:
@@ -270,7 +245,7 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_an_episode(served,
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert subprocess.run([*cmd, "--resume", str(out)], capture_output=True).returncode == 0
+    assert subprocess.run([*cmd, *train(exp, folder, "--resume", str(out))], capture_output=True).returncode == 0
     ckpt = json.loads((out / "checkpoints" / "iter_000003" / "arpo_checkpoint.json").read_text())
     trained = {f"{SCOPE}/{e}" for e in ("a1", "a2", "b1", "b2", "p1", "p2")}
     assert set(ckpt["records"]["consumed"]) == trained and ckpt["records"]["totals"]["trained"] == 6
