@@ -16,6 +16,11 @@ Invariants:
   sampling, log-probs the engine cannot give) says why, per choice, and is counted.
 - Recording never fails a request: a full folder or a failed write leaves the turn unrecorded, logged and counted.
 - A reader skips a torn last line (a server killed mid-write); the next append cuts it away first.
+- A reward closes its episode: it records how many turns it was given for, and the trainer reads no more than those
+  (a request in flight when the reward was posted may still append a turn).
+
+The readers (the folder check, the line reader, the survey of a folder) live with the trainer's reader of the
+episodes, :mod:`arpo_algo.rollout.records`, which ``arpo train`` uses as well (``training.records``).
 """
 
 from __future__ import annotations
