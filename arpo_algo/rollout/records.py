@@ -9,7 +9,8 @@ How an episode becomes training data:
 - An episode is *closed* by its reward (``<episode>.reward.json``, written once). Only closed episodes are read for
   training, and only their first ``reward["turns"]`` turns (the ones the reward was given for): a turn the server
   appended while the reward was being written is never trained. An episode with no reward is *pending* while its
-  last turn is younger than the folder's reward deadline (left for a later iteration) and *dropped* afterwards.
+  last turn is younger than the folder's reward deadline (left for a later iteration) and *dropped* afterwards
+  (:data:`DROP_GRACE_S` later, so that a reward accepted at the deadline is never missed).
 - Each segment (a token-continuous run of turns) is laid out as one sequence: its first prompt, then every turn's
   new prompt tokens (mask 0) and the reply a later turn continued (its own trained mask and recorded log-probs). A
   reply no later turn of the segment continued ends a sequence: with one choice per request, one sequence per
@@ -50,6 +51,9 @@ log = logging.getLogger("arpo.records")
 SETTINGS = "record.json"
 FORMAT = 1
 DEFAULT_REWARD_DEADLINE_S = 24 * 3600.0
+#: Seconds past the deadline before an episode without a reward is dropped: a reward the server accepted just inside
+#: the deadline is on disk by then, so the trainer never drops an episode the server rewarded.
+DROP_GRACE_S = 60.0
 #: The counts a source reports (under ``rollout/records/`` in the run's metrics), each an episode or choice count.
 COUNTS = ("trained", "pending", "held", "dropped", "singletons", "malformed", "untrainable", "unscoreable")
 
@@ -284,7 +288,7 @@ class RecordSource:
                 if not turns:
                     continue
                 if not rewarded:
-                    if now - float(turns[-1]["finished"]) > deadline:
+                    if now - float(turns[-1]["finished"]) > deadline + DROP_GRACE_S:
                         log.warning("episode %s got no reward within the deadline: dropped", name)
                         self._consume(name, "dropped")
                     else:

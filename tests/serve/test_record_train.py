@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from arpo_algo.cli.main import main
-from arpo_algo.rollout.records import RecordSource, read_lines
+from arpo_algo.rollout.records import DROP_GRACE_S, RecordSource, read_lines
 from arpo_base.errors import ArpoError, ConfigError
 from serve.agents import AgentSpec
 from serve.record import RecordConfig, Recorder, scope_of
@@ -128,7 +128,7 @@ def test_groups_held_dropped_and_skipped_episodes_are_counted(served, tmp_path):
     assert all(t.policy_version == 0 for t in a.trajectories) and a.prompt_ids
     # nothing is taken twice; past the deadline the pending episode is dropped and the lone ones with it
     assert source.take(8, version=1)[0] == []
-    later = time.time() + 601
+    later = time.time() + 600 + DROP_GRACE_S + 1
     groups, metrics = source.take(8, version=1, now=later)
     counts = counts_of(metrics)
     assert groups == [] and counts["dropped"] == 1 and counts["singletons"] == 2 and counts["held"] == 0
