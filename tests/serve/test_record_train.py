@@ -139,6 +139,22 @@ def test_groups_held_dropped_and_skipped_episodes_are_counted(served, tmp_path):
     assert fresh.take(8, version=2, now=later)[0] == [] and fresh.totals == source.totals
 
 
+def test_an_iteration_waits_for_rewards_up_to_its_limit(served, tmp_path):
+    folder = copy(served, tmp_path / "rec", keep={"a1", "a2"})
+    rewards = {p: p.with_name(f".{p.name}.tmp") for p in (folder / SCOPE).glob("*.reward.json")}
+    for p, hidden in rewards.items():
+        p.rename(hidden)
+    t0 = time.monotonic()
+    with pytest.raises(ArpoError, match="is ready to train"):
+        RecordSource(folder, VOCAB).wait(2, 0, wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+    post = threading.Timer(0.5, lambda: [h.rename(p) for p, h in rewards.items()])  # the rewards arrive, whole
+    post.start()
+    groups, metrics, waited = RecordSource(folder, VOCAB).wait(2, 0, wait_s=60)
+    post.join()
+    assert len(groups) == 1 and 0.5 <= waited < 60 and metrics["rollout/records/trained"] == 2
+
+
 def test_a_task_is_an_id_recorded_with_its_episode(served):
     from serve.errors import APIError
     from serve.record import request_episode
