@@ -211,6 +211,12 @@ def test_train_from_records_and_resume_without_training_twice(served, tiny_model
     exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
     assert main(["train", *train(exp, folder, "--set", "training.old_logprobs='recompute'", "--dry-run")]) == 2
     assert 'training.old_logprobs = "rollout"' in capsys.readouterr().err
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert main(["train", *train(exp, shared, "--output", str(tmp_path / "refused"))]) == 2
+    err = capsys.readouterr().err
+    assert "writable by other users" in err and "chmod 700" in err and "Traceback" not in err
     out = tmp_path / "run"
     assert main(["train", *train(exp, folder, "--output", str(out))]) == 0
     first = [r for r in rows(out) if r["iteration"] == 1][0]
