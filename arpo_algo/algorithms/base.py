@@ -191,12 +191,17 @@ class AgenticRLAlgorithm(Algorithm):
 
         cfg = self.config
         rollouts = cfg.settings.rollouts
-        entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
+        spec = rollouts.engine_spec
+        # an engine without full entropies (vLLM) has only the top-k estimator, which a sampled run's tree asks for
+        # by name (Settings.validate) and a records run, which grows no tree, takes as it is
+        topk = self.tree_config.entropy_method == "topk_sum_lnV" or not spec.capabilities.full_entropy
         own = rollouts.engine_config
         settings: dict[str, Any] = dict(
-            own.engine_kwargs() if own is not None else {}, entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
+            own.engine_kwargs() if own is not None else {},
+            entropy_method="topk_sum_lnV" if topk else "full",
+            seed=cfg.seed,
+            dtype=rollouts.dtype,
         )
-        spec = rollouts.engine_spec
         if spec.capabilities.shares_module and not self._engine_owns_weights():
             return build_engine(
                 spec.name, model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings

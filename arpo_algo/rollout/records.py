@@ -241,11 +241,6 @@ def record_source(settings: Any, tokenizer: Any) -> RecordSource | None:
     """The recorded episodes a run trains on (``training.records``), or None: it samples its own."""
     if settings.training.records is None:
         return None
-    if settings.rollouts.asynchronous:
-        raise ConfigError(
-            "training.records trains on recorded episodes: there are no rollouts to run asynchronously",
-            hint="drop rollouts.asynchronous, or drop training.records",
-        )
     return RecordSource(settings.training.records, len(tokenizer))
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from arpo_algo.cli.main import main
 from arpo_algo.rollout.records import DROP_GRACE_S, RecordSource, read_lines
+from arpo_algo.run.experiment import load_experiment
 from arpo_base.errors import ArpoError, ConfigError
 from serve.agents import AgentSpec
 from serve.record import RecordConfig, Recorder, scope_of
@@ -196,6 +197,37 @@ def test_the_folder_is_checked(tmp_path):
         RecordSource(empty, VOCAB).wait(2, 0, wait_s=0.0)
 
 
+#: A records run as an experiment file holds it, with no [tree] section and no sampling setting.
+RECORDS_RUN = {
+    "model": {"path": "unused"},
+    "env": {"id": "arpo/ToolMath-v0"},
+    "training": {"records": "episodes/", "old_logprobs": "rollout"},
+}
+
+
+@pytest.mark.parametrize(
+    "override, why",
+    [("tree.budget=4", "no sampling tree is grown"), ("rollouts.temperature=0.7", "records its sampling settings")],
+)
+def test_a_tree_or_sampling_setting_is_refused_with_records(override, why):
+    name, _, value = override.partition("=")
+    exp = load_experiment(sections=RECORDS_RUN, overrides=[override])
+    with pytest.raises(ConfigError) as e:
+        exp.config.validate()
+    assert e.value.message.startswith(f"{name} = {value} does nothing with training.records") and why in e.value.message
+    assert e.value.hint.startswith(f"drop {name} from the experiment file or the --set")
+
+
+@pytest.mark.parametrize("algorithm", ["arpo", "grpo", "aepo"])
+def test_a_records_run_keeps_the_settings_that_act(algorithm):
+    # each variant's preset (GRPO's and AEPO's [tree] values) is not the user's: a records run under it loads
+    sections = {**RECORDS_RUN, "experiment": {"algorithm": algorithm}}
+    load_experiment(sections=sections).config.validate()
+    # the engine, its settings and the response budget run the evaluation; record_every writes the trained groups
+    acting = ["rollouts.max_response_tokens=64", "rollouts.hf.max_batch_size=2", "rollouts.record_every=2"]
+    load_experiment(sections=sections, overrides=acting).config.validate()
+
+
 def train(exp, folder, *args):
     """``arpo train`` of the tiny experiment of the train command's tests, on the records of ``folder``."""
     records = [f"training.records='{folder}'", "training.old_logprobs='rollout'", "evaluation.every=0"]
@@ -208,9 +240,12 @@ def rows(out):
 
 def test_train_from_records_and_resume_without_training_twice(served, tiny_model_dir, tmp_path, capsys):
     folder = copy(served, tmp_path / "rec", keep={"a1", "a2", "p1", "p2"})
-    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1, tree=False)
     assert main(["train", *train(exp, folder, "--set", "training.old_logprobs='recompute'", "--dry-run")]) == 2
     assert 'training.old_logprobs = "rollout"' in capsys.readouterr().err
+    assert main(["train", *train(exp, folder, "--set", "tree.budget=4", "--dry-run")]) == 2
+    err = capsys.readouterr().err
+    assert "tree.budget = 4 does nothing with training.records" in err and "Traceback" not in err
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
@@ -243,7 +278,7 @@ def test_the_alarm_compares_the_recorded_log_probs(served, tiny_model_dir, tmp_p
         [turn] = read_lines(path)
         turn["choices"][0]["logprobs"] = [v - 3.0 for v in turn["choices"][0]["logprobs"]]  # not these weights'
         path.write_text(json.dumps(turn) + "\n")
-    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1)
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=1, tree=False)
     assert main(["train", *train(exp, folder, "--output", str(tmp_path / "run"))]) != 0
     assert "the sampler's log-probs disagree with the learner's" in capsys.readouterr().err
 
@@ -255,7 +290,7 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_an_episode(served,
     folder = copy(served, tmp_path / "rec")
     [b2] = read_lines(folder / SCOPE / "b2.jsonl")
     write_episode(folder, "b2", [b2], 0.0)  # three groups now: A, B and the prompt-keyed one
-    exp = write_experiment(tmp_path, tiny_model_dir, iterations=3)
+    exp = write_experiment(tmp_path, tiny_model_dir, iterations=3, tree=False)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "arpo_algo.cli", "train"]
     proc = subprocess.Popen([*cmd, *train(exp, folder, "--output", str(out))], stdout=subprocess.DEVNULL)
