@@ -16,6 +16,11 @@ Invariants:
   sampling, log-probs the engine cannot give) says why, per choice, and is counted.
 - Recording never fails a request: a full folder or a failed write leaves the turn unrecorded, logged and counted.
 - A reader skips a torn last line (a server killed mid-write); the next append cuts it away first.
+- A reward closes its episode: it records how many turns it was given for, and the trainer reads no more than those
+  (a request in flight when the reward was posted may still append a turn).
+
+The readers (the folder check, the line reader, the survey of a folder) live with the trainer's reader of the
+episodes, :mod:`arpo_algo.rollout.records`, which ``arpo train`` uses as well (``training.records``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,20 @@ import logging
 import math
 import os
 import re
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.rollout.records import (  # noqa: F401 - the readers the folder's users import from here too
+    DEFAULT_REWARD_DEADLINE_S,
+    FORMAT,
+    SETTINGS,
+    private_folder,
+    read_episodes,
+    read_lines,
+)
 from arpo_base.errors import ConfigError
 from arpo_base.paths import fsync_dir
 from serve.errors import APIError
@@ -46,9 +58,6 @@ EPISODE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: The header that names an episode when the request body cannot (``x-request-*`` headers are the proxy's own).
 EPISODE_HEADER = "arpo-episode"
 DEFAULT_MAX_BYTES = 10 * 1024**3
-DEFAULT_REWARD_DEADLINE_S = 24 * 3600.0
-SETTINGS = "record.json"
-FORMAT = 1
 
 
 def check_episode_id(value: Any, where: str = "arpo.episode") -> str:
@@ -71,6 +80,8 @@ def request_episode(req: Any, headers: dict[str, str], recorder: Any) -> str:
         if req.episode is not None and req.episode != header:
             raise APIError(f"'arpo.episode' and the {EPISODE_HEADER} header name different episodes", param="arpo")
         req.episode = header
+    if req.task is not None and req.episode is None:
+        raise APIError("'arpo.task' names the task of an episode: name the episode too", param="arpo.task")
     if req.episode is not None and recorder is None:
         raise APIError(
             "this server records no episodes (it was started without --record DIR); leave the episode out",
@@ -123,39 +134,6 @@ def _digest(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def private_folder(path: str | Path) -> Path:
-    """``path`` made (0700) or checked: refused when another user owns it or may write into it."""
-    p = Path(path)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = p.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"the record folder {p} belongs to another user", hint="give a folder of your own")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(
-            f"the record folder {p} is writable by other users (they could forge episodes)", hint=f"chmod 700 {p}"
-        )
-    return p
-
-
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a record file; a torn (unfinished or unparsable) last line is skipped."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    lines = [line for line in data.split(b"\n") if line.strip()]
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # a write the process did not finish: the turn was never answered
-                log.warning("skipping a torn last line in %s", path.name)
-                continue
-            raise ConfigError(f"the record file {path.name} has a damaged line {i + 1}") from None
-    return out
-
-
 @dataclass
 class RecordConfig:
     """What ``arpo serve --record`` sets (plain data: it travels to the replicas)."""
@@ -185,6 +163,7 @@ class Turn:
     messages: list[dict[str, Any]]
     logprob_problem: str | None = None
     after: int | None = None  # the episode's last recorded turn when this one began (None: the first)
+    task: str | None = None  # the client's task id: the episodes of one task are a training group
     started: float = field(default_factory=time.time)
     refused: str | None = None  # why this turn is not recorded (the request is still served)
     unscoreable: int = 0  # choices the learner cannot score
@@ -273,6 +252,7 @@ class Recorder:
         """The turn of a request of an episode and its prompt ids: ``ids`` (the messages rendered afresh) unless the
         history continues a recorded reply, then the recorded ids extended (:func:`continuation_ids`)."""
         turn, prev = self.begin(scope, req.episode, req.messages)
+        turn.task = req.task
         if prev is None:
             return turn, ids
         faithful = continuation_ids(agent.tok, agent.session, prev, req.messages)
@@ -361,6 +341,7 @@ class Recorder:
         line = {
             "format": FORMAT,
             "episode": turn.episode,
+            "task": turn.task,
             "turn": turn.index,
             "segment": turn.segment,
             "continues": turn.continues,
@@ -440,28 +421,3 @@ def _finite(v: Any, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise APIError(f"'{name}' must be a finite number, got {json.dumps(v)[:80]}", param=name)
     return float(v)
-
-
-def read_episodes(root: str | Path, now: float | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Every recorded episode of a folder with its turns and reward, and counts. An episode with no reward past the
-    deadline in ``record.json`` is marked ``dropped`` (counted); one still within it ``pending``."""
-    root = private_folder(root)
-    settings = json.loads((root / SETTINGS).read_text()) if (root / SETTINGS).exists() else {}
-    deadline = float(settings.get("reward_deadline_s", DEFAULT_REWARD_DEADLINE_S))
-    now = time.time() if now is None else now
-    out, counts = [], {"rewarded": 0, "pending": 0, "dropped": 0, "turns": 0, "unscoreable_turns": 0}
-    for path in sorted(root.glob("*/*.jsonl")):
-        turns = read_lines(path)
-        if not turns:
-            continue
-        reward_path = path.with_suffix(".reward.json")
-        reward = json.loads(reward_path.read_text()) if reward_path.exists() else None
-        if reward is not None:
-            status = "rewarded"
-        else:
-            status = "dropped" if now - turns[-1]["finished"] > deadline else "pending"
-        counts[status] += 1
-        counts["turns"] += len(turns)
-        counts["unscoreable_turns"] += sum(any(c["unscoreable"] for c in t["choices"]) for t in turns)
-        out.append({"episode": f"{path.parent.name}/{path.stem}", "status": status, "turns": turns, "reward": reward})
-    return out, counts

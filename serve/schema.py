@@ -48,7 +48,7 @@ KNOWN = {
     "top_logprobs",
     "arpo",
 }
-ARPO_KEYS = {"tool_mode", "max_tool_calls", "episode"}
+ARPO_KEYS = {"tool_mode", "max_tool_calls", "episode", "task"}
 
 
 @dataclass
@@ -71,6 +71,7 @@ class ChatRequest:
     top_logprobs: int = 0
     tools: list[dict[str, Any]] = field(default_factory=list)
     episode: str | None = None
+    task: str | None = None  # the task an episode works on: recorded episodes of one task are a training group
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -276,4 +277,5 @@ def parse_chat_request(raw: bytes | str | dict, *, max_n: int = MAX_N) -> ChatRe
         top_logprobs=top_logprobs,
         tools=tools,
         episode=None if ext.get("episode") is None else check_episode_id(ext["episode"]),
+        task=None if ext.get("task") is None else check_episode_id(ext["task"], "arpo.task"),
     )

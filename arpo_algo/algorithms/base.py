@@ -57,6 +57,7 @@ from arpo_algo.models.policy_env import served_defaults
 from arpo_algo.rollout import learner_metrics as LK
 from arpo_algo.rollout import metrics as MK
 from arpo_algo.rollout.diagnostics import group_diagnostics
+from arpo_algo.rollout.records import record_source
 from arpo_base.errors import ArpoError, ConfigError
 
 if TYPE_CHECKING:
@@ -155,7 +156,8 @@ class AgenticRLAlgorithm(Algorithm):
         self._eval_env = env_creator(cfg, split=settings.evaluation.split)
         env = self._train_env()
         self.prompts = PromptIterator(env.num_tasks, cfg.seed)
-        if settings.training.prompts_per_step > env.num_tasks:  # a step draws distinct tasks
+        self.records = record_source(settings, self.learner.tokenizer)
+        if self.records is None and settings.training.prompts_per_step > env.num_tasks:  # a step draws distinct tasks
             raise ConfigError(
                 f"training.prompts_per_step = {settings.training.prompts_per_step} exceeds the "
                 f"{env.num_tasks} tasks of the training split",
@@ -189,12 +191,17 @@ class AgenticRLAlgorithm(Algorithm):
 
         cfg = self.config
         rollouts = cfg.settings.rollouts
-        entropy = "topk_sum_lnV" if self.tree_config.entropy_method == "topk_sum_lnV" else "full"
+        spec = rollouts.engine_spec
+        # an engine without full entropies (vLLM) has only the top-k estimator, which a sampled run's tree asks for
+        # by name (Settings.validate) and a records run, which grows no tree, takes as it is
+        topk = self.tree_config.entropy_method == "topk_sum_lnV" or not spec.capabilities.full_entropy
         own = rollouts.engine_config
         settings: dict[str, Any] = dict(
-            own.engine_kwargs() if own is not None else {}, entropy_method=entropy, seed=cfg.seed, dtype=rollouts.dtype
+            own.engine_kwargs() if own is not None else {},
+            entropy_method="topk_sum_lnV" if topk else "full",
+            seed=cfg.seed,
+            dtype=rollouts.dtype,
         )
-        spec = rollouts.engine_spec
         if spec.capabilities.shares_module and not self._engine_owns_weights():
             return build_engine(
                 spec.name, model=self.learner.shared_module, tokenizer=self.learner.tokenizer, **settings
@@ -312,6 +319,9 @@ class AgenticRLAlgorithm(Algorithm):
     def _sync_and_sample(self, version: int) -> Any:
         """Steps 1-2: the batch taken from the asynchronous pipe, or sampled now under freshly synced weights."""
         timers, pipe = MK.TIMERS.rstrip("/"), self.rollout_pipeline
+        if self.records is not None:
+            with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
+                return self._take_records(version)
         if pipe is not None and pipe.in_flight:
             with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):  # the wait for the batch in flight
                 return pipe.take()
@@ -320,6 +330,14 @@ class AgenticRLAlgorithm(Algorithm):
         indices = self.prompts.next(self.config.settings.training.prompts_per_step)
         with self.metrics.log_time((timers, MK.ROLLOUT_TIME)):
             return self._sample_batch(indices, version)
+
+    def _take_records(self, version: int) -> Any:
+        """The next groups of recorded episodes (waiting up to ``training.records_wait_s`` for one to be ready)."""
+        from arpo_algo.algorithms.pipeline import Batch
+
+        training = self.config.settings.training
+        groups, metrics, waited = self.records.wait(training.prompts_per_step, version, training.records_wait_s)
+        return Batch(groups, metrics, version, waited)
 
     def _update(self, batch: Any, version: int) -> tuple[dict[str, float], float]:
         """Steps 3-4: the learner's advantages and update on ``batch``; starts the asynchronous pipe's next batch
@@ -503,6 +521,8 @@ class AgenticRLAlgorithm(Algorithm):
         state["metrics_logger"] = self.metrics.get_state()
         state["training_iteration"] = self.training_iteration
         state["prompts"] = self.data_position()
+        if self.records is not None:
+            state["records"] = self.records.get_state()
         state["arpo_checkpoint_format"] = CHECKPOINT_FORMAT
         return state
 
@@ -521,6 +541,8 @@ class AgenticRLAlgorithm(Algorithm):
             self._iteration = state["training_iteration"]
         if "prompts" in state:
             self.prompts.set_state(state["prompts"])
+        if "records" in state and self.records is not None:
+            self.records.set_state(state["records"])
 
     def get_checkpointable_components(self) -> list[tuple[str, Checkpointable]]:
         return [(POLICY_DIR, self.policy)]

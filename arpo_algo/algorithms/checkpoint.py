@@ -150,6 +150,7 @@ def write_checkpoint(algo: Any, path: Path) -> Path:
         algorithm=type(algo).__name__,
         iteration=algo.iteration,
         prompts=algo.data_position(),
+        records=algo.records.get_state() if getattr(algo, "records", None) is not None else None,
         metrics_logger=algo.metrics.get_state(),
     )
     return path
@@ -227,6 +228,10 @@ def restore_checkpoint(algo: Any, path: str | os.PathLike) -> None:
     algo.metrics.set_state(state["metrics_logger"])
     algo._iteration = int(state["iteration"])
     algo.prompts.set_state(state["prompts"])
+    if getattr(algo, "records", None) is not None:  # the recorded episodes trained on up to these weights
+        if state.get("records") is None:
+            raise ArpoError(f"{path} holds no position in recorded episodes", hint="resume without training.records")
+        algo.records.set_state(state["records"])
 
 
 #: Python tool settings that name code to run or weaken its sandbox: a folder's files never set them (its reader's

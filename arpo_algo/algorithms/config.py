@@ -27,7 +27,7 @@ from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.tune.result import STDERR_FILE, STDOUT_FILE, TRIAL_INFO
 
 from arpo_algo.algorithms.rllib_fields import check_callbacks, check_unused_fields, same_value
-from arpo_algo.algorithms.settings import Settings
+from arpo_algo.algorithms.settings import Settings, check_records
 from arpo_algo.algorithms.variants import algorithm_of, preset_of
 from arpo_algo.core.tree import TreeConfig
 from arpo_base.errors import ConfigError
@@ -64,12 +64,15 @@ class AgenticRLConfig(AlgorithmConfig):
 
     def __init__(self, algo_class: type | None = None) -> None:
         super().__init__(algo_class=algo_class or type(self).algorithm_class or algorithm_of(type(self)))
-        self.settings = Settings(tree=TreeConfig(mode=self.tree_mode)).update(
-            preset_of(type(self)), f"{type(self).__name__} preset"
-        )
+        self.settings = type(self).default_settings()
         # No EnvRunnerGroup: our own rollout component plays the env (the offline switch RLlib's MARWIL uses).
         self._is_online = False
         self.seed = 0
+
+    @classmethod
+    def default_settings(cls) -> Settings:
+        """This variant's defaults: every section's own, with its tree mode and the presets of its classes."""
+        return Settings(tree=TreeConfig(mode=cls.tree_mode)).update(preset_of(cls), f"{cls.__name__} preset")
 
     # ------------------------------------------------------------------------------------------------ setters
 
@@ -208,6 +211,7 @@ class AgenticRLConfig(AlgorithmConfig):
                 f"{self.settings.evaluation.every}",
                 hint="set it with .evaluation(every=N)",
             )
+        check_records(self.settings, type(self).default_settings())
         self.settings.validate()
 
     def _validate_new_api_stack_settings(self) -> None:

@@ -21,6 +21,7 @@ and the attribute path ``config.settings.tree.tau``. Unknown keys fail with the 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from arpo_algo.train.learner_config import TrainingConfig
 from arpo_base.errors import ConfigError
 from arpo_base.options import dataclass_rows, setting, unknown_key_error, update_dataclass
 
-__all__ = ["SECTIONS", "VARIANT_DEFAULTS", "ModelConfig", "Settings", "setting_rows"]
+__all__ = ["RECORDS_INERT", "SECTIONS", "VARIANT_DEFAULTS", "ModelConfig", "Settings", "check_records", "setting_rows"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class Settings:
         self.rollouts.validate()
         self.evaluation.validate()
         self.backend.check_device(self.rollouts.device)
-        if not caps.full_entropy and self.tree.entropy_method != "topk_sum_lnV":
+        # a records run grows no tree: its engine (evaluation's) takes the estimator it has (AgenticRLAlgorithm)
+        if not caps.full_entropy and self.tree.entropy_method != "topk_sum_lnV" and self.training.records is None:
             raise ConfigError(
                 f"rollouts.engine={engine.name!r} with tree.entropy_method={self.tree.entropy_method!r}: "
                 f"{engine.title} returns only top-k logprobs, so the full entropy is not available",
@@ -191,6 +193,40 @@ class Settings:
         if self.rollouts.asynchronous:
             _check_asynchronous(self)
         _check_ratio_options(self)
+
+
+#: Why each setting outside ``[tree]`` does nothing in a run that trains on recorded episodes (``training.records``):
+#: the settings that shape only the trajectories the run samples itself. The rest of ``[rollouts]`` still acts there:
+#: the engine, its resources and ``[rollouts.hf]``/``[rollouts.vllm]``, ``max_response_tokens``, ``tool_workers`` and
+#: ``prompt_overflow`` run the evaluation, the ``record_*`` settings write the trees of the episodes trained on.
+_SAMPLED = "the server sampled them, and records its sampling settings with each turn"
+RECORDS_INERT = {
+    "rollouts.temperature": _SAMPLED,
+    "rollouts.top_p": _SAMPLED,
+    "rollouts.top_k": _SAMPLED,
+    "rollouts.train_tool_limit_eos": "the server records which tokens are trained (each reply's trained mask)",
+    "rollouts.asynchronous": "there are no rollouts to run in the background",
+    "rollouts.max_staleness": "there are no rollouts to run in the background",
+    "training.dynamic_sampling_max_rounds": "there are no sampling rounds",
+}
+
+
+def check_records(settings: Settings, defaults: Settings) -> None:
+    """Invariant: a run that trains on recorded episodes accepts no setting that only shapes the trajectories it would
+    sample itself, so every setting it accepts acts. ``defaults`` are the variant's (its preset included), so what is
+    refused is what the user set: any ``[tree]`` setting (no tree is grown) and those of :data:`RECORDS_INERT`."""
+    if settings.training.records is None:
+        return
+    tree = {f"tree.{f.name}": "no sampling tree is grown" for f in dataclasses.fields(TreeConfig) if f.name != "mode"}
+    for name, why in {**tree, **RECORDS_INERT}.items():
+        value, default = _lookup(settings, name), _lookup(defaults, name)
+        if value != default:
+            raise ConfigError(
+                f"{name} = {json.dumps(value)} does nothing with training.records: the recorded episodes are "
+                f"trained as they were served ({why})",
+                hint=f"drop {name} from the experiment file or the --set (its default is {json.dumps(default)}), "
+                "or drop training.records",
+            )
 
 
 def _check_lora(settings: Settings) -> None:

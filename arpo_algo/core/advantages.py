@@ -260,6 +260,24 @@ def soft_attribution(
     return TokenAdvantages([[a] * len(r) for a, r in zip(adv, responses)], [[1.0] * len(r) for r in responses])
 
 
+def episode_advantages(
+    responses: Sequence[Sequence[int]],
+    episode_of: Sequence[int],
+    rewards: Sequence[float],
+    *,
+    norm_by_std: bool = True,
+) -> TokenAdvantages:
+    """GRPO over episodes whose sequences are several trajectories (a recorded episode's segments): the mean and
+    standard deviation are over one reward per episode, however many sequences it has, and every token of a sequence
+    gets its episode's advantage, weight 1."""
+    order = list(dict.fromkeys(episode_of))
+    per_episode = {e: rewards[episode_of.index(e)] for e in order}
+    adv = dict(zip(order, grpo_advantages([per_episode[e] for e in order], norm_by_std=norm_by_std)))
+    return TokenAdvantages(
+        [[adv[e]] * len(r) for e, r in zip(episode_of, responses)], [[1.0] * len(r) for r in responses]
+    )
+
+
 @register_advantage("hard", merge_shared=True, needs_tree=True)
 def hard_attribution_advantages(
     prompt_ids: Sequence[int],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -328,6 +329,14 @@ class TrainingConfig(LearnerConfig):
         "batch is full. Off: the paper's and the reference's behaviour.",
     )
     dynamic_sampling_max_rounds: int = setting(3, "Cap of sampling rounds per iteration with dynamic_sampling.")
+    records: str | None = setting(
+        None,
+        "Train on the episodes `arpo serve --record` wrote to this folder instead of sampling: each iteration "
+        "takes up to prompts_per_step task groups of rewarded episodes (docs/howto/record.md).",
+    )
+    records_wait_s: float = setting(
+        0.0, "How long an iteration waits for a trainable group of recorded episodes before the run stops."
+    )
 
     @property
     def mini_batch_count(self) -> int:
@@ -349,3 +358,21 @@ class TrainingConfig(LearnerConfig):
             raise ConfigError(
                 f"training.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}"
             )
+        if self.records_wait_s < 0:
+            raise ConfigError(f"training.records_wait_s must be >= 0, got {self.records_wait_s:g}")
+        if self.records is not None:
+            self._check_records()
+
+    def _check_records(self) -> None:
+        """Recorded episodes train with GRPO over each task group, against the log-probs the server recorded."""
+        wrong = {
+            "advantage": (self.advantage, "grpo", "recorded episodes have no sampling tree"),
+            "old_logprobs": (self.old_logprobs, "rollout", "the recorded log-probs are the behaviour policy's"),
+            "dynamic_sampling": (self.dynamic_sampling, False, "recorded episodes are not sampled"),
+        }
+        for name, (value, needed, why) in wrong.items():
+            if value != needed:
+                raise ConfigError(
+                    f"training.records needs training.{name} = {json.dumps(needed)}, got {json.dumps(value)} ({why})",
+                    hint=f"set training.{name} = {json.dumps(needed)}, or drop training.records",
+                )

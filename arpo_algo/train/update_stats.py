@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arpo_algo.core.advantages import ADVANTAGES, TokenAdvantages, tree_token_owners
+from arpo_algo.core.advantages import ADVANTAGES, TokenAdvantages, episode_advantages, tree_token_owners
 from arpo_algo.rollout import learner_metrics as LK
 
 
@@ -39,7 +39,12 @@ def group_token_advantages(group: Any, config: Any) -> TokenAdvantages:
     """One group's advantages from the estimator ``config.advantage`` names, with the options it takes: the learner
     trains on exactly these and the tree recorder writes exactly these. An estimator registered ``needs_tree=True``
     gets the group's :func:`tree_owners` under ``hard_scope = "tree"`` and None (shared = identical prefix) under
-    ``"tokens"``."""
+    ``"tokens"``. A group of recorded episodes (its task lists each trajectory's episode) takes GRPO over its episodes
+    (:func:`~arpo_algo.core.advantages.episode_advantages`); the records' settings allow only "grpo" there."""
+    episodes = (group.task or {}).get("record_episodes")
+    if episodes is not None:
+        responses = [t.response_ids for t in group.trajectories]
+        return episode_advantages(responses, episodes, group.rewards, norm_by_std=config.norm_adv_by_std)
     estimator = ADVANTAGES.lookup(config.advantage)
     extra: dict[str, Any] = {}
     if ADVANTAGES.meta[config.advantage].get("needs_tree"):

@@ -8,8 +8,10 @@ from arpo_algo.cli.main import main
 from arpo_algo.eval.trees import TreeReader
 
 
-def write_experiment(tmp_path, model_dir, iterations: int = 2):
+def write_experiment(tmp_path, model_dir, iterations: int = 2, tree: bool = True):
+    """The tiny experiment; ``tree=False`` leaves out its [tree] section (a records run refuses one)."""
     p = tmp_path / "tiny.toml"
+    tree_section = "[tree]\nbudget = 2\ninitial = 1\n" if tree else ""
     p.write_text(f"""
 [experiment]
 name = "tiny"
@@ -25,10 +27,7 @@ id = "arpo/ToolMath-v0"
 levels = [1]
 max_tool_calls = 1
 
-[tree]
-budget = 2
-initial = 1
-
+{tree_section}
 [training]
 prompts_per_step = 1
 lr = 1e-4
