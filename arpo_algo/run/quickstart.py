@@ -215,7 +215,7 @@ def stage_evaluate(exp: Any, sft_dir: str, policy_dir: str) -> dict[str, Any]:
     engine settings of its ``[rollouts]`` (``--set rollouts.hf.decode=static`` decodes the evaluation that way too;
     each result records the decode path its engine took), but at a batch of one held-out chunk
     (:data:`~arpo_algo.eval.evaluation.EVAL_CHUNK` rows): greedy answers do not depend on the batch
-    (``python -m benchmarks.eval_batch``; tests/arpo_algo/eval/test_eval_batch.py), so the widest batch is the
+    (``python -m benchmarks.eval_batch``; tests/benchmarks/test_eval_batch.py), so the widest batch is the
     fastest way to the same numbers."""
     from arpo_algo.algorithms.components import env_creator
     from arpo_algo.eval.evaluation import EVAL_CHUNK, eval_settings, evaluate_engine
