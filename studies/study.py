@@ -98,20 +98,21 @@ DEVIATIONS: tuple[dict[str, Any], ...] = (
 )
 
 
-def code_hash(allow_dirty: bool = False) -> tuple[str, str]:
-    """(hash of the training code's git trees at HEAD, HEAD's commit); ConfigError if that code has local edits
-    (``allow_dirty``: only for a dry run, which writes no record)."""
+def code_hash(allow_dirty: bool = False, paths: tuple[str, ...] = CODE_PATHS) -> tuple[str, str]:
+    """(hash of the git trees of ``paths`` at HEAD, HEAD's commit); ConfigError if those paths have local edits
+    (``allow_dirty``: only for a dry run, which writes no record). The default paths are this study's training code;
+    another study names its own experiment files."""
 
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", *CODE_PATHS)
+    dirty = git("status", "--porcelain", "--", *paths)
     if dirty and not allow_dirty:
         raise ConfigError(
             f"the training code has uncommitted changes:\n{dirty}",
             hint="a study's records must come from one commit: run it from a clean checkout",
         )
-    trees = [git("rev-parse", f"HEAD:{p}") for p in CODE_PATHS]
+    trees = [git("rev-parse", f"HEAD:{p}") for p in paths]
     return hashlib.sha256(" ".join(trees).encode()).hexdigest()[:16], git("rev-parse", "HEAD")
 
 
@@ -155,13 +156,16 @@ def parse_seeds(spec: list[str]) -> list[int]:
     return seeds
 
 
-def run_arm(arm: str, seed: int, sft: Path, out: Path, progress: bool) -> dict[str, Any]:
-    """Train one (arm, seed) into ``out`` (resuming its newest checkpoint if there is one) and collect its figures."""
+def run_arm(
+    arm: str, seed: int, sft: Path, out: Path, progress: bool, spec: tuple[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """Train one (arm, seed) into ``out`` (resuming its newest checkpoint if there is one) and collect its figures;
+    ``spec``: the arm's (experiment file, overrides) where another study defines it (default: ``ARMS[arm]``)."""
     from arpo_algo.models.checkpoints import list_checkpoints
     from arpo_algo.run.driver import read_metrics, train_experiment
     from arpo_algo.run.experiment import load_experiment
 
-    file, overrides = ARMS[arm]
+    file, overrides = spec if spec is not None else ARMS[arm]
     exp = load_experiment(
         str(ROOT / file), [f"model.path={json.dumps(str(sft))}", *overrides, f"experiment.seed={seed}"]
     )
