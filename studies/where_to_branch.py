@@ -11,8 +11,9 @@ from 2 roots, Z = 2 clones per branch, the paper rule at tau = 0.485). The arms 
 branches: ``entropy`` (that file as it is), ``random`` (an equal-count control: each possible clone with the
 probability the pilot fixes, decided after the same look-ahead) and ``grpo`` (8 independent samples); ``appo``, the
 literature's look-ahead score, is a secondary arm run only once its threshold is recorded. Every arm has the same
-budget and the same optimizer settings (:func:`check_arms`), fp32, and held-out accuracy on 256 test tasks after
-iterations 2, 4 and 6 (and before training); the endpoint is the mean of the last two evaluations.
+budget and the same optimizer settings (:func:`check_arms`), fp32, and held-out accuracy on the first 258 test tasks
+(256 distinct questions) after iterations 2, 4 and 6 (and before training); the endpoint is the mean of the last two
+evaluations.
 
 A block is one SFT checkpoint (its own SFT seed) with every arm of the design trained from it, RL seed = the block
 number, in one invocation on one machine; its records carry the CPU's AVX-512 and AMX flags. The unit of analysis is
@@ -51,22 +52,11 @@ from studies.study_report import _null_counts, hodges_lehmann
 ROOT = Path(__file__).resolve().parent.parent
 FILE = "experiments/comparisons/compare_arpo_branching.toml"
 RECORDS = ROOT / "studies" / "where_to_branch_records.jsonl"
-#: Shared by every arm: the held-out protocol of the endpoint and the fixed precision.
-COMMON = [
-    "evaluation.every=2",
-    "evaluation.num_prompts=256",
-    'evaluation.split="test"',
-    "evaluation.samples=1",
-    "evaluation.temperature=0.0",
-    'training.precision="fp32"',
-    'rollouts.dtype="float32"',
-]
-#: The training code a record depends on; its git tree hashes make the record's ``code``.
-CODE_PATHS = ("arpo_algo", "arpo_env", "arpo_base", "pyproject.toml", FILE)
 PLAN: dict[str, Any] = {
     "date": "2026-12-07",
     "setting": FILE,
-    "eval_tasks": 256,
+    "eval_tasks": 258,
+    "distinct_tasks": 256,
     "eval_every": 2,
     "endpoint_iterations": (4, 6),
     "precision": "fp32",
@@ -83,6 +73,18 @@ PLAN: dict[str, Any] = {
     "match_tolerance": 0.10,
     "budget_hours": 8,
 }
+#: Shared by every arm: the held-out protocol of the endpoint and the fixed precision.
+COMMON = [
+    f"evaluation.every={PLAN['eval_every']}",
+    f"evaluation.num_prompts={PLAN['eval_tasks']}",
+    'evaluation.split="test"',
+    "evaluation.samples=1",
+    "evaluation.temperature=0.0",
+    f'training.precision="{PLAN["precision"]}"',
+    'rollouts.dtype="float32"',
+]
+#: The training code a record depends on; its git tree hashes make the record's ``code``.
+CODE_PATHS = ("arpo_algo", "arpo_env", "arpo_base", "pyproject.toml", FILE)
 #: Settings fixed after the plan and before any run that uses them, dated; the plan itself is never edited. An entry
 #: may set ``random_rate`` (the random arm's p: the entropy arm's branches per opportunity, measured on the pilot's
 #: SFT checkpoint), ``appo_threshold`` (the secondary arm's threshold at the same count) or ``blocks`` (the n the
@@ -221,7 +223,7 @@ def plan_text() -> str:
         f"(secondary: {', '.join(p['secondary_arms'])}, once its threshold is recorded)",
         f"endpoint: mean held-out accuracy after iterations {' and '.join(map(str, p['endpoint_iterations']))} (the "
         f"last two evaluations, every {p['eval_every']}), greedy, one sample, on the first {p['eval_tasks']} "
-        "ToolMath level-3 test tasks",
+        f"ToolMath level-3 test tasks ({p['distinct_tasks']} distinct questions)",
         f"contrasts: {', '.join(f'{a} - {b}' for a, b in p['contrasts'])} (primary: "
         f"{' - '.join(p['primary'])}); Holm-adjusted over the {len(p['contrasts'])} at alpha = {p['alpha']}",
         "test: exact two-sided Wilcoxon signed-rank over blocks (zeros dropped, average ranks for ties); estimate: "
@@ -312,9 +314,13 @@ def report(records: list[dict[str, Any]]) -> str:
     """The per-contrast table from complete blocks: paired differences by block, mean, Hodges-Lehmann estimate and
     exact interval, exact Wilcoxon p and Holm-adjusted p; then branches per group per arm and the random arm's match."""
     blocks = complete_blocks(records)
-    y = {(arm, b): endpoint(r) for b, rs in blocks.items() for r in rs for arm in [r["arm"]]}
+    n = fixed("blocks")
+    if n is not None:  # the analysis is of the first n blocks the plan's deviation fixes
+        blocks = dict(sorted(blocks.items())[:n])
+    y = {(r["arm"], b): endpoint(r) for b, rs in blocks.items() for r in rs}
+    explore = [("appo", other) for other in ("entropy", "random", "grpo")]
     rows, ps = [], {}
-    for a, b in PLAN["contrasts"]:
+    for a, b in [*PLAN["contrasts"], *explore]:
         ids = sorted(k for k in blocks if (a, k) in y and (b, k) in y)
         d = [y[(a, k)] - y[(b, k)] for k in ids]
         if not d:
@@ -322,18 +328,20 @@ def report(records: list[dict[str, Any]]) -> str:
         est, lo, hi, cov = hodges_lehmann(d, PLAN["alpha"])
         ps[(a, b)] = wilcoxon(d)[0]
         rows.append((a, b, ids, d, est, lo, hi, cov))
-    adj = holm(ps)
+    adj = holm({c: p for c, p in ps.items() if c in PLAN["contrasts"]})
     lines = [
-        f"blocks: {len(blocks)} complete; endpoint: mean accuracy after iterations {PLAN['endpoint_iterations']}",
+        f"blocks: {len(blocks)} complete ({'n not fixed yet' if n is None else f'planned n = {n}'}); endpoint: mean "
+        f"accuracy after iterations {' and '.join(map(str, PLAN['endpoint_iterations']))}",
         "",
         "| contrast | blocks | differences by block | mean | Hodges-Lehmann | exact interval | p | Holm p |",
         "|" + "---|" * 8,
     ]
     for a, b, ids, d, est, lo, hi, cov in rows:
+        label = " (primary)" if (a, b) == PLAN["primary"] else "" if (a, b) in adj else " (exploratory)"
         lines.append(
-            f"| {a} - {b}{' (primary)' if (a, b) == PLAN['primary'] else ''} | {len(ids)} | "
-            f"{' '.join(f'{k}:{x:+.3f}' for k, x in zip(ids, d))} | {stats(d)['mean']:+.4f} | {est:+.4f} | "
-            f"{lo:+.4f} .. {hi:+.4f} ({cov:.1%}) | {ps[(a, b)]:.4f} | {adj[(a, b)]:.4f} |"
+            f"| {a} - {b}{label} | {len(ids)} | {' '.join(f'{k}:{x:+.3f}' for k, x in zip(ids, d))} | "
+            f"{stats(d)['mean']:+.4f} | {est:+.4f} | {lo:+.4f} .. {hi:+.4f} ({cov:.1%}) | {ps[(a, b)]:.4f} | "
+            f"{f'{adj[(a, b)]:.4f}' if (a, b) in adj else '-'} |"
         )
     per_arm: dict[str, list[float]] = {}
     for rs in blocks.values():
