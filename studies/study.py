@@ -353,9 +353,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+#: How a partial block is finished, for the hint of :func:`complete_blocks` (another study passes its own).
+FINISH_BLOCK = "python -m studies.study run {arms} --block {block} --sft-seed {sft_seed} ..."
+
+
+def complete_blocks(records: list[dict[str, Any]], finish: str = FINISH_BLOCK) -> dict[int, list[dict[str, Any]]]:
     """The records of each block by its id; ConfigError naming the missing runs of a partial block, whose pairs would
-    otherwise enter an analysis without the arms they are paired with."""
+    otherwise enter an analysis without the arms they are paired with (``finish``: the command the hint gives)."""
     blocks: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("block"):
@@ -367,10 +371,10 @@ def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, A
             f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"] if (arm, seed) not in have
         ]
         if missing:
+            how = finish.format(arms=" ".join(design["arms"]), block=bid, sft_seed=design["sft_seed"])
             raise ConfigError(
                 f"block {bid} is partial: no record of {', '.join(missing)}",
-                hint=f"finish it (python -m studies.study run {' '.join(design['arms'])} --block "
-                f"{bid} --sft-seed {design['sft_seed']} ...) before reporting",
+                hint=f"finish it ({how}) before reporting",
             )
     return blocks
 
