@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -52,6 +53,7 @@ from studies.study_report import _null_counts, hodges_lehmann
 ROOT = Path(__file__).resolve().parent.parent
 FILE = "experiments/comparisons/compare_arpo_branching.toml"
 RECORDS = ROOT / "studies" / "where_to_branch_records.jsonl"
+FINISH = "python -m studies.where_to_branch run --arms {arms} --block {block} --sft-seed {sft_seed} --sft DIR"
 PLAN: dict[str, Any] = {
     "date": "2026-12-07",
     "setting": FILE,
@@ -288,14 +290,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         rec["endpoint"] = endpoint(rec)
         with args.records.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(f"[where] {arm} block {args.block}: endpoint {rec['endpoint']:.4f} in {got['time_s']:.0f} s", flush=True)
+            f.flush()
+            os.fsync(f.fileno())  # the record is on disk before its run's checkpoints may go
+        # no accuracy is printed: the plan keeps the arms' results unseen until the study closes
+        print(f"[where] {arm} block {args.block}: recorded in {got['time_s']:.0f} s", flush=True)
         if not args.keep_checkpoints:
             drop_checkpoints(out / arm)
     return 0
 
 
 def cmd_pilot(args: argparse.Namespace) -> int:
-    blocks = complete_blocks(read_records(args.records))
+    blocks = complete_blocks(read_records(args.records), FINISH)
     pilot = dict(sorted(blocks.items())[: PLAN["pilot_blocks"]])
     if len(pilot) < PLAN["pilot_blocks"]:
         print(f"note: {len(pilot)} of the {PLAN['pilot_blocks']} pilot blocks are complete")
@@ -313,7 +318,7 @@ def cmd_pilot(args: argparse.Namespace) -> int:
 def report(records: list[dict[str, Any]]) -> str:
     """The per-contrast table from complete blocks: paired differences by block, mean, Hodges-Lehmann estimate and
     exact interval, exact Wilcoxon p and Holm-adjusted p; then branches per group per arm and the random arm's match."""
-    blocks = complete_blocks(records)
+    blocks = complete_blocks(records, FINISH)
     n = fixed("blocks")
     if n is not None:  # the analysis is of the first n blocks the plan's deviation fixes
         blocks = dict(sorted(blocks.items())[:n])
