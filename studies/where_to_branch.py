@@ -1,6 +1,7 @@
 """Where to branch: does ARPO's entropy rule pick better branch points than random ones at the same count?
 
     python -m studies.where_to_branch plan
+    python -m studies.where_to_branch sft --sft-seed S --output runs/where_to_branch/sft_S
     python -m studies.where_to_branch run --block B --sft-seed S --sft DIR [--arms entropy random grpo] [--dry-run]
     python -m studies.where_to_branch pilot --records FILE
     python -m studies.where_to_branch report --records FILE
@@ -299,6 +300,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    """A block's SFT checkpoint: the quickstart's pull and SFT stages with ``--sft-seed``, into ``<output>/sft``. The
+    folder keeps the quickstart's stage markers, so a finished stage is reused only for the same seed."""
+    import functools
+
+    from arpo_algo.models import pull
+    from arpo_algo.run.quickstart import MODEL, run_stage, stage_inputs, stage_sft
+
+    out = args.output.expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not args.no_progress
+    pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
+    make = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress)
+    sft = run_stage(out, "sft", make, stage_inputs("sft", args.sft_seed))
+    print(f"[where] SFT seed {args.sft_seed}: {sft['path']} (use it as --sft with --sft-seed {args.sft_seed})")
+    return 0
+
+
 def cmd_pilot(args: argparse.Namespace) -> int:
     blocks = complete_blocks(read_records(args.records), FINISH)
     pilot = dict(sorted(blocks.items())[: PLAN["pilot_blocks"]])
@@ -371,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("plan", help="print the fixed plan and the arms")
+    sft = sub.add_parser("sft", help="build a block's SFT checkpoint (the quickstart's SFT stage with its own seed)")
+    sft.add_argument("--sft-seed", type=int, required=True, help="the SFT seed (one per block)")
+    sft.add_argument("--output", type=Path, required=True, help="folder; the checkpoint is written to <output>/sft")
+    sft.add_argument("--no-progress", action="store_true")
     run = sub.add_parser("run", help="train every arm of one block from its SFT checkpoint")
     run.add_argument("--block", type=int, required=True, help="the block number (also the RL seed of its arms)")
     run.add_argument("--sft-seed", type=int, required=True, help="the SFT seed the --sft checkpoint was built with")
@@ -392,11 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             print(report(read_records(args.records)))
             return 0
-        if args.command == "run":
+        if args.command in ("run", "sft"):
             import torch
 
-            torch.set_num_threads(args.threads)
-        return {"run": cmd_run, "pilot": cmd_pilot}[args.command](args)
+            torch.set_num_threads(getattr(args, "threads", 1))
+        return {"run": cmd_run, "sft": cmd_sft, "pilot": cmd_pilot}[args.command](args)
     except ArpoError as e:
         print(f"error: {e}" + (f"\nhint: {e.hint}" if getattr(e, "hint", None) else ""), file=sys.stderr)
         return 2

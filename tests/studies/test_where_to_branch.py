@@ -226,3 +226,17 @@ def test_the_evaluated_test_tasks_hold_256_distinct_level_3_questions():
 
 def test_records_default_beside_the_module():
     assert W.RECORDS.parent == Path(W.__file__).resolve().parent
+
+
+def test_sft_reuses_a_finished_stage_for_its_own_seed_only(tmp_path, capsys):
+    from arpo_algo.run.quickstart import stage_inputs
+
+    out = tmp_path / "sft_3"
+    out.mkdir()
+    done = {"path": str(out / "sft"), "inputs": stage_inputs("sft", 3)}
+    (out / ".stage_pull.json").write_text(json.dumps({"path": "model", "inputs": stage_inputs("pull")}))
+    (out / ".stage_sft.json").write_text(json.dumps(done))
+    assert W.main(["sft", "--sft-seed", "3", "--output", str(out), "--no-progress"]) == 0
+    assert f"SFT seed 3: {out / 'sft'}" in capsys.readouterr().out
+    assert W.main(["sft", "--sft-seed", "4", "--output", str(out), "--no-progress"]) == 2  # another seed's folder
+    assert "give this run its own --output folder" in capsys.readouterr().err
