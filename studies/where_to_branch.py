@@ -377,11 +377,14 @@ def report(records: list[dict[str, Any]]) -> str:
         lines.append(f"| {arm} | {len(bpg)} | {stats(ends)['mean']:.4f} | {stats(bpg)['mean']:.3f} |")
     if {"entropy", "random"} <= per_arm.keys():
         e, r = stats(per_arm["entropy"])["mean"], stats(per_arm["random"])["mean"]
-        gap = abs(r - e) / e if e else math.inf
-        ok = gap <= PLAN["match_tolerance"]
+        if e:  # the gap is relative to the entropy arm's count, which has no scale when it never branched
+            gap = abs(r - e) / e
+            verdict = f"{gap:.1%} apart: {'matched' if gap <= PLAN['match_tolerance'] else 'NOT matched'}"
+        else:
+            verdict = "the entropy arm never branched: no match to judge"
         lines.append(
-            f"\nrandom against entropy: branches per group {r:.3f} against {e:.3f}, {gap:.1%} apart: "
-            f"{'matched' if ok else 'NOT matched'} (tolerance {PLAN['match_tolerance']:.0%})"
+            f"\nrandom against entropy: branches per group {r:.3f} against {e:.3f}, {verdict} "
+            f"(tolerance {PLAN['match_tolerance']:.0%})"
         )
     return "\n".join(lines)
 

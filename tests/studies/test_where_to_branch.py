@@ -172,6 +172,8 @@ def test_report_pairs_by_block_with_holm_and_the_random_match(monkeypatch):
     assert "branches per group 1.900 against 2.000, 5.0% apart: matched" in text
     far = [{**r, "branches_per_group": 1.5} if r["arm"] == "random" else r for r in recs]
     assert "25.0% apart: NOT matched" in W.report(far)
+    never = [{**r, "branches_per_group": 0.0} if r["arm"] == "entropy" else r for r in recs]
+    assert "the entropy arm never branched: no match to judge" in W.report(never)
     with pytest.raises(ConfigError, match="block 7 is partial") as e:
         W.report(recs[:-1])
     assert "python -m studies.where_to_branch run --arms entropy grpo random --block 7 --sft-seed 7" in e.value.hint
