@@ -98,20 +98,21 @@ DEVIATIONS: tuple[dict[str, Any], ...] = (
 )
 
 
-def code_hash(allow_dirty: bool = False) -> tuple[str, str]:
-    """(hash of the training code's git trees at HEAD, HEAD's commit); ConfigError if that code has local edits
-    (``allow_dirty``: only for a dry run, which writes no record)."""
+def code_hash(allow_dirty: bool = False, paths: tuple[str, ...] = CODE_PATHS) -> tuple[str, str]:
+    """(hash of the git trees of ``paths`` at HEAD, HEAD's commit); ConfigError if those paths have local edits
+    (``allow_dirty``: only for a dry run, which writes no record). The default paths are this study's training code;
+    another study names its own experiment files."""
 
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", *CODE_PATHS)
+    dirty = git("status", "--porcelain", "--", *paths)
     if dirty and not allow_dirty:
         raise ConfigError(
             f"the training code has uncommitted changes:\n{dirty}",
             hint="a study's records must come from one commit: run it from a clean checkout",
         )
-    trees = [git("rev-parse", f"HEAD:{p}") for p in CODE_PATHS]
+    trees = [git("rev-parse", f"HEAD:{p}") for p in paths]
     return hashlib.sha256(" ".join(trees).encode()).hexdigest()[:16], git("rev-parse", "HEAD")
 
 
@@ -155,13 +156,16 @@ def parse_seeds(spec: list[str]) -> list[int]:
     return seeds
 
 
-def run_arm(arm: str, seed: int, sft: Path, out: Path, progress: bool) -> dict[str, Any]:
-    """Train one (arm, seed) into ``out`` (resuming its newest checkpoint if there is one) and collect its figures."""
+def run_arm(
+    arm: str, seed: int, sft: Path, out: Path, progress: bool, spec: tuple[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """Train one (arm, seed) into ``out`` (resuming its newest checkpoint if there is one) and collect its figures;
+    ``spec``: the arm's (experiment file, overrides) where another study defines it (default: ``ARMS[arm]``)."""
     from arpo_algo.models.checkpoints import list_checkpoints
     from arpo_algo.run.driver import read_metrics, train_experiment
     from arpo_algo.run.experiment import load_experiment
 
-    file, overrides = ARMS[arm]
+    file, overrides = spec if spec is not None else ARMS[arm]
     exp = load_experiment(
         str(ROOT / file), [f"model.path={json.dumps(str(sft))}", *overrides, f"experiment.seed={seed}"]
     )
@@ -349,9 +353,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+#: How a partial block is finished, for the hint of :func:`complete_blocks` (another study passes its own).
+FINISH_BLOCK = "python -m studies.study run {arms} --block {block} --sft-seed {sft_seed} ..."
+
+
+def complete_blocks(records: list[dict[str, Any]], finish: str = FINISH_BLOCK) -> dict[int, list[dict[str, Any]]]:
     """The records of each block by its id; ConfigError naming the missing runs of a partial block, whose pairs would
-    otherwise enter an analysis without the arms they are paired with."""
+    otherwise enter an analysis without the arms they are paired with (``finish``: the command the hint gives)."""
     blocks: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("block"):
@@ -363,10 +371,10 @@ def complete_blocks(records: list[dict[str, Any]]) -> dict[int, list[dict[str, A
             f"{arm} seed {seed}" for seed in design["seeds"] for arm in design["arms"] if (arm, seed) not in have
         ]
         if missing:
+            how = finish.format(arms=" ".join(design["arms"]), block=bid, sft_seed=design["sft_seed"])
             raise ConfigError(
                 f"block {bid} is partial: no record of {', '.join(missing)}",
-                hint=f"finish it (python -m studies.study run {' '.join(design['arms'])} --block "
-                f"{bid} --sft-seed {design['sft_seed']} ...) before reporting",
+                hint=f"finish it ({how}) before reporting",
             )
     return blocks
 
