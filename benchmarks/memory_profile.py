@@ -11,10 +11,14 @@ and gradient norm, so that settings which must give the same update can be compa
 
 ``--stage rl`` (default):
 
-Loads the learner (model + AdamW), builds an HFEngine on the learner's module (as the Algorithm does), generates one
-step's worth of trajectories (prompts x budget random-context requests of ``--tokens`` new tokens, sampled), then
-runs one learner update on them as GRPO groups with a reward spread. Prints the process's peak RSS (``ru_maxrss``)
-after each part; the difference between two lines is what that part added at its peak.
+Loads the learner (model + AdamW), builds an HFEngine on the learner's module (as the Algorithm does), then runs two
+training steps as the Algorithm's synchronous loop does: each generates one step's worth of trajectories (prompts x
+budget random-context requests of ``--tokens`` new tokens, sampled) under the current weights and runs one learner
+update on them as GRPO groups with a reward spread. The second step has the AdamW state already there. Each update
+trains on a batch its own weights sampled: updating twice on one batch would score the second update's batch under
+weights that did not sample it, which the learner's mismatch alarm stops (a stale batch needs ``behaviour_weights``,
+as the asynchronous pipeline passes). Prints the process's peak RSS (``ru_maxrss``) after each part; the difference
+between two lines is what that part added at its peak.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import resource
 import sys
 import time
+from typing import Any
 
 LEARNER_DEFAULT_MICRO_BATCH = 8192  # LearnerConfig.micro_batch_tokens
 
@@ -69,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from arpo_algo.rollout import learner_metrics as LK
-    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
     from arpo_algo.rollout.engines.hf.engine import HFEngine
-    from arpo_algo.rollout.types import Group, Trajectory
     from arpo_algo.train.learner import Learner, LearnerConfig
 
     rows = [("start (python + torch + transformers imported)", peak_gb())]
@@ -92,34 +95,26 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     vocab = learner.tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
-    reqs = [
-        GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=i * 100 + j))
-        for i in range(args.prompts)
-        for j in range(args.budget)
-    ]
-    gens = engine.generate(reqs)
-    rows.append((f"generated {len(reqs)} x {args.tokens} tokens (KV cache kept for reuse)", peak_gb()))
-    groups = []
-    for i in range(args.prompts):
-        trajs = []
-        for j in range(args.budget):
-            g = gens[i * args.budget + j]
-            n = len(g.token_ids)
-            trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
-        groups.append(Group(i, prompts[i], trajs))
-    if args.keep_engine_caches:  # before the change: only the stored KV went (the sampler releases its keys)
-        engine._store.clear()
-    else:  # as the Algorithm does before an update: KV store and transposed weight copies
-        engine.sleep()
     from arpo_algo.run.quickstart import release_memory
 
     release = release_memory if args.release_before_update else (lambda: False)
-    release()
-    m = learner.update(groups)
-    rows.append(("one learner update (forward with entropy, backward, AdamW state created)", peak_gb()))
-    release()
-    m2 = learner.update(groups)
-    rows.append(("a second update", peak_gb()))
+    metrics = []
+    for step, label in enumerate(
+        ("one learner update (forward with entropy, backward, AdamW state created)", "a second update")
+    ):
+        groups = sample_step(engine, prompts, args, step)
+        if step == 0:
+            rows.append(
+                (f"generated {args.prompts * args.budget} x {args.tokens} tokens (KV cache kept for reuse)", peak_gb())
+            )
+        if args.keep_engine_caches:  # before the change: only the stored KV went (the sampler releases its keys)
+            engine._store.clear()
+        else:  # as the Algorithm does before an update: KV store and transposed weight copies
+            engine.sleep()
+        release()
+        metrics.append(learner.update(groups))
+        rows.append((label if step == 0 else f"{label} (on a batch sampled anew under the updated weights)", peak_gb()))
+    m, m2 = metrics
     for name, gb in rows:
         print(f"{gb:6.2f} GB  {name}")
     print(
@@ -129,11 +124,35 @@ def main(argv: list[str] | None = None) -> int:
                 "unique_tokens": m[LK.UNIQUE_TOKENS],
                 "time_s": time.time() - t0,
                 "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
+                "kl_rollout": [m[LK.KL_ROLLOUT], m2[LK.KL_ROLLOUT]],
                 "torch_threads": torch.get_num_threads(),
             }
         )
     )
     return 0
+
+
+def sample_step(engine: Any, prompts: list[list[int]], args: argparse.Namespace, step: int) -> list[Any]:
+    """One step's GRPO groups, sampled by ``engine`` under the weights it holds now (``step`` varies the seeds, as a
+    new iteration's draws differ)."""
+    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+    from arpo_algo.rollout.types import Group, Trajectory
+
+    reqs = [
+        GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=(step * 1000 + i) * 100 + j))
+        for i in range(len(prompts))
+        for j in range(args.budget)
+    ]
+    gens = engine.generate(reqs)
+    groups = []
+    for i in range(len(prompts)):
+        trajs = []
+        for j in range(args.budget):
+            g = gens[i * args.budget + j]
+            n = len(g.token_ids)
+            trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
+        groups.append(Group(i, prompts[i], trajs))
+    return groups
 
 
 def profile_sft(args: argparse.Namespace) -> int:
