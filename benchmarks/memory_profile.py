@@ -1,6 +1,8 @@
 """Where the quickstart's memory goes: peak resident memory after each part of one training step.
 
-    python -m benchmarks.memory_profile [--model smollm2-135m-instruct] [--prompts 4] [--budget 4] [--tokens 192]
+    python -m benchmarks.memory_profile [--model smollm2-135m-instruct] [--prompts N] [--budget M] [--tokens T]
+                                         [--micro-batch-tokens N] [--release-before-update]
+                                         [--gradient-checkpointing | --no-gradient-checkpointing]
     python -m benchmarks.memory_profile --stage sft [--batch-size 8] [--grad-accum 1] [--rows-per-forward N]
                                          [--gradient-checkpointing | --no-gradient-checkpointing]
 
@@ -9,7 +11,9 @@ place of its own), on its worst step: the ``batch_size x grad_accum`` longest de
 (the widest padded batches; two steps on them, the second with the AdamW state already there), and the first loss
 and gradient norm, so that settings which must give the same update can be compared.
 
-``--stage rl`` (default):
+``--stage rl`` (default): the quickstart's RL settings (``arpo_algo/run/recipes/quickstart.toml``: prompts per step,
+tree budget, response tokens, ``micro_batch_tokens``, ``gradient_checkpointing``, learning rate, the engine's batch
+size) unless a flag sets one.
 
 Loads the learner (model + AdamW), builds an HFEngine on the learner's module (as the Algorithm does), then runs two
 training steps as the Algorithm's synchronous loop does: each generates one step's worth of trajectories (prompts x
@@ -30,7 +34,23 @@ import sys
 import time
 from typing import Any
 
-LEARNER_DEFAULT_MICRO_BATCH = 8192  # LearnerConfig.micro_batch_tokens
+
+def quickstart_rl() -> dict[str, Any]:
+    """The quickstart RL recipe's settings this stage uses (read from the recipe, so the two cannot drift apart)."""
+    from arpo_algo.run.quickstart import RECIPES
+    from arpo_base.options import read_toml
+
+    r = read_toml(RECIPES / "quickstart.toml")
+    t = r["training"]
+    return {
+        "prompts": t["prompts_per_step"],
+        "budget": r["tree"]["budget"],
+        "tokens": r["rollouts"]["max_response_tokens"],
+        "micro_batch_tokens": t["micro_batch_tokens"],
+        "gradient_checkpointing": t["gradient_checkpointing"],
+        "lr": t["lr"],
+        "max_batch_size": r["rollouts"]["hf"]["max_batch_size"],
+    }
 
 
 def peak_gb() -> float:
@@ -40,11 +60,15 @@ def peak_gb() -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=None, help="rl: prompts per step (default: the quickstart's)")
+    ap.add_argument("--budget", type=int, default=None, help="rl: trajectories per prompt (default: the quickstart's)")
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="rl: new tokens per trajectory (default: the quickstart's)"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=150)
-    ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
+    ap.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="rl: learner micro-batch (default: the quickstart's)"
+    )
     ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
     ap.add_argument(
         "--release-before-update",
@@ -64,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="activation checkpointing on or off (both stages; default: sft the recipe's, rl off)",
+        help="activation checkpointing on or off (both stages; default: the quickstart's)",
     )
     args = ap.parse_args(argv)
     if args.stage == "sft":
         return profile_sft(args)
+    return profile_rl(args)
+
+
+def profile_rl(args: argparse.Namespace) -> int:
     import random
 
     import torch
@@ -77,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_algo.rollout.engines.hf.engine import HFEngine
     from arpo_algo.train.learner import Learner, LearnerConfig
 
+    recipe = quickstart_rl()
+    for k, v in recipe.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
     learner = Learner(
         args.model,
         LearnerConfig(
-            lr=5e-5,
+            lr=recipe["lr"],
             micro_batch_tokens=args.micro_batch_tokens,
             gradient_checkpointing=bool(args.gradient_checkpointing),
             head_chunk_tokens=args.head_chunk_tokens,
@@ -90,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
     )
     rows.append(("learner loaded (fp32 weights + AdamW, no state yet)", peak_gb()))
-    engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=16)
+    engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=recipe["max_batch_size"])
     rows.append(("HFEngine on the learner's module (transposed weight copies on CPU)", peak_gb()))
     rng = random.Random(0)
     vocab = learner.tokenizer.vocab_size
@@ -126,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
                 "kl_rollout": [m[LK.KL_ROLLOUT], m2[LK.KL_ROLLOUT]],
                 "torch_threads": torch.get_num_threads(),
+                "settings": {k: getattr(args, k) for k in recipe if k not in ("lr", "max_batch_size")},
             }
         )
     )
