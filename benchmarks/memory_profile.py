@@ -1,6 +1,8 @@
 """Where the quickstart's memory goes: peak resident memory after each part of one training step.
 
-    python -m benchmarks.memory_profile [--model smollm2-135m-instruct] [--prompts 4] [--budget 4] [--tokens 192]
+    python -m benchmarks.memory_profile [--model smollm2-135m-instruct] [--prompts N] [--budget M] [--tokens T]
+                                         [--micro-batch-tokens N] [--release-before-update]
+                                         [--gradient-checkpointing | --no-gradient-checkpointing]
     python -m benchmarks.memory_profile --stage sft [--batch-size 8] [--grad-accum 1] [--rows-per-forward N]
                                          [--gradient-checkpointing | --no-gradient-checkpointing]
 
@@ -9,12 +11,18 @@ place of its own), on its worst step: the ``batch_size x grad_accum`` longest de
 (the widest padded batches; two steps on them, the second with the AdamW state already there), and the first loss
 and gradient norm, so that settings which must give the same update can be compared.
 
-``--stage rl`` (default):
+``--stage rl`` (default): the quickstart's RL settings (``arpo_algo/run/recipes/quickstart.toml``: prompts per step,
+tree budget, response tokens, ``micro_batch_tokens``, ``gradient_checkpointing``, learning rate, the engine's batch
+size) unless a flag sets one.
 
-Loads the learner (model + AdamW), builds an HFEngine on the learner's module (as the Algorithm does), generates one
-step's worth of trajectories (prompts x budget random-context requests of ``--tokens`` new tokens, sampled), then
-runs one learner update on them as GRPO groups with a reward spread. Prints the process's peak RSS (``ru_maxrss``)
-after each part; the difference between two lines is what that part added at its peak.
+Loads the learner (model + AdamW), builds an HFEngine on the learner's module (as the Algorithm does), then runs two
+training steps as the Algorithm's synchronous loop does: each generates one step's worth of trajectories (prompts x
+budget random-context requests of ``--tokens`` new tokens, sampled) under the current weights and runs one learner
+update on them as GRPO groups with a reward spread. The second step has the AdamW state already there. Each update
+trains on a batch its own weights sampled: updating twice on one batch would score the second update's batch under
+weights that did not sample it, which the learner's mismatch alarm stops (a stale batch needs ``behaviour_weights``,
+as the asynchronous pipeline passes). Prints the process's peak RSS (``ru_maxrss``) after each part; the difference
+between two lines is what that part added at its peak.
 """
 
 from __future__ import annotations
@@ -24,8 +32,25 @@ import json
 import resource
 import sys
 import time
+from typing import Any
 
-LEARNER_DEFAULT_MICRO_BATCH = 8192  # LearnerConfig.micro_batch_tokens
+
+def quickstart_rl() -> dict[str, Any]:
+    """The quickstart RL recipe's settings this stage uses (read from the recipe, so the two cannot drift apart)."""
+    from arpo_algo.run.quickstart import RECIPES
+    from arpo_base.options import read_toml
+
+    r = read_toml(RECIPES / "quickstart.toml")
+    t = r["training"]
+    return {
+        "prompts": t["prompts_per_step"],
+        "budget": r["tree"]["budget"],
+        "tokens": r["rollouts"]["max_response_tokens"],
+        "micro_batch_tokens": t["micro_batch_tokens"],
+        "gradient_checkpointing": t["gradient_checkpointing"],
+        "lr": t["lr"],
+        "max_batch_size": r["rollouts"]["hf"]["max_batch_size"],
+    }
 
 
 def peak_gb() -> float:
@@ -35,11 +60,15 @@ def peak_gb() -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=None, help="rl: prompts per step (default: the quickstart's)")
+    ap.add_argument("--budget", type=int, default=None, help="rl: trajectories per prompt (default: the quickstart's)")
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="rl: new tokens per trajectory (default: the quickstart's)"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=150)
-    ap.add_argument("--micro-batch-tokens", type=int, default=LEARNER_DEFAULT_MICRO_BATCH)
+    ap.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="rl: learner micro-batch (default: the quickstart's)"
+    )
     ap.add_argument("--head-chunk-tokens", type=int, default=None, help="rl: LM head over this many tokens at a time")
     ap.add_argument(
         "--release-before-update",
@@ -59,27 +88,33 @@ def main(argv: list[str] | None = None) -> int:
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="activation checkpointing on or off (both stages; default: sft the recipe's, rl off)",
+        help="activation checkpointing on or off (both stages; default: the quickstart's)",
     )
     args = ap.parse_args(argv)
     if args.stage == "sft":
         return profile_sft(args)
+    return profile_rl(args)
+
+
+def profile_rl(args: argparse.Namespace) -> int:
     import random
 
     import torch
 
     from arpo_algo.rollout import learner_metrics as LK
-    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
     from arpo_algo.rollout.engines.hf.engine import HFEngine
-    from arpo_algo.rollout.types import Group, Trajectory
     from arpo_algo.train.learner import Learner, LearnerConfig
 
+    recipe = quickstart_rl()
+    for k, v in recipe.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
     rows = [("start (python + torch + transformers imported)", peak_gb())]
     t0 = time.time()
     learner = Learner(
         args.model,
         LearnerConfig(
-            lr=5e-5,
+            lr=recipe["lr"],
             micro_batch_tokens=args.micro_batch_tokens,
             gradient_checkpointing=bool(args.gradient_checkpointing),
             head_chunk_tokens=args.head_chunk_tokens,
@@ -87,39 +122,31 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
     )
     rows.append(("learner loaded (fp32 weights + AdamW, no state yet)", peak_gb()))
-    engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=16)
+    engine = HFEngine(model=learner.model, tokenizer=learner.tokenizer, max_batch_size=recipe["max_batch_size"])
     rows.append(("HFEngine on the learner's module (transposed weight copies on CPU)", peak_gb()))
     rng = random.Random(0)
     vocab = learner.tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
-    reqs = [
-        GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=i * 100 + j))
-        for i in range(args.prompts)
-        for j in range(args.budget)
-    ]
-    gens = engine.generate(reqs)
-    rows.append((f"generated {len(reqs)} x {args.tokens} tokens (KV cache kept for reuse)", peak_gb()))
-    groups = []
-    for i in range(args.prompts):
-        trajs = []
-        for j in range(args.budget):
-            g = gens[i * args.budget + j]
-            n = len(g.token_ids)
-            trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
-        groups.append(Group(i, prompts[i], trajs))
-    if args.keep_engine_caches:  # before the change: only the stored KV went (the sampler releases its keys)
-        engine._store.clear()
-    else:  # as the Algorithm does before an update: KV store and transposed weight copies
-        engine.sleep()
     from arpo_algo.run.quickstart import release_memory
 
     release = release_memory if args.release_before_update else (lambda: False)
-    release()
-    m = learner.update(groups)
-    rows.append(("one learner update (forward with entropy, backward, AdamW state created)", peak_gb()))
-    release()
-    m2 = learner.update(groups)
-    rows.append(("a second update", peak_gb()))
+    metrics = []
+    for step, label in enumerate(
+        ("one learner update (forward with entropy, backward, AdamW state created)", "a second update")
+    ):
+        groups = sample_step(engine, prompts, args, step)
+        if step == 0:
+            rows.append(
+                (f"generated {args.prompts * args.budget} x {args.tokens} tokens (KV cache kept for reuse)", peak_gb())
+            )
+        if args.keep_engine_caches:  # before the change: only the stored KV went (the sampler releases its keys)
+            engine._store.clear()
+        else:  # as the Algorithm does before an update: KV store and transposed weight copies
+            engine.sleep()
+        release()
+        metrics.append(learner.update(groups))
+        rows.append((label if step == 0 else f"{label} (on a batch sampled anew under the updated weights)", peak_gb()))
+    m, m2 = metrics
     for name, gb in rows:
         print(f"{gb:6.2f} GB  {name}")
     print(
@@ -129,11 +156,36 @@ def main(argv: list[str] | None = None) -> int:
                 "unique_tokens": m[LK.UNIQUE_TOKENS],
                 "time_s": time.time() - t0,
                 "param_change_norm": m2[LK.PARAM_CHANGE_NORM],
+                "kl_rollout": [m[LK.KL_ROLLOUT], m2[LK.KL_ROLLOUT]],
                 "torch_threads": torch.get_num_threads(),
+                "settings": {k: getattr(args, k) for k in recipe if k not in ("lr", "max_batch_size")},
             }
         )
     )
     return 0
+
+
+def sample_step(engine: Any, prompts: list[list[int]], args: argparse.Namespace, step: int) -> list[Any]:
+    """One step's GRPO groups, sampled by ``engine`` under the weights it holds now (``step`` varies the seeds, as a
+    new iteration's draws differ)."""
+    from arpo_algo.rollout.engines.base import GenRequest, SamplingParams
+    from arpo_algo.rollout.types import Group, Trajectory
+
+    reqs = [
+        GenRequest((i, j), prompts[i], SamplingParams(max_new_tokens=args.tokens, seed=(step * 1000 + i) * 100 + j))
+        for i in range(len(prompts))
+        for j in range(args.budget)
+    ]
+    gens = engine.generate(reqs)
+    groups = []
+    for i in range(len(prompts)):
+        trajs = []
+        for j in range(args.budget):
+            g = gens[i * args.budget + j]
+            n = len(g.token_ids)
+            trajs.append(Trajectory(j, g.token_ids, [1] * n, g.logprobs, g.entropies, reward=float(j % 2)))
+        groups.append(Group(i, prompts[i], trajs))
+    return groups
 
 
 def profile_sft(args: argparse.Namespace) -> int:

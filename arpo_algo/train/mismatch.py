@@ -106,7 +106,9 @@ def judge(
         f"trajectory's KL = {traj_max:.3g}"
     )
     causes = (
-        "usual causes: stale weights (the engine was not sent the last update), a sampling temperature "
+        "usual causes: stale weights (the engine was not sent the last update), a stale batch (sampled "
+        "before one of this learner's updates, e.g. update() called again on the same groups, and passed "
+        "without behaviour_weights; more passes over one batch are training.ppo_epochs), a sampling temperature "
         "or top-p/top-k the learner does not apply, precision (a bf16 engine or learner against fp32 "
         "levels), a KV cache reused for the wrong context, or an engine that records another kind of "
         "log-prob"

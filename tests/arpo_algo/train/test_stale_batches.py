@@ -49,8 +49,9 @@ def test_a_stale_batch_is_scored_under_the_version_that_sampled_it(tiny_model_di
         assert {n.policy_version for n in in_flight[0].nodes} == {0} and in_flight[0].policy_version == 0
         assert learner.update(first)["kl_rollout"] < warn and learner.step == 1  # version 1
         v1 = _weights(learner)
-        with pytest.raises(ArpoError, match=ALARM):  # scored with version 1: staleness looks like a mismatch
+        with pytest.raises(ArpoError, match=ALARM) as stale:  # scored with version 1: staleness looks like a mismatch
             learner.update(in_flight)
+        assert "behaviour_weights" in stale.value.hint  # the hint names the way to score a stale batch
         assert all(torch.equal(v1[k], v) for k, v in learner.model.state_dict().items())
         m = learner.update(in_flight, behaviour_weights=v0)
         assert m["kl_rollout"] < warn and m["logprob_diff_max"] < 1e-3 and learner.step == 2  # version 2
