@@ -298,7 +298,8 @@ class Recorder:
             # episode was being answered is placed after it, never beside it with the same index.
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._place_after_concurrent(turn, fd)
-            data = self._line(turn, record)
+            line = self._line(turn, record)
+            data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line (never answered): cut away
                 os.ftruncate(fd, os.pread(fd, size, 0).rfind(b"\n") + 1)
@@ -315,7 +316,7 @@ class Recorder:
             os.close(fd)  # closing releases the lock
         with self._lock:
             self.bytes += len(data)
-            self._last[turn.path] = (size, json.loads(data))
+            self._last[turn.path] = (size, line)
             self.counts["turns"] += 1
             self.counts["continued" if turn.continues else "new_segments"] += 1
             turn.unscoreable = sum(bool(c["unscoreable"]) for c in choices)
@@ -336,7 +337,7 @@ class Recorder:
         turn.index, turn.segment, turn.continues = last["turn"] + 1, last["segment"] + 1, False
         turn.segment_reason = f"served while turn {last['turn']} of the episode was recorded"
 
-    def _line(self, turn: Turn, record: dict[str, Any]) -> bytes:
+    def _line(self, turn: Turn, record: dict[str, Any]) -> dict[str, Any]:
         """A turn's record line: its place in the episode, then what :func:`turn_record` holds."""
         line = {
             "format": FORMAT,
@@ -352,7 +353,7 @@ class Recorder:
             "finished": time.time(),
             **record,
         }
-        return (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        return line
 
     # ----------------------------------------------------------------------------------------------- rewards
     def post_reward(self, body: Any) -> dict[str, Any]:
