@@ -1,12 +1,14 @@
 """Which local faults the rollout/learner mismatch alarm detects, and whether it false-alarms: groups whose sampler
 log-probs are the model's own (the clean case), then the same groups with a planted fault, each scored by the
-learner with its default fp32 levels (the token mean ``kl_rollout`` and the tail statistics ``logprob_tail_frac``
-and ``kl_rollout_traj_max``).
+learner with its default levels (the token mean ``kl_rollout`` and the tail statistics ``logprob_tail_frac`` and
+``kl_rollout_traj_max``). The sampler's log-probs are always the fp32 model's; ``--precision bf16`` scores them with a
+bf16-autocast learner (the quickstart's learner on a CPU with bf16 in hardware) against the bf16 levels, so bf16
+rounding adds to every statistic as it does in such a run.
 
 Planted faults: a 1-nat error on the first token after each tool result (1% of the sampled tokens), and a bad KV
 reuse at one branch point (one branch's tokens after it scored on another prompt's cached prefix).
 
-    python -m benchmarks.alarm_detection --model <a model folder or name> --seeds 5
+    python -m benchmarks.alarm_detection --model <a model folder or name> --seeds 5 [--precision bf16]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def verdict(m: dict[str, float], config: Any, precision: str = "fp32") -> dict[s
     return {k: "stop" if m[k] > s else "warn" if m[k] > w else "-" for k, (w, s) in levels.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from arpo_algo.models import resolve_model_path
@@ -46,11 +48,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--cases", default="clean,tool,kv", help="which of clean, tool, kv to run (comma-separated)")
-    args = ap.parse_args()
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the learner's compute precision")
+    args = ap.parse_args(argv)
     torch.set_num_threads(2)
     path = resolve_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048)
+    config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048, precision=args.precision)
+    level = args.precision  # the levels a run at this learner precision defaults to
     # the stop levels are off so every statistic is measured; the verdict compares them with the default levels
     learner = Learner(path, replace(config, **ALARM_OFF), seed=0)
 
@@ -76,10 +80,10 @@ def main() -> None:
         fired: dict[str, int] = {k: 0 for k in names}
         for seed in range(args.seeds):
             m = scored(plant(clean_groups(model, seed=seed)))
-            for k, v in verdict(m, config).items():
+            for k, v in verdict(m, config, level).items():
                 values[k].append(m[k])
                 fired[k] += v != "-"
-            rows.append((case, seed, m, verdict(m, config)))
+            rows.append((case, seed, m, verdict(m, config, level)))
         print(
             f"| {case} | "
             + " | ".join(f"{min(values[k]):.2g} to {max(values[k]):.2g} ({fired[k]}/{args.seeds})" for k in names)
@@ -92,7 +96,10 @@ def main() -> None:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    print(f"levels (warn, stop): kl_rollout {config.mismatch_levels('fp32')}, tail {config.tail_levels('fp32')}")
+    print(
+        f"learner {args.precision}; levels (warn, stop): kl_rollout {config.mismatch_levels(level)}, "
+        f"tail {config.tail_levels(level)}"
+    )
     print(f"machine: {platform.processor() or platform.machine()}, {cpu or 'no avx512/amx'}; torch {torch.__version__}")
     for case, seed, m, v in rows:
         print(f"  {case} seed {seed}: " + ", ".join(f"{k} {m[k]:.3g} ({v[k]})" for k in names))

@@ -13,7 +13,8 @@ time. The pull and SFT stages are not re-run: their figures are those of the run
     python -m benchmarks.bench_quickstart --sft runs/quickstart --modes dynamic static --rounds 1 --threads 2
 
 ``--sft`` is a quickstart output folder whose SFT stage is done (its ``.stage_pull.json`` and ``.stage_sft.json``
-markers are copied, so the SFT stage is not re-run and every mode starts from the same weights). ``--set`` passes
+markers are copied, so the SFT stage is not re-run and every mode starts from the same weights; the RL learner takes
+the ``--precision`` setting the SFT stage was run with). ``--set`` passes
 further overrides to every mode (e.g. ``experiment.iterations=2`` for a shorter run).
 """
 
@@ -40,6 +41,8 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True)
     for name in STAGE_MARKERS:
         shutil.copy(Path(args.sft) / name, out / name)
+    # the SFT folder's precision setting, or its marker would not match and the SFT stage would run again
+    sft_inputs = json.loads((Path(args.sft) / ".stage_sft.json").read_text())["inputs"]
     cmd = [
         sys.executable,
         "-m",
@@ -48,6 +51,8 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
         str(out),
         "--seed",
         str(args.seed),
+        "--precision",
+        sft_inputs.get("precision", "fp32"),
         "--set",
         f"rollouts.hf.decode={json.dumps(mode)}",
         "--no-progress",

@@ -312,8 +312,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
-    make = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress)
-    sft = run_stage(out, "sft", make, stage_inputs("sft", args.sft_seed))
+    make = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress, PLAN["precision"])
+    sft = run_stage(out, "sft", make, stage_inputs("sft", args.sft_seed, PLAN["precision"]))
     print(f"[where] SFT seed {args.sft_seed}: {sft['path']} (use it as --sft with --sft-seed {args.sft_seed})")
     return 0
 

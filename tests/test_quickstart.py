@@ -148,3 +148,31 @@ def test_the_quickstart_installs_no_extra_and_the_tests_add_dev_to_its_environme
         f"python -m pip install -q --disable-pip-version-check -e {REPO}[dev,docker]"
     ]
     assert run("quickstart") == []
+
+
+def test_the_quickstart_computes_natively_unless_told_and_its_stages_are_keyed_by_the_precision(tiny_model_dir):
+    """--precision defaults to native (bf16 where the hardware multiplies bf16 matrices), reaches the RL learner
+    unless a --set says otherwise, and an SFT stage done at one precision is not reused for another."""
+    import argparse
+
+    from arpo_algo.train.device_setup import PRECISIONS, cpu_capability
+
+    assert set(quickstart.PRECISION_CHOICES) == set(PRECISIONS)
+    parser = argparse.ArgumentParser()
+    quickstart.add_arguments(parser)
+    assert parser.parse_args([]).precision == "native"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--precision", "half"])
+    assert quickstart.stage_inputs("sft", 0, "native") != quickstart.stage_inputs("sft", 0, "fp32")
+    native = quickstart.load_rl_experiment(str(tiny_model_dir), 0, ['training.precision="native"'])
+    assert native.config.settings.training.precision == "native"
+    pinned = quickstart.load_rl_experiment(
+        str(tiny_model_dir), 0, ['training.precision="native"', 'training.precision="fp32"']
+    )
+    assert pinned.config.settings.training.precision == "fp32"  # the user's --set comes last and wins
+    summary = quickstart.precision_summary("native", {"precision": "bf16"}, native)
+    expected = "bf16" if cpu_capability()["native_bf16_matmul"] else "fp32"
+    assert summary["arpo"] == expected and summary["evaluation"] == "fp32"
+    assert summary["cpu"] == cpu_capability()
+    line = quickstart.precision_line(summary)
+    assert line.startswith(f"precision (native): SFT bf16, ARPO learner {expected}, evaluation fp32 (CPU flags: ")

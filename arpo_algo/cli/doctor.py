@@ -155,10 +155,13 @@ def _bf16_line(cap: dict) -> str:
     if cap["native_bf16_matmul"]:
         have = "/".join(f for f in cap["flags"] if f in ("avx512_bf16", "amx_bf16"))
         return (
-            f"native on this CPU ({have}): training.precision='bf16' and SFT's bf16=true compute in hardware; "
+            f"native on this CPU ({have}): precision 'native' (the quickstart's) and 'bf16' compute bf16 in hardware; "
             "'auto' still picks fp32 on a CPU"
         )
-    return "not native on this CPU (no avx512_bf16 or amx_bf16 flag): bf16 autocast here is slower than fp32"
+    return (
+        "not native on this CPU (no avx512_bf16 or amx_bf16 flag): precision 'native' (the quickstart's) stays fp32; "
+        "bf16 autocast here is slower than fp32"
+    )
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

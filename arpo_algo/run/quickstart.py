@@ -1,10 +1,13 @@
 """The quickstart: pull SmolLM2-135M-Instruct -> SFT on ToolMath demonstrations -> ARPO -> held-out evaluation.
 
-    arpo quickstart [--output runs/quickstart] [--seed 0] [--sft-seed 0] [--threads N]
+    arpo quickstart [--output runs/quickstart] [--seed 0] [--sft-seed 0] [--precision native] [--threads N]
 
 ``--seed`` is the RL stage's seed; ``--sft-seed`` the SFT stage's, pinned to 0 by default so that every RL seed starts
 from the same checkpoint (measured: the SFT stage alone lands anywhere between 0.0 and 1.0 held-out accuracy
-depending on its seed, which would drown the RL stage's effect; docs/tutorial.md).
+depending on its seed, which would drown the RL stage's effect; docs/tutorial.md). ``--precision`` is the compute
+precision of SFT and the RL learner: ``native`` (the default) is bf16 autocast where the CPU or GPU multiplies bf16
+matrices in hardware (``arpo doctor``'s ``bf16 matmul`` line) and fp32 elsewhere; ``fp32`` pins fp32. Evaluation and
+the rollout engine compute in fp32 either way; the summary records the resolved precisions and the CPU's flags.
 
 Stages (each leaves a marker ``.stage_<name>.json`` in the output folder, so a second run skips finished stages and a
 killed ARPO stage resumes from its newest checkpoint):
@@ -58,6 +61,13 @@ SFT_SETTINGS: dict[str, Any] = {
     "gradient_checkpointing": False,
 }
 
+
+#: The quickstart's compute precision unless ``--precision`` says otherwise: bf16 autocast where the hardware multiplies
+#: bf16 matrices, fp32 elsewhere (arpo_algo.train.device_setup.resolve_precision).
+QUICKSTART_PRECISION = "native"
+#: ``--precision`` choices: the values of ``training.precision`` (arpo_algo.train.device_setup.PRECISIONS, which
+#: imports torch; the CLI's argument parser does not).
+PRECISION_CHOICES = ("native", "fp32", "bf16", "auto")
 
 #: The quickstart's experiment file and its multi-seed reference figures, shipped with the package.
 RECIPES = Path(__file__).with_name("recipes")
@@ -160,26 +170,32 @@ def run_stage(
     return result
 
 
-def stage_inputs(stage: str, sft_seed: int = 0) -> dict[str, Any]:
+def stage_inputs(stage: str, sft_seed: int = 0, precision: str = "fp32") -> dict[str, Any]:
     """The arguments the ``pull`` or ``sft`` stage's result depends on (what its marker must record to be reused)."""
     from arpo_algo.run import smoke
 
     if stage == "pull":
         return {"model": MODEL}
-    return {"model": MODEL, "sft_seed": sft_seed, "smoke": smoke.smoke()}
+    return {"model": MODEL, "sft_seed": sft_seed, "precision": precision, "smoke": smoke.smoke()}
 
 
-def stage_sft(out: Path, model: str, seed: int, progress: bool) -> dict[str, Any]:
+def stage_sft(out: Path, model: str, seed: int, progress: bool, precision: str = "fp32") -> dict[str, Any]:
     from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig, run_sft
 
-    settings = dict(SFT_SETTINGS)
+    settings = {**SFT_SETTINGS, "precision": precision}
     if smoke.smoke():
         smoke.announce("the quickstart's SFT stage")
         settings["num_examples"] = smoke.capped(settings["num_examples"], smoke.SFT_EXAMPLES)
     cfg = SFTConfig(model=model, output_dir=str(out / "sft"), seed=seed, progress=progress, **settings)
     m = run_sft(cfg)
-    return {"path": m["output_dir"], "first_loss": m["first_loss"], "final_loss": m["final_loss"], "steps": m["steps"]}
+    return {
+        "path": m["output_dir"],
+        "first_loss": m["first_loss"],
+        "final_loss": m["final_loss"],
+        "steps": m["steps"],
+        "precision": m["compute"]["precision"],
+    }
 
 
 def load_rl_experiment(sft_dir: str, seed: int, extra: list[str]) -> Any:
@@ -254,6 +270,32 @@ def stage_export(out: Path, policy_dir: str, held_out: dict[str, Any] | None = N
     return {"path": str(dest)}
 
 
+def precision_summary(setting: str, sft: dict[str, Any], exp: Any) -> dict[str, Any]:
+    """What each stage computed in (resolved from ``setting`` on this machine) and the CPU flags that decided it."""
+    import torch
+
+    from arpo_algo.train.device_setup import cpu_capability, resolve_precision
+
+    training = exp.config.settings.training.precision
+    device = torch.device(exp.config.settings.rollouts.device)
+    return {
+        "setting": setting,
+        # None: an SFT stage done by an earlier version that did not report it
+        "sft": sft.get("precision"),
+        "arpo": resolve_precision(training, device),
+        "evaluation": "fp32",
+        "cpu": cpu_capability(),
+    }
+
+
+def precision_line(p: dict[str, Any]) -> str:
+    flags = ", ".join(p["cpu"]["flags"]) or "unknown"
+    return (
+        f"precision ({p['setting']}): SFT {p['sft']}, ARPO learner {p['arpo']}, evaluation {p['evaluation']} "
+        f"(CPU flags: {flags})"
+    )
+
+
 def reference_line(summary: dict[str, Any]) -> str:
     """This seed's result beside the distribution over seeds of docs/results/arpo-vs-grpo.md (same recipe, SFT seed)."""
     if not REFERENCE.is_file():
@@ -295,6 +337,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of the SFT stage (default 0: every RL seed starts from the same checkpoint)",
     )
     parser.add_argument(
+        "--precision",
+        choices=PRECISION_CHOICES,
+        default=QUICKSTART_PRECISION,
+        help="compute precision of SFT and the RL learner (default native: bf16 where the CPU or GPU multiplies bf16 "
+        "matrices in hardware, fp32 elsewhere; evaluation stays fp32)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -322,11 +371,13 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.time()
-    sft_inputs = stage_inputs("sft", args.sft_seed)
+    sft_inputs = stage_inputs("sft", args.sft_seed, args.precision)
     rl_inputs = {**sft_inputs, "seed": args.seed, "set": list(args.set)}
     pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
-    sft = run_stage(out, "sft", functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress), sft_inputs)
-    exp = load_rl_experiment(sft["path"], args.seed, args.set)
+    make_sft = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress, args.precision)
+    sft = run_stage(out, "sft", make_sft, sft_inputs)
+    # the learner's precision first, so that a --set training.precision=... still has the last word
+    exp = load_rl_experiment(sft["path"], args.seed, [f"training.precision={json.dumps(args.precision)}", *args.set])
     rl = run_stage(out, "arpo", functools.partial(stage_arpo, out, exp, progress), rl_inputs)
     ev = run_stage(out, "evaluate", functools.partial(stage_evaluate, exp, sft["path"], rl["policy"]), rl_inputs)
     replot_with_evaluation(rl, ev, exp.run.iterations)
@@ -338,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         "accuracy_after_arpo": ev["after"]["accuracy"],
         "seed": args.seed,
         "sft_seed": args.sft_seed,
+        "precision": precision_summary(args.precision, sft, exp),
         "eval": ev["settings"],
         "before": ev["before"],
         "after": ev["after"],
@@ -364,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
         f"temperature {ev['settings']['temperature']})"
     )
     print(f"seed {args.seed} (SFT seed {args.sft_seed})   stage times (s): {summary['stage_times_s']}")
+    print(precision_line(summary["precision"]))
     print(f"CPU time per stage (s, this process and its finished children): {summary['stage_cpu_s']}")
     print(f"peak resident memory per stage (GB): {summary['peak_rss_gb']}")
     print(reference_line(summary))

@@ -10,7 +10,8 @@ against the device it runs on, once, before the model is loaded, so a choice the
   In every case the weights, gradients and AdamW state stay fp32: autocast only runs matmuls and attention in bf16.
   Whether a CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX) is detected by :func:`cpu_capability`,
   shown by ``arpo doctor`` and recorded in every run folder with the resolved precision (:func:`compute_record`); it
-  does not change what ``"auto"`` picks.
+  does not change what ``"auto"`` picks. ``"native"`` (the quickstart's choice) follows it: bf16 autocast where the
+  device multiplies bf16 matrices in hardware (such a CPU or GPU), fp32 elsewhere.
 * **Tree attention.** ``"auto"``: FlexAttention on CUDA when the model uses SDPA and ``deterministic`` is off, the
   dense mask otherwise. ``"flex"`` on CPU is refused: torch 2.13's FlexAttention has no backward pass on CPU.
 * **Deterministic.** :func:`make_deterministic` (see there for what it covers).
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 #: ``training.precision`` values.
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "native")
 #: ``training.tree_attention`` values.
 TREE_ATTENTIONS = ("auto", "dense", "flex")
 #: CPU flags of hardware bfloat16 matrix products: AVX512-BF16's dot-product instructions, AMX's bf16 tiles.
@@ -51,23 +52,34 @@ def _native_bf16() -> bool:
     return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+def resolve_precision(precision: str, device: torch.device, cpu: dict[str, Any] | None = None) -> str:
     """``"fp32"`` or ``"bf16"``: the compute precision the learner uses on ``device``.
+
+    ``"native"`` is bf16 exactly where the device multiplies bfloat16 matrices in hardware (a CUDA GPU with native
+    bfloat16; a CPU with one of :data:`BF16_CPU_FLAGS`, read from ``cpu``, a :func:`bf16_capability` record, this
+    machine's by default) and fp32 elsewhere, so it never runs bf16 in software emulation.
 
     Raises:
         ConfigError: ``"bf16"`` on a CUDA device without native bfloat16, or an unknown value.
     """
     if precision not in PRECISIONS:
-        raise ConfigError(f"learner.precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+        raise ConfigError(
+            f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}",
+            hint="'native' picks bf16 where the hardware multiplies bf16 matrices, fp32 elsewhere",
+        )
     on_gpu = device.type == "cuda"
     if precision == "auto":
         return "bf16" if on_gpu and _native_bf16() else "fp32"
+    if precision == "native":
+        if on_gpu:
+            return "bf16" if _native_bf16() else "fp32"
+        return "bf16" if (cpu if cpu is not None else cpu_capability())["native_bf16_matmul"] else "fp32"
     if precision == "bf16" and on_gpu and not _native_bf16():
         raise ConfigError(
-            "learner.precision='bf16' but this GPU has no native bfloat16 "
+            "precision='bf16' but this GPU has no native bfloat16 "
             "(torch.cuda.is_bf16_supported(including_emulation=False) is False; it needs compute "
             "capability 8.0 or newer)",
-            hint="use precision='fp32' (or 'auto', which picks fp32 on this GPU)",
+            hint="use precision='fp32' (or 'auto' or 'native', which pick fp32 on this GPU)",
         )
     return precision
 

@@ -14,9 +14,13 @@ from arpo_algo.train.optim import SCHEDULES, check_schedule
 from arpo_base.errors import ConfigError
 from arpo_base.options import check_choice, dataclass_from_dict, setting
 
-#: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision, and for a bfloat16 sampler
-#: against a float32 learner (``"bf16_sampler"``: bf16 rounding alone gives about 3e-4 there; see LearnerConfig).
-MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16_sampler": (1e-3, 1e-2), "bf16": (1e-2, 1e-1)}
+#: Default (warn, stop) levels of ``learner/kl_rollout`` by the learner's precision, for a bfloat16 sampler against a
+#: float32 learner (``"bf16_sampler"``: bf16 rounding alone gives about 3e-4 there; see LearnerConfig), and for a
+#: bf16-autocast learner on a CPU against a float32 sampler (``"bf16_cpu"``, the quickstart on a CPU with bf16 in
+#: hardware: SmolLM2-135M's clean runs measured at most about 1e-4 token mean, 0 tail fraction and 5e-4 worst
+#: trajectory, an order of magnitude under these warn levels, while the planted 1%-token fault's tail fraction (0.01)
+#: and worst trajectory (0.0072) cross their stop levels; docs/results/mismatch-alarm.md).
+MISMATCH_LEVELS = {"fp32": (1e-4, 1e-2), "bf16_sampler": (1e-3, 1e-2), "bf16": (1e-2, 1e-1), "bf16_cpu": (1e-3, 1e-2)}
 #: Default (warn, stop) levels of the alarm's tail statistics, which a local fault does not dilute: the fraction of
 #: sampled tokens whose log-probs differ by more than ``tail_logprob_diff`` (``learner/logprob_tail_frac``) and the
 #: worst trajectory's k3 KL (``learner/kl_rollout_traj_max``). In fp32 a correct engine gives no such token and a
@@ -26,6 +30,7 @@ TAIL_LEVELS = {
     "fp32": {"frac": (1e-3, 5e-3), "traj": (1e-4, 1e-3)},
     "bf16_sampler": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
     "bf16": {"frac": (5e-3, 2e-2), "traj": (1e-2, 1e-1)},
+    "bf16_cpu": {"frac": (1e-3, 5e-3), "traj": (2e-3, 5e-3)},
 }
 #: kl_rollout counts as growing when each of the last GROWTH_WINDOW updates is above the one before and the last is
 #: more than GROWTH_FACTOR times the first of the window.
@@ -84,8 +89,9 @@ class LearnerConfig:
             once per trajectory.
         old_logprobs: "recompute" (as the reference) or "rollout" (use the sampler's logprobs).
         precision: Device setting (:mod:`arpo_algo.train.device_setup`, docs/howto/learner-backends.md): "auto"
-            (bf16 autocast on a CUDA GPU with native bfloat16, fp32 elsewhere), "fp32" or "bf16"; weights and
-            optimizer state stay fp32 in every case, and "bf16" on a GPU without bfloat16 is an error.
+            (bf16 autocast on a CUDA GPU with native bfloat16, fp32 elsewhere), "fp32", "bf16" or "native" (bf16
+            wherever the CPU or GPU multiplies bf16 matrices in hardware, fp32 elsewhere); weights and optimizer
+            state stay fp32 in every case, and "bf16" on a GPU without bfloat16 is an error.
         tree_attention: How the packed tree of ``dedup_prefix`` is attended: "dense" (an [N, N] mask handed to
             SDPA/eager), "flex" (FlexAttention with a block mask built from the tree; CUDA only, needs
             ``attn_implementation="sdpa"``) or "auto" (flex on CUDA with sdpa unless ``deterministic``, dense
@@ -102,18 +108,20 @@ class LearnerConfig:
         attn_implementation: "sdpa" or "eager" (the tree mask of ``dedup_prefix`` needs one of them).
         kl_rollout_warn: Mismatch alarm: warn when the k3 KL(sampler || learner) on the sampled tokens, measured
             before the first step, exceeds this (None = by precision: 1e-4 in fp32 and 1e-3 for a bf16 rollout
-            engine against an fp32 learner, both measured; 1e-2 for a bf16 learner).
+            engine against an fp32 learner, both measured; 1e-2 for a bf16 learner, 1e-3 for a bf16 learner on a
+            CPU against an fp32 engine, measured).
         kl_rollout_stop: Mismatch alarm: stop the run above this (None = by precision: 1e-2 in fp32, also with a
-            bf16 rollout engine, measured; 1e-1 for a bf16 learner).
+            bf16 rollout engine or a bf16 learner on a CPU, measured; 1e-1 for a bf16 learner).
         tail_logprob_diff: Mismatch alarm's tail: a sampled token whose sampler and learner log-probs differ by
             more than this (nats) counts in ``logprob_tail_frac``.
-        tail_frac_warn: Warn when the fraction of such tokens exceeds this (None = by precision: 1e-3 in fp32,
-            5e-3 with bf16 on either side).
-        tail_frac_stop: Stop above this fraction (None = by precision: 5e-3 in fp32, 2e-2 with bf16).
+        tail_frac_warn: Warn when the fraction of such tokens exceeds this (None = by precision: 1e-3 in fp32 and
+            for a bf16 learner on a CPU against an fp32 engine, 5e-3 with bf16 on either side otherwise).
+        tail_frac_stop: Stop above this fraction (None = by precision: 5e-3 in fp32 and for a bf16 learner on a
+            CPU, 2e-2 with bf16 otherwise).
         traj_kl_warn: Warn when the worst trajectory's k3 KL (sampler || learner, its sampled tokens' mean) exceeds
-            this (None = by precision: 1e-4 in fp32, 1e-2 with bf16).
-        traj_kl_stop: Stop above this (None = by precision: 1e-3 in fp32, 1e-1 with bf16). The bf16 tail levels
-            are not measured on larger models.
+            this (None = by precision: 1e-4 in fp32, 2e-3 for a bf16 learner on a CPU, 1e-2 with bf16 otherwise).
+        traj_kl_stop: Stop above this (None = by precision: 1e-3 in fp32, 5e-3 for a bf16 learner on a CPU,
+            1e-1 with bf16 otherwise). The GPU bf16 tail levels are not measured on larger models.
     """
 
     lr: float = 1e-6
@@ -272,16 +280,21 @@ class LearnerConfig:
     def for_sampler(self, dtype: str, device: str) -> LearnerConfig:
         """This config with the mismatch alarm's levels for a sampler computing in ``dtype`` where they are not set:
         a bfloat16 sampler's log-probs differ from a float32 learner's (on ``device``) by bf16 rounding, so the
-        ``"bf16_sampler"`` levels apply; a float32 sampler, or a bf16 learner (whose own levels are looser), leaves
-        the levels to the learner's precision."""
+        ``"bf16_sampler"`` levels apply; a bf16-autocast learner on a CPU scoring a float32 sampler's tokens gets
+        the measured ``"bf16_cpu"`` levels; other pairs leave the levels to the learner's precision."""
         import torch
 
         from arpo_algo.train.device_setup import resolve_precision
 
-        if dtype != "bfloat16" or resolve_precision(self.precision, torch.device(device)) == "bf16":
+        learner = resolve_precision(self.precision, torch.device(device))
+        if dtype == "bfloat16" and learner != "bf16":
+            key = "bf16_sampler"
+        elif dtype != "bfloat16" and learner == "bf16" and torch.device(device).type == "cpu":
+            key = "bf16_cpu"
+        else:
             return self
-        warn, stop = self.mismatch_levels("bf16_sampler")
-        tail = self.tail_levels("bf16_sampler")
+        warn, stop = self.mismatch_levels(key)
+        tail = self.tail_levels(key)
         return replace(
             self,
             kl_rollout_warn=warn,

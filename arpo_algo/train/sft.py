@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.train.device_setup import compute_record, enable_activation_checkpointing
+from arpo_algo.train.device_setup import PRECISIONS, compute_record, enable_activation_checkpointing, resolve_precision
 from arpo_algo.train.optim import SCHEDULES, build_optimizer
 from arpo_algo.train.sft_data import build_dataset, load_examples
 from arpo_base.errors import ConfigError
@@ -101,9 +101,11 @@ class SFTConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (the schedule is built for the shorter of this and the epochs)."""
     seed: int = 0
-    bf16: bool = False
-    """bfloat16 autocast (fp32 master weights), like HF Trainer's ``bf16=True``. For GPUs: on CPUs without
-    AVX512-BF16/AMX it is slower than float32."""
+    precision: str = "fp32"
+    """Compute precision, the RL learner's ``training.precision`` values: ``"fp32"``, ``"bf16"`` (autocast with fp32
+    master weights, like HF Trainer's ``bf16=True``; on CPUs without AVX512-BF16/AMX slower than fp32), ``"auto"``
+    (bf16 on a GPU with native bfloat16, else fp32) or ``"native"`` (bf16 wherever the CPU or GPU multiplies bf16
+    matrices in hardware, else fp32: ``arpo doctor`` says which). ``sft_metrics.json`` records the resolved one."""
     device: str = "auto"
     """``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``."""
     log_every: int = 10
@@ -135,6 +137,7 @@ class SFTConfig:
             "lr_schedule": SCHEDULES,
             "truncation": ("drop", "truncate"),
             "device": ("auto", "cpu", "cuda"),
+            "precision": PRECISIONS,
         }
         for key, allowed in choices.items():
             check_choice(key, getattr(self, key), allowed, "sft config")
@@ -171,6 +174,11 @@ class SFTConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
         """Build from a dict (TOML top level), rejecting unknown keys (closest valid name) and wrong types."""
+        if "bf16" in d:
+            raise ConfigError(
+                "sft config: bf16 is now precision",
+                hint='set precision = "bf16" (or "native": bf16 only where the hardware multiplies bf16 matrices)',
+            )
         cfg = dataclass_from_dict(cls, d, "sft config")
         cfg.validate()
         return cfg
@@ -283,6 +291,7 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model, tokenizer, device = _load_model(cfg)
+    precision = resolve_precision(cfg.precision, device)
     rows, counts = build_dataset(tokenizer, load_examples(cfg), cfg.max_seq_len, cfg.truncation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     per_step = cfg.batch_size * cfg.grad_accum
@@ -314,7 +323,7 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
             if step >= total_steps:
                 break
             loss, n_tok = _train_step(
-                model, batches[k : k + cfg.grad_accum], pad_id, device, cfg.bf16, cfg.rows_per_forward
+                model, batches[k : k + cfg.grad_accum], pad_id, device, precision == "bf16", cfg.rows_per_forward
             )
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
             lr = sched.get_last_lr()[0]
@@ -356,7 +365,7 @@ def run_sft(config: SFTConfig | dict[str, Any]) -> dict[str, Any]:
         "time_s": round(time.time() - start, 2),
         "output_dir": str(out),
         "device": str(device),
-        "compute": compute_record("bf16" if cfg.bf16 else "fp32", device, {"bf16": cfg.bf16}),
+        "compute": compute_record(precision, device, {"precision": cfg.precision}),
         "counts": counts,
         "config": dataclasses.asdict(cfg),
         "history": history,

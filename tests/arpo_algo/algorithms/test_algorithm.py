@@ -129,7 +129,7 @@ def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_di
     """Bug: the mismatch alarm took its levels from the learner's precision only, so a bfloat16 rollout actor against
     the float32 learner was held to the float32 warning level, 1e-4, which bf16 rounding alone passes (about 3e-4 on
     SmolLM2: a warning every iteration). A sampler in bf16 now brings its own levels unless the levels are set."""
-    from arpo_algo.train.learner_config import MISMATCH_LEVELS
+    from arpo_algo.train.learner_config import MISMATCH_LEVELS, TAIL_LEVELS
 
     cfg = (
         tiny_config(tiny_model_dir)
@@ -153,6 +153,15 @@ def test_a_bf16_sampler_is_judged_at_the_bf16_sampler_alarm_levels(tiny_model_di
     assert training.for_sampler("float32", "cpu") is training
     bf16_learner = cfg.copy(copy_frozen=False).training(precision="bf16").settings.training
     assert bf16_learner.for_sampler("bfloat16", "cpu") is bf16_learner  # its own levels are the looser ones
+    # a bf16 learner on a CPU against an fp32 sampler: the levels measured for that pair
+    on_cpu = bf16_learner.for_sampler("float32", "cpu")
+    assert on_cpu.mismatch_levels("bf16") == MISMATCH_LEVELS["bf16_cpu"]
+    assert on_cpu.tail_levels("bf16") == TAIL_LEVELS["bf16_cpu"]
+    native = cfg.copy(copy_frozen=False).training(precision="native").settings.training.for_sampler("float32", "cpu")
+    from arpo_algo.train.device_setup import cpu_capability
+
+    expected = MISMATCH_LEVELS["bf16_cpu" if cpu_capability()["native_bf16_matmul"] else "fp32"]
+    assert native.mismatch_levels("bf16" if cpu_capability()["native_bf16_matmul"] else "fp32") == expected
 
 
 def test_resource_request_counts_rollout_actors():

@@ -47,6 +47,7 @@ def test_doctor_reports_truthfully():
     assert "compiler" in human.stdout
     bf16_line = next(line for line in human.stdout.splitlines() if line.strip().startswith("bf16 matmul"))
     assert bf16_line.split("bf16 matmul", 1)[1].strip().startswith("native" if native else "not native"), bf16_line
+    assert "precision 'native' (the quickstart's)" in bf16_line
 
 
 def test_user_error_is_one_line_and_nonzero(capsys):

@@ -31,7 +31,7 @@ def test_precision_defaults_per_device(monkeypatch):
     assert resolve_precision("auto", CPU) == "fp32"
     assert resolve_precision("bf16", CPU) == "bf16"  # CPU autocast to bfloat16 is allowed when asked for
     assert resolve_precision("fp32", CUDA) == "fp32"
-    with pytest.raises(ConfigError, match="precision='half' is not one of 'auto', 'fp32', 'bf16'"):
+    with pytest.raises(ConfigError, match="precision='half' is not one of 'auto', 'fp32', 'bf16', 'native'"):
         LearnerConfig(precision="half").validate()
     # A GPU without native bfloat16 (e.g. a V100): auto falls back to fp32, an explicit bf16 is refused.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
@@ -41,6 +41,21 @@ def test_precision_defaults_per_device(monkeypatch):
     assert "fp32" in err.value.hint
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
     assert resolve_precision("auto", CUDA) == "bf16"
+
+
+def test_native_precision_is_bf16_exactly_where_the_hardware_multiplies_bf16(monkeypatch):
+    native_cpu, plain_cpu = bf16_capability({"avx2", "avx512f", "avx512_bf16"}), bf16_capability({"avx2", "avx512f"})
+    assert resolve_precision("native", CPU, native_cpu) == "bf16"
+    assert resolve_precision("native", CPU, plain_cpu) == "fp32"
+    assert resolve_precision("native", CPU, bf16_capability(None)) == "fp32"  # unknown flags: never emulated bf16
+    # without a record, this machine's own flags decide
+    assert resolve_precision("native", CPU) == ("bf16" if cpu_capability()["native_bf16_matmul"] else "fp32")
+    # "auto" keeps its meaning: fp32 on every CPU, whatever its flags
+    assert resolve_precision("auto", CPU, native_cpu) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert resolve_precision("native", CUDA, native_cpu) == "fp32"  # a GPU without bf16: its own answer counts
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert resolve_precision("native", CUDA, plain_cpu) == "bf16"
 
 
 def test_cpu_bf16_capability_comes_from_the_flags_and_unknown_counts_as_not_native():

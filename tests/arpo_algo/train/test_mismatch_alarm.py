@@ -57,6 +57,25 @@ def test_a_1_nat_error_on_1_percent_of_tokens_stops_the_run(tiny_model_dir, clea
     assert learner.step == 0 and all(torch.equal(before[n], p) for n, p in learner.model.named_parameters())
 
 
+def test_a_bf16_learner_on_a_cpu_stops_the_same_fault_at_its_measured_levels(tiny_model_dir, clean):
+    """The quickstart's learner on a CPU with bf16 in hardware: bf16 autocast scoring an fp32 sampler's tokens. Its
+    clean batches stay far under the bf16_cpu levels, and the planted 1%-token fault still stops the update (at the
+    looser GPU bf16 levels it would only warn)."""
+    cfg = replace(CONFIG, precision="bf16").for_sampler("float32", "cpu")
+    assert cfg.mismatch_levels("bf16") == MISMATCH_LEVELS["bf16_cpu"]
+    assert cfg.tail_levels("bf16") == TAIL_LEVELS["bf16_cpu"]
+    flat = [replace(g, trajectories=[replace(t, reward=0.0) for t in g.trajectories]) for g in clean]  # no step
+    m = Learner(tiny_model_dir, cfg, seed=0).update(flat)
+    assert 0 < m["kl_rollout"] < MISMATCH_LEVELS["bf16_cpu"][0] / 100  # bf16 rounding, far under the warn level
+    assert m["logprob_tail_frac"] == 0.0 and m["kl_rollout_traj_max"] < TAIL_LEVELS["bf16_cpu"]["traj"][0] / 100
+    learner = Learner(tiny_model_dir, cfg, seed=0)
+    with pytest.raises(ArpoError, match=r"above training\.tail_frac_stop = 0\.005"):
+        learner.update(plant_tool_first_token(clean, 1.0))
+    assert learner.step == 0
+    # the GPU's bf16 levels (a bf16 learner anywhere else) let the same fault train with a warning
+    assert TAIL_LEVELS["bf16"]["frac"][1] > 0.01 and TAIL_LEVELS["bf16"]["traj"][1] > 0.0072
+
+
 def test_a_bad_kv_reuse_at_one_branch_point_fires(tiny_model_dir, clean, model, caplog):
     """One branch continued on another prompt's cached prefix: the worst trajectory's KL sees it although the token
     mean over the batch stays under its warning level."""

@@ -351,6 +351,8 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
             "progress=false",
             "--set",
             "tensorboard=false",
+            "--set",
+            "precision=native",
         ]
     )
     assert args.func(args) == 0
@@ -360,12 +362,21 @@ def test_cli_sft_end_to_end_on_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert saved["steps"] == 2
     from arpo_algo.train.device_setup import cpu_capability
 
+    # "native": bf16 autocast exactly where this CPU multiplies bf16 matrices in hardware
     assert saved["compute"] == {
-        "precision": "fp32",
-        "setting": {"bf16": False},
+        "precision": "bf16" if cpu_capability()["native_bf16_matmul"] else "fp32",
+        "setting": {"precision": "native"},
         "device": "cpu",
         "cpu": cpu_capability(),
     }
+
+
+def test_the_old_bf16_switch_is_refused_naming_precision():
+    with pytest.raises(ConfigError, match="bf16 is now precision") as err:
+        SFTConfig.from_dict({"bf16": True})
+    assert 'precision = "bf16"' in err.value.hint
+    with pytest.raises(ConfigError, match="precision='half' is not one of"):
+        SFTConfig(precision="half").validate()
 
 
 def test_train_step_loss_and_gradients_equal_the_full_logits_computation(tiny_model_dir):
