@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(2)
     path = resolve_model_path(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048, precision=args.precision)
-    level = args.precision  # the levels a run at this learner precision defaults to
+    # the levels a run of this learner against an fp32 sampler on a CPU defaults to (bf16: the bf16_cpu levels)
+    config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048, precision=args.precision).for_sampler("float32", "cpu")
+    level = args.precision
     # the stop levels are off so every statistic is measured; the verdict compares them with the default levels
     learner = Learner(path, replace(config, **ALARM_OFF), seed=0)
 

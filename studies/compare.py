@@ -323,8 +323,20 @@ def write_report(
     return out / "report.md"
 
 
-def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
-    """The quickstart's multi-seed reference: per configuration before, after (mean, sd), seeds improved / worse."""
+def run_precision(output: Path, runs: dict[str, dict[int, Any]]) -> str:
+    """The learner precision the runs resolved (their config.json's compute record): one value, "mixed", or
+    "unrecorded" for runs made before run folders recorded it."""
+    found = set()
+    for name, seeds in runs.items():
+        for seed in seeds:
+            record = json.loads((output / name / f"seed_{seed}" / "config.json").read_text())
+            found.add(record.get("compute", {}).get("precision", "unrecorded"))
+    return found.pop() if len(found) == 1 else "mixed"
+
+
+def write_reference(rep: dict[str, Any], path: Path, argv: list[str], precision: str) -> None:
+    """The quickstart's multi-seed reference: per configuration before, after (mean, sd), seeds improved / worse, and
+    the learner precision of the runs (the quickstart prints it beside its own run's)."""
     import platform
 
     from arpo_algo.rollout.engines.vllm.support import cpu_features
@@ -334,6 +346,7 @@ def write_reference(rep: dict[str, Any], path: Path, argv: list[str]) -> None:
     ref = {
         "num_seeds": max(seeds),
         "sft_seed": 0,
+        "precision": precision,
         "command": "python -m studies.compare " + shlex.join(argv),
         "machine": f"{platform.machine()} CPU ({', '.join(flags) or 'flags unknown'}), {time.strftime('%Y-%m-%d')}",
         "configurations": {
@@ -514,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = summarize(runs)
     report = write_report(rep, runs, args.output, paired(rep, args.baseline) if args.baseline else None)
     if args.reference:
-        write_reference(rep, args.reference, argv if argv is not None else sys.argv[1:])
+        precision = run_precision(args.output, runs)
+        write_reference(rep, args.reference, argv if argv is not None else sys.argv[1:], precision)
     print(report.read_text())
     print(report)
     return 0

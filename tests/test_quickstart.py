@@ -69,7 +69,7 @@ def test_reference_line_reports_the_distribution_and_says_whether_arpo_beats_grp
     path.write_text(json.dumps(ref))
     monkeypatch.setattr(quickstart, "REFERENCE", path)
     line = quickstart.reference_line({"accuracy_after_sft": 0.25, "accuracy_after_arpo": 0.28125})
-    assert "this seed: 0.250 -> 0.281" in line and "over 5 RL seeds" in line
+    assert "this seed: 0.250 -> 0.281" in line and "measured in fp32 over 5 RL seeds" in line
     assert "arpo: before 0.250, after 0.300 ± 0.020 (sd), improved on 4 of 5 seeds, worse on 1" in line
     assert "ARPO does not beat GRPO at this size" in line
     ref["configurations"]["arpo"]["after_mean"] = 0.50
@@ -150,9 +150,9 @@ def test_the_quickstart_installs_no_extra_and_the_tests_add_dev_to_its_environme
     assert run("quickstart") == []
 
 
-def test_the_quickstart_computes_natively_unless_told_and_its_stages_are_keyed_by_the_precision(tiny_model_dir):
-    """--precision defaults to native (bf16 where the hardware multiplies bf16 matrices), reaches the RL learner
-    unless a --set says otherwise, and an SFT stage done at one precision is not reused for another."""
+def test_the_quickstart_computes_in_fp32_unless_told_and_its_stages_are_keyed_by_the_precision(tiny_model_dir):
+    """--precision defaults to fp32 (native, bf16 where the hardware multiplies bf16 matrices, learned less), reaches
+    the RL learner unless a --set says otherwise, and an SFT stage done at one precision is not reused for another."""
     import argparse
 
     from arpo_algo.train.device_setup import PRECISIONS, cpu_capability
@@ -160,7 +160,8 @@ def test_the_quickstart_computes_natively_unless_told_and_its_stages_are_keyed_b
     assert set(quickstart.PRECISION_CHOICES) == set(PRECISIONS)
     parser = argparse.ArgumentParser()
     quickstart.add_arguments(parser)
-    assert parser.parse_args([]).precision == "native"
+    assert parser.parse_args([]).precision == "fp32"
+    assert parser.parse_args(["--precision", "native"]).precision == "native"
     with pytest.raises(SystemExit):
         parser.parse_args(["--precision", "half"])
     assert quickstart.stage_inputs("sft", 0, "native") != quickstart.stage_inputs("sft", 0, "fp32")

@@ -122,6 +122,7 @@ def test_resume_skips_finished_runs_and_report_only_merges_processes(tiny_model_
     assert reference["num_seeds"] == 2 and set(reference["configurations"]) == {"tiny"}
     assert reference["configurations"]["tiny"]["seeds"] == 2
     assert reference["configurations"]["tiny"]["after_mean"] == summary["after"]["mean"]
+    assert reference["precision"] == "fp32"  # what the runs' learners resolved, printed beside a quickstart's own
 
 
 def test_two_configurations_report_while_the_second_has_not_run(tiny_model_dir, tmp_path):
