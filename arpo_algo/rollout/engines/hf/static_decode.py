@@ -333,18 +333,23 @@ class StaticDecoder:
         return seconds
 
     # ------------------------------------------------------------------------------------------------ the loop
-    def decode_all(self, requests: list, pending: collections.deque, results: list) -> None:
-        """Decode every pending request into ``results`` (the engine's ``_decode_all`` contract)."""
+    def decode_all(self, call: Any) -> None:
+        """One pass over the pending requests of ``call`` (a :class:`~arpo_algo.rollout.engines.hf.call.CallQueue`):
+        decode them, and the requests that join while it runs if this pass's sampling shape and token room hold
+        them; those that do not are left pending for the engine's next pass."""
         eng = self.engine
         self._check_weights()
-        shape = self._call_shape([requests[i] for i in pending])
-        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
+        call.take_joined()  # this pass plans from the requests pending now
+        reqs = [call.requests[i] for i in call.pending]
+        shape = self._call_shape(reqs)
+        twins = collections.Counter(tuple(r.token_ids) for r in reqs)
         prefilled: dict[tuple[int, ...], tuple] = {}
-        runs = slot_prefill.plan_shared_runs([requests[i] for i in pending])
+        runs = slot_prefill.plan_shared_runs(reqs)
         slots: list[Any] = [None] * self.slots
-        book = self._book([requests[i] for i in pending], shape)
+        book = self._book(reqs, shape)
+        later: list[int] = []  # joined requests this pass cannot hold
         while True:
-            self._refill(requests, pending, results, slots, twins, prefilled, runs, shape, book)
+            self._refill(call, slots, (twins, prefilled, runs), shape, book, later)
             live = np.flatnonzero(book.live)
             if not len(live):
                 break
@@ -364,15 +369,16 @@ class StaticDecoder:
                 book.keep(eng, r, b, shape.logprobs_k)
                 eng._check_finish(r, tok)
                 if r.finish:
-                    results[r.idx] = eng._result(r, r.finish, self._slot_kv(b, r.fed))
                     slots[b] = None
                     book.live[b] = False
                     done.append(b)
+                    call.finish(r.idx, eng._result(r, r.finish, self._slot_kv(b, r.fed)))
             if done:
                 state = allocated(self.state)
                 state[torch.tensor(done, device=state.device)] = torch.tensor(
                     _IDLE, dtype=torch.float64, device=state.device
                 )
+        call.pending.extend(later)
 
     def _book(self, reqs: list, shape: SampleShape) -> _Book:
         """The host-side record of one call: room for every request's tokens, its EOS and stop-token masks."""
@@ -383,28 +389,48 @@ class StaticDecoder:
         cap = max((min(r.params.max_new_tokens, self.context) for r in reqs), default=0) + 1
         return _Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
 
-    def _refill(
-        self,
-        requests: list,
-        pending: collections.deque,
-        results: list,
-        slots: list,
-        twins: collections.Counter,
-        prefilled: dict,
-        runs: dict,
-        shape: SampleShape,
-        book: _Book,
-    ) -> None:
+    def _admit(self, call: Any, plan: tuple, shape: SampleShape, book: _Book, later: list[int]) -> None:
+        """Plan the requests that joined ``call`` since the last look into this pass (``plan``: its twins, prefilled
+        contexts and shared runs), or move them to ``later`` when this pass's sampling shape or token room cannot
+        hold them (their tokens must not depend on the pass they decode in)."""
+        twins, _, runs = plan
+        fit = []
+        for i in call.take_joined():
+            r = call.requests[i]
+            need = self._call_shape([r])
+            if (
+                need.logprobs_k > shape.logprobs_k
+                or need.top_k_max > shape.top_k_max
+                or need.top_p > shape.top_p
+                or need.greedy > shape.greedy
+                or min(r.params.max_new_tokens, self.context) + 1 > book.out.shape[1]
+            ):
+                call.pending.remove(i)
+                later.append(i)
+            else:
+                fit.append(r)
+        if fit:
+            twins.update(tuple(r.token_ids) for r in fit)
+            for ctx, run in slot_prefill.plan_shared_runs(fit).items():
+                runs.setdefault(ctx, run)
+            book.stops = book.stops | self._stop_filter.mask({s for r in fit for s in r.params.stop})
+
+    def _refill(self, call: Any, slots: list, plan: tuple, shape: SampleShape, book: _Book, later: list[int]) -> None:
         """Put pending requests into free slots (lowest first), prefilled together in batched forwards: first token,
         then the slot's state. Repeats while a row that ended at its first token left its slot free."""
         eng = self.engine
-        while pending and any(r is None for r in slots):
+        twins, prefilled, runs = plan
+        while True:
+            self._admit(call, plan, shape, book, later)
+            if not (call.pending and any(r is None for r in slots)):
+                return
             entering = []
             for b in range(self.slots):
-                while slots[b] is None and pending:
-                    row = eng._new_row(pending[0], requests[pending.popleft()])
+                while slots[b] is None and call.pending:
+                    row = eng._new_row(call.pending[0], call.requests[call.pending.popleft()])
                     if row.max_new <= 0:
-                        results[row.idx] = eng._result(row, "length", None)
+                        call.finish(row.idx, eng._result(row, "length", None))
+                        self._admit(call, plan, shape, book, later)
                         continue
                     slots[b] = row
                     entering.append((b, row))
@@ -416,8 +442,8 @@ class StaticDecoder:
             eng._stats["prefill_seconds"] += time.perf_counter() - t0
             for b, row in entering:
                 if row.finish:
-                    results[row.idx] = eng._result(row, row.finish, self._slot_kv(b, row.fed))
                     slots[b] = None
+                    call.finish(row.idx, eng._result(row, row.finish, self._slot_kv(b, row.fed)))
                     continue
                 p = row.req.params
                 allocated(self.state)[b] = torch.tensor(
