@@ -9,6 +9,7 @@ so the batch stays full while the caller keeps working. Both decode paths (dynam
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ class CallQueue:
         self.pending: collections.deque[int] = collections.deque()
         self.problem, self.stats, self.on_finish = problem, stats, on_finish
         self._joined: list[int] = []
+        #: Seconds spent inside ``on_finish`` (the caller's work, not the engine's).
+        self.caller_seconds = 0.0
         self._refused: collections.deque[int] = collections.deque()
         self._add(requests)
 
@@ -64,7 +67,9 @@ class CallQueue:
         """Record request ``i``'s result and tell the caller, whose new requests join the call."""
         self.results[i] = gen
         if self.on_finish is not None:
+            t = time.perf_counter()
             more = self.on_finish(i, gen)
+            self.caller_seconds += time.perf_counter() - t
             if more:
                 self._add(list(more))
                 self.refuse_invalid()

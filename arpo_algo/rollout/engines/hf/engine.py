@@ -360,7 +360,7 @@ class HFEngine(NamedAdapters):
             self._on_token = None
             self.model.train(was_training)
         self._stats["requests"] += len(call.requests)
-        self._stats["seconds"] += time.perf_counter() - t0
+        self._stats["seconds"] += time.perf_counter() - t0 - call.caller_seconds  # the engine's time only
         return call.results  # type: ignore[return-value]
 
     def decode_layout(self, version: Any = None) -> contextlib.AbstractContextManager:
