@@ -79,3 +79,28 @@ class CallQueue:
         already finished; the decode loops plan shared prefills from them before they refill."""
         out, self._joined = self._joined, []
         return out
+
+    def plan_joined(
+        self,
+        twins: collections.Counter,
+        runs: dict,
+        key: Callable[[GenRequest], Any],
+        planner: Callable[[list[GenRequest]], dict],
+        fits: Callable[[GenRequest], bool] | None = None,
+    ) -> tuple[list[GenRequest], list[int]]:
+        """Plan the requests added since the last look into the running decode: count their contexts (``key``) among
+        the identical ones (``twins``) and add the leading runs ``planner`` finds among them to ``runs`` (a context
+        already planned keeps its run). Those ``fits`` refuses leave the pending queue. Returns the planned requests
+        and the indices of the refused ones."""
+        fit, later = [], []
+        for i in self.take_joined():
+            if fits is None or fits(self.requests[i]):
+                fit.append(self.requests[i])
+            else:
+                self.pending.remove(i)
+                later.append(i)
+        if fit:
+            twins.update(key(r) for r in fit)
+            for ctx, run in planner(fit).items():
+                runs.setdefault(ctx, run)
+        return fit, later

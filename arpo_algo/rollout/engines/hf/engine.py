@@ -406,7 +406,7 @@ class HFEngine(NamedAdapters):
         runs: dict[tuple, SharedRun] = {}  # leading runs fresh contexts of one adapter share
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
-                self._plan_joined(call, twins, runs)  # the call's requests, then those that joined as rows finished
+                call.plan_joined(twins, runs, context_key, plan_runs)  # the call's, then those joined as rows finished
                 row = self._new_row(pending[0], requests[pending.popleft()])
                 if row.max_new <= 0:
                     call.finish(row.idx, self._result(row, "length", None))
@@ -443,16 +443,6 @@ class HFEngine(NamedAdapters):
                         keys = [k[:, :, first:] for k in keys]
                         values = [v[:, :, first:] for v in values]
                         mask = mask[:, first:]
-
-    @staticmethod
-    def _plan_joined(call: CallQueue, twins: collections.Counter, runs: dict) -> None:
-        """Count the requests added to ``call`` since the last look among the identical contexts (``twins``) and plan
-        the leading runs they share (a context already planned keeps its run)."""
-        joined = [call.requests[i] for i in call.take_joined()]
-        if joined:
-            twins.update(context_key(r) for r in joined)
-            for ctx, run in plan_runs(joined).items():
-                runs.setdefault(ctx, run)
 
     def _prefill_shared(self, row: _Row, twins: collections.Counter, prefilled: dict, runs: dict) -> tuple:
         """``_prefill``, or the result of an identical context's prefill in this call (kept while twins remain)."""
