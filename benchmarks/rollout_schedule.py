@@ -4,8 +4,9 @@ The step is the quickstart RL recipe's (``arpo_algo/run/recipes/quickstart.toml`
 step, response budget, temperature and engine batch) on the HF engine. Each round samples the same step (same tasks,
 step number and seed) once per schedule, in alternating order from round to round so a change of the machine's load
 falls on both sides, on one engine. Printed per schedule and round: the tokens the engine generated, the step's wall
-time, tokens/s over that wall time and over the time spent inside engine calls, and the engine calls made; and
-whether both schedules grew the same trees (token ids, masks and branch points; they must).
+time, tokens/s over that wall time and over the time spent inside engine calls, the tokens per model forward (how
+full the batch was: a figure the machine's load does not change), and the engine calls made; and whether both
+schedules grew the same trees (token ids, masks and branch points; they must).
 
     python -m benchmarks.rollout_schedule --model runs/quickstart/sft --rounds 2 --threads 2
 
@@ -81,6 +82,8 @@ def sample_once(engine: Any, r: dict[str, Any], schedule: str, args: argparse.Na
         "tokens_per_s": tokens / wall,
         "generate_s": m[MK.TIME_GENERATE],
         "tokens_per_generate_s": tokens / m[MK.TIME_GENERATE] if m[MK.TIME_GENERATE] else 0.0,
+        # rows per decode forward (prefill forwards included): how full the engine's batch was, whatever the load
+        "tokens_per_forward": tokens / max(1.0, m.get(f"{MK.ROLLOUT}engine/forward_calls", 0.0)),
         "engine_calls": len(calls),
         "requests": sum(calls),
         "trees": trees,
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(
                 f"round {i} {s:>6}: {row['tokens']:.0f} tokens in {row['wall_s']:.1f} s = "
                 f"{row['tokens_per_s']:.1f} tokens/s ({row['tokens_per_generate_s']:.1f} per second inside engine "
-                f"calls); {row['engine_calls']} engine calls, {row['requests']} requests"
+                f"calls); {row['tokens_per_forward']:.2f} tokens per forward; {row['engine_calls']} engine calls, "
+                f"{row['requests']} requests"
             )
     by = {s: [x for x in rows if x["schedule"] == s] for s in SCHEDULES}
     ratio = sum(x["tokens_per_s"] for x in by["waves"]) / max(1e-9, sum(x["tokens_per_s"] for x in by["rounds"]))

@@ -22,4 +22,5 @@ def test_rollout_schedule_times_both_schedules_and_finds_the_same_trees(tiny_mod
     assert res["same_trees"] and json.loads(out.read_text())["same_trees"]
     waves = [r for r in res["rows"] if r["schedule"] == "waves"]
     assert all(r["engine_calls"] == 1 and r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in waves)
+    assert all(0 < r["tokens_per_forward"] <= 16 for r in res["rows"])  # at most the engine batch per forward
     assert "CPU flags" in capsys.readouterr().out
