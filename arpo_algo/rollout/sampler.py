@@ -2,9 +2,9 @@
 
 One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
 ``env.clone()`` at branch points); every live trajectory of a prompt decodes in each of that prompt's rounds, and the
-tool calls of a round run concurrently. On an engine that takes requests into a running call (the HF engine) a
-prompt whose round has ended starts its next round inside the same engine call (``schedule="waves"``), so the batch
-stays full; elsewhere all prompts share one engine call per round. Both grow the same trees.
+tool calls of a round run concurrently. By default all prompts share one engine call per round; with
+``schedule="waves"`` (an engine that takes requests into a running call: the HF engine) a prompt whose round has ended
+starts its next round inside the same engine call, so the batch can stay full. Both grow the same trees.
 
 Every question that shapes the tree is answered by the pure functions of
 :mod:`arpo_algo.core.tree` and the branch-point policy in effect (:mod:`arpo_algo.core.branching`: the policy also says
@@ -81,11 +81,12 @@ class TreeSampler:
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             docs/concepts/arpo.md#limit-eos); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
-        schedule: "rounds" (one engine call per round for all prompts), "waves" (one engine call per step: a prompt
-            whose round ended starts its next one inside the running call, see :meth:`_run_waves`; engines whose
-            ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the tree does not
-            use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else rounds). Both
-            grow the same trees.
+        schedule: "rounds" (the default: one engine call per round for all prompts), "waves" (one engine call per
+            step: a prompt whose round ended starts its next one inside the running call, see :meth:`_run_waves`;
+            engines whose ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the
+            tree does not use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else
+            rounds). Both grow the same trees; waves are not the default until they are measured faster on the
+            quickstart's CPU step (``python -m benchmarks.rollout_schedule``).
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class TreeSampler:
         max_prompt_tokens: int | None = None,
         train_tool_limit_eos: bool = True,
         seed: int = 0,
-        schedule: str = "auto",
+        schedule: str = "rounds",
     ) -> None:
         tree.validate()
         limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
@@ -144,7 +145,7 @@ class TreeSampler:
         rollouts: RolloutsConfig,
         *,
         seed: int = 0,
-        schedule: str = "auto",
+        schedule: str = "rounds",
     ) -> TreeSampler:
         """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
         env = env_creator()

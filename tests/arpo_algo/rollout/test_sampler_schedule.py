@@ -129,5 +129,17 @@ def test_schedule_is_checked(caller_dir, env_creator):
     legacy = TreeConfig(budget=4, initial=2, legacy_stale_baseline=True)
     with pytest.raises(ConfigError, match="legacy_stale_baseline"):
         TreeSampler.from_config(engine, env_creator, legacy, RolloutsConfig(), schedule="waves")
-    assert TreeSampler.from_config(engine, env_creator, legacy, RolloutsConfig()).schedule == "rounds"
-    assert TreeSampler.from_config(engine, env_creator, TREES["paper"], RolloutsConfig()).schedule == "waves"
+    assert TreeSampler.from_config(engine, env_creator, legacy, RolloutsConfig(), schedule="auto").schedule == "rounds"
+    auto = TreeSampler.from_config(engine, env_creator, TREES["paper"], RolloutsConfig(), schedule="auto")
+    assert auto.schedule == "waves"
+    assert TreeSampler.from_config(engine, env_creator, TREES["paper"], RolloutsConfig()).schedule == "rounds"
+    from .test_sampler import ScriptedEngine  # an engine without joins_requests: one call per round
+
+    with pytest.raises(ConfigError, match="takes requests into a running call"):
+        TreeSampler.from_config(ScriptedEngine(), env_creator, TREES["paper"], RolloutsConfig(), schedule="waves")
+    assert (
+        TreeSampler.from_config(
+            ScriptedEngine(), env_creator, TREES["paper"], RolloutsConfig(), schedule="auto"
+        ).schedule
+        == "rounds"
+    )
