@@ -1,8 +1,12 @@
 """TreeSampler: grows ARPO/AEPO sampling trees (or GRPO groups) by driving a rollout engine and tool environments.
 
 One environment per trajectory (``env_creator()`` + ``reset(options={"task_index": i})``, cloned with
-``env.clone()`` at branch points); one engine call per decoding round for every live trajectory; the tool calls of a
-round run concurrently. Every question that shapes the tree is answered by the pure functions of
+``env.clone()`` at branch points); every live trajectory of a prompt decodes in each of that prompt's rounds, and the
+tool calls of a round run concurrently. By default all prompts share one engine call per round; with
+``schedule="waves"`` (an engine that takes requests into a running call: the HF engine) a prompt whose round has ended
+starts its next round inside the same engine call, so the batch can stay full. Both grow the same trees.
+
+Every question that shapes the tree is answered by the pure functions of
 :mod:`arpo_algo.core.tree` and the branch-point policy in effect (:mod:`arpo_algo.core.branching`: the policy also says
 when it is asked, after the look-ahead or right after the tool result); tree.py's docstring lists the deliberate
 choices
@@ -44,6 +48,7 @@ from arpo_base.errors import ArpoError, ConfigError
 
 log = logging.getLogger(__name__)
 OVERFLOW_POLICIES = ("error", "left_truncate")
+SCHEDULES = ("auto", "waves", "rounds")
 
 
 class _RecordedRandom:
@@ -76,6 +81,12 @@ class TreeSampler:
         train_tool_limit_eos: Train the EOS appended when the tool-call limit ends a trajectory (reference: True,
             docs/concepts/arpo.md#limit-eos); False masks it.
         seed: Base seed; per (seed, step, prompt, trajectory, request) seeds make the same seed give the same tree.
+        schedule: "rounds" (the default: one engine call per round for all prompts), "waves" (one engine call per
+            step: a prompt whose round ended starts its next one inside the running call, see :meth:`_run_waves`;
+            engines whose ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the
+            tree does not use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else
+            rounds). Both grow the same trees; waves are not the default until they are measured faster on the
+            quickstart's CPU step (``python -m benchmarks.rollout_schedule``).
     """
 
     def __init__(
@@ -90,6 +101,7 @@ class TreeSampler:
         max_prompt_tokens: int | None = None,
         train_tool_limit_eos: bool = True,
         seed: int = 0,
+        schedule: str = "rounds",
     ) -> None:
         tree.validate()
         limit = getattr(engine, "max_logprobs", None) if tree.entropy_method == "topk_sum_lnV" else None
@@ -105,6 +117,7 @@ class TreeSampler:
             raise ConfigError(f"prompt_overflow={prompt_overflow!r} is not one of {OVERFLOW_POLICIES}")
         if max_response_tokens < 1 or tool_workers < 1:
             raise ConfigError("max_response_tokens and tool_workers must be >= 1")
+        self.schedule = _resolve_schedule(schedule, engine, tree)
         self.engine, self.env_creator, self.cfg, self.sampling = engine, env_creator, tree, sampling
         self.tok = engine.tokenizer
         self.max_response_tokens = max_response_tokens
@@ -132,6 +145,7 @@ class TreeSampler:
         rollouts: RolloutsConfig,
         *,
         seed: int = 0,
+        schedule: str = "rounds",
     ) -> TreeSampler:
         """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
         env = env_creator()
@@ -152,6 +166,7 @@ class TreeSampler:
             prompt_overflow=rollouts.prompt_overflow,
             train_tool_limit_eos=rollouts.train_tool_limit_eos,
             seed=seed,
+            schedule=schedule,
         )
 
     def close(self) -> None:
@@ -237,8 +252,9 @@ class TreeSampler:
     # ------------------------------------------------------------------------------------------------ main loop
     def _run(self, prompts: list[PromptState], cfg: T.TreeConfig) -> None:
         """Decoding rounds until every path of every prompt has ended and every budget is spent."""
-        from arpo_env.tools.interpreter import live_interpreters, sample_interpreter_memory
-
+        if self.schedule == "waves":
+            self._run_waves(prompts, cfg)
+            return
         while True:
             live = [(ps, p) for ps in prompts for p in ps.paths if not p.done]
             if not live:
@@ -247,32 +263,79 @@ class TreeSampler:
             t = time.perf_counter()
             gens = self.engine.generate(reqs)
             self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t
-            to_step: list[tuple[PromptState, Path]] = []
-            lookaheads: list[tuple[PromptState, Path, int]] = []
-            for (ps, p), gen in zip(live, gens):
-                self._absorb(ps, p, gen, cfg, to_step, lookaheads)
-            gained = {id(ps): False for ps in prompts}
-            for (
-                ps,
-                p,
-                bp,
-            ) in lookaheads:  # look-ahead policies: decide before the source's env moves on (clones copy it)
-                gained[id(ps)] |= self._decide(ps, p, bp, cfg)
-            for ps, p in self._step_envs(to_step, cfg):  # the other policies: right after the tool result
-                if not self._policy(cfg).lookahead:
-                    gained[id(ps)] |= self._decide(ps, p, len(p.response), cfg)
-            for ps in prompts:
-                if ps.pending_m:
-                    self._resolve_premonitor(ps)
-                alive = any(not p.done for p in ps.paths)
-                n_new = 0 if ps.pending_m else T.fillup_count(cfg, ps.count, alive)
-                for _ in range(n_new):
-                    self._spawn(ps, "fillup")
-                ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
-            self._release_unused(prompts)
-            if live_interpreters():  # the round's calls and forks are done, its finished paths not yet closed
-                sample_interpreter_memory()
-            _close_envs([p.env for p in ps.paths if p.done] for ps in prompts)  # a finished path holds no tool state
+            self._end_round([(ps, p, gen) for (ps, p), gen in zip(live, gens)], prompts, cfg, prompts)
+
+    def _run_waves(self, prompts: list[PromptState], cfg: T.TreeConfig) -> None:
+        """The rounds of :meth:`_run`, each prompt on its own clock inside one engine call: when the last request of
+        a prompt's round finishes, that prompt's round ends (:meth:`_end_round`, the same code and order as in
+        lockstep) and its next requests join the running call while other prompts' rows still decode. A prompt's
+        round still waits for all of its own requests, its decisions draw from its own RNG and every request has
+        its own seed, so each tree is the one lockstep rounds grow (up to floating-point ties in the batch)."""
+        owner: list[tuple[PromptState, int]] = []  # by request index in the call: its prompt and place in the round
+        rounds: dict[int, list[list[Any]]] = {}  # id(prompt) -> [path, generation or None] of its running round
+        waiting: dict[int, int] = {}
+        hooks = 0.0
+
+        def start(ps: PromptState) -> list[GenRequest]:
+            live = [p for p in ps.paths if not p.done]
+            rounds[id(ps)], waiting[id(ps)] = [[p, None] for p in live], len(live)
+            owner.extend((ps, j) for j in range(len(live)))
+            return [self._request(ps, p, cfg) for p in live]
+
+        def on_finish(i: int, gen: Generation) -> list[GenRequest]:
+            nonlocal hooks
+            ps, j = owner[i]
+            rounds[id(ps)][j][1] = gen
+            waiting[id(ps)] -= 1
+            if waiting[id(ps)]:
+                return []
+            t = time.perf_counter()
+            self._end_round([(ps, p, g) for p, g in rounds.pop(id(ps))], [ps], cfg, prompts)
+            more = start(ps) if any(not p.done for p in ps.paths) else []
+            hooks += time.perf_counter() - t
+            return more
+
+        reqs = [r for ps in prompts for r in start(ps)]
+        t = time.perf_counter()
+        if reqs:
+            self.engine.generate(reqs, on_finish=on_finish)  # type: ignore[call-arg]
+        self._timers[MK.TIMER_GENERATE] += time.perf_counter() - t - hooks  # the prompts' rounds count as their own
+
+    def _end_round(
+        self,
+        done: list[tuple[PromptState, Path, Generation]],
+        ended: list[PromptState],
+        cfg: T.TreeConfig,
+        prompts: list[PromptState],
+    ) -> None:
+        """End the round of the prompts in ``ended`` whose requests are all in (``done``, in path order): absorb,
+        decide, step the tool envs, start fill-ups; then give back the KV no live path of any of ``prompts`` holds.
+        Only ``ended``'s own paths, RNGs and counters change, so ending prompts together or one by one grows the
+        same trees."""
+        from arpo_env.tools.interpreter import live_interpreters, sample_interpreter_memory
+
+        to_step: list[tuple[PromptState, Path]] = []
+        lookaheads: list[tuple[PromptState, Path, int]] = []
+        for ps, p, gen in done:
+            self._absorb(ps, p, gen, cfg, to_step, lookaheads)
+        gained = {id(ps): False for ps in ended}
+        for ps, p, bp in lookaheads:  # look-ahead policies: decide before the source's env moves on (clones copy it)
+            gained[id(ps)] |= self._decide(ps, p, bp, cfg)
+        for ps, p in self._step_envs(to_step, cfg):  # the other policies: right after the tool result
+            if not self._policy(cfg).lookahead:
+                gained[id(ps)] |= self._decide(ps, p, len(p.response), cfg)
+        for ps in ended:
+            if ps.pending_m:
+                self._resolve_premonitor(ps)
+            alive = any(not p.done for p in ps.paths)
+            n_new = 0 if ps.pending_m else T.fillup_count(cfg, ps.count, alive)
+            for _ in range(n_new):
+                self._spawn(ps, "fillup")
+            ps.consecutive = T.next_prompt_consecutive(ps.consecutive, gained[id(ps)] or n_new > 0)
+        self._release_unused(prompts)
+        if live_interpreters():  # the round's calls and forks are done, its finished paths not yet closed
+            sample_interpreter_memory()
+        _close_envs([p.env for p in ps.paths if p.done] for ps in ended)  # a finished path holds no tool state
 
     def _path_seed(self, ps: PromptState, p: Path) -> int:
         """The sampling seed of a path's next request. Invariant: no two paths of a step share one; the discarded
@@ -513,6 +576,28 @@ class TreeSampler:
         if dead:
             self.engine.release(dead)
             self._keys -= set(dead)
+
+
+def _resolve_schedule(schedule: str, engine: RolloutEngine, tree: T.TreeConfig) -> str:
+    """ "rounds" or "waves" for the ``schedule`` argument (see :class:`TreeSampler`)."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    joins = bool(getattr(engine, "joins_requests", False))
+    if schedule == "waves" and not joins:
+        raise ConfigError(
+            f"schedule='waves' needs an engine that takes requests into a running call; {type(engine).__name__} "
+            "does not",
+            hint="use schedule='rounds' (or 'auto'), or the HF engine",
+        )
+    if schedule == "waves" and tree.legacy_stale_baseline:
+        raise ConfigError(
+            "schedule='waves' cannot reproduce tree.legacy_stale_baseline (its baseline is keyed by the batch "
+            "positions of lockstep rounds)",
+            hint="use schedule='rounds' (or 'auto') with legacy_stale_baseline",
+        )
+    if schedule == "auto":
+        return "waves" if joins and not tree.legacy_stale_baseline else "rounds"
+    return schedule
 
 
 def _close_envs(groups: Any) -> None:

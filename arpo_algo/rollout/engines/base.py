@@ -144,6 +144,12 @@ def error_generation(req: GenRequest, problem: str) -> Generation:
 TokenCallback = Callable[[Any, int], None]
 
 
+#: ``on_finish(index, generation)``: called as each request of a call finishes (``index`` into the call's requests,
+#: joined ones after the first); new requests it returns join the same call. Only engines whose ``joins_requests``
+#: is True take it (the HF engine); the tree sampler falls back to one call per round on the others.
+FinishCallback = Callable[[int, Generation], list[GenRequest] | None]
+
+
 def replay_tokens(on_token: TokenCallback | None, results: list[Generation]) -> None:
     """For engines that cannot stream: call ``on_token`` for every token of every finished request, in order."""
     if on_token is None:

@@ -138,6 +138,47 @@ def test_static_prefix_reuse_and_shared_prefill_equal_dynamic(pair):
     assert len({tuple(g.token_ids) for g in outs[1]}) > 1  # shared KV, own seeds
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["dynamic", "static"])
+def test_requests_that_join_a_running_call_decode_as_in_a_call_of_their_own(pair, which):
+    """``on_finish`` answers with new requests; they join the running call and come out as if sent on their own:
+    a continuation on its stored prefix, twins, a refused request, and (static) requests the pass's sampling shape
+    or token room cannot hold, decoded in a further pass."""
+    eng = pair[which]
+    base = [
+        GenRequest(f"b{i}", _ids(eng, "base " * (i + 1)), SamplingParams(max_new_tokens=4 + 3 * i, seed=i))
+        for i in range(4)
+    ]
+    twin = _ids(eng, "twins share one context")
+    joins = [
+        GenRequest("twin0", twin, SamplingParams(max_new_tokens=6, seed=10)),
+        GenRequest("twin1", twin, SamplingParams(max_new_tokens=6, seed=11)),
+        GenRequest("bad", [], SamplingParams(max_new_tokens=3)),
+        GenRequest("nucleus", _ids(eng, "top p"), SamplingParams(max_new_tokens=5, top_p=0.8, seed=12)),
+        GenRequest("long", _ids(eng, "a longer budget"), SamplingParams(max_new_tokens=30, seed=13)),
+    ]
+    seen: list[int] = []
+
+    def on_finish(i, gen):
+        seen.append(i)
+        if gen.request_id == "b0":  # the first base request's continuation, on its stored KV, and the others
+            more = list(base[0].token_ids) + gen.token_ids
+            return [
+                GenRequest("cont", more, SamplingParams(max_new_tokens=7, seed=14), prefix_key=gen.cache_key),
+                *joins,
+            ]
+        return None
+
+    out = eng.generate(base, on_finish=on_finish)
+    assert sorted(seen) == list(range(len(out))) and len(out) == len(base) + 1 + len(joins)
+    by_id = {g.request_id: g for g in out}
+    assert by_id["bad"].finish_reason == "error" and "empty context" in by_id["bad"].error
+    cont = GenRequest(
+        "cont", list(base[0].token_ids) + by_id["b0"].token_ids, SamplingParams(max_new_tokens=7, seed=14)
+    )
+    alone = eng.generate([*base, cont, *[r for r in joins if r.request_id != "bad"]])
+    _assert_same([by_id[g.request_id] for g in alone], alone)
+
+
 def test_static_prefills_the_entering_requests_in_one_forward(tiny_model_dir, monkeypatch):
     """Requests of similar length entering free slots are prefilled together (left-padded, each at its own
     positions, on top of its own stored prefix or none), and equal the dynamic path's one-by-one prefills; a bound on

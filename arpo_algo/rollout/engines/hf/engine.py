@@ -46,15 +46,16 @@ import torch
 
 from arpo_algo.core.entropy import ENTROPY_METHODS, topk_token_term
 from arpo_algo.rollout.engines.base import (
+    FinishCallback,
     Generation,
     GenRequest,
     Tally,
     TokenCallback,
-    error_generation,
     new_tally,
     request_problem,
 )
 from arpo_algo.rollout.engines.hf.adapters import NamedAdapters, context_key, plan_runs
+from arpo_algo.rollout.engines.hf.call import CallQueue
 from arpo_algo.rollout.engines.hf.decode_mode import resolve_decode
 from arpo_algo.rollout.engines.hf.kv_cache import KVStore, build_cache, cache_argument, grow_layer_class, merge_rows
 from arpo_algo.rollout.engines.hf.linear_layout import LINEAR_LAYOUTS, TransposedLinears, resolve_layout
@@ -317,41 +318,50 @@ class HFEngine(NamedAdapters):
         self._stats.clear()
         return out
 
-    def generate(self, requests: list[GenRequest], *, on_token: TokenCallback | None = None) -> list[Generation]:
+    #: ``generate`` takes ``on_finish``: requests may join a running call (:mod:`~arpo_algo.rollout.engines.hf.call`).
+    joins_requests = True
+
+    def generate(
+        self,
+        requests: list[GenRequest],
+        *,
+        on_token: TokenCallback | None = None,
+        on_finish: FinishCallback | None = None,
+    ) -> list[Generation]:
         """Continue every request (results in request order); a bad request gets ``finish_reason="error"``.
-        ``on_token(request_id, token_id)`` is called for each token as it is sampled."""
+        ``on_token(request_id, token_id)`` is called for each token as it is sampled. ``on_finish(index, generation)``
+        is called as each request finishes; the requests it returns join this call (they take batch slots as rows
+        leave, and their results follow the others' in the returned list). A request's tokens depend on its seed and
+        context only, not on when it joined (up to floating-point ties, as for any batch composition)."""
         t0 = time.perf_counter()
         version = self._param_version()
         if version != self._weights_version:
             self._invalidate()
-        results: list[Generation | None] = [None] * len(requests)
-        pending: collections.deque[int] = collections.deque()
-        for i, req in enumerate(requests):
-            problem = request_problem(
+
+        def problem(req: GenRequest) -> str | None:
+            return request_problem(
                 req,
                 max_context=self.max_positions,
                 vocab_size=self.vocab_rows,
                 max_logprobs=self.max_logprobs,
                 adapters=self.adapters or (),
             )
-            if problem:
-                self._stats["errors"] += 1
-                results[i] = error_generation(req, problem)
-            else:
-                pending.append(i)
+
+        call = CallQueue(requests, problem, self._stats, on_finish)
         was_training = self.model.training
         self.model.eval()
         self._on_token = on_token
         try:
+            call.refuse_invalid()
             with torch.inference_mode(), self.decode_layout(version):
-                self._decode_all(requests, pending, results)
+                self._decode_all(call)
         finally:
             self._decode_layers = []  # drop the batch buffers between calls
             self._on_token = None
             self.model.train(was_training)
-        self._stats["requests"] += len(requests)
-        self._stats["seconds"] += time.perf_counter() - t0
-        return results  # type: ignore[return-value]
+        self._stats["requests"] += len(call.requests)
+        self._stats["seconds"] += time.perf_counter() - t0 - call.caller_seconds  # the engine's time only
+        return call.results  # type: ignore[return-value]
 
     def decode_layout(self, version: Any = None) -> contextlib.AbstractContextManager:
         """The weight layout the engine decodes with, as a context (the transposed copies of ``linear_layout``);
@@ -379,31 +389,32 @@ class HFEngine(NamedAdapters):
         topk = p.logprobs_topk or (REFERENCE_TOPK if self.entropy_method == "topk_sum_lnV" else 0)
         return _Row(idx, req, room, gen, topk)
 
-    def _decode_all(
-        self, requests: list[GenRequest], pending: collections.deque[int], results: list[Generation | None]
-    ) -> None:
+    def _decode_all(self, call: CallQueue) -> None:
         if self.static_decoder is not None:
-            self.static_decoder.decode_all(requests, pending, results)
+            while call.pending:  # a pass ends with requests that joined but did not fit its shapes
+                self.static_decoder.decode_all(call)
             return
+        requests, pending = call.requests, call.pending
         rows: list[_Row] = []
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         # Identical contexts in one call (the N initial samples of a prompt, fill-ups) are prefilled once: the KV
         # and the next-token logits depend only on the context, and each row still samples with its own generator.
-        twins = collections.Counter(context_key(requests[i]) for i in pending)
+        twins: collections.Counter = collections.Counter()
         prefilled: dict[tuple, tuple] = {}
-        runs = plan_runs([requests[i] for i in pending])  # leading runs fresh contexts of one adapter share
+        runs: dict[tuple, SharedRun] = {}  # leading runs fresh contexts of one adapter share
         while rows or pending:
             while pending and len(rows) < self.max_batch_size:  # refill free slots
+                call.plan_joined(twins, runs, context_key, plan_runs)  # the call's, then those joined as rows finished
                 row = self._new_row(pending[0], requests[pending.popleft()])
                 if row.max_new <= 0:
-                    results[row.idx] = self._result(row, "length", None)
+                    call.finish(row.idx, self._result(row, "length", None))
                     continue
                 k1, v1, logits = self._prefill_shared(row, twins, prefilled, runs)
                 self._sample([row], logits)
                 if row.finish:
-                    results[row.idx] = self._result(row, row.finish, (k1, v1))
+                    call.finish(row.idx, self._result(row, row.finish, (k1, v1)))
                     continue
                 keys, values, mask = merge_rows(keys, values, mask, k1, v1)
                 rows.append(row)
@@ -418,7 +429,7 @@ class HFEngine(NamedAdapters):
                     r = rows[j]
                     assert r.finish is not None  # done lists the rows that finished
                     kv = ([k[j : j + 1, :, t - r.fed :] for k in keys], [v[j : j + 1, :, t - r.fed :] for v in values])
-                    results[r.idx] = self._result(r, r.finish, kv)
+                    call.finish(r.idx, self._result(r, r.finish, kv))
                 keep = [j for j, r in enumerate(rows) if not r.finish]
                 rows = [rows[j] for j in keep]
                 idx = torch.tensor(keep, dtype=torch.long, device=self.device)

@@ -10,7 +10,7 @@ Prefill. The requests that enter free slots together are prefilled in batched fo
 into their slots (:mod:`~arpo_algo.rollout.engines.hf.slot_prefill`), then each samples its first token. A leading run
 that several fresh requests of the call share is prefilled once and copied, within a refill and across refills.
 
-Host work per step. The packed results of a step come to the host once and go into arrays (``_Book``); EOS, the
+Host work per step. The packed results of a step come to the host once and go into arrays (``Book``); EOS, the
 budget and stop strings are decided there with vectorised checks over the step's tokens. Only the rows that may have
 ended (an EOS id, the budget reached, or a token that can complete one of their stop strings, see
 :mod:`~arpo_algo.rollout.engines.stop_filter`) get per-row Python: their waiting tokens move into their lists (the
@@ -60,6 +60,7 @@ from arpo_algo.rollout.engines.config import captures_graphs
 from arpo_algo.rollout.engines.hf import slot_prefill
 from arpo_algo.rollout.engines.hf.compiled_step import CompiledStep
 from arpo_algo.rollout.engines.hf.decode_mode import allocated, check_memory, static_context
+from arpo_algo.rollout.engines.hf.static_book import Book, unpack
 from arpo_algo.rollout.engines.sampling import REFERENCE_TOPK, RowParams, SampleShape, sample_rows
 from arpo_algo.rollout.engines.stop_filter import StopFilter
 from arpo_base.errors import ConfigError
@@ -91,81 +92,6 @@ def _slot_cache(
 
     rows = torch.arange(len(pos), device=pos.device)
     return Cache(layers=[layer(k, v, pos, length, rows) for k, v in zip(keys, values)])
-
-
-def _unpack(out: list[float], k: int, topk: int) -> tuple[int, float, float, list | None]:
-    """One token's packed result ``[token, logprob, entropy, top values (k), top ids (k)]`` as the engine records
-    it: ``(token, logprob, entropy, top logprobs)``, with ``topk`` of the ``k`` top entries."""
-    tok, lp = int(out[0]), out[1]
-    top = None
-    if topk:
-        n = min(topk, k)
-        ids = [int(i) for i in out[3 + k : 3 + k + n]]
-        top = list(zip(ids, out[3 : 3 + n]))
-        if tok not in ids:  # like vLLM: the sampled token is added when it is not in the top k
-            top.append((tok, lp))
-    return tok, lp, out[2], top
-
-
-class _Book:
-    """The host side of one ``decode_all``: every slot's packed results so far, kept in arrays a step at a time.
-
-    The per-row Python of a step (lists, stop strings, finishing) runs only for the rows :meth:`add` says may be done;
-    the others' tokens wait here and reach their row's lists (:meth:`keep`) when it is looked at, with the very same
-    float64 values a per-token record would have appended.
-
-    Args:
-        slots: Decode slots.
-        cap: Tokens a row may hold at most, plus one.
-        width: Columns of a packed result.
-        ends: ``bool[vocab]``, the EOS ids.
-        stops: ``bool[vocab]``, the tokens after which a row with stop strings needs its stop check
-            (:class:`~arpo_algo.rollout.engines.stop_filter.StopFilter`).
-    """
-
-    def __init__(self, slots: int, cap: int, width: int, ends: np.ndarray, stops: np.ndarray) -> None:
-        self.out = np.empty((slots, cap, width))  # slot b's i-th token's packed result
-        self.count = np.zeros(slots, dtype=np.int64)  # tokens the slot's row holds (kept or not)
-        self.kept = np.zeros(slots, dtype=np.int64)  # of those, tokens already in the row's lists
-        self.fed = np.zeros(slots, dtype=np.int64)  # tokens whose KV is cached (the row's ``fed``)
-        self.limit = np.zeros(slots, dtype=np.int64)  # the row's ``max_new``
-        self.has_stops = np.zeros(slots, dtype=bool)
-        self.live = np.zeros(slots, dtype=bool)
-        self.ends, self.stops = ends, stops
-
-    def start(self, b: int, row: Any) -> None:
-        """Slot ``b`` now decodes ``row`` (its first token already recorded in its lists)."""
-        self.count[b] = self.kept[b] = len(row.new)
-        self.fed[b], self.limit[b] = row.fed, row.max_new
-        self.has_stops[b] = bool(row.req.params.stop)
-        self.live[b] = True
-
-    def add(self, live: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store one step's results of the ``live`` slots; their tokens and which of them may end their row: EOS,
-        the budget reached, or a token that can complete a stop string. No other row can end at this step."""
-        got = out[live]
-        n = self.count[live]
-        self.out[live, n] = got
-        n += 1
-        self.count[live] = n
-        self.fed[live] += 1
-        toks = got[:, 0].astype(np.int64)
-        look = self.ends[toks] | (n >= self.limit[live]) | (self.has_stops[live] & self.stops[toks])
-        return toks, look
-
-    def keep(self, eng: Any, r: Any, b: int, k: int) -> None:
-        """Bring row ``r`` (slot ``b``) up to date: its waiting tokens into its lists, its ``fed``."""
-        lo, hi = int(self.kept[b]), int(self.count[b])
-        block = self.out[b, lo:hi]
-        if r.topk:
-            for out in block.tolist():
-                eng._append(r, *_unpack(out, k, r.topk))
-        else:  # no top logprobs, so the entropy is the packed one ("full")
-            r.new.extend(block[:, 0].astype(np.int64).tolist())
-            r.logprobs.extend(block[:, 1].tolist())
-            r.entropies.extend(block[:, 2].tolist())
-        self.kept[b] = hi
-        r.fed = int(self.fed[b])
 
 
 #: The attention implementation a step runs under where the model's is "sdpa" (registered with transformers on first
@@ -333,18 +259,23 @@ class StaticDecoder:
         return seconds
 
     # ------------------------------------------------------------------------------------------------ the loop
-    def decode_all(self, requests: list, pending: collections.deque, results: list) -> None:
-        """Decode every pending request into ``results`` (the engine's ``_decode_all`` contract)."""
+    def decode_all(self, call: Any) -> None:
+        """One pass over the pending requests of ``call`` (a :class:`~arpo_algo.rollout.engines.hf.call.CallQueue`):
+        decode them, and the requests that join while it runs if this pass's sampling shape and token room hold
+        them; those that do not are left pending for the engine's next pass."""
         eng = self.engine
         self._check_weights()
-        shape = self._call_shape([requests[i] for i in pending])
-        twins = collections.Counter(tuple(requests[i].token_ids) for i in pending)
+        call.take_joined()  # this pass plans from the requests pending now
+        reqs = [call.requests[i] for i in call.pending]
+        shape = self._call_shape(reqs)
+        twins = collections.Counter(tuple(r.token_ids) for r in reqs)
         prefilled: dict[tuple[int, ...], tuple] = {}
-        runs = slot_prefill.plan_shared_runs([requests[i] for i in pending])
+        runs = slot_prefill.plan_shared_runs(reqs)
         slots: list[Any] = [None] * self.slots
-        book = self._book([requests[i] for i in pending], shape)
+        book = self._book(reqs, shape)
+        later: list[int] = []  # joined requests this pass cannot hold
         while True:
-            self._refill(requests, pending, results, slots, twins, prefilled, runs, shape, book)
+            self._refill(call, slots, (twins, prefilled, runs), shape, book, later)
             live = np.flatnonzero(book.live)
             if not len(live):
                 break
@@ -364,47 +295,64 @@ class StaticDecoder:
                 book.keep(eng, r, b, shape.logprobs_k)
                 eng._check_finish(r, tok)
                 if r.finish:
-                    results[r.idx] = eng._result(r, r.finish, self._slot_kv(b, r.fed))
                     slots[b] = None
                     book.live[b] = False
                     done.append(b)
+                    call.finish(r.idx, eng._result(r, r.finish, self._slot_kv(b, r.fed)))
             if done:
                 state = allocated(self.state)
                 state[torch.tensor(done, device=state.device)] = torch.tensor(
                     _IDLE, dtype=torch.float64, device=state.device
                 )
+        call.pending.extend(later)
 
-    def _book(self, reqs: list, shape: SampleShape) -> _Book:
+    def _book(self, reqs: list, shape: SampleShape) -> Book:
         """The host-side record of one call: room for every request's tokens, its EOS and stop-token masks."""
         eng = self.engine
         ends = np.zeros(eng.vocab_rows, dtype=bool)
         ends[[i for i in eng.eos_ids if 0 <= i < eng.vocab_rows]] = True
         stops = self._stop_filter.mask({s for r in reqs for s in r.params.stop})
         cap = max((min(r.params.max_new_tokens, self.context) for r in reqs), default=0) + 1
-        return _Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
+        return Book(self.slots, cap, 3 + 2 * shape.logprobs_k, ends, stops)
 
-    def _refill(
-        self,
-        requests: list,
-        pending: collections.deque,
-        results: list,
-        slots: list,
-        twins: collections.Counter,
-        prefilled: dict,
-        runs: dict,
-        shape: SampleShape,
-        book: _Book,
-    ) -> None:
+    def _admit(self, call: Any, plan: tuple, shape: SampleShape, book: Book, later: list[int]) -> None:
+        """Plan the requests that joined ``call`` since the last look into this pass (``plan``: its twins, prefilled
+        contexts and shared runs), or move them to ``later`` when this pass's sampling shape or token room cannot
+        hold them (their tokens must not depend on the pass they decode in)."""
+
+        def fits(r: Any) -> bool:
+            need = self._call_shape([r])
+            return (
+                need.logprobs_k <= shape.logprobs_k
+                and need.top_k_max <= shape.top_k_max
+                and need.top_p <= shape.top_p
+                and need.greedy <= shape.greedy
+                and min(r.params.max_new_tokens, self.context) + 1 <= book.out.shape[1]
+            )
+
+        fit, refused = call.plan_joined(
+            plan[0], plan[2], lambda r: tuple(r.token_ids), slot_prefill.plan_shared_runs, fits
+        )
+        later += refused
+        if fit:  # more rows may now need a stop check after some tokens; a check that finds nothing changes nothing
+            book.stops = book.stops | self._stop_filter.mask({s for r in fit for s in r.params.stop})
+
+    def _refill(self, call: Any, slots: list, plan: tuple, shape: SampleShape, book: Book, later: list[int]) -> None:
         """Put pending requests into free slots (lowest first), prefilled together in batched forwards: first token,
         then the slot's state. Repeats while a row that ended at its first token left its slot free."""
         eng = self.engine
-        while pending and any(r is None for r in slots):
+        twins, prefilled, runs = plan
+        while True:
+            self._admit(call, plan, shape, book, later)
+            if not (call.pending and any(r is None for r in slots)):
+                return
             entering = []
             for b in range(self.slots):
-                while slots[b] is None and pending:
-                    row = eng._new_row(pending[0], requests[pending.popleft()])
+                while slots[b] is None and call.pending:
+                    row = eng._new_row(call.pending[0], call.requests[call.pending.popleft()])
                     if row.max_new <= 0:
-                        results[row.idx] = eng._result(row, "length", None)
+                        call.finish(row.idx, eng._result(row, "length", None))
+                        self._admit(call, plan, shape, book, later)
                         continue
                     slots[b] = row
                     entering.append((b, row))
@@ -416,8 +364,8 @@ class StaticDecoder:
             eng._stats["prefill_seconds"] += time.perf_counter() - t0
             for b, row in entering:
                 if row.finish:
-                    results[row.idx] = eng._result(row, row.finish, self._slot_kv(b, row.fed))
                     slots[b] = None
+                    call.finish(row.idx, eng._result(row, row.finish, self._slot_kv(b, row.fed)))
                     continue
                 p = row.req.params
                 allocated(self.state)[b] = torch.tensor(
@@ -463,7 +411,7 @@ class StaticDecoder:
         first = sample_rows(logits, joined, torch.stack(draws).to(dev), shape)
         packed = torch.cat([x.double().reshape(len(entering), -1) for x in first], 1).tolist()
         for (_, row), out in zip(entering, packed):
-            eng._record(row, *_unpack(out, shape.logprobs_k, row.topk))
+            eng._record(row, *unpack(out, shape.logprobs_k, row.topk))
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _top_k(self, top_k: int) -> int:
