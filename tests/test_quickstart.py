@@ -177,3 +177,19 @@ def test_the_quickstart_computes_in_fp32_unless_told_and_its_stages_are_keyed_by
     assert summary["cpu"] == cpu_capability()
     line = quickstart.precision_line(summary)
     assert line.startswith(f"precision (native): SFT bf16, ARPO learner {expected}, evaluation fp32 (CPU flags: ")
+
+
+def test_a_stage_done_before_precision_was_recorded_counts_as_fp32(tmp_path):
+    """Bug: stages finished by a version without --precision recorded no precision, so every re-run of the quickstart
+    in the same folder was refused instead of skipping the work it had done (all of it was fp32)."""
+    from arpo_base.errors import ConfigError
+
+    inputs = quickstart.stage_inputs("sft", 0, "fp32")
+    old = {k: v for k, v in inputs.items() if k != "precision"}
+    (tmp_path / ".stage_sft.json").write_text(json.dumps({"path": "sft", "inputs": old}))
+    ran = []
+    assert quickstart.run_stage(tmp_path, "sft", lambda: ran.append(1) or {}, inputs)["path"] == "sft"
+    assert not ran  # reused
+    with pytest.raises(ConfigError, match="'precision': 'native'"):
+        quickstart.run_stage(tmp_path, "sft", lambda: ran.append(1) or {}, quickstart.stage_inputs("sft", 0, "native"))
+    assert not ran

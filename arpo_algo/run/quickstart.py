@@ -148,9 +148,12 @@ def run_stage(
             done = json.loads(marker.read_text())
         except json.JSONDecodeError:
             done = {}
-        if done.get("inputs") != inputs:
+        recorded = done.get("inputs")
+        if isinstance(recorded, dict) and "precision" in inputs and "precision" not in recorded:
+            recorded = {**recorded, "precision": "fp32"}  # stages done before --precision existed all ran in fp32
+        if recorded != inputs:
             raise ConfigError(
-                f"{out} holds the quickstart's {name} stage done with {done.get('inputs')}; this run asks for {inputs}",
+                f"{out} holds the quickstart's {name} stage done with {recorded}; this run asks for {inputs}",
                 hint="give this run its own --output folder (or delete that one)",
             )
         print(f"[quickstart] {name}: done earlier with the same arguments, skipping ({marker})", flush=True)
