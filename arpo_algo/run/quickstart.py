@@ -63,8 +63,8 @@ SFT_SETTINGS: dict[str, Any] = {
 
 
 #: The quickstart's compute precision unless ``--precision`` says otherwise. fp32, because learning wins over time:
-#: with SFT and the learner in bf16 (``native`` on a CPU with AVX512-BF16) the RL stage did not improve the SFT
-#: checkpoint on the seeds measured, where fp32 improved it on every seed (docs/results/bf16-cpu.md).
+#: after a bf16 SFT (``native`` on a CPU with AVX512-BF16) the RL stage improved no seed, where fp32 improved every
+#: one; a bf16 learner after an fp32 SFT improved all 5 (docs/results/bf16-cpu.md).
 QUICKSTART_PRECISION = "fp32"
 #: ``--precision`` choices: the values of ``training.precision`` (arpo_algo.train.device_setup.PRECISIONS, which
 #: imports torch; the CLI's argument parser does not).
