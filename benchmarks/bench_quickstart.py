@@ -1,21 +1,24 @@
-"""The quickstart's stage times per rollout decode path, side by side in one run.
+"""The quickstart's stage times per rollout decode path and learner precision, side by side in one run.
 
-Each decode mode (``rollouts.hf.decode``: dynamic, static, compiled) runs the quickstart's ARPO and evaluation stages
-from one SFT checkpoint, in a fresh process of its own (no compile cache, allocator state or page cache carried from one
-mode to the next beyond what the disk keeps), with the same seeds; rounds repeat the modes in alternating order so a
-change of the machine's load falls on both sides. Printed per mode: the ARPO stage's wall time, the time its rollouts
-spent generating and the tokens they sampled (so a mode that happens to sample longer answers is visible), the update
-time, the evaluation stage's time, the held-out accuracies, each stage's peak resident memory, and each time's ratio
-to the first mode; then, per mode, where the time goes: every stage's wall time, its CPU time (this process and its
-finished children, as the quickstart records it), the cores it kept busy (CPU / wall) and its share of the run's wall
+Each variant, a decode mode (``rollouts.hf.decode``: dynamic, static, compiled) at a learner precision (the
+quickstart's ``--precision``), runs the quickstart's ARPO and evaluation stages from one SFT checkpoint, in a fresh
+process of its own (no compile cache, allocator state or page cache carried from one variant to the next beyond what
+the disk keeps), with the same seeds; rounds repeat the variants in alternating order so a change of the machine's load
+falls on both sides. Printed per variant: the ARPO stage's wall time, the time its rollouts spent generating and the
+tokens they sampled (so a variant that happens to sample longer answers is visible), the update time, the evaluation
+stage's time, the held-out accuracies, each stage's peak resident memory, and each time's ratio to the first variant;
+then, per variant, where the time goes: every stage's wall time, its CPU time (this process and its finished
+children, as the quickstart records it), the cores it kept busy (CPU / wall) and its share of the run's wall
 time. The pull and SFT stages are not re-run: their figures are those of the run that made the ``--sft`` folder.
 
     python -m benchmarks.bench_quickstart --sft runs/quickstart --modes dynamic static --rounds 1 --threads 2
+    python -m benchmarks.bench_quickstart --sft runs/quickstart --modes dynamic --learner-precisions fp32 native
 
 ``--sft`` is a quickstart output folder whose SFT stage is done (its ``.stage_pull.json`` and ``.stage_sft.json``
-markers are copied, so the SFT stage is not re-run and every mode starts from the same weights; the RL learner takes
-the ``--precision`` setting the SFT stage was run with). ``--set`` passes
-further overrides to every mode (e.g. ``experiment.iterations=2`` for a shorter run).
+markers are copied, so the SFT stage is not re-run and every variant starts from the same weights; each run passes the
+SFT stage's own ``--sft-precision`` on). A variant is named by its decode mode, followed by its learner precision
+when several are compared. ``--set`` passes further overrides to every variant (e.g. ``experiment.iterations=2`` for
+a shorter run).
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arpo_algo.run.quickstart import LEARNER_PRECISION, PRECISION_CHOICES
+
 MODES = ("dynamic", "static", "compiled")
 STAGE_MARKERS = (".stage_pull.json", ".stage_sft.json")
 
 
-def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
-    """One quickstart run (ARPO, evaluation, export) with ``rollouts.hf.decode = mode`` in its own process."""
+def run_mode(
+    args: argparse.Namespace, mode: str, out: Path, precision: str, label: str | None = None
+) -> dict[str, Any]:
+    """One quickstart run (ARPO, evaluation, export) with ``rollouts.hf.decode = mode`` and the learner at
+    ``precision``, in its own process; its figures are filed under ``label`` (default: the mode)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -43,6 +51,7 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
         shutil.copy(Path(args.sft) / name, out / name)
     # the SFT folder's precision setting, or its marker would not match and the SFT stage would run again
     sft_inputs = json.loads((Path(args.sft) / ".stage_sft.json").read_text())["inputs"]
+    sft_precision = sft_inputs.get("precision", "fp32")  # a stage done before precisions were recorded ran in fp32
     cmd = [
         sys.executable,
         "-m",
@@ -51,8 +60,10 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
         str(out),
         "--seed",
         str(args.seed),
+        "--sft-precision",
+        sft_precision,
         "--precision",
-        sft_inputs.get("precision", "fp32"),
+        precision,
         "--set",
         f"rollouts.hf.decode={json.dumps(mode)}",
         "--no-progress",
@@ -68,8 +79,11 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path) -> dict[str, Any]:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise SystemExit(f"error: the quickstart with decode={mode!r} exited with {rc}; the end of {log}:\n{tail}")
-    return read_run(out, mode)
+        raise SystemExit(
+            f"error: the quickstart with decode={mode!r}, learner {precision} exited with {rc}; "
+            f"the end of {log}:\n{tail}"
+        )
+    return {**read_run(out, label or mode), "decode": mode, "learner_precision": precision}
 
 
 def read_run(out: Path, mode: str) -> dict[str, Any]:
@@ -99,11 +113,11 @@ def read_run(out: Path, mode: str) -> dict[str, Any]:
 
 
 def stage_table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
-    """Per mode and stage: the median over rounds of the wall and CPU time, the cores busy (CPU / wall) and the
+    """Per variant and stage: the median over rounds of the wall and CPU time, the cores busy (CPU / wall) and the
     stage's share of the summed wall time. A CPU time the run did not record (a stage done by an older version)
     shows as "-"."""
     lines = [
-        "| decode | stage | wall s | CPU s | cores busy | share of wall |",
+        "| variant | stage | wall s | CPU s | cores busy | share of wall |",
         "|---|---|---|---|---|---|",
     ]
     for m in modes:
@@ -122,13 +136,13 @@ def stage_table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
 
 
 def table(runs: list[dict[str, Any]], modes: list[str]) -> list[str]:
-    """Per mode: the median over rounds of each figure, and its ratio to the first mode's (time ratios as base /
+    """Per variant: the median over rounds of each figure, and its ratio to the first variant's (time ratios as base /
     this, so above 1 is faster)."""
     cols = ("arpo_s", "generate_s", "update_s", "tokens_sampled", "evaluate_s", "eval_tokens")
     med = {m: {c: statistics.median([r[c] for r in runs if r["mode"] == m]) for c in cols} for m in modes}
     base = med[modes[0]]
     lines = [
-        "| decode | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
+        "| variant | ARPO stage s | rollouts generating s | update s | tokens sampled | generate tok/s "
         "| evaluation s | eval tokens | ARPO stage speed-up | generate tok/s ratio | evaluation speed-up "
         "| accuracy before -> after | peak GB (ARPO, evaluation) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -162,7 +176,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=MODES,
         help="decode modes; ratios are to the first (default: dynamic static)",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="rounds over the modes, alternating their order")
+    parser.add_argument(
+        "--learner-precisions",
+        nargs="+",
+        default=[LEARNER_PRECISION],
+        choices=PRECISION_CHOICES,
+        help=f"the RL learner's precisions (the quickstart's --precision; default {LEARNER_PRECISION}); with "
+        "several, each decode mode runs at each, and ratios are to the first variant",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="VARIANT",
+        help="run only these variants of the grid (e.g. 'dynamic fp32' 'static native')",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="rounds over the variants, alternating their order")
     parser.add_argument("--seed", type=int, default=0, help="the RL stage's seed (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run")
     parser.add_argument(
@@ -183,6 +212,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if len(set(args.modes)) != len(args.modes) or args.rounds < 1:
         raise SystemExit("error: --modes must not repeat a mode and --rounds must be >= 1")
+    precisions = args.learner_precisions
+    if len(set(precisions)) != len(precisions):
+        raise SystemExit("error: --learner-precisions must not repeat a precision")
+    variants = [(m if len(precisions) == 1 else f"{m} {p}", m, p) for m in args.modes for p in precisions]
+    if args.only:
+        unknown = [o for o in args.only if o not in {v[0] for v in variants}]
+        if unknown:
+            raise SystemExit(
+                f"error: --only {', '.join(map(repr, unknown))}: not a variant of this grid; its variants are "
+                + ", ".join(repr(v[0]) for v in variants)
+            )
+        variants = [v for v in variants if v[0] in args.only]
+    labels = [v[0] for v in variants]
 
     from studies.study import machine
 
@@ -190,11 +232,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"[bench_quickstart] {info['cpu']}, torch {info['torch']}, transformers {info['transformers']}", flush=True)
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        order = args.modes if r % 2 == 0 else list(reversed(args.modes))
-        for mode in order:
+        order = variants if r % 2 == 0 else list(reversed(variants))
+        for label, mode, precision in order:
             load = os.getloadavg()[0]  # the machine's own load: a busy machine stretches every wall time
-            print(f"[bench_quickstart] round {r + 1}: decode={mode} (load average {load:.2f})", flush=True)
-            res = run_mode(args, mode, Path(args.output) / f"{mode}_r{r + 1}")
+            print(
+                f"[bench_quickstart] round {r + 1}: decode={mode}, learner {precision} (load average {load:.2f})",
+                flush=True,
+            )
+            res = run_mode(args, mode, Path(args.output) / f"{label.replace(' ', '_')}_r{r + 1}", precision, label)
             runs.append({"round": r + 1, "load_before": load, **res})
             print(
                 f"[bench_quickstart]   ARPO {res['arpo_s']:.0f} s (generating {res['generate_s']:.0f} s, "
@@ -202,13 +247,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"accuracy {res['before']:.3f} -> {res['after']:.3f}",
                 flush=True,
             )
-    lines = table(runs, args.modes)
+    lines = table(runs, labels)
     print("\n".join(lines))
-    stages = stage_table(runs, args.modes)
+    stages = stage_table(runs, labels)
     print("\n".join(stages))
     result = {
         "machine": info,
         "modes": args.modes,
+        "learner_precisions": precisions,
+        "variants": labels,
         "rounds": args.rounds,
         "runs": runs,
         "table": lines,

@@ -150,9 +150,10 @@ def test_the_quickstart_installs_no_extra_and_the_tests_add_dev_to_its_environme
     assert run("quickstart") == []
 
 
-def test_the_quickstart_computes_in_fp32_unless_told_and_its_stages_are_keyed_by_the_precision(tiny_model_dir):
-    """--precision defaults to fp32 (native, bf16 where the hardware multiplies bf16 matrices, learned less), reaches
-    the RL learner unless a --set says otherwise, and an SFT stage done at one precision is not reused for another."""
+def test_the_quickstart_runs_sft_in_fp32_and_the_learner_natively_unless_told_and_keys_stages_by_both(tiny_model_dir):
+    """--sft-precision defaults to fp32 (a bf16 SFT measured to leave RL nothing to learn) and --precision, the
+    learner's, to native (measured to learn as fp32 does); the learner's reaches the RL experiment unless a --set says
+    otherwise, and a stage done at one precision is not reused for another."""
     import argparse
 
     from arpo_algo.train.device_setup import PRECISIONS, cpu_capability
@@ -160,10 +161,13 @@ def test_the_quickstart_computes_in_fp32_unless_told_and_its_stages_are_keyed_by
     assert set(quickstart.PRECISION_CHOICES) == set(PRECISIONS)
     parser = argparse.ArgumentParser()
     quickstart.add_arguments(parser)
-    assert parser.parse_args([]).precision == "fp32"
-    assert parser.parse_args(["--precision", "native"]).precision == "native"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--precision", "half"])
+    defaults = parser.parse_args([])
+    assert (defaults.sft_precision, defaults.precision) == ("fp32", "native")
+    asked = parser.parse_args(["--precision", "fp32", "--sft-precision", "native"])
+    assert (asked.sft_precision, asked.precision) == ("native", "fp32")
+    for flag in ("--precision", "--sft-precision"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "half"])
     assert quickstart.stage_inputs("sft", 0, "native") != quickstart.stage_inputs("sft", 0, "fp32")
     native = quickstart.load_rl_experiment(str(tiny_model_dir), 0, ['training.precision="native"'])
     assert native.config.settings.training.precision == "native"
@@ -171,12 +175,14 @@ def test_the_quickstart_computes_in_fp32_unless_told_and_its_stages_are_keyed_by
         str(tiny_model_dir), 0, ['training.precision="native"', 'training.precision="fp32"']
     )
     assert pinned.config.settings.training.precision == "fp32"  # the user's --set comes last and wins
-    summary = quickstart.precision_summary("native", {"precision": "bf16"}, native)
+    summary = quickstart.precision_summary({"sft": "fp32", "learner": "native"}, {"precision": "fp32"}, native)
     expected = "bf16" if cpu_capability()["native_bf16_matmul"] else "fp32"
     assert summary["arpo"] == expected and summary["evaluation"] == "fp32"
     assert summary["cpu"] == cpu_capability()
     line = quickstart.precision_line(summary)
-    assert line.startswith(f"precision (native): SFT bf16, ARPO learner {expected}, evaluation fp32 (CPU flags: ")
+    assert line.startswith(
+        f"precision: SFT fp32 (asked fp32), ARPO learner {expected} (asked native), evaluation fp32 (CPU flags: "
+    )
 
 
 def test_a_stage_done_before_precision_was_recorded_counts_as_fp32(tmp_path):
@@ -192,4 +198,20 @@ def test_a_stage_done_before_precision_was_recorded_counts_as_fp32(tmp_path):
     assert not ran  # reused
     with pytest.raises(ConfigError, match="'precision': 'native'"):
         quickstart.run_stage(tmp_path, "sft", lambda: ran.append(1) or {}, quickstart.stage_inputs("sft", 0, "native"))
+    assert not ran
+
+
+def test_an_rl_stage_done_when_one_flag_set_both_precisions_is_reused_for_the_same_learner(tmp_path):
+    """Before --sft-precision, one --precision set SFT and the learner: a stage it finished records only
+    ``precision``, and is reused when this run asks the same of both, refused when the learner's differs."""
+    from arpo_base.errors import ConfigError
+
+    sft = quickstart.stage_inputs("sft", 0, "fp32")
+    old = {**sft, "seed": 0, "set": []}
+    (tmp_path / ".stage_arpo.json").write_text(json.dumps({"policy": "p", "inputs": old}))
+    ran = []
+    same = {**sft, "learner_precision": "fp32", "seed": 0, "set": []}
+    assert quickstart.run_stage(tmp_path, "arpo", lambda: ran.append(1) or {}, same)["policy"] == "p"
+    with pytest.raises(ConfigError, match="'learner_precision': 'native'"):
+        quickstart.run_stage(tmp_path, "arpo", lambda: ran.append(1) or {}, {**same, "learner_precision": "native"})
     assert not ran

@@ -1,13 +1,15 @@
 """The quickstart: pull SmolLM2-135M-Instruct -> SFT on ToolMath demonstrations -> ARPO -> held-out evaluation.
 
-    arpo quickstart [--output runs/quickstart] [--seed 0] [--sft-seed 0] [--precision fp32] [--threads N]
+    arpo quickstart [--output runs/quickstart] [--seed 0] [--sft-seed 0] [--precision native] [--sft-precision fp32]
+                    [--threads N]
 
 ``--seed`` is the RL stage's seed; ``--sft-seed`` the SFT stage's, pinned to 0 by default so that every RL seed starts
 from the same checkpoint (measured: the SFT stage alone lands anywhere between 0.0 and 1.0 held-out accuracy
 depending on its seed, which would drown the RL stage's effect; docs/tutorial.md). ``--precision`` is the compute
-precision of SFT and the RL learner: ``fp32`` (the default) or ``native``, bf16 autocast where the CPU or GPU
-multiplies bf16 matrices in hardware (``arpo doctor``'s ``bf16 matmul`` line) and fp32 elsewhere. Evaluation and the
-rollout engine compute in fp32 either way; the summary records the resolved precisions and the CPU's flags.
+precision of the RL learner, ``native`` by default: bf16 autocast where the CPU or GPU multiplies bf16 matrices in
+hardware (``arpo doctor``'s ``bf16 matmul`` line), fp32 elsewhere. ``--sft-precision`` is the SFT stage's, ``fp32`` by
+default. Evaluation and the rollout engine compute in fp32 either way; the summary records the resolved precisions and
+the CPU's flags.
 
 Stages (each leaves a marker ``.stage_<name>.json`` in the output folder, so a second run skips finished stages and a
 killed ARPO stage resumes from its newest checkpoint):
@@ -62,10 +64,12 @@ SFT_SETTINGS: dict[str, Any] = {
 }
 
 
-#: The quickstart's compute precision unless ``--precision`` says otherwise. fp32, because learning wins over time:
-#: after a bf16 SFT (``native`` on a CPU with AVX512-BF16) the RL stage improved no seed, where fp32 improved every
-#: one; a bf16 learner after an fp32 SFT improved all 5 (docs/results/bf16-cpu.md).
-QUICKSTART_PRECISION = "fp32"
+#: The quickstart's compute precision per stage unless ``--sft-precision`` / ``--precision`` say otherwise, because
+#: learning wins over time (docs/results/bf16-cpu.md): after a bf16 SFT (``native`` on a CPU with AVX512-BF16) the RL
+#: stage improved no seed, where fp32 improved every one, so SFT stays fp32; a bf16 learner after an fp32 SFT improved
+#: all 5 seeds of ARPO (0.675 +- 0.299 against fp32's 0.725 +- 0.261) and of GRPO, so the learner computes natively.
+SFT_PRECISION = "fp32"
+LEARNER_PRECISION = "native"
 #: ``--precision`` choices: the values of ``training.precision`` (arpo_algo.train.device_setup.PRECISIONS, which
 #: imports torch; the CLI's argument parser does not).
 PRECISION_CHOICES = ("native", "fp32", "bf16", "auto")
@@ -149,8 +153,8 @@ def run_stage(
         except json.JSONDecodeError:
             done = {}
         recorded = done.get("inputs")
-        if isinstance(recorded, dict) and "precision" in inputs and "precision" not in recorded:
-            recorded = {**recorded, "precision": "fp32"}  # stages done before --precision existed all ran in fp32
+        if isinstance(recorded, dict):
+            recorded = with_old_precisions(recorded, inputs)
         if recorded != inputs:
             raise ConfigError(
                 f"{out} holds the quickstart's {name} stage done with {recorded}; this run asks for {inputs}",
@@ -174,8 +178,23 @@ def run_stage(
     return result
 
 
-def stage_inputs(stage: str, sft_seed: int = 0, precision: str = "fp32") -> dict[str, Any]:
-    """The arguments the ``pull`` or ``sft`` stage's result depends on (what its marker must record to be reused)."""
+def with_old_precisions(recorded: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """A stage marker written by an earlier version, read with the precisions that version computed in.
+
+    Invariant: a finished stage is reused exactly when it computed what this run asks for. Before ``--precision``
+    existed every stage ran in fp32; before ``--sft-precision`` existed one ``--precision`` set both SFT and the
+    learner, so the learner's was the recorded ``precision``."""
+    old = dict(recorded)
+    if "precision" in inputs and "precision" not in old:
+        old["precision"] = "fp32"
+    if "learner_precision" in inputs and "learner_precision" not in old:
+        old["learner_precision"] = old.get("precision", "fp32")
+    return old
+
+
+def stage_inputs(stage: str, sft_seed: int = 0, precision: str = SFT_PRECISION) -> dict[str, Any]:
+    """The arguments the ``pull`` or ``sft`` stage's result depends on (what its marker must record to be reused);
+    ``precision`` is the SFT stage's."""
     from arpo_algo.run import smoke
 
     if stage == "pull":
@@ -183,7 +202,7 @@ def stage_inputs(stage: str, sft_seed: int = 0, precision: str = "fp32") -> dict
     return {"model": MODEL, "sft_seed": sft_seed, "precision": precision, "smoke": smoke.smoke()}
 
 
-def stage_sft(out: Path, model: str, seed: int, progress: bool, precision: str = "fp32") -> dict[str, Any]:
+def stage_sft(out: Path, model: str, seed: int, progress: bool, precision: str = SFT_PRECISION) -> dict[str, Any]:
     from arpo_algo.run import smoke
     from arpo_algo.train.sft import SFTConfig, run_sft
 
@@ -274,8 +293,9 @@ def stage_export(out: Path, policy_dir: str, held_out: dict[str, Any] | None = N
     return {"path": str(dest)}
 
 
-def precision_summary(setting: str, sft: dict[str, Any], exp: Any) -> dict[str, Any]:
-    """What each stage computed in (resolved from ``setting`` on this machine) and the CPU flags that decided it."""
+def precision_summary(settings: dict[str, str], sft: dict[str, Any], exp: Any) -> dict[str, Any]:
+    """What each stage computed in (resolved on this machine from ``settings``, the ``sft`` and ``learner`` options)
+    and the CPU flags that decided it."""
     import torch
 
     from arpo_algo.train.device_setup import cpu_capability, resolve_precision
@@ -283,7 +303,7 @@ def precision_summary(setting: str, sft: dict[str, Any], exp: Any) -> dict[str, 
     training = exp.config.settings.training.precision
     device = torch.device(exp.config.settings.rollouts.device)
     return {
-        "setting": setting,
+        "setting": dict(settings),
         # None: an SFT stage done by an earlier version that did not report it
         "sft": sft.get("precision"),
         "arpo": resolve_precision(training, device),
@@ -294,9 +314,10 @@ def precision_summary(setting: str, sft: dict[str, Any], exp: Any) -> dict[str, 
 
 def precision_line(p: dict[str, Any]) -> str:
     flags = ", ".join(p["cpu"]["flags"]) or "unknown"
+    asked = p["setting"]
     return (
-        f"precision ({p['setting']}): SFT {p['sft']}, ARPO learner {p['arpo']}, evaluation {p['evaluation']} "
-        f"(CPU flags: {flags})"
+        f"precision: SFT {p['sft']} (asked {asked['sft']}), ARPO learner {p['arpo']} (asked {asked['learner']}), "
+        f"evaluation {p['evaluation']} (CPU flags: {flags})"
     )
 
 
@@ -344,9 +365,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         choices=PRECISION_CHOICES,
-        default=QUICKSTART_PRECISION,
-        help="compute precision of SFT and the RL learner (default fp32; native: bf16 where the CPU or GPU multiplies "
-        "bf16 matrices in hardware, fp32 elsewhere, faster but measured to learn less; evaluation stays fp32)",
+        default=LEARNER_PRECISION,
+        help="compute precision of the RL learner (default native: bf16 where the CPU or GPU multiplies bf16 "
+        "matrices in hardware, fp32 elsewhere; measured to learn as fp32 does; evaluation stays fp32)",
+    )
+    parser.add_argument(
+        "--sft-precision",
+        choices=PRECISION_CHOICES,
+        default=SFT_PRECISION,
+        help="compute precision of the SFT stage (default fp32: after a native SFT the RL stage was measured to "
+        "learn nothing)",
     )
     parser.add_argument(
         "--threads",
@@ -376,10 +404,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     t0 = time.time()
-    sft_inputs = stage_inputs("sft", args.sft_seed, args.precision)
-    rl_inputs = {**sft_inputs, "seed": args.seed, "set": list(args.set)}
+    sft_inputs = stage_inputs("sft", args.sft_seed, args.sft_precision)
+    rl_inputs = {**sft_inputs, "learner_precision": args.precision, "seed": args.seed, "set": list(args.set)}
     pulled = run_stage(out, "pull", lambda: {"path": str(pull(MODEL, progress=progress))}, stage_inputs("pull"))
-    make_sft = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress, args.precision)
+    make_sft = functools.partial(stage_sft, out, pulled["path"], args.sft_seed, progress, args.sft_precision)
     sft = run_stage(out, "sft", make_sft, sft_inputs)
     # the learner's precision first, so that a --set training.precision=... still has the last word
     exp = load_rl_experiment(sft["path"], args.seed, [f"training.precision={json.dumps(args.precision)}", *args.set])
@@ -394,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
         "accuracy_after_arpo": ev["after"]["accuracy"],
         "seed": args.seed,
         "sft_seed": args.sft_seed,
-        "precision": precision_summary(args.precision, sft, exp),
+        "precision": precision_summary({"sft": args.sft_precision, "learner": args.precision}, sft, exp),
         "eval": ev["settings"],
         "before": ev["before"],
         "after": ev["after"],

@@ -348,8 +348,9 @@ def test_machine_floor_times_a_models_step_parts(tiny_model_dir, tmp_path, capsy
 
 @pytest.mark.timeout(600)
 def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_dir, tmp_path, capsys):
-    """bench_quickstart: each mode's quickstart run trains and evaluates with that decode path (the evaluation's
-    engines record the path they took: the quickstart's evaluation honours [rollouts.hf]), from one SFT folder."""
+    """bench_quickstart: each variant's quickstart run trains and evaluates with its decode path (the evaluation's
+    engines record the path they took: the quickstart's evaluation honours [rollouts.hf]) and its learner precision
+    (recorded in the run's summary), from one SFT folder; --only keeps the named variants of the grid."""
     import json
 
     from benchmarks import bench_quickstart
@@ -370,6 +371,12 @@ def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_d
             "--modes",
             "dynamic",
             "static",
+            "--learner-precisions",
+            "fp32",
+            "native",
+            "--only",
+            "dynamic fp32",
+            "static native",
             "--threads",
             "1",
             "--output",
@@ -385,16 +392,19 @@ def test_bench_quickstart_runs_each_decode_mode_through_both_stages(tiny_model_d
         ]
     )
     runs = {r["mode"]: r for r in result["runs"]}
-    assert set(runs) == {"dynamic", "static"}
-    for mode, r in runs.items():
-        assert r["eval_decode"] == [mode, mode]
+    assert set(runs) == {"dynamic fp32", "static native"} == set(result["variants"])
+    for label, r in runs.items():
+        mode, precision = label.split()
+        assert r["eval_decode"] == [mode, mode] and r["decode"] == mode
+        summary = json.loads((tmp_path / "runs" / f"{mode}_{precision}_r1" / "summary.json").read_text())
+        assert summary["precision"]["setting"] == {"sft": "fp32", "learner": precision}
         assert r["arpo_s"] > 0 and r["generate_s"] > 0 and r["tokens_sampled"] > 0 and r["eval_tokens"] > 0
     out = capsys.readouterr().out
-    assert "| dynamic |" in out and "| static |" in out and "1.00x" in out
+    assert "| dynamic fp32 |" in out and "| static native |" in out and "1.00x" in out
     for r in runs.values():  # stages run here have a CPU time; pull and SFT come from the folder, which has none
         assert r["stages"]["arpo"]["cpu_s"] > 0 and r["stages"]["evaluate"]["cpu_s"] > 0
         assert r["stages"]["pull"] == {"wall_s": 0.0, "cpu_s": None}
-    assert "| dynamic | arpo |" in out and "| static | pull | 0.0 | - | - | 0% |" in out
+    assert "| dynamic fp32 | arpo |" in out and "| static native | pull | 0.0 | - | - | 0% |" in out
 
 
 def test_bench_quickstart_stage_table_gives_wall_cpu_cores_and_share():
@@ -424,6 +434,14 @@ def test_bench_quickstart_refuses_a_folder_without_a_finished_sft_stage(tmp_path
 
     with pytest.raises(SystemExit, match="no .stage_pull.json, .stage_sft.json"):
         bench_quickstart.main(["--sft", str(tmp_path)])
+    for name in bench_quickstart.STAGE_MARKERS:
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(
+        SystemExit, match="--only 'static': not a variant of this grid; its variants are 'dynamic fp32'"
+    ):
+        bench_quickstart.main(
+            ["--sft", str(tmp_path), "--modes", "dynamic", "--learner-precisions", "fp32", "native", "--only", "static"]
+        )
 
 
 def test_ab_decode_runs_the_same_workload_in_each_tree_dtype_and_mode(tiny_model_dir, tmp_path, capsys):
