@@ -126,6 +126,14 @@ class RolloutsConfig:
         "Loss mask of the EOS appended when the tool-call limit ends an episode (it was never sampled): "
         "True trains it (the reference), False gives it no gradient.",
     )
+    schedule: Literal["rounds", "waves", "auto"] = setting(
+        "rounds",
+        "How the tree sampler feeds the engine: 'rounds' (one engine call per round of every prompt's tree: the "
+        "roots, then each round of branches and fill-ups), 'waves' (one engine call per step, which a prompt's next "
+        "round joins as soon as that prompt's paths have ended; the same trees; the in-process HF engine only) or "
+        "'auto' (waves where the engine takes requests into a running call and tree.legacy_stale_baseline is off, "
+        "else rounds).",
+    )
     asynchronous: bool = setting(
         False,
         "Sample the next iteration's trees in a background thread while the learner updates on this one "
@@ -199,6 +207,12 @@ class RolloutsConfig:
             raise ConfigError(f"rollouts.top_p must be in (0, 1], got {self.top_p}")
         check_learner_scores_sampling(self.temperature, self.top_p, self.top_k)
         self._check_asynchronous()
+        if self.schedule == "waves" and (not self.engine_spec.capabilities.joins_requests or self.num_rollout_actors):
+            where = f"rollouts.engine={self.engine!r}" if self.num_rollout_actors == 0 else "rollout actors"
+            raise ConfigError(
+                f"rollouts.schedule='waves' needs an engine that takes requests into a running call; {where} does not",
+                hint="use rollouts.schedule = 'auto' (waves where the engine can, rounds elsewhere) or 'rounds'",
+            )
         self.hf.validate()
         self.vllm.validate()
         selected = self.engine_config

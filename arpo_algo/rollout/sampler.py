@@ -85,8 +85,8 @@ class TreeSampler:
             step: a prompt whose round ended starts its next one inside the running call, see :meth:`_run_waves`;
             engines whose ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the
             tree does not use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else
-            rounds). Both grow the same trees; waves are not the default until they are measured faster on the
-            quickstart's CPU step (``python -m benchmarks.rollout_schedule``).
+            rounds). Both grow the same trees (``rollouts.schedule`` in an experiment); waves are not the default
+            until they are measured faster on the quickstart's CPU step (``python -m benchmarks.rollout_schedule``).
     """
 
     def __init__(
@@ -145,9 +145,10 @@ class TreeSampler:
         rollouts: RolloutsConfig,
         *,
         seed: int = 0,
-        schedule: str = "rounds",
+        schedule: str | None = None,
     ) -> TreeSampler:
-        """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are."""
+        """The training sampler of a ``[tree]`` and a ``[rollouts]`` section, taken as they are (``schedule``:
+        ``rollouts.schedule`` unless given)."""
         env = env_creator()
         sampling = SamplingParams(
             max_new_tokens=rollouts.max_response_tokens,
@@ -166,7 +167,7 @@ class TreeSampler:
             prompt_overflow=rollouts.prompt_overflow,
             train_tool_limit_eos=rollouts.train_tool_limit_eos,
             seed=seed,
-            schedule=schedule,
+            schedule=rollouts.schedule if schedule is None else schedule,
         )
 
     def close(self) -> None:

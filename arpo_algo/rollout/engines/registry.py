@@ -45,6 +45,8 @@ class EngineCapabilities:
         shares_module: Whether it can sample from the learner's own module in this process (``model=``), so an
             in-process engine over the local learner needs no weight copy and no push (and runs in its dtype).
         loads_adapter_folders: Whether it can load a LoRA adapter folder as its model.
+        joins_requests: Whether requests may join a running ``generate`` call (its ``on_finish``), which
+            ``rollouts.schedule = 'waves'`` needs; the engine class says the same by its ``joins_requests``.
     """
 
     max_logprobs: int | None = None
@@ -52,6 +54,7 @@ class EngineCapabilities:
     lora_ranks: tuple[int, ...] | Literal["any"] = ()
     shares_module: bool = False
     loads_adapter_folders: bool = True
+    joins_requests: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,9 @@ register_engine(
     EngineSpec(
         "hf",
         "arpo_algo.rollout.engines.hf.engine:HFEngine",
-        EngineCapabilities(max_logprobs=None, full_entropy=True, lora_ranks="any", shares_module=True),
+        EngineCapabilities(
+            max_logprobs=None, full_entropy=True, lora_ranks="any", shares_module=True, joins_requests=True
+        ),
         settings=HFEngineConfig,
     )
 )

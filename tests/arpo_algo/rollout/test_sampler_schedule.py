@@ -7,6 +7,8 @@ step has several rounds, tool results, branches and fill-ups."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from arpo_algo.core.tree import TreeConfig
@@ -143,3 +145,27 @@ def test_schedule_is_checked(caller_dir, env_creator):
         ).schedule
         == "rounds"
     )
+
+
+def test_an_experiment_chooses_the_schedule_with_rollouts_schedule(caller_dir, env_creator, tiny_model_dir):
+    """``rollouts.schedule`` reaches the training sampler (an explicit ``schedule=`` still wins); 'waves' is refused
+    where it is set for an engine or rollout actors that cannot take requests into a running call."""
+    from arpo_algo.rollout.engines.registry import engine_spec
+    from arpo_algo.run.experiment import load_experiment
+
+    engine = HFEngine(caller_dir, dtype="float32")
+    assert engine.joins_requests and engine_spec("hf").capabilities.joins_requests  # the class and the registry agree
+    waves = RolloutsConfig(schedule="waves")
+    waves.validate()
+    assert TreeSampler.from_config(engine, env_creator, TREES["paper"], waves).schedule == "waves"
+    assert TreeSampler.from_config(engine, env_creator, TREES["paper"], waves, schedule="rounds").schedule == "rounds"
+    exp = load_experiment("quickstart", [f'model.path="{tiny_model_dir}"', 'rollouts.schedule="auto"'])
+    assert exp.config.settings.rollouts.schedule == "auto"
+    refused = "[rollouts]: schedule must be 'rounds' | 'waves' | 'auto', got 'wave'"
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        load_experiment("quickstart", [f'model.path="{tiny_model_dir}"', 'rollouts.schedule="wave"'])
+    with pytest.raises(ConfigError, match="rollout actors does not"):
+        RolloutsConfig(schedule="waves", num_rollout_actors=1).validate()
+    assert not engine_spec("vllm").capabilities.joins_requests
+    with pytest.raises(ConfigError, match="rollouts.engine='vllm' does not"):
+        RolloutsConfig(engine="vllm", schedule="waves").validate()
