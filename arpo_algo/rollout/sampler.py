@@ -85,8 +85,9 @@ class TreeSampler:
             step: a prompt whose round ended starts its next one inside the running call, see :meth:`_run_waves`;
             engines whose ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the
             tree does not use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else
-            rounds). Both grow the same trees (``rollouts.schedule`` in an experiment); waves are not the default
-            until they are measured faster on the quickstart's CPU step (``python -m benchmarks.rollout_schedule``).
+            rounds). Both grow the same trees (``rollouts.schedule`` in an experiment); waves took the quickstart's
+            CPU step at 1.07x the tokens/s of rounds, idle (``python -m benchmarks.rollout_schedule``), and are not
+            the default until a whole training run is timed with them.
     """
 
     def __init__(
