@@ -17,7 +17,8 @@ fi
 STAMP="$VENV/.arpo-install-stamp"
 HASH="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
 # stamp: "<pyproject hash> <extras installed, comma-separated>"; a stamp of an older format reads as nothing installed
-read -r HAVE_HASH HAVE_EXTRAS < "$STAMP" 2>/dev/null || true
+HAVE_HASH="" HAVE_EXTRAS=""
+[ -f "$STAMP" ] && read -r HAVE_HASH HAVE_EXTRAS < "$STAMP" || true  # no stamp yet: nothing installed
 [ "${HAVE_HASH:-}" = "$HASH" ] || HAVE_EXTRAS=""
 WANTED="${ARPO_EXTRAS:-}"
 NEED=""
