@@ -86,8 +86,8 @@ class TreeSampler:
             engines whose ``joins_requests`` is True only) or "auto" (waves where the engine joins requests and the
             tree does not use ``legacy_stale_baseline``, whose baseline is keyed by lockstep batch positions; else
             rounds). Both grow the same trees (``rollouts.schedule`` in an experiment); waves took the quickstart's
-            CPU step at 1.07x the tokens/s of rounds, idle (``python -m benchmarks.rollout_schedule``), and are not
-            the default until a whole training run is timed with them.
+            CPU step at 1.07x the tokens/s of rounds and its whole ARPO stage at 1.03x, idle
+            (``python -m benchmarks.rollout_schedule``, docs/results/speed.md): too little for a default.
     """
 
     def __init__(
