@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # the levels a run of this learner against an fp32 sampler on a CPU defaults to (bf16: the bf16_cpu levels)
     config = LearnerConfig(lr=1e-6, micro_batch_tokens=2048, precision=args.precision).for_sampler("float32", "cpu")
-    level = args.precision
     # the stop levels are off so every statistic is measured; the verdict compares them with the default levels
     learner = Learner(path, replace(config, **ALARM_OFF), seed=0)
 
@@ -81,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         fired: dict[str, int] = {k: 0 for k in names}
         for seed in range(args.seeds):
             m = scored(plant(clean_groups(model, seed=seed)))
-            for k, v in verdict(m, config, level).items():
+            for k, v in verdict(m, config, args.precision).items():
                 values[k].append(m[k])
                 fired[k] += v != "-"
-            rows.append((case, seed, m, verdict(m, config, level)))
+            rows.append((case, seed, m, verdict(m, config, args.precision)))
         print(
             f"| {case} | "
             + " | ".join(f"{min(values[k]):.2g} to {max(values[k]):.2g} ({fired[k]}/{args.seeds})" for k in names)
@@ -98,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         text=True,
     ).stdout.strip()
     print(
-        f"learner {args.precision}; levels (warn, stop): kl_rollout {config.mismatch_levels(level)}, "
-        f"tail {config.tail_levels(level)}"
+        f"learner {args.precision}; levels (warn, stop): kl_rollout {config.mismatch_levels(args.precision)}, "
+        f"tail {config.tail_levels(args.precision)}"
     )
     print(f"machine: {platform.processor() or platform.machine()}, {cpu or 'no avx512/amx'}; torch {torch.__version__}")
     for case, seed, m, v in rows:

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from arpo_algo.run.quickstart import LEARNER_PRECISION, PRECISION_CHOICES
+from arpo_algo.run.quickstart import LEARNER_PRECISION, PRECISION_CHOICES, with_old_precisions
 
 MODES = ("dynamic", "static", "compiled")
 STAGE_MARKERS = (".stage_pull.json", ".stage_sft.json")
@@ -51,7 +51,7 @@ def run_mode(
         shutil.copy(Path(args.sft) / name, out / name)
     # the SFT folder's precision setting, or its marker would not match and the SFT stage would run again
     sft_inputs = json.loads((Path(args.sft) / ".stage_sft.json").read_text())["inputs"]
-    sft_precision = sft_inputs.get("precision", "fp32")  # a stage done before precisions were recorded ran in fp32
+    sft_precision = with_old_precisions(sft_inputs, {"precision": None})["precision"]  # as the quickstart reads it
     cmd = [
         sys.executable,
         "-m",
